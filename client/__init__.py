@@ -1,0 +1,14 @@
+"""The researcher's library: a transformers-style model whose blocks run in the swarm."""
+
+from client.errors import GenerationError, RoutingError, ServerError, ServerRejected, ServerTimeout, SwarmError
+from client.model import AutoDistributedModelForCausalLM
+
+__all__ = [
+    "AutoDistributedModelForCausalLM",
+    "GenerationError",
+    "RoutingError",
+    "ServerError",
+    "ServerRejected",
+    "ServerTimeout",
+    "SwarmError",
+]

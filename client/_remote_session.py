@@ -1,0 +1,166 @@
+"""One session through one route: a stream up to the head, a stream down from the tail.
+
+The client dials both ends (it accepts no connections, so it works behind NAT): Steps and
+Cancels go up the head stream; StepResults come back on the stream the client opened to the
+tail; errors found by any server come back on the head stream, relayed hop by hop. Both
+incoming streams feed one inbox, so waiting for a run's outcome is one queue read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from typing import Optional, Sequence
+
+from hivemind.p2p import P2P, PeerID
+
+from client.errors import ServerError, ServerRejected, ServerTimeout
+from protocol.errors import ErrorCode, ProtocolError
+from protocol.messages import (
+    Cancel,
+    ErrorReply,
+    Hop,
+    Message,
+    OpenSession,
+    SessionOpened,
+    Step,
+    StepResult,
+    Subscribe,
+)
+from swarm.routing import RouteHop
+from swarm.streams import RESULTS_PROTOCOL, SESSION_PROTOCOL, MessageStream
+
+logger = logging.getLogger(__name__)
+
+
+class _StreamLost:
+    def __init__(self, peer_id: str, which: str):
+        self.peer_id, self.which = peer_id, which
+
+
+class RemoteSession:
+    def __init__(self, p2p: P2P, route: Sequence[RouteHop], max_length: int, *, timeout: float = 60.0):
+        self.p2p, self.route, self.max_length, self.timeout = p2p, list(route), max_length, timeout
+        self.session_id = secrets.token_hex(8)
+        self._head: Optional[MessageStream] = None
+        self._tail: Optional[MessageStream] = None
+        self._inbox: asyncio.Queue[Message | _StreamLost] = asyncio.Queue()
+        self._readers: list[asyncio.Task] = []
+        self.closed = False
+
+    @property
+    def head_peer(self) -> str:
+        return self.route[0].peer_id
+
+    @property
+    def tail_peer(self) -> str:
+        return self.route[-1].peer_id
+
+    async def open(self) -> None:
+        """Subscribe to the tail's results, then open the chain through the head (one lap)."""
+        try:
+            self._tail = await self._dial(self.tail_peer, RESULTS_PROTOCOL)
+            await self._tail.send(Subscribe(session_id=self.session_id))
+            self._head = await self._dial(self.head_peer, SESSION_PROTOCOL)
+            hops = [Hop(h.peer_id, h.start, h.end) for h in self.route]
+            await self._head.send(
+                OpenSession(session_id=self.session_id, max_length=self.max_length, route=hops, hop_index=0)
+            )
+            reply = await asyncio.wait_for(self._head.receive(), self.timeout)
+        except asyncio.TimeoutError:
+            await self.close()
+            raise ServerTimeout("opening the session timed out", self.head_peer, ErrorCode.DOWNSTREAM_FAILED) from None
+        except (OSError, ConnectionError, ProtocolError, Exception) as e:
+            await self.close()
+            if isinstance(e, ServerError):
+                raise
+            raise ServerError(f"could not open a session: {e!r}", self.head_peer, ErrorCode.DOWNSTREAM_FAILED) from None
+        if reply is None or not isinstance(reply.message, SessionOpened):
+            await self.close()
+            raise _error_from(reply.message if reply else None, self.head_peer)
+        self._readers = [
+            asyncio.create_task(self._read(self._head, self.head_peer, "head")),
+            asyncio.create_task(self._read(self._tail, self.tail_peer, "tail")),
+        ]
+
+    async def _dial(self, peer_id: str, protocol: str) -> MessageStream:
+        try:
+            return await asyncio.wait_for(MessageStream.open(self.p2p, PeerID.from_base58(peer_id), protocol), self.timeout)
+        except Exception as e:
+            raise ServerError(f"could not reach the server: {e!r}", peer_id, ErrorCode.DOWNSTREAM_FAILED) from None
+
+    async def _read(self, stream: MessageStream, peer_id: str, which: str) -> None:
+        while True:
+            try:
+                received = await stream.receive()
+            except ProtocolError as e:
+                logger.debug(f"Ignoring a malformed message from {peer_id}: {e}")
+                continue
+            if received is None:
+                self._inbox.put_nowait(_StreamLost(peer_id, which))
+                return
+            self._inbox.put_nowait(received.message)
+
+    async def send_step(self, step: Step) -> int:
+        """Send one run up the head stream; returns the bytes it cost."""
+        try:
+            return await self._head.send(step)
+        except (OSError, ConnectionError, RuntimeError) as e:
+            raise ServerError(f"lost the connection to the head: {e!r}", self.head_peer, ErrorCode.DOWNSTREAM_FAILED) from None
+
+    async def cancel(self, run_id: int) -> int:
+        try:
+            return await self._head.send(Cancel(session_id=self.session_id, run_id=run_id))
+        except (OSError, ConnectionError, RuntimeError):
+            return 0
+
+    async def next_result(self, min_run_id: int, timeout: Optional[float] = None) -> StepResult:
+        """The next result of a run >= min_run_id; earlier (cancelled, stale) results are skipped."""
+        deadline = asyncio.get_running_loop().time() + (timeout or self.timeout)
+        while True:
+            remaining = deadline - asyncio.get_running_loop().time()
+            try:
+                item = await asyncio.wait_for(self._inbox.get(), max(remaining, 0))
+            except asyncio.TimeoutError:
+                raise ServerTimeout(
+                    f"no result within {timeout or self.timeout:.0f} s", self._suspect(), ErrorCode.DOWNSTREAM_FAILED
+                ) from None
+            if isinstance(item, _StreamLost):
+                raise ServerError(f"the {item.which} server closed the session", item.peer_id, ErrorCode.DOWNSTREAM_FAILED)
+            if isinstance(item, ErrorReply):
+                if item.run_id is not None and item.run_id < min_run_id:
+                    continue
+                raise _error_from(item, self.head_peer)
+            if isinstance(item, StepResult) and item.run_id >= min_run_id:
+                return item
+
+    def _suspect(self) -> str:
+        """Without an error report we cannot tell which hop hangs; blame none of them here."""
+        return ""
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(s.bytes_sent for s in (self._head, self._tail) if s is not None)
+
+    @property
+    def bytes_received(self) -> int:
+        return sum(s.bytes_received for s in (self._head, self._tail) if s is not None)
+
+    async def close(self) -> None:
+        """Closing the head stream closes the session on every server, hop by hop."""
+        if self.closed:
+            return
+        self.closed = True
+        for task in self._readers:
+            task.cancel()
+        for stream in (self._head, self._tail):
+            if stream is not None:
+                stream.close()
+
+
+def _error_from(reply: Optional[Message], default_peer: str) -> ServerError:
+    if not isinstance(reply, ErrorReply):
+        return ServerError(f"unexpected reply {type(reply).__name__}", default_peer, ErrorCode.INTERNAL)
+    cls = ServerRejected if reply.code not in (ErrorCode.DOWNSTREAM_FAILED, ErrorCode.INTERNAL) else ServerError
+    return cls(f"[{reply.code.value}] {reply.message}", reply.peer_id or default_peer, reply.code)

@@ -1,0 +1,477 @@
+"""Client-side retrieval drafters: guess the next tokens from text already seen, no model.
+
+Over a WAN the lap is the clock, and a lap verifies every drafted id for tens of bytes up,
+so a drafter only has to be cheap (well under 1 ms per lap on the client's CPU) and right
+often enough. Two drafters share one interface (`Drafter`):
+
+* `SuffixDrafter`, after SuffixDecoding (arXiv 2411.04975): frequency statistics from a
+  suffix automaton over the current context and from a per-client `SuffixStore` of earlier
+  outputs and user corpus sequences. The default.
+* `NgramDrafter`, prompt lookup decoding: copy what followed the most recent earlier
+  occurrence of the last n tokens. The baseline.
+
+Both shrink and grow their draft length from the acceptance they observe (`_AdaptiveDrafter`).
+None of this is thread-safe: one drafter per stream, one event loop per store.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+__all__ = ["DRAFTER_KINDS", "Drafter", "NgramDrafter", "SuffixDrafter", "SuffixStore", "make_drafter"]
+
+DRAFTER_KINDS = ("suffix", "ngram")
+SEPARATOR = -1
+"""Ends every sequence in a `SuffixStore`; never a real token id, so no match crosses it."""
+
+
+class Drafter(abc.ABC):
+    """One stream's draft source. The client calls, per stream:
+    `reset(prompt)`, then per lap `propose(k)` -> send -> `observe(len(draft), accepted)` ->
+    `extend(committed_tokens)`, and `finish()` when the stream ends."""
+
+    @abc.abstractmethod
+    def reset(self, context: Sequence[int]) -> None:
+        """Start a new stream whose context (prompt) is `context`."""
+
+    @abc.abstractmethod
+    def extend(self, new_tokens: Sequence[int]) -> None:
+        """Append committed tokens to the context, incrementally (no rebuild)."""
+
+    @abc.abstractmethod
+    def propose(self, max_tokens: int) -> list[int]:
+        """Up to `max_tokens` ids that continue the current context; [] when there is no guess."""
+
+    @abc.abstractmethod
+    def observe(self, drafted: int, accepted: int) -> None:
+        """Feedback after a lap: `accepted` of the `drafted` ids were kept (bonus not counted)."""
+
+    @abc.abstractmethod
+    def finish(self) -> None:
+        """The stream ended (its tokens may now serve later streams)."""
+
+
+class _AdaptiveDrafter(Drafter):
+    """Adaptive draft length from an exponential moving average of accepted drafts per lap.
+
+    cap = clamp(floor(GROWTH * ema) + 1, 1, num_draft_tokens), ema <- ema + DECAY * (a - ema).
+    In steady state the cap is about twice the usual accepted run plus one: room to grow when
+    the text turns predictable, without paying server compute for drafts that keep failing.
+    The EMA starts optimistic (at num_draft_tokens) on every reset, so a stream begins with
+    the full cap. Laps that say nothing about the cap are ignored: one that drafted nothing,
+    and one whose draft, shorter than the cap, was accepted whole (the drafter's own
+    evidence ended it, not the cap, and nothing was rejected).
+    """
+
+    DECAY = 0.5
+    GROWTH = 2.0
+
+    def __init__(self, num_draft_tokens: int) -> None:
+        if num_draft_tokens < 1:
+            raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
+        self.num_draft_tokens = num_draft_tokens
+        self._ema = float(num_draft_tokens)
+
+    @property
+    def draft_cap(self) -> int:
+        """The current adaptive limit on the draft length, in [1, num_draft_tokens]."""
+        return max(1, min(self.num_draft_tokens, int(self.GROWTH * self._ema) + 1))
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        accepted = max(0, min(accepted, drafted))
+        if drafted <= 0 or accepted == drafted < self.draft_cap:
+            return
+        self._ema += self.DECAY * (accepted - self._ema)
+
+    def _restart_ema(self) -> None:
+        self._ema = float(self.num_draft_tokens)
+
+
+class _Automaton:
+    """Suffix automaton over a token sequence, with occurrence counts per state.
+
+    Why an automaton: it is built online in amortized O(1) per token (a suffix tree or a
+    depth-bounded trie costs O(depth) per token), and one state's outgoing transitions are
+    the continuations of every occurrence of its strings. `occ[v]` = |endpos(v)|, the number
+    of occurrences of v's strings. Bulk builds count offline (one pass in length order).
+    `append` adds the new end position only to states whose shortest string is at most
+    `horizon` tokens (found from `tail`, the state of the text's last `horizon` tokens), so
+    it costs O(horizon) even in a long loop, where the suffix-link path is O(n / period).
+    Counts of longer patterns go stale; drafting never reads them (see SuffixDrafter).
+    """
+
+    __slots__ = ("nxt", "link", "length", "occ", "last", "horizon", "tail", "tail_len")
+
+    def __init__(self, horizon: int) -> None:
+        self.nxt: list[dict[int, int]] = [{}]
+        self.link: list[int] = [-1]
+        self.length: list[int] = [0]
+        self.occ: list[int] = [0]
+        self.last = self.tail = self.tail_len = 0
+        self.horizon = horizon
+
+    @classmethod
+    def build(cls, tokens: Iterable[int], horizon: int) -> _Automaton:
+        sam = cls(horizon)
+        for tok in tokens:
+            sam._add(tok, 1)
+        occ, link, length = sam.occ, sam.link, sam.length
+        for v in sorted(range(1, len(occ)), key=length.__getitem__, reverse=True):
+            occ[link[v]] += occ[v]
+        sam.tail, sam.tail_len = sam.last, min(horizon, length[sam.last])
+        sam.tail = sam._climb(sam.tail, sam.tail_len)
+        return sam
+
+    def append(self, tok: int) -> None:
+        """Extend by one token, keeping `occ` exact within the horizon."""
+        self._add(tok, 0)
+        state, n = self.tail, self.tail_len  # if _add split it, the clone has the same nxt
+        if n == self.horizon:  # the oldest token leaves the window
+            n -= 1
+            state = self._climb(state, n)
+        self.tail, self.tail_len = self.nxt[state][tok], n + 1
+        v, occ, link = self.tail, self.occ, self.link
+        while v > 0:
+            occ[v] += 1
+            v = link[v]
+
+    def _climb(self, state: int, n: int) -> int:
+        """The state holding the length-n suffix of `state`'s strings."""
+        link, length = self.link, self.length
+        while state > 0 and length[link[state]] >= n:
+            state = link[state]
+        return state
+
+    def _add(self, tok: int, own: int) -> int:
+        """Standard online construction; `own` = 1 for raw counts (bulk), 0 when tracked."""
+        nxt, link, length, occ = self.nxt, self.link, self.length, self.occ
+        cur = len(length)
+        nxt.append({})
+        link.append(0)
+        length.append(length[self.last] + 1)
+        occ.append(own)
+        p = self.last
+        while p != -1 and tok not in nxt[p]:
+            nxt[p][tok] = cur
+            p = link[p]
+        if p != -1:
+            q = nxt[p][tok]
+            if length[p] + 1 == length[q]:
+                link[cur] = q
+            else:  # split q: the clone takes the strings of length <= length[p] + 1
+                clone = len(length)
+                nxt.append(dict(nxt[q]))
+                link.append(link[q])
+                length.append(length[p] + 1)
+                occ.append(0 if own else occ[q])
+                while p != -1 and nxt[p].get(tok) == q:
+                    nxt[p][tok] = clone
+                    p = link[p]
+                link[q] = link[cur] = clone
+        self.last = cur
+        return cur
+
+    def earlier_match(self, max_depth: int) -> tuple[int, int]:
+        """(state, p): the longest suffix of the text that also occurs earlier, capped at
+        max_depth, so counts are those of a pattern of at most max_depth tokens."""
+        state = self._climb(self.tail, min(max_depth, self.tail_len))
+        if self.occ[state] < 2:  # occurs only at the end: the next shorter class recurs
+            state = self.link[state]
+        if state <= 0:
+            return 0, 0
+        return state, min(self.length[state], max_depth)
+
+    def step(self, state: int, matched: int, tok: int, max_depth: int) -> tuple[int, int]:
+        """Advance a matcher of some other text's suffix (matched tokens long) by `tok`."""
+        nxt, link, length = self.nxt, self.link, self.length
+        while state and tok not in nxt[state]:
+            state = link[state]
+            matched = length[state]
+        if tok not in nxt[state]:
+            return 0, 0
+        state, matched = nxt[state][tok], matched + 1
+        if matched > max_depth:  # keep only the last max_depth tokens: history-independent
+            while length[link[state]] >= max_depth:
+                state = link[state]
+            matched = max_depth
+        return state, matched
+
+    def draft(self, state: int, budget: int, min_prob: float, eos: frozenset[int]) -> tuple[list[int], float]:
+        """Follow the most frequent continuation while the cumulative product of its
+        empirical probabilities (child count / sum of child counts) stays >= min_prob.
+        Returns the draft and its score, the sum of those products: the expected number of
+        accepted tokens, as SuffixDecoding scores candidates. At a dead end (the text's own
+        end) it backs off to the longest suffix seen elsewhere, so loops keep drafting."""
+        nxt, occ, out = self.nxt, self.occ, []
+        prob, score = 1.0, 0.0
+        while len(out) < budget:
+            kids = nxt[state]
+            if not kids:
+                state = self.link[state]
+                if state <= 0:
+                    break
+                continue
+            total = best_n = 0
+            best_tok = best = 0
+            for tok, child in kids.items():
+                n = occ[child]
+                total += n
+                if n >= best_n:
+                    best_n, best_tok, best = n, tok, child
+            if total == 0:  # only past the horizon, where counts are stale
+                break
+            prob *= best_n / total
+            if best_tok == SEPARATOR or prob < min_prob:
+                break
+            out.append(best_tok)
+            score += prob
+            state = best
+            if best_tok in eos:
+                break
+        return out, score
+
+
+class SuffixStore:
+    """A client's memory of earlier outputs and corpus sequences, for every stream it drafts.
+
+    Bounded at `max_tokens` tokens; whole sequences leave in least-recently-added-or-used
+    order (adding a sequence already stored refreshes it instead of storing it twice). All
+    sequences sit in one suffix automaton, each followed by SEPARATOR. An automaton cannot
+    delete, so eviction rebuilds it; to amortize that, an overflow evicts down to
+    `low_water * max_tokens`. `version` changes whenever the automaton does, so drafters
+    holding a match into it know to re-match. Counts are exact for patterns of up to
+    `horizon` tokens (a drafter's max_depth plus its draft length should fit in it).
+    """
+
+    def __init__(self, max_tokens: int = 1 << 16, low_water: float = 0.75, horizon: int = 128) -> None:
+        if max_tokens < 1 or not 0.0 < low_water <= 1.0:
+            raise ValueError("need max_tokens >= 1 and 0 < low_water <= 1")
+        self.max_tokens = max_tokens
+        self.low_water = low_water
+        self.horizon = horizon
+        self.num_tokens = 0
+        self.version = 0
+        self._seqs: OrderedDict[tuple[int, ...], None] = OrderedDict()
+        self._sam = _Automaton(horizon)
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    def __contains__(self, seq: object) -> bool:
+        return isinstance(seq, Sequence) and tuple(seq) in self._seqs
+
+    @property
+    def automaton(self) -> _Automaton:
+        return self._sam
+
+    def add(self, seq: Sequence[int]) -> None:
+        """Store `seq` (its last max_tokens tokens), evicting the oldest sequences if full."""
+        key = tuple(seq[-self.max_tokens :])
+        if not key:
+            return
+        if key in self._seqs:
+            self._seqs.move_to_end(key)
+            return
+        self._seqs[key] = None
+        self.num_tokens += len(key)
+        self.version += 1
+        if self.num_tokens <= self.max_tokens:
+            for tok in key:
+                self._sam.append(tok)
+            self._sam.append(SEPARATOR)
+            return
+        while self.num_tokens > self.low_water * self.max_tokens and len(self._seqs) > 1:
+            self.num_tokens -= len(self._seqs.popitem(last=False)[0])
+        self._sam = _Automaton.build((t for s in self._seqs for t in (*s, SEPARATOR)), self.horizon)
+
+
+class SuffixDrafter(_AdaptiveDrafter):
+    """SuffixDecoding over the stream's own context and the client's `SuffixStore`.
+
+    Per lap: in each source, take the longest suffix of the context seen before (length p,
+    capped at max_depth), then follow the most frequent continuation (`_Automaton.draft`),
+    at most min(max_tokens, adaptive cap, ceil(alpha * p)) tokens: a long match earns a long
+    draft (SuffixDecoding's MAX_SPEC = alpha * p; alpha = 4, the top of the paper's range,
+    since on a WAN a lap costs ~200 ms and a longer draft only a little server compute; the
+    adaptive cap trims the waste). The draft with the higher score (expected accepted
+    tokens) wins; on a tie the longer match (more specific evidence), then the context's
+    own (the freshest).
+    A draft ends after an EOS id. `finish()` adds the stream's output to the store; `corpus`
+    sequences are added to the store at construction and refreshed on every reset.
+    """
+
+    def __init__(
+        self,
+        num_draft_tokens: int = 16,
+        *,
+        store: SuffixStore | None = None,
+        corpus: Sequence[Sequence[int]] = (),
+        eos_token_ids: Sequence[int] = (),
+        alpha: float = 4.0,
+        max_depth: int = 64,
+        min_prob: float = 0.1,
+    ) -> None:
+        super().__init__(num_draft_tokens)
+        self.store = store if store is not None else SuffixStore()
+        self.alpha, self.max_depth, self.min_prob = alpha, max_depth, min_prob
+        self._eos = frozenset(eos_token_ids)
+        self._corpus = [tuple(seq) for seq in corpus if len(seq)]
+        self.reset(())
+
+    def reset(self, context: Sequence[int]) -> None:
+        self._tokens = list(context)
+        self._prompt_len = len(self._tokens)
+        self._sam = _Automaton.build(self._tokens, self.max_depth + self.num_draft_tokens)
+        for seq in self._corpus:
+            self.store.add(seq)
+        self._rematch()
+        self._restart_ema()
+
+    def extend(self, new_tokens: Sequence[int]) -> None:
+        self._sync_store()
+        sam, store_sam, depth = self._sam, self.store.automaton, self.max_depth
+        state, matched = self._match
+        for tok in new_tokens:
+            self._tokens.append(tok)
+            sam.append(tok)
+            state, matched = store_sam.step(state, matched, tok, depth)
+        self._match = (state, matched)
+
+    def propose(self, max_tokens: int) -> list[int]:
+        limit = min(max_tokens, self.draft_cap)
+        if limit <= 0 or not self._tokens:
+            return []
+        self._sync_store()
+        ctx_state, ctx_len = self._sam.earlier_match(self.max_depth)
+        draft, score = self._draft_from(self._sam, ctx_state, ctx_len, limit)
+        store_state, store_len = self._match
+        if store_len:
+            store_draft, store_score = self._draft_from(self.store.automaton, store_state, store_len, limit)
+            if (store_score, store_len) > (score, ctx_len):
+                return store_draft
+        return draft
+
+    def finish(self) -> None:
+        output = self._tokens[self._prompt_len :]
+        if output:
+            self.store.add(output)
+        self._prompt_len = len(self._tokens)
+
+    def _draft_from(self, sam: _Automaton, state: int, matched: int, limit: int) -> tuple[list[int], float]:
+        if matched <= 0:
+            return [], 0.0
+        budget = min(limit, math.ceil(self.alpha * matched))
+        return sam.draft(state, budget, self.min_prob, self._eos)
+
+    def _sync_store(self) -> None:
+        if self._store_version != self.store.version:
+            self._rematch()
+
+    def _rematch(self) -> None:
+        """Match the context's last max_depth tokens in the store afresh (after it changed)."""
+        sam, state, matched = self.store.automaton, 0, 0
+        for tok in self._tokens[-self.max_depth :]:
+            state, matched = sam.step(state, matched, tok, self.max_depth)
+        self._match = (state, matched)
+        self._store_version = self.store.version
+
+
+class NgramDrafter(_AdaptiveDrafter):
+    """Prompt lookup decoding: find the most recent earlier occurrence of the context's last
+    n tokens (n = max_ngram down to 1) and copy what followed it, up to the draft limit.
+
+    `_index` maps every n-gram whose continuation is known to the position right after its
+    latest occurrence; extend() adds max_ngram keys per token, so a lap costs O(max_ngram).
+    A copy that runs into the end of the context continues with its own draft (the text is
+    read as periodic), which keeps loops drafting. Corpus sequences are searched after the
+    context at each n. A draft ends after an EOS id.
+    """
+
+    def __init__(
+        self,
+        num_draft_tokens: int = 16,
+        *,
+        max_ngram: int = 3,
+        corpus: Sequence[Sequence[int]] = (),
+        eos_token_ids: Sequence[int] = (),
+    ) -> None:
+        super().__init__(num_draft_tokens)
+        self.max_ngram = max_ngram
+        self._eos = frozenset(eos_token_ids)
+        self._corpus = [list(seq) for seq in corpus if len(seq)]
+        self._corpus_index: dict[tuple[int, ...], tuple[int, int]] = {}
+        for ci, seq in enumerate(self._corpus):
+            for i in range(1, len(seq)):
+                for n in range(1, min(max_ngram, i) + 1):
+                    self._corpus_index[tuple(seq[i - n : i])] = (ci, i)
+        self.reset(())
+
+    def reset(self, context: Sequence[int]) -> None:
+        self._tokens: list[int] = []
+        self._index: dict[tuple[int, ...], int] = {}
+        self._restart_ema()
+        self.extend(context)
+
+    def extend(self, new_tokens: Sequence[int]) -> None:
+        toks, index, max_ngram = self._tokens, self._index, self.max_ngram
+        for tok in new_tokens:
+            i = len(toks)  # n-grams ending at i - 1 now have a known continuation at i
+            for n in range(1, min(max_ngram, i) + 1):
+                index[tuple(toks[i - n : i])] = i
+            toks.append(tok)
+
+    def propose(self, max_tokens: int) -> list[int]:
+        limit, toks = min(max_tokens, self.draft_cap), self._tokens
+        if limit <= 0 or not toks:
+            return []
+        for n in range(min(self.max_ngram, len(toks)), 0, -1):
+            key = tuple(toks[-n:])
+            pos = self._index.get(key)
+            if pos is not None:
+                return self._copy(toks, pos, limit, wrap=True)
+            hit = self._corpus_index.get(key)
+            if hit is not None:
+                return self._copy(self._corpus[hit[0]], hit[1], limit, wrap=False)
+        return []
+
+    def finish(self) -> None:
+        """Nothing to keep: the baseline has no cross-request memory."""
+
+    def _copy(self, src: list[int], pos: int, limit: int, *, wrap: bool) -> list[int]:
+        out: list[int] = []
+        for j in range(pos, pos + limit):
+            if j < len(src):
+                tok = src[j]
+            elif wrap:  # past the end: the source continues with this very draft
+                tok = out[j - len(src)]
+            else:
+                break
+            out.append(tok)
+            if tok in self._eos:
+                break
+        return out
+
+
+def make_drafter(
+    kind: str | None = "suffix",
+    *,
+    num_draft_tokens: int = 16,
+    corpus: Sequence[Sequence[int]] = (),
+    store: SuffixStore | None = None,
+    eos_token_ids: Sequence[int] = (),
+) -> Drafter | None:
+    """The drafter for `kind` ("suffix", "ngram"), or None for kind None (no speculation).
+
+    `store` is shared across a client's streams (suffix only; a private one when None);
+    `corpus` holds token id sequences the user knows are relevant to this stream.
+    """
+    if kind is None:
+        return None
+    if kind == "suffix":
+        return SuffixDrafter(num_draft_tokens, store=store, corpus=corpus, eos_token_ids=eos_token_ids)
+    if kind == "ngram":
+        return NgramDrafter(num_draft_tokens, corpus=corpus, eos_token_ids=eos_token_ids)
+    raise ValueError(f"unknown drafter kind {kind!r}; expected one of {DRAFTER_KINDS} or None")

@@ -1,0 +1,206 @@
+"""``AutoDistributedModelForCausalLM``: a transformers-style model whose blocks live in the swarm.
+
+The client holds the config and tokenizer only, never weights. ``generate`` takes transformers'
+argument names and returns what transformers returns; speculation and routing are internal.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+from typing import Any, Iterator, Optional, Sequence, Union
+
+import torch
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from client import _loop
+from client._generation import GenerationStats, SessionState, SpeculativeDecoder
+from client._swarm import SwarmClient
+from client.drafters import SuffixStore, make_drafter
+from protocol.messages import SamplingParams
+from protocol.sampling import validate_sampling
+from swarm.models import resolve_model
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_LENGTH = 2048
+
+
+class AutoDistributedModelForCausalLM:
+    def __init__(self, config: PretrainedConfig, tokenizer: Any, swarm: SwarmClient):
+        self.config, self.tokenizer, self.swarm = config, tokenizer, swarm
+        self.last_generation_stats: Optional[GenerationStats] = None
+        self.last_logprobs: list = []
+        self._session: Optional[SessionState] = None
+        self._suffix_store = SuffixStore()
+        self._closed = False
+        atexit.register(self.shutdown)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_name_or_path: str,
+        initial_peers: Sequence[str],
+        *,
+        dht_prefix: Optional[str] = None,
+        request_timeout: float = 60.0,
+        **kwargs: Any,
+    ) -> "AutoDistributedModelForCausalLM":
+        """Fetch the config and tokenizer (never weights) and join the swarm as a client."""
+        if not initial_peers:
+            raise ValueError("initial_peers is empty: pass the multiaddrs of at least one peer of the swarm")
+        model = resolve_model(model_name_or_path)
+        config = AutoConfig.from_pretrained(model.source, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(model.source, **kwargs)
+        swarm = _loop.run(
+            SwarmClient.connect(
+                list(initial_peers), dht_prefix or model.dht_name, config.num_hidden_layers, request_timeout=request_timeout
+            )
+        )
+        return cls(config, tokenizer, swarm)
+
+    @contextlib.contextmanager
+    def inference_session(self, max_length: int = DEFAULT_MAX_LENGTH) -> Iterator[SessionState]:
+        """Keep the servers' caches across several ``generate`` calls, as in Petals.
+
+        Each call passes the whole conversation so far (as with transformers); the servers
+        reuse the cache of the longest prefix they already hold.
+        """
+        if self._session is not None:
+            raise RuntimeError("an inference session is already open on this model")
+        self._session = SessionState(max_length=max_length)
+        try:
+            yield self._session
+        finally:
+            session, self._session = self._session, None
+            if session.remote is not None:
+                _loop.run(self.swarm.close_session(session.remote))
+
+    def generate(
+        self,
+        input_ids: Optional[torch.Tensor] = None,
+        *,
+        max_new_tokens: int = 20,
+        max_length: Optional[int] = None,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: Optional[int] = None,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        seed: Optional[int] = None,
+        eos_token_id: Union[int, Sequence[int], None] = None,
+        streamer: Any = None,
+        speculation: Optional[str] = "suffix",
+        num_draft_tokens: int = 8,
+        draft_corpus: Sequence[Union[str, Sequence[int]]] = (),
+        num_logprobs: int = 0,
+        return_dict_in_generate: bool = False,
+        attention_mask: Optional[torch.Tensor] = None,
+        **unused: Any,
+    ) -> Union[torch.Tensor, GenerateDecoderOnlyOutput]:
+        """transformers-compatible ``generate``: returns ``[batch, prompt + new]`` token ids.
+
+        ``speculation``: "suffix" (default), "ngram" or None; ``num_draft_tokens`` caps drafts per
+        lap; ``draft_corpus`` adds texts or token lists the answer is likely to repeat.
+        ``num_logprobs=K`` (K <= 20) returns the top-K log-probs of each new token in
+        ``model.last_logprobs`` (and as ``.logprobs`` when ``return_dict_in_generate=True``).
+        """
+        if unused:
+            logger.warning(f"generate() ignores unsupported arguments: {sorted(unused)}")
+        input_ids = self._check_input(input_ids)
+        if max_length is not None:
+            max_new_tokens = max_length - input_ids.shape[1]
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        sampling = SamplingParams(
+            do_sample=do_sample,
+            temperature=temperature,
+            top_k=top_k or 0,
+            top_p=top_p,
+            min_p=min_p,
+            repetition_penalty=repetition_penalty,
+            seed=seed if seed is not None else int(torch.randint(0, 2**31 - 1, ()).item()),
+        )
+        validate_sampling(sampling)
+        eos = self._eos_ids(eos_token_id)
+        corpus = [self.tokenizer.encode(c, add_special_tokens=False) if isinstance(c, str) else list(c) for c in draft_corpus]
+        rows = []
+        for row in input_ids.tolist():
+            rows.append(row + self._generate_row(row, max_new_tokens, sampling, eos, streamer, speculation, num_draft_tokens, corpus, num_logprobs))
+        sequences = _pad(rows, self.config.pad_token_id if self.config.pad_token_id is not None else (eos[0] if eos else 0))
+        if return_dict_in_generate:
+            output = GenerateDecoderOnlyOutput(sequences=sequences)
+            output.logprobs = self.last_logprobs
+            return output
+        return sequences
+
+    def _generate_row(self, row, max_new_tokens, sampling, eos, streamer, speculation, num_draft_tokens, corpus, num_logprobs) -> list[int]:
+        drafter = make_drafter(
+            speculation, num_draft_tokens=num_draft_tokens, corpus=corpus, store=self._suffix_store, eos_token_ids=eos
+        )
+        own_session = self._session is None
+        state = self._session or SessionState(max_length=min(len(row) + max_new_tokens + num_draft_tokens + 1, self._context_limit()))
+        if streamer is not None:
+            streamer.put(torch.tensor(row))
+        decoder = SpeculativeDecoder(
+            self.swarm,
+            state,
+            sampling,
+            drafter=drafter,
+            num_draft_tokens=num_draft_tokens,
+            eos_token_ids=eos,
+            num_logprobs=num_logprobs,
+            on_tokens=(lambda new: streamer.put(torch.tensor(new))) if streamer is not None else None,
+        )
+        try:
+            new = _loop.run(decoder.generate(row, max_new_tokens))
+        finally:
+            self.last_generation_stats = decoder.stats
+            self.last_logprobs = decoder.logprobs
+            if own_session and state.remote is not None:
+                _loop.run(self.swarm.close_session(state.remote))
+            if streamer is not None:
+                streamer.end()
+        return new
+
+    def _check_input(self, input_ids: Optional[torch.Tensor]) -> torch.Tensor:
+        if input_ids is None:
+            if self._session is None or not self._session.history:
+                raise ValueError("input_ids is required (outside an inference session that already has tokens)")
+            input_ids = torch.tensor([self._session.history])
+        input_ids = torch.as_tensor(input_ids)
+        if input_ids.ndim == 1:
+            input_ids = input_ids.unsqueeze(0)
+        if input_ids.ndim != 2 or input_ids.shape[1] == 0:
+            raise ValueError(f"input_ids must be [batch, length] with length >= 1, got shape {tuple(input_ids.shape)}")
+        if self._session is not None and input_ids.shape[0] != 1:
+            raise ValueError("an inference session holds one sequence; pass input_ids with batch size 1")
+        vocab = self.config.vocab_size
+        if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab:
+            raise ValueError(f"input_ids contain token ids outside the vocabulary [0, {vocab})")
+        return input_ids
+
+    def _eos_ids(self, eos_token_id) -> list[int]:
+        if eos_token_id is None:
+            eos_token_id = self.config.eos_token_id
+        if eos_token_id is None:
+            return []
+        return [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+
+    def _context_limit(self) -> int:
+        return int(getattr(self.config, "max_position_embeddings", None) or DEFAULT_MAX_LENGTH)
+
+    def shutdown(self) -> None:
+        """Leave the swarm (also done at interpreter exit)."""
+        if not self._closed:
+            self._closed = True
+            atexit.unregister(self.shutdown)
+            _loop.run(self.swarm.aclose())
+
+
+def _pad(rows: list[list[int]], pad_id: int) -> torch.Tensor:
+    width = max(map(len, rows))
+    return torch.tensor([row + [pad_id] * (width - len(row)) for row in rows], dtype=torch.long)

@@ -1,0 +1,43 @@
+"""Error codes a server sends back, and the exception that carries one.
+
+Every refusal names what was wrong, so a client (or a person reading a log) can tell bad input
+from a busy server from a broken peer. Codes are strings on the wire so that an older peer still
+prints an unknown code instead of failing to decode it.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class ErrorCode(str, enum.Enum):
+    MALFORMED = "malformed"  # the bytes did not decode into a known message
+    VERSION_MISMATCH = "version_mismatch"  # the peer speaks another protocol version
+    UNKNOWN_SESSION = "unknown_session"
+    SESSION_EXISTS = "session_exists"
+    RUN_ID_NOT_INCREASING = "run_id_not_increasing"
+    START_POS_BEYOND_CACHE = "start_pos_beyond_cache"
+    TOKEN_OUT_OF_VOCAB = "token_out_of_vocab"
+    TOO_LONG = "too_long"  # more positions than the session's max_length
+    BAD_REQUEST = "bad_request"  # any other invalid field
+    WRONG_BLOCKS = "wrong_blocks"  # the route asks this server for blocks it does not hold
+    BUSY = "busy"  # no cache room for the session's max_length
+    DOWNSTREAM_FAILED = "downstream_failed"  # the next server could not be reached or failed
+    SHUTTING_DOWN = "shutting_down"
+    INTERNAL = "internal"
+
+
+# Errors the client may cure by routing around the reporting server (failover); the others are
+# the caller's fault and are raised to the user as they are.
+RETRYABLE_CODES = frozenset(
+    {ErrorCode.BUSY, ErrorCode.DOWNSTREAM_FAILED, ErrorCode.SHUTTING_DOWN, ErrorCode.INTERNAL}
+)
+
+
+class ProtocolError(Exception):
+    """A peer's request or reply broke the protocol; ``code`` says how."""
+
+    def __init__(self, code: ErrorCode, message: str):
+        super().__init__(f"[{code.value}] {message}")
+        self.code = code
+        self.message = message

@@ -1,0 +1,153 @@
+"""The wire: every message that crosses a process boundary, and its encoding.
+
+One lap (design.md, "One lap"): the client sends a :class:`Step` of token ids to the head; each
+server runs its blocks and pushes the same :class:`Step` plus activations to the next server on
+the session's ordered stream; the tail verifies and sends a :class:`StepResult` on the stream
+the client opened to it with :class:`Subscribe`. :class:`Cancel` and :class:`CloseSession`
+follow the same ordered path as the data, so they never overtake what they cancel.
+
+Messages are msgspec structs encoded as MessagePack inside hivemind's protobuf envelope
+(``ExpertRequest.metadata``); activations travel beside them in ``ExpertRequest.tensors``.
+Each encoded message starts with the protocol version, checked before anything else is read.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import msgspec
+
+from protocol.errors import ErrorCode, ProtocolError
+from protocol.version import PROTOCOL_VERSION
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, array_like=True, omit_defaults=True):
+    """How the tail chooses a token; transformers' argument names and meanings."""
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int = 0
+
+
+class Hop(msgspec.Struct, frozen=True, array_like=True):
+    """One server of a route and the blocks [start, end) it computes for this session."""
+
+    peer_id: str
+    start: int
+    end: int
+
+
+class OpenSession(msgspec.Struct, tag="open", kw_only=True, array_like=True):
+    session_id: str
+    max_length: int  # positions the session may ever hold; reserved in every server's cache
+    route: list[Hop]  # the whole chain, head first
+    hop_index: int  # which hop of ``route`` the receiver is
+
+
+class Step(msgspec.Struct, tag="step", kw_only=True, array_like=True, omit_defaults=True):
+    """One speculative run: ``token_ids`` start at absolute position ``start_pos``.
+
+    The first ``len(token_ids) - n_draft`` ids are committed tokens not yet in the caches
+    (usually one: the last bonus token); the last ``n_draft`` are drafts to verify.
+    ``start_pos`` is also the rollback: every server trims its cache to it first.
+    """
+
+    session_id: str
+    run_id: int
+    start_pos: int
+    token_ids: list[int]
+    n_draft: int = 0
+    sampling: SamplingParams = SamplingParams()
+    top_logprobs: int = 0  # K <= MAX_TOP_LOGPROBS; 0 sends nothing but ids and counts down
+
+
+class Cancel(msgspec.Struct, tag="cancel", kw_only=True, array_like=True):
+    """Drop run ``run_id`` and every later run of the session."""
+
+    session_id: str
+    run_id: int
+
+
+class CloseSession(msgspec.Struct, tag="close", kw_only=True, array_like=True):
+    session_id: str
+
+
+class Subscribe(msgspec.Struct, tag="subscribe", kw_only=True, array_like=True):
+    """Sent by the client to the tail: results of this session go back on this stream."""
+
+    session_id: str
+
+
+class SessionOpened(msgspec.Struct, tag="opened", kw_only=True, array_like=True):
+    session_id: str
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """The model's log-probabilities at one generated position (raw logits, no processing)."""
+
+    token_id: int
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+class StepResult(msgspec.Struct, tag="result", kw_only=True, array_like=True, omit_defaults=True):
+    session_id: str
+    run_id: int
+    accepted: int  # drafts accepted, a prefix of the run's drafts
+    next_token: int  # the target's own token after the accepted drafts
+    logprobs: Optional[list[TokenLogprobs]] = None  # accepted + 1 entries when asked for
+
+
+class ErrorReply(msgspec.Struct, tag="error", kw_only=True, array_like=True):
+    session_id: str
+    code: ErrorCode
+    message: str
+    run_id: Optional[int] = None
+    peer_id: str = ""  # the server that found the error
+
+
+Message = Union[
+    OpenSession, Step, Cancel, CloseSession, Subscribe, SessionOpened, StepResult, ErrorReply
+]
+
+MAX_TOP_LOGPROBS = 20
+
+
+class _Envelope(msgspec.Struct, array_like=True):
+    version: int
+    message: Message
+
+
+class _Header(msgspec.Struct, array_like=True):
+    version: int
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(_Envelope)
+_header_decoder = msgspec.msgpack.Decoder(_Header)
+
+
+def encode(message: Message) -> bytes:
+    return _encoder.encode(_Envelope(PROTOCOL_VERSION, message))
+
+
+def decode(data: bytes) -> Message:
+    """Decode one message; a wrong version or malformed bytes raise :class:`ProtocolError`."""
+    try:
+        version = _header_decoder.decode(data).version
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise ProtocolError(ErrorCode.MALFORMED, f"undecodable message: {e}") from None
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            ErrorCode.VERSION_MISMATCH,
+            f"peer speaks specswarm protocol v{version}, this peer speaks v{PROTOCOL_VERSION}",
+        )
+    try:
+        return _decoder.decode(data).message
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise ProtocolError(ErrorCode.MALFORMED, f"malformed message: {e}") from None

@@ -1,0 +1,29 @@
+"""Per-architecture span adapters, chosen by the config's ``model_type``."""
+
+from __future__ import annotations
+
+import torch
+from transformers import PretrainedConfig
+
+from server.adapters.base import SpanAdapter, SpanCancelled
+from server.adapters.llama import LlamaFamilyAdapter
+from server.weights import Checkpoint
+
+ADAPTERS: dict[str, type[SpanAdapter]] = {
+    model_type: LlamaFamilyAdapter for model_type in ("llama", "mistral", "qwen2", "qwen3")
+}
+
+
+def load_span(
+    config: PretrainedConfig, checkpoint: Checkpoint, start: int, end: int, dtype: torch.dtype, device: str
+) -> SpanAdapter:
+    try:
+        adapter_cls = ADAPTERS[config.model_type]
+    except KeyError:
+        raise ValueError(
+            f"model type {config.model_type!r} is not supported yet; supported: {sorted(ADAPTERS)}"
+        ) from None
+    return adapter_cls(config, checkpoint, start, end, dtype=dtype, device=device)
+
+
+__all__ = ["ADAPTERS", "SpanAdapter", "SpanCancelled", "load_span"]

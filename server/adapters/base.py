@@ -1,0 +1,78 @@
+"""The one interface every model family implements so the server can run a span of its blocks.
+
+The server knows nothing about attention or MLPs: it asks the adapter to embed ids (head only),
+run blocks [start, end) over new positions with a session's cache, trim that cache to a position
+(the only rollback), and turn final hidden states into logits (tail only). Adding a family is one
+new adapter file registered in ``server.adapters``.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, Callable
+
+import torch
+
+Cache = Any  # each adapter chooses its own cache type
+
+
+class SpanCancelled(Exception):
+    """Raised between blocks when the run being computed was cancelled."""
+
+
+class SpanAdapter(abc.ABC):
+    """Modules of blocks [start, end) of one model, plus embeddings at the head and the final
+    norm and LM head at the tail."""
+
+    start: int
+    end: int
+    num_blocks: int  # blocks in the whole model
+    hidden_shape: tuple[int, ...]  # shape of one position's activations between stages
+    vocab_size: int
+
+    @property
+    def is_head(self) -> bool:
+        return self.start == 0
+
+    @property
+    def is_tail(self) -> bool:
+        return self.end == self.num_blocks
+
+    @abc.abstractmethod
+    def new_cache(self) -> Cache: ...
+
+    @abc.abstractmethod
+    def cache_length(self, cache: Cache) -> int:
+        """Positions held in the cache of the blocks a session uses."""
+
+    @abc.abstractmethod
+    def trim_cache(self, cache: Cache, length: int) -> None:
+        """Forget every position >= length, exactly as if it had never been computed."""
+
+    @abc.abstractmethod
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """[1, S] ids -> [1, S, *hidden_shape] activations (head only)."""
+
+    @abc.abstractmethod
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        token_ids: torch.Tensor,
+        start_pos: int,
+        cache: Cache,
+        blocks: range,
+        check_cancelled: Callable[[], None] = lambda: None,
+    ) -> torch.Tensor:
+        """Run ``blocks`` (a sub-range of this span) over positions start_pos.. of ``hidden``.
+
+        ``check_cancelled`` is called between blocks and raises :class:`SpanCancelled` to abandon
+        the run; the caller then trims the cache back.
+        """
+
+    @abc.abstractmethod
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[1, S, *hidden_shape] final activations -> [S, vocab] float32 logits (tail only)."""
+
+    def cache_bytes_per_token(self) -> int:
+        """KV bytes one position costs across this span; used for the cache budget."""
+        return 0

@@ -1,0 +1,155 @@
+"""Llama-family adapter: Llama 2/3, SmolLM2, Mistral, Qwen2/3 and other models whose
+transformers implementation is ``model.model.{embed_tokens, layers, norm, rotary_emb}`` plus
+``lm_head``, with decoder layers called as ``layer(hidden, attention_mask, position_ids, cache,
+position_embeddings)``.
+
+The layers are the real transformers modules, built on the meta device and filled with only this
+span's tensors; nothing here reimplements attention.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Callable
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, PretrainedConfig
+
+from server.adapters.base import Cache, SpanAdapter
+from server.weights import Checkpoint
+
+
+class LlamaFamilyAdapter(SpanAdapter):
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        checkpoint: Checkpoint,
+        start: int,
+        end: int,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ):
+        self.config = copy.deepcopy(config)
+        self.config._attn_implementation = "sdpa"
+        self.num_blocks = config.num_hidden_layers
+        if not 0 <= start < end <= self.num_blocks:
+            raise ValueError(f"blocks {start}:{end} are outside the model's 0:{self.num_blocks}")
+        self.start, self.end = start, end
+        self.dtype, self.device = dtype, torch.device(device)
+        self.hidden_shape = (config.hidden_size,)
+        self.vocab_size = config.vocab_size
+
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(self.config, dtype=dtype)
+        self.layers = torch.nn.ModuleList(skeleton.model.layers[start:end])
+        for local_idx, layer in enumerate(self.layers):
+            layer.self_attn.layer_idx = local_idx  # the session cache holds this span only
+        self.rotary_emb = type(skeleton.model.rotary_emb)(config=self.config)
+        self.embed_tokens = skeleton.model.embed_tokens if self.is_head else None
+        self.norm = skeleton.model.norm if self.is_tail else None
+        self.lm_head = skeleton.lm_head if self.is_tail else None
+        self._load(checkpoint)
+
+    def _load(self, checkpoint: Checkpoint) -> None:
+        """Fill the meta modules with this span's tensors only."""
+        wanted: dict[str, torch.nn.Module] = {}
+        for local_idx, layer in enumerate(self.layers):
+            prefix = f"model.layers.{self.start + local_idx}."
+            for name in layer.state_dict():
+                wanted[prefix + name] = layer
+        if self.is_head:
+            wanted["model.embed_tokens.weight"] = self.embed_tokens
+        if self.is_tail:
+            wanted["model.norm.weight"] = self.norm
+            has_head = "lm_head.weight" in checkpoint.weight_map()
+            wanted["lm_head.weight" if has_head else "model.embed_tokens.weight#lm_head"] = self.lm_head
+        keys = [key.split("#")[0] for key in wanted]
+        tensors = checkpoint.read(set(keys), self.dtype, desc=f"Loading blocks {self.start}:{self.end}")
+        per_module: dict[int, tuple[torch.nn.Module, dict[str, torch.Tensor]]] = {}
+        for key, module in wanted.items():
+            tensor = tensors[key.split("#")[0]]
+            local_name = _local_name(key, self.start)
+            per_module.setdefault(id(module), (module, {}))[1][local_name] = tensor
+        for module, state in per_module.values():
+            module.load_state_dict(state, strict=True, assign=True)
+        for module in self._modules():
+            module.to(self.device).eval().requires_grad_(False)
+
+    def _modules(self) -> list[torch.nn.Module]:
+        return [m for m in (self.layers, self.embed_tokens, self.norm, self.lm_head, self.rotary_emb) if m is not None]
+
+    def new_cache(self) -> Cache:
+        span_config = copy.deepcopy(self.config)
+        span_config.num_hidden_layers = self.end - self.start
+        if getattr(span_config, "layer_types", None):
+            span_config.layer_types = span_config.layer_types[self.start : self.end]
+        return DynamicCache(config=span_config)
+
+    def cache_length(self, cache: Cache) -> int:
+        return max((layer.get_seq_length() for layer in cache.layers if layer.is_initialized), default=0)
+
+    def trim_cache(self, cache: Cache, length: int) -> None:
+        for layer in cache.layers:
+            excess = layer.get_seq_length() - length if layer.is_initialized else 0
+            if excess > 0:
+                layer.crop(-excess)  # transformers: a negative count removes that many positions
+
+    @torch.inference_mode()
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(token_ids.to(self.device))
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        token_ids: torch.Tensor,
+        start_pos: int,
+        cache: Cache,
+        blocks: range,
+        check_cancelled: Callable[[], None] = lambda: None,
+    ) -> torch.Tensor:
+        hidden = hidden.to(self.device, self.dtype)
+        num_new = hidden.shape[1]
+        position_ids = torch.arange(start_pos, start_pos + num_new, device=self.device).unsqueeze(0)
+        mask = _causal_mask(start_pos, num_new, self.device)
+        position_embeddings = self.rotary_emb(hidden, position_ids=position_ids)
+        for block in blocks:
+            check_cancelled()
+            hidden = self.layers[block - self.start](
+                hidden,
+                attention_mask=mask,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=True,
+                position_embeddings=position_embeddings,
+            )
+        return hidden
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden.to(self.device, self.dtype)))[0].float()
+
+    def cache_bytes_per_token(self) -> int:
+        head_dim = getattr(self.config, "head_dim", None) or self.config.hidden_size // self.config.num_attention_heads
+        kv_heads = getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads
+        return 2 * kv_heads * head_dim * (self.end - self.start) * torch.finfo(self.dtype).bits // 8
+
+
+def _local_name(key: str, start: int) -> str:
+    """Checkpoint key -> name inside the module it belongs to."""
+    if key.startswith("model.layers."):
+        return key.split(".", 3)[3]
+    return "weight"
+
+
+def _causal_mask(start_pos: int, num_new: int, device: torch.device) -> torch.Tensor | None:
+    """[1, 1, S, start_pos + S] boolean mask (True = attend) for new positions over the cache.
+
+    Built here rather than by transformers' mask helpers because a span's cache holds only its
+    own layers, whose lengths those helpers would read from the wrong layer index.
+    """
+    if num_new == 1:
+        return None
+    query = torch.arange(start_pos, start_pos + num_new, device=device).unsqueeze(1)
+    key = torch.arange(start_pos + num_new, device=device).unsqueeze(0)
+    return (key <= query)[None, None]

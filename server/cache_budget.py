@@ -1,0 +1,38 @@
+"""The server's KV budget in tokens: a session reserves its max_length when it opens.
+
+Reserving up front means a session never runs out of cache mid-generation; a server without
+room refuses at open time with BUSY, and the client routes elsewhere.
+"""
+
+from __future__ import annotations
+
+import psutil
+
+
+class CacheBudget:
+    def __init__(self, total_tokens: int):
+        if total_tokens <= 0:
+            raise ValueError(f"the cache budget must be positive, got {total_tokens} tokens")
+        self.total_tokens = total_tokens
+        self._reserved: dict[str, int] = {}
+
+    @property
+    def free_tokens(self) -> int:
+        return self.total_tokens - sum(self._reserved.values())
+
+    def reserve(self, session_id: str, tokens: int) -> bool:
+        if tokens > self.free_tokens:
+            return False
+        self._reserved[session_id] = tokens
+        return True
+
+    def release(self, session_id: str) -> None:
+        self._reserved.pop(session_id, None)
+
+
+def default_cache_tokens(bytes_per_token: int, memory_fraction: float = 0.25, cap: int = 1 << 20) -> int:
+    """A budget that uses a quarter of the currently available memory, at least 2048 tokens."""
+    if bytes_per_token <= 0:
+        return 8192
+    available = psutil.virtual_memory().available
+    return max(2048, min(cap, int(available * memory_fraction) // bytes_per_token))

@@ -1,0 +1,176 @@
+"""A volunteer server: load a span, join the DHT, announce, serve sessions, leave cleanly.
+
+``server = await SpanServer.create(config)`` returns a server that is already serving and
+announced; ``await server.shutdown()`` marks it offline in the DHT, closes its sessions and
+leaves. The CLI (``python -m swarm.server``) is a thin layer over this.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import msgspec
+from typing import Optional, Sequence
+
+import hivemind
+import torch
+from hivemind.proto import runtime_pb2
+from transformers import AutoConfig
+
+from server.adapters import SpanAdapter, load_span
+from server.cache_budget import CacheBudget, default_cache_tokens
+from server.handler import SessionHandler
+from server.weights import Checkpoint
+from swarm.dht_records import announce, fetch_servers
+from swarm.identity import load_or_create_identity
+from swarm.models import resolve_model
+from swarm.records import ServerInfo, ServerState
+from swarm.validation import PeerIdSignatureValidator
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+COMPRESSION = {"none": runtime_pb2.NONE, "float16": runtime_pb2.FLOAT16, "blockwise8": runtime_pb2.BLOCKWISE_8BIT}
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model: str
+    initial_peers: Sequence[str] = ()
+    new_swarm: bool = False
+    blocks: Optional[tuple[int, int]] = None
+    num_blocks: Optional[int] = None
+    host: str = "0.0.0.0"
+    port: int = 0
+    announce_maddrs: Sequence[str] = ()
+    device: str = "cpu"
+    dtype: str = "float32"
+    public_name: Optional[str] = None
+    cache_tokens: Optional[int] = None
+    identity_path: Optional[str] = None
+    update_period: float = 15.0  # seconds between DHT refreshes; records live 3x as long
+    session_timeout: float = 600.0
+    compression: str = "none"
+    torch_threads: Optional[int] = None
+    dht_prefix: Optional[str] = None
+
+
+class SpanServer:
+    def __init__(self, config: ServerConfig, dht: hivemind.DHT, span: SpanAdapter, handler: SessionHandler, info: ServerInfo):
+        self.config, self.dht, self.span, self.handler, self.info = config, dht, span, handler, info
+        self._announcer: Optional[asyncio.Task] = None
+
+    @classmethod
+    async def create(cls, config: ServerConfig) -> "SpanServer":
+        if not config.initial_peers and not config.new_swarm:
+            raise ValueError("pass --initial-peers of a running swarm, or --new-swarm to start a new one")
+        if config.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {config.dtype!r}")
+        if config.torch_threads:
+            torch.set_num_threads(config.torch_threads)
+        model = resolve_model(config.model)
+        model_config = AutoConfig.from_pretrained(model.source)
+        dht_name = config.dht_prefix or model.dht_name
+        identity = load_or_create_identity(config.identity_path)
+        dht = hivemind.DHT(
+            initial_peers=list(config.initial_peers),
+            host_maddrs=[f"/ip4/{config.host}/tcp/{config.port}"],
+            announce_maddrs=list(config.announce_maddrs) or None,
+            identity_path=identity.path,
+            record_validators=[PeerIdSignatureValidator(identity)],
+            start=True,
+        )
+        start, end = _choose_blocks(config, dht, dht_name, model_config.num_hidden_layers)
+        logger.info(f"Serving blocks {start}:{end} of {dht_name} as peer {dht.peer_id}")
+        loop = asyncio.get_running_loop()
+        span = await loop.run_in_executor(
+            None, load_span, model_config, Checkpoint(model.source), start, end, DTYPES[config.dtype], config.device
+        )
+        budget = CacheBudget(config.cache_tokens or default_cache_tokens(span.cache_bytes_per_token()))
+        p2p = await dht.replicate_p2p()
+        handler = SessionHandler(
+            p2p, span, budget, session_timeout=config.session_timeout, compression=COMPRESSION[config.compression]
+        )
+        await handler.start()
+        info = ServerInfo(
+            peer_id=dht.peer_id.to_base58(),
+            model=dht_name,
+            start_block=start,
+            end_block=end,
+            state=ServerState.ONLINE,
+            throughput=await loop.run_in_executor(None, measure_throughput, span),
+            cache_tokens=budget.total_tokens,
+            free_cache_tokens=budget.free_tokens,
+            version=_package_version(),
+            public_name=config.public_name,
+            dtype=config.dtype,
+            started_at=time.time(),
+        )
+        server = cls(config, dht, span, handler, info)
+        server._announce()
+        server._announcer = asyncio.create_task(server._announce_periodically())
+        logger.info(f"Ready: {span.cache_bytes_per_token()} cache bytes/token, budget {budget.total_tokens} tokens")
+        return server
+
+    def current_info(self, state: ServerState = ServerState.ONLINE) -> ServerInfo:
+        return msgspec.structs.replace(self.info, state=state, free_cache_tokens=self.handler.budget.free_tokens)
+
+    def _announce(self, state: ServerState = ServerState.ONLINE, expiration: Optional[float] = None) -> None:
+        announce(self.dht, self.current_info(state), expiration or 3 * self.config.update_period, wait=False)
+
+    async def _announce_periodically(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.update_period)
+            self._announce()
+
+    async def shutdown(self) -> None:
+        """Leave cleanly: say we are offline, close sessions, stop the DHT."""
+        if self._announcer is not None:
+            self._announcer.cancel()
+        try:
+            announce(self.dht, self.current_info(ServerState.OFFLINE), self.config.update_period, wait=True)
+        except Exception as e:
+            logger.warning(f"Could not announce going offline: {e!r}")
+        await self.handler.shutdown()
+        self.dht.shutdown()
+        logger.info("Server stopped")
+
+
+def _choose_blocks(config: ServerConfig, dht: hivemind.DHT, model: str, total: int) -> tuple[int, int]:
+    if config.blocks is not None:
+        start, end = config.blocks
+        if not 0 <= start < end <= total:
+            raise ValueError(f"--blocks {start}:{end} is outside the model's 0:{total}")
+        return start, end
+    length = min(config.num_blocks or total, total)
+    if length <= 0:
+        raise ValueError(f"--num-blocks must be positive, got {config.num_blocks}")
+    from swarm.routing import choose_best_span
+
+    servers = [s for s in fetch_servers(dht, model, total) if s.state == ServerState.ONLINE]
+    return choose_best_span(servers, total, length, my_throughput=1.0)
+
+
+def measure_throughput(span: SpanAdapter, num_steps: int = 8) -> float:
+    """Decode tokens/s of this span on its device (one position at a time, as in generation)."""
+    cache = span.new_cache()
+    hidden = torch.zeros(1, 1, *span.hidden_shape)
+    ids = torch.zeros(1, 1, dtype=torch.long)
+    blocks = range(span.start, span.end)
+    span.forward(hidden, ids, 0, cache, blocks)  # warm-up
+    began = time.perf_counter()
+    for position in range(1, num_steps + 1):
+        span.forward(hidden, ids, position, cache, blocks)
+    return num_steps / max(time.perf_counter() - began, 1e-9)
+
+
+def _package_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("specswarm")
+    except Exception:
+        return "0+unknown"

@@ -1,0 +1,169 @@
+"""One session's state on one server, and the computation of one run over its blocks.
+
+A session belongs to the stream that opened it: runs arrive on that stream in order, are checked
+on arrival (so a bad run is refused at once, naming what was wrong), and are computed strictly in
+run order by the session's worker. Everything here except :func:`compute_run` runs on the event
+loop; :func:`compute_run` runs in the server's compute thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from protocol.errors import ErrorCode, ProtocolError
+from protocol.messages import MAX_TOP_LOGPROBS, Hop, OpenSession, Step, StepResult
+from protocol.sampling import validate_sampling, verify
+from server.adapters import SpanAdapter, SpanCancelled
+
+
+@dataclass
+class QueuedRun:
+    step: Step
+    hidden: Optional[torch.Tensor]  # activations from upstream; None at the head
+    cancelled: bool = False
+
+
+@dataclass
+class ServerSession:
+    session_id: str
+    max_length: int
+    route: list[Hop]
+    hop_index: int
+    cache: object
+    history: list[int] = field(default_factory=list)  # token id at each position the cache holds
+    last_run_id: int = -1
+    expected_length: int = 0  # positions that will exist once every queued run is computed
+    queue: "asyncio.Queue[QueuedRun | None]" = field(default_factory=asyncio.Queue)
+    running: Optional[QueuedRun] = None
+    run_start: dict[int, int] = field(default_factory=dict)  # run id -> start_pos, recent runs
+    last_active: float = field(default_factory=time.monotonic)
+    closed: bool = False
+    upstream: Optional[object] = None  # the MessageStream this session arrived on
+    worker: Optional["asyncio.Task"] = None
+
+    @property
+    def hop(self) -> Hop:
+        return self.route[self.hop_index]
+
+    @property
+    def blocks(self) -> range:
+        return range(self.hop.start, self.hop.end)
+
+    @property
+    def next_hop(self) -> Optional[Hop]:
+        return self.route[self.hop_index + 1] if self.hop_index + 1 < len(self.route) else None
+
+    def touch(self) -> None:
+        self.last_active = time.monotonic()
+
+    def check_step(self, step: Step, hidden: Optional[torch.Tensor], span: SpanAdapter) -> None:
+        """Refuse a run that cannot be computed; raises ProtocolError naming the problem."""
+        if step.session_id != self.session_id:
+            raise ProtocolError(ErrorCode.UNKNOWN_SESSION, f"session {step.session_id!r} is not open on this stream")
+        if step.run_id <= self.last_run_id:
+            raise ProtocolError(
+                ErrorCode.RUN_ID_NOT_INCREASING,
+                f"run id {step.run_id} is not after the session's last run id {self.last_run_id}",
+            )
+        num_new = len(step.token_ids)
+        if num_new == 0 or not 0 <= step.n_draft < num_new:
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST,
+                f"a run needs at least one committed token before its drafts: {num_new} ids, n_draft={step.n_draft}",
+            )
+        if not 0 <= step.start_pos <= self.expected_length:
+            raise ProtocolError(
+                ErrorCode.START_POS_BEYOND_CACHE,
+                f"start_pos {step.start_pos} is beyond the {self.expected_length} positions this session holds",
+            )
+        if step.start_pos + num_new > self.max_length:
+            raise ProtocolError(
+                ErrorCode.TOO_LONG,
+                f"positions up to {step.start_pos + num_new} exceed the session's max_length {self.max_length}",
+            )
+        bad = [t for t in step.token_ids if not 0 <= t < span.vocab_size]
+        if bad:
+            raise ProtocolError(
+                ErrorCode.TOKEN_OUT_OF_VOCAB, f"token id {bad[0]} is outside the vocabulary [0, {span.vocab_size})"
+            )
+        if not 0 <= step.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
+        try:
+            validate_sampling(step.sampling)
+        except ValueError as e:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, str(e)) from None
+        expected_shape = (1, num_new, *span.hidden_shape)
+        if self.hop_index > 0 and (hidden is None or tuple(hidden.shape) != expected_shape):
+            got = None if hidden is None else tuple(hidden.shape)
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"activations of shape {got}, expected {expected_shape}")
+
+    def accept(self, step: Step) -> None:
+        """Record an accepted run's ids so later runs are checked against it."""
+        self.last_run_id = step.run_id
+        self.expected_length = step.start_pos + len(step.token_ids)
+        self.run_start[step.run_id] = step.start_pos
+        if len(self.run_start) > 256:
+            self.run_start.pop(next(iter(self.run_start)))
+
+    def cancel_from(self, run_id: int) -> Optional[int]:
+        """Mark run ``run_id`` and every later run received so far as cancelled.
+
+        Returns the earliest start_pos among the cancelled runs (where the cache must be
+        trimmed back to), or None when no run was affected.
+        """
+        affected = [r for r in self.run_start if r >= run_id]
+        for item in list(self.queue._queue) + [self.running]:  # noqa: SLF001 - we own this queue
+            if item is not None and item.step.run_id >= run_id:
+                item.cancelled = True
+        if not affected:
+            return None
+        trim_to = min(self.run_start[r] for r in affected)
+        self.expected_length = min(self.expected_length, trim_to)
+        return trim_to
+
+
+def compute_run(span: SpanAdapter, session: ServerSession, run: QueuedRun) -> torch.Tensor | StepResult:
+    """Run this server's blocks over a run's new positions; at the tail, verify its drafts.
+
+    The cache is first trimmed to ``start_pos``: that trim is the protocol's only rollback.
+    """
+    step = run.step
+    held = span.cache_length(session.cache)
+    if step.start_pos > held:
+        raise ProtocolError(
+            ErrorCode.START_POS_BEYOND_CACHE,
+            f"start_pos {step.start_pos} is beyond the {held} positions in this server's cache",
+        )
+    span.trim_cache(session.cache, step.start_pos)
+    del session.history[step.start_pos :]
+    token_ids = torch.tensor([step.token_ids], dtype=torch.long)
+    hidden = span.embed(token_ids) if session.hop_index == 0 else run.hidden
+
+    def check_cancelled() -> None:
+        if run.cancelled or session.closed:
+            raise SpanCancelled()
+
+    try:
+        hidden = span.forward(hidden, token_ids, step.start_pos, session.cache, session.blocks, check_cancelled)
+    except SpanCancelled:
+        span.trim_cache(session.cache, step.start_pos)
+        raise
+    session.history.extend(step.token_ids)
+    if session.next_hop is not None:
+        return hidden
+    logits = span.logits(hidden)  # [S, V]
+    accepted, next_token, logprobs = verify(
+        logits, session.history, step.start_pos, step.n_draft, step.sampling, step.top_logprobs
+    )
+    return StepResult(
+        session_id=session.session_id,
+        run_id=step.run_id,
+        accepted=accepted,
+        next_token=next_token,
+        logprobs=logprobs or None,
+    )

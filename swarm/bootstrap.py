@@ -1,0 +1,57 @@
+"""``python -m swarm.bootstrap --host 127.0.0.1 --port 0``: a DHT-only node for others to join.
+
+Prints its full multiaddrs on stdout, one per line, as soon as it is reachable (scripts read them);
+logs go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from swarm.cli_utils import setup_logging, stop_event_on_signals
+
+logger = logging.getLogger("swarm.bootstrap")
+
+
+async def run(args: argparse.Namespace) -> None:
+    import hivemind
+
+    from swarm.identity import load_or_create_identity
+    from swarm.validation import PeerIdSignatureValidator
+
+    identity = load_or_create_identity(args.identity_path)
+    stop = stop_event_on_signals()
+    dht = hivemind.DHT(
+        initial_peers=args.initial_peers,
+        host_maddrs=[f"/ip4/{args.host}/tcp/{args.port}"],
+        announce_maddrs=args.announce_maddrs or None,
+        identity_path=identity.path,
+        record_validators=[PeerIdSignatureValidator(identity)],
+        start=True,
+    )
+    for maddr in dht.get_visible_maddrs():
+        print(maddr, flush=True)
+    logger.info(f"Bootstrap peer {dht.peer_id} is up")
+    await stop.wait()
+    dht.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m swarm.bootstrap", description=__doc__)
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR")
+    p.add_argument("--announce-maddrs", nargs="*", default=[], metavar="MADDR")
+    p.add_argument("--identity-path", help="private key file; keeps the peer id (and addresses) across restarts")
+    p.add_argument("--log-level", default="INFO")
+    args = p.parse_args(argv)
+    setup_logging(args.log_level)
+    asyncio.run(run(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

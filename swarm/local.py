@@ -1,0 +1,232 @@
+"""``python -m swarm.local --model smollm2-135m --servers 3``: a whole swarm on 127.0.0.1.
+
+Starts a bootstrap node and N servers splitting the blocks evenly (as separate processes, exactly
+as volunteers would run them), prints the initial peers, and stops everything on Ctrl-C or
+SIGTERM. With ``--prompt`` it also generates from the prompt with speculation and prints the text,
+tokens/s and laps, then exits. With ``--hop-delay-ms D`` every server sits behind a TCP delay proxy
+(WAN emulation), so one lap crosses servers + 1 delayed links.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Optional, Sequence
+
+from swarm.cli_utils import setup_logging
+
+logger = logging.getLogger("swarm.local")
+
+
+def even_spans(num_blocks: int, num_servers: int) -> list[tuple[int, int]]:
+    """Split blocks into contiguous spans whose sizes differ by at most one."""
+    if not 1 <= num_servers <= num_blocks:
+        raise ValueError(f"cannot split {num_blocks} blocks over {num_servers} servers")
+    bounds = [round(i * num_blocks / num_servers) for i in range(num_servers + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalSwarm:
+    """A bootstrap node plus servers on 127.0.0.1, each its own process; a context manager.
+
+    ``spans`` gives each server's blocks explicitly (overlaps allowed); by default the blocks are
+    split evenly over ``num_servers``.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        num_servers: int = 3,
+        *,
+        spans: Optional[Sequence[tuple[int, int]]] = None,
+        hop_delay_ms: float = 0.0,
+        server_args: Sequence[str] = (),
+        ready_timeout: float = 300.0,
+        log_dir: Optional[str] = None,
+        names: Optional[Sequence[str]] = None,
+    ):
+        self.model, self.num_servers, self.spans = model, num_servers, list(spans) if spans else None
+        self.hop_delay_ms, self.server_args = hop_delay_ms, list(server_args)
+        self.ready_timeout = ready_timeout
+        self.log_dir = log_dir
+        self.names = list(names) if names else None
+        self.bootstrap: Optional[subprocess.Popen] = None
+        self.servers: list[subprocess.Popen] = []
+        self.proxies: list = []
+        self.initial_peers: list[str] = []
+        self.dht_name = ""
+        self.num_blocks = 0
+
+    def __enter__(self) -> "LocalSwarm":
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        from transformers import AutoConfig
+
+        from swarm.models import resolve_model
+
+        resolved = resolve_model(self.model)  # converts the embedded model once, before the servers start
+        self.dht_name = resolved.dht_name
+        self.num_blocks = AutoConfig.from_pretrained(resolved.source).num_hidden_layers
+        self.spans = self.spans or even_spans(self.num_blocks, self.num_servers)
+        self._start_bootstrap()
+        for index, (start, end) in enumerate(self.spans):
+            self.start_server(start, end, name=self.names[index] if self.names else f"local-{index}")
+        self.wait_ready()
+
+    def _popen(self, args: list[str], name: str, stdout=None) -> subprocess.Popen:
+        stderr = None
+        if self.log_dir:
+            os.makedirs(self.log_dir, exist_ok=True)
+            stderr = open(os.path.join(self.log_dir, f"{name}.log"), "w")
+        return subprocess.Popen(
+            [sys.executable, "-m", *args], stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL, start_new_session=True
+        )
+
+    def _start_bootstrap(self) -> None:
+        self.bootstrap = self._popen(["swarm.bootstrap", "--host", "127.0.0.1", "--port", "0"], "bootstrap", subprocess.PIPE)
+        line = self.bootstrap.stdout.readline().decode().strip()
+        if not line:
+            raise RuntimeError("the bootstrap node exited before printing its address")
+        self.initial_peers = [line]
+
+    def start_server(self, start: int, end: int, name: str = "server", extra: Sequence[str] = ()) -> subprocess.Popen:
+        port = free_port()
+        args = [
+            "swarm.server", "--model", self.model, "--initial-peers", *self.initial_peers,
+            "--blocks", f"{start}:{end}", "--host", "127.0.0.1", "--port", str(port),
+            "--public-name", name, *self.server_args, *extra,
+        ]  # fmt: skip
+        if self.hop_delay_ms > 0:
+            from swarm.delay_proxy import ThreadedDelayProxy
+
+            proxy = ThreadedDelayProxy("127.0.0.1", port, self.hop_delay_ms)
+            proxy.start()
+            self.proxies.append(proxy)
+            args += ["--announce-maddrs", f"/ip4/127.0.0.1/tcp/{proxy.listen_port}"]
+        process = self._popen(args, name)
+        self.servers.append(process)
+        return process
+
+    def wait_ready(self, expected: Optional[int] = None) -> None:
+        """Block until the DHT lists every server as online (or one of them died)."""
+        import hivemind
+
+        from swarm.dht_records import fetch_servers
+        from swarm.records import ServerState
+        from swarm.validation import PeerIdSignatureValidator
+
+        expected = expected or len(self.servers)
+        dht = hivemind.DHT(initial_peers=self.initial_peers, client_mode=True, start=True,
+                           record_validators=[PeerIdSignatureValidator()])  # fmt: skip
+        try:
+            deadline = time.monotonic() + self.ready_timeout
+            while time.monotonic() < deadline:
+                dead = [p for p in self.servers if p.poll() is not None]
+                if dead:
+                    raise RuntimeError(f"a server exited with code {dead[0].returncode} during start-up")
+                online = [s for s in fetch_servers(dht, self.dht_name, self.num_blocks) if s.state == ServerState.ONLINE]
+                if len(online) >= expected:
+                    return
+                time.sleep(0.5)
+            raise TimeoutError(f"servers did not come up within {self.ready_timeout:.0f} s")
+        finally:
+            dht.shutdown()
+
+    def stop(self) -> None:
+        """SIGTERM everything (servers leave cleanly), then SIGKILL what is left."""
+        processes = [p for p in self.servers + [self.bootstrap] if p is not None]
+        for process in processes:
+            if process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 20
+        for process in processes:
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+        for proxy in self.proxies:
+            proxy.stop()
+        self.proxies.clear()
+
+
+def run_demo(swarm: LocalSwarm, prompt: str, max_new_tokens: int, speculation: Optional[str]) -> None:
+    from swarm import AutoDistributedModelForCausalLM
+
+    model = AutoDistributedModelForCausalLM.from_pretrained(swarm.model, initial_peers=swarm.initial_peers)
+    tokenizer = model.tokenizer
+    messages = [{"role": "user", "content": prompt}]
+    input_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    for mode in ([None, speculation] if speculation else [None]):
+        output = model.generate(input_ids, max_new_tokens=max_new_tokens, speculation=mode)
+        stats = model.last_generation_stats
+        text = tokenizer.decode(output[0, input_ids.shape[1]:], skip_special_tokens=True)
+        print(f"\n=== speculation={mode} ===")
+        print(text)
+        print(
+            f"--- {stats.new_tokens} tokens in {stats.wall_time:.2f} s ({stats.tokens_per_second:.1f} tokens/s), "
+            f"{stats.laps} laps, {stats.accepted_per_lap:.2f} tokens/lap, drafted {stats.drafted}, "
+            f"accepted {stats.accepted}, {stats.bytes_up / max(stats.laps, 1):.0f} B up/lap, "
+            f"route {' -> '.join(f'{p[:8]}[{a}:{b})' for p, a, b in stats.route)}",
+            flush=True,
+        )
+    model.shutdown()
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m swarm.local", description=__doc__)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--servers", type=int, default=3)
+    p.add_argument("--hop-delay-ms", type=float, default=0.0, help="one-way delay in front of every server")
+    p.add_argument("--prompt", help="generate from this prompt, print the result and exit")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--speculation", default="suffix", help="suffix, ngram or none (compared against none)")
+    p.add_argument("--log-dir", help="write each process's log to a file here")
+    p.add_argument("--log-level", default="WARNING")
+    args = p.parse_args(argv)
+    setup_logging(args.log_level)
+    speculation = None if args.speculation.lower() == "none" else args.speculation
+    stop = {"now": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+    server_args = ["--log-level", args.log_level, "--torch-threads", "1"]
+    with LocalSwarm(args.model, args.servers, hop_delay_ms=args.hop_delay_ms, server_args=server_args, log_dir=args.log_dir) as swarm:
+        print(f"Local swarm of {args.model}: {len(swarm.servers)} servers, blocks {swarm.spans}", flush=True)
+        print("Initial peers:", *swarm.initial_peers, flush=True)
+        if args.prompt:
+            run_demo(swarm, args.prompt, args.max_new_tokens, speculation)
+            return 0
+        print("Press Ctrl-C to stop.", flush=True)
+        try:
+            while not stop["now"]:
+                time.sleep(0.5)
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

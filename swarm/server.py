@@ -1,0 +1,85 @@
+"""``python -m swarm.server --model NAME_OR_PATH --initial-peers MADDR ...``: serve a span of blocks."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from swarm.cli_utils import parse_blocks, setup_logging, stop_event_on_signals
+
+logger = logging.getLogger("swarm.server")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m swarm.server", description=__doc__)
+    p.add_argument("--model", required=True, help="alias (smollm2-135m, deepseek-v4-pro, ...), hub repo id or local folder")
+    p.add_argument("--initial-peers", nargs="+", default=[], metavar="MADDR", help="multiaddrs of peers in the swarm")
+    p.add_argument("--new-swarm", action="store_true", help="start a new swarm instead of joining one")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--blocks", type=parse_blocks, help="serve blocks START:END (end exclusive)")
+    group.add_argument("--num-blocks", type=int, help="serve this many blocks, placed where the swarm needs them most")
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    p.add_argument("--port", type=int, default=0, help="TCP port to listen on (0: any free port)")
+    p.add_argument("--announce-maddrs", nargs="+", default=[], metavar="MADDR", help="addresses other peers should dial")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--public-name", help="a name shown on the health dashboard")
+    p.add_argument("--cache-tokens", type=int, help="KV cache budget in tokens (default: from free memory)")
+    p.add_argument("--identity-path", help="private key file; keeps the peer id across restarts")
+    p.add_argument("--dht-prefix", help="the model's name in the DHT (default: from --model)")
+    p.add_argument("--compression", default="none", choices=["none", "float16", "blockwise8"],
+                   help="compression of activations sent to the next server (none keeps outputs exact)")
+    p.add_argument("--update-period", type=float, default=15.0, help="seconds between DHT announcements")
+    p.add_argument("--session-timeout", type=float, default=600.0, help="free sessions idle this long (s)")
+    p.add_argument("--torch-threads", type=int, help="torch CPU threads")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+async def serve(args: argparse.Namespace) -> None:
+    from server.server import ServerConfig, SpanServer
+
+    config = ServerConfig(
+        model=args.model,
+        initial_peers=args.initial_peers,
+        new_swarm=args.new_swarm,
+        blocks=args.blocks,
+        num_blocks=args.num_blocks,
+        host=args.host,
+        port=args.port,
+        announce_maddrs=args.announce_maddrs,
+        device=args.device,
+        dtype=args.dtype,
+        public_name=args.public_name,
+        cache_tokens=args.cache_tokens,
+        identity_path=args.identity_path,
+        update_period=args.update_period,
+        session_timeout=args.session_timeout,
+        compression=args.compression,
+        torch_threads=args.torch_threads,
+        dht_prefix=args.dht_prefix,
+    )
+    stop = stop_event_on_signals()
+    server = await SpanServer.create(config)
+    for maddr in server.dht.get_visible_maddrs():
+        logger.info(f"Listening on {maddr}")
+    await stop.wait()
+    logger.info("Shutting down")
+    await server.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level)
+    try:
+        asyncio.run(serve(args))
+    except (ValueError, RuntimeError, OSError) as e:
+        logger.error(str(e))
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

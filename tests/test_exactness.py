@@ -1,0 +1,136 @@
+"""Generation through real servers equals local transformers, token for token (float32)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from client.drafters import Drafter
+from protocol.messages import SamplingParams
+from protocol.sampling import choose_token
+from tests.conftest import PinnedRoute
+
+PROMPT = [[1, 504, 3458, 282, 4649, 314, 253, 1345, 30, 657, 506]]
+
+ROUTES = {
+    "two servers": [("A", 0, 3), ("B", 3, 6)],
+    "three servers, uneven": [("C", 0, 1), ("D", 1, 4), ("B", 4, 6)],
+    "overlapping spans": [("A", 0, 3), ("E", 3, 6)],
+    "overlap, sub-ranges": [("C", 0, 1), ("D", 1, 2), ("E", 2, 6)],
+}
+
+
+@contextlib.contextmanager
+def pinned(model, hops):
+    saved = model.swarm.router
+    model.swarm.router = PinnedRoute(model, hops)
+    try:
+        yield
+    finally:
+        model.swarm.router = saved
+
+
+def reference_sample(reference, prompt: list[int], max_new_tokens: int, params: SamplingParams) -> list[int]:
+    """The reference sampler, one token at a time over the full context (no cache, no drafts)."""
+    tokens = list(prompt)
+    for _ in range(max_new_tokens):
+        with torch.no_grad():
+            logits = reference(torch.tensor([tokens])).logits[0, -1]
+        tokens.append(choose_token(logits, tokens, len(tokens), params))
+    return tokens[len(prompt) :]
+
+
+@pytest.mark.parametrize("route", list(ROUTES), ids=list(ROUTES))
+def test_greedy_equals_transformers(tiny_model, tiny_reference, route):
+    expected = tiny_reference.generate(torch.tensor(PROMPT), max_new_tokens=24, do_sample=False)
+    with pinned(tiny_model, ROUTES[route]):
+        output = tiny_model.generate(torch.tensor(PROMPT), max_new_tokens=24, speculation=None)
+    assert output.tolist() == expected.tolist()
+    stats = tiny_model.last_generation_stats
+    assert stats.laps == 24 and stats.new_tokens == 24
+    assert [hop[1:] for hop in stats.route] == [hop[1:] for hop in ROUTES[route]]
+
+
+@pytest.mark.parametrize("route", ["two servers", "three servers, uneven"])
+def test_seeded_sampling_equals_reference_sampler(tiny_model, tiny_reference, route):
+    params = SamplingParams(do_sample=True, temperature=0.8, top_p=0.9, seed=1234)
+    expected = reference_sample(tiny_reference, PROMPT[0], 20, params)
+    with pinned(tiny_model, ROUTES[route]):
+        output = tiny_model.generate(
+            torch.tensor(PROMPT), max_new_tokens=20, do_sample=True, temperature=0.8, top_p=0.9, seed=1234
+        )
+    assert output[0, len(PROMPT[0]) :].tolist() == expected
+    with pinned(tiny_model, ROUTES[route]):  # another seed gives another sequence
+        other = tiny_model.generate(torch.tensor(PROMPT), max_new_tokens=20, do_sample=True, temperature=0.8, top_p=0.9, seed=99)
+    assert other[0, len(PROMPT[0]) :].tolist() != expected
+
+
+class ScriptedDrafter(Drafter):
+    """Drafts from a known continuation, right or deliberately wrong at chosen offsets."""
+
+    def __init__(self, truth: list[int], prompt_len: int, wrong_at: set[int] = frozenset(), length: int = 4):
+        self.truth, self.prompt_len, self.wrong_at, self.length = truth, prompt_len, wrong_at, length
+        self.position = 0
+
+    def reset(self, context):
+        self.position = len(context) - self.prompt_len
+
+    def extend(self, new_tokens):
+        self.position += len(new_tokens)
+
+    def propose(self, max_tokens):
+        drafts = self.truth[self.position : self.position + min(max_tokens, self.length)]
+        return [(t + 1) % 1000 if self.position + i in self.wrong_at else t for i, t in enumerate(drafts)]
+
+    def observe(self, drafted, accepted):
+        pass
+
+    def finish(self):
+        pass
+
+
+@pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("case", ["all right", "all wrong", "half right"])
+def test_supplied_drafts_never_change_the_output(tiny_model, tiny_reference, monkeypatch, case, sampling):
+    kwargs = dict(do_sample=True, temperature=0.8, top_p=0.9, seed=7) if sampling else {}
+    with pinned(tiny_model, ROUTES["three servers, uneven"]):
+        plain = tiny_model.generate(torch.tensor(PROMPT), max_new_tokens=16, speculation=None, **kwargs)
+    truth = plain[0, len(PROMPT[0]) :].tolist()
+    wrong_at = {"all right": set(), "all wrong": set(range(16)), "half right": set(range(2, 16, 4)) | set(range(3, 16, 4))}[case]
+    drafter = ScriptedDrafter(truth, len(PROMPT[0]), wrong_at, length=4)
+    monkeypatch.setattr("client.model.make_drafter", lambda *a, **k: drafter)
+    with pinned(tiny_model, ROUTES["three servers, uneven"]):
+        output = tiny_model.generate(torch.tensor(PROMPT), max_new_tokens=16, num_draft_tokens=4, **kwargs)
+    assert output.tolist() == plain.tolist()
+    stats = tiny_model.last_generation_stats
+    if case == "all right":  # 4 drafts + the bonus token per lap
+        assert stats.accepted == stats.drafted and stats.laps == 4
+    elif case == "all wrong":
+        assert stats.accepted == 0 and stats.laps == 16
+    else:  # drafts 0,1 right and 2,3 wrong in every window of 4: 2 accepted + 1 own token per lap
+        assert set(stats.accepted_lengths) <= {2} | {min(2, 16 - stats.new_tokens)} and stats.accepted >= 8
+
+
+def test_inference_session_continues_like_one_call(tiny_model, tiny_reference):
+    with pinned(tiny_model, ROUTES["two servers"]):
+        whole = tiny_model.generate(torch.tensor(PROMPT), max_new_tokens=20, speculation=None)
+        with tiny_model.inference_session(max_length=128):
+            first = tiny_model.generate(torch.tensor(PROMPT), max_new_tokens=8, speculation=None)
+            laps_first = tiny_model.last_generation_stats
+            second = tiny_model.generate(first, max_new_tokens=12, speculation=None)
+            stats = tiny_model.last_generation_stats
+    assert second.tolist() == whole.tolist()
+    assert laps_first.laps == 8 and stats.laps == 12
+    assert stats.bytes_up < laps_first.bytes_up * 2  # the second call did not resend the prompt
+
+
+def test_smollm2_greedy_64_tokens_equals_transformers(smol_model, smol_reference):
+    tokenizer = smol_model.tokenizer
+    messages = [{"role": "user", "content": "Write a long story about a dragon who learns to paint."}]
+    input_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    expected = smol_reference.generate(input_ids, max_new_tokens=64, do_sample=False)
+    output = smol_model.generate(input_ids, max_new_tokens=64, speculation=None)
+    assert output.tolist() == expected.tolist()
+    assert smol_model.last_generation_stats.new_tokens == 64
