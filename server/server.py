@@ -116,10 +116,15 @@ class SpanServer:
         return server
 
     def current_info(self, state: ServerState = ServerState.ONLINE) -> ServerInfo:
-        return msgspec.structs.replace(self.info, state=state, free_cache_tokens=self.handler.budget.free_tokens)
+        stats = self.handler.stats
+        return msgspec.structs.replace(
+            self.info, state=state, free_cache_tokens=self.handler.budget.free_tokens, laps_served=stats["runs"],
+            accepted_tokens=stats["accepted_tokens"], cancelled_runs=stats["cancelled_runs"],
+        )  # fmt: skip
 
     def _announce(self, state: ServerState = ServerState.ONLINE, expiration: Optional[float] = None) -> None:
-        announce(self.dht, self.current_info(state), expiration or 3 * self.config.update_period, wait=False)
+        expiration = expiration or 3 * self.config.update_period
+        announce(self.dht, self.current_info(state), expiration, wait=False, num_blocks=self.span.num_blocks)
 
     async def _announce_periodically(self) -> None:
         while True:
@@ -131,7 +136,8 @@ class SpanServer:
         if self._announcer is not None:
             self._announcer.cancel()
         try:
-            announce(self.dht, self.current_info(ServerState.OFFLINE), self.config.update_period, wait=True)
+            info = self.current_info(ServerState.OFFLINE)
+            announce(self.dht, info, self.config.update_period, wait=True, num_blocks=self.span.num_blocks)
         except Exception as e:
             logger.warning(f"Could not announce going offline: {e!r}")
         await self.handler.shutdown()

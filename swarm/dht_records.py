@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from functools import partial
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import msgspec
 from hivemind import DHT
@@ -20,11 +20,15 @@ from swarm.records import MODELS_KEY, ServerInfo, block_key
 logger = logging.getLogger(__name__)
 
 
-def announce(dht: DHT, info: ServerInfo, expiration: float, wait: bool = True) -> Any:
-    """Store ``info`` under each of its blocks' keys (subkey: its peer id) and the model registry."""
+def announce(
+    dht: DHT, info: ServerInfo, expiration: float, wait: bool = True, num_blocks: Optional[int] = None
+) -> Any:
+    """Store ``info`` under each of its blocks' keys (subkey: its peer id) and the model registry
+    (subkey: the model, value: its ``num_blocks``, so readers such as the dashboard know the
+    block keys to read)."""
     keys = [block_key(info.model, block) for block in info.span] + [MODELS_KEY]
     subkeys: list[Any] = [info.peer_id] * len(info.span) + [info.model]
-    values: list[Any] = [info.to_dict()] * len(info.span) + [{"num_blocks": None}]
+    values: list[Any] = [info.to_dict()] * len(info.span) + [{"num_blocks": num_blocks}]
     return dht.run_coroutine(
         partial(_store_many, keys=keys, subkeys=subkeys, values=values, expiration=expiration),
         return_future=not wait,
@@ -59,10 +63,22 @@ async def _get_many(dht: DHT, node: DHTNode, keys: Sequence[str], latest: bool) 
 
 
 def fetch_models(dht: DHT) -> list[str]:
+    return sorted(fetch_model_registry(dht))
+
+
+def fetch_model_registry(dht: DHT) -> dict[str, Optional[int]]:
+    """Model name -> its number of blocks, for every model some server announced recently
+    (``None`` where the announcing server was too old to say)."""
     entry = dht.get(MODELS_KEY, latest=True)
     if entry is None or not isinstance(entry.value, dict):
-        return []
-    return sorted(str(name) for name in entry.value)
+        return {}
+    registry: dict[str, Optional[int]] = {}
+    for name, item in entry.value.items():
+        value = getattr(item, "value", None)
+        num_blocks = value.get("num_blocks") if isinstance(value, dict) else None
+        valid = isinstance(num_blocks, int) and not isinstance(num_blocks, bool) and num_blocks > 0
+        registry[str(name)] = num_blocks if valid else None
+    return registry
 
 
 def _parse(subkey: Any, value: Any, model: str) -> ServerInfo | None:

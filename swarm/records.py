@@ -45,6 +45,10 @@ class ServerInfo(msgspec.Struct, frozen=True, kw_only=True):
     using_relay: bool = False
     next_pings: dict[str, float] = {}  # peer id -> RTT in seconds, measured by this server
     started_at: float = 0.0  # unix time the server came up
+    # Counters since start-up, for the dashboard's speculation figures (a tail server's runs are laps)
+    laps_served: int = 0  # runs computed and passed on (by the tail: answered)
+    accepted_tokens: int = 0  # tokens committed by the tail's results: accepted drafts + 1 per lap
+    cancelled_runs: int = 0
 
     @property
     def span(self) -> range:
@@ -63,4 +67,4 @@ def block_key(model: str, block: int) -> str:
     return f"{model}.{block}"
 
 
-MODELS_KEY = "_specswarm.models"  # subkey: model name, value: {"num_blocks": N}
+MODELS_KEY = "_specswarm.models"  # subkey: model name, value: {"num_blocks": N} (None from older servers)

@@ -134,3 +134,37 @@ def test_smollm2_greedy_64_tokens_equals_transformers(smol_model, smol_reference
     output = smol_model.generate(input_ids, max_new_tokens=64, speculation=None)
     assert output.tolist() == expected.tolist()
     assert smol_model.last_generation_stats.new_tokens == 64
+
+
+@pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("speculation", ["ngram", "suffix"])
+def test_every_drafter_mode_matches_no_speculation_tiny(tiny_model, speculation, sampling):
+    kwargs = dict(do_sample=True, temperature=0.8, top_p=0.9, seed=11) if sampling else {}
+    prompt = torch.tensor([PROMPT[0] * 3])  # repeats, so the drafters find something to propose
+    with pinned(tiny_model, ROUTES["two servers"]):
+        plain = tiny_model.generate(prompt, max_new_tokens=24, speculation=None, **kwargs)
+        drafted = tiny_model.generate(prompt, max_new_tokens=24, speculation=speculation, **kwargs)
+    assert drafted.tolist() == plain.tolist()
+    assert tiny_model.last_generation_stats.drafted > 0
+
+
+CODE_PROMPT = (
+    "Rename the variable `total` to `running_sum` in this function and change nothing else:\n\n"
+    "def accumulate(values):\n    total = 0\n    for value in values:\n        total = total + value\n"
+    "    return total\n"
+)
+
+
+@pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("speculation", ["ngram", "suffix"])
+def test_every_drafter_mode_matches_no_speculation_smollm2(smol_model, speculation, sampling):
+    kwargs = dict(do_sample=True, temperature=0.8, top_p=0.9, seed=5) if sampling else {}
+    messages = [{"role": "user", "content": CODE_PROMPT}]
+    input_ids = smol_model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    plain = smol_model.generate(input_ids, max_new_tokens=48, speculation=None, **kwargs)
+    plain_laps = smol_model.last_generation_stats.laps
+    drafted = smol_model.generate(input_ids, max_new_tokens=48, speculation=speculation, **kwargs)
+    stats = smol_model.last_generation_stats
+    assert drafted.tolist() == plain.tolist()
+    if not sampling:  # the answer repeats the prompt's code: drafts are accepted and laps drop
+        assert stats.accepted > 0 and stats.laps < plain_laps
