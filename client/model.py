@@ -6,10 +6,12 @@ argument names and returns what transformers returns; speculation and routing ar
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import contextlib
 import logging
-from typing import Any, Iterator, Optional, Sequence, Union
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Iterator, Optional, Sequence, Union
 
 import torch
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
@@ -19,13 +21,23 @@ from client import _loop
 from client._generation import GenerationStats, SessionState, SpeculativeDecoder
 from client._swarm import SwarmClient
 from client.drafters import SuffixStore, make_drafter
-from protocol.messages import SamplingParams
+from protocol.messages import SamplingParams, TokenLogprobs
 from protocol.sampling import validate_sampling
 from swarm.models import resolve_model
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_LENGTH = 2048
+
+
+@dataclass
+class GeneratedChunk:
+    """One lap's output from ``agenerate_stream``: the tokens it accepted (several with speculation),
+    their log-probs when asked for, and the generation's running stats (final once the stream ends)."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs]
+    stats: GenerationStats
 
 
 class AutoDistributedModelForCausalLM:
@@ -115,18 +127,9 @@ class AutoDistributedModelForCausalLM:
             max_new_tokens = max_length - input_ids.shape[1]
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        sampling = SamplingParams(
-            do_sample=do_sample,
-            temperature=temperature,
-            top_k=top_k or 0,
-            top_p=top_p,
-            min_p=min_p,
-            repetition_penalty=repetition_penalty,
-            seed=seed if seed is not None else int(torch.randint(0, 2**31 - 1, ()).item()),
-        )
-        validate_sampling(sampling)
+        sampling = _sampling_params(do_sample, temperature, top_k, top_p, min_p, repetition_penalty, seed)
         eos = self._eos_ids(eos_token_id)
-        corpus = [self.tokenizer.encode(c, add_special_tokens=False) if isinstance(c, str) else list(c) for c in draft_corpus]
+        corpus = self._corpus(draft_corpus)
         rows = []
         for row in input_ids.tolist():
             rows.append(row + self._generate_row(row, max_new_tokens, sampling, eos, streamer, speculation, num_draft_tokens, corpus, num_logprobs))
@@ -166,6 +169,93 @@ class AutoDistributedModelForCausalLM:
                 streamer.end()
         return new
 
+    async def agenerate_stream(
+        self,
+        input_ids: Sequence[int],
+        *,
+        max_new_tokens: int = 20,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: Optional[int] = None,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        seed: Optional[int] = None,
+        eos_token_id: Union[int, Sequence[int], None] = None,
+        speculation: Optional[str] = "suffix",
+        num_draft_tokens: int = 8,
+        draft_corpus: Sequence[Union[str, Sequence[int]]] = (),
+        num_logprobs: int = 0,
+    ) -> AsyncIterator[GeneratedChunk]:
+        """The asyncio twin of ``generate`` for one sequence of ids: yields each lap's tokens as soon
+        as the tail accepts them. Same arguments and seed handling, so the tokens equal ``generate``'s.
+
+        Usable from any event loop (the swarm I/O stays on the client's loop thread), and safe to run
+        many at once on one model; it never touches ``inference_session`` or ``last_*``. Closing it
+        early (``aclose()``, or cancelling the task iterating it) stops the decoder and returns only
+        after the session is closed on every server.
+        """
+        row = self._check_input(torch.as_tensor([list(input_ids)]))[0].tolist()
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        sampling = _sampling_params(do_sample, temperature, top_k, top_p, min_p, repetition_penalty, seed)
+        eos = self._eos_ids(eos_token_id)
+        drafter = make_drafter(speculation, num_draft_tokens=num_draft_tokens, corpus=self._corpus(draft_corpus),
+                               store=self._suffix_store, eos_token_ids=eos)  # fmt: skip
+        state = SessionState(max_length=min(len(row) + max_new_tokens + num_draft_tokens + 1, self._context_limit()))
+        caller, laps = asyncio.get_running_loop(), asyncio.Queue()
+
+        def post(item: Optional[GeneratedChunk]) -> None:  # client loop -> caller's loop
+            caller.call_soon_threadsafe(laps.put_nowait, item)
+
+        def on_tokens(new: list[int]) -> None:
+            post(GeneratedChunk(new, decoder.logprobs[-len(new) :] if num_logprobs else [], decoder.stats))
+
+        decoder = SpeculativeDecoder(self.swarm, state, sampling, drafter=drafter, num_draft_tokens=num_draft_tokens,
+                                     eos_token_ids=eos, num_logprobs=num_logprobs, on_tokens=on_tokens)  # fmt: skip
+        control: dict[str, Any] = {}
+
+        async def decode() -> None:  # runs on the client loop; always ends by posting None
+            control["task"] = asyncio.current_task()
+            try:
+                if not control.get("cancelled"):
+                    await decoder.generate(row, max_new_tokens)
+            except Exception as e:
+                control["error"] = e
+            finally:
+                try:
+                    if state.remote is not None:
+                        await self.swarm.close_session(state.remote)
+                finally:
+                    post(None)
+
+        def cancel() -> None:  # runs on the client loop, so it cannot race decode()'s first line
+            control["cancelled"] = True
+            if control.get("task") is not None:
+                control["task"].cancel()
+
+        asyncio.run_coroutine_threadsafe(decode(), _loop.get_loop())
+        ended = False
+        try:
+            while (chunk := await laps.get()) is not None:
+                yield chunk
+            ended = True
+            if "error" in control:
+                raise control["error"]
+        finally:
+            if not ended:
+                _loop.get_loop().call_soon_threadsafe(cancel)
+                while await laps.get() is not None:  # the session is closed once None arrives
+                    pass
+
+    def _corpus(self, draft_corpus: Sequence[Union[str, Sequence[int]]]) -> list[list[int]]:
+        return [self.tokenizer.encode(c, add_special_tokens=False) if isinstance(c, str) else list(c) for c in draft_corpus]
+
+    @property
+    def context_length(self) -> int:
+        """The most positions (prompt + new tokens) one sequence may hold."""
+        return self._context_limit()
+
     def _check_input(self, input_ids: Optional[torch.Tensor]) -> torch.Tensor:
         if input_ids is None:
             if self._session is None or not self._session.history:
@@ -193,12 +283,31 @@ class AutoDistributedModelForCausalLM:
     def _context_limit(self) -> int:
         return int(getattr(self.config, "max_position_embeddings", None) or DEFAULT_MAX_LENGTH)
 
+    def reset_draft_store(self) -> None:
+        """Forget earlier outputs the suffix drafter learned from (benchmarks compare modes fairly)."""
+        self._suffix_store = SuffixStore()
+
     def shutdown(self) -> None:
         """Leave the swarm (also done at interpreter exit)."""
         if not self._closed:
             self._closed = True
             atexit.unregister(self.shutdown)
             _loop.run(self.swarm.aclose())
+
+
+def _sampling_params(do_sample, temperature, top_k, top_p, min_p, repetition_penalty, seed) -> SamplingParams:
+    """transformers' arguments -> the wire's SamplingParams; no seed draws a random one."""
+    sampling = SamplingParams(
+        do_sample=do_sample,
+        temperature=temperature,
+        top_k=top_k or 0,
+        top_p=top_p,
+        min_p=min_p,
+        repetition_penalty=repetition_penalty,
+        seed=seed if seed is not None else int(torch.randint(0, 2**31 - 1, ()).item()),
+    )
+    validate_sampling(sampling)
+    return sampling
 
 
 def _pad(rows: list[list[int]], pad_id: int) -> torch.Tensor:

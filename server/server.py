@@ -120,6 +120,7 @@ class SpanServer:
         return msgspec.structs.replace(
             self.info, state=state, free_cache_tokens=self.handler.budget.free_tokens, laps_served=stats["runs"],
             accepted_tokens=stats["accepted_tokens"], cancelled_runs=stats["cancelled_runs"],
+            open_sessions=len(self.handler.sessions),
         )  # fmt: skip
 
     def _announce(self, state: ServerState = ServerState.ONLINE, expiration: Optional[float] = None) -> None:

@@ -1,8 +1,8 @@
 """``python -m swarm.local --model smollm2-135m --servers 3``: a whole swarm on 127.0.0.1.
 
 Starts a bootstrap node and N servers splitting the blocks evenly (as separate processes, exactly
-as volunteers would run them), prints the initial peers, and stops everything on Ctrl-C or
-SIGTERM. With ``--prompt`` it also generates from the prompt with speculation and prints the text,
+as volunteers would run them) and a health dashboard, prints the initial peers and the
+dashboard's URL, and stops everything on Ctrl-C or SIGTERM. With ``--prompt`` it also generates from the prompt with speculation and prints the text,
 tokens/s and laps, then exits. With ``--hop-delay-ms D`` every server sits behind a TCP delay proxy
 (WAN emulation), so one lap crosses servers + 1 delayed links.
 """
@@ -57,12 +57,20 @@ class LocalSwarm:
         ready_timeout: float = 300.0,
         log_dir: Optional[str] = None,
         names: Optional[Sequence[str]] = None,
+        dashboard_port: Optional[int] = None,
+        api_port: Optional[int] = None,
     ):
         self.model, self.num_servers, self.spans = model, num_servers, list(spans) if spans else None
         self.hop_delay_ms, self.server_args = hop_delay_ms, list(server_args)
         self.ready_timeout = ready_timeout
         self.log_dir = log_dir
         self.names = list(names) if names else None
+        self.dashboard_port = dashboard_port  # None: no dashboard; 0: any free port
+        self.dashboard: Optional[subprocess.Popen] = None
+        self.dashboard_url = ""
+        self.api_port = api_port  # None: no OpenAI-compatible gateway; 0: any free port
+        self.api: Optional[subprocess.Popen] = None
+        self.api_url = ""
         self.bootstrap: Optional[subprocess.Popen] = None
         self.servers: list[subprocess.Popen] = []
         self.proxies: list = []
@@ -94,6 +102,10 @@ class LocalSwarm:
         for index, (start, end) in enumerate(self.spans):
             self.start_server(start, end, name=self.names[index] if self.names else f"local-{index}")
         self.wait_ready()
+        if self.dashboard_port is not None:
+            self.start_dashboard(self.dashboard_port)
+        if self.api_port is not None:
+            self.start_api(self.api_port)
 
     def _popen(self, args: list[str], name: str, stdout=None) -> subprocess.Popen:
         stderr = None
@@ -105,11 +117,17 @@ class LocalSwarm:
         )
 
     def _start_bootstrap(self) -> None:
-        self.bootstrap = self._popen(["swarm.bootstrap", "--host", "127.0.0.1", "--port", "0"], "bootstrap", subprocess.PIPE)
+        args = ["swarm.bootstrap", "--host", "127.0.0.1", "--port", "0", *self._log_level_args()]
+        self.bootstrap = self._popen(args, "bootstrap", subprocess.PIPE)
         line = self.bootstrap.stdout.readline().decode().strip()
         if not line:
             raise RuntimeError("the bootstrap node exited before printing its address")
         self.initial_peers = [line]
+
+    def _log_level_args(self) -> list[str]:
+        if "--log-level" in self.server_args:
+            return ["--log-level", self.server_args[self.server_args.index("--log-level") + 1]]
+        return []
 
     def start_server(self, start: int, end: int, name: str = "server", extra: Sequence[str] = ()) -> subprocess.Popen:
         port = free_port()
@@ -128,6 +146,28 @@ class LocalSwarm:
         process = self._popen(args, name)
         self.servers.append(process)
         return process
+
+    def start_dashboard(self, port: int = 0, extra: Sequence[str] = ()) -> str:
+        """Start ``python -m swarm.dashboard`` on 127.0.0.1 and return its URL (it prints it when serving)."""
+        args = ["swarm.dashboard", "--initial-peers", *self.initial_peers, "--host", "127.0.0.1", "--port", str(port), *extra]
+        self.dashboard = self._popen(args, "dashboard", subprocess.PIPE)
+        line = self.dashboard.stdout.readline().decode().strip()
+        if not line.startswith("Dashboard: "):
+            raise RuntimeError(f"the dashboard exited with code {self.dashboard.poll()} before printing its URL")
+        self.dashboard_url = line.removeprefix("Dashboard: ")
+        return self.dashboard_url
+
+    def start_api(self, port: int = 0, extra: Sequence[str] = ()) -> str:
+        """Start the OpenAI-compatible gateway (``python -m swarm.api``) on 127.0.0.1 for this swarm's
+        model; returns its base URL (``http://127.0.0.1:PORT/v1``, printed once it serves)."""
+        args = ["swarm.api", "--initial-peers", *self.initial_peers, "--model", self.model, "--host", "127.0.0.1",
+                "--port", str(port), *self._log_level_args(), *extra]  # fmt: skip
+        self.api = self._popen(args, "api", subprocess.PIPE)
+        line = self.api.stdout.readline().decode().strip()
+        if not line.startswith("http"):
+            raise RuntimeError(f"the API gateway exited with code {self.api.poll()} before printing its URL")
+        self.api_url = line
+        return line
 
     def wait_ready(self, expected: Optional[int] = None) -> None:
         """Block until the DHT lists every server as online (or one of them died)."""
@@ -156,7 +196,7 @@ class LocalSwarm:
 
     def stop(self) -> None:
         """SIGTERM everything (servers leave cleanly), then SIGKILL what is left."""
-        processes = [p for p in self.servers + [self.bootstrap] if p is not None]
+        processes = [p for p in [self.api, self.dashboard] + self.servers + [self.bootstrap] if p is not None]
         for process in processes:
             if process.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -207,15 +247,26 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--speculation", default="suffix", help="suffix, ngram or none (compared against none)")
     p.add_argument("--log-dir", help="write each process's log to a file here")
     p.add_argument("--log-level", default="WARNING")
+    p.add_argument("--dashboard-port", type=int, default=0,
+                   help="port of the health dashboard (0: any free port, -1: none); not started with --prompt")  # fmt: skip
+    p.add_argument("--api-port", type=int, default=-1,
+                   help="port of an OpenAI-compatible gateway (python -m swarm.api): 0 any free port, -1 none")  # fmt: skip
     args = p.parse_args(argv)
     setup_logging(args.log_level)
     speculation = None if args.speculation.lower() == "none" else args.speculation
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
     server_args = ["--log-level", args.log_level, "--torch-threads", "1"]
-    with LocalSwarm(args.model, args.servers, hop_delay_ms=args.hop_delay_ms, server_args=server_args, log_dir=args.log_dir) as swarm:
+    dashboard_port = None if args.dashboard_port < 0 or args.prompt else args.dashboard_port
+    with LocalSwarm(args.model, args.servers, hop_delay_ms=args.hop_delay_ms, server_args=server_args,
+                    log_dir=args.log_dir, dashboard_port=dashboard_port,
+                    api_port=None if args.api_port < 0 else args.api_port) as swarm:  # fmt: skip
         print(f"Local swarm of {args.model}: {len(swarm.servers)} servers, blocks {swarm.spans}", flush=True)
         print("Initial peers:", *swarm.initial_peers, flush=True)
+        if swarm.dashboard_url:
+            print("Dashboard:", swarm.dashboard_url, flush=True)
+        if swarm.api_url:
+            print("OpenAI-compatible API:", swarm.api_url, flush=True)
         if args.prompt:
             run_demo(swarm, args.prompt, args.max_new_tokens, speculation)
             return 0

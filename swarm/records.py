@@ -45,6 +45,7 @@ class ServerInfo(msgspec.Struct, frozen=True, kw_only=True):
     using_relay: bool = False
     next_pings: dict[str, float] = {}  # peer id -> RTT in seconds, measured by this server
     started_at: float = 0.0  # unix time the server came up
+    open_sessions: int = 0  # sessions open on this server when the record was written
     # Counters since start-up, for the dashboard's speculation figures (a tail server's runs are laps)
     laps_served: int = 0  # runs computed and passed on (by the tail: answered)
     accepted_tokens: int = 0  # tokens committed by the tail's results: accepted drafts + 1 per lap

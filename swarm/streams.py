@@ -112,6 +112,8 @@ async def serve(p2p: P2P, protocol: str, handler: StreamHandler) -> None:
         stream = MessageStream(reader, writer, info.peer_id)
         try:
             await handler(stream)
+        except asyncio.CancelledError:
+            pass  # the daemon connection is closing (shutdown); nothing is left to report to
         except Exception:
             logger.exception(f"Stream handler {protocol} failed for {info.peer_id}")
         finally:

@@ -1,0 +1,133 @@
+"""WAN benchmark: tokens/s and tokens per lap of a local SmolLM2 swarm behind delay proxies.
+
+    python -m benchmarks.wan                      # 0, 25, 50 ms per hop; every mode; both workloads
+    python -m benchmarks.wan --delays 25 --max-new-tokens 32 --prompts 2   # a quick look
+
+A lap crosses servers + 1 delayed links (client -> head -> ... -> tail -> client), so its floor is
+(servers + 1) x delay. Modes run alternately on each prompt in the same swarm, so they share
+whatever noise the machine has; ratios are against "none" (no speculation) in the same run.
+Results go to stdout as a Markdown table and to benchmarks/results/wan.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from benchmarks.prompts import WORKLOADS
+from swarm.local import LocalSwarm
+
+MODES = {"none": dict(speculation=None), "ngram": dict(speculation="ngram"), "suffix": dict(speculation="suffix")}
+
+
+@dataclass
+class Run:
+    delay_ms: float
+    workload: str
+    mode: str
+    prompt: int
+    tokens: int
+    seconds: float
+    laps: int
+    accepted_per_lap: float
+    bytes_up: int
+    bytes_down: int
+    lap_seconds: float
+
+
+def run_setting(args, delay_ms: float, modes: dict) -> list[Run]:
+    from swarm import AutoDistributedModelForCausalLM
+
+    runs: list[Run] = []
+    server_args = ["--torch-threads", "1", "--log-level", "WARNING"]
+    with LocalSwarm("smollm2-135m", args.servers, hop_delay_ms=delay_ms, server_args=server_args) as swarm:
+        model = AutoDistributedModelForCausalLM.from_pretrained("smollm2-135m", initial_peers=swarm.initial_peers)
+        tokenizer = model.tokenizer
+        warm = tokenizer("Hello", return_tensors="pt")["input_ids"]
+        model.generate(warm, max_new_tokens=4, speculation=None)  # connections and caches warm
+        for workload, prompts in WORKLOADS.items():
+            for index, prompt in enumerate(prompts[: args.prompts]):
+                messages = [{"role": "user", "content": prompt}]
+                ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+                outputs = {}
+                for mode, kwargs in modes.items():
+                    model.reset_draft_store()  # no mode may learn from another mode's answer
+                    out = model.generate(ids, max_new_tokens=args.max_new_tokens, **kwargs)
+                    outputs[mode] = out.tolist()
+                    s = model.last_generation_stats
+                    runs.append(Run(delay_ms, workload, mode, index, s.new_tokens, s.wall_time, s.laps,
+                                    s.accepted_per_lap, s.bytes_up, s.bytes_down, s.wall_time / max(s.laps, 1)))  # fmt: skip
+                    print(f"  {delay_ms:>4.0f} ms {workload:<12} #{index} {mode:<7} {s.new_tokens:>3} tok "
+                          f"{s.tokens_per_second:6.1f} tok/s {s.laps:>3} laps {s.accepted_per_lap:4.2f} tok/lap", flush=True)
+                if len({json.dumps(o) for o in outputs.values()}) != 1:
+                    print(f"  WARNING: modes disagree on prompt {index} ({workload}): a bug", flush=True)
+        model.shutdown()
+    return runs
+
+
+def summarize(runs: list[Run], servers: int) -> list[dict]:
+    rows = []
+    keys = sorted({(r.delay_ms, r.workload) for r in runs})
+    for delay, workload in keys:
+        group = [r for r in runs if r.delay_ms == delay and r.workload == workload]
+        base = statistics.median(r.tokens / r.seconds for r in group if r.mode == "none")
+        for mode in dict.fromkeys(r.mode for r in group):
+            mine = [r for r in group if r.mode == mode]
+            tps = statistics.median(r.tokens / r.seconds for r in mine)
+            laps = sum(r.laps for r in mine)
+            rows.append(dict(
+                delay_ms=delay, workload=workload, mode=mode, tokens_per_s=tps, ratio=tps / base,
+                tokens_per_lap=sum(r.tokens for r in mine) / laps,
+                lap_ms=1000 * statistics.median(r.lap_seconds for r in mine),
+                floor_ms=(servers + 1) * delay,
+                bytes_up_per_lap=sum(r.bytes_up for r in mine) / laps,
+                bytes_down_per_lap=sum(r.bytes_down for r in mine) / laps,
+            ))  # fmt: skip
+    compute = {(r["workload"], r["mode"]): r["lap_ms"] for r in rows if r["delay_ms"] == 0}
+    for r in rows:
+        r["floor_plus_compute_ms"] = r["floor_ms"] + compute.get((r["workload"], r["mode"]), 0.0)
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    head = ("| delay/hop | workload | mode | tokens/s (median) | vs none | tokens/lap | lap ms (median) "
+            "| floor ms | floor+compute ms | bytes up/lap | bytes down/lap |\n|" + "---|" * 11)  # fmt: skip
+    lines = [head]
+    for r in rows:
+        lines.append(
+            f"| {r['delay_ms']:.0f} ms | {r['workload']} | {r['mode']} | {r['tokens_per_s']:.1f} | {r['ratio']:.2f}x "
+            f"| {r['tokens_per_lap']:.2f} | {r['lap_ms']:.0f} | {r['floor_ms']:.0f} | {r['floor_plus_compute_ms']:.0f} "
+            f"| {r['bytes_up_per_lap']:.0f} | {r['bytes_down_per_lap']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--delays", type=float, nargs="+", default=[0, 25, 50])
+    p.add_argument("--servers", type=int, default=3)
+    p.add_argument("--prompts", type=int, default=5, help="prompts per workload")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "wan.json"))
+    args = p.parse_args()
+    modes = {m: MODES[m] for m in ["none"] + [m for m in args.modes if m != "none"]}
+    began = time.time()
+    runs: list[Run] = []
+    for delay in args.delays:
+        print(f"== {delay:.0f} ms per hop ==", flush=True)
+        runs += run_setting(args, delay, modes)
+    rows = summarize(runs, args.servers)
+    table = markdown(rows)
+    print(table)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows, "runs": [asdict(r) for r in runs],
+                                          "wall_seconds": time.time() - began}, indent=1))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

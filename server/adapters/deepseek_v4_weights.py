@@ -1,0 +1,165 @@
+"""Which checkpoint tensors make each parameter of a DeepSeek-V4 span, and how to load them.
+
+The hub checkpoints ship DeepSeek's own tensor names, not transformers' module names:
+``layers.7.attn.wq_a.weight`` (+ ``layers.7.attn.wq_a.scale``), ``layers.7.ffn.experts.12.w1.weight``,
+``embed.weight``, ``head.weight``, ``hc_head_fn`` ... and ``mtp.*`` (not served). transformers maps them
+with its ``deepseek_v4`` conversion table (``transformers.conversion_mapping``); we apply the same
+renamings to every key of the span's layers, so the names always agree with the installed
+transformers. A checkpoint written by ``save_pretrained`` uses the same names with a ``model.``
+prefix; both are accepted. Two of transformers' conversions are structural and done here:
+
+* routed experts: per-expert ``experts.{e}.w1/w3/w2`` become the fused
+  ``experts.gate_up_proj`` ([E, 2I, H]: all w1 then all w3 along dim 1) and ``experts.down_proj``
+  ([E, H, I]);
+* quantized weights: a weight with a companion ``.scale`` (DeepSeek's name) or
+  ``.weight_scale_inv`` is dequantized with transformers' own ``Fp8Dequantize`` routine, which
+  reads the block size from the scale grid: FP8 e4m3 linears with [128, 128] blocks, FP4 e2m1
+  experts packed two per int8 with [1, 32] blocks, float or ue8m0 scales. This is what
+  transformers does when the device has no FP8 kernel (``dequantize=True``); FP8 kernels on
+  Hopper-class GPUs are not used yet, so a server holds its span in ``--dtype``.
+
+Only the keys of the span are read (``Checkpoint.read``), a few experts at a time, so the peak
+extra memory while loading is one group of experts in float32.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Optional
+
+import torch
+
+from server.weights import Checkpoint
+
+_LAYER_KEY = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
+_EXPERT = re.compile(r"^(?P<prefix>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>w[123])\.weight$")
+EXPERTS_PER_READ = 16
+
+
+@dataclass
+class TensorSource:
+    """How one span parameter is built: ``parts`` are (weight key, scale key or None)."""
+
+    target: str
+    kind: str = "plain"  # "plain", "gate_up" (cat(stack(w1), stack(w3)), dim 1) or "down" (stack(w2))
+    parts: list[tuple[str, Optional[str]]] = field(default_factory=list)
+    experts: dict[tuple[str, int], tuple[str, Optional[str]]] = field(default_factory=dict)
+
+    def finish(self) -> None:
+        """Order the per-expert parts: gate_up = w1 of every expert, then w3 of every expert."""
+        if self.kind == "plain":
+            return
+        count = 1 + max(expert for _, expert in self.experts)
+        projections = ("w1", "w3") if self.kind == "gate_up" else ("w2",)
+        missing = [(p, e) for p in projections for e in range(count) if (p, e) not in self.experts]
+        if missing:
+            raise KeyError(f"checkpoint lacks expert tensors {missing[:4]} for {self.target}")
+        self.parts = [self.experts[(p, e)] for p in projections for e in range(count)]
+
+
+def _renamings():
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    from transformers.core_model_loading import WeightConverter
+
+    return [t for t in get_checkpoint_conversion_mapping("deepseek_v4") or [] if not isinstance(t, WeightConverter)]
+
+
+def transformers_name(key: str, renamings) -> str:
+    """A checkpoint key -> transformers' parameter name (``model.`` prefix except the LM head)."""
+    name = key.removeprefix("model.")
+    for renaming in renamings:
+        name, _ = renaming.rename_source_key(name)
+    return name if name.startswith("lm_head.") else "model." + name
+
+
+def _scale_keys(keys: set[str]) -> dict[str, str]:
+    """weight key -> its dequantization scale key, for every quantized weight."""
+    scales = {}
+    for key in keys:
+        if key.endswith(".weight_scale_inv"):
+            scales[key.removesuffix("_scale_inv")] = key
+        elif key.endswith(".scale") and key.removesuffix(".scale") + ".weight" in keys:
+            scales[key.removesuffix(".scale") + ".weight"] = key
+    return scales
+
+
+def map_span(weight_map: Iterable[str], targets: set[str], layers: range, head: bool, tail: bool) -> dict[str, TensorSource]:
+    """Find the checkpoint tensors of every parameter in ``targets`` (transformers names)."""
+    keys = set(weight_map)
+    scales = _scale_keys(keys)
+    renamings = _renamings()
+    sources: dict[str, TensorSource] = {}
+    for key in keys:
+        if key in scales.values():
+            continue
+        layer = _LAYER_KEY.match(key)
+        if (layer is None and not (head or tail)) or (layer is not None and int(layer.group(1)) not in layers):
+            continue
+        name = transformers_name(key, renamings)
+        expert = _EXPERT.match(name)
+        if expert:
+            kind = "down" if expert["proj"] == "w2" else "gate_up"
+            target = f"{expert['prefix']}.{'down_proj' if kind == 'down' else 'gate_up_proj'}"
+            if target in targets:
+                source = sources.setdefault(target, TensorSource(target, kind))
+                source.experts[(expert["proj"], int(expert["expert"]))] = (key, scales.get(key))
+        elif name in targets:
+            sources[name] = TensorSource(name, parts=[(key, scales.get(key))])
+    for source in sources.values():
+        source.finish()
+    missing = sorted(targets - set(sources))
+    if missing:
+        raise KeyError(f"the checkpoint has no tensors for {len(missing)} parameters of this span, e.g. {missing[:3]}")
+    return sources
+
+
+def _dequantize(weight: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
+    if scale is None:
+        return weight
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    return Fp8Dequantize(None)._dequantize_one(weight, scale, torch.float32)
+
+
+def load_sources(
+    checkpoint: Checkpoint, sources: Iterable[TensorSource], dtype_of: Callable[[str], torch.dtype], desc: str
+) -> dict[str, torch.Tensor]:
+    """Read, dequantize and assemble parameters, each in ``dtype_of(target)``.
+
+    Plain tensors are read in one pass per dtype (quantized ones in float32, to be scaled);
+    fused experts are read a few experts at a time to bound the memory used while loading.
+    """
+    sources = list(sources)
+    out: dict[str, torch.Tensor] = {}
+    by_read_dtype: dict[torch.dtype, list[TensorSource]] = {}
+    for source in sources:
+        if source.kind == "plain":
+            quantized = source.parts[0][1] is not None
+            by_read_dtype.setdefault(torch.float32 if quantized else dtype_of(source.target), []).append(source)
+    for read_dtype, group in by_read_dtype.items():
+        tensors = checkpoint.read({k for s in group for pair in s.parts for k in pair if k}, read_dtype, desc=desc)
+        for source in group:
+            out[source.target] = _assemble(source, source.parts, tensors, dtype_of(source.target))
+    for source in sources:
+        if source.kind != "plain":
+            out[source.target] = _load_experts(checkpoint, source, dtype_of(source.target))
+    return out
+
+
+def _assemble(source, parts, tensors, dtype) -> torch.Tensor:
+    (weight_key, scale_key), = parts
+    tensor = _dequantize(tensors[weight_key], tensors[scale_key] if scale_key else None)
+    return tensor.to(dtype) if tensor.is_floating_point() else tensor
+
+
+def _load_experts(checkpoint: Checkpoint, source: TensorSource, dtype: torch.dtype) -> torch.Tensor:
+    pieces: list[torch.Tensor] = []
+    for begin in range(0, len(source.parts), EXPERTS_PER_READ):
+        parts = source.parts[begin : begin + EXPERTS_PER_READ]
+        tensors = checkpoint.read({k for pair in parts for k in pair if k}, torch.float32, desc=f"Loading {source.target}")
+        pieces.extend(_assemble(source, [pair], tensors, dtype) for pair in parts)
+    if source.kind == "down":
+        return torch.stack(pieces)
+    half = len(pieces) // 2
+    return torch.cat([torch.stack(pieces[:half]), torch.stack(pieces[half:])], dim=1)

@@ -1,0 +1,133 @@
+"""One served model, and one request's generation turned into text as the swarm accepts tokens.
+
+Data path of a request, top to bottom (``TextGeneration.deltas``):
+  1) ``model.agenerate_stream`` yields each lap's accepted tokens (several with speculation);
+  2) each token is detokenized in context and fed to the stop-string matcher;
+  3) the lap's settled text, tokens and log-probs go out as one :class:`Delta`;
+  4) a stop string ends the generation early: closing the stream cancels the decoder and closes
+     the session on every server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Optional, Sequence
+
+from client.model import AutoDistributedModelForCausalLM
+from client._generation import GenerationStats
+from protocol.messages import TokenLogprobs
+from swarm.api.errors import bad_request
+from swarm.api.text import IncrementalDetokenizer, StopMatcher
+
+CHAT_ROLES = {"system", "user", "assistant", "tool"}
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """A validated request, in the client library's terms."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    stop: tuple[str, ...] = ()
+    num_logprobs: int = 0  # top-K asked of the swarm; 0: none
+    ignore_eos: bool = False
+    sampling: dict[str, Any] = field(default_factory=dict)  # agenerate_stream's sampling and drafting arguments
+
+
+@dataclass
+class Delta:
+    """What one lap adds: settled text, and the tokens (with log-probs when asked) it came from."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs]
+
+
+class ServedModel:
+    """A model the gateway serves under ``name``: one client-library model shared by all requests."""
+
+    def __init__(self, name: str, model: AutoDistributedModelForCausalLM):
+        self.name, self.model, self.tokenizer = name, model, model.tokenizer
+        eos = model.config.eos_token_id
+        self.eos_token_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
+        self.vocab_size = int(model.config.vocab_size)
+
+    @property
+    def context_length(self) -> int:
+        return self.model.context_length
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text))
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        """The conversation formatted by the model's own chat template, ready for the reply."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise bad_request(f"model {self.name!r} has no chat template; use /v1/completions", "messages")
+        try:
+            encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+        except Exception as e:  # jinja raises on conversations the template rejects
+            raise bad_request(f"the chat template of {self.name!r} rejected the messages: {e}", "messages") from None
+        return list(encoded["input_ids"])
+
+
+class TextGeneration:
+    """Runs one request; after ``deltas`` ends, ``finish_reason``, ``completion_tokens`` and
+    ``stats`` describe it. Tokens after a stop string are neither returned nor counted."""
+
+    def __init__(self, served: ServedModel, params: GenerationParams):
+        self.served, self.params = served, params
+        self.finish_reason: Optional[str] = None
+        self.completion_tokens = 0
+        self.stats = GenerationStats()
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        params, served = self.params, self.served
+        detokenizer = IncrementalDetokenizer(served.tokenizer, params.prompt_ids)
+        stops = StopMatcher(params.stop)
+        stream = served.model.agenerate_stream(
+            params.prompt_ids,
+            max_new_tokens=params.max_tokens,
+            eos_token_id=[] if params.ignore_eos else None,
+            num_logprobs=params.num_logprobs,
+            **params.sampling,
+        )
+        last_token: Optional[int] = None
+        async with contextlib.aclosing(stream):
+            async for chunk in stream:
+                self.stats = chunk.stats
+                text, taken = "", 0
+                for token in chunk.token_ids:
+                    taken += 1
+                    last_token = token
+                    text += stops.feed(detokenizer.push(token))
+                    if stops.stopped:
+                        break
+                self.completion_tokens += taken
+                yield Delta(text, chunk.token_ids[:taken], chunk.logprobs[:taken])
+                if stops.stopped:
+                    self.finish_reason = "stop"
+                    return  # leaving the block closes the stream: the decoder stops, the session closes
+        text = stops.feed(detokenizer.flush())
+        text += stops.finish()
+        self.finish_reason = "stop" if stops.stopped or self._ended_by_eos(last_token) else "length"
+        if text:
+            yield Delta(text, [], [])
+
+    def _ended_by_eos(self, last_token: Optional[int]) -> bool:
+        if self.params.ignore_eos:
+            return False
+        return last_token in self.served.eos_token_ids or self.completion_tokens < self.params.max_tokens
+
+
+def check_prompt_ids(ids: Sequence[Any], served: ServedModel, param: str) -> list[int]:
+    if not ids:
+        raise bad_request("the prompt is empty", param)
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise bad_request("a token-id prompt must be a list of integers", param)
+    if min(ids) < 0 or max(ids) >= served.vocab_size:
+        raise bad_request(f"the prompt has token ids outside the vocabulary [0, {served.vocab_size})", param)
+    return list(ids)

@@ -1,0 +1,240 @@
+"""Request bodies of the OpenAI API as msgspec structs, and their validation into GenerationParams.
+
+Unknown fields are ignored (tools send many), but every field we read is type-checked, and a
+value we cannot honour is refused with a 400 naming the parameter, never silently dropped.
+Extensions beyond OpenAI's parameters use vLLM's names (``top_k``, ``min_p``,
+``repetition_penalty``, ``ignore_eos``) plus ``speculation`` and ``num_draft_tokens``; the
+``openai`` client sends them with ``extra_body``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Optional, TypeVar, Union
+
+import msgspec
+
+from protocol.messages import MAX_TOP_LOGPROBS
+from swarm.api.engine import CHAT_ROLES, GenerationParams, ServedModel, check_prompt_ids
+from swarm.api.errors import APIError, bad_request
+
+MAX_STOPS = 16
+SPECULATION_MODES = {"suffix", "ngram", "none"}
+INT64 = 2**63
+
+
+class ContentPart(msgspec.Struct):
+    type: str
+    text: Optional[str] = None
+
+
+class ChatMessage(msgspec.Struct):
+    role: str
+    content: Union[str, list[ContentPart], None] = None
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: Optional[bool] = False
+
+
+class _Request(msgspec.Struct, kw_only=True):
+    model: str
+    max_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    n: Optional[int] = None
+    stream: Optional[bool] = False
+    stream_options: Optional[StreamOptions] = None
+    stop: Union[str, list[str], None] = None
+    seed: Optional[int] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    logit_bias: Optional[dict[str, float]] = None
+    # extensions
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    ignore_eos: Optional[bool] = False
+    speculation: Optional[str] = None
+    num_draft_tokens: Optional[int] = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatRequest(_Request, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: Optional[int] = None
+    logprobs: Optional[bool] = False
+    top_logprobs: Optional[int] = None
+    tools: Optional[list[Any]] = None
+    response_format: Optional[dict[str, Any]] = None
+
+
+class CompletionRequest(_Request, kw_only=True):
+    prompt: Any
+    logprobs: Optional[int] = None
+    echo: Optional[bool] = False
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
+
+
+R = TypeVar("R", bound=_Request)
+
+
+def parse(body: bytes, kind: type[R]) -> R:
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as e:
+        raise bad_request(f"invalid request: {e}", _param_of(str(e))) from None
+    except msgspec.DecodeError as e:
+        raise bad_request(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+
+
+def _param_of(message: str) -> Optional[str]:
+    match = re.search(r"at `\$\.(\w+)", message) or re.search(r"field `(\w+)`", message)
+    return match.group(1) if match else None
+
+
+def chat_params(req: ChatRequest, served: ServedModel) -> tuple[GenerationParams, int]:
+    """The validated generation, and how many top log-probs to show per token (-1: none)."""
+    if req.tools:
+        raise bad_request("tools are not supported by this gateway", "tools")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise bad_request("only response_format {'type': 'text'} is supported", "response_format")
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise bad_request(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}", "top_logprobs")
+    if req.top_logprobs and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+    prompt_ids = served.chat_prompt(_messages(req.messages))
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    shown = (req.top_logprobs or 0) if req.logprobs else -1
+    return _common(req, served, prompt_ids, max_tokens, "messages", shown), shown
+
+
+def completion_params(req: CompletionRequest, served: ServedModel) -> tuple[GenerationParams, int]:
+    if req.echo:
+        raise bad_request("echo is not supported", "echo")
+    if req.suffix:
+        raise bad_request("suffix is not supported", "suffix")
+    if req.best_of not in (None, 1):
+        raise bad_request("best_of must be 1", "best_of")
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
+        raise bad_request(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}", "logprobs")
+    prompt_ids = _prompt_ids(req.prompt, served)
+    shown = req.logprobs if req.logprobs is not None else -1
+    max_tokens = req.max_tokens if req.max_tokens is not None else 16  # OpenAI's default for completions
+    return _common(req, served, prompt_ids, max_tokens, "prompt", shown), shown
+
+
+def _messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    if not messages:
+        raise bad_request("messages must not be empty", "messages")
+    out = []
+    for m in messages:
+        role = "system" if m.role == "developer" else m.role
+        if role not in CHAT_ROLES:
+            raise bad_request(f"unknown message role {m.role!r}; use system, user or assistant", "messages")
+        if isinstance(m.content, list):
+            if any(part.type != "text" or part.text is None for part in m.content):
+                raise bad_request("only text content parts are supported", "messages")
+            content = "".join(part.text for part in m.content)
+        else:
+            content = m.content or ""
+        out.append({"role": role, "content": content})
+    return out
+
+
+def _prompt_ids(prompt: Any, served: ServedModel) -> list[int]:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad_request("the prompt is empty", "prompt")
+        return served.encode(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raise bad_request("only one prompt per request is supported", "prompt")
+    if isinstance(prompt, list):
+        return check_prompt_ids(prompt, served, "prompt")
+    raise bad_request("prompt must be a string or a list of token ids", "prompt")
+
+
+def _common(req: _Request, served: ServedModel, prompt_ids: list[int], max_tokens: Optional[int], prompt_param: str,
+            shown_logprobs: int) -> GenerationParams:  # fmt: skip
+    if req.n not in (None, 1):
+        raise bad_request("n must be 1: this gateway generates one choice per request", "n")
+    if req.presence_penalty or req.frequency_penalty:
+        param = "presence_penalty" if req.presence_penalty else "frequency_penalty"
+        raise bad_request(f"{param} is not supported; repetition_penalty (an extension) is", param)
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported", "logit_bias")
+    max_tokens = _max_tokens(len(prompt_ids), max_tokens, served, prompt_param)
+    return GenerationParams(
+        prompt_ids=prompt_ids,
+        max_tokens=max_tokens,
+        stop=_stops(req.stop),
+        num_logprobs=max(shown_logprobs, 1) if shown_logprobs >= 0 else 0,
+        ignore_eos=bool(req.ignore_eos),
+        sampling=_sampling(req),
+    )
+
+
+def _max_tokens(prompt_tokens: int, max_tokens: Optional[int], served: ServedModel, prompt_param: str) -> int:
+    param = "max_tokens"
+    context = served.context_length
+    if prompt_tokens >= context:
+        raise APIError(400, f"this model's maximum context length is {context} tokens, but the prompt has "
+                       f"{prompt_tokens} tokens", "invalid_request_error", param=prompt_param, code="context_length_exceeded")  # fmt: skip
+    if max_tokens is None:
+        return context - prompt_tokens
+    if max_tokens < 1:
+        raise bad_request(f"{param} must be at least 1, got {max_tokens}", param)
+    if prompt_tokens + max_tokens > context:
+        raise APIError(400, f"this model's maximum context length is {context} tokens; the prompt ({prompt_tokens}) "
+                       f"plus {param} ({max_tokens}) exceeds it", "invalid_request_error", param=param,
+                       code="context_length_exceeded")  # fmt: skip
+    return max_tokens
+
+
+def _stops(stop: Union[str, list[str], None]) -> tuple[str, ...]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > MAX_STOPS:
+        raise bad_request(f"at most {MAX_STOPS} stop strings", "stop")
+    if any(not s for s in stops):
+        raise bad_request("stop strings must not be empty", "stop")
+    return tuple(stops)
+
+
+def _sampling(req: _Request) -> dict[str, Any]:
+    """OpenAI's sampling parameters -> generate()'s; temperature 0 means greedy."""
+    temperature = 1.0 if req.temperature is None else req.temperature
+    top_p = 1.0 if req.top_p is None else req.top_p
+    checks = [
+        (temperature >= 0, "temperature", "temperature must be >= 0"),
+        (0 < top_p <= 1, "top_p", "top_p must be in (0, 1]"),
+        (req.top_k is None or req.top_k >= -1, "top_k", "top_k must be >= 0 (or -1: off)"),
+        (req.min_p is None or 0 <= req.min_p <= 1, "min_p", "min_p must be in [0, 1]"),
+        (req.repetition_penalty is None or req.repetition_penalty > 0, "repetition_penalty", "repetition_penalty must be > 0"),
+        (req.seed is None or -INT64 <= req.seed < INT64, "seed", "seed must be a 64-bit signed integer"),
+        (req.speculation is None or req.speculation.lower() in SPECULATION_MODES, "speculation",
+         f"speculation must be one of {sorted(SPECULATION_MODES)}"),
+        (req.num_draft_tokens is None or 1 <= req.num_draft_tokens <= 64, "num_draft_tokens", "num_draft_tokens must be in [1, 64]"),
+    ]  # fmt: skip
+    for ok, param, message in checks:
+        if not ok:
+            raise bad_request(message, param)
+    sampling: dict[str, Any] = {
+        "do_sample": temperature > 0,
+        "temperature": temperature if temperature > 0 else 1.0,
+        "top_p": top_p,
+        "top_k": max(req.top_k or 0, 0),
+        "min_p": req.min_p or 0.0,
+        "repetition_penalty": req.repetition_penalty or 1.0,
+        "seed": req.seed,
+    }
+    if req.speculation is not None:
+        sampling["speculation"] = None if req.speculation.lower() == "none" else req.speculation.lower()
+    if req.num_draft_tokens is not None:
+        sampling["num_draft_tokens"] = req.num_draft_tokens
+    return sampling

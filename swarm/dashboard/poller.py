@@ -1,0 +1,97 @@
+"""Reading the swarm: one DHT client turns the registry and block records into events.
+
+Every method of :class:`SwarmReader` blocks (hivemind's ``DHT`` is a synchronous facade over its
+own process), so the dashboard calls them from a worker thread. Nothing here raises to the
+caller: a failed read becomes a :class:`PollFailed` event, a server that cannot be dialled a
+:class:`PeerProbed` event with the reason, and the page shows both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from functools import partial
+from typing import Optional, Sequence
+
+from hivemind import DHT
+from hivemind.dht.node import DHTNode
+from hivemind.p2p import PeerID
+from hivemind.proto import dht_pb2
+
+from swarm.dashboard.events import Event, ModelSnapshot, PeerProbed, PollFailed, SwarmPolled
+from swarm.dht_records import fetch_model_registry, fetch_servers
+from swarm.records import ServerInfo, ServerState
+
+logger = logging.getLogger(__name__)
+
+MAX_DISCOVERY_ROUNDS = 8  # block-key reads to find the length of a model whose servers did not say
+
+
+class SwarmReader:
+    """Polls one swarm through ``dht`` (a client-mode DHT with the swarm's record validators)."""
+
+    def __init__(self, dht: DHT, probe_timeout: float = 5.0):
+        self.dht, self.probe_timeout = dht, probe_timeout
+
+    def poll(self) -> Event:
+        """Every listed model's servers, or why they could not be read."""
+        at = time.time()
+        try:
+            registry = fetch_model_registry(self.dht)
+            snapshots = tuple(self._snapshot(name, num_blocks) for name, num_blocks in sorted(registry.items()))
+        except Exception as e:
+            logger.warning(f"Reading the DHT failed: {e!r}")
+            return PollFailed(at, f"could not read the swarm's records from the DHT: {_describe(e)}")
+        return SwarmPolled(at, snapshots)
+
+    def _snapshot(self, model: str, num_blocks: Optional[int]) -> ModelSnapshot:
+        if num_blocks is not None:
+            return ModelSnapshot(model, num_blocks, tuple(fetch_servers(self.dht, model, num_blocks)))
+        # Older servers do not announce the model's length: follow spans from block 0 until no
+        # record reaches further. A gap hides the blocks after it, so num_blocks stays unknown.
+        known, servers = 1, []
+        for _ in range(MAX_DISCOVERY_ROUNDS):
+            servers = fetch_servers(self.dht, model, known)
+            reach = max((s.end_block for s in servers), default=0)
+            if reach <= known:
+                break
+            known = reach
+        return ModelSnapshot(model, None, tuple(servers))
+
+    def probe(self, model: str, servers: Sequence[ServerInfo]) -> list[PeerProbed]:
+        """Dial every server that claims to be up, as any client would, and time a DHT ping."""
+        peers = [s.peer_id for s in servers if s.state != ServerState.OFFLINE]
+        if not peers:
+            return []
+        at = time.time()
+        try:
+            results = self.dht.run_coroutine(partial(_ping_many, peer_ids=peers, timeout=self.probe_timeout))
+        except Exception as e:
+            return [PeerProbed(at, model, peer, None, f"probe could not run: {_describe(e)}") for peer in peers]
+        return [PeerProbed(at, model, peer, *results[peer]) for peer in peers]
+
+
+async def _ping_many(dht: DHT, node: DHTNode, peer_ids: list[str], timeout: float) -> dict:
+    """Runs inside the DHT's process: peer id -> (rtt seconds or None, error or None)."""
+    pings = [_ping(node, peer_id, timeout) for peer_id in peer_ids]
+    return dict(zip(peer_ids, await asyncio.gather(*pings)))
+
+
+async def _ping(node: DHTNode, peer_id: str, timeout: float) -> tuple[Optional[float], Optional[str]]:
+    request = dht_pb2.PingRequest(peer=node.protocol.node_info, validate=False)
+    began = time.perf_counter()
+    try:
+        stub = node.protocol.get_stub(PeerID.from_base58(peer_id))
+        await asyncio.wait_for(stub.rpc_ping(request, timeout=timeout), timeout)
+    except asyncio.TimeoutError:
+        return None, f"no answer to a ping within {timeout:g} s"
+    except Exception as e:
+        return None, f"unreachable: {_describe(e)}"
+    return time.perf_counter() - began, None
+
+
+def _describe(e: BaseException) -> str:
+    """One line for the page: the message, or the exception's name when it has none."""
+    text = " ".join(str(e).split())
+    return text[:300] if text else type(e).__name__

@@ -1,0 +1,116 @@
+"""The JSON the API serves and the page renders, built from a :class:`State`.
+
+Field meanings are documented in ``docs/dashboard.md``; keep the two in step. Only plain JSON
+types come out of here (no enums, no structs), and times are unix seconds.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Optional
+
+from swarm.dashboard.state import ModelEntry, ServerEntry, State, UptimeRecord
+from swarm.records import ServerState
+
+API_VERSION = 1
+ANONYMOUS = "(anonymous)"
+
+
+def state_view(state: State, now: float, refresh_seconds: float) -> dict[str, Any]:
+    return {
+        "api_version": API_VERSION,
+        "now": now,
+        "updated_at": state.updated_at,
+        "refresh_seconds": refresh_seconds,
+        "error": state.poll_error,
+        "error_at": state.poll_error_at,
+        "models": [model_view(model, state, now) for model in state.models.values()],
+        "top_contributors": top_contributors(state),
+        "reachability_errors": [
+            {"at": e.at, "model": e.model, "peer_id": e.peer_id, "message": e.message, "count": e.count}
+            for e in reversed(state.errors)
+        ],
+    }
+
+
+def model_view(model: ModelEntry, state: State, now: float) -> dict[str, Any]:
+    online = model.online()
+    return {
+        "name": model.name,
+        "healthy": model.healthy,
+        "num_blocks": model.num_blocks,
+        "missing_blocks": model.missing_blocks,
+        "max_flow": model.max_flow,
+        "throughput": sum(info.throughput for info in online),
+        "servers_online": len(online),
+        "servers_total": len(model.servers),
+        "blocks": [{"block": i, "servers": c.servers, "throughput": c.throughput} for i, c in enumerate(model.coverage)],
+        "speculation": speculation_view(model),
+        "history": [
+            {"at": p.at, "coverage": p.coverage, "max_flow": p.max_flow, "throughput": p.throughput, "servers": p.servers}
+            for p in model.history
+        ],
+        "servers": [server_view(entry, state.uptime.get(peer_id), model.num_blocks, now)
+                    for peer_id, entry in model.servers.items()],  # fmt: skip
+    }
+
+
+def server_view(entry: ServerEntry, uptime: Optional[UptimeRecord], num_blocks: Optional[int], now: float) -> dict:
+    info = entry.info
+    up = entry.state != ServerState.OFFLINE and info.started_at > 0
+    return {
+        "peer_id": info.peer_id,
+        "public_name": info.public_name,
+        "version": info.version,
+        "protocol_version": info.protocol_version,
+        "state": entry.state.value,
+        "start_block": info.start_block,
+        "end_block": info.end_block,
+        "is_tail": num_blocks is not None and info.end_block == num_blocks,
+        "started_at": info.started_at or None,
+        "uptime_seconds": max(0.0, now - info.started_at) if up else None,
+        "last_seen": entry.last_seen,
+        "availability": uptime.availability if uptime else None,
+        "uptime_timeline": [{"at": at, "state": s.value} for at, s in uptime.timeline] if uptime else [],
+        "throughput": info.throughput,
+        "dtype": info.dtype,
+        "quantization": info.quantization,
+        "cache_tokens": info.cache_tokens,
+        "free_cache_tokens": info.free_cache_tokens,
+        "open_sessions": info.open_sessions,
+        "using_relay": info.using_relay,
+        "next_pings": dict(info.next_pings),
+        "rtt": entry.rtt,
+        "probe_error": entry.probe_error,
+        "laps_served": info.laps_served,
+        "accepted_tokens": info.accepted_tokens,
+        "cancelled_runs": info.cancelled_runs,
+    }
+
+
+def speculation_view(model: ModelEntry) -> dict[str, Any]:
+    """Totals over the tail servers (only they see results), whether online or recently gone."""
+    tails = [e.info for e in model.servers.values() if model.num_blocks and e.info.end_block == model.num_blocks]
+    laps = sum(info.laps_served for info in tails)
+    accepted = sum(info.accepted_tokens for info in tails)
+    return {
+        "tail_servers": len(tails),
+        "laps_served": laps,
+        "accepted_tokens": accepted,
+        "tokens_per_lap": accepted / laps if laps else None,
+        "cancelled_runs": sum(info.cancelled_runs for info in tails),
+    }
+
+
+def top_contributors(state: State) -> list[dict[str, Any]]:
+    """Online servers grouped by public name, most blocks served first (then throughput)."""
+    groups: dict[str, dict[str, Any]] = defaultdict(lambda: {"servers": 0, "blocks": 0, "throughput": 0.0, "models": set()})
+    for model in state.models.values():
+        for info in model.online():
+            group = groups[info.public_name or ANONYMOUS]
+            group["servers"] += 1
+            group["blocks"] += len(info.span)
+            group["throughput"] += info.throughput
+            group["models"].add(model.name)
+    rows = [{"public_name": name, **group, "models": sorted(group["models"])} for name, group in groups.items()]
+    return sorted(rows, key=lambda row: (-row["blocks"], -row["throughput"], row["public_name"]))
