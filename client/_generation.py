@@ -1,19 +1,23 @@
-"""The client's side of one generation: draft, send a run, read the verdict, repeat.
+"""The client's side of one generation: draft, send runs, read verdicts, commit.
 
 One lap, top to bottom (``SpeculativeDecoder._lap``):
-  1) draft up to k tokens continuing the committed text (no model: retrieval);
-  2) send Step{start_pos=cached, token_ids=committed-but-uncached + drafts} to the head;
-  3) read the tail's StepResult: ``accepted`` drafts plus the target's own next token;
-  4) commit them; the servers' caches now hold every committed position but the last token.
-A failure anywhere (a server dies, hangs or refuses with a retryable error) reroutes the session
-and replays the committed tokens as one prefill lap, so no token is lost or repeated.
+  1) keep up to ``max_inflight_runs`` runs in flight: each new run assumes every run before it
+     is accepted whole and guesses its bonus token (the drafter's next token);
+  2) read the verdict of the oldest run: ``accepted`` drafts plus the target's own next token;
+  3) commit them; if the verdict refutes what later runs assumed, cancel those runs with one
+     ID-only message and let the next run start again from what is committed.
+The oldest run in flight always starts from committed tokens (the canonical run), so every lap
+commits at least one token whatever the drafter does. With one run in flight this is plain
+synchronous speculative decoding. A failure anywhere (a server dies, hangs or refuses with a
+retryable error) reroutes the session and replays the committed tokens as one prefill lap, so no
+token is lost or repeated.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -21,7 +25,7 @@ from client._remote_session import RemoteSession
 from client._swarm import SwarmClient
 from client.drafters import Drafter
 from client.errors import GenerationError, ServerError
-from protocol.messages import SamplingParams, Step, TokenLogprobs
+from protocol.messages import SamplingParams, Step, StepResult, TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -31,16 +35,21 @@ class GenerationStats:
     """What the last ``generate`` call did; ``model.last_generation_stats``."""
 
     new_tokens: int = 0
-    laps: int = 0
-    drafted: int = 0
+    laps: int = 0  # verdicts that committed tokens
+    drafted: int = 0  # draft tokens in those runs
     accepted: int = 0
     accepted_lengths: Counter = field(default_factory=Counter)  # accepted drafts per lap -> laps
+    runs_sent: int = 0
+    runs_cancelled: int = 0
+    positions_wasted: int = 0  # positions servers computed (or were sent) for refuted runs
+    wait_time: float = 0.0  # seconds the client spent waiting for verdicts
     bytes_up: int = 0
     bytes_down: int = 0
     wall_time: float = 0.0
     route: list[tuple[str, int, int]] = field(default_factory=list)
     failovers: int = 0
     failover_events: list[str] = field(default_factory=list)
+    failover_time: float = 0.0  # seconds from a failure to the next committed token
 
     @property
     def accepted_per_lap(self) -> float:
@@ -70,6 +79,17 @@ class SessionState:
     next_run_id: int = 0
 
 
+@dataclass
+class Run:
+    """A run in flight and what the client assumed when it sent it."""
+
+    run_id: int
+    start_pos: int
+    token_ids: list[int]
+    drafts: list[int]
+    guess: Optional[int]  # the assumed bonus token; None: nothing may be sent after this run
+
+
 class SpeculativeDecoder:
     def __init__(
         self,
@@ -79,19 +99,26 @@ class SpeculativeDecoder:
         *,
         drafter: Optional[Drafter] = None,
         num_draft_tokens: int = 8,
+        max_inflight_runs: int = 1,
         eos_token_ids: Sequence[int] = (),
         num_logprobs: int = 0,
         on_tokens: Optional[Callable[[list[int]], None]] = None,
         max_failovers: int = 5,
     ):
+        if max_inflight_runs < 1:
+            raise ValueError(f"max_inflight_runs must be >= 1, got {max_inflight_runs}")
         self.swarm, self.state, self.sampling = swarm, state, sampling
         self.drafter, self.num_draft_tokens = drafter, num_draft_tokens
+        self.max_inflight_runs = max_inflight_runs
         self.eos_token_ids = frozenset(eos_token_ids)
         self.num_logprobs = num_logprobs
         self.on_tokens = on_tokens
         self.max_failovers = max_failovers
         self.stats = GenerationStats()
         self.logprobs: list[TokenLogprobs] = []
+        self._inflight: deque[Run] = deque()
+        self._drafter_ahead: list[int] = []  # tokens the drafter was extended with beyond history
+        self._failed_at: Optional[float] = None
 
     async def generate(self, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
         """Generate after ``prompt`` (the whole context); returns the new tokens only."""
@@ -100,13 +127,16 @@ class SpeculativeDecoder:
         if self.drafter is not None:
             self.drafter.reset(self.state.history)
         generated: list[int] = []
-        while len(generated) < max_new_tokens:
-            new = await self._lap_with_failover(max_new_tokens - len(generated))
-            generated += new
-            if self.on_tokens is not None:
-                self.on_tokens(new)
-            if new and new[-1] in self.eos_token_ids:
-                break
+        try:
+            while len(generated) < max_new_tokens:
+                new = await self._lap_with_failover(max_new_tokens - len(generated))
+                generated += new
+                if self.on_tokens is not None:
+                    self.on_tokens(new)
+                if new and new[-1] in self.eos_token_ids:
+                    break
+        finally:
+            await self._cancel_inflight()
         if self.drafter is not None:
             self.drafter.finish()
         self.stats.new_tokens = len(generated)
@@ -131,7 +161,11 @@ class SpeculativeDecoder:
             try:
                 if self.state.remote is None:
                     await self._open_session()
-                return await self._lap(budget)
+                new = await self._lap(budget)
+                if self._failed_at is not None:
+                    self.stats.failover_time += time.perf_counter() - self._failed_at
+                    self._failed_at = None
+                return new
             except ServerError as e:
                 if not e.retryable or self.stats.failovers >= self.max_failovers:
                     raise GenerationError(f"generation failed after {self.stats.failovers} failovers: {e}") from e
@@ -146,7 +180,12 @@ class SpeculativeDecoder:
     async def _fail_over(self, error: ServerError) -> None:
         self.stats.failovers += 1
         self.stats.failover_events.append(str(error))
+        self._failed_at = self._failed_at or time.perf_counter()
         logger.warning(f"Failing over: {error}")
+        self._forget_inflight()
+        if self._drafter_ahead:
+            self.drafter.rewind(self.state.history)
+            self._drafter_ahead = []
         remote = self.state.remote
         if remote is not None:
             self.swarm.exclude(error.peer_id or "")
@@ -156,44 +195,113 @@ class SpeculativeDecoder:
             await self.swarm.close_session(remote)
         self.state.remote = None
 
+    # ---- one lap -------------------------------------------------------------------------
+
     async def _lap(self, budget: int) -> list[int]:
-        state, remote = self.state, self.state.remote
-        # 1) draft
-        room = min(budget - 1, state.max_length - len(state.history) - 1, self.num_draft_tokens)
-        drafts = self.drafter.propose(room) if self.drafter is not None and room > 0 else []
-        drafts = drafts[: max(room, 0)]
-        # 2) send the run
+        remote = self.state.remote
+        sent_before, received_before = remote.bytes_sent, remote.bytes_received
+        # 1) fill the window: the oldest run starts from committed tokens, later ones guess
+        while len(self._inflight) < self.max_inflight_runs:
+            run = self._next_run(budget)
+            if run is None:
+                break
+            await remote.send_step(self._step(run))
+            self._inflight.append(run)
+            self.stats.runs_sent += 1
+        # 2) the verdict on the oldest run
+        front = self._inflight[0]
+        waited = time.perf_counter()
+        result = await remote.next_result(front.run_id)
+        self.stats.wait_time += time.perf_counter() - waited
+        if result.run_id != front.run_id:
+            raise ServerError(f"result for run {result.run_id} while waiting for {front.run_id}", remote.tail_peer)
+        self._inflight.popleft()
+        # 3) commit, then cancel whatever the verdict refutes
+        new = self._commit(front, result, budget)
+        self.stats.bytes_up += remote.bytes_sent - sent_before
+        self.stats.bytes_down += remote.bytes_received - received_before
+        refuted = result.accepted < len(front.drafts) or result.next_token != front.guess or len(new) < len(front.drafts) + 1
+        if refuted and self._inflight:
+            await self._cancel_inflight()
+        self._sync_drafter(new)
+        return new
+
+    def _sync_drafter(self, new: list[int]) -> None:
+        """Bring the drafter to the committed history: extend it, keep it, or rewind it."""
+        if self.drafter is None:
+            return
+        ahead = self._drafter_ahead
+        if new[: len(ahead)] == ahead[: len(new)]:  # one is a prefix of the other
+            if len(new) >= len(ahead):
+                self.drafter.extend(new[len(ahead) :])
+                self._drafter_ahead = []
+            else:
+                self._drafter_ahead = ahead[len(new) :]
+        else:
+            self.drafter.rewind(self.state.history)
+            self._drafter_ahead = []
+
+    def _next_run(self, budget: int) -> Optional[Run]:
+        """Draft the next run; None when nothing more may be sent now."""
+        state = self.state
+        if self._inflight:
+            last = self._inflight[-1]
+            if last.guess is None:
+                return None
+            start_pos = last.start_pos + len(last.token_ids)
+            committed_part = [last.guess]
+            # tokens this run would add after everything in flight is accepted
+            assumed = sum(len(r.drafts) + 1 for r in self._inflight)
+        else:
+            start_pos, committed_part, assumed = state.cached, state.history[state.cached :], 0
+        end_of_context = len(state.history) + assumed  # position of this run's first draft
+        room = min(budget - assumed - 1, state.max_length - end_of_context - 1, self.num_draft_tokens)
+        if self._inflight and room < 1:
+            return None
+        wants_guess = self.max_inflight_runs > 1
+        proposal: list[int] = []
+        if self.drafter is not None and room > 0:
+            proposal = self.drafter.propose(room + 1 if wants_guess else room)[: room + (1 if wants_guess else 0)]
+        if self._inflight and not proposal:
+            return None
+        drafts, guess = (proposal[:-1], proposal[-1]) if wants_guess and proposal else (proposal[:room], None)
+        if guess is not None and guess in self.eos_token_ids:
+            guess = None  # nothing follows an end of sequence
+        if self.drafter is not None and guess is not None:
+            self.drafter.extend(drafts + [guess])  # the next run drafts as if this one is accepted
+            self._drafter_ahead += drafts + [guess]
         run_id = state.next_run_id
         state.next_run_id += 1
-        step = Step(
-            session_id=remote.session_id,
-            run_id=run_id,
-            start_pos=state.cached,
-            token_ids=state.history[state.cached :] + drafts,
-            n_draft=len(drafts),
+        return Run(run_id, start_pos, committed_part + drafts, drafts, guess)
+
+    def _step(self, run: Run) -> Step:
+        return Step(
+            session_id=self.state.remote.session_id,
+            run_id=run.run_id,
+            start_pos=run.start_pos,
+            token_ids=run.token_ids,
+            n_draft=len(run.drafts),
             sampling=self.sampling,
             top_logprobs=self.num_logprobs,
         )
-        sent_before, received_before = remote.bytes_sent, remote.bytes_received
-        await remote.send_step(step)
-        # 3) read the verdict
-        result = await remote.next_result(run_id)
-        self.stats.bytes_up += remote.bytes_sent - sent_before
-        self.stats.bytes_down += remote.bytes_received - received_before
-        # 4) commit (cut at EOS and at the token budget; the cache keeps every committed
-        #    position except the last token, which the next run sends)
-        if not 0 <= result.accepted <= len(drafts):
-            raise ServerError(f"result accepts {result.accepted} of {len(drafts)} drafts", remote.tail_peer)
-        new = self._cut(drafts[: result.accepted] + [result.next_token], budget)
-        state.cached = min(len(state.history) + result.accepted, len(state.history) + len(new) - 1)
+
+    def _commit(self, run: Run, result: StepResult, budget: int) -> list[int]:
+        """Commit a verdict (cut at EOS and at the token budget); the cache keeps every committed
+        position except the last token, which the next run sends."""
+        state = self.state
+        if not 0 <= result.accepted <= len(run.drafts):
+            raise ServerError(f"result accepts {result.accepted} of {len(run.drafts)} drafts", state.remote.tail_peer)
+        new = self._cut(run.drafts[: result.accepted] + [result.next_token], budget)
+        base = run.start_pos + len(run.token_ids) - len(run.drafts)  # position of the first draft
+        assert base == len(state.history), "a run's verdict arrived out of order"
+        state.cached = min(base + result.accepted, base + len(new) - 1)
         state.history = state.history + new
         self.stats.laps += 1
-        self.stats.drafted += len(drafts)
+        self.stats.drafted += len(run.drafts)
         self.stats.accepted += result.accepted
         self.stats.accepted_lengths[result.accepted] += 1
         if self.drafter is not None:
-            self.drafter.observe(len(drafts), result.accepted)
-            self.drafter.extend(new)
+            self.drafter.observe(len(run.drafts), result.accepted)
         if result.logprobs:
             self.logprobs += result.logprobs[: len(new)]
         return new
@@ -204,3 +312,17 @@ class SpeculativeDecoder:
             if token in self.eos_token_ids:
                 return new[: i + 1]
         return new
+
+    async def _cancel_inflight(self) -> None:
+        """Cancel every run still in flight with one ID-only message (it covers later runs too)."""
+        if not self._inflight:
+            return
+        first = self._inflight[0]
+        if self.state.remote is not None:
+            await self.state.remote.cancel(first.run_id)
+        self._forget_inflight()
+
+    def _forget_inflight(self) -> None:
+        self.stats.runs_cancelled += len(self._inflight)
+        self.stats.positions_wasted += sum(len(r.token_ids) for r in self._inflight)
+        self._inflight.clear()

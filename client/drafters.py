@@ -53,6 +53,11 @@ class Drafter(abc.ABC):
     def finish(self) -> None:
         """The stream ended (its tokens may now serve later streams)."""
 
+    def rewind(self, context: Sequence[int]) -> None:
+        """Go back to `context` after speculative `extend`s were refuted (asynchronous
+        speculation drafts ahead of what is committed). Default: rebuild from scratch."""
+        self.reset(context)
+
 
 class _AdaptiveDrafter(Drafter):
     """Adaptive draft length from an exponential moving average of accepted drafts per lap.
@@ -88,6 +93,12 @@ class _AdaptiveDrafter(Drafter):
 
     def _restart_ema(self) -> None:
         self._ema = float(self.num_draft_tokens)
+
+    def rewind(self, context: Sequence[int]) -> None:
+        """Rebuild the context but keep what this stream taught the adaptive length."""
+        ema = self._ema
+        self.reset(context)
+        self._ema = ema
 
 
 class _Automaton:

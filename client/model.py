@@ -107,6 +107,8 @@ class AutoDistributedModelForCausalLM:
         streamer: Any = None,
         speculation: Optional[str] = "suffix",
         num_draft_tokens: int = 8,
+        async_speculation: bool = False,
+        max_inflight_runs: int = 3,
         draft_corpus: Sequence[Union[str, Sequence[int]]] = (),
         num_logprobs: int = 0,
         return_dict_in_generate: bool = False,
@@ -117,6 +119,8 @@ class AutoDistributedModelForCausalLM:
 
         ``speculation``: "suffix" (default), "ngram" or None; ``num_draft_tokens`` caps drafts per
         lap; ``draft_corpus`` adds texts or token lists the answer is likely to repeat.
+        ``async_speculation=True`` keeps up to ``max_inflight_runs`` runs in flight, each assuming
+        the ones before it are accepted whole; refuted runs are cancelled hop by hop.
         ``num_logprobs=K`` (K <= 20) returns the top-K log-probs of each new token in
         ``model.last_logprobs`` (and as ``.logprobs`` when ``return_dict_in_generate=True``).
         """
@@ -132,7 +136,8 @@ class AutoDistributedModelForCausalLM:
         corpus = self._corpus(draft_corpus)
         rows = []
         for row in input_ids.tolist():
-            rows.append(row + self._generate_row(row, max_new_tokens, sampling, eos, streamer, speculation, num_draft_tokens, corpus, num_logprobs))
+            inflight = max_inflight_runs if async_speculation else 1
+            rows.append(row + self._generate_row(row, max_new_tokens, sampling, eos, streamer, speculation, num_draft_tokens, inflight, corpus, num_logprobs))
         sequences = _pad(rows, self.config.pad_token_id if self.config.pad_token_id is not None else (eos[0] if eos else 0))
         if return_dict_in_generate:
             output = GenerateDecoderOnlyOutput(sequences=sequences)
@@ -140,12 +145,13 @@ class AutoDistributedModelForCausalLM:
             return output
         return sequences
 
-    def _generate_row(self, row, max_new_tokens, sampling, eos, streamer, speculation, num_draft_tokens, corpus, num_logprobs) -> list[int]:
+    def _generate_row(self, row, max_new_tokens, sampling, eos, streamer, speculation, num_draft_tokens, max_inflight_runs, corpus, num_logprobs) -> list[int]:
         drafter = make_drafter(
             speculation, num_draft_tokens=num_draft_tokens, corpus=corpus, store=self._suffix_store, eos_token_ids=eos
         )
         own_session = self._session is None
-        state = self._session or SessionState(max_length=min(len(row) + max_new_tokens + num_draft_tokens + 1, self._context_limit()))
+        needed = len(row) + max_new_tokens + num_draft_tokens + 1
+        state = self._session or SessionState(max_length=min(needed, self._context_limit()))
         if streamer is not None:
             streamer.put(torch.tensor(row))
         decoder = SpeculativeDecoder(
@@ -154,6 +160,7 @@ class AutoDistributedModelForCausalLM:
             sampling,
             drafter=drafter,
             num_draft_tokens=num_draft_tokens,
+            max_inflight_runs=max_inflight_runs,
             eos_token_ids=eos,
             num_logprobs=num_logprobs,
             on_tokens=(lambda new: streamer.put(torch.tensor(new))) if streamer is not None else None,
@@ -184,6 +191,8 @@ class AutoDistributedModelForCausalLM:
         eos_token_id: Union[int, Sequence[int], None] = None,
         speculation: Optional[str] = "suffix",
         num_draft_tokens: int = 8,
+        async_speculation: bool = False,
+        max_inflight_runs: int = 3,
         draft_corpus: Sequence[Union[str, Sequence[int]]] = (),
         num_logprobs: int = 0,
     ) -> AsyncIterator[GeneratedChunk]:

@@ -35,7 +35,7 @@ from protocol.messages import (
 )
 from server.adapters import SpanAdapter, SpanCancelled
 from server.cache_budget import CacheBudget
-from server.session import QueuedRun, ServerSession, compute_run
+from server.session import QueuedRun, QueuedTrim, ServerSession, compute_run
 from swarm.streams import RESULTS_PROTOCOL, SESSION_PROTOCOL, MessageStream, serve
 
 logger = logging.getLogger(__name__)
@@ -53,16 +53,19 @@ class SessionHandler:
         *,
         session_timeout: float = 600.0,
         compression: int = runtime_pb2.NONE,
+        block_delay: float = 0.0,
     ):
         self.p2p, self.span, self.budget = p2p, span, budget
         self.peer_id = p2p.peer_id.to_base58()
         self.session_timeout = session_timeout
         self.compression = compression
+        self.block_delay = block_delay
         self.sessions: dict[str, ServerSession] = {}
         self._results: dict[str, asyncio.Queue[Optional[Message]]] = {}
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="span-compute")
         self.accepting = True
-        self.stats = {"runs": 0, "cancelled_runs": 0, "sessions_opened": 0, "accepted_tokens": 0}
+        self.stats = {"runs": 0, "cancelled_runs": 0, "sessions_opened": 0, "accepted_tokens": 0,
+                      "cancelled_queued": 0, "cancelled_running": 0, "cancelled_computed": 0}  # fmt: skip
 
     async def start(self) -> None:
         await serve(self.p2p, SESSION_PROTOCOL, self._serve_session)
@@ -220,7 +223,9 @@ class SessionHandler:
 
     async def _cancel(self, session: ServerSession, cancel: Cancel, downstream: Optional[MessageStream]) -> None:
         """Drop the run and every later one; forward after any data already sent downstream."""
-        session.cancel_from(cancel.run_id)
+        trim_to = session.cancel_from(cancel.run_id, self.stats)
+        if trim_to is not None:  # no server keeps positions of cancelled runs
+            session.queue.put_nowait(QueuedTrim(trim_to))
         session.touch()
         if downstream is not None:
             await _send_quietly(downstream, cancel)
@@ -228,12 +233,17 @@ class SessionHandler:
     async def _run_session(self, session: ServerSession, downstream: Optional[MessageStream]) -> None:
         loop = asyncio.get_running_loop()
         while (run := await session.queue.get()) is not None:
+            if isinstance(run, QueuedTrim):
+                session.trim(self.span, min(run.length, self.span.cache_length(session.cache)))
+                continue
             if run.cancelled:
                 self.stats["cancelled_runs"] += 1
                 continue
             session.running = run
             try:
-                output = await loop.run_in_executor(self._executor, compute_run, self.span, session, run)
+                output = await loop.run_in_executor(
+                    self._executor, compute_run, self.span, session, run, self.block_delay
+                )
             except SpanCancelled:
                 self.stats["cancelled_runs"] += 1
                 continue

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -18,11 +19,12 @@ from typing import Optional, Sequence
 import hivemind
 import torch
 from hivemind.proto import runtime_pb2
-from transformers import AutoConfig
+from transformers import AutoConfig, PretrainedConfig
 
 from server.adapters import SpanAdapter, load_span
 from server.cache_budget import CacheBudget, default_cache_tokens
 from server.handler import SessionHandler
+from server.memory import MemoryPlan, plan_blocks
 from server.weights import Checkpoint
 from swarm.dht_records import announce, fetch_servers
 from swarm.identity import load_or_create_identity
@@ -56,6 +58,7 @@ class ServerConfig:
     compression: str = "none"
     torch_threads: Optional[int] = None
     dht_prefix: Optional[str] = None
+    debug_block_delay: float = 0.0  # seconds slept before each block: fault injection for tests
 
 
 class SpanServer:
@@ -72,7 +75,11 @@ class SpanServer:
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
         model = resolve_model(config.model)
-        model_config = AutoConfig.from_pretrained(model.source)
+        model_config = load_model_config(model.source)
+        plan = None
+        if config.blocks is None and config.num_blocks is None:  # as many blocks as fit in memory
+            plan = plan_blocks(model_config, DTYPES[config.dtype], config.device, model_config.num_hidden_layers)
+            logger.info(plan.describe(config.device))
         dht_name = config.dht_prefix or model.dht_name
         identity = load_or_create_identity(config.identity_path)
         dht = hivemind.DHT(
@@ -83,16 +90,21 @@ class SpanServer:
             record_validators=[PeerIdSignatureValidator(identity)],
             start=True,
         )
-        start, end = _choose_blocks(config, dht, dht_name, model_config.num_hidden_layers)
+        start, end = _choose_blocks(config, dht, dht_name, model_config.num_hidden_layers, plan)
         logger.info(f"Serving blocks {start}:{end} of {dht_name} as peer {dht.peer_id}")
         loop = asyncio.get_running_loop()
         span = await loop.run_in_executor(
             None, load_span, model_config, Checkpoint(model.source), start, end, DTYPES[config.dtype], config.device
         )
-        budget = CacheBudget(config.cache_tokens or default_cache_tokens(span.cache_bytes_per_token()))
+        budget = CacheBudget(config.cache_tokens or _cache_tokens(span, plan))
         p2p = await dht.replicate_p2p()
         handler = SessionHandler(
-            p2p, span, budget, session_timeout=config.session_timeout, compression=COMPRESSION[config.compression]
+            p2p,
+            span,
+            budget,
+            session_timeout=config.session_timeout,
+            compression=COMPRESSION[config.compression],
+            block_delay=config.debug_block_delay,
         )
         await handler.start()
         info = ServerInfo(
@@ -146,13 +158,64 @@ class SpanServer:
         logger.info("Server stopped")
 
 
-def _choose_blocks(config: ServerConfig, dht: hivemind.DHT, model: str, total: int) -> tuple[int, int]:
+def load_model_config(source: str) -> PretrainedConfig:
+    """The model's config, or a ValueError naming the repo (or folder) that could not be read.
+
+    Without network the hub client retries for half a minute before giving up; when the hub's host
+    does not even resolve (or HF_HUB_OFFLINE is set) only the local cache is tried, so the server
+    fails at once with a clear message instead of a stack trace.
+    """
+    local_only = not os.path.isdir(source) and not _hub_reachable()
+    try:
+        return AutoConfig.from_pretrained(source, local_files_only=local_only)
+    except Exception as e:  # OSError, huggingface_hub and httpx errors, unknown model types
+        if local_only:
+            reason = (
+                "the Hugging Face hub is unreachable (no network, or HF_HUB_OFFLINE is set) "
+                "and it is not in the local cache"
+            )
+        else:
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"cannot load the config of {source!r}: {reason}") from None
+
+
+def _hub_reachable(timeout: float = 5.0) -> bool:
+    """Whether the hub's host name resolves (a DNS lookup only: no connection is made)."""
+    import socket
+    from concurrent.futures import ThreadPoolExecutor
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
+    pool = ThreadPoolExecutor(1)
+    try:
+        pool.submit(socket.getaddrinfo, host, 443).result(timeout=timeout)
+        return True
+    except Exception:
+        return False
+    finally:
+        pool.shutdown(wait=False)
+
+
+def _cache_tokens(span: SpanAdapter, plan: Optional[MemoryPlan]) -> int:
+    """The cache budget in tokens: the memory plan's share when blocks were chosen by memory."""
+    if plan is None:
+        return default_cache_tokens(span.cache_bytes_per_token())
+    return max(2048, plan.cache_bytes // max(1, span.cache_bytes_per_token()))
+
+
+def _choose_blocks(
+    config: ServerConfig, dht: hivemind.DHT, model: str, total: int, plan: Optional[MemoryPlan] = None
+) -> tuple[int, int]:
     if config.blocks is not None:
         start, end = config.blocks
         if not 0 <= start < end <= total:
             raise ValueError(f"--blocks {start}:{end} is outside the model's 0:{total}")
         return start, end
-    length = min(config.num_blocks or total, total)
+    length = min(config.num_blocks or (plan.blocks if plan else total), total)
     if length <= 0:
         raise ValueError(f"--num-blocks must be positive, got {config.num_blocks}")
     from swarm.routing import choose_best_span

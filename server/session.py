@@ -29,6 +29,13 @@ class QueuedRun:
 
 
 @dataclass
+class QueuedTrim:
+    """Forget positions >= length once the runs queued before it are done (after a cancel)."""
+
+    length: int
+
+
+@dataclass
 class ServerSession:
     session_id: str
     max_length: int
@@ -38,7 +45,7 @@ class ServerSession:
     history: list[int] = field(default_factory=list)  # token id at each position the cache holds
     last_run_id: int = -1
     expected_length: int = 0  # positions that will exist once every queued run is computed
-    queue: "asyncio.Queue[QueuedRun | None]" = field(default_factory=asyncio.Queue)
+    queue: "asyncio.Queue[QueuedRun | QueuedTrim | None]" = field(default_factory=asyncio.Queue)
     running: Optional[QueuedRun] = None
     run_start: dict[int, int] = field(default_factory=dict)  # run id -> start_pos, recent runs
     last_active: float = field(default_factory=time.monotonic)
@@ -110,24 +117,44 @@ class ServerSession:
         if len(self.run_start) > 256:
             self.run_start.pop(next(iter(self.run_start)))
 
-    def cancel_from(self, run_id: int) -> Optional[int]:
+    def cancel_from(self, run_id: int, counts: Optional[dict] = None) -> Optional[int]:
         """Mark run ``run_id`` and every later run received so far as cancelled.
 
         Returns the earliest start_pos among the cancelled runs (where the cache must be
-        trimmed back to), or None when no run was affected.
+        trimmed back to), or None when no run was affected. ``counts`` tallies whether each
+        cancelled run was still queued, being computed, or already computed here.
         """
         affected = [r for r in self.run_start if r >= run_id]
-        for item in list(self.queue._queue) + [self.running]:  # noqa: SLF001 - we own this queue
-            if item is not None and item.step.run_id >= run_id:
+        counts = counts if counts is not None else {}
+        caught = set()
+        for item in list(self.queue._queue):  # noqa: SLF001 - we own this queue
+            if isinstance(item, QueuedRun) and item.step.run_id >= run_id and not item.cancelled:
                 item.cancelled = True
+                caught.add(item.step.run_id)
+                counts["cancelled_queued"] = counts.get("cancelled_queued", 0) + 1
+        running = self.running
+        if running is not None and running.step.run_id >= run_id and not running.cancelled:
+            running.cancelled = True
+            caught.add(running.step.run_id)
+            counts["cancelled_running"] = counts.get("cancelled_running", 0) + 1
+        done = len([r for r in affected if r not in caught])
+        counts["cancelled_computed"] = counts.get("cancelled_computed", 0) + done
         if not affected:
             return None
         trim_to = min(self.run_start[r] for r in affected)
+        for r in affected:
+            del self.run_start[r]
         self.expected_length = min(self.expected_length, trim_to)
         return trim_to
 
+    def trim(self, span: SpanAdapter, length: int) -> None:
+        span.trim_cache(self.cache, length)
+        del self.history[length:]
 
-def compute_run(span: SpanAdapter, session: ServerSession, run: QueuedRun) -> torch.Tensor | StepResult:
+
+def compute_run(
+    span: SpanAdapter, session: ServerSession, run: QueuedRun, block_delay: float = 0.0
+) -> torch.Tensor | StepResult:
     """Run this server's blocks over a run's new positions; at the tail, verify its drafts.
 
     The cache is first trimmed to ``start_pos``: that trim is the protocol's only rollback.
@@ -139,12 +166,13 @@ def compute_run(span: SpanAdapter, session: ServerSession, run: QueuedRun) -> to
             ErrorCode.START_POS_BEYOND_CACHE,
             f"start_pos {step.start_pos} is beyond the {held} positions in this server's cache",
         )
-    span.trim_cache(session.cache, step.start_pos)
-    del session.history[step.start_pos :]
+    session.trim(span, step.start_pos)
     token_ids = torch.tensor([step.token_ids], dtype=torch.long)
     hidden = span.embed(token_ids) if session.hop_index == 0 else run.hidden
 
     def check_cancelled() -> None:
+        if block_delay:
+            time.sleep(block_delay)  # fault injection: a slow server, for tests of cancellation
         if run.cancelled or session.closed:
             raise SpanCancelled()
 

@@ -51,7 +51,9 @@ class Checkpoint:
                     self._weight_map = {key: SINGLE_FILE for key in f.keys()}
         return self._weight_map
 
-    def read(self, keys: Iterable[str], dtype: torch.dtype, desc: str = "Loading") -> dict[str, torch.Tensor]:
+    def read(
+        self, keys: Iterable[str], dtype: torch.dtype, desc: str = "Loading", progress: bool = True
+    ) -> dict[str, torch.Tensor]:
         """Read ``keys`` (and nothing else), opening each needed shard once, with a progress bar."""
         weight_map = self.weight_map()
         by_file: dict[str, list[str]] = {}
@@ -60,7 +62,7 @@ class Checkpoint:
                 raise KeyError(f"checkpoint {self.source} has no tensor {key!r}")
             by_file.setdefault(weight_map[key], []).append(key)
         tensors: dict[str, torch.Tensor] = {}
-        with tqdm(total=sum(map(len, by_file.values())), desc=desc, unit="tensor") as bar:
+        with tqdm(total=sum(map(len, by_file.values())), desc=desc, unit="tensor", disable=not progress) as bar:
             for filename, file_keys in by_file.items():
                 with safe_open(self._fetch(filename), framework="pt") as f:
                     for key in file_keys:

@@ -169,6 +169,19 @@ class LocalSwarm:
         self.api_url = line
         return line
 
+    def stop_api(self) -> None:
+        """Stop the gateway alone (SIGTERM, then SIGKILL); the swarm keeps running."""
+        api, self.api, self.api_url = self.api, None, ""
+        if api is None or api.poll() is not None:
+            return
+        api.terminate()
+        try:
+            api.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(api.pid, signal.SIGKILL)
+            api.wait()
+
     def wait_ready(self, expected: Optional[int] = None) -> None:
         """Block until the DHT lists every server as online (or one of them died)."""
         import hivemind

@@ -34,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--update-period", type=float, default=15.0, help="seconds between DHT announcements")
     p.add_argument("--session-timeout", type=float, default=600.0, help="free sessions idle this long (s)")
     p.add_argument("--torch-threads", type=int, help="torch CPU threads")
+    p.add_argument("--debug-block-delay-ms", type=float, default=0.0, help=argparse.SUPPRESS)  # tests: a slow server
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -60,6 +61,7 @@ async def serve(args: argparse.Namespace) -> None:
         compression=args.compression,
         torch_threads=args.torch_threads,
         dht_prefix=args.dht_prefix,
+        debug_block_delay=args.debug_block_delay_ms / 1000,
     )
     stop = stop_event_on_signals()
     server = await SpanServer.create(config)

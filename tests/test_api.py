@@ -109,8 +109,12 @@ def open_sessions(model) -> dict[str, int]:
 # ---- text pieces (no swarm) ------------------------------------------------------------------
 
 
-def test_detokenizer_rebuilds_text_token_by_token(smol_model):
-    tokenizer = smol_model.tokenizer
+def test_detokenizer_rebuilds_text_token_by_token():
+    from transformers import AutoTokenizer
+
+    from swarm.models import ensure_smollm2_checkpoint
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_smollm2_checkpoint())
     text = " Héllo wörld 😀 — ナイス  double  spaces\n\nnew line 🇫🇷 end"
     ids = tokenizer.encode(text)
     detokenizer = IncrementalDetokenizer(tokenizer, tokenizer.encode("Say:"))
@@ -269,15 +273,15 @@ def test_per_key_concurrency_limit_is_429(gateway, client):
 
 
 def test_a_client_that_disconnects_frees_the_session_on_every_server(gateway, client, smol_model):
+    # records refresh every 5 s: see every server idle, then holding the session, then idle again
+    wait_until(lambda: max(open_sessions(smol_model).values()) == 0, 90, "no server holds a session")
     stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True, temperature=0,
                                             extra_body={"ignore_eos": True})  # fmt: skip
     chunks = iter(stream)
     next(chunks), next(chunks)
-    # records refresh every 5 s: wait until every server announces the session ...
     wait_until(lambda: min(open_sessions(smol_model).values()) >= 1, 90, "every server holds the session")
     next(chunks)  # still generating
     stream.close()
-    # ... then until the gateway has cancelled it and every server has closed it
     wait_until(lambda: gateway.gateway.requests_in_flight == 0, 60, "the gateway cancels the generation")
     wait_until(lambda: max(open_sessions(smol_model).values()) == 0, 90, "every server closes the session")
     assert len(open_sessions(smol_model)) == 3

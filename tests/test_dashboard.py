@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from swarm.dashboard.events import ModelSnapshot, PeerProbed, PollFailed, SwarmPolled
@@ -25,6 +26,7 @@ from swarm.local import free_port
 from swarm.records import ServerInfo, ServerState
 from tests.browser import Chromium, Page, find_or_install_chromium
 from tests.checkpoints import build_tiny_llama
+from tests.conftest import TINY_SERVERS
 
 LIMITS = Limits(forget_after=30, history_interval=10, history_points=5, max_errors=3, max_uptime_records=4)
 
@@ -230,7 +232,8 @@ def test_api_reports_covered_and_gap_models(dashboard):
     models = {m["name"]: m for m in state["models"]}
     tiny, gap = models[swarm.dht_name], models[GAP_MODEL]
     assert tiny["healthy"] and tiny["num_blocks"] == 6 and tiny["missing_blocks"] == []
-    assert [b["servers"] for b in tiny["blocks"]] == [2, 2, 2, 3, 2, 2]  # TINY_SERVERS in conftest
+    expected = [sum(a <= block < b for a, b in TINY_SERVERS.values()) for block in range(6)]
+    assert [b["servers"] for b in tiny["blocks"]] == expected == [2, 2, 3, 3, 2, 2]
     assert tiny["max_flow"] > 0
     assert {s["public_name"] for s in tiny["servers"]} == set("ABCDE")
     assert all(s["state"] == "online" and s["uptime_seconds"] >= 0 for s in tiny["servers"])
@@ -278,6 +281,21 @@ def test_stopped_server_appears_offline_then_disappears(dashboard, artifacts_dir
     assert _online(url, GAP_MODEL) == 1  # the other server of that model is untouched
 
 
+def test_speculation_figures_come_from_tail_servers(dashboard, tiny_model):
+    url, _, swarm = dashboard
+    prompt = torch.tensor([[1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3]])
+    tiny_model.generate(prompt, max_new_tokens=12, speculation="suffix")
+    laps = tiny_model.last_generation_stats.laps
+    spec = wait_until(lambda: _speculation(url, swarm.dht_name, laps), "the tails to report their laps")
+    assert spec["tail_servers"] == 2 and spec["accepted_tokens"] >= spec["laps_served"]  # >= 1 token per lap
+    assert spec["tokens_per_lap"] == pytest.approx(spec["accepted_tokens"] / spec["laps_served"])
+
+
+def _speculation(url: str, model: str, laps: int) -> dict | None:
+    spec = _model(url, model)["speculation"]
+    return spec if spec["laps_served"] >= laps > 0 else None
+
+
 def _peer_named(url: str, name: str, state: str | None) -> str | None:
     """Peer id of the server called ``name`` (in ``state``, or in any state if None)."""
     model = _model(url, GAP_MODEL) or {"servers": []}
@@ -291,11 +309,12 @@ def _peer_named(url: str, name: str, state: str | None) -> str | None:
 
 
 @pytest.fixture(scope="module")
-def chromium() -> str:
+def browser(artifacts_dir):
     binary, why = find_or_install_chromium()
     if binary is None:
         pytest.skip(f"Debian's chromium is not installed and could not be installed: {why}")
-    return binary
+    with Chromium(binary, artifacts_dir / "dashboard" / "chromium.log") as chromium:
+        yield chromium
 
 
 PAGE_FACTS = """(() => {
@@ -315,11 +334,10 @@ PAGE_FACTS = """(() => {
 })()"""
 
 
-def test_page_in_headless_chromium(dashboard, chromium, artifacts_dir):
+def test_page_in_headless_chromium(dashboard, browser, artifacts_dir):
     url, _, swarm = dashboard
     wait_until(lambda: len(_model(url, swarm.dht_name)["history"]) >= 2, "two history points")
-    with Chromium(chromium, artifacts_dir / "dashboard" / "chromium.log") as browser:
-        facts, errors = asyncio.run(_visit(browser, url, artifacts_dir))
+    facts, errors = asyncio.run(_visit(browser, url, artifacts_dir))
     assert errors == [], f"the page logged errors: {errors}"
     _, state = get_json(f"{url}api/v1/state")
     for model in state["models"]:
@@ -352,3 +370,38 @@ async def _visit(browser: Chromium, url: str, artifacts_dir: Path) -> tuple[dict
         return facts, list(page.errors)
     finally:
         await page.close()
+
+
+def test_page_shows_a_dht_failure_as_a_banner_and_names_as_text(browser):
+    """The real app and page, fed the events a failing DHT read produces (no swarm needed)."""
+    from aiohttp import web
+
+    from swarm.dashboard.app import Dashboard, create_app
+
+    hostile = "<img src=x onerror=alert(1)>"
+    dashboard = Dashboard(reader=None)
+    for event in (polled(time.time(), ("m", 2, [server("A", 0, 2, public_name=hostile)])),
+                  PollFailed(time.time(), "DHT timed out after 30 s")):  # fmt: skip
+        dashboard.feed(event)
+
+    async def visit() -> tuple[dict, list[str]]:
+        runner = web.AppRunner(create_app(dashboard))
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        page = await Page.open(browser)
+        try:
+            await page.navigate(f"http://127.0.0.1:{runner.addresses[0][1]}/")
+            await page.wait_for("document.querySelector('section.model') !== null")
+            facts = await page.evaluate(PAGE_FACTS)
+            facts["banner_text"] = await page.evaluate("document.getElementById('banner').textContent")
+            facts["images"] = await page.evaluate("document.querySelectorAll('img').length")
+            return facts, list(page.errors)
+        finally:
+            await page.close()
+            await runner.cleanup()
+
+    facts, errors = asyncio.run(visit())
+    assert errors == [], f"the page logged errors: {errors}"
+    assert facts["banner"] and "DHT timed out after 30 s" in facts["banner_text"]
+    assert facts["models"]["m"]["names"] == [hostile] and facts["images"] == 0

@@ -31,6 +31,7 @@ import re
 from typing import Callable
 
 import torch
+from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, PretrainedConfig
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4PreTrainedModel, DeepseekV4RotaryEmbedding
 
@@ -96,10 +97,12 @@ class DeepseekV4Adapter(SpanAdapter):
             checkpoint.weight_map(), set(targets), range(self.start, self.end), self.is_head, self.is_tail
         )
         dtype_of = _dtype_plan(self.dtype)
-        for prefix, module in owned.items():
+        for prefix, module in tqdm(owned.items(), desc=f"Loading blocks {self.start}:{self.end}", unit="module"):
             mine = [sources[t] for t, (p, _) in targets.items() if p == prefix]
-            tensors = load_sources(checkpoint, mine, dtype_of, desc=f"Loading {prefix.rstrip('.')}")
+            tensors = load_sources(checkpoint, mine, dtype_of)
+            skeleton = module.state_dict()  # integer buffers (tid2eid) keep the module's dtype
             state = {targets[t][1]: tensor for t, tensor in tensors.items()}
+            state = {n: t if t.is_floating_point() else t.to(skeleton[n].dtype) for n, t in state.items()}
             module.load_state_dict(state, strict=True, assign=True)
         self.rotary_emb = DeepseekV4RotaryEmbedding(self.config)
         for module in self._modules():
@@ -209,7 +212,7 @@ def _dtype_plan(dtype: torch.dtype) -> Callable[[str], torch.dtype]:
 
 def _rebuild_rotary(root: torch.nn.Module, config: PretrainedConfig) -> None:
     """Rotary tables are non-persistent buffers, left on the meta device by the skeleton."""
-    for name, module in list(root.named_modules()):
+    for module in list(root.modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, DeepseekV4RotaryEmbedding):
                 setattr(module, child_name, DeepseekV4RotaryEmbedding(config))

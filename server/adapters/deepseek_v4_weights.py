@@ -123,7 +123,7 @@ def _dequantize(weight: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Te
 
 
 def load_sources(
-    checkpoint: Checkpoint, sources: Iterable[TensorSource], dtype_of: Callable[[str], torch.dtype], desc: str
+    checkpoint: Checkpoint, sources: Iterable[TensorSource], dtype_of: Callable[[str], torch.dtype]
 ) -> dict[str, torch.Tensor]:
     """Read, dequantize and assemble parameters, each in ``dtype_of(target)``.
 
@@ -138,17 +138,18 @@ def load_sources(
             quantized = source.parts[0][1] is not None
             by_read_dtype.setdefault(torch.float32 if quantized else dtype_of(source.target), []).append(source)
     for read_dtype, group in by_read_dtype.items():
-        tensors = checkpoint.read({k for s in group for pair in s.parts for k in pair if k}, read_dtype, desc=desc)
+        keys = {k for s in group for pair in s.parts for k in pair if k}
+        tensors = checkpoint.read(keys, read_dtype, progress=False)
         for source in group:
-            out[source.target] = _assemble(source, source.parts, tensors, dtype_of(source.target))
+            out[source.target] = _assemble(source.parts[0], tensors, dtype_of(source.target))
     for source in sources:
         if source.kind != "plain":
             out[source.target] = _load_experts(checkpoint, source, dtype_of(source.target))
     return out
 
 
-def _assemble(source, parts, tensors, dtype) -> torch.Tensor:
-    (weight_key, scale_key), = parts
+def _assemble(part: tuple[str, Optional[str]], tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    weight_key, scale_key = part
     tensor = _dequantize(tensors[weight_key], tensors[scale_key] if scale_key else None)
     return tensor.to(dtype) if tensor.is_floating_point() else tensor
 
@@ -157,8 +158,8 @@ def _load_experts(checkpoint: Checkpoint, source: TensorSource, dtype: torch.dty
     pieces: list[torch.Tensor] = []
     for begin in range(0, len(source.parts), EXPERTS_PER_READ):
         parts = source.parts[begin : begin + EXPERTS_PER_READ]
-        tensors = checkpoint.read({k for pair in parts for k in pair if k}, torch.float32, desc=f"Loading {source.target}")
-        pieces.extend(_assemble(source, [pair], tensors, dtype) for pair in parts)
+        tensors = checkpoint.read({k for pair in parts for k in pair if k}, torch.float32, progress=False)
+        pieces.extend(_assemble(pair, tensors, dtype) for pair in parts)
     if source.kind == "down":
         return torch.stack(pieces)
     half = len(pieces) // 2

@@ -229,10 +229,16 @@ def _model_card(name: str) -> dict[str, Any]:
     return {"id": name, "object": "model", "created": 0, "owned_by": "specswarm"}
 
 
-async def start_server(gateway: Gateway, host: str = "127.0.0.1", port: int = 0) -> tuple[web.AppRunner, str]:
-    """Listen on host:port (0: a free port); returns the runner (``await runner.cleanup()`` stops it)
-    and the base URL that OpenAI clients take, ``http://HOST:PORT/v1``."""
-    runner = web.AppRunner(gateway.app(), handler_cancellation=True, access_log=None)
+async def start_server(gateway: Gateway, host: str = "127.0.0.1", port: int = 0,
+                       shutdown_grace: float = 5.0) -> tuple[web.AppRunner, str]:  # fmt: skip
+    """Listen on host:port (0: a free port); returns the runner and the base URL that OpenAI clients
+    take, ``http://HOST:PORT/v1``. ``await runner.cleanup()`` stops it: requests still running after
+    ``shutdown_grace`` seconds are cancelled (their sessions close on every server).
+
+    ``handler_cancellation``: a client that disconnects cancels its request's task at once, rather
+    than at the next failed write, so its generation stops within the lap it is in.
+    """
+    runner = web.AppRunner(gateway.app(), handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_grace)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

@@ -41,6 +41,10 @@ function int(x) {
   return x === null || x === undefined ? "–" : Math.round(x).toLocaleString("en-US");
 }
 
+function compact(x) {
+  return x === null || x === undefined ? "–" : x < 1e4 ? String(Math.round(x)) : num(x, 1);
+}
+
 function duration(seconds) {
   if (seconds === null || seconds === undefined) return "–";
   const s = Math.max(0, Math.round(seconds));
@@ -110,7 +114,7 @@ function blockMap(model) {
 
 function timeline(points) {
   return h("span", { class: "timeline", title: "state per interval, oldest left" },
-    points.slice(-40).map((p) => h("i", { class: p.state, title: `${new Date(p.at * 1000).toLocaleTimeString()}: ${p.state}` })));
+    points.slice(-30).map((p) => h("i", { class: p.state, title: `${new Date(p.at * 1000).toLocaleTimeString()}: ${p.state}` })));
 }
 
 function pings(server) {
@@ -121,9 +125,9 @@ function pings(server) {
 
 const SERVER_COLUMNS = [
   ["Peer", "peer"], ["Name", "name"], ["Version", "version"], ["State", "state"], ["Uptime", "uptime", "num"],
-  ["Availability", "availability"], ["Throughput", "throughput", "num"], ["dtype", "dtype"], ["Quant.", "quant"],
+  ["Availability", "availability"], ["Throughput", "throughput", "num"], ["dtype · quant.", "dtype"],
   ["Cache left", "cache", "num"], ["Sessions", "sessions", "num"], ["Network", "network"], ["Pings to next", "pings"], ["Span", "span"],
-  ["Laps", "laps", "num"], ["Tokens/lap", "tpl", "num"], ["Cancels", "cancels", "num"],
+  ["Laps", "laps", "num"], ["Tok/lap", "tpl", "num"], ["Cancels", "cancels", "num"],
 ];
 
 function serverRow(sv) {
@@ -138,9 +142,8 @@ function serverRow(sv) {
     cell("uptime", duration(sv.uptime_seconds)),
     cell("availability", [timeline(sv.uptime_timeline), " ", pct(sv.availability)]),
     cell("throughput", num(sv.throughput) + " tok/s"),
-    cell("dtype", sv.dtype),
-    cell("quant", sv.quantization || "none"),
-    cell("cache", int(sv.free_cache_tokens) + " / " + int(sv.cache_tokens)),
+    cell("dtype", sv.quantization ? `${sv.dtype} · ${sv.quantization}` : sv.dtype),
+    cell("cache", `${compact(sv.free_cache_tokens)} / ${compact(sv.cache_tokens)}`, `${int(sv.free_cache_tokens)} of ${int(sv.cache_tokens)} tokens free`),
     cell("sessions", int(sv.open_sessions)),
     cell("network", network, sv.probe_error || ""),
     cell("pings", pings(sv)),

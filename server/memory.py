@@ -1,0 +1,95 @@
+"""How many blocks a server can hold: weights in the device's free memory after the cache budget.
+
+A volunteer who runs ``python -m swarm.server --model deepseek-v4-pro`` without ``--blocks`` or
+``--num-blocks`` gets as many blocks as fit. The arithmetic is a pure function
+(:func:`blocks_that_fit`) so it can be tested with a made-up memory budget; the measuring
+(free memory of the device, bytes of one block) lives beside it.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+
+CACHE_FRACTION = 0.25  # of free memory kept for the KV cache budget (as default_cache_tokens uses)
+HEADROOM_FRACTION = 0.05  # of free memory left for activations and allocator slack
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The numbers behind a block count, for the server's log."""
+
+    blocks: int
+    total_blocks: int
+    free_bytes: int
+    bytes_per_block: int
+    cache_bytes: int
+    reserve_bytes: int
+
+    def describe(self, device: str) -> str:
+        return (
+            f"{self.blocks} of {self.total_blocks} blocks fit: {self.free_bytes / GiB:.1f} GiB free on {device}, "
+            f"{self.cache_bytes / GiB:.1f} GiB kept for the cache budget, {self.reserve_bytes / GiB:.1f} GiB for "
+            f"embeddings/LM head and headroom, {self.bytes_per_block / GiB:.2f} GiB per block"
+        )
+
+
+def blocks_that_fit(
+    bytes_per_block: int, free_bytes: int, cache_bytes: int, total_blocks: int, *, reserve_bytes: int = 0
+) -> int:
+    """Blocks whose weights fit in ``free_bytes`` after ``cache_bytes`` and ``reserve_bytes``.
+
+    Raises ValueError, naming the numbers, when not even one block fits.
+    """
+    if bytes_per_block <= 0 or total_blocks <= 0:
+        raise ValueError(f"bytes_per_block and total_blocks must be positive, got {bytes_per_block}, {total_blocks}")
+    room = free_bytes - cache_bytes - reserve_bytes
+    blocks = min(total_blocks, max(0, room) // bytes_per_block)
+    if blocks < 1:
+        raise ValueError(
+            f"not even one block fits: a block needs {bytes_per_block / GiB:.2f} GiB and only {room / GiB:.2f} GiB "
+            f"of {free_bytes / GiB:.2f} GiB free is left after {cache_bytes / GiB:.2f} GiB for the cache and "
+            f"{reserve_bytes / GiB:.2f} GiB reserved; pass --num-blocks or --blocks, a smaller --dtype, or another --device"
+        )
+    return blocks
+
+
+def free_device_bytes(device: str) -> int:
+    """Free memory of ``device``: CUDA's free bytes, or the host's available RAM for the CPU."""
+    if device.startswith("cuda"):
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return free
+    import psutil
+
+    return psutil.virtual_memory().available
+
+
+def model_bytes(config, dtype: torch.dtype) -> tuple[int, int]:
+    """(bytes of the largest block, bytes of embeddings + LM head) in ``dtype``, from a meta model."""
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    size = torch.finfo(dtype).bits // 8
+
+    def nbytes(module: torch.nn.Module) -> int:
+        return sum(p.numel() for p in module.parameters()) * size
+
+    per_block = max(nbytes(layer) for layer in model.model.layers)
+    ends = nbytes(model.get_input_embeddings()) + nbytes(model.get_output_embeddings())
+    return per_block, ends
+
+
+def plan_blocks(config, dtype: torch.dtype, device: str, total_blocks: int, free_bytes: int | None = None) -> MemoryPlan:
+    """How many blocks this server should hold when the volunteer did not say."""
+    free = free_device_bytes(device) if free_bytes is None else free_bytes
+    per_block, ends = model_bytes(config, dtype)
+    cache = int(free * CACHE_FRACTION)
+    reserve = ends + int(free * HEADROOM_FRACTION)
+    blocks = blocks_that_fit(per_block, free, cache, total_blocks, reserve_bytes=reserve)
+    return MemoryPlan(blocks, total_blocks, free, per_block, cache, reserve)

@@ -1,0 +1,397 @@
+"""DeepSeek-V4 served in spans equals local transformers, token for token (float32), and its
+caches roll back exactly.
+
+A tiny random DeepSeek-V4 (6 blocks: hash-MoE in blocks 0-2; HCA, CSA and sliding-window
+attention; hc_mult 4; compression windows of 4 (CSA) and 8 (HCA); a sliding window of 8) is
+built by a fixture, so a few dozen positions cross many compression-window boundaries and leave
+the sliding window. The spans are first driven directly, the way servers drive them (trim to
+start_pos, run the blocks, verify at the tail), then over real servers. Tolerance: logits agree
+to 1e-4 (float32; only the batching of positions differs); tokens agree exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoTokenizer, DeepseekV4Config, DeepseekV4ForCausalLM
+
+from protocol.messages import SamplingParams
+from protocol.sampling import verify
+from server.adapters import SpanCancelled, load_span
+from server.adapters.deepseek_v4 import DeepseekV4Adapter
+from server.adapters.deepseek_v4_cache import RollbackTooDeep
+from server.memory import GiB, blocks_that_fit, model_bytes, plan_blocks
+from server.weights import Checkpoint
+from swarm.models import ensure_smollm2_checkpoint, resolve_model
+from tests.conftest import SERVER_ARGS
+from tests.test_exactness import PROMPT, ScriptedDrafter, reference_sample
+
+HCA, CSA, SWA = "heavily_compressed_attention", "compressed_sparse_attention", "sliding_attention"
+SPLITS = {
+    "2 spans, split inside the hash-MoE blocks": [(0, 2), (2, 6)],
+    "3 spans": [(0, 1), (1, 4), (4, 6)],
+}
+GREEDY = SamplingParams()
+SAMPLED = SamplingParams(do_sample=True, temperature=0.8, top_p=0.9, seed=1234)
+ATOL = 1e-4
+
+
+def build_tiny_deepseek_v4(path: Path, seed: int = 0) -> Path:
+    """A 6-block random DeepSeek-V4 with SmolLM2's tokenizer, saved by save_pretrained."""
+    tokenizer = AutoTokenizer.from_pretrained(ensure_smollm2_checkpoint())
+    config = DeepseekV4Config(
+        vocab_size=len(tokenizer), hidden_size=32, moe_intermediate_size=32, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=32, q_lora_rank=32, o_groups=2, o_lora_rank=16,
+        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, hc_mult=4, sliding_window=8,
+        layer_types=[HCA, CSA, SWA, CSA, HCA, CSA], mlp_layer_types=["hash_moe"] * 3 + ["moe"] * 3,
+        compress_rates={CSA: 4, HCA: 8}, index_n_heads=16, index_head_dim=16, index_topk=2,
+        max_position_embeddings=1024, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = DeepseekV4ForCausalLM(config)
+    with torch.no_grad():  # weights far from the init default, so logits are far from uniform
+        for name, param in model.named_parameters():
+            if param.ndim >= 2:
+                param.normal_(0, 0.2)
+            elif name.endswith(("position_bias", "sinks", ".base", "hc_base")):
+                param.normal_(0, 0.5)
+        for layer in model.model.layers:
+            if layer.mlp.is_hash:  # a random token -> distinct-experts table
+                table = torch.rand(config.vocab_size, config.n_routed_experts).argsort(dim=-1)
+                layer.mlp.gate.tid2eid.copy_(table[:, : config.num_experts_per_tok])
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def v4_path(tmp_path_factory) -> Path:
+    return build_tiny_deepseek_v4(tmp_path_factory.mktemp("ckpt") / "tiny-deepseek-v4")
+
+
+@pytest.fixture(scope="module")
+def v4_reference(v4_path):
+    return DeepseekV4ForCausalLM.from_pretrained(v4_path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def v4_spans(v4_path):
+    """Loads each (start, end) once."""
+    config, checkpoint, loaded = AutoConfig.from_pretrained(v4_path), Checkpoint(str(v4_path)), {}
+
+    def get(bounds: list[tuple[int, int]]):
+        for start, end in bounds:
+            if (start, end) not in loaded:
+                loaded[(start, end)] = load_span(config, checkpoint, start, end, torch.float32, "cpu")
+        return [loaded[b] for b in bounds]
+
+    return get
+
+
+class Pipeline:
+    """Spans driven as servers drive them: trim every cache to start_pos, run, verify at the tail."""
+
+    def __init__(self, spans):
+        self.spans, self.caches, self.history = spans, [span.new_cache() for span in spans], []
+        self.rejected_at: list[int] = []
+
+    def run(self, token_ids: list[int], start_pos: int, cancel_at_block: int | None = None) -> torch.Tensor:
+        for span, cache in zip(self.spans, self.caches):
+            span.trim_cache(cache, start_pos)
+        del self.history[start_pos:]
+        ids = torch.tensor([token_ids])
+        hidden = self.spans[0].embed(ids)  # [1, S, hc_mult, hidden] between spans
+        check_cancelled = _canceller(cancel_at_block)
+        for span, cache in zip(self.spans, self.caches):
+            hidden = span.forward(hidden, ids, start_pos, cache, range(span.start, span.end), check_cancelled)
+        self.history.extend(token_ids)
+        return self.spans[-1].logits(hidden)  # [S, V]
+
+    def generate(self, prompt: list[int], max_new_tokens: int, params: SamplingParams, drafter=None) -> list[int]:
+        """One lap per verification, like the client: committed-but-uncached ids + drafts."""
+        committed, cached = list(prompt), 0
+        while len(committed) - len(prompt) < max_new_tokens:
+            drafts = drafter(len(committed)) if drafter else []
+            tokens = committed[cached:] + drafts
+            logits = self.run(tokens, cached)
+            accepted, next_token, _ = verify(logits, self.history, cached, len(drafts), params)
+            if accepted < len(drafts):
+                self.rejected_at.append(len(committed) + accepted)
+            committed += drafts[:accepted] + [next_token]
+            cached += len(tokens) - len(drafts) + accepted
+        return committed[len(prompt) : len(prompt) + max_new_tokens]
+
+
+def _canceller(block: int | None):
+    """Raises SpanCancelled before block number ``block`` (counted over the whole route)."""
+    seen = [0]
+
+    def check() -> None:
+        seen[0] += 1
+        if block is not None and seen[0] > block:
+            raise SpanCancelled()
+
+    return check
+
+
+def every_offset_drafter(truth: list[int], prompt_len: int, width: int = 8):
+    """Drafts ``width`` ids of the truth with one wrong at the index that puts the rejection at
+    residue (lap mod width) of the absolute position: over ``width`` laps a rejection falls on
+    every offset inside a compression window (width 8 = HCA; CSA's 4 divides it)."""
+    lap = [0]
+
+    def propose(position: int) -> list[int]:
+        wrong = (lap[0] - position) % width
+        lap[0] += 1
+        drafts = list(truth[position - prompt_len : position - prompt_len + width])
+        if wrong < len(drafts):
+            drafts[wrong] = (drafts[wrong] + 1) % 1000
+        return drafts
+
+    return propose
+
+
+# ---- spans, driven directly ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("split", list(SPLITS), ids=list(SPLITS))
+def test_spans_greedy_equals_transformers(v4_spans, v4_reference, split):
+    expected = v4_reference.generate(torch.tensor(PROMPT), max_new_tokens=24, do_sample=False)
+    output = Pipeline(v4_spans(SPLITS[split])).generate(PROMPT[0], 24, GREEDY)
+    assert output == expected[0, len(PROMPT[0]) :].tolist()
+
+
+@pytest.mark.parametrize("split", list(SPLITS), ids=list(SPLITS))
+def test_spans_seeded_sampling_equals_reference_sampler(v4_spans, v4_reference, split):
+    expected = reference_sample(v4_reference, PROMPT[0], 20, SAMPLED)
+    assert Pipeline(v4_spans(SPLITS[split])).generate(PROMPT[0], 20, SAMPLED) == expected
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_rejections_at_every_window_offset_never_change_the_output(v4_spans, params):
+    spans = v4_spans(SPLITS["3 spans"])
+    plain = Pipeline(spans).generate(PROMPT[0], 40, params)
+    pipeline = Pipeline(spans)
+    output = pipeline.generate(PROMPT[0], 40, params, every_offset_drafter(plain, len(PROMPT[0])))
+    assert output == plain
+    assert {p % 8 for p in pipeline.rejected_at} == set(range(8))  # every HCA (and CSA) window offset
+
+
+def test_trim_inside_a_compression_window_is_exact(v4_spans, v4_reference):
+    """Wrong drafts at 16..24 (past the sliding window, across an HCA window), trimmed back to every
+    position of that window: continuing gives the logits of a run that never saw them."""
+    spans = v4_spans(SPLITS["3 spans"])
+    truth = (PROMPT[0] * 4)[:32]
+    with torch.no_grad():
+        full = v4_reference(torch.tensor([truth])).logits[0]  # [32, V]
+    for keep in range(16, 25):
+        pipeline = Pipeline(spans)
+        pipeline.run(truth[:16], 0)
+        drafts = truth[16:keep] + [(t + 7) % 1000 for t in truth[keep:25]]
+        pipeline.run(drafts, 16)
+        logits = pipeline.run(truth[keep:], keep)  # trims to `keep` first
+        fresh = Pipeline(spans)
+        fresh.run(truth[:16], 0)
+        if keep > 16:
+            fresh.run(truth[16:keep], 16)
+        never = fresh.run(truth[keep:], keep)
+        assert torch.allclose(logits, never, atol=ATOL), f"trim to {keep}"
+        assert torch.allclose(logits, full[keep:], atol=ATOL), f"trim to {keep}"
+        assert logits.argmax(-1).tolist() == full[keep:].argmax(-1).tolist()
+
+
+def test_rollback_deeper_than_the_kept_history_is_refused(v4_path):
+    config = AutoConfig.from_pretrained(v4_path)
+    span = DeepseekV4Adapter(config, Checkpoint(str(v4_path)), 0, 6, max_rollback=4)
+    truth = (PROMPT[0] * 3)[:28]
+    pipeline = Pipeline([span])
+    pipeline.run(truth[:12], 0)
+    pipeline.run([(t + 3) % 1000 for t in truth[12:20]], 12)
+    with pytest.raises(RollbackTooDeep, match="cannot roll back"):
+        span.trim_cache(pipeline.caches[0], 15)  # 5 back, 4 kept
+    assert span.cache_length(pipeline.caches[0]) == 20  # a refused trim changes nothing
+    logits = pipeline.run(truth[16:], 16)  # exactly max_rollback back: allowed, and exact
+    fresh = Pipeline([span])  # never saw positions 16..19 (its 12..15 are the same wrong ids)
+    fresh.run(truth[:12], 0)
+    fresh.run([(t + 3) % 1000 for t in truth[12:16]], 12)
+    assert torch.allclose(logits, fresh.run(truth[16:], 16), atol=ATOL)
+
+
+def test_cancel_between_blocks_leaves_no_trace(v4_spans, v4_reference):
+    spans = v4_spans(SPLITS["2 spans, split inside the hash-MoE blocks"])
+    truth = (PROMPT[0] * 3)[:30]
+    with torch.no_grad():
+        full = v4_reference(torch.tensor([truth])).logits[0]
+    pipeline = Pipeline(spans)
+    pipeline.run(truth[:13], 0)
+    with pytest.raises(SpanCancelled):  # abandoned inside the second span, as a Cancel would
+        pipeline.run([(t + 5) % 1000 for t in truth[13:22]], 13, cancel_at_block=4)
+    for span, cache in zip(spans, pipeline.caches):
+        span.trim_cache(cache, 13)  # what compute_run does on SpanCancelled
+    assert torch.allclose(pipeline.run(truth[13:], 13), full[13:], atol=ATOL)
+
+
+# ---- weights ---------------------------------------------------------------------------------
+
+E2M1 = torch.tensor((0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0))
+
+
+def _pow2_at_least(x: torch.Tensor) -> torch.Tensor:
+    return torch.exp2(torch.ceil(torch.log2(x.clamp_min(1e-30))))
+
+
+def _fp8_blocks(w: torch.Tensor, block: int = 16):
+    """FP8 e4m3 weight with one ue8m0 scale per [block, block] tile (DeepSeek's layout, small tiles)."""
+    rows, cols = w.shape
+    tiles = w.reshape(rows // block, block, cols // block, block)
+    scale = _pow2_at_least(tiles.abs().amax(dim=(1, 3)) / 448.0)
+    q = (tiles / scale[:, None, :, None]).to(torch.float8_e4m3fn)
+    dequantized = (q.float() * scale[:, None, :, None]).reshape(rows, cols)
+    return q.reshape(rows, cols), scale.to(torch.float8_e8m0fnu), dequantized
+
+
+def _fp4_rows(w: torch.Tensor, group: int = 32):
+    """FP4 e2m1, two per int8 byte (low nibble first), one ue8m0 scale per 32 values of a row."""
+    rows, cols = w.shape
+    groups = w.reshape(rows, cols // group, group)
+    scale = _pow2_at_least(groups.abs().amax(-1) / 6.0)
+    codes = ((groups / scale[..., None]).abs().unsqueeze(-1) - E2M1[:8]).abs().argmin(-1) + 8 * (groups < 0)
+    dequantized = (E2M1[codes] * scale[..., None]).reshape(rows, cols)
+    codes = codes.reshape(rows, cols)
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8).view(torch.int8)
+    return packed, scale.to(torch.float8_e8m0fnu), dequantized
+
+
+def quantize_like_deepseek(src: Path, dst: Path) -> dict[str, torch.Tensor]:
+    """A copy in DeepSeek's hub layout: its names (no ``model.`` prefix, ``embed``, ``head``,
+    ``hc_head_fn``...), FP8 attention/shared-expert linears and FP4 routed experts with ``.scale``
+    companions. Returns the dequantized value of every quantized weight."""
+    shutil.copytree(src, dst)
+    out, expected = {}, {}
+    leaf = {"embed_tokens.weight": "embed.weight", "hc_head.hc_fn": "hc_head_fn", "hc_head.hc_base": "hc_head_base",
+            "hc_head.hc_scale": "hc_head_scale"}  # fmt: skip
+    for key, tensor in load_file(src / "model.safetensors").items():
+        name = key.removeprefix("model.")
+        name = leaf.get(name, name)
+        if re.search(r"ffn\.experts\.\d+\.w[123]\.weight$", name):
+            out[name], out[name.removesuffix("weight") + "scale"], expected[name] = _fp4_rows(tensor.float())
+        elif re.search(r"attn\.(wq_a|wq_b|wkv|wo_b)\.weight$|shared_experts\.w[123]\.weight$", name):
+            out[name], out[name.removesuffix("weight") + "scale"], expected[name] = _fp8_blocks(tensor.float())
+        else:
+            out[name] = tensor
+    (dst / "model.safetensors").unlink()
+    save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                     "weight_block_size": [16, 16], "scale_fmt": "ue8m0"}  # fmt: skip
+    config["expert_dtype"] = "fp4"
+    (dst / "config.json").write_text(json.dumps(config))
+    return expected
+
+
+def test_quantized_hub_layout_loads_as_transformers_does(v4_path, tmp_path):
+    path = tmp_path / "quantized"
+    expected = quantize_like_deepseek(v4_path, path)
+    config = AutoConfig.from_pretrained(path)
+    reference = DeepseekV4ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()  # dequantizes on CPU
+    spans = [load_span(config, Checkpoint(str(path)), a, b, torch.float32, "cpu") for a, b in [(0, 2), (2, 6)]]
+    params = {prefix + n: t for s in spans for prefix, m in s._owned().items() for n, t in m.state_dict().items()}
+    assert params.keys() == reference.state_dict().keys()
+    for name, tensor in reference.state_dict().items():
+        assert torch.equal(params[name], tensor), name
+    w1 = torch.stack([expected[f"layers.3.ffn.experts.{e}.w1.weight"] for e in range(4)])
+    assert torch.equal(params["model.layers.3.mlp.experts.gate_up_proj"][:, :32], w1)  # FP4 unpacked and scaled
+    assert torch.equal(params["model.layers.1.self_attn.q_b_proj.weight"], expected["layers.1.attn.wq_b.weight"])
+    ids = torch.tensor([PROMPT[0]])
+    with torch.no_grad():
+        assert torch.allclose(Pipeline(spans).run(PROMPT[0], 0), reference(ids).logits[0], atol=ATOL)
+
+
+def test_bfloat16_span_keeps_transformers_float32_modules(v4_path):
+    config = AutoConfig.from_pretrained(v4_path)
+    span = load_span(config, Checkpoint(str(v4_path)), 0, 6, torch.bfloat16, "cpu")
+    reference = DeepseekV4ForCausalLM.from_pretrained(v4_path, dtype=torch.bfloat16)
+    dtypes = {prefix + n: t.dtype for prefix, m in span._owned().items() for n, t in m.state_dict().items()}
+    assert dtypes == {n: t.dtype for n, t in reference.state_dict().items()}
+    assert dtypes["model.layers.0.attn_hc.fn"] == torch.float32 and dtypes["lm_head.weight"] == torch.bfloat16
+
+
+# ---- server: memory, aliases, offline start -----------------------------------------------------
+
+
+def test_blocks_that_fit_a_fabricated_budget():
+    assert blocks_that_fit(GiB, 10 * GiB, int(2.5 * GiB), 61, reserve_bytes=int(1.5 * GiB)) == 6
+    assert blocks_that_fit(GiB, 100 * GiB, 0, 6) == 6  # never more than the model has
+    assert blocks_that_fit(3 * GiB, 10 * GiB, 2 * GiB, 61, reserve_bytes=2 * GiB) == 2  # rounds down
+    with pytest.raises(ValueError, match="not even one block fits"):
+        blocks_that_fit(4 * GiB, 8 * GiB, 2 * GiB, 61, reserve_bytes=3 * GiB)
+
+
+def test_plan_blocks_for_a_fabricated_free_memory(v4_path, v4_reference):
+    config = AutoConfig.from_pretrained(v4_path)
+    per_block, ends = model_bytes(config, torch.float32)
+    assert per_block == 4 * max(sum(p.numel() for p in layer.parameters()) for layer in v4_reference.model.layers)
+    free = int((ends + 3.5 * per_block) / 0.7)  # 25% cache, 5% headroom, embeddings + LM head, 3.5 blocks
+    plan = plan_blocks(config, torch.float32, "cpu", 6, free_bytes=free)
+    assert plan.blocks == 3 and plan.cache_bytes == int(free * 0.25)
+    assert "3 of 6 blocks fit" in plan.describe("cpu")
+
+
+def test_aliases_name_the_official_hub_repos():
+    assert resolve_model("deepseek-v4-pro").source == "deepseek-ai/DeepSeek-V4-Pro"
+    assert resolve_model("deepseek-v4-flash").source == "deepseek-ai/DeepSeek-V4-Flash"
+    assert resolve_model("deepseek-v4-pro").dht_name == "deepseek-v4-pro"
+
+
+def test_server_without_network_fails_fast_naming_the_repo(tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    done = subprocess.run(
+        [sys.executable, "-m", "swarm.server", "--model", "deepseek-v4-pro", "--new-swarm", "--host", "127.0.0.1"],
+        env=env, capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parent.parent,
+    )  # fmt: skip
+    output = done.stdout + done.stderr
+    assert done.returncode == 2, output
+    assert "deepseek-ai/DeepSeek-V4-Pro" in output and "Traceback" not in output
+
+
+# ---- over real servers -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def v4_model(v4_path, artifacts_dir):
+    from swarm import AutoDistributedModelForCausalLM
+    from swarm.local import LocalSwarm
+
+    swarm = LocalSwarm(str(v4_path), spans=[(0, 2), (2, 6)], server_args=SERVER_ARGS,
+                       log_dir=str(artifacts_dir / "v4-swarm"), names=["V4-head", "V4-tail"])  # fmt: skip
+    with swarm:
+        model = AutoDistributedModelForCausalLM.from_pretrained(str(v4_path), initial_peers=swarm.initial_peers)
+        yield model
+        model.shutdown()
+
+
+@pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampled"])
+def test_swarm_with_rejected_drafts_equals_plain_and_transformers(v4_model, v4_reference, monkeypatch, sampling):
+    kwargs = dict(do_sample=True, temperature=0.8, top_p=0.9, seed=1234) if sampling else {}
+    plain = v4_model.generate(torch.tensor(PROMPT), max_new_tokens=24, speculation=None, **kwargs)
+    truth = plain[0, len(PROMPT[0]) :].tolist()
+    if sampling:
+        assert truth == reference_sample(v4_reference, PROMPT[0], 24, SAMPLED)
+    else:
+        assert plain.tolist() == v4_reference.generate(torch.tensor(PROMPT), max_new_tokens=24, do_sample=False).tolist()
+    drafter = ScriptedDrafter(truth, len(PROMPT[0]), wrong_at={1, 6, 11, 12, 16, 21}, length=5)
+    monkeypatch.setattr("client.model.make_drafter", lambda *a, **k: drafter)
+    output = v4_model.generate(torch.tensor(PROMPT), max_new_tokens=24, num_draft_tokens=5, **kwargs)
+    assert output.tolist() == plain.tolist()
+    stats = v4_model.last_generation_stats
+    assert 0 < stats.accepted < stats.drafted and stats.laps < 24
