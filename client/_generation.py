@@ -188,10 +188,10 @@ class SpeculativeDecoder:
             self._drafter_ahead = []
         remote = self.state.remote
         if remote is not None:
-            self.swarm.exclude(error.peer_id or "")
-            if not error.peer_id:  # a silent hang: we cannot tell which hop, so avoid the whole route
-                for hop in remote.route:
-                    self.swarm.exclude(hop.peer_id)
+            # a silent hang names no server: ask every hop, and blame those that do not answer
+            blamed = [error.peer_id] if error.peer_id else await self.swarm.unresponsive(remote.route)
+            for peer_id in blamed:
+                self.swarm.exclude(peer_id)
             await self.swarm.close_session(remote)
         self.state.remote = None
 

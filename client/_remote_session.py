@@ -127,7 +127,9 @@ class RemoteSession:
                     f"no result within {timeout or self.timeout:.0f} s", self._suspect(), ErrorCode.DOWNSTREAM_FAILED
                 ) from None
             if isinstance(item, _StreamLost):
-                raise ServerError(f"the {item.which} server closed the session", item.peer_id, ErrorCode.DOWNSTREAM_FAILED)
+                # The stream's end does not say who failed (a tail closes its results stream when
+                # any earlier hop drops the session), so name no server: failover asks every hop.
+                raise ServerError(f"the {item.which} server {item.peer_id} closed the session", "", ErrorCode.DOWNSTREAM_FAILED)
             if isinstance(item, ErrorReply):
                 if item.run_id is not None and item.run_id < min_run_id:
                     continue

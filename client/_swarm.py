@@ -14,12 +14,15 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import hivemind
-from hivemind.p2p import P2P
+from typing import Sequence
+
+from hivemind.p2p import P2P, PeerID
 
 from client._remote_session import RemoteSession
 from client.errors import RoutingError, ServerError
 from swarm.dht_records import fetch_servers
-from swarm.routing import MaxFlowRouter, NoRouteError, RoutePlanner
+from swarm.routing import MaxFlowRouter, NoRouteError, RouteHop, RoutePlanner
+from swarm.streams import ping
 from swarm.validation import PeerIdSignatureValidator
 
 logger = logging.getLogger(__name__)
@@ -104,6 +107,11 @@ class SwarmClient:
         loop = asyncio.get_running_loop()
         servers = await loop.run_in_executor(None, fetch_servers, self.dht, self.model, self.num_blocks)
         return self.router.plan(servers, 0, self.num_blocks, max_length=max_length, exclude=self.excluded.current())
+
+    async def unresponsive(self, route: Sequence[RouteHop], timeout: float = 3.0) -> list[str]:
+        """The hops of ``route`` that do not answer a ping within ``timeout`` seconds."""
+        rtts = await asyncio.gather(*(ping(self.p2p, PeerID.from_base58(hop.peer_id), timeout) for hop in route))
+        return [hop.peer_id for hop, rtt in zip(route, rtts) if rtt is None]
 
     def exclude(self, peer_id: str) -> None:
         if peer_id:

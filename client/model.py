@@ -165,10 +165,10 @@ class AutoDistributedModelForCausalLM:
             num_logprobs=num_logprobs,
             on_tokens=(lambda new: streamer.put(torch.tensor(new))) if streamer is not None else None,
         )
+        self.last_generation_stats = decoder.stats  # live while generating (route, failovers, ...)
         try:
             new = _loop.run(decoder.generate(row, max_new_tokens))
         finally:
-            self.last_generation_stats = decoder.stats
             self.last_logprobs = decoder.logprobs
             if own_session and state.remote is not None:
                 _loop.run(self.swarm.close_session(state.remote))

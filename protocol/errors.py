@@ -37,7 +37,8 @@ RETRYABLE_CODES = frozenset(
 class ProtocolError(Exception):
     """A peer's request or reply broke the protocol; ``code`` says how."""
 
-    def __init__(self, code: ErrorCode, message: str):
+    def __init__(self, code: ErrorCode, message: str, peer_id: str = ""):
         super().__init__(f"[{code.value}] {message}")
         self.code = code
         self.message = message
+        self.peer_id = peer_id  # the peer at fault when it is not the one reporting (a dead next hop)

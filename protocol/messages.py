@@ -111,8 +111,19 @@ class ErrorReply(msgspec.Struct, tag="error", kw_only=True, array_like=True):
     peer_id: str = ""  # the server that found the error
 
 
+class Ping(msgspec.Struct, tag="ping", array_like=True):
+    """Liveness and RTT probe; answered at once with a Pong carrying the same nonce."""
+
+    nonce: int
+
+
+class Pong(msgspec.Struct, tag="pong", array_like=True):
+    nonce: int
+    open_sessions: int = 0
+
+
 Message = Union[
-    OpenSession, Step, Cancel, CloseSession, Subscribe, SessionOpened, StepResult, ErrorReply
+    OpenSession, Step, Cancel, CloseSession, Subscribe, SessionOpened, StepResult, ErrorReply, Ping, Pong
 ]
 
 MAX_TOP_LOGPROBS = 20

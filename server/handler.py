@@ -28,6 +28,8 @@ from protocol.messages import (
     ErrorReply,
     Message,
     OpenSession,
+    Ping,
+    Pong,
     SessionOpened,
     Step,
     StepResult,
@@ -36,7 +38,7 @@ from protocol.messages import (
 from server.adapters import SpanAdapter, SpanCancelled
 from server.cache_budget import CacheBudget
 from server.session import QueuedRun, QueuedTrim, ServerSession, compute_run
-from swarm.streams import RESULTS_PROTOCOL, SESSION_PROTOCOL, MessageStream, serve
+from swarm.streams import PING_PROTOCOL, RESULTS_PROTOCOL, SESSION_PROTOCOL, MessageStream, serve
 
 logger = logging.getLogger(__name__)
 
@@ -70,14 +72,24 @@ class SessionHandler:
     async def start(self) -> None:
         await serve(self.p2p, SESSION_PROTOCOL, self._serve_session)
         await serve(self.p2p, RESULTS_PROTOCOL, self._serve_results)
+        await serve(self.p2p, PING_PROTOCOL, self._serve_ping)
         self._reaper = asyncio.create_task(self._reap_idle_sessions())
 
-    async def shutdown(self) -> None:
-        """Stop taking sessions and close the open ones (their clients see the stream end)."""
+    async def drain(self, grace: float) -> None:
+        """Stop taking sessions, give open ones ``grace`` seconds to finish, then close them:
+        their clients see the stream end and move the session elsewhere."""
         self.accepting = False
-        self._reaper.cancel()
+        deadline = time.monotonic() + grace
+        while self.sessions and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
         for session in list(self.sessions.values()):
-            self._close(session, reason="server shutting down")
+            self._close(session, reason="server draining")
+            if session.upstream is not None:
+                session.upstream.close()
+
+    async def shutdown(self, grace: float = 0.0) -> None:
+        await self.drain(grace)
+        self._reaper.cancel()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     # ---- session streams -------------------------------------------------------------------
@@ -189,13 +201,17 @@ class SessionHandler:
             reply = await asyncio.wait_for(stream.receive(), DOWNSTREAM_OPEN_TIMEOUT)
         except (asyncio.TimeoutError, OSError, Exception) as e:
             raise ProtocolError(
-                ErrorCode.DOWNSTREAM_FAILED, f"could not open the session on next server {next_hop.peer_id}: {e!r}"
+                ErrorCode.DOWNSTREAM_FAILED,
+                f"could not open the session on next server {next_hop.peer_id}: {e!r}",
+                peer_id=next_hop.peer_id,
             ) from None
         if reply is None:
-            raise ProtocolError(ErrorCode.DOWNSTREAM_FAILED, f"next server {next_hop.peer_id} closed the stream")
+            raise ProtocolError(
+                ErrorCode.DOWNSTREAM_FAILED, f"next server {next_hop.peer_id} closed the stream", peer_id=next_hop.peer_id
+            )
         if isinstance(reply.message, ErrorReply):
             stream.close()
-            raise ProtocolError(reply.message.code, reply.message.message)
+            raise ProtocolError(reply.message.code, reply.message.message, peer_id=reply.message.peer_id)
         return stream
 
     async def _relay_reports(self, downstream: MessageStream, upstream: MessageStream, session: ServerSession) -> None:
@@ -287,7 +303,11 @@ class SessionHandler:
         session_id = session.session_id if session is not None else ""
         logger.info(f"Refused {session_id or 'a request'} from {upstream.peer_id}: {error}")
         reply = ErrorReply(
-            session_id=session_id, code=error.code, message=error.message, run_id=run_id, peer_id=peer_id or self.peer_id
+            session_id=session_id,
+            code=error.code,
+            message=error.message,
+            run_id=run_id,
+            peer_id=peer_id or error.peer_id or self.peer_id,
         )
         await _send_quietly(upstream, reply)
 
@@ -312,6 +332,14 @@ class SessionHandler:
             for session in list(self.sessions.values()):
                 if now - session.last_active > self.session_timeout:
                     self._close(session, reason=f"idle for more than {self.session_timeout:.0f} s")
+
+    async def _serve_ping(self, peer: MessageStream) -> None:
+        try:
+            received = await asyncio.wait_for(peer.receive(), 10)
+        except (asyncio.TimeoutError, ProtocolError):
+            return
+        if received is not None and isinstance(received.message, Ping):
+            await _send_quietly(peer, Pong(received.message.nonce, len(self.sessions)))
 
     # ---- results streams (tail only) --------------------------------------------------------
 

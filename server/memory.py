@@ -53,7 +53,8 @@ def blocks_that_fit(
         raise ValueError(
             f"not even one block fits: a block needs {bytes_per_block / GiB:.2f} GiB and only {room / GiB:.2f} GiB "
             f"of {free_bytes / GiB:.2f} GiB free is left after {cache_bytes / GiB:.2f} GiB for the cache and "
-            f"{reserve_bytes / GiB:.2f} GiB reserved; pass --num-blocks or --blocks, a smaller --dtype, or another --device"
+            f"{reserve_bytes / GiB:.2f} GiB reserved; pass --num-blocks or --blocks, a smaller --dtype, "
+            "or another --device"
         )
     return blocks
 
@@ -85,7 +86,9 @@ def model_bytes(config, dtype: torch.dtype) -> tuple[int, int]:
     return per_block, ends
 
 
-def plan_blocks(config, dtype: torch.dtype, device: str, total_blocks: int, free_bytes: int | None = None) -> MemoryPlan:
+def plan_blocks(
+    config, dtype: torch.dtype, device: str, total_blocks: int, free_bytes: int | None = None
+) -> MemoryPlan:
     """How many blocks this server should hold when the volunteer did not say."""
     free = free_device_bytes(device) if free_bytes is None else free_bytes
     per_block, ends = model_bytes(config, dtype)

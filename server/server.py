@@ -12,9 +12,9 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import msgspec
-from typing import Optional, Sequence
 
 import hivemind
 import torch
@@ -25,6 +25,7 @@ from server.adapters import SpanAdapter, load_span
 from server.cache_budget import CacheBudget, default_cache_tokens
 from server.handler import SessionHandler
 from server.memory import MemoryPlan, plan_blocks
+from server.upkeep import measure_next_pings
 from server.weights import Checkpoint
 from swarm.dht_records import announce, fetch_servers
 from swarm.identity import load_or_create_identity
@@ -58,6 +59,8 @@ class ServerConfig:
     compression: str = "none"
     torch_threads: Optional[int] = None
     dht_prefix: Optional[str] = None
+    drain_seconds: float = 30.0  # on shutdown or a move, open sessions get this long to finish
+    balance_period: float = 120.0  # seconds between checks whether another span helps the swarm more
     debug_block_delay: float = 0.0  # seconds slept before each block: fault injection for tests
 
 
@@ -65,6 +68,8 @@ class SpanServer:
     def __init__(self, config: ServerConfig, dht: hivemind.DHT, span: SpanAdapter, handler: SessionHandler, info: ServerInfo):
         self.config, self.dht, self.span, self.handler, self.info = config, dht, span, handler, info
         self._announcer: Optional[asyncio.Task] = None
+        self.model_config: Optional[PretrainedConfig] = None
+        self.checkpoint: Optional[Checkpoint] = None
 
     @classmethod
     async def create(cls, config: ServerConfig) -> "SpanServer":
@@ -122,6 +127,7 @@ class SpanServer:
             started_at=time.time(),
         )
         server = cls(config, dht, span, handler, info)
+        server.model_config, server.checkpoint = model_config, Checkpoint(model.source)
         server._announce()
         server._announcer = asyncio.create_task(server._announce_periodically())
         logger.info(f"Ready: {span.cache_bytes_per_token()} cache bytes/token, budget {budget.total_tokens} tokens")
@@ -140,22 +146,61 @@ class SpanServer:
         announce(self.dht, self.current_info(state), expiration, wait=False, num_blocks=self.span.num_blocks)
 
     async def _announce_periodically(self) -> None:
+        """Refresh the record (with fresh RTTs to the next servers); now and then, rebalance."""
+        loop = asyncio.get_running_loop()
+        last_balance = loop.time()
         while True:
             await asyncio.sleep(self.config.update_period)
+            try:
+                servers = await loop.run_in_executor(None, fetch_servers, self.dht, self.info.model, self.span.num_blocks)
+                pings = await measure_next_pings(self.handler.p2p, self.info, servers)
+                self.info = msgspec.structs.replace(self.info, next_pings=pings)
+                if self.config.blocks is None and loop.time() - last_balance > self.config.balance_period:
+                    last_balance = loop.time()
+                    await self._maybe_move(servers)
+            except Exception as e:  # the DHT or a peer misbehaving must not stop the announcements
+                logger.warning(f"Upkeep failed: {e!r}")
             self._announce()
 
+    async def _maybe_move(self, servers: Sequence[ServerInfo]) -> None:
+        """Move to the span that raises the swarm's max-flow the most, if the gain is large."""
+        from swarm.routing import should_move
+
+        target = should_move(servers, self.current_info(), self.span.num_blocks)
+        if target is None:
+            return
+        start, end = target
+        logger.info(f"Moving from blocks {self.info.start_block}:{self.info.end_block} to {start}:{end}")
+        self._announce(ServerState.DRAINING)
+        await self.handler.drain(self.config.drain_seconds)
+        loop = asyncio.get_running_loop()
+        span = await loop.run_in_executor(
+            None, load_span, self.model_config, self.checkpoint, start, end, DTYPES[self.config.dtype], self.config.device
+        )
+        self.span = self.handler.span = span
+        self.info = msgspec.structs.replace(self.info, start_block=start, end_block=end, next_pings={})
+        self.handler.accepting = True
+        self._announce()
+
     async def shutdown(self) -> None:
-        """Leave cleanly: say we are offline, close sessions, stop the DHT."""
+        """Leave cleanly: stop taking sessions (DRAINING), let open ones finish for up to
+        ``drain_seconds``, close the rest (their clients fail over), say OFFLINE, stop the DHT."""
         if self._announcer is not None:
             self._announcer.cancel()
-        try:
-            info = self.current_info(ServerState.OFFLINE)
-            announce(self.dht, info, self.config.update_period, wait=True, num_blocks=self.span.num_blocks)
-        except Exception as e:
-            logger.warning(f"Could not announce going offline: {e!r}")
-        await self.handler.shutdown()
+        # The DHT keeps the value with the latest expiration per subkey, so a new state must
+        # outlive the last "online" record (written up to one period ago for 3 periods).
+        self._announce_now(ServerState.DRAINING)
+        await self.handler.shutdown(grace=self.config.drain_seconds)
+        self._announce_now(ServerState.OFFLINE)
         self.dht.shutdown()
         logger.info("Server stopped")
+
+    def _announce_now(self, state: ServerState) -> None:
+        try:
+            info = self.current_info(state)
+            announce(self.dht, info, 3 * self.config.update_period, wait=True, num_blocks=self.span.num_blocks)
+        except Exception as e:
+            logger.warning(f"Could not announce {state.value}: {e!r}")
 
 
 def load_model_config(source: str) -> PretrainedConfig:

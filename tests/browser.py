@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import itertools
 import json
+import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -54,7 +57,7 @@ class Chromium:
         self.port = 0
 
     def __enter__(self) -> "Chromium":
-        self._profile = tempfile.TemporaryDirectory(prefix="chromium-profile-")
+        self._profile = tempfile.TemporaryDirectory(prefix="chromium-profile-", ignore_cleanup_errors=True)
         log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL
         args = [self.binary, *FLAGS, f"--user-data-dir={self._profile.name}", "about:blank"]
         self.process = subprocess.Popen(args, stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True)
@@ -74,14 +77,20 @@ class Chromium:
         raise TimeoutError("chromium did not open its DevTools port")
 
     def __exit__(self, *exc) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
+        """Stop the browser and its helper processes (its own process group), then its profile."""
+        if self.process is not None:
+            self._signal_group(signal.SIGTERM)
             try:
                 self.process.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+                pass
+            self._signal_group(signal.SIGKILL)  # renderers that outlived the browser
+            self.process.wait()
         self._profile.cleanup()
+
+    def _signal_group(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, sig)
 
 
 class Page:

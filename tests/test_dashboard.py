@@ -272,7 +272,7 @@ def test_stopped_server_appears_offline_then_disappears(dashboard, artifacts_dir
     url, gap_path, swarm = dashboard
     leaver = _start_gap_server(gap_path, swarm, "3:4", "leaver", artifacts_dir / "dashboard")
     try:
-        peer = wait_until(lambda: _peer_named(url, "leaver", "online"), "the new server online")
+        peer = wait_until(lambda: _alive(leaver) and _peer_named(url, "leaver", "online"), "the new server online")
         _stop(leaver)  # SIGTERM: it announces itself offline and leaves
         wait_until(lambda: _peer_named(url, "leaver", "offline") == peer, "the stopped server shown offline")
         wait_until(lambda: _peer_named(url, "leaver", None) is None, "the stopped server gone")
@@ -294,6 +294,11 @@ def test_speculation_figures_come_from_tail_servers(dashboard, tiny_model):
 def _speculation(url: str, model: str, laps: int) -> dict | None:
     spec = _model(url, model)["speculation"]
     return spec if spec["laps_served"] >= laps > 0 else None
+
+
+def _alive(process: subprocess.Popen) -> bool:
+    assert process.poll() is None, f"the server exited with code {process.returncode} (see its log)"
+    return True
 
 
 def _peer_named(url: str, name: str, state: str | None) -> str | None:

@@ -74,6 +74,15 @@ def build_tiny_deepseek_v4(path: Path, seed: int = 0) -> Path:
     return path
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """The machine's cores are shared: tiny matmuls on one thread avoid oversubscription stalls."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
 @pytest.fixture(scope="module")
 def v4_path(tmp_path_factory) -> Path:
     return build_tiny_deepseek_v4(tmp_path_factory.mktemp("ckpt") / "tiny-deepseek-v4")
@@ -364,6 +373,30 @@ def test_server_without_network_fails_fast_naming_the_repo(tmp_path):
     assert "deepseek-ai/DeepSeek-V4-Pro" in output and "Traceback" not in output
 
 
+def test_server_without_blocks_takes_what_fits_and_says_so(v4_path):
+    process = subprocess.Popen(
+        [sys.executable, "-m", "swarm.server", "--model", str(v4_path), "--new-swarm", "--host", "127.0.0.1",
+         "--torch-threads", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=Path(__file__).resolve().parent.parent,
+    )  # fmt: skip
+    lines = []
+    try:
+        for line in process.stdout:
+            lines.append(line)
+            if "Serving blocks" in line or "Ready" in line or process.poll() is not None:
+                break
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    log = "".join(lines)
+    assert "6 of 6 blocks fit" in log and "GiB free on cpu" in log, log
+    assert "Serving blocks 0:6" in log, log
+
+
 # ---- over real servers -----------------------------------------------------------------------
 
 
@@ -372,7 +405,8 @@ def v4_model(v4_path, artifacts_dir):
     from swarm import AutoDistributedModelForCausalLM
     from swarm.local import LocalSwarm
 
-    swarm = LocalSwarm(str(v4_path), spans=[(0, 2), (2, 6)], server_args=SERVER_ARGS,
+    server_args = [*SERVER_ARGS, "--debug-block-delay-ms", "5"]  # slow blocks: cancels catch runs mid-span
+    swarm = LocalSwarm(str(v4_path), spans=[(0, 2), (2, 6)], server_args=server_args,
                        log_dir=str(artifacts_dir / "v4-swarm"), names=["V4-head", "V4-tail"])  # fmt: skip
     with swarm:
         model = AutoDistributedModelForCausalLM.from_pretrained(str(v4_path), initial_peers=swarm.initial_peers)
@@ -380,18 +414,24 @@ def v4_model(v4_path, artifacts_dir):
         model.shutdown()
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
 @pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampled"])
-def test_swarm_with_rejected_drafts_equals_plain_and_transformers(v4_model, v4_reference, monkeypatch, sampling):
+def test_swarm_with_rejected_drafts_equals_plain_and_transformers(v4_model, v4_reference, monkeypatch, sampling, mode):
+    """Rejections and (async) cancelled runs roll the servers' caches back; the output never changes."""
     kwargs = dict(do_sample=True, temperature=0.8, top_p=0.9, seed=1234) if sampling else {}
     plain = v4_model.generate(torch.tensor(PROMPT), max_new_tokens=24, speculation=None, **kwargs)
     truth = plain[0, len(PROMPT[0]) :].tolist()
     if sampling:
         assert truth == reference_sample(v4_reference, PROMPT[0], 24, SAMPLED)
     else:
-        assert plain.tolist() == v4_reference.generate(torch.tensor(PROMPT), max_new_tokens=24, do_sample=False).tolist()
+        expected = v4_reference.generate(torch.tensor(PROMPT), max_new_tokens=24, do_sample=False)
+        assert plain.tolist() == expected.tolist()
     drafter = ScriptedDrafter(truth, len(PROMPT[0]), wrong_at={1, 6, 11, 12, 16, 21}, length=5)
     monkeypatch.setattr("client.model.make_drafter", lambda *a, **k: drafter)
-    output = v4_model.generate(torch.tensor(PROMPT), max_new_tokens=24, num_draft_tokens=5, **kwargs)
+    speculation = dict(async_speculation=True, max_inflight_runs=3) if mode == "async" else {}
+    output = v4_model.generate(torch.tensor(PROMPT), max_new_tokens=24, num_draft_tokens=5, **speculation, **kwargs)
     assert output.tolist() == plain.tolist()
     stats = v4_model.last_generation_stats
     assert 0 < stats.accepted < stats.drafted and stats.laps < 24
+    if mode == "async":  # refuted runs in flight were cancelled, and the caches trimmed back
+        assert stats.runs_cancelled > 0

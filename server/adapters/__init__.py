@@ -6,14 +6,18 @@ import torch
 from transformers import PretrainedConfig
 
 from server.adapters.base import SpanAdapter, SpanCancelled
-from server.adapters.deepseek_v4 import DeepseekV4Adapter
 from server.adapters.llama import LlamaFamilyAdapter
 from server.weights import Checkpoint
 
 ADAPTERS: dict[str, type[SpanAdapter]] = {
-    **{model_type: LlamaFamilyAdapter for model_type in ("llama", "mistral", "qwen2", "qwen3")},
-    "deepseek_v4": DeepseekV4Adapter,
+    model_type: LlamaFamilyAdapter for model_type in ("llama", "mistral", "qwen2", "qwen3")
 }
+try:
+    from server.adapters.deepseek_v4 import DeepseekV4Adapter
+
+    ADAPTERS["deepseek_v4"] = DeepseekV4Adapter
+except ImportError:  # a transformers without deepseek_v4: that model type stays unsupported
+    pass
 
 
 def load_span(

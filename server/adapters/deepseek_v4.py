@@ -100,9 +100,9 @@ class DeepseekV4Adapter(SpanAdapter):
         for prefix, module in tqdm(owned.items(), desc=f"Loading blocks {self.start}:{self.end}", unit="module"):
             mine = [sources[t] for t, (p, _) in targets.items() if p == prefix]
             tensors = load_sources(checkpoint, mine, dtype_of)
-            skeleton = module.state_dict()  # integer buffers (tid2eid) keep the module's dtype
+            expected = module.state_dict()  # integer buffers (tid2eid) keep the module's dtype
             state = {targets[t][1]: tensor for t, tensor in tensors.items()}
-            state = {n: t if t.is_floating_point() else t.to(skeleton[n].dtype) for n, t in state.items()}
+            state = {n: t if t.is_floating_point() else t.to(expected[n].dtype) for n, t in state.items()}
             module.load_state_dict(state, strict=True, assign=True)
         self.rotary_emb = DeepseekV4RotaryEmbedding(self.config)
         for module in self._modules():

@@ -84,7 +84,9 @@ def _scale_keys(keys: set[str]) -> dict[str, str]:
     return scales
 
 
-def map_span(weight_map: Iterable[str], targets: set[str], layers: range, head: bool, tail: bool) -> dict[str, TensorSource]:
+def map_span(
+    weight_map: Iterable[str], targets: set[str], layers: range, head: bool, tail: bool
+) -> dict[str, TensorSource]:
     """Find the checkpoint tensors of every parameter in ``targets`` (transformers names)."""
     keys = set(weight_map)
     scales = _scale_keys(keys)

@@ -120,7 +120,9 @@ function timeline(points) {
 function pings(server) {
   const entries = Object.entries(server.next_pings || {});
   if (!entries.length) return "–";
-  return entries.map(([peer, rtt]) => `${shortId(peer)} ${ms(rtt)}`).join(", ");
+  entries.sort((a, b) => a[1] - b[1]);  // fastest first; the cell's title lists them all
+  const shown = entries.slice(0, 3).map(([peer, rtt]) => `${shortId(peer)} ${ms(rtt)}`).join(", ");
+  return entries.length > 3 ? `${shown} +${entries.length - 3} more` : shown;
 }
 
 const SERVER_COLUMNS = [
@@ -146,7 +148,7 @@ function serverRow(sv) {
     cell("cache", `${compact(sv.free_cache_tokens)} / ${compact(sv.cache_tokens)}`, `${int(sv.free_cache_tokens)} of ${int(sv.cache_tokens)} tokens free`),
     cell("sessions", int(sv.open_sessions)),
     cell("network", network, sv.probe_error || ""),
-    cell("pings", pings(sv)),
+    cell("pings", pings(sv), Object.entries(sv.next_pings || {}).map(([p, r]) => `${p}: ${ms(r)}`).join("\n")),
     cell("span", `${sv.start_block}:${sv.end_block}`),
     cell("laps", sv.is_tail ? int(sv.laps_served) : "–"),
     cell("tpl", sv.is_tail ? tokensPerLap : "–"),

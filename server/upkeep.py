@@ -1,0 +1,35 @@
+"""What a running server does between sessions: measure its links, keep its record fresh, and
+move to a better span when the swarm needs it elsewhere.
+
+RTTs to the next servers are measured by this server itself (a Ping/Pong exchange over libp2p)
+and announced in its record, so routers can weigh server-to-server links without measuring them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Sequence
+
+from hivemind.p2p import P2P, PeerID
+
+from swarm.records import ServerInfo, ServerState
+from swarm.streams import ping
+
+logger = logging.getLogger(__name__)
+
+MAX_PINGED = 8  # next servers measured per refresh
+
+
+def next_servers(me: ServerInfo, servers: Sequence[ServerInfo]) -> list[ServerInfo]:
+    """Servers a route could hand over to after this one: those holding the block after ours."""
+    return [
+        s for s in servers
+        if s.peer_id != me.peer_id and s.state == ServerState.ONLINE and s.start_block <= me.end_block < s.end_block
+    ]  # fmt: skip
+
+
+async def measure_next_pings(p2p: P2P, me: ServerInfo, servers: Sequence[ServerInfo], timeout: float = 5.0) -> dict[str, float]:
+    candidates = next_servers(me, servers)[:MAX_PINGED]
+    rtts = await asyncio.gather(*(ping(p2p, PeerID.from_base58(s.peer_id), timeout) for s in candidates))
+    return {s.peer_id: rtt for s, rtt in zip(candidates, rtts) if rtt is not None}
