@@ -87,6 +87,7 @@ class SwarmClient:
             try:
                 route = await self._plan(max_length)
             except NoRouteError as e:
+                logger.info(f"No route yet (attempt {attempt + 1}/{self.max_route_attempts}): {e}")
                 last_error = RoutingError(str(e), e.missing_blocks)
                 continue
             session = RemoteSession(self.p2p, route, max_length, timeout=self.request_timeout)
@@ -106,6 +107,7 @@ class SwarmClient:
     async def _plan(self, max_length: int):
         loop = asyncio.get_running_loop()
         servers = await loop.run_in_executor(None, fetch_servers, self.dht, self.model, self.num_blocks)
+        logger.debug(f"Routing over {[(s.public_name or s.peer_id[:8], s.span, s.state.value) for s in servers]}")
         return self.router.plan(servers, 0, self.num_blocks, max_length=max_length, exclude=self.excluded.current())
 
     async def unresponsive(self, route: Sequence[RouteHop], timeout: float = 3.0) -> list[str]:

@@ -129,11 +129,16 @@ class LocalSwarm:
             return ["--log-level", self.server_args[self.server_args.index("--log-level") + 1]]
         return []
 
-    def start_server(self, start: int, end: int, name: str = "server", extra: Sequence[str] = ()) -> subprocess.Popen:
+    def start_server(
+        self, start: Optional[int], end: Optional[int], name: str = "server", extra: Sequence[str] = ()
+    ) -> subprocess.Popen:
+        """Start one server of blocks start:end; with start=None and end=N it serves N blocks
+        wherever the swarm needs them most (``--num-blocks``)."""
         port = free_port()
+        blocks = ["--blocks", f"{start}:{end}"] if start is not None else ["--num-blocks", str(end)]
         args = [
             "swarm.server", "--model", self.model, "--initial-peers", *self.initial_peers,
-            "--blocks", f"{start}:{end}", "--host", "127.0.0.1", "--port", str(port),
+            *blocks, "--host", "127.0.0.1", "--port", str(port),
             "--public-name", name, *self.server_args, *extra,
         ]  # fmt: skip
         if self.hop_delay_ms > 0:
