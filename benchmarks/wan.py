@@ -21,7 +21,12 @@ from pathlib import Path
 from benchmarks.prompts import WORKLOADS
 from swarm.local import LocalSwarm
 
-MODES = {"none": dict(speculation=None), "ngram": dict(speculation="ngram"), "suffix": dict(speculation="suffix")}
+MODES = {
+    "none": dict(speculation=None),
+    "ngram": dict(speculation="ngram"),
+    "suffix": dict(speculation="suffix"),
+    "suffix+async": dict(speculation="suffix", async_speculation=True, max_inflight_runs=3),
+}
 
 
 @dataclass
@@ -37,6 +42,8 @@ class Run:
     bytes_up: int
     bytes_down: int
     lap_seconds: float
+    runs_cancelled: int = 0
+    positions_wasted: int = 0
 
 
 def run_setting(args, delay_ms: float, modes: dict) -> list[Run]:
@@ -60,7 +67,8 @@ def run_setting(args, delay_ms: float, modes: dict) -> list[Run]:
                     outputs[mode] = out.tolist()
                     s = model.last_generation_stats
                     runs.append(Run(delay_ms, workload, mode, index, s.new_tokens, s.wall_time, s.laps,
-                                    s.accepted_per_lap, s.bytes_up, s.bytes_down, s.wall_time / max(s.laps, 1)))  # fmt: skip
+                                    s.accepted_per_lap, s.bytes_up, s.bytes_down, s.wall_time / max(s.laps, 1),
+                                    s.runs_cancelled, s.positions_wasted))  # fmt: skip
                     print(f"  {delay_ms:>4.0f} ms {workload:<12} #{index} {mode:<7} {s.new_tokens:>3} tok "
                           f"{s.tokens_per_second:6.1f} tok/s {s.laps:>3} laps {s.accepted_per_lap:4.2f} tok/lap", flush=True)
                 if len({json.dumps(o) for o in outputs.values()}) != 1:
@@ -86,6 +94,7 @@ def summarize(runs: list[Run], servers: int) -> list[dict]:
                 floor_ms=(servers + 1) * delay,
                 bytes_up_per_lap=sum(r.bytes_up for r in mine) / laps,
                 bytes_down_per_lap=sum(r.bytes_down for r in mine) / laps,
+                wasted_per_token=sum(r.positions_wasted for r in mine) / sum(r.tokens for r in mine),
             ))  # fmt: skip
     compute = {(r["workload"], r["mode"]): r["lap_ms"] for r in rows if r["delay_ms"] == 0}
     for r in rows:
@@ -95,13 +104,13 @@ def summarize(runs: list[Run], servers: int) -> list[dict]:
 
 def markdown(rows: list[dict]) -> str:
     head = ("| delay/hop | workload | mode | tokens/s (median) | vs none | tokens/lap | lap ms (median) "
-            "| floor ms | floor+compute ms | bytes up/lap | bytes down/lap |\n|" + "---|" * 11)  # fmt: skip
+            "| floor ms | floor+compute ms | bytes up/lap | bytes down/lap | wasted positions/token |\n|" + "---|" * 12)  # fmt: skip
     lines = [head]
     for r in rows:
         lines.append(
             f"| {r['delay_ms']:.0f} ms | {r['workload']} | {r['mode']} | {r['tokens_per_s']:.1f} | {r['ratio']:.2f}x "
             f"| {r['tokens_per_lap']:.2f} | {r['lap_ms']:.0f} | {r['floor_ms']:.0f} | {r['floor_plus_compute_ms']:.0f} "
-            f"| {r['bytes_up_per_lap']:.0f} | {r['bytes_down_per_lap']:.0f} |"
+            f"| {r['bytes_up_per_lap']:.0f} | {r['bytes_down_per_lap']:.0f} | {r['wasted_per_token']:.2f} |"
         )
     return "\n".join(lines)
 

@@ -224,12 +224,19 @@ class LocalSwarm:
             try:
                 process.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+                pass
+            kill_group(process)
         for proxy in self.proxies:
             proxy.stop()
         self.proxies.clear()
+
+
+def kill_group(process: subprocess.Popen) -> None:
+    """SIGKILL a process and everything it started (its DHT process, the libp2p daemon): a server
+    killed alone would leave those running."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
 
 
 def run_demo(swarm: LocalSwarm, prompt: str, max_new_tokens: int, speculation: Optional[str]) -> None:

@@ -12,7 +12,7 @@ import psutil
 import pytest
 import torch
 
-from swarm.local import LocalSwarm
+from swarm.local import LocalSwarm, kill_group
 from tests.conftest import SERVER_ARGS, servers_by_name
 from tests.test_exactness import PROMPT
 
@@ -54,10 +54,7 @@ def middles(failover_swarm):
     model.swarm.excluded = type(model.swarm.excluded)()  # forget exclusions from earlier tests
     yield processes
     for process in processes.values():
-        if process.poll() is None:
-            os.kill(process.pid, signal.SIGCONT)
-            process.send_signal(signal.SIGKILL)
-            process.wait()
+        kill_group(process)  # also reaps the DHT process and libp2p daemon of a SIGKILLed server
 
 
 def middle_in_use(model, processes) -> "subprocess.Popen":
