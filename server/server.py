@@ -36,7 +36,9 @@ from swarm.validation import PeerIdSignatureValidator
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-COMPRESSION = {"none": runtime_pb2.NONE, "float16": runtime_pb2.FLOAT16, "blockwise8": runtime_pb2.BLOCKWISE_8BIT}
+# hivemind 1.1.12's 8-bit codecs (uniform, quantile, blockwise) cannot decode under NumPy 2
+# (int() of a 1-element array), so only the 16-bit ones are offered.
+COMPRESSION = {"none": runtime_pb2.NONE, "float16": runtime_pb2.FLOAT16, "meanstd16": runtime_pb2.MEANSTD_16BIT}
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-tokens", type=int, help="KV cache budget in tokens (default: from free memory)")
     p.add_argument("--identity-path", help="private key file; keeps the peer id across restarts")
     p.add_argument("--dht-prefix", help="the model's name in the DHT (default: from --model)")
-    p.add_argument("--compression", default="none", choices=["none", "float16", "blockwise8"],
+    p.add_argument("--compression", default="none", choices=["none", "float16", "meanstd16"],
                    help="compression of activations sent to the next server (none keeps outputs exact)")
     p.add_argument("--update-period", type=float, default=15.0, help="seconds between DHT announcements")
     p.add_argument("--session-timeout", type=float, default=600.0, help="free sessions idle this long (s)")

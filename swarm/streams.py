@@ -59,7 +59,7 @@ class MessageStream:
     ) -> int:
         envelope = runtime_pb2.ExpertRequest(
             metadata=encode(message),
-            tensors=[serialize_torch_tensor(t.detach().cpu(), compression) for t in tensors],
+            tensors=[serialize_torch_tensor(_compressible(t, compression), compression) for t in tensors],
         )
         data = envelope.SerializeToString()
         async with self._send_lock:
@@ -98,6 +98,15 @@ class MessageStream:
             self.writer.close()
         except Exception:  # already closed by the other side
             pass
+
+
+def _compressible(tensor: torch.Tensor, compression: int) -> torch.Tensor:
+    """hivemind's lossy codecs take float32/float16 only; a bfloat16 span's activations are
+    widened first (exactly representable), then compressed."""
+    tensor = tensor.detach().cpu()
+    if compression != runtime_pb2.NONE and tensor.dtype == torch.bfloat16:
+        return tensor.float()
+    return tensor
 
 
 class _BrokenFraming(Exception):
