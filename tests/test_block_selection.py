@@ -31,3 +31,43 @@ def test_num_blocks_servers_cover_the_model_then_add_redundancy(tiny_llama_path,
             assert spans["third"] in [(0, 2), (2, 4), (4, 6)]  # then redundancy on an equal-throughput swarm
         finally:
             dht.shutdown()
+
+
+def test_running_server_moves_to_a_gap(tiny_llama_path, artifacts_dir):
+    """A --num-blocks server sitting on a well-served range moves (after draining) to blocks
+    that lost their only server."""
+    import hivemind
+
+    from swarm.dht_records import fetch_servers
+    from swarm.local import kill_group
+    from swarm.validation import PeerIdSignatureValidator
+
+    args = SERVER_ARGS + ["--balance-period", "3", "--drain-seconds", "1"]
+    with LocalSwarm(str(tiny_llama_path), spans=[(0, 2), (2, 4), (4, 6)], server_args=args, names=["a", "b", "c"],
+                    log_dir=str(artifacts_dir / "block-move")) as swarm:  # fmt: skip
+        dht = hivemind.DHT(initial_peers=swarm.initial_peers, client_mode=True, start=True,
+                           record_validators=[PeerIdSignatureValidator()])  # fmt: skip
+
+        def spans() -> dict:
+            return {s.public_name: (s.start_block, s.end_block, s.state.value) for s in fetch_servers(dht, swarm.dht_name, 6)}
+
+        def wait_for(condition, seconds=120):
+            deadline = time.monotonic() + seconds
+            while time.monotonic() < deadline:
+                current = spans()
+                if condition(current):
+                    return current
+                time.sleep(0.5)
+            raise AssertionError(f"timed out; swarm is {spans()}")
+
+        try:
+            swarm.start_server(None, 2, name="mover")
+            before = wait_for(lambda s: "mover" in s)["mover"]
+            victim = {(0, 2): 0, (2, 4): 1, (4, 6): 2}[before[:2]]
+            victim = (victim + 1) % 3  # take away a range the mover does not cover
+            kill_group(swarm.servers[victim])
+            gap = [(0, 2), (2, 4), (4, 6)][victim]
+            after = wait_for(lambda s: s.get("mover", (None, None, None))[:2] == gap and s["mover"][2] == "online")
+            assert after["mover"][:2] == gap
+        finally:
+            dht.shutdown()
