@@ -27,6 +27,9 @@ from swarm.validation import PeerIdSignatureValidator
 
 logger = logging.getLogger(__name__)
 
+RTT_TTL = 60.0  # seconds a measured client->server RTT is trusted
+PING_TIMEOUT = 2.0
+
 
 @dataclass
 class ExclusionList:
@@ -66,6 +69,7 @@ class SwarmClient:
         self.max_route_attempts = max_route_attempts
         self.route_retry_delay = route_retry_delay
         self.excluded = ExclusionList()
+        self._rtts: dict[str, tuple[float, float]] = {}  # peer id -> (measured at, RTT seconds)
 
     @classmethod
     async def connect(cls, initial_peers: list[str], model: str, num_blocks: int, **kwargs) -> "SwarmClient":
@@ -108,7 +112,22 @@ class SwarmClient:
         loop = asyncio.get_running_loop()
         servers = await loop.run_in_executor(None, fetch_servers, self.dht, self.model, self.num_blocks)
         logger.debug(f"Routing over {[(s.public_name or s.peer_id[:8], s.span, s.state.value) for s in servers]}")
-        return self.router.plan(servers, 0, self.num_blocks, max_length=max_length, exclude=self.excluded.current())
+        rtts = await self._client_rtts(servers)
+        return self.router.plan(
+            servers, 0, self.num_blocks, max_length=max_length, exclude=self.excluded.current(), client_rtts=rtts
+        )
+
+    async def _client_rtts(self, servers) -> dict[str, float]:
+        """RTTs from this client to the servers that can be a head or a tail (the client's own
+        links of a lap), measured with one ping each and remembered for ``RTT_TTL`` seconds."""
+        now = time.monotonic()
+        ends = [s.peer_id for s in servers if s.start_block == 0 or s.end_block == self.num_blocks]
+        stale = [p for p in ends if now - self._rtts.get(p, (float("-inf"), 0.0))[0] > RTT_TTL]
+        measured = await asyncio.gather(*(ping(self.p2p, PeerID.from_base58(p), PING_TIMEOUT) for p in stale))
+        for peer_id, rtt in zip(stale, measured):
+            if rtt is not None:
+                self._rtts[peer_id] = (now, rtt)
+        return {p: self._rtts[p][1] for p in ends if p in self._rtts}
 
     async def unresponsive(self, route: Sequence[RouteHop], timeout: float = 3.0) -> list[str]:
         """The hops of ``route`` that do not answer a ping within ``timeout`` seconds."""

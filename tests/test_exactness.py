@@ -168,3 +168,13 @@ def test_every_drafter_mode_matches_no_speculation_smollm2(smol_model, speculati
     assert drafted.tolist() == plain.tolist()
     if not sampling:  # the answer repeats the prompt's code: drafts are accepted and laps drop
         assert stats.accepted > 0 and stats.laps < plain_laps
+
+
+def test_real_router_uses_the_clients_measured_rtts_to_heads_and_tails(tiny_model, tiny_reference):
+    expected = tiny_reference.generate(torch.tensor(PROMPT), max_new_tokens=8, do_sample=False)
+    assert tiny_model.generate(torch.tensor(PROMPT), max_new_tokens=8, speculation=None).tolist() == expected.tolist()
+    from tests.conftest import servers_by_name
+
+    ends = {info.peer_id for info in servers_by_name(tiny_model, 6).values() if info.start_block == 0 or info.end_block == 6}
+    measured = {peer: rtt for peer, (_, rtt) in tiny_model.swarm._rtts.items()}
+    assert ends <= set(measured) and all(rtt > 0 for rtt in measured.values())
