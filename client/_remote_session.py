@@ -123,9 +123,8 @@ class RemoteSession:
             try:
                 item = await asyncio.wait_for(self._inbox.get(), max(remaining, 0))
             except asyncio.TimeoutError:
-                raise ServerTimeout(
-                    f"no result within {timeout or self.timeout:.0f} s", self._suspect(), ErrorCode.DOWNSTREAM_FAILED
-                ) from None
+                # a silent hang names no server: failover pings every hop to find the frozen one
+                raise ServerTimeout(f"no result within {timeout or self.timeout:.0f} s", "", ErrorCode.DOWNSTREAM_FAILED) from None
             if isinstance(item, _StreamLost):
                 # The stream's end does not say who failed (a tail closes its results stream when
                 # any earlier hop drops the session), so name no server: failover asks every hop.
@@ -136,10 +135,6 @@ class RemoteSession:
                 raise _error_from(item, self.head_peer)
             if isinstance(item, StepResult) and item.run_id >= min_run_id:
                 return item
-
-    def _suspect(self) -> str:
-        """Without an error report we cannot tell which hop hangs; blame none of them here."""
-        return ""
 
     @property
     def bytes_sent(self) -> int:

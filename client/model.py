@@ -146,25 +146,13 @@ class AutoDistributedModelForCausalLM:
         return sequences
 
     def _generate_row(self, row, max_new_tokens, sampling, eos, streamer, speculation, num_draft_tokens, max_inflight_runs, corpus, num_logprobs) -> list[int]:
-        drafter = make_drafter(
-            speculation, num_draft_tokens=num_draft_tokens, corpus=corpus, store=self._suffix_store, eos_token_ids=eos
-        )
         own_session = self._session is None
-        needed = len(row) + max_new_tokens + num_draft_tokens + 1
-        state = self._session or SessionState(max_length=min(needed, self._context_limit()))
+        state = self._session or self._new_session_state(row, max_new_tokens, num_draft_tokens)
         if streamer is not None:
             streamer.put(torch.tensor(row))
-        decoder = SpeculativeDecoder(
-            self.swarm,
-            state,
-            sampling,
-            drafter=drafter,
-            num_draft_tokens=num_draft_tokens,
-            max_inflight_runs=max_inflight_runs,
-            eos_token_ids=eos,
-            num_logprobs=num_logprobs,
-            on_tokens=(lambda new: streamer.put(torch.tensor(new))) if streamer is not None else None,
-        )
+        on_tokens = (lambda new: streamer.put(torch.tensor(new))) if streamer is not None else None
+        decoder = self._make_decoder(state, sampling, eos, speculation, num_draft_tokens, max_inflight_runs, corpus,
+                                     num_logprobs, on_tokens)  # fmt: skip
         self.last_generation_stats = decoder.stats  # live while generating (route, failovers, ...)
         try:
             new = _loop.run(decoder.generate(row, max_new_tokens))
@@ -209,9 +197,7 @@ class AutoDistributedModelForCausalLM:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         sampling = _sampling_params(do_sample, temperature, top_k, top_p, min_p, repetition_penalty, seed)
         eos = self._eos_ids(eos_token_id)
-        drafter = make_drafter(speculation, num_draft_tokens=num_draft_tokens, corpus=self._corpus(draft_corpus),
-                               store=self._suffix_store, eos_token_ids=eos)  # fmt: skip
-        state = SessionState(max_length=min(len(row) + max_new_tokens + num_draft_tokens + 1, self._context_limit()))
+        state = self._new_session_state(row, max_new_tokens, num_draft_tokens)
         caller, laps = asyncio.get_running_loop(), asyncio.Queue()
 
         def post(item: Optional[GeneratedChunk]) -> None:  # client loop -> caller's loop
@@ -220,8 +206,9 @@ class AutoDistributedModelForCausalLM:
         def on_tokens(new: list[int]) -> None:
             post(GeneratedChunk(new, decoder.logprobs[-len(new) :] if num_logprobs else [], decoder.stats))
 
-        decoder = SpeculativeDecoder(self.swarm, state, sampling, drafter=drafter, num_draft_tokens=num_draft_tokens,
-                                     eos_token_ids=eos, num_logprobs=num_logprobs, on_tokens=on_tokens)  # fmt: skip
+        inflight = max_inflight_runs if async_speculation else 1
+        decoder = self._make_decoder(state, sampling, eos, speculation, num_draft_tokens, inflight,
+                                     self._corpus(draft_corpus), num_logprobs, on_tokens)  # fmt: skip
         control: dict[str, Any] = {}
 
         async def decode() -> None:  # runs on the client loop; always ends by posting None
@@ -256,6 +243,28 @@ class AutoDistributedModelForCausalLM:
                 _loop.get_loop().call_soon_threadsafe(cancel)
                 while await laps.get() is not None:  # the session is closed once None arrives
                     pass
+
+    def _new_session_state(self, row: list[int], max_new_tokens: int, num_draft_tokens: int) -> SessionState:
+        """A one-call session: room for the prompt, the new tokens and one run's drafts."""
+        return SessionState(max_length=min(len(row) + max_new_tokens + num_draft_tokens + 1, self._context_limit()))
+
+    def _make_decoder(self, state, sampling, eos, speculation, num_draft_tokens, max_inflight_runs, corpus,
+                      num_logprobs, on_tokens) -> SpeculativeDecoder:  # fmt: skip
+        """The one place generate() and agenerate_stream() build their decoder and drafter."""
+        drafter = make_drafter(
+            speculation, num_draft_tokens=num_draft_tokens, corpus=corpus, store=self._suffix_store, eos_token_ids=eos
+        )
+        return SpeculativeDecoder(
+            self.swarm,
+            state,
+            sampling,
+            drafter=drafter,
+            num_draft_tokens=num_draft_tokens,
+            max_inflight_runs=max_inflight_runs,
+            eos_token_ids=eos,
+            num_logprobs=num_logprobs,
+            on_tokens=on_tokens,
+        )
 
     def _corpus(self, draft_corpus: Sequence[Union[str, Sequence[int]]]) -> list[list[int]]:
         return [self.tokenizer.encode(c, add_special_tokens=False) if isinstance(c, str) else list(c) for c in draft_corpus]

@@ -161,3 +161,19 @@ def test_client_vanishing_with_runs_in_flight_frees_every_server(inproc_swarm):
     assert _loop.run(scenario(), timeout=60)
     for server in servers:
         assert server.handler.budget.free_tokens == server.handler.budget.total_tokens or len(server.handler.sessions) > 0
+
+
+def test_agenerate_stream_honours_async_speculation(inproc_swarm, monkeypatch):
+    model, servers = inproc_swarm
+    plain = model.generate(torch.tensor(PROMPT), max_new_tokens=18, speculation=None)
+    truth = plain[0, len(PROMPT[0]) :].tolist()
+    monkeypatch.setattr("client.model.make_drafter", lambda *a, **k: ScriptedDrafter(truth, len(PROMPT[0]), {5, 13}, length=3))
+
+    async def collect():
+        chunks = [c async for c in model.agenerate_stream(PROMPT[0], max_new_tokens=18, num_draft_tokens=3,
+                                                           async_speculation=True, max_inflight_runs=3)]  # fmt: skip
+        return [t for c in chunks for t in c.token_ids], chunks[-1].stats
+
+    tokens, stats = asyncio.run(collect())
+    assert tokens == truth
+    assert stats.runs_cancelled > 0  # only runs sent ahead of a verdict can be cancelled
