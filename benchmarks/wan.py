@@ -1,12 +1,15 @@
 """WAN benchmark: tokens/s and tokens per lap of a local SmolLM2 swarm behind delay proxies.
 
-    python -m benchmarks.wan                      # 0, 25, 50 ms per hop; every mode; both workloads
+    python -m benchmarks.wan                      # 0, 25, 50 ms per hop; every mode; every workload
     python -m benchmarks.wan --delays 25 --max-new-tokens 32 --prompts 2   # a quick look
 
 A lap crosses servers + 1 delayed links (client -> head -> ... -> tail -> client), so its floor is
 (servers + 1) x delay. Modes run alternately on each prompt in the same swarm, so they share
 whatever noise the machine has; ratios are against "none" (no speculation) in the same run.
-Results go to stdout as a Markdown table and to benchmarks/results/wan.json.
+Workloads: code editing (the answer should repeat the prompt's code), open chat (answers not in
+the prompt), and the second turn of each code-editing conversation (a follow-up edit: the context
+now holds the model's own first rewrite). Results go to stdout as a Markdown table and to
+benchmarks/results/wan.json.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from benchmarks.prompts import WORKLOADS
+from benchmarks.prompts import CODE_EDITING, CODE_FOLLOW_UP, OPEN_CHAT
 from swarm.local import LocalSwarm
 
 MODES = {
@@ -44,6 +47,19 @@ class Run:
     lap_seconds: float
     runs_cancelled: int = 0
     positions_wasted: int = 0
+    turnaround_seconds: float = 0.0
+    hedge_hits: int = 0
+
+
+def workloads(first_answers: list[str], limit: int):
+    """(name, conversations) per workload. The second code-editing turn is built from the first
+    turn's answers (identical in every mode), so it is only ready after the first turn ran."""
+    yield "code editing", [[{"role": "user", "content": p}] for p in CODE_EDITING[:limit]]
+    yield "open chat", [[{"role": "user", "content": p}] for p in OPEN_CHAT[:limit]]
+    yield "code editing, turn 2", [
+        [{"role": "user", "content": p}, {"role": "assistant", "content": a}, {"role": "user", "content": CODE_FOLLOW_UP}]
+        for p, a in zip(CODE_EDITING, first_answers)
+    ]
 
 
 def run_setting(args, delay_ms: float, modes: dict) -> list[Run]:
@@ -56,9 +72,9 @@ def run_setting(args, delay_ms: float, modes: dict) -> list[Run]:
         tokenizer = model.tokenizer
         warm = tokenizer("Hello", return_tensors="pt")["input_ids"]
         model.generate(warm, max_new_tokens=4, speculation=None)  # connections and caches warm
-        for workload, prompts in WORKLOADS.items():
-            for index, prompt in enumerate(prompts[: args.prompts]):
-                messages = [{"role": "user", "content": prompt}]
+        first_answers: list[str] = []
+        for workload, conversations in workloads(first_answers, args.prompts):
+            for index, messages in enumerate(conversations):
                 ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
                 outputs = {}
                 for mode, kwargs in modes.items():
@@ -68,11 +84,13 @@ def run_setting(args, delay_ms: float, modes: dict) -> list[Run]:
                     s = model.last_generation_stats
                     runs.append(Run(delay_ms, workload, mode, index, s.new_tokens, s.wall_time, s.laps,
                                     s.accepted_per_lap, s.bytes_up, s.bytes_down, s.wall_time / max(s.laps, 1),
-                                    s.runs_cancelled, s.positions_wasted))  # fmt: skip
+                                    s.runs_cancelled, s.positions_wasted, s.turnaround_time, s.hedge_hits))  # fmt: skip
                     print(f"  {delay_ms:>4.0f} ms {workload:<12} #{index} {mode:<7} {s.new_tokens:>3} tok "
                           f"{s.tokens_per_second:6.1f} tok/s {s.laps:>3} laps {s.accepted_per_lap:4.2f} tok/lap", flush=True)
                 if len({json.dumps(o) for o in outputs.values()}) != 1:
                     print(f"  WARNING: modes disagree on prompt {index} ({workload}): a bug", flush=True)
+                if workload == "code editing":
+                    first_answers.append(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
         model.shutdown()
     return runs
 
@@ -95,6 +113,8 @@ def summarize(runs: list[Run], servers: int) -> list[dict]:
                 bytes_up_per_lap=sum(r.bytes_up for r in mine) / laps,
                 bytes_down_per_lap=sum(r.bytes_down for r in mine) / laps,
                 wasted_per_token=sum(r.positions_wasted for r in mine) / sum(r.tokens for r in mine),
+                client_ms_per_lap=1000 * sum(r.turnaround_seconds for r in mine) / laps,
+                hedge_hits_per_lap=sum(r.hedge_hits for r in mine) / laps,
             ))  # fmt: skip
     compute = {(r["workload"], r["mode"]): r["lap_ms"] for r in rows if r["delay_ms"] == 0}
     for r in rows:
@@ -104,13 +124,15 @@ def summarize(runs: list[Run], servers: int) -> list[dict]:
 
 def markdown(rows: list[dict]) -> str:
     head = ("| delay/hop | workload | mode | tokens/s (median) | vs none | tokens/lap | lap ms (median) "
-            "| floor ms | floor+compute ms | bytes up/lap | bytes down/lap | wasted positions/token |\n|" + "---|" * 12)  # fmt: skip
+            "| floor ms | floor+compute ms | bytes up/lap | bytes down/lap | wasted positions/token "
+            "| client ms/lap | hedge hits/lap |\n|" + "---|" * 14)  # fmt: skip
     lines = [head]
     for r in rows:
         lines.append(
             f"| {r['delay_ms']:.0f} ms | {r['workload']} | {r['mode']} | {r['tokens_per_s']:.1f} | {r['ratio']:.2f}x "
             f"| {r['tokens_per_lap']:.2f} | {r['lap_ms']:.0f} | {r['floor_ms']:.0f} | {r['floor_plus_compute_ms']:.0f} "
-            f"| {r['bytes_up_per_lap']:.0f} | {r['bytes_down_per_lap']:.0f} | {r['wasted_per_token']:.2f} |"
+            f"| {r['bytes_up_per_lap']:.0f} | {r['bytes_down_per_lap']:.0f} | {r['wasted_per_token']:.2f} "
+            f"| {r['client_ms_per_lap']:.2f} | {r['hedge_hits_per_lap']:.2f} |"
         )
     return "\n".join(lines)
 
@@ -120,7 +142,7 @@ def main() -> None:
     p.add_argument("--delays", type=float, nargs="+", default=[0, 25, 50])
     p.add_argument("--servers", type=int, default=3)
     p.add_argument("--prompts", type=int, default=5, help="prompts per workload")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "wan.json"))
     args = p.parse_args()

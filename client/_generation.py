@@ -3,8 +3,10 @@
 One lap, top to bottom (``SpeculativeDecoder._lap``):
   1) keep up to ``max_inflight_runs`` runs in flight: each new run assumes every run before it
      is accepted whole and guesses its bonus token (the drafter's next token);
-  2) read the verdict of the oldest run: ``accepted`` drafts plus the target's own next token;
-  3) commit them; if the verdict refutes what later runs assumed, cancel those runs with one
+  2) while the oldest run is in flight, hedge: draft the next run for its likeliest refuting
+     verdicts (a speculation cache, after Saguaro), so after one the next run leaves at once;
+  3) read the verdict of the oldest run: ``accepted`` drafts plus the target's own next token;
+  4) commit them; if the verdict refutes what later runs assumed, cancel those runs with one
      ID-only message and let the next run start again from what is committed.
 The oldest run in flight always starts from committed tokens (the canonical run), so every lap
 commits at least one token whatever the drafter does. With one run in flight this is plain
@@ -43,6 +45,9 @@ class GenerationStats:
     runs_cancelled: int = 0
     positions_wasted: int = 0  # positions servers computed (or were sent) for refuted runs
     wait_time: float = 0.0  # seconds the client spent waiting for verdicts
+    turnaround_time: float = 0.0  # seconds from a verdict to the next run sent (client work)
+    hedges_prepared: int = 0  # drafts made ahead for outcomes of runs in flight
+    hedge_hits: int = 0  # front runs sent with a hedged draft instead of drafting after the verdict
     bytes_up: int = 0
     bytes_down: int = 0
     wall_time: float = 0.0
@@ -77,6 +82,39 @@ class SessionState:
     history: list[int] = field(default_factory=list)
     cached: int = 0
     next_run_id: int = 0
+
+
+HEDGE_WIDTH = 2  # alternatives hedged per position of the front run
+MAX_HEDGES = 16  # hedged drafts per lap at most: each costs microseconds, while the network works
+
+
+class HedgeCache:
+    """Drafts made for verdicts not yet received, keyed by the tokens such a verdict would
+    commit after history position ``base``."""
+
+    def __init__(self) -> None:
+        self.base: Optional[int] = None
+        self._drafts: dict[tuple[int, ...], list[int]] = {}
+
+    def __len__(self) -> int:
+        return len(self._drafts)
+
+    def start(self, base: int) -> None:
+        self.base = base
+        self._drafts.clear()
+
+    def put(self, outcome: Sequence[int], draft: list[int]) -> None:
+        self._drafts[tuple(outcome)] = draft
+
+    def take(self, history: Sequence[int]) -> Optional[list[int]]:
+        """The draft prepared for what the history now holds after ``base``, if any."""
+        if self.base is None or len(history) <= self.base:
+            return None
+        return self._drafts.get(tuple(history[self.base :]))
+
+    def clear(self) -> None:
+        self.base = None
+        self._drafts.clear()
 
 
 @dataclass
@@ -117,7 +155,8 @@ class SpeculativeDecoder:
         self.stats = GenerationStats()
         self.logprobs: list[TokenLogprobs] = []
         self._inflight: deque[Run] = deque()
-        self._drafter_ahead: list[int] = []  # tokens the drafter was extended with beyond history
+        self._hedges = HedgeCache()
+        self._verdict_at: Optional[float] = None
         self._failed_at: Optional[float] = None
 
     async def generate(self, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
@@ -183,9 +222,8 @@ class SpeculativeDecoder:
         self._failed_at = self._failed_at or time.perf_counter()
         logger.warning(f"Failing over: {error}")
         self._forget_inflight()
-        if self._drafter_ahead:
-            self.drafter.rewind(self.state.history)
-            self._drafter_ahead = []
+        self._hedges.clear()
+        self._verdict_at = None
         remote = self.state.remote
         if remote is not None:
             # a silent hang names no server: ask every hop, and blame those that do not answer
@@ -208,38 +246,39 @@ class SpeculativeDecoder:
             await remote.send_step(self._step(run))
             self._inflight.append(run)
             self.stats.runs_sent += 1
-        # 2) the verdict on the oldest run
+            if self._verdict_at is not None:
+                self.stats.turnaround_time += time.perf_counter() - self._verdict_at
+                self._verdict_at = None
+        # 2) while the network works: drafts for the front run's likeliest refuting verdicts
         front = self._inflight[0]
+        self._hedge(front, budget)
+        # 3) the verdict on the oldest run
         waited = time.perf_counter()
         result = await remote.next_result(front.run_id)
-        self.stats.wait_time += time.perf_counter() - waited
+        self._verdict_at = time.perf_counter()
+        self.stats.wait_time += self._verdict_at - waited
         if result.run_id != front.run_id:
             raise ServerError(f"result for run {result.run_id} while waiting for {front.run_id}", remote.tail_peer)
         self._inflight.popleft()
-        # 3) commit, then cancel whatever the verdict refutes
+        # 4) commit, then cancel whatever the verdict refutes
         new = self._commit(front, result, budget)
         self.stats.bytes_up += remote.bytes_sent - sent_before
         self.stats.bytes_down += remote.bytes_received - received_before
         refuted = result.accepted < len(front.drafts) or result.next_token != front.guess or len(new) < len(front.drafts) + 1
         if refuted and self._inflight:
             await self._cancel_inflight()
-        self._sync_drafter(new)
+        if self.drafter is not None:
+            self.drafter.extend(new)
         return new
 
-    def _sync_drafter(self, new: list[int]) -> None:
-        """Bring the drafter to the committed history: extend it, keep it, or rewind it."""
-        if self.drafter is None:
-            return
-        ahead = self._drafter_ahead
-        if new[: len(ahead)] == ahead[: len(new)]:  # one is a prefix of the other
-            if len(new) >= len(ahead):
-                self.drafter.extend(new[len(ahead) :])
-                self._drafter_ahead = []
-            else:
-                self._drafter_ahead = ahead[len(new) :]
-        else:
-            self.drafter.rewind(self.state.history)
-            self._drafter_ahead = []
+    def _assumed(self) -> list[int]:
+        """The tokens the runs in flight add if each is accepted whole with its guess."""
+        return [tok for run in self._inflight for tok in (*run.drafts, run.guess)]
+
+    def _room(self, budget: int, assumed: int) -> int:
+        """How many drafts a run may carry after `assumed` uncommitted tokens."""
+        end_of_context = len(self.state.history) + assumed  # position of the run's first draft
+        return min(budget - assumed - 1, self.state.max_length - end_of_context - 1, self.num_draft_tokens)
 
     def _next_run(self, budget: int) -> Optional[Run]:
         """Draft the next run; None when nothing more may be sent now."""
@@ -250,29 +289,54 @@ class SpeculativeDecoder:
                 return None
             start_pos = last.start_pos + len(last.token_ids)
             committed_part = [last.guess]
-            # tokens this run would add after everything in flight is accepted
-            assumed = sum(len(r.drafts) + 1 for r in self._inflight)
+            assumed = self._assumed()
         else:
-            start_pos, committed_part, assumed = state.cached, state.history[state.cached :], 0
-        end_of_context = len(state.history) + assumed  # position of this run's first draft
-        room = min(budget - assumed - 1, state.max_length - end_of_context - 1, self.num_draft_tokens)
+            start_pos, committed_part, assumed = state.cached, state.history[state.cached :], []
+        room = self._room(budget, len(assumed))
         if self._inflight and room < 1:
             return None
         wants_guess = self.max_inflight_runs > 1
+        size = room + 1 if wants_guess else room
         proposal: list[int] = []
         if self.drafter is not None and room > 0:
-            proposal = self.drafter.propose(room + 1 if wants_guess else room)[: room + (1 if wants_guess else 0)]
+            hedged = None if self._inflight else self._hedges.take(state.history)
+            if hedged is not None:
+                self.stats.hedge_hits += 1
+                proposal = hedged[: min(size, self.drafter.draft_cap)]
+            else:
+                proposal = self.drafter.propose(size, after=assumed)[:size]
+        self._hedges.clear()
         if self._inflight and not proposal:
             return None
         drafts, guess = (proposal[:-1], proposal[-1]) if wants_guess and proposal else (proposal[:room], None)
         if guess is not None and guess in self.eos_token_ids:
             guess = None  # nothing follows an end of sequence
-        if self.drafter is not None and guess is not None:
-            self.drafter.extend(drafts + [guess])  # the next run drafts as if this one is accepted
-            self._drafter_ahead += drafts + [guess]
         run_id = state.next_run_id
         state.next_run_id += 1
         return Run(run_id, start_pos, committed_part + drafts, drafts, guess)
+
+    def _hedge(self, front: Run, budget: int) -> None:
+        """Outcome hedging: draft, before the verdict, the next front run for the front run's
+        likeliest refuting outcomes: at each draft position j, the drafter's top alternatives
+        to the drafted token (accepted j, then the target said otherwise), and after the last
+        draft its top alternatives to the guess. A confirmed guess needs no hedge (its run is
+        already in flight). Each hedge is drafted under the size and adaptive cap its verdict
+        would leave; it can differ from a draft made after the verdict only in that the
+        verdict's own tokens are not yet in the drafter's statistics."""
+        if self.drafter is None:
+            return
+        self._hedges.start(len(self.state.history))
+        for j in range(len(front.drafts) + 1):
+            expected = front.drafts[j] if j < len(front.drafts) else front.guess
+            outcome_prefix = front.drafts[:j]
+            for token in self.drafter.alternatives(HEDGE_WIDTH + 1, after=outcome_prefix):
+                if token == expected or len(self._hedges) >= MAX_HEDGES:
+                    continue
+                outcome = outcome_prefix + [token]
+                size = self._room(budget, len(outcome)) + (1 if self.max_inflight_runs > 1 else 0)
+                size = min(size, self.drafter.cap_after(len(front.drafts), j))
+                self._hedges.put(outcome, self.drafter.draft(size, after=outcome))
+                self.stats.hedges_prepared += 1
 
     def _step(self, run: Run) -> Step:
         return Step(

@@ -31,7 +31,13 @@ SEPARATOR = -1
 class Drafter(abc.ABC):
     """One stream's draft source. The client calls, per stream:
     `reset(prompt)`, then per lap `propose(k)` -> send -> `observe(len(draft), accepted)` ->
-    `extend(committed_tokens)`, and `finish()` when the stream ends."""
+    `extend(committed_tokens)`, and `finish()` when the stream ends.
+
+    `after` (in `draft`, `propose`, `alternatives`) is a list of tokens assumed to follow the
+    committed context without being committed: asynchronous speculation drafts past runs still
+    in flight, and outcome hedging drafts past verdicts not yet received. The drafter's own
+    state never holds uncommitted tokens, so a refuted assumption costs nothing to undo.
+    """
 
     @abc.abstractmethod
     def reset(self, context: Sequence[int]) -> None:
@@ -42,8 +48,26 @@ class Drafter(abc.ABC):
         """Append committed tokens to the context, incrementally (no rebuild)."""
 
     @abc.abstractmethod
-    def propose(self, max_tokens: int) -> list[int]:
-        """Up to `max_tokens` ids that continue the current context; [] when there is no guess."""
+    def draft(self, max_tokens: int, after: Sequence[int] = ()) -> list[int]:
+        """Up to `max_tokens` ids that continue context + `after`; [] when there is no guess."""
+
+    def propose(self, max_tokens: int, after: Sequence[int] = ()) -> list[int]:
+        """`draft` under the drafter's current adaptive length limit."""
+        return self.draft(min(max_tokens, self.draft_cap), after)
+
+    @property
+    def draft_cap(self) -> int:
+        """The adaptive limit on `propose`; none unless a subclass adapts."""
+        return 1 << 30
+
+    def alternatives(self, k: int, after: Sequence[int] = ()) -> list[int]:
+        """Up to `k` likeliest next tokens after context + `after`, best first (what outcome
+        hedging prepares drafts for). Default: none known."""
+        return []
+
+    def cap_after(self, drafted: int, accepted: int) -> int:
+        """What `draft_cap` will be after `observe(drafted, accepted)`."""
+        return self.draft_cap
 
     @abc.abstractmethod
     def observe(self, drafted: int, accepted: int) -> None:
@@ -52,11 +76,6 @@ class Drafter(abc.ABC):
     @abc.abstractmethod
     def finish(self) -> None:
         """The stream ended (its tokens may now serve later streams)."""
-
-    def rewind(self, context: Sequence[int]) -> None:
-        """Go back to `context` after speculative `extend`s were refuted (asynchronous
-        speculation drafts ahead of what is committed). Default: rebuild from scratch."""
-        self.reset(context)
 
 
 class _AdaptiveDrafter(Drafter):
@@ -83,22 +102,25 @@ class _AdaptiveDrafter(Drafter):
     @property
     def draft_cap(self) -> int:
         """The current adaptive limit on the draft length, in [1, num_draft_tokens]."""
-        return max(1, min(self.num_draft_tokens, int(self.GROWTH * self._ema) + 1))
+        return self._cap(self._ema)
 
     def observe(self, drafted: int, accepted: int) -> None:
+        self._ema = self._ema_after(drafted, accepted)
+
+    def cap_after(self, drafted: int, accepted: int) -> int:
+        return self._cap(self._ema_after(drafted, accepted))
+
+    def _ema_after(self, drafted: int, accepted: int) -> float:
         accepted = max(0, min(accepted, drafted))
         if drafted <= 0 or accepted == drafted < self.draft_cap:
-            return
-        self._ema += self.DECAY * (accepted - self._ema)
+            return self._ema
+        return self._ema + self.DECAY * (accepted - self._ema)
+
+    def _cap(self, ema: float) -> int:
+        return max(1, min(self.num_draft_tokens, int(self.GROWTH * ema) + 1))
 
     def _restart_ema(self) -> None:
         self._ema = float(self.num_draft_tokens)
-
-    def rewind(self, context: Sequence[int]) -> None:
-        """Rebuild the context but keep what this stream taught the adaptive length."""
-        ema = self._ema
-        self.reset(context)
-        self._ema = ema
 
 
 class _Automaton:
@@ -194,6 +216,22 @@ class _Automaton:
         if state <= 0:
             return 0, 0
         return state, min(self.length[state], max_depth)
+
+    def text_suffix(self, max_depth: int) -> tuple[int, int]:
+        """(state, n): the text's last n = min(max_depth, available) tokens, end occurrence
+        included; a matcher to `step` with tokens assumed to follow the text."""
+        n = min(max_depth, self.tail_len)
+        return self._climb(self.tail, n), n
+
+    def ranked_next(self, state: int, k: int, min_prob: float) -> list[tuple[int, float]]:
+        """Up to k (token, empirical probability) continuations of `state`, likeliest first,
+        each at least min_prob; never SEPARATOR."""
+        kids = self.nxt[state]
+        total = sum(self.occ[child] for child in kids.values())
+        if not total:
+            return []
+        ranked = sorted(((self.occ[child] / total, tok) for tok, child in kids.items() if tok != SEPARATOR), reverse=True)
+        return [(tok, prob) for prob, tok in ranked[:k] if prob >= min_prob]
 
     def step(self, state: int, matched: int, tok: int, max_depth: int) -> tuple[int, int]:
         """Advance a matcher of some other text's suffix (matched tokens long) by `tok`."""
@@ -351,19 +389,38 @@ class SuffixDrafter(_AdaptiveDrafter):
             state, matched = store_sam.step(state, matched, tok, depth)
         self._match = (state, matched)
 
-    def propose(self, max_tokens: int) -> list[int]:
-        limit = min(max_tokens, self.draft_cap)
-        if limit <= 0 or not self._tokens:
+    def draft(self, max_tokens: int, after: Sequence[int] = ()) -> list[int]:
+        if max_tokens <= 0 or not (self._tokens or after):
             return []
-        self._sync_store()
-        ctx_state, ctx_len = self._sam.earlier_match(self.max_depth)
-        draft, score = self._draft_from(self._sam, ctx_state, ctx_len, limit)
-        store_state, store_len = self._match
+        (ctx_state, ctx_len), (store_state, store_len) = self._matches(after)
+        draft, score = self._draft_from(self._sam, ctx_state, ctx_len, max_tokens)
         if store_len:
-            store_draft, store_score = self._draft_from(self.store.automaton, store_state, store_len, limit)
+            store_draft, store_score = self._draft_from(self.store.automaton, store_state, store_len, max_tokens)
             if (store_score, store_len) > (score, ctx_len):
                 return store_draft
         return draft
+
+    def alternatives(self, k: int, after: Sequence[int] = ()) -> list[int]:
+        """The likeliest next tokens in the source `draft` would follow (the longer match)."""
+        if k <= 0 or not (self._tokens or after):
+            return []
+        (ctx_state, ctx_len), (store_state, store_len) = self._matches(after)
+        sam, state = (self.store.automaton, store_state) if store_len > ctx_len else (self._sam, ctx_state)
+        if max(ctx_len, store_len) <= 0:
+            return []
+        return [tok for tok, _ in sam.ranked_next(state, k, self.min_prob)]
+
+    def _matches(self, after: Sequence[int]) -> tuple[tuple[int, int], tuple[int, int]]:
+        """The matchers of context + `after` in the context's automaton and in the store's."""
+        self._sync_store()
+        if not after:
+            return self._sam.earlier_match(self.max_depth), self._match
+        sam, store_sam, depth = self._sam, self.store.automaton, self.max_depth
+        (ctx_state, ctx_len), (store_state, store_len) = sam.text_suffix(depth), self._match
+        for tok in after:
+            ctx_state, ctx_len = sam.step(ctx_state, ctx_len, tok, depth)
+            store_state, store_len = store_sam.step(store_state, store_len, tok, depth)
+        return (ctx_state, ctx_len), (store_state, store_len)
 
     def finish(self) -> None:
         output = self._tokens[self._prompt_len :]
@@ -434,33 +491,61 @@ class NgramDrafter(_AdaptiveDrafter):
                 index[tuple(toks[i - n : i])] = i
             toks.append(tok)
 
-    def propose(self, max_tokens: int) -> list[int]:
-        limit, toks = min(max_tokens, self.draft_cap), self._tokens
-        if limit <= 0 or not toks:
+    def draft(self, max_tokens: int, after: Sequence[int] = ()) -> list[int]:
+        hit = self._lookup(after)
+        if max_tokens <= 0 or hit is None:
             return []
-        for n in range(min(self.max_ngram, len(toks)), 0, -1):
-            key = tuple(toks[-n:])
-            pos = self._index.get(key)
-            if pos is not None:
-                return self._copy(toks, pos, limit, wrap=True)
-            hit = self._corpus_index.get(key)
-            if hit is not None:
-                return self._copy(self._corpus[hit[0]], hit[1], limit, wrap=False)
-        return []
+        src, pos, wrap = hit
+        return self._copy(src, pos, max_tokens, list(after) if wrap else None)
+
+    def alternatives(self, k: int, after: Sequence[int] = ()) -> list[int]:
+        """What followed the latest occurrence of each suffix length n = max_ngram .. 1, in
+        that order (longer evidence first), without repeats."""
+        if k <= 0:
+            return []
+        tail = (self._tokens[-self.max_ngram :] + list(after))[-self.max_ngram :]
+        out: list[int] = []
+        for n in range(len(tail), 0, -1):
+            for src, pos in self._hits(tuple(tail[-n:])):
+                if pos < len(src) and src[pos] not in out:
+                    out.append(src[pos])
+        return out[:k]
 
     def finish(self) -> None:
         """Nothing to keep: the baseline has no cross-request memory."""
 
-    def _copy(self, src: list[int], pos: int, limit: int, *, wrap: bool) -> list[int]:
+    def _lookup(self, after: Sequence[int]) -> tuple[list[int], int, bool] | None:
+        """(source, position to copy from, whether it is the context) for the longest n."""
+        tail = (self._tokens[-self.max_ngram :] + list(after))[-self.max_ngram :]
+        for n in range(len(tail), 0, -1):
+            for src, pos in self._hits(tuple(tail[-n:])):
+                return src, pos, src is self._tokens
+        return None
+
+    def _hits(self, key: tuple[int, ...]) -> list[tuple[list[int], int]]:
+        """The context's latest occurrence of `key`, then the corpus's."""
+        hits = []
+        if (pos := self._index.get(key)) is not None:
+            hits.append((self._tokens, pos))
+        if (hit := self._corpus_index.get(key)) is not None:
+            hits.append((self._corpus[hit[0]], hit[1]))
+        return hits
+
+    def _copy(self, src: list[int], pos: int, limit: int, tail: list[int] | None) -> list[int]:
+        """Copy src[pos:] up to `limit` ids. With `tail` (the context's own copy) the text goes
+        on past its end with `tail` (the assumed tokens) and then this very draft, so a copy
+        that runs into the end continues periodically and loops keep drafting."""
         out: list[int] = []
         for j in range(pos, pos + limit):
             if j < len(src):
                 tok = src[j]
-            elif wrap:  # past the end: the source continues with this very draft
-                tok = out[j - len(src)]
+            elif tail is not None:
+                tok = tail[j - len(src)]
             else:
                 break
             out.append(tok)
+            if tail is not None:
+                tail.append(tok)
             if tok in self._eos:
                 break
         return out

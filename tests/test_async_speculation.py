@@ -177,3 +177,34 @@ def test_agenerate_stream_honours_async_speculation(inproc_swarm, monkeypatch):
     tokens, stats = asyncio.run(collect())
     assert tokens == truth
     assert stats.runs_cancelled > 0  # only runs sent ahead of a verdict can be cancelled
+
+
+class HedgingScriptedDrafter(ScriptedDrafter):
+    """Knows the true continuation's next token, so it can name every refuting verdict."""
+
+    def alternatives(self, k, after=()):
+        start = self.position + len(after)
+        return self.truth[start : start + 1][:k]
+
+
+@pytest.mark.parametrize("inflight", [1, 3], ids=["sync", "async"])
+@pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampled"])
+def test_outcome_hedges_are_used_and_never_change_the_output(inproc_swarm, monkeypatch, inflight, sampling):
+    model, servers = inproc_swarm
+    kwargs = dict(do_sample=True, temperature=0.8, top_p=0.9, seed=5) if sampling else {}
+    plain = model.generate(torch.tensor(PROMPT), max_new_tokens=18, speculation=None, **kwargs)
+    truth = plain[0, len(PROMPT[0]) :].tolist()
+    for cls, wrong_at in ((HedgingScriptedDrafter, set(range(40))), (HedgingScriptedDrafter, {2, 9, 10, 15}), (ScriptedDrafter, set(range(40)))):
+        drafter = cls(truth, len(PROMPT[0]), wrong_at, length=3)
+        monkeypatch.setattr("client.model.make_drafter", lambda *a, **k: drafter)
+        output = model.generate(torch.tensor(PROMPT), max_new_tokens=18, num_draft_tokens=3, async_speculation=inflight > 1,
+                                max_inflight_runs=inflight, **kwargs)  # fmt: skip
+        assert output.tolist() == plain.tolist()
+        stats = model.last_generation_stats
+        if cls is ScriptedDrafter:  # no alternatives known: nothing to hedge
+            assert stats.hedges_prepared == 0 and stats.hedge_hits == 0
+        elif wrong_at == set(range(40)):  # every verdict refutes and its correction was hedged
+            assert stats.hedge_hits >= stats.laps - 2 > 0, stats
+        else:  # a hedge serves the front run that follows a verdict, never the first
+            assert 0 < stats.hedge_hits <= stats.laps - 1, stats
+        assert stats.turnaround_time > 0

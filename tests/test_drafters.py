@@ -227,6 +227,44 @@ def test_adaptive_cap_limits_the_draft() -> None:
     assert len(d.propose(16)) == d.draft_cap < 4
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_draft_after_assumed_tokens_leaves_the_drafter_unchanged(kind: str) -> None:
+    d = drafter(kind, [A, B, C, D, E, F, G, H, G])
+    before = d.draft(4)
+    assert d.draft(4, after=[A, B]) == [C, D, E, F]  # as if [A, B] were committed
+    assert d.draft(4, after=[E]) == [F, G, H, G]
+    assert d.draft(4) == before  # nothing of the assumption stayed behind
+    d.extend([A, B])
+    assert d.draft(4) == [C, D, E, F]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_cap_after_predicts_the_cap_an_observation_leaves(kind: str) -> None:
+    """Outcome hedging drafts under the cap the verdict it hedges will leave."""
+    rng = random.Random(7)
+    d = drafter(kind, num_draft_tokens=12)
+    for _ in range(200):
+        drafted = rng.randrange(0, 13)
+        accepted = rng.randrange(0, drafted + 1)
+        predicted = d.cap_after(drafted, accepted)
+        d.observe(drafted, accepted)
+        assert d.draft_cap == predicted
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_alternatives_are_the_likeliest_next_tokens(kind: str) -> None:
+    d = drafter(kind, [A, B, H, A, C, H, A, B, H, A, D, H, E])
+    alts = d.alternatives(3, after=[A])
+    if kind == "suffix":  # by frequency: B follows A twice, C and D once each
+        assert alts[0] == B and set(alts) == {B, C, D}
+    else:  # by recency: the latest occurrence of A was followed by D (one n-gram, one position)
+        assert alts == [D]
+    after_ha = d.alternatives(3, after=[H, A])  # "H A" was followed by C, B, D once each
+    assert (set(after_ha) == {B, C, D}) if kind == "suffix" else (after_ha == [D])
+    assert d.alternatives(0, after=[A]) == []
+    assert drafter(kind).alternatives(3) == []
+
+
 def test_make_drafter_kinds() -> None:
     assert make_drafter(None) is None
     assert isinstance(make_drafter("suffix"), SuffixDrafter)

@@ -80,9 +80,10 @@ class ScriptedDrafter(Drafter):
     def extend(self, new_tokens):
         self.position += len(new_tokens)
 
-    def propose(self, max_tokens):
-        drafts = self.truth[self.position : self.position + min(max_tokens, self.length)]
-        return [(t + 1) % 1000 if self.position + i in self.wrong_at else t for i, t in enumerate(drafts)]
+    def draft(self, max_tokens, after=()):
+        start = self.position + len(after)  # the script ignores what `after` holds
+        drafts = self.truth[start : start + min(max_tokens, self.length)]
+        return [(t + 1) % 1000 if start + i in self.wrong_at else t for i, t in enumerate(drafts)]
 
     def observe(self, drafted, accepted):
         pass
