@@ -49,6 +49,7 @@ class Run:
     positions_wasted: int = 0
     turnaround_seconds: float = 0.0
     hedge_hits: int = 0
+    hedge_seconds: float = 0.0
 
 
 def workloads(first_answers: list[str], limit: int):
@@ -84,7 +85,7 @@ def run_setting(args, delay_ms: float, modes: dict) -> list[Run]:
                     s = model.last_generation_stats
                     runs.append(Run(delay_ms, workload, mode, index, s.new_tokens, s.wall_time, s.laps,
                                     s.accepted_per_lap, s.bytes_up, s.bytes_down, s.wall_time / max(s.laps, 1),
-                                    s.runs_cancelled, s.positions_wasted, s.turnaround_time, s.hedge_hits))  # fmt: skip
+                                    s.runs_cancelled, s.positions_wasted, s.turnaround_time, s.hedge_hits, s.hedge_time))  # fmt: skip
                     print(f"  {delay_ms:>4.0f} ms {workload:<12} #{index} {mode:<7} {s.new_tokens:>3} tok "
                           f"{s.tokens_per_second:6.1f} tok/s {s.laps:>3} laps {s.accepted_per_lap:4.2f} tok/lap", flush=True)
                 if len({json.dumps(o) for o in outputs.values()}) != 1:

@@ -48,6 +48,7 @@ class GenerationStats:
     turnaround_time: float = 0.0  # seconds from a verdict to the next run sent (client work)
     hedges_prepared: int = 0  # drafts made ahead for outcomes of runs in flight
     hedge_hits: int = 0  # front runs sent with a hedged draft instead of drafting after the verdict
+    hedge_time: float = 0.0  # seconds spent hedging (while runs are in flight, before waiting)
     bytes_up: int = 0
     bytes_down: int = 0
     wall_time: float = 0.0
@@ -251,7 +252,9 @@ class SpeculativeDecoder:
                 self._verdict_at = None
         # 2) while the network works: drafts for the front run's likeliest refuting verdicts
         front = self._inflight[0]
+        hedging = time.perf_counter()
         self._hedge(front, budget)
+        self.stats.hedge_time += time.perf_counter() - hedging
         # 3) the verdict on the oldest run
         waited = time.perf_counter()
         result = await remote.next_result(front.run_id)
@@ -295,20 +298,23 @@ class SpeculativeDecoder:
         room = self._room(budget, len(assumed))
         if self._inflight and room < 1:
             return None
-        wants_guess = self.max_inflight_runs > 1
-        size = room + 1 if wants_guess else room
         proposal: list[int] = []
+        num_drafts = 0
         if self.drafter is not None and room > 0:
+            num_drafts = min(room, self.drafter.draft_cap)
+            size = num_drafts + (1 if self.max_inflight_runs > 1 else 0)
             hedged = None if self._inflight else self._hedges.take(state.history)
             if hedged is not None:
                 self.stats.hedge_hits += 1
-                proposal = hedged[: min(size, self.drafter.draft_cap)]
+                proposal = hedged[:size]
             else:
-                proposal = self.drafter.propose(size, after=assumed)[:size]
+                proposal = self.drafter.draft(size, after=assumed)
         self._hedges.clear()
-        if self._inflight and not proposal:
+        # the drafts are what synchronous speculation would send; the guess is one more token,
+        # made only where the drafter continues past them (else nothing is sent behind this run)
+        drafts, guess = proposal[:num_drafts], (proposal[num_drafts] if len(proposal) > num_drafts else None)
+        if self._inflight and not drafts and guess is None:
             return None
-        drafts, guess = (proposal[:-1], proposal[-1]) if wants_guess and proposal else (proposal[:room], None)
         if guess is not None and guess in self.eos_token_ids:
             guess = None  # nothing follows an end of sequence
         run_id = state.next_run_id
@@ -333,8 +339,8 @@ class SpeculativeDecoder:
                 if token == expected or len(self._hedges) >= MAX_HEDGES:
                     continue
                 outcome = outcome_prefix + [token]
-                size = self._room(budget, len(outcome)) + (1 if self.max_inflight_runs > 1 else 0)
-                size = min(size, self.drafter.cap_after(len(front.drafts), j))
+                size = min(self._room(budget, len(outcome)), self.drafter.cap_after(len(front.drafts), j))
+                size += 1 if self.max_inflight_runs > 1 else 0  # the guess, as in _next_run
                 self._hedges.put(outcome, self.drafter.draft(size, after=outcome))
                 self.stats.hedges_prepared += 1
 

@@ -428,8 +428,9 @@ def test_swarm_with_rejected_drafts_equals_plain_and_transformers(v4_model, v4_r
         assert plain.tolist() == expected.tolist()
     drafter = ScriptedDrafter(truth, len(PROMPT[0]), wrong_at={1, 6, 11, 12, 16, 21}, length=5)
     monkeypatch.setattr("client.model.make_drafter", lambda *a, **k: drafter)
-    speculation = dict(async_speculation=True, max_inflight_runs=3) if mode == "async" else {}
-    output = v4_model.generate(torch.tensor(PROMPT), max_new_tokens=24, num_draft_tokens=5, **speculation, **kwargs)
+    # async: 4 drafts and the drafter's fifth id as the guess that sends the next run early
+    speculation = dict(async_speculation=True, max_inflight_runs=3, num_draft_tokens=4) if mode == "async" else dict(num_draft_tokens=5)
+    output = v4_model.generate(torch.tensor(PROMPT), max_new_tokens=24, **speculation, **kwargs)
     assert output.tolist() == plain.tolist()
     stats = v4_model.last_generation_stats
     assert 0 < stats.accepted < stats.drafted and stats.laps < 24
