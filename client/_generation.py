@@ -27,7 +27,7 @@ from client._remote_session import RemoteSession
 from client._swarm import SwarmClient
 from client.drafters import Drafter
 from client.errors import GenerationError, ServerError
-from protocol.messages import SamplingParams, Step, StepResult, TokenLogprobs
+from protocol.messages import GREEDY, SamplingParams, Step, StepResult, TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -351,7 +351,7 @@ class SpeculativeDecoder:
             start_pos=run.start_pos,
             token_ids=run.token_ids,
             n_draft=len(run.drafts),
-            sampling=self.sampling,
+            sampling=None if self.sampling == GREEDY else self.sampling,
             top_logprobs=self.num_logprobs,
         )
 

@@ -33,6 +33,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, array_like=True,
     seed: int = 0
 
 
+GREEDY = SamplingParams()
+"""The default parameters: argmax decoding. A Step carries ``sampling=None`` for these."""
+
+
 class Hop(msgspec.Struct, frozen=True, array_like=True):
     """One server of a route and the blocks [start, end) it computes for this session."""
 
@@ -61,8 +65,12 @@ class Step(msgspec.Struct, tag="step", kw_only=True, array_like=True, omit_defau
     start_pos: int
     token_ids: list[int]
     n_draft: int = 0
-    sampling: SamplingParams = SamplingParams()
+    sampling: Optional[SamplingParams] = None  # None: greedy; not on the wire (half a greedy lap's bytes)
     top_logprobs: int = 0  # K <= MAX_TOP_LOGPROBS; 0 sends nothing but ids and counts down
+
+    @property
+    def sampling_params(self) -> SamplingParams:
+        return GREEDY if self.sampling is None else self.sampling
 
 
 class Cancel(msgspec.Struct, tag="cancel", kw_only=True, array_like=True):

@@ -101,7 +101,7 @@ class ServerSession:
         if not 0 <= step.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
         try:
-            validate_sampling(step.sampling)
+            validate_sampling(step.sampling_params)
         except ValueError as e:
             raise ProtocolError(ErrorCode.BAD_REQUEST, str(e)) from None
         expected_shape = (1, num_new, *span.hidden_shape)
@@ -186,7 +186,7 @@ def compute_run(
         return hidden
     logits = span.logits(hidden)  # [S, V]
     accepted, next_token, logprobs = verify(
-        logits, session.history, step.start_pos, step.n_draft, step.sampling, step.top_logprobs
+        logits, session.history, step.start_pos, step.n_draft, step.sampling_params, step.top_logprobs
     )
     return StepResult(
         session_id=session.session_id,

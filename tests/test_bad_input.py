@@ -14,6 +14,7 @@ from hivemind.proto import runtime_pb2
 from client import _loop
 from protocol.errors import ErrorCode
 from protocol.messages import ErrorReply, Hop, OpenSession, SessionOpened, Step, StepResult, Subscribe
+from protocol.version import PROTOCOL_VERSION
 from swarm.streams import RESULTS_PROTOCOL, SESSION_PROTOCOL, MessageStream
 from tests.conftest import servers_by_name
 from tests.test_exactness import PROMPT, ROUTES, pinned
@@ -130,7 +131,7 @@ def test_malformed_message_is_refused(tiny_model, tiny_reference):
     async def scenario(s):
         from hivemind.p2p import P2P
 
-        garbage = runtime_pb2.ExpertRequest(metadata=b"\x93\x01\xa3xyz\x00").SerializeToString()
+        garbage = runtime_pb2.ExpertRequest(metadata=b"\x93" + bytes([PROTOCOL_VERSION]) + b"\xa3xyz\x00").SerializeToString()
         s.head.writer.write(P2P.MESSAGE_MARKER)
         await P2P.send_raw_data(garbage, s.head.writer)
         assert_error(await s.outcome(), ErrorCode.MALFORMED)
@@ -149,7 +150,7 @@ def test_other_protocol_version_is_refused_clearly(tiny_model):
         future = msgspec.msgpack.encode([99, ["step", "x"]])
         s.head.writer.write(P2P.MESSAGE_MARKER)
         await P2P.send_raw_data(runtime_pb2.ExpertRequest(metadata=future).SerializeToString(), s.head.writer)
-        assert_error(await s.outcome(), ErrorCode.VERSION_MISMATCH, "v99", "v1")
+        assert_error(await s.outcome(), ErrorCode.VERSION_MISMATCH, "v99", f"v{PROTOCOL_VERSION}")
 
     run_raw(tiny_model, scenario)
 

@@ -1,0 +1,22 @@
+"""Wire encoding details that the byte counts of a lap depend on."""
+
+from __future__ import annotations
+
+from protocol.messages import GREEDY, SamplingParams, Step, decode, encode
+
+
+def test_a_greedy_step_leaves_sampling_off_the_wire() -> None:
+    bare = Step(session_id="0123456789abcdef", run_id=57, start_pos=1234, token_ids=[49147])
+    explicit = Step(session_id="0123456789abcdef", run_id=57, start_pos=1234, token_ids=[49147], sampling=SamplingParams())
+    decoded = decode(encode(bare))
+    assert decoded.sampling is None and decoded.sampling_params == GREEDY
+    assert len(encode(bare)) < 40 < len(encode(explicit))  # the parameters were most of a greedy lap
+
+
+def test_sampling_parameters_round_trip() -> None:
+    params = SamplingParams(do_sample=True, temperature=0.7, top_k=40, top_p=0.9, repetition_penalty=1.1, seed=99)
+    step = Step(session_id="s", run_id=1, start_pos=0, token_ids=[1, 2, 3], n_draft=2, sampling=params, top_logprobs=5)
+    decoded = decode(encode(step))
+    assert decoded.sampling_params == params and decoded.top_logprobs == 5
+    with_logprobs = decode(encode(Step(session_id="s", run_id=1, start_pos=0, token_ids=[1], top_logprobs=3)))
+    assert with_logprobs.sampling_params == GREEDY and with_logprobs.top_logprobs == 3
