@@ -325,6 +325,8 @@ def _sampling_params(do_sample, temperature, top_k, top_p, min_p, repetition_pen
         seed=seed if seed is not None else int(torch.randint(0, 2**31 - 1, ()).item()),
     )
     validate_sampling(sampling)
+    if not do_sample:  # argmax: only the repetition penalty can change it; the rest stays off the wire
+        return SamplingParams(repetition_penalty=repetition_penalty)
     return sampling
 
 

@@ -20,3 +20,12 @@ def test_sampling_parameters_round_trip() -> None:
     assert decoded.sampling_params == params and decoded.top_logprobs == 5
     with_logprobs = decode(encode(Step(session_id="s", run_id=1, start_pos=0, token_ids=[1], top_logprobs=3)))
     assert with_logprobs.sampling_params == GREEDY and with_logprobs.top_logprobs == 3
+
+
+def test_greedy_generation_sends_only_what_can_change_the_argmax() -> None:
+    from client.model import _sampling_params
+
+    assert _sampling_params(False, 0.2, 50, 0.9, 0.05, 1.0, None) == GREEDY  # a model's sampling defaults
+    assert _sampling_params(False, 0.2, 50, 0.9, 0.0, 1.3, 7) == SamplingParams(repetition_penalty=1.3)
+    sampled = _sampling_params(True, 0.2, 50, 0.9, 0.0, 1.0, 7)
+    assert sampled.do_sample and sampled.temperature == 0.2 and sampled.seed == 7
