@@ -283,6 +283,10 @@ class SpeculativeDecoder:
         end_of_context = len(self.state.history) + assumed  # position of the run's first draft
         return min(budget - assumed - 1, self.state.max_length - end_of_context - 1, self.num_draft_tokens)
 
+    def _proposal_size(self, num_drafts: int) -> int:
+        """Ids to ask the drafter for: the drafts, plus the guess when runs may follow this one."""
+        return num_drafts + (1 if self.max_inflight_runs > 1 else 0)
+
     def _next_run(self, budget: int) -> Optional[Run]:
         """Draft the next run; None when nothing more may be sent now."""
         state = self.state
@@ -302,7 +306,7 @@ class SpeculativeDecoder:
         num_drafts = 0
         if self.drafter is not None and room > 0:
             num_drafts = min(room, self.drafter.draft_cap)
-            size = num_drafts + (1 if self.max_inflight_runs > 1 else 0)
+            size = self._proposal_size(num_drafts)
             hedged = None if self._inflight else self._hedges.take(state.history)
             if hedged is not None:
                 self.stats.hedge_hits += 1
@@ -339,9 +343,8 @@ class SpeculativeDecoder:
                 if token == expected or len(self._hedges) >= MAX_HEDGES:
                     continue
                 outcome = outcome_prefix + [token]
-                size = min(self._room(budget, len(outcome)), self.drafter.cap_after(len(front.drafts), j))
-                size += 1 if self.max_inflight_runs > 1 else 0  # the guess, as in _next_run
-                self._hedges.put(outcome, self.drafter.draft(size, after=outcome))
+                num_drafts = min(self._room(budget, len(outcome)), self.drafter.cap_after(len(front.drafts), j))
+                self._hedges.put(outcome, self.drafter.draft(self._proposal_size(num_drafts), after=outcome))
                 self.stats.hedges_prepared += 1
 
     def _step(self, run: Run) -> Step:

@@ -11,18 +11,16 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 import hivemind
-from typing import Sequence
-
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import P2P
 
 from client._remote_session import RemoteSession
 from client.errors import RoutingError, ServerError
 from swarm.dht_records import fetch_servers
 from swarm.routing import MaxFlowRouter, NoRouteError, RouteHop, RoutePlanner
-from swarm.streams import ping
+from swarm.streams import ping_many
 from swarm.validation import PeerIdSignatureValidator
 
 logger = logging.getLogger(__name__)
@@ -123,16 +121,15 @@ class SwarmClient:
         now = time.monotonic()
         ends = [s.peer_id for s in servers if s.start_block == 0 or s.end_block == self.num_blocks]
         stale = [p for p in ends if now - self._rtts.get(p, (float("-inf"), 0.0))[0] > RTT_TTL]
-        measured = await asyncio.gather(*(ping(self.p2p, PeerID.from_base58(p), PING_TIMEOUT) for p in stale))
-        for peer_id, rtt in zip(stale, measured):
+        for peer_id, rtt in (await ping_many(self.p2p, stale, PING_TIMEOUT)).items():
             if rtt is not None:
                 self._rtts[peer_id] = (now, rtt)
         return {p: self._rtts[p][1] for p in ends if p in self._rtts}
 
     async def unresponsive(self, route: Sequence[RouteHop], timeout: float = 3.0) -> list[str]:
         """The hops of ``route`` that do not answer a ping within ``timeout`` seconds."""
-        rtts = await asyncio.gather(*(ping(self.p2p, PeerID.from_base58(hop.peer_id), timeout) for hop in route))
-        return [hop.peer_id for hop, rtt in zip(route, rtts) if rtt is None]
+        rtts = await ping_many(self.p2p, [hop.peer_id for hop in route], timeout)
+        return [peer_id for peer_id, rtt in rtts.items() if rtt is None]
 
     def exclude(self, peer_id: str) -> None:
         if peer_id:

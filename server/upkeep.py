@@ -7,14 +7,13 @@ and announced in its record, so routers can weigh server-to-server links without
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Sequence
 
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import P2P
 
 from swarm.records import ServerInfo, ServerState
-from swarm.streams import ping
+from swarm.streams import ping_many
 
 logger = logging.getLogger(__name__)
 
@@ -31,5 +30,5 @@ def next_servers(me: ServerInfo, servers: Sequence[ServerInfo]) -> list[ServerIn
 
 async def measure_next_pings(p2p: P2P, me: ServerInfo, servers: Sequence[ServerInfo], timeout: float = 5.0) -> dict[str, float]:
     candidates = next_servers(me, servers)[:MAX_PINGED]
-    rtts = await asyncio.gather(*(ping(p2p, PeerID.from_base58(s.peer_id), timeout) for s in candidates))
-    return {s.peer_id: rtt for s, rtt in zip(candidates, rtts) if rtt is not None}
+    rtts = await ping_many(p2p, [s.peer_id for s in candidates], timeout)
+    return {peer_id: rtt for peer_id, rtt in rtts.items() if rtt is not None}

@@ -158,3 +158,9 @@ async def ping(p2p: P2P, peer_id: PeerID, timeout: float) -> Optional[float]:
         return await asyncio.wait_for(exchange(), timeout)
     except Exception:
         return None
+
+
+async def ping_many(p2p: P2P, peer_ids: Sequence[str], timeout: float) -> dict[str, Optional[float]]:
+    """`ping` every peer (base58 ids) at once: peer id -> RTT in seconds, None if silent."""
+    rtts = await asyncio.gather(*(ping(p2p, PeerID.from_base58(peer_id), timeout) for peer_id in peer_ids))
+    return dict(zip(peer_ids, rtts))
