@@ -100,11 +100,13 @@ def verify(
 ) -> tuple[int, int, list[TokenLogprobs]]:
     """Accept the longest prefix of drafts that equals the target's own choices.
 
-    logits: [L, V] for positions start_pos .. start_pos+L-1 (row i predicts position start_pos+i+1).
+    logits: [L, V] for positions start_pos .. start_pos+L-1 (row i predicts position start_pos+i+1),
+    a tensor or any sequence of L rows: the tail passes rows it computes on demand, since the walk
+    stops at the first mismatch and most rows are never read.
     history: every id at positions 0 .. start_pos+L-1; its last ``n_draft`` are the drafts.
     Returns (accepted, next_token, logprobs of each generated position if asked).
     """
-    num_new = logits.shape[0]
+    num_new = len(logits)
     first_draft = num_new - n_draft  # row that predicts the first draft is first_draft - 1
     accepted, chosen_rows = 0, []
     while True:

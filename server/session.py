@@ -184,7 +184,7 @@ def compute_run(
     session.history.extend(step.token_ids)
     if session.next_hop is not None:
         return hidden
-    logits = span.logits(hidden)  # [S, V]
+    logits = LazyLogits(span, hidden)
     accepted, next_token, logprobs = verify(
         logits, session.history, step.start_pos, step.n_draft, step.sampling_params, step.top_logprobs
     )
@@ -195,3 +195,32 @@ def compute_run(
         next_token=next_token,
         logprobs=logprobs or None,
     )
+
+
+class LazyLogits:
+    """A run's logits rows, computed when verification first reads them.
+
+    Verification walks rows in order and stops at the first mismatch, which on most laps is the
+    first row it reads; a prefill reads only its last row. The LM head is the tail's largest
+    matrix (on SmolLM2, 49152 x 576: about 10 ms per row on one CPU core, and several rows cost
+    several times one), so the first row read is computed alone and, if the walk goes on, every
+    row after it in one call. Row r of the result is what ``span.logits(hidden)[r]`` would be,
+    up to the floating-point rounding that computing rows together may add (design.md).
+    """
+
+    def __init__(self, span: SpanAdapter, hidden: torch.Tensor):
+        self._span, self._hidden = span, hidden  # hidden: [1, S, *hidden_shape]
+        self._rows: dict[int, torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return self._hidden.shape[1]
+
+    def __getitem__(self, row: int) -> torch.Tensor:
+        if not 0 <= row < len(self):
+            raise IndexError(f"logits row {row} of {len(self)}")
+        if row not in self._rows:
+            end = row + 1 if not self._rows else len(self)
+            block = self._span.logits(self._hidden[:, row:end])  # [end - row, V]
+            for offset in range(end - row):
+                self._rows.setdefault(row + offset, block[offset])
+        return self._rows[row]
