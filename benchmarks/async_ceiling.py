@@ -32,70 +32,16 @@ import argparse
 import asyncio
 import json
 import statistics
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional
 
 from benchmarks.wan import workloads
 from client._generation import SessionState, SpeculativeDecoder
 from client.drafters import SuffixStore, make_drafter
-from protocol.messages import GREEDY, Step, StepResult
+from client.oracle import OracleSwarm
+from protocol.messages import GREEDY
 
 RESULTS = Path(__file__).parent / "results"
-
-
-class OracleSession:
-    """A `RemoteSession` stand-in whose tail knows the target's answer: verdicts are exact for
-    every run whose assumptions hold, and such runs are the only ones the decoder reads."""
-
-    def __init__(self, target: list[int], eos: int):
-        self.target, self.eos = target, eos
-        self.session_id, self.route, self.tail_peer = "oracle", [], "oracle"
-        self.bytes_sent = self.bytes_received = 0
-        self._steps: dict[int, Step] = {}
-        self._outstanding: set[int] = set()
-        self.overlapped: set[int] = set()  # runs sent while another run was still in flight
-
-    async def send_step(self, step: Step) -> int:
-        if self._outstanding:
-            self.overlapped.add(step.run_id)
-        self._steps[step.run_id] = step
-        self._outstanding.add(step.run_id)
-        return 0
-
-    async def cancel(self, run_id: int) -> int:
-        self._outstanding = {r for r in self._outstanding if r < run_id}
-        return 0
-
-    async def next_result(self, min_run_id: int, timeout: Optional[float] = None) -> StepResult:
-        step = self._steps[min_run_id]
-        self._outstanding.discard(min_run_id)
-        first_draft = step.start_pos + len(step.token_ids) - step.n_draft
-        drafts = step.token_ids[len(step.token_ids) - step.n_draft :]
-        accepted = 0
-        while accepted < len(drafts) and self._at(first_draft + accepted) == drafts[accepted]:
-            accepted += 1
-        return StepResult(session_id=self.session_id, run_id=step.run_id, accepted=accepted,
-                          next_token=self._at(first_draft + accepted))  # fmt: skip
-
-    def _at(self, position: int) -> int:
-        return self.target[position] if position < len(self.target) else self.eos
-
-
-class OracleSwarm:
-    """The `SwarmClient` surface the decoder uses, opening `OracleSession`s."""
-
-    def __init__(self, target: list[int], eos: int):
-        self.target, self.eos = target, eos
-        self.session: Optional[OracleSession] = None
-
-    async def open_session(self, max_length: int) -> OracleSession:
-        self.session = OracleSession(self.target, self.eos)
-        return self.session
-
-    async def close_session(self, session: OracleSession) -> None:
-        pass
 
 
 @dataclass
@@ -191,10 +137,10 @@ def ceilings(samples, eos: int, args) -> list[Ceiling]:
     return rows
 
 
-def add_time_bounds(rows: list[Ceiling], wan_path: Path) -> Optional[str]:
-    """Upper bounds on async tokens/s from the WAN run's lap times; None if there is no WAN run."""
+def add_time_bounds(rows: list[Ceiling], wan_path: Path) -> bool:
+    """Upper bounds on async tokens/s from the WAN run's lap times; False if there is no WAN run."""
     if not wan_path.exists():
-        return None
+        return False
     wan = json.loads(wan_path.read_text())
     for row in rows:
         for delay in sorted({r["delay_ms"] for r in wan["runs"]}):
@@ -206,7 +152,7 @@ def add_time_bounds(rows: list[Ceiling], wan_path: Path) -> Optional[str]:
             row.bounds[delay] = dict(lap_none_ms=1000 * lap_min, sync_tokens_per_s=sync_tps, bound_tokens_per_s=bound_tps,
                                      bound_vs_sync=bound_tps / sync_tps,
                                      async_vs_sync=statistics.median(measured) / sync_tps if measured else None)  # fmt: skip
-    return wan.get("measured_at") or time.ctime(wan_path.stat().st_mtime)
+    return True
 
 
 def markdown(rows: list[Ceiling]) -> str:
@@ -241,7 +187,8 @@ def main() -> None:
     args = p.parse_args()
     samples, eos = answers(args)
     rows = ceilings(samples, eos, args)
-    add_time_bounds(rows, Path(args.wan))
+    if not add_time_bounds(rows, Path(args.wan)):
+        print(f"(no {args.wan}: run `make bench-wan` first for the tokens/s bounds)")
     print(markdown(rows))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"args": vars(args), "rows": [asdict(r) for r in rows]}, indent=1))

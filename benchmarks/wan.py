@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -157,8 +158,17 @@ def main() -> None:
     table = markdown(rows)
     print(table)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows, "runs": [asdict(r) for r in runs],
+    Path(args.out).write_text(json.dumps({"args": vars(args), "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                                          "commit": _commit(), "rows": rows, "runs": [asdict(r) for r in runs],
                                           "wall_seconds": time.time() - began}, indent=1))  # fmt: skip
+
+
+def _commit() -> str:
+    """The checkout's commit, so a result file says what it measured ("" outside a git checkout)."""
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
+    except OSError:
+        return ""
 
 
 if __name__ == "__main__":

@@ -2,7 +2,10 @@
 
 One lap, top to bottom (``SpeculativeDecoder._lap``):
   1) keep up to ``max_inflight_runs`` runs in flight: each new run assumes every run before it
-     is accepted whole and guesses its bonus token (the drafter's next token);
+     is accepted whole and guesses its bonus token (the drafter's next token). A run sent when
+     none is in flight carries only ``front_drafts`` of its proposal (none by default) and the
+     rest rides in the run behind it, so the front verdict never waits for the drafts' compute:
+     where the first draft is wrong, the lap is as short as a lap without speculation;
   2) while the oldest run is in flight, hedge: draft the next run for its likeliest refuting
      verdicts (a speculation cache, after Saguaro), so after one the next run leaves at once;
   3) read the verdict of the oldest run: ``accepted`` drafts plus the target's own next token;
@@ -127,6 +130,9 @@ class Run:
     token_ids: list[int]
     drafts: list[int]
     guess: Optional[int]  # the assumed bonus token; None: nothing may be sent after this run
+    split: bool = False  # a front run cut short: the rest of its proposal follows in the next run
+    prefix_drafts: int = 0  # drafts of the same proposal before this run's (a split front's and its guess)
+    proposed: int = 0  # drafts proposed for a split front's position, the rest of them not in this run
 
 
 class SpeculativeDecoder:
@@ -143,6 +149,7 @@ class SpeculativeDecoder:
         num_logprobs: int = 0,
         on_tokens: Optional[Callable[[list[int]], None]] = None,
         max_failovers: int = 5,
+        front_drafts: Optional[int] = 0,
     ):
         if max_inflight_runs < 1:
             raise ValueError(f"max_inflight_runs must be >= 1, got {max_inflight_runs}")
@@ -153,6 +160,8 @@ class SpeculativeDecoder:
         self.num_logprobs = num_logprobs
         self.on_tokens = on_tokens
         self.max_failovers = max_failovers
+        # drafts a run sent into an empty window keeps (None: all of them); only with a window
+        self.front_drafts = front_drafts if max_inflight_runs > 1 else None
         self.stats = GenerationStats()
         self.logprobs: list[TokenLogprobs] = []
         self._inflight: deque[Run] = deque()
@@ -267,12 +276,17 @@ class SpeculativeDecoder:
         new = self._commit(front, result, budget)
         self.stats.bytes_up += remote.bytes_sent - sent_before
         self.stats.bytes_down += remote.bytes_received - received_before
-        refuted = result.accepted < len(front.drafts) or result.next_token != front.guess or len(new) < len(front.drafts) + 1
+        refuted = not self._confirms(front, result) or len(new) < len(front.drafts) + 1
         if refuted and self._inflight:
             await self._cancel_inflight()
         if self.drafter is not None:
             self.drafter.extend(new)
         return new
+
+    @staticmethod
+    def _confirms(run: Run, result: StepResult) -> bool:
+        """Whether a verdict holds what the runs behind ``run`` assumed: every draft and the guess."""
+        return result.accepted == len(run.drafts) and result.next_token == run.guess
 
     def _assumed(self) -> list[int]:
         """The tokens the runs in flight add if each is accepted whole with its guess."""
@@ -319,11 +333,17 @@ class SpeculativeDecoder:
         drafts, guess = proposal[:num_drafts], (proposal[num_drafts] if len(proposal) > num_drafts else None)
         if self._inflight and not drafts and guess is None:
             return None
+        proposed = len(drafts)
+        split = (not self._inflight and self.front_drafts is not None and len(drafts) > self.front_drafts
+                 and drafts[self.front_drafts] not in self.eos_token_ids)  # fmt: skip
+        if split:  # a light front run: its verdict comes back sooner when its first drafts fail
+            drafts, guess = drafts[: self.front_drafts], drafts[self.front_drafts]
         if guess is not None and guess in self.eos_token_ids:
             guess = None  # nothing follows an end of sequence
+        prefix = len(self._inflight[-1].drafts) + 1 if self._inflight and self._inflight[-1].split else 0
         run_id = state.next_run_id
         state.next_run_id += 1
-        return Run(run_id, start_pos, committed_part + drafts, drafts, guess)
+        return Run(run_id, start_pos, committed_part + drafts, drafts, guess, split, prefix, proposed)
 
     def _hedge(self, front: Run, budget: int) -> None:
         """Outcome hedging: draft, before the verdict, the next front run for the front run's
@@ -373,8 +393,10 @@ class SpeculativeDecoder:
         self.stats.drafted += len(run.drafts)
         self.stats.accepted += result.accepted
         self.stats.accepted_lengths[result.accepted] += 1
-        if self.drafter is not None:
-            self.drafter.observe(len(run.drafts), result.accepted)
+        if self.drafter is not None and not (run.split and self._confirms(run, result)):
+            # one observation per proposal: a split front's is made by the run carrying its rest
+            drafted = max(run.proposed, run.prefix_drafts + len(run.drafts))
+            self.drafter.observe(drafted, run.prefix_drafts + result.accepted)
         if result.logprobs:
             self.logprobs += result.logprobs[: len(new)]
         return new
