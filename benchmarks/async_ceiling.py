@@ -14,10 +14,12 @@ full lap. So the number of full laps is bounded from below by what the drafter c
 - it counts, per workload, the laps of synchronous suffix speculation, and the verdicts of
   asynchronous speculation whose run had been sent behind another (overlapped) or not (full laps);
 - and the positions whose token the drafter's own first choice misses, given the true context up
-  to there (`draft(1)`): no in-order pipeline of runs, however long its window, commits a token
-  the drafter did not guess without a full lap. `top-16` counts a position as guessed when the token
-  is anywhere among the drafter's 16 likeliest continuations there, the most that speculating on
-  several outcomes at once could reach.
+  to there (`draft(1)`): a pipeline of runs in order, however long its window, holds one guess per
+  position, so each such position costs a full lap (a draft made several tokens ahead can now and
+  then guess a token the one-step choice misses, so this is a ceiling for this drafter, not a
+  theorem; the real decoder's full laps stay above it in every replay). `top-16` counts a position
+  as guessed when its token is anywhere among the drafter's 16 likeliest continuations there: what
+  speculating on many outcomes at once, which runs in order cannot do, could at most reach.
 
 With lap times from `benchmarks/results/wan.json` (`make bench-wan`), it turns the lap counts into
 an upper bound on tokens/s: every unavoidable lap as cheap as a lap without drafts ("none"), every

@@ -202,8 +202,8 @@ class LazyLogits:
 
     Verification walks rows in order and stops at the first mismatch, which on most laps is the
     first row it reads; a prefill reads only its last row. The LM head is the tail's largest
-    matrix (on SmolLM2, 49152 x 576: about 10 ms per row on one CPU core, and several rows cost
-    several times one), so the first row read is computed alone and, if the walk goes on, every
+    matrix (on SmolLM2, 49152 x 576: about 10 ms per row on one CPU core, two or three rows two or
+    three times that), so the first row read is computed alone and, if the walk goes on, every
     row after it in one call. Row r of the result is what ``span.logits(hidden)[r]`` would be,
     up to the floating-point rounding that computing rows together may add (design.md).
     """
