@@ -240,22 +240,37 @@ def kill_group(process: subprocess.Popen) -> None:
 
 
 def run_demo(swarm: LocalSwarm, prompt: str, max_new_tokens: int, speculation: Optional[str]) -> None:
+    """Generate without speculation, then with it (synchronous, then asynchronous), and print the
+    text once and what each mode did; the speculative modes must reproduce the same tokens."""
     from swarm import AutoDistributedModelForCausalLM
 
     model = AutoDistributedModelForCausalLM.from_pretrained(swarm.model, initial_peers=swarm.initial_peers)
     tokenizer = model.tokenizer
     messages = [{"role": "user", "content": prompt}]
     input_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
-    for mode in ([None, speculation] if speculation else [None]):
-        output = model.generate(input_ids, max_new_tokens=max_new_tokens, speculation=mode)
+    modes = {"speculation=None": dict(speculation=None)}
+    if speculation:
+        modes[f"speculation={speculation}"] = dict(speculation=speculation)
+        modes[f"speculation={speculation}, async_speculation=True"] = dict(speculation=speculation, async_speculation=True)
+    first = None
+    for label, kwargs in modes.items():
+        model.reset_draft_store()  # no mode may draft from an earlier mode's answer
+        output = model.generate(input_ids, max_new_tokens=max_new_tokens, **kwargs)
         stats = model.last_generation_stats
-        text = tokenizer.decode(output[0, input_ids.shape[1]:], skip_special_tokens=True)
-        print(f"\n=== speculation={mode} ===")
-        print(text)
+        new = output[0, input_ids.shape[1] :].tolist()
+        print(f"\n=== {label} ===")
+        if first is None or new != first:
+            print(tokenizer.decode(new, skip_special_tokens=True))
+            if first is not None:
+                print("!!! these tokens differ from the run without speculation: a bug, please report it")
+        else:
+            print(f"(the same {len(new)} tokens as without speculation)")
+        first = new if first is None else first
+        cancelled = f", {stats.runs_cancelled} runs cancelled ({stats.positions_wasted} positions)" if stats.runs_cancelled else ""
         print(
             f"--- {stats.new_tokens} tokens in {stats.wall_time:.2f} s ({stats.tokens_per_second:.1f} tokens/s), "
             f"{stats.laps} laps, {stats.accepted_per_lap:.2f} tokens/lap, drafted {stats.drafted}, "
-            f"accepted {stats.accepted}, {stats.bytes_up / max(stats.laps, 1):.0f} B up/lap, "
+            f"accepted {stats.accepted}{cancelled}, {stats.bytes_up / max(stats.laps, 1):.0f} B up/lap, "
             f"route {' -> '.join(f'{p[:8]}[{a}:{b})' for p, a, b in stats.route)}",
             flush=True,
         )
