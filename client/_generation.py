@@ -334,9 +334,8 @@ class SpeculativeDecoder:
         if self._inflight and not drafts and guess is None:
             return None
         proposed = len(drafts)
-        split = (not self._inflight and self.front_drafts is not None and len(drafts) > self.front_drafts
-                 and drafts[self.front_drafts] not in self.eos_token_ids)  # fmt: skip
-        if split:  # a light front run: its verdict comes back sooner when its first drafts fail
+        split = self._light_front(drafts, budget)
+        if split:
             drafts, guess = drafts[: self.front_drafts], drafts[self.front_drafts]
         if guess is not None and guess in self.eos_token_ids:
             guess = None  # nothing follows an end of sequence
@@ -344,6 +343,16 @@ class SpeculativeDecoder:
         run_id = state.next_run_id
         state.next_run_id += 1
         return Run(run_id, start_pos, committed_part + drafts, drafts, guess, split, prefix, proposed)
+
+    def _light_front(self, drafts: list[int], budget: int) -> bool:
+        """Whether a run sent into an empty window keeps only ``front_drafts`` of its drafts, the
+        rest riding in the run behind it (its verdict then comes back sooner when its first drafts
+        fail): only if the draft at the cut, the guess, is no EOS (something must follow it) and
+        the budget leaves room for a run behind it."""
+        cut = self.front_drafts
+        if self._inflight or cut is None or len(drafts) <= cut:
+            return False
+        return drafts[cut] not in self.eos_token_ids and self._room(budget, cut + 1) >= 1
 
     def _hedge(self, front: Run, budget: int) -> None:
         """Outcome hedging: draft, before the verdict, the next front run for the front run's

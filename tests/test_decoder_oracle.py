@@ -104,3 +104,38 @@ def test_front_drafts_are_ignored_without_a_window():
     _, split_stats, split_session, _ = decode(prompt, answer, 1, front_drafts=0)
     assert [s.token_ids for s in sync_session.steps.values()] == [s.token_ids for s in split_session.steps.values()]
     assert sync_stats.laps == split_stats.laps
+
+
+def test_no_split_when_the_rest_of_the_proposal_could_not_follow():
+    """With one token of budget left after the front's guess there is no room for a run behind it,
+    so the front keeps its draft and one verdict commits both tokens, as synchronously."""
+    prompt, answer = stream(4)
+    for start in (0, 7, 19, 40):
+        context, rest = prompt + answer[:start], answer[start : start + 2]
+        swarm = OracleSwarm(context + rest, EOS)
+        truth = ScriptedTruth(rest)
+        decoder = SpeculativeDecoder(swarm, SessionState(max_length=200), GREEDY, drafter=truth, num_draft_tokens=6,
+                                     max_inflight_runs=3)  # fmt: skip
+        assert asyncio.run(decoder.generate(context, 2)) == rest
+        assert decoder.stats.laps == 1 and decoder.stats.accepted == 1
+
+
+class ScriptedTruth(_AdaptiveDrafter):
+    """Drafts the known continuation of the stream it was made for."""
+
+    def __init__(self, continuation: list[int]):
+        super().__init__(6)
+        self.continuation, self.done = continuation, 0
+
+    def reset(self, context):
+        self.done = 0
+
+    def extend(self, new_tokens):
+        self.done += len(new_tokens)
+
+    def draft(self, max_tokens, after=()):
+        start = self.done + len(after)
+        return self.continuation[start : start + max_tokens]
+
+    def finish(self):
+        pass
