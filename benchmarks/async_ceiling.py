@@ -69,21 +69,24 @@ def replay(prompt: list[int], answer: list[int], eos: int, inflight: int, num_dr
     return Replay(s.new_tokens, s.laps, s.laps - overlapped_verdicts, s.runs_cancelled, s.positions_wasted)
 
 
-def unguessed(prompt: list[int], answer: list[int], eos: int, num_draft_tokens: int, width: int = 1) -> int:
-    """Positions whose token is not among the drafter's `width` first choices given the true context."""
+def unguessed(
+    prompt: list[int], answer: list[int], eos: int, num_draft_tokens: int, width: int = 16
+) -> tuple[int, int]:
+    """Positions whose token is not the drafter's first choice given the true context, and those
+    whose token is not among its `width` likeliest continuations either."""
     drafter = make_drafter("suffix", num_draft_tokens=num_draft_tokens, store=SuffixStore(), eos_token_ids=[eos])
     wide = make_drafter("suffix", num_draft_tokens=num_draft_tokens, store=SuffixStore(), eos_token_ids=[eos])
     wide.min_prob = 0.0  # rank every continuation seen, however rare
     drafter.reset(prompt)
     wide.reset(prompt)
-    missed = 0
+    missed = missed_wide = 0
     for token in answer:
-        first = drafter.draft(1)
-        guessed = first[:1] == [token] or (width > 1 and token in wide.alternatives(width))
-        missed += not guessed
+        first_choice = drafter.draft(1)[:1] == [token]
+        missed += not first_choice
+        missed_wide += not (first_choice or token in wide.alternatives(width))
         drafter.extend([token])
         wide.extend([token])
-    return missed
+    return missed, missed_wide
 
 
 def answers(args) -> tuple[list[tuple[str, list[int], list[int]]], int]:
@@ -130,11 +133,10 @@ def ceilings(samples, eos: int, args) -> list[Ceiling]:
         sync = [replay(p, a, eos, 1, args.num_draft_tokens) for p, a in mine]
         asyn = [replay(p, a, eos, args.max_inflight_runs, args.num_draft_tokens) for p, a in mine]
         tokens = sum(r.tokens for r in sync)
+        missed = [unguessed(p, a, eos, args.num_draft_tokens) for p, a in mine]
         rows.append(Ceiling(
             workload, tokens, sum(r.laps for r in sync), sum(r.laps for r in asyn), sum(r.full_laps for r in asyn),
-            sum(r.positions_wasted for r in asyn) / tokens,
-            sum(unguessed(p, a, eos, args.num_draft_tokens) for p, a in mine),
-            sum(unguessed(p, a, eos, args.num_draft_tokens, width=16) for p, a in mine),
+            sum(r.positions_wasted for r in asyn) / tokens, sum(m[0] for m in missed), sum(m[1] for m in missed),
         ))  # fmt: skip
     return rows
 

@@ -166,7 +166,8 @@ def main() -> None:
 def _commit() -> str:
     """The checkout's commit, so a result file says what it measured ("" outside a git checkout)."""
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
+        git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent)
+        return git.stdout.strip()
     except OSError:
         return ""
 

@@ -130,9 +130,13 @@ class Run:
     token_ids: list[int]
     drafts: list[int]
     guess: Optional[int]  # the assumed bonus token; None: nothing may be sent after this run
-    split: bool = False  # a front run cut short: the rest of its proposal follows in the next run
     prefix_drafts: int = 0  # drafts of the same proposal before this run's (a split front's and its guess)
-    proposed: int = 0  # drafts proposed for a split front's position, the rest of them not in this run
+    proposed: int = 0  # drafts proposed at this run's position; more than it carries if it is split
+
+    @property
+    def split(self) -> bool:
+        """A front run cut short: the rest of its proposal follows in the next run."""
+        return self.proposed > len(self.drafts)
 
 
 class SpeculativeDecoder:
@@ -334,15 +338,14 @@ class SpeculativeDecoder:
         if self._inflight and not drafts and guess is None:
             return None
         proposed = len(drafts)
-        split = self._light_front(drafts, budget)
-        if split:
+        if self._light_front(drafts, budget):
             drafts, guess = drafts[: self.front_drafts], drafts[self.front_drafts]
         if guess is not None and guess in self.eos_token_ids:
             guess = None  # nothing follows an end of sequence
         prefix = len(self._inflight[-1].drafts) + 1 if self._inflight and self._inflight[-1].split else 0
         run_id = state.next_run_id
         state.next_run_id += 1
-        return Run(run_id, start_pos, committed_part + drafts, drafts, guess, split, prefix, proposed)
+        return Run(run_id, start_pos, committed_part + drafts, drafts, guess, prefix, proposed)
 
     def _light_front(self, drafts: list[int], budget: int) -> bool:
         """Whether a run sent into an empty window keeps only ``front_drafts`` of its drafts, the

@@ -24,7 +24,6 @@ class OracleSession:
         self.session_id, self.route, self.tail_peer = "oracle", [], "oracle"
         self.bytes_sent = self.bytes_received = 0
         self.steps: dict[int, Step] = {}  # every run sent, by run id
-        self.cancels: list[int] = []
         self._outstanding: set[int] = set()
         self.overlapped: set[int] = set()  # runs sent while another run was still in flight
 
@@ -36,7 +35,6 @@ class OracleSession:
         return 0
 
     async def cancel(self, run_id: int) -> int:
-        self.cancels.append(run_id)
         self._outstanding = {r for r in self._outstanding if r < run_id}
         return 0
 
@@ -47,7 +45,8 @@ class OracleSession:
         drafts = step.token_ids[len(step.token_ids) - step.n_draft :]
         committed = step.token_ids[: len(step.token_ids) - step.n_draft]
         if committed != [self._at(p) for p in range(step.start_pos, first_draft)]:
-            raise AssertionError(f"the decoder read the verdict of run {step.run_id}, whose committed ids are not the target's")
+            raise AssertionError(f"the decoder read the verdict of run {step.run_id}, "
+                                 "whose committed ids are not the target's")  # fmt: skip
         accepted = 0
         while accepted < len(drafts) and self._at(first_draft + accepted) == drafts[accepted]:
             accepted += 1

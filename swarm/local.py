@@ -251,7 +251,8 @@ def run_demo(swarm: LocalSwarm, prompt: str, max_new_tokens: int, speculation: O
     modes = {"speculation=None": dict(speculation=None)}
     if speculation:
         modes[f"speculation={speculation}"] = dict(speculation=speculation)
-        modes[f"speculation={speculation}, async_speculation=True"] = dict(speculation=speculation, async_speculation=True)
+        modes[f"speculation={speculation}, async_speculation=True"] = dict(speculation=speculation,
+                                                                           async_speculation=True)  # fmt: skip
     first = None
     for label, kwargs in modes.items():
         model.reset_draft_store()  # no mode may draft from an earlier mode's answer
@@ -265,8 +266,11 @@ def run_demo(swarm: LocalSwarm, prompt: str, max_new_tokens: int, speculation: O
                 print("!!! these tokens differ from the run without speculation: a bug, please report it")
         else:
             print(f"(the same {len(new)} tokens as without speculation)")
-        first = new if first is None else first
-        cancelled = f", {stats.runs_cancelled} runs cancelled ({stats.positions_wasted} positions)" if stats.runs_cancelled else ""
+        if first is None:
+            first = new
+        cancelled = ""
+        if stats.runs_cancelled:
+            cancelled = f", {stats.runs_cancelled} runs cancelled ({stats.positions_wasted} positions)"
         print(
             f"--- {stats.new_tokens} tokens in {stats.wall_time:.2f} s ({stats.tokens_per_second:.1f} tokens/s), "
             f"{stats.laps} laps, {stats.accepted_per_lap:.2f} tokens/lap, drafted {stats.drafted}, "

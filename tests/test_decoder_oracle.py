@@ -14,6 +14,7 @@ from client._generation import SessionState, SpeculativeDecoder
 from client.drafters import SuffixDrafter, SuffixStore, _AdaptiveDrafter
 from client.oracle import OracleSwarm
 from protocol.messages import GREEDY
+from tests.test_exactness import ScriptedDrafter
 
 EOS = 0
 
@@ -113,29 +114,8 @@ def test_no_split_when_the_rest_of_the_proposal_could_not_follow():
     for start in (0, 7, 19, 40):
         context, rest = prompt + answer[:start], answer[start : start + 2]
         swarm = OracleSwarm(context + rest, EOS)
-        truth = ScriptedTruth(rest)
+        truth = ScriptedDrafter(rest, len(context), length=6)
         decoder = SpeculativeDecoder(swarm, SessionState(max_length=200), GREEDY, drafter=truth, num_draft_tokens=6,
                                      max_inflight_runs=3)  # fmt: skip
         assert asyncio.run(decoder.generate(context, 2)) == rest
         assert decoder.stats.laps == 1 and decoder.stats.accepted == 1
-
-
-class ScriptedTruth(_AdaptiveDrafter):
-    """Drafts the known continuation of the stream it was made for."""
-
-    def __init__(self, continuation: list[int]):
-        super().__init__(6)
-        self.continuation, self.done = continuation, 0
-
-    def reset(self, context):
-        self.done = 0
-
-    def extend(self, new_tokens):
-        self.done += len(new_tokens)
-
-    def draft(self, max_tokens, after=()):
-        start = self.done + len(after)
-        return self.continuation[start : start + max_tokens]
-
-    def finish(self):
-        pass
