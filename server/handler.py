@@ -19,8 +19,8 @@ from typing import Optional
 
 import torch
 from hivemind.p2p import P2P, PeerID
-from hivemind.proto import runtime_pb2
 
+from protocol import compression as codecs
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.messages import (
     Cancel,
@@ -37,7 +37,7 @@ from protocol.messages import (
 )
 from server.adapters import SpanAdapter, SpanCancelled
 from server.cache_budget import CacheBudget
-from server.session import QueuedRun, QueuedTrim, ServerSession, compute_run
+from server.session import QueuedRun, QueuedTrim, ServerSession, TailReply, compute_run
 from swarm.streams import PING_PROTOCOL, RESULTS_PROTOCOL, SESSION_PROTOCOL, MessageStream, serve
 
 logger = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ class SessionHandler:
         budget: CacheBudget,
         *,
         session_timeout: float = 600.0,
-        compression: int = runtime_pb2.NONE,
+        compression: str = codecs.LOSSLESS,  # protocol.compression codec of the activations sent on
         block_delay: float = 0.0,
     ):
         self.p2p, self.span, self.budget = p2p, span, budget
@@ -73,6 +73,8 @@ class SessionHandler:
         await serve(self.p2p, SESSION_PROTOCOL, self._serve_session)
         await serve(self.p2p, RESULTS_PROTOCOL, self._serve_results)
         await serve(self.p2p, PING_PROTOCOL, self._serve_ping)
+        # bitsandbytes takes seconds to import: not on the first run's path
+        asyncio.get_running_loop().run_in_executor(None, codecs.preload, self.compression)
         self._reaper = asyncio.create_task(self._reap_idle_sessions())
 
     async def drain(self, grace: float) -> None:
@@ -276,6 +278,10 @@ class SessionHandler:
                 self.stats["cancelled_runs"] += 1
                 continue
             self.stats["runs"] += 1
+            if isinstance(output, TailReply):  # a forward pass's outputs go first, the verdict after them
+                for frame in output.outputs:
+                    self._results_queue(session.session_id).put_nowait(frame)
+                output = output.result
             if isinstance(output, StepResult):
                 self.stats["accepted_tokens"] += output.accepted + 1
                 self._results_queue(session.session_id).put_nowait(output)
@@ -373,18 +379,21 @@ class SessionHandler:
                 item = getter.result()
                 if item is None:
                     return
-                await client.send(item)
+                if isinstance(item, tuple):  # (RunOutputs, its tensors)
+                    await client.send(*item)
+                else:
+                    await client.send(item)
         finally:
             closed.cancel()
             if session_id not in self.sessions:
                 self._results.pop(session_id, None)
 
 
-async def _send_quietly(stream: Optional[MessageStream], message: Message, tensors=(), compression=runtime_pb2.NONE) -> None:
+async def _send_quietly(stream: Optional[MessageStream], message: Message, tensors=(), codec=codecs.LOSSLESS) -> None:
     """Send, ignoring a peer that is already gone (its own stream end reports that)."""
     if stream is None:
         return
     try:
-        await stream.send(message, tensors, compression)
+        await stream.send(message, tensors, codec)
     except (ConnectionError, OSError, RuntimeError) as e:
         logger.debug(f"Could not send {type(message).__name__} to {stream.peer_id}: {e!r}")

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from server.quantization import Quant, estimate_module_bytes
+
 CACHE_FRACTION = 0.25  # of free memory kept for the KV cache budget (as default_cache_tokens uses)
 HEADROOM_FRACTION = 0.05  # of free memory left for activations and allocator slack
 
@@ -29,12 +31,13 @@ class MemoryPlan:
     bytes_per_block: int
     cache_bytes: int
     reserve_bytes: int
+    quant: str = "none"
 
     def describe(self, device: str) -> str:
         return (
             f"{self.blocks} of {self.total_blocks} blocks fit: {self.free_bytes / GiB:.1f} GiB free on {device}, "
             f"{self.cache_bytes / GiB:.1f} GiB kept for the cache budget, {self.reserve_bytes / GiB:.1f} GiB for "
-            f"embeddings/LM head and headroom, {self.bytes_per_block / GiB:.2f} GiB per block"
+            f"embeddings/LM head and headroom, {self.bytes_per_block / GiB:.2f} GiB per block ({self.quant} weights)"
         )
 
 
@@ -53,8 +56,8 @@ def blocks_that_fit(
         raise ValueError(
             f"not even one block fits: a block needs {bytes_per_block / GiB:.2f} GiB and only {room / GiB:.2f} GiB "
             f"of {free_bytes / GiB:.2f} GiB free is left after {cache_bytes / GiB:.2f} GiB for the cache and "
-            f"{reserve_bytes / GiB:.2f} GiB reserved; pass --num-blocks or --blocks, a smaller --dtype, "
-            "or another --device"
+            f"{reserve_bytes / GiB:.2f} GiB reserved; pass --num-blocks or --blocks, --quant nf4 or int8, "
+            "a smaller --dtype, or another --device"
         )
     return blocks
 
@@ -69,30 +72,39 @@ def free_device_bytes(device: str) -> int:
     return psutil.virtual_memory().available
 
 
-def model_bytes(config, dtype: torch.dtype) -> tuple[int, int]:
-    """(bytes of the largest block, bytes of embeddings + LM head) in ``dtype``, from a meta model."""
+def model_bytes(config, dtype: torch.dtype, quant: Quant = Quant.NONE) -> tuple[int, int]:
+    """(bytes of the largest block, bytes of embeddings + LM head) once loaded in ``dtype`` and
+    ``quant``, from a meta-device model (no memory, no download). Embeddings and the LM head
+    stay unquantized, as transformers leaves them."""
     from transformers import AutoModelForCausalLM
 
+    from server.adapters import adapter_class
+
+    adapter = adapter_class(config)
     config = copy.deepcopy(config)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    dtype_of = adapter.dtype_plan(dtype)
+    per_block = 0
+    for layer in model.model.layers:
+        per_block = max(per_block, estimate_module_bytes(layer, quant, dtype, dtype_of, adapter.stacked_linears))
     size = torch.finfo(dtype).bits // 8
 
     def nbytes(module: torch.nn.Module) -> int:
         return sum(p.numel() for p in module.parameters()) * size
 
-    per_block = max(nbytes(layer) for layer in model.model.layers)
-    ends = nbytes(model.get_input_embeddings()) + nbytes(model.get_output_embeddings())
-    return per_block, ends
+    embeddings, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = head.weight is embeddings.weight  # one tensor when a server holds both ends
+    return per_block, nbytes(embeddings) + (0 if tied else nbytes(head))
 
 
 def plan_blocks(
-    config, dtype: torch.dtype, device: str, total_blocks: int, free_bytes: int | None = None
+    config, dtype: torch.dtype, device: str, total_blocks: int, free_bytes: int | None = None, quant: Quant = Quant.NONE
 ) -> MemoryPlan:
     """How many blocks this server should hold when the volunteer did not say."""
     free = free_device_bytes(device) if free_bytes is None else free_bytes
-    per_block, ends = model_bytes(config, dtype)
+    per_block, ends = model_bytes(config, dtype, quant)
     cache = int(free * CACHE_FRACTION)
     reserve = ends + int(free * HEADROOM_FRACTION)
     blocks = blocks_that_fit(per_block, free, cache, total_blocks, reserve_bytes=reserve)
-    return MemoryPlan(blocks, total_blocks, free, per_block, cache, reserve)
+    return MemoryPlan(blocks, total_blocks, free, per_block, cache, reserve, quant.value)

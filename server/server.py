@@ -12,21 +12,25 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Optional, Sequence
 
 import msgspec
 
 import hivemind
 import torch
-from hivemind.proto import runtime_pb2
 from transformers import AutoConfig, PretrainedConfig
 
+from protocol.compression import CODECS
 from server.adapters import SpanAdapter, load_span
 from server.cache_budget import CacheBudget, default_cache_tokens
 from server.handler import SessionHandler
+from server.joining import claim_span, joining_throughput, keep_announcing, leave
 from server.memory import MemoryPlan, plan_blocks
+from server.quantization import Quant, resident_bytes, resolve_quant
 from server.upkeep import measure_next_pings
 from server.weights import Checkpoint
+from swarm.config import no_initial_peers_message, resolve_initial_peers
 from swarm.dht_records import announce, fetch_servers
 from swarm.identity import load_or_create_identity
 from swarm.models import resolve_model
@@ -36,9 +40,6 @@ from swarm.validation import PeerIdSignatureValidator
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# hivemind 1.1.12's 8-bit codecs (uniform, quantile, blockwise) cannot decode under NumPy 2
-# (int() of a 1-element array), so only the 16-bit ones are offered.
-COMPRESSION = {"none": runtime_pb2.NONE, "float16": runtime_pb2.FLOAT16, "meanstd16": runtime_pb2.MEANSTD_16BIT}
 
 
 @dataclass(frozen=True)
@@ -51,8 +52,9 @@ class ServerConfig:
     host: str = "0.0.0.0"
     port: int = 0
     announce_maddrs: Sequence[str] = ()
-    device: str = "cpu"
-    dtype: str = "float32"
+    device: str = "auto"  # auto: cuda when available, else cpu
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on the CPU
+    quant: str = "auto"  # none|int8|nf4; auto: server.quantization.default_quant
     public_name: Optional[str] = None
     cache_tokens: Optional[int] = None
     identity_path: Optional[str] = None
@@ -75,59 +77,93 @@ class SpanServer:
 
     @classmethod
     async def create(cls, config: ServerConfig) -> "SpanServer":
-        if not config.initial_peers and not config.new_swarm:
-            raise ValueError("pass --initial-peers of a running swarm, or --new-swarm to start a new one")
-        if config.dtype not in DTYPES:
-            raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {config.dtype!r}")
+        initial_peers = resolve_initial_peers(config.initial_peers)
+        if not initial_peers.peers and not config.new_swarm:
+            raise ValueError(no_initial_peers_message() + "; or pass --new-swarm to start a new swarm")
+        if initial_peers.peers:
+            logger.info(initial_peers.describe())
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, device)
+        if config.compression not in CODECS:
+            raise ValueError(f"--compression must be one of {CODECS}, got {config.compression!r}")
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
         model = resolve_model(config.model)
         model_config = load_model_config(model.source)
+        quant = resolve_quant(config.quant, model_config, device, dtype)
+        logger.info(quant.describe())
         plan = None
         if config.blocks is None and config.num_blocks is None:  # as many blocks as fit in memory
-            plan = plan_blocks(model_config, DTYPES[config.dtype], config.device, model_config.num_hidden_layers)
-            logger.info(plan.describe(config.device))
+            plan = plan_blocks(model_config, dtype, device, model_config.num_hidden_layers, quant=quant.quant)
+            logger.info(plan.describe(device))
         dht_name = config.dht_prefix or model.dht_name
         identity = load_or_create_identity(config.identity_path)
         dht = hivemind.DHT(
-            initial_peers=list(config.initial_peers),
+            initial_peers=initial_peers.peers,
             host_maddrs=[f"/ip4/{config.host}/tcp/{config.port}"],
             announce_maddrs=list(config.announce_maddrs) or None,
             identity_path=identity.path,
             record_validators=[PeerIdSignatureValidator(identity)],
             start=True,
         )
-        start, end = _choose_blocks(config, dht, dht_name, model_config.num_hidden_layers, plan)
-        logger.info(f"Serving blocks {start}:{end} of {dht_name} as peer {dht.peer_id}")
+        # Claim the span before loading it: a JOINING record that placement counts and routing
+        # ignores (server/joining.py), refreshed until the ONLINE one replaces it.
+        total = model_config.num_hidden_layers
+        template = ServerInfo(
+            peer_id=dht.peer_id.to_base58(), model=dht_name, start_block=0, end_block=1, version=_package_version(),
+            public_name=config.public_name, dtype=str(dtype).removeprefix("torch."), quantization=quant.quant.value,
+        )  # fmt: skip
         loop = asyncio.get_running_loop()
-        span = await loop.run_in_executor(
-            None, load_span, model_config, Checkpoint(model.source), start, end, DTYPES[config.dtype], config.device
-        )
-        budget = CacheBudget(config.cache_tokens or _cache_tokens(span, plan))
-        p2p = await dht.replicate_p2p()
-        handler = SessionHandler(
-            p2p,
-            span,
-            budget,
-            session_timeout=config.session_timeout,
-            compression=COMPRESSION[config.compression],
-            block_delay=config.debug_block_delay,
-        )
-        await handler.start()
-        info = ServerInfo(
-            peer_id=dht.peer_id.to_base58(),
-            model=dht_name,
-            start_block=start,
-            end_block=end,
-            state=ServerState.ONLINE,
-            throughput=await loop.run_in_executor(None, measure_throughput, span),
-            cache_tokens=budget.total_tokens,
-            free_cache_tokens=budget.free_tokens,
-            version=_package_version(),
-            public_name=config.public_name,
-            dtype=config.dtype,
-            started_at=time.time(),
-        )
+
+        def publish(info: ServerInfo, wait: bool = False):
+            return announce(dht, info, 3 * config.update_period, wait=wait, num_blocks=total)
+
+        claimed = await claim_span(
+            template, lambda servers: _choose_blocks(config, servers, total, plan),
+            fetch=lambda: loop.run_in_executor(None, fetch_servers, dht, dht_name, total),
+            publish=lambda info: loop.run_in_executor(None, partial(publish, info, wait=True)),
+            automatic=config.blocks is None,
+        )  # fmt: skip
+        start, end = claimed.start_block, claimed.end_block
+        logger.info(f"Serving blocks {start}:{end} of {dht_name} as peer {dht.peer_id} (announced as joining)")
+        refresher = keep_announcing(publish, claimed, config.update_period)
+        try:
+            span = await loop.run_in_executor(
+                None, load_span, model_config, Checkpoint(model.source), start, end, dtype, device, quant.quant
+            )
+            logger.info(f"Blocks {start}:{end} hold {resident_bytes(span.layers) / 2**20:.1f} MiB of weights ({quant.quant.value})")
+            budget = CacheBudget(config.cache_tokens or _cache_tokens(span, plan))
+            p2p = await dht.replicate_p2p()
+            handler = SessionHandler(
+                p2p,
+                span,
+                budget,
+                session_timeout=config.session_timeout,
+                compression=config.compression,
+                block_delay=config.debug_block_delay,
+            )
+            await handler.start()
+            info = ServerInfo(
+                peer_id=dht.peer_id.to_base58(),
+                model=dht_name,
+                start_block=start,
+                end_block=end,
+                state=ServerState.ONLINE,
+                throughput=await loop.run_in_executor(None, measure_throughput, span),
+                cache_tokens=budget.total_tokens,
+                free_cache_tokens=budget.free_tokens,
+                version=_package_version(),
+                public_name=config.public_name,
+                dtype=str(dtype).removeprefix("torch."),
+                quantization=quant.quant.value,
+                started_at=time.time(),
+            )
+        except BaseException:
+            refresher.cancel()
+            leave(partial(publish, wait=True), claimed)
+            dht.shutdown()
+            raise
+        refresher.cancel()
         server = cls(config, dht, span, handler, info)
         server.model_config, server.checkpoint = model_config, Checkpoint(model.source)
         server._announce()
@@ -177,7 +213,8 @@ class SpanServer:
         await self.handler.drain(self.config.drain_seconds)
         loop = asyncio.get_running_loop()
         span = await loop.run_in_executor(
-            None, load_span, self.model_config, self.checkpoint, start, end, DTYPES[self.config.dtype], self.config.device
+            None, load_span, self.model_config, self.checkpoint, start, end, self.span.dtype, str(self.span.device),
+            Quant(self.info.quantization),
         )
         self.span = self.handler.span = span
         self.info = msgspec.structs.replace(self.info, start_block=start, end_block=end, next_pings={})
@@ -203,6 +240,33 @@ class SpanServer:
             announce(self.dht, info, 3 * self.config.update_period, wait=True, num_blocks=self.span.num_blocks)
         except Exception as e:
             logger.warning(f"Could not announce {state.value}: {e!r}")
+
+
+def resolve_device(requested: str) -> str:
+    """``--device``: auto is cuda when torch sees a GPU, else cpu; an explicit cuda without one fails."""
+    if requested == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        logger.info(f"Device: {device} (auto: {'a CUDA GPU is' if device == 'cuda' else 'no CUDA GPU is'} available)")
+        return device
+    if requested.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {requested}: CUDA is not available on this machine (torch.cuda.is_available() is False)")
+    try:
+        torch.device(requested)
+    except RuntimeError:
+        raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {requested!r}") from None
+    return requested
+
+
+def resolve_dtype(requested: str, device: str) -> torch.dtype:
+    """``--dtype``: auto is bfloat16 on CUDA (what GPUs compute fast, and half of float32's memory)
+    and float32 on the CPU (exact against a float32 reference, and fast there)."""
+    if requested == "auto":
+        dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+        logger.info(f"Dtype: {str(dtype).removeprefix('torch.')} (auto on {device})")
+        return dtype
+    if requested not in DTYPES:
+        raise ValueError(f"--dtype must be one of {['auto', *DTYPES]}, got {requested!r}")
+    return DTYPES[requested]
 
 
 def load_model_config(source: str) -> PretrainedConfig:
@@ -255,8 +319,10 @@ def _cache_tokens(span: SpanAdapter, plan: Optional[MemoryPlan]) -> int:
 
 
 def _choose_blocks(
-    config: ServerConfig, dht: hivemind.DHT, model: str, total: int, plan: Optional[MemoryPlan] = None
+    config: ServerConfig, servers: Sequence[ServerInfo], total: int, plan: Optional[MemoryPlan] = None
 ) -> tuple[int, int]:
+    """``--blocks`` as given, else the span that raises the max-flow most over ``servers`` (the
+    others' records; placement counts JOINING and ONLINE ones)."""
     if config.blocks is not None:
         start, end = config.blocks
         if not 0 <= start < end <= total:
@@ -267,8 +333,7 @@ def _choose_blocks(
         raise ValueError(f"--num-blocks must be positive, got {config.num_blocks}")
     from swarm.routing import choose_best_span
 
-    servers = [s for s in fetch_servers(dht, model, total) if s.state == ServerState.ONLINE]
-    return choose_best_span(servers, total, length, my_throughput=1.0)
+    return choose_best_span(servers, total, length, my_throughput=joining_throughput(servers, length))
 
 
 def measure_throughput(span: SpanAdapter, num_steps: int = 8) -> float:

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from protocol.errors import ErrorCode, ProtocolError
-from protocol.messages import MAX_TOP_LOGPROBS, Hop, OpenSession, Step, StepResult
+from protocol.messages import MAX_TOP_LOGPROBS, OUTPUTS_FRAME_BYTES, Hop, OpenSession, RunOutputs, Step, StepResult
 from protocol.sampling import validate_sampling, verify
 from server.adapters import SpanAdapter, SpanCancelled
 
@@ -26,6 +26,15 @@ class QueuedRun:
     step: Step
     hidden: Optional[torch.Tensor]  # activations from upstream; None at the head
     cancelled: bool = False
+
+
+@dataclass
+class TailReply:
+    """What the tail sends the client for a run that asked for outputs: the RunOutputs messages
+    with their tensors, then the verdict."""
+
+    outputs: list[tuple[RunOutputs, list[torch.Tensor]]]
+    result: StepResult
 
 
 @dataclass
@@ -100,6 +109,11 @@ class ServerSession:
             )
         if not 0 <= step.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
+        if not 0 <= step.return_logits <= num_new or (step.return_hidden and not step.return_logits):
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST,
+                f"return_logits must be in [0, {num_new}] (the run's positions), and > 0 with return_hidden",
+            )
         try:
             validate_sampling(step.sampling_params)
         except ValueError as e:
@@ -154,8 +168,9 @@ class ServerSession:
 
 def compute_run(
     span: SpanAdapter, session: ServerSession, run: QueuedRun, block_delay: float = 0.0
-) -> torch.Tensor | StepResult:
-    """Run this server's blocks over a run's new positions; at the tail, verify its drafts.
+) -> torch.Tensor | StepResult | TailReply:
+    """Run this server's blocks over a run's new positions; at the tail, verify its drafts (and
+    collect the outputs the run asked for with ``return_logits``).
 
     The cache is first trimmed to ``start_pos``: that trim is the protocol's only rollback.
     """
@@ -185,16 +200,40 @@ def compute_run(
     if session.next_hop is not None:
         return hidden
     logits = LazyLogits(span, hidden)
+    outputs = _outputs(span, session, step, hidden, logits) if step.return_logits else None
     accepted, next_token, logprobs = verify(
         logits, session.history, step.start_pos, step.n_draft, step.sampling_params, step.top_logprobs
     )
-    return StepResult(
+    result = StepResult(
         session_id=session.session_id,
         run_id=step.run_id,
         accepted=accepted,
         next_token=next_token,
         logprobs=logprobs or None,
     )
+    return result if outputs is None else TailReply(outputs, result)
+
+
+def _outputs(
+    span: SpanAdapter, session: ServerSession, step: Step, hidden: torch.Tensor, logits: "LazyLogits"
+) -> list[tuple[RunOutputs, list[torch.Tensor]]]:
+    """The logits (and final hidden states) of the run's last ``return_logits`` positions, cut into
+    messages of at most OUTPUTS_FRAME_BYTES of tensors each; the rows also serve verification."""
+    first = hidden.shape[1] - step.return_logits
+    row_bytes = 4 * (span.vocab_size + (hidden[0, 0].numel() if step.return_hidden else 0))
+    rows_per_message = max(1, OUTPUTS_FRAME_BYTES // row_bytes)
+    messages = []
+    for offset in range(0, step.return_logits, rows_per_message):
+        part = hidden[:, first + offset : first + min(offset + rows_per_message, step.return_logits)]
+        tensors = [span.logits(part)]
+        logits.seed(first + offset, tensors[0])
+        if step.return_hidden:
+            try:
+                tensors.append(span.final_hidden(part))
+            except NotImplementedError as e:
+                raise ProtocolError(ErrorCode.BAD_REQUEST, str(e)) from None
+        messages.append((RunOutputs(session_id=session.session_id, run_id=step.run_id, offset=offset), tensors))
+    return messages
 
 
 class LazyLogits:
@@ -214,6 +253,11 @@ class LazyLogits:
 
     def __len__(self) -> int:
         return self._hidden.shape[1]
+
+    def seed(self, first_row: int, rows: torch.Tensor) -> None:
+        """Rows already computed (for a forward pass's outputs), so verification reuses them."""
+        for offset in range(rows.shape[0]):
+            self._rows.setdefault(first_row + offset, rows[offset])
 
     def __getitem__(self, row: int) -> torch.Tensor:
         if not 0 <= row < len(self):

@@ -11,7 +11,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -55,21 +55,26 @@ class Checkpoint:
         self, keys: Iterable[str], dtype: torch.dtype, desc: str = "Loading", progress: bool = True
     ) -> dict[str, torch.Tensor]:
         """Read ``keys`` (and nothing else), opening each needed shard once, with a progress bar."""
+        return dict(self.iter_read(keys, dtype, desc, progress))
+
+    def iter_read(
+        self, keys: Iterable[str], dtype: torch.dtype, desc: str = "Loading", progress: bool = True
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Like :meth:`read`, one tensor at a time: a caller that quantizes each tensor as it
+        arrives never holds more than one of them in float."""
         weight_map = self.weight_map()
         by_file: dict[str, list[str]] = {}
         for key in keys:
             if key not in weight_map:
                 raise KeyError(f"checkpoint {self.source} has no tensor {key!r}")
             by_file.setdefault(weight_map[key], []).append(key)
-        tensors: dict[str, torch.Tensor] = {}
         with tqdm(total=sum(map(len, by_file.values())), desc=desc, unit="tensor", disable=not progress) as bar:
             for filename, file_keys in by_file.items():
                 with safe_open(self._fetch(filename), framework="pt") as f:
                     for key in file_keys:
                         tensor = f.get_tensor(key)
-                        tensors[key] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+                        yield key, tensor.to(dtype) if tensor.is_floating_point() else tensor
                         bar.update(1)
-        return tensors
 
     def keys_with_prefix(self, prefix: str) -> list[str]:
         return [key for key in self.weight_map() if key.startswith(prefix)]

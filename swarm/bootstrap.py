@@ -11,6 +11,7 @@ import asyncio
 import logging
 import sys
 
+from swarm import lifeline
 from swarm.cli_utils import setup_logging, stop_event_on_signals
 
 logger = logging.getLogger("swarm.bootstrap")
@@ -39,7 +40,7 @@ async def run(args: argparse.Namespace) -> None:
     dht.shutdown()
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m swarm.bootstrap", description=__doc__)
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=0)
@@ -47,8 +48,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--announce-maddrs", nargs="*", default=[], metavar="MADDR")
     p.add_argument("--identity-path", help="private key file; keeps the peer id (and addresses) across restarts")
     p.add_argument("--log-level", default="INFO")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
+    lifeline.install()
     asyncio.run(run(args))
     return 0
 

@@ -42,19 +42,25 @@ async def _store_many(dht: DHT, node: DHTNode, keys, subkeys, values, expiration
 
 
 def fetch_servers(dht: DHT, model: str, num_blocks: int, latest: bool = True) -> list[ServerInfo]:
-    """Every valid, unexpired record of ``model``; one entry per server (not per block)."""
+    """Every valid, unexpired record of ``model``; one entry per server (not per block).
+
+    A server that changed its span (a move, a second choice while joining) leaves its older
+    record under the blocks it left until that expires, so the newest record wins: the one that
+    expires last (every announcement of a server lives equally long)."""
     keys = [block_key(model, block) for block in range(num_blocks)]
     found = dht.run_coroutine(partial(_get_many, keys=keys, latest=latest))
-    servers: dict[str, ServerInfo] = {}
+    servers: dict[str, tuple[float, ServerInfo]] = {}
     for key in keys:
         entry = found.get(key)
         if entry is None or not isinstance(entry.value, dict):
             continue
         for subkey, item in entry.value.items():
             info = _parse(subkey, item.value, model)
-            if info is not None:
-                servers[info.peer_id] = info
-    return list(servers.values())
+            expires = getattr(item, "expiration_time", None)
+            expires = expires if isinstance(expires, (int, float)) else float("-inf")
+            if info is not None and (info.peer_id not in servers or expires >= servers[info.peer_id][0]):
+                servers[info.peer_id] = (expires, info)
+    return [info for _, info in servers.values()]
 
 
 async def _get_many(dht: DHT, node: DHTNode, keys: Sequence[str], latest: bool) -> dict:

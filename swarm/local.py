@@ -2,8 +2,10 @@
 
 Starts a bootstrap node and N servers splitting the blocks evenly (as separate processes, exactly
 as volunteers would run them) and a health dashboard, prints the initial peers and the
-dashboard's URL, and stops everything on Ctrl-C or SIGTERM. With ``--prompt`` it also generates from the prompt with speculation and prints the text,
-tokens/s and laps, then exits. With ``--hop-delay-ms D`` every server sits behind a TCP delay proxy
+dashboard's URL, and stops everything on Ctrl-C or SIGTERM; if the launcher is killed outright
+(SIGKILL), everything it started exits on its own within seconds (``swarm/lifeline.py``). With
+``--prompt`` it also generates from the prompt with speculation and prints the text, tokens/s and
+laps, then exits. With ``--hop-delay-ms D`` every server sits behind a TCP delay proxy
 (WAN emulation), so one lap crosses servers + 1 delayed links.
 """
 
@@ -20,6 +22,7 @@ import sys
 import time
 from typing import Optional, Sequence
 
+from swarm import lifeline
 from swarm.cli_utils import setup_logging
 
 logger = logging.getLogger("swarm.local")
@@ -43,7 +46,8 @@ class LocalSwarm:
     """A bootstrap node plus servers on 127.0.0.1, each its own process; a context manager.
 
     ``spans`` gives each server's blocks explicitly (overlaps allowed); by default the blocks are
-    split evenly over ``num_servers``.
+    split evenly over ``num_servers``. Every process it starts (and the DHT processes this process
+    forks) exits by itself when this process is gone, even after a SIGKILL (``swarm.lifeline``).
     """
 
     def __init__(
@@ -60,7 +64,7 @@ class LocalSwarm:
         dashboard_port: Optional[int] = None,
         api_port: Optional[int] = None,
     ):
-        self.model, self.num_servers, self.spans = model, num_servers, list(spans) if spans else None
+        self.model, self.num_servers, self.spans = model, num_servers, list(spans) if spans is not None else None
         self.hop_delay_ms, self.server_args = hop_delay_ms, list(server_args)
         self.ready_timeout = ready_timeout
         self.log_dir = log_dir
@@ -77,6 +81,7 @@ class LocalSwarm:
         self.initial_peers: list[str] = []
         self.dht_name = ""
         self.num_blocks = 0
+        lifeline.install_fork_hook()
 
     def __enter__(self) -> "LocalSwarm":
         try:
@@ -97,7 +102,8 @@ class LocalSwarm:
         resolved = resolve_model(self.model)  # converts the embedded model once, before the servers start
         self.dht_name = resolved.dht_name
         self.num_blocks = AutoConfig.from_pretrained(resolved.source).num_hidden_layers
-        self.spans = self.spans or even_spans(self.num_blocks, self.num_servers)
+        if self.spans is None:  # spans=[]: the bootstrap alone; servers come with start_server
+            self.spans = even_spans(self.num_blocks, self.num_servers)
         self._start_bootstrap()
         for index, (start, end) in enumerate(self.spans):
             self.start_server(start, end, name=self.names[index] if self.names else f"local-{index}")
@@ -113,7 +119,8 @@ class LocalSwarm:
             os.makedirs(self.log_dir, exist_ok=True)
             stderr = open(os.path.join(self.log_dir, f"{name}.log"), "w")
         return subprocess.Popen(
-            [sys.executable, "-m", *args], stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL, start_new_session=True
+            [sys.executable, "-m", *args], stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL, start_new_session=True,
+            env=lifeline.child_env(),  # each child exits when this process is gone, even after a SIGKILL
         )
 
     def _start_bootstrap(self) -> None:
@@ -297,6 +304,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="port of an OpenAI-compatible gateway (python -m swarm.api): 0 any free port, -1 none")  # fmt: skip
     args = p.parse_args(argv)
     setup_logging(args.log_level)
+    lifeline.install()
     speculation = None if args.speculation.lower() == "none" else args.speculation
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))

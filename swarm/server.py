@@ -1,4 +1,4 @@
-"""``python -m swarm.server --model NAME_OR_PATH --initial-peers MADDR ...``: serve a span of blocks."""
+"""``python -m swarm.server --model NAME_OR_PATH [--initial-peers MADDR ...]``: serve a span of blocks."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ import asyncio
 import logging
 import sys
 
+from protocol.compression import CODECS
 from swarm.cli_utils import parse_blocks, setup_logging, stop_event_on_signals
+from swarm.config import ENV_INITIAL_PEERS, config_path
 
 logger = logging.getLogger("swarm.server")
 
@@ -15,7 +17,8 @@ logger = logging.getLogger("swarm.server")
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m swarm.server", description=__doc__)
     p.add_argument("--model", required=True, help="alias (smollm2-135m, deepseek-v4-pro, ...), hub repo id or local folder")
-    p.add_argument("--initial-peers", nargs="+", default=[], metavar="MADDR", help="multiaddrs of peers in the swarm")
+    p.add_argument("--initial-peers", nargs="+", default=[], metavar="MADDR",
+                   help=f"multiaddrs of peers in the swarm (default: ${ENV_INITIAL_PEERS}, else initial_peers in {config_path()})")
     p.add_argument("--new-swarm", action="store_true", help="start a new swarm instead of joining one")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--blocks", type=parse_blocks, help="serve blocks START:END (end exclusive)")
@@ -23,14 +26,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="0.0.0.0", help="address to listen on")
     p.add_argument("--port", type=int, default=0, help="TCP port to listen on (0: any free port)")
     p.add_argument("--announce-maddrs", nargs="+", default=[], metavar="MADDR", help="addresses other peers should dial")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", help="auto (cuda when available, else cpu), cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: bfloat16 on CUDA, float32 on the CPU")
+    # the choices of server.quantization.QUANT_CHOICES, written out so that --help needs no torch import
+    p.add_argument("--quant", default="auto", choices=["auto", "none", "int8", "nf4"],
+                   help="weights of the blocks: none, int8 (LLM.int8) or nf4 (bitsandbytes); auto: the smallest that "
+                   "keeps the checkpoint's own precision (docs/quantization.md)")
     p.add_argument("--public-name", help="a name shown on the health dashboard")
     p.add_argument("--cache-tokens", type=int, help="KV cache budget in tokens (default: from free memory)")
     p.add_argument("--identity-path", help="private key file; keeps the peer id across restarts")
     p.add_argument("--dht-prefix", help="the model's name in the DHT (default: from --model)")
-    p.add_argument("--compression", default="none", choices=["none", "float16", "meanstd16"],
-                   help="compression of activations sent to the next server (none keeps outputs exact)")
+    p.add_argument("--compression", default="none", choices=CODECS,
+                   help="codec of activations sent to the next server (none keeps outputs exact; docs/protocol.md)")
     p.add_argument("--update-period", type=float, default=15.0, help="seconds between DHT announcements")
     p.add_argument("--session-timeout", type=float, default=600.0, help="free sessions idle this long (s)")
     p.add_argument("--torch-threads", type=int, help="torch CPU threads")
@@ -56,6 +64,7 @@ async def serve(args: argparse.Namespace) -> None:
         announce_maddrs=args.announce_maddrs,
         device=args.device,
         dtype=args.dtype,
+        quant=args.quant,
         public_name=args.public_name,
         cache_tokens=args.cache_tokens,
         identity_path=args.identity_path,
@@ -80,6 +89,9 @@ async def serve(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
+    from swarm import lifeline  # the DHT process and p2pd die with this one; this one with its launcher
+
+    lifeline.install()
     try:
         asyncio.run(serve(args))
     except (ValueError, RuntimeError, OSError) as e:

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from typing import Awaitable, Callable, Optional, Sequence
 
 import torch
-from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 from hivemind.proto import runtime_pb2
 
+from protocol import compression
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.messages import Message, decode, encode
 
@@ -31,6 +31,8 @@ SESSION_PROTOCOL = "/specswarm/session/1"
 RESULTS_PROTOCOL = "/specswarm/results/1"
 PING_PROTOCOL = "/specswarm/ping/1"
 MAX_FRAME_BYTES = 512 * 1024 * 1024  # a peer may not make us allocate more than this for one frame
+# nor decode a tensor to more values than an uncompressed 16-bit frame could carry
+MAX_TENSOR_ELEMENTS = MAX_FRAME_BYTES // 2
 
 
 @dataclass
@@ -55,11 +57,12 @@ class MessageStream:
         return cls(reader, writer, peer_id)
 
     async def send(
-        self, message: Message, tensors: Sequence[torch.Tensor] = (), compression: int = runtime_pb2.NONE
+        self, message: Message, tensors: Sequence[torch.Tensor] = (), codec: str = compression.LOSSLESS
     ) -> int:
+        """``codec``: one of ``protocol.compression.CODECS``, for the activations in ``tensors``."""
         envelope = runtime_pb2.ExpertRequest(
             metadata=encode(message),
-            tensors=[serialize_torch_tensor(_compressible(t, compression), compression) for t in tensors],
+            tensors=[compression.serialize(t.detach().cpu(), codec) for t in tensors],
         )
         data = envelope.SerializeToString()
         async with self._send_lock:
@@ -87,7 +90,9 @@ class MessageStream:
         envelope = runtime_pb2.ExpertRequest()
         try:
             envelope.ParseFromString(data)
-            tensors = [deserialize_torch_tensor(t) for t in envelope.tensors]
+            tensors = [compression.deserialize(t, MAX_TENSOR_ELEMENTS) for t in envelope.tensors]
+        except ProtocolError:
+            raise
         except Exception as e:
             raise ProtocolError(ErrorCode.MALFORMED, f"undecodable envelope: {e}") from None
         return Received(decode(envelope.metadata), tensors, length + 1 + P2P.HEADER_LEN)
@@ -98,15 +103,6 @@ class MessageStream:
             self.writer.close()
         except Exception:  # already closed by the other side
             pass
-
-
-def _compressible(tensor: torch.Tensor, compression: int) -> torch.Tensor:
-    """hivemind's lossy codecs take float32/float16 only; a bfloat16 span's activations are
-    widened first (exactly representable), then compressed."""
-    tensor = tensor.detach().cpu()
-    if compression != runtime_pb2.NONE and tensor.dtype == torch.bfloat16:
-        return tensor.float()
-    return tensor
 
 
 class _BrokenFraming(Exception):

@@ -11,11 +11,14 @@ from typing import Sequence
 
 import pytest
 
+from swarm import lifeline
 from swarm.dht_records import fetch_servers
 from swarm.local import LocalSwarm
 from swarm.records import ServerInfo
 from swarm.routing import RoutePlanner, RouteHop
 from tests.checkpoints import build_tiny_llama
+
+lifeline.install_fork_hook()  # the DHT processes (and p2pd) of pytest's clients die with it, even on SIGKILL
 
 SERVER_ARGS = ["--torch-threads", "1", "--update-period", "5", "--log-level", "INFO"]
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from swarm import lifeline
 from swarm.dashboard.events import ModelSnapshot, PeerProbed, PollFailed, SwarmPolled
 from swarm.dashboard.state import Limits, State, apply, fold
 from swarm.dashboard.views import state_view
@@ -157,7 +158,7 @@ DASHBOARD_ARGS = ["--refresh-seconds", "1", "--probe-seconds", "2", "--probe-tim
 def _popen(args: list[str], log: Path, stdout=None) -> subprocess.Popen:
     log.parent.mkdir(parents=True, exist_ok=True)
     return subprocess.Popen([sys.executable, "-m", *args], stdout=stdout, stderr=open(log, "w"),
-                            stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+                            stdin=subprocess.DEVNULL, start_new_session=True, env=lifeline.child_env())  # fmt: skip
 
 
 def _stop(process: subprocess.Popen) -> None:

@@ -31,6 +31,7 @@ from server.adapters.deepseek_v4 import DeepseekV4Adapter
 from server.adapters.deepseek_v4_cache import RollbackTooDeep
 from server.memory import GiB, blocks_that_fit, model_bytes, plan_blocks
 from server.weights import Checkpoint
+from swarm import lifeline
 from swarm.models import ensure_smollm2_checkpoint, resolve_model
 from tests.conftest import SERVER_ARGS
 from tests.test_exactness import PROMPT, ScriptedDrafter, reference_sample
@@ -378,6 +379,7 @@ def test_server_without_blocks_takes_what_fits_and_says_so(v4_path):
         [sys.executable, "-m", "swarm.server", "--model", str(v4_path), "--new-swarm", "--host", "127.0.0.1",
          "--torch-threads", "1"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=Path(__file__).resolve().parent.parent,
+        env=lifeline.child_env(),  # exits if pytest is killed
     )  # fmt: skip
     lines = []
     try:

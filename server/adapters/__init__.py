@@ -7,6 +7,7 @@ from transformers import PretrainedConfig
 
 from server.adapters.base import SpanAdapter, SpanCancelled
 from server.adapters.llama import LlamaFamilyAdapter
+from server.quantization import Quant
 from server.weights import Checkpoint
 
 ADAPTERS: dict[str, type[SpanAdapter]] = {
@@ -20,16 +21,25 @@ except ImportError:  # a transformers without deepseek_v4: that model type stays
     pass
 
 
-def load_span(
-    config: PretrainedConfig, checkpoint: Checkpoint, start: int, end: int, dtype: torch.dtype, device: str
-) -> SpanAdapter:
+def adapter_class(config: PretrainedConfig) -> type[SpanAdapter]:
     try:
-        adapter_cls = ADAPTERS[config.model_type]
+        return ADAPTERS[config.model_type]
     except KeyError:
         raise ValueError(
             f"model type {config.model_type!r} is not supported yet; supported: {sorted(ADAPTERS)}"
         ) from None
-    return adapter_cls(config, checkpoint, start, end, dtype=dtype, device=device)
 
 
-__all__ = ["ADAPTERS", "SpanAdapter", "SpanCancelled", "load_span"]
+def load_span(
+    config: PretrainedConfig,
+    checkpoint: Checkpoint,
+    start: int,
+    end: int,
+    dtype: torch.dtype,
+    device: str,
+    quant: Quant = Quant.NONE,
+) -> SpanAdapter:
+    return adapter_class(config)(config, checkpoint, start, end, dtype=dtype, device=device, quant=Quant(quant))
+
+
+__all__ = ["ADAPTERS", "SpanAdapter", "SpanCancelled", "adapter_class", "load_span"]

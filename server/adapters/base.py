@@ -13,6 +13,8 @@ from typing import Any, Callable
 
 import torch
 
+from server.quantization import Quant, replace_linears
+
 Cache = Any  # each adapter chooses its own cache type
 
 
@@ -73,6 +75,23 @@ class SpanAdapter(abc.ABC):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[1, S, *hidden_shape] final activations -> [S, vocab] float32 logits (tail only)."""
 
+    def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[1, S, *hidden_shape] final activations -> [S, hidden] float32: what the LM head reads
+        (after the final norm; transformers' ``hidden_states[-1]``). Tail only; for forward passes."""
+        raise NotImplementedError(f"{type(self).__name__} does not return final hidden states")
+
     def cache_bytes_per_token(self) -> int:
         """KV bytes one position costs across this span; used for the cache budget."""
         return 0
+
+    @staticmethod
+    def quantize_skeleton(layers: torch.nn.Module, quant: Quant, dtype: torch.dtype) -> None:
+        """Swap the meta-device layers' quantizable modules for bitsandbytes ones (in place)."""
+        replace_linears(layers, quant, dtype)
+
+    stacked_linears: tuple[type, ...] = ()  # modules whose 3-D parameters a quantized span splits into linears
+
+    @staticmethod
+    def dtype_plan(dtype: torch.dtype) -> Callable[[str], torch.dtype]:
+        """The dtype each floating parameter is held in, by name (some families keep a few in float32)."""
+        return lambda name: dtype

@@ -33,11 +33,17 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, PretrainedConfig
-from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4PreTrainedModel, DeepseekV4RotaryEmbedding
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
+    DeepseekV4Experts,
+    DeepseekV4PreTrainedModel,
+    DeepseekV4RotaryEmbedding,
+)
 
 from server.adapters import deepseek_v4_cache as v4cache
 from server.adapters.base import Cache, SpanAdapter
-from server.adapters.deepseek_v4_weights import load_sources, map_span
+from server.adapters.deepseek_v4_quant import QuantizedExperts, quantize_experts_skeleton
+from server.adapters.deepseek_v4_weights import iter_experts, iter_plain, map_span
+from server.quantization import Quant, assign_tensor
 from server.weights import Checkpoint
 
 DEFAULT_MAX_ROLLBACK = 256  # positions a trim may go back: drafts of every run in flight
@@ -53,12 +59,13 @@ class DeepseekV4Adapter(SpanAdapter):
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         max_rollback: int = DEFAULT_MAX_ROLLBACK,
+        quant: Quant = Quant.NONE,
     ):
         self.num_blocks = config.num_hidden_layers
         if not 0 <= start < end <= self.num_blocks:
             raise ValueError(f"blocks {start}:{end} are outside the model's 0:{self.num_blocks}")
         self.start, self.end = start, end
-        self.dtype, self.device = dtype, torch.device(device)
+        self.dtype, self.device, self.quant = dtype, torch.device(device), Quant(quant)
         self.max_rollback = max_rollback
         self.hidden_shape = (config.hc_mult, config.hidden_size)
         self.vocab_size = config.vocab_size
@@ -91,19 +98,31 @@ class DeepseekV4Adapter(SpanAdapter):
         return owned
 
     def _load(self, checkpoint: Checkpoint) -> None:
+        """Read the span's tensors one at a time into the meta modules. A quantized span swaps
+        its linears and experts for bitsandbytes modules first; each weight is then quantized
+        as it arrives, so no block is ever held in float."""
         owned = self._owned()
         targets = {prefix + name: (prefix, name) for prefix, module in owned.items() for name in module.state_dict()}
         sources = map_span(
             checkpoint.weight_map(), set(targets), range(self.start, self.end), self.is_head, self.is_tail
         )
-        dtype_of = _dtype_plan(self.dtype)
+        self.quantize_skeleton(self.layers, self.quant, self.dtype)
+        dtype_of = self.dtype_plan(self.dtype)
         for prefix, module in tqdm(owned.items(), desc=f"Loading blocks {self.start}:{self.end}", unit="module"):
             mine = [sources[t] for t, (p, _) in targets.items() if p == prefix]
-            tensors = load_sources(checkpoint, mine, dtype_of)
-            expected = module.state_dict()  # integer buffers (tid2eid) keep the module's dtype
-            state = {targets[t][1]: tensor for t, tensor in tensors.items()}
-            state = {n: t if t.is_floating_point() else t.to(expected[n].dtype) for n, t in state.items()}
-            module.load_state_dict(state, strict=True, assign=True)
+            for target, tensor in iter_plain(checkpoint, [s for s in mine if s.kind == "plain"], dtype_of):
+                assign_tensor(module, targets[target][1], tensor, self.device)
+            for source in (s for s in mine if s.kind != "plain"):
+                name = targets[source.target][1]  # e.g. "mlp.experts.gate_up_proj"
+                experts_name, _, param = name.rpartition(".")
+                experts = module.get_submodule(experts_name)
+                pieces = iter_experts(checkpoint, source, dtype_of(source.target))
+                if isinstance(experts, QuantizedExperts):
+                    linears = experts.gate_up if param == "gate_up_proj" else experts.down
+                    for expert, tensor in pieces:
+                        assign_tensor(linears[expert], "weight", tensor, self.device)
+                else:
+                    assign_tensor(module, name, torch.stack([tensor for _, tensor in pieces]), self.device)
         self.rotary_emb = DeepseekV4RotaryEmbedding(self.config)
         for module in self._modules():
             _rebuild_rotary(module, self.config)
@@ -115,6 +134,16 @@ class DeepseekV4Adapter(SpanAdapter):
     def _modules(self) -> list[torch.nn.Module]:
         candidates = (self.layers, self.embed_tokens, self.hc_head, self.norm, self.lm_head, self.rotary_emb)
         return [m for m in candidates if m is not None]
+
+    stacked_linears = (DeepseekV4Experts,)
+
+    @staticmethod
+    def quantize_skeleton(layers: torch.nn.Module, quant: Quant, dtype: torch.dtype) -> None:
+        quantize_experts_skeleton(layers, quant, dtype)
+
+    @staticmethod
+    def dtype_plan(dtype: torch.dtype) -> Callable[[str], torch.dtype]:
+        return _dtype_plan(dtype)
 
     # ---- cache ------------------------------------------------------------------------------
 
@@ -180,6 +209,10 @@ class DeepseekV4Adapter(SpanAdapter):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         hidden = hidden.to(self.device, self.dtype)
         return self.lm_head(self.norm(self.hc_head(hidden)))[0].float()
+
+    @torch.inference_mode()
+    def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.hc_head(hidden.to(self.device, self.dtype)))[0].float()
 
 
 def sliding_window_mask(

@@ -16,17 +16,19 @@ prefix; both are accepted. Two of transformers' conversions are structural and d
   reads the block size from the scale grid: FP8 e4m3 linears with [128, 128] blocks, FP4 e2m1
   experts packed two per int8 with [1, 32] blocks, float or ue8m0 scales. This is what
   transformers does when the device has no FP8 kernel (``dequantize=True``); FP8 kernels on
-  Hopper-class GPUs are not used yet, so a server holds its span in ``--dtype``.
+  Hopper-class GPUs are not used yet, so a server holds its span in ``--dtype``, or requantized
+  to int8/NF4 with bitsandbytes (``--quant``).
 
-Only the keys of the span are read (``Checkpoint.read``), a few experts at a time, so the peak
-extra memory while loading is one group of experts in float32.
+Only the keys of the span are read (``Checkpoint.read``), one plain tensor or a few experts at a
+time, so the peak extra memory while loading is one group of experts in float32; a quantized span
+(``--quant int8|nf4``) quantizes each expert as it is read and never holds a fused float tensor.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 
@@ -127,42 +129,44 @@ def _dequantize(weight: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Te
 def load_sources(
     checkpoint: Checkpoint, sources: Iterable[TensorSource], dtype_of: Callable[[str], torch.dtype]
 ) -> dict[str, torch.Tensor]:
-    """Read, dequantize and assemble parameters, each in ``dtype_of(target)``.
-
-    Plain tensors are read in one pass per dtype (quantized ones in float32, to be scaled);
-    fused experts are read a few experts at a time to bound the memory used while loading.
-    """
-    sources = list(sources)
-    out: dict[str, torch.Tensor] = {}
-    by_read_dtype: dict[torch.dtype, list[TensorSource]] = {}
-    for source in sources:
-        if source.kind == "plain":
-            quantized = source.parts[0][1] is not None
-            by_read_dtype.setdefault(torch.float32 if quantized else dtype_of(source.target), []).append(source)
-    for read_dtype, group in by_read_dtype.items():
-        keys = {k for s in group for pair in s.parts for k in pair if k}
-        tensors = checkpoint.read(keys, read_dtype, progress=False)
-        for source in group:
-            out[source.target] = _assemble(source.parts[0], tensors, dtype_of(source.target))
+    """Read, dequantize and assemble parameters, each in ``dtype_of(target)``."""
+    out = dict(iter_plain(checkpoint, [s for s in sources if s.kind == "plain"], dtype_of))
     for source in sources:
         if source.kind != "plain":
-            out[source.target] = _load_experts(checkpoint, source, dtype_of(source.target))
+            pieces = [tensor for _, tensor in iter_experts(checkpoint, source, dtype_of(source.target))]
+            out[source.target] = torch.stack(pieces)
     return out
+
+
+def iter_plain(
+    checkpoint: Checkpoint, sources: Iterable[TensorSource], dtype_of: Callable[[str], torch.dtype]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(target, tensor) for each plain parameter, one at a time (quantized ones read in float32
+    to be scaled), so a caller that quantizes as it goes holds one float tensor at a time."""
+    for source in sources:
+        quantized = source.parts[0][1] is not None
+        keys = {k for k in source.parts[0] if k}
+        tensors = checkpoint.read(keys, torch.float32 if quantized else dtype_of(source.target), progress=False)
+        yield source.target, _assemble(source.parts[0], tensors, dtype_of(source.target))
+
+
+def iter_experts(checkpoint: Checkpoint, source: TensorSource, dtype: torch.dtype) -> Iterator[tuple[int, torch.Tensor]]:
+    """(expert, weight) of a fused expert parameter, expert by expert: ``gate_up`` gives
+    ``cat(w1, w3)`` ([2I, H]), ``down`` gives ``w2`` ([H, I]). Read a few experts at a time to
+    bound the memory used while loading."""
+    count = len(source.parts) // (2 if source.kind == "gate_up" else 1)
+    for begin in range(0, count, EXPERTS_PER_READ):
+        experts = range(begin, min(count, begin + EXPERTS_PER_READ))
+        if source.kind == "gate_up":
+            parts = [[source.parts[e], source.parts[count + e]] for e in experts]
+        else:
+            parts = [[source.parts[e]] for e in experts]
+        tensors = checkpoint.read({k for group in parts for pair in group for k in pair if k}, torch.float32, progress=False)
+        for expert, group in zip(experts, parts):
+            yield expert, torch.cat([_assemble(pair, tensors, dtype) for pair in group], dim=0)
 
 
 def _assemble(part: tuple[str, Optional[str]], tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     weight_key, scale_key = part
     tensor = _dequantize(tensors[weight_key], tensors[scale_key] if scale_key else None)
     return tensor.to(dtype) if tensor.is_floating_point() else tensor
-
-
-def _load_experts(checkpoint: Checkpoint, source: TensorSource, dtype: torch.dtype) -> torch.Tensor:
-    pieces: list[torch.Tensor] = []
-    for begin in range(0, len(source.parts), EXPERTS_PER_READ):
-        parts = source.parts[begin : begin + EXPERTS_PER_READ]
-        tensors = checkpoint.read({k for pair in parts for k in pair if k}, torch.float32, progress=False)
-        pieces.extend(_assemble(pair, tensors, dtype) for pair in parts)
-    if source.kind == "down":
-        return torch.stack(pieces)
-    half = len(pieces) // 2
-    return torch.cat([torch.stack(pieces[:half]), torch.stack(pieces[half:])], dim=1)

@@ -16,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PretrainedConfig
 
 from server.adapters.base import Cache, SpanAdapter
+from server.quantization import Quant, assign_tensor, checkpoint_names
 from server.weights import Checkpoint
 
 
@@ -28,6 +29,7 @@ class LlamaFamilyAdapter(SpanAdapter):
         end: int,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        quant: Quant = Quant.NONE,
     ):
         self.config = copy.deepcopy(config)
         self.config._attn_implementation = "sdpa"
@@ -35,13 +37,14 @@ class LlamaFamilyAdapter(SpanAdapter):
         if not 0 <= start < end <= self.num_blocks:
             raise ValueError(f"blocks {start}:{end} are outside the model's 0:{self.num_blocks}")
         self.start, self.end = start, end
-        self.dtype, self.device = dtype, torch.device(device)
+        self.dtype, self.device, self.quant = dtype, torch.device(device), Quant(quant)
         self.hidden_shape = (config.hidden_size,)
         self.vocab_size = config.vocab_size
 
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(self.config, dtype=dtype)
         self.layers = torch.nn.ModuleList(skeleton.model.layers[start:end])
+        self.quantize_skeleton(self.layers, self.quant, dtype)
         for local_idx, layer in enumerate(self.layers):
             layer.self_attn.layer_idx = local_idx  # the session cache holds this span only
         self.rotary_emb = type(skeleton.model.rotary_emb)(config=self.config)
@@ -51,29 +54,28 @@ class LlamaFamilyAdapter(SpanAdapter):
         self._load(checkpoint)
 
     def _load(self, checkpoint: Checkpoint) -> None:
-        """Fill the meta modules with this span's tensors only."""
-        wanted: dict[str, torch.nn.Module] = {}
+        """Fill the meta modules with this span's tensors only, one tensor at a time (each
+        quantized as it arrives when the span is quantized)."""
+        wanted: dict[str, list[tuple[torch.nn.Module, str]]] = {}
         for local_idx, layer in enumerate(self.layers):
             prefix = f"model.layers.{self.start + local_idx}."
-            for name in layer.state_dict():
-                wanted[prefix + name] = layer
+            for name in checkpoint_names(layer):
+                wanted.setdefault(prefix + name, []).append((layer, name))
         if self.is_head:
-            wanted["model.embed_tokens.weight"] = self.embed_tokens
+            wanted.setdefault("model.embed_tokens.weight", []).append((self.embed_tokens, "weight"))
         if self.is_tail:
-            wanted["model.norm.weight"] = self.norm
-            has_head = "lm_head.weight" in checkpoint.weight_map()
-            wanted["lm_head.weight" if has_head else "model.embed_tokens.weight#lm_head"] = self.lm_head
-        keys = [key.split("#")[0] for key in wanted]
-        tensors = checkpoint.read(set(keys), self.dtype, desc=f"Loading blocks {self.start}:{self.end}")
-        per_module: dict[int, tuple[torch.nn.Module, dict[str, torch.Tensor]]] = {}
-        for key, module in wanted.items():
-            tensor = tensors[key.split("#")[0]]
-            local_name = _local_name(key, self.start)
-            per_module.setdefault(id(module), (module, {}))[1][local_name] = tensor
-        for module, state in per_module.values():
-            module.load_state_dict(state, strict=True, assign=True)
+            wanted["model.norm.weight"] = [(self.norm, "weight")]
+            tied = "lm_head.weight" not in checkpoint.weight_map()
+            wanted.setdefault("model.embed_tokens.weight" if tied else "lm_head.weight", []).append((self.lm_head, "weight"))
+        desc = f"Loading blocks {self.start}:{self.end}"
+        for key, tensor in checkpoint.iter_read(list(wanted), self.dtype, desc=desc):
+            for module, name in wanted[key]:
+                assign_tensor(module, name, tensor, self.device)
         for module in self._modules():
             module.to(self.device).eval().requires_grad_(False)
+        meta = [n for m in self._modules() for n, t in m.named_parameters() if t.is_meta]
+        if meta:
+            raise RuntimeError(f"span {self.start}:{self.end} left parameters unloaded: {meta[:3]}")
 
     def _modules(self) -> list[torch.nn.Module]:
         return [m for m in (self.layers, self.embed_tokens, self.norm, self.lm_head, self.rotary_emb) if m is not None]
@@ -129,17 +131,14 @@ class LlamaFamilyAdapter(SpanAdapter):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(hidden.to(self.device, self.dtype)))[0].float()
 
+    @torch.inference_mode()
+    def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.norm(hidden.to(self.device, self.dtype))[0].float()
+
     def cache_bytes_per_token(self) -> int:
         head_dim = getattr(self.config, "head_dim", None) or self.config.hidden_size // self.config.num_attention_heads
         kv_heads = getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads
         return 2 * kv_heads * head_dim * (self.end - self.start) * torch.finfo(self.dtype).bits // 8
-
-
-def _local_name(key: str, start: int) -> str:
-    """Checkpoint key -> name inside the module it belongs to."""
-    if key.startswith("model.layers."):
-        return key.split(".", 3)[3]
-    return "weight"
 
 
 def _causal_mask(start_pos: int, num_new: int, device: torch.device) -> torch.Tensor | None:

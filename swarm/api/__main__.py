@@ -13,6 +13,7 @@ import logging
 import sys
 from typing import Optional
 
+from swarm import lifeline
 from swarm.cli_utils import setup_logging, stop_event_on_signals
 
 logger = logging.getLogger("swarm.api")
@@ -72,6 +73,7 @@ def _is_loopback(host: str) -> bool:
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
+    lifeline.install()
     if args.max_concurrent_per_key < 0:
         logger.error("--max-concurrent-per-key must be >= 0")
         return 2

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import sys
 
+from swarm import lifeline
 from swarm.cli_utils import setup_logging, stop_event_on_signals
 
 logger = logging.getLogger("swarm.dashboard")
@@ -88,6 +89,7 @@ async def serve(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
+    lifeline.install()
     try:
         check_args(args)
         asyncio.run(serve(args))

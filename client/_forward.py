@@ -1,0 +1,100 @@
+"""A forward pass through the swarm: logits (and final hidden states) of one sequence.
+
+One session per sequence: open it on a route, send the whole sequence as one prefill run that
+asks the tail for the full logits of its last ``num_outputs`` positions (``Step.return_logits``),
+collect the ``RunOutputs`` messages the tail sends before its verdict, close the session. The
+verdict itself (the argmax after the last position) is ignored. A retryable failure excludes the
+server at fault and starts again on another route, as generation's failover does.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from client._swarm import SwarmClient
+from client.errors import GenerationError, ServerError
+from protocol.errors import ErrorCode
+from protocol.messages import RunOutputs, Step
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RowOutputs:
+    logits: torch.Tensor  # [num_outputs, vocab] float32
+    hidden: Optional[torch.Tensor]  # [num_outputs, hidden] float32, when asked for
+    route: list[tuple[str, int, int]]
+    failovers: int = 0
+
+
+async def forward_row(
+    swarm: SwarmClient,
+    row: list[int],
+    num_outputs: int,
+    *,
+    vocab_size: int,
+    hidden_size: int,
+    return_hidden: bool = False,
+    max_failovers: int = 5,
+) -> RowOutputs:
+    """Logits (and final hidden states) of the last ``num_outputs`` positions of ``row``."""
+    if not 1 <= num_outputs <= len(row):
+        raise ValueError(f"num_outputs must be in [1, {len(row)}], got {num_outputs}")
+    failovers = 0
+    while True:
+        remote = await swarm.open_session(len(row))
+        try:
+            step = Step(session_id=remote.session_id, run_id=0, start_pos=0, token_ids=list(row),
+                        return_logits=num_outputs, return_hidden=return_hidden)  # fmt: skip
+            await remote.send_step(step)
+            frames: list[tuple[RunOutputs, list[torch.Tensor]]] = []
+            await remote.next_result(0, outputs=frames)
+            tail = remote.tail_peer
+            logits, hidden = _assemble(frames, num_outputs, vocab_size, hidden_size, return_hidden, tail)
+            route = [(hop.peer_id, hop.start, hop.end) for hop in remote.route]
+            return RowOutputs(logits, hidden, route, failovers)
+        except ServerError as e:
+            if not e.retryable or failovers >= max_failovers:
+                raise GenerationError(f"the forward pass failed after {failovers} failovers: {e}") from e
+            failovers += 1
+            logger.warning(f"Failing over: {e}")
+            blamed = [e.peer_id] if e.peer_id else await swarm.unresponsive(remote.route)
+            for peer_id in blamed:
+                swarm.exclude(peer_id)
+        finally:
+            await swarm.close_session(remote)
+
+
+def _assemble(frames, num_outputs, vocab_size, hidden_size, return_hidden, tail_peer):
+    """Concatenate the tail's chunks, checking that they are exactly what was asked for (the tail
+    is another peer: a wrong shape is its fault, and failover routes around it)."""
+    logits, hidden, expected_offset = [], [], 0
+    for message, tensors in frames:
+        count = tensors[0].shape[0] if tensors and tensors[0].ndim == 2 else -1
+        shapes_ok = (
+            len(tensors) == 1 + return_hidden
+            and message.offset == expected_offset
+            and 0 < count <= num_outputs - expected_offset
+            and tuple(tensors[0].shape) == (count, vocab_size)
+            and (not return_hidden or tuple(tensors[1].shape) == (count, hidden_size))
+        )
+        if not shapes_ok:
+            raise ServerError(
+                f"the tail sent outputs {[tuple(t.shape) for t in tensors]} at row {message.offset}; expected rows "
+                f"from {expected_offset} of {num_outputs}, {vocab_size} logits"
+                f"{' and the hidden state' * return_hidden} each",
+                tail_peer,
+                ErrorCode.INTERNAL,
+            )
+        logits.append(tensors[0].float())
+        if return_hidden:
+            hidden.append(tensors[1].float())
+        expected_offset += count
+    if expected_offset != num_outputs:
+        message = f"the tail sent {expected_offset} of {num_outputs} rows of outputs"
+        raise ServerError(message, tail_peer, ErrorCode.INTERNAL)
+    return torch.cat(logits), (torch.cat(hidden) if return_hidden else None)

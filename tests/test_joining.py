@@ -1,0 +1,270 @@
+"""Servers announce JOINING as soon as they have chosen a span: placement counts them, routing
+ignores them, the dashboard lists them, and two servers started together take different spans.
+
+Unit tests on fabricated records first; one live test (a tiny-Llama swarm on 127.0.0.1) last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgspec
+import pytest
+
+from server.joining import JOINING_THROUGHPUT, claim_span, joining_throughput, outranks, rivals
+from swarm.records import ServerInfo, ServerState
+from swarm.routing import MaxFlowRouter, NoRouteError, choose_best_span, should_move, swarm_max_flow
+
+MODEL = "tiny"
+TOTAL = 6
+
+
+def srv(peer: str, start: int, end: int, throughput: float = 10.0, state=ServerState.ONLINE, **fields) -> ServerInfo:
+    fields.setdefault("free_cache_tokens", 4096)
+    return ServerInfo(peer_id=peer, model=MODEL, start_block=start, end_block=end, throughput=throughput,
+                      state=state, **fields)  # fmt: skip
+
+
+def joining(peer: str, start: int, end: int, started_at: float = 100.0) -> ServerInfo:
+    return srv(peer, start, end, JOINING_THROUGHPUT, ServerState.JOINING, started_at=started_at, free_cache_tokens=0)
+
+
+def choose3(servers) -> tuple[int, int]:
+    return choose_best_span(servers, TOTAL, 3, JOINING_THROUGHPUT)
+
+
+# --- placement counts joining servers ---------------------------------------------------------
+
+
+def test_server_placement_counts_a_joining_server():
+    from server.server import ServerConfig, _choose_blocks
+
+    config = ServerConfig(model=MODEL, num_blocks=3)
+    assert _choose_blocks(config, [], TOTAL) == (0, 3)
+    assert _choose_blocks(config, [joining("j", 0, 3)], TOTAL) == (3, 6)
+    assert _choose_blocks(config, [srv("off", 0, 3, state=ServerState.OFFLINE)], TOTAL) == (0, 3)
+    assert _choose_blocks(ServerConfig(model=MODEL, blocks=(1, 4)), [joining("j", 0, 3)], TOTAL) == (1, 4)
+
+
+def test_joining_throughput_is_the_slowest_online_server_per_block():
+    online = [srv("a", 0, 2, throughput=30), srv("b", 2, 6, throughput=10), srv("c", 0, 6, throughput=1000)]
+    assert joining_throughput(online, 4) == pytest.approx(10)  # b: 10 tokens/s over 4 blocks
+    assert joining_throughput(online, 2) == pytest.approx(20)
+    assert joining_throughput(online + [joining("j", 0, 1)], 1) == pytest.approx(40)  # joining ones do not count
+    assert joining_throughput([], 3) == JOINING_THROUGHPUT
+
+
+def test_rebalancing_counts_a_joining_server():
+    """A running server on a doubly served range would move to the gap, unless a joining
+    server has already claimed it."""
+    me, other = srv("me", 0, 3), srv("a", 0, 3)
+    assert should_move([me, other], me, TOTAL) == (3, 6)
+    newcomer = joining("j", 3, 6)
+    newcomer = msgspec.structs.replace(newcomer, throughput=joining_throughput([me, other], 3))
+    assert should_move([me, other, newcomer], me, TOTAL) is None
+
+
+# --- routing ignores them ------------------------------------------------------------------------
+
+
+def test_router_never_routes_through_a_joining_server():
+    fast_joining = srv("j", 0, 6, throughput=1000, state=ServerState.JOINING)
+    slow = srv("s", 0, 6, throughput=1)
+    route = MaxFlowRouter().plan([fast_joining, slow], 0, TOTAL, client_rtts={"j": 0.001, "s": 1.0})
+    assert [hop.peer_id for hop in route] == ["s"]
+    with pytest.raises(NoRouteError, match="1 server is joining"):
+        MaxFlowRouter().plan([fast_joining, srv("h", 0, 3)], 0, TOTAL)
+    assert swarm_max_flow([fast_joining], TOTAL) == 0
+
+
+def test_the_dashboard_lists_joining_servers_without_counting_them():
+    from swarm.dashboard.events import ModelSnapshot, SwarmPolled
+    from swarm.dashboard.state import State, fold
+    from swarm.dashboard.views import state_view
+
+    snapshot = ModelSnapshot(MODEL, TOTAL, (srv("a", 0, 3), joining("j", 3, 6)))
+    state = fold([SwarmPolled(100.0, (snapshot,))], State())
+    view = state_view(state, now=101.0, refresh_seconds=5)["models"][0]
+    assert {s["peer_id"]: s["state"] for s in view["servers"]} == {"a": "online", "j": "joining"}
+    assert view["missing_blocks"] == [3, 4, 5] and view["servers_online"] == 1 and view["max_flow"] == 0
+
+
+# --- the re-read after announcing ----------------------------------------------------------------
+
+
+def test_rank_is_online_first_then_claim_time_then_peer_id():
+    me = joining("m", 0, 3, started_at=100)
+    assert outranks(srv("o", 0, 3, started_at=500), me)
+    assert outranks(joining("z", 0, 3, started_at=99), me)
+    assert not outranks(joining("a", 0, 3, started_at=101), me)
+    assert outranks(joining("a", 0, 3, started_at=100), me) and not outranks(joining("z", 0, 3, started_at=100), me)
+    assert not outranks(srv("d", 0, 3, state=ServerState.DRAINING), me)
+
+
+def test_rivals_are_new_overlapping_servers_that_outrank_us():
+    me = joining("m", 0, 3, started_at=100)
+    earlier = joining("e", 2, 5, started_at=50)
+    assert rivals(me, [], [earlier]) == [earlier]
+    assert rivals(me, [earlier], [earlier]) == []  # counted when choosing: chosen knowingly
+    assert rivals(me, [joining("e", 3, 6, started_at=50)], [earlier]) == [earlier]  # it moved onto us
+    assert rivals(me, [], [joining("e", 3, 6, started_at=50)]) == []  # no overlap
+    assert rivals(me, [], [joining("l", 0, 3, started_at=150)]) == []  # it yields to us
+
+
+class FakeSwarm:
+    """A DHT reduced to what claim_span uses: one record per peer; the first read of every
+    server waits until all of them have read, so they all choose from the same empty swarm."""
+
+    def __init__(self, racers: int):
+        self.records: dict[str, ServerInfo] = {}
+        self.published: list[ServerInfo] = []
+        self.barrier = asyncio.Barrier(racers) if racers > 1 else None
+        self.reads: dict[str, int] = {}
+
+    def fetch_for(self, peer: str):
+        async def fetch():
+            snapshot = list(self.records.values())
+            self.reads[peer] = self.reads.get(peer, 0) + 1
+            if self.reads[peer] == 1 and self.barrier is not None:
+                await self.barrier.wait()
+            return snapshot
+
+        return fetch
+
+    async def publish(self, info: ServerInfo) -> None:
+        self.records[info.peer_id] = info
+        self.published.append(info)
+        await asyncio.sleep(0)
+
+    def claim(self, peer: str, started_at: float, choose=choose3, automatic: bool = True):
+        template = ServerInfo(peer_id=peer, model=MODEL, start_block=0, end_block=1)
+        return claim_span(template, choose, self.fetch_for(peer), self.publish, automatic=automatic,
+                          jitter=0, settle=0.01, now=lambda: started_at)  # fmt: skip
+
+
+def test_two_servers_that_chose_the_same_gap_at_once_split_the_model():
+    swarm = FakeSwarm(racers=2)
+
+    async def race():
+        return await asyncio.gather(swarm.claim("late", 100.5), swarm.claim("early", 100.0))
+
+    late, early = asyncio.run(race())
+    assert {(i.peer_id, i.start_block, i.end_block) for i in swarm.published[:2]} == {("late", 0, 3), ("early", 0, 3)}
+    assert (early.start_block, early.end_block) == (0, 3)  # claimed first: keeps it
+    assert (late.start_block, late.end_block) == (3, 6)  # yields, chooses again, announces again
+    assert late.state == early.state == ServerState.JOINING and late.throughput == JOINING_THROUGHPUT
+    assert late.started_at == 100.5  # its rank does not change with its span
+    assert swarm.records["late"].end_block == 6 and len(swarm.published) == 3
+
+
+def test_equal_claim_times_are_broken_by_peer_id():
+    swarm = FakeSwarm(racers=2)
+
+    async def race():
+        return await asyncio.gather(swarm.claim("QmB", 100.0), swarm.claim("QmA", 100.0))
+
+    b, a = asyncio.run(race())
+    assert (a.start_block, b.start_block) == (0, 3)
+
+
+def test_a_server_that_came_online_meanwhile_wins():
+    swarm = FakeSwarm(racers=1)
+    reads = iter([[], [srv("online", 0, 3, started_at=999.0)]])
+
+    async def fetch():
+        return next(reads)
+
+    template = ServerInfo(peer_id="me", model=MODEL, start_block=0, end_block=1)
+    mine = asyncio.run(claim_span(template, choose3, fetch, swarm.publish, jitter=0, settle=0, now=lambda: 100.0))
+    assert (mine.start_block, mine.end_block) == (3, 6)
+
+
+def test_a_second_choice_happens_once_and_may_keep_the_span():
+    """Redundancy on a covered model is fine: if the best span is still ours, keep it."""
+    swarm = FakeSwarm(racers=1)
+    covered = [srv("a", 0, 3), srv("b", 3, 6, throughput=5)]
+    reads = iter([covered, covered + [joining("rival", 3, 6, started_at=1.0)]])
+
+    async def fetch():
+        return next(reads)
+
+    template = ServerInfo(peer_id="me", model=MODEL, start_block=0, end_block=1)
+    mine = asyncio.run(claim_span(template, choose3, fetch, swarm.publish, jitter=0, settle=0, now=lambda: 100.0))
+    assert (mine.start_block, mine.end_block) == (3, 6) and len(swarm.published) == 1
+
+
+def test_fixed_blocks_are_announced_without_reading_the_swarm():
+    swarm = FakeSwarm(racers=1)
+    mine = asyncio.run(swarm.claim("fixed", 5.0, choose=lambda servers: (2, 4), automatic=False))
+    assert (mine.start_block, mine.end_block, mine.state) == (2, 4, ServerState.JOINING)
+    assert swarm.reads == {"fixed": 1} and swarm.published == [mine]  # one read: for the placeholder throughput
+
+
+# --- the newest record of a server wins --------------------------------------------------------
+
+
+def test_fetch_servers_prefers_the_newest_record_of_a_server_that_changed_span():
+    """A server that re-chose (or moved) leaves its old record under the blocks it left; whatever
+    the order of the block keys, the newer record is the one read."""
+    import hivemind
+
+    from swarm.dht_records import announce, fetch_servers
+
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        announce(dht, joining("p", 3, 6), 30, num_blocks=TOTAL)
+        time.sleep(0.05)
+        announce(dht, joining("p", 0, 3), 30, num_blocks=TOTAL)
+        assert [(s.start_block, s.end_block) for s in fetch_servers(dht, MODEL, TOTAL)] == [(0, 3)]
+        time.sleep(0.05)
+        announce(dht, srv("p", 3, 6), 30, num_blocks=TOTAL)
+        assert [(s.start_block, s.state) for s in fetch_servers(dht, MODEL, TOTAL)] == [(3, ServerState.ONLINE)]
+    finally:
+        dht.shutdown()
+
+
+# --- live: two --num-blocks servers started at the same moment -----------------------------------
+
+
+@pytest.fixture(scope="module")
+def empty_swarm(tiny_llama_path, artifacts_dir):
+    """A bootstrap node and no server yet, for the tiny 6-block Llama."""
+    from swarm.local import LocalSwarm
+    from tests.conftest import SERVER_ARGS
+
+    with LocalSwarm(str(tiny_llama_path), spans=[], server_args=SERVER_ARGS,
+                    log_dir=str(artifacts_dir / "joining")) as swarm:  # fmt: skip
+        yield swarm
+
+
+@pytest.mark.timeout(300)
+def test_two_servers_started_together_take_different_spans(empty_swarm):
+    import hivemind
+
+    from swarm.dht_records import fetch_servers
+    from swarm.validation import PeerIdSignatureValidator
+
+    swarm = empty_swarm
+    swarm.start_server(None, 3, name="twin-1")
+    swarm.start_server(None, 3, name="twin-2")
+    dht = hivemind.DHT(initial_peers=swarm.initial_peers, client_mode=True, start=True,
+                       record_validators=[PeerIdSignatureValidator()])  # fmt: skip
+    try:
+        seen: dict[str, set] = {"twin-1": set(), "twin-2": set()}
+        spans: dict = {}
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            assert all(p.poll() is None for p in swarm.servers), "a server exited during start-up"
+            records = {s.public_name: s for s in fetch_servers(dht, swarm.dht_name, TOTAL)}
+            for name, info in records.items():
+                seen[name].add((info.state.value, info.start_block, info.end_block))
+            if len(records) == 2 and all(s.state == ServerState.ONLINE for s in records.values()):
+                spans = {name: (s.start_block, s.end_block) for name, s in records.items()}
+                break
+            time.sleep(0.3)
+        assert sorted(spans.values()) == [(0, 3), (3, 6)], (spans, seen)
+        # each announced its span as joining before it came online (before loading weights)
+        assert all(any(state == "joining" for state, *_ in seen[name]) for name in seen), seen
+    finally:
+        dht.shutdown()
