@@ -30,6 +30,7 @@ from server.adapters import SpanCancelled, load_span
 from server.adapters.deepseek_v4 import DeepseekV4Adapter
 from server.adapters.deepseek_v4_cache import RollbackTooDeep
 from server.memory import GiB, blocks_that_fit, model_bytes, plan_blocks
+from server.quantization import resident_bytes
 from server.weights import Checkpoint
 from swarm import lifeline
 from swarm.models import ensure_smollm2_checkpoint, resolve_model
@@ -350,7 +351,8 @@ def test_blocks_that_fit_a_fabricated_budget():
 def test_plan_blocks_for_a_fabricated_free_memory(v4_path, v4_reference):
     config = AutoConfig.from_pretrained(v4_path)
     per_block, ends = model_bytes(config, torch.float32)
-    assert per_block == 4 * max(sum(p.numel() for p in layer.parameters()) for layer in v4_reference.model.layers)
+    # every tensor a block keeps: float32 parameters and the hash layers' integer token-to-expert table
+    assert per_block == max(resident_bytes(layer) for layer in v4_reference.model.layers)
     free = int((ends + 3.5 * per_block) / 0.7)  # 25% cache, 5% headroom, embeddings + LM head, 3.5 blocks
     plan = plan_blocks(config, torch.float32, "cpu", 6, free_bytes=free)
     assert plan.blocks == 3 and plan.cache_bytes == int(free * 0.25)

@@ -239,12 +239,12 @@ def test_smollm2_over_three_quantized_servers_speculation_never_changes_the_outp
     from swarm import AutoDistributedModelForCausalLM
     from swarm.local import even_spans
 
-    spans = even_spans(30, 3)
-    with LocalSwarm("smollm2-135m", spans=spans, names=[f"nf4-{i}" for i in range(3)],
+    spans = {Quant.NF4: even_spans(30, 3), Quant.INT8: even_spans(30, 2)}  # 3 nf4 servers, as the issue asks
+    with LocalSwarm("smollm2-135m", spans=spans[Quant.NF4], names=[f"nf4-{i}" for i in range(3)],
                     server_args=[*SERVER_ARGS, "--quant", "nf4"], log_dir=str(artifacts_dir / "smol-quant-swarm")) as swarm:
-        for i, (start, end) in enumerate(spans):
+        for i, (start, end) in enumerate(spans[Quant.INT8]):
             swarm.start_server(start, end, name=f"int8-{i}", extra=["--quant", "int8"])
-        swarm.wait_ready(expected=6)
+        swarm.wait_ready(expected=5)
         model = AutoDistributedModelForCausalLM.from_pretrained("smollm2-135m", initial_peers=swarm.initial_peers)
         try:
             infos = fetch_servers(model.swarm.dht, model.swarm.model, 30)
@@ -252,9 +252,9 @@ def test_smollm2_over_three_quantized_servers_speculation_never_changes_the_outp
             prompt = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
                                                          return_dict=True)["input_ids"]  # fmt: skip
             for quant in QUANTS:
-                _pin(model, quant, spans)
-                plain = model.generate(prompt, max_new_tokens=40, speculation=None)
-                speculative = model.generate(prompt, max_new_tokens=40)
+                _pin(model, quant, spans[quant])
+                plain = model.generate(prompt, max_new_tokens=32, speculation=None)
+                speculative = model.generate(prompt, max_new_tokens=32)
                 assert model.last_generation_stats.accepted > 0, "the drafter never hit: the test would prove nothing"
                 assert speculative.tolist() == plain.tolist(), quant
         finally:
