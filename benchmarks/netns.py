@@ -325,6 +325,63 @@ def _shape_link(ns: str, dev: str, rate_mbit: Optional[float], latency_ms: float
         _cmd(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], check=False)
 
 
+# Runs in the switch namespace (whose /sys shows its own links): every ``interval`` s one line
+# "monotonic_time rx_bytes..." for the given ports, until stdin closes; CLOCK_MONOTONIC is the
+# same in every namespace, so the times compare with the caller's time.monotonic().
+_SAMPLER = r"""
+import select, sys, time
+interval, ports = float(sys.argv[1]), sys.argv[2:]
+files = [open(f"/sys/class/net/{p}/statistics/rx_bytes", "rb", buffering=0) for p in ports]
+rows = []
+while True:
+    row = [time.monotonic()]
+    for f in files:
+        f.seek(0)
+        row.append(int(f.read()))
+    rows.append(row)
+    if select.select([sys.stdin], [], [], interval)[0]:
+        break
+print("\n".join(" ".join(map(str, row)) for row in rows), flush=True)
+"""
+
+
+class CounterSampler:
+    """Samples the bytes every host has sent, every ``interval`` seconds, from another process
+    (as root): ``with CounterSampler(spec) as sampler: ...``, then ``sampler.samples`` is
+    {host: [(monotonic time, bytes sent so far), ...]} and :meth:`busy_seconds` tells how long each
+    host was sending."""
+
+    def __init__(self, spec: str, interval: float = 0.005):
+        parsed = json.loads(spec)
+        if not parsed["switch"].startswith(FAMILY):
+            raise ValueError(f"{parsed['switch']} is not a testbed namespace")
+        self.hosts = list(parsed["ports"].values())
+        self._argv = ["ip", "netns", "exec", parsed["switch"], sys.executable, "-c", _SAMPLER, str(interval),
+                      *parsed["ports"]]  # fmt: skip
+        self.samples: dict[str, list[tuple[float, int]]] = {}
+        self._process: Optional[subprocess.Popen] = None
+
+    def __enter__(self) -> "CounterSampler":
+        self._process = subprocess.Popen(self._argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        out, _ = self._process.communicate(input="", timeout=30)
+        rows = [line.split() for line in out.splitlines() if line.strip()]
+        self.samples = {h: [(float(r[0]), int(r[1 + i])) for r in rows] for i, h in enumerate(self.hosts)}
+
+    def busy_seconds(self, host: str, rate_mbit: float, fraction: float = 0.25) -> float:
+        """Seconds during which ``host`` sent faster than ``fraction`` of ``rate_mbit``: the time
+        its link was busy carrying a transfer, apart from idle chatter."""
+        threshold = fraction * rate_mbit * 1e6 / 8  # bytes/s
+        busy = 0.0
+        samples = self.samples.get(host, [])
+        for (t0, b0), (t1, b1) in zip(samples, samples[1:]):
+            if t1 > t0 and (b1 - b0) / (t1 - t0) > threshold:
+                busy += t1 - t0
+        return busy
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.netns", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
