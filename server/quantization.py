@@ -1,11 +1,13 @@
-"""Quantized weights for a span: bitsandbytes' LLM.int8 and NF4 linear layers.
+"""Quantized weights for a span: bitsandbytes' 8-bit (LLM.int8's format) and NF4 linear layers.
 
 A volunteer's memory decides how many blocks it can serve, and blocks are mostly linear
 weights: 8-bit halves a bfloat16 block, NF4 quarters it. Quantization here is bitsandbytes
 applied the way transformers applies it (``replace_with_bnb_linear`` to swap the modules,
 ``Int8Params``/``Params4bit`` built from each float weight as it is read), so a span quantized
 here computes exactly what ``AutoModelForCausalLM.from_pretrained(..., quantization_config=
-bnb_config(...))`` computes for the same blocks; the tests hold the two to the same tokens.
+bnb_config(...))`` computes for the same blocks, once its 8-bit layers compute weight-only like
+ours (:func:`int8_weight_only`, see :class:`Int8WeightLinear` for why); the tests hold the two
+to the same tokens.
 
 Weights are quantized one tensor at a time while loading (:func:`assign_tensor`), so the
 float copy of a block never exists in full; :func:`estimate_linear_bytes` gives the resident
