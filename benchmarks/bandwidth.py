@@ -45,6 +45,7 @@ import ipaddress
 import json
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -431,7 +432,8 @@ def orchestrate(args: argparse.Namespace) -> int:
     began = time.time()
     results = []
     print(f"{MODEL}: {SERVERS} servers {spans}, {args.hop_delay_ms:g} ms per hop, codecs {codecs}, "
-          f"rates {[r or 'unshaped' for r in args.rates]} Mbit/s; logs in {log_dir}", flush=True)  # fmt: skip
+          f"rates {[r or 'unshaped' for r in args.rates]} Mbit/s; peer logs in {log_dir} "
+          "(removed after a successful run)", flush=True)
     with netns.Testbed(["boot", *[f"s{i}" for i in range(SERVERS)], "client"]) as bed:
         for codec in codecs:
             print(f"== codec {codec} ==", flush=True)
@@ -447,6 +449,7 @@ def orchestrate(args: argparse.Namespace) -> int:
                 pre = statistics.median(p["seconds"] for p in result["prefills"] if p["rate_mbit"] == rate)
                 print(f"   {_link(rate)}: prompt {pre:.2f} s (median); servers were ready after "
                       f"{result['ready_s']:.1f} s", flush=True)
+    shutil.rmtree(log_dir, ignore_errors=True)  # kept only when something failed
     rows = summarize(results, args.rates)
     print(markdown(rows))
     wall = time.time() - began

@@ -14,6 +14,10 @@ on its bridge port (what it receives), so each host sits behind a symmetric link
 packet between two hosts passes the sender's uplink and the receiver's downlink. tbf works on these
 kernels; netem does not (delay comes from ``swarm/delay_proxy.py`` in user space instead).
 
+Measuring: :meth:`Testbed.counters` gives the bytes each host has sent and received (its bridge
+port's counters); :class:`CounterSampler` samples them every few milliseconds, to tell when a link
+was busy. :meth:`Testbed.spec` hands both, and re-shaping (:func:`shape_spec`), to another process.
+
 ``run()`` starts a process inside a host's namespace (``ip netns exec``, in a new session);
 ``close()`` (also on ``with`` exit, at interpreter exit, and after a failed start) SIGKILLs every
 process group it started, then every process still inside its namespaces, then deletes the
@@ -156,6 +160,8 @@ def tbf_args(rate_mbit: float, latency_ms: float = 100.0) -> list[str]:
 
 class Testbed:
     """Hosts in network namespaces on one bridge; see the module docstring. A context manager."""
+
+    __test__ = False  # not a pytest test class, whatever its name
 
     def __init__(
         self,
