@@ -113,8 +113,6 @@ def replace_linears(module: torch.nn.Module, quant: Quant, compute_dtype: torch.
 
 
 def is_quantized_param(param: torch.Tensor) -> bool:
-    import bitsandbytes as bnb
-
     return isinstance(param, (bnb.nn.Int8Params, bnb.nn.Params4bit))
 
 
@@ -132,8 +130,6 @@ def assign_tensor(root: torch.nn.Module, name: str, tensor: torch.Tensor, device
         module._buffers[attr] = tensor.to(device=device, dtype=tensor.dtype if tensor.is_floating_point() else old.dtype)
         return
     if is_quantized_param(old):
-        import bitsandbytes as bnb
-
         kwargs = dict(old.__dict__)
         if isinstance(old, bnb.nn.Int8Params):
             kwargs.pop("SCB", None)
@@ -263,10 +259,6 @@ def estimate_module_bytes(
 
 
 def _is_bnb_linear(module: torch.nn.Module) -> bool:
-    try:
-        import bitsandbytes as bnb
-    except ImportError:
-        return False
     return isinstance(module, (bnb.nn.Linear8bitLt, bnb.nn.Linear4bit))
 
 
@@ -315,10 +307,6 @@ def check_runnable(quant: Quant, device: str, dtype: torch.dtype) -> None:
     where = f"--quant {quant.value} cannot run on {device} with {str(dtype).replace('torch.', '')} here"
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"{where}: CUDA is not available on this machine (torch.cuda.is_available() is False)")
-    try:
-        import bitsandbytes  # noqa: F401
-    except Exception as e:
-        raise ValueError(f"{where}: bitsandbytes does not load ({e})") from None
     try:
         with torch.device("meta"):
             probe = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False))

@@ -70,7 +70,7 @@ def test_estimated_block_bytes_equal_what_a_loaded_block_holds(tiny_llama_path, 
     for path in (tiny_llama_path, v4_path):
         config = AutoConfig.from_pretrained(path)
         span = load_span(config, Checkpoint(str(path)), 1, 2, torch.float32, "cpu", quant)
-        with torch.inference_mode():  # int8 layers move their scales on the first call: count after it
+        with torch.inference_mode():  # counted after a call: a layer that builds state on first use shows it
             span.forward(torch.zeros(1, 2, *span.hidden_shape), torch.zeros(1, 2, dtype=torch.long), 0, span.new_cache(), range(1, 2))
         estimated_max, _ = model_bytes(config, torch.float32, quant)
         assert resident_bytes(span.layers) <= estimated_max

@@ -126,18 +126,6 @@ def _dequantize(weight: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Te
     return Fp8Dequantize(None)._dequantize_one(weight, scale, torch.float32)
 
 
-def load_sources(
-    checkpoint: Checkpoint, sources: Iterable[TensorSource], dtype_of: Callable[[str], torch.dtype]
-) -> dict[str, torch.Tensor]:
-    """Read, dequantize and assemble parameters, each in ``dtype_of(target)``."""
-    out = dict(iter_plain(checkpoint, [s for s in sources if s.kind == "plain"], dtype_of))
-    for source in sources:
-        if source.kind != "plain":
-            pieces = [tensor for _, tensor in iter_experts(checkpoint, source, dtype_of(source.target))]
-            out[source.target] = torch.stack(pieces)
-    return out
-
-
 def iter_plain(
     checkpoint: Checkpoint, sources: Iterable[TensorSource], dtype_of: Callable[[str], torch.dtype]
 ) -> Iterator[tuple[str, torch.Tensor]]:
