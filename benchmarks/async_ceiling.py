@@ -40,7 +40,7 @@ from pathlib import Path
 from benchmarks.wan import workloads
 from client._generation import SessionState, SpeculativeDecoder
 from client.drafters import SuffixStore, make_drafter
-from client.oracle import OracleSwarm
+from benchmarks.oracle import OracleSwarm
 from protocol.messages import GREEDY
 
 RESULTS = Path(__file__).parent / "results"

@@ -133,18 +133,16 @@ def _host_port(value: str) -> tuple[str, int]:
 
 
 def wait_for_servers(initial_peers: list[str], expected: int, timeout: float) -> None:
-    import hivemind
     from transformers import AutoConfig
 
     from swarm.dht_records import fetch_servers
     from swarm.models import resolve_model
     from swarm.records import ServerState
-    from swarm.validation import PeerIdSignatureValidator
+    from swarm.dht import make_dht
 
     resolved = resolve_model(MODEL)
     num_blocks = AutoConfig.from_pretrained(resolved.source).num_hidden_layers
-    dht = hivemind.DHT(initial_peers=initial_peers, client_mode=True, start=True,
-                       record_validators=[PeerIdSignatureValidator()])  # fmt: skip
+    dht = make_dht(initial_peers=initial_peers, client_mode=True)
     try:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -9,6 +9,12 @@ up and one veth (``eth0``, address ``10.77.0.N/24`` by default) whose peer is a 
 Nothing is routed anywhere else: the namespaces have no default route and no link to the machine's
 own network, so traffic between hosts never leaves them (the private addresses stay inside).
 
+NAT (``add_nat_host``): a host behind a home router. The router is an ordinary host on the bridge
+with a second veth into the NATed host's namespace (a private LAN, ``192.168.77.0/24`` by default,
+routed nowhere else); nftables masquerades the LAN's traffic and forwards back only replies to
+connections the LAN opened, so the NATed host can dial out and nobody can dial in
+(tests/test_nat.py).
+
 Shaping (``rate_mbit``): ``tc qdisc ... root tbf`` on the host's ``eth0`` (what the host sends) and
 on its bridge port (what it receives), so each host sits behind a symmetric link of that rate; a
 packet between two hosts passes the sender's uplink and the receiver's downlink. tbf works on these
@@ -46,6 +52,20 @@ from typing import Iterable, Optional, Sequence
 FAMILY = "ssbed"  # every testbed's namespaces start with this, then the creating process's pid
 SWITCH = "sw"
 DEFAULT_SUBNET = "10.77.0.0/24"
+DEFAULT_LAN = "192.168.77.0/24"
+NAT_RULES = """
+table ip specswarm_nat {{
+  chain postrouting {{
+    type nat hook postrouting priority srcnat; policy accept;
+    oifname "eth0" ip saddr {lan} masquerade
+  }}
+  chain forward {{
+    type filter hook forward priority filter; policy drop;
+    iifname "lan0" oifname "eth0" accept
+    iifname "eth0" oifname "lan0" ct state established,related accept
+  }}
+}}
+"""
 
 
 class TestbedUnavailable(RuntimeError):
@@ -178,6 +198,7 @@ class Testbed:
             raise ValueError(f"the testbed uses private addresses only, got {subnet}")
         self.latency_ms = latency_ms
         self.hosts: dict[str, Host] = {}
+        self.nat_hosts: dict[str, Host] = {}  # behind a NAT router host (add_nat_host)
         self.processes: list[subprocess.Popen] = []
         self._namespaces: list[str] = []
         self._addresses = self.subnet.hosts()
@@ -225,6 +246,36 @@ class Testbed:
             self.shape(name, rate_mbit)
         return host
 
+    def add_nat_host(self, name: str, *, router: Optional[str] = None, lan: str = DEFAULT_LAN) -> Host:
+        """A host behind a home router: namespace ``name`` on its own LAN (``lan``, private), and a
+        router host on the bridge that masquerades the LAN's traffic (nftables) and forwards back
+        only replies to connections the LAN opened. Nobody outside can dial ``name``: its address
+        is not routed anywhere, and the router drops every new inbound connection."""
+        router = router or f"{name}_nat"
+        gateway = self.add_host(router)
+        subnet = ipaddress.ip_network(lan)
+        if not subnet.is_private:
+            raise ValueError(f"the LAN must use private addresses, got {lan}")
+        gateway_ip, address = (str(a) for a in list(subnet.hosts())[:2])
+        ns = self._add_namespace(name)
+        _ip("link", "add", "lan0", "netns", gateway.ns, "type", "veth", "peer", "name", "eth0", "netns", ns)
+        _ip("-n", gateway.ns, "addr", "add", f"{gateway_ip}/{subnet.prefixlen}", "dev", "lan0")
+        _ip("-n", gateway.ns, "link", "set", "lan0", "up")
+        _ip("-n", ns, "addr", "add", f"{address}/{subnet.prefixlen}", "dev", "eth0")
+        _ip("-n", ns, "link", "set", "eth0", "up")
+        _ip("-n", ns, "route", "add", "default", "via", gateway_ip)
+        _cmd(["ip", "netns", "exec", gateway.ns, "sysctl", "-qw", "net.ipv4.ip_forward=1"])
+        rules = NAT_RULES.format(lan=lan)
+        try:
+            subprocess.run(["ip", "netns", "exec", gateway.ns, "nft", "-f", "-"], input=rules, text=True,
+                           capture_output=True, check=True)  # fmt: skip
+        except FileNotFoundError:
+            raise TestbedUnavailable("the `nft` command (nftables) is not installed") from None
+        except subprocess.CalledProcessError as e:
+            raise TestbedUnavailable(f"nftables does not work here: {e.stderr.strip()}") from None
+        host = self.nat_hosts[name] = Host(name, ns, address, port="")
+        return host
+
     def shape(self, name: str, rate_mbit: Optional[float]) -> None:
         """Limit host ``name``'s link to ``rate_mbit`` both ways (None or 0: unshaped)."""
         host = self.hosts[name]
@@ -238,11 +289,14 @@ class Testbed:
 
     # ---- using ---------------------------------------------------------------------------
 
+    def _host(self, name: str) -> Host:
+        return self.hosts[name] if name in self.hosts else self.nat_hosts[name]
+
     def ip(self, name: str) -> str:
-        return self.hosts[name].ip
+        return self._host(name).ip
 
     def ns(self, name: str) -> str:
-        return self.hosts[name].ns
+        return self._host(name).ns
 
     def run(self, name: str, argv: Sequence[str], **popen_kwargs) -> subprocess.Popen:
         """Start ``argv`` inside host ``name``'s namespace, in a new session (close() kills its group)."""
@@ -250,7 +304,7 @@ class Testbed:
             raise RuntimeError("the testbed is closed")
         popen_kwargs.setdefault("stdin", subprocess.DEVNULL)
         popen_kwargs["start_new_session"] = True
-        process = subprocess.Popen(["ip", "netns", "exec", self.hosts[name].ns, *argv], **popen_kwargs)
+        process = subprocess.Popen(["ip", "netns", "exec", self.ns(name), *argv], **popen_kwargs)
         self.processes.append(process)
         return process
 

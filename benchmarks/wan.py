@@ -30,6 +30,8 @@ MODES = {
     "ngram": dict(speculation="ngram"),
     "suffix": dict(speculation="suffix"),
     "suffix+async": dict(speculation="suffix", async_speculation=True, max_inflight_runs=3),
+    "head": dict(speculation="head"),  # the tail's drafter head alone (server/drafter_head.py)
+    "suffix+head": dict(speculation="suffix+head"),  # per lap the source measured better (client.drafters.HeadDrafts)
 }
 
 
@@ -51,6 +53,10 @@ class Run:
     turnaround_seconds: float = 0.0
     hedge_hits: int = 0
     hedge_seconds: float = 0.0
+    # head-drafting modes: per source, [proposals, ids proposed, ids matching the committed text]
+    # (client.drafters.HeadDrafts measures both sources on every lap, whichever it sent)
+    sources: dict = None
+    choices: dict = None
 
 
 def workloads(first_answers: list[str], limit: int):
@@ -86,7 +92,8 @@ def run_setting(args, delay_ms: float, modes: dict) -> list[Run]:
                     s = model.last_generation_stats
                     runs.append(Run(delay_ms, workload, mode, index, s.new_tokens, s.wall_time, s.laps,
                                     s.accepted_per_lap, s.bytes_up, s.bytes_down, s.wall_time / max(s.laps, 1),
-                                    s.runs_cancelled, s.positions_wasted, s.turnaround_time, s.hedge_hits, s.hedge_time))  # fmt: skip
+                                    s.runs_cancelled, s.positions_wasted, s.turnaround_time, s.hedge_hits, s.hedge_time,
+                                    s.drafter_sources or None, s.drafter_choices or None))  # fmt: skip
                     print(f"  {delay_ms:>4.0f} ms {workload:<12} #{index} {mode:<7} {s.new_tokens:>3} tok "
                           f"{s.tokens_per_second:6.1f} tok/s {s.laps:>3} laps {s.accepted_per_lap:4.2f} tok/lap", flush=True)
                 if len({json.dumps(o) for o in outputs.values()}) != 1:
@@ -117,11 +124,28 @@ def summarize(runs: list[Run], servers: int) -> list[dict]:
                 wasted_per_token=sum(r.positions_wasted for r in mine) / sum(r.tokens for r in mine),
                 client_ms_per_lap=1000 * sum(r.turnaround_seconds for r in mine) / laps,
                 hedge_hits_per_lap=sum(r.hedge_hits for r in mine) / laps,
+                **_source_acceptance(mine),
             ))  # fmt: skip
     compute = {(r["workload"], r["mode"]): r["lap_ms"] for r in rows if r["delay_ms"] == 0}
     for r in rows:
         r["floor_plus_compute_ms"] = r["floor_ms"] + compute.get((r["workload"], r["mode"]), 0.0)
     return rows
+
+
+def _source_acceptance(runs: list[Run]) -> dict:
+    """Head-drafting modes: per source, the share of its proposed ids that matched the committed
+    text and the ids it got right per proposal; and the share of laps that sent the head's drafts."""
+    out = {}
+    for source in ("head", "retrieval"):
+        stats = [r.sources[source] for r in runs if r.sources]
+        if stats and sum(s[0] for s in stats):
+            out[f"{source}_acceptance"] = sum(s[2] for s in stats) / max(1, sum(s[1] for s in stats))
+            out[f"{source}_right_per_proposal"] = sum(s[2] for s in stats) / sum(s[0] for s in stats)
+    choices = [r.choices for r in runs if r.choices]
+    if choices:
+        sent = sum(sum(c.values()) for c in choices)
+        out["head_share_of_laps"] = sum(c["head"] for c in choices) / max(1, sent)
+    return out
 
 
 def markdown(rows: list[dict]) -> str:
@@ -136,6 +160,15 @@ def markdown(rows: list[dict]) -> str:
             f"| {r['bytes_up_per_lap']:.0f} | {r['bytes_down_per_lap']:.0f} | {r['wasted_per_token']:.2f} "
             f"| {r['client_ms_per_lap']:.2f} | {r['hedge_hits_per_lap']:.2f} |"
         )
+    sourced = [r for r in rows if "head_acceptance" in r or "retrieval_acceptance" in r]
+    if sourced:  # what each draft source got right, measured on every lap of the head-drafting modes
+        lines += ["", "| delay/hop | workload | mode | head: ids right/proposed | head: right/proposal "
+                  "| retrieval: ids right/proposed | retrieval: right/proposal | laps sending head drafts |",
+                  "|" + "---|" * 8]  # fmt: skip
+        for r in sourced:
+            cells = [f"{r.get(f'{s}_acceptance', 0):.2f} | {r.get(f'{s}_right_per_proposal', 0):.2f}" for s in ("head", "retrieval")]
+            lines.append(f"| {r['delay_ms']:.0f} ms | {r['workload']} | {r['mode']} | {cells[0]} | {cells[1]} "
+                         f"| {r.get('head_share_of_laps', 0):.2f} |")  # fmt: skip
     return "\n".join(lines)
 
 

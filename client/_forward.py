@@ -1,9 +1,10 @@
 """A forward pass through the swarm: logits (and final hidden states) of one sequence.
 
-One session per sequence: open it on a route, send the whole sequence as one prefill run that
-asks the tail for the full logits of its last ``num_outputs`` positions (``Step.return_logits``),
-collect the ``RunOutputs`` messages the tail sends before its verdict, close the session. The
-verdict itself (the argmax after the last position) is ignored. A retryable failure excludes the
+One session per sequence: open it on a route, send the sequence as prefill runs of at most
+``max_positions_per_step`` positions each (chunked prefill) that ask the tail for the full logits
+of the positions among the last ``num_outputs`` (``Step.return_logits``), collect the
+``RunOutputs`` messages the tail sends before each verdict, close the session. The verdicts
+themselves (the argmax after each chunk) are ignored. A retryable failure excludes the
 server at fault and starts again on another route, as generation's failover does.
 """
 
@@ -48,13 +49,24 @@ async def forward_row(
     while True:
         remote = await swarm.open_session(len(row))
         try:
-            step = Step(session_id=remote.session_id, run_id=0, start_pos=0, token_ids=list(row),
-                        return_logits=num_outputs, return_hidden=return_hidden)  # fmt: skip
-            await remote.send_step(step)
-            frames: list[tuple[RunOutputs, list[torch.Tensor]]] = []
-            await remote.next_result(0, outputs=frames)
-            tail = remote.tail_peer
-            logits, hidden = _assemble(frames, num_outputs, vocab_size, hidden_size, return_hidden, tail)
+            chunk = swarm.max_positions_per_step
+            first_output = len(row) - num_outputs
+            wanted = []  # outputs asked of each chunk: the chunk's positions >= first_output
+            for run_id, start in enumerate(range(0, len(row), chunk)):
+                end = min(start + chunk, len(row))
+                wanted.append(max(0, end - max(start, first_output)))
+                step = Step(session_id=remote.session_id, run_id=run_id, start_pos=start, token_ids=list(row[start:end]),
+                            return_logits=wanted[-1], return_hidden=return_hidden and wanted[-1] > 0)  # fmt: skip
+                await remote.send_step(step)
+            parts = []
+            for run_id, count in enumerate(wanted):
+                frames: list[tuple[RunOutputs, list[torch.Tensor]]] = []
+                await remote.next_result(run_id, outputs=frames)
+                if count:
+                    frames = [f for f in frames if f[0].run_id == run_id]
+                    parts.append(_assemble(frames, count, vocab_size, hidden_size, return_hidden, remote.tail_peer))
+            logits = torch.cat([p[0] for p in parts])
+            hidden = torch.cat([p[1] for p in parts]) if return_hidden else None
             route = [(hop.peer_id, hop.start, hop.end) for hop in remote.route]
             return RowOutputs(logits, hidden, route, failovers)
         except ServerError as e:

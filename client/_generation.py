@@ -26,11 +26,14 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
+import msgspec
+
 from client._remote_session import RemoteSession
 from client._swarm import SwarmClient
 from client.drafters import Drafter
 from client.errors import GenerationError, ServerError
 from protocol.messages import GREEDY, SamplingParams, Step, StepResult, TokenLogprobs
+from protocol.sampling import pack_f16, sample_correction, unpack_f16
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +62,12 @@ class GenerationStats:
     failovers: int = 0
     failover_events: list[str] = field(default_factory=list)
     failover_time: float = 0.0  # seconds from a failure to the next committed token
+    corrections: int = 0  # rejections whose token the client drew from norm(max(0, p - q))
+    # with head drafts (client.drafters.HeadDrafts): per source ("head", "retrieval"), [proposals,
+    # ids proposed, ids matching the committed text], measured on every proposal, sent or not;
+    # and the laps whose run carried each source's drafts
+    drafter_sources: dict = field(default_factory=dict)
+    drafter_choices: dict = field(default_factory=dict)
 
     @property
     def accepted_per_lap(self) -> float:
@@ -132,6 +141,9 @@ class Run:
     guess: Optional[int]  # the assumed bonus token; None: nothing may be sent after this run
     prefix_drafts: int = 0  # drafts of the same proposal before this run's (a split front's and its guess)
     proposed: int = 0  # drafts proposed at this run's position; more than it carries if it is split
+    sent_at: float = 0.0  # perf_counter() when sent: the lap's time is measured per hop (client/_throughput.py)
+    draft_q: list[float] = field(default_factory=list)  # rejection rule: q(x) of each draft
+    q_dists: list = field(default_factory=list)  # and the drafter's whole q at each draft position
 
     @property
     def split(self) -> bool:
@@ -154,6 +166,7 @@ class SpeculativeDecoder:
         on_tokens: Optional[Callable[[list[int]], None]] = None,
         max_failovers: int = 5,
         front_drafts: Optional[int] = 0,
+        verification: str = "match",
     ):
         if max_inflight_runs < 1:
             raise ValueError(f"max_inflight_runs must be >= 1, got {max_inflight_runs}")
@@ -166,6 +179,7 @@ class SpeculativeDecoder:
         self.max_failovers = max_failovers
         # drafts a run sent into an empty window keeps (None: all of them); only with a window
         self.front_drafts = front_drafts if max_inflight_runs > 1 else None
+        self.rejection = _rejection_rule(verification, sampling, drafter, max_inflight_runs)
         self.stats = GenerationStats()
         self.logprobs: list[TokenLogprobs] = []
         self._inflight: deque[Run] = deque()
@@ -192,6 +206,9 @@ class SpeculativeDecoder:
             await self._cancel_inflight()
         if self.drafter is not None:
             self.drafter.finish()
+            if hasattr(self.drafter, "sources"):
+                self.stats.drafter_sources = {k: list(v) for k, v in self.drafter.sources.items()}
+                self.stats.drafter_choices = dict(self.drafter.chosen)
         self.stats.new_tokens = len(generated)
         self.stats.wall_time = time.perf_counter() - began
         return generated
@@ -252,11 +269,14 @@ class SpeculativeDecoder:
     async def _lap(self, budget: int) -> list[int]:
         remote = self.state.remote
         sent_before, received_before = remote.bytes_sent, remote.bytes_received
+        if not self._inflight:
+            await self._prefill_chunks()
         # 1) fill the window: the oldest run starts from committed tokens, later ones guess
         while len(self._inflight) < self.max_inflight_runs:
             run = self._next_run(budget)
             if run is None:
                 break
+            run.sent_at = time.perf_counter()
             await remote.send_step(self._step(run))
             self._inflight.append(run)
             self.stats.runs_sent += 1
@@ -276,7 +296,11 @@ class SpeculativeDecoder:
         if result.run_id != front.run_id:
             raise ServerError(f"result for run {result.run_id} while waiting for {front.run_id}", remote.tail_peer)
         self._inflight.popleft()
+        self.swarm.observe_lap(remote.route, self._verdict_at - front.sent_at, len(front.token_ids))
         # 4) commit, then cancel whatever the verdict refutes
+        head_drafts = result.drafts if result.correction_ids is None else []  # after the tail's own next token
+        if result.correction_ids is not None:
+            result = self._corrected(front, result)
         new = self._commit(front, result, budget)
         self.stats.bytes_up += remote.bytes_sent - sent_before
         self.stats.bytes_down += remote.bytes_received - received_before
@@ -285,7 +309,35 @@ class SpeculativeDecoder:
             await self._cancel_inflight()
         if self.drafter is not None:
             self.drafter.extend(new)
+            if hasattr(self.drafter, "offer"):  # HeadDrafts
+                if not result.drafts:  # a tail with a head always drafts when asked: this one has none
+                    self.drafter.head_tokens = 0  # so stop asking (2 bytes up per lap)
+                elif head_drafts and len(new) == result.accepted + 1:
+                    self.drafter.offer(len(self.state.history), head_drafts)  # they continue after `new`
         return new
+
+    async def _prefill_chunks(self) -> None:
+        """Send what the caches lack beyond ``max_positions_per_step`` positions as prefill runs of
+        at most that many positions (a long prompt, or a failover replay), all at once, and wait
+        for their verdicts (ignored: they only confirm the positions are cached). The last chunk,
+        at most ``max_positions_per_step`` positions, rides in the next run with its drafts."""
+        state, limit = self.state, self.swarm.max_positions_per_step
+        runs = []
+        position = state.cached
+        while len(state.history) - position > limit:
+            run_id = state.next_run_id
+            state.next_run_id += 1
+            step = Step(session_id=state.remote.session_id, run_id=run_id, start_pos=position,
+                        token_ids=state.history[position : position + limit])  # fmt: skip
+            await state.remote.send_step(step)
+            self.stats.runs_sent += 1
+            position += limit
+            runs.append((run_id, position))
+        for run_id, cached in runs:
+            result = await state.remote.next_result(run_id)
+            if result.run_id != run_id:
+                raise ServerError(f"result for run {result.run_id} while waiting for {run_id}", state.remote.tail_peer)
+            state.cached = cached
 
     @staticmethod
     def _confirms(run: Run, result: StepResult) -> bool:
@@ -317,7 +369,8 @@ class SpeculativeDecoder:
             assumed = self._assumed()
         else:
             start_pos, committed_part, assumed = state.cached, state.history[state.cached :], []
-        room = self._room(budget, len(assumed))
+        # drafts and committed ids together stay within one Step's positions
+        room = min(self._room(budget, len(assumed)), self.swarm.max_positions_per_step - len(committed_part))
         if self._inflight and room < 1:
             return None
         proposal: list[int] = []
@@ -325,7 +378,9 @@ class SpeculativeDecoder:
         if self.drafter is not None and room > 0:
             num_drafts = min(room, self.drafter.draft_cap)
             size = self._proposal_size(num_drafts)
-            hedged = None if self._inflight else self._hedges.take(state.history)
+            # a verdict's head drafts (HeadDrafts) postdate every hedge: the drafter chooses afresh
+            fresh = getattr(self.drafter, "fresh", False)
+            hedged = None if self._inflight or self.rejection or fresh else self._hedges.take(state.history)
             if hedged is not None:
                 self.stats.hedge_hits += 1
                 proposal = hedged[:size]
@@ -345,7 +400,10 @@ class SpeculativeDecoder:
         prefix = len(self._inflight[-1].drafts) + 1 if self._inflight and self._inflight[-1].split else 0
         run_id = state.next_run_id
         state.next_run_id += 1
-        return Run(run_id, start_pos, committed_part + drafts, drafts, guess, prefix, proposed)
+        run = Run(run_id, start_pos, committed_part + drafts, drafts, guess, prefix, proposed)
+        if self.rejection and drafts:  # one run in flight, drafted just now: last_q is this run's
+            run.draft_q, run.q_dists = self.drafter.last_q[: len(drafts)], self.drafter.last_dists[: len(drafts)]
+        return run
 
     def _light_front(self, drafts: list[int], budget: int) -> bool:
         """Whether a run sent into an empty window keeps only ``front_drafts`` of its drafts, the
@@ -388,7 +446,30 @@ class SpeculativeDecoder:
             n_draft=len(run.drafts),
             sampling=None if self.sampling == GREEDY else self.sampling,
             top_logprobs=self.num_logprobs,
+            draft_q=pack_f16(run.draft_q) if run.draft_q else None,
+            head_drafts=getattr(self.drafter, "head_tokens", 0),
         )
+
+    def _corrected(self, run: Run, result: StepResult) -> StepResult:
+        """A rejection's verdict with the client's token at the rejected position: drawn from
+        norm(max(0, p - q)) over the top-K of p the tail sent (protocol/sampling.py)."""
+        tail = self.state.remote.tail_peer
+        ids, probs = result.correction_ids, unpack_f16(result.correction_p)
+        if not run.q_dists or not 0 <= result.accepted < len(run.q_dists):
+            raise ServerError(f"a correction after {result.accepted} accepted drafts, for a run that cannot be corrected", tail)
+        q = run.q_dists[result.accepted]
+        if not ids or len(probs) != len(ids) or not all(0 <= i < q.numel() for i in ids):
+            raise ServerError(f"a malformed correction: {len(ids)} ids, {len(probs)} probabilities", tail)
+        position = run.start_pos + len(run.token_ids) - len(run.drafts) + result.accepted
+        token = sample_correction(ids, probs, q, self.sampling.seed, position)
+        self.stats.corrections += 1
+        logprobs = result.logprobs
+        if logprobs:  # the tail reported its own token at the rejected position: report ours
+            last = logprobs[-1]
+            known = dict(zip(last.top_ids, last.top_logprobs))
+            fixed = TokenLogprobs(token, known.get(token, float("nan")), last.top_ids, last.top_logprobs)
+            logprobs = logprobs[:-1] + [fixed]
+        return msgspec.structs.replace(result, next_token=token, logprobs=logprobs)
 
     def _commit(self, run: Run, result: StepResult, budget: int) -> list[int]:
         """Commit a verdict (cut at EOS and at the token budget); the cache keeps every committed
@@ -433,3 +514,20 @@ class SpeculativeDecoder:
         self.stats.runs_cancelled += len(self._inflight)
         self.stats.positions_wasted += sum(len(r.token_ids) for r in self._inflight)
         self._inflight.clear()
+
+
+VERIFICATION_RULES = ("match", "rejection")
+
+
+def _rejection_rule(verification: str, sampling: SamplingParams, drafter: Optional[Drafter], inflight: int) -> bool:
+    """Whether runs go up with q(x) for the rejection rule: only when sampling (greedy verification
+    is token match whatever is asked), with a drafter that reports q, one run in flight."""
+    if verification not in VERIFICATION_RULES:
+        raise ValueError(f"verification must be one of {VERIFICATION_RULES}, got {verification!r}")
+    if verification == "match" or not sampling.do_sample:
+        return False
+    if not hasattr(drafter, "last_dists") or not getattr(drafter, "sample", False):
+        raise ValueError("verification='rejection' needs a draft_model (a drafter that samples from its q)")
+    if inflight > 1:
+        raise ValueError("verification='rejection' runs one run at a time: leave async_speculation off")
+    return True

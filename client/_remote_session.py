@@ -4,23 +4,31 @@ The client dials both ends (it accepts no connections, so it works behind NAT): 
 Cancels go up the head stream; StepResults come back on the stream the client opened to the
 tail; errors found by any server come back on the head stream, relayed hop by hop. Both
 incoming streams feed one inbox, so waiting for a run's outcome is one queue read.
+
+Verdicts count only from the tail the client chose, on the results stream it opened: the head
+stream passes nothing but ErrorReply to the inbox (a forged StepResult relayed up the chain is
+dropped), and the tail gives the results stream only to a Subscribe carrying the session's secret,
+a random string only this client knows (route servers see its sha256 in OpenSession).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import secrets
 from typing import Optional, Sequence
 
+import msgspec
 from hivemind.p2p import P2P, PeerID
 
 from client.errors import ServerError, ServerRejected, ServerTimeout
+from protocol import limits
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.messages import (
+    OUTPUTS_FRAME_BYTES,
     Cancel,
     ErrorReply,
-    Hop,
     Message,
     OpenSession,
     RunOutputs,
@@ -29,6 +37,7 @@ from protocol.messages import (
     StepResult,
     Subscribe,
 )
+from swarm import relay
 from swarm.routing import RouteHop
 from swarm.streams import RESULTS_PROTOCOL, SESSION_PROTOCOL, MessageStream
 
@@ -51,6 +60,8 @@ class RemoteSession:
     def __init__(self, p2p: P2P, route: Sequence[RouteHop], max_length: int, *, timeout: float = 60.0):
         self.p2p, self.route, self.max_length, self.timeout = p2p, list(route), max_length, timeout
         self.session_id = secrets.token_hex(8)
+        self.secret = secrets.token_hex(16)  # proves to the tail that a Subscribe comes from this client
+        self.ignored_messages = 0  # messages dropped because they may not come from where they came
         self._head: Optional[MessageStream] = None
         self._tail: Optional[MessageStream] = None
         self._inbox: asyncio.Queue[Message | _StreamLost | _Outputs] = asyncio.Queue()
@@ -68,12 +79,17 @@ class RemoteSession:
     async def open(self) -> None:
         """Subscribe to the tail's results, then open the chain through the head (one lap)."""
         try:
-            self._tail = await self._dial(self.tail_peer, RESULTS_PROTOCOL)
-            await self._tail.send(Subscribe(session_id=self.session_id))
-            self._head = await self._dial(self.head_peer, SESSION_PROTOCOL)
-            hops = [Hop(h.peer_id, h.start, h.end) for h in self.route]
+            # the tail sends verdicts and the outputs of forward passes (RunOutputs, <= 64 MiB of
+            # tensors each); the head sends SessionOpened and errors only
+            self._tail = await self._dial(self.tail_peer, RESULTS_PROTOCOL, OUTPUTS_FRAME_BYTES + limits.FRAME_MARGIN_BYTES,
+                                          OUTPUTS_FRAME_BYTES // 2)  # fmt: skip
+            await self._tail.send(Subscribe(session_id=self.session_id, secret=self.secret))
+            self._head = await self._dial(self.head_peer, SESSION_PROTOCOL, limits.CONTROL_FRAME_BYTES, 0)
+            hops = [msgspec.structs.replace(h, addrs=list(relay.known_addrs(h.peer_id))) for h in self.route]
+            secret_hash = hashlib.sha256(self.secret.encode()).hexdigest()
             await self._head.send(
-                OpenSession(session_id=self.session_id, max_length=self.max_length, route=hops, hop_index=0)
+                OpenSession(session_id=self.session_id, max_length=self.max_length, route=hops, hop_index=0,
+                            secret_hash=secret_hash)  # fmt: skip
             )
             reply = await asyncio.wait_for(self._head.receive(), self.timeout)
         except asyncio.TimeoutError:
@@ -92,9 +108,11 @@ class RemoteSession:
             asyncio.create_task(self._read(self._tail, self.tail_peer, "tail")),
         ]
 
-    async def _dial(self, peer_id: str, protocol: str) -> MessageStream:
+    async def _dial(self, peer_id: str, protocol: str, max_frame_bytes: int, max_tensor_elements: int) -> MessageStream:
         try:
-            return await asyncio.wait_for(MessageStream.open(self.p2p, PeerID.from_base58(peer_id), protocol), self.timeout)
+            stream = MessageStream.open(self.p2p, PeerID.from_base58(peer_id), protocol,
+                                        max_frame_bytes=max_frame_bytes, max_tensor_elements=max_tensor_elements)  # fmt: skip
+            return await asyncio.wait_for(stream, self.timeout)
         except Exception as e:
             raise ServerError(f"could not reach the server: {e!r}", peer_id, ErrorCode.DOWNSTREAM_FAILED) from None
 
@@ -108,10 +126,22 @@ class RemoteSession:
             if received is None:
                 self._inbox.put_nowait(_StreamLost(peer_id, which))
                 return
-            if isinstance(received.message, RunOutputs):
-                self._inbox.put_nowait(_Outputs(received.message, received.tensors))
+            message = received.message
+            if not self._may_come_from(message, which):
+                self.ignored_messages += 1
+                logger.warning(f"Ignoring a {type(message).__name__} from the {which} server {peer_id}")
+                continue
+            if isinstance(message, RunOutputs):
+                self._inbox.put_nowait(_Outputs(message, received.tensors))
             else:
-                self._inbox.put_nowait(received.message)
+                self._inbox.put_nowait(message)
+
+    def _may_come_from(self, message: Message, which: str) -> bool:
+        """Only errors come up the chain (hints about the route); verdicts and outputs count only
+        from the tail's results stream, and only for this session."""
+        if isinstance(message, ErrorReply):
+            return message.session_id in ("", self.session_id)
+        return which == "tail" and isinstance(message, (StepResult, RunOutputs)) and message.session_id == self.session_id
 
     async def send_step(self, step: Step) -> int:
         """Send one run up the head stream; returns the bytes it cost."""

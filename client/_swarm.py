@@ -2,7 +2,8 @@
 
 Opening a session reads the model's records from the DHT, asks the router for the lowest-latency
 route with room for the session, and opens it; a server that fails is excluded for a while
-(doubling each time it fails again) so the next route avoids it.
+(doubling each time it fails again) so the next route avoids it. Routing uses the smaller of each
+server's claimed throughput and what this client measured it deliver (client/_throughput.py).
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ import hivemind
 from hivemind.p2p import P2P
 
 from client._remote_session import RemoteSession
+from client._throughput import ThroughputMeter
 from client.errors import RoutingError, ServerError
+from protocol.limits import DEFAULT_MAX_POSITIONS_PER_STEP
 from swarm.dht_records import fetch_servers
-from swarm.records import ServerState
-from swarm.routing import MaxFlowRouter, NoRouteError, RouteHop, RoutePlanner
+from swarm.records import ServerInfo, ServerState
+from swarm.routing import MaxFlowRouter, NoRouteError, RouteHop, RoutePlanner, cap_throughput
 from swarm.streams import ping_many
-from swarm.validation import PeerIdSignatureValidator
+from swarm.dht import make_dht
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +64,14 @@ class SwarmClient:
         request_timeout: float = 60.0,
         max_route_attempts: int = 5,
         route_retry_delay: float = 1.0,
+        max_positions_per_step: int = DEFAULT_MAX_POSITIONS_PER_STEP,
     ):
+        """``max_positions_per_step``: the most positions one Step carries; longer prompts (and
+        failover replays) are sent as several Steps (chunked prefill). Servers refuse a Step
+        above their own limit (``step_too_large``), 512 by default."""
+        if max_positions_per_step < 1:
+            raise ValueError(f"max_positions_per_step must be >= 1, got {max_positions_per_step}")
+        self.max_positions_per_step = max_positions_per_step
         self.dht, self.p2p, self.model, self.num_blocks = dht, p2p, model, num_blocks
         self.router = router or MaxFlowRouter()
         self.request_timeout = request_timeout
@@ -69,21 +79,19 @@ class SwarmClient:
         self.route_retry_delay = route_retry_delay
         self.excluded = ExclusionList()
         self._rtts: dict[str, tuple[float, float]] = {}  # peer id -> (measured at, RTT seconds)
+        self.meter = ThroughputMeter()  # what each server delivered to this client
+        self._records: dict[str, ServerInfo] = {}  # peer id -> the record the last route was planned from
 
     @classmethod
     async def connect(cls, initial_peers: list[str], model: str, num_blocks: int, **kwargs) -> "SwarmClient":
-        dht = hivemind.DHT(
-            initial_peers=initial_peers,
-            client_mode=True,
-            record_validators=[PeerIdSignatureValidator()],
-            start=True,
-        )
+        dht = make_dht(initial_peers=initial_peers, client_mode=True)
         p2p = await dht.replicate_p2p()
         return cls(dht, p2p, model, num_blocks, **kwargs)
 
     async def open_session(self, max_length: int) -> RemoteSession:
         """A session on a fresh route; retries (bounded) past busy or dead servers and empty swarms."""
         last_error: Exception | None = None
+        refusal: Optional[ServerError] = None  # the last server that refused (busy, ...), named if no route is left
         for attempt in range(self.max_route_attempts):
             if attempt:
                 await asyncio.sleep(self.route_retry_delay * 2 ** (attempt - 1))
@@ -91,7 +99,7 @@ class SwarmClient:
                 route = await self._plan(max_length)
             except NoRouteError as e:
                 logger.info(f"No route yet (attempt {attempt + 1}/{self.max_route_attempts}): {e}")
-                last_error = RoutingError(str(e), e.missing_blocks)
+                last_error = RoutingError(str(e) + (f"; a server refused earlier: {refusal}" if refusal else ""), e.missing_blocks)
                 continue
             session = RemoteSession(self.p2p, route, max_length, timeout=self.request_timeout)
             try:
@@ -103,7 +111,7 @@ class SwarmClient:
                     raise
                 logger.info(f"Could not open a session on {e.peer_id or 'the route'}: {e}; trying another route")
                 self.exclude(e.peer_id or route[0].peer_id)
-                last_error = e
+                last_error = refusal = e
         assert last_error is not None
         raise last_error
 
@@ -112,9 +120,16 @@ class SwarmClient:
         servers = await loop.run_in_executor(None, fetch_servers, self.dht, self.model, self.num_blocks)
         logger.debug(f"Routing over {[(s.public_name or s.peer_id[:8], s.span, s.state.value) for s in servers]}")
         rtts = await self._client_rtts(servers)
+        self._records = {s.peer_id: s for s in servers}
+        servers = cap_throughput(servers, self.meter.measured())
         return self.router.plan(
             servers, 0, self.num_blocks, max_length=max_length, exclude=self.excluded.current(), client_rtts=rtts
         )
+
+    def observe_lap(self, route: Sequence[RouteHop], seconds: float, positions: int) -> None:
+        """One lap of ``positions`` positions over ``route`` took ``seconds`` (send to verdict)."""
+        rtts = {peer_id: rtt for peer_id, (_, rtt) in self._rtts.items()}
+        self.meter.observe(route, self._records, seconds, positions, rtts)
 
     async def _client_rtts(self, servers) -> dict[str, float]:
         """RTTs from this client to the servers that can be a head or a tail (the client's own

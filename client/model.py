@@ -27,9 +27,11 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from client import _loop
 from client._forward import forward_row
-from client._generation import GenerationStats, SessionState, SpeculativeDecoder
+from client._generation import VERIFICATION_RULES, GenerationStats, SessionState, SpeculativeDecoder
+from client.draft_model import ModelDrafter, check_draft_model
 from client._swarm import SwarmClient
 from client.drafters import SuffixStore, make_drafter
+from protocol.limits import DEFAULT_MAX_POSITIONS_PER_STEP
 from protocol.messages import SamplingParams, TokenLogprobs
 from protocol.sampling import validate_sampling
 from swarm.config import no_initial_peers_message, resolve_initial_peers
@@ -69,12 +71,15 @@ class AutoDistributedModel:
         *,
         dht_prefix: Optional[str] = None,
         request_timeout: float = 60.0,
+        max_positions_per_step: int = DEFAULT_MAX_POSITIONS_PER_STEP,
         **kwargs: Any,
     ) -> "AutoDistributedModel":
         """Fetch the config and tokenizer (never weights) and join the swarm as a client.
 
         Without ``initial_peers``, the machine's configured ones are used (swarm.config:
         $SPECSWARM_INITIAL_PEERS, then the user's config file), as the server CLI does.
+        ``max_positions_per_step``: the most positions one Step carries; longer prompts are sent
+        as several Steps (chunked prefill), at first and in failover replays.
         """
         initial_peers = resolve_initial_peers(initial_peers).peers
         if not initial_peers:
@@ -84,7 +89,8 @@ class AutoDistributedModel:
         tokenizer = AutoTokenizer.from_pretrained(model.source, **kwargs)
         swarm = _loop.run(
             SwarmClient.connect(
-                list(initial_peers), dht_prefix or model.dht_name, config.num_hidden_layers, request_timeout=request_timeout
+                list(initial_peers), dht_prefix or model.dht_name, config.num_hidden_layers, request_timeout=request_timeout,
+                max_positions_per_step=max_positions_per_step,
             )
         )
         return cls(config, tokenizer, swarm)
@@ -129,17 +135,31 @@ class AutoDistributedModel:
         num_logprobs: int = 0,
         return_dict_in_generate: bool = False,
         attention_mask: Optional[torch.Tensor] = None,
+        draft_model: Any = None,
+        verification: str = "match",
         **unused: Any,
     ) -> Union[torch.Tensor, GenerateDecoderOnlyOutput]:
         """transformers-compatible ``generate``: returns ``[batch, input + new]`` token ids.
 
-        ``speculation``: "suffix" (default), "ngram" or None; ``num_draft_tokens`` caps drafts per
+        ``speculation``: "suffix" (default), "ngram", "head" (the tail's drafter head), "suffix+head"
+        (head drafts merged with retrieval's, per lap by measured acceptance) or None; ``num_draft_tokens`` caps drafts per
         lap; ``draft_corpus`` adds texts or token lists the answer is likely to repeat.
         ``async_speculation=True`` keeps up to ``max_inflight_runs`` runs in flight, each assuming
         the ones before it are accepted whole; refuted runs are cancelled hop by hop.
         ``num_logprobs=K`` (K <= 20) returns the top-K log-probs of each new token in
         ``model.last_logprobs`` (and as ``.logprobs`` when ``return_dict_in_generate=True``); for a
         batch of several rows, one list per row.
+
+        ``draft_model``: a local transformers causal LM with the target's tokenizer (same
+        vocabulary) drafts instead of ``speculation``, ``num_draft_tokens`` per lap, keeping its own
+        KV cache. Greedy, or sampling with ``verification="match"`` (the default, exact for any
+        drafter): it drafts its argmax and the tail keeps drafts equal to its own seeded choices.
+        Sampling with ``verification="rejection"`` (one run at a time): it samples each draft from
+        its q (the same temperature/top-k/top-p processing), sends q(x) up, and the tail accepts with
+        probability min(1, p/q); on a rejection the client draws the token from norm(max(0, p - q))
+        over the top-K of p the tail sends (K = top_k if <= 64, else 64). Exact in distribution when
+        top_k <= 64, an approximation otherwise; with a seed the output is reproducible, but it is
+        not the token sequence that plain sampling with that seed gives (token match's guarantee).
 
         A batch runs its rows as concurrent sessions. ``attention_mask`` (left or right padding,
         or zeros anywhere) removes each row's masked positions before it is sent, so every row gets
@@ -164,13 +184,14 @@ class AutoDistributedModel:
         pad_id = self.config.pad_token_id if self.config.pad_token_id is not None else (eos[0] if eos else 0)
         rows = _unpadded(input_ids, _checked_mask(input_ids, attention_mask))
         inflight = max_inflight_runs if async_speculation else 1
+        draft = self._draft_choice(draft_model, verification)
         if len(rows) == 1:
             new_rows = [self._generate_row(rows[0], max_new_tokens, sampling, eos, streamer, speculation,
-                                           num_draft_tokens, inflight, corpus, num_logprobs)]  # fmt: skip
+                                           num_draft_tokens, inflight, corpus, num_logprobs, draft=draft)]  # fmt: skip
             self.last_batch_stats = [self.last_generation_stats]
         else:
             new_rows = self._generate_batch(rows, max_new_tokens, sampling, eos, speculation, num_draft_tokens,
-                                            inflight, corpus, num_logprobs)  # fmt: skip
+                                            inflight, corpus, num_logprobs, draft=draft)  # fmt: skip
         width = max(map(len, new_rows))
         filled = [row + new + [pad_id] * (width - len(new)) for row, new in zip(input_ids.tolist(), new_rows)]
         sequences = torch.tensor(filled, dtype=torch.long)
@@ -180,14 +201,14 @@ class AutoDistributedModel:
             return output
         return sequences
 
-    def _generate_row(self, row, max_new_tokens, sampling, eos, streamer, speculation, num_draft_tokens, max_inflight_runs, corpus, num_logprobs) -> list[int]:
+    def _generate_row(self, row, max_new_tokens, sampling, eos, streamer, speculation, num_draft_tokens, max_inflight_runs, corpus, num_logprobs, draft=None) -> list[int]:
         own_session = self._session is None
         state = self._session or self._new_session_state(row, max_new_tokens, num_draft_tokens)
         if streamer is not None:
             streamer.put(torch.tensor(row))
         on_tokens = (lambda new: streamer.put(torch.tensor(new))) if streamer is not None else None
         decoder = self._make_decoder(state, sampling, eos, speculation, num_draft_tokens, max_inflight_runs, corpus,
-                                     num_logprobs, on_tokens)  # fmt: skip
+                                     num_logprobs, on_tokens, draft=draft)  # fmt: skip
         self.last_generation_stats = decoder.stats  # live while generating (route, failovers, ...)
         try:
             new = _loop.run(decoder.generate(row, max_new_tokens))
@@ -200,11 +221,11 @@ class AutoDistributedModel:
         return new
 
     def _generate_batch(self, rows, max_new_tokens, sampling, eos, speculation, num_draft_tokens, max_inflight_runs,
-                        corpus, num_logprobs) -> list[list[int]]:  # fmt: skip
+                        corpus, num_logprobs, draft=None) -> list[list[int]]:  # fmt: skip
         """Each row in its own session, all at once on the client loop; the new tokens of each."""
         states = [self._new_session_state(row, max_new_tokens, num_draft_tokens) for row in rows]
         decoders = [self._make_decoder(state, sampling, eos, speculation, num_draft_tokens, max_inflight_runs, corpus,
-                                       num_logprobs, None) for state in states]  # fmt: skip
+                                       num_logprobs, None, draft=draft) for state in states]  # fmt: skip
 
         async def decode(decoder: SpeculativeDecoder, state: SessionState, row: list[int]) -> list[int]:
             try:
@@ -300,6 +321,8 @@ class AutoDistributedModel:
         max_inflight_runs: int = 3,
         draft_corpus: Sequence[Union[str, Sequence[int]]] = (),
         num_logprobs: int = 0,
+        draft_model: Any = None,
+        verification: str = "match",
     ) -> AsyncIterator[GeneratedChunk]:
         """The asyncio twin of ``generate`` for one sequence of ids: yields each lap's tokens as soon
         as the tail accepts them. Same arguments and seed handling, so the tokens equal ``generate``'s.
@@ -325,7 +348,8 @@ class AutoDistributedModel:
 
         inflight = max_inflight_runs if async_speculation else 1
         decoder = self._make_decoder(state, sampling, eos, speculation, num_draft_tokens, inflight,
-                                     self._corpus(draft_corpus), num_logprobs, on_tokens)  # fmt: skip
+                                     self._corpus(draft_corpus), num_logprobs, on_tokens,
+                                     draft=self._draft_choice(draft_model, verification))  # fmt: skip
         control: dict[str, Any] = {}
 
         async def decode() -> None:  # runs on the client loop; always ends by posting None
@@ -366,11 +390,16 @@ class AutoDistributedModel:
         return SessionState(max_length=min(len(row) + max_new_tokens + num_draft_tokens + 1, self._context_limit()))
 
     def _make_decoder(self, state, sampling, eos, speculation, num_draft_tokens, max_inflight_runs, corpus,
-                      num_logprobs, on_tokens) -> SpeculativeDecoder:  # fmt: skip
+                      num_logprobs, on_tokens, draft=None) -> SpeculativeDecoder:  # fmt: skip
         """The one place generate() and agenerate_stream() build their decoder and drafter."""
-        drafter = make_drafter(
-            speculation, num_draft_tokens=num_draft_tokens, corpus=corpus, store=self._suffix_store, eos_token_ids=eos
-        )
+        draft_model, verification = draft or (None, "match")
+        if draft_model is not None:  # one ModelDrafter (own KV cache) per stream; the model is shared
+            sample = verification == "rejection"
+            drafter = ModelDrafter(draft_model, sampling, num_draft_tokens, sample=sample)
+        else:
+            drafter = make_drafter(
+                speculation, num_draft_tokens=num_draft_tokens, corpus=corpus, store=self._suffix_store, eos_token_ids=eos
+            )
         return SpeculativeDecoder(
             self.swarm,
             state,
@@ -381,7 +410,16 @@ class AutoDistributedModel:
             eos_token_ids=eos,
             num_logprobs=num_logprobs,
             on_tokens=on_tokens,
+            verification=verification,
         )
+
+    def _draft_choice(self, draft_model: Any, verification: str) -> tuple[Any, str]:
+        """Check ``draft_model`` and ``verification`` before any session opens."""
+        if verification not in VERIFICATION_RULES:
+            raise ValueError(f"verification must be one of {VERIFICATION_RULES}, got {verification!r}")
+        if draft_model is not None:
+            check_draft_model(draft_model, self.config.vocab_size)
+        return draft_model, verification
 
     def _corpus(self, draft_corpus: Sequence[Union[str, Sequence[int]]]) -> list[list[int]]:
         return [self.tokenizer.encode(c, add_special_tokens=False) if isinstance(c, str) else list(c) for c in draft_corpus]

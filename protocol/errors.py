@@ -25,6 +25,12 @@ class ErrorCode(str, enum.Enum):
     DOWNSTREAM_FAILED = "downstream_failed"  # the next server could not be reached or failed
     SHUTTING_DOWN = "shutting_down"
     INTERNAL = "internal"
+    # v4 (hostile peers): a frame or Step larger than this server takes, a results subscription
+    # without the session's secret, and a session that queued more runs or results than allowed
+    FRAME_TOO_LARGE = "frame_too_large"  # the frame's declared length exceeds this protocol's limit
+    STEP_TOO_LARGE = "step_too_large"  # more positions in one Step than max_positions_per_step
+    UNAUTHORIZED = "unauthorized"  # Subscribe without the session's secret; OpenSession past the head not from the previous hop
+    QUEUE_FULL = "queue_full"  # too many runs queued (or results unread) in one session
 
 
 # Errors the client may cure by routing around the reporting server (failover); the others are

@@ -15,7 +15,7 @@ Each encoded message starts with the protocol version, checked before anything e
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Annotated, Optional, Union
 
 import msgspec
 
@@ -23,8 +23,14 @@ from protocol.errors import ErrorCode, ProtocolError
 from protocol.version import PROTOCOL_VERSION
 
 
-class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, array_like=True, omit_defaults=True):
-    """How the tail chooses a token; transformers' argument names and meanings."""
+_SAMPLING_KEYS = dict(do_sample="d", temperature="t", top_k="k", top_p="p", min_p="m", repetition_penalty="r", seed="s")
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, rename=_SAMPLING_KEYS):
+    """How the tail chooses a token; transformers' argument names and meanings.
+
+    On the wire a map of one-letter keys without the defaults (msgspec writes every field of an
+    array_like struct, and a float is 9 bytes): top-k sampling with a seed is 14 bytes, not 37."""
 
     do_sample: bool = False
     temperature: float = 1.0
@@ -45,6 +51,8 @@ class Hop(msgspec.Struct, frozen=True, array_like=True):
     peer_id: str
     start: int
     end: int
+    # circuit addresses of a server behind NAT (swarm.relay), so the hop before it can dial it
+    addrs: Annotated[list[Annotated[str, msgspec.Meta(max_length=512)]], msgspec.Meta(max_length=4)] = []
 
 
 class OpenSession(msgspec.Struct, tag="open", kw_only=True, array_like=True):
@@ -52,6 +60,9 @@ class OpenSession(msgspec.Struct, tag="open", kw_only=True, array_like=True):
     max_length: int  # positions the session may ever hold; reserved in every server's cache
     route: list[Hop]  # the whole chain, head first
     hop_index: int  # which hop of ``route`` the receiver is
+    # sha256 (hex) of a secret only the client knows: the tail sends results only to a Subscribe
+    # that carries the secret, so route servers, which see this hash, cannot subscribe themselves
+    secret_hash: str = ""
 
 
 class Step(msgspec.Struct, tag="step", kw_only=True, array_like=True, omit_defaults=True):
@@ -74,6 +85,13 @@ class Step(msgspec.Struct, tag="step", kw_only=True, array_like=True, omit_defau
     # final hidden state (after the final norm) of the same positions. For forward passes.
     return_logits: int = 0
     return_hidden: bool = False
+    # the rejection (DSSD) exchange: q(x) of each draft under the client's draft model, float16
+    # little-endian, 2 bytes per draft (exactly n_draft of them); present, it asks the tail to accept
+    # draft i with probability min(1, p/q) instead of by token match (protocol/sampling.py)
+    draft_q: Optional[bytes] = None
+    # ask the tail's drafter head for up to this many ids after the verdict (StepResult.drafts);
+    # 0: none (a tail without a head sends none either way)
+    head_drafts: int = 0
 
     @property
     def sampling_params(self) -> SamplingParams:
@@ -92,9 +110,13 @@ class CloseSession(msgspec.Struct, tag="close", kw_only=True, array_like=True):
 
 
 class Subscribe(msgspec.Struct, tag="subscribe", kw_only=True, array_like=True):
-    """Sent by the client to the tail: results of this session go back on this stream."""
+    """Sent by the client to the tail: results of this session go back on this stream.
+
+    ``secret``: the client's session secret; the tail compares its sha256 with the session's
+    ``OpenSession.secret_hash`` and refuses (``unauthorized``) anyone who does not know it."""
 
     session_id: str
+    secret: str = ""
 
 
 class SessionOpened(msgspec.Struct, tag="opened", kw_only=True, array_like=True):
@@ -116,6 +138,14 @@ class StepResult(msgspec.Struct, tag="result", kw_only=True, array_like=True, om
     accepted: int  # drafts accepted, a prefix of the run's drafts
     next_token: int  # the target's own token after the accepted drafts
     logprobs: Optional[list[TokenLogprobs]] = None  # accepted + 1 entries when asked for
+    # the rejection exchange, on a rejected draft only: the top-K ids of the target's processed p at
+    # the rejected position and their probabilities (float16 little-endian, 2 bytes each); the
+    # client samples the token there from norm(max(0, p - q)) over them, instead of next_token
+    correction_ids: Optional[list[int]] = None
+    correction_p: Optional[bytes] = None
+    # ids drafted by the tail's drafter head after next_token (Step.head_drafts asked for them):
+    # only drafts, which the client may send in its next run like its own
+    drafts: list[int] = []
 
 
 class RunOutputs(msgspec.Struct, tag="outputs", kw_only=True, array_like=True):

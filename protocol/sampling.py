@@ -8,12 +8,15 @@ accepted while it equals y_t; the first mismatch contributes y_t as the next tok
 Because y_t never depends on what was drafted, how many runs were in flight or whether a
 failover replayed the session, speculative output equals one-token-at-a-time output with the same
 seed. The tail server uses :func:`verify`; tests use :func:`choose_token` as the reference sampler.
+
+For a client draft model that samples its drafts, the rejection (DSSD) exchange at the end of this
+module accepts more drafts and is exact in distribution instead (``verification="rejection"``).
 """
 
 from __future__ import annotations
 
 import hashlib
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 from transformers.generation.logits_process import (
@@ -26,6 +29,8 @@ from transformers.generation.logits_process import (
 )
 
 from protocol.messages import SamplingParams, TokenLogprobs
+
+MAX_CORRECTION_TOP_K = 64  # the most ids (and 16-bit probabilities) a rejection sends down
 
 
 def validate_sampling(params: SamplingParams) -> None:
@@ -59,10 +64,26 @@ def _processors(params: SamplingParams) -> LogitsProcessorList:
     return procs
 
 
-def position_seed(seed: int, position: int) -> int:
-    """A 63-bit generator seed that depends on (seed, position) only."""
-    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+def position_seed(seed: int, position: int, stream: str = "") -> int:
+    """A 63-bit generator seed that depends on (seed, position) only; ``stream`` names an
+    independent stream at the same position (the rejection exchange draws several there)."""
+    key = f"{seed}:{position}" if not stream else f"{seed}:{position}:{stream}"
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
+
+
+def position_generator(seed: int, position: int, stream: str = "") -> torch.Generator:
+    return torch.Generator().manual_seed(position_seed(seed, position, stream))
+
+
+def processed_scores(logits: torch.Tensor, context: Sequence[int], params: SamplingParams) -> torch.Tensor:
+    """[vocab] scores after the sampling parameters' processing (-inf where filtered out);
+    their softmax is the distribution sampling draws from, their argmax the greedy choice."""
+    scores = logits.detach().float().cpu().unsqueeze(0)  # [1, V]
+    procs = _processors(params)
+    if procs:
+        scores = procs(torch.tensor([list(context)], dtype=torch.long), scores)
+    return scores[0]
 
 
 def choose_token(
@@ -72,15 +93,11 @@ def choose_token(
 
     logits: [vocab], the model's output at position - 1; context: the ids at positions < position.
     """
-    scores = logits.detach().float().cpu().unsqueeze(0)  # [1, V]
-    procs = _processors(params)
-    if procs:
-        scores = procs(torch.tensor([list(context)], dtype=torch.long), scores)
+    scores = processed_scores(logits, context, params)
     if not params.do_sample:
-        return int(scores.argmax(dim=-1))
+        return int(scores.argmax())
     probs = torch.softmax(scores, dim=-1)
-    generator = torch.Generator().manual_seed(position_seed(params.seed, position))
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return int(torch.multinomial(probs, 1, generator=position_generator(params.seed, position)))
 
 
 def top_logprobs(logits: torch.Tensor, chosen: int, k: int) -> TokenLogprobs:
@@ -119,3 +136,106 @@ def verify(
         accepted += 1
     logprobs = [top_logprobs(logits[r], tok, num_logprobs) for r, tok in chosen_rows] if num_logprobs else []
     return accepted, chosen_rows[-1][1], logprobs
+
+
+# ---- the rejection (DSSD) exchange ---------------------------------------------------------------
+# For a drafter that samples x ~ q (a draft model on the client), speculative sampling accepts x
+# with probability min(1, p(x)/q(x)) and on rejection draws from norm(max(0, p - q)): the committed
+# token is then distributed exactly as p (Leviathan et al. 2023, Chen et al. 2023). DSSD's split
+# (arXiv 2507.12000) keeps the wire small: q(x) goes up with each draft id (2 bytes), the tail,
+# which has p, decides acceptance with a uniform from its (seed, position) generator, and only on a
+# rejection sends the top-K of p down; the client, which has q, draws the correction. Restricting
+# the residual to the top-K is exact when p's support lies in it (top-k sampling with k <= K).
+# Each random draw at a position has its own stream, so the decisions are independent:
+# "draft" (the client's draft), "accept" (the tail's uniform), "correct" (the client's correction).
+
+
+def correction_top_k(params: SamplingParams) -> int:
+    """K for a rejection's top-K: the sampling top_k when it is set and <= 64 (then p's support lies
+    inside and the correction is exact), else 64."""
+    return params.top_k if 0 < params.top_k <= MAX_CORRECTION_TOP_K else MAX_CORRECTION_TOP_K
+
+
+def pack_f16(values: Sequence[float]) -> bytes:
+    """Probabilities as float16 little-endian, 2 bytes each (the wire's 16-bit floats)."""
+    return torch.tensor(list(values), dtype=torch.float32).to(torch.float16).numpy().astype("<f2").tobytes()
+
+
+def unpack_f16(data: Optional[bytes]) -> list[float]:
+    return torch.frombuffer(bytearray(data), dtype=torch.float16).float().tolist() if data else []
+
+
+def check_draft_q(draft_q: Optional[bytes], n_draft: int) -> list[float]:
+    """The q(x) of a Step's drafts; raises ValueError naming what is wrong with them."""
+    draft_q = draft_q or b""
+    if len(draft_q) != 2 * n_draft:
+        raise ValueError(f"draft_q holds {len(draft_q)} bytes; {n_draft} drafts need {2 * n_draft} (one float16 each)")
+    q = unpack_f16(draft_q)
+    for i, value in enumerate(q):
+        if not 0.0 < value <= 1.0:  # also refuses NaN
+            raise ValueError(f"draft_q[{i}] = {value} is not a probability in (0, 1]")
+    return q
+
+
+def draw_draft(probs: torch.Tensor, seed: int, position: int) -> int:
+    """The client's draft for ``position``: x ~ q, probs: [vocab] (the processed q)."""
+    return int(torch.multinomial(probs, 1, generator=position_generator(seed, position, "draft")))
+
+
+def verify_rejection(
+    logits: torch.Tensor,
+    history: Sequence[int],
+    start_pos: int,
+    n_draft: int,
+    params: SamplingParams,
+    draft_q: Sequence[float],
+    num_logprobs: int = 0,
+) -> tuple[int, int, Optional[tuple[list[int], list[float]]], list[TokenLogprobs]]:
+    """The tail's side of the rejection exchange; arguments as :func:`verify`, plus ``draft_q``:
+    q(x) of each draft. Draft i (at position t) is accepted when u * q(x) < p(x), u ~ U[0, 1) from
+    the (seed, t, "accept") stream: with probability min(1, p(x)/q(x)).
+
+    Returns (accepted, next_token, correction, logprobs). If every draft is accepted, next_token is
+    the usual (seed, t) draw from p after them and correction is None. At the first rejection,
+    correction is the top-K (ids, probabilities) of p there and next_token is the target's own
+    (seed, t) draw (what token match would give; the client replaces it with its correction).
+    """
+    first_draft = len(logits) - n_draft  # row that predicts the first draft is first_draft - 1
+    chosen_rows: list[tuple[int, int]] = []
+    correction = None
+    for i in range(n_draft + 1):
+        row = first_draft - 1 + i
+        position = start_pos + row + 1
+        scores = processed_scores(logits[row], history[:position], params)
+        probs = torch.softmax(scores, dim=-1)
+        if i == n_draft:  # every draft accepted: the bonus token, by the usual rule
+            chosen_rows.append((row, int(torch.multinomial(probs, 1, generator=position_generator(params.seed, position)))))
+            break
+        x = history[position]
+        u = float(torch.rand((), generator=position_generator(params.seed, position, "accept")))
+        if u * draft_q[i] < float(probs[x]):  # q >= p: always accepted (u < 1); else with p/q
+            chosen_rows.append((row, x))
+            continue
+        top_p, top_ids = probs.topk(min(correction_top_k(params), probs.numel()))
+        correction = (top_ids.tolist(), top_p.tolist())
+        chosen_rows.append((row, int(torch.multinomial(probs, 1, generator=position_generator(params.seed, position)))))
+        break
+    logprobs = [top_logprobs(logits[r], tok, num_logprobs) for r, tok in chosen_rows] if num_logprobs else []
+    return len(chosen_rows) - 1, chosen_rows[-1][1], correction, logprobs
+
+
+def sample_correction(
+    top_ids: Sequence[int], top_p: Sequence[float], q: torch.Tensor, seed: int, position: int
+) -> int:
+    """The client's side of a rejection: a token from norm(max(0, p - q)) over the top-K of p the
+    tail sent (q: [vocab], the draft model's processed distribution at ``position``), drawn from
+    the (seed, position, "correct") stream. If p - q has no positive mass there (p's support
+    exceeds the top-K and q covers the rest, or float16 rounding made p equal q), it draws from the
+    top-K of p itself: the documented approximation."""
+    ids = torch.tensor(list(top_ids), dtype=torch.long)
+    p = torch.tensor(list(top_p), dtype=torch.float32)
+    residual = (p - q.float()[ids]).clamp(min=0)
+    if not float(residual.sum()) > 0:
+        residual = p
+    index = torch.multinomial(residual, 1, generator=position_generator(seed, position, "correct"))
+    return int(ids[index])

@@ -7,3 +7,12 @@ PROTOCOL_VERSION = 4
 #    final hidden states from the tail).
 # 4: hostile-peer hardening, head drafts in results and the rejection (DSSD) exchange; each change
 #    adds its line here.
+#    Verdicts and subscriptions: OpenSession.secret_hash (sha256 of a client secret) and
+#    Subscribe.secret; per-protocol frame limits from the model, at most max_positions_per_step
+#    positions per Step (chunked prefill); error codes frame_too_large, step_too_large,
+#    unauthorized, queue_full (docs/protocol.md).
+#    Rejection (DSSD) exchange: Step.draft_q (float16 q of each draft), StepResult.correction_ids/
+#    correction_p (top-K of p on a rejection); SamplingParams is a map of one-letter keys without
+#    its defaults (14 bytes for seeded top-k sampling instead of 37).
+#    Head drafts: Step.head_drafts (how many the client wants), StepResult.drafts (the tail's drafter head).
+#    Hop.addrs: circuit addresses of a hop behind NAT (docs/nat.md).

@@ -6,8 +6,6 @@ room refuses at open time with BUSY, and the client routes elsewhere.
 
 from __future__ import annotations
 
-import psutil
-
 
 class CacheBudget:
     def __init__(self, total_tokens: int):
@@ -30,9 +28,11 @@ class CacheBudget:
         self._reserved.pop(session_id, None)
 
 
-def default_cache_tokens(bytes_per_token: int, memory_fraction: float = 0.25, cap: int = 1 << 20) -> int:
-    """A budget that uses a quarter of the currently available memory, at least 2048 tokens."""
+def default_cache_tokens(bytes_per_token: int, device: str = "cpu", cap: int = 1 << 20) -> int:
+    """A budget of :data:`server.memory.CACHE_FRACTION` of the device's free memory (measured by
+    :func:`server.memory.free_device_bytes`, the one place that measures it), at least 2048 tokens."""
+    from server.memory import CACHE_FRACTION, free_device_bytes
+
     if bytes_per_token <= 0:
         return 8192
-    available = psutil.virtual_memory().available
-    return max(2048, min(cap, int(available * memory_fraction) // bytes_per_token))
+    return max(2048, min(cap, int(free_device_bytes(device) * CACHE_FRACTION) // bytes_per_token))

@@ -6,12 +6,20 @@ Data path of one run through this server, top to bottom:
   3) a middle server pushes the Step and its output activations to the next server's stream;
      the tail puts the StepResult on the results stream the client opened.
 Errors found here go back upstream on the session stream (each server relays what its
-downstream reports), so the client hears about every failure on the stream it opened.
+downstream reports), so the client hears about every failure on the stream it opened. Nothing but
+ErrorReply travels upstream: a verdict reaches the client only from the tail, on the results stream
+the client opened and authenticated with its session secret (design.md, "Trust").
+
+Every peer is a stranger: frames are limited per protocol by what the model can need
+(protocol/limits.py), and sessions per server, sessions per upstream peer, runs queued and results
+unread per session are capped, so no peer can make a server allocate without bound.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +29,7 @@ import torch
 from hivemind.p2p import P2P, PeerID
 
 from protocol import compression as codecs
+from protocol import limits
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.messages import (
     Cancel,
@@ -38,6 +47,7 @@ from protocol.messages import (
 from server.adapters import SpanAdapter, SpanCancelled
 from server.cache_budget import CacheBudget
 from server.session import QueuedRun, QueuedTrim, ServerSession, TailReply, compute_run
+from swarm import relay
 from swarm.streams import PING_PROTOCOL, RESULTS_PROTOCOL, SESSION_PROTOCOL, MessageStream, serve
 
 logger = logging.getLogger(__name__)
@@ -56,23 +66,38 @@ class SessionHandler:
         session_timeout: float = 600.0,
         compression: str = codecs.LOSSLESS,  # protocol.compression codec of the activations sent on
         block_delay: float = 0.0,
+        max_positions_per_step: int = limits.DEFAULT_MAX_POSITIONS_PER_STEP,
+        max_sessions: int = limits.DEFAULT_MAX_SESSIONS,
+        max_sessions_per_peer: int = limits.DEFAULT_MAX_SESSIONS_PER_PEER,
     ):
         self.p2p, self.span, self.budget = p2p, span, budget
         self.peer_id = p2p.peer_id.to_base58()
         self.session_timeout = session_timeout
         self.compression = compression
         self.block_delay = block_delay
+        self.max_positions_per_step = max_positions_per_step
+        self.max_sessions, self.max_sessions_per_peer = max_sessions, max_sessions_per_peer
+        # the largest frame a Step of max_positions_per_step positions needs, and its activations
+        self.max_frame_bytes = limits.session_frame_bytes(span.hidden_shape, max_positions_per_step)
+        self.max_tensor_elements = limits.step_tensor_elements(span.hidden_shape, max_positions_per_step)
         self.sessions: dict[str, ServerSession] = {}
-        self._results: dict[str, asyncio.Queue[Optional[Message]]] = {}
+        self._results: dict[str, asyncio.Queue[Optional[Message]]] = {}  # tail: per open session
+        self._session_opened = asyncio.Event()  # set (and replaced) whenever a session opens here
+        self._opening: set[str] = set()  # session ids whose OpenSession waits for the next hop
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="span-compute")
         self.accepting = True
         self.stats = {"runs": 0, "cancelled_runs": 0, "sessions_opened": 0, "accepted_tokens": 0,
-                      "cancelled_queued": 0, "cancelled_running": 0, "cancelled_computed": 0}  # fmt: skip
+                      "cancelled_queued": 0, "cancelled_running": 0, "cancelled_computed": 0,
+                      "dropped_upstream": 0}  # fmt: skip
 
     async def start(self) -> None:
-        await serve(self.p2p, SESSION_PROTOCOL, self._serve_session)
-        await serve(self.p2p, RESULTS_PROTOCOL, self._serve_results)
-        await serve(self.p2p, PING_PROTOCOL, self._serve_ping)
+        await serve(self.p2p, SESSION_PROTOCOL, self._serve_session,
+                    max_frame_bytes=self.max_frame_bytes, max_tensor_elements=self.max_tensor_elements)  # fmt: skip
+        # a client sends only Subscribe (results stream) or Ping (ping stream): small, no tensors
+        await serve(self.p2p, RESULTS_PROTOCOL, self._serve_results,
+                    max_frame_bytes=limits.CONTROL_FRAME_BYTES, max_tensor_elements=0)  # fmt: skip
+        await serve(self.p2p, PING_PROTOCOL, self._serve_ping,
+                    max_frame_bytes=limits.CONTROL_FRAME_BYTES, max_tensor_elements=0)  # fmt: skip
         # bitsandbytes takes seconds to import: not on the first run's path
         asyncio.get_running_loop().run_in_executor(None, codecs.preload, self.compression)
         self._reaper = asyncio.create_task(self._reap_idle_sessions())
@@ -113,7 +138,11 @@ class SessionHandler:
                         session, downstream = await self._open(message, upstream)
                     elif isinstance(message, CloseSession):
                         return
-                    elif session is None or getattr(message, "session_id", None) != session.session_id:
+                    elif (
+                        session is None
+                        or session.closed
+                        or getattr(message, "session_id", None) != session.session_id
+                    ):
                         raise ProtocolError(
                             ErrorCode.UNKNOWN_SESSION,
                             f"session {getattr(message, 'session_id', None)!r} is not open on this stream",
@@ -136,8 +165,10 @@ class SessionHandler:
         self, message: OpenSession, upstream: MessageStream
     ) -> tuple[ServerSession, Optional[MessageStream]]:
         self._check_route(message)
-        if message.session_id in self.sessions:
+        self._check_upstream(message, upstream)
+        if message.session_id in self.sessions or message.session_id in self._opening:
             raise ProtocolError(ErrorCode.SESSION_EXISTS, f"session {message.session_id} is already open here")
+        self._check_session_caps(upstream)
         if not self.budget.reserve(message.session_id, message.max_length):
             raise ProtocolError(
                 ErrorCode.BUSY,
@@ -148,7 +179,9 @@ class SessionHandler:
             message.session_id, message.max_length, message.route, message.hop_index, self.span.new_cache()
         )
         session.upstream = upstream
+        session.secret_hash = message.secret_hash
         downstream = None
+        self._opening.add(session.session_id)  # the same id on another stream, meanwhile: session_exists
         try:
             if session.next_hop is not None:
                 downstream = await self._open_downstream(session)
@@ -156,14 +189,21 @@ class SessionHandler:
         except BaseException:
             self.budget.release(session.session_id)
             raise
+        finally:
+            self._opening.discard(session.session_id)
         self.sessions[session.session_id] = session
+        if session.next_hop is None:
+            self._results[session.session_id] = asyncio.Queue()
+        self._session_opened.set()
+        self._session_opened = asyncio.Event()
         session.worker = asyncio.create_task(self._run_session(session, downstream))
         self.stats["sessions_opened"] += 1
         logger.info(
             f"Opened session {session.session_id} (blocks {session.hop.start}:{session.hop.end}, "
             f"max_length {session.max_length}, hop {session.hop_index + 1}/{len(session.route)})"
         )
-        await upstream.send(SessionOpened(session_id=session.session_id))
+        # quietly: if the opener is already gone, the stream's end closes the session at once
+        await _send_quietly(upstream, SessionOpened(session_id=session.session_id))
         return session, downstream
 
     def _check_route(self, message: OpenSession) -> None:
@@ -180,16 +220,49 @@ class SessionHandler:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "the route must start at block 0 and end at the last block")
         if index > 0 and route[index - 1].end != hop.start:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "the route's hops are not contiguous")
+        if index + 1 < len(route):  # the next hop may sit behind NAT: dial it through its relays
+            relay.remember(route[index + 1].peer_id, route[index + 1].addrs)
         if message.max_length <= 0:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"max_length must be positive, got {message.max_length}")
+        if not _is_sha256_hex(message.secret_hash):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "secret_hash must be the sha256 (64 hex digits) of the client's secret")
         if not self.accepting:
             raise ProtocolError(ErrorCode.SHUTTING_DOWN, "this server is shutting down")
+
+    def _check_upstream(self, message: OpenSession, upstream: MessageStream) -> None:
+        """Past the head, the stream must come from the route's previous hop (libp2p authenticates
+        the peer id), so no peer can enter a chain in the middle or dodge the per-client cap."""
+        if message.hop_index > 0:
+            previous = message.route[message.hop_index - 1].peer_id
+            if upstream.peer_id.to_base58() != previous:
+                raise ProtocolError(
+                    ErrorCode.UNAUTHORIZED,
+                    f"hop {message.hop_index} must be opened by the route's previous hop {previous}, "
+                    f"not by {upstream.peer_id.to_base58()}",
+                )
+
+    def _check_session_caps(self, upstream: MessageStream) -> None:
+        """Open sessions are capped per server and per upstream peer (a client at the head, the
+        previous server further on): one peer cannot take every slot."""
+        held = len(self.sessions) + len(self._opening)
+        if held >= self.max_sessions:
+            raise ProtocolError(ErrorCode.BUSY, f"this server has {held} sessions open, its limit")
+        peer = upstream.peer_id
+        held = sum(1 for s in self.sessions.values() if s.upstream is not None and s.upstream.peer_id == peer)
+        if held >= self.max_sessions_per_peer:
+            raise ProtocolError(
+                ErrorCode.BUSY,
+                f"peer {peer.to_base58()} already has {held} sessions open here (at most {self.max_sessions_per_peer})",
+            )
 
     async def _open_downstream(self, session: ServerSession) -> MessageStream:
         next_hop = session.next_hop
         try:
             stream = await asyncio.wait_for(
-                MessageStream.open(self.p2p, PeerID.from_base58(next_hop.peer_id), SESSION_PROTOCOL),
+                MessageStream.open(  # the next server sends back only SessionOpened and ErrorReply
+                    self.p2p, PeerID.from_base58(next_hop.peer_id), SESSION_PROTOCOL,
+                    max_frame_bytes=limits.CONTROL_FRAME_BYTES, max_tensor_elements=0,
+                ),  # fmt: skip
                 DOWNSTREAM_OPEN_TIMEOUT,
             )
             await stream.send(
@@ -198,6 +271,7 @@ class SessionHandler:
                     max_length=session.max_length,
                     route=session.route,
                     hop_index=session.hop_index + 1,
+                    secret_hash=session.secret_hash,
                 )
             )
             reply = await asyncio.wait_for(stream.receive(), DOWNSTREAM_OPEN_TIMEOUT)
@@ -217,7 +291,9 @@ class SessionHandler:
         return stream
 
     async def _relay_reports(self, downstream: MessageStream, upstream: MessageStream, session: ServerSession) -> None:
-        """Pass what the next server reports (errors) back upstream; report if it dies."""
+        """Pass what the next server reports back upstream; report if it dies. Only ErrorReply
+        of this session travels upstream: anything else (a forged verdict) is dropped here, and
+        the client would drop it too (verdicts count only from the tail's results stream)."""
         while True:
             try:
                 received = await downstream.receive()
@@ -225,7 +301,12 @@ class SessionHandler:
                 continue
             if received is None:
                 break
-            await _send_quietly(upstream, received.message)
+            message = received.message
+            if isinstance(message, ErrorReply) and message.session_id in ("", session.session_id):
+                await _send_quietly(upstream, message)
+            else:
+                self.stats["dropped_upstream"] += 1
+                logger.info(f"Dropped a {type(message).__name__} that {downstream.peer_id} sent upstream")
         if not session.closed:
             error = ProtocolError(
                 ErrorCode.DOWNSTREAM_FAILED, f"next server {session.next_hop.peer_id} dropped the session"
@@ -233,6 +314,18 @@ class SessionHandler:
             await self._report(upstream, session, error, None, peer_id=session.next_hop.peer_id)
 
     def _enqueue(self, session: ServerSession, step: Step, tensors: list[torch.Tensor]) -> None:
+        if len(step.token_ids) > self.max_positions_per_step:
+            raise ProtocolError(
+                ErrorCode.STEP_TOO_LARGE,
+                f"a Step of {len(step.token_ids)} positions exceeds this server's max_positions_per_step "
+                f"{self.max_positions_per_step}: send long prompts as several Steps (chunked prefill)",
+            )
+        if session.queue.qsize() >= limits.MAX_QUEUED_RUNS:
+            raise ProtocolError(
+                ErrorCode.QUEUE_FULL, f"{session.queue.qsize()} runs already queued (at most {limits.MAX_QUEUED_RUNS})"
+            )
+        if len(tensors) > 1:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"a Step carries at most one tensor, got {len(tensors)}")
         hidden = tensors[0] if tensors else None
         session.check_step(step, hidden, self.span)
         session.accept(step)
@@ -280,11 +373,11 @@ class SessionHandler:
             self.stats["runs"] += 1
             if isinstance(output, TailReply):  # a forward pass's outputs go first, the verdict after them
                 for frame in output.outputs:
-                    self._results_queue(session.session_id).put_nowait(frame)
+                    await self._post_result(session, frame)
                 output = output.result
             if isinstance(output, StepResult):
                 self.stats["accepted_tokens"] += output.accepted + 1
-                self._results_queue(session.session_id).put_nowait(output)
+                await self._post_result(session, output)
             else:
                 await _send_quietly(downstream, run.step, [output], self.compression)
 
@@ -294,9 +387,25 @@ class SessionHandler:
             session_id=session.session_id, code=error.code, message=error.message, run_id=run_id, peer_id=self.peer_id
         )
         if session.next_hop is None:
-            self._results_queue(session.session_id).put_nowait(reply)
+            await self._post_result(session, reply)
         else:
             await _send_quietly(session.upstream, reply)
+
+    async def _post_result(self, session: ServerSession, item) -> None:
+        """Queue a message for the session's results stream (tail). A client that leaves more than
+        MAX_UNREAD_RESULTS unread loses the session (told upstream) instead of growing our memory."""
+        queue = self._results.get(session.session_id)
+        if queue is None or session.closed:
+            return
+        if queue.qsize() >= limits.MAX_UNREAD_RESULTS:
+            error = ProtocolError(
+                ErrorCode.QUEUE_FULL, f"more than {limits.MAX_UNREAD_RESULTS} results unread: closing the session"
+            )
+            await self._report(session.upstream, session, error, None)
+            self._close(session, reason="results unread")
+            session.upstream.close()
+            return
+        queue.put_nowait(item)
 
     async def _report(
         self,
@@ -349,14 +458,14 @@ class SessionHandler:
 
     # ---- results streams (tail only) --------------------------------------------------------
 
-    def _results_queue(self, session_id: str) -> "asyncio.Queue[Optional[Message]]":
-        return self._results.setdefault(session_id, asyncio.Queue())
-
     async def _serve_results(self, client: MessageStream) -> None:
+        """One client's results stream: its first message must be a Subscribe carrying the secret
+        whose sha256 the session was opened with; then the session's verdicts go out here."""
         try:
             first = await asyncio.wait_for(client.receive(), SUBSCRIBE_TIMEOUT)
         except (asyncio.TimeoutError, ProtocolError) as e:
-            await _send_quietly(client, ErrorReply(session_id="", code=ErrorCode.BAD_REQUEST, message=str(e)))
+            code = e.code if isinstance(e, ProtocolError) else ErrorCode.BAD_REQUEST
+            await _send_quietly(client, ErrorReply(session_id="", code=code, message=str(e) or "no Subscribe in time"))
             return
         if first is None:
             return
@@ -364,17 +473,28 @@ class SessionHandler:
             error = ErrorReply(session_id="", code=ErrorCode.BAD_REQUEST, message="expected Subscribe")
             await _send_quietly(client, error)
             return
-        session_id = first.message.session_id
-        queue = self._results_queue(session_id)
+        subscribe = first.message
         closed = asyncio.create_task(client.receive())  # returns when the client goes away
         try:
+            session = await self._wait_for_session(subscribe.session_id, closed)
+            if session is None:
+                return  # the client went away, or the session never opened here
+            refusal = self._check_subscriber(session, subscribe)
+            if refusal is not None:
+                logger.info(f"Refused a Subscribe to {session.session_id} from {client.peer_id}: {refusal}")
+                error = ErrorReply(session_id=subscribe.session_id, code=ErrorCode.UNAUTHORIZED, message=refusal,
+                                   peer_id=self.peer_id)  # fmt: skip
+                await _send_quietly(client, error)
+                return
+            session.subscribed = True
+            queue = self._results[session.session_id]
             while True:
                 getter = asyncio.create_task(queue.get())
                 done, _ = await asyncio.wait({getter, closed}, timeout=SUBSCRIBE_TIMEOUT, return_when=asyncio.FIRST_COMPLETED)
                 if getter not in done:
                     getter.cancel()
-                    if closed in done or session_id not in self.sessions:
-                        return  # client gone, or a subscription for a session that never opened
+                    if closed in done or session.closed:
+                        return  # client gone, or the session closed
                     continue
                 item = getter.result()
                 if item is None:
@@ -385,8 +505,32 @@ class SessionHandler:
                     await client.send(item)
         finally:
             closed.cancel()
-            if session_id not in self.sessions:
-                self._results.pop(session_id, None)
+            if closed.done() and not closed.cancelled():
+                closed.exception()  # a malformed frame after Subscribe: retrieved, nothing to report
+
+    async def _wait_for_session(self, session_id: str, closed: "asyncio.Task") -> Optional[ServerSession]:
+        """The client subscribes before it opens the session through the head: wait (bounded) for
+        the session to open here."""
+        deadline = time.monotonic() + SUBSCRIBE_TIMEOUT
+        while (session := self.sessions.get(session_id)) is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or closed.done():
+                return None
+            opened = asyncio.create_task(self._session_opened.wait())
+            await asyncio.wait({opened, closed}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+            opened.cancel()
+        return session
+
+    def _check_subscriber(self, session: ServerSession, subscribe: Subscribe) -> Optional[str]:
+        """Why this Subscribe may not have the session's results, or None if it may."""
+        if session.next_hop is not None:
+            return "this server is not the session's tail"
+        given = hashlib.sha256(subscribe.secret.encode()).hexdigest()
+        if not hmac.compare_digest(given, session.secret_hash):
+            return "the session's secret does not match: results go only to the client that opened the session"
+        if session.subscribed:
+            return "the session already has a results stream"
+        return None
 
 
 async def _send_quietly(stream: Optional[MessageStream], message: Message, tensors=(), codec=codecs.LOSSLESS) -> None:
@@ -397,3 +541,7 @@ async def _send_quietly(stream: Optional[MessageStream], message: Message, tenso
         await stream.send(message, tensors, codec)
     except (ConnectionError, OSError, RuntimeError) as e:
         logger.debug(f"Could not send {type(message).__name__} to {stream.peer_id}: {e!r}")
+
+
+def _is_sha256_hex(text: str) -> bool:
+    return len(text) == 64 and all(c in "0123456789abcdef" for c in text)

@@ -50,7 +50,7 @@ from typing import Awaitable, Callable, Optional, Sequence
 
 import msgspec
 
-from swarm.records import ServerInfo, ServerState
+from swarm.records import MIN_THROUGHPUT, ServerInfo, ServerState
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,9 @@ def joining_throughput(servers: Sequence[ServerInfo], span_length: int) -> float
         s.throughput * (s.end_block - s.start_block) for s in servers
         if s.state == ServerState.ONLINE and s.throughput > 0 and s.end_block > s.start_block
     ]  # fmt: skip
-    return min(speeds) / max(1, span_length) if speeds else JOINING_THROUGHPUT
+    # at least MIN_THROUGHPUT: readers drop records below it, so a hostile record claiming a crawl
+    # cannot make our JOINING record invisible to placement
+    return max(MIN_THROUGHPUT, min(speeds) / max(1, span_length)) if speeds else JOINING_THROUGHPUT
 
 
 def outranks(other: ServerInfo, mine: ServerInfo) -> bool:

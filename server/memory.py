@@ -15,7 +15,7 @@ import torch
 
 from server.quantization import Quant, estimate_module_bytes
 
-CACHE_FRACTION = 0.25  # of free memory kept for the KV cache budget (as default_cache_tokens uses)
+CACHE_FRACTION = 0.25  # of free memory kept for the KV cache budget (also server.cache_budget.default_cache_tokens)
 HEADROOM_FRACTION = 0.05  # of free memory left for activations and allocator slack
 
 GiB = 1 << 30

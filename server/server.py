@@ -22,10 +22,12 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from protocol.compression import CODECS
+from protocol.limits import DEFAULT_MAX_POSITIONS_PER_STEP, DEFAULT_MAX_SESSIONS, DEFAULT_MAX_SESSIONS_PER_PEER
 from server.adapters import SpanAdapter, load_span
 from server.cache_budget import CacheBudget, default_cache_tokens
 from server.handler import SessionHandler
 from server.joining import claim_span, joining_throughput, keep_announcing, leave
+from server.drafter_head import DEFAULT_HEAD_DRAFTS
 from server.memory import MemoryPlan, plan_blocks
 from server.quantization import Quant, resident_bytes, resolve_quant
 from server.upkeep import measure_next_pings
@@ -34,8 +36,8 @@ from swarm.config import no_initial_peers_message, resolve_initial_peers
 from swarm.dht_records import announce, fetch_servers
 from swarm.identity import load_or_create_identity
 from swarm.models import resolve_model
+from swarm.reachability import ProbeService, start_server_dht
 from swarm.records import ServerInfo, ServerState
-from swarm.validation import PeerIdSignatureValidator
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +68,12 @@ class ServerConfig:
     drain_seconds: float = 30.0  # on shutdown or a move, open sessions get this long to finish
     balance_period: float = 120.0  # seconds between checks whether another span helps the swarm more
     debug_block_delay: float = 0.0  # seconds slept before each block: fault injection for tests
+    max_positions_per_step: int = DEFAULT_MAX_POSITIONS_PER_STEP  # a Step's positions; frames sized by it
+    max_sessions: int = DEFAULT_MAX_SESSIONS  # open sessions at most
+    max_sessions_per_peer: int = DEFAULT_MAX_SESSIONS_PER_PEER  # open sessions per upstream peer at most
+    reachability: str = "auto"  # auto: ask initial peers to dial back; public; private (always through a relay)
+    drafter: str = "auto"  # the tail's drafter head: auto (the committed head for this model, if any), none, or a file
+    drafter_tokens: int = DEFAULT_HEAD_DRAFTS  # ids the head drafts per run at most
 
 
 class SpanServer:
@@ -98,20 +106,23 @@ class SpanServer:
             logger.info(plan.describe(device))
         dht_name = config.dht_prefix or model.dht_name
         identity = load_or_create_identity(config.identity_path)
-        dht = hivemind.DHT(
-            initial_peers=initial_peers.peers,
-            host_maddrs=[f"/ip4/{config.host}/tcp/{config.port}"],
-            announce_maddrs=list(config.announce_maddrs) or None,
-            identity_path=identity.path,
-            record_validators=[PeerIdSignatureValidator(identity)],
-            start=True,
-        )
+        # Can peers dial us? If not, join through a relay (or stop: swarm/reachability.py)
+        joined = await start_server_dht(
+            initial_peers=initial_peers.peers, identity=identity, host=config.host, port=config.port,
+            announce_maddrs=config.announce_maddrs,
+            reachability="public" if config.new_swarm and config.reachability == "auto" else config.reachability,
+        )  # fmt: skip
+        dht = joined.dht
+        probes = ProbeService()  # lets peers that use this one as an initial peer check themselves
+        if not joined.using_relay:
+            await probes.add_to(await dht.replicate_p2p())
         # Claim the span before loading it: a JOINING record that placement counts and routing
         # ignores (server/joining.py), refreshed until the ONLINE one replaces it.
         total = model_config.num_hidden_layers
         template = ServerInfo(
             peer_id=dht.peer_id.to_base58(), model=dht_name, start_block=0, end_block=1, version=_package_version(),
             public_name=config.public_name, dtype=str(dtype).removeprefix("torch."), quantization=quant.quant.value,
+            using_relay=joined.using_relay, relay_addrs=joined.relay_addrs,
         )  # fmt: skip
         loop = asyncio.get_running_loop()
 
@@ -131,8 +142,9 @@ class SpanServer:
             span = await loop.run_in_executor(
                 None, load_span, model_config, Checkpoint(model.source), start, end, dtype, device, quant.quant
             )
+            await loop.run_in_executor(None, attach_drafter, span, config, model_config, Checkpoint(model.source))
             logger.info(f"Blocks {start}:{end} hold {resident_bytes(span.layers) / 2**20:.1f} MiB of weights ({quant.quant.value})")
-            budget = CacheBudget(config.cache_tokens or _cache_tokens(span, plan))
+            budget = CacheBudget(config.cache_tokens or _cache_tokens(span, plan, device))
             p2p = await dht.replicate_p2p()
             handler = SessionHandler(
                 p2p,
@@ -141,6 +153,9 @@ class SpanServer:
                 session_timeout=config.session_timeout,
                 compression=config.compression,
                 block_delay=config.debug_block_delay,
+                max_positions_per_step=config.max_positions_per_step,
+                max_sessions=config.max_sessions,
+                max_sessions_per_peer=config.max_sessions_per_peer,
             )
             await handler.start()
             info = ServerInfo(
@@ -157,6 +172,8 @@ class SpanServer:
                 dtype=str(dtype).removeprefix("torch."),
                 quantization=quant.quant.value,
                 started_at=time.time(),
+                using_relay=joined.using_relay,
+                relay_addrs=joined.relay_addrs,
             )
         except BaseException:
             refresher.cancel()
@@ -216,6 +233,7 @@ class SpanServer:
             None, load_span, self.model_config, self.checkpoint, start, end, self.span.dtype, str(self.span.device),
             Quant(self.info.quantization),
         )
+        await loop.run_in_executor(None, attach_drafter, span, self.config, self.model_config, self.checkpoint)
         self.span = self.handler.span = span
         self.info = msgspec.structs.replace(self.info, start_block=start, end_block=end, next_pings={})
         self.handler.accepting = True
@@ -240,6 +258,32 @@ class SpanServer:
             announce(self.dht, info, 3 * self.config.update_period, wait=True, num_blocks=self.span.num_blocks)
         except Exception as e:
             logger.warning(f"Could not announce {state.value}: {e!r}")
+
+
+def attach_drafter(span: SpanAdapter, config: ServerConfig, model_config: PretrainedConfig, checkpoint: Checkpoint) -> None:
+    """``--drafter``: give a tail span its drafter head (server/drafter_head.py). ``auto`` picks the
+    head committed for this model (matched by config fingerprint) and drafts nothing without one;
+    ``none`` never drafts; a path loads that head file, and a file that does not fit is an error."""
+    from server.drafter_head import build_head_drafter, committed_head
+
+    span.drafter = None
+    choice = config.drafter
+    if choice == "none" or not span.is_tail:
+        return
+    from server.adapters.llama import LlamaFamilyAdapter
+
+    llama = isinstance(span, LlamaFamilyAdapter)  # DeepSeek-V4's MTP is not served yet (docs/deepseek_v4.md)
+    if choice == "auto":
+        path = committed_head(model_config) if llama else None
+        if path is None:
+            logger.info("Drafter head: none (no committed head for this model)")
+            return
+    else:
+        path = choice
+        if not llama:
+            raise ValueError(f"--drafter {choice}: drafter heads exist only for Llama-family models so far")
+    span.drafter = build_head_drafter(span, model_config, checkpoint, path, max_drafts=config.drafter_tokens)
+    logger.info(f"Drafter head: {path} (up to {config.drafter_tokens} ids per run)")
 
 
 def resolve_device(requested: str) -> str:
@@ -311,10 +355,10 @@ def _hub_reachable(timeout: float = 5.0) -> bool:
         pool.shutdown(wait=False)
 
 
-def _cache_tokens(span: SpanAdapter, plan: Optional[MemoryPlan]) -> int:
+def _cache_tokens(span: SpanAdapter, plan: Optional[MemoryPlan], device: str) -> int:
     """The cache budget in tokens: the memory plan's share when blocks were chosen by memory."""
     if plan is None:
-        return default_cache_tokens(span.cache_bytes_per_token())
+        return default_cache_tokens(span.cache_bytes_per_token(), device)
     return max(2048, plan.cache_bytes // max(1, span.cache_bytes_per_token()))
 
 

@@ -17,8 +17,9 @@ import torch
 
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.messages import MAX_TOP_LOGPROBS, OUTPUTS_FRAME_BYTES, Hop, OpenSession, RunOutputs, Step, StepResult
-from protocol.sampling import validate_sampling, verify
+from protocol.sampling import check_draft_q, pack_f16, validate_sampling, verify, verify_rejection
 from server.adapters import SpanAdapter, SpanCancelled
+from server.drafter_head import MAX_HEAD_DRAFTS
 
 
 @dataclass
@@ -61,6 +62,9 @@ class ServerSession:
     closed: bool = False
     upstream: Optional[object] = None  # the MessageStream this session arrived on
     worker: Optional["asyncio.Task"] = None
+    secret_hash: str = ""  # sha256 hex of the client's secret: the tail's results go to its holder only
+    subscribed: bool = False  # the tail has given this session's results stream to its client
+    head_state: Optional[object] = None  # the tail's drafter head cache (server.drafter_head.HeadSession)
 
     @property
     def hop(self) -> Hop:
@@ -118,10 +122,24 @@ class ServerSession:
             validate_sampling(step.sampling_params)
         except ValueError as e:
             raise ProtocolError(ErrorCode.BAD_REQUEST, str(e)) from None
+        if step.draft_q is not None:
+            self._check_draft_q(step)
+        if not 0 <= step.head_drafts <= MAX_HEAD_DRAFTS:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"head_drafts must be in [0, {MAX_HEAD_DRAFTS}], got {step.head_drafts}")
         expected_shape = (1, num_new, *span.hidden_shape)
         if self.hop_index > 0 and (hidden is None or tuple(hidden.shape) != expected_shape):
             got = None if hidden is None else tuple(hidden.shape)
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"activations of shape {got}, expected {expected_shape}")
+
+    @staticmethod
+    def _check_draft_q(step: Step) -> None:
+        """The rejection exchange needs sampling and one probability in (0, 1] per draft."""
+        if not step.sampling_params.do_sample:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "draft_q (rejection verification) needs do_sample sampling")
+        try:
+            check_draft_q(step.draft_q, step.n_draft)
+        except ValueError as e:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, str(e)) from None
 
     def accept(self, step: Step) -> None:
         """Record an accepted run's ids so later runs are checked against it."""
@@ -201,17 +219,44 @@ def compute_run(
         return hidden
     logits = LazyLogits(span, hidden)
     outputs = _outputs(span, session, step, hidden, logits) if step.return_logits else None
-    accepted, next_token, logprobs = verify(
-        logits, session.history, step.start_pos, step.n_draft, step.sampling_params, step.top_logprobs
+    result = _verdict(session, step, logits)
+    if step.head_drafts and span.drafter is not None:
+        result.drafts = _head_drafts(span, session, step, hidden, result)
+    return result if outputs is None else TailReply(outputs, result)
+
+
+def _head_drafts(span: SpanAdapter, session: ServerSession, step: Step, hidden: torch.Tensor, result: StepResult) -> list[int]:
+    """The tail's drafter head over the final activations of the positions this verdict commits
+    (server/drafter_head.py); the session keeps the head's own cache."""
+    if session.head_state is None:
+        session.head_state = span.drafter.new_session()
+    committed = len(step.token_ids) - step.n_draft + result.accepted
+    return span.drafter.draft(
+        session.head_state, hidden, step.token_ids, step.start_pos, committed, result.next_token, step.head_drafts
     )
-    result = StepResult(
+
+
+def _verdict(session: ServerSession, step: Step, logits: "LazyLogits") -> StepResult:
+    """Verify the run's drafts: by token match, or by the rejection rule when they carry q(x)."""
+    params, correction = step.sampling_params, None
+    if step.draft_q is not None:  # checked on arrival (ServerSession.check_step)
+        q = check_draft_q(step.draft_q, step.n_draft)
+        accepted, next_token, correction, logprobs = verify_rejection(
+            logits, session.history, step.start_pos, step.n_draft, params, q, step.top_logprobs
+        )
+    else:
+        accepted, next_token, logprobs = verify(
+            logits, session.history, step.start_pos, step.n_draft, params, step.top_logprobs
+        )
+    return StepResult(
         session_id=session.session_id,
         run_id=step.run_id,
         accepted=accepted,
         next_token=next_token,
         logprobs=logprobs or None,
+        correction_ids=correction[0] if correction else None,
+        correction_p=pack_f16(correction[1]) if correction else None,
     )
-    return result if outputs is None else TailReply(outputs, result)
 
 
 def _outputs(

@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import logging
 from functools import partial
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import msgspec
 from hivemind import DHT
 from hivemind.dht.node import DHTNode
 from hivemind.utils import get_dht_time
 
-from swarm.records import MODELS_KEY, ServerInfo, block_key
+from swarm import relay
+from swarm.records import MAX_MODEL_BLOCKS, MAX_NAME_CHARS, MODELS_KEY, ServerInfo, block_key
 
 logger = logging.getLogger(__name__)
 
@@ -41,13 +42,24 @@ async def _store_many(dht: DHT, node: DHTNode, keys, subkeys, values, expiration
     )
 
 
-def fetch_servers(dht: DHT, model: str, num_blocks: int, latest: bool = True) -> list[ServerInfo]:
+def fetch_servers(
+    dht: DHT, model: str, num_blocks: int, latest: bool = True, *, read_blocks: Optional[int] = None
+) -> list[ServerInfo]:
     """Every valid, unexpired record of ``model``; one entry per server (not per block).
+
+    ``num_blocks`` is the model's number of blocks, taken from its config (or, where a reader has
+    no config, a number it capped at ``MAX_MODEL_BLOCKS``; never a claim read from the swarm):
+    records whose span leaves ``0..num_blocks``, or whose fields fail the bounds of
+    :class:`ServerInfo`, are dropped (logged at DEBUG). ``read_blocks`` reads only the keys of the
+    first blocks (default: all ``num_blocks``).
 
     A server that changed its span (a move, a second choice while joining) leaves its older
     record under the blocks it left until that expires, so the newest record wins: the one that
     expires last (every announcement of a server lives equally long)."""
-    keys = [block_key(model, block) for block in range(num_blocks)]
+    if not 0 < num_blocks <= MAX_MODEL_BLOCKS:
+        raise ValueError(f"num_blocks must be in 1..{MAX_MODEL_BLOCKS}, got {num_blocks}")
+    read = num_blocks if read_blocks is None else max(0, min(read_blocks, num_blocks))
+    keys = [block_key(model, block) for block in range(read)]
     found = dht.run_coroutine(partial(_get_many, keys=keys, latest=latest))
     servers: dict[str, tuple[float, ServerInfo]] = {}
     for key in keys:
@@ -55,7 +67,7 @@ def fetch_servers(dht: DHT, model: str, num_blocks: int, latest: bool = True) ->
         if entry is None or not isinstance(entry.value, dict):
             continue
         for subkey, item in entry.value.items():
-            info = _parse(subkey, item.value, model)
+            info = _parse(subkey, item.value, model, num_blocks)
             expires = getattr(item, "expiration_time", None)
             expires = expires if isinstance(expires, (int, float)) else float("-inf")
             if info is not None and (info.peer_id not in servers or expires >= servers[info.peer_id][0]):
@@ -72,29 +84,46 @@ def fetch_models(dht: DHT) -> list[str]:
     return sorted(fetch_model_registry(dht))
 
 
-def fetch_model_registry(dht: DHT) -> dict[str, Optional[int]]:
+def fetch_model_registry(dht: DHT, known: Optional[Mapping[str, int]] = None) -> dict[str, Optional[int]]:
     """Model name -> its number of blocks, for every model some server announced recently
-    (``None`` where the announcing server was too old to say)."""
+    (``None`` where the announcing server was too old to say, or said something invalid).
+
+    Anyone can write the registry, so nothing in it is trusted beyond a bound: a name that is
+    not a string of at most ``MAX_NAME_CHARS`` is skipped, a ``num_blocks`` that is not an int in
+    ``1..MAX_MODEL_BLOCKS`` reads as ``None``, and for a model in ``known`` (name -> blocks from
+    the model's own config) the config's number is used and a disagreeing entry ignored."""
+    known = known or {}
     entry = dht.get(MODELS_KEY, latest=True)
     if entry is None or not isinstance(entry.value, dict):
         return {}
     registry: dict[str, Optional[int]] = {}
     for name, item in entry.value.items():
+        if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_CHARS:
+            logger.debug(f"Ignoring a registry entry with a bad model name ({type(name).__name__})")
+            continue
         value = getattr(item, "value", None)
         num_blocks = value.get("num_blocks") if isinstance(value, dict) else None
-        valid = isinstance(num_blocks, int) and not isinstance(num_blocks, bool) and num_blocks > 0
-        registry[str(name)] = num_blocks if valid else None
+        valid = isinstance(num_blocks, int) and not isinstance(num_blocks, bool) and 0 < num_blocks <= MAX_MODEL_BLOCKS
+        if name in known:
+            if num_blocks != known[name]:
+                logger.debug(f"Ignoring registry entry {name}: {num_blocks!r} blocks, its config says {known[name]}")
+            registry[name] = known[name]
+        else:
+            registry[name] = num_blocks if valid else None
     return registry
 
 
-def _parse(subkey: Any, value: Any, model: str) -> ServerInfo | None:
-    """A record that does not validate, or that claims another peer id, is ignored (and logged)."""
+def _parse(subkey: Any, value: Any, model: str, num_blocks: int) -> ServerInfo | None:
+    """A record that does not validate (fields out of bounds, a span outside the model's
+    ``num_blocks``), or that claims another peer id, is ignored (and logged)."""
     try:
-        info = ServerInfo.from_dict(value)
+        info = ServerInfo.from_dict(value, num_blocks)
     except (msgspec.ValidationError, TypeError) as e:
-        logger.debug(f"Ignoring malformed record from {subkey}: {e}")
+        logger.debug(f"Ignoring malformed record from {str(subkey)[:64]}: {str(e)[:200]}")
         return None
     if info.peer_id != subkey or info.model != model:
-        logger.debug(f"Ignoring record under subkey {subkey} that claims peer {info.peer_id}")
+        logger.debug(f"Ignoring record under subkey {str(subkey)[:64]} that claims peer {info.peer_id}")
         return None
+    if info.relay_addrs:
+        relay.remember(info.peer_id, info.relay_addrs)  # so streams to it go through its relays
     return info

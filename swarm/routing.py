@@ -31,13 +31,13 @@ from __future__ import annotations
 import abc
 import math
 from collections import Counter
-from dataclasses import dataclass
 from typing import Collection, Mapping, Sequence
 
 import msgspec
 import networkx as nx
 
-from swarm.records import ServerInfo, ServerState
+from protocol.messages import Hop
+from swarm.records import MAX_THROUGHPUT, ServerInfo, ServerState
 
 DEFAULT_RTT = 0.05  # seconds, assumed for a link nobody has measured
 
@@ -49,13 +49,10 @@ _CLIENT_IN, _CLIENT_OUT = "client_in", "client_out"
 _CANDIDATE = "\0candidate"  # peer id of the hypothetical server in block selection
 
 
-@dataclass(frozen=True)
-class RouteHop:
-    """One server of a route and the blocks it computes for this route."""
-
-    peer_id: str
-    start: int  # first block this hop computes
-    end: int  # exclusive; a hop may use a sub-range of the server's span
+RouteHop = Hop
+"""One server of a route and the blocks [start, end) it computes for this route (a hop may use a
+sub-range of the server's span): the wire's :class:`protocol.messages.Hop` itself, so a planned
+route goes into ``OpenSession`` as it is."""
 
 
 class NoRouteError(Exception):
@@ -307,18 +304,41 @@ def _candidate(model: str, start: int, end: int, throughput: float) -> ServerInf
 
 
 def _usable(servers: Sequence[ServerInfo], states: frozenset[ServerState]) -> list[ServerInfo]:
-    """Servers in ``states`` that can compute something; one record per peer (the last wins)."""
+    """Servers in ``states`` that can compute something; one record per peer (the last wins).
+
+    Records read from the DHT are already bounded (:meth:`ServerInfo.from_dict`); this check
+    repeats the part the router depends on, so records built any other way cannot make max-flow
+    raise (an infinite or NaN capacity) or a walk over blocks start below 0."""
     by_peer = {
         s.peer_id: s
         for s in servers
-        if s.state in states and s.throughput > 0 and s.end_block > s.start_block
+        if s.state in states and 0 < s.throughput <= MAX_THROUGHPUT and 0 <= s.start_block < s.end_block
     }
     return list(by_peer.values())
 
 
+def cap_throughput(servers: Sequence[ServerInfo], measured: Mapping[str, float]) -> list[ServerInfo]:
+    """``servers`` with each throughput replaced by the smaller of the claim and what this client
+    measured the server deliver (``measured``: peer id -> tokens/s for its whole span, e.g. from
+    ``client._throughput.ThroughputMeter``), so a server far below its claim loses weight in
+    routing for this client. Servers nobody measured keep their claim."""
+    capped = []
+    for s in servers:
+        rate = measured.get(s.peer_id)
+        if rate is not None and rate < s.throughput:
+            s = msgspec.structs.replace(s, throughput=rate)
+        capped.append(s)
+    return capped
+
+
 def _uncovered(servers: Sequence[ServerInfo], start: int, end: int) -> list[int]:
-    covered = set().union(*(s.span for s in servers))
-    return [b for b in range(start, end) if b not in covered]
+    """Blocks of ``[start, end)`` no server holds; costs servers x (end - start) at most, whatever
+    spans the records claim."""
+    covered = [False] * (end - start)
+    for s in servers:
+        for b in range(max(s.start_block, start), min(s.end_block, end)):
+            covered[b - start] = True
+    return [start + i for i, held in enumerate(covered) if not held]
 
 
 def _block_throughput(servers: Sequence[ServerInfo], num_blocks: int) -> list[float]:

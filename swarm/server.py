@@ -8,6 +8,7 @@ import logging
 import sys
 
 from protocol.compression import CODECS
+from protocol.limits import DEFAULT_MAX_POSITIONS_PER_STEP, DEFAULT_MAX_SESSIONS, DEFAULT_MAX_SESSIONS_PER_PEER
 from swarm.cli_utils import parse_blocks, setup_logging, stop_event_on_signals
 from swarm.config import ENV_INITIAL_PEERS, config_path
 
@@ -46,6 +47,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--balance-period", type=float, default=120.0,
                    help="with --num-blocks: seconds between checks whether another span helps the swarm more")
     p.add_argument("--debug-block-delay-ms", type=float, default=0.0, help=argparse.SUPPRESS)  # tests: a slow server
+    p.add_argument("--max-positions-per-step", type=int, default=DEFAULT_MAX_POSITIONS_PER_STEP,
+                   help="most positions one Step may carry (frames are limited to what it needs)")
+    p.add_argument("--max-sessions", type=int, default=DEFAULT_MAX_SESSIONS, help="open sessions at most")
+    p.add_argument("--max-sessions-per-peer", type=int, default=DEFAULT_MAX_SESSIONS_PER_PEER,
+                   help="open sessions per client (or previous server) at most")
+    p.add_argument("--drafter", default="auto", metavar="auto|none|PATH",
+                   help="the tail's drafter head: auto (the head shipped for this model, if any), none, or a head "
+                   "file (.safetensors, from python -m server.drafter_train)")
+    p.add_argument("--drafter-tokens", type=int, default=1, help="ids the drafter head drafts per run at most")
+    p.add_argument("--reachability", default="auto", choices=["auto", "public", "private"],
+                   help="auto: ask the initial peers to dial back and use them as relays if they cannot "
+                        "(docs/nat.md); public: skip the check; private: always serve through a relay")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -76,6 +89,12 @@ async def serve(args: argparse.Namespace) -> None:
         drain_seconds=args.drain_seconds,
         balance_period=args.balance_period,
         debug_block_delay=args.debug_block_delay_ms / 1000,
+        max_positions_per_step=args.max_positions_per_step,
+        max_sessions=args.max_sessions,
+        max_sessions_per_peer=args.max_sessions_per_peer,
+        reachability=args.reachability,
+        drafter=args.drafter,
+        drafter_tokens=args.drafter_tokens,
     )
     stop = stop_event_on_signals()
     server = await SpanServer.create(config)

@@ -23,15 +23,20 @@ from hivemind.proto import runtime_pb2
 
 from protocol import compression
 from protocol.errors import ErrorCode, ProtocolError
+from protocol.limits import CONTROL_FRAME_BYTES
 from protocol.messages import Message, decode, encode
+from swarm import relay
 
 logger = logging.getLogger(__name__)
 
 SESSION_PROTOCOL = "/specswarm/session/1"
 RESULTS_PROTOCOL = "/specswarm/results/1"
 PING_PROTOCOL = "/specswarm/ping/1"
-MAX_FRAME_BYTES = 512 * 1024 * 1024  # a peer may not make us allocate more than this for one frame
-# nor decode a tensor to more values than an uncompressed 16-bit frame could carry
+# Defaults for a stream opened without limits of its own: a peer may not make us allocate more than
+# this for one frame, nor decode a tensor to more values than an uncompressed 16-bit frame could
+# carry. Servers and clients pass tighter, per-protocol limits derived from the model
+# (protocol/limits.py); a declared length above the limit is refused before any byte is read.
+MAX_FRAME_BYTES = 512 * 1024 * 1024
 MAX_TENSOR_ELEMENTS = MAX_FRAME_BYTES // 2
 
 
@@ -45,16 +50,36 @@ class Received:
 class MessageStream:
     """One end of a stream; send() may be called from several tasks, in the order they call it."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer_id: PeerID):
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        peer_id: PeerID,
+        *,
+        max_frame_bytes: int = MAX_FRAME_BYTES,
+        max_tensor_elements: int = MAX_TENSOR_ELEMENTS,
+    ):
         self.reader, self.writer, self.peer_id = reader, writer, peer_id
+        self.max_frame_bytes, self.max_tensor_elements = max_frame_bytes, max_tensor_elements
         self._send_lock = asyncio.Lock()
+        self._broken = False  # framing lost (a refused frame was not read): the stream is over
         self.bytes_sent = 0
         self.bytes_received = 0
 
     @classmethod
-    async def open(cls, p2p: P2P, peer_id: PeerID, protocol: str) -> "MessageStream":
+    async def open(
+        cls,
+        p2p: P2P,
+        peer_id: PeerID,
+        protocol: str,
+        *,
+        max_frame_bytes: int = MAX_FRAME_BYTES,
+        max_tensor_elements: int = MAX_TENSOR_ELEMENTS,
+    ) -> "MessageStream":
+        """``max_frame_bytes``, ``max_tensor_elements``: the most this end accepts from the other."""
+        await relay.dial_if_relayed(p2p, peer_id)  # a server behind NAT: through its relay
         _, reader, writer = await p2p.call_binary_stream_handler(peer_id, protocol)
-        return cls(reader, writer, peer_id)
+        return cls(reader, writer, peer_id, max_frame_bytes=max_frame_bytes, max_tensor_elements=max_tensor_elements)
 
     async def send(
         self, message: Message, tensors: Sequence[torch.Tensor] = (), codec: str = compression.LOSSLESS
@@ -74,23 +99,34 @@ class MessageStream:
     async def receive(self) -> Optional[Received]:
         """The next message, or None when the other end closed the stream (or died).
 
-        Raises ProtocolError for a frame that does not decode; the stream stays usable.
+        Raises ProtocolError for a frame that does not decode; the stream stays usable. A frame
+        whose marker is wrong or whose declared length exceeds ``max_frame_bytes`` raises
+        ProtocolError (``malformed`` / ``frame_too_large``) before its bytes are read or any
+        buffer is allocated; the framing is lost then, so every later call returns None.
         """
+        if self._broken:
+            return None
         try:
             marker = await self.reader.readexactly(1)
             length = int.from_bytes(await self.reader.readexactly(P2P.HEADER_LEN), P2P.BYTEORDER)
-            if marker != P2P.MESSAGE_MARKER or length > MAX_FRAME_BYTES:
-                raise _BrokenFraming(f"bad frame (marker {marker!r}, {length} bytes)")
+            if marker != P2P.MESSAGE_MARKER:
+                self._broken = True
+                raise ProtocolError(ErrorCode.MALFORMED, f"bad frame marker {marker!r}; closing the stream")
+            if length > self.max_frame_bytes:
+                self._broken = True
+                raise ProtocolError(
+                    ErrorCode.FRAME_TOO_LARGE,
+                    f"a frame of {length} bytes exceeds this stream's limit of {self.max_frame_bytes} bytes "
+                    f"(send long prompts as several Steps); closing the stream",
+                )
             data = await self.reader.readexactly(length)
-        except (asyncio.IncompleteReadError, ConnectionError, _BrokenFraming) as e:
-            if isinstance(e, _BrokenFraming):
-                logger.debug(f"Closing stream from {self.peer_id}: {e}")
+        except (asyncio.IncompleteReadError, ConnectionError):
             return None
         self.bytes_received += length + 1 + P2P.HEADER_LEN
         envelope = runtime_pb2.ExpertRequest()
         try:
             envelope.ParseFromString(data)
-            tensors = [compression.deserialize(t, MAX_TENSOR_ELEMENTS) for t in envelope.tensors]
+            tensors = [compression.deserialize(t, self.max_tensor_elements) for t in envelope.tensors]
         except ProtocolError:
             raise
         except Exception as e:
@@ -105,18 +141,24 @@ class MessageStream:
             pass
 
 
-class _BrokenFraming(Exception):
-    pass
-
-
 StreamHandler = Callable[[MessageStream], Awaitable[None]]
 
 
-async def serve(p2p: P2P, protocol: str, handler: StreamHandler) -> None:
-    """Call ``handler`` with a MessageStream for every stream another peer opens to us."""
+async def serve(
+    p2p: P2P,
+    protocol: str,
+    handler: StreamHandler,
+    *,
+    max_frame_bytes: int = MAX_FRAME_BYTES,
+    max_tensor_elements: int = MAX_TENSOR_ELEMENTS,
+) -> None:
+    """Call ``handler`` with a MessageStream for every stream another peer opens to us; the limits
+    are what this protocol accepts from that peer (protocol/limits.py)."""
 
     async def _on_stream(info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        stream = MessageStream(reader, writer, info.peer_id)
+        stream = MessageStream(
+            reader, writer, info.peer_id, max_frame_bytes=max_frame_bytes, max_tensor_elements=max_tensor_elements
+        )
         try:
             await handler(stream)
         except asyncio.CancelledError:
@@ -138,7 +180,9 @@ async def ping(p2p: P2P, peer_id: PeerID, timeout: float) -> Optional[float]:
     from protocol.messages import Ping, Pong
 
     async def exchange() -> Optional[float]:
-        stream = await MessageStream.open(p2p, peer_id, PING_PROTOCOL)
+        stream = await MessageStream.open(  # a Pong is tiny: refuse anything larger unread
+            p2p, peer_id, PING_PROTOCOL, max_frame_bytes=CONTROL_FRAME_BYTES, max_tensor_elements=0
+        )
         try:
             nonce = int.from_bytes(os.urandom(4), "little")
             began = asyncio.get_running_loop().time()

@@ -22,6 +22,10 @@ means a replayed old record cannot outlive its original expiration, and hivemind
 expiration per subkey, so replaying it cannot override a fresher record either.
 
 Readers should still take the server's identity from the subkey, not from fields in the value.
+
+Size: every value, protected or not (the registry too), is refused above ``MAX_RECORD_BYTES``, so
+no peer stores, and no reader accepts, a megabyte of names or pings (an honest record is under
+2 KiB). What the fields may hold is checked by readers (``swarm.records``).
 """
 
 from __future__ import annotations
@@ -40,9 +44,10 @@ from swarm.records import MODELS_KEY
 
 logger = get_logger(__name__)
 
-__all__ = ["PeerIdSignatureValidator", "UNPROTECTED_KEYS"]
+__all__ = ["MAX_RECORD_BYTES", "PeerIdSignatureValidator", "UNPROTECTED_KEYS"]
 
 UNPROTECTED_KEYS: tuple[str, ...] = (MODELS_KEY,)
+MAX_RECORD_BYTES = 64 * 1024  # one subkey's value as stored (signed), protected or not
 DOMAIN = b"specswarm.peer-record.v1"  # keeps these signatures from meaning anything elsewhere
 
 
@@ -63,6 +68,9 @@ class PeerIdSignatureValidator(RecordValidatorBase):
         return record.key not in self._unprotected
 
     def validate(self, record: DHTRecord) -> bool:
+        if len(record.value) > MAX_RECORD_BYTES:
+            logger.debug(f"Record of {len(record.value)} bytes exceeds {MAX_RECORD_BYTES}")
+            return False
         if not self.is_protected(record):
             return True
         unpacked = _unpack(record.value)

@@ -36,3 +36,17 @@ def build_tiny_llama(path: Path, num_layers: int = 6, seed: int = 0) -> Path:
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def build_random_head(checkpoint: Path, path: Path, seed: int = 0) -> Path:
+    """A random EAGLE-style drafter head for the model at ``checkpoint`` (server/drafter_head.py):
+    its drafts are mostly wrong, which is what exactness tests want to survive."""
+    from transformers import AutoConfig
+
+    from server.drafter_head import EagleHead, save_head
+
+    config = AutoConfig.from_pretrained(checkpoint)
+    torch.manual_seed(seed)
+    head = EagleHead(config)
+    save_head(head, path, config, dtype=torch.float32)
+    return path

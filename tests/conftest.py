@@ -6,12 +6,15 @@ fixtures stop them (SIGTERM, then SIGKILL) when the session ends.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Sequence
 
 import pytest
+import torch
 
 from swarm import lifeline
+from swarm.dht import make_dht
 from swarm.dht_records import fetch_servers
 from swarm.local import LocalSwarm
 from swarm.records import ServerInfo
@@ -86,6 +89,18 @@ def smol_reference():
     return AutoModelForCausalLM.from_pretrained(ensure_smollm2_checkpoint(), dtype="float32").eval()
 
 
+@contextlib.contextmanager
+def single_torch_thread():
+    """One torch thread while inside: the machine's cores are shared, and tiny matmuls on two
+    threads spin-wait each other (seen 50x slower on a loaded 2-core machine)."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
 def servers_by_name(model, num_blocks: int) -> dict[str, ServerInfo]:
     infos = fetch_servers(model.swarm.dht, model.swarm.model, num_blocks)
     return {info.public_name: info for info in infos}
@@ -101,3 +116,36 @@ class PinnedRoute(RoutePlanner):
 
     def plan(self, servers, start, end, *, max_length=0, exclude=(), client_rtts=None) -> list[RouteHop]:
         return list(self.route)
+
+
+# ---- an in-process swarm with small wire limits (tests/test_hostile_wire.py, tests/test_fuzz.py) ----
+
+LIMITS_MAX_POSITIONS = 16  # positions per Step on the limits swarm: prompts above it are chunked
+
+
+@pytest.fixture(scope="session")
+def limits_swarm(tiny_llama_path):
+    """Two servers of the tiny model (blocks 0:3 and 3:6) running in this process, so tests reach
+    into their handlers (sessions, cache budget, caps) and patch them into hostile peers; both
+    servers and the client take at most LIMITS_MAX_POSITIONS positions per Step."""
+    from client import _loop
+    from server.server import ServerConfig, SpanServer
+    from swarm import AutoDistributedModelForCausalLM
+
+    bootstrap = make_dht(host="127.0.0.1")
+    peers = [str(m) for m in bootstrap.get_visible_maddrs()]
+
+    async def start():
+        common = dict(model=str(tiny_llama_path), initial_peers=peers, host="127.0.0.1", reachability="public",
+                      update_period=2.0, torch_threads=1, max_positions_per_step=LIMITS_MAX_POSITIONS)  # fmt: skip
+        return [await SpanServer.create(ServerConfig(blocks=blocks, **common)) for blocks in [(0, 3), (3, 6)]]
+
+    servers = _loop.run(start(), timeout=240)
+    model = AutoDistributedModelForCausalLM.from_pretrained(
+        str(tiny_llama_path), initial_peers=peers, max_positions_per_step=LIMITS_MAX_POSITIONS
+    )
+    yield model, servers, peers
+    model.shutdown()
+    for server in servers:
+        _loop.run(server.shutdown(), timeout=60)
+    bootstrap.shutdown()

@@ -229,6 +229,10 @@ def test_errors_have_openai_shape_while_a_good_request_is_served(gateway, client
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=MODEL, messages=MESSAGES, n=2)
         assert e.value.param == "n"
+        for param, value in (("top_p", 1.5), ("top_p", 0.0)):  # the range check shared with client and tail
+            with pytest.raises(openai.BadRequestError) as e:
+                client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0.7, **{param: value})
+            assert e.value.param == param and "(0, 1]" in str(e.value)
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model=MODEL, prompt="colour " * (smol_model.context_length + 10))
         assert e.value.code == "context_length_exceeded"
@@ -275,7 +279,8 @@ def test_per_key_concurrency_limit_is_429(gateway, client):
 def test_a_client_that_disconnects_frees_the_session_on_every_server(gateway, client, smol_model):
     # records refresh every 5 s: see every server idle, then holding the session, then idle again
     wait_until(lambda: max(open_sessions(smol_model).values()) == 0, 90, "no server holds a session")
-    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True, temperature=0,
+    # max_tokens: long enough to be still generating when cut (the gateway caps an unset one at 1024)
+    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True, temperature=0, max_tokens=4000,
                                             extra_body={"ignore_eos": True})  # fmt: skip
     chunks = iter(stream)
     next(chunks), next(chunks)

@@ -6,9 +6,9 @@ cancelled runs."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import secrets
 
-import hivemind
 from hivemind.p2p import PeerID
 import pytest
 import torch
@@ -16,6 +16,7 @@ import torch
 from client import _loop
 from protocol.messages import Cancel, Hop, OpenSession, SessionOpened, Step, StepResult, Subscribe
 from server.server import ServerConfig, SpanServer
+from swarm.dht import make_dht
 from swarm.streams import RESULTS_PROTOCOL, SESSION_PROTOCOL, MessageStream
 from tests.test_exactness import PROMPT, ScriptedDrafter
 
@@ -24,12 +25,12 @@ SLOW_BLOCK_SECONDS = 0.02  # a slow server, so cancels catch runs queued and mid
 
 @pytest.fixture(scope="module")
 def inproc_swarm(tiny_llama_path):
-    bootstrap = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    bootstrap = make_dht(host="127.0.0.1")
     peers = [str(m) for m in bootstrap.get_visible_maddrs()]
 
     async def start():
-        common = dict(model=str(tiny_llama_path), initial_peers=peers, host="127.0.0.1", update_period=2.0,
-                      debug_block_delay=SLOW_BLOCK_SECONDS, torch_threads=1)  # fmt: skip
+        common = dict(model=str(tiny_llama_path), initial_peers=peers, host="127.0.0.1", reachability="public",
+                      update_period=2.0, debug_block_delay=SLOW_BLOCK_SECONDS, torch_threads=1)  # fmt: skip
         return [await SpanServer.create(ServerConfig(blocks=blocks, **common)) for blocks in [(0, 3), (3, 6)]]
 
     servers = _loop.run(start(), timeout=240)
@@ -109,9 +110,10 @@ class RawSession:
 
     async def open(self):
         self.tail = await MessageStream.open(self.p2p, PeerID.from_base58(self.route[-1].peer_id), RESULTS_PROTOCOL)
-        await self.tail.send(Subscribe(session_id=self.session_id))
+        await self.tail.send(Subscribe(session_id=self.session_id, secret="s"))
         self.head = await MessageStream.open(self.p2p, PeerID.from_base58(self.route[0].peer_id), SESSION_PROTOCOL)
-        await self.head.send(OpenSession(session_id=self.session_id, max_length=64, route=self.route, hop_index=0))
+        await self.head.send(OpenSession(session_id=self.session_id, max_length=64, route=self.route, hop_index=0,
+                                         secret_hash=hashlib.sha256(b"s").hexdigest()))  # fmt: skip
         assert isinstance((await self.head.receive()).message, SessionOpened)
 
     async def result(self):

@@ -4,6 +4,7 @@ other sessions. These tests speak the wire protocol directly to a real server.""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import secrets
 
 import pytest
@@ -31,9 +32,11 @@ class RawSession:
 
     async def open(self, max_length: int = 64) -> None:
         self.tail = await MessageStream.open(self.p2p, PeerID.from_base58(self.route[-1].peer_id), RESULTS_PROTOCOL)
-        await self.tail.send(Subscribe(session_id=self.session_id))
+        self.secret = secrets.token_hex(16)
+        await self.tail.send(Subscribe(session_id=self.session_id, secret=self.secret))
         self.head = await MessageStream.open(self.p2p, PeerID.from_base58(self.route[0].peer_id), SESSION_PROTOCOL)
-        await self.head.send(OpenSession(session_id=self.session_id, max_length=max_length, route=self.route, hop_index=0))
+        await self.head.send(OpenSession(session_id=self.session_id, max_length=max_length, route=self.route, hop_index=0,
+                                         secret_hash=hashlib.sha256(self.secret.encode()).hexdigest()))  # fmt: skip
         reply = await asyncio.wait_for(self.head.receive(), 30)
         assert isinstance(reply.message, SessionOpened), reply.message
 

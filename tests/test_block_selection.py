@@ -9,15 +9,13 @@ from tests.conftest import SERVER_ARGS
 
 
 def test_num_blocks_servers_cover_the_model_then_add_redundancy(tiny_llama_path, artifacts_dir):
-    import hivemind
 
     from swarm.dht_records import fetch_servers
-    from swarm.validation import PeerIdSignatureValidator
+    from swarm.dht import make_dht
 
     with LocalSwarm(str(tiny_llama_path), spans=[(0, 2)], server_args=SERVER_ARGS, names=["seed"],
                     log_dir=str(artifacts_dir / "block-selection")) as swarm:  # fmt: skip
-        dht = hivemind.DHT(initial_peers=swarm.initial_peers, client_mode=True, start=True,
-                           record_validators=[PeerIdSignatureValidator()])  # fmt: skip
+        dht = make_dht(initial_peers=swarm.initial_peers, client_mode=True)
         try:
             spans = {}
             for name in ["first", "second", "third"]:  # one after another, each seeing the ones before
@@ -36,17 +34,15 @@ def test_num_blocks_servers_cover_the_model_then_add_redundancy(tiny_llama_path,
 def test_running_server_moves_to_a_gap(tiny_llama_path, artifacts_dir):
     """A --num-blocks server sitting on a well-served range moves (after draining) to blocks
     that lost their only server."""
-    import hivemind
 
     from swarm.dht_records import fetch_servers
     from swarm.local import kill_group
-    from swarm.validation import PeerIdSignatureValidator
+    from swarm.dht import make_dht
 
     args = SERVER_ARGS + ["--balance-period", "3", "--drain-seconds", "1"]
     with LocalSwarm(str(tiny_llama_path), spans=[(0, 2), (2, 4), (4, 6)], server_args=args, names=["a", "b", "c"],
                     log_dir=str(artifacts_dir / "block-move")) as swarm:  # fmt: skip
-        dht = hivemind.DHT(initial_peers=swarm.initial_peers, client_mode=True, start=True,
-                           record_validators=[PeerIdSignatureValidator()])  # fmt: skip
+        dht = make_dht(initial_peers=swarm.initial_peers, client_mode=True)
 
         def spans() -> dict:
             return {s.public_name: (s.start_block, s.end_block, s.state.value) for s in fetch_servers(dht, swarm.dht_name, 6)}

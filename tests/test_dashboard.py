@@ -335,8 +335,9 @@ PAGE_FACTS = """(() => {
       charts: card.querySelectorAll(".chart svg").length,
     };
   }
+  const tables = [...document.querySelectorAll("table.servers")].map((t) => t.parentElement.scrollWidth - t.parentElement.clientWidth);
   return {models, banner: !document.getElementById("banner").hidden,
-          overflow: document.documentElement.scrollWidth - window.innerWidth};
+          overflow: document.documentElement.scrollWidth - window.innerWidth, tableOverflow: Math.max(0, ...tables)};
 })()"""
 
 
@@ -355,6 +356,7 @@ def test_page_in_headless_chromium(dashboard, browser, artifacts_dir):
     assert facts["models"][swarm.dht_name]["badge"] == "healthy"
     assert facts["models"][GAP_MODEL]["badge"] == "broken"
     assert not facts["banner"]
+    assert facts["tableOverflow"] <= 0, "at 1280 px a servers table is cut off (it scrolls sideways)"
     assert facts["phone_overflow"] <= 0, "the page scrolls sideways on a phone"
     assert (artifacts_dir / "dashboard.png").stat().st_size > 10_000
 

@@ -1,4 +1,4 @@
-"""The client's decoder against an oracle target (client/oracle.py): no servers, so every
+"""The client's decoder against an oracle target (benchmarks/oracle.py): no servers, so every
 scheduling choice (window, split front runs, hedges, cancels) can be checked on many streams in
 milliseconds. The oracle fails the test if the decoder ever reads the verdict of a run whose
 assumptions were wrong, and the output must be the target, token for token."""
@@ -12,7 +12,7 @@ import pytest
 
 from client._generation import SessionState, SpeculativeDecoder
 from client.drafters import SuffixDrafter, SuffixStore, _AdaptiveDrafter
-from client.oracle import OracleSwarm
+from benchmarks.oracle import OracleSwarm
 from protocol.messages import GREEDY
 from tests.test_exactness import ScriptedDrafter
 

@@ -34,7 +34,7 @@ from server.quantization import resident_bytes
 from server.weights import Checkpoint
 from swarm import lifeline
 from swarm.models import ensure_smollm2_checkpoint, resolve_model
-from tests.conftest import SERVER_ARGS
+from tests.conftest import SERVER_ARGS, single_torch_thread
 from tests.test_exactness import PROMPT, ScriptedDrafter, reference_sample
 
 HCA, CSA, SWA = "heavily_compressed_attention", "compressed_sparse_attention", "sliding_attention"
@@ -78,11 +78,8 @@ def build_tiny_deepseek_v4(path: Path, seed: int = 0) -> Path:
 
 @pytest.fixture(scope="module", autouse=True)
 def one_torch_thread():
-    """The machine's cores are shared: tiny matmuls on one thread avoid oversubscription stalls."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+    with single_torch_thread():
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -298,14 +298,13 @@ def test_entrypoint_runs_a_swarm_that_serves_a_generation(tiny_llama_path, tiny_
     """Bootstrap, server, gateway and dashboard, each started as the container starts it: the
     entry point with the environment a container gets (the server: SPECSWARM_INITIAL_PEERS as in
     server.env; the others: the bootstrap's address file, as compose.yaml shares it)."""
-    import hivemind
     import torch
 
     from swarm import AutoDistributedModelForCausalLM
     from swarm.dht_records import fetch_servers
     from swarm.models import resolve_model
     from swarm.records import ServerState
-    from swarm.validation import PeerIdSignatureValidator
+    from swarm.dht import make_dht
 
     procs = Processes(artifacts_dir / "deploy-entrypoint")
     peers_file, data = tmp_path / "shared" / "initial_peers", tmp_path / "data"
@@ -332,8 +331,7 @@ def test_entrypoint_runs_a_swarm_that_serves_a_generation(tiny_llama_path, tiny_
         assert urls["api"].startswith("http://127.0.0.1:"), urls
         assert urls["dashboard"].startswith("Dashboard: http://127.0.0.1:"), urls
 
-        dht = hivemind.DHT(initial_peers=peers, client_mode=True, start=True,
-                           record_validators=[PeerIdSignatureValidator()])  # fmt: skip
+        dht = make_dht(initial_peers=peers, client_mode=True)
         try:
             name = resolve_model(str(tiny_llama_path)).dht_name
             online = wait_for(lambda: [s for s in fetch_servers(dht, name, 6) if s.state == ServerState.ONLINE],

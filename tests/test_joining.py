@@ -240,16 +240,14 @@ def empty_swarm(tiny_llama_path, artifacts_dir):
 
 @pytest.mark.timeout(300)
 def test_two_servers_started_together_take_different_spans(empty_swarm):
-    import hivemind
 
     from swarm.dht_records import fetch_servers
-    from swarm.validation import PeerIdSignatureValidator
+    from swarm.dht import make_dht
 
     swarm = empty_swarm
     swarm.start_server(None, 3, name="twin-1")
     swarm.start_server(None, 3, name="twin-2")
-    dht = hivemind.DHT(initial_peers=swarm.initial_peers, client_mode=True, start=True,
-                       record_validators=[PeerIdSignatureValidator()])  # fmt: skip
+    dht = make_dht(initial_peers=swarm.initial_peers, client_mode=True)
     try:
         seen: dict[str, set] = {"twin-1": set(), "twin-2": set()}
         spans: dict = {}

@@ -31,6 +31,7 @@ class SpanAdapter(abc.ABC):
     num_blocks: int  # blocks in the whole model
     hidden_shape: tuple[int, ...]  # shape of one position's activations between stages
     vocab_size: int
+    drafter: Any = None  # a server.drafter_head.HeadDrafter at a tail that drafts, else None
 
     @property
     def is_head(self) -> bool:

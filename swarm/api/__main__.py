@@ -33,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests in flight per API key (0: unlimited; without keys, for all requests together)")  # fmt: skip
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request may take in all")
     p.add_argument("--swarm-timeout", type=float, default=60.0, help="seconds to wait for any one server's answer")
+    p.add_argument("--default-max-tokens", type=int, default=1024, metavar="N",  # engine.DEFAULT_MAX_TOKENS
+                   help="tokens at most for a request that gives no max_tokens (each hop reserves cache for them)")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -50,7 +52,7 @@ def read_keys(args: argparse.Namespace) -> frozenset[str]:
 async def serve(args: argparse.Namespace, models: dict) -> None:
     from swarm.api import Gateway, GatewayConfig, start_server
 
-    config = GatewayConfig(read_keys(args), args.max_concurrent_per_key, args.request_timeout)
+    config = GatewayConfig(read_keys(args), args.max_concurrent_per_key, args.request_timeout, args.default_max_tokens)
     if not config.api_keys and not _is_loopback(args.host):
         logger.warning(f"Serving on {args.host} without API keys: anyone who can reach it can use the swarm")
     stop = stop_event_on_signals()

@@ -23,8 +23,8 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Mapping, O
 import msgspec
 from aiohttp import web
 
-from client.model import AutoDistributedModelForCausalLM
-from swarm.api.engine import Delta, ServedModel, TextGeneration
+from client import AutoDistributedModelForCausalLM
+from swarm.api.engine import DEFAULT_MAX_TOKENS, Delta, ServedModel, TextGeneration
 from swarm.api.errors import APIError, from_exception
 from swarm.api.responses import ChatFormat, CompletionFormat, speculation_headers
 from swarm.api.schemas import ChatRequest, CompletionRequest, chat_params, completion_params, parse
@@ -41,6 +41,10 @@ class GatewayConfig:
     max_concurrent_per_key: int = 0  # requests in flight per API key (all requests share one key when
     #                                  no keys are configured); 0: unlimited
     request_timeout: float = 600.0  # seconds for a whole request, first token to last
+    # a request without max_tokens generates at most this many (finish_reason "length" past it):
+    # every hop reserves cache for prompt + max_tokens, so "up to the whole context" on every
+    # request would let a few requests take every server's cache
+    default_max_tokens: int = DEFAULT_MAX_TOKENS
 
 
 class ConcurrencyLimiter:
@@ -74,7 +78,7 @@ class Gateway:
     def __init__(self, models: Mapping[str, AutoDistributedModelForCausalLM], config: GatewayConfig = GatewayConfig()):
         if not models:
             raise ValueError("the gateway needs at least one model to serve")
-        self.models = {name: ServedModel(name, model) for name, model in models.items()}
+        self.models = {name: ServedModel(name, model, config.default_max_tokens) for name, model in models.items()}
         self.config = config
         self.limiter = ConcurrencyLimiter(config.max_concurrent_per_key)
 

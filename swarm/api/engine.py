@@ -14,13 +14,13 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional, Sequence
 
-from client.model import AutoDistributedModelForCausalLM
-from client._generation import GenerationStats
+from client import AutoDistributedModelForCausalLM, GenerationStats
 from protocol.messages import TokenLogprobs
 from swarm.api.errors import bad_request
 from swarm.api.text import IncrementalDetokenizer, StopMatcher
 
 CHAT_ROLES = {"system", "user", "assistant", "tool"}
+DEFAULT_MAX_TOKENS = 1024  # a request without max_tokens generates at most this many (GatewayConfig)
 
 
 @dataclass(frozen=True)
@@ -47,8 +47,9 @@ class Delta:
 class ServedModel:
     """A model the gateway serves under ``name``: one client-library model shared by all requests."""
 
-    def __init__(self, name: str, model: AutoDistributedModelForCausalLM):
+    def __init__(self, name: str, model: AutoDistributedModelForCausalLM, default_max_tokens: int = DEFAULT_MAX_TOKENS):
         self.name, self.model, self.tokenizer = name, model, model.tokenizer
+        self.default_max_tokens = default_max_tokens  # the cap on a request that names no max_tokens
         eos = model.config.eos_token_id
         self.eos_token_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
         self.vocab_size = int(model.config.vocab_size)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
-from client.errors import GenerationError, RoutingError, ServerError, ServerTimeout
+from client import GenerationError, RoutingError, ServerError, ServerTimeout
 
 logger = logging.getLogger(__name__)
 

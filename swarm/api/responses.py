@@ -12,7 +12,7 @@ import secrets
 import time
 from typing import Any, Optional
 
-from client._generation import GenerationStats
+from client import GenerationStats
 from protocol.messages import TokenLogprobs
 from swarm.api.engine import Delta, ServedModel, TextGeneration
 

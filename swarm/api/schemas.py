@@ -14,12 +14,13 @@ from typing import Any, Optional, TypeVar, Union
 
 import msgspec
 
-from protocol.messages import MAX_TOP_LOGPROBS
+from protocol.messages import MAX_TOP_LOGPROBS, SamplingParams
+from protocol.sampling import validate_sampling
 from swarm.api.engine import CHAT_ROLES, GenerationParams, ServedModel, check_prompt_ids
 from swarm.api.errors import APIError, bad_request
 
 MAX_STOPS = 16
-SPECULATION_MODES = {"suffix", "ngram", "none"}
+SPECULATION_MODES = {"suffix", "ngram", "head", "suffix+head", "ngram+head", "none"}
 INT64 = 2**63
 
 
@@ -186,8 +187,8 @@ def _max_tokens(prompt_tokens: int, max_tokens: Optional[int], served: ServedMod
     if prompt_tokens >= context:
         raise APIError(400, f"this model's maximum context length is {context} tokens, but the prompt has "
                        f"{prompt_tokens} tokens", "invalid_request_error", param=prompt_param, code="context_length_exceeded")  # fmt: skip
-    if max_tokens is None:
-        return context - prompt_tokens
+    if max_tokens is None:  # capped: each hop reserves cache for prompt + max_tokens
+        return min(context - prompt_tokens, served.default_max_tokens)
     if max_tokens < 1:
         raise bad_request(f"{param} must be at least 1, got {max_tokens}", param)
     if prompt_tokens + max_tokens > context:
@@ -210,12 +211,12 @@ def _sampling(req: _Request) -> dict[str, Any]:
     """OpenAI's sampling parameters -> generate()'s; temperature 0 means greedy."""
     temperature = 1.0 if req.temperature is None else req.temperature
     top_p = 1.0 if req.top_p is None else req.top_p
+    # OpenAI's own conventions here (temperature 0 = greedy, top_k -1 = off); the ranges of the
+    # sampling parameters themselves are checked by protocol.sampling.validate_sampling below,
+    # the same check the client and the tail apply
     checks = [
         (temperature >= 0, "temperature", "temperature must be >= 0"),
-        (0 < top_p <= 1, "top_p", "top_p must be in (0, 1]"),
         (req.top_k is None or req.top_k >= -1, "top_k", "top_k must be >= 0 (or -1: off)"),
-        (req.min_p is None or 0 <= req.min_p <= 1, "min_p", "min_p must be in [0, 1]"),
-        (req.repetition_penalty is None or req.repetition_penalty > 0, "repetition_penalty", "repetition_penalty must be > 0"),
         (req.seed is None or -INT64 <= req.seed < INT64, "seed", "seed must be a 64-bit signed integer"),
         (req.speculation is None or req.speculation.lower() in SPECULATION_MODES, "speculation",
          f"speculation must be one of {sorted(SPECULATION_MODES)}"),
@@ -233,6 +234,10 @@ def _sampling(req: _Request) -> dict[str, Any]:
         "repetition_penalty": req.repetition_penalty or 1.0,
         "seed": req.seed,
     }
+    try:
+        validate_sampling(SamplingParams(**{k: v for k, v in sampling.items() if k != "seed"}))
+    except ValueError as e:
+        raise bad_request(str(e), str(e).split(" ", 1)[0]) from None
     if req.speculation is not None:
         sampling["speculation"] = None if req.speculation.lower() == "none" else req.speculation.lower()
     if req.num_draft_tokens is not None:

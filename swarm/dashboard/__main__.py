@@ -29,6 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a vanished server stays listed as offline")  # fmt: skip
     p.add_argument("--history-interval", type=float, default=60.0, help="seconds per point of the history charts")
     p.add_argument("--history-points", type=int, default=360, help="points kept per chart and uptime record")
+    p.add_argument("--model", action="append", default=[], metavar="NAME_OR_PATH",
+                   help="a model (alias, hub id or folder) whose config gives its number of blocks; "
+                        "records and registry entries that disagree are ignored (repeatable)")  # fmt: skip
     p.add_argument("--log-level", default="WARNING")
     return p
 
@@ -50,24 +53,27 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    import hivemind
     from aiohttp import web
 
     from swarm.dashboard.app import Dashboard, DashboardConfig, create_app
     from swarm.dashboard.poller import SwarmReader
     from swarm.dashboard.state import Limits
-    from swarm.validation import PeerIdSignatureValidator
+    from swarm.models import model_num_blocks
+    from swarm.dht import make_dht
 
+    try:
+        known_blocks = dict(model_num_blocks(name) for name in args.model)
+    except Exception as e:
+        raise ValueError(f"--model: could not read the model's config: {e}") from None
     stop = stop_event_on_signals()
     try:
-        dht = hivemind.DHT(initial_peers=args.initial_peers, client_mode=True, start=True,
-                           record_validators=[PeerIdSignatureValidator()])  # fmt: skip
+        dht = make_dht(initial_peers=args.initial_peers, client_mode=True)
     except Exception as e:
         raise RuntimeError(f"could not join the swarm through {' '.join(args.initial_peers)}: {e}") from None
     limits = Limits(forget_after=args.forget_after, history_interval=args.history_interval,
                     history_points=args.history_points)  # fmt: skip
     config = DashboardConfig(refresh_seconds=args.refresh_seconds, probe_seconds=args.probe_seconds, limits=limits)
-    dashboard = Dashboard(SwarmReader(dht, probe_timeout=args.probe_timeout), config)
+    dashboard = Dashboard(SwarmReader(dht, probe_timeout=args.probe_timeout, known_blocks=known_blocks), config)
     runner = web.AppRunner(create_app(dashboard), access_log=None)
     await runner.setup()
     refresher = None

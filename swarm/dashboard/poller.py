@@ -4,6 +4,14 @@ Every method of :class:`SwarmReader` blocks (hivemind's ``DHT`` is a synchronous
 own process), so the dashboard calls them from a worker thread. Nothing here raises to the
 caller: a failed read becomes a :class:`PollFailed` event, a server that cannot be dialled a
 :class:`PeerProbed` event with the reason, and the page shows both.
+
+The registry (``MODELS_KEY``) can be written by anyone, so a poll reads at most
+``MAX_MODELS_PER_POLL`` models and ``MAX_KEYS_PER_POLL`` block keys in all, whatever it lists (a
+DHT read of 256 keys takes ~2 s on a loaded machine, 1,024 keys ~12 s). Models whose config the
+dashboard was given (``--model``) are read first, with the config's number of blocks, so a
+hostile entry can neither resize them nor crowd them out; any other model is read, in name order,
+while the key budget lasts, with the registry's number of blocks (at most ``MAX_MODEL_BLOCKS``).
+A model that does not fit what is left of the budget is left out of that poll.
 """
 
 from __future__ import annotations
@@ -12,7 +20,7 @@ import asyncio
 import logging
 import time
 from functools import partial
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 from hivemind import DHT
 from hivemind.dht.node import DHTNode
@@ -21,43 +29,65 @@ from hivemind.proto import dht_pb2
 
 from swarm.dashboard.events import Event, ModelSnapshot, PeerProbed, PollFailed, SwarmPolled
 from swarm.dht_records import fetch_model_registry, fetch_servers
-from swarm.records import ServerInfo, ServerState
+from swarm.records import MAX_MODEL_BLOCKS, ServerInfo, ServerState
 
 logger = logging.getLogger(__name__)
 
 MAX_DISCOVERY_ROUNDS = 8  # block-key reads to find the length of a model whose servers did not say
+MAX_MODELS_PER_POLL = 32  # registry entries read per poll (known models first, then by name)
+MAX_KEYS_PER_POLL = 512  # block keys read per poll, all models together
 
 
 class SwarmReader:
-    """Polls one swarm through ``dht`` (a client-mode DHT with the swarm's record validators)."""
+    """Polls one swarm through ``dht`` (a client-mode DHT with the swarm's record validators).
 
-    def __init__(self, dht: DHT, probe_timeout: float = 5.0):
+    ``known_blocks`` maps DHT model names to their number of blocks from the models' own configs
+    (see :func:`swarm.models.model_num_blocks`); registry entries that disagree are ignored.
+    """
+
+    def __init__(self, dht: DHT, probe_timeout: float = 5.0, known_blocks: Optional[Mapping[str, int]] = None):
         self.dht, self.probe_timeout = dht, probe_timeout
+        self.known_blocks = dict(known_blocks or {})
 
     def poll(self) -> Event:
         """Every listed model's servers, or why they could not be read."""
         at = time.time()
         try:
-            registry = fetch_model_registry(self.dht)
-            snapshots = tuple(self._snapshot(name, num_blocks) for name, num_blocks in sorted(registry.items()))
+            registry = fetch_model_registry(self.dht, self.known_blocks)
+            listed = sorted(registry.items(), key=lambda item: (item[0] not in self.known_blocks, item[0]))
+            if len(listed) > MAX_MODELS_PER_POLL:
+                logger.debug(f"The registry lists {len(listed)} models; reading the first {MAX_MODELS_PER_POLL}")
+            budget, snapshots = MAX_KEYS_PER_POLL, []
+            for name, num_blocks in listed[:MAX_MODELS_PER_POLL]:
+                if (num_blocks or 1) > budget:
+                    logger.debug(f"Skipping model {name} this poll: {num_blocks} blocks, {budget} keys left")
+                    continue
+                snapshot, used = self._snapshot(name, num_blocks, budget)
+                snapshots.append(snapshot)
+                budget -= used
         except Exception as e:
             logger.warning(f"Reading the DHT failed: {e!r}")
             return PollFailed(at, f"could not read the swarm's records from the DHT: {_describe(e)}")
-        return SwarmPolled(at, snapshots)
+        return SwarmPolled(at, tuple(sorted(snapshots, key=lambda snapshot: snapshot.name)))
 
-    def _snapshot(self, model: str, num_blocks: Optional[int]) -> ModelSnapshot:
-        if num_blocks is not None:
-            return ModelSnapshot(model, num_blocks, tuple(fetch_servers(self.dht, model, num_blocks)))
+    def _snapshot(self, model: str, num_blocks: Optional[int], budget: int) -> tuple[ModelSnapshot, int]:
+        """The model's snapshot and the block keys read for it (at most ``budget``)."""
+        if num_blocks is not None:  # from the config, or a registry number within MAX_MODEL_BLOCKS
+            return ModelSnapshot(model, num_blocks, tuple(fetch_servers(self.dht, model, num_blocks))), num_blocks
         # Older servers do not announce the model's length: follow spans from block 0 until no
         # record reaches further. A gap hides the blocks after it, so num_blocks stays unknown.
-        known, servers = 1, []
+        # Spans are checked against MAX_MODEL_BLOCKS only; every round's keys count against the budget.
+        known, used, servers = 1, 0, []
         for _ in range(MAX_DISCOVERY_ROUNDS):
-            servers = fetch_servers(self.dht, model, known)
+            if used + known > budget:
+                break
+            servers = fetch_servers(self.dht, model, MAX_MODEL_BLOCKS, read_blocks=known)
+            used += known
             reach = max((s.end_block for s in servers), default=0)
             if reach <= known:
                 break
             known = reach
-        return ModelSnapshot(model, None, tuple(servers))
+        return ModelSnapshot(model, None, tuple(servers)), used
 
     def probe(self, model: str, servers: Sequence[ServerInfo]) -> list[PeerProbed]:
         """Dial every server that claims to be up, as any client would, and time a DHT ping."""

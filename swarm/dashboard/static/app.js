@@ -125,34 +125,32 @@ function pings(server) {
   return entries.length > 3 ? `${shown} +${entries.length - 3} more` : shown;
 }
 
+// 12 columns, so that a 1280-pixel page shows every one without scrolling sideways
 const SERVER_COLUMNS = [
-  ["Peer", "peer"], ["Name", "name"], ["Version", "version"], ["State", "state"], ["Uptime", "uptime", "num"],
-  ["Availability", "availability"], ["Throughput", "throughput", "num"], ["dtype · quant.", "dtype"],
-  ["Cache left", "cache", "num"], ["Sessions", "sessions", "num"], ["Network", "network"], ["Pings to next", "pings"], ["Span", "span"],
-  ["Laps", "laps", "num"], ["Tok/lap", "tpl", "num"], ["Cancels", "cancels", "num"],
+  ["Peer", "peer"], ["Name", "name"], ["Span", "span"], ["State", "state"], ["Uptime · availability", "availability"],
+  ["Throughput", "throughput", "num"], ["dtype · quant.", "dtype"], ["Cache left", "cache", "num"],
+  ["Sessions", "sessions", "num"], ["Network", "network"], ["Pings to next", "pings"],
+  ["Laps · tok/lap · cancels", "laps", "num"],
 ];
 
 function serverRow(sv) {
   const cell = (col, content, title) => h("td", { "data-col": col, class: SERVER_COLUMNS.find((c) => c[1] === col)[2], title }, content);
   const tokensPerLap = sv.laps_served ? num(sv.accepted_tokens / sv.laps_served, 2) : "–";
   const network = (sv.using_relay ? "relay" : "direct") + (sv.rtt !== null ? ` · ${ms(sv.rtt)}` : sv.probe_error ? " · unreachable" : "");
+  const laps = sv.is_tail ? `${int(sv.laps_served)} · ${tokensPerLap}` : "– · –";
   return h("tr", { "data-peer": sv.peer_id, "data-state": sv.state },
-    cell("peer", h("code", null, shortId(sv.peer_id)), sv.peer_id),
+    cell("peer", h("code", null, shortId(sv.peer_id)), `${sv.peer_id}\nversion ${sv.version || "unknown"}`),
     cell("name", sv.public_name || "–"),
-    cell("version", sv.version || "–"),
+    cell("span", `${sv.start_block}:${sv.end_block}`),
     cell("state", h("span", { class: "state " + sv.state }, sv.state)),
-    cell("uptime", duration(sv.uptime_seconds)),
-    cell("availability", [timeline(sv.uptime_timeline), " ", pct(sv.availability)]),
+    cell("availability", [duration(sv.uptime_seconds), " ", timeline(sv.uptime_timeline), " ", pct(sv.availability)]),
     cell("throughput", num(sv.throughput) + " tok/s"),
     cell("dtype", sv.quantization ? `${sv.dtype} · ${sv.quantization}` : sv.dtype),
     cell("cache", `${compact(sv.free_cache_tokens)} / ${compact(sv.cache_tokens)}`, `${int(sv.free_cache_tokens)} of ${int(sv.cache_tokens)} tokens free`),
     cell("sessions", int(sv.open_sessions)),
     cell("network", network, sv.probe_error || ""),
     cell("pings", pings(sv), Object.entries(sv.next_pings || {}).map(([p, r]) => `${p}: ${ms(r)}`).join("\n")),
-    cell("span", `${sv.start_block}:${sv.end_block}`),
-    cell("laps", sv.is_tail ? int(sv.laps_served) : "–"),
-    cell("tpl", sv.is_tail ? tokensPerLap : "–"),
-    cell("cancels", int(sv.cancelled_runs)));
+    cell("laps", `${laps} · ${int(sv.cancelled_runs)}`, "laps answered (tail) · tokens per lap (tail) · runs cancelled"));
 }
 
 function serversTable(model) {

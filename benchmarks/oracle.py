@@ -60,6 +60,8 @@ class OracleSession:
 class OracleSwarm:
     """The `SwarmClient` surface the decoder uses, opening `OracleSession`s."""
 
+    max_positions_per_step = 10**9  # an oracle takes any Step (no chunked prefill)
+
     def __init__(self, target: list[int], eos: int):
         self.target, self.eos = target, eos
         self.session: Optional[OracleSession] = None
@@ -70,3 +72,6 @@ class OracleSwarm:
 
     async def close_session(self, session: OracleSession) -> None:
         pass
+
+    def observe_lap(self, route, seconds: float, positions: int) -> None:
+        """Lap timings mean nothing without servers (``SwarmClient`` measures throughput with them)."""

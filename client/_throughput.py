@@ -1,0 +1,88 @@
+"""What each server actually delivers to this client, measured from lap timings.
+
+A server's record claims its throughput (tokens/s for its whole span) and anyone can claim
+anything up to ``swarm.records.MAX_THROUGHPUT``. The client times every decode lap (from sending
+a run to its verdict) and attributes that time to the hops of the route: a hop is charged what
+the lap took minus the network legs (the client's own measured RTTs to the head and the tail, and
+the smaller of the two servers' ``next_pings`` for each link between hops, at most
+``DEFAULT_RTT``) minus what the *other* hops are expected to take at their current effective
+throughput. A hop that is slower than it
+claims therefore gets the unexplained time; the other hops' estimates recover as the slow one's
+own estimate falls and explains more of the lap. Routing then uses the smaller of claimed and
+measured (``swarm.routing.cap_throughput``), so a server far below its claim loses weight for
+this client, and only for it.
+
+Only laps with at most ``max_positions`` positions count: a decode lap costs about one step of
+each span, which is what servers measure and claim (``server.server.measure_throughput``); a
+prefill lap would make every hop look slow. Estimates are kept in seconds per step (an
+exponential moving average) and forgotten after ``ttl`` seconds, so a server that was slow once
+is tried again later.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
+
+from swarm.records import ServerInfo
+from swarm.routing import DEFAULT_RTT, RouteHop
+
+MAX_MEASURED_POSITIONS = 16  # laps with more positions (prefills, replays) are not timed
+
+
+@dataclass
+class ThroughputMeter:
+    alpha: float = 0.3  # weight of the newest lap in the moving average
+    ttl: float = 300.0  # seconds a measurement is kept
+    max_positions: int = MAX_MEASURED_POSITIONS
+    clock: Callable[[], float] = time.monotonic
+    _seconds: dict[str, tuple[float, float]] = field(default_factory=dict)  # peer -> (at, s per step)
+
+    def measured(self) -> dict[str, float]:
+        """Peer id -> measured tokens/s for its whole span (what the router compares with claims)."""
+        now = self.clock()
+        self._seconds = {p: v for p, v in self._seconds.items() if now - v[0] <= self.ttl}
+        return {peer: 1.0 / step for peer, (_, step) in self._seconds.items()}
+
+    def observe(
+        self,
+        route: Sequence[RouteHop],
+        servers: Mapping[str, ServerInfo],
+        seconds: float,
+        positions: int,
+        client_rtts: Mapping[str, float],
+    ) -> None:
+        """Attribute one lap of ``seconds`` over ``route`` (``servers``: the records it was
+        planned from) to its hops; laps over unknown servers or too many positions are ignored."""
+        if not route or positions > self.max_positions or not seconds > 0:
+            return
+        infos = [servers.get(hop.peer_id) for hop in route]
+        if any(info is None for info in infos):
+            return
+        measured = self.measured()
+        network = _network_seconds(route, infos, client_rtts)
+        share = [(hop.end - hop.start) / max(1, info.end_block - info.start_block) for hop, info in zip(route, infos)]
+        expected = [
+            s / min(info.throughput, measured.get(info.peer_id, info.throughput)) for s, info in zip(share, infos)
+        ]
+        now = self.clock()
+        for i, info in enumerate(infos):
+            unexplained = seconds - network - (sum(expected) - expected[i])
+            if unexplained <= 0 or share[i] <= 0:
+                continue  # the others explain the whole lap: nothing learned about this hop
+            step = unexplained / share[i]  # seconds for one step of the whole span
+            _, old = self._seconds.get(info.peer_id, (now, step))
+            self._seconds[info.peer_id] = (now, (1 - self.alpha) * old + self.alpha * step)
+
+
+def _network_seconds(route: Sequence[RouteHop], infos: Sequence[ServerInfo], client_rtts: Mapping[str, float]) -> float:
+    """One-way legs of a lap: the client's own RTTs to the head and the tail, and per link between
+    hops the smaller of the two servers' ``next_pings``, at most ``DEFAULT_RTT`` (what the router
+    assumes for an unmeasured link), so a server that claims a slow link hides at most half that
+    of its compute. Unknown legs count as zero: that makes hops look slower, never faster."""
+    legs = client_rtts.get(route[0].peer_id, 0.0) / 2 + client_rtts.get(route[-1].peer_id, 0.0) / 2
+    for p, q in zip(infos, infos[1:]):
+        rtts = [r for r in (p.next_pings.get(q.peer_id), q.next_pings.get(p.peer_id)) if r is not None]
+        legs += min(rtts + [DEFAULT_RTT]) / 2 if rtts else 0.0
+    return legs

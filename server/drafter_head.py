@@ -1,0 +1,268 @@
+"""A drafter head at the tail: after verifying a run, the tail drafts the next few tokens itself.
+
+Why at the tail: the head reads the final hidden states of the positions the tail has just computed,
+so drafting costs no lap and only a few small matrix products there (design.md, "One lap", step 3).
+The drafted ids go down in ``StepResult.drafts``; they are only drafts, which the next run carries
+like any other and the tail verifies, so the output stays exactly that of no speculation.
+
+Llama-family models get an EAGLE-style head (Li et al., arXiv 2401.15077): the feature of a
+position is its final hidden state after the model's final norm (what the LM head reads). The head
+maps ``fc(concat(feature_t, embed(token_{t+1})))`` through one decoder layer of the model's own
+transformers class, with its own small KV cache per session, to a prediction of ``feature_{t+1}``
+(after the shared final norm), and the model's own LM head turns that into the token after
+``token_{t+1}``. Drafting is autoregressive: each predicted feature and its argmax token are the
+next step's input. The head file is a safetensors file (``fc.*``, ``layer.*``, optionally
+``draft_vocab``: the ids the head may propose, a frequent-token subset that keeps the LM head rows
+it multiplies few, after FR-Spec, arXiv 2502.14856) whose metadata names the config it was trained
+for (:func:`config_fingerprint`).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, PretrainedConfig
+
+logger = logging.getLogger(__name__)
+
+HEAD_FORMAT = "specswarm-eagle-1"
+DEFAULT_HEAD_DRAFTS = 1  # the most ids the tail drafts per run (a client may ask for fewer); see docs/benchmarks.md
+MAX_HEAD_DRAFTS = 16  # the most a Step may ask for
+COMMITTED_HEADS = Path(__file__).resolve().parent / "drafters"  # heads shipped with the package
+
+
+def config_fingerprint(config: PretrainedConfig) -> str:
+    """What a head file must match: the fields of the config that shape the features and ids."""
+    fields = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads", "tie_word_embeddings")  # fmt: skip
+    values = {name: getattr(config, name, None) for name in fields}
+    return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _head_config(config: PretrainedConfig) -> PretrainedConfig:
+    cfg = copy.deepcopy(config)
+    cfg.num_hidden_layers = 1
+    cfg._attn_implementation = "sdpa"
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = cfg.layer_types[:1]
+    return cfg
+
+
+class EagleHead(torch.nn.Module):
+    """fc over [feature, embedding] -> one decoder layer of the model's own class (pre-norm output)."""
+
+    def __init__(self, config: PretrainedConfig):
+        super().__init__()
+        self.config = _head_config(config)
+        with torch.device("meta"):  # only to learn the family's layer and rotary classes
+            skeleton = AutoModelForCausalLM.from_config(self.config)
+        layer_cls, rope_cls = type(skeleton.model.layers[0]), type(skeleton.model.rotary_emb)
+        hidden = config.hidden_size
+        self.fc = torch.nn.Linear(2 * hidden, hidden, bias=False)
+        self.layer = layer_cls(self.config, layer_idx=0)
+        self.rotary_emb = rope_cls(config=self.config)
+
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.config)
+
+    def forward(
+        self,
+        features: torch.Tensor,  # [B, S, H] post-norm final hidden states at positions t
+        embeds: torch.Tensor,  # [B, S, H] embeddings of the tokens at t + 1
+        position_ids: torch.Tensor,  # [1, S]
+        cache: Optional[DynamicCache] = None,
+        mask: Optional[torch.Tensor] = None,  # boolean, True = attend; None: one new position
+    ) -> torch.Tensor:
+        x = self.fc(torch.cat([features, embeds], dim=-1))
+        position_embeddings = self.rotary_emb(x, position_ids=position_ids)
+        return self.layer(
+            x, attention_mask=mask, position_ids=position_ids, cache=cache, use_cache=cache is not None,
+            position_embeddings=position_embeddings,
+        )  # fmt: skip
+
+
+def save_head(head: EagleHead, path: str | Path, config: PretrainedConfig, *,
+              draft_vocab: Optional[torch.Tensor] = None, dtype: torch.dtype = torch.float16,
+              extra: Optional[dict[str, str]] = None) -> None:  # fmt: skip
+    from safetensors.torch import save_file
+
+    tensors = {name: t.detach().to(dtype).contiguous() for name, t in head.state_dict().items()
+               if not name.startswith("rotary_emb.")}  # fmt: skip
+    if draft_vocab is not None:
+        tensors["draft_vocab"] = draft_vocab.to(torch.int32).contiguous()
+    metadata = {"format": HEAD_FORMAT, "fingerprint": config_fingerprint(config), "model_type": config.model_type}
+    metadata.update(extra or {})
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path), metadata=metadata)
+
+
+def load_head(path: str | Path, config: PretrainedConfig, dtype: torch.dtype = torch.float32,
+              device: str | torch.device = "cpu") -> tuple[EagleHead, Optional[torch.Tensor]]:  # fmt: skip
+    """The head in ``path`` and its draft vocabulary (None: all ids); a ValueError naming what does
+    not fit when the file is no head, or a head for another model."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            metadata = f.metadata() or {}
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    except Exception as e:
+        raise ValueError(f"cannot read drafter head {path}: {e}") from None
+    if metadata.get("format") != HEAD_FORMAT:
+        raise ValueError(f"{path} is not a drafter head of format {HEAD_FORMAT} (metadata: {metadata})")
+    if metadata.get("fingerprint") != config_fingerprint(config):
+        raise ValueError(
+            f"drafter head {path} was trained for another model (config fingerprint "
+            f"{metadata.get('fingerprint')}, this model's is {config_fingerprint(config)})"
+        )
+    draft_vocab = tensors.pop("draft_vocab", None)
+    head = EagleHead(config)
+    missing, unexpected = head.load_state_dict(tensors, strict=False)
+    missing = [m for m in missing if not m.startswith("rotary_emb.")]
+    if missing or unexpected:
+        raise ValueError(f"drafter head {path} does not fit: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    head.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    head.rotary_emb.to(device)
+    return head, None if draft_vocab is None else draft_vocab.long().to(device)
+
+
+def committed_head(config: PretrainedConfig) -> Optional[Path]:
+    """The head shipped with the package for this model, if any (``--drafter auto``)."""
+    from safetensors import safe_open
+
+    wanted = config_fingerprint(config)
+    for candidate in sorted(COMMITTED_HEADS.glob("*.safetensors")):
+        with safe_open(str(candidate), "pt") as f:
+            if (f.metadata() or {}).get("fingerprint") == wanted:
+                return candidate
+    return None
+
+
+@dataclass
+class HeadSession:
+    """One session's head cache: entries for positions ``base .. base + len(tokens) - 1``; the
+    entry at position t was computed from (feature_t, tokens[t - base]), the token at t + 1."""
+
+    cache: DynamicCache
+    base: int = 0
+    tokens: list[int] = field(default_factory=list)
+    last_feature: Optional[tuple[int, torch.Tensor]] = None  # (position, [1, 1, H]) of the last committed one
+
+    @property
+    def end(self) -> int:
+        return self.base + len(self.tokens)
+
+
+class HeadDrafter:
+    """The head plus what it shares with the tail's span: the final norm, the LM head, and the token
+    embeddings (the LM head's own matrix when the model ties them, else read from the checkpoint)."""
+
+    def __init__(self, head: EagleHead, norm: torch.nn.Module, lm_head: torch.nn.Module, embed_weight: torch.Tensor,
+                 draft_vocab: Optional[torch.Tensor] = None, max_drafts: int = DEFAULT_HEAD_DRAFTS,
+                 eos_token_ids: tuple[int, ...] = ()):  # fmt: skip
+        self.head, self.norm, self.embed_weight = head, norm, embed_weight
+        self.max_drafts = max_drafts
+        self.eos_token_ids = frozenset(eos_token_ids)
+        weight = lm_head.weight
+        self.draft_vocab = draft_vocab
+        self.rows = weight if draft_vocab is None else weight[draft_vocab].clone()  # [V', H]
+        self.dtype = weight.dtype
+        self.stats = {"runs": 0, "drafts": 0, "seconds": 0.0}
+
+    def new_session(self) -> HeadSession:
+        return HeadSession(self.head.new_cache())
+
+    def _trim(self, state: HeadSession, position: int) -> None:
+        """Keep entries before ``position``; if it is before the cache, start over there."""
+        if position <= state.base:
+            state.cache, state.base, state.tokens = self.head.new_cache(), position, []
+            return
+        keep = position - state.base
+        excess = len(state.tokens) - keep
+        if excess > 0:
+            for layer in state.cache.layers:
+                if layer.is_initialized:
+                    layer.crop(-excess)
+            del state.tokens[keep:]
+
+    def _step(self, state: HeadSession, features: torch.Tensor, tokens: list[int], first: int) -> torch.Tensor:
+        """Head over positions first.. (features [1, S, H], the tokens after each); appends entries."""
+        from server.adapters.llama import _causal_mask
+
+        num = features.shape[1]
+        ids = torch.tensor(tokens, device=self.embed_weight.device)
+        embeds = self.embed_weight[ids].unsqueeze(0).to(self.dtype)
+        positions = torch.arange(first, first + num, device=features.device).unsqueeze(0)
+        mask = _causal_mask(len(state.tokens), num, features.device)
+        out = self.head(features.to(self.dtype), embeds, positions, state.cache, mask)
+        state.tokens.extend(tokens)
+        return out
+
+    def _next_token(self, feature: torch.Tensor) -> int:
+        index = int(torch.argmax(torch.nn.functional.linear(feature[0, -1], self.rows)))  # GEMV, as the LM head runs
+        return index if self.draft_vocab is None else int(self.draft_vocab[index])
+
+    @torch.inference_mode()
+    def draft(self, state: HeadSession, hidden: torch.Tensor, token_ids: list[int], start_pos: int,
+              committed: int, next_token: int, max_drafts: int) -> list[int]:  # fmt: skip
+        """Draft after a verified run: ``hidden`` [1, S, H] is the run's final activations (before the
+        final norm), its first ``committed`` positions are now committed and ``next_token`` follows
+        them. Returns up to ``max_drafts`` ids continuing after ``next_token``."""
+        import time
+
+        began = time.perf_counter()
+        features = self.norm(hidden[:, :committed].to(self.dtype))  # [1, c, H]
+        after = list(token_ids[1:committed]) + [next_token]  # the token after each position
+        first = start_pos
+        last = state.last_feature
+        if last is not None and last[0] == start_pos - 1 and start_pos - 1 >= state.base:
+            # the entry before this run paired its feature with what was then the next token;
+            # redo it with the token this run starts with (they differ after a rollback)
+            first = start_pos - 1
+            features = torch.cat([last[1], features], dim=1)
+            after = [token_ids[0]] + after
+        self._trim(state, first)
+        if state.end != first:  # a gap (the head saw no run ending there): start over with less context
+            self._trim(state, state.base)
+            state.base = first
+        out = self._step(state, features, after, first)
+        end = first + len(after)
+        state.last_feature = (end - 1, features[:, -1:].clone())
+        drafts: list[int] = []
+        out = out[:, -1:]
+        for i in range(min(max_drafts, self.max_drafts)):
+            predicted = self.norm(out)
+            token = self._next_token(predicted)
+            drafts.append(token)
+            if token in self.eos_token_ids or i + 1 == min(max_drafts, self.max_drafts):
+                break
+            out = self._step(state, predicted, [token], end + i)
+        self._trim(state, end)  # draft entries are no committed positions
+        self.stats["runs"] += 1
+        self.stats["drafts"] += len(drafts)
+        self.stats["seconds"] += time.perf_counter() - began
+        return drafts
+
+
+def build_head_drafter(span, config: PretrainedConfig, checkpoint, path: str | Path,
+                       max_drafts: int = DEFAULT_HEAD_DRAFTS) -> HeadDrafter:  # fmt: skip
+    """A HeadDrafter for a tail span of a Llama-family model from the head file at ``path``."""
+    if not span.is_tail or getattr(span, "lm_head", None) is None:
+        raise ValueError("a drafter head runs only on a server that holds the model's last block (the tail)")
+    head, draft_vocab = load_head(path, config, dtype=span.dtype, device=span.device)
+    tied = "lm_head.weight" not in checkpoint.weight_map()
+    if tied:
+        embed_weight = span.lm_head.weight
+    else:
+        (_, embed_weight), = list(checkpoint.iter_read(["model.embed_tokens.weight"], span.dtype, desc="Loading embeddings for the drafter head"))  # fmt: skip
+        embed_weight = embed_weight.to(span.device)
+    eos = config.eos_token_id
+    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+    return HeadDrafter(head, span.norm, span.lm_head, embed_weight, draft_vocab, max_drafts, eos_ids)
