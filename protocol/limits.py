@@ -1,7 +1,7 @@
 """How large a frame or a Step a peer may send, derived from the model, and other per-peer caps.
 
 A frame's length is read before its bytes, so the receiver can refuse a declared length above its
-limit before allocating anything (hostile peers; design.md, "Trust"). The session protocol's limit
+limit before allocating anything (hostile peers; docs/design.md, "Trust"). The session protocol's limit
 follows from the largest Step a server takes: ``max_positions_per_step`` positions of activations
 (``hidden_shape``: hidden size, times DeepSeek-V4's ``hc_mult`` hidden streams) at 4 bytes per
 element (float32, the widest dtype a server sends), plus the ids and a margin. Prompts longer than

@@ -1,6 +1,6 @@
 """The wire: every message that crosses a process boundary, and its encoding.
 
-One lap (design.md, "One lap"): the client sends a :class:`Step` of token ids to the head; each
+One lap (docs/design.md, "One lap"): the client sends a :class:`Step` of token ids to the head; each
 server runs its blocks and pushes the same :class:`Step` plus activations to the next server on
 the session's ordered stream; the tail verifies and sends a :class:`StepResult` on the stream
 the client opened to it with :class:`Subscribe`. :class:`Cancel` and :class:`CloseSession`

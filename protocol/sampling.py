@@ -1,4 +1,4 @@
-"""The exact seeded verification rule (design.md, "Exact verification").
+"""The exact seeded verification rule (docs/design.md, "Exact verification").
 
 For every absolute position t the target's own choice y_t is a pure function of the logits that
 predict t, the tokens before t, the sampling parameters and t itself: the argmax for greedy, or a

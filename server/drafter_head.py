@@ -1,7 +1,7 @@
 """A drafter head at the tail: after verifying a run, the tail drafts the next few tokens itself.
 
 Why at the tail: the head reads the final hidden states of the positions the tail has just computed,
-so drafting costs no lap and only a few small matrix products there (design.md, "One lap", step 3).
+so drafting costs no lap and only a few small matrix products there (docs/design.md, "One lap", step 3).
 The drafted ids go down in ``StepResult.drafts``; they are only drafts, which the next run carries
 like any other and the tail verifies, so the output stays exactly that of no speculation.
 

@@ -8,7 +8,7 @@ Data path of one run through this server, top to bottom:
 Errors found here go back upstream on the session stream (each server relays what its
 downstream reports), so the client hears about every failure on the stream it opened. Nothing but
 ErrorReply travels upstream: a verdict reaches the client only from the tail, on the results stream
-the client opened and authenticated with its session secret (design.md, "Trust").
+the client opened and authenticated with its session secret (docs/design.md, "Trust").
 
 Every peer is a stranger: frames are limited per protocol by what the model can need
 (protocol/limits.py), and sessions per server, sessions per upstream peer, runs queued and results

@@ -289,7 +289,7 @@ class LazyLogits:
     matrix (on SmolLM2, 49152 x 576: about 10 ms per row on one CPU core, two or three rows two or
     three times that), so the first row read is computed alone and, if the walk goes on, every
     row after it in one call. Row r of the result is what ``span.logits(hidden)[r]`` would be,
-    up to the floating-point rounding that computing rows together may add (design.md).
+    up to the floating-point rounding that computing rows together may add (docs/design.md).
     """
 
     def __init__(self, span: SpanAdapter, hidden: torch.Tensor):
