@@ -26,6 +26,7 @@ from client.errors import ServerError, ServerRejected, ServerTimeout
 from protocol import limits
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.messages import (
+    GREEDY,
     OUTPUTS_FRAME_BYTES,
     Cancel,
     ErrorReply,
@@ -62,6 +63,7 @@ class RemoteSession:
         self.session_id = secrets.token_hex(8)
         self.secret = secrets.token_hex(16)  # proves to the tail that a Subscribe comes from this client
         self.ignored_messages = 0  # messages dropped because they may not come from where they came
+        self.sampling_sent = GREEDY  # the session's sampling parameters as the servers know them
         self._head: Optional[MessageStream] = None
         self._tail: Optional[MessageStream] = None
         self._inbox: asyncio.Queue[Message | _StreamLost | _Outputs] = asyncio.Queue()
@@ -144,7 +146,14 @@ class RemoteSession:
         return which == "tail" and isinstance(message, (StepResult, RunOutputs)) and message.session_id == self.session_id
 
     async def send_step(self, step: Step) -> int:
-        """Send one run up the head stream; returns the bytes it cost."""
+        """Send one run up the head stream; returns the bytes it cost.
+
+        Sampling parameters go up once per session, on the first Step after they change (a Step
+        without them means "as before"): they are the same on every lap, and a float-heavy set
+        is most of a lap's bytes."""
+        wanted = step.sampling_params
+        step.sampling = None if wanted == self.sampling_sent else wanted
+        self.sampling_sent = wanted
         try:
             return await self._head.send(step)
         except (OSError, ConnectionError, RuntimeError) as e:

@@ -16,3 +16,4 @@ PROTOCOL_VERSION = 4
 #    its defaults (14 bytes for seeded top-k sampling instead of 37).
 #    Head drafts: Step.head_drafts (how many the client wants), StepResult.drafts (the tail's drafter head).
 #    Hop.addrs: circuit addresses of a hop behind NAT (docs/nat.md).
+#    Step.sampling: left out when unchanged since the session's previous Step (was: left out for greedy).

@@ -16,7 +16,9 @@ from typing import Optional
 import torch
 
 from protocol.errors import ErrorCode, ProtocolError
-from protocol.messages import MAX_TOP_LOGPROBS, OUTPUTS_FRAME_BYTES, Hop, OpenSession, RunOutputs, Step, StepResult
+from protocol.messages import (
+    GREEDY, MAX_TOP_LOGPROBS, OUTPUTS_FRAME_BYTES, Hop, RunOutputs, SamplingParams, Step, StepResult,
+)
 from protocol.sampling import check_draft_q, pack_f16, validate_sampling, verify, verify_rejection
 from server.adapters import SpanAdapter, SpanCancelled
 from server.drafter_head import MAX_HEAD_DRAFTS
@@ -65,6 +67,7 @@ class ServerSession:
     secret_hash: str = ""  # sha256 hex of the client's secret: the tail's results go to its holder only
     subscribed: bool = False  # the tail has given this session's results stream to its client
     head_state: Optional[object] = None  # the tail's drafter head cache (server.drafter_head.HeadSession)
+    sampling: SamplingParams = GREEDY  # as of the last Step that carried parameters (a Step without: as before)
 
     @property
     def hop(self) -> Hop:
@@ -82,7 +85,10 @@ class ServerSession:
         self.last_active = time.monotonic()
 
     def check_step(self, step: Step, hidden: Optional[torch.Tensor], span: SpanAdapter) -> None:
-        """Refuse a run that cannot be computed; raises ProtocolError naming the problem."""
+        """Refuse a run that cannot be computed; raises ProtocolError naming the problem. A Step
+        without sampling parameters gets the session's (it keeps them once it passes)."""
+        if step.sampling is None:
+            step.sampling = self.sampling
         if step.session_id != self.session_id:
             raise ProtocolError(ErrorCode.UNKNOWN_SESSION, f"session {step.session_id!r} is not open on this stream")
         if step.run_id <= self.last_run_id:
@@ -130,6 +136,7 @@ class ServerSession:
         if self.hop_index > 0 and (hidden is None or tuple(hidden.shape) != expected_shape):
             got = None if hidden is None else tuple(hidden.shape)
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"activations of shape {got}, expected {expected_shape}")
+        self.sampling = step.sampling
 
     @staticmethod
     def _check_draft_q(step: Step) -> None:

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from client.draft_model import ModelDrafter
 from protocol.errors import ErrorCode
-from protocol.messages import SamplingParams, Step, StepResult, encode
+from protocol.messages import GREEDY, SamplingParams, Step, StepResult, encode
 from protocol.sampling import (
     check_draft_q,
     choose_token,
@@ -205,14 +205,35 @@ def test_model_drafter_samples_q_with_its_own_cache(draft_model, one_thread):
 
 
 def test_bytes_up_per_lap_stay_under_100_for_8_drafts():
-    """One rejection lap of 8 drafts: ids, their q(x) as float16, sampling with seed and top_k."""
-    params = SamplingParams(do_sample=True, top_k=50, seed=2**31 - 1)
-    step = Step(session_id=secrets.token_hex(8), run_id=1000, start_pos=1900, token_ids=[49151] * 9,
-                n_draft=8, sampling=params, draft_q=pack_f16([0.123] * 8))  # fmt: skip
-    assert len(encode(step)) < 100
-    result = StepResult(session_id=step.session_id, run_id=1000, accepted=3, next_token=49151,
+    """One rejection lap of 8 drafts: ids and their q(x) as float16. The sampling parameters go up
+    on a session's first Step only (RemoteSession.send_step), so every later lap is under 100
+    bytes whatever they are; even the first stays under 100 with seed and top_k."""
+    params = SamplingParams(do_sample=True, temperature=0.7, top_k=50, top_p=0.9, min_p=0.05,
+                            repetition_penalty=1.1, seed=2**31 - 1)  # fmt: skip
+    lap = dict(session_id=secrets.token_hex(8), run_id=1000, start_pos=1900, token_ids=[49151] * 9, n_draft=8,
+               draft_q=pack_f16([0.123] * 8))  # fmt: skip
+    assert len(encode(Step(**lap))) < 100  # every lap after the first: sampling=None, "as before"
+    assert len(encode(Step(**lap, sampling=SamplingParams(do_sample=True, top_k=50, seed=2**31 - 1)))) < 100
+    assert len(encode(Step(**lap, sampling=params))) <= 140  # a session's first lap, every parameter set
+    result = StepResult(session_id=lap["session_id"], run_id=1000, accepted=3, next_token=49151,
                         correction_ids=[49151] * 50, correction_p=pack_f16([0.01] * 50))  # fmt: skip
     assert len(encode(result)) < 300  # top-K down on a rejection only: 3 + 2 bytes per id
+
+
+def test_a_step_without_sampling_keeps_the_sessions_parameters():
+    from server.session import ServerSession
+
+    sampled = SamplingParams(do_sample=True, temperature=0.7, seed=5)
+    session = ServerSession(session_id="s", max_length=64, route=[], hop_index=0, cache=None)
+    span = type("Span", (), {"vocab_size": 100, "hidden_shape": (4,)})()
+    steps = [Step(session_id="s", run_id=i, start_pos=i, token_ids=[1], sampling=p)
+             for i, p in enumerate([None, sampled, None, GREEDY, None])]  # fmt: skip
+    seen = []
+    for step in steps:
+        session.check_step(step, None, span)
+        session.last_run_id, session.expected_length = step.run_id, step.start_pos + 1
+        seen.append(step.sampling_params)
+    assert seen == [GREEDY, sampled, sampled, GREEDY, GREEDY]
 
 
 @pytest.mark.parametrize(
