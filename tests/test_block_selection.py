@@ -9,9 +9,8 @@ from tests.conftest import SERVER_ARGS
 
 
 def test_num_blocks_servers_cover_the_model_then_add_redundancy(tiny_llama_path, artifacts_dir):
-
-    from swarm.dht_records import fetch_servers
     from swarm.dht import make_dht
+    from swarm.dht_records import fetch_servers
 
     with LocalSwarm(str(tiny_llama_path), spans=[(0, 2)], server_args=SERVER_ARGS, names=["seed"],
                     log_dir=str(artifacts_dir / "block-selection")) as swarm:  # fmt: skip
@@ -35,9 +34,9 @@ def test_running_server_moves_to_a_gap(tiny_llama_path, artifacts_dir):
     """A --num-blocks server sitting on a well-served range moves (after draining) to blocks
     that lost their only server."""
 
+    from swarm.dht import make_dht
     from swarm.dht_records import fetch_servers
     from swarm.local import kill_group
-    from swarm.dht import make_dht
 
     args = SERVER_ARGS + ["--balance-period", "3", "--drain-seconds", "1"]
     with LocalSwarm(str(tiny_llama_path), spans=[(0, 2), (2, 4), (4, 6)], server_args=args, names=["a", "b", "c"],
