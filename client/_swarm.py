@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Collection, Optional, Sequence
 
 import hivemind
 from hivemind.p2p import P2P
@@ -20,6 +20,7 @@ from hivemind.p2p import P2P
 from client._remote_session import RemoteSession
 from client._throughput import ThroughputMeter
 from client.errors import RoutingError, ServerError
+from protocol.errors import ErrorCode
 from protocol.limits import DEFAULT_MAX_POSITIONS_PER_STEP
 from swarm.dht_records import fetch_servers
 from swarm.records import ServerInfo, ServerState
@@ -92,14 +93,16 @@ class SwarmClient:
         """A session on a fresh route; retries (bounded) past busy or dead servers and empty swarms."""
         last_error: Exception | None = None
         refusal: Optional[ServerError] = None  # the last server that refused (busy, ...), named if no route is left
+        busy: set[str] = set()  # full right now, not broken: skipped by this call only, not by other sessions
         for attempt in range(self.max_route_attempts):
             if attempt:
                 await asyncio.sleep(self.route_retry_delay * 2 ** (attempt - 1))
             try:
-                route = await self._plan(max_length)
+                route = await self._plan(max_length, busy)
             except NoRouteError as e:
                 logger.info(f"No route yet (attempt {attempt + 1}/{self.max_route_attempts}): {e}")
-                last_error = RoutingError(str(e) + (f"; a server refused earlier: {refusal}" if refusal else ""), e.missing_blocks)
+                last_error = RoutingError(f"{self.model}: {e}" + (f"; a server refused earlier: {refusal}" if refusal else ""),
+                                          e.missing_blocks)  # fmt: skip
                 continue
             session = RemoteSession(self.p2p, route, max_length, timeout=self.request_timeout)
             try:
@@ -110,12 +113,16 @@ class SwarmClient:
                 if not e.retryable:
                     raise
                 logger.info(f"Could not open a session on {e.peer_id or 'the route'}: {e}; trying another route")
-                self.exclude(e.peer_id or route[0].peer_id)
+                peer_id = e.peer_id or route[0].peer_id
+                if e.code == ErrorCode.BUSY:
+                    busy.add(peer_id)
+                else:
+                    self.exclude(peer_id)
                 last_error = refusal = e
         assert last_error is not None
         raise last_error
 
-    async def _plan(self, max_length: int):
+    async def _plan(self, max_length: int, also_exclude: Collection[str] = ()):
         loop = asyncio.get_running_loop()
         servers = await loop.run_in_executor(None, fetch_servers, self.dht, self.model, self.num_blocks)
         logger.debug(f"Routing over {[(s.public_name or s.peer_id[:8], s.span, s.state.value) for s in servers]}")
@@ -123,7 +130,7 @@ class SwarmClient:
         self._records = {s.peer_id: s for s in servers}
         servers = cap_throughput(servers, self.meter.measured())
         return self.router.plan(
-            servers, 0, self.num_blocks, max_length=max_length, exclude=self.excluded.current(), client_rtts=rtts
+            servers, 0, self.num_blocks, max_length=max_length, exclude=self.excluded.current() | set(also_exclude), client_rtts=rtts
         )
 
     def observe_lap(self, route: Sequence[RouteHop], seconds: float, positions: int) -> None:

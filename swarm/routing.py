@@ -387,10 +387,14 @@ def _no_route_error(
 ) -> NoRouteError:
     """Say which blocks lack a server, why the servers that hold them were passed over, and
     which ``--blocks`` argument would fill each gap."""
-    model = servers[0].model if servers else "?"
     gaps = _ranges(missing)
     where = " and ".join(f"block {a}" if b == a + 1 else f"blocks {a}..{b - 1}" for a, b in gaps)
     fix = " and ".join(f"--blocks {a}:{b}" for a, b in gaps)
+    if not servers:  # not "nobody holds these blocks": nothing was read at all
+        message = ("the DHT returned no server records for this model (an empty swarm, another model "
+                   f"name or swarm, or a DHT read that failed); start a server with {fix}")  # fmt: skip
+        return NoRouteError(message, missing)
+    model = servers[0].model
     holders = {s.peer_id: s for s in servers if any(b in s.span for b in missing)}.values()
     reasons = _reasons(list(holders), max_length, exclude)
     if not reasons:

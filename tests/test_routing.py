@@ -266,3 +266,9 @@ def test_should_not_move_for_a_small_gain():
     servers = [srv("a", 0, 4, 11), srv("b", 4, 8, 10), me]  # moving gains 1/10 < 0.2
     assert should_move(servers, me, 8) is None
     assert should_move(servers, me, 8, min_gain=0.05) == (4, 8)
+
+
+def test_an_empty_read_is_not_reported_as_missing_servers():
+    with pytest.raises(NoRouteError, match="returned no server records") as e:
+        MaxFlowRouter().plan([], 0, 4)
+    assert e.value.missing_blocks == [0, 1, 2, 3] and "?" not in str(e.value)
