@@ -6,7 +6,8 @@ last blocks, so every route passes through it; ``cli`` runs the client. Nobody c
 it finds out with the dial-back probe, reserves a slot on the bootstrap's relay, and announces
 ``using_relay`` with its circuit address. The generation must equal local transformers. A second
 test starts a NATed server against a bootstrap that offers no relay: it must exit non-zero with
-one clear line instead of announcing a span nobody can use.
+one clear line instead of announcing a span nobody can use. The dashboard's probe reaches both
+servers (the NATed one through its relay).
 """
 
 from __future__ import annotations
@@ -34,9 +35,11 @@ try:
     import torch
     out = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)
     servers = fetch_servers(model.swarm.dht, model.swarm.model, model.config.num_hidden_layers)
+    from swarm.dashboard.poller import SwarmReader  # the dashboard's reachability probe
+    probed = {p.peer_id: p.rtt for p in SwarmReader(model.swarm.dht).probe(model.swarm.model, servers)}
     print(json.dumps({"tokens": out[0].tolist(), "servers": [
-        {"start": s.start_block, "end": s.end_block, "using_relay": s.using_relay, "relay_addrs": s.relay_addrs}
-        for s in servers]}), flush=True)
+        {"start": s.start_block, "end": s.end_block, "using_relay": s.using_relay, "relay_addrs": s.relay_addrs,
+         "probe_rtt": probed.get(s.peer_id)} for s in servers]}), flush=True)
 finally:
     model.shutdown()
 """
@@ -95,6 +98,7 @@ def test_server_behind_nat_serves_through_a_relay(bed, tiny_llama_path, tiny_ref
     records = {(s["start"], s["end"]): s for s in result["servers"]}
     assert records[(3, 6)]["using_relay"] and records[(3, 6)]["relay_addrs"][0].startswith(peer + "/p2p-circuit/p2p/")
     assert not records[(0, 3)]["using_relay"]
+    assert all(r["probe_rtt"] is not None for r in records.values())  # the dashboard reaches both
     with torch.no_grad():
         expected = tiny_reference.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)
     assert result["tokens"] == expected[0].tolist()

@@ -27,9 +27,11 @@ from hivemind.dht.node import DHTNode
 from hivemind.p2p import PeerID
 from hivemind.proto import dht_pb2
 
+from swarm import relay
 from swarm.dashboard.events import Event, ModelSnapshot, PeerProbed, PollFailed, SwarmPolled
 from swarm.dht_records import fetch_model_registry, fetch_servers
 from swarm.records import MAX_MODEL_BLOCKS, ServerInfo, ServerState
+from swarm.streams import ping
 
 logger = logging.getLogger(__name__)
 
@@ -94,18 +96,31 @@ class SwarmReader:
         peers = [s.peer_id for s in servers if s.state != ServerState.OFFLINE]
         if not peers:
             return []
+        # a server behind NAT is a DHT client (it answers no DHT ping): dial it through its relays
+        # and time specswarm's own Ping instead (docs/nat.md)
+        relayed = {s.peer_id: list(s.relay_addrs) for s in servers if s.using_relay and s.relay_addrs}
         at = time.time()
         try:
-            results = self.dht.run_coroutine(partial(_ping_many, peer_ids=peers, timeout=self.probe_timeout))
+            results = self.dht.run_coroutine(
+                partial(_ping_many, peer_ids=peers, timeout=self.probe_timeout, relayed=relayed)
+            )
         except Exception as e:
             return [PeerProbed(at, model, peer, None, f"probe could not run: {_describe(e)}") for peer in peers]
         return [PeerProbed(at, model, peer, *results[peer]) for peer in peers]
 
 
-async def _ping_many(dht: DHT, node: DHTNode, peer_ids: list[str], timeout: float) -> dict:
+async def _ping_many(dht: DHT, node: DHTNode, peer_ids: list[str], timeout: float, relayed: dict) -> dict:
     """Runs inside the DHT's process: peer id -> (rtt seconds or None, error or None)."""
-    pings = [_ping(node, peer_id, timeout) for peer_id in peer_ids]
+    pings = [_ping_relayed(node, p, relayed[p], timeout) if p in relayed else _ping(node, p, timeout) for p in peer_ids]
     return dict(zip(peer_ids, await asyncio.gather(*pings)))
+
+
+async def _ping_relayed(
+    node: DHTNode, peer_id: str, addrs: list[str], timeout: float
+) -> tuple[Optional[float], Optional[str]]:
+    relay.remember(peer_id, addrs)  # this process's address book (the DHT's fork has its own)
+    rtt = await ping(node.protocol.p2p, PeerID.from_base58(peer_id), timeout)
+    return (rtt, None) if rtt is not None else (None, f"no answer through its relay within {timeout:g} s")
 
 
 async def _ping(node: DHTNode, peer_id: str, timeout: float) -> tuple[Optional[float], Optional[str]]:
