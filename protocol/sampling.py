@@ -16,6 +16,7 @@ module accepts more drafts and is exact in distribution instead (``verification=
 from __future__ import annotations
 
 import hashlib
+import math
 from typing import Optional, Sequence
 
 import torch
@@ -34,8 +35,12 @@ MAX_CORRECTION_TOP_K = 64  # the most ids (and 16-bit probabilities) a rejection
 
 
 def validate_sampling(params: SamplingParams) -> None:
-    """Raise ValueError naming the first parameter outside its range."""
-    if params.temperature <= 0 and params.do_sample:
+    """Raise ValueError naming the first parameter outside its range. Written as ``not (in range)``
+    so that NaN, which fails every comparison, is refused too (the fuzzer sent one)."""
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+        if not math.isfinite(getattr(params, name)):
+            raise ValueError(f"{name} must be a finite number, got {getattr(params, name)}")
+    if params.do_sample and not params.temperature > 0:
         raise ValueError(f"temperature must be > 0 when sampling, got {params.temperature}")
     if params.top_k < 0:
         raise ValueError(f"top_k must be >= 0, got {params.top_k}")
@@ -43,7 +48,7 @@ def validate_sampling(params: SamplingParams) -> None:
         raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
     if not 0 <= params.min_p <= 1:
         raise ValueError(f"min_p must be in [0, 1], got {params.min_p}")
-    if params.repetition_penalty <= 0:
+    if not params.repetition_penalty > 0:
         raise ValueError(f"repetition_penalty must be > 0, got {params.repetition_penalty}")
 
 

@@ -324,6 +324,9 @@ def test_sessions_per_peer_and_per_server_are_capped(limits_swarm, tiny_referenc
     wait_until_no_sessions(servers)
 
 
+FLOOD_CODES = (ErrorCode.QUEUE_FULL, ErrorCode.START_POS_BEYOND_CACHE)
+
+
 def test_a_client_that_floods_runs_gets_queue_full(limits_swarm, monkeypatch):
     model, servers, _ = limits_swarm
     head = servers[0].handler
@@ -332,7 +335,7 @@ def test_a_client_that_floods_runs_gets_queue_full(limits_swarm, monkeypatch):
     async def flood():
         s = RawSession(model.swarm.p2p, servers)
         assert isinstance(await s.open(), SessionOpened)
-        head.block_delay = 0.05  # slow compute: runs pile up in the head's queue
+        head.block_delay = 0.5  # slow compute: runs pile up in the head's queue
         try:
             for run_id in range(12):
                 await s.step(run_id, run_id, [5])
@@ -340,7 +343,7 @@ def test_a_client_that_floods_runs_gets_queue_full(limits_swarm, monkeypatch):
             while len(errors) < 12 - 4 - 1:  # at most 4 queued plus 1 computing get through
                 reply = (await asyncio.wait_for(s.head.receive(), 30)).message
                 errors.append(reply)
-                if not (isinstance(reply, ErrorReply) and reply.code == ErrorCode.QUEUE_FULL):
+                if not (isinstance(reply, ErrorReply) and reply.code in FLOOD_CODES):
                     break
             return errors
         finally:
@@ -348,7 +351,10 @@ def test_a_client_that_floods_runs_gets_queue_full(limits_swarm, monkeypatch):
             s.close()
 
     errors = _loop.run(flood(), timeout=60)
-    assert all(isinstance(e, ErrorReply) and e.code == ErrorCode.QUEUE_FULL for e in errors), errors
+    # if a slow machine lets a queued run finish mid-flood, a later run is taken and refused for
+    # starting past positions that refused runs never made: a clear error too, never a crash
+    assert all(isinstance(e, ErrorReply) and e.code in FLOOD_CODES for e in errors), errors
+    assert errors[0].code == ErrorCode.QUEUE_FULL
     assert "runs already queued (at most 4)" in errors[0].message
     wait_until_no_sessions(servers)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from protocol.messages import GREEDY, SamplingParams, Step, decode, encode
 
 
@@ -32,3 +34,13 @@ def test_greedy_generation_sends_only_what_can_change_the_argmax() -> None:
     assert _sampling_params(False, 0.2, 50, 0.9, 0.0, 1.3, 7) == SamplingParams(repetition_penalty=1.3)
     sampled = _sampling_params(True, 0.2, 50, 0.9, 0.0, 1.0, 7)
     assert sampled.do_sample and sampled.temperature == 0.2 and sampled.seed == 7
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "min_p", "repetition_penalty"])
+def test_non_finite_sampling_parameters_are_refused_by_name(field):
+    """NaN fails every comparison, so range checks alone let it through (the fuzzer found one)."""
+    from protocol.sampling import validate_sampling
+
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=f"{field} must be a finite number"):
+            validate_sampling(SamplingParams(do_sample=True, **{field: bad}))
