@@ -135,22 +135,15 @@ def _host_port(value: str) -> tuple[str, int]:
 def wait_for_servers(initial_peers: list[str], expected: int, timeout: float) -> None:
     from transformers import AutoConfig
 
-    from swarm.dht_records import fetch_servers
-    from swarm.models import resolve_model
-    from swarm.records import ServerState
     from swarm.dht import make_dht
+    from swarm.dht_records import wait_until_online
+    from swarm.models import resolve_model
 
     resolved = resolve_model(MODEL)
     num_blocks = AutoConfig.from_pretrained(resolved.source).num_hidden_layers
     dht = make_dht(initial_peers=initial_peers, client_mode=True)
     try:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            online = [s for s in fetch_servers(dht, resolved.dht_name, num_blocks) if s.state == ServerState.ONLINE]
-            if len(online) >= expected:
-                return
-            time.sleep(0.5)
-        raise TimeoutError(f"{expected} servers did not come online within {timeout:.0f} s")
+        wait_until_online(dht, resolved.dht_name, num_blocks, expected, timeout)
     finally:
         dht.shutdown()
 

@@ -7,8 +7,9 @@ every block key of a span at once instead of one round trip per block.
 from __future__ import annotations
 
 import logging
+import time
 from functools import partial
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import msgspec
 from hivemind import DHT
@@ -127,3 +128,19 @@ def _parse(subkey: Any, value: Any, model: str, num_blocks: int) -> ServerInfo |
     if info.relay_addrs:
         relay.remember(info.peer_id, info.relay_addrs)  # so streams to it go through its relays
     return info
+
+
+def wait_until_online(
+    dht: DHT, model: str, num_blocks: int, expected: int, timeout: float, check: Callable[[], None] = lambda: None
+) -> None:
+    """Block until ``expected`` servers of ``model`` are announced ONLINE; ``check`` runs before each
+    read and may raise (a launcher checks that its server processes are still alive)."""
+    from swarm.records import ServerState
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        check()
+        if sum(s.state == ServerState.ONLINE for s in fetch_servers(dht, model, num_blocks)) >= expected:
+            return
+        time.sleep(0.5)
+    raise TimeoutError(f"{expected} servers of {model} did not come online within {timeout:.0f} s")

@@ -198,24 +198,18 @@ class LocalSwarm:
 
     def wait_ready(self, expected: Optional[int] = None) -> None:
         """Block until the DHT lists every server as online (or one of them died)."""
-
-        from swarm.dht_records import fetch_servers
-        from swarm.records import ServerState
         from swarm.dht import make_dht
+        from swarm.dht_records import wait_until_online
 
-        expected = expected or len(self.servers)
+        def check_alive() -> None:
+            dead = [p for p in self.servers if p.poll() is not None]
+            if dead:
+                raise RuntimeError(f"a server exited with code {dead[0].returncode} during start-up")
+
         dht = make_dht(initial_peers=self.initial_peers, client_mode=True)
         try:
-            deadline = time.monotonic() + self.ready_timeout
-            while time.monotonic() < deadline:
-                dead = [p for p in self.servers if p.poll() is not None]
-                if dead:
-                    raise RuntimeError(f"a server exited with code {dead[0].returncode} during start-up")
-                online = [s for s in fetch_servers(dht, self.dht_name, self.num_blocks) if s.state == ServerState.ONLINE]
-                if len(online) >= expected:
-                    return
-                time.sleep(0.5)
-            raise TimeoutError(f"servers did not come up within {self.ready_timeout:.0f} s")
+            wait_until_online(dht, self.dht_name, self.num_blocks, expected or len(self.servers), self.ready_timeout,
+                              check_alive)  # fmt: skip
         finally:
             dht.shutdown()
 
