@@ -228,16 +228,28 @@ class SpanServer:
         logger.info(f"Moving from blocks {self.info.start_block}:{self.info.end_block} to {start}:{end}")
         self._announce(ServerState.DRAINING)
         await self.handler.drain(self.config.drain_seconds)
-        loop = asyncio.get_running_loop()
-        span = await loop.run_in_executor(
-            None, load_span, self.model_config, self.checkpoint, start, end, self.span.dtype, str(self.span.device),
-            Quant(self.info.quantization),
-        )
-        await loop.run_in_executor(None, attach_drafter, span, self.config, self.model_config, self.checkpoint)
-        self.span = self.handler.span = span
+        # the target span is claimed as JOINING while it loads, as at start (server/joining.py):
+        # placement by other servers counts it, routing does not
         self.info = msgspec.structs.replace(self.info, start_block=start, end_block=end, next_pings={})
+        joining = self.current_info(ServerState.JOINING)
+        self._announce(ServerState.JOINING)
+        logger.info(f"Announced blocks {start}:{end} as joining while they load")
+        refresher = keep_announcing(self._publish, joining, self.config.update_period)
+        loop = asyncio.get_running_loop()
+        try:
+            span = await loop.run_in_executor(
+                None, load_span, self.model_config, self.checkpoint, start, end, self.span.dtype, str(self.span.device),
+                Quant(self.info.quantization),
+            )
+            await loop.run_in_executor(None, attach_drafter, span, self.config, self.model_config, self.checkpoint)
+        finally:
+            refresher.cancel()
+        self.span = self.handler.span = span
         self.handler.accepting = True
         self._announce()
+
+    def _publish(self, info: ServerInfo) -> None:
+        announce(self.dht, info, 3 * self.config.update_period, wait=False, num_blocks=self.span.num_blocks)
 
     async def shutdown(self) -> None:
         """Leave cleanly: stop taking sessions (DRAINING), let open ones finish for up to

@@ -145,7 +145,23 @@ def test_bad_command_line_is_a_clear_error():
     done = subprocess.run([sys.executable, "-m", "swarm.dashboard", "--initial-peers", "localhost:31337"],
                           capture_output=True, text=True, timeout=60)  # fmt: skip
     assert done.returncode == 2
-    assert "--initial-peers takes multiaddrs" in done.stderr and "Traceback" not in done.stderr
+    assert "'localhost:31337' is not a multiaddr" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_initial_peers_come_from_the_environment_or_a_clear_error(tmp_path):
+    """Like a server, the dashboard takes $SPECSWARM_INITIAL_PEERS (or the config file) when the
+    flag is left out, and says where else to put them when none is set anywhere."""
+    import os
+
+    from swarm.config import ENV_INITIAL_PEERS
+
+    env = {k: v for k, v in os.environ.items() if k != ENV_INITIAL_PEERS}
+    env["XDG_CONFIG_HOME"], env["HOME"] = str(tmp_path), str(tmp_path)  # no config file either
+    done = subprocess.run([sys.executable, "-m", "swarm.dashboard"], capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 2 and "no initial peers to watch a swarm" in done.stderr and ENV_INITIAL_PEERS in done.stderr
+    env[ENV_INITIAL_PEERS] = "localhost:31337"
+    done = subprocess.run([sys.executable, "-m", "swarm.dashboard"], capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 2 and f"{ENV_INITIAL_PEERS}: 'localhost:31337' is not a multiaddr" in done.stderr
 
 
 # ---- against a real swarm ---------------------------------------------------------------------

@@ -21,7 +21,8 @@ logger = logging.getLogger("swarm.api")
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m swarm.api", description=__doc__)
-    p.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="multiaddrs of peers in the swarm")
+    p.add_argument("--initial-peers", nargs="+", default=[], metavar="MADDR",
+                   help="multiaddrs of peers in the swarm (default: $SPECSWARM_INITIAL_PEERS, then the config file)")  # fmt: skip
     p.add_argument("--model", nargs="+", default=["smollm2-135m"], metavar="NAME",
                    help="models to serve (alias, hub repo id or local folder); the API's model ids")  # fmt: skip
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -86,7 +87,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         read_keys(args)
         for name in args.model:
             models[name] = AutoDistributedModelForCausalLM.from_pretrained(
-                name, initial_peers=args.initial_peers, request_timeout=args.swarm_timeout
+                name, initial_peers=args.initial_peers or None, request_timeout=args.swarm_timeout
             )
         asyncio.run(serve(args, models))
     except (ValueError, OSError, RuntimeError) as e:

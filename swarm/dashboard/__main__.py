@@ -19,7 +19,8 @@ logger = logging.getLogger("swarm.dashboard")
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m swarm.dashboard", description=__doc__)
-    p.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="multiaddrs of peers in the swarm")
+    p.add_argument("--initial-peers", nargs="+", default=[], metavar="MADDR",
+                   help="multiaddrs of peers in the swarm (default: $SPECSWARM_INITIAL_PEERS, then the config file)")  # fmt: skip
     p.add_argument("--host", default="127.0.0.1", help="address to serve the page on")
     p.add_argument("--port", type=int, default=8080, help="TCP port (0: any free port)")
     p.add_argument("--refresh-seconds", type=float, default=5.0, help="seconds between reads of the DHT")
@@ -47,9 +48,11 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--history-points must be at least 1, got {args.history_points}")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
-    bad = [maddr for maddr in args.initial_peers if not maddr.startswith("/")]
-    if bad:
-        raise ValueError(f"--initial-peers takes multiaddrs such as /ip4/1.2.3.4/tcp/31337/p2p/Qm..., got {bad[0]!r}")
+    from swarm.config import no_initial_peers_message, resolve_initial_peers
+
+    args.initial_peers = resolve_initial_peers(args.initial_peers).peers  # checked to be multiaddrs
+    if not args.initial_peers:
+        raise ValueError(no_initial_peers_message("watch a swarm"))
 
 
 async def serve(args: argparse.Namespace) -> None:
