@@ -48,11 +48,15 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--history-points must be at least 1, got {args.history_points}")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
-    from swarm.config import no_initial_peers_message, resolve_initial_peers
+    bad = [maddr for maddr in args.initial_peers if not maddr.startswith("/")]
+    if bad:
+        raise ValueError(f"--initial-peers takes multiaddrs such as /ip4/1.2.3.4/tcp/31337/p2p/Qm..., got {bad[0]!r}")
+    if not args.initial_peers:  # as a server does: $SPECSWARM_INITIAL_PEERS, then the config file
+        from swarm.config import no_initial_peers_message, resolve_initial_peers
 
-    args.initial_peers = resolve_initial_peers(args.initial_peers).peers  # checked to be multiaddrs
-    if not args.initial_peers:
-        raise ValueError(no_initial_peers_message("watch a swarm"))
+        args.initial_peers = resolve_initial_peers().peers
+        if not args.initial_peers:
+            raise ValueError(no_initial_peers_message("watch a swarm"))
 
 
 async def serve(args: argparse.Namespace) -> None:
