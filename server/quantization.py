@@ -6,7 +6,7 @@ applied the way transformers applies it (``replace_with_bnb_linear`` to swap the
 ``Int8Params``/``Params4bit`` built from each float weight as it is read), so a span quantized
 here computes exactly what ``AutoModelForCausalLM.from_pretrained(..., quantization_config=
 bnb_config(...))`` computes for the same blocks, once its 8-bit layers compute weight-only like
-ours (:func:`int8_weight_only`, see :class:`Int8WeightLinear` for why); the tests hold the two
+ours (:func:`as_served`, see :class:`Int8WeightLinear` for why); the tests hold the two
 to the same tokens.
 
 Weights are quantized one tensor at a time while loading (:func:`assign_tensor`), so the
@@ -29,7 +29,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
-import bitsandbytes as bnb
+import sys
+
 import torch
 from transformers import PretrainedConfig
 
@@ -69,36 +70,6 @@ def bnb_config(quant: Quant, compute_dtype: torch.dtype):
     raise ValueError(f"no bitsandbytes config for quantization {quant.value!r}")
 
 
-class Int8WeightLinear(bnb.nn.Linear8bitLt):
-    """LLM.int8's weights (int8, one float32 scale per output row, bitsandbytes' ``Int8Params``)
-    multiplied weight-only: dequantized to the input's dtype on use, then an ordinary float matmul
-    (the formula of bitsandbytes' own CPU path, ``MatMul8bitFp``).
-
-    Why not LLM.int8's int8 x int8 matmul: it quantizes the *activations* too, row by row, and a
-    rounding step is a discontinuity. The last-bit float differences that a run of several
-    positions has against one-position calls (other kernels, other blocking) then flip roundings
-    and grow into different tokens: on SmolLM2 over 3 servers the default speculation changed 3 of
-    4 greedy answers against no speculation (with the outlier threshold at 0; at transformers'
-    default of 6.0 the outlier columns even depend on the other positions of the run: 2 of 4).
-    Weight-only, a position's result is as continuous in its inputs as an unquantized layer's, so
-    speculation never changes the output, and precision is better (activations stay in float).
-    """
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight.data.to(x.dtype).mul_(self.weight.SCB.unsqueeze(1).mul(1.0 / 127.0).to(x.dtype))
-        bias = None if self.bias is None else self.bias.to(x.dtype)
-        return torch.nn.functional.linear(x, weight, bias)
-
-
-def int8_weight_only(module: torch.nn.Module) -> torch.nn.Module:
-    """Make every ``Linear8bitLt`` under ``module`` compute as :class:`Int8WeightLinear` (same
-    storage, same weights); also for a model loaded by transformers with ``load_in_8bit``."""
-    for child in module.modules():
-        if type(child) is bnb.nn.Linear8bitLt:
-            child.__class__ = Int8WeightLinear
-    return module
-
-
 def replace_linears(module: torch.nn.Module, quant: Quant, compute_dtype: torch.dtype) -> torch.nn.Module:
     """Swap every plain ``nn.Linear`` under ``module`` for its bitsandbytes counterpart (on the
     meta device; weights are assigned later). Subclasses of Linear with their own forward
@@ -107,13 +78,16 @@ def replace_linears(module: torch.nn.Module, quant: Quant, compute_dtype: torch.
         return module
     from transformers.integrations.bitsandbytes import replace_with_bnb_linear
 
+    from server.int8_weight import as_served
+
     if not any(type(m) is torch.nn.Linear for m in module.modules()):
         return module
-    return int8_weight_only(replace_with_bnb_linear(module, quantization_config=bnb_config(quant, compute_dtype)))
+    return as_served(replace_with_bnb_linear(module, quantization_config=bnb_config(quant, compute_dtype)))
 
 
 def is_quantized_param(param: torch.Tensor) -> bool:
-    return isinstance(param, (bnb.nn.Int8Params, bnb.nn.Params4bit))
+    bnb = sys.modules.get("bitsandbytes")  # none can exist before bitsandbytes is imported
+    return bnb is not None and isinstance(param, (bnb.nn.Int8Params, bnb.nn.Params4bit))
 
 
 def assign_tensor(root: torch.nn.Module, name: str, tensor: torch.Tensor, device: torch.device) -> None:
@@ -130,6 +104,8 @@ def assign_tensor(root: torch.nn.Module, name: str, tensor: torch.Tensor, device
         module._buffers[attr] = tensor.to(device=device, dtype=tensor.dtype if tensor.is_floating_point() else old.dtype)
         return
     if is_quantized_param(old):
+        import bitsandbytes as bnb
+
         kwargs = dict(old.__dict__)
         if isinstance(old, bnb.nn.Int8Params):
             kwargs.pop("SCB", None)
@@ -259,7 +235,18 @@ def estimate_module_bytes(
 
 
 def _is_bnb_linear(module: torch.nn.Module) -> bool:
-    return isinstance(module, (bnb.nn.Linear8bitLt, bnb.nn.Linear4bit))
+    bnb = sys.modules.get("bitsandbytes")  # none can exist before bitsandbytes is imported
+    return bnb is not None and isinstance(module, (bnb.nn.Linear8bitLt, bnb.nn.Linear4bit))
+
+
+def __getattr__(name: str):
+    """``Int8WeightLinear`` and ``as_served`` live in server/int8_weight.py, which imports
+    bitsandbytes (4-8 s of CPU at start, on these machines): only servers that quantize pay it."""
+    if name in ("Int8WeightLinear", "as_served"):
+        from server import int8_weight
+
+        return getattr(int8_weight, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # ---- choosing and checking -------------------------------------------------------------------

@@ -22,7 +22,7 @@ from server.quantization import (
     bnb_config,
     check_runnable,
     default_quant,
-    int8_weight_only,
+    as_served,
     quantize_loaded,
     resident_bytes,
     resolve_quant,
@@ -49,7 +49,7 @@ def quantized_llama_reference(path, quant: Quant):
     """transformers' own bitsandbytes loading: an independent path to the same quantized model."""
     config = bnb_config(quant, torch.float32)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, quantization_config=config, device_map="cpu")
-    return int8_weight_only(model).eval()  # int8: the same weights, computed weight-only as the servers do
+    return as_served(model).eval()  # the same weights, computed as the servers compute them
 
 
 def quantized_v4_reference(path, quant: Quant):
@@ -189,11 +189,9 @@ def _swarm(path, log_dir, spans):
     routes by name so an int8 run never crosses an nf4 server."""
     from swarm import AutoDistributedModelForCausalLM
 
-    first, *others = QUANTS
-    swarm = LocalSwarm(str(path), spans=spans, names=[f"{first.value}-{i}" for i in range(len(spans))],
-                       server_args=[*SERVER_ARGS, "--quant", first.value], log_dir=str(log_dir))  # fmt: skip
-    with swarm:
-        for quant in others:  # the last --quant on a command line wins
+    # spans=[]: the bootstrap alone, then every server at once (one start-up wait, not one per mode)
+    with LocalSwarm(str(path), spans=[], server_args=SERVER_ARGS, log_dir=str(log_dir)) as swarm:
+        for quant in QUANTS:
             for i, (start, end) in enumerate(spans):
                 swarm.start_server(start, end, name=f"{quant.value}-{i}", extra=["--quant", quant.value])
         swarm.wait_ready(expected=len(spans) * len(QUANTS))
@@ -240,10 +238,10 @@ def test_smollm2_over_three_quantized_servers_speculation_never_changes_the_outp
     from swarm.local import even_spans
 
     spans = {Quant.NF4: even_spans(30, 3), Quant.INT8: even_spans(30, 2)}  # 3 nf4 servers, as the issue asks
-    with LocalSwarm("smollm2-135m", spans=spans[Quant.NF4], names=[f"nf4-{i}" for i in range(3)],
-                    server_args=[*SERVER_ARGS, "--quant", "nf4"], log_dir=str(artifacts_dir / "smol-quant-swarm")) as swarm:
-        for i, (start, end) in enumerate(spans[Quant.INT8]):
-            swarm.start_server(start, end, name=f"int8-{i}", extra=["--quant", "int8"])
+    with LocalSwarm("smollm2-135m", spans=[], server_args=SERVER_ARGS, log_dir=str(artifacts_dir / "smol-quant-swarm")) as swarm:
+        for quant in QUANTS:  # all five start at once
+            for i, (start, end) in enumerate(spans[quant]):
+                swarm.start_server(start, end, name=f"{quant.value}-{i}", extra=["--quant", quant.value])
         swarm.wait_ready(expected=5)
         model = AutoDistributedModelForCausalLM.from_pretrained("smollm2-135m", initial_peers=swarm.initial_peers)
         try:

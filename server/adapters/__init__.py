@@ -2,32 +2,31 @@
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 from transformers import PretrainedConfig
 
 from server.adapters.base import SpanAdapter, SpanCancelled
-from server.adapters.llama import LlamaFamilyAdapter
 from server.quantization import Quant
 from server.weights import Checkpoint
 
-ADAPTERS: dict[str, type[SpanAdapter]] = {
-    model_type: LlamaFamilyAdapter for model_type in ("llama", "mistral", "qwen2", "qwen3")
+# model_type -> "module:class"; imported on first use, because importing transformers' DeepSeek-V4
+# modeling code costs a Llama server 2-4 s of CPU at start on these machines
+ADAPTERS: dict[str, str] = {
+    **{model_type: "server.adapters.llama:LlamaFamilyAdapter" for model_type in ("llama", "mistral", "qwen2", "qwen3")},
+    "deepseek_v4": "server.adapters.deepseek_v4:DeepseekV4Adapter",
 }
-try:
-    from server.adapters.deepseek_v4 import DeepseekV4Adapter
-
-    ADAPTERS["deepseek_v4"] = DeepseekV4Adapter
-except ImportError:  # a transformers without deepseek_v4: that model type stays unsupported
-    pass
 
 
 def adapter_class(config: PretrainedConfig) -> type[SpanAdapter]:
+    if config.model_type not in ADAPTERS:
+        raise ValueError(f"model type {config.model_type!r} is not supported yet; supported: {sorted(ADAPTERS)}")
+    module, _, name = ADAPTERS[config.model_type].partition(":")
     try:
-        return ADAPTERS[config.model_type]
-    except KeyError:
-        raise ValueError(
-            f"model type {config.model_type!r} is not supported yet; supported: {sorted(ADAPTERS)}"
-        ) from None
+        return getattr(importlib.import_module(module), name)
+    except ImportError as e:  # e.g. a transformers without deepseek_v4
+        raise ValueError(f"model type {config.model_type!r} needs {module}, which cannot be imported here: {e}") from None
 
 
 def load_span(

@@ -66,10 +66,14 @@ class Dashboard:
             await asyncio.sleep(self.config.refresh_seconds)
 
 
+DASHBOARD: "web.AppKey[Dashboard]" = web.AppKey("dashboard")
+METRICS = web.AppKey("metrics", object)  # the prometheus_client CollectorRegistry of the state
+
+
 def create_app(dashboard: Dashboard) -> web.Application:
     app = web.Application(middlewares=[_errors_as_json])
-    app["dashboard"] = dashboard
-    app["metrics"] = metrics.make_registry(lambda: dashboard.state)
+    app[DASHBOARD] = dashboard
+    app[METRICS] = metrics.make_registry(lambda: dashboard.state)
     app.router.add_get("/", _index)
     app.router.add_get("/api/v1/state", _api_state)
     app.router.add_get("/api/v1/models/{name}", _api_model)
@@ -83,12 +87,12 @@ async def _index(request: web.Request) -> web.StreamResponse:
 
 
 async def _api_state(request: web.Request) -> web.Response:
-    dashboard: Dashboard = request.app["dashboard"]
+    dashboard: Dashboard = request.app[DASHBOARD]
     return web.json_response(state_view(dashboard.state, time.time(), dashboard.config.refresh_seconds))
 
 
 async def _api_model(request: web.Request) -> web.Response:
-    state = request.app["dashboard"].state
+    state = request.app[DASHBOARD].state
     name = request.match_info["name"]
     model = state.models.get(name)
     if model is None:
@@ -98,7 +102,7 @@ async def _api_model(request: web.Request) -> web.Response:
 
 
 async def _metrics(request: web.Request) -> web.Response:
-    body = metrics.render(request.app["metrics"])
+    body = metrics.render(request.app[METRICS])
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
