@@ -61,6 +61,7 @@ class OracleSwarm:
     """The `SwarmClient` surface the decoder uses, opening `OracleSession`s."""
 
     max_positions_per_step = 10**9  # an oracle takes any Step (no chunked prefill)
+    liars: frozenset = frozenset()  # an oracle never lies (spot-checks: client/_spot_checks.py)
 
     def __init__(self, target: list[int], eos: int):
         self.target, self.eos = target, eos

@@ -32,6 +32,8 @@ MODES = {
     "suffix+async": dict(speculation="suffix", async_speculation=True, max_inflight_runs=3),
     "head": dict(speculation="head"),  # the tail's drafter head alone (server/drafter_head.py)
     "suffix+head": dict(speculation="suffix+head"),  # per lap the source measured better (client.drafters.HeadDrafts)
+    "suffix-tree": dict(speculation="suffix", draft_tree=True),  # token trees sized per lap (client/_trees.py)
+    "ngram-tree": dict(speculation="ngram", draft_tree=True),
 }
 
 
@@ -57,6 +59,11 @@ class Run:
     # (client.drafters.HeadDrafts measures both sources on every lap, whichever it sent)
     sources: dict = None
     choices: dict = None
+    # tree modes: laps sent as trees, draft nodes they carried, drafts accepted on them, laps by nodes sent
+    tree_laps: int = 0
+    tree_nodes: int = 0
+    tree_accepted: int = 0
+    tree_sizes: dict = None
 
 
 def workloads(first_answers: list[str], limit: int):
@@ -93,7 +100,8 @@ def run_setting(args, delay_ms: float, modes: dict) -> list[Run]:
                     runs.append(Run(delay_ms, workload, mode, index, s.new_tokens, s.wall_time, s.laps,
                                     s.accepted_per_lap, s.bytes_up, s.bytes_down, s.wall_time / max(s.laps, 1),
                                     s.runs_cancelled, s.positions_wasted, s.turnaround_time, s.hedge_hits, s.hedge_time,
-                                    s.drafter_sources or None, s.drafter_choices or None))  # fmt: skip
+                                    s.drafter_sources or None, s.drafter_choices or None, s.tree_laps, s.tree_nodes,
+                                    s.tree_accepted, dict(s.tree_sizes) or None))  # fmt: skip
                     print(f"  {delay_ms:>4.0f} ms {workload:<12} #{index} {mode:<7} {s.new_tokens:>3} tok "
                           f"{s.tokens_per_second:6.1f} tok/s {s.laps:>3} laps {s.accepted_per_lap:4.2f} tok/lap", flush=True)
                 if len({json.dumps(o) for o in outputs.values()}) != 1:
@@ -125,6 +133,7 @@ def summarize(runs: list[Run], servers: int) -> list[dict]:
                 client_ms_per_lap=1000 * sum(r.turnaround_seconds for r in mine) / laps,
                 hedge_hits_per_lap=sum(r.hedge_hits for r in mine) / laps,
                 **_source_acceptance(mine),
+                **_tree_sizes(mine),
             ))  # fmt: skip
     compute = {(r["workload"], r["mode"]): r["lap_ms"] for r in rows if r["delay_ms"] == 0}
     for r in rows:
@@ -148,6 +157,18 @@ def _source_acceptance(runs: list[Run]) -> dict:
     return out
 
 
+def _tree_sizes(runs: list[Run]) -> dict:
+    """Tree modes: draft nodes sent and drafts accepted per lap, and the median and largest tree the
+    cost model chose (client/_trees.py TreeSizer)."""
+    laps = sum(r.tree_laps for r in runs)
+    if not laps:
+        return {}
+    sizes = [int(size) for r in runs for size, count in (r.tree_sizes or {}).items() for _ in range(count)]
+    return dict(tree_nodes_per_lap=sum(r.tree_nodes for r in runs) / laps,
+                tree_accepted_per_lap=sum(r.tree_accepted for r in runs) / laps,
+                tree_size_median=statistics.median(sizes), tree_size_max=max(sizes))  # fmt: skip
+
+
 def markdown(rows: list[dict]) -> str:
     head = ("| delay/hop | workload | mode | tokens/s (median) | vs none | tokens/lap | lap ms (median) "
             "| floor ms | floor+compute ms | bytes up/lap | bytes down/lap | wasted positions/token "
@@ -169,6 +190,13 @@ def markdown(rows: list[dict]) -> str:
             cells = [f"{r.get(f'{s}_acceptance', 0):.2f} | {r.get(f'{s}_right_per_proposal', 0):.2f}" for s in ("head", "retrieval")]
             lines.append(f"| {r['delay_ms']:.0f} ms | {r['workload']} | {r['mode']} | {cells[0]} | {cells[1]} "
                          f"| {r.get('head_share_of_laps', 0):.2f} |")  # fmt: skip
+    treed = [r for r in rows if "tree_nodes_per_lap" in r]
+    if treed:  # what the tree modes sent: sizes chosen per lap by the cost model
+        lines += ["", "| delay/hop | workload | mode | tree nodes/lap | drafts accepted/lap | median tree | largest tree |",
+                  "|" + "---|" * 7]  # fmt: skip
+        for r in treed:
+            lines.append(f"| {r['delay_ms']:.0f} ms | {r['workload']} | {r['mode']} | {r['tree_nodes_per_lap']:.1f} "
+                         f"| {r['tree_accepted_per_lap']:.2f} | {r['tree_size_median']:.0f} | {r['tree_size_max']} |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -199,8 +227,10 @@ def main() -> None:
 def _commit() -> str:
     """The checkout's commit, so a result file says what it measured ("" outside a git checkout)."""
     try:
-        git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent)
-        return git.stdout.strip()
+        here = Path(__file__).parent
+        git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=here)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, cwd=here)
+        return git.stdout.strip() + (" + uncommitted changes" if dirty.stdout.strip() else "")
     except OSError:
         return ""
 

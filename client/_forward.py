@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 
+from client._remote_session import RemoteSession
 from client._swarm import SwarmClient
 from client.errors import GenerationError, ServerError
 from protocol.errors import ErrorCode
@@ -49,24 +50,8 @@ async def forward_row(
     while True:
         remote = await swarm.open_session(len(row))
         try:
-            chunk = swarm.max_positions_per_step
-            first_output = len(row) - num_outputs
-            wanted = []  # outputs asked of each chunk: the chunk's positions >= first_output
-            for run_id, start in enumerate(range(0, len(row), chunk)):
-                end = min(start + chunk, len(row))
-                wanted.append(max(0, end - max(start, first_output)))
-                step = Step(session_id=remote.session_id, run_id=run_id, start_pos=start, token_ids=list(row[start:end]),
-                            return_logits=wanted[-1], return_hidden=return_hidden and wanted[-1] > 0)  # fmt: skip
-                await remote.send_step(step)
-            parts = []
-            for run_id, count in enumerate(wanted):
-                frames: list[tuple[RunOutputs, list[torch.Tensor]]] = []
-                await remote.next_result(run_id, outputs=frames)
-                if count:
-                    frames = [f for f in frames if f[0].run_id == run_id]
-                    parts.append(_assemble(frames, count, vocab_size, hidden_size, return_hidden, remote.tail_peer))
-            logits = torch.cat([p[0] for p in parts])
-            hidden = torch.cat([p[1] for p in parts]) if return_hidden else None
+            logits, hidden = await prefill_outputs(remote, row, num_outputs, swarm.max_positions_per_step,
+                                                   vocab_size, hidden_size, return_hidden)  # fmt: skip
             route = [(hop.peer_id, hop.start, hop.end) for hop in remote.route]
             return RowOutputs(logits, hidden, route, failovers)
         except ServerError as e:
@@ -79,6 +64,32 @@ async def forward_row(
                 swarm.exclude(peer_id)
         finally:
             await swarm.close_session(remote)
+
+
+async def prefill_outputs(
+    remote: RemoteSession, row: list[int], num_outputs: int, chunk: int, vocab_size: int, hidden_size: int,
+    return_hidden: bool = False,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Prefill ``row`` on an open session in runs of at most ``chunk`` positions, all sent at once;
+    the logits (and final hidden states) of its last ``num_outputs`` positions, float32."""
+    first_output = len(row) - num_outputs
+    wanted = []  # outputs asked of each chunk: the chunk's positions >= first_output
+    for run_id, start in enumerate(range(0, len(row), chunk)):
+        end = min(start + chunk, len(row))
+        wanted.append(max(0, end - max(start, first_output)))
+        step = Step(session_id=remote.session_id, run_id=run_id, start_pos=start, token_ids=list(row[start:end]),
+                    return_logits=wanted[-1], return_hidden=return_hidden and wanted[-1] > 0)  # fmt: skip
+        await remote.send_step(step)
+    parts = []
+    for run_id, count in enumerate(wanted):
+        frames: list[tuple[RunOutputs, list[torch.Tensor]]] = []
+        await remote.next_result(run_id, outputs=frames)
+        if count:
+            frames = [f for f in frames if f[0].run_id == run_id]
+            parts.append(_assemble(frames, count, vocab_size, hidden_size, return_hidden, remote.tail_peer))
+    logits = torch.cat([p[0] for p in parts])
+    hidden = torch.cat([p[1] for p in parts]) if return_hidden else None
+    return logits, hidden
 
 
 def _assemble(frames, num_outputs, vocab_size, hidden_size, return_hidden, tail_peer):

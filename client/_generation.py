@@ -30,9 +30,13 @@ import msgspec
 
 from client._remote_session import RemoteSession
 from client._swarm import SwarmClient
+from client._spot_checks import SpotChecker
+from client._trees import DraftTree, PendingPath, TreeSizer, build_tree
 from client.drafters import Drafter
 from client.errors import GenerationError, ServerError
-from protocol.messages import GREEDY, SamplingParams, Step, StepResult, TokenLogprobs
+from protocol import trees as tree_rules
+from protocol.limits import MAX_TREE_NODES
+from protocol.messages import GREEDY, SamplingParams, Step, StepResult, TokenLogprobs, TreeStep
 from protocol.sampling import pack_f16, sample_correction, unpack_f16
 
 logger = logging.getLogger(__name__)
@@ -68,6 +72,21 @@ class GenerationStats:
     # and the laps whose run carried each source's drafts
     drafter_sources: dict = field(default_factory=dict)
     drafter_choices: dict = field(default_factory=dict)
+    # token trees (draft_tree=True; client/_trees.py): laps sent in tree mode, the draft nodes they
+    # carried and the drafts accepted on them, and laps by nodes sent (the sizes the cost model chose)
+    tree_laps: int = 0
+    tree_nodes: int = 0
+    tree_accepted: int = 0
+    tree_sizes: Counter = field(default_factory=Counter)
+    # spot-checks (client/_spot_checks.py; docs/reliability.md, "Spot-checks")
+    spot_checks: int = 0  # audits started
+    spot_check_positions: int = 0  # server positions the audits computed, summed over servers
+    spot_checks_skipped: int = 0  # audits drawn but not started: no hop of the route had a substitute
+    spot_checks_failed: int = 0  # audits ended by a failing server (or their timeout): no verdict
+    spot_checks_undecided: int = 0  # disagreements that no third server settled: nobody excluded
+    liars_excluded: list[str] = field(default_factory=list)  # peer ids outvoted by a third server
+    tokens_retracted: int = 0  # committed (and streamed) tokens that a re-verification replaced
+    spot_check_events: list[str] = field(default_factory=list)  # one line per audit: hop, peers, outcome
 
     @property
     def accepted_per_lap(self) -> float:
@@ -82,6 +101,15 @@ class GenerationStats:
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
 
+    @property
+    def tree_nodes_per_lap(self) -> float:
+        return self.tree_nodes / self.tree_laps if self.tree_laps else 0.0
+
+    @property
+    def tree_accepted_per_lap(self) -> float:
+        """Drafts accepted per tree-mode lap (the target's own token not counted)."""
+        return self.tree_accepted / self.tree_laps if self.tree_laps else 0.0
+
 
 @dataclass
 class SessionState:
@@ -95,6 +123,8 @@ class SessionState:
     history: list[int] = field(default_factory=list)
     cached: int = 0
     next_run_id: int = 0
+    # a tree run's accepted path, held by the servers in run order until a Step keeps it
+    tree_pending: Optional[PendingPath] = None
 
 
 HEDGE_WIDTH = 2  # alternatives hedged per position of the front run
@@ -144,6 +174,10 @@ class Run:
     sent_at: float = 0.0  # perf_counter() when sent: the lap's time is measured per hop (client/_throughput.py)
     draft_q: list[float] = field(default_factory=list)  # rejection rule: q(x) of each draft
     q_dists: list = field(default_factory=list)  # and the drafter's whole q at each draft position
+    replay: bool = False  # a re-verification run: its drafts are tokens committed before a liar was caught
+    parents: list[int] = field(default_factory=list)  # a tree run: each draft's parent (-1: the root)
+    tree: bool = False  # sent in tree mode (a tree, or a chain the tree sizer chose)
+    shape: Optional[DraftTree] = None  # tree mode: the nodes sent, with the drafter's scores (for the cost model)
 
     @property
     def split(self) -> bool:
@@ -167,6 +201,9 @@ class SpeculativeDecoder:
         max_failovers: int = 5,
         front_drafts: Optional[int] = 0,
         verification: str = "match",
+        spot_checker: Optional[SpotChecker] = None,
+        draft_tree: bool = False,
+        tree_sizer: Optional[TreeSizer] = None,
     ):
         if max_inflight_runs < 1:
             raise ValueError(f"max_inflight_runs must be >= 1, got {max_inflight_runs}")
@@ -186,6 +223,13 @@ class SpeculativeDecoder:
         self._hedges = HedgeCache()
         self._verdict_at: Optional[float] = None
         self._failed_at: Optional[float] = None
+        self.spot_checker = spot_checker
+        self.draft_tree = _tree_mode(draft_tree, max_inflight_runs, self.rejection) and drafter is not None
+        self._sizer = tree_sizer if tree_sizer is not None else TreeSizer()  # the model's: it learns across calls
+        self._prompt_len = 0
+        self._replay: list[int] = []  # tokens generated before a liar was caught, still to re-verify
+        self._route_peers: set[str] = set()  # every server of this generation's routes
+        self._handled_liars: set[str] = set()
 
     async def generate(self, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
         """Generate after ``prompt`` (the whole context); returns the new tokens only."""
@@ -193,17 +237,30 @@ class SpeculativeDecoder:
         self._start_from(list(prompt))
         if self.drafter is not None:
             self.drafter.reset(self.state.history)
-        generated: list[int] = []
+        self._prompt_len = len(prompt)
+        if self.state.remote is not None:  # an inference session's route from an earlier call
+            self._route_peers.update(hop.peer_id for hop in self.state.remote.route)
         try:
-            while len(generated) < max_new_tokens:
-                new = await self._lap_with_failover(max_new_tokens - len(generated))
-                generated += new
-                if self.on_tokens is not None:
-                    self.on_tokens(new)
-                if new and new[-1] in self.eos_token_ids:
-                    break
+            while True:
+                await self._react_to_liars()
+                produced = len(self.state.history) - self._prompt_len
+                ended = produced >= max_new_tokens or (produced > 0 and self.state.history[-1] in self.eos_token_ids)
+                if ended and not self._replay:
+                    if self.spot_checker is None or self.spot_checker.task is None:
+                        break
+                    await self.spot_checker.settle()  # its verdict may retract tokens: it comes before the output
+                    continue
+                new = await self._lap_with_failover(max_new_tokens - produced)
+                fresh = self._reconcile(new)
+                if self.on_tokens is not None and fresh:
+                    self.on_tokens(fresh)
+                if self.spot_checker is not None and self.state.remote is not None:
+                    self.spot_checker.maybe_start(self.state.remote.route, self.state.history, self.stats, self.stats.laps)
         finally:
             await self._cancel_inflight()
+            if self.spot_checker is not None:
+                await self.spot_checker.cancel()
+        generated = self.state.history[self._prompt_len :]
         if self.drafter is not None:
             self.drafter.finish()
             if hasattr(self.drafter, "sources"):
@@ -238,6 +295,7 @@ class SpeculativeDecoder:
                 return new
             except ServerError as e:
                 if not e.retryable or self.stats.failovers >= self.max_failovers:
+                    self._drop_tree_nodes()
                     raise GenerationError(f"generation failed after {self.stats.failovers} failovers: {e}") from e
                 await self._fail_over(e)
 
@@ -245,7 +303,9 @@ class SpeculativeDecoder:
         remote = await self.swarm.open_session(self.state.max_length)
         self.state.remote = remote
         self.state.cached = 0  # a new route holds nothing: the next lap replays the history
+        self.state.tree_pending = None
         self.stats.route = [(hop.peer_id, hop.start, hop.end) for hop in remote.route]
+        self._route_peers.update(hop.peer_id for hop in remote.route)
 
     async def _fail_over(self, error: ServerError) -> None:
         self.stats.failovers += 1
@@ -286,7 +346,8 @@ class SpeculativeDecoder:
         # 2) while the network works: drafts for the front run's likeliest refuting verdicts
         front = self._inflight[0]
         hedging = time.perf_counter()
-        self._hedge(front, budget)
+        if not front.tree:  # a tree run is followed by a tree drafted after its verdict
+            self._hedge(front, budget)
         self.stats.hedge_time += time.perf_counter() - hedging
         # 3) the verdict on the oldest run
         waited = time.perf_counter()
@@ -297,6 +358,11 @@ class SpeculativeDecoder:
             raise ServerError(f"result for run {result.run_id} while waiting for {front.run_id}", remote.tail_peer)
         self._inflight.popleft()
         self.swarm.observe_lap(remote.route, self._verdict_at - front.sent_at, len(front.token_ids))
+        self._verdict_seen(front.run_id)
+        if self.draft_tree:
+            self._sizer.observe_lap(len(front.token_ids), self._verdict_at - front.sent_at)
+            if front.drafts and front.shape is not None:
+                self._sizer.observe_acceptance(front.shape, result.accepted)
         # 4) commit, then cancel whatever the verdict refutes
         head_drafts = result.drafts if result.correction_ids is None else []  # after the tail's own next token
         if result.correction_ids is not None:
@@ -327,8 +393,8 @@ class SpeculativeDecoder:
         while len(state.history) - position > limit:
             run_id = state.next_run_id
             state.next_run_id += 1
-            step = Step(session_id=state.remote.session_id, run_id=run_id, start_pos=position,
-                        token_ids=state.history[position : position + limit])  # fmt: skip
+            step = self._with_tree_path(Step(session_id=state.remote.session_id, run_id=run_id, start_pos=position,
+                                             token_ids=state.history[position : position + limit]))  # fmt: skip
             await state.remote.send_step(step)
             self.stats.runs_sent += 1
             position += limit
@@ -338,6 +404,7 @@ class SpeculativeDecoder:
             if result.run_id != run_id:
                 raise ServerError(f"result for run {result.run_id} while waiting for {run_id}", state.remote.tail_peer)
             state.cached = cached
+            self._verdict_seen(run_id)
 
     @staticmethod
     def _confirms(run: Run, result: StepResult) -> bool:
@@ -359,6 +426,8 @@ class SpeculativeDecoder:
 
     def _next_run(self, budget: int) -> Optional[Run]:
         """Draft the next run; None when nothing more may be sent now."""
+        if self._replay:
+            return self._replay_run(budget)
         state = self.state
         if self._inflight:
             last = self._inflight[-1]
@@ -373,6 +442,8 @@ class SpeculativeDecoder:
         room = min(self._room(budget, len(assumed)), self.swarm.max_positions_per_step - len(committed_part))
         if self._inflight and room < 1:
             return None
+        if self.draft_tree and not self._inflight:
+            return self._tree_run(start_pos, committed_part, room)
         proposal: list[int] = []
         num_drafts = 0
         if self.drafter is not None and room > 0:
@@ -405,6 +476,55 @@ class SpeculativeDecoder:
             run.draft_q, run.q_dists = self.drafter.last_q[: len(drafts)], self.drafter.last_dists[: len(drafts)]
         return run
 
+    def _tree_run(self, start_pos: int, committed_part: list[int], room: int) -> Run:
+        """A run carrying a tree of drafts (client/_trees.py): the drafter's chain plus its ranked
+        alternatives as branches, as many nodes as the cost model finds worth their compute. A
+        tree that came out a chain goes as one (a plain Step)."""
+        state = self.state
+        tree = DraftTree()
+        if self.drafter is not None and room > 0:
+            chain = self.drafter.draft(min(room, self.drafter.draft_cap))
+            max_nodes = min(MAX_TREE_NODES, self.swarm.max_positions_per_step - len(committed_part),
+                            state.max_length - len(state.history) - 1)  # fmt: skip
+            full = build_tree(self.drafter, chain, max_nodes, room, self.drafter.extra_chains(room), self.eos_token_ids)
+            tree = full.prefix(self._sizer.choose(full, len(committed_part)))
+        self._hedges.clear()
+        run_id = state.next_run_id
+        state.next_run_id += 1
+        run = Run(run_id, start_pos, committed_part + tree.ids, tree.ids, None, 0, tree.chain_len, tree=True,
+                  shape=tree)  # fmt: skip
+        if not tree_rules.is_chain(tree.parents):
+            run.parents = tree.parents
+        self.stats.tree_laps += 1
+        self.stats.tree_nodes += len(tree)
+        self.stats.tree_sizes[len(tree)] += 1
+        return run
+
+    def _with_tree_path(self, step: Step, parents: Sequence[int] = ()) -> Step:
+        """The Step as a TreeStep when it carries a tree (``parents``) or must name the accepted path
+        of the session's previous tree run (the first Step after that run's verdict)."""
+        pending, tree_path = self.state.tree_pending, None
+        if pending is not None and not pending.attached:
+            pending.attached = True
+            tree_path = pending.tree_path_for(step.start_pos)
+        if not parents and not tree_path:
+            return step
+        return TreeStep(**msgspec.structs.asdict(step), parents=list(parents), tree_path=tree_path or [])
+
+    def _verdict_seen(self, run_id: int) -> None:
+        """A verdict on a run after a tree run: every server has kept (or dropped) the tree's path."""
+        pending = self.state.tree_pending
+        if pending is not None and run_id > pending.run_id:
+            self.state.tree_pending = None
+
+    def _drop_tree_nodes(self) -> None:
+        """After a refused run the servers may not have gathered a tree's accepted path: the next
+        run starts at the tree (resending what the path committed), which drops its nodes everywhere."""
+        pending = self.state.tree_pending
+        if pending is not None:
+            self.state.cached = min(self.state.cached, pending.base)
+            self.state.tree_pending = None
+
     def _light_front(self, drafts: list[int], budget: int) -> bool:
         """Whether a run sent into an empty window keeps only ``front_drafts`` of its drafts, the
         rest riding in the run behind it (its verdict then comes back sooner when its first drafts
@@ -423,7 +543,7 @@ class SpeculativeDecoder:
         already in flight). Each hedge is drafted under the size and adaptive cap its verdict
         would leave; it can differ from a draft made after the verdict only in that the
         verdict's own tokens are not yet in the drafter's statistics."""
-        if self.drafter is None:
+        if self.drafter is None or front.replay:
             return
         self._hedges.start(len(self.state.history))
         for j in range(len(front.drafts) + 1):
@@ -438,6 +558,9 @@ class SpeculativeDecoder:
                 self.stats.hedges_prepared += 1
 
     def _step(self, run: Run) -> Step:
+        return self._with_tree_path(self._chain_step(run), run.parents)
+
+    def _chain_step(self, run: Run) -> Step:
         return Step(
             session_id=self.state.remote.session_id,
             run_id=run.run_id,
@@ -477,22 +600,41 @@ class SpeculativeDecoder:
         state = self.state
         if not 0 <= result.accepted <= len(run.drafts):
             raise ServerError(f"result accepts {result.accepted} of {len(run.drafts)} drafts", state.remote.tail_peer)
-        new = self._cut(run.drafts[: result.accepted] + [result.next_token], budget)
+        accepted = self._accepted_drafts(run, result)
+        new = self._cut(accepted + [result.next_token], budget)
         base = run.start_pos + len(run.token_ids) - len(run.drafts)  # position of the first draft
         assert base == len(state.history), "a run's verdict arrived out of order"
         state.cached = min(base + result.accepted, base + len(new) - 1)
         state.history = state.history + new
+        if run.parents:  # the servers hold the tree in run order until the next Step keeps this path
+            state.tree_pending = PendingPath(run.run_id, base, list(result.path))
+        if run.tree:
+            self.stats.tree_accepted += result.accepted
         self.stats.laps += 1
         self.stats.drafted += len(run.drafts)
         self.stats.accepted += result.accepted
         self.stats.accepted_lengths[result.accepted] += 1
-        if self.drafter is not None and not (run.split and self._confirms(run, result)):
+        if self.drafter is not None and not run.replay and not (run.split and self._confirms(run, result)):
             # one observation per proposal: a split front's is made by the run carrying its rest
             drafted = max(run.proposed, run.prefix_drafts + len(run.drafts))
+            if run.tree:  # the chain's length (its cap adapts as a chain's would) or the path's
+                drafted = max(run.proposed, result.accepted)
             self.drafter.observe(drafted, run.prefix_drafts + result.accepted)
         if result.logprobs:
             self.logprobs += result.logprobs[: len(new)]
         return new
+
+    def _accepted_drafts(self, run: Run, result: StepResult) -> list[int]:
+        """The drafts a verdict accepts: a prefix of a chain's, or a tree's path (which it must name)."""
+        if not run.parents:
+            return run.drafts[: result.accepted]
+        try:
+            if len(result.path) != result.accepted:
+                raise ValueError(f"a path of {len(result.path)} nodes for {result.accepted} accepted drafts")
+            tree_rules.check_path(result.path, run.parents)
+        except ValueError as e:
+            raise ServerError(f"a malformed verdict on a tree run: {e}", self.state.remote.tail_peer) from None
+        return tree_rules.path_ids(result.path, run.drafts)
 
     def _cut(self, new: list[int], budget: int) -> list[int]:
         new = new[:budget]
@@ -515,8 +657,74 @@ class SpeculativeDecoder:
         self.stats.positions_wasted += sum(len(r.token_ids) for r in self._inflight)
         self._inflight.clear()
 
+    # ---- spot-checks: a liar caught, its tokens re-verified ----------------------------------
+
+    async def _react_to_liars(self) -> None:
+        """A server of this generation's routes was caught lying (by a spot-check of this or any
+        generation of the client): leave the route, and re-verify every token this call generated
+        on the new one. The prompt goes as committed ids, the generated tokens as drafts, so the
+        new tail accepts exactly those its own choices (the exact rule) reproduce."""
+        caught = (self.swarm.liars & self._route_peers) - self._handled_liars
+        if not caught:
+            return
+        self._handled_liars |= caught
+        state = self.state
+        what = f"re-verifying {len(state.history) - self._prompt_len + len(self._replay)} generated tokens without {sorted(caught)}"
+        self.stats.spot_check_events.append(f"lap {self.stats.laps}: {what}")
+        logger.warning(f"A server of this generation was caught lying: {what}")
+        self._forget_inflight()  # the session closes below, on every server
+        self._hedges.clear()
+        self._verdict_at = None
+        if state.remote is not None:
+            await self.swarm.close_session(state.remote)
+            state.remote = None
+        self._replay = state.history[self._prompt_len :] + self._replay
+        state.history, state.cached = state.history[: self._prompt_len], 0
+        self.logprobs.clear()  # the re-verification's verdicts bring them again
+        if self.drafter is not None:
+            self.drafter.reset(state.history)
+
+    def _replay_run(self, budget: int) -> Optional[Run]:
+        """A re-verification run, alone in the window: the committed ids the caches lack, then as
+        many of the tokens to re-verify as drafts as one Step takes (the rest in later laps)."""
+        if self._inflight:
+            return None
+        state = self.state
+        committed = state.history[state.cached :]
+        room = min(budget - 1, state.max_length - len(state.history) - 1, self.swarm.max_positions_per_step - len(committed))
+        drafts = self._replay[: max(0, room)]
+        run_id = state.next_run_id
+        state.next_run_id += 1
+        return Run(run_id, state.cached, committed + drafts, drafts, None, replay=True)
+
+    def _reconcile(self, new: list[int]) -> list[int]:
+        """The tokens of a verdict that are news to the caller: those re-confirming tokens committed
+        before a re-verification are not; at the first that differs, the rest of them is retracted."""
+        for i, token in enumerate(new):
+            if self._replay and token == self._replay[0]:
+                self._replay.pop(0)
+                continue
+            if self._replay:
+                self.stats.tokens_retracted += len(self._replay)
+                logger.warning(f"Re-verification replaced {len(self._replay)} tokens committed before a liar was caught")
+                self._replay = []
+            return new[i:]
+        return []
+
 
 VERIFICATION_RULES = ("match", "rejection")
+
+
+def _tree_mode(draft_tree: bool, inflight: int, rejection: bool) -> bool:
+    """Whether runs carry token trees: only synchronous speculation (one run in flight: a run sent
+    behind a tree would have to guess its path), and never with the rejection exchange."""
+    if not isinstance(draft_tree, bool):
+        raise ValueError(f"draft_tree must be True or False, got {draft_tree!r}")
+    if draft_tree and inflight > 1:
+        raise ValueError("draft_tree=True runs synchronous speculation: leave async_speculation off")
+    if draft_tree and rejection:
+        raise ValueError("draft_tree=True verifies by token match: it does not go with verification='rejection'")
+    return draft_tree
 
 
 def _rejection_rule(verification: str, sampling: SamplingParams, drafter: Optional[Drafter], inflight: int) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Collection, Optional, Sequence
 
@@ -22,7 +23,8 @@ from client._throughput import ThroughputMeter
 from client.errors import RoutingError, ServerError
 from protocol.errors import ErrorCode
 from protocol.limits import DEFAULT_MAX_POSITIONS_PER_STEP
-from swarm.dht_records import fetch_servers
+from swarm.dht_records import fetch_servers, publish_report
+from swarm.identity import load_or_create_identity
 from swarm.records import ServerInfo, ServerState
 from swarm.routing import MaxFlowRouter, NoRouteError, RouteHop, RoutePlanner, cap_throughput
 from swarm.streams import ping_many
@@ -36,21 +38,31 @@ PING_TIMEOUT = 2.0
 
 @dataclass
 class ExclusionList:
-    """Peers that failed us recently, each until a deadline that doubles on repeat failures."""
+    """Peers that failed us recently, each until a deadline that doubles on repeat failures; and
+    peers caught lying (spot-checks), excluded for the rest of the client's life."""
 
     base_seconds: float = 15.0
     max_seconds: float = 600.0
     _until: dict[str, float] = field(default_factory=dict)
     _strikes: dict[str, int] = field(default_factory=dict)
+    _banned: set[str] = field(default_factory=set)
 
     def add(self, peer_id: str) -> None:
         strikes = self._strikes.get(peer_id, 0) + 1
         self._strikes[peer_id] = strikes
         self._until[peer_id] = time.monotonic() + min(self.max_seconds, self.base_seconds * 2 ** (strikes - 1))
 
+    def ban(self, peer_id: str) -> None:
+        """Exclude for good: a server whose outputs lost a spot-check's majority vote."""
+        self._banned.add(peer_id)
+
+    @property
+    def banned(self) -> frozenset[str]:
+        return frozenset(self._banned)
+
     def current(self) -> set[str]:
         now = time.monotonic()
-        return {peer for peer, until in self._until.items() if until > now}
+        return {peer for peer, until in self._until.items() if until > now} | self._banned
 
 
 class SwarmClient:
@@ -82,10 +94,15 @@ class SwarmClient:
         self._rtts: dict[str, tuple[float, float]] = {}  # peer id -> (measured at, RTT seconds)
         self.meter = ThroughputMeter()  # what each server delivered to this client
         self._records: dict[str, ServerInfo] = {}  # peer id -> the record the last route was planned from
+        self.reports: Counter = Counter()  # peer id -> times a spot-check caught it lying (client/_spot_checks.py)
+        self._publishing: Optional[asyncio.Future] = None
+        self._closing = False
+        self._stale = False  # the reports changed while a store was in flight
 
     @classmethod
     async def connect(cls, initial_peers: list[str], model: str, num_blocks: int, **kwargs) -> "SwarmClient":
-        dht = make_dht(initial_peers=initial_peers, client_mode=True)
+        # an identity of its own (a fresh key per client), so that it can sign its spot-check reports
+        dht = make_dht(initial_peers=initial_peers, client_mode=True, identity=load_or_create_identity(None))
         p2p = await dht.replicate_p2p()
         return cls(dht, p2p, model, num_blocks, **kwargs)
 
@@ -157,6 +174,51 @@ class SwarmClient:
         rtts = await ping_many(self.p2p, [hop.peer_id for hop in route], timeout)
         return [peer_id for peer_id, rtt in rtts.items() if rtt is None]
 
+    @property
+    def records(self) -> dict[str, ServerInfo]:
+        """Peer id -> the record the last route was planned from (spot-checks pick substitutes here)."""
+        return self._records
+
+    @property
+    def liars(self) -> frozenset[str]:
+        """Servers a spot-check caught lying: excluded for the rest of this client's life."""
+        return self.excluded.banned
+
+    def convict(self, peer_id: str) -> None:
+        """A spot-check's majority found ``peer_id`` lying: exclude it for good and report it in
+        the DHT (``swarm.dht_records.publish_report``; the dashboard counts reporting clients)."""
+        logger.warning(f"Excluding server {peer_id} for good: its outputs disagreed with two other servers'")
+        self.excluded.ban(peer_id)
+        self.reports[peer_id] += 1
+        self._publish_reports()
+
+    def _publish_reports(self) -> None:
+        """Store the report in the background; one store at a time, the latest counts winning."""
+        if self._closing:
+            return
+        if self._publishing is not None and not self._publishing.done():
+            self._stale = True  # stored again once this one is done
+            return
+        self._stale = False
+        loop = asyncio.get_running_loop()
+        self._publishing = loop.run_in_executor(None, publish_report, self.dht, self.model, dict(self.reports))
+        self._publishing.add_done_callback(self._published)
+
+    def _published(self, future: asyncio.Future) -> None:
+        _log_publish(future)
+        if self._stale:
+            self._publish_reports()
+
+    async def flush_reports(self, timeout: float = 30.0) -> None:
+        """Wait (bounded) until the latest spot-check report is stored."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while self._publishing is not None and (self._stale or not self._publishing.done()):
+            remaining = deadline - asyncio.get_running_loop().time()
+            if remaining <= 0:
+                return
+            await asyncio.wait([self._publishing], timeout=remaining)
+            await asyncio.sleep(0)  # the done callback starts the next store
+
     def exclude(self, peer_id: str) -> None:
         if peer_id:
             logger.info(f"Excluding server {peer_id} for a while")
@@ -168,7 +230,17 @@ class SwarmClient:
 
     async def aclose(self) -> None:
         """Close our handle on the libp2p daemon, then stop the DHT process (which owns it)."""
+        await self.flush_reports(timeout=10.0)  # a report being stored: let it land (bounded)
+        self._closing = True
         try:
             await self.p2p.shutdown()
         finally:
             self.dht.shutdown()
+
+
+def _log_publish(future: asyncio.Future) -> None:
+    if future.cancelled():
+        return
+    error = future.exception()
+    if error is not None or not future.result():
+        logger.warning(f"Could not store this client's spot-check report in the DHT: {error!r}")

@@ -69,6 +69,11 @@ class Drafter(abc.ABC):
         """What `draft_cap` will be after `observe(drafted, accepted)`."""
         return self.draft_cap
 
+    def extra_chains(self, max_tokens: int) -> list[list[int]]:
+        """Other sources' proposals for this lap, besides `draft`'s (a token tree carries them as
+        branches; client/_trees.py). Default: none."""
+        return []
+
     @abc.abstractmethod
     def observe(self, drafted: int, accepted: int) -> None:
         """Feedback after a lap: `accepted` of the `drafted` ids were kept (bonus not counted)."""
@@ -402,13 +407,46 @@ class SuffixDrafter(_AdaptiveDrafter):
 
     def alternatives(self, k: int, after: Sequence[int] = ()) -> list[int]:
         """The likeliest next tokens in the source `draft` would follow (the longer match)."""
-        if k <= 0 or not (self._tokens or after):
+        found = self._longest_match(k, after)
+        if found is None:
             return []
-        (ctx_state, ctx_len), (store_state, store_len) = self._matches(after)
-        sam, state = (self.store.automaton, store_state) if store_len > ctx_len else (self._sam, ctx_state)
-        if max(ctx_len, store_len) <= 0:
-            return []
+        sam, state = found
         return [tok for tok, _ in sam.ranked_next(state, k, self.min_prob)]
+
+    def _longest_match(self, k: int, after: Sequence[int]):
+        """(automaton, state) of the longer of the context's and the store's matches, None if none."""
+        if k <= 0 or not (self._tokens or after):
+            return None
+        (ctx_state, ctx_len), (store_state, store_len) = self._matches(after)
+        if max(ctx_len, store_len) <= 0:
+            return None
+        return (self.store.automaton, store_state) if store_len > ctx_len else (self._sam, ctx_state)
+
+    BACKOFF = 0.5  # a continuation seen only after a shorter match: its estimate times this, per step back
+    MIN_BACKOFF_LENGTH = 2  # the shortest match backed off to
+
+    def ranked(self, k: int, after: Sequence[int] = ()) -> list[tuple[int, float]]:
+        """Up to k likeliest next tokens with an estimate of each one's probability, best first:
+        the continuations of the longest match (`alternatives`, at their empirical frequencies),
+        then those seen only after shorter matches of the same text (up the suffix links, down to
+        MIN_BACKOFF_LENGTH tokens), each at BACKOFF times its frequency there per step back: a
+        long match is often followed by one token only, which is where the target most needs
+        alternatives to it. What token trees branch on (client/_trees.py)."""
+        match = self._longest_match(k, after)
+        if match is None:
+            return []
+        sam, state = match
+        found: dict[int, float] = {}
+        weight = 1.0
+        while state > 0 and len(found) < k:
+            if sam.nxt[state]:
+                for tok, prob in sam.ranked_next(state, k, self.min_prob):
+                    found.setdefault(tok, weight * prob)
+                weight *= self.BACKOFF
+            state = sam.link[state]
+            if sam.length[state] < self.MIN_BACKOFF_LENGTH:
+                break
+        return sorted(found.items(), key=lambda item: -item[1])[:k]
 
     def _matches(self, after: Sequence[int]) -> tuple[tuple[int, int], tuple[int, int]]:
         """The matchers of context + `after` in the context's automaton and in the store's."""
@@ -641,6 +679,22 @@ class HeadDrafts(Drafter):
 
     def alternatives(self, k: int, after: Sequence[int] = ()) -> list[int]:
         return self.inner.alternatives(k, after) if self.inner is not None else []
+
+    def ranked(self, k: int, after: Sequence[int] = ()) -> list[tuple[int, float]]:
+        inner = self.inner
+        if inner is None:
+            return []
+        if hasattr(inner, "ranked"):
+            return inner.ranked(k, after)
+        return [(tok, 1.0 / (rank + 2)) for rank, tok in enumerate(inner.alternatives(k, after))]
+
+    def extra_chains(self, max_tokens: int) -> list[list[int]]:
+        """The source the last `draft` did not send: a token tree carries both (no measurement)."""
+        if self._last_source == "head":
+            other = self.inner.draft(max_tokens) if self.inner is not None else []
+        else:
+            other = self._head_after(())[:max_tokens]
+        return [other] if other else []
 
     def cap_after(self, drafted: int, accepted: int) -> int:
         return self.inner.cap_after(drafted, accepted) if self.inner is not None else self.head_tokens

@@ -28,10 +28,12 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from client import _loop
 from client._forward import forward_row
 from client._generation import VERIFICATION_RULES, GenerationStats, SessionState, SpeculativeDecoder
+from client._trees import TreeSizer
+from client._spot_checks import DEFAULT_SPOT_CHECK_RATE, SpotChecker, check_rate
 from client.draft_model import ModelDrafter, check_draft_model
 from client._swarm import SwarmClient
 from client.drafters import SuffixStore, make_drafter
-from protocol.limits import DEFAULT_MAX_POSITIONS_PER_STEP
+from protocol.limits import DEFAULT_MAX_POSITIONS_PER_STEP, MAX_TREE_NODES
 from protocol.messages import SamplingParams, TokenLogprobs
 from protocol.sampling import validate_sampling
 from swarm.config import no_initial_peers_message, resolve_initial_peers
@@ -50,6 +52,10 @@ class GeneratedChunk:
     token_ids: list[int]
     logprobs: list[TokenLogprobs]
     stats: GenerationStats
+    # tokens yielded earlier that this chunk replaces: drop that many from the end of what you have,
+    # then append token_ids (a spot-check caught a server of the route lying, and the tokens it may
+    # have corrupted were re-verified on an honest route: docs/reliability.md, "Spot-checks")
+    retracted: int = 0
 
 
 class AutoDistributedModel:
@@ -58,8 +64,10 @@ class AutoDistributedModel:
         self.last_generation_stats: Optional[GenerationStats] = None
         self.last_batch_stats: list[GenerationStats] = []  # one per row of the last generate()
         self.last_logprobs: list = []
+        self.spot_check_rate = DEFAULT_SPOT_CHECK_RATE  # generate()'s default; from_pretrained sets it
         self._session: Optional[SessionState] = None
         self._suffix_store = SuffixStore()
+        self._tree_sizer = TreeSizer()  # lap-time model for token trees, shared by this model's generations
         self._closed = False
         atexit.register(self.shutdown)
 
@@ -72,6 +80,7 @@ class AutoDistributedModel:
         dht_prefix: Optional[str] = None,
         request_timeout: float = 60.0,
         max_positions_per_step: int = DEFAULT_MAX_POSITIONS_PER_STEP,
+        spot_check_rate: float = DEFAULT_SPOT_CHECK_RATE,
         **kwargs: Any,
     ) -> "AutoDistributedModel":
         """Fetch the config and tokenizer (never weights) and join the swarm as a client.
@@ -80,7 +89,9 @@ class AutoDistributedModel:
         $SPECSWARM_INITIAL_PEERS, then the user's config file), as the server CLI does.
         ``max_positions_per_step``: the most positions one Step carries; longer prompts are sent
         as several Steps (chunked prefill), at first and in failover replays.
+        ``spot_check_rate``: the default of ``generate``'s (audits per verdict; 1/50; 0: none).
         """
+        check_rate(spot_check_rate)
         initial_peers = resolve_initial_peers(initial_peers).peers
         if not initial_peers:
             raise ValueError(no_initial_peers_message("connect to", 'initial_peers=["MADDR", ...]'))
@@ -93,7 +104,9 @@ class AutoDistributedModel:
                 max_positions_per_step=max_positions_per_step,
             )
         )
-        return cls(config, tokenizer, swarm)
+        model = cls(config, tokenizer, swarm)
+        model.spot_check_rate = float(spot_check_rate)
+        return model
 
     @contextlib.contextmanager
     def inference_session(self, max_length: int = DEFAULT_MAX_LENGTH) -> Iterator[SessionState]:
@@ -137,6 +150,8 @@ class AutoDistributedModel:
         attention_mask: Optional[torch.Tensor] = None,
         draft_model: Any = None,
         verification: str = "match",
+        spot_check_rate: Optional[float] = None,
+        draft_tree: bool = False,
         **unused: Any,
     ) -> Union[torch.Tensor, GenerateDecoderOnlyOutput]:
         """transformers-compatible ``generate``: returns ``[batch, input + new]`` token ids.
@@ -146,6 +161,13 @@ class AutoDistributedModel:
         lap; ``draft_corpus`` adds texts or token lists the answer is likely to repeat.
         ``async_speculation=True`` keeps up to ``max_inflight_runs`` runs in flight, each assuming
         the ones before it are accepted whole; refuted runs are cancelled hop by hop.
+        ``draft_tree=True`` sends a token tree per lap instead of a chain: the drafter's chain plus
+        the alternatives it ranks at each position (and the tail's head drafts, with "+head"), as
+        many nodes as a cost model of the measured lap times finds worth it (more when the lap is
+        network-bound); every server computes the tree in one pass and keeps only the accepted path.
+        The output is unchanged. Synchronous speculation only (not with ``async_speculation`` or
+        ``verification="rejection"``); Llama-family models (DeepSeek-V4 servers refuse trees). Stats:
+        ``last_generation_stats.tree_nodes_per_lap``, ``tree_accepted_per_lap``, ``tree_sizes``.
         ``num_logprobs=K`` (K <= 20) returns the top-K log-probs of each new token in
         ``model.last_logprobs`` (and as ``.logprobs`` when ``return_dict_in_generate=True``); for a
         batch of several rows, one list per row.
@@ -168,9 +190,17 @@ class AutoDistributedModel:
         earlier (EOS, or nothing left) are filled with the pad token to the longest. Without
         ``attention_mask`` every position is a token: unlike transformers, no mask is guessed from
         ``pad_token_id`` (SmolLM2's pad token is its ``<|im_end|>``, which chat prompts contain).
+
+        ``spot_check_rate`` (default: ``from_pretrained``'s, 1/50; 0 disables): after each verdict,
+        with this probability, one hop of the route is audited against another server of the same
+        blocks and precision; a server outvoted by a third is excluded, and the tokens it may have
+        corrupted are re-verified on an honest route (``last_generation_stats.liars_excluded``,
+        ``tokens_retracted``). A ``streamer`` may have been given tokens that this replaced; the
+        returned ids never hold them (docs/reliability.md, "Spot-checks").
         """
         if unused:
             logger.warning(f"generate() ignores unsupported arguments: {sorted(unused)}")
+        rate = self._spot_check_rate(spot_check_rate)
         input_ids = self._check_input(input_ids)
         if max_length is not None:
             max_new_tokens = max_length - input_ids.shape[1]
@@ -184,14 +214,15 @@ class AutoDistributedModel:
         pad_id = self.config.pad_token_id if self.config.pad_token_id is not None else (eos[0] if eos else 0)
         rows = _unpadded(input_ids, _checked_mask(input_ids, attention_mask))
         inflight = max_inflight_runs if async_speculation else 1
-        draft = self._draft_choice(draft_model, verification)
+        draft = self._draft_choice(draft_model, verification, draft_tree, inflight)
         if len(rows) == 1:
             new_rows = [self._generate_row(rows[0], max_new_tokens, sampling, eos, streamer, speculation,
-                                           num_draft_tokens, inflight, corpus, num_logprobs, draft=draft)]  # fmt: skip
+                                           num_draft_tokens, inflight, corpus, num_logprobs, draft=draft,
+                                           spot_check_rate=rate)]  # fmt: skip
             self.last_batch_stats = [self.last_generation_stats]
         else:
             new_rows = self._generate_batch(rows, max_new_tokens, sampling, eos, speculation, num_draft_tokens,
-                                            inflight, corpus, num_logprobs, draft=draft)  # fmt: skip
+                                            inflight, corpus, num_logprobs, draft=draft, spot_check_rate=rate)  # fmt: skip
         width = max(map(len, new_rows))
         filled = [row + new + [pad_id] * (width - len(new)) for row, new in zip(input_ids.tolist(), new_rows)]
         sequences = torch.tensor(filled, dtype=torch.long)
@@ -201,14 +232,14 @@ class AutoDistributedModel:
             return output
         return sequences
 
-    def _generate_row(self, row, max_new_tokens, sampling, eos, streamer, speculation, num_draft_tokens, max_inflight_runs, corpus, num_logprobs, draft=None) -> list[int]:
+    def _generate_row(self, row, max_new_tokens, sampling, eos, streamer, speculation, num_draft_tokens, max_inflight_runs, corpus, num_logprobs, draft=None, spot_check_rate=0.0) -> list[int]:
         own_session = self._session is None
-        state = self._session or self._new_session_state(row, max_new_tokens, num_draft_tokens)
+        state = self._session or self._new_session_state(row, max_new_tokens, num_draft_tokens, tree=_tree_of(draft))
         if streamer is not None:
             streamer.put(torch.tensor(row))
         on_tokens = (lambda new: streamer.put(torch.tensor(new))) if streamer is not None else None
         decoder = self._make_decoder(state, sampling, eos, speculation, num_draft_tokens, max_inflight_runs, corpus,
-                                     num_logprobs, on_tokens, draft=draft)  # fmt: skip
+                                     num_logprobs, on_tokens, draft=draft, spot_check_rate=spot_check_rate)  # fmt: skip
         self.last_generation_stats = decoder.stats  # live while generating (route, failovers, ...)
         try:
             new = _loop.run(decoder.generate(row, max_new_tokens))
@@ -221,11 +252,12 @@ class AutoDistributedModel:
         return new
 
     def _generate_batch(self, rows, max_new_tokens, sampling, eos, speculation, num_draft_tokens, max_inflight_runs,
-                        corpus, num_logprobs, draft=None) -> list[list[int]]:  # fmt: skip
+                        corpus, num_logprobs, draft=None, spot_check_rate=0.0) -> list[list[int]]:  # fmt: skip
         """Each row in its own session, all at once on the client loop; the new tokens of each."""
-        states = [self._new_session_state(row, max_new_tokens, num_draft_tokens) for row in rows]
+        states = [self._new_session_state(row, max_new_tokens, num_draft_tokens, tree=_tree_of(draft)) for row in rows]
         decoders = [self._make_decoder(state, sampling, eos, speculation, num_draft_tokens, max_inflight_runs, corpus,
-                                       num_logprobs, None, draft=draft) for state in states]  # fmt: skip
+                                       num_logprobs, None, draft=draft, spot_check_rate=spot_check_rate)
+                    for state in states]  # fmt: skip
 
         async def decode(decoder: SpeculativeDecoder, state: SessionState, row: list[int]) -> list[int]:
             try:
@@ -323,6 +355,8 @@ class AutoDistributedModel:
         num_logprobs: int = 0,
         draft_model: Any = None,
         verification: str = "match",
+        spot_check_rate: Optional[float] = None,
+        draft_tree: bool = False,
     ) -> AsyncIterator[GeneratedChunk]:
         """The asyncio twin of ``generate`` for one sequence of ids: yields each lap's tokens as soon
         as the tail accepts them. Same arguments and seed handling, so the tokens equal ``generate``'s.
@@ -333,23 +367,28 @@ class AutoDistributedModel:
         after the session is closed on every server.
         """
         row = self._check_input(torch.as_tensor([list(input_ids)]))[0].tolist()
+        rate = self._spot_check_rate(spot_check_rate)
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         sampling = _sampling_params(do_sample, temperature, top_k, top_p, min_p, repetition_penalty, seed)
         eos = self._eos_ids(eos_token_id)
-        state = self._new_session_state(row, max_new_tokens, num_draft_tokens)
+        inflight = max_inflight_runs if async_speculation else 1
+        draft = self._draft_choice(draft_model, verification, draft_tree, inflight)
+        state = self._new_session_state(row, max_new_tokens, num_draft_tokens, tree=draft_tree)
         caller, laps = asyncio.get_running_loop(), asyncio.Queue()
 
         def post(item: Optional[GeneratedChunk]) -> None:  # client loop -> caller's loop
             caller.call_soon_threadsafe(laps.put_nowait, item)
 
-        def on_tokens(new: list[int]) -> None:
-            post(GeneratedChunk(new, decoder.logprobs[-len(new) :] if num_logprobs else [], decoder.stats))
+        retracted = [0]  # tokens_retracted already reported
 
-        inflight = max_inflight_runs if async_speculation else 1
+        def on_tokens(new: list[int]) -> None:
+            gone, retracted[0] = decoder.stats.tokens_retracted - retracted[0], decoder.stats.tokens_retracted
+            post(GeneratedChunk(new, decoder.logprobs[-len(new) :] if num_logprobs else [], decoder.stats, gone))
+
         decoder = self._make_decoder(state, sampling, eos, speculation, num_draft_tokens, inflight,
                                      self._corpus(draft_corpus), num_logprobs, on_tokens,
-                                     draft=self._draft_choice(draft_model, verification))  # fmt: skip
+                                     draft=draft, spot_check_rate=rate)  # fmt: skip
         control: dict[str, Any] = {}
 
         async def decode() -> None:  # runs on the client loop; always ends by posting None
@@ -385,14 +424,15 @@ class AutoDistributedModel:
                 while await laps.get() is not None:  # the session is closed once None arrives
                     pass
 
-    def _new_session_state(self, row: list[int], max_new_tokens: int, num_draft_tokens: int) -> SessionState:
-        """A one-call session: room for the prompt, the new tokens and one run's drafts."""
-        return SessionState(max_length=min(len(row) + max_new_tokens + num_draft_tokens + 1, self._context_limit()))
+    def _new_session_state(self, row: list[int], max_new_tokens: int, num_draft_tokens: int, tree: bool = False) -> SessionState:
+        """A one-call session: room for the prompt, the new tokens and one run's drafts (a tree's nodes)."""
+        drafts = max(num_draft_tokens, MAX_TREE_NODES) if tree else num_draft_tokens
+        return SessionState(max_length=min(len(row) + max_new_tokens + drafts + 1, self._context_limit()))
 
     def _make_decoder(self, state, sampling, eos, speculation, num_draft_tokens, max_inflight_runs, corpus,
-                      num_logprobs, on_tokens, draft=None) -> SpeculativeDecoder:  # fmt: skip
+                      num_logprobs, on_tokens, draft=None, spot_check_rate=0.0) -> SpeculativeDecoder:  # fmt: skip
         """The one place generate() and agenerate_stream() build their decoder and drafter."""
-        draft_model, verification = draft or (None, "match")
+        draft_model, verification, draft_tree = draft or (None, "match", False)
         if draft_model is not None:  # one ModelDrafter (own KV cache) per stream; the model is shared
             sample = verification == "rejection"
             drafter = ModelDrafter(draft_model, sampling, num_draft_tokens, sample=sample)
@@ -411,15 +451,28 @@ class AutoDistributedModel:
             num_logprobs=num_logprobs,
             on_tokens=on_tokens,
             verification=verification,
+            spot_checker=SpotChecker(self.swarm, spot_check_rate, self.config.vocab_size) if spot_check_rate else None,
+            draft_tree=draft_tree,
+            tree_sizer=self._tree_sizer,
         )
 
-    def _draft_choice(self, draft_model: Any, verification: str) -> tuple[Any, str]:
-        """Check ``draft_model`` and ``verification`` before any session opens."""
+    def _spot_check_rate(self, spot_check_rate: Optional[float]) -> float:
+        return check_rate(self.spot_check_rate if spot_check_rate is None else spot_check_rate)
+
+    def _draft_choice(self, draft_model: Any, verification: str, draft_tree: bool = False,
+                      inflight: int = 1) -> tuple[Any, str, bool]:  # fmt: skip
+        """Check ``draft_model``, ``verification`` and ``draft_tree`` before any session opens."""
         if verification not in VERIFICATION_RULES:
             raise ValueError(f"verification must be one of {VERIFICATION_RULES}, got {verification!r}")
         if draft_model is not None:
             check_draft_model(draft_model, self.config.vocab_size)
-        return draft_model, verification
+        if not isinstance(draft_tree, bool):
+            raise ValueError(f"draft_tree must be True or False, got {draft_tree!r}")
+        if draft_tree and inflight > 1:
+            raise ValueError("draft_tree=True runs synchronous speculation: leave async_speculation off")
+        if draft_tree and verification == "rejection":
+            raise ValueError("draft_tree=True verifies by token match: it does not go with verification='rejection'")
+        return draft_model, verification, draft_tree
 
     def _corpus(self, draft_corpus: Sequence[Union[str, Sequence[int]]]) -> list[list[int]]:
         return [self.tokenizer.encode(c, add_special_tokens=False) if isinstance(c, str) else list(c) for c in draft_corpus]
@@ -491,6 +544,11 @@ def _sampling_params(do_sample, temperature, top_k, top_p, min_p, repetition_pen
 
 
 AutoDistributedModelForCausalLM = AutoDistributedModel  # transformers' naming; the same class
+
+
+def _tree_of(draft: Optional[tuple]) -> bool:
+    """Whether a ``_draft_choice`` asks for token trees."""
+    return bool(draft and draft[2])
 
 T = TypeVar("T")
 

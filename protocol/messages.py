@@ -15,7 +15,7 @@ Each encoded message starts with the protocol version, checked before anything e
 
 from __future__ import annotations
 
-from typing import Annotated, Optional, Union
+from typing import Annotated, ClassVar, Optional, Union
 
 import msgspec
 
@@ -69,7 +69,8 @@ class Step(msgspec.Struct, tag="step", kw_only=True, array_like=True, omit_defau
     """One speculative run: ``token_ids`` start at absolute position ``start_pos``.
 
     The first ``len(token_ids) - n_draft`` ids are committed tokens not yet in the caches
-    (usually one: the last bonus token); the last ``n_draft`` are drafts to verify.
+    (usually one: the last bonus token); the last ``n_draft`` are drafts to verify, a chain, or a
+    tree when ``parents`` is set (protocol/trees.py).
     ``start_pos`` is also the rollback: every server trims its cache to it first.
     """
 
@@ -92,10 +93,31 @@ class Step(msgspec.Struct, tag="step", kw_only=True, array_like=True, omit_defau
     # ask the tail's drafter head for up to this many ids after the verdict (StepResult.drafts);
     # 0: none (a tail without a head sends none either way)
     head_drafts: int = 0
+    # token trees live in TreeStep (below); a plain Step is a chain and keeps nothing of a tree
+    parents: ClassVar[tuple] = ()
+    tree_path: ClassVar[tuple] = ()
 
     @property
     def sampling_params(self) -> SamplingParams:
         return GREEDY if self.sampling is None else self.sampling
+
+
+class TreeStep(Step, tag="tree", kw_only=True, array_like=True):
+    """A :class:`Step` whose drafts form a tree, or that keeps the accepted path of the session's
+    previous tree run (docs/protocol.md, "Token trees"; protocol/trees.py). A subclass with its own
+    tag rather than two more fields of Step: msgspec writes every field of an array_like struct
+    (``omit_defaults`` does not apply to them), so new Step fields would add bytes to every chain lap.
+    """
+
+    # one entry per draft: the index of its parent among the run's drafts, or -1 for the run's last
+    # committed id; a parent comes before its child. Empty: the drafts are a chain. At most
+    # protocol.limits.MAX_TREE_NODES drafts
+    parents: list[int] = []
+    # the accepted path (draft indices, root first) of the session's previous run, when that run was a
+    # tree and this Step keeps some of its nodes (start_pos beyond the tree's first draft position):
+    # every server gathers those cache entries into a chain, then trims to start_pos. Not needed when
+    # the kept nodes are the tree's first ones in run order and already a chain
+    tree_path: list[int] = []
 
 
 class Cancel(msgspec.Struct, tag="cancel", kw_only=True, array_like=True):
@@ -135,7 +157,7 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
 class StepResult(msgspec.Struct, tag="result", kw_only=True, array_like=True, omit_defaults=True):
     session_id: str
     run_id: int
-    accepted: int  # drafts accepted, a prefix of the run's drafts
+    accepted: int  # drafts accepted: a prefix of a chain's drafts, or the length of a tree's ``path``
     next_token: int  # the target's own token after the accepted drafts
     logprobs: Optional[list[TokenLogprobs]] = None  # accepted + 1 entries when asked for
     # the rejection exchange, on a rejected draft only: the top-K ids of the target's processed p at
@@ -146,6 +168,14 @@ class StepResult(msgspec.Struct, tag="result", kw_only=True, array_like=True, om
     # ids drafted by the tail's drafter head after next_token (Step.head_drafts asked for them):
     # only drafts, which the client may send in its next run like its own
     drafts: list[int] = []
+    path: ClassVar[tuple] = ()  # a chain's verdict names no path (TreeResult does)
+
+
+class TreeResult(StepResult, tag="tree_result", kw_only=True, array_like=True):
+    """The verdict on a tree run (a :class:`TreeStep` with ``parents``): ``path`` is the accepted
+    path, draft indices from the root down, and ``accepted`` its length."""
+
+    path: list[int] = []
 
 
 class RunOutputs(msgspec.Struct, tag="outputs", kw_only=True, array_like=True):
@@ -180,7 +210,8 @@ class Pong(msgspec.Struct, tag="pong", array_like=True):
 
 
 Message = Union[
-    OpenSession, Step, Cancel, CloseSession, Subscribe, SessionOpened, StepResult, RunOutputs, ErrorReply, Ping, Pong
+    OpenSession, Step, TreeStep, Cancel, CloseSession, Subscribe, SessionOpened, StepResult, TreeResult, RunOutputs,
+    ErrorReply, Ping, Pong,
 ]
 
 MAX_TOP_LOGPROBS = 20

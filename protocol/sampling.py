@@ -143,6 +143,49 @@ def verify(
     return accepted, chosen_rows[-1][1], logprobs
 
 
+def verify_tree(
+    logits: torch.Tensor,
+    history: Sequence[int],
+    start_pos: int,
+    token_ids: Sequence[int],
+    parents: Sequence[int],
+    params: SamplingParams,
+    num_logprobs: int = 0,
+) -> tuple[list[int], int, list[TokenLogprobs]]:
+    """Walk a tree of drafts (protocol/trees.py) with the rule :func:`verify` applies to a chain.
+
+    logits: [L, V] rows in run order (row i is the output at the run's i-th id), read only along
+    the walk; history: the ids at positions 0 .. start_pos - 1 (further entries are ignored);
+    token_ids: the run's ids, committed first, then one per draft; parents: one per draft.
+    At the root (the last committed id) y is the target's choice at the first draft position; the
+    child whose id equals y is accepted and the walk goes on from it, with the repetition penalty
+    reading the history along the path; the first node without a matching child gives
+    next_token = y. A node's absolute position is start_pos + committed - 1 + its depth, so the
+    output equals one-token-at-a-time decoding whatever the tree holds. If siblings repeat an id,
+    the first of them is taken. Returns (accepted path as draft indices, root first, next_token,
+    logprobs of each generated position if asked).
+    """
+    committed = len(token_ids) - len(parents)
+    children: dict[int, dict[int, int]] = {}
+    for node, parent in enumerate(parents):
+        children.setdefault(parent, {}).setdefault(token_ids[committed + node], node)
+    context = list(history[: start_pos + committed])
+    path: list[int] = []
+    row, chosen_rows = committed - 1, []
+    while True:
+        position = start_pos + committed + len(path)
+        y = choose_token(logits[row], context, position, params)
+        chosen_rows.append((row, y))
+        node = children.get(path[-1] if path else -1, {}).get(y)
+        if node is None:
+            break
+        path.append(node)
+        context.append(y)
+        row = committed + node
+    logprobs = [top_logprobs(logits[r], tok, num_logprobs) for r, tok in chosen_rows] if num_logprobs else []
+    return path, chosen_rows[-1][1], logprobs
+
+
 # ---- the rejection (DSSD) exchange ---------------------------------------------------------------
 # For a drafter that samples x ~ q (a draft model on the client), speculative sampling accepts x
 # with probability min(1, p(x)/q(x)) and on rejection draws from norm(max(0, p - q)): the committed

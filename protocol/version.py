@@ -17,3 +17,7 @@ PROTOCOL_VERSION = 4
 #    Head drafts: Step.head_drafts (how many the client wants), StepResult.drafts (the tail's drafter head).
 #    Hop.addrs: circuit addresses of a hop behind NAT (docs/nat.md).
 #    Step.sampling: left out when unchanged since the session's previous Step (was: left out for greedy).
+#    Token trees: messages TreeStep (a Step plus parents, a parent index per draft, and tree_path, the
+#    previous tree run's accepted path, gathered into a chain before the trim) and TreeResult (a
+#    StepResult plus path, the accepted path); chains still travel as Step/StepResult, byte for byte
+#    as before (docs/protocol.md, "Token trees").

@@ -15,6 +15,9 @@ next step's input. The head file is a safetensors file (``fc.*``, ``layer.*``, o
 ``draft_vocab``: the ids the head may propose, a frequent-token subset that keeps the LM head rows
 it multiplies few, after FR-Spec, arXiv 2502.14856) whose metadata names the config it was trained
 for (:func:`config_fingerprint`).
+
+DeepSeek-V4 tails draft with the checkpoint's own multi-token-prediction module instead
+(:mod:`server.adapters.deepseek_v4_mtp`); both share :class:`TailDrafter`'s session logic.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PretrainedConfig
@@ -35,6 +38,7 @@ logger = logging.getLogger(__name__)
 HEAD_FORMAT = "specswarm-eagle-1"
 DEFAULT_HEAD_DRAFTS = 1  # the most ids the tail drafts per run (a client may ask for fewer); see docs/benchmarks.md
 MAX_HEAD_DRAFTS = 16  # the most a Step may ask for
+RECENT_FEATURES = 32  # features a session keeps to redo the entry before a rollback's start_pos exactly
 COMMITTED_HEADS = Path(__file__).resolve().parent / "drafters"  # heads shipped with the package
 
 
@@ -150,37 +154,115 @@ class HeadSession:
     """One session's head cache: entries for positions ``base .. base + len(tokens) - 1``; the
     entry at position t was computed from (feature_t, tokens[t - base]), the token at t + 1."""
 
-    cache: DynamicCache
+    cache: Any  # the head's own cache (a DynamicCache for EAGLE heads)
     base: int = 0
     tokens: list[int] = field(default_factory=list)
-    last_feature: Optional[tuple[int, torch.Tensor]] = None  # (position, [1, 1, H]) of the last committed one
+    # features of the last committed positions (at most RECENT_FEATURES), [1, n, ...], the last one at end - 1
+    recent: Optional[torch.Tensor] = None
 
     @property
     def end(self) -> int:
         return self.base + len(self.tokens)
 
 
-class HeadDrafter:
-    """The head plus what it shares with the tail's span: the final norm, the LM head, and the token
-    embeddings (the LM head's own matrix when the model ties them, else read from the checkpoint)."""
+class TailDrafter:
+    """What every drafter at the tail shares: each session's head cache follows the committed text
+    (rollback to the run's ``start_pos``, the entry before it redone with the token the run starts
+    with, from the last ``RECENT_FEATURES`` committed features the session keeps; a fresh start
+    after a gap), and drafting is autoregressive from the last committed position. Subclasses say
+    how features are made, how the head steps and how a token is read."""
+
+    def __init__(self, max_drafts: int = DEFAULT_HEAD_DRAFTS, eos_token_ids: tuple[int, ...] = ()):
+        self.max_drafts = max_drafts
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.stats = {"runs": 0, "drafts": 0, "seconds": 0.0}
+
+    def new_session(self) -> HeadSession:
+        raise NotImplementedError
+
+    def _trim(self, state: HeadSession, position: int) -> None:
+        """Keep entries before ``position``; if it is before the cache (or the cache cannot go
+        back that far), start over there with ``base = position``."""
+        raise NotImplementedError
+
+    def _features(self, hidden: torch.Tensor) -> torch.Tensor:
+        """A run's final activations (before any final norm) -> the head's input features."""
+        raise NotImplementedError
+
+    def _predicted(self, out: torch.Tensor) -> torch.Tensor:
+        """The head's output at a position -> the feature the next drafting step reads."""
+        raise NotImplementedError
+
+    def _step(self, state: HeadSession, features: torch.Tensor, tokens: list[int], first: int) -> torch.Tensor:
+        """Head over positions first.. (``first == state.end``; the tokens after each); appends entries."""
+        raise NotImplementedError
+
+    def _next_token(self, feature: torch.Tensor) -> int:
+        raise NotImplementedError
+
+    @torch.inference_mode()
+    def draft(self, state: HeadSession, hidden: torch.Tensor, token_ids: list[int], start_pos: int,
+              committed: int, next_token: int, max_drafts: int) -> list[int]:  # fmt: skip
+        """Draft after a verified run: ``hidden`` [1, S, ...] is the run's final activations (before
+        the final norm), its first ``committed`` positions are now committed and ``next_token``
+        follows them. Returns up to ``max_drafts`` ids continuing after ``next_token``."""
+        import time
+
+        began = time.perf_counter()
+        features = self._features(hidden[:, :committed])  # [1, c, ...]
+        after = list(token_ids[1:committed]) + [next_token]  # the token after each position
+        first = start_pos
+        recent = state.recent
+        recent_start = state.end - (0 if recent is None else recent.shape[1])  # position of recent[:, 0]
+        if recent is not None and max(recent_start, state.base) <= start_pos - 1 < state.end:
+            # the entry before this run paired its feature with what was then the next token;
+            # redo it with the token this run starts with (they differ after a rollback)
+            first = start_pos - 1
+            features = torch.cat([recent[:, first - recent_start : start_pos - recent_start], features], dim=1)
+            after = [token_ids[0]] + after
+        self._trim(state, first)
+        if state.end != first:  # a gap (the head saw no run ending there): start over with less context
+            self._trim(state, state.base)
+            state.base = first
+        out = self._step(state, features, after, first)
+        end = first + len(after)
+        if recent is not None and state.base < first and recent_start < first:  # still valid before `first`
+            features = torch.cat([recent[:, : first - recent_start], features], dim=1)
+        state.recent = features[:, -RECENT_FEATURES:].clone()
+        drafts: list[int] = []
+        out = out[:, -1:]
+        for i in range(min(max_drafts, self.max_drafts)):
+            predicted = self._predicted(out)
+            token = self._next_token(predicted)
+            drafts.append(token)
+            if token in self.eos_token_ids or i + 1 == min(max_drafts, self.max_drafts):
+                break
+            out = self._step(state, predicted, [token], end + i)
+        self._trim(state, end)  # draft entries are no committed positions
+        self.stats["runs"] += 1
+        self.stats["drafts"] += len(drafts)
+        self.stats["seconds"] += time.perf_counter() - began
+        return drafts
+
+
+class HeadDrafter(TailDrafter):
+    """The EAGLE head plus what it shares with the tail's span: the final norm, the LM head, and the
+    token embeddings (the LM head's own matrix when the model ties them, else read from the checkpoint)."""
 
     def __init__(self, head: EagleHead, norm: torch.nn.Module, lm_head: torch.nn.Module, embed_weight: torch.Tensor,
                  draft_vocab: Optional[torch.Tensor] = None, max_drafts: int = DEFAULT_HEAD_DRAFTS,
                  eos_token_ids: tuple[int, ...] = ()):  # fmt: skip
+        super().__init__(max_drafts, eos_token_ids)
         self.head, self.norm, self.embed_weight = head, norm, embed_weight
-        self.max_drafts = max_drafts
-        self.eos_token_ids = frozenset(eos_token_ids)
         weight = lm_head.weight
         self.draft_vocab = draft_vocab
         self.rows = weight if draft_vocab is None else weight[draft_vocab].clone()  # [V', H]
         self.dtype = weight.dtype
-        self.stats = {"runs": 0, "drafts": 0, "seconds": 0.0}
 
     def new_session(self) -> HeadSession:
         return HeadSession(self.head.new_cache())
 
     def _trim(self, state: HeadSession, position: int) -> None:
-        """Keep entries before ``position``; if it is before the cache, start over there."""
         if position <= state.base:
             state.cache, state.base, state.tokens = self.head.new_cache(), position, []
             return
@@ -192,8 +274,13 @@ class HeadDrafter:
                     layer.crop(-excess)
             del state.tokens[keep:]
 
+    def _features(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.norm(hidden.to(self.dtype))  # what the LM head reads
+
+    def _predicted(self, out: torch.Tensor) -> torch.Tensor:
+        return self.norm(out)
+
     def _step(self, state: HeadSession, features: torch.Tensor, tokens: list[int], first: int) -> torch.Tensor:
-        """Head over positions first.. (features [1, S, H], the tokens after each); appends entries."""
         from server.adapters.llama import _causal_mask
 
         num = features.shape[1]
@@ -208,47 +295,6 @@ class HeadDrafter:
     def _next_token(self, feature: torch.Tensor) -> int:
         index = int(torch.argmax(torch.nn.functional.linear(feature[0, -1], self.rows)))  # GEMV, as the LM head runs
         return index if self.draft_vocab is None else int(self.draft_vocab[index])
-
-    @torch.inference_mode()
-    def draft(self, state: HeadSession, hidden: torch.Tensor, token_ids: list[int], start_pos: int,
-              committed: int, next_token: int, max_drafts: int) -> list[int]:  # fmt: skip
-        """Draft after a verified run: ``hidden`` [1, S, H] is the run's final activations (before the
-        final norm), its first ``committed`` positions are now committed and ``next_token`` follows
-        them. Returns up to ``max_drafts`` ids continuing after ``next_token``."""
-        import time
-
-        began = time.perf_counter()
-        features = self.norm(hidden[:, :committed].to(self.dtype))  # [1, c, H]
-        after = list(token_ids[1:committed]) + [next_token]  # the token after each position
-        first = start_pos
-        last = state.last_feature
-        if last is not None and last[0] == start_pos - 1 and start_pos - 1 >= state.base:
-            # the entry before this run paired its feature with what was then the next token;
-            # redo it with the token this run starts with (they differ after a rollback)
-            first = start_pos - 1
-            features = torch.cat([last[1], features], dim=1)
-            after = [token_ids[0]] + after
-        self._trim(state, first)
-        if state.end != first:  # a gap (the head saw no run ending there): start over with less context
-            self._trim(state, state.base)
-            state.base = first
-        out = self._step(state, features, after, first)
-        end = first + len(after)
-        state.last_feature = (end - 1, features[:, -1:].clone())
-        drafts: list[int] = []
-        out = out[:, -1:]
-        for i in range(min(max_drafts, self.max_drafts)):
-            predicted = self.norm(out)
-            token = self._next_token(predicted)
-            drafts.append(token)
-            if token in self.eos_token_ids or i + 1 == min(max_drafts, self.max_drafts):
-                break
-            out = self._step(state, predicted, [token], end + i)
-        self._trim(state, end)  # draft entries are no committed positions
-        self.stats["runs"] += 1
-        self.stats["drafts"] += len(drafts)
-        self.stats["seconds"] += time.perf_counter() - began
-        return drafts
 
 
 def build_head_drafter(span, config: PretrainedConfig, checkpoint, path: str | Path,

@@ -28,6 +28,7 @@ from server.cache_budget import CacheBudget, default_cache_tokens
 from server.handler import SessionHandler
 from server.joining import claim_span, joining_throughput, keep_announcing, leave
 from server.drafter_head import DEFAULT_HEAD_DRAFTS
+from server.faults import corrupt_outputs
 from server.memory import MemoryPlan, plan_blocks
 from server.quantization import Quant, resident_bytes, resolve_quant
 from server.upkeep import measure_next_pings
@@ -68,6 +69,7 @@ class ServerConfig:
     drain_seconds: float = 30.0  # on shutdown or a move, open sessions get this long to finish
     balance_period: float = 120.0  # seconds between checks whether another span helps the swarm more
     debug_block_delay: float = 0.0  # seconds slept before each block: fault injection for tests
+    debug_corrupt: Optional[str] = None  # noise|offset: the span's outputs are wrong (server/faults.py; tests)
     max_positions_per_step: int = DEFAULT_MAX_POSITIONS_PER_STEP  # a Step's positions; frames sized by it
     max_sessions: int = DEFAULT_MAX_SESSIONS  # open sessions at most
     max_sessions_per_peer: int = DEFAULT_MAX_SESSIONS_PER_PEER  # open sessions per upstream peer at most
@@ -143,6 +145,8 @@ class SpanServer:
                 None, load_span, model_config, Checkpoint(model.source), start, end, dtype, device, quant.quant
             )
             await loop.run_in_executor(None, attach_drafter, span, config, model_config, Checkpoint(model.source))
+            if config.debug_corrupt:
+                corrupt_outputs(span, config.debug_corrupt)
             logger.info(f"Blocks {start}:{end} hold {resident_bytes(span.layers) / 2**20:.1f} MiB of weights ({quant.quant.value})")
             budget = CacheBudget(config.cache_tokens or _cache_tokens(span, plan, device))
             p2p = await dht.replicate_p2p()
@@ -275,16 +279,22 @@ class SpanServer:
 def attach_drafter(span: SpanAdapter, config: ServerConfig, model_config: PretrainedConfig, checkpoint: Checkpoint) -> None:
     """``--drafter``: give a tail span its drafter head (server/drafter_head.py). ``auto`` picks the
     head committed for this model (matched by config fingerprint) and drafts nothing without one;
-    ``none`` never drafts; a path loads that head file, and a file that does not fit is an error."""
+    ``none`` never drafts; a path loads that head file, and a file that does not fit is an error.
+    A DeepSeek-V4 tail drafts with its checkpoint's own MTP module instead (server/adapters/deepseek_v4_mtp.py)."""
     from server.drafter_head import build_head_drafter, committed_head
 
     span.drafter = None
     choice = config.drafter
     if choice == "none" or not span.is_tail:
         return
+    if model_config.model_type == "deepseek_v4":
+        from server.adapters.deepseek_v4_mtp import build_mtp_drafter
+
+        span.drafter = build_mtp_drafter(span, model_config, checkpoint, choice, max_drafts=config.drafter_tokens)
+        return
     from server.adapters.llama import LlamaFamilyAdapter
 
-    llama = isinstance(span, LlamaFamilyAdapter)  # DeepSeek-V4's MTP is not served yet (docs/deepseek_v4.md)
+    llama = isinstance(span, LlamaFamilyAdapter)
     if choice == "auto":
         path = committed_head(model_config) if llama else None
         if path is None:

@@ -15,11 +15,13 @@ from typing import Optional
 
 import torch
 
+from protocol import trees
 from protocol.errors import ErrorCode, ProtocolError
+from protocol.limits import MAX_TREE_NODES
 from protocol.messages import (
-    GREEDY, MAX_TOP_LOGPROBS, OUTPUTS_FRAME_BYTES, Hop, RunOutputs, SamplingParams, Step, StepResult,
+    GREEDY, MAX_TOP_LOGPROBS, OUTPUTS_FRAME_BYTES, Hop, RunOutputs, SamplingParams, Step, StepResult, TreeResult,
 )
-from protocol.sampling import check_draft_q, pack_f16, validate_sampling, verify, verify_rejection
+from protocol.sampling import check_draft_q, pack_f16, validate_sampling, verify, verify_rejection, verify_tree
 from server.adapters import SpanAdapter, SpanCancelled
 from server.drafter_head import MAX_HEAD_DRAFTS
 
@@ -48,6 +50,16 @@ class QueuedTrim:
 
 
 @dataclass
+class TreeLayout:
+    """The tree of drafts of a session's last accepted run, cached in run order from ``base`` (its
+    first draft's position) until the next Step keeps its accepted path (docs/protocol.md, "Token trees")."""
+
+    run_id: int
+    base: int
+    parents: list[int]
+
+
+@dataclass
 class ServerSession:
     session_id: str
     max_length: int
@@ -68,6 +80,9 @@ class ServerSession:
     subscribed: bool = False  # the tail has given this session's results stream to its client
     head_state: Optional[object] = None  # the tail's drafter head cache (server.drafter_head.HeadSession)
     sampling: SamplingParams = GREEDY  # as of the last Step that carried parameters (a Step without: as before)
+    tree: Optional[TreeLayout] = None  # the last accepted run's tree, if it was one
+    # run id -> (base, nodes): before computing that run, gather a previous tree's accepted path into a chain
+    gathers: dict[int, tuple[int, list[int]]] = field(default_factory=dict)
 
     @property
     def hop(self) -> Hop:
@@ -132,11 +147,71 @@ class ServerSession:
             self._check_draft_q(step)
         if not 0 <= step.head_drafts <= MAX_HEAD_DRAFTS:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"head_drafts must be in [0, {MAX_HEAD_DRAFTS}], got {step.head_drafts}")
+        if step.parents:
+            self._check_tree(step, span)
+        self._tree_gather(step)
         expected_shape = (1, num_new, *span.hidden_shape)
         if self.hop_index > 0 and (hidden is None or tuple(hidden.shape) != expected_shape):
             got = None if hidden is None else tuple(hidden.shape)
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"activations of shape {got}, expected {expected_shape}")
         self.sampling = step.sampling
+
+    @staticmethod
+    def _check_tree(step: Step, span: SpanAdapter) -> None:
+        """A tree run: a family that computes trees, no rejection exchange, no forward outputs, and
+        parents that make a tree of at most MAX_TREE_NODES drafts."""
+        if not span.supports_trees:
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST,
+                f"this server's model family ({type(span).__name__}) computes chains of drafts only: send "
+                "the drafts without parents (docs/protocol.md, \"Token trees\")",
+            )
+        if step.draft_q is not None:
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST, "a tree of drafts (parents) and the rejection exchange (draft_q) do not go together"
+            )
+        if step.return_logits:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "return_logits needs a chain: a tree run returns no outputs")
+        try:
+            trees.check_tree(step.parents, step.n_draft, MAX_TREE_NODES)
+        except ValueError as e:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"malformed tree: {e}") from None
+
+    def _tree_gather(self, step: Step) -> Optional[tuple[int, list[int]]]:
+        """Which nodes of the previous run's tree this Step keeps, as (base, nodes) to gather into a
+        chain first; None when nothing needs gathering. Raises ProtocolError for a Step that keeps
+        tree nodes without naming an accepted path, or names one that is no path of that tree."""
+        tree = self.tree
+        if tree is None:
+            if step.tree_path:
+                raise ProtocolError(ErrorCode.BAD_REQUEST, "tree_path names the accepted path of the previous run, which was no tree")
+            return None
+        keep = step.start_pos - tree.base  # nodes of the tree the new start_pos keeps
+        if keep <= 0:
+            return None  # the trim drops the whole tree
+        if not step.tree_path:
+            if not trees.is_chain(tree.parents[:keep]):
+                raise ProtocolError(
+                    ErrorCode.BAD_REQUEST,
+                    f"start_pos {step.start_pos} keeps {keep} nodes of run {tree.run_id}'s tree, which are no chain "
+                    "in run order: name the accepted path in tree_path",
+                )
+            return None
+        if len(step.tree_path) > len(tree.parents):  # before walking it: a hostile list may be long
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST, f"tree_path names {len(step.tree_path)} nodes; run {tree.run_id}'s tree has {len(tree.parents)}"
+            )
+        try:
+            trees.check_path(step.tree_path, tree.parents)
+        except ValueError as e:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"tree_path is no path of run {tree.run_id}'s tree: {e}") from None
+        if len(step.tree_path) < keep:
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST,
+                f"start_pos {step.start_pos} keeps {keep} nodes of run {tree.run_id}'s tree; tree_path names {len(step.tree_path)}",
+            )
+        nodes = list(step.tree_path[:keep])
+        return None if nodes == list(range(keep)) else (tree.base, nodes)
 
     @staticmethod
     def _check_draft_q(step: Step) -> None:
@@ -153,6 +228,11 @@ class ServerSession:
         self.last_run_id = step.run_id
         self.expected_length = step.start_pos + len(step.token_ids)
         self.run_start[step.run_id] = step.start_pos
+        gather = self._tree_gather(step)  # checked on arrival (check_step)
+        if gather is not None:
+            self.gathers[step.run_id] = gather
+        base = step.start_pos + len(step.token_ids) - step.n_draft
+        self.tree = TreeLayout(step.run_id, base, list(step.parents)) if step.parents else None
         if len(self.run_start) > 256:
             self.run_start.pop(next(iter(self.run_start)))
 
@@ -183,12 +263,31 @@ class ServerSession:
         trim_to = min(self.run_start[r] for r in affected)
         for r in affected:
             del self.run_start[r]
+            # a cancelled run that was to gather a tree's path into a chain and has not yet: the trim
+            # drops that tree's nodes too (a run computing now has taken its gather already)
+            gather = self.gathers.pop(r, None)
+            if gather is not None:
+                trim_to = min(trim_to, gather[0])
+        if self.tree is not None and (self.tree.run_id in affected or trim_to <= self.tree.base):
+            self.tree = None
         self.expected_length = min(self.expected_length, trim_to)
         return trim_to
 
     def trim(self, span: SpanAdapter, length: int) -> None:
         span.trim_cache(self.cache, length)
         del self.history[length:]
+
+    def compact(self, span: SpanAdapter, base: int, nodes: list[int]) -> None:
+        """Gather a tree's accepted path (nodes cached in run order from ``base``) into a chain at
+        ``base``, in the cache and in ``history``."""
+        held = span.cache_length(self.cache)
+        if base + max(nodes) + 1 > held:
+            raise ProtocolError(
+                ErrorCode.START_POS_BEYOND_CACHE,
+                f"tree_path keeps position {base + max(nodes)}, beyond the {held} positions in this server's cache",
+            )
+        span.gather_cache(self.cache, base, nodes)
+        self.history[base : base + len(nodes)] = [self.history[base + node] for node in nodes]
 
 
 def compute_run(
@@ -200,12 +299,15 @@ def compute_run(
     The cache is first trimmed to ``start_pos``: that trim is the protocol's only rollback.
     """
     step = run.step
+    gather = session.gathers.pop(step.run_id, None)  # a previous tree's accepted path, kept by this run
     held = span.cache_length(session.cache)
     if step.start_pos > held:
         raise ProtocolError(
             ErrorCode.START_POS_BEYOND_CACHE,
             f"start_pos {step.start_pos} is beyond the {held} positions in this server's cache",
         )
+    if gather is not None:
+        session.compact(span, *gather)
     session.trim(span, step.start_pos)
     token_ids = torch.tensor([step.token_ids], dtype=torch.long)
     hidden = span.embed(token_ids) if session.hop_index == 0 else run.hidden
@@ -216,15 +318,16 @@ def compute_run(
         if run.cancelled or session.closed:
             raise SpanCancelled()
 
+    tree = {"tree": list(step.parents)} if step.parents else {}  # checked on arrival: the span takes trees
     try:
-        hidden = span.forward(hidden, token_ids, step.start_pos, session.cache, session.blocks, check_cancelled)
+        hidden = span.forward(hidden, token_ids, step.start_pos, session.cache, session.blocks, check_cancelled, **tree)
     except SpanCancelled:
         span.trim_cache(session.cache, step.start_pos)
         raise
     session.history.extend(step.token_ids)
     if session.next_hop is not None:
         return hidden
-    logits = LazyLogits(span, hidden)
+    logits = LazyLogits(span, hidden, contiguous=not step.parents)
     outputs = _outputs(span, session, step, hidden, logits) if step.return_logits else None
     result = _verdict(session, step, logits)
     if step.head_drafts and span.drafter is not None:
@@ -238,14 +341,24 @@ def _head_drafts(span: SpanAdapter, session: ServerSession, step: Step, hidden: 
     if session.head_state is None:
         session.head_state = span.drafter.new_session()
     committed = len(step.token_ids) - step.n_draft + result.accepted
+    token_ids = step.token_ids
+    if step.parents:  # the committed ids, then the accepted path: a chain, as the head expects
+        rows = list(range(len(step.token_ids) - step.n_draft)) + [len(step.token_ids) - step.n_draft + n for n in result.path]
+        hidden, token_ids = hidden[:, rows], [step.token_ids[r] for r in rows]
     return span.drafter.draft(
-        session.head_state, hidden, step.token_ids, step.start_pos, committed, result.next_token, step.head_drafts
+        session.head_state, hidden, token_ids, step.start_pos, committed, result.next_token, step.head_drafts
     )
 
 
 def _verdict(session: ServerSession, step: Step, logits: "LazyLogits") -> StepResult:
     """Verify the run's drafts: by token match, or by the rejection rule when they carry q(x)."""
     params, correction = step.sampling_params, None
+    if step.parents:  # a tree (never with draft_q: refused on arrival)
+        path, next_token, logprobs = verify_tree(
+            logits, session.history, step.start_pos, step.token_ids, step.parents, params, step.top_logprobs
+        )
+        return TreeResult(session_id=session.session_id, run_id=step.run_id, accepted=len(path), next_token=next_token,
+                          logprobs=logprobs or None, path=path)  # fmt: skip
     if step.draft_q is not None:  # checked on arrival (ServerSession.check_step)
         q = check_draft_q(step.draft_q, step.n_draft)
         accepted, next_token, correction, logprobs = verify_rejection(
@@ -299,9 +412,10 @@ class LazyLogits:
     up to the floating-point rounding that computing rows together may add (docs/design.md).
     """
 
-    def __init__(self, span: SpanAdapter, hidden: torch.Tensor):
+    def __init__(self, span: SpanAdapter, hidden: torch.Tensor, contiguous: bool = True):
         self._span, self._hidden = span, hidden  # hidden: [1, S, *hidden_shape]
         self._rows: dict[int, torch.Tensor] = {}
+        self._contiguous = contiguous  # False (a tree): the walk reads rows along one path, one at a time
 
     def __len__(self) -> int:
         return self._hidden.shape[1]
@@ -315,7 +429,7 @@ class LazyLogits:
         if not 0 <= row < len(self):
             raise IndexError(f"logits row {row} of {len(self)}")
         if row not in self._rows:
-            end = row + 1 if not self._rows else len(self)
+            end = row + 1 if not self._rows or not self._contiguous else len(self)
             block = self._span.logits(self._hidden[:, row:end])  # [end - row, V]
             for offset in range(end - row):
                 self._rows.setdefault(row + offset, block[offset])

@@ -17,7 +17,10 @@ from hivemind.dht.node import DHTNode
 from hivemind.utils import get_dht_time
 
 from swarm import relay
-from swarm.records import MAX_MODEL_BLOCKS, MAX_NAME_CHARS, MODELS_KEY, ServerInfo, block_key
+from swarm.records import (
+    MAX_MODEL_BLOCKS, MAX_NAME_CHARS, MAX_PEER_ID_CHARS, MAX_REPORT_COUNT, MAX_REPORTED_PEERS, MAX_REPORTERS, MODELS_KEY,
+    REPORT_EXPIRATION, ServerInfo, block_key, reports_key,
+)  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +115,51 @@ def fetch_model_registry(dht: DHT, known: Optional[Mapping[str, int]] = None) ->
         else:
             registry[name] = num_blocks if valid else None
     return registry
+
+
+def publish_report(
+    dht: DHT, model: str, counts: Mapping[str, int], expiration: float = REPORT_EXPIRATION, timeout: float = 30.0
+) -> bool:
+    """Store this peer's spot-check report for ``model`` (accused peer id -> times caught; the
+    ``MAX_REPORTED_PEERS`` most caught), signed under its own peer id. Blocks at most ``timeout``
+    seconds (a thread stuck on a DHT that is shutting down would hold up the interpreter's exit);
+    True if stored."""
+    top = sorted(counts.items(), key=lambda item: (-item[1], item[0]))[:MAX_REPORTED_PEERS]
+    value = {peer: min(int(count), MAX_REPORT_COUNT) for peer, count in top if count > 0}
+    stored = dht.store(reports_key(model), value, get_dht_time() + expiration, subkey=dht.peer_id.to_base58(),
+                       return_future=True)  # fmt: skip
+    return bool(stored.result(timeout=timeout))
+
+
+def fetch_reports(dht: DHT, model: str) -> dict[str, int]:
+    """Accused peer id -> how many clients report it for ``model`` (spot-checks).
+
+    The validator has checked that each entry is signed by the client its subkey names; the rest is
+    bounded here: at most ``MAX_REPORTERS`` reports are counted, and a report that is not a dict of
+    at most ``MAX_REPORTED_PEERS`` peer ids (strings) to positive ints is ignored whole."""
+    entry = dht.get(reports_key(model), latest=True)
+    if entry is None or not isinstance(entry.value, dict):
+        return {}
+    reporters: dict[str, int] = {}
+    for counted, item in enumerate(entry.value.values()):
+        if counted >= MAX_REPORTERS:
+            break
+        report = getattr(item, "value", None)
+        if not _valid_report(report):
+            logger.debug(f"Ignoring a malformed spot-check report under {reports_key(model)}")
+            continue
+        for peer in report:
+            reporters[peer] = reporters.get(peer, 0) + 1
+    return reporters
+
+
+def _valid_report(report: Any) -> bool:
+    return (
+        isinstance(report, dict)
+        and len(report) <= MAX_REPORTED_PEERS
+        and all(isinstance(peer, str) and 0 < len(peer) <= MAX_PEER_ID_CHARS for peer in report)
+        and all(isinstance(n, int) and not isinstance(n, bool) and 0 < n <= MAX_REPORT_COUNT for n in report.values())
+    )
 
 
 def _parse(subkey: Any, value: Any, model: str, num_blocks: int) -> ServerInfo | None:

@@ -119,3 +119,18 @@ def block_key(model: str, block: int) -> str:
 MODELS_KEY = "_specswarm.models"  # subkey: model name, value: {"num_blocks": N} (None from older servers)
 # Anyone can write MODELS_KEY (it is unprotected, swarm.validation.UNPROTECTED_KEYS): readers take
 # num_blocks from the model's config where they have it, and cap it at MAX_MODEL_BLOCKS otherwise.
+
+
+# Spot-check reports (client/_spot_checks.py, docs/reliability.md "Spot-checks"): a client that
+# caught a server lying stores {accused peer id: times caught} under REPORTS_KEY with its own peer id
+# as the subkey (signed like any protected record, so nobody writes another client's report). A
+# report is anybody's claim (a Sybil can make many identities): readers count distinct reporters and
+# show it as a signal, never as a ban.
+MAX_REPORTED_PEERS = 64  # entries of one client's report
+MAX_REPORTERS = 1024  # client reports a reader counts per model
+MAX_REPORT_COUNT = 2**31
+REPORT_EXPIRATION = 3600.0  # seconds a report lives unless its client stores it again
+
+
+def reports_key(model: str) -> str:
+    return f"{model}.reports"

@@ -50,3 +50,51 @@ def build_random_head(checkpoint: Path, path: Path, seed: int = 0) -> Path:
     head = EagleHead(config)
     save_head(head, path, config, dtype=torch.float32)
     return path
+
+
+def add_random_mtp(src: Path, dst: Path, attention: str = "compressed_sparse_attention", seed: int = 1) -> Path:
+    """A copy of the DeepSeek-V4 checkpoint at ``src`` with one random multi-token-prediction
+    module under DeepSeek's names (``mtp.0.attn.wq_a.weight``, ``mtp.0.ffn.experts.0.w1.weight``,
+    ``mtp.0.e_proj.weight``, ``mtp.0.hc_head_fn`` ...; server/adapters/deepseek_v4_mtp.py), its
+    block's attention of kind ``attention`` with a learned-router MoE. The block's names are the
+    ones transformers' own save_pretrained writes for a V4 layer (its reverse conversion table)."""
+    import json
+    import shutil
+    import tempfile
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, DeepseekV4ForCausalLM
+
+    config = AutoConfig.from_pretrained(src)
+    one = AutoConfig.from_pretrained(src)
+    one.vocab_size, one.num_hidden_layers = 64, 1  # only the block, hc head and norm are kept
+    one.layer_types, one.mlp_layer_types = [attention], ["moe"]
+    torch.manual_seed(seed)
+    model = DeepseekV4ForCausalLM(one)
+    with torch.no_grad():  # as build_tiny_deepseek_v4 does: weights far from the init default
+        for name, param in model.named_parameters():
+            if param.ndim >= 2:
+                param.normal_(0, 0.2)
+            elif name.endswith(("position_bias", "sinks", ".base", "hc_base")):
+                param.normal_(0, 0.5)
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        saved = load_file(Path(tmp) / "model.safetensors")
+    hidden = config.hidden_size
+    block = "model.layers.0."
+    mtp = {"mtp.0." + key.removeprefix(block): t for key, t in saved.items() if key.startswith(block)}
+    mtp.update({
+        "mtp.0.hc_head_fn": saved["model.hc_head.hc_fn"], "mtp.0.hc_head_base": saved["model.hc_head.hc_base"],
+        "mtp.0.hc_head_scale": saved["model.hc_head.hc_scale"], "mtp.0.norm.weight": saved["model.norm.weight"],
+        "mtp.0.e_proj.weight": torch.randn(hidden, hidden) * 0.2,
+        "mtp.0.h_proj.weight": torch.randn(hidden, hidden) * 0.2,
+        "mtp.0.enorm.weight": 1 + 0.1 * torch.randn(hidden), "mtp.0.hnorm.weight": 1 + 0.1 * torch.randn(hidden),
+    })  # fmt: skip
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    tensors.update({key: t.contiguous() for key, t in mtp.items()})
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    raw = json.loads((dst / "config.json").read_text())
+    raw["num_nextn_predict_layers"] = 1
+    (dst / "config.json").write_text(json.dumps(raw, indent=2))
+    return dst

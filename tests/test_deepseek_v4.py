@@ -437,3 +437,215 @@ def test_swarm_with_rejected_drafts_equals_plain_and_transformers(v4_model, v4_r
     assert 0 < stats.accepted < stats.drafted and stats.laps < 24
     if mode == "async":  # refuted runs in flight were cancelled, and the caches trimmed back
         assert stats.runs_cancelled > 0
+
+
+def test_v4_tail_without_mtp_sends_no_head_drafts(v4_model):
+    """The tiny V4 has no ``mtp.*`` tensors: its tail drafts nothing, as a Llama without a head."""
+    v4_model.generate(torch.tensor(PROMPT), max_new_tokens=8, speculation="head")
+    stats = v4_model.last_generation_stats
+    assert stats.drafted == 0 and stats.drafter_sources["head"][1] == 0
+
+
+# ---- the MTP module as the tail's drafter head (server/adapters/deepseek_v4_mtp.py) ------------
+
+MTP_KINDS = {"csa": CSA, "hca": HCA, "sliding": SWA}
+
+
+@pytest.fixture(scope="module")
+def v4_mtp_paths(v4_path, tmp_path_factory):
+    """The tiny V4 plus one random MTP module whose block has attention of the given kind."""
+    from tests.checkpoints import add_random_mtp
+
+    built = {}
+
+    def get(kind: str = "csa") -> Path:
+        if kind not in built:
+            path = tmp_path_factory.mktemp("ckpt") / f"tiny-v4-mtp-{kind}"
+            built[kind] = add_random_mtp(v4_path, path, MTP_KINDS[kind])
+        return built[kind]
+
+    return get
+
+
+def _mtp_cache_state(cache) -> dict:
+    """Everything a rewindable V4 cache layer keeps that later positions read."""
+    state = {}
+    for i, layer in enumerate(cache.layers):
+        state[f"{i}.length"] = layer.cumulative_length
+        state[f"{i}.window"] = layer.history
+        for name in getattr(layer, "compressed_kv", {}):
+            state[f"{i}.{name}.entries"] = layer.entry_count[name]
+            for what in ("compressed_kv", "buffer_kv", "buffer_gate", "overlap_kv", "overlap_gate"):
+                state[f"{i}.{name}.{what}"] = getattr(layer, what, {}).get(name)
+            state[f"{i}.{name}.raw"] = layer._raw[name]
+    return state
+
+
+def _assert_same_state(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        x, y = a[key], b[key]
+        if isinstance(x, tuple):
+            assert len(x) == len(y) and all(torch.allclose(p, q, atol=1e-5) for p, q in zip(x, y)), key
+        elif isinstance(x, torch.Tensor):
+            assert y is not None and x.shape == y.shape and torch.allclose(x, y, atol=1e-5), key
+        else:
+            assert x == y, key
+
+
+@pytest.mark.parametrize(
+    "kind,quant",
+    [("csa", "none"), ("hca", "none"), ("sliding", "none"), ("csa", "nf4"), ("csa", "int8")],
+    ids=["csa", "hca", "sliding", "csa-nf4", "csa-int8"],
+)
+def test_mtp_head_cache_rolls_back_exactly(v4_mtp_paths, v4_spans, kind, quant):
+    """Runs with rejected drafts, rollbacks into a compression window and past the sliding window,
+    and a different token where a run ended: after each, the MTP head's cache equals that of a
+    fresh head over the committed text in one pass, and so do its drafts."""
+    from server.adapters.deepseek_v4_mtp import MTPDrafter, build_mtp_drafter
+    from server.adapters.deepseek_v4_quant import QuantizedExperts
+    from server.quantization import Quant, is_quantized_param
+
+    path = v4_mtp_paths(kind)
+    config = AutoConfig.from_pretrained(path)
+    if quant == "none":
+        (span,) = v4_spans([(0, 6)])  # the main weights are the tiny V4's own
+    else:
+        span = load_span(config, Checkpoint(str(path)), 0, 6, torch.float32, "cpu", Quant(quant))
+    drafter = build_mtp_drafter(span, config, Checkpoint(str(path)), "auto", max_drafts=4)
+    assert isinstance(drafter, MTPDrafter) and drafter.mtp.attention_type == MTP_KINDS[kind]
+    if quant != "none":  # the MTP block is quantized as the span's blocks are
+        assert is_quantized_param(drafter.mtp.layer.self_attn.q_a_proj.weight)
+        assert isinstance(drafter.mtp.layer.mlp.experts, QuantizedExperts)
+    text = (PROMPT[0] * 4)[:40]
+
+    def run(cache, state, ids: list[int], start_pos: int, committed: int, next_token: int) -> list[int]:
+        span.trim_cache(cache, start_pos)
+        hidden = span.forward(span.embed(torch.tensor([ids])), torch.tensor([ids]), start_pos, cache, range(6))
+        drafts = drafter.draft(state, hidden, ids, start_pos, committed, next_token, 4)
+        span.trim_cache(cache, start_pos + committed)
+        return drafts
+
+    cache, state, history = span.new_cache(), drafter.new_session(), []
+    # (start_pos, token ids, ids of them committed after the verdict, next token)
+    runs = [(0, text[:8], 8, text[8]), (8, text[8:12], 2, 999), (10, [999, 5, 6], 1, 42), (11, [42, 7], 2, 43),
+            (5, text[5:9], 4, 1234), (9, [77, 78, 79, 80], 4, 81), (13, [81] + text[14:29], 16, text[29]),
+            (21, [5, 6, 7, 8, 9], 3, 77), (24, [77, 1, 2, 3], 2, 300), (26, [300, 9, 9], 3, 4)]  # fmt: skip
+    for start_pos, ids, committed, next_token in runs:
+        drafts = run(cache, state, ids, start_pos, committed, next_token)
+        history = history[:start_pos] + ids[:committed]
+        fresh = drafter.new_session()
+        assert drafts == run(span.new_cache(), fresh, history, 0, len(history), next_token), (start_pos, ids)
+        assert state.base == 0 and state.end == len(history) and len(drafts) >= 1
+        _assert_same_state(_mtp_cache_state(state.cache), _mtp_cache_state(fresh.cache))
+
+
+def test_mtp_loads_from_the_hub_layout_dequantized(v4_mtp_paths, tmp_path):
+    """``mtp.0.*`` in DeepSeek's layout (FP8 attention and shared-expert linears, FP4 routed experts,
+    ``.scale`` companions) loads dequantized by the span's own routine; everything else as stored."""
+    from server.adapters.deepseek_v4_mtp import load_mtp
+    from server.adapters.deepseek_v4_weights import map_mtp
+
+    path = v4_mtp_paths("csa")
+    expected = quantize_like_deepseek(path, tmp_path / "quantized")
+    config = AutoConfig.from_pretrained(path)
+    plain = load_mtp(config, Checkpoint(str(path)), torch.float32, "cpu").state_dict()
+    checkpoint = Checkpoint(str(tmp_path / "quantized"))
+    loaded = load_mtp(config, checkpoint, torch.float32, "cpu").state_dict()
+    sources = map_mtp(checkpoint.weight_map(), set(loaded), 0, config.num_hidden_layers)
+    quantized = 0
+    for name, tensor in loaded.items():
+        keys = [weight for weight, _ in sources[name].parts]
+        if keys[0] not in expected:
+            assert torch.equal(tensor, plain[name]), name
+        elif sources[name].kind == "plain":
+            assert torch.equal(tensor, expected[keys[0]]), name
+        else:  # fused experts: gate_up = every expert's w1, then every expert's w3
+            assert name.endswith(("gate_up_proj", "down_proj"))
+            if name.endswith("down_proj"):
+                assert torch.equal(tensor, torch.stack([expected[k] for k in keys])), name
+            else:
+                half = len(keys) // 2
+                both = [torch.cat([expected[keys[e]], expected[keys[half + e]]]) for e in range(half)]
+                assert torch.equal(tensor, torch.stack(both)), name
+        quantized += keys[0] in expected
+    assert quantized >= 6  # wq_a, wq_b, wkv, wo_b, shared experts, routed experts
+
+
+def test_drafter_choice_on_deepseek_v4(v4_path, v4_mtp_paths, v4_spans):
+    """--drafter auto: the MTP module where the checkpoint has one, nothing where it has none;
+    --drafter none: nothing; a head file: refused (V4 has its own)."""
+    from types import SimpleNamespace
+
+    from server.adapters.deepseek_v4_mtp import MTPDrafter
+    from server.server import attach_drafter
+
+    (tail,) = v4_spans([(2, 6)])
+    options = SimpleNamespace(drafter="auto", drafter_tokens=4)
+    attach_drafter(tail, options, AutoConfig.from_pretrained(v4_path), Checkpoint(str(v4_path)))
+    assert tail.drafter is None
+    mtp_path = v4_mtp_paths("csa")
+    attach_drafter(tail, options, AutoConfig.from_pretrained(mtp_path), Checkpoint(str(mtp_path)))
+    assert isinstance(tail.drafter, MTPDrafter) and tail.drafter.max_drafts == 4
+    assert tail.drafter.embed_weight.shape == (tail.vocab_size, tail.config.hidden_size)  # a tail reads them
+    options.drafter = "none"
+    attach_drafter(tail, options, AutoConfig.from_pretrained(mtp_path), Checkpoint(str(mtp_path)))
+    assert tail.drafter is None
+    options.drafter = str(mtp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="its checkpoint's own MTP module"):
+        attach_drafter(tail, options, AutoConfig.from_pretrained(mtp_path), Checkpoint(str(mtp_path)))
+    assert tail.drafter is None
+
+
+@pytest.fixture(scope="module")
+def v4_mtp_model(v4_mtp_paths, artifacts_dir):
+    """Two servers of the tiny V4 with an MTP module (0:2, 2:6); the tail drafts up to 4 ids with it."""
+    from swarm import AutoDistributedModelForCausalLM
+    from swarm.local import LocalSwarm
+
+    path = v4_mtp_paths("csa")
+    swarm = LocalSwarm(str(path), spans=[(0, 2), (2, 6)], server_args=[*SERVER_ARGS, "--drafter-tokens", "4"],
+                       log_dir=str(artifacts_dir / "v4-mtp-swarm"), names=["V4-MTP-head", "V4-MTP-tail"])  # fmt: skip
+    with swarm:
+        model = AutoDistributedModelForCausalLM.from_pretrained(str(path), initial_peers=swarm.initial_peers)
+        yield model
+        model.shutdown()
+
+
+@pytest.fixture(scope="module")
+def v4_mtp_plain(v4_mtp_model, v4_reference):
+    """Outputs without speculation, once per sampling mode, checked against transformers."""
+    outputs = {}
+
+    def get(sampling: bool) -> list:
+        if sampling not in outputs:
+            kwargs = dict(do_sample=True, temperature=0.8, top_p=0.9, seed=1234) if sampling else {}
+            plain = v4_mtp_model.generate(torch.tensor(PROMPT), max_new_tokens=24, speculation=None, **kwargs)
+            if sampling:
+                assert plain[0, len(PROMPT[0]) :].tolist() == reference_sample(v4_reference, PROMPT[0], 24, SAMPLED)
+            else:  # transformers ignores mtp.* and computes the main model only
+                expected = v4_reference.generate(torch.tensor(PROMPT), max_new_tokens=24, do_sample=False)
+                assert plain.tolist() == expected.tolist()
+            outputs[sampling] = plain.tolist()
+        return outputs[sampling]
+
+    return get
+
+
+@pytest.mark.parametrize("speculation,mode", [("head", "sync"), ("suffix+head", "sync"), ("head", "async")])
+@pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampled"])
+def test_mtp_head_drafts_leave_the_output_unchanged(v4_mtp_model, v4_mtp_plain, speculation, mode, sampling):
+    """The tail's MTP drafts reach the client every lap, ride in the next runs, are verified, and
+    the output is that of no speculation (and of transformers)."""
+    kwargs = dict(do_sample=True, temperature=0.8, top_p=0.9, seed=1234) if sampling else {}
+    if mode == "async":  # runs sent behind unverified ones: cancels, and MTP caches meeting gaps
+        kwargs.update(async_speculation=True, max_inflight_runs=3, num_draft_tokens=4)
+    plain = v4_mtp_plain(sampling)
+    output = v4_mtp_model.generate(torch.tensor(PROMPT), max_new_tokens=24, speculation=speculation, **kwargs)
+    assert output.tolist() == plain
+    stats = v4_mtp_model.last_generation_stats
+    proposals, proposed, _ = stats.drafter_sources["head"]
+    assert proposals >= 5 and proposed >= 3 * proposals  # 4 ids per verdict, fewer only after an EOS
+    assert stats.drafter_choices["head"] >= 5 and stats.drafted > 0  # sent in runs, so verified by the tail
+    if mode == "async":  # runs behind refuted ones were sent (the tail drafted after them too) and cancelled
+        assert stats.runs_sent > stats.laps and stats.runs_cancelled > 0

@@ -32,6 +32,9 @@ class SpanAdapter(abc.ABC):
     hidden_shape: tuple[int, ...]  # shape of one position's activations between stages
     vocab_size: int
     drafter: Any = None  # a server.drafter_head.HeadDrafter at a tail that drafts, else None
+    # whether forward() takes a tree of drafts (``tree=``) and gather_cache() works (docs/protocol.md,
+    # "Token trees"); families whose caches roll back exactly only for chains keep this False
+    supports_trees: bool = False
 
     @property
     def is_head(self) -> bool:
@@ -69,8 +72,16 @@ class SpanAdapter(abc.ABC):
         """Run ``blocks`` (a sub-range of this span) over positions start_pos.. of ``hidden``.
 
         ``check_cancelled`` is called between blocks and raises :class:`SpanCancelled` to abandon
-        the run; the caller then trims the cache back.
+        the run; the caller then trims the cache back. An adapter with ``supports_trees`` also takes
+        ``tree=parents`` (protocol/trees.py): the run's last ``len(parents)`` positions are then a
+        tree of drafts, computed in the same pass with a tree attention mask and depth-based
+        positions, and cached in run order until :meth:`gather_cache` keeps the accepted path.
         """
+
+    def gather_cache(self, cache: Cache, base: int, nodes: list[int]) -> None:
+        """Move the entries of positions ``base + nodes[j]`` to ``base + j`` (a tree's accepted path
+        into a chain; the caller then trims). Only where ``supports_trees``."""
+        raise NotImplementedError(f"{type(self).__name__} computes chains only")
 
     @abc.abstractmethod
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -50,6 +50,11 @@ DEFAULT_MAX_ROLLBACK = 256  # positions a trim may go back: drafts of every run 
 
 
 class DeepseekV4Adapter(SpanAdapter):
+    # Token trees stay off (docs/protocol.md, "Token trees"; docs/deepseek_v4.md): the compressed and
+    # buffered entries of CSA/HCA layers fold consecutive positions together, and the rewindable caches
+    # roll back exactly only along a chain. Servers refuse a tree run for this family (bad_request).
+    supports_trees = False
+
     def __init__(
         self,
         config: PretrainedConfig,
@@ -102,34 +107,15 @@ class DeepseekV4Adapter(SpanAdapter):
         its linears and experts for bitsandbytes modules first; each weight is then quantized
         as it arrives, so no block is ever held in float."""
         owned = self._owned()
-        targets = {prefix + name: (prefix, name) for prefix, module in owned.items() for name in module.state_dict()}
+        targets = owned_targets(owned)
         sources = map_span(
             checkpoint.weight_map(), set(targets), range(self.start, self.end), self.is_head, self.is_tail
         )
         self.quantize_skeleton(self.layers, self.quant, self.dtype)
-        dtype_of = self.dtype_plan(self.dtype)
-        for prefix, module in tqdm(owned.items(), desc=f"Loading blocks {self.start}:{self.end}", unit="module"):
-            mine = [sources[t] for t, (p, _) in targets.items() if p == prefix]
-            for target, tensor in iter_plain(checkpoint, [s for s in mine if s.kind == "plain"], dtype_of):
-                assign_tensor(module, targets[target][1], tensor, self.device)
-            for source in (s for s in mine if s.kind != "plain"):
-                name = targets[source.target][1]  # e.g. "mlp.experts.gate_up_proj"
-                experts_name, _, param = name.rpartition(".")
-                experts = module.get_submodule(experts_name)
-                pieces = iter_experts(checkpoint, source, dtype_of(source.target))
-                if isinstance(experts, QuantizedExperts):
-                    linears = experts.gate_up if param == "gate_up_proj" else experts.down
-                    for expert, tensor in pieces:
-                        assign_tensor(linears[expert], "weight", tensor, self.device)
-                else:
-                    assign_tensor(module, name, torch.stack([tensor for _, tensor in pieces]), self.device)
+        load_owned(checkpoint, owned, targets, sources, self.dtype_plan(self.dtype), self.device,
+                   desc=f"Loading blocks {self.start}:{self.end}")  # fmt: skip
         self.rotary_emb = DeepseekV4RotaryEmbedding(self.config)
-        for module in self._modules():
-            _rebuild_rotary(module, self.config)
-            module.to(self.device).eval().requires_grad_(False)
-        meta = [n for m in self._modules() for n, t in [*m.named_parameters(), *m.named_buffers()] if t.is_meta]
-        if meta:
-            raise RuntimeError(f"DeepSeek-V4 span left tensors unloaded: {meta[:3]}")
+        finish_loading(self._modules(), self.config, self.device, "DeepSeek-V4 span")
 
     def _modules(self) -> list[torch.nn.Module]:
         candidates = (self.layers, self.embed_tokens, self.hc_head, self.norm, self.lm_head, self.rotary_emb)
@@ -213,6 +199,49 @@ class DeepseekV4Adapter(SpanAdapter):
     @torch.inference_mode()
     def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.norm(self.hc_head(hidden.to(self.device, self.dtype)))[0].float()
+
+
+def owned_targets(owned: dict[str, torch.nn.Module]) -> dict[str, tuple[str, str]]:
+    """transformers name -> (prefix, name inside its module) of every tensor the modules hold."""
+    return {prefix + name: (prefix, name) for prefix, module in owned.items() for name in module.state_dict()}
+
+
+def load_owned(
+    checkpoint: Checkpoint,
+    owned: dict[str, torch.nn.Module],
+    targets: dict[str, tuple[str, str]],
+    sources: dict,
+    dtype_of: Callable[[str], torch.dtype],
+    device: torch.device,
+    desc: str,
+) -> None:
+    """Read each module's tensors one at a time into its meta parameters (quantized as they
+    arrive where the skeleton was quantized), routed experts a few at a time."""
+    for prefix, module in tqdm(owned.items(), desc=desc, unit="module"):
+        mine = [sources[t] for t, (p, _) in targets.items() if p == prefix]
+        for target, tensor in iter_plain(checkpoint, [s for s in mine if s.kind == "plain"], dtype_of):
+            assign_tensor(module, targets[target][1], tensor, device)
+        for source in (s for s in mine if s.kind != "plain"):
+            name = targets[source.target][1]  # e.g. "mlp.experts.gate_up_proj"
+            experts_name, _, param = name.rpartition(".")
+            experts = module.get_submodule(experts_name)
+            pieces = iter_experts(checkpoint, source, dtype_of(source.target))
+            if isinstance(experts, QuantizedExperts):
+                linears = experts.gate_up if param == "gate_up_proj" else experts.down
+                for expert, tensor in pieces:
+                    assign_tensor(linears[expert], "weight", tensor, device)
+            else:
+                assign_tensor(module, name, torch.stack([tensor for _, tensor in pieces]), device)
+
+
+def finish_loading(modules: list[torch.nn.Module], config: PretrainedConfig, device: torch.device, what: str) -> None:
+    """Rotary tables rebuilt, modules on the device in eval mode; nothing may be left on meta."""
+    for module in modules:
+        _rebuild_rotary(module, config)
+        module.to(device).eval().requires_grad_(False)
+    meta = [n for m in modules for n, t in [*m.named_parameters(), *m.named_buffers()] if t.is_meta]
+    if meta:
+        raise RuntimeError(f"{what} left tensors unloaded: {meta[:3]}")
 
 
 def sliding_window_mask(

@@ -2,7 +2,8 @@
 
 The hub checkpoints ship DeepSeek's own tensor names, not transformers' module names:
 ``layers.7.attn.wq_a.weight`` (+ ``layers.7.attn.wq_a.scale``), ``layers.7.ffn.experts.12.w1.weight``,
-``embed.weight``, ``head.weight``, ``hc_head_fn`` ... and ``mtp.*`` (not served). transformers maps them
+``embed.weight``, ``head.weight``, ``hc_head_fn`` ... and ``mtp.{i}.*`` (the multi-token-prediction
+modules, mapped by :func:`map_mtp` below). transformers maps them
 with its ``deepseek_v4`` conversion table (``transformers.conversion_mapping``); we apply the same
 renamings to every key of the span's layers, so the names always agree with the installed
 transformers. A checkpoint written by ``save_pretrained`` uses the same names with a ``model.``
@@ -158,3 +159,93 @@ def _assemble(part: tuple[str, Optional[str]], tensors: dict[str, torch.Tensor],
     weight_key, scale_key = part
     tensor = _dequantize(tensors[weight_key], tensors[scale_key] if scale_key else None)
     return tensor.to(dtype) if tensor.is_floating_point() else tensor
+
+
+# ---- the multi-token-prediction module (mtp.{i}.*) --------------------------------------------
+
+_MTP_KEY = re.compile(r"^(?:model\.)?mtp\.(\d+)\.(.+)$")
+# DeepSeek's MTPBlock is a Block plus these tensors (key after ``mtp.{i}.`` -> the parameter of
+# server.adapters.deepseek_v4_mtp.DeepseekV4MTP). Everything else under ``mtp.{i}.`` is read as the
+# block's own tensors, named like ``layers.{n}.*`` (``attn.*``, ``ffn.*``, ``attn_norm``,
+# ``hc_attn_fn`` ...) and renamed by transformers' table like a main layer's. These names come from
+# DeepSeek-V4's reference inference code; they could not be checked against the hub checkpoints here.
+MTP_EXTRAS = {
+    "e_proj.weight": "e_proj.weight",
+    "h_proj.weight": "h_proj.weight",
+    "enorm.weight": "enorm.weight",
+    "hnorm.weight": "hnorm.weight",
+    "norm.weight": "norm.weight",
+    "hc_head_fn": "hc_head.hc_fn",
+    "hc_head_base": "hc_head.hc_base",
+    "hc_head_scale": "hc_head.hc_scale",
+}
+MTP_BLOCK_PREFIX = "layer."  # the MTP module's decoder layer
+
+
+def mtp_keys(weight_map: Iterable[str], index: int = 0) -> dict[str, str]:
+    """The checkpoint's keys of MTP module ``index``: key -> its name after ``mtp.{index}.``."""
+    found = {}
+    for key in weight_map:
+        match = _MTP_KEY.match(key)
+        if match and int(match.group(1)) == index:
+            found[key] = match.group(2)
+    return found
+
+
+def mtp_attention_type(weight_map: Iterable[str], index: int = 0) -> str:
+    """The attention of the MTP module's block, read off its tensors (transformers' config drops
+    the MTP entry of ``compress_ratios``): an indexer makes it CSA, a compressor alone HCA,
+    neither a sliding-window-only layer."""
+    rests = mtp_keys(weight_map, index).values()
+    if any(rest.startswith("attn.indexer.") for rest in rests):
+        return "compressed_sparse_attention"
+    if any(rest.startswith("attn.compressor.") for rest in rests):
+        return "heavily_compressed_attention"
+    return "sliding_attention"
+
+
+def map_mtp(weight_map: Iterable[str], targets: set[str], index: int, layer: int) -> dict[str, TensorSource]:
+    """Like :func:`map_span`, for MTP module ``index`` (its block numbered ``layer``, i.e.
+    ``num_hidden_layers + index``): ``targets`` are the parameter names of the MTP module
+    (``layer.self_attn.q_a_proj.weight``, ``e_proj.weight``, ``hc_head.hc_fn`` ...). A tensor
+    under ``mtp.{index}.`` that fits no parameter is an error, so a checkpoint whose names differ
+    from what was assumed fails loudly."""
+    keys = mtp_keys(weight_map, index)
+    scales = _scale_keys(set(keys))
+    aliases: dict[str, str] = {}  # the key a main layer numbered `layer` would have -> the MTP key
+    extras: dict[str, TensorSource] = {}
+    extra_scales = {scales[key] for key, rest in keys.items() if rest in MTP_EXTRAS and key in scales}
+    for key, rest in keys.items():
+        if rest in MTP_EXTRAS:
+            target = MTP_EXTRAS[rest]
+            if target in targets:
+                extras[target] = TensorSource(target, parts=[(key, scales.get(key))])
+        elif key not in extra_scales:
+            aliases[f"layers.{layer}.{rest}"] = key
+    prefix = f"model.layers.{layer}."
+    block_targets = {prefix + t.removeprefix(MTP_BLOCK_PREFIX): t for t in targets if t.startswith(MTP_BLOCK_PREFIX)}
+    sources = dict(extras)
+    try:
+        block = map_span(aliases, set(block_targets), range(layer, layer + 1), head=False, tail=False)
+    except KeyError as e:
+        raise KeyError(f"MTP module mtp.{index}: {e.args[0]}") from None
+    for name, source in block.items():
+        source.target = block_targets[name]
+        source.parts = [(aliases[w], aliases[s] if s else None) for w, s in source.parts]
+        source.experts = {}
+        sources[source.target] = source
+    missing = sorted(targets - set(sources))
+    if missing:
+        raise KeyError(f"the checkpoint has no tensors for {len(missing)} parameters of MTP module mtp.{index}, "
+                       f"e.g. {missing[:3]}")  # fmt: skip
+    used = {k for source in sources.values() for pair in source.parts for k in pair if k}
+    unused = sorted(set(keys) - used)
+    if unused:
+        raise KeyError(f"checkpoint tensors of MTP module mtp.{index} fit no parameter of it: {unused[:4]}")
+    return sources
+
+
+def embedding_source(weight_map: Iterable[str]) -> TensorSource:
+    """The token embeddings (``embed.weight`` in DeepSeek's names), for a tail that needs them."""
+    name = "model.embed_tokens.weight"
+    return map_span(weight_map, {name}, range(0), head=True, tail=False)[name]

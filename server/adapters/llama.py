@@ -14,6 +14,9 @@ from typing import Callable
 
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PretrainedConfig
+from transformers.cache_utils import DynamicLayer
+
+from protocol import trees
 
 from server.adapters.base import Cache, SpanAdapter
 from server.quantization import Quant, assign_tensor, checkpoint_names
@@ -52,6 +55,8 @@ class LlamaFamilyAdapter(SpanAdapter):
         self.norm = skeleton.model.norm if self.is_tail else None
         self.lm_head = skeleton.lm_head if self.is_tail else None
         self._load(checkpoint)
+        # trees need caches whose entries sit at their positions (no sliding-window layers)
+        self.supports_trees = all(type(layer) is DynamicLayer for layer in self.new_cache().layers)
 
     def _load(self, checkpoint: Checkpoint) -> None:
         """Fill the meta modules with this span's tensors only, one tensor at a time (each
@@ -97,6 +102,15 @@ class LlamaFamilyAdapter(SpanAdapter):
                 layer.crop(-excess)  # transformers: a negative count removes that many positions
 
     @torch.inference_mode()
+    def gather_cache(self, cache: Cache, base: int, nodes: list[int]) -> None:
+        index = torch.tensor([base + node for node in nodes], dtype=torch.long)
+        for layer in cache.layers:
+            if layer.is_initialized and nodes:
+                index_here = index.to(layer.keys.device)
+                layer.keys[:, :, base : base + len(nodes)] = layer.keys.index_select(2, index_here)
+                layer.values[:, :, base : base + len(nodes)] = layer.values.index_select(2, index_here)
+
+    @torch.inference_mode()
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(token_ids.to(self.device))
 
@@ -109,11 +123,15 @@ class LlamaFamilyAdapter(SpanAdapter):
         cache: Cache,
         blocks: range,
         check_cancelled: Callable[[], None] = lambda: None,
+        tree: list[int] | None = None,
     ) -> torch.Tensor:
         hidden = hidden.to(self.device, self.dtype)
         num_new = hidden.shape[1]
-        position_ids = torch.arange(start_pos, start_pos + num_new, device=self.device).unsqueeze(0)
-        mask = _causal_mask(start_pos, num_new, self.device)
+        if tree:
+            position_ids, mask = _tree_positions_and_mask(start_pos, num_new, tree, self.device)
+        else:
+            position_ids = torch.arange(start_pos, start_pos + num_new, device=self.device).unsqueeze(0)
+            mask = _causal_mask(start_pos, num_new, self.device)
         position_embeddings = self.rotary_emb(hidden, position_ids=position_ids)
         for block in blocks:
             check_cancelled()
@@ -152,3 +170,17 @@ def _causal_mask(start_pos: int, num_new: int, device: torch.device) -> torch.Te
     query = torch.arange(start_pos, start_pos + num_new, device=device).unsqueeze(1)
     key = torch.arange(start_pos + num_new, device=device).unsqueeze(0)
     return (key <= query)[None, None]
+
+
+def _tree_positions_and_mask(
+    start_pos: int, num_new: int, parents: list[int], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Position ids [1, S] (a draft at start_pos + committed - 1 + its depth) and the [1, 1, S,
+    start_pos + S] boolean mask of a run whose last ``len(parents)`` ids are a tree of drafts: every
+    position sees the cache; committed ids see each other causally; a draft sees the committed ids,
+    its ancestors and itself (protocol/trees.py)."""
+    committed = num_new - len(parents)
+    position_ids = torch.tensor(trees.offsets(committed, parents), device=device).add_(start_pos).unsqueeze(0)
+    own = trees.visibility(committed, parents).to(device)
+    mask = torch.cat([torch.ones(num_new, start_pos, dtype=torch.bool, device=device), own], dim=1)
+    return position_ids, mask[None, None]

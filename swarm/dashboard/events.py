@@ -8,8 +8,8 @@ Every event carries the unix time ``at`` it describes; the fold takes its clock 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional, Union
+from dataclasses import dataclass, field
+from typing import Mapping, Optional, Union
 
 from swarm.records import ServerInfo
 
@@ -21,6 +21,9 @@ class ModelSnapshot:
     name: str
     num_blocks: Optional[int]  # None: no server said, and none of the records reach further
     servers: tuple[ServerInfo, ...]
+    # accused peer id -> clients whose spot-checks caught it lying (swarm.dht_records.fetch_reports):
+    # anybody's claims, a signal and not a ban
+    disputes: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

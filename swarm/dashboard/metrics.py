@@ -73,6 +73,8 @@ def _server_metrics(state: State) -> Iterator[Metric]:
         f"{PREFIX}_server_accepted_tokens", "Tokens committed by the tail's results", labels=labels
     )
     cancelled = CounterMetricFamily(f"{PREFIX}_server_cancelled_runs", "Runs cancelled on the server", labels=labels)
+    disputed = _gauge("server_disputed_by_clients", "Clients reporting the server lying in a spot-check (claims)",
+                      labels)  # fmt: skip
     for name, model in state.models.items():
         for peer_id, entry in model.servers.items():
             values = [name, peer_id, entry.info.public_name or ""]
@@ -84,7 +86,8 @@ def _server_metrics(state: State) -> Iterator[Metric]:
             laps.add_metric(values, float(entry.info.laps_served))
             accepted.add_metric(values, float(entry.info.accepted_tokens))
             cancelled.add_metric(values, float(entry.info.cancelled_runs))
-    yield from (up, throughput, free_cache, rtt, laps, accepted, cancelled)
+            disputed.add_metric(values, float(model.disputes.get(peer_id, 0)))
+    yield from (up, throughput, free_cache, rtt, laps, accepted, cancelled, disputed)
 
 
 def _dashboard_metrics(state: State) -> Iterator[Metric]:

@@ -11,7 +11,9 @@ DHT read of 256 keys takes ~2 s on a loaded machine, 1,024 keys ~12 s). Models w
 dashboard was given (``--model``) are read first, with the config's number of blocks, so a
 hostile entry can neither resize them nor crowd them out; any other model is read, in name order,
 while the key budget lasts, with the registry's number of blocks (at most ``MAX_MODEL_BLOCKS``).
-A model that does not fit what is left of the budget is left out of that poll.
+A model that does not fit what is left of the budget is left out of that poll. Each model read
+also costs one key more: its clients' spot-check reports (``"{model}.reports"``, bounded by
+``fetch_reports``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import replace
 from functools import partial
 from typing import Mapping, Optional, Sequence
 
@@ -29,7 +32,7 @@ from hivemind.proto import dht_pb2
 
 from swarm import relay
 from swarm.dashboard.events import Event, ModelSnapshot, PeerProbed, PollFailed, SwarmPolled
-from swarm.dht_records import fetch_model_registry, fetch_servers
+from swarm.dht_records import fetch_model_registry, fetch_reports, fetch_servers
 from swarm.records import MAX_MODEL_BLOCKS, ServerInfo, ServerState
 from swarm.streams import ping
 
@@ -61,12 +64,12 @@ class SwarmReader:
                 logger.debug(f"The registry lists {len(listed)} models; reading the first {MAX_MODELS_PER_POLL}")
             budget, snapshots = MAX_KEYS_PER_POLL, []
             for name, num_blocks in listed[:MAX_MODELS_PER_POLL]:
-                if (num_blocks or 1) > budget:
+                if (num_blocks or 1) + 1 > budget:
                     logger.debug(f"Skipping model {name} this poll: {num_blocks} blocks, {budget} keys left")
                     continue
-                snapshot, used = self._snapshot(name, num_blocks, budget)
-                snapshots.append(snapshot)
-                budget -= used
+                snapshot, used = self._snapshot(name, num_blocks, budget - 1)
+                snapshots.append(replace(snapshot, disputes=fetch_reports(self.dht, name)))
+                budget -= used + 1
         except Exception as e:
             logger.warning(f"Reading the DHT failed: {e!r}")
             return PollFailed(at, f"could not read the swarm's records from the DHT: {_describe(e)}")

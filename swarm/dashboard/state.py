@@ -87,6 +87,7 @@ class ModelEntry:
     coverage: tuple[BlockCoverage, ...] = ()
     max_flow: float = 0.0
     history: tuple[HistoryPoint, ...] = ()
+    disputes: Mapping[str, int] = field(default_factory=dict)  # peer id -> clients reporting it (last poll)
 
     @property
     def missing_blocks(self) -> list[int]:
@@ -178,6 +179,7 @@ def _model_polled(
         last_listed=at if listed or previous is None else previous.last_listed,
         servers=dict(sorted(servers.items(), key=lambda item: (item[1].info.start_block, item[0]))),
         history=previous.history if previous else (),
+        disputes={peer: n for peer, n in snapshot.disputes.items() if peer in servers},  # bounded by the servers
     )
     online = entry.online()
     coverage = block_coverage(online, num_blocks or 0)

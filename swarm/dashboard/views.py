@@ -50,12 +50,14 @@ def model_view(model: ModelEntry, state: State, now: float) -> dict[str, Any]:
             {"at": p.at, "coverage": p.coverage, "max_flow": p.max_flow, "throughput": p.throughput, "servers": p.servers}
             for p in model.history
         ],
-        "servers": [server_view(entry, state.uptime.get(peer_id), model.num_blocks, now)
+        "servers": [server_view(entry, state.uptime.get(peer_id), model.num_blocks, now, model.disputes.get(peer_id, 0))
                     for peer_id, entry in model.servers.items()],  # fmt: skip
     }
 
 
-def server_view(entry: ServerEntry, uptime: Optional[UptimeRecord], num_blocks: Optional[int], now: float) -> dict:
+def server_view(
+    entry: ServerEntry, uptime: Optional[UptimeRecord], num_blocks: Optional[int], now: float, disputed_by: int = 0
+) -> dict:
     info = entry.info
     up = entry.state != ServerState.OFFLINE and info.started_at > 0
     return {
@@ -85,6 +87,7 @@ def server_view(entry: ServerEntry, uptime: Optional[UptimeRecord], num_blocks: 
         "laps_served": info.laps_served,
         "accepted_tokens": info.accepted_tokens,
         "cancelled_runs": info.cancelled_runs,
+        "disputed_by": disputed_by,
     }
 
 

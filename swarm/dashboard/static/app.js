@@ -133,6 +133,14 @@ const SERVER_COLUMNS = [
   ["Laps · tok/lap · cancels", "laps", "num"],
 ];
 
+// clients whose spot-checks caught the server lying (docs/dashboard.md): anybody's claims, a signal
+function disputed(sv) {
+  if (!(sv.disputed_by > 0)) return [];
+  const title = `${sv.disputed_by} client${sv.disputed_by === 1 ? "" : "s"} reported that this server's outputs lost a ` +
+    "spot-check (they disagreed with two other servers of the same blocks). Anyone can report: a signal, not proof.";
+  return [" ", h("span", { class: "dispute", "data-disputed-by": sv.disputed_by, title }, `disputed by ${sv.disputed_by}`)];
+}
+
 function serverRow(sv) {
   const cell = (col, content, title) => h("td", { "data-col": col, class: SERVER_COLUMNS.find((c) => c[1] === col)[2], title }, content);
   const tokensPerLap = sv.laps_served ? num(sv.accepted_tokens / sv.laps_served, 2) : "–";
@@ -142,7 +150,7 @@ function serverRow(sv) {
     cell("peer", h("code", null, shortId(sv.peer_id)), `${sv.peer_id}\nversion ${sv.version || "unknown"}`),
     cell("name", sv.public_name || "–"),
     cell("span", `${sv.start_block}:${sv.end_block}`),
-    cell("state", h("span", { class: "state " + sv.state }, sv.state)),
+    cell("state", [h("span", { class: "state " + sv.state }, sv.state), ...disputed(sv)]),
     cell("availability", [duration(sv.uptime_seconds), " ", timeline(sv.uptime_timeline), " ", pct(sv.availability)]),
     cell("throughput", num(sv.throughput) + " tok/s"),
     cell("dtype", sv.quantization ? `${sv.dtype} · ${sv.quantization}` : sv.dtype),

@@ -1,0 +1,272 @@
+"""Spot-checks of activations: audit by replay with substitution (docs/reliability.md, "Spot-checks").
+
+The client never sees intermediate activations, and a hop's output depends on its cache of every
+earlier position, so a hop is checked by replaying the committed ids on two fresh sessions: one on
+the generation's route (R_orig), one on the same route with that hop's blocks [a, b) computed by
+another server of the same dtype and quantization (R_alt). Both prefill the ids and return the
+float32 logits of the last position; they differ only in the substituted hop, so logits that
+disagree beyond a dtype-aware tolerance (:func:`tolerance`) mean that one of the two servers lies.
+A third server of the same blocks and precision then decides (R_C, :func:`minority`): the server in
+the minority is excluded for the rest of the client's life and reported in the DHT. The audit
+sessions are ordinary sessions (OpenSession, Step with ``return_logits``): nothing tells a server
+that it is being audited.
+
+One audit at a time per generation, as an asyncio task beside the laps (it never delays a lap),
+bounded by a timeout; an audit that fails (a server dies, times out) is no verdict on anyone.
+The generation reacts to a conviction in ``client/_generation.py`` (re-verification).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import random
+from dataclasses import dataclass
+from typing import Collection, Mapping, Optional, Sequence
+
+import msgspec
+import torch
+
+from client._forward import prefill_outputs
+from client._remote_session import RemoteSession
+from swarm.records import ServerInfo, ServerState
+from swarm.routing import RouteHop
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SPOT_CHECK_RATE = 1 / 50  # audits per verdict
+
+# max|x - y| / max(1, max|x|) of two servers' logits under which they agree. Both servers of a
+# comparison have the same dtype and quantization, so an honest difference comes only from the order
+# of floating-point operations (other kernels, batch shapes, hardware): ~1e-6 relative in float32,
+# a few bf16 ulps (2^-8 = 0.4%) through a deep stack in 16-bit; quantized kernels (LLM.int8's outlier
+# split, nf4 dequantization) differ more between implementations, so they get a loose bound.
+TOLERANCES = {"float32": 1e-3, "bfloat16": 3e-2, "float16": 3e-2}
+QUANTIZED_TOLERANCE = 0.1  # int8 or nf4 weights (any dtype)
+UNKNOWN_TOLERANCE = 0.1  # a dtype this table does not know
+
+
+def relative_difference(x: torch.Tensor, y: torch.Tensor) -> float:
+    """``max|x - y| / max(1, max|x|)``; infinite when the shapes differ or a value is not finite."""
+    if x.shape != y.shape or x.numel() == 0:
+        return math.inf
+    x, y = x.float(), y.float()
+    if not (torch.isfinite(x).all() and torch.isfinite(y).all()):
+        return math.inf
+    return float((x - y).abs().max()) / max(1.0, float(x.abs().max()))
+
+
+def tolerance(dtype: str, quantization: Optional[str]) -> float:
+    """The largest honest :func:`relative_difference` between two servers of this precision."""
+    if quantization not in (None, "", "none"):
+        return QUANTIZED_TOLERANCE
+    return TOLERANCES.get(dtype, UNKNOWN_TOLERANCE)
+
+
+def route_tolerance(route: Sequence[RouteHop], records: Mapping[str, ServerInfo]) -> float:
+    """The loosest tolerance of the route's servers: a hop's honest rounding difference propagates
+    through every later hop, and 16-bit hops after it can amplify it."""
+    found = [records.get(hop.peer_id) for hop in route]
+    return max(tolerance(r.dtype, r.quantization) if r is not None else UNKNOWN_TOLERANCE for r in found)
+
+
+def agree(x: torch.Tensor, y: torch.Tensor, tol: float) -> bool:
+    return relative_difference(x, y) < tol
+
+
+def same_precision(a: ServerInfo, b: ServerInfo) -> bool:
+    return a.dtype == b.dtype and (a.quantization or "none") == (b.quantization or "none")
+
+
+def alternatives(
+    route: Sequence[RouteHop], index: int, records: Mapping[str, ServerInfo], exclude: Collection[str], length: int
+) -> list[ServerInfo]:
+    """Servers that can compute hop ``index``'s blocks instead of it: online, a span covering the
+    hop's [start, end) (a sub-range of their span is fine), the same dtype and quantization as the
+    hop's own record (never compare servers of different precision), room for ``length`` tokens,
+    not on the route, not excluded. Empty when the hop's own record is unknown."""
+    hop = route[index]
+    own = records.get(hop.peer_id)
+    if own is None:
+        return []
+    on_route = {h.peer_id for h in route}
+    return sorted(
+        (
+            s for s in records.values()
+            if s.peer_id not in on_route and s.peer_id not in exclude and s.state == ServerState.ONLINE
+            and s.start_block <= hop.start and hop.end <= s.end_block and same_precision(s, own)
+            and s.free_cache_tokens >= length
+        ),
+        key=lambda s: s.peer_id,
+    )  # fmt: skip
+
+
+def pick_hop(
+    route: Sequence[RouteHop], first: int, records: Mapping[str, ServerInfo], exclude: Collection[str], length: int
+) -> Optional[tuple[int, list[ServerInfo]]]:
+    """Round robin: the first hop at or after ``first`` (mod the route's length) that has an
+    alternative, with its alternatives; None when no hop has one."""
+    for k in range(len(route)):
+        index = (first + k) % len(route)
+        found = alternatives(route, index, records, exclude, length)
+        if found:
+            return index, found
+    return None
+
+
+def minority(orig_alt: bool, orig_third: bool, alt_third: bool) -> Optional[str]:
+    """Which of the two disputing servers the third one outvotes, from whether each pair agrees:
+    ``"orig"`` (the route's own server), ``"alt"`` (its substitute) or None (undecided: the three
+    disagree, or the third agrees with both). No dispute (``orig_alt``) convicts nobody."""
+    if orig_alt:
+        return None
+    if alt_third and not orig_third:
+        return "orig"
+    if orig_third and not alt_third:
+        return "alt"
+    return None
+
+
+def substituted(route: Sequence[RouteHop], index: int, peer_id: str) -> list[RouteHop]:
+    """The route with hop ``index``'s blocks computed by ``peer_id`` instead."""
+    return [msgspec.structs.replace(hop, peer_id=peer_id) if i == index else hop for i, hop in enumerate(route)]
+
+
+@dataclass
+class AuditResult:
+    verdict: str  # "agree", "convicted", "undecided", "failed" or "cancelled"
+    liar: Optional[str] = None
+    positions: int = 0  # server positions the audit's sessions computed (summed over servers)
+    detail: str = ""
+
+
+class SpotChecker:
+    """One generation's spot-checks: draws whether to audit after each verdict, picks the hop and its
+    substitutes, and runs at most one audit at a time in the background."""
+
+    def __init__(self, swarm, rate: float, vocab_size: int, timeout: Optional[float] = None,
+                 rng: Optional[random.Random] = None):  # fmt: skip
+        check_rate(rate)
+        self.swarm, self.rate, self.vocab_size = swarm, rate, vocab_size
+        self.timeout = timeout if timeout is not None else swarm.request_timeout
+        self.rng = rng or random.Random()
+        self.next_hop = 0  # round robin over the route's hops
+        self.task: Optional[asyncio.Task] = None
+        self.results: list[AuditResult] = []
+
+    def maybe_start(self, route: Sequence[RouteHop], ids: Sequence[int], stats, lap: int) -> None:
+        """After a verdict: with probability ``rate``, audit the next hop that has a substitute."""
+        if self.rate <= 0 or self.task is not None or not route or not ids:
+            return
+        if any(hop.peer_id in self.swarm.liars for hop in route):
+            return  # the generation leaves this route before its next lap (an audit just convicted a hop)
+        if self.rate < 1 and self.rng.random() >= self.rate:
+            return
+        records = self.swarm.records
+        choice = pick_hop(route, self.next_hop, records, self.swarm.excluded.current(), len(ids))
+        if choice is None:
+            stats.spot_checks_skipped += 1
+            return
+        index, candidates = choice
+        self.next_hop = index + 1
+        alt = self.rng.choice(candidates)
+        thirds = [c.peer_id for c in candidates if c.peer_id != alt.peer_id]
+        stats.spot_checks += 1
+        self.task = asyncio.ensure_future(self._audit(list(route), index, alt.peer_id, thirds, list(ids), stats, lap))
+
+    async def settle(self) -> None:
+        """Wait for the audit in flight, if any (it is bounded by ``timeout``)."""
+        if self.task is not None:
+            await asyncio.gather(self.task, return_exceptions=True)
+
+    async def cancel(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+            self.task = None
+
+    async def _audit(self, route, index, alt, thirds, ids, stats, lap) -> None:
+        result = AuditResult("failed")
+        try:
+            result = await asyncio.wait_for(self._compare(route, index, alt, thirds, ids, result), self.timeout)
+        except asyncio.TimeoutError:
+            result.detail = f"timed out after {self.timeout:g} s"
+        except asyncio.CancelledError:
+            result.verdict, result.detail = "cancelled", "the generation ended first"
+            raise
+        except Exception as e:  # a server died or refused: no verdict on anyone
+            result.detail = f"{e}"
+        finally:
+            self.task = None
+            self.results.append(result)
+            stats.spot_check_positions += result.positions
+            hop = route[index]
+            what = f"lap {lap}: hop {index} [{hop.start}:{hop.end}) {hop.peer_id} vs {alt}: {result.verdict}"
+            stats.spot_check_events.append(f"{what} ({result.detail})" if result.detail else what)
+            if result.verdict == "failed":
+                stats.spot_checks_failed += 1
+                logger.info(f"Spot-check failed, no verdict: {what}: {result.detail}")
+            elif result.verdict == "undecided":
+                stats.spot_checks_undecided += 1
+                logger.warning(f"Spot-check undecided: servers {hop.peer_id} and {alt} disagree on blocks "
+                               f"{hop.start}:{hop.end} ({result.detail}); nobody excluded")  # fmt: skip
+            elif result.verdict == "convicted":
+                stats.liars_excluded.append(result.liar)
+                self.swarm.convict(result.liar)
+
+    async def _compare(self, route, index, alt, thirds, ids, result: AuditResult) -> AuditResult:
+        tol = route_tolerance(route, self.swarm.records)
+        orig_route, alt_route = route, substituted(route, index, alt)
+        orig, other = await _both(self._final_logits(orig_route, ids, result),
+                                  self._final_logits(alt_route, ids, result))  # fmt: skip
+        difference = relative_difference(orig, other)
+        if difference < tol:
+            result.verdict, result.detail = "agree", f"difference {difference:.2g} < {tol:g}"
+            return result
+        accused = (route[index].peer_id, alt)
+        detail = f"difference {difference:.3g} >= {tol:g}"
+        if not thirds:
+            result.verdict, result.detail = "undecided", f"{detail}; no third server of the same blocks and precision"
+            return result
+        third = self.rng.choice(thirds)
+        decider = await self._final_logits(substituted(route, index, third), ids, result)
+        loser = minority(False, agree(orig, decider, tol), agree(other, decider, tol))
+        detail += (f"; third {third}: {relative_difference(orig, decider):.3g} from the route's, "
+                   f"{relative_difference(other, decider):.3g} from the substitute's")  # fmt: skip
+        if loser is None:
+            result.verdict, result.detail = "undecided", detail
+        else:
+            result.verdict, result.liar = "convicted", accused[0] if loser == "orig" else accused[1]
+            result.detail = f"{detail}; {result.liar} is in the minority"
+        return result
+
+    async def _final_logits(self, route: list[RouteHop], ids: list[int], result: AuditResult) -> torch.Tensor:
+        """One fresh session on ``route``: prefill ``ids`` (chunked as the client chunks), the
+        float32 logits of the last position."""
+        swarm = self.swarm
+        session = RemoteSession(swarm.p2p, route, len(ids), timeout=swarm.request_timeout)
+        try:
+            await session.open()
+            result.positions += len(ids) * len(route)
+            logits, _ = await prefill_outputs(session, ids, 1, swarm.max_positions_per_step, self.vocab_size, 0)
+            return logits[0]
+        finally:
+            await session.close()
+
+
+async def _both(first, second) -> list:
+    """Run two coroutines at once; if one fails, cancel the other (it closes its session) and raise."""
+    tasks = [asyncio.ensure_future(first), asyncio.ensure_future(second)]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def check_rate(rate: float) -> float:
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.0 <= rate <= 1.0:
+        raise ValueError(f"spot_check_rate must be a number in [0, 1] (0 disables spot-checks), got {rate!r}")
+    return float(rate)
