@@ -34,17 +34,20 @@ PROMPT = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15
 ARGS = ["--torch-threads", "1", "--log-level", "WARNING", "--update-period", "5"]
 
 
-class Preferred(RoutePlanner):
+class PreferredRoutes(RoutePlanner):
+    """The first of the given routes (servers by public name) that avoids every excluded peer
+    (tests/test_spot_checks.py uses it too)."""
+
     def __init__(self, *routes):
         self.routes = routes
 
-    def plan(self, servers, start, end, *, max_length=0, exclude=(), client_rtts=None):
+    def plan(self, servers, start, end, *, max_length=0, exclude=(), client_rtts=None) -> list[RouteHop]:
         by_name = {s.public_name: s.peer_id for s in servers}
         for route in self.routes:
-            hops = [RouteHop(by_name[n], a, b) for n, a, b in route]
-            if not any(h.peer_id in exclude for h in hops):
+            hops = [RouteHop(by_name[name], a, b) for name, a, b in route]
+            if not any(hop.peer_id in exclude for hop in hops):
                 return hops
-        raise NoRouteError("no preferred route left", [])
+        raise NoRouteError("every preferred route holds an excluded server", [])
 
 
 def connect(path, swarm, *routes):
@@ -52,7 +55,7 @@ def connect(path, swarm, *routes):
     from swarm.dht_records import fetch_servers
 
     model = AutoDistributedModelForCausalLM.from_pretrained(str(path), initial_peers=swarm.initial_peers)
-    model.swarm.router = Preferred(*routes)
+    model.swarm.router = PreferredRoutes(*routes)
     peers = {s.public_name: s.peer_id for s in fetch_servers(model.swarm.dht, model.swarm.model, 6)}
     return model, peers
 

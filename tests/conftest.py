@@ -149,3 +149,28 @@ def limits_swarm(tiny_llama_path):
     for server in servers:
         _loop.run(server.shutdown(), timeout=60)
     bootstrap.shutdown()
+
+
+def inprocess_servers(path, spans=((0, 3), (3, 6)), **config):
+    """Servers of ``spans`` running in this process (so tests can inspect their sessions and
+    caches), joined through a real DHT, with a client model: a generator for module fixtures,
+    yielding (model, servers) and stopping everything after. ``config``: more ServerConfig fields."""
+    from client import _loop
+    from server.server import ServerConfig, SpanServer
+    from swarm import AutoDistributedModelForCausalLM
+
+    bootstrap = make_dht(host="127.0.0.1")
+    peers = [str(m) for m in bootstrap.get_visible_maddrs()]
+
+    async def start():
+        common = dict(model=str(path), initial_peers=peers, host="127.0.0.1", reachability="public",
+                      update_period=2.0, torch_threads=1, **config)  # fmt: skip
+        return [await SpanServer.create(ServerConfig(blocks=blocks, **common)) for blocks in spans]
+
+    servers = _loop.run(start(), timeout=240)
+    model = AutoDistributedModelForCausalLM.from_pretrained(str(path), initial_peers=peers)
+    yield model, servers
+    model.shutdown()
+    for server in servers:
+        _loop.run(server.shutdown(), timeout=60)
+    bootstrap.shutdown()

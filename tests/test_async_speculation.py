@@ -15,9 +15,8 @@ import torch
 
 from client import _loop
 from protocol.messages import Cancel, Hop, OpenSession, SessionOpened, Step, StepResult, Subscribe
-from server.server import ServerConfig, SpanServer
-from swarm.dht import make_dht
 from swarm.streams import RESULTS_PROTOCOL, SESSION_PROTOCOL, MessageStream
+from tests.conftest import inprocess_servers
 from tests.test_exactness import PROMPT, ScriptedDrafter
 
 SLOW_BLOCK_SECONDS = 0.02  # a slow server, so cancels catch runs queued and mid-computation
@@ -25,23 +24,7 @@ SLOW_BLOCK_SECONDS = 0.02  # a slow server, so cancels catch runs queued and mid
 
 @pytest.fixture(scope="module")
 def inproc_swarm(tiny_llama_path):
-    bootstrap = make_dht(host="127.0.0.1")
-    peers = [str(m) for m in bootstrap.get_visible_maddrs()]
-
-    async def start():
-        common = dict(model=str(tiny_llama_path), initial_peers=peers, host="127.0.0.1", reachability="public",
-                      update_period=2.0, debug_block_delay=SLOW_BLOCK_SECONDS, torch_threads=1)  # fmt: skip
-        return [await SpanServer.create(ServerConfig(blocks=blocks, **common)) for blocks in [(0, 3), (3, 6)]]
-
-    servers = _loop.run(start(), timeout=240)
-    from swarm import AutoDistributedModelForCausalLM
-
-    model = AutoDistributedModelForCausalLM.from_pretrained(str(tiny_llama_path), initial_peers=peers)
-    yield model, servers
-    model.shutdown()
-    for server in servers:
-        _loop.run(server.shutdown(), timeout=60)
-    bootstrap.shutdown()
+    yield from inprocess_servers(tiny_llama_path, debug_block_delay=SLOW_BLOCK_SECONDS)
 
 
 def assert_servers_hold_only(servers, committed_cached: int) -> None:

@@ -20,9 +20,10 @@ import torch
 from client._spot_checks import (
     alternatives, check_rate, minority, pick_hop, relative_difference, route_tolerance, substituted, tolerance,
 )  # fmt: skip
+from benchmarks.spot_checks import PreferredRoutes
 from swarm.local import LocalSwarm
 from swarm.records import ServerInfo, ServerState
-from swarm.routing import NoRouteError, RoutePlanner, RouteHop
+from swarm.routing import RouteHop
 from tests.conftest import SERVER_ARGS, servers_by_name
 
 # ---- unit: the tolerance rule ------------------------------------------------------------------
@@ -192,28 +193,13 @@ def liar_swarm(tiny_llama_path, artifacts_dir):
         yield swarm
 
 
-class PreferredRoutes(RoutePlanner):
-    """The first of the given routes (servers by public name) that avoids every excluded peer."""
-
-    def __init__(self, model, *routes):
-        self.model, self.routes = model, routes
-
-    def plan(self, servers, start, end, *, max_length=0, exclude=(), client_rtts=None) -> list[RouteHop]:
-        by_name = {s.public_name: s.peer_id for s in servers}
-        for route in self.routes:
-            hops = [RouteHop(by_name[name], a, b) for name, a, b in route]
-            if not any(hop.peer_id in exclude for hop in hops):
-                return hops
-        raise NoRouteError("every preferred route holds an excluded server", [])
-
-
 @contextlib.contextmanager
 def client(swarm, path, *routes, **kwargs):
     from swarm import AutoDistributedModelForCausalLM
 
     model = AutoDistributedModelForCausalLM.from_pretrained(str(path), initial_peers=swarm.initial_peers, **kwargs)
     try:
-        model.swarm.router = PreferredRoutes(model, *routes)
+        model.swarm.router = PreferredRoutes(*routes)
         model.peers = {name: info.peer_id for name, info in servers_by_name(model, 6).items()}
         yield model
     finally:

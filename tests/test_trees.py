@@ -27,9 +27,8 @@ from protocol.messages import (
 from protocol.sampling import choose_token, pack_f16, verify, verify_tree
 from server.adapters import load_span
 from server.weights import Checkpoint
-from swarm.dht import make_dht
 from swarm.streams import RESULTS_PROTOCOL, SESSION_PROTOCOL, MessageStream
-from tests.conftest import single_torch_thread
+from tests.conftest import inprocess_servers, single_torch_thread
 from tests.test_exactness import PROMPT, ROUTES, ScriptedDrafter, pinned
 
 # ---- the walk, the layout and the checks, on fabricated logits -----------------------------------
@@ -377,24 +376,7 @@ def test_draft_tree_is_validated(tiny_model):
 
 @pytest.fixture(scope="module")
 def tree_servers(tiny_llama_path):
-    from server.server import ServerConfig, SpanServer
-    from swarm import AutoDistributedModelForCausalLM
-
-    bootstrap = make_dht(host="127.0.0.1")
-    peers = [str(m) for m in bootstrap.get_visible_maddrs()]
-
-    async def start():
-        common = dict(model=str(tiny_llama_path), initial_peers=peers, host="127.0.0.1", reachability="public",
-                      update_period=2.0, torch_threads=1)  # fmt: skip
-        return [await SpanServer.create(ServerConfig(blocks=blocks, **common)) for blocks in [(0, 3), (3, 6)]]
-
-    servers = _loop.run(start(), timeout=240)
-    model = AutoDistributedModelForCausalLM.from_pretrained(str(tiny_llama_path), initial_peers=peers)
-    yield model, servers
-    model.shutdown()
-    for server in servers:
-        _loop.run(server.shutdown(), timeout=60)
-    bootstrap.shutdown()
+    yield from inprocess_servers(tiny_llama_path)
 
 
 @pytest.fixture(scope="module")
