@@ -30,7 +30,7 @@ async def run(args: argparse.Namespace) -> None:
         initial_peers=args.initial_peers, identity=identity, host=args.host, port=args.port,
         announce_maddrs=args.announce_maddrs, reachability="public", relay_service=args.relay,
     )  # fmt: skip
-    await ProbeService().add_to(await dht.replicate_p2p())
+    await ProbeService(relays=args.relay).add_to(await dht.replicate_p2p())
     for maddr in dht.get_visible_maddrs():
         print(maddr, flush=True)
     logger.info(f"Bootstrap peer {dht.peer_id} is up")

@@ -71,8 +71,10 @@ def make_dht(
     if relays:
         kwargs.update(use_auto_relay=True, trusted_relays=list(relays))
     if not relay_service:
-        # `-relay=0` alone does not do it: go-libp2p then starts its default relay service. A relay
-        # service that admits no reservations and no circuits is one nobody can use.
+        # Best effort only: hivemind's p2pd also starts a relay with libp2p's default limits (seen
+        # relaying with -relay=0 too), and whichever registers the hop protocol last wins. So a peer
+        # without a relay service also refuses to vouch for circuits through it in the dial-back
+        # probe (swarm.reachability.ProbeService), which is what servers behind NAT go by.
         _no_relay_service.set()
     return hivemind.DHT(
         initial_peers=list(initial_peers),

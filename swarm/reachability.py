@@ -36,6 +36,7 @@ MAX_PROBE_ADDRS = 8
 MAX_ADDR_CHARS = 512
 MAX_CONCURRENT_PROBES = 2
 DIAL_TIMEOUT = 10.0
+NOT_A_RELAY = "not a relay: this peer offers no circuit relay (swarm.bootstrap --no-relay)"
 
 
 class DialBack(msgspec.Struct, array_like=True):
@@ -75,29 +76,45 @@ def _without_peer(maddr: Multiaddr, peer_id: PeerID) -> Multiaddr:
 
 
 class ProbeService:
-    """The prober's side, served by bootstraps and by servers that are dialable themselves."""
+    """The prober's side, served by bootstraps and by servers that are dialable themselves.
 
-    def __init__(self) -> None:
+    ``relays=False`` (``swarm.bootstrap --no-relay``) answers a probe of a circuit through this peer
+    with :data:`NOT_A_RELAY` instead of dialing it. p2pd cannot be kept from relaying (hivemind's
+    daemon starts a circuit-relay service with libp2p's default limits whenever relaying is on, and
+    our limits race it), so a peer that offers no relay says so here: servers behind NAT then never
+    announce a circuit through it, and stop with one clear line if it was their only relay.
+    """
+
+    def __init__(self, relays: bool = True) -> None:
         self._slots = asyncio.Semaphore(MAX_CONCURRENT_PROBES)
+        self.relays = relays
         self.probes = 0
+        self._peer_id: Optional[PeerID] = None
 
     async def add_to(self, p2p: P2P) -> None:
+        self._peer_id = p2p.peer_id
         await p2p.add_protobuf_handler(PROBE_PROTOCOL, self._serve, runtime_pb2.ExpertRequest)
 
+    def _through_me(self, maddr: Multiaddr) -> bool:
+        relay, circuit, _ = str(maddr).partition("/p2p-circuit")
+        return bool(circuit) and self._peer_id is not None and relay.endswith(f"/p2p/{self._peer_id.to_base58()}")
+
     async def _serve(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        return runtime_pb2.ExpertResponse(metadata=msgspec.msgpack.encode(await self._answer(request, context)))
+
+    async def _answer(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> DialBackResult:
         try:
             ask = msgspec.msgpack.decode(request.metadata, type=DialBack)
             maddrs = [_without_peer(m, context.remote_id) for m in _check_maddrs(ask.maddrs)]
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
-            result = DialBackResult(False, f"bad dial-back request: {e}")
-        else:
-            if self._slots.locked():
-                result = DialBackResult(False, "busy: too many dial-back probes at once")
-            else:
-                async with self._slots:
-                    self.probes += 1
-                    result = await dial_fresh(context.remote_id, maddrs)
-        return runtime_pb2.ExpertResponse(metadata=msgspec.msgpack.encode(result))
+            return DialBackResult(False, f"bad dial-back request: {e}")
+        if not self.relays and any(self._through_me(m) for m in maddrs):
+            return DialBackResult(False, NOT_A_RELAY)
+        if self._slots.locked():
+            return DialBackResult(False, "busy: too many dial-back probes at once")
+        async with self._slots:
+            self.probes += 1
+            return await dial_fresh(context.remote_id, maddrs)
 
 
 async def dial_fresh(peer_id: PeerID, maddrs: Sequence[Multiaddr], timeout: float = DIAL_TIMEOUT) -> DialBackResult:
@@ -112,28 +129,60 @@ async def dial_fresh(peer_id: PeerID, maddrs: Sequence[Multiaddr], timeout: floa
         await prober.shutdown()
 
 
+async def _ask(p2p: P2P, prober: PeerID, maddrs: Sequence[str], timeout: float) -> Optional[DialBackResult]:
+    """One prober's verdict on ``maddrs``; None when it gave none (unreachable, old, busy, or it
+    could not read the request)."""
+    request = runtime_pb2.ExpertRequest(metadata=msgspec.msgpack.encode(DialBack([str(m) for m in maddrs])))
+    try:
+        response = await asyncio.wait_for(
+            p2p.call_protobuf_handler(prober, PROBE_PROTOCOL, request, runtime_pb2.ExpertResponse), timeout
+        )
+        result = msgspec.msgpack.decode(response.metadata, type=DialBackResult)
+    except Exception as e:
+        logger.debug(f"Dial-back probe via {prober} failed: {e}")
+        return None
+    if result.error.startswith(("busy", "bad dial-back")):
+        logger.debug(f"Dial-back probe via {prober}: {result.error}")
+        return None
+    return result
+
+
 async def ask_dial_back(p2p: P2P, probers: Sequence[PeerID], maddrs: Sequence[str], timeout: float = 30.0) -> Optional[bool]:
     """True if any prober reached us at ``maddrs``, False if some answered and none did, None if
     no prober answered (old peers, or none reachable): the caller decides what unknown means."""
-    request = runtime_pb2.ExpertRequest(metadata=msgspec.msgpack.encode(DialBack([str(m) for m in maddrs])))
     answered = False
     for prober in probers:
-        try:
-            response = await asyncio.wait_for(
-                p2p.call_protobuf_handler(prober, PROBE_PROTOCOL, request, runtime_pb2.ExpertResponse), timeout
-            )
-            result = msgspec.msgpack.decode(response.metadata, type=DialBackResult)
-        except Exception as e:
-            logger.debug(f"Dial-back probe via {prober} failed: {e}")
-            continue
-        if result.error.startswith(("busy", "bad dial-back")):
-            logger.debug(f"Dial-back probe via {prober}: {result.error}")
+        result = await _ask(p2p, prober, maddrs, timeout)
+        if result is None:
             continue
         answered = True
         if result.reachable:
             return True
         logger.debug(f"{prober} could not dial us at {list(maddrs)}: {result.error}")
     return False if answered else None
+
+
+async def _working_circuits(p2p: P2P, probers: Sequence[PeerID], addrs: Sequence[str], deadline: float) -> list[str]:
+    """The circuit addresses some prober could dial us through before ``deadline``. A reservation
+    takes a moment after connecting, so each is asked again until the deadline; one whose relay
+    answers that it offers no relay is dropped at once."""
+    loop = asyncio.get_running_loop()
+    pending, working = list(addrs), []
+    while pending and not working and loop.time() < deadline:
+        for addr in list(pending):
+            relay = peer_ids_of([addr.partition("/p2p-circuit")[0]])
+            for prober in probers:
+                result = await _ask(p2p, prober, [addr], DIAL_TIMEOUT + 5)
+                if result is not None and result.reachable:
+                    working.append(addr)
+                    break
+                if result is not None and result.error == NOT_A_RELAY and [prober] == relay:
+                    logger.info(f"{prober} offers no relay")
+                    pending.remove(addr)
+                    break
+        if pending and not working:
+            await asyncio.sleep(1.0)
+    return working
 
 
 def peer_ids_of(maddrs: Sequence[str]) -> list[PeerID]:
@@ -209,15 +258,8 @@ async def start_server_dht(
     dht = start(relays)
     try:
         p2p = await dht.replicate_p2p()
-        addrs = circuit_addrs(relays, p2p.peer_id)
         deadline = asyncio.get_running_loop().time() + relay_timeout
-        working: list[str] = []
-        while not working and asyncio.get_running_loop().time() < deadline:
-            for addr in addrs:  # a reservation takes a moment after connecting: ask until one works
-                if await ask_dial_back(p2p, probers, [addr], timeout=DIAL_TIMEOUT + 5):
-                    working.append(addr)
-            if not working:
-                await asyncio.sleep(1.0)
+        working = await _working_circuits(p2p, probers, circuit_addrs(relays, p2p.peer_id), deadline)
         if not working:
             raise NoRelayError(
                 "this server cannot be dialed directly and no relay could be reached through its initial peers "

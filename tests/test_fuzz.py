@@ -19,7 +19,7 @@ import math
 import random
 import secrets
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 
 import hivemind
 import msgspec
@@ -77,6 +77,7 @@ class Fuzzer:
         self.rng, self.p2p, self.servers, self.vocab = rng, p2p, servers, vocab_size
         self.route = [Hop(s.info.peer_id, s.info.start_block, s.info.end_block) for s in servers]
         self.sent: Counter = Counter()  # protocol -> messages sent
+        self.unsent: defaultdict = defaultdict(list)  # protocol -> why a stream took no message (then retried)
         self.replies: Counter = Counter()  # (protocol, reply type or error code) -> count
         self.unexpected: list = []  # replies a server must never send to a stranger
 
@@ -301,19 +302,25 @@ class Fuzzer:
         back within REPLY_WAIT, hang up."""
         server, data, wait = plan
         allowed = (ErrorReply,) if protocol == "results" else (Pong,)
-        stream = await self._open(server, RESULTS_PROTOCOL if protocol == "results" else PING_PROTOCOL)
-        collector = asyncio.create_task(self._collect(protocol, stream, allowed))
-        try:
-            stream.writer.write(data)
-            await stream.writer.drain()
-            self.sent[protocol] += 1
-            if wait:
-                await asyncio.wait_for(asyncio.shield(collector), REPLY_WAIT)
-        except (asyncio.TimeoutError, ConnectionError, OSError):
-            pass
-        finally:
-            stream.close()
-            collector.cancel()
+        for _ in range(3):  # a stream that p2pd resets before our write went out did not carry the message
+            stream = await self._open(server, RESULTS_PROTOCOL if protocol == "results" else PING_PROTOCOL)
+            collector = asyncio.create_task(self._collect(protocol, stream, allowed))
+            try:
+                try:
+                    stream.writer.write(data)
+                    await stream.writer.drain()
+                except (ConnectionError, OSError) as e:
+                    self.unsent[protocol].append(repr(e))
+                    continue
+                self.sent[protocol] += 1
+                if wait:
+                    await asyncio.wait_for(asyncio.shield(collector), REPLY_WAIT)
+                return
+            except (asyncio.TimeoutError, ConnectionError, OSError):
+                return
+            finally:
+                stream.close()
+                collector.cancel()
 
     def results_message(self, server, live_sessions: list[str]):
         rng = self.rng
@@ -402,9 +409,10 @@ def test_fuzz_every_protocol_while_an_honest_client_generates(limits_swarm, tiny
     finally:
         stranger.shutdown()
 
-    print(f"\nfuzz: {dict(fuzzer.sent)} messages in {seconds:.1f} s; {honest} honest generations; "
+    print(f"\nfuzz: {dict(fuzzer.sent)} messages in {seconds:.1f} s ({sum(map(len, fuzzer.unsent.values()))} resent); "
+          f"{honest} honest generations; "
           f"replies {sorted(fuzzer.replies.items())}")  # fmt: skip
-    assert all(fuzzer.sent[p] >= MESSAGES_PER_PROTOCOL for p in ("session", "results", "ping")), fuzzer.sent
+    assert all(fuzzer.sent[p] >= MESSAGES_PER_PROTOCOL for p in ("session", "results", "ping")), (fuzzer.sent, fuzzer.unsent)
     assert not fuzzer.unexpected, fuzzer.unexpected[:5]
     # the refusals name what was wrong (a sample of the codes the hostile values must produce)
     for code in ("malformed", "version_mismatch", "unknown_session", "bad_request", "token_out_of_vocab",

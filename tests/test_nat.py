@@ -107,8 +107,12 @@ def test_server_behind_nat_serves_through_a_relay(bed, tiny_llama_path, tiny_ref
 def test_server_behind_nat_without_a_relay_exits_with_one_clear_line(bed, tiny_llama_path, tmp_path):
     _, peer = _bootstrap(bed, "--no-relay")
     home = _server(bed, "home", str(tiny_llama_path), peer, "3:6", tmp_path / "home.log")
-    assert home.wait(timeout=120) != 0
+    try:
+        code = home.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        code = None
     log = (tmp_path / "home.log").read_text()
+    assert code not in (None, 0), f"exit code {code}; the home server's log ends:\n{log[-5000:]}"
     errors = [line for line in log.splitlines() if "ERROR" in line]
     assert len(errors) == 1 and "no relay could be reached" in errors[0], log[-3000:]
 
@@ -152,3 +156,40 @@ def test_dial_back_probe_tells_a_listening_peer_from_a_dead_address():
 
     reachable, dead, bad, probes = asyncio.run(scenario())
     assert (reachable, dead, bad, probes) == (True, False, None, 2)  # a malformed request is refused unprobed
+
+
+def test_a_peer_without_a_relay_refuses_to_vouch_for_circuits_through_it():
+    """p2pd may relay anyway (docs/nat.md "Who relays"): the probe's answer is what servers go by."""
+    import asyncio
+
+    from hivemind.p2p import P2P
+
+    from swarm.reachability import NOT_A_RELAY, ProbeService, _working_circuits, circuit_addrs
+
+    async def scenario():
+        prober = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        asker = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=await prober.get_visible_maddrs())
+        try:
+            service = ProbeService(relays=False)
+            await service.add_to(prober)
+            relay = [str(m) for m in await prober.get_visible_maddrs()][:1]
+            through_it = circuit_addrs(relay, asker.peer_id)
+            loop = asyncio.get_running_loop()
+            began = loop.time()
+            working = await _working_circuits(asker, [prober.peer_id], through_it, deadline=began + 60)
+            direct = await ask_dial_back_direct(asker, prober)
+            return working, loop.time() - began, service.probes, direct
+
+        finally:
+            await asker.shutdown()
+            await prober.shutdown()
+
+    async def ask_dial_back_direct(asker, prober):  # it still probes direct addresses
+        from swarm.reachability import ask_dial_back
+
+        return await ask_dial_back(asker, [prober.peer_id], [str(m) for m in await asker.get_visible_maddrs()])
+
+    working, seconds, probes, direct = asyncio.run(scenario())
+    assert working == [] and seconds < 10  # dropped at once, not retried until the deadline
+    assert probes == 1 and direct is True  # no dial for the circuit; one for the direct address
+    assert NOT_A_RELAY.startswith("not a relay")
