@@ -34,6 +34,9 @@ MODES = {
     "suffix+head": dict(speculation="suffix+head"),  # per lap the source measured better (client.drafters.HeadDrafts)
     "suffix-tree": dict(speculation="suffix", draft_tree=True),  # token trees sized per lap (client/_trees.py)
     "ngram-tree": dict(speculation="ngram", draft_tree=True),
+    # head-started runs: the tail starts each next run at the head, one link earlier (docs/protocol.md)
+    "none+hs": dict(speculation=None, head_start=True),
+    "head+hs": dict(speculation="head", head_start=True),
 }
 
 

@@ -57,6 +57,7 @@ class GenerationStats:
     wait_time: float = 0.0  # seconds the client spent waiting for verdicts
     turnaround_time: float = 0.0  # seconds from a verdict to the next run sent (client work)
     hedges_prepared: int = 0  # drafts made ahead for outcomes of runs in flight
+    head_started_runs: int = 0  # runs the tail started at the head (generate(head_start=True))
     hedge_hits: int = 0  # front runs sent with a hedged draft instead of drafting after the verdict
     hedge_time: float = 0.0  # seconds spent hedging (while runs are in flight, before waiting)
     bytes_up: int = 0
@@ -178,6 +179,7 @@ class Run:
     parents: list[int] = field(default_factory=list)  # a tree run: each draft's parent (-1: the root)
     tree: bool = False  # sent in tree mode (a tree, or a chain the tree sizer chose)
     shape: Optional[DraftTree] = None  # tree mode: the nodes sent, with the drafter's scores (for the cost model)
+    head_started: bool = False  # started at the head by the tail (Step.head_start), not sent by the client
 
     @property
     def split(self) -> bool:
@@ -204,6 +206,7 @@ class SpeculativeDecoder:
         spot_checker: Optional[SpotChecker] = None,
         draft_tree: bool = False,
         tree_sizer: Optional[TreeSizer] = None,
+        head_start: bool = False,
     ):
         if max_inflight_runs < 1:
             raise ValueError(f"max_inflight_runs must be >= 1, got {max_inflight_runs}")
@@ -227,6 +230,10 @@ class SpeculativeDecoder:
         self.draft_tree = _tree_mode(draft_tree, max_inflight_runs, self.rejection) and drafter is not None
         self._sizer = tree_sizer if tree_sizer is not None else TreeSizer()  # the model's: it learns across calls
         self._prompt_len = 0
+        # the tail starts each next run at the head (docs/protocol.md "Head-started runs"): one
+        # run in flight, chains verified by token match
+        self.head_start = head_start and max_inflight_runs == 1 and not self.rejection and not self.draft_tree
+        self._budget = 0
         self._replay: list[int] = []  # tokens generated before a liar was caught, still to re-verify
         self._route_peers: set[str] = set()  # every server of this generation's routes
         self._handled_liars: set[str] = set()
@@ -328,6 +335,7 @@ class SpeculativeDecoder:
 
     async def _lap(self, budget: int) -> list[int]:
         remote = self.state.remote
+        self._budget = budget
         sent_before, received_before = remote.bytes_sent, remote.bytes_received
         if not self._inflight:
             await self._prefill_chunks()
@@ -346,7 +354,7 @@ class SpeculativeDecoder:
         # 2) while the network works: drafts for the front run's likeliest refuting verdicts
         front = self._inflight[0]
         hedging = time.perf_counter()
-        if not front.tree:  # a tree run is followed by a tree drafted after its verdict
+        if not front.tree and not front.head_started:  # a tree run is followed by a tree drafted after its verdict
             self._hedge(front, budget)
         self.stats.hedge_time += time.perf_counter() - hedging
         # 3) the verdict on the oldest run
@@ -357,7 +365,8 @@ class SpeculativeDecoder:
         if result.run_id != front.run_id:
             raise ServerError(f"result for run {result.run_id} while waiting for {front.run_id}", remote.tail_peer)
         self._inflight.popleft()
-        self.swarm.observe_lap(remote.route, self._verdict_at - front.sent_at, len(front.token_ids))
+        if not front.head_started:  # its lap began at the tail: no client-to-head link to time
+            self.swarm.observe_lap(remote.route, self._verdict_at - front.sent_at, len(front.token_ids))
         self._verdict_seen(front.run_id)
         if self.draft_tree:
             self._sizer.observe_lap(len(front.token_ids), self._verdict_at - front.sent_at)
@@ -373,6 +382,8 @@ class SpeculativeDecoder:
         refuted = not self._confirms(front, result) or len(new) < len(front.drafts) + 1
         if refuted and self._inflight:
             await self._cancel_inflight()
+        if result.head_started:
+            self._follow_head_start(front, result, head_drafts)
         if self.drafter is not None:
             self.drafter.extend(new)
             if hasattr(self.drafter, "offer"):  # HeadDrafts
@@ -405,6 +416,19 @@ class SpeculativeDecoder:
                 raise ServerError(f"result for run {result.run_id} while waiting for {run_id}", state.remote.tail_peer)
             state.cached = cached
             self._verdict_seen(run_id)
+
+    def _follow_head_start(self, run: Run, result: StepResult, head_drafts: list[int]) -> None:
+        """The tail has started the next run at the head: [next_token, *its head drafts] from the
+        position after next_token's. Track it as in flight; the client sends nothing for it."""
+        state = self.state
+        if not self.head_start or result.correction_ids is not None or run.run_id + 1 != state.next_run_id:
+            raise ServerError(f"run {result.run_id + 1} started at the head unasked", state.remote.tail_peer)
+        start = run.start_pos + len(run.token_ids) - len(run.drafts) + result.accepted
+        following = Run(state.next_run_id, start, [result.next_token, *head_drafts], list(head_drafts), None,
+                        proposed=len(head_drafts), sent_at=self._verdict_at, head_started=True)  # fmt: skip
+        state.next_run_id += 1
+        self._inflight.append(following)
+        self.stats.head_started_runs += 1
 
     @staticmethod
     def _confirms(run: Run, result: StepResult) -> bool:
@@ -571,6 +595,7 @@ class SpeculativeDecoder:
             top_logprobs=self.num_logprobs,
             draft_q=pack_f16(run.draft_q) if run.draft_q else None,
             head_drafts=getattr(self.drafter, "head_tokens", 0),
+            head_start=max(0, self._budget - 1) if self.head_start and not run.replay else 0,
         )
 
     def _corrected(self, run: Run, result: StepResult) -> StepResult:

@@ -93,6 +93,10 @@ class Step(msgspec.Struct, tag="step", kw_only=True, array_like=True, omit_defau
     # ask the tail's drafter head for up to this many ids after the verdict (StepResult.drafts);
     # 0: none (a tail without a head sends none either way)
     head_drafts: int = 0
+    # the shorter lap (docs/protocol.md "Head-started runs"): after this run's verdict the tail may
+    # start the next run at the head itself (the verdict's next token and head drafts), which then
+    # carries head_start - 1; 0: the client sends every run
+    head_start: int = 0
     # token trees live in TreeStep (below); a plain Step is a chain and keeps nothing of a tree
     parents: ClassVar[tuple] = ()
     tree_path: ClassVar[tuple] = ()
@@ -168,6 +172,9 @@ class StepResult(msgspec.Struct, tag="result", kw_only=True, array_like=True, om
     # ids drafted by the tail's drafter head after next_token (Step.head_drafts asked for them):
     # only drafts, which the client may send in its next run like its own
     drafts: list[int] = []
+    # the tail has started run run_id + 1 at the head (Step.head_start): its ids are
+    # [next_token, *drafts] from the position after next_token's; the client sends no run for it
+    head_started: bool = False
     path: ClassVar[tuple] = ()  # a chain's verdict names no path (TreeResult does)
 
 
@@ -176,6 +183,16 @@ class TreeResult(StepResult, tag="tree_result", kw_only=True, array_like=True):
     path, draft indices from the root down, and ``accepted`` its length."""
 
     path: list[int] = []
+
+
+class HeadStart(Step, tag="head_start", kw_only=True, array_like=True, omit_defaults=True):
+    """Tail -> head, on a session stream of its own: the next run of a session whose Step asked for
+    ``head_start``, built from the verdict the tail has just sent to the client. The head takes it
+    only from the route's tail, and only if the run it follows is still the session's last and no
+    cancel has arrived since (else the client has already moved on: it is dropped)."""
+
+    def as_step(self) -> Step:
+        return Step(**{name: getattr(self, name) for name in Step.__struct_fields__})
 
 
 class RunOutputs(msgspec.Struct, tag="outputs", kw_only=True, array_like=True):
@@ -210,7 +227,7 @@ class Pong(msgspec.Struct, tag="pong", array_like=True):
 
 
 Message = Union[
-    OpenSession, Step, TreeStep, Cancel, CloseSession, Subscribe, SessionOpened, StepResult, TreeResult, RunOutputs,
+    OpenSession, Step, TreeStep, HeadStart, Cancel, CloseSession, Subscribe, SessionOpened, StepResult, TreeResult, RunOutputs,
     ErrorReply, Ping, Pong,
 ]
 

@@ -35,6 +35,7 @@ from protocol.messages import (
     Cancel,
     CloseSession,
     ErrorReply,
+    HeadStart,
     Message,
     OpenSession,
     Ping,
@@ -88,7 +89,7 @@ class SessionHandler:
         self.accepting = True
         self.stats = {"runs": 0, "cancelled_runs": 0, "sessions_opened": 0, "accepted_tokens": 0,
                       "cancelled_queued": 0, "cancelled_running": 0, "cancelled_computed": 0,
-                      "dropped_upstream": 0}  # fmt: skip
+                      "dropped_upstream": 0, "head_starts": 0, "head_starts_dropped": 0}  # fmt: skip
 
     async def start(self) -> None:
         await serve(self.p2p, SESSION_PROTOCOL, self._serve_session,
@@ -138,6 +139,8 @@ class SessionHandler:
                         session, downstream = await self._open(message, upstream)
                     elif isinstance(message, CloseSession):
                         return
+                    elif isinstance(message, HeadStart):  # from a tail, on a stream of its own
+                        await self._take_head_start(message, upstream)
                     elif (
                         session is None
                         or session.closed
@@ -332,6 +335,84 @@ class SessionHandler:
         session.touch()
         session.queue.put_nowait(QueuedRun(step, hidden))
 
+    async def _take_head_start(self, message: HeadStart, tail: MessageStream) -> None:
+        """The head's side of a head-started run: only the route's tail may start one, and only
+        right after the run it follows, with no cancel since (else the client has moved on)."""
+        session = self.sessions.get(message.session_id)
+        if (
+            session is None
+            or session.closed
+            or session.hop_index != 0
+            or len(session.route) < 2
+            or tail.peer_id.to_base58() != session.route[-1].peer_id
+        ):
+            raise ProtocolError(
+                ErrorCode.UNKNOWN_SESSION,
+                f"no session {message.session_id!r} here whose tail is {tail.peer_id.to_base58()}",
+            )
+        cancelled = session.cancelled_since_accept
+        if session.head_start_left < 1 or message.head_start != session.head_start_left - 1:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"session {message.session_id!r} asked for no head-started run here")
+        if session.last_run_id != message.run_id - 1 or (cancelled is not None and cancelled <= message.run_id):
+            self.stats["head_starts_dropped"] += 1
+            return
+        try:
+            self._enqueue(session, message.as_step(), [])
+        except ProtocolError as e:  # the client waits for this run: tell it on the stream it opened
+            await self._report(session.upstream, session, e, message.run_id)
+            return
+        self.stats["head_starts"] += 1
+
+    async def _start_at_head(self, session: ServerSession, step: Step, result: StepResult) -> bool:
+        """The tail's side: send the run after ``result`` to the head (docs/protocol.md
+        "Head-started runs"); False when this verdict cannot be continued without the client."""
+        if type(result) is not StepResult or step.draft_q is not None or step.return_logits:
+            return False  # trees, the rejection exchange (the client draws the token) and forward passes
+        start = step.start_pos + len(step.token_ids) - step.n_draft + result.accepted
+        ids = [result.next_token, *result.drafts]
+        if start + len(ids) > session.max_length:
+            return False
+        following = HeadStart(
+            session_id=session.session_id, run_id=step.run_id + 1, start_pos=start, token_ids=ids,
+            n_draft=len(result.drafts), top_logprobs=step.top_logprobs, head_drafts=step.head_drafts,
+            head_start=step.head_start - 1,
+        )  # fmt: skip
+        if session.hop_index == 0:  # a one-server route: the tail is the head
+            try:
+                self._enqueue(session, following.as_step(), [])
+            except ProtocolError:
+                return False
+            return True
+        try:
+            if session.head_stream is None:
+                session.head_stream = await asyncio.wait_for(
+                    MessageStream.open(
+                        self.p2p, PeerID.from_base58(session.route[0].peer_id), SESSION_PROTOCOL,
+                        max_frame_bytes=limits.CONTROL_FRAME_BYTES, max_tensor_elements=0,
+                    ),  # fmt: skip
+                    DOWNSTREAM_OPEN_TIMEOUT,
+                )
+                asyncio.create_task(self._drain_head_replies(session.head_stream))
+            await session.head_stream.send(following)
+        except (asyncio.TimeoutError, OSError, Exception) as e:  # the client then sends the run itself
+            logger.info(f"Could not start run {following.run_id} of session {session.session_id} at the head: {e!r}")
+            if session.head_stream is not None:
+                session.head_stream.close()
+                session.head_stream = None
+            return False
+        return True
+
+    async def _drain_head_replies(self, stream: MessageStream) -> None:
+        """The head answers a head start only to refuse it (ErrorReply); log and drop those."""
+        while True:
+            try:
+                received = await stream.receive()
+            except ProtocolError:
+                continue
+            if received is None:
+                return
+            logger.info(f"The head refused a head-started run: {received.message}")
+
     async def _cancel(self, session: ServerSession, cancel: Cancel, downstream: Optional[MessageStream]) -> None:
         """Drop the run and every later one; forward after any data already sent downstream."""
         trim_to = session.cancel_from(cancel.run_id, self.stats)
@@ -377,6 +458,8 @@ class SessionHandler:
                 output = output.result
             if isinstance(output, StepResult):
                 self.stats["accepted_tokens"] += output.accepted + 1
+                if run.step.head_start > 0:  # the next run leaves for the head before this verdict does
+                    output.head_started = await self._start_at_head(session, run.step, output)
                 await self._post_result(session, output)
             else:
                 await _send_quietly(downstream, run.step, [output], self.compression)
@@ -430,6 +513,8 @@ class SessionHandler:
         if session.closed:
             return
         session.closed = True
+        if session.head_stream is not None:
+            session.head_stream.close()
         if session.running is not None:
             session.running.cancelled = True
         session.queue.put_nowait(None)

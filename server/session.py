@@ -83,6 +83,11 @@ class ServerSession:
     tree: Optional[TreeLayout] = None  # the last accepted run's tree, if it was one
     # run id -> (base, nodes): before computing that run, gather a previous tree's accepted path into a chain
     gathers: dict[int, tuple[int, list[int]]] = field(default_factory=dict)
+    # head-started runs (docs/protocol.md): the lowest run id cancelled since the last accepted run
+    # (the head drops a head start it covers), and the tail's stream to the head
+    cancelled_since_accept: Optional[int] = None
+    head_start_left: int = 0  # the last accepted run's head_start: how many more runs the tail may start
+    head_stream: Optional[object] = None
 
     @property
     def hop(self) -> Hop:
@@ -145,6 +150,8 @@ class ServerSession:
             raise ProtocolError(ErrorCode.BAD_REQUEST, str(e)) from None
         if step.draft_q is not None:
             self._check_draft_q(step)
+        if not 0 <= step.head_start <= self.max_length:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"head_start must be in [0, max_length={self.max_length}], got {step.head_start}")
         if not 0 <= step.head_drafts <= MAX_HEAD_DRAFTS:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"head_drafts must be in [0, {MAX_HEAD_DRAFTS}], got {step.head_drafts}")
         if step.parents:
@@ -226,6 +233,8 @@ class ServerSession:
     def accept(self, step: Step) -> None:
         """Record an accepted run's ids so later runs are checked against it."""
         self.last_run_id = step.run_id
+        self.cancelled_since_accept = None
+        self.head_start_left = step.head_start
         self.expected_length = step.start_pos + len(step.token_ids)
         self.run_start[step.run_id] = step.start_pos
         gather = self._tree_gather(step)  # checked on arrival (check_step)
@@ -244,6 +253,8 @@ class ServerSession:
         cancelled run was still queued, being computed, or already computed here.
         """
         affected = [r for r in self.run_start if r >= run_id]
+        if self.cancelled_since_accept is None or run_id < self.cancelled_since_accept:
+            self.cancelled_since_accept = run_id
         counts = counts if counts is not None else {}
         caught = set()
         for item in list(self.queue._queue):  # noqa: SLF001 - we own this queue

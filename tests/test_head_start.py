@@ -1,0 +1,148 @@
+"""Head-started runs (docs/protocol.md): the tail starts each next run at the head itself, one
+link earlier than the client could. The output must be that of no speculation, the run the client
+does not need at the end must be cancelled everywhere, and only the route's tail may start runs.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from hivemind.p2p import PeerID
+
+from client import _loop
+from protocol.errors import ErrorCode, ProtocolError
+from protocol.messages import HeadStart, Step, StepResult, decode, encode
+from server.weights import Checkpoint
+from tests.conftest import inprocess_servers
+from tests.test_exactness import PROMPT
+
+pytestmark = pytest.mark.timeout(240)
+
+SAMPLINGS = {"greedy": {}, "seeded": {"do_sample": True, "temperature": 0.8, "top_k": 40, "seed": 11}}
+
+
+@pytest.mark.parametrize("sampling", list(SAMPLINGS), ids=list(SAMPLINGS))
+def test_head_started_runs_give_the_output_of_no_speculation(tiny_model, sampling):
+    prompt = torch.tensor([PROMPT[0]])
+    plain = tiny_model.generate(prompt, max_new_tokens=16, speculation=None, **SAMPLINGS[sampling])
+    model_output = tiny_model.generate(prompt, max_new_tokens=16, speculation=None, head_start=True, **SAMPLINGS[sampling])
+    assert model_output.tolist() == plain.tolist()
+    stats = tiny_model.last_generation_stats
+    # every run but the client's first is started at the head (a tail without a head drafts nothing)
+    assert stats.head_started_runs >= stats.laps - 1 > 0
+    assert stats.runs_sent < stats.laps
+
+
+def test_head_start_is_validated(tiny_model):
+    prompt = torch.tensor([PROMPT[0]])
+    for bad in ({"async_speculation": True}, {"draft_tree": True}, {"head_start": "yes"}):
+        with pytest.raises(ValueError, match="head_start"):
+            tiny_model.generate(prompt, max_new_tokens=4, **{"head_start": True, **bad})
+
+
+def test_wire_sizes():
+    step = Step(session_id="0" * 16, run_id=7, start_pos=40, token_ids=[5], head_start=60)
+    start = HeadStart(session_id="0" * 16, run_id=8, start_pos=41, token_ids=[6, 9], n_draft=1, head_start=59)
+    assert isinstance(decode(encode(start)), HeadStart) and decode(encode(start)).as_step() == Step(
+        session_id="0" * 16, run_id=8, start_pos=41, token_ids=[6, 9], n_draft=1, head_start=59
+    )
+    assert decode(encode(step)).head_start == 60
+    assert len(encode(step)) - len(encode(Step(session_id="0" * 16, run_id=7, start_pos=40, token_ids=[5]))) <= 2
+    result = StepResult(session_id="0" * 16, run_id=7, accepted=0, next_token=6, drafts=[9], head_started=True)
+    assert decode(encode(result)) == result
+
+
+@pytest.fixture(scope="module")
+def head_servers(tiny_llama_path, tmp_path_factory):
+    """Three in-process servers; the tail gets a random drafter head (tests/checkpoints.py)."""
+    from transformers import AutoConfig
+
+    from server.drafter_head import build_head_drafter
+    from tests.checkpoints import build_random_head
+
+    for model, servers in inprocess_servers(tiny_llama_path, spans=((0, 2), (2, 4), (4, 6))):
+        tail = servers[-1].span
+        config = AutoConfig.from_pretrained(tiny_llama_path)
+        head = build_random_head(tiny_llama_path, tmp_path_factory.mktemp("head") / "head.safetensors")
+        tail.drafter = build_head_drafter(tail, config, Checkpoint(str(tiny_llama_path)), head, max_drafts=3)
+        yield model, servers
+
+
+@pytest.mark.parametrize("sampling", list(SAMPLINGS), ids=list(SAMPLINGS))
+def test_head_drafts_in_head_started_runs(head_servers, sampling):
+    model, servers = head_servers
+    prompt = torch.tensor([PROMPT[0] * 2])
+    plain = model.generate(prompt, max_new_tokens=24, speculation=None, **SAMPLINGS[sampling])
+    before = {k: servers[0].handler.stats[k] for k in ("head_starts", "cancelled_runs")}
+    output = model.generate(prompt, max_new_tokens=24, speculation="head", head_start=True, **SAMPLINGS[sampling])
+    assert output.tolist() == plain.tolist()
+    stats = model.last_generation_stats
+    assert stats.head_started_runs >= stats.laps - 1 > 0 and stats.drafted > 0
+    assert servers[0].handler.stats["head_starts"] - before["head_starts"] == stats.head_started_runs
+    assert stats.runs_cancelled == 0  # the chain's budget ends with the last token asked for
+    # an end of sequence before the budget: the run started after it is cancelled on every server
+    eos = plain[0, prompt.shape[1] + 5].item()
+    short = model.generate(prompt, max_new_tokens=24, speculation="head", head_start=True, eos_token_id=eos,
+                           **SAMPLINGS[sampling])  # fmt: skip
+    new = plain[0, prompt.shape[1]:].tolist()
+    assert short[0, prompt.shape[1]:].tolist() == new[: new.index(eos) + 1]
+    assert model.last_generation_stats.runs_cancelled == 1
+    assert _loop.run(_wait_for(lambda: all(not s.handler.sessions for s in servers)), timeout=30)
+
+
+async def _wait_for(condition, seconds: float = 20.0) -> bool:
+    import asyncio
+
+    for _ in range(int(seconds / 0.1)):
+        if condition():
+            return True
+        await asyncio.sleep(0.1)
+    return condition()
+
+
+def test_only_the_routes_tail_may_start_a_run_and_only_when_asked(head_servers):
+    """A head start from a stranger, or for a session that asked for none, is refused by name and
+    the session goes on; a stale one (the client cancelled, or moved on) is dropped quietly."""
+    model, servers = head_servers
+    head = servers[0].handler
+    tail_id = servers[-1].dht.peer_id
+    captured = {}
+    original = head._take_head_start
+
+    async def spy(message, stream):
+        session = head.sessions[message.session_id]
+        captured.setdefault("session", session)
+        stranger = types.SimpleNamespace(peer_id=PeerID.from_base58(servers[1].info.peer_id))
+        with pytest.raises(ProtocolError) as refused:
+            await original(message, stranger)
+        assert refused.value.code == ErrorCode.UNKNOWN_SESSION and "whose tail is" in refused.value.message
+        forged = HeadStart(**{**{f: getattr(message, f) for f in Step.__struct_fields__}, "head_start": message.head_start + 5})
+        with pytest.raises(ProtocolError, match="asked for no head-started run"):
+            await original(forged, stream)
+        return await original(message, stream)
+
+    head._take_head_start = spy
+    try:
+        prompt = torch.tensor([PROMPT[0][::-1]])
+        plain = model.generate(prompt, max_new_tokens=10, speculation=None)
+        output = model.generate(prompt, max_new_tokens=10, speculation=None, head_start=True)
+    finally:
+        head._take_head_start = original
+    assert output.tolist() == plain.tolist() and "session" in captured
+    assert captured["session"].route[-1].peer_id == tail_id.to_base58()
+    # stale: after a cancel of the run it would start, or once a newer run is the session's last
+    session = types.SimpleNamespace(closed=False, hop_index=0, route=captured["session"].route, head_start_left=3,
+                                    last_run_id=4, cancelled_since_accept=5)  # fmt: skip
+    head.sessions["stale"] = session
+    try:
+        tail = types.SimpleNamespace(peer_id=tail_id)
+        dropped = head.stats["head_starts_dropped"]
+        for last, cancelled in ((4, 5), (6, None)):
+            session.last_run_id, session.cancelled_since_accept = last, cancelled
+            _loop.run(head._take_head_start(HeadStart(session_id="stale", run_id=5, start_pos=0, token_ids=[1],
+                                                      head_start=2), tail), timeout=10)  # fmt: skip
+        assert head.stats["head_starts_dropped"] == dropped + 2
+    finally:
+        del head.sessions["stale"]
