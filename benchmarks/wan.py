@@ -37,6 +37,8 @@ MODES = {
     # head-started runs: the tail starts each next run at the head, one link earlier (docs/protocol.md)
     "none+hs": dict(speculation=None, head_start=True),
     "head+hs": dict(speculation="head", head_start=True),
+    "suffix+hs": dict(speculation="suffix", head_start=True),  # retrieval drafts ride as DraftOffers
+    "suffix+head+hs": dict(speculation="suffix+head", head_start=True),
 }
 
 

@@ -35,8 +35,8 @@ from client._trees import DraftTree, PendingPath, TreeSizer, build_tree
 from client.drafters import Drafter
 from client.errors import GenerationError, ServerError
 from protocol import trees as tree_rules
-from protocol.limits import MAX_TREE_NODES
-from protocol.messages import GREEDY, SamplingParams, Step, StepResult, TokenLogprobs, TreeStep
+from protocol.limits import MAX_OFFER_OPTIONS, MAX_TREE_NODES
+from protocol.messages import GREEDY, DraftOffer, HeadStartStep, SamplingParams, Step, StepResult, TokenLogprobs, TreeStep
 from protocol.sampling import pack_f16, sample_correction, unpack_f16
 
 logger = logging.getLogger(__name__)
@@ -58,6 +58,7 @@ class GenerationStats:
     turnaround_time: float = 0.0  # seconds from a verdict to the next run sent (client work)
     hedges_prepared: int = 0  # drafts made ahead for outcomes of runs in flight
     head_started_runs: int = 0  # runs the tail started at the head (generate(head_start=True))
+    offers_sent: int = 0  # DraftOffers: hedged drafts for a head-started run's verdicts, sent to the head
     hedge_hits: int = 0  # front runs sent with a hedged draft instead of drafting after the verdict
     hedge_time: float = 0.0  # seconds spent hedging (while runs are in flight, before waiting)
     bytes_up: int = 0
@@ -160,6 +161,10 @@ class HedgeCache:
         self.base = None
         self._drafts.clear()
 
+    def options(self) -> list[tuple[int, int, list[int]]]:
+        """The hedges as DraftOffer options: (drafts accepted, the target's token, drafts after it)."""
+        return [(len(outcome) - 1, outcome[-1], draft) for outcome, draft in self._drafts.items() if draft]
+
 
 @dataclass
 class Run:
@@ -179,7 +184,7 @@ class Run:
     parents: list[int] = field(default_factory=list)  # a tree run: each draft's parent (-1: the root)
     tree: bool = False  # sent in tree mode (a tree, or a chain the tree sizer chose)
     shape: Optional[DraftTree] = None  # tree mode: the nodes sent, with the drafter's scores (for the cost model)
-    head_started: bool = False  # started at the head by the tail (Step.head_start), not sent by the client
+    head_started: bool = False  # started at the head by the tail (HeadStartStep), not sent by the client
 
     @property
     def split(self) -> bool:
@@ -233,6 +238,8 @@ class SpeculativeDecoder:
         # the tail starts each next run at the head (docs/protocol.md "Head-started runs"): one
         # run in flight, chains verified by token match
         self.head_start = head_start and max_inflight_runs == 1 and not self.rejection and not self.draft_tree
+        self._offered: dict[tuple[int, int], list[int]] = {}  # the last DraftOffer's options by verdict
+        self._offered_for: Optional[int] = None  # the run whose verdicts they follow
         self._budget = 0
         self._replay: list[int] = []  # tokens generated before a liar was caught, still to re-verify
         self._route_peers: set[str] = set()  # every server of this generation's routes
@@ -354,8 +361,10 @@ class SpeculativeDecoder:
         # 2) while the network works: drafts for the front run's likeliest refuting verdicts
         front = self._inflight[0]
         hedging = time.perf_counter()
-        if not front.tree and not front.head_started:  # a tree run is followed by a tree drafted after its verdict
+        if not front.tree:  # a tree run is followed by a tree drafted after its verdict
             self._hedge(front, budget)
+            if front.head_started:  # the run after it starts at the head: offer the hedges there
+                await self._offer(front)
         self.stats.hedge_time += time.perf_counter() - hedging
         # 3) the verdict on the oldest run
         waited = time.perf_counter()
@@ -365,7 +374,9 @@ class SpeculativeDecoder:
         if result.run_id != front.run_id:
             raise ServerError(f"result for run {result.run_id} while waiting for {front.run_id}", remote.tail_peer)
         self._inflight.popleft()
-        if not front.head_started:  # its lap began at the tail: no client-to-head link to time
+        if front.head_started:  # the head chose its drafts (the tail's or an offer): the verdict names them
+            self._take_run_drafts(front, result)
+        else:  # a head-started lap began at the tail: no client-to-head link to time
             self.swarm.observe_lap(remote.route, self._verdict_at - front.sent_at, len(front.token_ids))
         self._verdict_seen(front.run_id)
         if self.draft_tree:
@@ -424,11 +435,28 @@ class SpeculativeDecoder:
         if not self.head_start or result.correction_ids is not None or run.run_id + 1 != state.next_run_id:
             raise ServerError(f"run {result.run_id + 1} started at the head unasked", state.remote.tail_peer)
         start = run.start_pos + len(run.token_ids) - len(run.drafts) + result.accepted
-        following = Run(state.next_run_id, start, [result.next_token, *head_drafts], list(head_drafts), None,
-                        proposed=len(head_drafts), sent_at=self._verdict_at, head_started=True)  # fmt: skip
+        # what the head most likely sent (the offer for this verdict, else the tail's drafts): the
+        # hedges for its verdict build on it; its own verdict says what it really carried
+        drafts = self._offered.get((result.accepted, result.next_token), head_drafts) if self._offered_for == run.run_id else head_drafts
+        following = Run(state.next_run_id, start, [result.next_token, *drafts], list(drafts), None,
+                        proposed=len(drafts), sent_at=self._verdict_at, head_started=True)  # fmt: skip
         state.next_run_id += 1
         self._inflight.append(following)
         self.stats.head_started_runs += 1
+
+    async def _offer(self, run: Run) -> None:
+        """Send the head the hedged drafts for the verdicts of ``run``, for the run the tail starts after it."""
+        options = self._hedges.options()[:MAX_OFFER_OPTIONS]
+        self._offered, self._offered_for = {(a, t): d for a, t, d in options}, run.run_id
+        if options:
+            await self.state.remote.offer(DraftOffer(session_id=self.state.remote.session_id, run_id=run.run_id, options=options))
+            self.stats.offers_sent += 1
+
+    def _take_run_drafts(self, run: Run, result: StepResult) -> None:
+        drafts = result.run_drafts
+        if drafts is None or not 0 <= result.accepted <= len(drafts) or len(drafts) > self.swarm.max_positions_per_step:
+            raise ServerError(f"the verdict on head-started run {run.run_id} does not name its drafts", self.state.remote.tail_peer)
+        run.drafts, run.token_ids, run.proposed = list(drafts), [run.token_ids[0], *drafts], len(drafts)
 
     @staticmethod
     def _confirms(run: Run, result: StepResult) -> bool:
@@ -585,7 +613,9 @@ class SpeculativeDecoder:
         return self._with_tree_path(self._chain_step(run), run.parents)
 
     def _chain_step(self, run: Run) -> Step:
-        return Step(
+        head_start = max(0, self._budget - 1) if self.head_start and not run.replay else 0
+        extra = {"head_start": head_start} if head_start else {}
+        return (HeadStartStep if head_start else Step)(
             session_id=self.state.remote.session_id,
             run_id=run.run_id,
             start_pos=run.start_pos,
@@ -595,7 +625,7 @@ class SpeculativeDecoder:
             top_logprobs=self.num_logprobs,
             draft_q=pack_f16(run.draft_q) if run.draft_q else None,
             head_drafts=getattr(self.drafter, "head_tokens", 0),
-            head_start=max(0, self._budget - 1) if self.head_start and not run.replay else 0,
+            **extra,
         )
 
     def _corrected(self, run: Run, result: StepResult) -> StepResult:

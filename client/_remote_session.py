@@ -29,6 +29,7 @@ from protocol.messages import (
     GREEDY,
     OUTPUTS_FRAME_BYTES,
     Cancel,
+    DraftOffer,
     ErrorReply,
     Message,
     OpenSession,
@@ -158,6 +159,13 @@ class RemoteSession:
             return await self._head.send(step)
         except (OSError, ConnectionError, RuntimeError) as e:
             raise ServerError(f"lost the connection to the head: {e!r}", self.head_peer, ErrorCode.DOWNSTREAM_FAILED) from None
+
+    async def offer(self, offer: DraftOffer) -> int:
+        """Offer the head drafts for a head-started run (best effort: a lost offer costs drafts only)."""
+        try:
+            return await self._head.send(offer)
+        except (OSError, ConnectionError, RuntimeError):
+            return 0
 
     async def cancel(self, run_id: int) -> int:
         try:

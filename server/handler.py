@@ -34,8 +34,10 @@ from protocol.errors import ErrorCode, ProtocolError
 from protocol.messages import (
     Cancel,
     CloseSession,
+    DraftOffer,
     ErrorReply,
     HeadStart,
+    HeadStartResult,
     Message,
     OpenSession,
     Ping,
@@ -89,7 +91,8 @@ class SessionHandler:
         self.accepting = True
         self.stats = {"runs": 0, "cancelled_runs": 0, "sessions_opened": 0, "accepted_tokens": 0,
                       "cancelled_queued": 0, "cancelled_running": 0, "cancelled_computed": 0,
-                      "dropped_upstream": 0, "head_starts": 0, "head_starts_dropped": 0}  # fmt: skip
+                      "dropped_upstream": 0, "head_starts": 0, "head_starts_dropped": 0,
+                      "offers_used": 0}  # fmt: skip
 
     async def start(self) -> None:
         await serve(self.p2p, SESSION_PROTOCOL, self._serve_session,
@@ -154,6 +157,8 @@ class SessionHandler:
                         self._enqueue(session, message, received.tensors)
                     elif isinstance(message, Cancel):
                         await self._cancel(session, message, downstream)
+                    elif isinstance(message, DraftOffer):
+                        self._take_offer(session, message)
                     else:
                         raise ProtocolError(ErrorCode.BAD_REQUEST, f"unexpected {type(message).__name__}")
                 except ProtocolError as e:
@@ -350,18 +355,62 @@ class SessionHandler:
                 ErrorCode.UNKNOWN_SESSION,
                 f"no session {message.session_id!r} here whose tail is {tail.peer_id.to_base58()}",
             )
-        cancelled = session.cancelled_since_accept
         if session.head_start_left < 1 or message.head_start != session.head_start_left - 1:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"session {message.session_id!r} asked for no head-started run here")
-        if session.last_run_id != message.run_id - 1 or (cancelled is not None and cancelled <= message.run_id):
-            self.stats["head_starts_dropped"] += 1
-            return
         try:
-            self._enqueue(session, message.as_step(), [])
+            self._admit_head_start(session, message)
         except ProtocolError as e:  # the client waits for this run: tell it on the stream it opened
             await self._report(session.upstream, session, e, message.run_id)
-            return
+
+    def _admit_head_start(self, session: ServerSession, message: HeadStart) -> bool:
+        """Queue a head-started run at the head, with the client's offered drafts for this verdict
+        if it made any; False (and counted) when it is stale."""
+        cancelled = session.cancelled_since_accept
+        if session.last_run_id != message.run_id - 1 or (cancelled is not None and cancelled <= message.run_id):
+            self.stats["head_starts_dropped"] += 1
+            return False
+        step, offer = message.as_step(), session.offer
+        session.offer = None
+        if offer is not None and offer.run_id == message.run_id - 1:
+            for accepted, next_token, drafts in offer.options:
+                if accepted == message.accepted and next_token == step.token_ids[0]:
+                    room = min(session.max_length - step.start_pos, self.max_positions_per_step) - 1
+                    step.token_ids, step.n_draft = [next_token, *drafts[:room]], len(drafts[:room])
+                    self.stats["offers_used"] += 1
+                    break
+        self._enqueue(session, step, [])
         self.stats["head_starts"] += 1
+        return True
+
+    def _take_offer(self, session: ServerSession, offer: DraftOffer) -> None:
+        """Keep the client's drafts for the verdicts of run ``offer.run_id`` (the latest offer only)."""
+        if session.hop_index != 0:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "a DraftOffer goes to the route's head")
+        if len(offer.options) > limits.MAX_OFFER_OPTIONS:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"{len(offer.options)} options exceed {limits.MAX_OFFER_OPTIONS}")
+        for accepted, next_token, drafts in offer.options:
+            if not 0 <= accepted <= limits.MAX_OFFER_DRAFTS or len(drafts) > limits.MAX_OFFER_DRAFTS:
+                raise ProtocolError(ErrorCode.BAD_REQUEST, f"an option may name and carry at most {limits.MAX_OFFER_DRAFTS} drafts")
+            bad = [t for t in (next_token, *drafts) if not 0 <= t < self.span.vocab_size]
+            if bad:
+                raise ProtocolError(
+                    ErrorCode.TOKEN_OUT_OF_VOCAB, f"token id {bad[0]} is outside the vocabulary [0, {self.span.vocab_size})"
+                )
+        session.offer = offer
+        session.touch()
+
+    async def _head_start_verdict(self, session: ServerSession, step: Step, result: StepResult) -> StepResult:
+        """The verdict of a HeadStartStep, or of a run this tail started: the next run leaves for
+        the head before the verdict does, and a run the tail started names its drafts."""
+        if type(result) is not StepResult:  # a tree's verdict: never head-started
+            return result
+        fields = {name: getattr(result, name) for name in StepResult.__struct_fields__}
+        if step.run_id in session.tail_started:  # the client did not choose these drafts
+            session.tail_started.discard(step.run_id)
+            fields["run_drafts"] = step.token_ids[len(step.token_ids) - step.n_draft :]
+        if step.head_start > 0:
+            fields["head_started"] = await self._start_at_head(session, step, result)
+        return HeadStartResult(**fields)
 
     async def _start_at_head(self, session: ServerSession, step: Step, result: StepResult) -> bool:
         """The tail's side: send the run after ``result`` to the head (docs/protocol.md
@@ -375,14 +424,14 @@ class SessionHandler:
         following = HeadStart(
             session_id=session.session_id, run_id=step.run_id + 1, start_pos=start, token_ids=ids,
             n_draft=len(result.drafts), top_logprobs=step.top_logprobs, head_drafts=step.head_drafts,
-            head_start=step.head_start - 1,
+            head_start=step.head_start - 1, accepted=result.accepted,
         )  # fmt: skip
         if session.hop_index == 0:  # a one-server route: the tail is the head
             try:
-                self._enqueue(session, following.as_step(), [])
+                started = self._admit_head_start(session, following)
             except ProtocolError:
-                return False
-            return True
+                started = False
+            return started and self._started(session, following.run_id)
         try:
             if session.head_stream is None:
                 session.head_stream = await asyncio.wait_for(
@@ -400,6 +449,14 @@ class SessionHandler:
                 session.head_stream.close()
                 session.head_stream = None
             return False
+        return self._started(session, following.run_id)
+
+    @staticmethod
+    def _started(session: ServerSession, run_id: int) -> bool:
+        """Remember a run this tail started, so that its verdict names its drafts (run_drafts)."""
+        session.tail_started.add(run_id)
+        if len(session.tail_started) > 64:
+            session.tail_started.discard(min(session.tail_started))
         return True
 
     async def _drain_head_replies(self, stream: MessageStream) -> None:
@@ -458,8 +515,8 @@ class SessionHandler:
                 output = output.result
             if isinstance(output, StepResult):
                 self.stats["accepted_tokens"] += output.accepted + 1
-                if run.step.head_start > 0:  # the next run leaves for the head before this verdict does
-                    output.head_started = await self._start_at_head(session, run.step, output)
+                if run.step.head_start > 0 or run.step.run_id in session.tail_started:
+                    output = await self._head_start_verdict(session, run.step, output)
                 await self._post_result(session, output)
             else:
                 await _send_quietly(downstream, run.step, [output], self.compression)

@@ -88,6 +88,8 @@ class ServerSession:
     cancelled_since_accept: Optional[int] = None
     head_start_left: int = 0  # the last accepted run's head_start: how many more runs the tail may start
     head_stream: Optional[object] = None
+    offer: Optional[object] = None  # the head: the client's latest DraftOffer
+    tail_started: set[int] = field(default_factory=set)  # the tail: runs it started at the head, not yet verified
 
     @property
     def hop(self) -> Hop:

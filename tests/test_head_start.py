@@ -13,7 +13,7 @@ from hivemind.p2p import PeerID
 
 from client import _loop
 from protocol.errors import ErrorCode, ProtocolError
-from protocol.messages import HeadStart, Step, StepResult, decode, encode
+from protocol.messages import DraftOffer, HeadStart, HeadStartResult, HeadStartStep, Step, StepResult, decode, encode
 from server.weights import Checkpoint
 from tests.conftest import inprocess_servers
 from tests.test_exactness import PROMPT
@@ -42,16 +42,21 @@ def test_head_start_is_validated(tiny_model):
             tiny_model.generate(prompt, max_new_tokens=4, **{"head_start": True, **bad})
 
 
-def test_wire_sizes():
-    step = Step(session_id="0" * 16, run_id=7, start_pos=40, token_ids=[5], head_start=60)
-    start = HeadStart(session_id="0" * 16, run_id=8, start_pos=41, token_ids=[6, 9], n_draft=1, head_start=59)
-    assert isinstance(decode(encode(start)), HeadStart) and decode(encode(start)).as_step() == Step(
+def test_chain_laps_keep_their_bytes():
+    """Head starts live in tagged subclasses (as trees do): plain Steps and verdicts are unchanged."""
+    plain = Step(session_id="0" * 16, run_id=7, start_pos=40, token_ids=[5])
+    asked = HeadStartStep(session_id="0" * 16, run_id=7, start_pos=40, token_ids=[5], head_start=60)
+    assert decode(encode(asked)) == asked and decode(encode(asked)).head_start == 60 and plain.head_start == 0
+    assert len(encode(plain)) == 36 and len(encode(asked)) - len(encode(plain)) <= 5  # the tag, one field
+    start = HeadStart(session_id="0" * 16, run_id=8, start_pos=41, token_ids=[6, 9], n_draft=1, head_start=59, accepted=2)
+    assert isinstance(decode(encode(start)), HeadStart) and decode(encode(start)).as_step() == HeadStartStep(
         session_id="0" * 16, run_id=8, start_pos=41, token_ids=[6, 9], n_draft=1, head_start=59
     )
-    assert decode(encode(step)).head_start == 60
-    assert len(encode(step)) - len(encode(Step(session_id="0" * 16, run_id=7, start_pos=40, token_ids=[5]))) <= 2
-    result = StepResult(session_id="0" * 16, run_id=7, accepted=0, next_token=6, drafts=[9], head_started=True)
-    assert decode(encode(result)) == result
+    verdict = StepResult(session_id="0" * 16, run_id=7, accepted=0, next_token=6, drafts=[9])
+    assert len(encode(verdict)) == 35 and not verdict.head_started and verdict.run_drafts is None
+    started = HeadStartResult(session_id="0" * 16, run_id=7, accepted=0, next_token=6, drafts=[9], head_started=True,
+                              run_drafts=[3])  # fmt: skip
+    assert decode(encode(started)) == started
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +123,7 @@ def test_only_the_routes_tail_may_start_a_run_and_only_when_asked(head_servers):
         with pytest.raises(ProtocolError) as refused:
             await original(message, stranger)
         assert refused.value.code == ErrorCode.UNKNOWN_SESSION and "whose tail is" in refused.value.message
-        forged = HeadStart(**{**{f: getattr(message, f) for f in Step.__struct_fields__}, "head_start": message.head_start + 5})
+        forged = HeadStart(**{**{f: getattr(message, f) for f in HeadStart.__struct_fields__}, "head_start": message.head_start + 5})
         with pytest.raises(ProtocolError, match="asked for no head-started run"):
             await original(forged, stream)
         return await original(message, stream)
@@ -146,3 +151,40 @@ def test_only_the_routes_tail_may_start_a_run_and_only_when_asked(head_servers):
         assert head.stats["head_starts_dropped"] == dropped + 2
     finally:
         del head.sessions["stale"]
+
+
+@pytest.mark.parametrize("sampling", list(SAMPLINGS), ids=list(SAMPLINGS))
+def test_the_clients_retrieval_drafts_ride_in_head_started_runs(head_servers, sampling):
+    """The client offers the head its hedged retrieval drafts for each likely verdict (DraftOffer);
+    the head puts the matching one in the run the tail starts, and the verdict names what it carried."""
+    model, servers = head_servers
+    prompt = torch.tensor([PROMPT[0]])
+    plain = model.generate(prompt, max_new_tokens=24, speculation=None, **SAMPLINGS[sampling])
+    used = servers[0].handler.stats["offers_used"]
+    corpus = [plain[0, prompt.shape[1] :].tolist()]  # a text the answer repeats: retrieval drafts well
+    output = model.generate(prompt, max_new_tokens=24, speculation="suffix", head_start=True, draft_corpus=corpus,
+                            **SAMPLINGS[sampling])  # fmt: skip
+    assert output.tolist() == plain.tolist()
+    stats = model.last_generation_stats
+    assert stats.head_started_runs >= stats.laps - 1 > 0 and stats.offers_sent > 0
+    assert servers[0].handler.stats["offers_used"] > used and stats.accepted > 0
+
+
+def test_malformed_offers_are_refused_by_name(head_servers):
+    from protocol.limits import MAX_OFFER_DRAFTS, MAX_OFFER_OPTIONS
+
+    model, servers = head_servers
+    head = servers[0].handler
+    session = types.SimpleNamespace(hop_index=0, offer=None, touch=lambda: None)
+    cases = {
+        "options exceed": [(0, 1, [2])] * (MAX_OFFER_OPTIONS + 1),
+        "at most": [(0, 1, [2] * (MAX_OFFER_DRAFTS + 1))],
+        "outside the vocabulary": [(0, 10**9, [2])],
+    }
+    for phrase, options in cases.items():
+        with pytest.raises(ProtocolError, match=phrase):
+            head._take_offer(session, DraftOffer(session_id="s", run_id=1, options=options))
+    assert session.offer is None
+    session.hop_index = 1
+    with pytest.raises(ProtocolError, match="route's head"):
+        head._take_offer(session, DraftOffer(session_id="s", run_id=1, options=[]))
