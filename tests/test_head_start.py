@@ -188,3 +188,19 @@ def test_malformed_offers_are_refused_by_name(head_servers):
     session.hop_index = 1
     with pytest.raises(ProtocolError, match="route's head"):
         head._take_offer(session, DraftOffer(session_id="s", run_id=1, options=[]))
+
+
+def test_agenerate_stream_with_head_started_runs(head_servers):
+    import asyncio
+
+    model, servers = head_servers
+    prompt = PROMPT[0]
+    plain = model.generate(torch.tensor([prompt]), max_new_tokens=14, speculation=None)
+    truth = plain[0, len(prompt) :].tolist()
+
+    async def collect():
+        chunks = [c async for c in model.agenerate_stream(prompt, max_new_tokens=14, head_start=True, draft_corpus=[truth])]
+        return [t for c in chunks for t in c.token_ids], chunks[-1].stats
+
+    tokens, stats = asyncio.run(collect())
+    assert tokens == truth and stats.head_started_runs > 0 and stats.runs_sent < stats.laps
