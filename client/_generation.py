@@ -437,7 +437,8 @@ class SpeculativeDecoder:
         start = run.start_pos + len(run.token_ids) - len(run.drafts) + result.accepted
         # what the head most likely sent (the offer for this verdict, else the tail's drafts): the
         # hedges for its verdict build on it; its own verdict says what it really carried
-        drafts = self._offered.get((result.accepted, result.next_token), head_drafts) if self._offered_for == run.run_id else head_drafts
+        offered = self._offered if self._offered_for == run.run_id else {}
+        drafts = offered.get((result.accepted, result.next_token), head_drafts)
         following = Run(state.next_run_id, start, [result.next_token, *drafts], list(drafts), None,
                         proposed=len(drafts), sent_at=self._verdict_at, head_started=True)  # fmt: skip
         state.next_run_id += 1

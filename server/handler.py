@@ -374,7 +374,7 @@ class SessionHandler:
         if offer is not None and offer.run_id == message.run_id - 1:
             for accepted, next_token, drafts in offer.options:
                 if accepted == message.accepted and next_token == step.token_ids[0]:
-                    room = min(session.max_length - step.start_pos, self.max_positions_per_step) - 1
+                    room = max(0, min(session.max_length - step.start_pos, self.max_positions_per_step) - 1)
                     step.token_ids, step.n_draft = [next_token, *drafts[:room]], len(drafts[:room])
                     self.stats["offers_used"] += 1
                     break

@@ -304,3 +304,42 @@ def test_local_swarm_starts_a_gateway_process(smol_swarm):
         assert completion.usage.completion_tokens == 3 and completion.choices[0].finish_reason == "length"
     finally:
         smol_swarm.stop_api()
+
+
+class RetractingModel:
+    """smol_model, but its stream yields a spot-check's retraction: 6 tokens, then 4 of them replaced."""
+
+    def __init__(self, model, first: list[int], replacement: list[int]):
+        self.model, self.first, self.replacement = model, first, replacement
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    async def agenerate_stream(self, prompt_ids, **kwargs):
+        from client import GenerationStats
+        from client.model import GeneratedChunk
+
+        yield GeneratedChunk(self.first, [], GenerationStats())
+        yield GeneratedChunk(self.replacement, [], GenerationStats(), retracted=4)
+
+
+def test_retracted_tokens_rebuild_a_response_and_end_a_stream_with_an_error(smol_model):
+    """A spot-check that replaces tokens (docs/reliability.md): a non-streamed response holds only
+    the tokens that stand; a stream, which cannot take text back, ends with a named error."""
+    tokenizer = smol_model.tokenizer
+    first, replacement = tokenizer.encode(" red, green, and then blue")[:6], tokenizer.encode(" yellow and cyan")
+    assert len(first) == 6
+    model = RetractingModel(smol_model, first, replacement)
+    with GatewayThread(Gateway({MODEL: model}, GatewayConfig())) as served:
+        client = openai.OpenAI(base_url=served.url, api_key="x", max_retries=0, timeout=60)
+        done = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=32)
+        assert done.choices[0].text == tokenizer.decode(first[:2] + replacement)
+        assert done.usage.completion_tokens == 2 + len(replacement)
+        request = urllib.request.Request(f"{served.url}/completions", method="POST", headers={"Content-Type": "application/json"},
+                                         data=json.dumps({"model": MODEL, "prompt": PROMPT, "stream": True}).encode())  # fmt: skip
+        with urllib.request.urlopen(request, timeout=60) as response:
+            body = response.read().decode()
+    assert "tokens_retracted" in body and "retry the request" in body
+    assert tokenizer.decode(first) in "".join(
+        json.loads(line[6:])["choices"][0]["text"] for line in body.splitlines() if line.startswith("data: {") and '"choices"' in line
+    )

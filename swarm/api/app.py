@@ -139,14 +139,14 @@ class Gateway:
         req = parse(await request.read(), ChatRequest)
         served = self._served(req.model)
         params, shown = chat_params(req, served)
-        generation = TextGeneration(served, params)
+        generation = TextGeneration(served, params, buffered=not req.stream)
         return await self._generate(request, req, generation, ChatFormat(served, generation, shown))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         req = parse(await request.read(), CompletionRequest)
         served = self._served(req.model)
         params, shown = completion_params(req, served)
-        generation = TextGeneration(served, params)
+        generation = TextGeneration(served, params, buffered=not req.stream)
         return await self._generate(request, req, generation, CompletionFormat(served, generation, shown))
 
     def _served(self, name: str) -> ServedModel:
@@ -169,6 +169,8 @@ class Gateway:
                 async with asyncio.timeout_at(deadline):
                     async with contextlib.aclosing(generation.deltas()) as stream:
                         async for delta in stream:
+                            if delta.restart:  # a spot-check replaced tokens: this delta holds all of it
+                                deltas.clear()
                             deltas.append(delta)
             except Exception as e:
                 raise from_exception(e, generation.served.name) from None

@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator, Optional, Sequence
 
 from client import AutoDistributedModelForCausalLM, GenerationStats
 from protocol.messages import TokenLogprobs
-from swarm.api.errors import bad_request
+from swarm.api.errors import RetractedError, bad_request
 from swarm.api.text import IncrementalDetokenizer, StopMatcher
 
 CHAT_ROLES = {"system", "user", "assistant", "tool"}
@@ -42,6 +42,9 @@ class Delta:
     text: str
     token_ids: list[int]
     logprobs: list[TokenLogprobs]
+    # this delta replaces every earlier one: the whole text so far (a spot-check replaced tokens
+    # already yielded; only a buffered, non-streamed response can take that)
+    restart: bool = False
 
 
 class ServedModel:
@@ -79,8 +82,9 @@ class TextGeneration:
     """Runs one request; after ``deltas`` ends, ``finish_reason``, ``completion_tokens`` and
     ``stats`` describe it. Tokens after a stop string are neither returned nor counted."""
 
-    def __init__(self, served: ServedModel, params: GenerationParams):
+    def __init__(self, served: ServedModel, params: GenerationParams, buffered: bool = False):
         self.served, self.params = served, params
+        self.buffered = buffered  # the caller keeps every delta until the end (not streamed)
         self.finish_reason: Optional[str] = None
         self.completion_tokens = 0
         self.stats = GenerationStats()
@@ -97,10 +101,24 @@ class TextGeneration:
             **params.sampling,
         )
         last_token: Optional[int] = None
+        tokens: list[int] = []  # what the deltas so far hold, and their log-probs
+        logprobs: list[TokenLogprobs] = []
         async with contextlib.aclosing(stream):
             async for chunk in stream:
                 self.stats = chunk.stats
-                text, taken = "", 0
+                restart = False
+                if chunk.retracted:
+                    if not self.buffered:
+                        raise RetractedError(
+                            f"a server of the route was caught returning wrong results after {len(tokens)} tokens "
+                            f"were streamed; {chunk.retracted} of them were replaced: retry the request"
+                        )
+                    keep = max(0, len(tokens) - chunk.retracted)  # re-read the kept tokens from the start
+                    tokens, logprobs, restart = tokens[:keep], logprobs[:keep], True
+                    detokenizer, stops = IncrementalDetokenizer(served.tokenizer, params.prompt_ids), StopMatcher(params.stop)
+                    replayed = "".join(stops.feed(detokenizer.push(t)) for t in tokens)
+                    self.completion_tokens = len(tokens)
+                text, taken = (replayed if restart else ""), 0
                 for token in chunk.token_ids:
                     taken += 1
                     last_token = token
@@ -108,7 +126,12 @@ class TextGeneration:
                     if stops.stopped:
                         break
                 self.completion_tokens += taken
-                yield Delta(text, chunk.token_ids[:taken], chunk.logprobs[:taken])
+                tokens += chunk.token_ids[:taken]
+                logprobs += chunk.logprobs[:taken]
+                if restart:
+                    yield Delta(text, list(tokens), list(logprobs), restart=True)
+                else:
+                    yield Delta(text, chunk.token_ids[:taken], chunk.logprobs[:taken])
                 if stops.stopped:
                     self.finish_reason = "stop"
                     return  # leaving the block closes the stream: the decoder stops, the session closes

@@ -35,6 +35,12 @@ def bad_request(message: str, param: Optional[str] = None, code: Optional[str] =
     return APIError(400, message, "invalid_request_error", param=param, code=code)
 
 
+class RetractedError(RuntimeError):
+    """Tokens already streamed were replaced: a server of the route was caught returning wrong
+    results (docs/reliability.md, "Spot-checks"). A stream cannot take text back, so it ends with
+    this error; a buffered response is rebuilt from the tokens that stand."""
+
+
 def from_exception(error: BaseException, model: str = "") -> APIError:
     """Map what generation raised to an APIError; unknown errors become a logged 500."""
     if isinstance(error, APIError):
@@ -44,6 +50,8 @@ def from_exception(error: BaseException, model: str = "") -> APIError:
         return APIError(503, _no_route_message(routing, model), "no_route_error", code="no_route")
     if isinstance(error, TimeoutError) or _in_chain(error, ServerTimeout) is not None:
         return APIError(504, f"the swarm did not answer in time: {error}", "timeout_error", code="timeout")
+    if isinstance(error, RetractedError):
+        return APIError(502, str(error), "swarm_error", code="tokens_retracted")
     if isinstance(error, (GenerationError, ServerError)):
         return APIError(502, f"the swarm failed to generate: {error}", "swarm_error", code="swarm_failed")
     if isinstance(error, ValueError):
