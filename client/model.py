@@ -152,7 +152,7 @@ class AutoDistributedModel:
         verification: str = "match",
         spot_check_rate: Optional[float] = None,
         draft_tree: bool = False,
-        head_start: bool = False,
+        head_start: Optional[bool] = None,
         **unused: Any,
     ) -> Union[torch.Tensor, GenerateDecoderOnlyOutput]:
         """transformers-compatible ``generate``: returns ``[batch, input + new]`` token ids.
@@ -169,11 +169,13 @@ class AutoDistributedModel:
         The output is unchanged. Synchronous speculation only (not with ``async_speculation`` or
         ``verification="rejection"``); Llama-family models (DeepSeek-V4 servers refuse trees). Stats:
         ``last_generation_stats.tree_nodes_per_lap``, ``tree_accepted_per_lap``, ``tree_sizes``.
-        ``head_start=True`` shortens each lap by one link: the tail starts the next run at the head
-        itself (the verdict's next token and the tail's head drafts) instead of the client; the
-        client still receives every verdict and cancels the run it does not need at the end. Runs
-        after the first carry only the tail's head drafts (``speculation="head"``; none without a
-        head). One run at a time, token match (docs/protocol.md, "Head-started runs").
+        ``head_start`` (default None: on wherever it applies) shortens each lap by one link: the
+        tail starts the next run at the head itself instead of the client, with the client's
+        retrieval drafts for that verdict (offered to the head while the run before is in flight)
+        or the tail's head drafts; the client still receives every verdict and cancels the run it
+        does not need at the end. It applies to one run at a time verified by token match without a
+        ``draft_model``: True with ``async_speculation``, ``draft_tree`` or
+        ``verification="rejection"`` is a ValueError (docs/protocol.md, "Head-started runs").
         ``num_logprobs=K`` (K <= 20) returns the top-K log-probs of each new token in
         ``model.last_logprobs`` (and as ``.logprobs`` when ``return_dict_in_generate=True``); for a
         batch of several rows, one list per row.
@@ -363,7 +365,7 @@ class AutoDistributedModel:
         verification: str = "match",
         spot_check_rate: Optional[float] = None,
         draft_tree: bool = False,
-        head_start: bool = False,
+        head_start: Optional[bool] = None,
     ) -> AsyncIterator[GeneratedChunk]:
         """The asyncio twin of ``generate`` for one sequence of ids: yields each lap's tokens as soon
         as the tail accepts them. Same arguments and seed handling, so the tokens equal ``generate``'s.
@@ -468,7 +470,7 @@ class AutoDistributedModel:
         return check_rate(self.spot_check_rate if spot_check_rate is None else spot_check_rate)
 
     def _draft_choice(self, draft_model: Any, verification: str, draft_tree: bool = False,
-                      inflight: int = 1, head_start: bool = False) -> tuple[Any, str, bool, bool]:  # fmt: skip
+                      inflight: int = 1, head_start: Optional[bool] = None) -> tuple[Any, str, bool, bool]:  # fmt: skip
         """Check ``draft_model``, ``verification``, ``draft_tree`` and ``head_start`` before any session opens."""
         if verification not in VERIFICATION_RULES:
             raise ValueError(f"verification must be one of {VERIFICATION_RULES}, got {verification!r}")
@@ -480,8 +482,10 @@ class AutoDistributedModel:
             raise ValueError("draft_tree=True runs synchronous speculation: leave async_speculation off")
         if draft_tree and verification == "rejection":
             raise ValueError("draft_tree=True verifies by token match: it does not go with verification='rejection'")
+        if head_start is None:  # the default: on wherever it applies (measured best, docs/benchmarks.md)
+            head_start = inflight == 1 and not draft_tree and verification == "match" and draft_model is None
         if not isinstance(head_start, bool):
-            raise ValueError(f"head_start must be True or False, got {head_start!r}")
+            raise ValueError(f"head_start must be True, False or None, got {head_start!r}")
         if head_start and (inflight > 1 or draft_tree or verification == "rejection"):
             raise ValueError("head_start=True runs one chain at a time verified by token match: leave "
                              "async_speculation, draft_tree and verification='rejection' off")  # fmt: skip

@@ -26,13 +26,24 @@ SAMPLINGS = {"greedy": {}, "seeded": {"do_sample": True, "temperature": 0.8, "to
 @pytest.mark.parametrize("sampling", list(SAMPLINGS), ids=list(SAMPLINGS))
 def test_head_started_runs_give_the_output_of_no_speculation(tiny_model, sampling):
     prompt = torch.tensor([PROMPT[0]])
-    plain = tiny_model.generate(prompt, max_new_tokens=16, speculation=None, **SAMPLINGS[sampling])
+    plain = tiny_model.generate(prompt, max_new_tokens=16, speculation=None, head_start=False, **SAMPLINGS[sampling])
     model_output = tiny_model.generate(prompt, max_new_tokens=16, speculation=None, head_start=True, **SAMPLINGS[sampling])
     assert model_output.tolist() == plain.tolist()
     stats = tiny_model.last_generation_stats
     # every run but the client's first is started at the head (a tail without a head drafts nothing)
     assert stats.head_started_runs >= stats.laps - 1 > 0
     assert stats.runs_sent < stats.laps
+
+
+def test_head_start_is_on_by_default_wherever_it_applies(tiny_model):
+    prompt = torch.tensor([PROMPT[0]])
+    plain = tiny_model.generate(prompt, max_new_tokens=12, head_start=False)
+    assert tiny_model.last_generation_stats.head_started_runs == 0
+    assert tiny_model.generate(prompt, max_new_tokens=12).tolist() == plain.tolist()
+    assert tiny_model.last_generation_stats.head_started_runs > 0
+    for elsewhere in ({"async_speculation": True}, {"draft_tree": True}):  # no error: simply off
+        assert tiny_model.generate(prompt, max_new_tokens=12, **elsewhere).tolist() == plain.tolist()
+        assert tiny_model.last_generation_stats.head_started_runs == 0
 
 
 def test_head_start_is_validated(tiny_model):
@@ -79,7 +90,7 @@ def head_servers(tiny_llama_path, tmp_path_factory):
 def test_head_drafts_in_head_started_runs(head_servers, sampling):
     model, servers = head_servers
     prompt = torch.tensor([PROMPT[0] * 2])
-    plain = model.generate(prompt, max_new_tokens=24, speculation=None, **SAMPLINGS[sampling])
+    plain = model.generate(prompt, max_new_tokens=24, speculation=None, head_start=False, **SAMPLINGS[sampling])
     before = {k: servers[0].handler.stats[k] for k in ("head_starts", "cancelled_runs")}
     output = model.generate(prompt, max_new_tokens=24, speculation="head", head_start=True, **SAMPLINGS[sampling])
     assert output.tolist() == plain.tolist()
@@ -131,7 +142,7 @@ def test_only_the_routes_tail_may_start_a_run_and_only_when_asked(head_servers):
     head._take_head_start = spy
     try:
         prompt = torch.tensor([PROMPT[0][::-1]])
-        plain = model.generate(prompt, max_new_tokens=10, speculation=None)
+        plain = model.generate(prompt, max_new_tokens=10, speculation=None, head_start=False)
         output = model.generate(prompt, max_new_tokens=10, speculation=None, head_start=True)
     finally:
         head._take_head_start = original
@@ -159,7 +170,7 @@ def test_the_clients_retrieval_drafts_ride_in_head_started_runs(head_servers, sa
     the head puts the matching one in the run the tail starts, and the verdict names what it carried."""
     model, servers = head_servers
     prompt = torch.tensor([PROMPT[0]])
-    plain = model.generate(prompt, max_new_tokens=24, speculation=None, **SAMPLINGS[sampling])
+    plain = model.generate(prompt, max_new_tokens=24, speculation=None, head_start=False, **SAMPLINGS[sampling])
     used = servers[0].handler.stats["offers_used"]
     corpus = [plain[0, prompt.shape[1] :].tolist()]  # a text the answer repeats: retrieval drafts well
     output = model.generate(prompt, max_new_tokens=24, speculation="suffix", head_start=True, draft_corpus=corpus,
@@ -195,7 +206,7 @@ def test_agenerate_stream_with_head_started_runs(head_servers):
 
     model, servers = head_servers
     prompt = PROMPT[0]
-    plain = model.generate(torch.tensor([prompt]), max_new_tokens=14, speculation=None)
+    plain = model.generate(torch.tensor([prompt]), max_new_tokens=14, speculation=None, head_start=False)
     truth = plain[0, len(prompt) :].tolist()
 
     async def collect():
