@@ -25,21 +25,22 @@ from pathlib import Path
 from benchmarks.prompts import CODE_EDITING, CODE_FOLLOW_UP, OPEN_CHAT
 from swarm.local import LocalSwarm
 
-MODES = {
-    "none": dict(speculation=None),
-    "ngram": dict(speculation="ngram"),
-    "suffix": dict(speculation="suffix"),
+MODES = {  # head_start=False: the client sends every run (as before head-started runs existed)
+    "none": dict(speculation=None, head_start=False),
+    "ngram": dict(speculation="ngram", head_start=False),
+    "suffix": dict(speculation="suffix", head_start=False),
     "suffix+async": dict(speculation="suffix", async_speculation=True, max_inflight_runs=3),
-    "head": dict(speculation="head"),  # the tail's drafter head alone (server/drafter_head.py)
-    "suffix+head": dict(speculation="suffix+head"),  # per lap the source measured better (client.drafters.HeadDrafts)
+    "head": dict(speculation="head", head_start=False),  # the tail's drafter head alone (server/drafter_head.py)
+    "suffix+head": dict(speculation="suffix+head", head_start=False),  # per lap the source measured better (client.drafters.HeadDrafts)
     "suffix-tree": dict(speculation="suffix", draft_tree=True),  # token trees sized per lap (client/_trees.py)
     "ngram-tree": dict(speculation="ngram", draft_tree=True),
     # head-started runs: the tail starts each next run at the head, one link earlier (docs/protocol.md)
     "none+hs": dict(speculation=None, head_start=True),
     "head+hs": dict(speculation="head", head_start=True),
-    "suffix+hs": dict(speculation="suffix", head_start=True),  # retrieval drafts ride as DraftOffers
+    "suffix+hs": dict(speculation="suffix", head_start=True),  # generate()'s default; retrieval drafts ride as DraftOffers
     "suffix+head+hs": dict(speculation="suffix+head", head_start=True),
 }
+DEFAULT_MODES = ["none", "ngram", "suffix", "suffix+async", "suffix+hs"]  # the README's table
 
 
 @dataclass
@@ -211,7 +212,7 @@ def main() -> None:
     p.add_argument("--servers", type=int, default=3)
     p.add_argument("--prompts", type=int, default=5, help="prompts per workload")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    p.add_argument("--modes", nargs="+", default=DEFAULT_MODES, choices=list(MODES))
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "wan.json"))
     args = p.parse_args()
     modes = {m: MODES[m] for m in ["none"] + [m for m in args.modes if m != "none"]}

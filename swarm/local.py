@@ -241,17 +241,19 @@ def kill_group(process: subprocess.Popen) -> None:
 
 
 def run_demo(swarm: LocalSwarm, prompt: str, max_new_tokens: int, speculation: Optional[str]) -> None:
-    """Generate without speculation, then with it (synchronous, then asynchronous), and print the
-    text once and what each mode did; the speculative modes must reproduce the same tokens."""
+    """Generate without speculation, then with it (runs sent by the client; the default, with runs
+    the tail starts at the head; asynchronous), and print the text once and what each mode did;
+    the speculative modes must reproduce the same tokens."""
     from swarm import AutoDistributedModelForCausalLM
 
     model = AutoDistributedModelForCausalLM.from_pretrained(swarm.model, initial_peers=swarm.initial_peers)
     tokenizer = model.tokenizer
     messages = [{"role": "user", "content": prompt}]
     input_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
-    modes = {"speculation=None": dict(speculation=None)}
+    modes = {"speculation=None, head_start=False": dict(speculation=None, head_start=False)}
     if speculation:
-        modes[f"speculation={speculation}"] = dict(speculation=speculation)
+        modes[f"speculation={speculation}, head_start=False"] = dict(speculation=speculation, head_start=False)
+        modes[f"speculation={speculation} (the default: head-started runs)"] = dict(speculation=speculation)
         modes[f"speculation={speculation}, async_speculation=True"] = dict(speculation=speculation,
                                                                            async_speculation=True)  # fmt: skip
     first = None
@@ -270,8 +272,10 @@ def run_demo(swarm: LocalSwarm, prompt: str, max_new_tokens: int, speculation: O
         if first is None:
             first = new
         cancelled = ""
+        if stats.head_started_runs:
+            cancelled = f", {stats.head_started_runs} runs started at the head"
         if stats.runs_cancelled:
-            cancelled = f", {stats.runs_cancelled} runs cancelled ({stats.positions_wasted} positions)"
+            cancelled += f", {stats.runs_cancelled} runs cancelled ({stats.positions_wasted} positions)"
         print(
             f"--- {stats.new_tokens} tokens in {stats.wall_time:.2f} s ({stats.tokens_per_second:.1f} tokens/s), "
             f"{stats.laps} laps, {stats.accepted_per_lap:.2f} tokens/lap, drafted {stats.drafted}, "

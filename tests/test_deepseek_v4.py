@@ -632,7 +632,7 @@ def v4_mtp_plain(v4_mtp_model, v4_reference):
     return get
 
 
-@pytest.mark.parametrize("speculation,mode", [("head", "sync"), ("suffix+head", "sync"), ("head", "async")])
+@pytest.mark.parametrize("speculation,mode", [("head", "sync"), ("suffix+head", "sync"), ("head", "async"), ("head", "head-started")])
 @pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampled"])
 def test_mtp_head_drafts_leave_the_output_unchanged(v4_mtp_model, v4_mtp_plain, speculation, mode, sampling):
     """The tail's MTP drafts reach the client every lap, ride in the next runs, are verified, and
@@ -641,9 +641,13 @@ def test_mtp_head_drafts_leave_the_output_unchanged(v4_mtp_model, v4_mtp_plain, 
     if mode == "async":  # runs sent behind unverified ones: cancels, and MTP caches meeting gaps
         kwargs.update(async_speculation=True, max_inflight_runs=3, num_draft_tokens=4)
     plain = v4_mtp_plain(sampling)
-    output = v4_mtp_model.generate(torch.tensor(PROMPT), max_new_tokens=24, speculation=speculation, **kwargs)
+    output = v4_mtp_model.generate(torch.tensor(PROMPT), max_new_tokens=24, speculation=speculation,
+                                   head_start=mode == "head-started", **kwargs)  # fmt: skip
     assert output.tolist() == plain
     stats = v4_mtp_model.last_generation_stats
+    if mode == "head-started":  # the tail's MTP ids ride in the runs it starts at the head
+        assert stats.runs_sent == 1 and stats.head_started_runs >= stats.laps - 1 and stats.drafted >= stats.laps
+        return
     proposals, proposed, _ = stats.drafter_sources["head"]
     assert proposals >= 5 and proposed >= 3 * proposals  # 4 ids per verdict, fewer only after an EOS
     assert stats.drafter_choices["head"] >= 5 and stats.drafted > 0  # sent in runs, so verified by the tail

@@ -92,9 +92,10 @@ class ScriptedDrafter(Drafter):
         pass
 
 
+@pytest.mark.parametrize("head_start", [False, True], ids=["client runs", "head-started"])
 @pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampled"])
 @pytest.mark.parametrize("case", ["all right", "all wrong", "half right"])
-def test_supplied_drafts_never_change_the_output(tiny_model, tiny_reference, monkeypatch, case, sampling):
+def test_supplied_drafts_never_change_the_output(tiny_model, tiny_reference, monkeypatch, case, sampling, head_start):
     kwargs = dict(do_sample=True, temperature=0.8, top_p=0.9, seed=7) if sampling else {}
     with pinned(tiny_model, ROUTES["three servers, uneven"]):
         plain = tiny_model.generate(torch.tensor(PROMPT), max_new_tokens=16, speculation=None, **kwargs)
@@ -103,10 +104,13 @@ def test_supplied_drafts_never_change_the_output(tiny_model, tiny_reference, mon
     drafter = ScriptedDrafter(truth, len(PROMPT[0]), wrong_at, length=4)
     monkeypatch.setattr("client.model.make_drafter", lambda *a, **k: drafter)
     with pinned(tiny_model, ROUTES["three servers, uneven"]):
-        output = tiny_model.generate(torch.tensor(PROMPT), max_new_tokens=16, num_draft_tokens=4, **kwargs)
+        output = tiny_model.generate(torch.tensor(PROMPT), max_new_tokens=16, num_draft_tokens=4, head_start=head_start,
+                                     **kwargs)  # fmt: skip
     assert output.tolist() == plain.tolist()
     stats = tiny_model.last_generation_stats
-    if case == "all right":  # 4 drafts + the bonus token per lap
+    if head_start:  # a scripted drafter ranks no alternatives: only the client's first run carries its drafts
+        assert stats.runs_sent == 1 and stats.head_started_runs >= stats.laps - 1
+    elif case == "all right":  # 4 drafts + the bonus token per lap
         assert stats.accepted == stats.drafted and stats.laps == 4
     elif case == "all wrong":
         assert stats.accepted == 0 and stats.laps == 16

@@ -141,19 +141,24 @@ def test_head_drafts_out_of_range_are_refused(tiny_llama_path, tiny_head_path):
 @pytest.mark.parametrize("speculation", ["head", "suffix+head"])
 def test_head_drafts_leave_greedy_output_unchanged(tiny_head_model, tiny_reference, speculation):
     expected = tiny_reference.generate(torch.tensor(PROMPT), max_new_tokens=24, do_sample=False)
-    output = tiny_head_model.generate(torch.tensor(PROMPT), max_new_tokens=24, speculation=speculation)
-    assert output.tolist() == expected.tolist()
+    tiny_head_model.reset_draft_store()
+    output = tiny_head_model.generate(torch.tensor(PROMPT), max_new_tokens=24, speculation=speculation, head_start=False)
+    assert output.tolist() == expected.tolist()  # runs from the client: the head's ids merged per lap
     stats = tiny_head_model.last_generation_stats
     proposals, proposed, _ = stats.drafter_sources["head"]
     assert proposals >= 20 and proposed >= 3 * proposals  # the tail's drafts reached the client every lap
     assert stats.drafter_choices["head"] + stats.drafter_choices["retrieval"] >= 20  # laps carrying drafts
+    tiny_head_model.reset_draft_store()
+    started = tiny_head_model.generate(torch.tensor(PROMPT), max_new_tokens=24, speculation=speculation)
+    assert started.tolist() == expected.tolist()  # the default: head drafts in runs the tail starts
+    assert tiny_head_model.last_generation_stats.head_started_runs > 0 and tiny_head_model.last_generation_stats.drafted > 0
 
 
 def test_head_drafts_leave_seeded_sampling_unchanged(tiny_head_model, tiny_reference):
     params = SamplingParams(do_sample=True, temperature=0.8, top_p=0.9, seed=1234)
     expected = reference_sample(tiny_reference, PROMPT[0], 20, params)
     output = tiny_head_model.generate(torch.tensor(PROMPT), max_new_tokens=20, do_sample=True, temperature=0.8,
-                                      top_p=0.9, seed=1234, speculation="head")  # fmt: skip
+                                      top_p=0.9, seed=1234, speculation="head", head_start=False)  # fmt: skip
     assert output[0, len(PROMPT[0]) :].tolist() == expected
     assert tiny_head_model.last_generation_stats.drafter_sources["head"][0] >= 15
 
@@ -165,7 +170,7 @@ def test_smollm2_trained_head_drafts_are_accepted(smol_model, smol_reference):
     ids = smol_model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
                                                    return_dict=True)["input_ids"]  # fmt: skip
     expected = smol_reference.generate(ids, max_new_tokens=48, do_sample=False)
-    output = smol_model.generate(ids, max_new_tokens=48, speculation="head")
+    output = smol_model.generate(ids, max_new_tokens=48, speculation="head", head_start=False)
     assert output.tolist() == expected.tolist()
     stats = smol_model.last_generation_stats
     assert stats.drafter_choices["head"] >= 10  # head drafts only: every accepted draft is the head's
