@@ -641,10 +641,13 @@ class SessionHandler:
                 item = getter.result()
                 if item is None:
                     return
-                if isinstance(item, tuple):  # (RunOutputs, its tensors)
-                    await client.send(*item)
-                else:
-                    await client.send(item)
+                try:
+                    if isinstance(item, tuple):  # (RunOutputs, its tensors)
+                        await client.send(*item)
+                    else:
+                        await client.send(item)
+                except (ConnectionError, OSError):  # the client went away mid-send (e.g. with a run's
+                    return  # verdict still on its way after it cancelled that run): nothing to report
         finally:
             closed.cancel()
             if closed.done() and not closed.cancelled():
