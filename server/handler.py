@@ -49,7 +49,7 @@ from protocol.messages import (
 )
 from server.adapters import SpanAdapter, SpanCancelled
 from server.cache_budget import CacheBudget
-from server.session import QueuedRun, QueuedTrim, ServerSession, TailReply, compute_run
+from server.session import QueuedRun, QueuedTrim, ServerSession, TailReply, check_token_ids, compute_run
 from swarm import relay
 from swarm.streams import PING_PROTOCOL, RESULTS_PROTOCOL, SESSION_PROTOCOL, MessageStream, serve
 
@@ -391,11 +391,7 @@ class SessionHandler:
         for accepted, next_token, drafts in offer.options:
             if not 0 <= accepted <= limits.MAX_OFFER_DRAFTS or len(drafts) > limits.MAX_OFFER_DRAFTS:
                 raise ProtocolError(ErrorCode.BAD_REQUEST, f"an option may name and carry at most {limits.MAX_OFFER_DRAFTS} drafts")
-            bad = [t for t in (next_token, *drafts) if not 0 <= t < self.span.vocab_size]
-            if bad:
-                raise ProtocolError(
-                    ErrorCode.TOKEN_OUT_OF_VOCAB, f"token id {bad[0]} is outside the vocabulary [0, {self.span.vocab_size})"
-                )
+            check_token_ids((next_token, *drafts), self.span.vocab_size)
         session.offer = offer
         session.touch()
 

@@ -134,11 +134,7 @@ class ServerSession:
                 ErrorCode.TOO_LONG,
                 f"positions up to {step.start_pos + num_new} exceed the session's max_length {self.max_length}",
             )
-        bad = [t for t in step.token_ids if not 0 <= t < span.vocab_size]
-        if bad:
-            raise ProtocolError(
-                ErrorCode.TOKEN_OUT_OF_VOCAB, f"token id {bad[0]} is outside the vocabulary [0, {span.vocab_size})"
-            )
+        check_token_ids(step.token_ids, span.vocab_size)
         if not 0 <= step.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
         if not 0 <= step.return_logits <= num_new or (step.return_hidden and not step.return_logits):
@@ -301,6 +297,13 @@ class ServerSession:
             )
         span.gather_cache(self.cache, base, nodes)
         self.history[base : base + len(nodes)] = [self.history[base + node] for node in nodes]
+
+
+def check_token_ids(token_ids, vocab_size: int) -> None:
+    """Refuse ids outside the vocabulary (a Step's, a DraftOffer's), naming the first."""
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ProtocolError(ErrorCode.TOKEN_OUT_OF_VOCAB, f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
 
 
 def compute_run(
