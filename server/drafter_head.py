@@ -137,6 +137,23 @@ def load_head(path: str | Path, config: PretrainedConfig, dtype: torch.dtype = t
     return head, None if draft_vocab is None else draft_vocab.long().to(device)
 
 
+def head_bytes(path: str | Path, config: PretrainedConfig, dtype: torch.dtype, tied: bool) -> int:
+    """Bytes a head file takes once :func:`build_head_drafter` loaded it in ``dtype``: the head, its
+    copy of the LM head's draft-vocabulary rows and, for a model whose LM head is not its embedding
+    matrix, the embeddings it reads (the memory plan keeps room for them at the tail)."""
+    from safetensors import safe_open
+
+    size = torch.finfo(dtype).bits // 8
+    with safe_open(str(path), "pt") as f:
+        rows = f.get_slice("draft_vocab").get_shape()[0] if "draft_vocab" in f.keys() else 0
+    with torch.device("meta"):
+        head = EagleHead(config)
+    params = sum(p.numel() for p in head.parameters())
+    buffers = sum(b.numel() * b.element_size() for b in head.buffers())  # rotary frequencies, kept in float32
+    embeddings = 0 if tied else config.vocab_size * config.hidden_size
+    return (params + rows * config.hidden_size + embeddings) * size + buffers
+
+
 def committed_head(config: PretrainedConfig) -> Optional[Path]:
     """The head shipped with the package for this model, if any (``--drafter auto``)."""
     from safetensors import safe_open

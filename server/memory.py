@@ -32,13 +32,18 @@ class MemoryPlan:
     cache_bytes: int
     reserve_bytes: int
     quant: str = "none"
+    drafter_bytes: int = 0  # the tail's drafter (DeepSeek-V4's MTP block, a drafter head), beyond its blocks
+    tail_blocks: int = 0  # blocks that fit beside the drafter: the most a span ending at the last block takes
 
     def describe(self, device: str) -> str:
-        return (
+        text = (
             f"{self.blocks} of {self.total_blocks} blocks fit: {self.free_bytes / GiB:.1f} GiB free on {device}, "
             f"{self.cache_bytes / GiB:.1f} GiB kept for the cache budget, {self.reserve_bytes / GiB:.1f} GiB for "
             f"embeddings/LM head and headroom, {self.bytes_per_block / GiB:.2f} GiB per block ({self.quant} weights)"
         )
+        if self.tail_blocks < self.blocks:
+            text += f"; {self.tail_blocks} beside the drafter ({self.drafter_bytes / GiB:.2f} GiB) if the span ends at the tail"
+        return text
 
 
 def blocks_that_fit(
@@ -99,12 +104,16 @@ def model_bytes(config, dtype: torch.dtype, quant: Quant = Quant.NONE) -> tuple[
 
 
 def plan_blocks(
-    config, dtype: torch.dtype, device: str, total_blocks: int, free_bytes: int | None = None, quant: Quant = Quant.NONE
+    config, dtype: torch.dtype, device: str, total_blocks: int, free_bytes: int | None = None, quant: Quant = Quant.NONE,
+    drafter_bytes: int = 0,
 ) -> MemoryPlan:
-    """How many blocks this server should hold when the volunteer did not say."""
+    """How many blocks this server should hold when the volunteer did not say; a span that ends at
+    the last block also holds the tail's drafter (``drafter_bytes``), so it may take fewer
+    (``tail_blocks``, at least one: a drafter that still does not fit is left out when it fails to load)."""
     free = free_device_bytes(device) if free_bytes is None else free_bytes
     per_block, ends = model_bytes(config, dtype, quant)
     cache = int(free * CACHE_FRACTION)
     reserve = ends + int(free * HEADROOM_FRACTION)
     blocks = blocks_that_fit(per_block, free, cache, total_blocks, reserve_bytes=reserve)
-    return MemoryPlan(blocks, total_blocks, free, per_block, cache, reserve, quant.value)
+    tail_blocks = max(1, min(blocks, (free - cache - reserve - drafter_bytes) // per_block))
+    return MemoryPlan(blocks, total_blocks, free, per_block, cache, reserve, quant.value, drafter_bytes, tail_blocks)

@@ -104,7 +104,10 @@ class SpanServer:
         logger.info(quant.describe())
         plan = None
         if config.blocks is None and config.num_blocks is None:  # as many blocks as fit in memory
-            plan = plan_blocks(model_config, dtype, device, model_config.num_hidden_layers, quant=quant.quant)
+            drafter = drafter_bytes(config, model_config, Checkpoint(model.source), dtype, quant.quant)
+            plan = plan_blocks(
+                model_config, dtype, device, model_config.num_hidden_layers, quant=quant.quant, drafter_bytes=drafter
+            )
             logger.info(plan.describe(device))
         dht_name = config.dht_prefix or model.dht_name
         identity = load_or_create_identity(config.identity_path)
@@ -281,31 +284,59 @@ def attach_drafter(span: SpanAdapter, config: ServerConfig, model_config: Pretra
     head committed for this model (matched by config fingerprint) and drafts nothing without one;
     ``none`` never drafts; a path loads that head file, and a file that does not fit is an error.
     A DeepSeek-V4 tail drafts with its checkpoint's own MTP module instead (server/adapters/deepseek_v4_mtp.py)."""
-    from server.drafter_head import build_head_drafter, committed_head
+    from server.drafter_head import build_head_drafter
 
     span.drafter = None
-    choice = config.drafter
-    if choice == "none" or not span.is_tail:
+    if config.drafter == "none" or not span.is_tail:
         return
     if model_config.model_type == "deepseek_v4":
         from server.adapters.deepseek_v4_mtp import build_mtp_drafter
 
-        span.drafter = build_mtp_drafter(span, model_config, checkpoint, choice, max_drafts=config.drafter_tokens)
+        span.drafter = build_mtp_drafter(span, model_config, checkpoint, config.drafter, max_drafts=config.drafter_tokens)
         return
-    from server.adapters.llama import LlamaFamilyAdapter
-
-    llama = isinstance(span, LlamaFamilyAdapter)
-    if choice == "auto":
-        path = committed_head(model_config) if llama else None
-        if path is None:
-            logger.info("Drafter head: none (no committed head for this model)")
-            return
-    else:
-        path = choice
-        if not llama:
-            raise ValueError(f"--drafter {choice}: drafter heads exist only for Llama-family models so far")
+    path = _head_file(config, model_config)
+    if path is None:
+        logger.info("Drafter head: none (no committed head for this model)")
+        return
     span.drafter = build_head_drafter(span, model_config, checkpoint, path, max_drafts=config.drafter_tokens)
     logger.info(f"Drafter head: {path} (up to {config.drafter_tokens} ids per run)")
+
+
+def _head_file(config: ServerConfig, model_config: PretrainedConfig) -> Optional[str]:
+    """The head file ``--drafter`` names for a Llama-family tail (auto: the committed one, if any)."""
+    from server.adapters import adapter_class
+    from server.adapters.llama import LlamaFamilyAdapter
+    from server.drafter_head import committed_head
+
+    llama = issubclass(adapter_class(model_config), LlamaFamilyAdapter)
+    if config.drafter == "auto":
+        path = committed_head(model_config) if llama else None
+        return None if path is None else str(path)
+    if not llama:
+        raise ValueError(f"--drafter {config.drafter}: drafter heads exist only for Llama-family models so far")
+    return config.drafter
+
+
+def drafter_bytes(
+    config: ServerConfig, model_config: PretrainedConfig, checkpoint: Checkpoint, dtype: torch.dtype, quant: Quant
+) -> int:
+    """Memory the drafter of ``attach_drafter`` takes on a tail beyond its blocks (0: none), so that
+    the memory plan can keep room for it (MemoryPlan.tail_blocks). A file that cannot be read counts
+    0 here: loading it later says what is wrong."""
+    if config.drafter == "none":
+        return 0
+    if model_config.model_type == "deepseek_v4":
+        from server.adapters.deepseek_v4_mtp import mtp_bytes
+
+        return mtp_bytes(model_config, checkpoint, dtype, quant) if config.drafter == "auto" else 0
+    from server.drafter_head import head_bytes
+
+    path = _head_file(config, model_config)
+    try:
+        tied = "lm_head.weight" not in checkpoint.weight_map()
+        return 0 if path is None else head_bytes(path, model_config, dtype, tied)
+    except Exception:
+        return 0
 
 
 def resolve_device(requested: str) -> str:
@@ -399,7 +430,11 @@ def _choose_blocks(
         raise ValueError(f"--num-blocks must be positive, got {config.num_blocks}")
     from swarm.routing import choose_best_span
 
-    return choose_best_span(servers, total, length, my_throughput=joining_throughput(servers, length))
+    start, end = choose_best_span(servers, total, length, my_throughput=joining_throughput(servers, length))
+    if config.num_blocks is None and plan is not None and end == total and plan.tail_blocks < length:
+        length = plan.tail_blocks  # the tail also holds the drafter: fewer blocks, wherever they go then
+        start, end = choose_best_span(servers, total, length, my_throughput=joining_throughput(servers, length))
+    return start, end
 
 
 def measure_throughput(span: SpanAdapter, num_steps: int = 8) -> float:

@@ -214,8 +214,10 @@ class LocalSwarm:
             dht.shutdown()
 
     def stop(self) -> None:
-        """SIGTERM everything (servers leave cleanly), then SIGKILL what is left."""
-        processes = [p for p in [self.api, self.dashboard] + self.servers + [self.bootstrap] if p is not None]
+        """SIGTERM everything (servers leave cleanly), then SIGKILL what is left. Calling it again
+        stops only what started since: a reaped process's id may belong to a stranger by then."""
+        candidates = [self.api, self.dashboard] + self.servers + [self.bootstrap]
+        processes = [p for p in candidates if p is not None and not getattr(p, "group_reaped", False)]
         for process in processes:
             if process.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -235,9 +237,12 @@ class LocalSwarm:
 def kill_group(process: subprocess.Popen) -> None:
     """SIGKILL a process and everything it started (its DHT process, the libp2p daemon): a server
     killed alone would leave those running."""
+    if getattr(process, "group_reaped", False):  # its id may be a stranger's by now
+        return
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(process.pid, signal.SIGKILL)
     process.wait()
+    process.group_reaped = True
 
 
 def run_demo(swarm: LocalSwarm, prompt: str, max_new_tokens: int, speculation: Optional[str]) -> None:

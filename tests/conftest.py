@@ -1,14 +1,15 @@
 """Session-scoped swarms of real server processes on 127.0.0.1, shared by the tests that need them.
 
 Every server is a ``python -m swarm.server`` process joined through a real hivemind DHT; the
-fixtures stop them (SIGTERM, then SIGKILL) when the session ends.
+fixtures stop them (SIGTERM, then SIGKILL) after the last test that uses them (``until_last_use``)
+or, at the latest, when their scope ends.
 """
 
 from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import pytest
 import torch
@@ -29,6 +30,54 @@ SERVER_ARGS = ["--torch-threads", "1", "--update-period", "5", "--log-level", "I
 TINY_SERVERS = {"A": (0, 3), "B": (3, 6), "C": (0, 1), "D": (1, 4), "E": (2, 6)}
 
 
+class LastUse:
+    """Stops a shared swarm right after the last test (in run order) that uses it, instead of at
+    the end of its scope. An idle server still announces itself and keeps its DHT and libp2p
+    daemon alive (about 4% of a core each); the 20 or so that would otherwise idle until the session
+    or module ends made the tests beside them run up to twice as slow on 2 cores."""
+
+    def __init__(self) -> None:
+        self._closers: list[tuple[str, Callable[[], None]]] = []  # in set-up order, closed in reverse
+        self._last_user: Optional[dict[str, str]] = None  # fixture name -> node id of its last test
+
+    @contextlib.contextmanager
+    def until_last_use(self, request: pytest.FixtureRequest, close: Callable[[], None]) -> Iterator[None]:
+        """Inside a yield fixture: ``close`` runs after the fixture's last test, or when it ends."""
+        done = []
+
+        def once() -> None:
+            if not done:
+                done.append(True)
+                close()
+
+        entry = (request.fixturename, once)
+        self._closers.append(entry)
+        try:
+            yield
+        finally:
+            self._closers.remove(entry)
+            once()
+
+    def after(self, item: pytest.Item) -> None:
+        if self._last_user is None:
+            self._last_user = {}
+            for each in item.session.items:
+                for name in getattr(each, "fixturenames", ()):
+                    self._last_user[name] = each.nodeid
+        for name, close in reversed(list(self._closers)):
+            if self._last_user.get(name) == item.nodeid:
+                close()
+
+
+last_use = LastUse()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: Optional[pytest.Item]):
+    yield
+    last_use.after(item)
+
+
 @pytest.fixture(scope="session")
 def artifacts_dir() -> Path:
     path = Path(__file__).resolve().parent.parent / "test-artifacts"
@@ -42,20 +91,20 @@ def tiny_llama_path(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_swarm(tiny_llama_path, artifacts_dir):
+def tiny_swarm(request, tiny_llama_path, artifacts_dir):
     swarm = LocalSwarm(str(tiny_llama_path), spans=list(TINY_SERVERS.values()), server_args=SERVER_ARGS,
                        log_dir=str(artifacts_dir / "tiny-swarm"), names=list(TINY_SERVERS))  # fmt: skip
-    with swarm:
+    with swarm, last_use.until_last_use(request, swarm.stop):
         yield swarm
 
 
 @pytest.fixture(scope="session")
-def tiny_model(tiny_swarm, tiny_llama_path):
+def tiny_model(request, tiny_swarm, tiny_llama_path):
     from swarm import AutoDistributedModelForCausalLM
 
     model = AutoDistributedModelForCausalLM.from_pretrained(str(tiny_llama_path), initial_peers=tiny_swarm.initial_peers)
-    yield model
-    model.shutdown()
+    with last_use.until_last_use(request, model.shutdown):
+        yield model
 
 
 @pytest.fixture(scope="session")
@@ -66,18 +115,19 @@ def tiny_reference(tiny_llama_path):
 
 
 @pytest.fixture(scope="session")
-def smol_swarm(artifacts_dir):
+def smol_swarm(request, artifacts_dir):
     with LocalSwarm("smollm2-135m", 3, server_args=SERVER_ARGS, log_dir=str(artifacts_dir / "smol-swarm")) as swarm:
-        yield swarm
+        with last_use.until_last_use(request, swarm.stop):
+            yield swarm
 
 
 @pytest.fixture(scope="session")
-def smol_model(smol_swarm):
+def smol_model(request, smol_swarm):
     from swarm import AutoDistributedModelForCausalLM
 
     model = AutoDistributedModelForCausalLM.from_pretrained("smollm2-135m", initial_peers=smol_swarm.initial_peers)
-    yield model
-    model.shutdown()
+    with last_use.until_last_use(request, model.shutdown):
+        yield model
 
 
 @pytest.fixture(scope="session")
@@ -124,7 +174,7 @@ LIMITS_MAX_POSITIONS = 16  # positions per Step on the limits swarm: prompts abo
 
 
 @pytest.fixture(scope="session")
-def limits_swarm(tiny_llama_path):
+def limits_swarm(request, tiny_llama_path):
     """Two servers of the tiny model (blocks 0:3 and 3:6) running in this process, so tests reach
     into their handlers (sessions, cache budget, caps) and patch them into hostile peers; both
     servers and the client take at most LIMITS_MAX_POSITIONS positions per Step."""
@@ -144,11 +194,15 @@ def limits_swarm(tiny_llama_path):
     model = AutoDistributedModelForCausalLM.from_pretrained(
         str(tiny_llama_path), initial_peers=peers, max_positions_per_step=LIMITS_MAX_POSITIONS
     )
-    yield model, servers, peers
-    model.shutdown()
-    for server in servers:
-        _loop.run(server.shutdown(), timeout=60)
-    bootstrap.shutdown()
+
+    def stop() -> None:
+        model.shutdown()
+        for server in servers:
+            _loop.run(server.shutdown(), timeout=60)
+        bootstrap.shutdown()
+
+    with last_use.until_last_use(request, stop):
+        yield model, servers, peers
 
 
 def inprocess_servers(path, spans=((0, 3), (3, 6)), **config):

@@ -30,11 +30,11 @@ from server.adapters import SpanCancelled, load_span
 from server.adapters.deepseek_v4 import DeepseekV4Adapter
 from server.adapters.deepseek_v4_cache import RollbackTooDeep
 from server.memory import GiB, blocks_that_fit, model_bytes, plan_blocks
-from server.quantization import resident_bytes
+from server.quantization import Quant, resident_bytes
 from server.weights import Checkpoint
 from swarm import lifeline
 from swarm.models import ensure_smollm2_checkpoint, resolve_model
-from tests.conftest import SERVER_ARGS, single_torch_thread
+from tests.conftest import SERVER_ARGS, last_use, single_torch_thread
 from tests.test_exactness import PROMPT, ScriptedDrafter, reference_sample
 
 HCA, CSA, SWA = "heavily_compressed_attention", "compressed_sparse_attention", "sliding_attention"
@@ -356,6 +356,26 @@ def test_plan_blocks_for_a_fabricated_free_memory(v4_path, v4_reference):
     assert "3 of 6 blocks fit" in plan.describe("cpu")
 
 
+def test_the_memory_plan_counts_the_mtp_block_at_the_tail(v4_mtp_paths):
+    """A tail also holds the checkpoint's MTP module (one more block plus its projections): the
+    plan says how many blocks still fit beside it, and the server's estimate matches what loads."""
+    from server.adapters.deepseek_v4_mtp import load_mtp, mtp_bytes
+    from server.server import ServerConfig, drafter_bytes
+
+    path = v4_mtp_paths("csa")
+    config, checkpoint = AutoConfig.from_pretrained(path), Checkpoint(str(path))
+    expected = resident_bytes(load_mtp(config, checkpoint, torch.float32, "cpu"))
+    assert mtp_bytes(config, checkpoint, torch.float32) == expected
+    assert drafter_bytes(ServerConfig(model=str(path)), config, checkpoint, torch.float32, Quant.NONE) == expected
+    assert drafter_bytes(ServerConfig(model=str(path), drafter="none"), config, checkpoint, torch.float32, Quant.NONE) == 0
+    per_block, ends = model_bytes(config, torch.float32)
+    assert 0.1 * per_block < expected < per_block  # the tiny MTP block is smaller than the largest main block
+    free = int((ends + 3.1 * per_block) / 0.7)  # room for 3.1 blocks: 3, or 2 beside the MTP module
+    plan = plan_blocks(config, torch.float32, "cpu", 6, free_bytes=free, drafter_bytes=expected)
+    assert (plan.blocks, plan.tail_blocks, plan.drafter_bytes) == (3, 2, expected)
+    assert "2 beside the drafter" in plan.describe("cpu")
+
+
 def test_aliases_name_the_official_hub_repos():
     assert resolve_model("deepseek-v4-pro").source == "deepseek-ai/DeepSeek-V4-Pro"
     assert resolve_model("deepseek-v4-flash").source == "deepseek-ai/DeepSeek-V4-Flash"
@@ -402,7 +422,7 @@ def test_server_without_blocks_takes_what_fits_and_says_so(v4_path):
 
 
 @pytest.fixture(scope="module")
-def v4_model(v4_path, artifacts_dir):
+def v4_model(request, v4_path, artifacts_dir):
     from swarm import AutoDistributedModelForCausalLM
     from swarm.local import LocalSwarm
 
@@ -411,8 +431,8 @@ def v4_model(v4_path, artifacts_dir):
                        log_dir=str(artifacts_dir / "v4-swarm"), names=["V4-head", "V4-tail"])  # fmt: skip
     with swarm:
         model = AutoDistributedModelForCausalLM.from_pretrained(str(v4_path), initial_peers=swarm.initial_peers)
-        yield model
-        model.shutdown()
+        with last_use.until_last_use(request, lambda: (model.shutdown(), swarm.stop())):
+            yield model
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
@@ -598,7 +618,7 @@ def test_drafter_choice_on_deepseek_v4(v4_path, v4_mtp_paths, v4_spans):
 
 
 @pytest.fixture(scope="module")
-def v4_mtp_model(v4_mtp_paths, artifacts_dir):
+def v4_mtp_model(request, v4_mtp_paths, artifacts_dir):
     """Two servers of the tiny V4 with an MTP module (0:2, 2:6); the tail drafts up to 4 ids with it."""
     from swarm import AutoDistributedModelForCausalLM
     from swarm.local import LocalSwarm
@@ -608,8 +628,8 @@ def v4_mtp_model(v4_mtp_paths, artifacts_dir):
                        log_dir=str(artifacts_dir / "v4-mtp-swarm"), names=["V4-MTP-head", "V4-MTP-tail"])  # fmt: skip
     with swarm:
         model = AutoDistributedModelForCausalLM.from_pretrained(str(path), initial_peers=swarm.initial_peers)
-        yield model
-        model.shutdown()
+        with last_use.until_last_use(request, lambda: (model.shutdown(), swarm.stop())):
+            yield model
 
 
 @pytest.fixture(scope="module")

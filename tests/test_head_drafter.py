@@ -11,7 +11,7 @@ from protocol.errors import ProtocolError
 from protocol.messages import Hop, SamplingParams, Step
 from swarm.local import LocalSwarm
 from tests.checkpoints import build_random_head
-from tests.conftest import SERVER_ARGS
+from tests.conftest import SERVER_ARGS, last_use
 from tests.test_exactness import PROMPT, reference_sample
 
 
@@ -21,7 +21,7 @@ def tiny_head_path(tiny_llama_path, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def tiny_head_model(tiny_llama_path, tiny_head_path, artifacts_dir):
+def tiny_head_model(request, tiny_llama_path, tiny_head_path, artifacts_dir):
     """Two servers of the tiny model (0:3, 3:6); the tail drafts with a random head."""
     from swarm import AutoDistributedModelForCausalLM
 
@@ -29,8 +29,8 @@ def tiny_head_model(tiny_llama_path, tiny_head_path, artifacts_dir):
     with LocalSwarm(str(tiny_llama_path), spans=[(0, 3), (3, 6)], server_args=args,
                     log_dir=str(artifacts_dir / "tiny-head-swarm")) as swarm:  # fmt: skip
         model = AutoDistributedModelForCausalLM.from_pretrained(str(tiny_llama_path), initial_peers=swarm.initial_peers)
-        yield model
-        model.shutdown()
+        with last_use.until_last_use(request, lambda: (model.shutdown(), swarm.stop())):
+            yield model
 
 
 def _tail_span(tiny_llama_path, tiny_head_path):
@@ -127,6 +127,29 @@ def test_head_file_for_another_model_is_refused(tiny_head_path):
         load_head(tiny_head_path, AutoConfig.from_pretrained(ensure_smollm2_checkpoint()))
     with pytest.raises(ValueError, match="cannot read drafter head"):
         load_head(tiny_head_path.parent / "missing.safetensors", AutoConfig.from_pretrained(ensure_smollm2_checkpoint()))
+
+
+def test_the_memory_plan_counts_the_committed_head_at_the_tail():
+    """What a tail's drafter takes beyond its blocks (the head, its copy of the draft vocabulary's
+    LM-head rows) is what the memory plan keeps room for (server.memory.MemoryPlan.tail_blocks)."""
+    from transformers import AutoConfig
+
+    from server.adapters import load_span
+    from server.drafter_head import build_head_drafter, committed_head, head_bytes
+    from server.quantization import Quant, resident_bytes
+    from server.server import ServerConfig, drafter_bytes
+    from server.weights import Checkpoint
+    from swarm.models import ensure_smollm2_checkpoint
+
+    path = ensure_smollm2_checkpoint()
+    config, checkpoint = AutoConfig.from_pretrained(path), Checkpoint(str(path))
+    span = load_span(config, checkpoint, 29, 30, torch.float32, "cpu")
+    drafter = build_head_drafter(span, config, checkpoint, committed_head(config))
+    assert drafter.embed_weight is span.lm_head.weight and drafter.rows is not span.lm_head.weight
+    loaded = resident_bytes(drafter.head) + drafter.rows.numel() * drafter.rows.element_size()
+    assert head_bytes(committed_head(config), config, torch.float32, tied=True) == loaded
+    assert drafter_bytes(ServerConfig(model=str(path)), config, checkpoint, torch.float32, Quant.NONE) == loaded
+    assert drafter_bytes(ServerConfig(model=str(path), drafter="none"), config, checkpoint, torch.float32, Quant.NONE) == 0
 
 
 def test_head_drafts_out_of_range_are_refused(tiny_llama_path, tiny_head_path):

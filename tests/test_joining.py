@@ -47,6 +47,21 @@ def test_server_placement_counts_a_joining_server():
     assert _choose_blocks(ServerConfig(model=MODEL, blocks=(1, 4)), [joining("j", 0, 3)], TOTAL) == (1, 4)
 
 
+def test_a_span_that_would_end_at_the_tail_leaves_room_for_the_drafter():
+    """The memory plan's 3 blocks fit, but only 2 beside the tail's drafter (MTP block, head):
+    where the best 3-block span ends at the last block, the server takes 2 blocks instead."""
+    from server.memory import MemoryPlan
+    from server.server import ServerConfig, _choose_blocks
+
+    plan = MemoryPlan(3, TOTAL, 100, 10, 25, 15, drafter_bytes=15, tail_blocks=2)
+    config = ServerConfig(model=MODEL)
+    assert _choose_blocks(config, [], TOTAL, plan) == (0, 3)  # not at the tail: all 3
+    start, end = _choose_blocks(config, [srv("a", 0, 3)], TOTAL, plan)
+    assert end - start == 2 and start >= 3  # the gap 3:6, with room for the drafter
+    assert "2 beside the drafter" in plan.describe("cpu")
+    assert _choose_blocks(ServerConfig(model=MODEL, num_blocks=3), [srv("a", 0, 3)], TOTAL, plan) == (3, 6)  # as asked
+
+
 def test_joining_throughput_is_the_slowest_online_server_per_block():
     online = [srv("a", 0, 2, throughput=30), srv("b", 2, 6, throughput=10), srv("c", 0, 6, throughput=1000)]
     assert joining_throughput(online, 4) == pytest.approx(10)  # b: 10 tokens/s over 4 blocks

@@ -32,7 +32,7 @@ from server.weights import Checkpoint
 from swarm.config import ENV_INITIAL_PEERS, resolve_initial_peers
 from swarm.dht_records import fetch_servers
 from swarm.local import LocalSwarm
-from tests.conftest import SERVER_ARGS, PinnedRoute
+from tests.conftest import SERVER_ARGS, PinnedRoute, last_use
 from tests.test_deepseek_v4 import build_tiny_deepseek_v4, quantize_like_deepseek
 from tests.test_exactness import PROMPT, reference_sample
 
@@ -175,16 +175,16 @@ def test_server_without_peers_names_all_three_ways(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def llama_quant_swarm(tiny_llama_path, artifacts_dir):
-    yield from _swarm(tiny_llama_path, artifacts_dir / "quant-llama-swarm", [(0, 2), (2, 6)])
+def llama_quant_swarm(request, tiny_llama_path, artifacts_dir):
+    yield from _swarm(request, tiny_llama_path, artifacts_dir / "quant-llama-swarm", [(0, 2), (2, 6)])
 
 
 @pytest.fixture(scope="module")
-def v4_quant_swarm(v4_path, artifacts_dir):
-    yield from _swarm(v4_path, artifacts_dir / "quant-v4-swarm", [(0, 3), (3, 6)])
+def v4_quant_swarm(request, v4_path, artifacts_dir):
+    yield from _swarm(request, v4_path, artifacts_dir / "quant-v4-swarm", [(0, 3), (3, 6)])
 
 
-def _swarm(path, log_dir, spans):
+def _swarm(request, path, log_dir, spans):
     """Servers of ``spans`` once per quantization in one DHT, named e.g. ``int8-0``; the tests pin
     routes by name so an int8 run never crosses an nf4 server."""
     from swarm import AutoDistributedModelForCausalLM
@@ -196,8 +196,13 @@ def _swarm(path, log_dir, spans):
                 swarm.start_server(start, end, name=f"{quant.value}-{i}", extra=["--quant", quant.value])
         swarm.wait_ready(expected=len(spans) * len(QUANTS))
         model = AutoDistributedModelForCausalLM.from_pretrained(str(path), initial_peers=swarm.initial_peers)
-        yield model, spans
-        model.shutdown()
+
+        def stop() -> None:
+            model.shutdown()
+            swarm.stop()
+
+        with last_use.until_last_use(request, stop):
+            yield model, spans
 
 
 def _pin(model, quant: Quant, spans):

@@ -148,6 +148,25 @@ def load_mtp(config: PretrainedConfig, checkpoint: Checkpoint, dtype: torch.dtyp
     return mtp
 
 
+def mtp_bytes(config: PretrainedConfig, checkpoint: Checkpoint, dtype: torch.dtype, quant: Quant = Quant.NONE) -> int:
+    """Resident bytes of MTP module 0 as :func:`load_mtp` would load it (0 without one), from a
+    meta-device copy: the memory plan keeps room for it on a server whose span ends at the tail."""
+    from server.quantization import estimate_module_bytes
+
+    if not has_mtp(config, checkpoint):
+        return 0
+    with torch.device("meta"):
+        mtp = DeepseekV4MTP(config, mtp_attention_type(checkpoint.weight_map(), MTP_INDEX))
+    dtype_of = DeepseekV4Adapter.dtype_plan(dtype)
+    block = estimate_module_bytes(mtp.layer, Quant(quant), dtype, dtype_of, DeepseekV4Adapter.stacked_linears)
+    rest = sum(
+        t.numel() * torch.finfo(dtype_of(name)).bits // 8
+        for name, t in mtp.named_parameters() if not name.startswith("layer.")
+    )  # fmt: skip  # e_proj, h_proj, norms, hc head: never quantized
+    buffers = sum(t.numel() * t.element_size() for name, t in mtp.named_buffers() if not name.startswith("layer."))
+    return block + rest + buffers
+
+
 class MTPDrafter(TailDrafter):
     """The MTP module as a :class:`TailDrafter`: features are the last main block's output
     streams as they are (no final norm), the head's output streams are the next step's feature,
