@@ -84,6 +84,7 @@ class SpanServer:
         self._announcer: Optional[asyncio.Task] = None
         self.model_config: Optional[PretrainedConfig] = None
         self.checkpoint: Optional[Checkpoint] = None
+        self.plan: Optional[MemoryPlan] = None  # how many blocks fit, when the volunteer did not say
 
     @classmethod
     async def create(cls, config: ServerConfig) -> "SpanServer":
@@ -189,7 +190,7 @@ class SpanServer:
             raise
         refresher.cancel()
         server = cls(config, dht, span, handler, info)
-        server.model_config, server.checkpoint = model_config, Checkpoint(model.source)
+        server.model_config, server.checkpoint, server.plan = model_config, Checkpoint(model.source), plan
         server._announce()
         server._announcer = asyncio.create_task(server._announce_periodically())
         logger.info(f"Ready: {span.cache_bytes_per_token()} cache bytes/token, budget {budget.total_tokens} tokens")
@@ -248,7 +249,11 @@ class SpanServer:
                 None, load_span, self.model_config, self.checkpoint, start, end, self.span.dtype, str(self.span.device),
                 Quant(self.info.quantization),
             )
-            await loop.run_in_executor(None, attach_drafter, span, self.config, self.model_config, self.checkpoint)
+            if span.is_tail and not drafter_fits(self.plan, end - start):
+                # the gap wants every block this server holds: coverage first, drafting is only speed
+                logger.info(f"Drafter head: none (blocks {start}:{end} leave no memory for it, by the memory plan)")
+            else:
+                await loop.run_in_executor(None, attach_drafter, span, self.config, self.model_config, self.checkpoint)
         finally:
             refresher.cancel()
         self.span = self.handler.span = span
@@ -315,6 +320,12 @@ def _head_file(config: ServerConfig, model_config: PretrainedConfig) -> Optional
     if not llama:
         raise ValueError(f"--drafter {config.drafter}: drafter heads exist only for Llama-family models so far")
     return config.drafter
+
+
+def drafter_fits(plan: Optional[MemoryPlan], num_blocks: int) -> bool:
+    """Whether a tail of ``num_blocks`` has memory for its drafter too (always, when the volunteer
+    chose the blocks: then the memory is theirs to plan)."""
+    return plan is None or num_blocks <= plan.tail_blocks
 
 
 def drafter_bytes(

@@ -51,7 +51,7 @@ def test_a_span_that_would_end_at_the_tail_leaves_room_for_the_drafter():
     """The memory plan's 3 blocks fit, but only 2 beside the tail's drafter (MTP block, head):
     where the best 3-block span ends at the last block, the server takes 2 blocks instead."""
     from server.memory import MemoryPlan
-    from server.server import ServerConfig, _choose_blocks
+    from server.server import ServerConfig, _choose_blocks, drafter_fits
 
     plan = MemoryPlan(3, TOTAL, 100, 10, 25, 15, drafter_bytes=15, tail_blocks=2)
     config = ServerConfig(model=MODEL)
@@ -60,6 +60,8 @@ def test_a_span_that_would_end_at_the_tail_leaves_room_for_the_drafter():
     assert end - start == 2 and start >= 3  # the gap 3:6, with room for the drafter
     assert "2 beside the drafter" in plan.describe("cpu")
     assert _choose_blocks(ServerConfig(model=MODEL, num_blocks=3), [srv("a", 0, 3)], TOTAL, plan) == (3, 6)  # as asked
+    # a running server that moves to a 3-block gap at the tail keeps the blocks and drops the drafter
+    assert not drafter_fits(plan, 3) and drafter_fits(plan, 2) and drafter_fits(None, 6)
 
 
 def test_joining_throughput_is_the_slowest_online_server_per_block():
