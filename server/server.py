@@ -340,13 +340,16 @@ def drafter_bytes(
         from server.adapters.deepseek_v4_mtp import mtp_bytes
 
         return mtp_bytes(model_config, checkpoint, dtype, quant) if config.drafter == "auto" else 0
+    from safetensors import SafetensorError
+
     from server.drafter_head import head_bytes
 
     path = _head_file(config, model_config)
+    if path is None:
+        return 0
     try:
-        tied = "lm_head.weight" not in checkpoint.weight_map()
-        return 0 if path is None else head_bytes(path, model_config, dtype, tied)
-    except Exception:
+        return head_bytes(path, model_config, dtype, tied="lm_head.weight" not in checkpoint.weight_map())
+    except (OSError, SafetensorError):  # missing or no safetensors file: attach_drafter names it
         return 0
 
 
