@@ -34,7 +34,9 @@ class LastUse:
     """Stops a shared swarm right after the last test (in run order) that uses it, instead of at
     the end of its scope. An idle server still announces itself and keeps its DHT and libp2p
     daemon alive (about 4% of a core each); the 20 or so that would otherwise idle until the session
-    or module ends made the tests beside them run up to twice as slow on 2 cores."""
+    or module ends made the tests beside them run up to twice as slow on 2 cores. "Uses" means
+    names it, directly or through another fixture (``item.fixturenames``): a test must not reach a
+    swarm through ``request.getfixturevalue``, which this cannot see."""
 
     def __init__(self) -> None:
         self._closers: list[tuple[str, Callable[[], None]]] = []  # in set-up order, closed in reverse
