@@ -39,6 +39,9 @@ MODES = {  # head_start=False: the client sends every run (as before head-starte
     "head+hs": dict(speculation="head", head_start=True),
     "suffix+hs": dict(speculation="suffix", head_start=True),  # generate()'s default; retrieval drafts ride as DraftOffers
     "suffix+head+hs": dict(speculation="suffix+head", head_start=True),
+    # every mode's suffix store starts with the model's warm corpus (client/warm_corpus.py) but these
+    "suffix+cold": dict(speculation="suffix", head_start=False, warm_store=False),
+    "suffix+hs+cold": dict(speculation="suffix", head_start=True, warm_store=False),
 }
 DEFAULT_MODES = ["none", "ngram", "suffix", "suffix+async", "suffix+hs"]  # the README's table
 
@@ -99,7 +102,8 @@ def run_setting(args, delay_ms: float, modes: dict) -> list[Run]:
                 ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
                 outputs = {}
                 for mode, kwargs in modes.items():
-                    model.reset_draft_store()  # no mode may learn from another mode's answer
+                    kwargs = dict(kwargs)
+                    model.reset_draft_store(warm=kwargs.pop("warm_store", True))  # no mode learns from another's answer
                     out = model.generate(ids, max_new_tokens=args.max_new_tokens, **kwargs)
                     outputs[mode] = out.tolist()
                     s = model.last_generation_stats

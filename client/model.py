@@ -33,6 +33,7 @@ from client._spot_checks import DEFAULT_SPOT_CHECK_RATE, SpotChecker, check_rate
 from client.draft_model import ModelDrafter, check_draft_model
 from client._swarm import SwarmClient
 from client.drafters import SuffixStore, make_drafter
+from client.warm_corpus import load_warm_corpus
 from protocol.limits import DEFAULT_MAX_POSITIONS_PER_STEP, MAX_TREE_NODES
 from protocol.messages import SamplingParams, TokenLogprobs
 from protocol.sampling import validate_sampling
@@ -66,6 +67,7 @@ class AutoDistributedModel:
         self.last_logprobs: list = []
         self.spot_check_rate = DEFAULT_SPOT_CHECK_RATE  # generate()'s default; from_pretrained sets it
         self._session: Optional[SessionState] = None
+        self.warm_corpus: list[list[int]] = []  # the model's own answers a new suffix store starts with
         self._suffix_store = SuffixStore()
         self._tree_sizer = TreeSizer()  # lap-time model for token trees, shared by this model's generations
         self._closed = False
@@ -81,6 +83,7 @@ class AutoDistributedModel:
         request_timeout: float = 60.0,
         max_positions_per_step: int = DEFAULT_MAX_POSITIONS_PER_STEP,
         spot_check_rate: float = DEFAULT_SPOT_CHECK_RATE,
+        warm_draft_store: bool = True,
         **kwargs: Any,
     ) -> "AutoDistributedModel":
         """Fetch the config and tokenizer (never weights) and join the swarm as a client.
@@ -90,6 +93,9 @@ class AutoDistributedModel:
         ``max_positions_per_step``: the most positions one Step carries; longer prompts are sent
         as several Steps (chunked prefill), at first and in failover replays.
         ``spot_check_rate``: the default of ``generate``'s (audits per verdict; 1/50; 0: none).
+        ``warm_draft_store``: start the suffix drafter's memory with the model's own answers to
+        prompts of its kind, where the package has them (client/warm_corpus.py; SmolLM2-135M);
+        drafts only, so the output is the same either way.
         """
         check_rate(spot_check_rate)
         initial_peers = resolve_initial_peers(initial_peers).peers
@@ -106,6 +112,9 @@ class AutoDistributedModel:
         )
         model = cls(config, tokenizer, swarm)
         model.spot_check_rate = float(spot_check_rate)
+        if warm_draft_store:
+            model.warm_corpus = load_warm_corpus(config)
+            model.reset_draft_store()
         return model
 
     @contextlib.contextmanager
@@ -531,9 +540,12 @@ class AutoDistributedModel:
     def _context_limit(self) -> int:
         return int(getattr(self.config, "max_position_embeddings", None) or DEFAULT_MAX_LENGTH)
 
-    def reset_draft_store(self) -> None:
-        """Forget earlier outputs the suffix drafter learned from (benchmarks compare modes fairly)."""
+    def reset_draft_store(self, warm: bool = True) -> None:
+        """Forget earlier outputs the suffix drafter learned from (benchmarks compare modes fairly);
+        the new store starts with the model's warm corpus (client/warm_corpus.py) unless ``warm`` is False."""
         self._suffix_store = SuffixStore()
+        for sequence in self.warm_corpus if warm else ():
+            self._suffix_store.add(sequence)
 
     def shutdown(self) -> None:
         """Leave the swarm (also done at interpreter exit)."""

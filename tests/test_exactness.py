@@ -141,6 +141,41 @@ def test_smollm2_greedy_64_tokens_equals_transformers(smol_model, smol_reference
     assert smol_model.last_generation_stats.new_tokens == 64
 
 
+def test_warm_draft_store_drafts_the_models_habits_and_never_changes_the_output(smol_swarm, smol_reference):
+    """A new client's suffix store starts with SmolLM2's own answers to the drafter head's training
+    prompts (client/warm_corpus.py): asked one of those prompts again, a warm client drafts its answer
+    from the first lap on, a cold one (warm_draft_store=False) cannot; both give transformers' tokens."""
+    from server.drafter_train import SELF_PROMPTS
+    from swarm import AutoDistributedModelForCausalLM
+
+    counts = {}
+    for warm in (True, False):
+        model = AutoDistributedModelForCausalLM.from_pretrained(
+            "smollm2-135m", initial_peers=smol_swarm.initial_peers, warm_draft_store=warm
+        )
+        try:
+            assert (len(model.warm_corpus) == len(SELF_PROMPTS)) is warm
+            assert all(sequence in model._suffix_store for sequence in model.warm_corpus)
+            messages = [{"role": "user", "content": SELF_PROMPTS[0]}]
+            ids = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                                      return_dict=True)["input_ids"]  # fmt: skip
+            output = model.generate(ids, max_new_tokens=32)
+            assert output.tolist() == smol_reference.generate(ids, max_new_tokens=32, do_sample=False).tolist()
+            counts[warm] = model.last_generation_stats.laps
+        finally:
+            model.shutdown()
+    assert counts[True] * 3 <= counts[False], counts  # its own answer, drafted from memory
+    from client.warm_corpus import load_warm_corpus
+
+    assert load_warm_corpus(smol_reference.config) and not load_warm_corpus(_tiny_config())  # matched by fingerprint
+
+
+def _tiny_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+
+
 @pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampled"])
 @pytest.mark.parametrize("speculation", ["ngram", "suffix"])
 def test_every_drafter_mode_matches_no_speculation_tiny(tiny_model, speculation, sampling):
