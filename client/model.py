@@ -83,7 +83,7 @@ class AutoDistributedModel:
         request_timeout: float = 60.0,
         max_positions_per_step: int = DEFAULT_MAX_POSITIONS_PER_STEP,
         spot_check_rate: float = DEFAULT_SPOT_CHECK_RATE,
-        warm_draft_store: bool = True,
+        warm_draft_store: bool = False,
         **kwargs: Any,
     ) -> "AutoDistributedModel":
         """Fetch the config and tokenizer (never weights) and join the swarm as a client.
@@ -95,7 +95,8 @@ class AutoDistributedModel:
         ``spot_check_rate``: the default of ``generate``'s (audits per verdict; 1/50; 0: none).
         ``warm_draft_store``: start the suffix drafter's memory with the model's own answers to
         prompts of its kind, where the package has them (client/warm_corpus.py; SmolLM2-135M);
-        drafts only, so the output is the same either way.
+        drafts only, so the output is the same either way. Off by default: on the 2-core CPU
+        machine it raised tokens per lap a little and tokens/s not at all (docs/benchmarks.md).
         """
         check_rate(spot_check_rate)
         initial_peers = resolve_initial_peers(initial_peers).peers
@@ -542,7 +543,8 @@ class AutoDistributedModel:
 
     def reset_draft_store(self, warm: bool = True) -> None:
         """Forget earlier outputs the suffix drafter learned from (benchmarks compare modes fairly);
-        the new store starts with the model's warm corpus (client/warm_corpus.py) unless ``warm`` is False."""
+        the new store starts with the model's warm corpus (client/warm_corpus.py; empty unless
+        ``from_pretrained(warm_draft_store=True)`` loaded it) unless ``warm`` is False."""
         self._suffix_store = SuffixStore()
         for sequence in self.warm_corpus if warm else ():
             self._suffix_store.add(sequence)

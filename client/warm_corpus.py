@@ -5,8 +5,10 @@ long-running client drafts the model's habits (its chat template, "Here's a Pyth
 that...", its code idioms) from memory. A fresh client starts cold, and first-turn work is where
 retrieval drafts least. So the package ships, per model, the token ids of the model's own greedy
 answers to 32 prompts that are neither the benchmarks' nor any test's (the drafter head's
-training prompts, server.drafter_train.SELF_PROMPTS), and a new client puts them in its store
-first. They are drafts only: verification decides every token, so the output never changes.
+training prompts, server.drafter_train.SELF_PROMPTS), and a client made with
+``from_pretrained(..., warm_draft_store=True)`` puts them in its store first. They are drafts only:
+verification decides every token, so the output never changes. Opt-in: on the 2-core CPU machine
+they raised tokens per lap a little and tokens/s not at all (docs/benchmarks.md, "A warm draft store").
 
     python -m client.warm_corpus --out client/corpora/smollm2-135m.json   # rebuild (about 2 minutes)
 

@@ -143,8 +143,9 @@ def test_smollm2_greedy_64_tokens_equals_transformers(smol_model, smol_reference
 
 def test_warm_draft_store_drafts_the_models_habits_and_never_changes_the_output(smol_swarm, smol_reference):
     """A new client's suffix store starts with SmolLM2's own answers to the drafter head's training
-    prompts (client/warm_corpus.py): asked one of those prompts again, a warm client drafts its answer
-    from the first lap on, a cold one (warm_draft_store=False) cannot; both give transformers' tokens."""
+    prompts (client/warm_corpus.py, warm_draft_store=True): asked one of those prompts again, a warm
+    client drafts its answer from the first lap on, a cold one (the default) cannot; both give
+    transformers' tokens."""
     from server.drafter_train import SELF_PROMPTS
     from swarm import AutoDistributedModelForCausalLM
 
