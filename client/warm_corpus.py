@@ -22,8 +22,6 @@ import argparse
 import json
 import logging
 from pathlib import Path
-from typing import Optional
-
 from transformers import PretrainedConfig
 
 logger = logging.getLogger(__name__)
@@ -32,29 +30,22 @@ CORPORA = Path(__file__).resolve().parent / "corpora"
 FORMAT = "specswarm-warm-corpus-1"
 
 
-def warm_corpus_file(config: PretrainedConfig) -> Optional[Path]:
-    """The committed corpus for this model, if any."""
+def load_warm_corpus(config: PretrainedConfig) -> list[list[int]]:
+    """Token id sequences to put in a new client's suffix store: those of the committed corpus for
+    this model ([] when none fits it), ids outside its vocabulary dropped with their sequence."""
     from server.drafter_head import config_fingerprint
 
     wanted = config_fingerprint(config)
     for candidate in sorted(CORPORA.glob("*.json")):
         try:
-            header = json.loads(candidate.read_text())
+            corpus = json.loads(candidate.read_text())
         except (OSError, ValueError):
             continue
-        if header.get("format") == FORMAT and header.get("fingerprint") == wanted:
-            return candidate
-    return None
-
-
-def load_warm_corpus(config: PretrainedConfig) -> list[list[int]]:
-    """Token id sequences to put in a new client's suffix store ([] when none fits this model)."""
-    path = warm_corpus_file(config)
-    if path is None:
-        return []
-    sequences = json.loads(path.read_text())["sequences"]
-    vocab = config.vocab_size
-    return [list(seq) for seq in sequences if seq and all(isinstance(t, int) and 0 <= t < vocab for t in seq)]
+        if corpus.get("format") == FORMAT and corpus.get("fingerprint") == wanted:
+            vocab = config.vocab_size
+            return [list(seq) for seq in corpus["sequences"]
+                    if seq and all(isinstance(t, int) and 0 <= t < vocab for t in seq)]  # fmt: skip
+    return []
 
 
 def build(model_path: str, out: Path, answer_tokens: int = 192) -> None:

@@ -148,10 +148,9 @@ def head_bytes(path: str | Path, config: PretrainedConfig, dtype: torch.dtype, t
         rows = f.get_slice("draft_vocab").get_shape()[0] if "draft_vocab" in f.keys() else 0
     with torch.device("meta"):
         head = EagleHead(config)
-    params = sum(p.numel() for p in head.parameters())
-    buffers = sum(b.numel() * b.element_size() for b in head.buffers())  # rotary frequencies, kept in float32
+    params = sum(t.numel() for t in [*head.parameters(), *head.buffers()])  # buffers: rotary frequencies, cast too
     embeddings = 0 if tied else config.vocab_size * config.hidden_size
-    return (params + rows * config.hidden_size + embeddings) * size + buffers
+    return (params + rows * config.hidden_size + embeddings) * size
 
 
 def committed_head(config: PretrainedConfig) -> Optional[Path]:

@@ -101,11 +101,12 @@ class SpanServer:
             torch.set_num_threads(config.torch_threads)
         model = resolve_model(config.model)
         model_config = load_model_config(model.source)
+        checkpoint = Checkpoint(model.source)  # one: it reads the weight map once
         quant = resolve_quant(config.quant, model_config, device, dtype)
         logger.info(quant.describe())
         plan = None
         if config.blocks is None and config.num_blocks is None:  # as many blocks as fit in memory
-            drafter = drafter_bytes(config, model_config, Checkpoint(model.source), dtype, quant.quant)
+            drafter = drafter_bytes(config, model_config, checkpoint, dtype, quant.quant)
             plan = plan_blocks(
                 model_config, dtype, device, model_config.num_hidden_layers, quant=quant.quant, drafter_bytes=drafter
             )
@@ -146,9 +147,9 @@ class SpanServer:
         refresher = keep_announcing(publish, claimed, config.update_period)
         try:
             span = await loop.run_in_executor(
-                None, load_span, model_config, Checkpoint(model.source), start, end, dtype, device, quant.quant
+                None, load_span, model_config, checkpoint, start, end, dtype, device, quant.quant
             )
-            await loop.run_in_executor(None, attach_drafter, span, config, model_config, Checkpoint(model.source))
+            await loop.run_in_executor(None, attach_drafter, span, config, model_config, checkpoint)
             if config.debug_corrupt:
                 corrupt_outputs(span, config.debug_corrupt)
             logger.info(f"Blocks {start}:{end} hold {resident_bytes(span.layers) / 2**20:.1f} MiB of weights ({quant.quant.value})")
@@ -190,7 +191,7 @@ class SpanServer:
             raise
         refresher.cancel()
         server = cls(config, dht, span, handler, info)
-        server.model_config, server.checkpoint, server.plan = model_config, Checkpoint(model.source), plan
+        server.model_config, server.checkpoint, server.plan = model_config, checkpoint, plan
         server._announce()
         server._announcer = asyncio.create_task(server._announce_periodically())
         logger.info(f"Ready: {span.cache_bytes_per_token()} cache bytes/token, budget {budget.total_tokens} tokens")

@@ -135,7 +135,7 @@ def test_the_memory_plan_counts_the_committed_head_at_the_tail():
     from transformers import AutoConfig
 
     from server.adapters import load_span
-    from server.drafter_head import build_head_drafter, committed_head, head_bytes
+    from server.drafter_head import build_head_drafter, committed_head, head_bytes, load_head
     from server.quantization import Quant, resident_bytes
     from server.server import ServerConfig, drafter_bytes
     from server.weights import Checkpoint
@@ -148,6 +148,9 @@ def test_the_memory_plan_counts_the_committed_head_at_the_tail():
     assert drafter.embed_weight is span.lm_head.weight and drafter.rows is not span.lm_head.weight
     loaded = resident_bytes(drafter.head) + drafter.rows.numel() * drafter.rows.element_size()
     assert head_bytes(committed_head(config), config, torch.float32, tied=True) == loaded
+    head, vocab = load_head(committed_head(config), config, dtype=torch.bfloat16)  # buffers are cast too
+    loaded_bf16 = resident_bytes(head) + len(vocab) * config.hidden_size * 2
+    assert head_bytes(committed_head(config), config, torch.bfloat16, tied=True) == loaded_bf16
     assert drafter_bytes(ServerConfig(model=str(path)), config, checkpoint, torch.float32, Quant.NONE) == loaded
     assert drafter_bytes(ServerConfig(model=str(path), drafter="none"), config, checkpoint, torch.float32, Quant.NONE) == 0
 
