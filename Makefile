@@ -88,7 +88,7 @@ train-drafter: setup
 
 # rebuild the committed warm draft store of SmolLM2-135M (client/corpora/; about 2 minutes)
 warm-corpus: setup
-	$(PYTHON) -m client.warm_corpus
+	$(PYTHON) -m swarm.warm_corpus
 
 # offline: what the committed drafter head costs per run at the tail, on one CPU thread
 bench-head-cost: setup

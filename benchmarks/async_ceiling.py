@@ -94,7 +94,7 @@ def answers(args) -> tuple[list[tuple[str, list[int], list[int]]], int]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from swarm.models import ensure_smollm2_checkpoint
+    from protocol.models import ensure_smollm2_checkpoint
 
     path = ensure_smollm2_checkpoint()
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -135,9 +135,9 @@ def _host_port(value: str) -> tuple[str, int]:
 def wait_for_servers(initial_peers: list[str], expected: int, timeout: float) -> None:
     from transformers import AutoConfig
 
-    from swarm.dht import make_dht
-    from swarm.dht_records import wait_until_online
-    from swarm.models import resolve_model
+    from protocol.dht import make_dht
+    from protocol.dht_records import wait_until_online
+    from protocol.models import resolve_model
 
     resolved = resolve_model(MODEL)
     num_blocks = AutoConfig.from_pretrained(resolved.source).num_hidden_layers
@@ -407,7 +407,7 @@ def orchestrate(args: argparse.Namespace) -> int:
     from transformers import AutoConfig
 
     from swarm.local import even_spans
-    from swarm.models import resolve_model
+    from protocol.models import resolve_model
 
     offered = available_codecs()
     codecs = [c for c in args.codecs if c in offered]

@@ -3,7 +3,7 @@
     python -m benchmarks.codecs                              # every workload, 5 prompts, 64 tokens
     python -m benchmarks.codecs --prompts 2 --max-new-tokens 16   # a quick look
 
-(a) Bytes per element of the serialized ``runtime_pb2.Tensor`` (what ``swarm/streams.py`` puts in
+(a) Bytes per element of the serialized ``runtime_pb2.Tensor`` (what ``protocol/streams.py`` puts in
 the envelope; every codec's size depends on the shape only) for SmolLM2-135M (576 per position)
 and DeepSeek-V4-Pro (4 x 7168) at 1, 9 and 1000 positions, with the relative RMS error of one round
 trip and its CPU time on random normal data, and the relative RMS error on real SmolLM2 activations
@@ -81,7 +81,7 @@ class Pipeline:
         from server.adapters import load_span
         from server.weights import Checkpoint
         from swarm.local import even_spans
-        from swarm.models import ensure_smollm2_checkpoint
+        from protocol.models import ensure_smollm2_checkpoint
 
         path = ensure_smollm2_checkpoint()
         config = AutoConfig.from_pretrained(path)

@@ -46,7 +46,7 @@ from protocol.sampling import (
     processed_scores,
     verify_rejection,
 )
-from swarm.models import ensure_smollm2_checkpoint
+from protocol.models import ensure_smollm2_checkpoint
 
 SETTINGS = {
     "T=0.8, top-k 50": SamplingParams(do_sample=True, temperature=0.8, top_k=50),

@@ -27,9 +27,9 @@ class KillMiddleAt:
         self.seen += 1 if self.seen < 0 else len(tokens.view(-1))
         if not self.done and self.seen >= self.at:
             peer = self.model.last_generation_stats.route[1][0]
-            from swarm.dht_records import fetch_servers
+            from protocol.dht_records import fetch_servers
 
-            names = {s.peer_id: s.public_name for s in fetch_servers(self.model.swarm.dht, self.model.swarm.model, 30)}
+            names = {s.peer_id: s.public_name for s in fetch_servers(self.model.protocol.dht, self.model.swarm.model, 30)}
             self.swarm.servers[NAMES.index(names[peer])].send_signal(signal.SIGKILL)
             self.done = True
 

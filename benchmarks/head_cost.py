@@ -31,7 +31,7 @@ def main() -> None:
     from server.adapters import load_span
     from server.drafter_head import build_head_drafter, committed_head
     from server.weights import Checkpoint
-    from swarm.models import ensure_smollm2_checkpoint
+    from protocol.models import ensure_smollm2_checkpoint
 
     source = str(ensure_smollm2_checkpoint())
     config = AutoConfig.from_pretrained(source)

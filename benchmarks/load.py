@@ -100,7 +100,7 @@ class Sampler(threading.Thread):
     def run(self) -> None:
         """Reads records through the client's own DHT (a second DHT's daemon may not start in time
         on a loaded machine)."""
-        from swarm.dht_records import fetch_servers
+        from protocol.dht_records import fetch_servers
 
         last_fetch = 0.0
         while not self._halt.is_set():
@@ -176,7 +176,7 @@ def main() -> None:
     torch.set_num_threads(1)
 
     from swarm import AutoDistributedModelForCausalLM
-    from swarm.models import resolve_model
+    from protocol.models import resolve_model
     from transformers import AutoTokenizer
 
     source = resolve_model(args.model).source
@@ -196,7 +196,7 @@ def main() -> None:
         model.generate(torch.tensor([rows[0]]), max_new_tokens=2, speculation=None)  # warm connections
         time.sleep(3)  # let the warm-up session's release reach the records
         before = {n: tree_rss(s.pid) for n, s in zip(names, swarm.servers)}
-        sampler = Sampler(swarm, model.swarm.dht, names)
+        sampler = Sampler(swarm, model.protocol.dht, names)
         sampler.start()
         t0 = time.perf_counter()
         results = asyncio.run(load(model, rows, args.tokens))

@@ -53,7 +53,7 @@ def size_table() -> list[dict]:
     from server.memory import model_bytes
     from server.quantization import resident_bytes
     from server.weights import Checkpoint
-    from swarm.models import ensure_smollm2_checkpoint
+    from protocol.models import ensure_smollm2_checkpoint
     from tests.test_deepseek_v4 import build_tiny_deepseek_v4
 
     rows = []

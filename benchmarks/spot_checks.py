@@ -27,7 +27,7 @@ from pathlib import Path
 
 from client._spot_checks import DEFAULT_SPOT_CHECK_RATE
 from swarm.local import LocalSwarm
-from swarm.routing import NoRouteError, RoutePlanner, RouteHop
+from protocol.routing import NoRouteError, RoutePlanner, RouteHop
 
 SERVERS = {"N": (0, 3, "noise"), "O": (3, 6, "offset"), "A": (0, 3, None), "B": (3, 6, None), "F": (0, 6, None)}
 PROMPT = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]
@@ -52,11 +52,11 @@ class PreferredRoutes(RoutePlanner):
 
 def connect(path, swarm, *routes):
     from swarm import AutoDistributedModelForCausalLM
-    from swarm.dht_records import fetch_servers
+    from protocol.dht_records import fetch_servers
 
     model = AutoDistributedModelForCausalLM.from_pretrained(str(path), initial_peers=swarm.initial_peers)
     model.swarm.router = PreferredRoutes(*routes)
-    peers = {s.public_name: s.peer_id for s in fetch_servers(model.swarm.dht, model.swarm.model, 6)}
+    peers = {s.public_name: s.peer_id for s in fetch_servers(model.protocol.dht, model.swarm.model, 6)}
     return model, peers
 
 

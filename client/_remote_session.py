@@ -39,9 +39,9 @@ from protocol.messages import (
     StepResult,
     Subscribe,
 )
-from swarm import relay
-from swarm.routing import RouteHop
-from swarm.streams import RESULTS_PROTOCOL, SESSION_PROTOCOL, MessageStream
+from protocol import relay
+from protocol.routing import RouteHop
+from protocol.streams import RESULTS_PROTOCOL, SESSION_PROTOCOL, MessageStream
 
 logger = logging.getLogger(__name__)
 

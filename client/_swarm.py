@@ -23,12 +23,12 @@ from client._throughput import ThroughputMeter
 from client.errors import RoutingError, ServerError
 from protocol.errors import ErrorCode
 from protocol.limits import DEFAULT_MAX_POSITIONS_PER_STEP
-from swarm.dht_records import fetch_servers, publish_report
-from swarm.identity import load_or_create_identity
-from swarm.records import ServerInfo, ServerState
-from swarm.routing import MaxFlowRouter, NoRouteError, RouteHop, RoutePlanner, cap_throughput
-from swarm.streams import ping_many
-from swarm.dht import make_dht
+from protocol.dht_records import fetch_servers, publish_report
+from protocol.identity import load_or_create_identity
+from protocol.records import ServerInfo, ServerState
+from protocol.routing import MaxFlowRouter, NoRouteError, RouteHop, RoutePlanner, cap_throughput
+from protocol.streams import ping_many
+from protocol.dht import make_dht
 
 logger = logging.getLogger(__name__)
 
@@ -186,7 +186,7 @@ class SwarmClient:
 
     def convict(self, peer_id: str) -> None:
         """A spot-check's majority found ``peer_id`` lying: exclude it for good and report it in
-        the DHT (``swarm.dht_records.publish_report``; the dashboard counts reporting clients)."""
+        the DHT (``protocol.dht_records.publish_report``; the dashboard counts reporting clients)."""
         logger.warning(f"Excluding server {peer_id} for good: its outputs disagreed with two other servers'")
         self.excluded.ban(peer_id)
         self.reports[peer_id] += 1

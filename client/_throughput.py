@@ -1,7 +1,7 @@
 """What each server actually delivers to this client, measured from lap timings.
 
 A server's record claims its throughput (tokens/s for its whole span) and anyone can claim
-anything up to ``swarm.records.MAX_THROUGHPUT``. The client times every decode lap (from sending
+anything up to ``protocol.records.MAX_THROUGHPUT``. The client times every decode lap (from sending
 a run to its verdict) and attributes that time to the hops of the route: a hop is charged what
 the lap took minus the network legs (the client's own measured RTTs to the head and the tail, and
 the smaller of the two servers' ``next_pings`` for each link between hops, at most
@@ -9,11 +9,11 @@ the smaller of the two servers' ``next_pings`` for each link between hops, at mo
 throughput. A hop that is slower than it
 claims therefore gets the unexplained time; the other hops' estimates recover as the slow one's
 own estimate falls and explains more of the lap. Routing then uses the smaller of claimed and
-measured (``swarm.routing.cap_throughput``), so a server far below its claim loses weight for
+measured (``protocol.routing.cap_throughput``), so a server far below its claim loses weight for
 this client, and only for it.
 
 Only laps with at most ``max_positions`` positions count: a decode lap costs about one step of
-each span, which is what servers measure and claim (``server.server.measure_throughput``); a
+each span, which is what servers measure and claim (``server.span_server.measure_throughput``); a
 prefill lap would make every hop look slow. Estimates are kept in seconds per step (an
 exponential moving average) and forgotten after ``ttl`` seconds, so a server that was slow once
 is tried again later.
@@ -25,8 +25,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
-from swarm.records import ServerInfo
-from swarm.routing import DEFAULT_RTT, RouteHop
+from protocol.records import ServerInfo
+from protocol.routing import DEFAULT_RTT, RouteHop
 
 MAX_MEASURED_POSITIONS = 16  # laps with more positions (prefills, replays) are not timed
 

@@ -37,8 +37,8 @@ from client.warm_corpus import load_warm_corpus
 from protocol.limits import DEFAULT_MAX_POSITIONS_PER_STEP, MAX_TREE_NODES
 from protocol.messages import SamplingParams, TokenLogprobs
 from protocol.sampling import validate_sampling
-from swarm.config import no_initial_peers_message, resolve_initial_peers
-from swarm.models import resolve_model
+from protocol.config import no_initial_peers_message, resolve_initial_peers
+from protocol.models import resolve_model
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class AutoDistributedModel:
     ) -> "AutoDistributedModel":
         """Fetch the config and tokenizer (never weights) and join the swarm as a client.
 
-        Without ``initial_peers``, the machine's configured ones are used (swarm.config:
+        Without ``initial_peers``, the machine's configured ones are used (protocol.config:
         $SPECSWARM_INITIAL_PEERS, then the user's config file), as the server CLI does.
         ``max_positions_per_step``: the most positions one Step carries; longer prompts are sent
         as several Steps (chunked prefill), at first and in failover replays.

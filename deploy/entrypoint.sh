@@ -54,7 +54,7 @@ if [ "$role" != bootstrap ] && [ -z "$(printf '%s' "$peers" | tr -d ' \t')" ] &&
     done
     peers=$(tr ',\n' '  ' <"$peers_file")
 fi
-export SPECSWARM_INITIAL_PEERS="$peers"  # the server reads it itself (swarm/config.py)
+export SPECSWARM_INITIAL_PEERS="$peers"  # the server reads it itself (protocol/config.py)
 
 # Arguments are prepended, so EXTRA_ARGS and then the command's own arguments come last.
 set -- ${EXTRA_ARGS:-} "$@"

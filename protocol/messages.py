@@ -51,7 +51,7 @@ class Hop(msgspec.Struct, frozen=True, array_like=True):
     peer_id: str
     start: int
     end: int
-    # circuit addresses of a server behind NAT (swarm.relay), so the hop before it can dial it
+    # circuit addresses of a server behind NAT (protocol.relay), so the hop before it can dial it
     addrs: Annotated[list[Annotated[str, msgspec.Meta(max_length=512)]], msgspec.Meta(max_length=4)] = []
 
 

@@ -23,8 +23,6 @@ DeepSeek-V4 tails draft with the checkpoint's own multi-token-prediction module 
 from __future__ import annotations
 
 import copy
-import hashlib
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +31,8 @@ from typing import Any, Optional
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PretrainedConfig
 
+from protocol.models import config_fingerprint
+
 logger = logging.getLogger(__name__)
 
 HEAD_FORMAT = "specswarm-eagle-1"
@@ -40,14 +40,6 @@ DEFAULT_HEAD_DRAFTS = 1  # the most ids the tail drafts per run (a client may as
 MAX_HEAD_DRAFTS = 16  # the most a Step may ask for
 RECENT_FEATURES = 32  # features a session keeps to redo the entry before a rollback's start_pos exactly
 COMMITTED_HEADS = Path(__file__).resolve().parent / "drafters"  # heads shipped with the package
-
-
-def config_fingerprint(config: PretrainedConfig) -> str:
-    """What a head file must match: the fields of the config that shape the features and ids."""
-    fields = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-              "num_attention_heads", "num_key_value_heads", "tie_word_embeddings")  # fmt: skip
-    values = {name: getattr(config, name, None) for name in fields}
-    return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _head_config(config: PretrainedConfig) -> PretrainedConfig:

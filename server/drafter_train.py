@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from swarm.models import resolve_model
+    from protocol.models import resolve_model
 
     source = resolve_model(args.model).source
     tokenizer = AutoTokenizer.from_pretrained(source)

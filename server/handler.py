@@ -50,8 +50,8 @@ from protocol.messages import (
 from server.adapters import SpanAdapter, SpanCancelled
 from server.cache_budget import CacheBudget
 from server.session import QueuedRun, QueuedTrim, ServerSession, TailReply, check_token_ids, compute_run
-from swarm import relay
-from swarm.streams import PING_PROTOCOL, RESULTS_PROTOCOL, SESSION_PROTOCOL, MessageStream, serve
+from protocol import relay
+from protocol.streams import PING_PROTOCOL, RESULTS_PROTOCOL, SESSION_PROTOCOL, MessageStream, serve
 
 logger = logging.getLogger(__name__)
 

@@ -2,10 +2,10 @@
 
 A server announces a ``JOINING`` record for its span as soon as it has chosen it, before it loads
 weights (which can take minutes), and refreshes it until it announces ``ONLINE``. Routing ignores
-joining servers (``swarm.routing._ROUTABLE`` is ``ONLINE`` only: a client never sends a session to
+joining servers (``protocol.routing._ROUTABLE`` is ``ONLINE`` only: a client never sends a session to
 a server that is still loading), while block placement counts them (``_PLACED`` is ``JOINING`` and
-``ONLINE``: :func:`swarm.routing.choose_best_span` and the rebalancing
-:func:`swarm.routing.should_move`), so a server that starts while another is still loading sees
+``ONLINE``: :func:`protocol.routing.choose_best_span` and the rebalancing
+:func:`protocol.routing.should_move`), so a server that starts while another is still loading sees
 that span as taken and fills another gap.
 
 A joining server's throughput is not known until it has loaded and measured its span, so its
@@ -50,7 +50,7 @@ from typing import Awaitable, Callable, Optional, Sequence
 
 import msgspec
 
-from swarm.records import MIN_THROUGHPUT, ServerInfo, ServerState
+from protocol.records import MIN_THROUGHPUT, ServerInfo, ServerState
 
 logger = logging.getLogger(__name__)
 

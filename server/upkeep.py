@@ -12,8 +12,8 @@ from typing import Sequence
 
 from hivemind.p2p import P2P
 
-from swarm.records import ServerInfo, ServerState
-from swarm.streams import ping_many
+from protocol.records import ServerInfo, ServerState
+from protocol.streams import ping_many
 
 logger = logging.getLogger(__name__)
 

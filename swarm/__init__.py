@@ -1,9 +1,9 @@
-"""Membership, routing and entry points of a specswarm swarm.
+"""The programs people run (server CLI, bootstrap, local launcher, gateway, dashboard, delay proxy)
+and the public face of the library.
 
 ``from swarm import AutoDistributedModel`` is the public client API (``AutoDistributedModelForCausalLM``
-is the same class under transformers' naming). Both are re-exported lazily (PEP 562) because
-client/ itself imports swarm's DHT and routing modules; importing it eagerly here would make every
-``python -m swarm.server`` load the client too.
+is the same class under transformers' naming). Both are re-exported lazily (PEP 562) only so that
+``python -m swarm.server`` does not load the client library it never uses.
 """
 
 from typing import Any

@@ -18,9 +18,9 @@ logger = logging.getLogger("swarm.bootstrap")
 
 
 async def run(args: argparse.Namespace) -> None:
-    from swarm.dht import make_dht
-    from swarm.identity import load_or_create_identity
-    from swarm.reachability import ProbeService
+    from protocol.dht import make_dht
+    from protocol.identity import load_or_create_identity
+    from server.reachability import ProbeService
 
     identity = load_or_create_identity(args.identity_path)
     stop = stop_event_on_signals()

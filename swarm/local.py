@@ -97,7 +97,7 @@ class LocalSwarm:
     def start(self) -> None:
         from transformers import AutoConfig
 
-        from swarm.models import resolve_model
+        from protocol.models import resolve_model
 
         resolved = resolve_model(self.model)  # converts the embedded model once, before the servers start
         self.dht_name = resolved.dht_name
@@ -198,8 +198,8 @@ class LocalSwarm:
 
     def wait_ready(self, expected: Optional[int] = None) -> None:
         """Block until the DHT lists every server as online (or one of them died)."""
-        from swarm.dht import make_dht
-        from swarm.dht_records import wait_until_online
+        from protocol.dht import make_dht
+        from protocol.dht_records import wait_until_online
 
         def check_alive() -> None:
             dead = [p for p in self.servers if p.poll() is not None]

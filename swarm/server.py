@@ -10,7 +10,7 @@ import sys
 from protocol.compression import CODECS
 from protocol.limits import DEFAULT_MAX_POSITIONS_PER_STEP, DEFAULT_MAX_SESSIONS, DEFAULT_MAX_SESSIONS_PER_PEER
 from swarm.cli_utils import parse_blocks, setup_logging, stop_event_on_signals
-from swarm.config import ENV_INITIAL_PEERS, config_path
+from protocol.config import ENV_INITIAL_PEERS, config_path
 
 logger = logging.getLogger("swarm.server")
 
@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    from server.server import ServerConfig, SpanServer
+    from server.span_server import ServerConfig, SpanServer
 
     config = ServerConfig(
         model=args.model,

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from swarm.models import ensure_smollm2_checkpoint
+from protocol.models import ensure_smollm2_checkpoint
 
 
 def build_tiny_llama(path: Path, num_layers: int = 6, seed: int = 0) -> Path:

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from swarm import lifeline
-from swarm.dht import make_dht
-from swarm.dht_records import fetch_servers
+from protocol.dht import make_dht
+from protocol.dht_records import fetch_servers
 from swarm.local import LocalSwarm
-from swarm.records import ServerInfo
-from swarm.routing import RoutePlanner, RouteHop
+from protocol.records import ServerInfo
+from protocol.routing import RoutePlanner, RouteHop
 from tests.checkpoints import build_tiny_llama
 
 lifeline.install_fork_hook()  # the DHT processes (and p2pd) of pytest's clients die with it, even on SIGKILL
@@ -136,7 +136,7 @@ def smol_model(request, smol_swarm):
 def smol_reference():
     from transformers import AutoModelForCausalLM
 
-    from swarm.models import ensure_smollm2_checkpoint
+    from protocol.models import ensure_smollm2_checkpoint
 
     return AutoModelForCausalLM.from_pretrained(ensure_smollm2_checkpoint(), dtype="float32").eval()
 
@@ -154,7 +154,7 @@ def single_torch_thread():
 
 
 def servers_by_name(model, num_blocks: int) -> dict[str, ServerInfo]:
-    infos = fetch_servers(model.swarm.dht, model.swarm.model, num_blocks)
+    infos = fetch_servers(model.protocol.dht, model.swarm.model, num_blocks)
     return {info.public_name: info for info in infos}
 
 
@@ -181,7 +181,7 @@ def limits_swarm(request, tiny_llama_path):
     into their handlers (sessions, cache budget, caps) and patch them into hostile peers; both
     servers and the client take at most LIMITS_MAX_POSITIONS positions per Step."""
     from client import _loop
-    from server.server import ServerConfig, SpanServer
+    from server.span_server import ServerConfig, SpanServer
     from swarm import AutoDistributedModelForCausalLM
 
     bootstrap = make_dht(host="127.0.0.1")
@@ -212,7 +212,7 @@ def inprocess_servers(path, spans=((0, 3), (3, 6)), **config):
     caches), joined through a real DHT, with a client model: a generator for module fixtures,
     yielding (model, servers) and stopping everything after. ``config``: more ServerConfig fields."""
     from client import _loop
-    from server.server import ServerConfig, SpanServer
+    from server.span_server import ServerConfig, SpanServer
     from swarm import AutoDistributedModelForCausalLM
 
     bootstrap = make_dht(host="127.0.0.1")

@@ -21,7 +21,7 @@ import pytest
 
 from swarm.api import Gateway, GatewayConfig, start_server
 from swarm.api.text import IncrementalDetokenizer, StopMatcher
-from swarm.dht_records import fetch_servers
+from protocol.dht_records import fetch_servers
 
 pytestmark = pytest.mark.slow
 
@@ -102,7 +102,7 @@ def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None
 
 
 def open_sessions(model) -> dict[str, int]:
-    servers = fetch_servers(model.swarm.dht, model.swarm.model, model.config.num_hidden_layers)
+    servers = fetch_servers(model.protocol.dht, model.swarm.model, model.config.num_hidden_layers)
     return {s.public_name: s.open_sessions for s in servers}
 
 
@@ -112,7 +112,7 @@ def open_sessions(model) -> dict[str, int]:
 def test_detokenizer_rebuilds_text_token_by_token():
     from transformers import AutoTokenizer
 
-    from swarm.models import ensure_smollm2_checkpoint
+    from protocol.models import ensure_smollm2_checkpoint
 
     tokenizer = AutoTokenizer.from_pretrained(ensure_smollm2_checkpoint())
     text = " Héllo wörld 😀 — ナイス  double  spaces\n\nnew line 🇫🇷 end"

@@ -15,7 +15,7 @@ import torch
 
 from client import _loop
 from protocol.messages import Cancel, Hop, OpenSession, SessionOpened, Step, StepResult, Subscribe
-from swarm.streams import RESULTS_PROTOCOL, SESSION_PROTOCOL, MessageStream
+from protocol.streams import RESULTS_PROTOCOL, SESSION_PROTOCOL, MessageStream
 from tests.conftest import inprocess_servers
 from tests.test_exactness import PROMPT, ScriptedDrafter
 

@@ -16,7 +16,7 @@ from client import _loop
 from protocol.errors import ErrorCode
 from protocol.messages import ErrorReply, Hop, OpenSession, SessionOpened, Step, StepResult, Subscribe
 from protocol.version import PROTOCOL_VERSION
-from swarm.streams import RESULTS_PROTOCOL, SESSION_PROTOCOL, MessageStream
+from protocol.streams import RESULTS_PROTOCOL, SESSION_PROTOCOL, MessageStream
 from tests.conftest import servers_by_name
 from tests.test_exactness import PROMPT, ROUTES, pinned
 

@@ -9,8 +9,8 @@ from tests.conftest import SERVER_ARGS
 
 
 def test_num_blocks_servers_cover_the_model_then_add_redundancy(tiny_llama_path, artifacts_dir):
-    from swarm.dht import make_dht
-    from swarm.dht_records import fetch_servers
+    from protocol.dht import make_dht
+    from protocol.dht_records import fetch_servers
 
     with LocalSwarm(str(tiny_llama_path), spans=[(0, 2)], server_args=SERVER_ARGS, names=["seed"],
                     log_dir=str(artifacts_dir / "block-selection")) as swarm:  # fmt: skip
@@ -34,8 +34,8 @@ def test_running_server_moves_to_a_gap(tiny_llama_path, artifacts_dir):
     """A --num-blocks server sitting on a well-served range moves (after draining) to blocks
     that lost their only server, announcing them as joining while it loads them."""
 
-    from swarm.dht import make_dht
-    from swarm.dht_records import fetch_servers
+    from protocol.dht import make_dht
+    from protocol.dht_records import fetch_servers
     from swarm.local import kill_group
 
     args = SERVER_ARGS + ["--balance-period", "3", "--drain-seconds", "1"]

@@ -24,7 +24,7 @@ from swarm.dashboard.events import ModelSnapshot, PeerProbed, PollFailed, SwarmP
 from swarm.dashboard.state import Limits, State, apply, fold
 from swarm.dashboard.views import state_view
 from swarm.local import free_port
-from swarm.records import ServerInfo, ServerState
+from protocol.records import ServerInfo, ServerState
 from tests.browser import Chromium, Page, find_or_install_chromium
 from tests.checkpoints import build_tiny_llama
 from tests.conftest import TINY_SERVERS
@@ -153,7 +153,7 @@ def test_initial_peers_come_from_the_environment_or_a_clear_error(tmp_path):
     flag is left out, and says where else to put them when none is set anywhere."""
     import os
 
-    from swarm.config import ENV_INITIAL_PEERS
+    from protocol.config import ENV_INITIAL_PEERS
 
     env = {k: v for k, v in os.environ.items() if k != ENV_INITIAL_PEERS}
     env["XDG_CONFIG_HOME"], env["HOME"] = str(tmp_path), str(tmp_path)  # no config file either

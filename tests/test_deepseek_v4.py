@@ -33,7 +33,7 @@ from server.memory import GiB, blocks_that_fit, model_bytes, plan_blocks
 from server.quantization import Quant, resident_bytes
 from server.weights import Checkpoint
 from swarm import lifeline
-from swarm.models import ensure_smollm2_checkpoint, resolve_model
+from protocol.models import ensure_smollm2_checkpoint, resolve_model
 from tests.conftest import SERVER_ARGS, last_use, single_torch_thread
 from tests.test_exactness import PROMPT, ScriptedDrafter, reference_sample
 
@@ -360,7 +360,7 @@ def test_the_memory_plan_counts_the_mtp_block_at_the_tail(v4_mtp_paths):
     """A tail also holds the checkpoint's MTP module (one more block plus its projections): the
     plan says how many blocks still fit beside it, and the server's estimate matches what loads."""
     from server.adapters.deepseek_v4_mtp import load_mtp, mtp_bytes
-    from server.server import ServerConfig, drafter_bytes
+    from server.span_server import ServerConfig, drafter_bytes
 
     path = v4_mtp_paths("csa")
     config, checkpoint = AutoConfig.from_pretrained(path), Checkpoint(str(path))
@@ -598,7 +598,7 @@ def test_drafter_choice_on_deepseek_v4(v4_path, v4_mtp_paths, v4_spans):
     from types import SimpleNamespace
 
     from server.adapters.deepseek_v4_mtp import MTPDrafter
-    from server.server import attach_drafter
+    from server.span_server import attach_drafter
 
     (tail,) = v4_spans([(2, 6)])
     options = SimpleNamespace(drafter="auto", drafter_tokens=4)

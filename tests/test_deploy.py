@@ -301,10 +301,10 @@ def test_entrypoint_runs_a_swarm_that_serves_a_generation(tiny_llama_path, tiny_
     import torch
 
     from swarm import AutoDistributedModelForCausalLM
-    from swarm.dht_records import fetch_servers
-    from swarm.models import resolve_model
-    from swarm.records import ServerState
-    from swarm.dht import make_dht
+    from protocol.dht_records import fetch_servers
+    from protocol.models import resolve_model
+    from protocol.records import ServerState
+    from protocol.dht import make_dht
 
     procs = Processes(artifacts_dir / "deploy-entrypoint")
     peers_file, data = tmp_path / "shared" / "initial_peers", tmp_path / "data"

@@ -47,7 +47,7 @@ from protocol.messages import (
     encode,
 )
 from protocol.version import PROTOCOL_VERSION
-from swarm.streams import PING_PROTOCOL, RESULTS_PROTOCOL, SESSION_PROTOCOL, MessageStream
+from protocol.streams import PING_PROTOCOL, RESULTS_PROTOCOL, SESSION_PROTOCOL, MessageStream
 from tests.conftest import LIMITS_MAX_POSITIONS
 from tests.test_exactness import PROMPT
 from tests.test_hostile_wire import LONG_PROMPT, reference, wait_until_no_sessions

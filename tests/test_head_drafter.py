@@ -121,7 +121,7 @@ def test_head_file_for_another_model_is_refused(tiny_head_path):
     from transformers import AutoConfig
 
     from server.drafter_head import load_head
-    from swarm.models import ensure_smollm2_checkpoint
+    from protocol.models import ensure_smollm2_checkpoint
 
     with pytest.raises(ValueError, match="trained for another model"):
         load_head(tiny_head_path, AutoConfig.from_pretrained(ensure_smollm2_checkpoint()))
@@ -137,9 +137,9 @@ def test_the_memory_plan_counts_the_committed_head_at_the_tail():
     from server.adapters import load_span
     from server.drafter_head import build_head_drafter, committed_head, head_bytes, load_head
     from server.quantization import Quant, resident_bytes
-    from server.server import ServerConfig, drafter_bytes
+    from server.span_server import ServerConfig, drafter_bytes
     from server.weights import Checkpoint
-    from swarm.models import ensure_smollm2_checkpoint
+    from protocol.models import ensure_smollm2_checkpoint
 
     path = ensure_smollm2_checkpoint()
     config, checkpoint = AutoConfig.from_pretrained(path), Checkpoint(str(path))

@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from client._throughput import ThroughputMeter
-from swarm.dht_records import _parse, fetch_model_registry, fetch_servers
-from swarm.records import (
+from protocol.dht_records import _parse, fetch_model_registry, fetch_servers
+from protocol.records import (
     MAX_MODEL_BLOCKS,
     MAX_NAME_CHARS,
     MAX_NEXT_PINGS,
@@ -35,8 +35,8 @@ from swarm.records import (
     ServerInfo,
     block_key,
 )
-from swarm.routing import MaxFlowRouter, RouteHop, cap_throughput, choose_best_span, swarm_max_flow
-from swarm.validation import MAX_RECORD_BYTES, PeerIdSignatureValidator
+from protocol.routing import MaxFlowRouter, RouteHop, cap_throughput, choose_best_span, swarm_max_flow
+from protocol.validation import MAX_RECORD_BYTES, PeerIdSignatureValidator
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -114,7 +114,7 @@ def test_span_is_checked_against_the_given_model_not_the_record():
 
 
 def test_parse_drops_a_bad_record_with_a_debug_log(caplog):
-    with caplog.at_level(logging.DEBUG, logger="swarm.dht_records"):
+    with caplog.at_level(logging.DEBUG, logger="protocol.dht_records"):
         assert _parse("peer", honest(throughput=math.inf), MODEL, BLOCKS) is None
         assert _parse("peer", honest(end_block=10**9), MODEL, BLOCKS) is None
         assert _parse("peer", honest(public_name=BIG), MODEL, BLOCKS) is None
@@ -304,8 +304,8 @@ class HostilePeer:
     """A client-mode DHT peer with a freshly made identity, signing whatever it is told to store."""
 
     def __init__(self, initial_peers: list[str]):
-        from swarm.dht import make_dht
-        from swarm.identity import load_or_create_identity
+        from protocol.dht import make_dht
+        from protocol.identity import load_or_create_identity
 
         self.identity = load_or_create_identity(None)
         self.peer_id = self.identity.peer_id.to_base58()
@@ -331,7 +331,7 @@ def _tree_rss(pid: int) -> int:
 
 @pytest.fixture(scope="module")
 def reader_dht(tiny_swarm):
-    from swarm.dht import make_dht
+    from protocol.dht import make_dht
 
     dht = make_dht(initial_peers=tiny_swarm.initial_peers, client_mode=True)
     yield dht

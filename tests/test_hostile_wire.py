@@ -22,7 +22,7 @@ from client.errors import GenerationError, SwarmError
 from protocol import limits
 from protocol.errors import ErrorCode
 from protocol.messages import ErrorReply, Hop, OpenSession, RunOutputs, SessionOpened, Step, StepResult, Subscribe
-from swarm.streams import RESULTS_PROTOCOL, SESSION_PROTOCOL, MessageStream
+from protocol.streams import RESULTS_PROTOCOL, SESSION_PROTOCOL, MessageStream
 from tests.conftest import LIMITS_MAX_POSITIONS
 from tests.test_exactness import PROMPT
 

@@ -13,8 +13,8 @@ import msgspec
 import pytest
 
 from server.joining import JOINING_THROUGHPUT, claim_span, joining_throughput, outranks, rivals
-from swarm.records import ServerInfo, ServerState
-from swarm.routing import MaxFlowRouter, NoRouteError, choose_best_span, should_move, swarm_max_flow
+from protocol.records import ServerInfo, ServerState
+from protocol.routing import MaxFlowRouter, NoRouteError, choose_best_span, should_move, swarm_max_flow
 
 MODEL = "tiny"
 TOTAL = 6
@@ -38,7 +38,7 @@ def choose3(servers) -> tuple[int, int]:
 
 
 def test_server_placement_counts_a_joining_server():
-    from server.server import ServerConfig, _choose_blocks
+    from server.span_server import ServerConfig, _choose_blocks
 
     config = ServerConfig(model=MODEL, num_blocks=3)
     assert _choose_blocks(config, [], TOTAL) == (0, 3)
@@ -51,7 +51,7 @@ def test_a_span_that_would_end_at_the_tail_leaves_room_for_the_drafter():
     """The memory plan's 3 blocks fit, but only 2 beside the tail's drafter (MTP block, head):
     where the best 3-block span ends at the last block, the server takes 2 blocks instead."""
     from server.memory import MemoryPlan
-    from server.server import ServerConfig, _choose_blocks, drafter_fits
+    from server.span_server import ServerConfig, _choose_blocks, drafter_fits
 
     plan = MemoryPlan(3, TOTAL, 100, 10, 25, 15, drafter_bytes=15, tail_blocks=2)
     config = ServerConfig(model=MODEL)
@@ -172,7 +172,7 @@ def test_two_servers_that_chose_the_same_gap_at_once_split_the_model():
     assert (late.start_block, late.end_block) == (3, 6)  # yields, chooses again, announces again
     assert late.state == early.state == ServerState.JOINING and late.throughput == JOINING_THROUGHPUT
     assert late.started_at == 100.5  # its rank does not change with its span
-    assert swarm.records["late"].end_block == 6 and len(swarm.published) == 3
+    assert protocol.records["late"].end_block == 6 and len(swarm.published) == 3
 
 
 def test_equal_claim_times_are_broken_by_peer_id():
@@ -226,7 +226,7 @@ def test_fetch_servers_prefers_the_newest_record_of_a_server_that_changed_span()
     the order of the block keys, the newer record is the one read."""
     import hivemind
 
-    from swarm.dht_records import announce, fetch_servers
+    from protocol.dht_records import announce, fetch_servers
 
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     try:
@@ -258,8 +258,8 @@ def empty_swarm(tiny_llama_path, artifacts_dir):
 @pytest.mark.timeout(300)
 def test_two_servers_started_together_take_different_spans(empty_swarm):
 
-    from swarm.dht_records import fetch_servers
-    from swarm.dht import make_dht
+    from protocol.dht_records import fetch_servers
+    from protocol.dht import make_dht
 
     swarm = empty_swarm
     swarm.start_server(None, 3, name="twin-1")

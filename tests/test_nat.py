@@ -28,15 +28,15 @@ pytestmark = pytest.mark.timeout(300)
 CLIENT = """
 import json, sys
 from swarm import AutoDistributedModel
-from swarm.dht_records import fetch_servers
+from protocol.dht_records import fetch_servers
 path, peer, ids = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 model = AutoDistributedModel.from_pretrained(path, initial_peers=[peer])
 try:
     import torch
     out = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)
-    servers = fetch_servers(model.swarm.dht, model.swarm.model, model.config.num_hidden_layers)
+    servers = fetch_servers(model.protocol.dht, model.swarm.model, model.config.num_hidden_layers)
     from swarm.dashboard.poller import SwarmReader  # the dashboard's reachability probe
-    probed = {p.peer_id: p.rtt for p in SwarmReader(model.swarm.dht).probe(model.swarm.model, servers)}
+    probed = {p.peer_id: p.rtt for p in SwarmReader(model.protocol.dht).probe(model.swarm.model, servers)}
     print(json.dumps({"tokens": out[0].tolist(), "servers": [
         {"start": s.start_block, "end": s.end_block, "using_relay": s.using_relay, "relay_addrs": s.relay_addrs,
          "probe_rtt": probed.get(s.peer_id)} for s in servers]}), flush=True)
@@ -121,7 +121,7 @@ def test_server_behind_nat_without_a_relay_exits_with_one_clear_line(bed, tiny_l
 
 
 def test_only_well_formed_circuit_addresses_of_the_peer_itself_are_kept():
-    from swarm import relay
+    from protocol import relay
 
     me, other = "QmY2BEWQvt9bxCg7KUxMPhvXrSfZ1wacXso1YEps1xWjxC", "QmQa8jrsSkogQrtaBrWN68FkmtigGxzN771cyokw6YGTbo"
     good = f"/ip4/10.0.0.1/tcp/5000/p2p/{other}/p2p-circuit/p2p/{me}"
@@ -137,7 +137,7 @@ def test_dial_back_probe_tells_a_listening_peer_from_a_dead_address():
 
     from hivemind.p2p import P2P
 
-    from swarm.reachability import ProbeService, ask_dial_back
+    from server.reachability import ProbeService, ask_dial_back
 
     async def scenario():
         prober = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
@@ -164,8 +164,8 @@ def test_a_peer_without_a_relay_refuses_to_vouch_for_circuits_through_it(monkeyp
 
     from hivemind.p2p import P2P
 
-    from swarm import reachability
-    from swarm.reachability import NOT_A_RELAY, ProbeService, _working_circuits, ask_dial_back, circuit_addrs
+    from server import reachability
+    from server.reachability import NOT_A_RELAY, ProbeService, _working_circuits, ask_dial_back, circuit_addrs
 
     answers = []
     ask = reachability._ask

@@ -7,8 +7,8 @@ from collections import Counter
 
 import pytest
 
-from swarm.records import ServerInfo, ServerState
-from swarm.routing import (
+from protocol.records import ServerInfo, ServerState
+from protocol.routing import (
     MaxFlowRouter,
     NoRouteError,
     RouteHop,

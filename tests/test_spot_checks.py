@@ -22,8 +22,8 @@ from client._spot_checks import (
 )  # fmt: skip
 from benchmarks.spot_checks import PreferredRoutes
 from swarm.local import LocalSwarm
-from swarm.records import ServerInfo, ServerState
-from swarm.routing import RouteHop
+from protocol.records import ServerInfo, ServerState
+from protocol.routing import RouteHop
 from tests.conftest import SERVER_ARGS, servers_by_name
 
 # ---- unit: the tolerance rule ------------------------------------------------------------------
@@ -277,7 +277,7 @@ def test_dashboard_counts_the_report(noise_run, liar_swarm):
     from swarm.dashboard.poller import SwarmReader
     from swarm.dashboard.state import fold
     from swarm.dashboard.views import state_view
-    from swarm.dht import make_dht
+    from protocol.dht import make_dht
 
     peers = noise_run[0]
     dht = make_dht(initial_peers=liar_swarm.initial_peers, client_mode=True)

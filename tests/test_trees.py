@@ -27,7 +27,7 @@ from protocol.messages import (
 from protocol.sampling import choose_token, pack_f16, verify, verify_tree
 from server.adapters import load_span
 from server.weights import Checkpoint
-from swarm.streams import RESULTS_PROTOCOL, SESSION_PROTOCOL, MessageStream
+from protocol.streams import RESULTS_PROTOCOL, SESSION_PROTOCOL, MessageStream
 from tests.conftest import inprocess_servers, single_torch_thread
 from tests.test_exactness import PROMPT, ROUTES, ScriptedDrafter, pinned
 

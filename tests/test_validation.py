@@ -14,9 +14,9 @@ from hivemind.dht.validation import CompositeValidator, DHTRecord
 from hivemind.p2p import PeerID
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
-from swarm.identity import load_or_create_identity
-from swarm.records import MODELS_KEY, ServerInfo, block_key
-from swarm.validation import PeerIdSignatureValidator
+from protocol.identity import load_or_create_identity
+from protocol.records import MODELS_KEY, ServerInfo, block_key
+from protocol.validation import PeerIdSignatureValidator
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -52,7 +52,7 @@ def check_args(args: argparse.Namespace) -> None:
     if bad:
         raise ValueError(f"--initial-peers takes multiaddrs such as /ip4/1.2.3.4/tcp/31337/p2p/Qm..., got {bad[0]!r}")
     if not args.initial_peers:  # as a server does: $SPECSWARM_INITIAL_PEERS, then the config file
-        from swarm.config import no_initial_peers_message, resolve_initial_peers
+        from protocol.config import no_initial_peers_message, resolve_initial_peers
 
         args.initial_peers = resolve_initial_peers().peers
         if not args.initial_peers:
@@ -65,8 +65,8 @@ async def serve(args: argparse.Namespace) -> None:
     from swarm.dashboard.app import Dashboard, DashboardConfig, create_app
     from swarm.dashboard.poller import SwarmReader
     from swarm.dashboard.state import Limits
-    from swarm.models import model_num_blocks
-    from swarm.dht import make_dht
+    from protocol.models import model_num_blocks
+    from protocol.dht import make_dht
 
     try:
         known_blocks = dict(model_num_blocks(name) for name in args.model)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Union
 
-from swarm.records import ServerInfo
+from protocol.records import ServerInfo
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,7 @@ class ModelSnapshot:
     name: str
     num_blocks: Optional[int]  # None: no server said, and none of the records reach further
     servers: tuple[ServerInfo, ...]
-    # accused peer id -> clients whose spot-checks caught it lying (swarm.dht_records.fetch_reports):
+    # accused peer id -> clients whose spot-checks caught it lying (protocol.dht_records.fetch_reports):
     # anybody's claims, a signal and not a ban
     disputes: Mapping[str, int] = field(default_factory=dict)
 

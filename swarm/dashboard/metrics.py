@@ -14,7 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from swarm.dashboard.state import State
-from swarm.records import ServerState
+from protocol.records import ServerState
 
 PREFIX = "specswarm"
 

@@ -30,11 +30,11 @@ from hivemind.dht.node import DHTNode
 from hivemind.p2p import PeerID
 from hivemind.proto import dht_pb2
 
-from swarm import relay
+from protocol import relay
 from swarm.dashboard.events import Event, ModelSnapshot, PeerProbed, PollFailed, SwarmPolled
-from swarm.dht_records import fetch_model_registry, fetch_reports, fetch_servers
-from swarm.records import MAX_MODEL_BLOCKS, ServerInfo, ServerState
-from swarm.streams import ping
+from protocol.dht_records import fetch_model_registry, fetch_reports, fetch_servers
+from protocol.records import MAX_MODEL_BLOCKS, ServerInfo, ServerState
+from protocol.streams import ping
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class SwarmReader:
     """Polls one swarm through ``dht`` (a client-mode DHT with the swarm's record validators).
 
     ``known_blocks`` maps DHT model names to their number of blocks from the models' own configs
-    (see :func:`swarm.models.model_num_blocks`); registry entries that disagree are ignored.
+    (see :func:`protocol.models.model_num_blocks`); registry entries that disagree are ignored.
     """
 
     def __init__(self, dht: DHT, probe_timeout: float = 5.0, known_blocks: Optional[Mapping[str, int]] = None):

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field, replace
 from typing import Mapping, Optional
 
 from swarm.dashboard.events import Event, ModelSnapshot, PeerProbed, PollFailed, SwarmPolled
-from swarm.records import ServerInfo, ServerState
-from swarm.routing import swarm_max_flow
+from protocol.records import ServerInfo, ServerState
+from protocol.routing import swarm_max_flow
 
 # A bucket of the uptime timeline shows the worst state seen in it.
 _SEVERITY = {ServerState.ONLINE: 0, ServerState.JOINING: 1, ServerState.DRAINING: 2, ServerState.OFFLINE: 3}

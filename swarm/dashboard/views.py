@@ -10,7 +10,7 @@ from collections import defaultdict
 from typing import Any, Optional
 
 from swarm.dashboard.state import ModelEntry, ServerEntry, State, UptimeRecord
-from swarm.records import ServerState
+from protocol.records import ServerState
 
 API_VERSION = 1
 ANONYMOUS = "(anonymous)"

@@ -44,7 +44,7 @@ MAX_RTT = 60.0  # seconds
 MAX_PEER_ID_CHARS = 128  # base58 peer ids are ~46-53 characters
 MAX_NAME_CHARS = 256  # model names and public names
 MAX_SHORT_CHARS = 64  # version, dtype, quantization
-MAX_RELAY_ADDRS = 4  # circuit addresses of a server behind NAT (swarm.relay)
+MAX_RELAY_ADDRS = 4  # circuit addresses of a server behind NAT (protocol.relay)
 MAX_ADDR_CHARS = 512
 MAX_TIME = 1e11  # unix seconds (year ~5138): keeps started_at finite
 
@@ -85,7 +85,7 @@ class ServerInfo(msgspec.Struct, frozen=True, kw_only=True):
     laps_served: _Count = 0  # runs computed and passed on (by the tail: answered)
     accepted_tokens: _Count = 0  # tokens committed by the tail's results: accepted drafts + 1 per lap
     cancelled_runs: _Count = 0
-    # Behind NAT: circuit addresses through which peers dial this server (swarm.relay; readers keep
+    # Behind NAT: circuit addresses through which peers dial this server (protocol.relay; readers keep
     # only well-formed circuit addresses naming this peer)
     relay_addrs: Annotated[list[_Addr], msgspec.Meta(max_length=MAX_RELAY_ADDRS)] = []
 
@@ -117,7 +117,7 @@ def block_key(model: str, block: int) -> str:
 
 
 MODELS_KEY = "_specswarm.models"  # subkey: model name, value: {"num_blocks": N} (None from older servers)
-# Anyone can write MODELS_KEY (it is unprotected, swarm.validation.UNPROTECTED_KEYS): readers take
+# Anyone can write MODELS_KEY (it is unprotected, protocol.validation.UNPROTECTED_KEYS): readers take
 # num_blocks from the model's config where they have it, and cap it at MAX_MODEL_BLOCKS otherwise.
 
 

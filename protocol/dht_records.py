@@ -1,4 +1,4 @@
-"""Writing and reading server records in the DHT (see :mod:`swarm.records` for the schema).
+"""Writing and reading server records in the DHT (see :mod:`protocol.records` for the schema).
 
 Both run inside hivemind's DHT process through ``DHT.run_coroutine``, so one call stores or reads
 every block key of a span at once instead of one round trip per block.
@@ -16,8 +16,8 @@ from hivemind import DHT
 from hivemind.dht.node import DHTNode
 from hivemind.utils import get_dht_time
 
-from swarm import relay
-from swarm.records import (
+from protocol import relay
+from protocol.records import (
     MAX_MODEL_BLOCKS, MAX_NAME_CHARS, MAX_PEER_ID_CHARS, MAX_REPORT_COUNT, MAX_REPORTED_PEERS, MAX_REPORTERS, MODELS_KEY,
     REPORT_EXPIRATION, ServerInfo, block_key, reports_key,
 )  # fmt: skip
@@ -183,7 +183,7 @@ def wait_until_online(
 ) -> None:
     """Block until ``expected`` servers of ``model`` are announced ONLINE; ``check`` runs before each
     read and may raise (a launcher checks that its server processes are still alive)."""
-    from swarm.records import ServerState
+    from protocol.records import ServerState
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -1,7 +1,7 @@
 """DHT records that only the peer named in the subkey can write.
 
 Servers announce themselves under ``"{model}.{block}"`` with their base58 peer id as the subkey
-(see :mod:`swarm.records`). hivemind's RSASignatureValidator would bind such a record to an RSA key
+(see :mod:`protocol.records`). hivemind's RSASignatureValidator would bind such a record to an RSA key
 written into the subkey as ``[owner:...]``, but not to the peer id, so anybody could write
 ``"<victim id>[owner:<own key>]"``. :class:`PeerIdSignatureValidator` instead requires that the
 subkey *is* a peer id, and that the value carries the public key hashing to that id plus a
@@ -25,7 +25,7 @@ Readers should still take the server's identity from the subkey, not from fields
 
 Size: every value, protected or not (the registry too), is refused above ``MAX_RECORD_BYTES``, so
 no peer stores, and no reader accepts, a megabyte of names or pings (an honest record is under
-2 KiB). What the fields may hold is checked by readers (``swarm.records``).
+2 KiB). What the fields may hold is checked by readers (``protocol.records``).
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.p2p import PeerID
 from hivemind.utils import MSGPackSerializer, get_logger
 
-from swarm.identity import Identity, peer_id_from_public_key, verify_signature
-from swarm.records import MODELS_KEY
+from protocol.identity import Identity, peer_id_from_public_key, verify_signature
+from protocol.records import MODELS_KEY
 
 logger = get_logger(__name__)
 

@@ -6,12 +6,15 @@ must agree on the DHT keys, so :func:`dht_name` maps every spelling of one model
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +38,17 @@ class ResolvedModel:
 
     source: str  # local folder or hub repo id
     dht_name: str
+
+
+def config_fingerprint(config: Any) -> str:
+    """A model's shape as one short string: the fields of its config (a transformers
+    ``PretrainedConfig``) that shape its features and ids. Files made for one model (the tail's
+    drafter, the client's warm corpus) name it, so the server and the client, which share only
+    protocol/, match them to a model alike."""
+    fields = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads", "tie_word_embeddings")  # fmt: skip
+    values = {name: getattr(config, name, None) for name in fields}
+    return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def cache_dir() -> Path:

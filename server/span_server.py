@@ -33,12 +33,12 @@ from server.memory import MemoryPlan, plan_blocks
 from server.quantization import Quant, resident_bytes, resolve_quant
 from server.upkeep import measure_next_pings
 from server.weights import Checkpoint
-from swarm.config import no_initial_peers_message, resolve_initial_peers
-from swarm.dht_records import announce, fetch_servers
-from swarm.identity import load_or_create_identity
-from swarm.models import resolve_model
-from swarm.reachability import ProbeService, start_server_dht
-from swarm.records import ServerInfo, ServerState
+from protocol.config import no_initial_peers_message, resolve_initial_peers
+from protocol.dht_records import announce, fetch_servers
+from protocol.identity import load_or_create_identity
+from protocol.models import resolve_model
+from server.reachability import ProbeService, start_server_dht
+from protocol.records import ServerInfo, ServerState
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ class SpanServer:
             logger.info(plan.describe(device))
         dht_name = config.dht_prefix or model.dht_name
         identity = load_or_create_identity(config.identity_path)
-        # Can peers dial us? If not, join through a relay (or stop: swarm/reachability.py)
+        # Can peers dial us? If not, join through a relay (or stop: server/reachability.py)
         joined = await start_server_dht(
             initial_peers=initial_peers.peers, identity=identity, host=config.host, port=config.port,
             announce_maddrs=config.announce_maddrs,
@@ -228,7 +228,7 @@ class SpanServer:
 
     async def _maybe_move(self, servers: Sequence[ServerInfo]) -> None:
         """Move to the span that raises the swarm's max-flow the most, if the gain is large."""
-        from swarm.routing import should_move
+        from protocol.routing import should_move
 
         target = should_move(servers, self.current_info(), self.span.num_blocks)
         if target is None:
@@ -443,7 +443,7 @@ def _choose_blocks(
     length = min(config.num_blocks or (plan.blocks if plan else total), total)
     if length <= 0:
         raise ValueError(f"--num-blocks must be positive, got {config.num_blocks}")
-    from swarm.routing import choose_best_span
+    from protocol.routing import choose_best_span
 
     start, end = choose_best_span(servers, total, length, my_throughput=joining_throughput(servers, length))
     if config.num_blocks is None and plan is not None and end == total and plan.tail_blocks < length:

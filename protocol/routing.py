@@ -37,7 +37,7 @@ import msgspec
 import networkx as nx
 
 from protocol.messages import Hop
-from swarm.records import MAX_THROUGHPUT, ServerInfo, ServerState
+from protocol.records import MAX_THROUGHPUT, ServerInfo, ServerState
 
 DEFAULT_RTT = 0.05  # seconds, assumed for a link nobody has measured
 

@@ -25,7 +25,7 @@ from protocol import compression
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.limits import CONTROL_FRAME_BYTES
 from protocol.messages import Message, decode, encode
-from swarm import relay
+from protocol import relay
 
 logger = logging.getLogger(__name__)
 

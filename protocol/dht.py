@@ -25,8 +25,8 @@ from typing import Optional, Sequence
 import hivemind
 from hivemind.p2p import P2P
 
-from swarm.identity import Identity
-from swarm.validation import PeerIdSignatureValidator
+from protocol.identity import Identity
+from protocol.validation import PeerIdSignatureValidator
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ def make_dht(
         # Best effort only: hivemind's p2pd also starts a relay with libp2p's default limits (seen
         # relaying with -relay=0 too), and whichever registers the hop protocol last wins. So a peer
         # without a relay service also refuses to vouch for circuits through it in the dial-back
-        # probe (swarm.reachability.ProbeService), which is what servers behind NAT go by.
+        # probe (server.reachability.ProbeService), which is what servers behind NAT go by.
         _no_relay_service.set()
     return hivemind.DHT(
         initial_peers=list(initial_peers),

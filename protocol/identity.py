@@ -2,7 +2,7 @@
 
 The same key file is handed to ``hivemind.DHT(identity_path=identity.path)``, so the peer id the
 swarm sees is derived from this key. Because of that, a signature made with :meth:`Identity.sign`
-proves "written by the owner of peer id X" and :mod:`swarm.validation` can tie DHT records to the
+proves "written by the owner of peer id X" and :mod:`protocol.validation` can tie DHT records to the
 peer id that announces them (hivemind's own RSASignatureValidator only ties them to an RSA key
 named in the key/subkey, which anybody can pair with somebody else's peer id).
 

@@ -8,10 +8,10 @@ whether the dial succeeded. Because the prober is a fresh daemon, an existing co
 asker opened itself (which NAT lets through) can never make the answer "reachable".
 
 A server that nobody can dial restarts its DHT as a client with its initial peers as relays
-(:func:`swarm.dht.make_dht`), then asks for a dial back through each relay's circuit address; if
+(:func:`protocol.dht.make_dht`), then asks for a dial back through each relay's circuit address; if
 none works it stops with one clear line (:class:`NoRelayError`) instead of announcing a span nobody
 can use. Otherwise it announces those circuit addresses (``ServerInfo.relay_addrs``) with
-``using_relay``, and peers dial it through them (:mod:`swarm.relay`).
+``using_relay``, and peers dial it through them (:mod:`protocol.relay`).
 
 Probers only dial the asker's own peer id (the authenticated remote id of the request), at most
 :data:`MAX_PROBE_ADDRS` addresses, and run at most :data:`MAX_CONCURRENT_PROBES` at once, so the
@@ -226,7 +226,7 @@ async def start_server_dht(
     peers) counts as direct: the server is announced as before and the log says it was not checked.
     Raises :class:`NoRelayError` when the server is not dialable and no relay works.
     """
-    from swarm.dht import make_dht
+    from protocol.dht import make_dht
 
     def start(relays: Sequence[str] = ()):
         # behind NAT: a DHT client (nobody could reach its DHT server) that libp2p calls private
