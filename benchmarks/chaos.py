@@ -73,7 +73,7 @@ class Chaos:
     def names_by_peer(self) -> dict[str, str]:
         from protocol.dht_records import fetch_servers
 
-        infos = fetch_servers(self.model.protocol.dht, self.swarm.dht_name, self.swarm.num_blocks)
+        infos = fetch_servers(self.model.swarm.dht, self.swarm.dht_name, self.swarm.num_blocks)
         return {i.peer_id: i.public_name for i in infos if i.public_name in self.alive}
 
     def wait_redundant(self, timeout: float = 300.0) -> None:
@@ -86,7 +86,7 @@ class Chaos:
             for name, (index, _) in self.alive.items():
                 if self.swarm.servers[index].poll() is not None:
                     raise RuntimeError(f"server {name} exited with code {self.swarm.servers[index].returncode}")
-            infos = fetch_servers(self.model.protocol.dht, self.swarm.dht_name, self.swarm.num_blocks)
+            infos = fetch_servers(self.model.swarm.dht, self.swarm.dht_name, self.swarm.num_blocks)
             online = {i.public_name for i in infos if i.state == ServerState.ONLINE}
             if all(sum(1 for n, (_, s) in self.alive.items() if s == span and n in online) >= 2 for span in SPANS):
                 return

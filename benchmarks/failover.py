@@ -29,7 +29,7 @@ class KillMiddleAt:
             peer = self.model.last_generation_stats.route[1][0]
             from protocol.dht_records import fetch_servers
 
-            names = {s.peer_id: s.public_name for s in fetch_servers(self.model.protocol.dht, self.model.swarm.model, 30)}
+            names = {s.peer_id: s.public_name for s in fetch_servers(self.model.swarm.dht, self.model.swarm.model, 30)}
             self.swarm.servers[NAMES.index(names[peer])].send_signal(signal.SIGKILL)
             self.done = True
 

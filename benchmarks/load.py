@@ -196,7 +196,7 @@ def main() -> None:
         model.generate(torch.tensor([rows[0]]), max_new_tokens=2, speculation=None)  # warm connections
         time.sleep(3)  # let the warm-up session's release reach the records
         before = {n: tree_rss(s.pid) for n, s in zip(names, swarm.servers)}
-        sampler = Sampler(swarm, model.protocol.dht, names)
+        sampler = Sampler(swarm, model.swarm.dht, names)
         sampler.start()
         t0 = time.perf_counter()
         results = asyncio.run(load(model, rows, args.tokens))

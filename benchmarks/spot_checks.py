@@ -56,7 +56,7 @@ def connect(path, swarm, *routes):
 
     model = AutoDistributedModelForCausalLM.from_pretrained(str(path), initial_peers=swarm.initial_peers)
     model.swarm.router = PreferredRoutes(*routes)
-    peers = {s.public_name: s.peer_id for s in fetch_servers(model.protocol.dht, model.swarm.model, 6)}
+    peers = {s.public_name: s.peer_id for s in fetch_servers(model.swarm.dht, model.swarm.model, 6)}
     return model, peers
 
 

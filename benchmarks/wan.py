@@ -25,25 +25,25 @@ from pathlib import Path
 from benchmarks.prompts import CODE_EDITING, CODE_FOLLOW_UP, OPEN_CHAT
 from swarm.local import LocalSwarm
 
-MODES = {  # head_start=False: the client sends every run (as before head-started runs existed)
-    "none": dict(speculation=None, head_start=False),
-    "ngram": dict(speculation="ngram", head_start=False),
-    "suffix": dict(speculation="suffix", head_start=False),
+MODES = {  # loop_runs=False: the client sends every run (as before looped runs existed)
+    "none": dict(speculation=None, loop_runs=False),
+    "ngram": dict(speculation="ngram", loop_runs=False),
+    "suffix": dict(speculation="suffix", loop_runs=False),
     "suffix+async": dict(speculation="suffix", async_speculation=True, max_inflight_runs=3),
-    "head": dict(speculation="head", head_start=False),  # the tail's drafter head alone (server/drafter_head.py)
-    "suffix+head": dict(speculation="suffix+head", head_start=False),  # per lap the source measured better (client.drafters.HeadDrafts)
+    "tail": dict(speculation="tail", loop_runs=False),  # the tail's drafter alone (server/tail_drafter.py)
+    "suffix+tail": dict(speculation="suffix+tail", loop_runs=False),  # per lap the source measured better (client.drafters.TailDrafts)
     "suffix-tree": dict(speculation="suffix", draft_tree=True),  # token trees sized per lap (client/_trees.py)
     "ngram-tree": dict(speculation="ngram", draft_tree=True),
-    # head-started runs: the tail starts each next run at the head, one link earlier (docs/protocol.md)
-    "none+hs": dict(speculation=None, head_start=True),
-    "head+hs": dict(speculation="head", head_start=True),
-    "suffix+hs": dict(speculation="suffix", head_start=True),  # generate()'s default; retrieval drafts ride as DraftOffers
-    "suffix+head+hs": dict(speculation="suffix+head", head_start=True),
+    # looped runs: the tail starts each next run at the head, one link earlier (docs/protocol.md)
+    "none+loop": dict(speculation=None, loop_runs=True),
+    "tail+loop": dict(speculation="tail", loop_runs=True),
+    "suffix+loop": dict(speculation="suffix", loop_runs=True),  # generate()'s default; retrieval drafts ride as DraftOffers
+    "suffix+tail+loop": dict(speculation="suffix+tail", loop_runs=True),
     # the suffix store starts with the model's warm corpus (client/warm_corpus.py; opt-in for users)
-    "suffix+warm": dict(speculation="suffix", head_start=False, warm_store=True),
-    "suffix+hs+warm": dict(speculation="suffix", head_start=True, warm_store=True),
+    "suffix+warm": dict(speculation="suffix", loop_runs=False, warm_store=True),
+    "suffix+loop+warm": dict(speculation="suffix", loop_runs=True, warm_store=True),
 }
-DEFAULT_MODES = ["none", "ngram", "suffix", "suffix+async", "suffix+hs"]  # the README's table
+DEFAULT_MODES = ["none", "ngram", "suffix", "suffix+async", "suffix+loop"]  # the README's table
 
 
 @dataclass
@@ -65,7 +65,7 @@ class Run:
     hedge_hits: int = 0
     hedge_seconds: float = 0.0
     # head-drafting modes: per source, [proposals, ids proposed, ids matching the committed text]
-    # (client.drafters.HeadDrafts measures both sources on every lap, whichever it sent)
+    # (client.drafters.TailDrafts measures both sources on every lap, whichever it sent)
     sources: dict = None
     choices: dict = None
     # tree modes: laps sent as trees, draft nodes they carried, drafts accepted on them, laps by nodes sent
@@ -156,7 +156,7 @@ def _source_acceptance(runs: list[Run]) -> dict:
     """Head-drafting modes: per source, the share of its proposed ids that matched the committed
     text and the ids it got right per proposal; and the share of laps that sent the head's drafts."""
     out = {}
-    for source in ("head", "retrieval"):
+    for source in ("tail", "retrieval"):
         stats = [r.sources[source] for r in runs if r.sources]
         if stats and sum(s[0] for s in stats):
             out[f"{source}_acceptance"] = sum(s[2] for s in stats) / max(1, sum(s[1] for s in stats))
@@ -164,7 +164,7 @@ def _source_acceptance(runs: list[Run]) -> dict:
     choices = [r.choices for r in runs if r.choices]
     if choices:
         sent = sum(sum(c.values()) for c in choices)
-        out["head_share_of_laps"] = sum(c["head"] for c in choices) / max(1, sent)
+        out["tail_share_of_laps"] = sum(c["tail"] for c in choices) / max(1, sent)
     return out
 
 
@@ -195,10 +195,10 @@ def markdown(rows: list[dict]) -> str:
     sourced = [r for r in rows if "head_acceptance" in r or "retrieval_acceptance" in r]
     if sourced:  # what each draft source got right, measured on every lap of the head-drafting modes
         lines += ["", "| delay/hop | workload | mode | head: ids right/proposed | head: right/proposal "
-                  "| retrieval: ids right/proposed | retrieval: right/proposal | laps sending head drafts |",
+                  "| retrieval: ids right/proposed | retrieval: right/proposal | laps sending tail drafts |",
                   "|" + "---|" * 8]  # fmt: skip
         for r in sourced:
-            cells = [f"{r.get(f'{s}_acceptance', 0):.2f} | {r.get(f'{s}_right_per_proposal', 0):.2f}" for s in ("head", "retrieval")]
+            cells = [f"{r.get(f'{s}_acceptance', 0):.2f} | {r.get(f'{s}_right_per_proposal', 0):.2f}" for s in ("tail", "retrieval")]
             lines.append(f"| {r['delay_ms']:.0f} ms | {r['workload']} | {r['mode']} | {cells[0]} | {cells[1]} "
                          f"| {r.get('head_share_of_laps', 0):.2f} |")  # fmt: skip
     treed = [r for r in rows if "tree_nodes_per_lap" in r]

@@ -36,7 +36,7 @@ from client.drafters import Drafter
 from client.errors import GenerationError, ServerError
 from protocol import trees as tree_rules
 from protocol.limits import MAX_OFFER_OPTIONS, MAX_TREE_NODES
-from protocol.messages import GREEDY, DraftOffer, HeadStartStep, SamplingParams, Step, StepResult, TokenLogprobs, TreeStep
+from protocol.messages import GREEDY, DraftOffer, LoopedStep, SamplingParams, Step, StepResult, TokenLogprobs, TreeStep
 from protocol.sampling import pack_f16, sample_correction, unpack_f16
 
 logger = logging.getLogger(__name__)
@@ -57,8 +57,8 @@ class GenerationStats:
     wait_time: float = 0.0  # seconds the client spent waiting for verdicts
     turnaround_time: float = 0.0  # seconds from a verdict to the next run sent (client work)
     hedges_prepared: int = 0  # drafts made ahead for outcomes of runs in flight
-    head_started_runs: int = 0  # runs the tail started at the head (generate(head_start=True))
-    offers_sent: int = 0  # DraftOffers: hedged drafts for a head-started run's verdicts, sent to the head
+    looped_runs: int = 0  # runs the tail started at the head (generate(loop_runs=True))
+    offers_sent: int = 0  # DraftOffers: hedged drafts for a looped run's verdicts, sent to the head
     hedge_hits: int = 0  # front runs sent with a hedged draft instead of drafting after the verdict
     hedge_time: float = 0.0  # seconds spent hedging (while runs are in flight, before waiting)
     bytes_up: int = 0
@@ -69,7 +69,7 @@ class GenerationStats:
     failover_events: list[str] = field(default_factory=list)
     failover_time: float = 0.0  # seconds from a failure to the next committed token
     corrections: int = 0  # rejections whose token the client drew from norm(max(0, p - q))
-    # with head drafts (client.drafters.HeadDrafts): per source ("head", "retrieval"), [proposals,
+    # with tail drafts (client.drafters.TailDrafts): per source ("tail", "retrieval"), [proposals,
     # ids proposed, ids matching the committed text], measured on every proposal, sent or not;
     # and the laps whose run carried each source's drafts
     drafter_sources: dict = field(default_factory=dict)
@@ -184,7 +184,7 @@ class Run:
     parents: list[int] = field(default_factory=list)  # a tree run: each draft's parent (-1: the root)
     tree: bool = False  # sent in tree mode (a tree, or a chain the tree sizer chose)
     shape: Optional[DraftTree] = None  # tree mode: the nodes sent, with the drafter's scores (for the cost model)
-    head_started: bool = False  # started at the head by the tail (HeadStartStep), not sent by the client
+    looped: bool = False  # started at the head by the tail (LoopedStep), not sent by the client
 
     @property
     def split(self) -> bool:
@@ -211,7 +211,7 @@ class SpeculativeDecoder:
         spot_checker: Optional[SpotChecker] = None,
         draft_tree: bool = False,
         tree_sizer: Optional[TreeSizer] = None,
-        head_start: bool = False,
+        loop_runs: bool = False,
     ):
         if max_inflight_runs < 1:
             raise ValueError(f"max_inflight_runs must be >= 1, got {max_inflight_runs}")
@@ -235,9 +235,9 @@ class SpeculativeDecoder:
         self.draft_tree = _tree_mode(draft_tree, max_inflight_runs, self.rejection) and drafter is not None
         self._sizer = tree_sizer if tree_sizer is not None else TreeSizer()  # the model's: it learns across calls
         self._prompt_len = 0
-        # the tail starts each next run at the head (docs/protocol.md "Head-started runs"): one
+        # the tail starts each next run at the head (docs/protocol.md "Looped runs"): one
         # run in flight, chains verified by token match
-        self.head_start = head_start and max_inflight_runs == 1 and not self.rejection and not self.draft_tree
+        self.loop_runs = loop_runs and max_inflight_runs == 1 and not self.rejection and not self.draft_tree
         self._offered: dict[tuple[int, int], list[int]] = {}  # the last DraftOffer's options by verdict
         self._offered_for: Optional[int] = None  # the run whose verdicts they follow
         self._budget = 0
@@ -363,7 +363,7 @@ class SpeculativeDecoder:
         hedging = time.perf_counter()
         if not front.tree:  # a tree run is followed by a tree drafted after its verdict
             self._hedge(front, budget)
-            if front.head_started:  # the run after it starts at the head: offer the hedges there
+            if front.looped:  # the run after it starts at the head: offer the hedges there
                 await self._offer(front)
         self.stats.hedge_time += time.perf_counter() - hedging
         # 3) the verdict on the oldest run
@@ -374,9 +374,9 @@ class SpeculativeDecoder:
         if result.run_id != front.run_id:
             raise ServerError(f"result for run {result.run_id} while waiting for {front.run_id}", remote.tail_peer)
         self._inflight.popleft()
-        if front.head_started:  # the head chose its drafts (the tail's or an offer): the verdict names them
+        if front.looped:  # the head chose its drafts (the tail's or an offer): the verdict names them
             self._take_run_drafts(front, result)
-        else:  # a head-started lap began at the tail: no client-to-head link to time
+        else:  # a looped lap began at the tail: no client-to-head link to time
             self.swarm.observe_lap(remote.route, self._verdict_at - front.sent_at, len(front.token_ids))
         self._verdict_seen(front.run_id)
         if self.draft_tree:
@@ -384,7 +384,7 @@ class SpeculativeDecoder:
             if front.drafts and front.shape is not None:
                 self._sizer.observe_acceptance(front.shape, result.accepted)
         # 4) commit, then cancel whatever the verdict refutes
-        head_drafts = result.drafts if result.correction_ids is None else []  # after the tail's own next token
+        tail_drafts = result.drafts if result.correction_ids is None else []  # after the tail's own next token
         if result.correction_ids is not None:
             result = self._corrected(front, result)
         new = self._commit(front, result, budget)
@@ -393,15 +393,15 @@ class SpeculativeDecoder:
         refuted = not self._confirms(front, result) or len(new) < len(front.drafts) + 1
         if refuted and self._inflight:
             await self._cancel_inflight()
-        if result.head_started:
-            self._follow_head_start(front, result, head_drafts)
+        if result.looped:
+            self._follow_looped_run(front, result, tail_drafts)
         if self.drafter is not None:
             self.drafter.extend(new)
-            if hasattr(self.drafter, "offer"):  # HeadDrafts
+            if hasattr(self.drafter, "offer"):  # TailDrafts
                 if not result.drafts:  # a tail with a head always drafts when asked: this one has none
                     self.drafter.head_tokens = 0  # so stop asking (2 bytes up per lap)
-                elif head_drafts and len(new) == result.accepted + 1:
-                    self.drafter.offer(len(self.state.history), head_drafts)  # they continue after `new`
+                elif tail_drafts and len(new) == result.accepted + 1:
+                    self.drafter.offer(len(self.state.history), tail_drafts)  # they continue after `new`
         return new
 
     async def _prefill_chunks(self) -> None:
@@ -428,22 +428,22 @@ class SpeculativeDecoder:
             state.cached = cached
             self._verdict_seen(run_id)
 
-    def _follow_head_start(self, run: Run, result: StepResult, head_drafts: list[int]) -> None:
-        """The tail has started the next run at the head: [next_token, *its head drafts] from the
+    def _follow_looped_run(self, run: Run, result: StepResult, tail_drafts: list[int]) -> None:
+        """The tail has started the next run at the head: [next_token, *its tail drafts] from the
         position after next_token's. Track it as in flight; the client sends nothing for it."""
         state = self.state
-        if not self.head_start or result.correction_ids is not None or run.run_id + 1 != state.next_run_id:
+        if not self.loop_runs or result.correction_ids is not None or run.run_id + 1 != state.next_run_id:
             raise ServerError(f"run {result.run_id + 1} started at the head unasked", state.remote.tail_peer)
         start = run.start_pos + len(run.token_ids) - len(run.drafts) + result.accepted
         # what the head most likely sent (the offer for this verdict, else the tail's drafts): the
         # hedges for its verdict build on it; its own verdict says what it really carried
         offered = self._offered if self._offered_for == run.run_id else {}
-        drafts = offered.get((result.accepted, result.next_token), head_drafts)
+        drafts = offered.get((result.accepted, result.next_token), tail_drafts)
         following = Run(state.next_run_id, start, [result.next_token, *drafts], list(drafts), None,
-                        proposed=len(drafts), sent_at=self._verdict_at, head_started=True)  # fmt: skip
+                        proposed=len(drafts), sent_at=self._verdict_at, looped=True)  # fmt: skip
         state.next_run_id += 1
         self._inflight.append(following)
-        self.stats.head_started_runs += 1
+        self.stats.looped_runs += 1
 
     async def _offer(self, run: Run) -> None:
         """Send the head the hedged drafts for the verdicts of ``run``, for the run the tail starts after it."""
@@ -456,7 +456,7 @@ class SpeculativeDecoder:
     def _take_run_drafts(self, run: Run, result: StepResult) -> None:
         drafts = result.run_drafts
         if drafts is None or not 0 <= result.accepted <= len(drafts) or len(drafts) > self.swarm.max_positions_per_step:
-            raise ServerError(f"the verdict on head-started run {run.run_id} does not name its drafts", self.state.remote.tail_peer)
+            raise ServerError(f"the verdict on looped run {run.run_id} does not name its drafts", self.state.remote.tail_peer)
         run.drafts, run.token_ids, run.proposed = list(drafts), [run.token_ids[0], *drafts], len(drafts)
 
     @staticmethod
@@ -502,7 +502,7 @@ class SpeculativeDecoder:
         if self.drafter is not None and room > 0:
             num_drafts = min(room, self.drafter.draft_cap)
             size = self._proposal_size(num_drafts)
-            # a verdict's head drafts (HeadDrafts) postdate every hedge: the drafter chooses afresh
+            # a verdict's tail drafts (TailDrafts) postdate every hedge: the drafter chooses afresh
             fresh = getattr(self.drafter, "fresh", False)
             hedged = None if self._inflight or self.rejection or fresh else self._hedges.take(state.history)
             if hedged is not None:
@@ -614,9 +614,9 @@ class SpeculativeDecoder:
         return self._with_tree_path(self._chain_step(run), run.parents)
 
     def _chain_step(self, run: Run) -> Step:
-        head_start = max(0, self._budget - 1) if self.head_start and not run.replay else 0
-        extra = {"head_start": head_start} if head_start else {}
-        return (HeadStartStep if head_start else Step)(
+        loop_runs = max(0, self._budget - 1) if self.loop_runs and not run.replay else 0
+        extra = {"loop_runs": loop_runs} if loop_runs else {}
+        return (LoopedStep if loop_runs else Step)(
             session_id=self.state.remote.session_id,
             run_id=run.run_id,
             start_pos=run.start_pos,
@@ -625,7 +625,7 @@ class SpeculativeDecoder:
             sampling=None if self.sampling == GREEDY else self.sampling,
             top_logprobs=self.num_logprobs,
             draft_q=pack_f16(run.draft_q) if run.draft_q else None,
-            head_drafts=getattr(self.drafter, "head_tokens", 0),
+            tail_drafts=getattr(self.drafter, "head_tokens", 0),
             **extra,
         )
 

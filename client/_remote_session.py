@@ -161,7 +161,7 @@ class RemoteSession:
             raise ServerError(f"lost the connection to the head: {e!r}", self.head_peer, ErrorCode.DOWNSTREAM_FAILED) from None
 
     async def offer(self, offer: DraftOffer) -> int:
-        """Offer the head drafts for a head-started run (best effort: a lost offer costs drafts only)."""
+        """Offer the tail drafts for a looped run (best effort: a lost offer costs drafts only)."""
         try:
             return await self._head.send(offer)
         except (OSError, ConnectionError, RuntimeError):

@@ -163,7 +163,7 @@ class SpotChecker:
             return  # the generation leaves this route before its next lap (an audit just convicted a hop)
         if self.rate < 1 and self.rng.random() >= self.rate:
             return
-        records = self.protocol.records
+        records = self.swarm.records
         choice = pick_hop(route, self.next_hop, records, self.swarm.excluded.current(), len(ids))
         if choice is None:
             stats.spot_checks_skipped += 1
@@ -216,7 +216,7 @@ class SpotChecker:
                 self.swarm.convict(result.liar)
 
     async def _compare(self, route, index, alt, thirds, ids, result: AuditResult) -> AuditResult:
-        tol = route_tolerance(route, self.protocol.records)
+        tol = route_tolerance(route, self.swarm.records)
         orig_route, alt_route = route, substituted(route, index, alt)
         orig, other = await _both(self._final_logits(orig_route, ids, result),
                                   self._final_logits(alt_route, ids, result))  # fmt: skip

@@ -78,7 +78,7 @@ def build_tree(
 ) -> DraftTree:
     """A tree of at most ``max_nodes`` drafts, at most ``max_depth`` deep: first ``chain`` (the
     drafter's proposal, as a chain run would send it), then ``extra_chains`` (another source's
-    proposal: the tail's head drafts), then, best first by the product of the drafter's estimated
+    proposal: the tail's drafts), then, best first by the product of the drafter's estimated
     probabilities along the path, the alternatives it ranks after every node's prefix."""
     tree = DraftTree()
     children: dict[int, dict[int, int]] = {}

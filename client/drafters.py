@@ -21,9 +21,9 @@ import math
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-__all__ = ["DRAFTER_KINDS", "Drafter", "HeadDrafts", "NgramDrafter", "SuffixDrafter", "SuffixStore", "make_drafter"]
+__all__ = ["DRAFTER_KINDS", "Drafter", "TailDrafts", "NgramDrafter", "SuffixDrafter", "SuffixStore", "make_drafter"]
 
-DRAFTER_KINDS = ("suffix", "ngram", "head", "suffix+head", "ngram+head")
+DRAFTER_KINDS = ("suffix", "ngram", "tail", "suffix+tail", "ngram+tail")
 SEPARATOR = -1
 """Ends every sequence in a `SuffixStore`; never a real token id, so no match crosses it."""
 
@@ -589,31 +589,31 @@ class NgramDrafter(_AdaptiveDrafter):
         return out
 
 
-class HeadDrafts(Drafter):
-    """The tail's drafter-head ids (``StepResult.drafts``) merged with a retrieval drafter's.
+class TailDrafts(Drafter):
+    """The tail's drafter-drafter ids (``StepResult.drafts``) merged with a retrieval drafter's.
 
-    The tail drafts with a head over the final hidden states it has just computed
-    (server/drafter_head.py); its ids arrive with a verdict and continue the committed text after
+    The tail drafts with a drafter over the final hidden states it has just computed
+    (server/tail_drafter.py); its ids arrive with a verdict and continue the committed text after
     that verdict's next token. Each lap this drafter proposes one source's drafts, the one whose
     proposals have matched the committed text for more tokens lately (an EMA of the tokens each
     proposal got right, measured on every proposal of both sources, sent or not: the verdicts'
     exact rule accepts a draft iff it equals the target's own token, so the committed text says
     how many a proposal would have had accepted). Where the chosen one proposes nothing, the other.
-    `inner` None: head drafts only.
+    `inner` None: tail drafts only.
     """
 
-    SOURCES = ("head", "retrieval")
+    SOURCES = ("tail", "retrieval")
     DECAY = 0.3
 
     def __init__(self, inner: Drafter | None, head_tokens: int = 4) -> None:
         self.inner = inner
-        self.head_tokens = head_tokens  # asked of the tail per run (Step.head_drafts)
+        self.head_tokens = head_tokens  # asked of the tail per run (Step.tail_drafts)
         self._context: list[int] = []
         self._head: tuple[int, list[int]] | None = None  # (position of the first id, ids)
         self._pending: list[tuple[int, str, list[int]]] = []  # proposals waiting for committed text
         self._score = {source: 1.0 for source in self.SOURCES}
         self._last_source = "retrieval"
-        self.fresh = False  # head ids arrived with the last verdict and no draft has used them yet
+        self.fresh = False  # drafter ids arrived with the last verdict and no draft has used them yet
         # per source: proposals measured, ids proposed, ids that matched the committed text
         self.sources = {source: [0, 0, 0] for source in self.SOURCES}
         self.chosen = {source: 0 for source in self.SOURCES}  # laps whose run carried that source's drafts
@@ -626,7 +626,7 @@ class HeadDrafts(Drafter):
             self.inner.reset(context)
 
     def offer(self, position: int, drafts: Sequence[int]) -> None:
-        """Head ids continuing the committed text from ``position`` (where the verdict's next token ends)."""
+        """Drafter ids continuing the committed text from ``position`` (where the verdict's next token ends)."""
         self._head = (position, list(drafts))
         self.fresh = bool(drafts)
 
@@ -646,8 +646,8 @@ class HeadDrafts(Drafter):
                 still.append((position, source, ids))
         self._pending = still
 
-    def _head_after(self, after: Sequence[int]) -> list[int]:
-        """The head's ids that continue context + ``after``, if the text so far follows them."""
+    def _tail_after(self, after: Sequence[int]) -> list[int]:
+        """The drafter's ids that continue context + ``after``, if the text so far follows them."""
         if self._head is None:
             return []
         position, ids = self._head
@@ -657,16 +657,16 @@ class HeadDrafts(Drafter):
         return ids[len(context) - position :]
 
     def draft(self, max_tokens: int, after: Sequence[int] = ()) -> list[int]:
-        head = self._head_after(after)[:max_tokens]
+        tail = self._tail_after(after)[:max_tokens]
         retrieval = self.inner.draft(max_tokens, after) if self.inner is not None else []
         if not after:  # a lap's own proposal: measure both, whichever is sent
             position = len(self._context)
-            self._pending += [(position, source, ids) for source, ids in (("head", head), ("retrieval", retrieval)) if ids]
+            self._pending += [(position, source, ids) for source, ids in (("tail", tail), ("retrieval", retrieval)) if ids]
             self.fresh = False
-        source = "head" if self._score["head"] >= self._score["retrieval"] else "retrieval"
-        chosen = head if source == "head" else retrieval
+        source = "tail" if self._score["tail"] >= self._score["retrieval"] else "retrieval"
+        chosen = tail if source == "tail" else retrieval
         if not chosen:
-            source, chosen = ("retrieval", retrieval) if source == "head" else ("head", head)
+            source, chosen = ("retrieval", retrieval) if source == "tail" else ("tail", tail)
         if not after and chosen:
             self._last_source = source
             self.chosen[source] += 1
@@ -675,7 +675,7 @@ class HeadDrafts(Drafter):
     @property
     def draft_cap(self) -> int:
         cap = self.inner.draft_cap if self.inner is not None else 0
-        return max(cap, len(self._head_after(())), 1)
+        return max(cap, len(self._tail_after(())), 1)
 
     def alternatives(self, k: int, after: Sequence[int] = ()) -> list[int]:
         return self.inner.alternatives(k, after) if self.inner is not None else []
@@ -690,10 +690,10 @@ class HeadDrafts(Drafter):
 
     def extra_chains(self, max_tokens: int) -> list[list[int]]:
         """The source the last `draft` did not send: a token tree carries both (no measurement)."""
-        if self._last_source == "head":
+        if self._last_source == "tail":
             other = self.inner.draft(max_tokens) if self.inner is not None else []
         else:
-            other = self._head_after(())[:max_tokens]
+            other = self._tail_after(())[:max_tokens]
         return [other] if other else []
 
     def cap_after(self, drafted: int, accepted: int) -> int:
@@ -723,10 +723,10 @@ def make_drafter(
     """
     if kind is None:
         return None
-    if kind == "head" or kind.endswith("+head"):  # the tail's head drafts, alone or with retrieval
-        inner = None if kind == "head" else make_drafter(kind.removesuffix("+head"), num_draft_tokens=num_draft_tokens,
+    if kind == "tail" or kind.endswith("+tail"):  # the tail's drafts, alone or with retrieval
+        inner = None if kind == "tail" else make_drafter(kind.removesuffix("+tail"), num_draft_tokens=num_draft_tokens,
                                                          corpus=corpus, store=store, eos_token_ids=eos_token_ids)  # fmt: skip
-        return HeadDrafts(inner)
+        return TailDrafts(inner)
     if kind == "suffix":
         return SuffixDrafter(num_draft_tokens, store=store, corpus=corpus, eos_token_ids=eos_token_ids)
     if kind == "ngram":

@@ -162,30 +162,30 @@ class AutoDistributedModel:
         verification: str = "match",
         spot_check_rate: Optional[float] = None,
         draft_tree: bool = False,
-        head_start: Optional[bool] = None,
+        loop_runs: Optional[bool] = None,
         **unused: Any,
     ) -> Union[torch.Tensor, GenerateDecoderOnlyOutput]:
         """transformers-compatible ``generate``: returns ``[batch, input + new]`` token ids.
 
-        ``speculation``: "suffix" (default), "ngram", "head" (the tail's drafter head), "suffix+head"
-        (head drafts merged with retrieval's, per lap by measured acceptance) or None; ``num_draft_tokens`` caps drafts per
+        ``speculation``: "suffix" (default), "ngram", "tail" (the tail's drafter), "suffix+tail"
+        (tail drafts merged with retrieval's, per lap by measured acceptance) or None; ``num_draft_tokens`` caps drafts per
         lap; ``draft_corpus`` adds texts or token lists the answer is likely to repeat.
         ``async_speculation=True`` keeps up to ``max_inflight_runs`` runs in flight, each assuming
         the ones before it are accepted whole; refuted runs are cancelled hop by hop.
         ``draft_tree=True`` sends a token tree per lap instead of a chain: the drafter's chain plus
-        the alternatives it ranks at each position (and the tail's head drafts, with "+head"), as
+        the alternatives it ranks at each position (and the tail's drafts, with "+tail"), as
         many nodes as a cost model of the measured lap times finds worth it (more when the lap is
         network-bound); every server computes the tree in one pass and keeps only the accepted path.
         The output is unchanged. Synchronous speculation only (not with ``async_speculation`` or
         ``verification="rejection"``); Llama-family models (DeepSeek-V4 servers refuse trees). Stats:
         ``last_generation_stats.tree_nodes_per_lap``, ``tree_accepted_per_lap``, ``tree_sizes``.
-        ``head_start`` (default None: on wherever it applies) shortens each lap by one link: the
+        ``loop_runs`` (default None: on wherever it applies) shortens each lap by one link: the
         tail starts the next run at the head itself instead of the client, with the client's
         retrieval drafts for that verdict (offered to the head while the run before is in flight)
-        or the tail's head drafts; the client still receives every verdict and cancels the run it
+        or the tail's drafts; the client still receives every verdict and cancels the run it
         does not need at the end. It applies to one run at a time verified by token match without a
         ``draft_model``: True with ``async_speculation``, ``draft_tree`` or
-        ``verification="rejection"`` is a ValueError (docs/protocol.md, "Head-started runs").
+        ``verification="rejection"`` is a ValueError (docs/protocol.md, "Looped runs").
         ``num_logprobs=K`` (K <= 20) returns the top-K log-probs of each new token in
         ``model.last_logprobs`` (and as ``.logprobs`` when ``return_dict_in_generate=True``); for a
         batch of several rows, one list per row.
@@ -232,7 +232,7 @@ class AutoDistributedModel:
         pad_id = self.config.pad_token_id if self.config.pad_token_id is not None else (eos[0] if eos else 0)
         rows = _unpadded(input_ids, _checked_mask(input_ids, attention_mask))
         inflight = max_inflight_runs if async_speculation else 1
-        draft = self._draft_choice(draft_model, verification, draft_tree, inflight, head_start)
+        draft = self._draft_choice(draft_model, verification, draft_tree, inflight, loop_runs)
         if len(rows) == 1:
             new_rows = [self._generate_row(rows[0], max_new_tokens, sampling, eos, streamer, speculation,
                                            num_draft_tokens, inflight, corpus, num_logprobs, draft=draft,
@@ -375,7 +375,7 @@ class AutoDistributedModel:
         verification: str = "match",
         spot_check_rate: Optional[float] = None,
         draft_tree: bool = False,
-        head_start: Optional[bool] = None,
+        loop_runs: Optional[bool] = None,
     ) -> AsyncIterator[GeneratedChunk]:
         """The asyncio twin of ``generate`` for one sequence of ids: yields each lap's tokens as soon
         as the tail accepts them. Same arguments and seed handling, so the tokens equal ``generate``'s.
@@ -392,7 +392,7 @@ class AutoDistributedModel:
         sampling = _sampling_params(do_sample, temperature, top_k, top_p, min_p, repetition_penalty, seed)
         eos = self._eos_ids(eos_token_id)
         inflight = max_inflight_runs if async_speculation else 1
-        draft = self._draft_choice(draft_model, verification, draft_tree, inflight, head_start)
+        draft = self._draft_choice(draft_model, verification, draft_tree, inflight, loop_runs)
         state = self._new_session_state(row, max_new_tokens, num_draft_tokens, tree=draft_tree)
         caller, laps = asyncio.get_running_loop(), asyncio.Queue()
 
@@ -451,7 +451,7 @@ class AutoDistributedModel:
     def _make_decoder(self, state, sampling, eos, speculation, num_draft_tokens, max_inflight_runs, corpus,
                       num_logprobs, on_tokens, draft=None, spot_check_rate=0.0) -> SpeculativeDecoder:  # fmt: skip
         """The one place generate() and agenerate_stream() build their decoder and drafter."""
-        draft_model, verification, draft_tree, head_start = draft or (None, "match", False, False)
+        draft_model, verification, draft_tree, loop_runs = draft or (None, "match", False, False)
         if draft_model is not None:  # one ModelDrafter (own KV cache) per stream; the model is shared
             sample = verification == "rejection"
             drafter = ModelDrafter(draft_model, sampling, num_draft_tokens, sample=sample)
@@ -473,15 +473,15 @@ class AutoDistributedModel:
             spot_checker=SpotChecker(self.swarm, spot_check_rate, self.config.vocab_size) if spot_check_rate else None,
             draft_tree=draft_tree,
             tree_sizer=self._tree_sizer,
-            head_start=head_start,
+            loop_runs=loop_runs,
         )
 
     def _spot_check_rate(self, spot_check_rate: Optional[float]) -> float:
         return check_rate(self.spot_check_rate if spot_check_rate is None else spot_check_rate)
 
     def _draft_choice(self, draft_model: Any, verification: str, draft_tree: bool = False,
-                      inflight: int = 1, head_start: Optional[bool] = None) -> tuple[Any, str, bool, bool]:  # fmt: skip
-        """Check ``draft_model``, ``verification``, ``draft_tree`` and ``head_start`` before any session opens."""
+                      inflight: int = 1, loop_runs: Optional[bool] = None) -> tuple[Any, str, bool, bool]:  # fmt: skip
+        """Check ``draft_model``, ``verification``, ``draft_tree`` and ``loop_runs`` before any session opens."""
         if verification not in VERIFICATION_RULES:
             raise ValueError(f"verification must be one of {VERIFICATION_RULES}, got {verification!r}")
         if draft_model is not None:
@@ -492,14 +492,14 @@ class AutoDistributedModel:
             raise ValueError("draft_tree=True runs synchronous speculation: leave async_speculation off")
         if draft_tree and verification == "rejection":
             raise ValueError("draft_tree=True verifies by token match: it does not go with verification='rejection'")
-        if head_start is None:  # the default: on wherever it applies (measured best, docs/benchmarks.md)
-            head_start = inflight == 1 and not draft_tree and verification == "match" and draft_model is None
-        if not isinstance(head_start, bool):
-            raise ValueError(f"head_start must be True, False or None, got {head_start!r}")
-        if head_start and (inflight > 1 or draft_tree or verification == "rejection"):
-            raise ValueError("head_start=True runs one chain at a time verified by token match: leave "
+        if loop_runs is None:  # the default: on wherever it applies (measured best, docs/benchmarks.md)
+            loop_runs = inflight == 1 and not draft_tree and verification == "match" and draft_model is None
+        if not isinstance(loop_runs, bool):
+            raise ValueError(f"loop_runs must be True, False or None, got {loop_runs!r}")
+        if loop_runs and (inflight > 1 or draft_tree or verification == "rejection"):
+            raise ValueError("loop_runs=True runs one chain at a time verified by token match: leave "
                              "async_speculation, draft_tree and verification='rejection' off")  # fmt: skip
-        return draft_model, verification, draft_tree, head_start
+        return draft_model, verification, draft_tree, loop_runs
 
     def _corpus(self, draft_corpus: Sequence[Union[str, Sequence[int]]]) -> list[list[int]]:
         return [self.tokenizer.encode(c, add_special_tokens=False) if isinstance(c, str) else list(c) for c in draft_corpus]

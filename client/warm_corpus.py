@@ -4,7 +4,7 @@ A client's suffix store learns from every answer it sees (client.drafters.Suffix
 long-running client drafts the model's habits (its chat template, "Here's a Python function
 that...", its code idioms) from memory. A fresh client starts cold, and first-turn work is where
 retrieval drafts least. So the package ships, per model, the token ids of the model's own greedy
-answers to 32 prompts that are neither the benchmarks' nor any test's (the drafter head's
+answers to 32 prompts that are neither the benchmarks' nor any test's (the tail drafter's
 training prompts, server.drafter_train.SELF_PROMPTS), and a client made with
 ``from_pretrained(..., warm_draft_store=True)`` puts them in its store first. They are drafts only:
 verification decides every token, so the output never changes. Opt-in: on the 2-core CPU machine
@@ -13,7 +13,7 @@ they raised tokens per lap a little and tokens/s not at all (docs/benchmarks.md,
     python -m swarm.warm_corpus --out client/corpora/smollm2-135m.json   # rebuild (about 2 minutes)
 
 The files are matched to a model by its config's fingerprint (protocol.models.config_fingerprint),
-as drafter heads are; a model without one starts cold, as before.
+as tail drafters are; a model without one starts cold, as before.
 """
 
 from __future__ import annotations

@@ -90,13 +90,13 @@ class Step(msgspec.Struct, tag="step", kw_only=True, array_like=True, omit_defau
     # little-endian, 2 bytes per draft (exactly n_draft of them); present, it asks the tail to accept
     # draft i with probability min(1, p/q) instead of by token match (protocol/sampling.py)
     draft_q: Optional[bytes] = None
-    # ask the tail's drafter head for up to this many ids after the verdict (StepResult.drafts);
+    # ask the tail's drafter for up to this many ids after the verdict (StepResult.drafts);
     # 0: none (a tail without a head sends none either way)
-    head_drafts: int = 0
+    tail_drafts: int = 0
     # token trees live in TreeStep (below); a plain Step is a chain and keeps nothing of a tree
     parents: ClassVar[tuple] = ()
     tree_path: ClassVar[tuple] = ()
-    head_start: ClassVar[int] = 0  # HeadStartStep (below): the tail may start the runs after this one
+    loop_runs: ClassVar[int] = 0  # LoopedStep (below): the tail may start the runs after this one
 
     @property
     def sampling_params(self) -> SamplingParams:
@@ -166,11 +166,11 @@ class StepResult(msgspec.Struct, tag="result", kw_only=True, array_like=True, om
     # client samples the token there from norm(max(0, p - q)) over them, instead of next_token
     correction_ids: Optional[list[int]] = None
     correction_p: Optional[bytes] = None
-    # ids drafted by the tail's drafter head after next_token (Step.head_drafts asked for them):
+    # ids drafted by the tail's drafter after next_token (Step.tail_drafts asked for them):
     # only drafts, which the client may send in its next run like its own
     drafts: list[int] = []
     path: ClassVar[tuple] = ()  # a chain's verdict names no path (TreeResult does)
-    head_started: ClassVar[bool] = False  # HeadStartResult (below)
+    looped: ClassVar[bool] = False  # LoopedResult (below)
     run_drafts: ClassVar[Optional[list[int]]] = None
 
 
@@ -181,27 +181,27 @@ class TreeResult(StepResult, tag="tree_result", kw_only=True, array_like=True):
     path: list[int] = []
 
 
-class HeadStartStep(Step, tag="hs_step", kw_only=True, array_like=True):
+class LoopedStep(Step, tag="lstep", kw_only=True, array_like=True):
     """A chain :class:`Step` after whose verdict the tail may start the next run at the head itself
-    (docs/protocol.md, "Head-started runs"): the verdict's next token and drafts, carrying
-    ``head_start - 1``. A subclass with its own tag, like TreeStep, so plain chain laps keep their bytes."""
+    (docs/protocol.md, "Looped runs"): the verdict's next token and drafts, carrying
+    ``loop_runs - 1``. A subclass with its own tag, like TreeStep, so plain chain laps keep their bytes."""
 
-    head_start: int = 0
+    loop_runs: int = 0
 
 
-class HeadStartResult(StepResult, tag="hs_result", kw_only=True, array_like=True):
-    """The verdict on a HeadStartStep, or on a run the tail started."""
+class LoopedResult(StepResult, tag="lresult", kw_only=True, array_like=True):
+    """The verdict on a LoopedStep, or on a run the tail started."""
 
     # the tail has started run run_id + 1 at the head, from the position after next_token's, with
     # next_token and drafts (or the client's DraftOffer for this verdict)
-    head_started: bool = False
-    # on the verdict of a head-started run: the drafts it carried, which the client did not choose
+    looped: bool = False
+    # on the verdict of a looped run: the drafts it carried, which the client did not choose
     run_drafts: Optional[list[int]] = None
 
 
-class HeadStart(HeadStartStep, tag="head_start", kw_only=True, array_like=True):
+class LoopedRun(LoopedStep, tag="loop", kw_only=True, array_like=True):
     """Tail -> head, on a session stream of its own: the next run of a session whose Step asked for
-    ``head_start``, built from the verdict the tail has just sent to the client. The head takes it
+    ``loop_runs``, built from the verdict the tail has just sent to the client. The head takes it
     only from the route's tail, and only if the run it follows is still the session's last and no
     cancel has arrived since (else the client has already moved on: it is dropped). ``accepted`` is
     the verdict's count on the run it follows: with ``token_ids[0]`` it names the verdict, for which
@@ -209,15 +209,15 @@ class HeadStart(HeadStartStep, tag="head_start", kw_only=True, array_like=True):
 
     accepted: int = 0
 
-    def as_step(self) -> HeadStartStep:
-        return HeadStartStep(**{name: getattr(self, name) for name in HeadStartStep.__struct_fields__})
+    def as_step(self) -> LoopedStep:
+        return LoopedStep(**{name: getattr(self, name) for name in LoopedStep.__struct_fields__})
 
 
 class DraftOffer(msgspec.Struct, tag="offer", kw_only=True, array_like=True):
-    """Client -> head, while run ``run_id`` is in flight with head starts on: the client's drafts
+    """Client -> head, while run ``run_id`` is in flight with looped runs on: the client's drafts
     for the run the tail will start after it, one option per verdict it finds likely, as
     ``(accepted, next_token, drafts)``. The head uses the option matching the verdict, if any, in
-    place of the tail's head drafts; the client's retrieval drafts so ride in head-started runs."""
+    place of the tail's drafts; the client's retrieval drafts so ride in looped runs."""
 
     session_id: str
     run_id: int
@@ -256,8 +256,8 @@ class Pong(msgspec.Struct, tag="pong", array_like=True):
 
 
 Message = Union[
-    OpenSession, Step, TreeStep, HeadStartStep, HeadStart, DraftOffer, Cancel, CloseSession, Subscribe, SessionOpened,
-    StepResult, TreeResult, HeadStartResult, RunOutputs,
+    OpenSession, Step, TreeStep, LoopedStep, LoopedRun, DraftOffer, Cancel, CloseSession, Subscribe, SessionOpened,
+    StepResult, TreeResult, LoopedResult, RunOutputs,
     ErrorReply, Ping, Pong,
 ]
 

@@ -1,11 +1,11 @@
 """The wire protocol's version. Peers that speak another version are refused with a clear error."""
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 # 2: Step.sampling is optional (None = greedy) and left off the wire for greedy runs.
 # 3: new activation codecs blockwise8/blockwise4 on the wire (protocol/compression.py).
 #    Also Step.return_logits/return_hidden and the RunOutputs message (forward passes: logits and
 #    final hidden states from the tail).
-# 4: hostile-peer hardening, head drafts in results and the rejection (DSSD) exchange; each change
+# 4: hostile-peer hardening, tail drafts in results and the rejection (DSSD) exchange; each change
 #    adds its line here.
 #    Verdicts and subscriptions: OpenSession.secret_hash (sha256 of a client secret) and
 #    Subscribe.secret; per-protocol frame limits from the model, at most max_positions_per_step
@@ -14,10 +14,13 @@ PROTOCOL_VERSION = 4
 #    Rejection (DSSD) exchange: Step.draft_q (float16 q of each draft), StepResult.correction_ids/
 #    correction_p (top-K of p on a rejection); SamplingParams is a map of one-letter keys without
 #    its defaults (14 bytes for seeded top-k sampling instead of 37).
-#    Head drafts: Step.head_drafts (how many the client wants), StepResult.drafts (the tail's drafter head).
+#    Tail drafts: Step.tail_drafts (how many the client wants), StepResult.drafts (the tail's drafter).
 #    Hop.addrs: circuit addresses of a hop behind NAT (docs/nat.md).
 #    Step.sampling: left out when unchanged since the session's previous Step (was: left out for greedy).
 #    Token trees: messages TreeStep (a Step plus parents, a parent index per draft, and tree_path, the
 #    previous tree run's accepted path, gathered into a chain before the trim) and TreeResult (a
 #    StepResult plus path, the accepted path); chains still travel as Step/StepResult, byte for byte
 #    as before (docs/protocol.md, "Token trees").
+# 5: one meaning per word: runs the tail starts at the head are "looped runs" (messages LoopedStep,
+#    LoopedResult, LoopedRun with tags lstep/lresult/loop; Step field loop_runs, result field looped),
+#    and the tail's drafter asks with Step.tail_drafts (was head_start/head_drafts: same fields).

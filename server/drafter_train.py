@@ -1,14 +1,14 @@
-"""Train the EAGLE-style drafter head of a Llama-family model on this machine's CPU, offline.
+"""Train the EAGLE-style tail drafter of a Llama-family model on this machine's CPU, offline.
 
 ``python -m server.drafter_train --model smollm2-135m --out server/drafters/`` (``make train-drafter``)
 
 Data, all available offline: the model's own greedy answers to chat prompts written here (neither
 the benchmarks' nor any test's), and Python standard library sources and docs under
 ``sys.prefix/lib/python3.11``. The target runs over them once; the final hidden states (after the
-final norm) and the target's own next-token choices are kept, and the head is fitted to them with
-EAGLE's loss: a smooth-L1 regression of the next feature plus the cross-entropy of the LM head's
+final norm) and the target's own next-token choices are kept, and the drafter is fitted to them with
+EAGLE's loss: a smooth-L1 regression of the next feature plus the cross-entropy of the LM drafter's
 logits over the predicted feature against the target's own choice (what greedy verification
-accepts). The head proposes only the ``--draft-vocab`` ids the target chose most often over the data
+accepts). The drafter proposes only the ``--draft-vocab`` ids the target chose most often over the data
 (FR-Spec): the LM head rows it multiplies per draft shrink by that factor.
 
 Sized to finish within an hour on 2 CPU cores (``nice -n 15``, one torch thread by default).
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from server.drafter_head import EagleHead, save_head
+from server.tail_drafter import EagleModule, save_drafter
 
 logger = logging.getLogger("server.drafter_train")
 
@@ -141,28 +141,28 @@ def chunks_of(tokenizer, texts: list[str], chunk: int) -> list[list[int]]:
 
 
 def train(model, feats, ids, labels, *, draft_vocab: torch.Tensor, seconds: float, lr: float, batch: int,
-          seed: int = 0) -> EagleHead:  # fmt: skip
-    """Fit the head by EAGLE's loss within ``seconds``. Position t's input is (feature_t, token_{t+1});
-    its output should be feature_{t+1}, whose LM-head argmax is the target's choice at t + 1."""
+          seed: int = 0) -> EagleModule:  # fmt: skip
+    """Fit the drafter by EAGLE's loss within ``seconds``. Position t's input is (feature_t, token_{t+1});
+    its output should be feature_{t+1}, whose LM-net argmax is the target's choice at t + 1."""
     torch.manual_seed(seed)
     config = model.config
-    head = EagleHead(config)
+    net = EagleModule(config)
     with torch.no_grad():  # start from the target's last layer as an identity (its output projections
         # zeroed: the residual passes the input through), the fc passing the feature through
-        head.layer.load_state_dict(model.model.layers[-1].state_dict())
-        head.layer.self_attn.o_proj.weight.zero_()
-        head.layer.mlp.down_proj.weight.zero_()
+        net.layer.load_state_dict(model.model.layers[-1].state_dict())
+        net.layer.self_attn.o_proj.weight.zero_()
+        net.layer.mlp.down_proj.weight.zero_()
         hidden = config.hidden_size
-        head.fc.weight.zero_()
-        head.fc.weight[:, :hidden].copy_(torch.eye(hidden))
-        head.fc.weight[:, hidden:].normal_(0, 0.02)
-    head.train()
+        net.fc.weight.zero_()
+        net.fc.weight[:, :hidden].copy_(torch.eye(hidden))
+        net.fc.weight[:, hidden:].normal_(0, 0.02)
+    net.train()
     norm = model.model.norm
     rows = model.lm_head.weight[draft_vocab].detach().clone()  # [V', H]
     to_draft = torch.full((config.vocab_size,), -100, dtype=torch.long)
     to_draft[draft_vocab] = torch.arange(len(draft_vocab))
     embed = model.model.embed_tokens.weight.detach()
-    params = [p for p in head.parameters() if p.requires_grad]
+    params = [p for p in net.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
     n, seq = ids.shape
     from server.adapters.llama import _causal_mask
@@ -201,14 +201,14 @@ def train(model, feats, ids, labels, *, draft_vocab: torch.Tensor, seconds: floa
                 top1 = ((predicted @ rows.T).argmax(-1) == target)[valid].float().mean().item()
             logger.info(f"step {step} ({elapsed:.0f}s): loss {loss.item():.3f} reg {reg.item():.3f} ce {ce.item():.3f} top1 {top1:.3f}")
         step += 1
-    head.eval()
+    net.eval()
     return head
 
 
 @torch.inference_mode()
-def evaluate(head: EagleHead, model, feats, ids, labels, draft_vocab: torch.Tensor, depth: int = 4) -> list[float]:
-    """Fraction of positions whose first k head drafts all equal the target's choices, k = 1..depth
-    (teacher-forced context, the head's own features for the chain): the expected acceptance."""
+def evaluate(net: EagleModule, model, feats, ids, labels, draft_vocab: torch.Tensor, depth: int = 4) -> list[float]:
+    """Fraction of positions whose first k tail drafts all equal the target's choices, k = 1..depth
+    (teacher-forced context, the drafter's own features for the chain): the expected acceptance."""
     from server.adapters.llama import _causal_mask
 
     norm, rows, embed = model.model.norm, model.lm_head.weight[draft_vocab], model.model.embed_tokens.weight
@@ -217,7 +217,7 @@ def evaluate(head: EagleHead, model, feats, ids, labels, draft_vocab: torch.Tens
     for i in range(feats.shape[0]):
         f, x, y = feats[i : i + 1].float(), ids[i], labels[i]
         seq = f.shape[1]
-        cache = head.new_cache()
+        cache = net.new_cache()
         half = seq // 2
         out = head(f[:, :half], embed[x[1 : half + 1]].unsqueeze(0), torch.arange(half).unsqueeze(0), cache,
                    _causal_mask(0, half, torch.device("cpu")))  # fmt: skip
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stdlib-chars", type=int, default=250_000, help="characters of standard library text")
     p.add_argument("--answer-tokens", type=int, default=160, help="new tokens per own answer")
     p.add_argument("--chunk", type=int, default=128, help="positions per training sequence")
-    p.add_argument("--draft-vocab", type=int, default=16384, help="ids the head may propose (most frequent first)")
+    p.add_argument("--draft-vocab", type=int, default=16384, help="ids the drafter may propose (most frequent first)")
     p.add_argument("--train-seconds", type=float, default=900.0)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--lr", type=float, default=1e-3)
@@ -278,12 +278,12 @@ def main(argv: list[str] | None = None) -> int:
     draft_vocab = torch.sort(torch.argsort(counts, descending=True)[: args.draft_vocab]).values
     coverage = counts[draft_vocab].sum().item() / counts.sum().item()
     logger.info(f"draft vocabulary: {len(draft_vocab)} ids cover {coverage:.3f} of the target's choices")
-    head = train(model, feats[held_out:], ids[held_out:], labels[held_out:], draft_vocab=draft_vocab,
+    net = train(model, feats[held_out:], ids[held_out:], labels[held_out:], draft_vocab=draft_vocab,
                  seconds=args.train_seconds, lr=args.lr, batch=args.batch, seed=args.seed)  # fmt: skip
-    acceptance = evaluate(head, model, feats[:held_out], ids[:held_out], labels[:held_out], draft_vocab)
+    acceptance = evaluate(net, model, feats[:held_out], ids[:held_out], labels[:held_out], draft_vocab)
     logger.info(f"held-out: first k drafts all right, k=1..4: {[round(a, 3) for a in acceptance]}")
     out = Path(args.out) / f"{Path(args.model).name}.safetensors"  # --drafter auto matches it by config fingerprint
-    save_head(head, out, model.config, draft_vocab=draft_vocab, extra={
+    save_drafter(net, out, model.config, draft_vocab=draft_vocab, extra={
         "model": args.model, "positions": str(feats.shape[0] * args.chunk), "held_out_acceptance": str(acceptance),
         "train_seconds": str(args.train_seconds),
     })  # fmt: skip

@@ -2,7 +2,7 @@
 
 ``corrupt_outputs(span, mode)`` wraps the span's ``forward`` so that what it returns, the
 activations a middle server sends on and the final hidden states a tail feeds its LM head (and its
-drafter head), is wrong: ``noise`` adds Gaussian noise of ``NOISE_SCALE`` times the activations'
+tail drafter), is wrong: ``noise`` adds Gaussian noise of ``NOISE_SCALE`` times the activations'
 standard deviation, drawn afresh for every run; ``offset`` adds ``OFFSET`` to every value, the same
 on every run. Everything else (ids, caches' shapes, verdict format) stays honest, so only a
 comparison of outputs (client/_spot_checks.py, docs/reliability.md "Spot-checks") can catch it.

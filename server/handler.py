@@ -36,8 +36,8 @@ from protocol.messages import (
     CloseSession,
     DraftOffer,
     ErrorReply,
-    HeadStart,
-    HeadStartResult,
+    LoopedRun,
+    LoopedResult,
     Message,
     OpenSession,
     Ping,
@@ -91,7 +91,7 @@ class SessionHandler:
         self.accepting = True
         self.stats = {"runs": 0, "cancelled_runs": 0, "sessions_opened": 0, "accepted_tokens": 0,
                       "cancelled_queued": 0, "cancelled_running": 0, "cancelled_computed": 0,
-                      "dropped_upstream": 0, "head_starts": 0, "head_starts_dropped": 0,
+                      "dropped_upstream": 0, "looped_runs": 0, "looped_runs_dropped": 0,
                       "offers_used": 0}  # fmt: skip
 
     async def start(self) -> None:
@@ -142,8 +142,8 @@ class SessionHandler:
                         session, downstream = await self._open(message, upstream)
                     elif isinstance(message, CloseSession):
                         return
-                    elif isinstance(message, HeadStart):  # from a tail, on a stream of its own
-                        await self._take_head_start(message, upstream)
+                    elif isinstance(message, LoopedRun):  # from a tail, on a stream of its own
+                        await self._take_looped_run(message, upstream)
                     elif (
                         session is None
                         or session.closed
@@ -340,8 +340,8 @@ class SessionHandler:
         session.touch()
         session.queue.put_nowait(QueuedRun(step, hidden))
 
-    async def _take_head_start(self, message: HeadStart, tail: MessageStream) -> None:
-        """The head's side of a head-started run: only the route's tail may start one, and only
+    async def _take_looped_run(self, message: LoopedRun, tail: MessageStream) -> None:
+        """The head's side of a looped run: only the route's tail may start one, and only
         right after the run it follows, with no cancel since (else the client has moved on)."""
         session = self.sessions.get(message.session_id)
         if (
@@ -355,19 +355,19 @@ class SessionHandler:
                 ErrorCode.UNKNOWN_SESSION,
                 f"no session {message.session_id!r} here whose tail is {tail.peer_id.to_base58()}",
             )
-        if session.head_start_left < 1 or message.head_start != session.head_start_left - 1:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"session {message.session_id!r} asked for no head-started run here")
+        if session.loop_runs_left < 1 or message.loop_runs != session.loop_runs_left - 1:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"session {message.session_id!r} asked for no looped run here")
         try:
-            self._admit_head_start(session, message)
+            self._admit_looped_run(session, message)
         except ProtocolError as e:  # the client waits for this run: tell it on the stream it opened
             await self._report(session.upstream, session, e, message.run_id)
 
-    def _admit_head_start(self, session: ServerSession, message: HeadStart) -> bool:
-        """Queue a head-started run at the head, with the client's offered drafts for this verdict
+    def _admit_looped_run(self, session: ServerSession, message: LoopedRun) -> bool:
+        """Queue a looped run at the head, with the client's offered drafts for this verdict
         if it made any; False (and counted) when it is stale."""
         cancelled = session.cancelled_since_accept
         if session.last_run_id != message.run_id - 1 or (cancelled is not None and cancelled <= message.run_id):
-            self.stats["head_starts_dropped"] += 1
+            self.stats["looped_runs_dropped"] += 1
             return False
         step, offer = message.as_step(), session.offer
         session.offer = None
@@ -379,7 +379,7 @@ class SessionHandler:
                     self.stats["offers_used"] += 1
                     break
         self._enqueue(session, step, [])
-        self.stats["head_starts"] += 1
+        self.stats["looped_runs"] += 1
         return True
 
     def _take_offer(self, session: ServerSession, offer: DraftOffer) -> None:
@@ -395,36 +395,36 @@ class SessionHandler:
         session.offer = offer
         session.touch()
 
-    async def _head_start_verdict(self, session: ServerSession, step: Step, result: StepResult) -> StepResult:
-        """The verdict of a HeadStartStep, or of a run this tail started: the next run leaves for
+    async def _looped_verdict(self, session: ServerSession, step: Step, result: StepResult) -> StepResult:
+        """The verdict of a LoopedStep, or of a run this tail started: the next run leaves for
         the head before the verdict does, and a run the tail started names its drafts."""
-        if type(result) is not StepResult:  # a tree's verdict: never head-started
+        if type(result) is not StepResult:  # a tree's verdict: never looped
             return result
         fields = {name: getattr(result, name) for name in StepResult.__struct_fields__}
         if step.run_id in session.tail_started:  # the client did not choose these drafts
             session.tail_started.discard(step.run_id)
             fields["run_drafts"] = step.token_ids[len(step.token_ids) - step.n_draft :]
-        if step.head_start > 0:
-            fields["head_started"] = await self._start_at_head(session, step, result)
-        return HeadStartResult(**fields)
+        if step.loop_runs > 0:
+            fields["looped"] = await self._loop_to_head(session, step, result)
+        return LoopedResult(**fields)
 
-    async def _start_at_head(self, session: ServerSession, step: Step, result: StepResult) -> bool:
+    async def _loop_to_head(self, session: ServerSession, step: Step, result: StepResult) -> bool:
         """The tail's side: send the run after ``result`` to the head (docs/protocol.md
-        "Head-started runs"); False when this verdict cannot be continued without the client."""
+        "Looped runs"); False when this verdict cannot be continued without the client."""
         if type(result) is not StepResult or step.draft_q is not None or step.return_logits:
             return False  # trees, the rejection exchange (the client draws the token) and forward passes
         start = step.start_pos + len(step.token_ids) - step.n_draft + result.accepted
         ids = [result.next_token, *result.drafts]
         if start + len(ids) > session.max_length:
             return False
-        following = HeadStart(
+        following = LoopedRun(
             session_id=session.session_id, run_id=step.run_id + 1, start_pos=start, token_ids=ids,
-            n_draft=len(result.drafts), top_logprobs=step.top_logprobs, head_drafts=step.head_drafts,
-            head_start=step.head_start - 1, accepted=result.accepted,
+            n_draft=len(result.drafts), top_logprobs=step.top_logprobs, tail_drafts=step.tail_drafts,
+            loop_runs=step.loop_runs - 1, accepted=result.accepted,
         )  # fmt: skip
         if session.hop_index == 0:  # a one-server route: the tail is the head
             try:
-                started = self._admit_head_start(session, following)
+                started = self._admit_looped_run(session, following)
             except ProtocolError:
                 started = False
             return started and self._started(session, following.run_id)
@@ -456,7 +456,7 @@ class SessionHandler:
         return True
 
     async def _drain_head_replies(self, stream: MessageStream) -> None:
-        """The head answers a head start only to refuse it (ErrorReply); log and drop those."""
+        """The head answers a looped run only to refuse it (ErrorReply); log and drop those."""
         while True:
             try:
                 received = await stream.receive()
@@ -464,7 +464,7 @@ class SessionHandler:
                 continue
             if received is None:
                 return
-            logger.info(f"The head refused a head-started run: {received.message}")
+            logger.info(f"The head refused a looped run: {received.message}")
 
     async def _cancel(self, session: ServerSession, cancel: Cancel, downstream: Optional[MessageStream]) -> None:
         """Drop the run and every later one; forward after any data already sent downstream."""
@@ -511,8 +511,8 @@ class SessionHandler:
                 output = output.result
             if isinstance(output, StepResult):
                 self.stats["accepted_tokens"] += output.accepted + 1
-                if run.step.head_start > 0 or run.step.run_id in session.tail_started:
-                    output = await self._head_start_verdict(session, run.step, output)
+                if run.step.loop_runs > 0 or run.step.run_id in session.tail_started:
+                    output = await self._looped_verdict(session, run.step, output)
                 await self._post_result(session, output)
             else:
                 await _send_quietly(downstream, run.step, [output], self.compression)

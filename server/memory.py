@@ -32,7 +32,7 @@ class MemoryPlan:
     cache_bytes: int
     reserve_bytes: int
     quant: str = "none"
-    drafter_bytes: int = 0  # the tail's drafter (DeepSeek-V4's MTP block, a drafter head), beyond its blocks
+    drafter_bytes: int = 0  # the tail's drafter (DeepSeek-V4's MTP block, a tail drafter), beyond its blocks
     tail_blocks: int = 0  # blocks that fit beside the drafter: the most a span ending at the last block takes
 
     def describe(self, device: str) -> str:

@@ -23,7 +23,7 @@ from protocol.messages import (
 )
 from protocol.sampling import check_draft_q, pack_f16, validate_sampling, verify, verify_rejection, verify_tree
 from server.adapters import SpanAdapter, SpanCancelled
-from server.drafter_head import MAX_HEAD_DRAFTS
+from server.tail_drafter import MAX_TAIL_DRAFTS
 
 
 @dataclass
@@ -78,15 +78,15 @@ class ServerSession:
     worker: Optional["asyncio.Task"] = None
     secret_hash: str = ""  # sha256 hex of the client's secret: the tail's results go to its holder only
     subscribed: bool = False  # the tail has given this session's results stream to its client
-    head_state: Optional[object] = None  # the tail's drafter head cache (server.drafter_head.HeadSession)
+    drafter_state: Optional[object] = None  # the tail's drafter cache (server.tail_drafter.DrafterSession)
     sampling: SamplingParams = GREEDY  # as of the last Step that carried parameters (a Step without: as before)
     tree: Optional[TreeLayout] = None  # the last accepted run's tree, if it was one
     # run id -> (base, nodes): before computing that run, gather a previous tree's accepted path into a chain
     gathers: dict[int, tuple[int, list[int]]] = field(default_factory=dict)
-    # head-started runs (docs/protocol.md): the lowest run id cancelled since the last accepted run
-    # (the head drops a head start it covers), and the tail's stream to the head
+    # looped runs (docs/protocol.md): the lowest run id cancelled since the last accepted run
+    # (the head drops a looped run it covers), and the tail's stream to the head
     cancelled_since_accept: Optional[int] = None
-    head_start_left: int = 0  # the last accepted run's head_start: how many more runs the tail may start
+    loop_runs_left: int = 0  # the last accepted run's loop_runs: how many more runs the tail may start
     head_stream: Optional[object] = None
     offer: Optional[object] = None  # the head: the client's latest DraftOffer
     tail_started: set[int] = field(default_factory=set)  # the tail: runs it started at the head, not yet verified
@@ -148,10 +148,10 @@ class ServerSession:
             raise ProtocolError(ErrorCode.BAD_REQUEST, str(e)) from None
         if step.draft_q is not None:
             self._check_draft_q(step)
-        if not 0 <= step.head_start <= self.max_length:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"head_start must be in [0, max_length={self.max_length}], got {step.head_start}")
-        if not 0 <= step.head_drafts <= MAX_HEAD_DRAFTS:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"head_drafts must be in [0, {MAX_HEAD_DRAFTS}], got {step.head_drafts}")
+        if not 0 <= step.loop_runs <= self.max_length:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"loop_runs must be in [0, max_length={self.max_length}], got {step.loop_runs}")
+        if not 0 <= step.tail_drafts <= MAX_TAIL_DRAFTS:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"tail_drafts must be in [0, {MAX_TAIL_DRAFTS}], got {step.tail_drafts}")
         if step.parents:
             self._check_tree(step, span)
         self._tree_gather(step)
@@ -232,7 +232,7 @@ class ServerSession:
         """Record an accepted run's ids so later runs are checked against it."""
         self.last_run_id = step.run_id
         self.cancelled_since_accept = None
-        self.head_start_left = step.head_start
+        self.loop_runs_left = step.loop_runs
         self.expected_length = step.start_pos + len(step.token_ids)
         self.run_start[step.run_id] = step.start_pos
         gather = self._tree_gather(step)  # checked on arrival (check_step)
@@ -346,23 +346,23 @@ def compute_run(
     logits = LazyLogits(span, hidden, contiguous=not step.parents)
     outputs = _outputs(span, session, step, hidden, logits) if step.return_logits else None
     result = _verdict(session, step, logits)
-    if step.head_drafts and span.drafter is not None:
-        result.drafts = _head_drafts(span, session, step, hidden, result)
+    if step.tail_drafts and span.drafter is not None:
+        result.drafts = _tail_drafts(span, session, step, hidden, result)
     return result if outputs is None else TailReply(outputs, result)
 
 
-def _head_drafts(span: SpanAdapter, session: ServerSession, step: Step, hidden: torch.Tensor, result: StepResult) -> list[int]:
-    """The tail's drafter head over the final activations of the positions this verdict commits
-    (server/drafter_head.py); the session keeps the head's own cache."""
-    if session.head_state is None:
-        session.head_state = span.drafter.new_session()
+def _tail_drafts(span: SpanAdapter, session: ServerSession, step: Step, hidden: torch.Tensor, result: StepResult) -> list[int]:
+    """The tail's drafter over the final activations of the positions this verdict commits
+    (server/tail_drafter.py); the session keeps the head's own cache."""
+    if session.drafter_state is None:
+        session.drafter_state = span.drafter.new_session()
     committed = len(step.token_ids) - step.n_draft + result.accepted
     token_ids = step.token_ids
     if step.parents:  # the committed ids, then the accepted path: a chain, as the head expects
         rows = list(range(len(step.token_ids) - step.n_draft)) + [len(step.token_ids) - step.n_draft + n for n in result.path]
         hidden, token_ids = hidden[:, rows], [step.token_ids[r] for r in rows]
     return span.drafter.draft(
-        session.head_state, hidden, token_ids, step.start_pos, committed, result.next_token, step.head_drafts
+        session.drafter_state, hidden, token_ids, step.start_pos, committed, result.next_token, step.tail_drafts
     )
 
 

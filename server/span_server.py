@@ -27,7 +27,7 @@ from server.adapters import SpanAdapter, load_span
 from server.cache_budget import CacheBudget, default_cache_tokens
 from server.handler import SessionHandler
 from server.joining import claim_span, joining_throughput, keep_announcing, leave
-from server.drafter_head import DEFAULT_HEAD_DRAFTS
+from server.tail_drafter import DEFAULT_TAIL_DRAFTS
 from server.faults import corrupt_outputs
 from server.memory import MemoryPlan, plan_blocks
 from server.quantization import Quant, resident_bytes, resolve_quant
@@ -74,8 +74,8 @@ class ServerConfig:
     max_sessions: int = DEFAULT_MAX_SESSIONS  # open sessions at most
     max_sessions_per_peer: int = DEFAULT_MAX_SESSIONS_PER_PEER  # open sessions per upstream peer at most
     reachability: str = "auto"  # auto: ask initial peers to dial back; public; private (always through a relay)
-    drafter: str = "auto"  # the tail's drafter head: auto (the committed head for this model, if any), none, or a file
-    drafter_tokens: int = DEFAULT_HEAD_DRAFTS  # ids the head drafts per run at most
+    drafter: str = "auto"  # the tail's drafter: auto (the committed head for this model, if any), none, or a file
+    drafter_tokens: int = DEFAULT_TAIL_DRAFTS  # ids the tail drafts per run at most
 
 
 class SpanServer:
@@ -252,7 +252,7 @@ class SpanServer:
             )
             if span.is_tail and not drafter_fits(self.plan, end - start):
                 # the gap wants every block this server holds: coverage first, drafting is only speed
-                logger.info(f"Drafter head: none (blocks {start}:{end} leave no memory for it, by the memory plan)")
+                logger.info(f"Tail drafter: none (blocks {start}:{end} leave no memory for it, by the memory plan)")
             else:
                 await loop.run_in_executor(None, attach_drafter, span, self.config, self.model_config, self.checkpoint)
         finally:
@@ -286,11 +286,11 @@ class SpanServer:
 
 
 def attach_drafter(span: SpanAdapter, config: ServerConfig, model_config: PretrainedConfig, checkpoint: Checkpoint) -> None:
-    """``--drafter``: give a tail span its drafter head (server/drafter_head.py). ``auto`` picks the
+    """``--drafter``: give a tail span its tail drafter (server/tail_drafter.py). ``auto`` picks the
     head committed for this model (matched by config fingerprint) and drafts nothing without one;
     ``none`` never drafts; a path loads that head file, and a file that does not fit is an error.
     A DeepSeek-V4 tail drafts with its checkpoint's own MTP module instead (server/adapters/deepseek_v4_mtp.py)."""
-    from server.drafter_head import build_head_drafter
+    from server.tail_drafter import build_tail_drafter
 
     span.drafter = None
     if config.drafter == "none" or not span.is_tail:
@@ -300,26 +300,26 @@ def attach_drafter(span: SpanAdapter, config: ServerConfig, model_config: Pretra
 
         span.drafter = build_mtp_drafter(span, model_config, checkpoint, config.drafter, max_drafts=config.drafter_tokens)
         return
-    path = _head_file(config, model_config)
+    path = _drafter_file(config, model_config)
     if path is None:
-        logger.info("Drafter head: none (no committed head for this model)")
+        logger.info("Tail drafter: none (no committed head for this model)")
         return
-    span.drafter = build_head_drafter(span, model_config, checkpoint, path, max_drafts=config.drafter_tokens)
-    logger.info(f"Drafter head: {path} (up to {config.drafter_tokens} ids per run)")
+    span.drafter = build_tail_drafter(span, model_config, checkpoint, path, max_drafts=config.drafter_tokens)
+    logger.info(f"Tail drafter: {path} (up to {config.drafter_tokens} ids per run)")
 
 
-def _head_file(config: ServerConfig, model_config: PretrainedConfig) -> Optional[str]:
+def _drafter_file(config: ServerConfig, model_config: PretrainedConfig) -> Optional[str]:
     """The head file ``--drafter`` names for a Llama-family tail (auto: the committed one, if any)."""
     from server.adapters import adapter_class
     from server.adapters.llama import LlamaFamilyAdapter
-    from server.drafter_head import committed_head
+    from server.tail_drafter import committed_drafter
 
     llama = issubclass(adapter_class(model_config), LlamaFamilyAdapter)
     if config.drafter == "auto":
-        path = committed_head(model_config) if llama else None
+        path = committed_drafter(model_config) if llama else None
         return None if path is None else str(path)
     if not llama:
-        raise ValueError(f"--drafter {config.drafter}: drafter heads exist only for Llama-family models so far")
+        raise ValueError(f"--drafter {config.drafter}: tail drafters exist only for Llama-family models so far")
     return config.drafter
 
 
@@ -343,13 +343,13 @@ def drafter_bytes(
         return mtp_bytes(model_config, checkpoint, dtype, quant) if config.drafter == "auto" else 0
     from safetensors import SafetensorError
 
-    from server.drafter_head import head_bytes
+    from server.tail_drafter import drafter_file_bytes
 
-    path = _head_file(config, model_config)
+    path = _drafter_file(config, model_config)
     if path is None:
         return 0
     try:
-        return head_bytes(path, model_config, dtype, tied="lm_head.weight" not in checkpoint.weight_map())
+        return drafter_file_bytes(path, model_config, dtype, tied="lm_head.weight" not in checkpoint.weight_map())
     except (OSError, SafetensorError):  # missing or no safetensors file: attach_drafter names it
         return 0
 

@@ -255,10 +255,10 @@ def run_demo(swarm: LocalSwarm, prompt: str, max_new_tokens: int, speculation: O
     tokenizer = model.tokenizer
     messages = [{"role": "user", "content": prompt}]
     input_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
-    modes = {"speculation=None, head_start=False": dict(speculation=None, head_start=False)}
+    modes = {"speculation=None, loop_runs=False": dict(speculation=None, loop_runs=False)}
     if speculation:
-        modes[f"speculation={speculation}, head_start=False"] = dict(speculation=speculation, head_start=False)
-        modes[f"speculation={speculation} (the default: head-started runs)"] = dict(speculation=speculation)
+        modes[f"speculation={speculation}, loop_runs=False"] = dict(speculation=speculation, loop_runs=False)
+        modes[f"speculation={speculation} (the default: looped runs)"] = dict(speculation=speculation)
         modes[f"speculation={speculation}, async_speculation=True"] = dict(speculation=speculation,
                                                                            async_speculation=True)  # fmt: skip
     first = None
@@ -277,8 +277,8 @@ def run_demo(swarm: LocalSwarm, prompt: str, max_new_tokens: int, speculation: O
         if first is None:
             first = new
         cancelled = ""
-        if stats.head_started_runs:
-            cancelled = f", {stats.head_started_runs} runs started at the head"
+        if stats.looped_runs:
+            cancelled = f", {stats.looped_runs} runs started at the head"
         if stats.runs_cancelled:
             cancelled += f", {stats.runs_cancelled} runs cancelled ({stats.positions_wasted} positions)"
         print(

@@ -54,9 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-sessions-per-peer", type=int, default=DEFAULT_MAX_SESSIONS_PER_PEER,
                    help="open sessions per client (or previous server) at most")
     p.add_argument("--drafter", default="auto", metavar="auto|none|PATH",
-                   help="the tail's drafter head: auto (the head shipped for this model, if any), none, or a head "
+                   help="the tail's drafter: auto (the head shipped for this model, if any), none, or a head "
                    "file (.safetensors, from python -m server.drafter_train)")
-    p.add_argument("--drafter-tokens", type=int, default=1, help="ids the drafter head drafts per run at most")
+    p.add_argument("--drafter-tokens", type=int, default=1, help="ids the tail drafter drafts per run at most")
     p.add_argument("--reachability", default="auto", choices=["auto", "public", "private"],
                    help="auto: ask the initial peers to dial back and use them as relays if they cannot "
                         "(docs/nat.md); public: skip the check; private: always serve through a relay")

@@ -38,17 +38,17 @@ def build_tiny_llama(path: Path, num_layers: int = 6, seed: int = 0) -> Path:
     return path
 
 
-def build_random_head(checkpoint: Path, path: Path, seed: int = 0) -> Path:
-    """A random EAGLE-style drafter head for the model at ``checkpoint`` (server/drafter_head.py):
+def build_random_drafter(checkpoint: Path, path: Path, seed: int = 0) -> Path:
+    """A random EAGLE-style tail drafter for the model at ``checkpoint`` (server/tail_drafter.py):
     its drafts are mostly wrong, which is what exactness tests want to survive."""
     from transformers import AutoConfig
 
-    from server.drafter_head import EagleHead, save_head
+    from server.tail_drafter import EagleModule, save_drafter
 
     config = AutoConfig.from_pretrained(checkpoint)
     torch.manual_seed(seed)
-    head = EagleHead(config)
-    save_head(head, path, config, dtype=torch.float32)
+    head = EagleModule(config)
+    save_drafter(head, path, config, dtype=torch.float32)
     return path
 
 

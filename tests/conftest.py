@@ -154,7 +154,7 @@ def single_torch_thread():
 
 
 def servers_by_name(model, num_blocks: int) -> dict[str, ServerInfo]:
-    infos = fetch_servers(model.protocol.dht, model.swarm.model, num_blocks)
+    infos = fetch_servers(model.swarm.dht, model.swarm.model, num_blocks)
     return {info.public_name: info for info in infos}
 
 

@@ -102,7 +102,7 @@ def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None
 
 
 def open_sessions(model) -> dict[str, int]:
-    servers = fetch_servers(model.protocol.dht, model.swarm.model, model.config.num_hidden_layers)
+    servers = fetch_servers(model.swarm.dht, model.swarm.model, model.config.num_hidden_layers)
     return {s.public_name: s.open_sessions for s in servers}
 
 

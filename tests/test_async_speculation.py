@@ -182,9 +182,9 @@ def test_outcome_hedges_are_used_and_never_change_the_output(inproc_swarm, monke
     for cls, wrong_at in ((HedgingScriptedDrafter, set(range(40))), (HedgingScriptedDrafter, {2, 9, 10, 15}), (ScriptedDrafter, set(range(40)))):
         drafter = cls(truth, len(PROMPT[0]), wrong_at, length=3)
         monkeypatch.setattr("client.model.make_drafter", lambda *a, **k: drafter)
-        # runs sent by the client (with head-started runs the hedges become offers: tests/test_head_start.py)
+        # runs sent by the client (with looped runs the hedges become offers: tests/test_looped_runs.py)
         output = model.generate(torch.tensor(PROMPT), max_new_tokens=18, num_draft_tokens=2, async_speculation=inflight > 1,
-                                max_inflight_runs=inflight, head_start=False, **kwargs)  # fmt: skip
+                                max_inflight_runs=inflight, loop_runs=False, **kwargs)  # fmt: skip
         assert output.tolist() == plain.tolist()
         stats = model.last_generation_stats
         if cls is ScriptedDrafter:  # no alternatives known: nothing to hedge

@@ -459,14 +459,14 @@ def test_swarm_with_rejected_drafts_equals_plain_and_transformers(v4_model, v4_r
         assert stats.runs_cancelled > 0
 
 
-def test_v4_tail_without_mtp_sends_no_head_drafts(v4_model):
+def test_v4_tail_without_mtp_sends_no_tail_drafts(v4_model):
     """The tiny V4 has no ``mtp.*`` tensors: its tail drafts nothing, as a Llama without a head."""
-    v4_model.generate(torch.tensor(PROMPT), max_new_tokens=8, speculation="head")
+    v4_model.generate(torch.tensor(PROMPT), max_new_tokens=8, speculation="tail")
     stats = v4_model.last_generation_stats
-    assert stats.drafted == 0 and stats.drafter_sources["head"][1] == 0
+    assert stats.drafted == 0 and stats.drafter_sources["tail"][1] == 0
 
 
-# ---- the MTP module as the tail's drafter head (server/adapters/deepseek_v4_mtp.py) ------------
+# ---- the MTP module as the tail's drafter (server/adapters/deepseek_v4_mtp.py) ------------
 
 MTP_KINDS = {"csa": CSA, "hca": HCA, "sliding": SWA}
 
@@ -518,7 +518,7 @@ def _assert_same_state(a: dict, b: dict) -> None:
     [("csa", "none"), ("hca", "none"), ("sliding", "none"), ("csa", "nf4"), ("csa", "int8")],
     ids=["csa", "hca", "sliding", "csa-nf4", "csa-int8"],
 )
-def test_mtp_head_cache_rolls_back_exactly(v4_mtp_paths, v4_spans, kind, quant):
+def test_mtp_drafter_cache_rolls_back_exactly(v4_mtp_paths, v4_spans, kind, quant):
     """Runs with rejected drafts, rollbacks into a compression window and past the sliding window,
     and a different token where a run ended: after each, the MTP head's cache equals that of a
     fresh head over the committed text in one pass, and so do its drafts."""
@@ -652,9 +652,9 @@ def v4_mtp_plain(v4_mtp_model, v4_reference):
     return get
 
 
-@pytest.mark.parametrize("speculation,mode", [("head", "sync"), ("suffix+head", "sync"), ("head", "async"), ("head", "head-started")])
+@pytest.mark.parametrize("speculation,mode", [("tail", "sync"), ("suffix+tail", "sync"), ("tail", "async"), ("tail", "looped")])
 @pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampled"])
-def test_mtp_head_drafts_leave_the_output_unchanged(v4_mtp_model, v4_mtp_plain, speculation, mode, sampling):
+def test_mtp_tail_drafts_leave_the_output_unchanged(v4_mtp_model, v4_mtp_plain, speculation, mode, sampling):
     """The tail's MTP drafts reach the client every lap, ride in the next runs, are verified, and
     the output is that of no speculation (and of transformers)."""
     kwargs = dict(do_sample=True, temperature=0.8, top_p=0.9, seed=1234) if sampling else {}
@@ -662,14 +662,14 @@ def test_mtp_head_drafts_leave_the_output_unchanged(v4_mtp_model, v4_mtp_plain, 
         kwargs.update(async_speculation=True, max_inflight_runs=3, num_draft_tokens=4)
     plain = v4_mtp_plain(sampling)
     output = v4_mtp_model.generate(torch.tensor(PROMPT), max_new_tokens=24, speculation=speculation,
-                                   head_start=mode == "head-started", **kwargs)  # fmt: skip
+                                   loop_runs=mode == "looped", **kwargs)  # fmt: skip
     assert output.tolist() == plain
     stats = v4_mtp_model.last_generation_stats
-    if mode == "head-started":  # the tail's MTP ids ride in the runs it starts at the head
-        assert stats.runs_sent == 1 and stats.head_started_runs >= stats.laps - 1 and stats.drafted >= stats.laps
+    if mode == "looped":  # the tail's MTP ids ride in the runs it starts at the head
+        assert stats.runs_sent == 1 and stats.looped_runs >= stats.laps - 1 and stats.drafted >= stats.laps
         return
-    proposals, proposed, _ = stats.drafter_sources["head"]
+    proposals, proposed, _ = stats.drafter_sources["tail"]
     assert proposals >= 5 and proposed >= 3 * proposals  # 4 ids per verdict, fewer only after an EOS
-    assert stats.drafter_choices["head"] >= 5 and stats.drafted > 0  # sent in runs, so verified by the tail
+    assert stats.drafter_choices["tail"] >= 5 and stats.drafted > 0  # sent in runs, so verified by the tail
     if mode == "async":  # runs behind refuted ones were sent (the tail drafted after them too) and cancelled
         assert stats.runs_sent > stats.laps and stats.runs_cancelled > 0

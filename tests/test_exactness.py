@@ -92,10 +92,10 @@ class ScriptedDrafter(Drafter):
         pass
 
 
-@pytest.mark.parametrize("head_start", [False, True], ids=["client runs", "head-started"])
+@pytest.mark.parametrize("loop_runs", [False, True], ids=["client runs", "looped"])
 @pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampled"])
 @pytest.mark.parametrize("case", ["all right", "all wrong", "half right"])
-def test_supplied_drafts_never_change_the_output(tiny_model, tiny_reference, monkeypatch, case, sampling, head_start):
+def test_supplied_drafts_never_change_the_output(tiny_model, tiny_reference, monkeypatch, case, sampling, loop_runs):
     kwargs = dict(do_sample=True, temperature=0.8, top_p=0.9, seed=7) if sampling else {}
     with pinned(tiny_model, ROUTES["three servers, uneven"]):
         plain = tiny_model.generate(torch.tensor(PROMPT), max_new_tokens=16, speculation=None, **kwargs)
@@ -104,12 +104,12 @@ def test_supplied_drafts_never_change_the_output(tiny_model, tiny_reference, mon
     drafter = ScriptedDrafter(truth, len(PROMPT[0]), wrong_at, length=4)
     monkeypatch.setattr("client.model.make_drafter", lambda *a, **k: drafter)
     with pinned(tiny_model, ROUTES["three servers, uneven"]):
-        output = tiny_model.generate(torch.tensor(PROMPT), max_new_tokens=16, num_draft_tokens=4, head_start=head_start,
+        output = tiny_model.generate(torch.tensor(PROMPT), max_new_tokens=16, num_draft_tokens=4, loop_runs=loop_runs,
                                      **kwargs)  # fmt: skip
     assert output.tolist() == plain.tolist()
     stats = tiny_model.last_generation_stats
-    if head_start:  # a scripted drafter ranks no alternatives: only the client's first run carries its drafts
-        assert stats.runs_sent == 1 and stats.head_started_runs >= stats.laps - 1
+    if loop_runs:  # a scripted drafter ranks no alternatives: only the client's first run carries its drafts
+        assert stats.runs_sent == 1 and stats.looped_runs >= stats.laps - 1
     elif case == "all right":  # 4 drafts + the bonus token per lap
         assert stats.accepted == stats.drafted and stats.laps == 4
     elif case == "all wrong":
@@ -142,7 +142,7 @@ def test_smollm2_greedy_64_tokens_equals_transformers(smol_model, smol_reference
 
 
 def test_warm_draft_store_drafts_the_models_habits_and_never_changes_the_output(smol_swarm, smol_reference):
-    """A new client's suffix store starts with SmolLM2's own answers to the drafter head's training
+    """A new client's suffix store starts with SmolLM2's own answers to the tail drafter's training
     prompts (client/warm_corpus.py, warm_draft_store=True): asked one of those prompts again, a warm
     client drafts its answer from the first lap on, a cold one (the default) cannot; both give
     transformers' tokens."""

@@ -172,7 +172,7 @@ def test_two_servers_that_chose_the_same_gap_at_once_split_the_model():
     assert (late.start_block, late.end_block) == (3, 6)  # yields, chooses again, announces again
     assert late.state == early.state == ServerState.JOINING and late.throughput == JOINING_THROUGHPUT
     assert late.started_at == 100.5  # its rank does not change with its span
-    assert protocol.records["late"].end_block == 6 and len(swarm.published) == 3
+    assert swarm.records["late"].end_block == 6 and len(swarm.published) == 3
 
 
 def test_equal_claim_times_are_broken_by_peer_id():

@@ -10,7 +10,7 @@ from protocol.sampling import verify
 from server.session import LazyLogits
 
 
-class CountingHead:
+class CountingDrafter:
     """A stand-in LM head (a fixed linear map) that records which rows each call computed."""
 
     def __init__(self, hidden: int = 8, vocab: int = 16, seed: int = 0):
@@ -25,7 +25,7 @@ class CountingHead:
 @pytest.mark.parametrize("n_draft", [0, 1, 3, 7])
 @pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(do_sample=True, temperature=0.9, top_p=0.9, seed=5)])
 def test_lazy_rows_give_the_verdict_of_full_logits(n_draft, sampling):
-    head = CountingHead()
+    head = CountingDrafter()
     start_pos, num_new = 4, n_draft + 2
     hidden = torch.randn(1, num_new, 8, generator=torch.Generator().manual_seed(n_draft))
     full = head.logits(hidden)
@@ -45,7 +45,7 @@ def test_lazy_rows_give_the_verdict_of_full_logits(n_draft, sampling):
 
 
 def test_a_rejected_first_draft_costs_one_row_and_a_prefill_only_its_last():
-    head = CountingHead()
+    head = CountingDrafter()
     hidden = torch.randn(1, 5, 8, generator=torch.Generator().manual_seed(1))
     first_choice = int(head.logits(hidden[:, :1]).argmax())
     head.calls.clear()
@@ -58,7 +58,7 @@ def test_a_rejected_first_draft_costs_one_row_and_a_prefill_only_its_last():
 
 
 def test_rows_after_the_first_are_computed_in_one_call():
-    head = CountingHead()
+    head = CountingDrafter()
     hidden = torch.randn(1, 6, 8)
     rows = LazyLogits(head, hidden)
     full = head.logits(hidden)

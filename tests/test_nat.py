@@ -34,9 +34,9 @@ model = AutoDistributedModel.from_pretrained(path, initial_peers=[peer])
 try:
     import torch
     out = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)
-    servers = fetch_servers(model.protocol.dht, model.swarm.model, model.config.num_hidden_layers)
+    servers = fetch_servers(model.swarm.dht, model.swarm.model, model.config.num_hidden_layers)
     from swarm.dashboard.poller import SwarmReader  # the dashboard's reachability probe
-    probed = {p.peer_id: p.rtt for p in SwarmReader(model.protocol.dht).probe(model.swarm.model, servers)}
+    probed = {p.peer_id: p.rtt for p in SwarmReader(model.swarm.dht).probe(model.swarm.model, servers)}
     print(json.dumps({"tokens": out[0].tolist(), "servers": [
         {"start": s.start_block, "end": s.end_block, "using_relay": s.using_relay, "relay_addrs": s.relay_addrs,
          "probe_rtt": probed.get(s.peer_id)} for s in servers]}), flush=True)

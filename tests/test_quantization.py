@@ -219,7 +219,7 @@ def test_quantized_llama_over_servers_equals_transformers_bitsandbytes(llama_qua
     assert model.generate(torch.tensor(PROMPT), max_new_tokens=20).tolist() == expected.tolist()  # default speculation
     sampled = model.generate(torch.tensor(PROMPT), max_new_tokens=16, **SAMPLED)[0, len(PROMPT[0]) :].tolist()
     assert sampled == reference_sample(reference, PROMPT[0], 16, SamplingParams(**SAMPLED))
-    infos = fetch_servers(model.protocol.dht, model.swarm.model, 6)
+    infos = fetch_servers(model.swarm.dht, model.swarm.model, 6)
     assert {i.quantization for i in infos if i.public_name.startswith(quant.value)} == {quant.value}
 
 
@@ -250,7 +250,7 @@ def test_smollm2_over_three_quantized_servers_speculation_never_changes_the_outp
         swarm.wait_ready(expected=5)
         model = AutoDistributedModelForCausalLM.from_pretrained("smollm2-135m", initial_peers=swarm.initial_peers)
         try:
-            infos = fetch_servers(model.protocol.dht, model.swarm.model, 30)
+            infos = fetch_servers(model.swarm.dht, model.swarm.model, 30)
             messages = [{"role": "user", "content": CODE_EDITING[0]}]
             prompt = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
                                                          return_dict=True)["input_ids"]  # fmt: skip

@@ -627,19 +627,19 @@ def test_trees_survive_failover_and_chunked_prefill(tree_servers, monkeypatch, s
     assert max(stats.tree_sizes) <= 12 - 1 and stats.tree_accepted > 0
 
 
-def test_head_drafts_after_a_tree_continue_the_accepted_path(tiny_llama_path, tiny_reference, tmp_path):
-    """The tail's drafter head drafts after a tree run from the accepted path's hidden states: its
+def test_tail_drafts_after_a_tree_continue_the_accepted_path(tiny_llama_path, tiny_reference, tmp_path):
+    """The tail's drafter drafts after a tree run from the accepted path's hidden states: its
     ids equal those of a fresh head over the committed text, and its cache keeps only that path."""
     from transformers import AutoConfig
 
-    from server.drafter_head import build_head_drafter
+    from server.tail_drafter import build_tail_drafter
     from server.session import QueuedRun, ServerSession, compute_run
-    from tests.checkpoints import build_random_head
+    from tests.checkpoints import build_random_drafter
 
     config = AutoConfig.from_pretrained(tiny_llama_path)
     checkpoint = Checkpoint(str(tiny_llama_path))
     span = load_span(config, checkpoint, 0, config.num_hidden_layers, torch.float32, "cpu")
-    span.drafter = build_head_drafter(span, config, checkpoint, build_random_head(tiny_llama_path, tmp_path / "head.safetensors"),
+    span.drafter = build_tail_drafter(span, config, checkpoint, build_random_drafter(tiny_llama_path, tmp_path / "head.safetensors"),
                                       max_drafts=4)  # fmt: skip
     truth = greedy_truth(tiny_reference, 8)
     prompt = PROMPT[0]
@@ -656,42 +656,42 @@ def test_head_drafts_after_a_tree_continue_the_accepted_path(tiny_llama_path, ti
         return span.drafter.draft(span.drafter.new_session(), hidden, committed, 0, len(committed), next_token, 4)
 
     with single_torch_thread():
-        first = run(Step(session_id="s", run_id=1, start_pos=0, token_ids=prompt, head_drafts=4))
+        first = run(Step(session_id="s", run_id=1, start_pos=0, token_ids=prompt, tail_drafts=4))
         assert first.next_token == truth[0] and first.drafts == fresh_drafts(prompt, truth[0])
         wrong = [(t + 1) % 1000 for t in truth]
         ids, parents = [wrong[1], truth[1], wrong[2], truth[2]], [-1, -1, 1, 1]
         tree = run(TreeStep(session_id="s", run_id=2, start_pos=len(prompt), token_ids=[truth[0]] + ids, n_draft=4,
-                            parents=parents, head_drafts=4))  # fmt: skip
+                            parents=parents, tail_drafts=4))  # fmt: skip
         assert tree.path == [1, 3] and tree.next_token == truth[3]
         committed = prompt + truth[:3]
         assert tree.drafts == fresh_drafts(committed, truth[3])
-        after = run(TreeStep(session_id="s", run_id=3, start_pos=len(committed), token_ids=[truth[3]], head_drafts=4,
+        after = run(TreeStep(session_id="s", run_id=3, start_pos=len(committed), token_ids=[truth[3]], tail_drafts=4,
                              tree_path=[1, 3]))  # fmt: skip
         assert after.next_token == truth[4] and after.drafts == fresh_drafts(committed + truth[3:4], truth[4])
         assert session.history == committed + truth[3:4]
 
 
-def test_trees_with_the_tails_head_drafts(tree_servers, tiny_llama_path, tmp_path):
-    """speculation="suffix+head" with trees: the head's ids ride as a branch beside retrieval's."""
+def test_trees_with_the_tails_tail_drafts(tree_servers, tiny_llama_path, tmp_path):
+    """speculation="suffix+tail" with trees: the head's ids ride as a branch beside retrieval's."""
     from transformers import AutoConfig
 
-    from server.drafter_head import build_head_drafter
-    from tests.checkpoints import build_random_head
+    from server.tail_drafter import build_tail_drafter
+    from tests.checkpoints import build_random_drafter
 
     model, servers = tree_servers
     tail = servers[-1].span
     config = AutoConfig.from_pretrained(tiny_llama_path)
-    head = build_random_head(tiny_llama_path, tmp_path / "head.safetensors")
+    head = build_random_drafter(tiny_llama_path, tmp_path / "head.safetensors")
     prompt = torch.tensor([PROMPT[0] * 3])
     plain = model.generate(prompt, max_new_tokens=20, speculation=None)
-    tail.drafter = build_head_drafter(tail, config, Checkpoint(str(tiny_llama_path)), head, max_drafts=4)
+    tail.drafter = build_tail_drafter(tail, config, Checkpoint(str(tiny_llama_path)), head, max_drafts=4)
     try:
-        output = model.generate(prompt, max_new_tokens=20, speculation="suffix+head", draft_tree=True)
+        output = model.generate(prompt, max_new_tokens=20, speculation="suffix+tail", draft_tree=True)
     finally:
         tail.drafter = None
     assert output.tolist() == plain.tolist()
     stats = model.last_generation_stats
-    assert stats.tree_laps == stats.laps and stats.drafter_sources["head"][0] > 0
+    assert stats.tree_laps == stats.laps and stats.drafter_sources["tail"][0] > 0
 
 
 def test_random_trees_get_a_verdict_or_a_clear_refusal(tree_servers, tiny_reference):

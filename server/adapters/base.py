@@ -31,7 +31,7 @@ class SpanAdapter(abc.ABC):
     num_blocks: int  # blocks in the whole model
     hidden_shape: tuple[int, ...]  # shape of one position's activations between stages
     vocab_size: int
-    drafter: Any = None  # a server.drafter_head.HeadDrafter at a tail that drafts, else None
+    drafter: Any = None  # a server.tail_drafter.EagleDrafter at a tail that drafts, else None
     # whether forward() takes a tree of drafts (``tree=``) and gather_cache() works (docs/protocol.md,
     # "Token trees"); families whose caches roll back exactly only for chains keep this False
     supports_trees: bool = False

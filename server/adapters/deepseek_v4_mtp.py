@@ -1,4 +1,4 @@
-"""DeepSeek-V4's multi-token-prediction (MTP) module as the tail's drafter head.
+"""DeepSeek-V4's multi-token-prediction (MTP) module as the tail's drafter.
 
 A V4 checkpoint ships ``num_nextn_predict_layers`` MTP modules (``mtp.{i}.*``) next to the main
 layers. transformers 5.24 ignores those tensors and builds no MTP module, so this file builds
@@ -20,8 +20,8 @@ learned top-k router: hash routing is for the first ``mlp_layer_types == "hash_m
 with the attention kind its tensors show (``mtp_attention_type``). Its cache is the span's
 rewindable V4 cache (:mod:`server.adapters.deepseek_v4_cache`), one layer, so rollbacks trim it
 exactly as they trim the main blocks'. The session bookkeeping (trim to the run's ``start_pos``,
-redo the entry before it, start over after a gap) is :class:`server.drafter_head.TailDrafter`'s.
-Positions in the MTP cache count from the session's ``base`` (0 unless the head had to start
+redo the entry before it, start over after a gap) is :class:`server.tail_drafter.TailDrafter`'s.
+Positions in the MTP cache count from the session's ``base`` (0 unless the drafter had to start
 over after a gap), so a fresh start computes as if the text began there.
 
 Weights are read with the span's own scheme (:func:`deepseek_v4_weights.map_mtp`: DeepSeek's
@@ -55,7 +55,7 @@ from server.adapters.deepseek_v4 import (
     sliding_window_mask,
 )
 from server.adapters.deepseek_v4_weights import embedding_source, iter_plain, map_mtp, mtp_attention_type, mtp_keys
-from server.drafter_head import DEFAULT_HEAD_DRAFTS, MAX_HEAD_DRAFTS, HeadSession, TailDrafter
+from server.tail_drafter import DEFAULT_TAIL_DRAFTS, MAX_TAIL_DRAFTS, DrafterSession, TailDrafter
 from server.quantization import Quant
 from server.weights import Checkpoint
 
@@ -96,7 +96,7 @@ class DeepseekV4MTP(torch.nn.Module):
         self.norm = DeepseekV4RMSNorm(hidden, eps=eps)
         self.hc_head = DeepseekV4HyperHead(self.config)
         self.layer = DeepseekV4DecoderLayer(self.config, layer_idx=config.num_hidden_layers)
-        self.layer.self_attn.layer_idx = 0  # the head's cache holds this one layer
+        self.layer.self_attn.layer_idx = 0  # the drafter's cache holds this one layer
         self.rotary_emb = DeepseekV4RotaryEmbedding(self.config)
 
     def new_cache(self, max_rollback: int):
@@ -169,23 +169,23 @@ def mtp_bytes(config: PretrainedConfig, checkpoint: Checkpoint, dtype: torch.dty
 
 class MTPDrafter(TailDrafter):
     """The MTP module as a :class:`TailDrafter`: features are the last main block's output
-    streams as they are (no final norm), the head's output streams are the next step's feature,
+    streams as they are (no final norm), the drafter's output streams are the next step's feature,
     and a token is the argmax of the shared LM head over ``norm(hc_head(x))``."""
 
     def __init__(self, mtp: DeepseekV4MTP, lm_head: torch.nn.Module, embed_weight: torch.Tensor, dtype: torch.dtype,
-                 device: torch.device, max_rollback: int, max_drafts: int = DEFAULT_HEAD_DRAFTS,
+                 device: torch.device, max_rollback: int, max_drafts: int = DEFAULT_TAIL_DRAFTS,
                  eos_token_ids: tuple[int, ...] = ()):  # fmt: skip
         super().__init__(max_drafts, eos_token_ids)
         self.mtp, self.lm_head, self.embed_weight = mtp, lm_head, embed_weight
         self.dtype, self.device = dtype, torch.device(device)
-        # a run trims the head one position further back than the span (the entry before start_pos
-        # is redone), and drafting leaves up to MAX_HEAD_DRAFTS entries to trim on top
-        self.max_rollback = max_rollback + MAX_HEAD_DRAFTS + 1
+        # a run trims the drafter one position further back than the span (the entry before start_pos
+        # is redone), and drafting leaves up to MAX_TAIL_DRAFTS entries to trim on top
+        self.max_rollback = max_rollback + MAX_TAIL_DRAFTS + 1
 
-    def new_session(self) -> HeadSession:
-        return HeadSession(self.mtp.new_cache(self.max_rollback))
+    def new_session(self) -> DrafterSession:
+        return DrafterSession(self.mtp.new_cache(self.max_rollback))
 
-    def _trim(self, state: HeadSession, position: int) -> None:
+    def _trim(self, state: DrafterSession, position: int) -> None:
         keep = position - state.base
         if keep > 0 and len(state.tokens) > keep:
             try:
@@ -204,8 +204,8 @@ class MTPDrafter(TailDrafter):
     def _predicted(self, out: torch.Tensor) -> torch.Tensor:
         return out
 
-    def _step(self, state: HeadSession, features: torch.Tensor, tokens: list[int], first: int) -> torch.Tensor:
-        offset = first - state.base  # positions in the head's cache count from the session's base
+    def _step(self, state: DrafterSession, features: torch.Tensor, tokens: list[int], first: int) -> torch.Tensor:
+        offset = first - state.base  # positions in the drafter's cache count from the session's base
         num = features.shape[1]
         ids = torch.tensor([tokens])
         embeds = self.embed_weight[ids.to(self.embed_weight.device)].to(self.device, self.dtype)
@@ -220,19 +220,19 @@ class MTPDrafter(TailDrafter):
 
 
 def build_mtp_drafter(span, config: PretrainedConfig, checkpoint: Checkpoint, choice: str = "auto",
-                      max_drafts: int = DEFAULT_HEAD_DRAFTS) -> Optional[MTPDrafter]:  # fmt: skip
+                      max_drafts: int = DEFAULT_TAIL_DRAFTS) -> Optional[MTPDrafter]:  # fmt: skip
     """``--drafter`` on a DeepSeek-V4 server: ``auto`` drafts with the checkpoint's MTP module
     when it has one (tensors ``mtp.0.*`` and ``num_nextn_predict_layers >= 1``) and with nothing
-    otherwise; ``none`` never drafts; a head file is refused (V4 has its own head)."""
+    otherwise; ``none`` never drafts; a drafter file is refused (V4 has its own drafter)."""
     if choice == "none" or not span.is_tail:
         return None
     if choice != "auto":
         raise ValueError(
             f"--drafter {choice}: a DeepSeek-V4 tail drafts with its checkpoint's own MTP module "
-            "(--drafter auto) or not at all (--drafter none); it takes no head file"
+            "(--drafter auto) or not at all (--drafter none); it takes no drafter file"
         )
     if not has_mtp(config, checkpoint):
-        logger.info("Drafter head: none (the checkpoint has no MTP module, mtp.0.*)")
+        logger.info("Tail drafter: none (the checkpoint has no MTP module, mtp.0.*)")
         return None
     try:
         mtp = load_mtp(span.config, checkpoint, span.dtype, span.device, span.quant)
@@ -242,10 +242,10 @@ def build_mtp_drafter(span, config: PretrainedConfig, checkpoint: Checkpoint, ch
             source = embedding_source(checkpoint.weight_map())
             ((_, embed_weight),) = list(iter_plain(checkpoint, [source], lambda name: span.dtype))
     except (KeyError, ValueError, RuntimeError) as e:  # names not as assumed, or no memory for it
-        logger.warning(f"Drafter head: none (the checkpoint's MTP module mtp.0 could not be loaded: {e})")
+        logger.warning(f"Tail drafter: none (the checkpoint's MTP module mtp.0 could not be loaded: {e})")
         return None
     eos = config.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
-    logger.info(f"Drafter head: the checkpoint's MTP module mtp.0 ({mtp.attention_type} block, "
+    logger.info(f"Tail drafter: the checkpoint's MTP module mtp.0 ({mtp.attention_type} block, "
                 f"{span.quant.value} weights; up to {max_drafts} ids per run)")  # fmt: skip
     return MTPDrafter(mtp, span.lm_head, embed_weight, span.dtype, span.device, span.max_rollback, max_drafts, eos_ids)

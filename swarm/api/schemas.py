@@ -20,7 +20,7 @@ from swarm.api.engine import CHAT_ROLES, GenerationParams, ServedModel, check_pr
 from swarm.api.errors import APIError, bad_request
 
 MAX_STOPS = 16
-SPECULATION_MODES = {"suffix", "ngram", "head", "suffix+head", "ngram+head", "none"}
+SPECULATION_MODES = {"suffix", "ngram", "tail", "suffix+tail", "ngram+tail", "none"}
 INT64 = 2**63
 
 

@@ -1,18 +1,18 @@
-"""A drafter head at the tail: after verifying a run, the tail drafts the next few tokens itself.
+"""A tail drafter at the tail: after verifying a run, the tail drafts the next few tokens itself.
 
-Why at the tail: the head reads the final hidden states of the positions the tail has just computed,
+Why at the tail: the drafter reads the final hidden states of the positions the tail has just computed,
 so drafting costs no lap and only a few small matrix products there (docs/design.md, "One lap", step 3).
 The drafted ids go down in ``StepResult.drafts``; they are only drafts, which the next run carries
 like any other and the tail verifies, so the output stays exactly that of no speculation.
 
-Llama-family models get an EAGLE-style head (Li et al., arXiv 2401.15077): the feature of a
-position is its final hidden state after the model's final norm (what the LM head reads). The head
+Llama-family models get an EAGLE-style drafter (Li et al., arXiv 2401.15077): the feature of a
+position is its final hidden state after the model's final norm (what the LM head reads). The drafter
 maps ``fc(concat(feature_t, embed(token_{t+1})))`` through one decoder layer of the model's own
 transformers class, with its own small KV cache per session, to a prediction of ``feature_{t+1}``
 (after the shared final norm), and the model's own LM head turns that into the token after
 ``token_{t+1}``. Drafting is autoregressive: each predicted feature and its argmax token are the
-next step's input. The head file is a safetensors file (``fc.*``, ``layer.*``, optionally
-``draft_vocab``: the ids the head may propose, a frequent-token subset that keeps the LM head rows
+next step's input. The drafter file is a safetensors file (``fc.*``, ``layer.*``, optionally
+``draft_vocab``: the ids the drafter may propose, a frequent-token subset that keeps the LM head rows
 it multiplies few, after FR-Spec, arXiv 2502.14856) whose metadata names the config it was trained
 for (:func:`config_fingerprint`).
 
@@ -35,14 +35,14 @@ from protocol.models import config_fingerprint
 
 logger = logging.getLogger(__name__)
 
-HEAD_FORMAT = "specswarm-eagle-1"
-DEFAULT_HEAD_DRAFTS = 1  # the most ids the tail drafts per run (a client may ask for fewer); see docs/benchmarks.md
-MAX_HEAD_DRAFTS = 16  # the most a Step may ask for
+DRAFTER_FORMAT = "specswarm-eagle-1"
+DEFAULT_TAIL_DRAFTS = 1  # the most ids the tail drafts per run (a client may ask for fewer); see docs/benchmarks.md
+MAX_TAIL_DRAFTS = 16  # the most a Step may ask for
 RECENT_FEATURES = 32  # features a session keeps to redo the entry before a rollback's start_pos exactly
-COMMITTED_HEADS = Path(__file__).resolve().parent / "drafters"  # heads shipped with the package
+COMMITTED_DRAFTERS = Path(__file__).resolve().parent / "drafters"  # heads shipped with the package
 
 
-def _head_config(config: PretrainedConfig) -> PretrainedConfig:
+def _drafter_config(config: PretrainedConfig) -> PretrainedConfig:
     cfg = copy.deepcopy(config)
     cfg.num_hidden_layers = 1
     cfg._attn_implementation = "sdpa"
@@ -51,12 +51,12 @@ def _head_config(config: PretrainedConfig) -> PretrainedConfig:
     return cfg
 
 
-class EagleHead(torch.nn.Module):
+class EagleModule(torch.nn.Module):
     """fc over [feature, embedding] -> one decoder layer of the model's own class (pre-norm output)."""
 
     def __init__(self, config: PretrainedConfig):
         super().__init__()
-        self.config = _head_config(config)
+        self.config = _drafter_config(config)
         with torch.device("meta"):  # only to learn the family's layer and rotary classes
             skeleton = AutoModelForCausalLM.from_config(self.config)
         layer_cls, rope_cls = type(skeleton.model.layers[0]), type(skeleton.model.rotary_emb)
@@ -84,25 +84,25 @@ class EagleHead(torch.nn.Module):
         )  # fmt: skip
 
 
-def save_head(head: EagleHead, path: str | Path, config: PretrainedConfig, *,
+def save_drafter(net: EagleModule, path: str | Path, config: PretrainedConfig, *,
               draft_vocab: Optional[torch.Tensor] = None, dtype: torch.dtype = torch.float16,
               extra: Optional[dict[str, str]] = None) -> None:  # fmt: skip
     from safetensors.torch import save_file
 
-    tensors = {name: t.detach().to(dtype).contiguous() for name, t in head.state_dict().items()
+    tensors = {name: t.detach().to(dtype).contiguous() for name, t in net.state_dict().items()
                if not name.startswith("rotary_emb.")}  # fmt: skip
     if draft_vocab is not None:
         tensors["draft_vocab"] = draft_vocab.to(torch.int32).contiguous()
-    metadata = {"format": HEAD_FORMAT, "fingerprint": config_fingerprint(config), "model_type": config.model_type}
+    metadata = {"format": DRAFTER_FORMAT, "fingerprint": config_fingerprint(config), "model_type": config.model_type}
     metadata.update(extra or {})
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path), metadata=metadata)
 
 
-def load_head(path: str | Path, config: PretrainedConfig, dtype: torch.dtype = torch.float32,
-              device: str | torch.device = "cpu") -> tuple[EagleHead, Optional[torch.Tensor]]:  # fmt: skip
-    """The head in ``path`` and its draft vocabulary (None: all ids); a ValueError naming what does
-    not fit when the file is no head, or a head for another model."""
+def load_drafter(path: str | Path, config: PretrainedConfig, dtype: torch.dtype = torch.float32,
+              device: str | torch.device = "cpu") -> tuple[EagleModule, Optional[torch.Tensor]]:  # fmt: skip
+    """The drafter in ``path`` and its draft vocabulary (None: all ids); a ValueError naming what does
+    not fit when the file is no drafter, or a drafter for another model."""
     from safetensors import safe_open
 
     try:
@@ -110,28 +110,28 @@ def load_head(path: str | Path, config: PretrainedConfig, dtype: torch.dtype = t
             metadata = f.metadata() or {}
             tensors = {name: f.get_tensor(name) for name in f.keys()}
     except Exception as e:
-        raise ValueError(f"cannot read drafter head {path}: {e}") from None
-    if metadata.get("format") != HEAD_FORMAT:
-        raise ValueError(f"{path} is not a drafter head of format {HEAD_FORMAT} (metadata: {metadata})")
+        raise ValueError(f"cannot read tail drafter {path}: {e}") from None
+    if metadata.get("format") != DRAFTER_FORMAT:
+        raise ValueError(f"{path} is not a tail drafter of format {DRAFTER_FORMAT} (metadata: {metadata})")
     if metadata.get("fingerprint") != config_fingerprint(config):
         raise ValueError(
-            f"drafter head {path} was trained for another model (config fingerprint "
+            f"tail drafter {path} was trained for another model (config fingerprint "
             f"{metadata.get('fingerprint')}, this model's is {config_fingerprint(config)})"
         )
     draft_vocab = tensors.pop("draft_vocab", None)
-    head = EagleHead(config)
-    missing, unexpected = head.load_state_dict(tensors, strict=False)
+    net = EagleModule(config)
+    missing, unexpected = net.load_state_dict(tensors, strict=False)
     missing = [m for m in missing if not m.startswith("rotary_emb.")]
     if missing or unexpected:
-        raise ValueError(f"drafter head {path} does not fit: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    head.to(device=device, dtype=dtype).eval().requires_grad_(False)
-    head.rotary_emb.to(device)
-    return head, None if draft_vocab is None else draft_vocab.long().to(device)
+        raise ValueError(f"tail drafter {path} does not fit: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    net.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    net.rotary_emb.to(device)
+    return net, None if draft_vocab is None else draft_vocab.long().to(device)
 
 
-def head_bytes(path: str | Path, config: PretrainedConfig, dtype: torch.dtype, tied: bool) -> int:
-    """Bytes a head file takes once :func:`build_head_drafter` loaded it in ``dtype``: the head, its
-    copy of the LM head's draft-vocabulary rows and, for a model whose LM head is not its embedding
+def drafter_file_bytes(path: str | Path, config: PretrainedConfig, dtype: torch.dtype, tied: bool) -> int:
+    """Bytes a drafter file takes once :func:`build_tail_drafter` loaded it in ``dtype``: the drafter, its
+    copy of the LM drafter's draft-vocabulary rows and, for a model whose LM head is not its embedding
     matrix, the embeddings it reads (the memory plan keeps room for them at the tail)."""
     from safetensors import safe_open
 
@@ -139,18 +139,18 @@ def head_bytes(path: str | Path, config: PretrainedConfig, dtype: torch.dtype, t
     with safe_open(str(path), "pt") as f:
         rows = f.get_slice("draft_vocab").get_shape()[0] if "draft_vocab" in f.keys() else 0
     with torch.device("meta"):
-        head = EagleHead(config)
-    params = sum(t.numel() for t in [*head.parameters(), *head.buffers()])  # buffers: rotary frequencies, cast too
+        net = EagleModule(config)
+    params = sum(t.numel() for t in [*net.parameters(), *net.buffers()])  # buffers: rotary frequencies, cast too
     embeddings = 0 if tied else config.vocab_size * config.hidden_size
     return (params + rows * config.hidden_size + embeddings) * size
 
 
-def committed_head(config: PretrainedConfig) -> Optional[Path]:
-    """The head shipped with the package for this model, if any (``--drafter auto``)."""
+def committed_drafter(config: PretrainedConfig) -> Optional[Path]:
+    """The drafter shipped with the package for this model, if any (``--drafter auto``)."""
     from safetensors import safe_open
 
     wanted = config_fingerprint(config)
-    for candidate in sorted(COMMITTED_HEADS.glob("*.safetensors")):
+    for candidate in sorted(COMMITTED_DRAFTERS.glob("*.safetensors")):
         with safe_open(str(candidate), "pt") as f:
             if (f.metadata() or {}).get("fingerprint") == wanted:
                 return candidate
@@ -158,11 +158,11 @@ def committed_head(config: PretrainedConfig) -> Optional[Path]:
 
 
 @dataclass
-class HeadSession:
-    """One session's head cache: entries for positions ``base .. base + len(tokens) - 1``; the
+class DrafterSession:
+    """One session's drafter cache: entries for positions ``base .. base + len(tokens) - 1``; the
     entry at position t was computed from (feature_t, tokens[t - base]), the token at t + 1."""
 
-    cache: Any  # the head's own cache (a DynamicCache for EAGLE heads)
+    cache: Any  # the drafter's own cache (a DynamicCache for EAGLE drafters)
     base: int = 0
     tokens: list[int] = field(default_factory=list)
     # features of the last committed positions (at most RECENT_FEATURES), [1, n, ...], the last one at end - 1
@@ -174,42 +174,42 @@ class HeadSession:
 
 
 class TailDrafter:
-    """What every drafter at the tail shares: each session's head cache follows the committed text
+    """What every drafter at the tail shares: each session's drafter cache follows the committed text
     (rollback to the run's ``start_pos``, the entry before it redone with the token the run starts
     with, from the last ``RECENT_FEATURES`` committed features the session keeps; a fresh start
     after a gap), and drafting is autoregressive from the last committed position. Subclasses say
-    how features are made, how the head steps and how a token is read."""
+    how features are made, how the drafter steps and how a token is read."""
 
-    def __init__(self, max_drafts: int = DEFAULT_HEAD_DRAFTS, eos_token_ids: tuple[int, ...] = ()):
+    def __init__(self, max_drafts: int = DEFAULT_TAIL_DRAFTS, eos_token_ids: tuple[int, ...] = ()):
         self.max_drafts = max_drafts
         self.eos_token_ids = frozenset(eos_token_ids)
         self.stats = {"runs": 0, "drafts": 0, "seconds": 0.0}
 
-    def new_session(self) -> HeadSession:
+    def new_session(self) -> DrafterSession:
         raise NotImplementedError
 
-    def _trim(self, state: HeadSession, position: int) -> None:
+    def _trim(self, state: DrafterSession, position: int) -> None:
         """Keep entries before ``position``; if it is before the cache (or the cache cannot go
         back that far), start over there with ``base = position``."""
         raise NotImplementedError
 
     def _features(self, hidden: torch.Tensor) -> torch.Tensor:
-        """A run's final activations (before any final norm) -> the head's input features."""
+        """A run's final activations (before any final norm) -> the drafter's input features."""
         raise NotImplementedError
 
     def _predicted(self, out: torch.Tensor) -> torch.Tensor:
-        """The head's output at a position -> the feature the next drafting step reads."""
+        """The drafter's output at a position -> the feature the next drafting step reads."""
         raise NotImplementedError
 
-    def _step(self, state: HeadSession, features: torch.Tensor, tokens: list[int], first: int) -> torch.Tensor:
-        """Head over positions first.. (``first == state.end``; the tokens after each); appends entries."""
+    def _step(self, state: DrafterSession, features: torch.Tensor, tokens: list[int], first: int) -> torch.Tensor:
+        """Drafter over positions first.. (``first == state.end``; the tokens after each); appends entries."""
         raise NotImplementedError
 
     def _next_token(self, feature: torch.Tensor) -> int:
         raise NotImplementedError
 
     @torch.inference_mode()
-    def draft(self, state: HeadSession, hidden: torch.Tensor, token_ids: list[int], start_pos: int,
+    def draft(self, state: DrafterSession, hidden: torch.Tensor, token_ids: list[int], start_pos: int,
               committed: int, next_token: int, max_drafts: int) -> list[int]:  # fmt: skip
         """Draft after a verified run: ``hidden`` [1, S, ...] is the run's final activations (before
         the final norm), its first ``committed`` positions are now committed and ``next_token``
@@ -229,7 +229,7 @@ class TailDrafter:
             features = torch.cat([recent[:, first - recent_start : start_pos - recent_start], features], dim=1)
             after = [token_ids[0]] + after
         self._trim(state, first)
-        if state.end != first:  # a gap (the head saw no run ending there): start over with less context
+        if state.end != first:  # a gap (the drafter saw no run ending there): start over with less context
             self._trim(state, state.base)
             state.base = first
         out = self._step(state, features, after, first)
@@ -253,26 +253,26 @@ class TailDrafter:
         return drafts
 
 
-class HeadDrafter(TailDrafter):
-    """The EAGLE head plus what it shares with the tail's span: the final norm, the LM head, and the
-    token embeddings (the LM head's own matrix when the model ties them, else read from the checkpoint)."""
+class EagleDrafter(TailDrafter):
+    """The EAGLE drafter plus what it shares with the tail's span: the final norm, the LM head, and the
+    token embeddings (the LM drafter's own matrix when the model ties them, else read from the checkpoint)."""
 
-    def __init__(self, head: EagleHead, norm: torch.nn.Module, lm_head: torch.nn.Module, embed_weight: torch.Tensor,
-                 draft_vocab: Optional[torch.Tensor] = None, max_drafts: int = DEFAULT_HEAD_DRAFTS,
+    def __init__(self, net: EagleModule, norm: torch.nn.Module, lm_head: torch.nn.Module, embed_weight: torch.Tensor,
+                 draft_vocab: Optional[torch.Tensor] = None, max_drafts: int = DEFAULT_TAIL_DRAFTS,
                  eos_token_ids: tuple[int, ...] = ()):  # fmt: skip
         super().__init__(max_drafts, eos_token_ids)
-        self.head, self.norm, self.embed_weight = head, norm, embed_weight
+        self.net, self.norm, self.embed_weight = net, norm, embed_weight
         weight = lm_head.weight
         self.draft_vocab = draft_vocab
         self.rows = weight if draft_vocab is None else weight[draft_vocab].clone()  # [V', H]
         self.dtype = weight.dtype
 
-    def new_session(self) -> HeadSession:
-        return HeadSession(self.head.new_cache())
+    def new_session(self) -> DrafterSession:
+        return DrafterSession(self.net.new_cache())
 
-    def _trim(self, state: HeadSession, position: int) -> None:
+    def _trim(self, state: DrafterSession, position: int) -> None:
         if position <= state.base:
-            state.cache, state.base, state.tokens = self.head.new_cache(), position, []
+            state.cache, state.base, state.tokens = self.net.new_cache(), position, []
             return
         keep = position - state.base
         excess = len(state.tokens) - keep
@@ -288,7 +288,7 @@ class HeadDrafter(TailDrafter):
     def _predicted(self, out: torch.Tensor) -> torch.Tensor:
         return self.norm(out)
 
-    def _step(self, state: HeadSession, features: torch.Tensor, tokens: list[int], first: int) -> torch.Tensor:
+    def _step(self, state: DrafterSession, features: torch.Tensor, tokens: list[int], first: int) -> torch.Tensor:
         from server.adapters.llama import _causal_mask
 
         num = features.shape[1]
@@ -296,7 +296,7 @@ class HeadDrafter(TailDrafter):
         embeds = self.embed_weight[ids].unsqueeze(0).to(self.dtype)
         positions = torch.arange(first, first + num, device=features.device).unsqueeze(0)
         mask = _causal_mask(len(state.tokens), num, features.device)
-        out = self.head(features.to(self.dtype), embeds, positions, state.cache, mask)
+        out = self.net(features.to(self.dtype), embeds, positions, state.cache, mask)
         state.tokens.extend(tokens)
         return out
 
@@ -305,18 +305,18 @@ class HeadDrafter(TailDrafter):
         return index if self.draft_vocab is None else int(self.draft_vocab[index])
 
 
-def build_head_drafter(span, config: PretrainedConfig, checkpoint, path: str | Path,
-                       max_drafts: int = DEFAULT_HEAD_DRAFTS) -> HeadDrafter:  # fmt: skip
-    """A HeadDrafter for a tail span of a Llama-family model from the head file at ``path``."""
+def build_tail_drafter(span, config: PretrainedConfig, checkpoint, path: str | Path,
+                       max_drafts: int = DEFAULT_TAIL_DRAFTS) -> EagleDrafter:  # fmt: skip
+    """A EagleDrafter for a tail span of a Llama-family model from the drafter file at ``path``."""
     if not span.is_tail or getattr(span, "lm_head", None) is None:
-        raise ValueError("a drafter head runs only on a server that holds the model's last block (the tail)")
-    head, draft_vocab = load_head(path, config, dtype=span.dtype, device=span.device)
+        raise ValueError("a tail drafter runs only on a server that holds the model's last block (the tail)")
+    net, draft_vocab = load_drafter(path, config, dtype=span.dtype, device=span.device)
     tied = "lm_head.weight" not in checkpoint.weight_map()
     if tied:
         embed_weight = span.lm_head.weight
     else:
-        (_, embed_weight), = list(checkpoint.iter_read(["model.embed_tokens.weight"], span.dtype, desc="Loading embeddings for the drafter head"))  # fmt: skip
+        (_, embed_weight), = list(checkpoint.iter_read(["model.embed_tokens.weight"], span.dtype, desc="Loading embeddings for the tail drafter"))  # fmt: skip
         embed_weight = embed_weight.to(span.device)
     eos = config.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
-    return HeadDrafter(head, span.norm, span.lm_head, embed_weight, draft_vocab, max_drafts, eos_ids)
+    return EagleDrafter(net, span.norm, span.lm_head, embed_weight, draft_vocab, max_drafts, eos_ids)

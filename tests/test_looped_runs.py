@@ -1,4 +1,4 @@
-"""Head-started runs (docs/protocol.md): the tail starts each next run at the head itself, one
+"""Looped runs (docs/protocol.md): the tail starts each next run at the head itself, one
 link earlier than the client could. The output must be that of no speculation, the run the client
 does not need at the end must be cancelled everywhere, and only the route's tail may start runs.
 """
@@ -13,7 +13,7 @@ from hivemind.p2p import PeerID
 
 from client import _loop
 from protocol.errors import ErrorCode, ProtocolError
-from protocol.messages import DraftOffer, HeadStart, HeadStartResult, HeadStartStep, Step, StepResult, decode, encode
+from protocol.messages import DraftOffer, LoopedRun, LoopedResult, LoopedStep, Step, StepResult, decode, encode
 from server.weights import Checkpoint
 from tests.conftest import inprocess_servers
 from tests.test_exactness import PROMPT
@@ -24,83 +24,83 @@ SAMPLINGS = {"greedy": {}, "seeded": {"do_sample": True, "temperature": 0.8, "to
 
 
 @pytest.mark.parametrize("sampling", list(SAMPLINGS), ids=list(SAMPLINGS))
-def test_head_started_runs_give_the_output_of_no_speculation(tiny_model, sampling):
+def test_looped_runs_give_the_output_of_no_speculation(tiny_model, sampling):
     prompt = torch.tensor([PROMPT[0]])
-    plain = tiny_model.generate(prompt, max_new_tokens=16, speculation=None, head_start=False, **SAMPLINGS[sampling])
-    model_output = tiny_model.generate(prompt, max_new_tokens=16, speculation=None, head_start=True, **SAMPLINGS[sampling])
+    plain = tiny_model.generate(prompt, max_new_tokens=16, speculation=None, loop_runs=False, **SAMPLINGS[sampling])
+    model_output = tiny_model.generate(prompt, max_new_tokens=16, speculation=None, loop_runs=True, **SAMPLINGS[sampling])
     assert model_output.tolist() == plain.tolist()
     stats = tiny_model.last_generation_stats
-    # every run but the client's first is started at the head (a tail without a head drafts nothing)
-    assert stats.head_started_runs >= stats.laps - 1 > 0
+    # every run but the client's first is started at the head (a tail without a tail drafts nothing)
+    assert stats.looped_runs >= stats.laps - 1 > 0
     assert stats.runs_sent < stats.laps
 
 
-def test_head_start_is_on_by_default_wherever_it_applies(tiny_model):
+def test_loop_runs_is_on_by_default_wherever_it_applies(tiny_model):
     prompt = torch.tensor([PROMPT[0]])
-    plain = tiny_model.generate(prompt, max_new_tokens=12, head_start=False)
-    assert tiny_model.last_generation_stats.head_started_runs == 0
+    plain = tiny_model.generate(prompt, max_new_tokens=12, loop_runs=False)
+    assert tiny_model.last_generation_stats.looped_runs == 0
     assert tiny_model.generate(prompt, max_new_tokens=12).tolist() == plain.tolist()
-    assert tiny_model.last_generation_stats.head_started_runs > 0
+    assert tiny_model.last_generation_stats.looped_runs > 0
     for elsewhere in ({"async_speculation": True}, {"draft_tree": True}):  # no error: simply off
         assert tiny_model.generate(prompt, max_new_tokens=12, **elsewhere).tolist() == plain.tolist()
-        assert tiny_model.last_generation_stats.head_started_runs == 0
+        assert tiny_model.last_generation_stats.looped_runs == 0
 
 
-def test_head_start_is_validated(tiny_model):
+def test_loop_runs_is_validated(tiny_model):
     prompt = torch.tensor([PROMPT[0]])
-    for bad in ({"async_speculation": True}, {"draft_tree": True}, {"head_start": "yes"}):
-        with pytest.raises(ValueError, match="head_start"):
-            tiny_model.generate(prompt, max_new_tokens=4, **{"head_start": True, **bad})
+    for bad in ({"async_speculation": True}, {"draft_tree": True}, {"loop_runs": "yes"}):
+        with pytest.raises(ValueError, match="loop_runs"):
+            tiny_model.generate(prompt, max_new_tokens=4, **{"loop_runs": True, **bad})
 
 
 def test_chain_laps_keep_their_bytes():
-    """Head starts live in tagged subclasses (as trees do): plain Steps and verdicts are unchanged."""
+    """Looped runs live in tagged subclasses (as trees do): plain Steps and verdicts are unchanged."""
     plain = Step(session_id="0" * 16, run_id=7, start_pos=40, token_ids=[5])
-    asked = HeadStartStep(session_id="0" * 16, run_id=7, start_pos=40, token_ids=[5], head_start=60)
-    assert decode(encode(asked)) == asked and decode(encode(asked)).head_start == 60 and plain.head_start == 0
+    asked = LoopedStep(session_id="0" * 16, run_id=7, start_pos=40, token_ids=[5], loop_runs=60)
+    assert decode(encode(asked)) == asked and decode(encode(asked)).loop_runs == 60 and plain.loop_runs == 0
     assert len(encode(plain)) == 36 and len(encode(asked)) - len(encode(plain)) <= 5  # the tag, one field
-    start = HeadStart(session_id="0" * 16, run_id=8, start_pos=41, token_ids=[6, 9], n_draft=1, head_start=59, accepted=2)
-    assert isinstance(decode(encode(start)), HeadStart) and decode(encode(start)).as_step() == HeadStartStep(
-        session_id="0" * 16, run_id=8, start_pos=41, token_ids=[6, 9], n_draft=1, head_start=59
+    start = LoopedRun(session_id="0" * 16, run_id=8, start_pos=41, token_ids=[6, 9], n_draft=1, loop_runs=59, accepted=2)
+    assert isinstance(decode(encode(start)), LoopedRun) and decode(encode(start)).as_step() == LoopedStep(
+        session_id="0" * 16, run_id=8, start_pos=41, token_ids=[6, 9], n_draft=1, loop_runs=59
     )
     verdict = StepResult(session_id="0" * 16, run_id=7, accepted=0, next_token=6, drafts=[9])
-    assert len(encode(verdict)) == 35 and not verdict.head_started and verdict.run_drafts is None
-    started = HeadStartResult(session_id="0" * 16, run_id=7, accepted=0, next_token=6, drafts=[9], head_started=True,
+    assert len(encode(verdict)) == 35 and not verdict.looped and verdict.run_drafts is None
+    started = LoopedResult(session_id="0" * 16, run_id=7, accepted=0, next_token=6, drafts=[9], looped=True,
                               run_drafts=[3])  # fmt: skip
     assert decode(encode(started)) == started
 
 
 @pytest.fixture(scope="module")
-def head_servers(tiny_llama_path, tmp_path_factory):
-    """Three in-process servers; the tail gets a random drafter head (tests/checkpoints.py)."""
+def drafter_servers(tiny_llama_path, tmp_path_factory):
+    """Three in-process servers; the tail gets a random tail drafter (tests/checkpoints.py)."""
     from transformers import AutoConfig
 
-    from server.drafter_head import build_head_drafter
-    from tests.checkpoints import build_random_head
+    from server.tail_drafter import build_tail_drafter
+    from tests.checkpoints import build_random_drafter
 
     for model, servers in inprocess_servers(tiny_llama_path, spans=((0, 2), (2, 4), (4, 6))):
         tail = servers[-1].span
         config = AutoConfig.from_pretrained(tiny_llama_path)
-        head = build_random_head(tiny_llama_path, tmp_path_factory.mktemp("head") / "head.safetensors")
-        tail.drafter = build_head_drafter(tail, config, Checkpoint(str(tiny_llama_path)), head, max_drafts=3)
+        head = build_random_drafter(tiny_llama_path, tmp_path_factory.mktemp("tail") / "head.safetensors")
+        tail.drafter = build_tail_drafter(tail, config, Checkpoint(str(tiny_llama_path)), head, max_drafts=3)
         yield model, servers
 
 
 @pytest.mark.parametrize("sampling", list(SAMPLINGS), ids=list(SAMPLINGS))
-def test_head_drafts_in_head_started_runs(head_servers, sampling):
-    model, servers = head_servers
+def test_tail_drafts_in_looped_runs(drafter_servers, sampling):
+    model, servers = drafter_servers
     prompt = torch.tensor([PROMPT[0] * 2])
-    plain = model.generate(prompt, max_new_tokens=24, speculation=None, head_start=False, **SAMPLINGS[sampling])
-    before = {k: servers[0].handler.stats[k] for k in ("head_starts", "cancelled_runs")}
-    output = model.generate(prompt, max_new_tokens=24, speculation="head", head_start=True, **SAMPLINGS[sampling])
+    plain = model.generate(prompt, max_new_tokens=24, speculation=None, loop_runs=False, **SAMPLINGS[sampling])
+    before = {k: servers[0].handler.stats[k] for k in ("looped_runs", "cancelled_runs")}
+    output = model.generate(prompt, max_new_tokens=24, speculation="tail", loop_runs=True, **SAMPLINGS[sampling])
     assert output.tolist() == plain.tolist()
     stats = model.last_generation_stats
-    assert stats.head_started_runs >= stats.laps - 1 > 0 and stats.drafted > 0
-    assert servers[0].handler.stats["head_starts"] - before["head_starts"] == stats.head_started_runs
+    assert stats.looped_runs >= stats.laps - 1 > 0 and stats.drafted > 0
+    assert servers[0].handler.stats["looped_runs"] - before["looped_runs"] == stats.looped_runs
     assert stats.runs_cancelled == 0  # the chain's budget ends with the last token asked for
     # an end of sequence before the budget: the run started after it is cancelled on every server
     eos = plain[0, prompt.shape[1] + 5].item()
-    short = model.generate(prompt, max_new_tokens=24, speculation="head", head_start=True, eos_token_id=eos,
+    short = model.generate(prompt, max_new_tokens=24, speculation="tail", loop_runs=True, eos_token_id=eos,
                            **SAMPLINGS[sampling])  # fmt: skip
     new = plain[0, prompt.shape[1]:].tolist()
     assert short[0, prompt.shape[1]:].tolist() == new[: new.index(eos) + 1]
@@ -118,14 +118,14 @@ async def _wait_for(condition, seconds: float = 20.0) -> bool:
     return condition()
 
 
-def test_only_the_routes_tail_may_start_a_run_and_only_when_asked(head_servers):
-    """A head start from a stranger, or for a session that asked for none, is refused by name and
+def test_only_the_routes_tail_may_start_a_run_and_only_when_asked(drafter_servers):
+    """A looped run from a stranger, or for a session that asked for none, is refused by name and
     the session goes on; a stale one (the client cancelled, or moved on) is dropped quietly."""
-    model, servers = head_servers
+    model, servers = drafter_servers
     head = servers[0].handler
     tail_id = servers[-1].dht.peer_id
     captured = {}
-    original = head._take_head_start
+    original = head._take_looped_run
 
     async def spy(message, stream):
         session = head.sessions[message.session_id]
@@ -134,57 +134,57 @@ def test_only_the_routes_tail_may_start_a_run_and_only_when_asked(head_servers):
         with pytest.raises(ProtocolError) as refused:
             await original(message, stranger)
         assert refused.value.code == ErrorCode.UNKNOWN_SESSION and "whose tail is" in refused.value.message
-        forged = HeadStart(**{**{f: getattr(message, f) for f in HeadStart.__struct_fields__}, "head_start": message.head_start + 5})
-        with pytest.raises(ProtocolError, match="asked for no head-started run"):
+        forged = LoopedRun(**{**{f: getattr(message, f) for f in LoopedRun.__struct_fields__}, "loop_runs": message.loop_runs + 5})
+        with pytest.raises(ProtocolError, match="asked for no looped run"):
             await original(forged, stream)
         return await original(message, stream)
 
-    head._take_head_start = spy
+    head._take_looped_run = spy
     try:
         prompt = torch.tensor([PROMPT[0][::-1]])
-        plain = model.generate(prompt, max_new_tokens=10, speculation=None, head_start=False)
-        output = model.generate(prompt, max_new_tokens=10, speculation=None, head_start=True)
+        plain = model.generate(prompt, max_new_tokens=10, speculation=None, loop_runs=False)
+        output = model.generate(prompt, max_new_tokens=10, speculation=None, loop_runs=True)
     finally:
-        head._take_head_start = original
+        head._take_looped_run = original
     assert output.tolist() == plain.tolist() and "session" in captured
     assert captured["session"].route[-1].peer_id == tail_id.to_base58()
     # stale: after a cancel of the run it would start, or once a newer run is the session's last
-    session = types.SimpleNamespace(closed=False, hop_index=0, route=captured["session"].route, head_start_left=3,
+    session = types.SimpleNamespace(closed=False, hop_index=0, route=captured["session"].route, loop_runs_left=3,
                                     last_run_id=4, cancelled_since_accept=5)  # fmt: skip
     head.sessions["stale"] = session
     try:
         tail = types.SimpleNamespace(peer_id=tail_id)
-        dropped = head.stats["head_starts_dropped"]
+        dropped = head.stats["looped_runs_dropped"]
         for last, cancelled in ((4, 5), (6, None)):
             session.last_run_id, session.cancelled_since_accept = last, cancelled
-            _loop.run(head._take_head_start(HeadStart(session_id="stale", run_id=5, start_pos=0, token_ids=[1],
-                                                      head_start=2), tail), timeout=10)  # fmt: skip
-        assert head.stats["head_starts_dropped"] == dropped + 2
+            _loop.run(head._take_looped_run(LoopedRun(session_id="stale", run_id=5, start_pos=0, token_ids=[1],
+                                                      loop_runs=2), tail), timeout=10)  # fmt: skip
+        assert head.stats["looped_runs_dropped"] == dropped + 2
     finally:
         del head.sessions["stale"]
 
 
 @pytest.mark.parametrize("sampling", list(SAMPLINGS), ids=list(SAMPLINGS))
-def test_the_clients_retrieval_drafts_ride_in_head_started_runs(head_servers, sampling):
+def test_the_clients_retrieval_drafts_ride_in_looped_runs(drafter_servers, sampling):
     """The client offers the head its hedged retrieval drafts for each likely verdict (DraftOffer);
     the head puts the matching one in the run the tail starts, and the verdict names what it carried."""
-    model, servers = head_servers
+    model, servers = drafter_servers
     prompt = torch.tensor([PROMPT[0]])
-    plain = model.generate(prompt, max_new_tokens=24, speculation=None, head_start=False, **SAMPLINGS[sampling])
+    plain = model.generate(prompt, max_new_tokens=24, speculation=None, loop_runs=False, **SAMPLINGS[sampling])
     used = servers[0].handler.stats["offers_used"]
     corpus = [plain[0, prompt.shape[1] :].tolist()]  # a text the answer repeats: retrieval drafts well
-    output = model.generate(prompt, max_new_tokens=24, speculation="suffix", head_start=True, draft_corpus=corpus,
+    output = model.generate(prompt, max_new_tokens=24, speculation="suffix", loop_runs=True, draft_corpus=corpus,
                             **SAMPLINGS[sampling])  # fmt: skip
     assert output.tolist() == plain.tolist()
     stats = model.last_generation_stats
-    assert stats.head_started_runs >= stats.laps - 1 > 0 and stats.offers_sent > 0
+    assert stats.looped_runs >= stats.laps - 1 > 0 and stats.offers_sent > 0
     assert servers[0].handler.stats["offers_used"] > used and stats.accepted > 0
 
 
-def test_malformed_offers_are_refused_by_name(head_servers):
+def test_malformed_offers_are_refused_by_name(drafter_servers):
     from protocol.limits import MAX_OFFER_DRAFTS, MAX_OFFER_OPTIONS
 
-    model, servers = head_servers
+    model, servers = drafter_servers
     head = servers[0].handler
     session = types.SimpleNamespace(hop_index=0, offer=None, touch=lambda: None)
     cases = {
@@ -201,17 +201,17 @@ def test_malformed_offers_are_refused_by_name(head_servers):
         head._take_offer(session, DraftOffer(session_id="s", run_id=1, options=[]))
 
 
-def test_agenerate_stream_with_head_started_runs(head_servers):
+def test_agenerate_stream_with_looped_runs(drafter_servers):
     import asyncio
 
-    model, servers = head_servers
+    model, servers = drafter_servers
     prompt = PROMPT[0]
-    plain = model.generate(torch.tensor([prompt]), max_new_tokens=14, speculation=None, head_start=False)
+    plain = model.generate(torch.tensor([prompt]), max_new_tokens=14, speculation=None, loop_runs=False)
     truth = plain[0, len(prompt) :].tolist()
 
     async def collect():
-        chunks = [c async for c in model.agenerate_stream(prompt, max_new_tokens=14, head_start=True, draft_corpus=[truth])]
+        chunks = [c async for c in model.agenerate_stream(prompt, max_new_tokens=14, loop_runs=True, draft_corpus=[truth])]
         return [t for c in chunks for t in c.token_ids], chunks[-1].stats
 
     tokens, stats = asyncio.run(collect())
-    assert tokens == truth and stats.head_started_runs > 0 and stats.runs_sent < stats.laps
+    assert tokens == truth and stats.looped_runs > 0 and stats.runs_sent < stats.laps

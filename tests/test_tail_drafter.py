@@ -1,4 +1,4 @@
-"""The tail's drafter head (server/drafter_head.py): its drafts flow to the client and never change
+"""The tail's drafter (server/tail_drafter.py): its drafts flow to the client and never change
 the output; its own cache rolls back like the main one; bad head files and requests are refused."""
 
 from __future__ import annotations
@@ -6,26 +6,26 @@ from __future__ import annotations
 import pytest
 import torch
 
-from client.drafters import Drafter, HeadDrafts
+from client.drafters import Drafter, TailDrafts
 from protocol.errors import ProtocolError
 from protocol.messages import Hop, SamplingParams, Step
 from swarm.local import LocalSwarm
-from tests.checkpoints import build_random_head
+from tests.checkpoints import build_random_drafter
 from tests.conftest import SERVER_ARGS, last_use
 from tests.test_exactness import PROMPT, reference_sample
 
 
 @pytest.fixture(scope="session")
-def tiny_head_path(tiny_llama_path, tmp_path_factory):
-    return build_random_head(tiny_llama_path, tmp_path_factory.mktemp("head") / "tiny-head.safetensors")
+def tiny_drafter_path(tiny_llama_path, tmp_path_factory):
+    return build_random_drafter(tiny_llama_path, tmp_path_factory.mktemp("tail") / "tiny-head.safetensors")
 
 
 @pytest.fixture(scope="session")
-def tiny_head_model(request, tiny_llama_path, tiny_head_path, artifacts_dir):
+def tiny_drafter_model(request, tiny_llama_path, tiny_drafter_path, artifacts_dir):
     """Two servers of the tiny model (0:3, 3:6); the tail drafts with a random head."""
     from swarm import AutoDistributedModelForCausalLM
 
-    args = [*SERVER_ARGS, "--drafter", str(tiny_head_path), "--drafter-tokens", "4"]
+    args = [*SERVER_ARGS, "--drafter", str(tiny_drafter_path), "--drafter-tokens", "4"]
     with LocalSwarm(str(tiny_llama_path), spans=[(0, 3), (3, 6)], server_args=args,
                     log_dir=str(artifacts_dir / "tiny-head-swarm")) as swarm:  # fmt: skip
         model = AutoDistributedModelForCausalLM.from_pretrained(str(tiny_llama_path), initial_peers=swarm.initial_peers)
@@ -33,25 +33,25 @@ def tiny_head_model(request, tiny_llama_path, tiny_head_path, artifacts_dir):
             yield model
 
 
-def _tail_span(tiny_llama_path, tiny_head_path):
+def _tail_span(tiny_llama_path, tiny_drafter_path):
     from transformers import AutoConfig
 
     from server.adapters import load_span
-    from server.drafter_head import build_head_drafter
+    from server.tail_drafter import build_tail_drafter
     from server.weights import Checkpoint
 
     config = AutoConfig.from_pretrained(tiny_llama_path)
     checkpoint = Checkpoint(str(tiny_llama_path))
     span = load_span(config, checkpoint, 0, config.num_hidden_layers, torch.float32, "cpu")
-    span.drafter = build_head_drafter(span, config, checkpoint, tiny_head_path, max_drafts=4)
+    span.drafter = build_tail_drafter(span, config, checkpoint, tiny_drafter_path, max_drafts=4)
     return span
 
 
-def test_head_cache_rolls_back_exactly(tiny_llama_path, tiny_head_path):
+def test_drafter_cache_rolls_back_exactly(tiny_llama_path, tiny_drafter_path):
     """Drafts after a sequence of runs (drafts rejected, a rollback to an earlier position, a
     different token where the last run ended) equal the drafts of a fresh head over the same
     committed text in one pass: the head's cache keeps exactly the committed positions."""
-    span = _tail_span(tiny_llama_path, tiny_head_path)
+    span = _tail_span(tiny_llama_path, tiny_drafter_path)
     drafter = span.drafter
     text = [1, 504, 3458, 282, 4649, 314, 253, 1345, 30, 657, 506, 88, 901, 77, 5, 4102, 33, 250, 61, 7000]
 
@@ -97,15 +97,15 @@ class _Fixed(Drafter):
         pass
 
 
-def test_head_drafts_merge_by_measured_acceptance():
-    drafter = HeadDrafts(_Fixed([7, 8, 9]))
+def test_tail_drafts_merge_by_measured_acceptance():
+    drafter = TailDrafts(_Fixed([7, 8, 9]))
     drafter.reset([1, 2, 3])
     drafter.offer(3, [4, 5, 6, 10])
     assert drafter.fresh and drafter.draft(4) == [4, 5, 6, 10]  # no evidence yet: the head's
     assert drafter.draft(4, after=[4, 5]) == [6, 10]  # past runs in flight that follow the head's ids
     assert drafter.draft(4, after=[4, 9]) == [7, 8, 9]  # the head's ids no longer continue the text
     drafter.extend([4, 5, 6, 11])  # the verdict: the head got 3 right, retrieval none
-    assert drafter.sources == {"head": [1, 4, 3], "retrieval": [1, 3, 0]}
+    assert drafter.sources == {"tail": [1, 4, 3], "retrieval": [1, 3, 0]}
     for _ in range(4):  # then retrieval is right and the head wrong, lap after lap
         position = len(drafter._context)
         drafter.offer(position, [99, 99])
@@ -114,28 +114,28 @@ def test_head_drafts_merge_by_measured_acceptance():
     assert drafter.draft(3) == [7, 8, 9]  # measured better now (the head's ids are stale here anyway)
     drafter.offer(len(drafter._context), [99])
     assert drafter.draft(3) == [7, 8, 9] and drafter.chosen["retrieval"] >= 2
-    assert drafter.sources["head"][2] == 3 and drafter.sources["retrieval"][2] == 12
+    assert drafter.sources["tail"][2] == 3 and drafter.sources["retrieval"][2] == 12
 
 
-def test_head_file_for_another_model_is_refused(tiny_head_path):
+def test_drafter_file_for_another_model_is_refused(tiny_drafter_path):
     from transformers import AutoConfig
 
-    from server.drafter_head import load_head
+    from server.tail_drafter import load_drafter
     from protocol.models import ensure_smollm2_checkpoint
 
     with pytest.raises(ValueError, match="trained for another model"):
-        load_head(tiny_head_path, AutoConfig.from_pretrained(ensure_smollm2_checkpoint()))
-    with pytest.raises(ValueError, match="cannot read drafter head"):
-        load_head(tiny_head_path.parent / "missing.safetensors", AutoConfig.from_pretrained(ensure_smollm2_checkpoint()))
+        load_drafter(tiny_drafter_path, AutoConfig.from_pretrained(ensure_smollm2_checkpoint()))
+    with pytest.raises(ValueError, match="cannot read tail drafter"):
+        load_drafter(tiny_drafter_path.parent / "missing.safetensors", AutoConfig.from_pretrained(ensure_smollm2_checkpoint()))
 
 
-def test_the_memory_plan_counts_the_committed_head_at_the_tail():
+def test_the_memory_plan_counts_the_committed_drafter_at_the_tail():
     """What a tail's drafter takes beyond its blocks (the head, its copy of the draft vocabulary's
     LM-head rows) is what the memory plan keeps room for (server.memory.MemoryPlan.tail_blocks)."""
     from transformers import AutoConfig
 
     from server.adapters import load_span
-    from server.drafter_head import build_head_drafter, committed_head, head_bytes, load_head
+    from server.tail_drafter import build_tail_drafter, committed_drafter, drafter_file_bytes, load_drafter
     from server.quantization import Quant, resident_bytes
     from server.span_server import ServerConfig, drafter_bytes
     from server.weights import Checkpoint
@@ -144,60 +144,60 @@ def test_the_memory_plan_counts_the_committed_head_at_the_tail():
     path = ensure_smollm2_checkpoint()
     config, checkpoint = AutoConfig.from_pretrained(path), Checkpoint(str(path))
     span = load_span(config, checkpoint, 29, 30, torch.float32, "cpu")
-    drafter = build_head_drafter(span, config, checkpoint, committed_head(config))
+    drafter = build_tail_drafter(span, config, checkpoint, committed_drafter(config))
     assert drafter.embed_weight is span.lm_head.weight and drafter.rows is not span.lm_head.weight
-    loaded = resident_bytes(drafter.head) + drafter.rows.numel() * drafter.rows.element_size()
-    assert head_bytes(committed_head(config), config, torch.float32, tied=True) == loaded
-    head, vocab = load_head(committed_head(config), config, dtype=torch.bfloat16)  # buffers are cast too
+    loaded = resident_bytes(drafter.net) + drafter.rows.numel() * drafter.rows.element_size()
+    assert drafter_file_bytes(committed_drafter(config), config, torch.float32, tied=True) == loaded
+    head, vocab = load_drafter(committed_drafter(config), config, dtype=torch.bfloat16)  # buffers are cast too
     loaded_bf16 = resident_bytes(head) + len(vocab) * config.hidden_size * 2
-    assert head_bytes(committed_head(config), config, torch.bfloat16, tied=True) == loaded_bf16
+    assert drafter_file_bytes(committed_drafter(config), config, torch.bfloat16, tied=True) == loaded_bf16
     assert drafter_bytes(ServerConfig(model=str(path)), config, checkpoint, torch.float32, Quant.NONE) == loaded
     assert drafter_bytes(ServerConfig(model=str(path), drafter="none"), config, checkpoint, torch.float32, Quant.NONE) == 0
 
 
-def test_head_drafts_out_of_range_are_refused(tiny_llama_path, tiny_head_path):
+def test_tail_drafts_out_of_range_are_refused(tiny_llama_path, tiny_drafter_path):
     from server.session import ServerSession
 
-    span = _tail_span(tiny_llama_path, tiny_head_path)
+    span = _tail_span(tiny_llama_path, tiny_drafter_path)
     session = ServerSession("s", 64, [Hop("me", 0, 6)], 0, span.new_cache())
-    with pytest.raises(ProtocolError, match="head_drafts must be in"):
-        session.check_step(Step(session_id="s", run_id=0, start_pos=0, token_ids=[1, 2], head_drafts=99), None, span)
+    with pytest.raises(ProtocolError, match="tail_drafts must be in"):
+        session.check_step(Step(session_id="s", run_id=0, start_pos=0, token_ids=[1, 2], tail_drafts=99), None, span)
 
 
-@pytest.mark.parametrize("speculation", ["head", "suffix+head"])
-def test_head_drafts_leave_greedy_output_unchanged(tiny_head_model, tiny_reference, speculation):
+@pytest.mark.parametrize("speculation", ["tail", "suffix+tail"])
+def test_tail_drafts_leave_greedy_output_unchanged(tiny_drafter_model, tiny_reference, speculation):
     expected = tiny_reference.generate(torch.tensor(PROMPT), max_new_tokens=24, do_sample=False)
-    tiny_head_model.reset_draft_store()
-    output = tiny_head_model.generate(torch.tensor(PROMPT), max_new_tokens=24, speculation=speculation, head_start=False)
+    tiny_drafter_model.reset_draft_store()
+    output = tiny_drafter_model.generate(torch.tensor(PROMPT), max_new_tokens=24, speculation=speculation, loop_runs=False)
     assert output.tolist() == expected.tolist()  # runs from the client: the head's ids merged per lap
-    stats = tiny_head_model.last_generation_stats
-    proposals, proposed, _ = stats.drafter_sources["head"]
+    stats = tiny_drafter_model.last_generation_stats
+    proposals, proposed, _ = stats.drafter_sources["tail"]
     assert proposals >= 20 and proposed >= 3 * proposals  # the tail's drafts reached the client every lap
-    assert stats.drafter_choices["head"] + stats.drafter_choices["retrieval"] >= 20  # laps carrying drafts
-    tiny_head_model.reset_draft_store()
-    started = tiny_head_model.generate(torch.tensor(PROMPT), max_new_tokens=24, speculation=speculation)
-    assert started.tolist() == expected.tolist()  # the default: head drafts in runs the tail starts
-    assert tiny_head_model.last_generation_stats.head_started_runs > 0 and tiny_head_model.last_generation_stats.drafted > 0
+    assert stats.drafter_choices["tail"] + stats.drafter_choices["retrieval"] >= 20  # laps carrying drafts
+    tiny_drafter_model.reset_draft_store()
+    started = tiny_drafter_model.generate(torch.tensor(PROMPT), max_new_tokens=24, speculation=speculation)
+    assert started.tolist() == expected.tolist()  # the default: tail drafts in runs the tail starts
+    assert tiny_drafter_model.last_generation_stats.looped_runs > 0 and tiny_drafter_model.last_generation_stats.drafted > 0
 
 
-def test_head_drafts_leave_seeded_sampling_unchanged(tiny_head_model, tiny_reference):
+def test_tail_drafts_leave_seeded_sampling_unchanged(tiny_drafter_model, tiny_reference):
     params = SamplingParams(do_sample=True, temperature=0.8, top_p=0.9, seed=1234)
     expected = reference_sample(tiny_reference, PROMPT[0], 20, params)
-    output = tiny_head_model.generate(torch.tensor(PROMPT), max_new_tokens=20, do_sample=True, temperature=0.8,
-                                      top_p=0.9, seed=1234, speculation="head", head_start=False)  # fmt: skip
+    output = tiny_drafter_model.generate(torch.tensor(PROMPT), max_new_tokens=20, do_sample=True, temperature=0.8,
+                                      top_p=0.9, seed=1234, speculation="tail", loop_runs=False)  # fmt: skip
     assert output[0, len(PROMPT[0]) :].tolist() == expected
-    assert tiny_head_model.last_generation_stats.drafter_sources["head"][0] >= 15
+    assert tiny_drafter_model.last_generation_stats.drafter_sources["tail"][0] >= 15
 
 
-def test_smollm2_trained_head_drafts_are_accepted(smol_model, smol_reference):
+def test_smollm2_trained_tail_drafts_are_accepted(smol_model, smol_reference):
     """The committed head (server/drafters/, picked by --drafter auto) drafts for smollm2-135m: its
     drafts are accepted at a positive rate and the output equals transformers'."""
     messages = [{"role": "user", "content": "Explain how a bicycle works."}]  # no benchmark's, no training prompt
     ids = smol_model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
                                                    return_dict=True)["input_ids"]  # fmt: skip
     expected = smol_reference.generate(ids, max_new_tokens=48, do_sample=False)
-    output = smol_model.generate(ids, max_new_tokens=48, speculation="head", head_start=False)
+    output = smol_model.generate(ids, max_new_tokens=48, speculation="tail", loop_runs=False)
     assert output.tolist() == expected.tolist()
     stats = smol_model.last_generation_stats
-    assert stats.drafter_choices["head"] >= 10  # head drafts only: every accepted draft is the head's
-    assert stats.accepted > 0 and stats.drafter_sources["head"][2] > 0
+    assert stats.drafter_choices["tail"] >= 10  # tail drafts only: every accepted draft is the tail drafter's
+    assert stats.accepted > 0 and stats.drafter_sources["tail"][2] > 0
