@@ -7,31 +7,25 @@ dialable (a bootstrap, a server whose dial-back probe succeeded): libp2p then ru
 service (hop) for others at once instead of waiting for AutoNAT to agree. ``reachability="private"``
 with ``relays`` makes the peer reserve a slot on those relays right away.
 
-One flag hivemind does not expose: p2pd's ``-relayDiscovery`` defaults to on, and in discovery mode
-libp2p's autorelay waits for 4 relay candidates or a 3-minute boot delay before it reserves a
-slot, so a server behind NAT in a swarm with one public peer would sit unreachable for minutes.
-With explicit relays we pass ``-relayDiscovery=0``, which makes p2pd use exactly those relays
-(libp2p's static-relay mode: it reserves as soon as it is connected). :func:`_install_p2pd_flags`
-adds the flag to hivemind's argument list; it changes nothing when no relays are given.
+Flags hivemind does not expose (``-relayDiscovery=0`` with explicit relays, no relay slots for a
+peer that offers no relay service) are added to p2pd's command line by
+:mod:`protocol.hivemind_private`, which says why each is needed.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
-import threading
 from typing import Optional, Sequence
 
 import hivemind
-from hivemind.p2p import P2P
 
+from protocol import hivemind_private
 from protocol.identity import Identity
 from protocol.validation import PeerIdSignatureValidator
 
 logger = logging.getLogger(__name__)
 
 REACHABILITY = ("auto", "public", "private")
-_no_relay_service = threading.Event()  # set once a peer of this process offers no relay (inherited by its DHT fork)
 
 
 def make_dht(
@@ -58,7 +52,7 @@ def make_dht(
     """
     if reachability not in REACHABILITY:
         raise ValueError(f"reachability must be one of {REACHABILITY}, got {reachability!r}")
-    _install_p2pd_flags()
+    hivemind_private.install_p2pd_flags()
     kwargs: dict = {}
     if host is not None:
         kwargs["host_maddrs"] = [f"/ip4/{host}/tcp/{port}"]
@@ -75,7 +69,7 @@ def make_dht(
         # relaying with -relay=0 too), and whichever registers the hop protocol last wins. So a peer
         # without a relay service also refuses to vouch for circuits through it in the dial-back
         # probe (server.reachability.ProbeService), which is what servers behind NAT go by.
-        _no_relay_service.set()
+        hivemind_private.refuse_relay_service()
     return hivemind.DHT(
         initial_peers=list(initial_peers),
         client_mode=client_mode,
@@ -84,19 +78,3 @@ def make_dht(
         **kwargs,
     )
 
-
-@functools.cache
-def _install_p2pd_flags() -> None:
-    """Add ``-relayDiscovery=0`` to p2pd's command line when it is given explicit relays (see the
-    module docstring). Installed once per process, before any DHT forks its child."""
-    original = P2P._make_process_args
-
-    @functools.wraps(original)
-    def make_process_args(*args, **kwargs):
-        if kwargs.get("autoRelay") and kwargs.get("trustedRelays"):
-            kwargs["relayDiscovery"] = False
-        if _no_relay_service.is_set():
-            kwargs.update(relayMaxReservations=0, relayMaxCircuits=0)
-        return original(*args, **kwargs)
-
-    P2P._make_process_args = staticmethod(make_process_args)

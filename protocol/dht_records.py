@@ -84,10 +84,6 @@ async def _get_many(dht: DHT, node: DHTNode, keys: Sequence[str], latest: bool) 
     return await node.get_many(keys, sufficient_expiration_time=sufficient, num_workers=8)
 
 
-def fetch_models(dht: DHT) -> list[str]:
-    return sorted(fetch_model_registry(dht))
-
-
 def fetch_model_registry(dht: DHT, known: Optional[Mapping[str, int]] = None) -> dict[str, Optional[int]]:
     """Model name -> its number of blocks, for every model some server announced recently
     (``None`` where the announcing server was too old to say, or said something invalid).

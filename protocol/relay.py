@@ -19,6 +19,8 @@ from typing import Iterable
 from hivemind.p2p import P2P, PeerID
 from multiaddr import Multiaddr
 
+from protocol import hivemind_private
+
 logger = logging.getLogger(__name__)
 
 MAX_RELAY_ADDRS = 4
@@ -67,6 +69,7 @@ async def dial_if_relayed(p2p: P2P, peer_id: PeerID) -> None:
         return
     suffix = f"/p2p/{text}"
     try:
-        await asyncio.wait_for(p2p._client.connect(peer_id, [Multiaddr(a[: -len(suffix)]) for a in addrs]), DIAL_TIMEOUT)
+        maddrs = [Multiaddr(a[: -len(suffix)]) for a in addrs]
+        await asyncio.wait_for(hivemind_private.connect(p2p, peer_id, maddrs), DIAL_TIMEOUT)
     except Exception as e:
         logger.debug(f"Could not dial {text} through its relays: {e}")

@@ -29,6 +29,8 @@ from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 from multiaddr import Multiaddr
 
+from protocol import hivemind_private
+
 logger = logging.getLogger(__name__)
 
 PROBE_PROTOCOL = "specswarm.dial_back.v1"
@@ -121,7 +123,7 @@ async def dial_fresh(peer_id: PeerID, maddrs: Sequence[Multiaddr], timeout: floa
     """Dial ``peer_id`` at ``maddrs`` from a brand-new libp2p daemon (no connection to reuse)."""
     prober = await P2P.create(host_maddrs=[], no_listen=True, dht_mode="client")
     try:
-        await asyncio.wait_for(prober._client.connect(peer_id, list(maddrs)), timeout)
+        await asyncio.wait_for(hivemind_private.connect(prober, peer_id, maddrs), timeout)
         return DialBackResult(True)
     except Exception as e:  # a refused, unroutable or timed-out dial: the answer, not a failure
         return DialBackResult(False, f"{type(e).__name__}: {str(e)[:200]}")

@@ -75,6 +75,3 @@ class Checkpoint:
                         tensor = f.get_tensor(key)
                         yield key, tensor.to(dtype) if tensor.is_floating_point() else tensor
                         bar.update(1)
-
-    def keys_with_prefix(self, prefix: str) -> list[str]:
-        return [key for key in self.weight_map() if key.startswith(prefix)]

@@ -18,7 +18,7 @@ from protocol.messages import ErrorReply, Hop, OpenSession, SessionOpened, Step,
 from protocol.version import PROTOCOL_VERSION
 from protocol.streams import RESULTS_PROTOCOL, SESSION_PROTOCOL, MessageStream
 from tests.conftest import servers_by_name
-from tests.test_exactness import PROMPT, ROUTES, pinned
+from tests.test_exactness import PROMPT, pinned
 
 
 class RawSession:

@@ -4,7 +4,6 @@ run without a failure, with the failover recorded in the stats."""
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 
