@@ -36,7 +36,7 @@ from client.drafters import Drafter
 from client.errors import GenerationError, ServerError
 from protocol import trees as tree_rules
 from protocol.limits import MAX_OFFER_OPTIONS, MAX_TREE_NODES
-from protocol.messages import GREEDY, DraftOffer, LoopedStep, SamplingParams, Step, StepResult, TokenLogprobs, TreeStep
+from protocol.messages import GREEDY, DraftOffer, SamplingParams, Step, StepResult, TokenLogprobs
 from protocol.sampling import pack_f16, sample_correction, unpack_f16
 
 logger = logging.getLogger(__name__)
@@ -562,7 +562,7 @@ class SpeculativeDecoder:
             tree_path = pending.tree_path_for(step.start_pos)
         if not parents and not tree_path:
             return step
-        return TreeStep(**msgspec.structs.asdict(step), parents=list(parents), tree_path=tree_path or [])
+        return msgspec.structs.replace(step, parents=list(parents), tree_path=tree_path or [])
 
     def _verdict_seen(self, run_id: int) -> None:
         """A verdict on a run after a tree run: every server has kept (or dropped) the tree's path."""
@@ -614,9 +614,7 @@ class SpeculativeDecoder:
         return self._with_tree_path(self._chain_step(run), run.parents)
 
     def _chain_step(self, run: Run) -> Step:
-        loop_runs = max(0, self._budget - 1) if self.loop_runs and not run.replay else 0
-        extra = {"loop_runs": loop_runs} if loop_runs else {}
-        return (LoopedStep if loop_runs else Step)(
+        return Step(
             session_id=self.state.remote.session_id,
             run_id=run.run_id,
             start_pos=run.start_pos,
@@ -626,7 +624,7 @@ class SpeculativeDecoder:
             top_logprobs=self.num_logprobs,
             draft_q=pack_f16(run.draft_q) if run.draft_q else None,
             tail_drafts=getattr(self.drafter, "head_tokens", 0),
-            **extra,
+            loop_runs=max(0, self._budget - 1) if self.loop_runs and not run.replay else 0,
         )
 
     def _corrected(self, run: Run, result: StepResult) -> StepResult:

@@ -223,7 +223,7 @@ class TreeSizer:
 @dataclass
 class PendingPath:
     """A tree run's accepted path that the servers hold in run order until a Step keeps it
-    (``TreeStep.tree_path``): base is the position of the tree's first draft."""
+    (``Step.tree_path``): base is the position of the tree's first draft."""
 
     run_id: int
     base: int

@@ -15,7 +15,7 @@ Each encoded message starts with the protocol version, checked before anything e
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar, Optional, Union
+from typing import Annotated, Any, Optional, Union
 
 import msgspec
 
@@ -72,6 +72,10 @@ class Step(msgspec.Struct, tag="step", kw_only=True, array_like=True, omit_defau
     (usually one: the last bonus token); the last ``n_draft`` are drafts to verify, a chain, or a
     tree when ``parents`` is set (protocol/trees.py).
     ``start_pos`` is also the rollback: every server trims its cache to it first.
+
+    On the wire an array that stops at the last field not at its default (:func:`encode`), so the
+    optional fields at the end (trees, looped runs) cost a plain chain lap nothing: new fields go
+    last, the rarest last of all.
     """
 
     session_id: str
@@ -93,32 +97,23 @@ class Step(msgspec.Struct, tag="step", kw_only=True, array_like=True, omit_defau
     # ask the tail's drafter for up to this many ids after the verdict (StepResult.drafts);
     # 0: none (a tail without a head sends none either way)
     tail_drafts: int = 0
-    # token trees live in TreeStep (below); a plain Step is a chain and keeps nothing of a tree
-    parents: ClassVar[tuple] = ()
-    tree_path: ClassVar[tuple] = ()
-    loop_runs: ClassVar[int] = 0  # LoopedStep (below): the tail may start the runs after this one
-
-    @property
-    def sampling_params(self) -> SamplingParams:
-        return GREEDY if self.sampling is None else self.sampling
-
-
-class TreeStep(Step, tag="tree", kw_only=True, array_like=True):
-    """A :class:`Step` whose drafts form a tree, or that keeps the accepted path of the session's
-    previous tree run (docs/protocol.md, "Token trees"; protocol/trees.py). A subclass with its own
-    tag rather than two more fields of Step: msgspec writes every field of an array_like struct
-    (``omit_defaults`` does not apply to them), so new Step fields would add bytes to every chain lap.
-    """
-
-    # one entry per draft: the index of its parent among the run's drafts, or -1 for the run's last
-    # committed id; a parent comes before its child. Empty: the drafts are a chain. At most
-    # protocol.limits.MAX_TREE_NODES drafts
+    # looped runs (docs/protocol.md, "Looped runs"): after this run's verdict the tail may start the
+    # next run at the head itself (LoopedRun), with the verdict's next token and drafts, carrying
+    # loop_runs - 1. 0: the client sends every run
+    loop_runs: int = 0
+    # token trees (docs/protocol.md, "Token trees"): one entry per draft, the index of its parent
+    # among the run's drafts, or -1 for the run's last committed id; a parent comes before its
+    # child. Empty: the drafts are a chain. At most protocol.limits.MAX_TREE_NODES drafts
     parents: list[int] = []
     # the accepted path (draft indices, root first) of the session's previous run, when that run was a
     # tree and this Step keeps some of its nodes (start_pos beyond the tree's first draft position):
     # every server gathers those cache entries into a chain, then trims to start_pos. Not needed when
     # the kept nodes are the tree's first ones in run order and already a chain
     tree_path: list[int] = []
+
+    @property
+    def sampling_params(self) -> SamplingParams:
+        return GREEDY if self.sampling is None else self.sampling
 
 
 class Cancel(msgspec.Struct, tag="cancel", kw_only=True, array_like=True):
@@ -156,6 +151,9 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
 
 
 class StepResult(msgspec.Struct, tag="result", kw_only=True, array_like=True, omit_defaults=True):
+    """The tail's verdict on one run, sent to the client (and, in a looped run, what the tail
+    builds the next run from). An array that stops at its last non-default field, as Step."""
+
     session_id: str
     run_id: int
     accepted: int  # drafts accepted: a prefix of a chain's drafts, or the length of a tree's ``path``
@@ -169,48 +167,26 @@ class StepResult(msgspec.Struct, tag="result", kw_only=True, array_like=True, om
     # ids drafted by the tail's drafter after next_token (Step.tail_drafts asked for them):
     # only drafts, which the client may send in its next run like its own
     drafts: list[int] = []
-    path: ClassVar[tuple] = ()  # a chain's verdict names no path (TreeResult does)
-    looped: ClassVar[bool] = False  # LoopedResult (below)
-    run_drafts: ClassVar[Optional[list[int]]] = None
-
-
-class TreeResult(StepResult, tag="tree_result", kw_only=True, array_like=True):
-    """The verdict on a tree run (a :class:`TreeStep` with ``parents``): ``path`` is the accepted
-    path, draft indices from the root down, and ``accepted`` its length."""
-
-    path: list[int] = []
-
-
-class LoopedStep(Step, tag="lstep", kw_only=True, array_like=True):
-    """A chain :class:`Step` after whose verdict the tail may start the next run at the head itself
-    (docs/protocol.md, "Looped runs"): the verdict's next token and drafts, carrying
-    ``loop_runs - 1``. A subclass with its own tag, like TreeStep, so plain chain laps keep their bytes."""
-
-    loop_runs: int = 0
-
-
-class LoopedResult(StepResult, tag="lresult", kw_only=True, array_like=True):
-    """The verdict on a LoopedStep, or on a run the tail started."""
-
-    # the tail has started run run_id + 1 at the head, from the position after next_token's, with
-    # next_token and drafts (or the client's DraftOffer for this verdict)
+    # looped runs: the tail has started run run_id + 1 at the head, from the position after
+    # next_token's, with next_token and drafts (or the client's DraftOffer for this verdict)
     looped: bool = False
     # on the verdict of a looped run: the drafts it carried, which the client did not choose
     run_drafts: Optional[list[int]] = None
+    # on the verdict of a tree run (a Step with parents): the accepted path, draft indices from the
+    # root down (``accepted`` is its length). Empty for a chain
+    path: list[int] = []
 
 
-class LoopedRun(LoopedStep, tag="loop", kw_only=True, array_like=True):
+class LoopedRun(msgspec.Struct, tag="loop", kw_only=True, array_like=True, omit_defaults=True):
     """Tail -> head, on a session stream of its own: the next run of a session whose Step asked for
     ``loop_runs``, built from the verdict the tail has just sent to the client. The head takes it
     only from the route's tail, and only if the run it follows is still the session's last and no
     cancel has arrived since (else the client has already moved on: it is dropped). ``accepted`` is
-    the verdict's count on the run it follows: with ``token_ids[0]`` it names the verdict, for which
-    the client may have offered drafts (DraftOffer) that then replace the tail's."""
+    the verdict's count on the run it follows: with ``step.token_ids[0]`` it names the verdict, for
+    which the client may have offered drafts (DraftOffer) that then replace the tail's."""
 
-    accepted: int = 0
-
-    def as_step(self) -> LoopedStep:
-        return LoopedStep(**{name: getattr(self, name) for name in LoopedStep.__struct_fields__})
+    step: Step  # the run, with loop_runs one less than the run before it
+    accepted: int
 
 
 class DraftOffer(msgspec.Struct, tag="offer", kw_only=True, array_like=True):
@@ -256,8 +232,7 @@ class Pong(msgspec.Struct, tag="pong", array_like=True):
 
 
 Message = Union[
-    OpenSession, Step, TreeStep, LoopedStep, LoopedRun, DraftOffer, Cancel, CloseSession, Subscribe, SessionOpened,
-    StepResult, TreeResult, LoopedResult, RunOutputs,
+    OpenSession, Step, LoopedRun, DraftOffer, Cancel, CloseSession, Subscribe, SessionOpened, StepResult, RunOutputs,
     ErrorReply, Ping, Pong,
 ]
 
@@ -280,7 +255,43 @@ _header_decoder = msgspec.msgpack.Decoder(_Header)
 
 
 def encode(message: Message) -> bytes:
-    return _encoder.encode(_Envelope(PROTOCOL_VERSION, message))
+    return _encoder.encode((PROTOCOL_VERSION, _trimmed(message)))
+
+
+def _trimmed(message: msgspec.Struct) -> Any:
+    """An ``array_like, omit_defaults`` message as the array msgspec would write, cut after its last
+    field that is not at its default (nested such messages likewise); any other message as is.
+
+    msgspec writes every field of an array_like struct, ``omit_defaults`` or not (msgspec issue
+    #720), but it decodes a shorter array by filling the missing fields with their defaults: so
+    a Step or StepResult may grow optional fields at its end without a plain chain lap paying for them.
+    """
+    config = message.__struct_config__
+    if not (config.array_like and config.omit_defaults):
+        return message
+    values = [getattr(message, name) for name in message.__struct_fields__]
+    defaults = _trailing_defaults(type(message))
+    end = len(values)
+    first_default = end - len(defaults)
+    while end > first_default and values[end - 1] == defaults[end - 1 - first_default]:
+        end -= 1
+    values = [_trimmed(v) if isinstance(v, msgspec.Struct) else v for v in values[:end]]
+    return [config.tag, *values] if config.tag is not None else values
+
+
+_DEFAULTS: dict[type, tuple] = {}
+
+
+def _trailing_defaults(kind: type) -> tuple:
+    """The default of each field that has one (they are the last fields: kw_only structs keep order)."""
+    if kind not in _DEFAULTS:
+        fields = msgspec.structs.fields(kind)
+        defaults = [f.default if f.default_factory is msgspec.NODEFAULT else f.default_factory() for f in fields
+                    if f.default is not msgspec.NODEFAULT or f.default_factory is not msgspec.NODEFAULT]  # fmt: skip
+        if any(f.default is msgspec.NODEFAULT and f.default_factory is msgspec.NODEFAULT for f in fields[len(fields) - len(defaults) :]):
+            raise TypeError(f"{kind.__name__}: fields with defaults must come after those without, to be trimmed")
+        _DEFAULTS[kind] = tuple(defaults)
+    return _DEFAULTS[kind]
 
 
 def decode(data: bytes) -> Message:

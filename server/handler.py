@@ -25,6 +25,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
+import msgspec
 import torch
 from hivemind.p2p import P2P, PeerID
 
@@ -37,7 +38,6 @@ from protocol.messages import (
     DraftOffer,
     ErrorReply,
     LoopedRun,
-    LoopedResult,
     Message,
     OpenSession,
     Ping,
@@ -343,7 +343,8 @@ class SessionHandler:
     async def _take_looped_run(self, message: LoopedRun, tail: MessageStream) -> None:
         """The head's side of a looped run: only the route's tail may start one, and only
         right after the run it follows, with no cancel since (else the client has moved on)."""
-        session = self.sessions.get(message.session_id)
+        step = message.step
+        session = self.sessions.get(step.session_id)
         if (
             session is None
             or session.closed
@@ -353,25 +354,24 @@ class SessionHandler:
         ):
             raise ProtocolError(
                 ErrorCode.UNKNOWN_SESSION,
-                f"no session {message.session_id!r} here whose tail is {tail.peer_id.to_base58()}",
+                f"no session {step.session_id!r} here whose tail is {tail.peer_id.to_base58()}",
             )
-        if session.loop_runs_left < 1 or message.loop_runs != session.loop_runs_left - 1:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"session {message.session_id!r} asked for no looped run here")
+        if session.loop_runs_left < 1 or step.loop_runs != session.loop_runs_left - 1:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"session {step.session_id!r} asked for no looped run here")
         try:
             self._admit_looped_run(session, message)
         except ProtocolError as e:  # the client waits for this run: tell it on the stream it opened
-            await self._report(session.upstream, session, e, message.run_id)
+            await self._report(session.upstream, session, e, step.run_id)
 
     def _admit_looped_run(self, session: ServerSession, message: LoopedRun) -> bool:
         """Queue a looped run at the head, with the client's offered drafts for this verdict
         if it made any; False (and counted) when it is stale."""
-        cancelled = session.cancelled_since_accept
-        if session.last_run_id != message.run_id - 1 or (cancelled is not None and cancelled <= message.run_id):
+        step, cancelled = message.step, session.cancelled_since_accept
+        if session.last_run_id != step.run_id - 1 or (cancelled is not None and cancelled <= step.run_id):
             self.stats["looped_runs_dropped"] += 1
             return False
-        step, offer = message.as_step(), session.offer
-        session.offer = None
-        if offer is not None and offer.run_id == message.run_id - 1:
+        offer, session.offer = session.offer, None
+        if offer is not None and offer.run_id == step.run_id - 1:
             for accepted, next_token, drafts in offer.options:
                 if accepted == message.accepted and next_token == step.token_ids[0]:
                     room = max(0, min(session.max_length - step.start_pos, self.max_positions_per_step) - 1)
@@ -396,38 +396,37 @@ class SessionHandler:
         session.touch()
 
     async def _looped_verdict(self, session: ServerSession, step: Step, result: StepResult) -> StepResult:
-        """The verdict of a LoopedStep, or of a run this tail started: the next run leaves for
-        the head before the verdict does, and a run the tail started names its drafts."""
-        if type(result) is not StepResult:  # a tree's verdict: never looped
+        """The verdict of a Step with loop_runs, or of a run this tail started: the next run leaves
+        for the head before the verdict does, and a run the tail started names its drafts."""
+        if step.parents:  # a tree's verdict: never looped
             return result
-        fields = {name: getattr(result, name) for name in StepResult.__struct_fields__}
         if step.run_id in session.tail_started:  # the client did not choose these drafts
             session.tail_started.discard(step.run_id)
-            fields["run_drafts"] = step.token_ids[len(step.token_ids) - step.n_draft :]
+            result = msgspec.structs.replace(result, run_drafts=step.token_ids[len(step.token_ids) - step.n_draft :])
         if step.loop_runs > 0:
-            fields["looped"] = await self._loop_to_head(session, step, result)
-        return LoopedResult(**fields)
+            result = msgspec.structs.replace(result, looped=await self._loop_to_head(session, step, result))
+        return result
 
     async def _loop_to_head(self, session: ServerSession, step: Step, result: StepResult) -> bool:
         """The tail's side: send the run after ``result`` to the head (docs/protocol.md
         "Looped runs"); False when this verdict cannot be continued without the client."""
-        if type(result) is not StepResult or step.draft_q is not None or step.return_logits:
+        if step.parents or step.draft_q is not None or step.return_logits:
             return False  # trees, the rejection exchange (the client draws the token) and forward passes
         start = step.start_pos + len(step.token_ids) - step.n_draft + result.accepted
         ids = [result.next_token, *result.drafts]
         if start + len(ids) > session.max_length:
             return False
-        following = LoopedRun(
+        following = LoopedRun(step=Step(
             session_id=session.session_id, run_id=step.run_id + 1, start_pos=start, token_ids=ids,
             n_draft=len(result.drafts), top_logprobs=step.top_logprobs, tail_drafts=step.tail_drafts,
-            loop_runs=step.loop_runs - 1, accepted=result.accepted,
-        )  # fmt: skip
+            loop_runs=step.loop_runs - 1,
+        ), accepted=result.accepted)  # fmt: skip
         if session.hop_index == 0:  # a one-server route: the tail is the head
             try:
                 started = self._admit_looped_run(session, following)
             except ProtocolError:
                 started = False
-            return started and self._started(session, following.run_id)
+            return started and self._started(session, following.step.run_id)
         try:
             if session.head_stream is None:
                 session.head_stream = await asyncio.wait_for(
@@ -440,12 +439,12 @@ class SessionHandler:
                 asyncio.create_task(self._drain_head_replies(session.head_stream))
             await session.head_stream.send(following)
         except (asyncio.TimeoutError, OSError, Exception) as e:  # the client then sends the run itself
-            logger.info(f"Could not start run {following.run_id} of session {session.session_id} at the head: {e!r}")
+            logger.info(f"Could not start run {following.step.run_id} of session {session.session_id} at the head: {e!r}")
             if session.head_stream is not None:
                 session.head_stream.close()
                 session.head_stream = None
             return False
-        return self._started(session, following.run_id)
+        return self._started(session, following.step.run_id)
 
     @staticmethod
     def _started(session: ServerSession, run_id: int) -> bool:

@@ -19,7 +19,7 @@ from protocol import trees
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.limits import MAX_TREE_NODES
 from protocol.messages import (
-    GREEDY, MAX_TOP_LOGPROBS, OUTPUTS_FRAME_BYTES, Hop, RunOutputs, SamplingParams, Step, StepResult, TreeResult,
+    GREEDY, MAX_TOP_LOGPROBS, OUTPUTS_FRAME_BYTES, Hop, RunOutputs, SamplingParams, Step, StepResult,
 )
 from protocol.sampling import check_draft_q, pack_f16, validate_sampling, verify, verify_rejection, verify_tree
 from server.adapters import SpanAdapter, SpanCancelled
@@ -373,7 +373,7 @@ def _verdict(session: ServerSession, step: Step, logits: "LazyLogits") -> StepRe
         path, next_token, logprobs = verify_tree(
             logits, session.history, step.start_pos, step.token_ids, step.parents, params, step.top_logprobs
         )
-        return TreeResult(session_id=session.session_id, run_id=step.run_id, accepted=len(path), next_token=next_token,
+        return StepResult(session_id=session.session_id, run_id=step.run_id, accepted=len(path), next_token=next_token,
                           logprobs=logprobs or None, path=path)  # fmt: skip
     if step.draft_q is not None:  # checked on arrival (ServerSession.check_step)
         q = check_draft_q(step.draft_q, step.n_draft)

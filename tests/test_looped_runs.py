@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import types
 
+import msgspec
+
 import pytest
 import torch
 from hivemind.p2p import PeerID
 
 from client import _loop
 from protocol.errors import ErrorCode, ProtocolError
-from protocol.messages import DraftOffer, LoopedRun, LoopedResult, LoopedStep, Step, StepResult, decode, encode
+from protocol.messages import DraftOffer, LoopedRun, Step, StepResult, decode, encode
 from server.weights import Checkpoint
 from tests.conftest import inprocess_servers
 from tests.test_exactness import PROMPT
@@ -54,20 +56,19 @@ def test_loop_runs_is_validated(tiny_model):
 
 
 def test_chain_laps_keep_their_bytes():
-    """Looped runs live in tagged subclasses (as trees do): plain Steps and verdicts are unchanged."""
+    """Looped runs' fields sit at the end of Step and StepResult, where a message's array stops after
+    its last field not at its default: plain chain laps pay nothing for them (v5 sizes: 36, 35)."""
     plain = Step(session_id="0" * 16, run_id=7, start_pos=40, token_ids=[5])
-    asked = LoopedStep(session_id="0" * 16, run_id=7, start_pos=40, token_ids=[5], loop_runs=60)
+    asked = Step(session_id="0" * 16, run_id=7, start_pos=40, token_ids=[5], loop_runs=60)
     assert decode(encode(asked)) == asked and decode(encode(asked)).loop_runs == 60 and plain.loop_runs == 0
-    assert len(encode(plain)) == 36 and len(encode(asked)) - len(encode(plain)) <= 5  # the tag, one field
-    start = LoopedRun(session_id="0" * 16, run_id=8, start_pos=41, token_ids=[6, 9], n_draft=1, loop_runs=59, accepted=2)
-    assert isinstance(decode(encode(start)), LoopedRun) and decode(encode(start)).as_step() == LoopedStep(
-        session_id="0" * 16, run_id=8, start_pos=41, token_ids=[6, 9], n_draft=1, loop_runs=59
-    )
+    assert len(encode(plain)) == 29 and len(encode(asked)) - len(encode(plain)) == 8  # 6 defaults before it, and it
+    start = LoopedRun(step=Step(session_id="0" * 16, run_id=8, start_pos=41, token_ids=[6, 9], n_draft=1, loop_runs=59),
+                      accepted=2)  # fmt: skip
+    assert decode(encode(start)) == start and decode(encode(start)).step.loop_runs == 59
     verdict = StepResult(session_id="0" * 16, run_id=7, accepted=0, next_token=6, drafts=[9])
     assert len(encode(verdict)) == 35 and not verdict.looped and verdict.run_drafts is None
-    started = LoopedResult(session_id="0" * 16, run_id=7, accepted=0, next_token=6, drafts=[9], looped=True,
-                              run_drafts=[3])  # fmt: skip
-    assert decode(encode(started)) == started
+    started = StepResult(session_id="0" * 16, run_id=7, accepted=0, next_token=6, drafts=[9], looped=True, run_drafts=[3])
+    assert decode(encode(started)) == started and len(encode(started)) == 35 + 3
 
 
 @pytest.fixture(scope="module")
@@ -128,13 +129,13 @@ def test_only_the_routes_tail_may_start_a_run_and_only_when_asked(drafter_server
     original = head._take_looped_run
 
     async def spy(message, stream):
-        session = head.sessions[message.session_id]
+        session = head.sessions[message.step.session_id]
         captured.setdefault("session", session)
         stranger = types.SimpleNamespace(peer_id=PeerID.from_base58(servers[1].info.peer_id))
         with pytest.raises(ProtocolError) as refused:
             await original(message, stranger)
         assert refused.value.code == ErrorCode.UNKNOWN_SESSION and "whose tail is" in refused.value.message
-        forged = LoopedRun(**{**{f: getattr(message, f) for f in LoopedRun.__struct_fields__}, "loop_runs": message.loop_runs + 5})
+        forged = LoopedRun(step=msgspec.structs.replace(message.step, loop_runs=message.step.loop_runs + 5), accepted=message.accepted)
         with pytest.raises(ProtocolError, match="asked for no looped run"):
             await original(forged, stream)
         return await original(message, stream)
@@ -157,8 +158,8 @@ def test_only_the_routes_tail_may_start_a_run_and_only_when_asked(drafter_server
         dropped = head.stats["looped_runs_dropped"]
         for last, cancelled in ((4, 5), (6, None)):
             session.last_run_id, session.cancelled_since_accept = last, cancelled
-            _loop.run(head._take_looped_run(LoopedRun(session_id="stale", run_id=5, start_pos=0, token_ids=[1],
-                                                      loop_runs=2), tail), timeout=10)  # fmt: skip
+            looped = LoopedRun(step=Step(session_id="stale", run_id=5, start_pos=0, token_ids=[1], loop_runs=2), accepted=0)
+            _loop.run(head._take_looped_run(looped, tail), timeout=10)
         assert head.stats["looped_runs_dropped"] == dropped + 2
     finally:
         del head.sessions["stale"]

@@ -9,6 +9,7 @@ import contextlib
 import hashlib
 import secrets
 
+import msgspec
 import pytest
 import torch
 from hivemind.p2p import PeerID
@@ -21,7 +22,7 @@ from protocol import trees
 from protocol.errors import ErrorCode
 from protocol.limits import MAX_TREE_NODES
 from protocol.messages import (
-    ErrorReply, Hop, OpenSession, SamplingParams, SessionOpened, Step, StepResult, Subscribe, TreeResult, TreeStep,
+    ErrorReply, Hop, OpenSession, SamplingParams, SessionOpened, Step, StepResult, Subscribe,
     decode, encode,
 )
 from protocol.sampling import choose_token, pack_f16, verify, verify_tree
@@ -148,12 +149,14 @@ def test_malformed_trees_are_named(parents, n_draft, phrase):
 
 def test_chain_steps_keep_their_bytes_and_trees_round_trip():
     chain = Step(session_id="0123456789abcdef", run_id=3, start_pos=10, token_ids=[5, 6, 7], n_draft=2)
-    assert encode(chain)[3:8] == b"\xa4step" and chain.parents == () and chain.tree_path == ()
-    tree = TreeStep(session_id="0123456789abcdef", run_id=3, start_pos=10, token_ids=[5, 6, 7], n_draft=2,
-                    parents=[-1, -1], tree_path=[1, 4])  # fmt: skip
-    assert decode(encode(tree)) == tree and isinstance(decode(encode(tree)), Step)
-    result = TreeResult(session_id="s", run_id=1, accepted=2, next_token=9, path=[1, 3])
-    assert decode(encode(result)) == result and isinstance(decode(encode(result)), StepResult)
+    assert encode(chain)[3:8] == b"\xa4step" and chain.parents == [] and chain.tree_path == []
+    tree = Step(session_id="0123456789abcdef", run_id=3, start_pos=10, token_ids=[5, 6, 7], n_draft=2,
+                parents=[-1, -1], tree_path=[1, 4])  # fmt: skip
+    assert decode(encode(tree)) == tree and len(encode(tree)) > len(encode(chain))
+    # the tree's fields sit at the end of the Step: a chain's array stops before them
+    assert len(encode(chain)) == len(encode(msgspec.structs.replace(tree, parents=[], tree_path=[])))
+    result = StepResult(session_id="s", run_id=1, accepted=2, next_token=9, path=[1, 3])
+    assert decode(encode(result)) == result and decode(encode(result)).path == [1, 3]
 
 
 def test_deepseek_v4_servers_refuse_trees():
@@ -166,7 +169,7 @@ def test_deepseek_v4_servers_refuse_trees():
     session = ServerSession("s", 64, [Hop("p", 0, 2)], 0, cache=None)
     session.check_step(Step(session_id="s", run_id=1, start_pos=0, token_ids=[1, 2, 3], n_draft=2), None, span)  # a chain
     with pytest.raises(ProtocolError, match="DeepseekV4Adapter.*chains of drafts only") as e:
-        session.check_step(TreeStep(session_id="s", run_id=2, start_pos=0, token_ids=[1, 2, 3], n_draft=2, parents=[-1, -1]),
+        session.check_step(Step(session_id="s", run_id=2, start_pos=0, token_ids=[1, 2, 3], n_draft=2, parents=[-1, -1]),
                            None, span)  # fmt: skip
     assert e.value.code == ErrorCode.BAD_REQUEST
 
@@ -409,10 +412,7 @@ class Raw:
         self.run_id += 1
         fields = dict(session_id=self.session_id, run_id=self.run_id, start_pos=start_pos, token_ids=list(token_ids),
                       n_draft=n_draft, **extra)  # fmt: skip
-        if parents or tree_path:
-            message = TreeStep(**fields, parents=list(parents), tree_path=list(tree_path))
-        else:
-            message = Step(**fields)
+        message = Step(**fields, parents=list(parents), tree_path=list(tree_path))
         await self.head.send(message)
         head = asyncio.ensure_future(self.head.receive())
         tail = asyncio.ensure_future(self.tail.receive())
@@ -471,7 +471,7 @@ def test_after_a_tree_run_every_cache_equals_the_accepted_chain(tree_servers, lo
         ids = [wrong[1], truth[1], wrong[2], truth[2], truth[3], wrong[4], wrong[3]]
         parents = [-1, -1, 1, 1, 3, 4, 0]
         result = await s.step(len(prompt), [truth[0]] + ids, n_draft=len(ids), parents=parents)
-        assert isinstance(result, TreeResult) and result.path == [1, 3, 4] and result.accepted == 3
+        assert isinstance(result, StepResult) and result.path == [1, 3, 4] and result.accepted == 3
         assert result.next_token == truth[4]
         base = len(prompt) + 1
         for session in server_sessions(servers, s.session_id):  # the tree is held in run order
@@ -528,7 +528,7 @@ def test_malformed_trees_are_refused_and_the_session_goes_on(tree_servers, tiny_
         # the same session serves a correct tree next
         wrong = (truth[1] + 1) % 1000
         result = await s.step(len(prompt), [truth[0], wrong, truth[1], truth[2]], n_draft=3, parents=[-1, -1, 1])
-        assert isinstance(result, TreeResult) and result.path == [1, 2] and result.next_token == truth[3]
+        assert isinstance(result, StepResult) and result.path == [1, 2] and result.next_token == truth[3]
         result = await s.step(len(prompt) + 3, [truth[3]], tree_path=[1, 2])
         assert result.next_token == truth[4]
         s.close()
@@ -660,12 +660,12 @@ def test_tail_drafts_after_a_tree_continue_the_accepted_path(tiny_llama_path, ti
         assert first.next_token == truth[0] and first.drafts == fresh_drafts(prompt, truth[0])
         wrong = [(t + 1) % 1000 for t in truth]
         ids, parents = [wrong[1], truth[1], wrong[2], truth[2]], [-1, -1, 1, 1]
-        tree = run(TreeStep(session_id="s", run_id=2, start_pos=len(prompt), token_ids=[truth[0]] + ids, n_draft=4,
+        tree = run(Step(session_id="s", run_id=2, start_pos=len(prompt), token_ids=[truth[0]] + ids, n_draft=4,
                             parents=parents, tail_drafts=4))  # fmt: skip
         assert tree.path == [1, 3] and tree.next_token == truth[3]
         committed = prompt + truth[:3]
         assert tree.drafts == fresh_drafts(committed, truth[3])
-        after = run(TreeStep(session_id="s", run_id=3, start_pos=len(committed), token_ids=[truth[3]], tail_drafts=4,
+        after = run(Step(session_id="s", run_id=3, start_pos=len(committed), token_ids=[truth[3]], tail_drafts=4,
                              tree_path=[1, 3]))  # fmt: skip
         assert after.next_token == truth[4] and after.drafts == fresh_drafts(committed + truth[3:4], truth[4])
         assert session.history == committed + truth[3:4]
