@@ -1,7 +1,7 @@
 """The researcher's library: a transformers-style model whose blocks run in the swarm."""
 
 from client.errors import GenerationError, RoutingError, ServerError, ServerRejected, ServerTimeout, SwarmError
-from client._generation import GenerationStats
+from client._stats import GenerationStats
 from client.model import AutoDistributedModel, AutoDistributedModelForCausalLM
 
 __all__ = [

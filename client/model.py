@@ -18,7 +18,7 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Iterator, Optional, Sequence, TypeVar, Union
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Optional, Sequence, TypeVar, Union
 
 import torch
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
@@ -27,7 +27,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from client import _loop
 from client._forward import forward_row
-from client._generation import VERIFICATION_RULES, GenerationStats, SessionState, SpeculativeDecoder
+from client._generation import GenerationStats, SessionState, SpeculativeDecoder
+from client._options import GenerationOptions
 from client._trees import TreeSizer
 from client._spot_checks import DEFAULT_SPOT_CHECK_RATE, SpotChecker, check_rate
 from client.draft_model import ModelDrafter, check_draft_model
@@ -139,31 +140,11 @@ class AutoDistributedModel:
         self,
         input_ids: Optional[torch.Tensor] = None,
         *,
-        max_new_tokens: int = 20,
         max_length: Optional[int] = None,
-        do_sample: bool = False,
-        temperature: float = 1.0,
-        top_k: Optional[int] = None,
-        top_p: float = 1.0,
-        min_p: float = 0.0,
-        repetition_penalty: float = 1.0,
-        seed: Optional[int] = None,
-        eos_token_id: Union[int, Sequence[int], None] = None,
         streamer: Any = None,
-        speculation: Optional[str] = "suffix",
-        num_draft_tokens: int = 8,
-        async_speculation: bool = False,
-        max_inflight_runs: int = 3,
-        draft_corpus: Sequence[Union[str, Sequence[int]]] = (),
-        num_logprobs: int = 0,
         return_dict_in_generate: bool = False,
         attention_mask: Optional[torch.Tensor] = None,
-        draft_model: Any = None,
-        verification: str = "match",
-        spot_check_rate: Optional[float] = None,
-        draft_tree: bool = False,
-        loop_runs: Optional[bool] = None,
-        **unused: Any,
+        **kwargs: Any,
     ) -> Union[torch.Tensor, GenerateDecoderOnlyOutput]:
         """transformers-compatible ``generate``: returns ``[batch, input + new]`` token ids.
 
@@ -216,31 +197,23 @@ class AutoDistributedModel:
         ``tokens_retracted``). A ``streamer`` may have been given tokens that this replaced; the
         returned ids never hold them (docs/reliability.md, "Spot-checks").
         """
+        options, unused = GenerationOptions.split(kwargs)
         if unused:
             logger.warning(f"generate() ignores unsupported arguments: {sorted(unused)}")
-        rate = self._spot_check_rate(spot_check_rate)
         input_ids = self._check_input(input_ids)
         if max_length is not None:
-            max_new_tokens = max_length - input_ids.shape[1]
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+            options = dataclasses.replace(options, max_new_tokens=max_length - input_ids.shape[1])
+        call = self._checked(options)
         if streamer is not None and input_ids.shape[0] > 1:
             raise ValueError("a streamer takes one sequence (as in transformers): pass input_ids of batch size 1")
-        sampling = _sampling_params(do_sample, temperature, top_k, top_p, min_p, repetition_penalty, seed)
-        eos = self._eos_ids(eos_token_id)
-        corpus = self._corpus(draft_corpus)
+        eos = call.eos
         pad_id = self.config.pad_token_id if self.config.pad_token_id is not None else (eos[0] if eos else 0)
         rows = _unpadded(input_ids, _checked_mask(input_ids, attention_mask))
-        inflight = max_inflight_runs if async_speculation else 1
-        draft = self._draft_choice(draft_model, verification, draft_tree, inflight, loop_runs)
         if len(rows) == 1:
-            new_rows = [self._generate_row(rows[0], max_new_tokens, sampling, eos, streamer, speculation,
-                                           num_draft_tokens, inflight, corpus, num_logprobs, draft=draft,
-                                           spot_check_rate=rate)]  # fmt: skip
+            new_rows = [self._generate_row(rows[0], call, streamer)]
             self.last_batch_stats = [self.last_generation_stats]
         else:
-            new_rows = self._generate_batch(rows, max_new_tokens, sampling, eos, speculation, num_draft_tokens,
-                                            inflight, corpus, num_logprobs, draft=draft, spot_check_rate=rate)  # fmt: skip
+            new_rows = self._generate_batch(rows, call)
         width = max(map(len, new_rows))
         filled = [row + new + [pad_id] * (width - len(new)) for row, new in zip(input_ids.tolist(), new_rows)]
         sequences = torch.tensor(filled, dtype=torch.long)
@@ -250,17 +223,16 @@ class AutoDistributedModel:
             return output
         return sequences
 
-    def _generate_row(self, row, max_new_tokens, sampling, eos, streamer, speculation, num_draft_tokens, max_inflight_runs, corpus, num_logprobs, draft=None, spot_check_rate=0.0) -> list[int]:
+    def _generate_row(self, row: list[int], call: "_Call", streamer: Any) -> list[int]:
         own_session = self._session is None
-        state = self._session or self._new_session_state(row, max_new_tokens, num_draft_tokens, tree=_tree_of(draft))
+        state = self._session or self._new_session_state(row, call)
         if streamer is not None:
             streamer.put(torch.tensor(row))
         on_tokens = (lambda new: streamer.put(torch.tensor(new))) if streamer is not None else None
-        decoder = self._make_decoder(state, sampling, eos, speculation, num_draft_tokens, max_inflight_runs, corpus,
-                                     num_logprobs, on_tokens, draft=draft, spot_check_rate=spot_check_rate)  # fmt: skip
+        decoder = self._make_decoder(state, call, on_tokens)
         self.last_generation_stats = decoder.stats  # live while generating (route, failovers, ...)
         try:
-            new = _loop.run(decoder.generate(row, max_new_tokens))
+            new = _loop.run(decoder.generate(row, call.options.max_new_tokens))
         finally:
             self.last_logprobs = decoder.logprobs
             if own_session and state.remote is not None:
@@ -269,17 +241,14 @@ class AutoDistributedModel:
                 streamer.end()
         return new
 
-    def _generate_batch(self, rows, max_new_tokens, sampling, eos, speculation, num_draft_tokens, max_inflight_runs,
-                        corpus, num_logprobs, draft=None, spot_check_rate=0.0) -> list[list[int]]:  # fmt: skip
+    def _generate_batch(self, rows: list[list[int]], call: "_Call") -> list[list[int]]:
         """Each row in its own session, all at once on the client loop; the new tokens of each."""
-        states = [self._new_session_state(row, max_new_tokens, num_draft_tokens, tree=_tree_of(draft)) for row in rows]
-        decoders = [self._make_decoder(state, sampling, eos, speculation, num_draft_tokens, max_inflight_runs, corpus,
-                                       num_logprobs, None, draft=draft, spot_check_rate=spot_check_rate)
-                    for state in states]  # fmt: skip
+        states = [self._new_session_state(row, call) for row in rows]
+        decoders = [self._make_decoder(state, call, None) for state in states]
 
         async def decode(decoder: SpeculativeDecoder, state: SessionState, row: list[int]) -> list[int]:
             try:
-                return await decoder.generate(row, max_new_tokens)
+                return await decoder.generate(row, call.options.max_new_tokens)
             finally:
                 if state.remote is not None:
                     await self.swarm.close_session(state.remote)
@@ -352,31 +321,7 @@ class AutoDistributedModel:
 
     __call__ = forward
 
-    async def agenerate_stream(
-        self,
-        input_ids: Sequence[int],
-        *,
-        max_new_tokens: int = 20,
-        do_sample: bool = False,
-        temperature: float = 1.0,
-        top_k: Optional[int] = None,
-        top_p: float = 1.0,
-        min_p: float = 0.0,
-        repetition_penalty: float = 1.0,
-        seed: Optional[int] = None,
-        eos_token_id: Union[int, Sequence[int], None] = None,
-        speculation: Optional[str] = "suffix",
-        num_draft_tokens: int = 8,
-        async_speculation: bool = False,
-        max_inflight_runs: int = 3,
-        draft_corpus: Sequence[Union[str, Sequence[int]]] = (),
-        num_logprobs: int = 0,
-        draft_model: Any = None,
-        verification: str = "match",
-        spot_check_rate: Optional[float] = None,
-        draft_tree: bool = False,
-        loop_runs: Optional[bool] = None,
-    ) -> AsyncIterator[GeneratedChunk]:
+    async def agenerate_stream(self, input_ids: Sequence[int], **kwargs: Any) -> AsyncIterator[GeneratedChunk]:
         """The asyncio twin of ``generate`` for one sequence of ids: yields each lap's tokens as soon
         as the tail accepts them. Same arguments and seed handling, so the tokens equal ``generate``'s.
 
@@ -385,15 +330,12 @@ class AutoDistributedModel:
         early (``aclose()``, or cancelling the task iterating it) stops the decoder and returns only
         after the session is closed on every server.
         """
+        options, unknown = GenerationOptions.split(kwargs)
+        if unknown:
+            raise TypeError(f"agenerate_stream() got unexpected keyword arguments: {sorted(unknown)}")
         row = self._check_input(torch.as_tensor([list(input_ids)]))[0].tolist()
-        rate = self._spot_check_rate(spot_check_rate)
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        sampling = _sampling_params(do_sample, temperature, top_k, top_p, min_p, repetition_penalty, seed)
-        eos = self._eos_ids(eos_token_id)
-        inflight = max_inflight_runs if async_speculation else 1
-        draft = self._draft_choice(draft_model, verification, draft_tree, inflight, loop_runs)
-        state = self._new_session_state(row, max_new_tokens, num_draft_tokens, tree=draft_tree)
+        call = self._checked(options)
+        state = self._new_session_state(row, call)
         caller, laps = asyncio.get_running_loop(), asyncio.Queue()
 
         def post(item: Optional[GeneratedChunk]) -> None:  # client loop -> caller's loop
@@ -403,18 +345,16 @@ class AutoDistributedModel:
 
         def on_tokens(new: list[int]) -> None:
             gone, retracted[0] = decoder.stats.tokens_retracted - retracted[0], decoder.stats.tokens_retracted
-            post(GeneratedChunk(new, decoder.logprobs[-len(new) :] if num_logprobs else [], decoder.stats, gone))
+            post(GeneratedChunk(new, decoder.logprobs[-len(new) :] if options.num_logprobs else [], decoder.stats, gone))
 
-        decoder = self._make_decoder(state, sampling, eos, speculation, num_draft_tokens, inflight,
-                                     self._corpus(draft_corpus), num_logprobs, on_tokens,
-                                     draft=draft, spot_check_rate=rate)  # fmt: skip
+        decoder = self._make_decoder(state, call, on_tokens)
         control: dict[str, Any] = {}
 
         async def decode() -> None:  # runs on the client loop; always ends by posting None
             control["task"] = asyncio.current_task()
             try:
                 if not control.get("cancelled"):
-                    await decoder.generate(row, max_new_tokens)
+                    await decoder.generate(row, options.max_new_tokens)
             except Exception as e:
                 control["error"] = e
             finally:
@@ -443,63 +383,48 @@ class AutoDistributedModel:
                 while await laps.get() is not None:  # the session is closed once None arrives
                     pass
 
-    def _new_session_state(self, row: list[int], max_new_tokens: int, num_draft_tokens: int, tree: bool = False) -> SessionState:
-        """A one-call session: room for the prompt, the new tokens and one run's drafts (a tree's nodes)."""
-        drafts = max(num_draft_tokens, MAX_TREE_NODES) if tree else num_draft_tokens
-        return SessionState(max_length=min(len(row) + max_new_tokens + drafts + 1, self._context_limit()))
+    def _checked(self, options: GenerationOptions) -> "_Call":
+        """Check a call's options before any session opens (client/_options.py holds the rules the
+        decoding modes share), and work out what they imply."""
+        rate = check_rate(self.spot_check_rate if options.spot_check_rate is None else options.spot_check_rate)
+        sampling = _sampling_params(options.do_sample, options.temperature, options.top_k, options.top_p,
+                                    options.min_p, options.repetition_penalty, options.seed)  # fmt: skip
+        if options.draft_model is not None:
+            check_draft_model(options.draft_model, self.config.vocab_size)
+        options = options.checked()
+        return _Call(options, sampling, self._eos_ids(options.eos_token_id), self._corpus(options.draft_corpus), rate)
 
-    def _make_decoder(self, state, sampling, eos, speculation, num_draft_tokens, max_inflight_runs, corpus,
-                      num_logprobs, on_tokens, draft=None, spot_check_rate=0.0) -> SpeculativeDecoder:  # fmt: skip
+    def _new_session_state(self, row: list[int], call: "_Call") -> SessionState:
+        """A one-call session: room for the prompt, the new tokens and one run's drafts (a tree's nodes)."""
+        options = call.options
+        drafts = max(options.num_draft_tokens, MAX_TREE_NODES) if options.draft_tree else options.num_draft_tokens
+        return SessionState(max_length=min(len(row) + options.max_new_tokens + drafts + 1, self._context_limit()))
+
+    def _make_decoder(self, state: SessionState, call: "_Call", on_tokens: Optional[Callable[[list[int]], None]]) -> SpeculativeDecoder:
         """The one place generate() and agenerate_stream() build their decoder and drafter."""
-        draft_model, verification, draft_tree, loop_runs = draft or (None, "match", False, False)
-        if draft_model is not None:  # one ModelDrafter (own KV cache) per stream; the model is shared
-            sample = verification == "rejection"
-            drafter = ModelDrafter(draft_model, sampling, num_draft_tokens, sample=sample)
+        options = call.options
+        if options.draft_model is not None:  # one ModelDrafter (own KV cache) per stream; the model is shared
+            sample = options.verification == "rejection"
+            drafter = ModelDrafter(options.draft_model, call.sampling, options.num_draft_tokens, sample=sample)
         else:
-            drafter = make_drafter(
-                speculation, num_draft_tokens=num_draft_tokens, corpus=corpus, store=self._suffix_store, eos_token_ids=eos
-            )
+            drafter = make_drafter(options.speculation, num_draft_tokens=options.num_draft_tokens, corpus=call.corpus,
+                                   store=self._suffix_store, eos_token_ids=call.eos)  # fmt: skip
         return SpeculativeDecoder(
             self.swarm,
             state,
-            sampling,
+            call.sampling,
             drafter=drafter,
-            num_draft_tokens=num_draft_tokens,
-            max_inflight_runs=max_inflight_runs,
-            eos_token_ids=eos,
-            num_logprobs=num_logprobs,
+            num_draft_tokens=options.num_draft_tokens,
+            max_inflight_runs=options.inflight,
+            eos_token_ids=call.eos,
+            num_logprobs=options.num_logprobs,
             on_tokens=on_tokens,
-            verification=verification,
-            spot_checker=SpotChecker(self.swarm, spot_check_rate, self.config.vocab_size) if spot_check_rate else None,
-            draft_tree=draft_tree,
+            verification=options.verification,
+            spot_checker=SpotChecker(self.swarm, call.spot_check_rate, self.config.vocab_size) if call.spot_check_rate else None,
+            draft_tree=options.draft_tree,
             tree_sizer=self._tree_sizer,
-            loop_runs=loop_runs,
+            loop_runs=options.loop_runs,
         )
-
-    def _spot_check_rate(self, spot_check_rate: Optional[float]) -> float:
-        return check_rate(self.spot_check_rate if spot_check_rate is None else spot_check_rate)
-
-    def _draft_choice(self, draft_model: Any, verification: str, draft_tree: bool = False,
-                      inflight: int = 1, loop_runs: Optional[bool] = None) -> tuple[Any, str, bool, bool]:  # fmt: skip
-        """Check ``draft_model``, ``verification``, ``draft_tree`` and ``loop_runs`` before any session opens."""
-        if verification not in VERIFICATION_RULES:
-            raise ValueError(f"verification must be one of {VERIFICATION_RULES}, got {verification!r}")
-        if draft_model is not None:
-            check_draft_model(draft_model, self.config.vocab_size)
-        if not isinstance(draft_tree, bool):
-            raise ValueError(f"draft_tree must be True or False, got {draft_tree!r}")
-        if draft_tree and inflight > 1:
-            raise ValueError("draft_tree=True runs synchronous speculation: leave async_speculation off")
-        if draft_tree and verification == "rejection":
-            raise ValueError("draft_tree=True verifies by token match: it does not go with verification='rejection'")
-        if loop_runs is None:  # the default: on wherever it applies (measured best, docs/benchmarks.md)
-            loop_runs = inflight == 1 and not draft_tree and verification == "match" and draft_model is None
-        if not isinstance(loop_runs, bool):
-            raise ValueError(f"loop_runs must be True, False or None, got {loop_runs!r}")
-        if loop_runs and (inflight > 1 or draft_tree or verification == "rejection"):
-            raise ValueError("loop_runs=True runs one chain at a time verified by token match: leave "
-                             "async_speculation, draft_tree and verification='rejection' off")  # fmt: skip
-        return draft_model, verification, draft_tree, loop_runs
 
     def _corpus(self, draft_corpus: Sequence[Union[str, Sequence[int]]]) -> list[list[int]]:
         return [self.tokenizer.encode(c, add_special_tokens=False) if isinstance(c, str) else list(c) for c in draft_corpus]
@@ -577,9 +502,16 @@ def _sampling_params(do_sample, temperature, top_k, top_p, min_p, repetition_pen
 AutoDistributedModelForCausalLM = AutoDistributedModel  # transformers' naming; the same class
 
 
-def _tree_of(draft: Optional[tuple]) -> bool:
-    """Whether a ``_draft_choice`` asks for token trees."""
-    return bool(draft and draft[2])
+@dataclass(frozen=True)
+class _Call:
+    """One generate() or agenerate_stream() call's checked arguments and what they imply."""
+
+    options: GenerationOptions  # with loop_runs decided
+    sampling: SamplingParams  # with the call's seed
+    eos: list[int]
+    corpus: list[list[int]]  # draft_corpus as token ids
+    spot_check_rate: float
+
 
 T = TypeVar("T")
 

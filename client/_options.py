@@ -1,0 +1,103 @@
+"""The arguments ``generate`` and ``agenerate_stream`` share: one table of defaults, one check.
+
+Both take transformers' names where transformers has one (``max_new_tokens``, ``do_sample``,
+``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``, ``eos_token_id``) and
+ours for the rest. Pre-rename spellings still work for a while, with a FutureWarning naming the new
+one: ``head_start=`` (now ``loop_runs=``) and ``speculation="head"``/``"suffix+head"``/
+``"ngram+head"`` (now ``"tail"``/``"suffix+tail"``/``"ngram+tail"``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, Union
+
+VERIFICATION_RULES = ("match", "rejection")
+RENAMED_SPECULATION = {"head": "tail", "suffix+head": "suffix+tail", "ngram+head": "ngram+tail"}
+RENAMED_ARGUMENTS = {"head_start": "loop_runs"}
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    """Every generation argument beyond the prompt, with its default (``generate``'s docstring
+    says what each does)."""
+
+    max_new_tokens: int = 20
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: Optional[int] = None
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: Optional[int] = None  # None: a random seed per call
+    eos_token_id: Union[int, Sequence[int], None] = None  # None: the model config's
+    speculation: Optional[str] = "suffix"  # "suffix", "ngram", "tail", "suffix+tail", "ngram+tail" or None
+    num_draft_tokens: int = 8
+    async_speculation: bool = False
+    max_inflight_runs: int = 3  # with async_speculation only
+    draft_corpus: Sequence[Union[str, Sequence[int]]] = ()
+    num_logprobs: int = 0
+    draft_model: Any = None
+    verification: str = "match"  # or "rejection"
+    spot_check_rate: Optional[float] = None  # None: from_pretrained's
+    draft_tree: bool = False
+    loop_runs: Optional[bool] = None  # None: on wherever it applies
+
+    @classmethod
+    def split(cls, kwargs: dict[str, Any]) -> tuple["GenerationOptions", dict[str, Any]]:
+        """The options among ``kwargs`` (old spellings renamed, with a FutureWarning), and the rest."""
+        kwargs = dict(kwargs)
+        for old, new in RENAMED_ARGUMENTS.items():
+            if old in kwargs:
+                if new in kwargs:
+                    raise ValueError(f"{old}= is the old name of {new}=: pass {new}= only")
+                warnings.warn(f"{old}= is now {new}=", FutureWarning, stacklevel=3)
+                kwargs[new] = kwargs.pop(old)
+        speculation = kwargs.get("speculation")
+        if isinstance(speculation, str) and speculation in RENAMED_SPECULATION:
+            kwargs["speculation"] = RENAMED_SPECULATION[speculation]
+            warnings.warn(f'speculation="{speculation}" is now speculation="{kwargs["speculation"]}"', FutureWarning,
+                          stacklevel=3)  # fmt: skip
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in kwargs.items() if k in names}), {k: v for k, v in kwargs.items() if k not in names}
+
+    @property
+    def inflight(self) -> int:
+        """Runs in flight at most."""
+        return self.max_inflight_runs if self.async_speculation else 1
+
+    def checked(self) -> "GenerationOptions":
+        """These options checked (token budget, decoding modes that go together) before any
+        session opens, with ``loop_runs`` decided."""
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        loop_runs = check_decoding(self.verification, self.draft_tree, self.inflight, self.loop_runs,
+                                   self.draft_model is not None)  # fmt: skip
+        return dataclasses.replace(self, loop_runs=loop_runs)
+
+
+def check_decoding(verification: str, draft_tree: bool, inflight: int, loop_runs: Optional[bool],
+                   draft_model: bool = False) -> bool:  # fmt: skip
+    """The one check that the decoding modes asked for go together; returns ``loop_runs``
+    decided (None: on wherever it applies, measured best in docs/benchmarks.md).
+
+    Token trees and looped runs run one run at a time (a run sent behind a tree would have to guess
+    its path; a looped run is the only one in flight), and both verify by token match."""
+    if verification not in VERIFICATION_RULES:
+        raise ValueError(f"verification must be one of {VERIFICATION_RULES}, got {verification!r}")
+    if not isinstance(draft_tree, bool):
+        raise ValueError(f"draft_tree must be True or False, got {draft_tree!r}")
+    if draft_tree and inflight > 1:
+        raise ValueError("draft_tree=True runs synchronous speculation: leave async_speculation off")
+    if draft_tree and verification == "rejection":
+        raise ValueError("draft_tree=True verifies by token match: it does not go with verification='rejection'")
+    if loop_runs is None:
+        loop_runs = inflight == 1 and not draft_tree and verification == "match" and not draft_model
+    if not isinstance(loop_runs, bool):
+        raise ValueError(f"loop_runs must be True, False or None, got {loop_runs!r}")
+    if loop_runs and (inflight > 1 or draft_tree or verification == "rejection"):
+        raise ValueError("loop_runs=True runs one chain at a time verified by token match: leave "
+                         "async_speculation, draft_tree and verification='rejection' off")  # fmt: skip
+    return loop_runs

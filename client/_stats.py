@@ -1,0 +1,77 @@
+"""What one generation did, for the caller (``model.last_generation_stats``) and the benchmarks."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class GenerationStats:
+    """What the last ``generate`` call did; ``model.last_generation_stats``."""
+
+    new_tokens: int = 0
+    laps: int = 0  # verdicts that committed tokens
+    drafted: int = 0  # draft tokens in those runs
+    accepted: int = 0
+    accepted_lengths: Counter = field(default_factory=Counter)  # accepted drafts per lap -> laps
+    runs_sent: int = 0
+    runs_cancelled: int = 0
+    positions_wasted: int = 0  # positions servers computed (or were sent) for refuted runs
+    wait_time: float = 0.0  # seconds the client spent waiting for verdicts
+    turnaround_time: float = 0.0  # seconds from a verdict to the next run sent (client work)
+    hedges_prepared: int = 0  # drafts made ahead for outcomes of runs in flight
+    looped_runs: int = 0  # runs the tail started at the head (generate(loop_runs=True))
+    offers_sent: int = 0  # DraftOffers: hedged drafts for a looped run's verdicts, sent to the head
+    hedge_hits: int = 0  # front runs sent with a hedged draft instead of drafting after the verdict
+    hedge_time: float = 0.0  # seconds spent hedging (while runs are in flight, before waiting)
+    bytes_up: int = 0
+    bytes_down: int = 0
+    wall_time: float = 0.0
+    route: list[tuple[str, int, int]] = field(default_factory=list)
+    failovers: int = 0
+    failover_events: list[str] = field(default_factory=list)
+    failover_time: float = 0.0  # seconds from a failure to the next committed token
+    corrections: int = 0  # rejections whose token the client drew from norm(max(0, p - q))
+    # with tail drafts (client.drafters.TailDrafts): per source ("tail", "retrieval"), [proposals,
+    # ids proposed, ids matching the committed text], measured on every proposal, sent or not;
+    # and the laps whose run carried each source's drafts
+    drafter_sources: dict = field(default_factory=dict)
+    drafter_choices: dict = field(default_factory=dict)
+    # token trees (draft_tree=True; client/_trees.py): laps sent in tree mode, the draft nodes they
+    # carried and the drafts accepted on them, and laps by nodes sent (the sizes the cost model chose)
+    tree_laps: int = 0
+    tree_nodes: int = 0
+    tree_accepted: int = 0
+    tree_sizes: Counter = field(default_factory=Counter)
+    # spot-checks (client/_spot_checks.py; docs/reliability.md, "Spot-checks")
+    spot_checks: int = 0  # audits started
+    spot_check_positions: int = 0  # server positions the audits computed, summed over servers
+    spot_checks_skipped: int = 0  # audits drawn but not started: no hop of the route had a substitute
+    spot_checks_failed: int = 0  # audits ended by a failing server (or their timeout): no verdict
+    spot_checks_undecided: int = 0  # disagreements that no third server settled: nobody excluded
+    liars_excluded: list[str] = field(default_factory=list)  # peer ids outvoted by a third server
+    tokens_retracted: int = 0  # committed (and streamed) tokens that a re-verification replaced
+    spot_check_events: list[str] = field(default_factory=list)  # one line per audit: hop, peers, outcome
+
+    @property
+    def accepted_per_lap(self) -> float:
+        """Tokens committed per lap (accepted drafts + the target's own token)."""
+        return (self.accepted + self.laps) / self.laps if self.laps else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.wall_time if self.wall_time else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tree_nodes_per_lap(self) -> float:
+        return self.tree_nodes / self.tree_laps if self.tree_laps else 0.0
+
+    @property
+    def tree_accepted_per_lap(self) -> float:
+        """Drafts accepted per tree-mode lap (the target's own token not counted)."""
+        return self.tree_accepted / self.tree_laps if self.tree_laps else 0.0

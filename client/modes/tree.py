@@ -1,0 +1,87 @@
+"""Tree mode (``draft_tree=True``): each run carries a tree of drafts instead of a chain.
+
+The drafter's chain plus its ranked alternatives as branches (client/_trees.py), as many nodes as
+a cost model of the measured lap times finds worth their compute. Every server computes the tree
+in one pass; the tail walks it with the exact rule and names the accepted path in its verdict;
+the next Step names that path again (``Step.tree_path``, SessionState.with_tree_path) so that
+every server keeps only it. One run in flight (a run sent behind a tree would have to guess its
+path); verified by token match.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional
+
+from client._runs import Run
+from client._trees import DraftTree, PendingPath, TreeSizer, build_tree
+from client.errors import ServerError
+from client.modes.base import Mode
+from protocol import trees as tree_rules
+from protocol.limits import MAX_TREE_NODES
+from protocol.messages import StepResult
+
+if TYPE_CHECKING:
+    from client._generation import SpeculativeDecoder
+
+
+class TreeMode(Mode):
+    def __init__(self, decoder: "SpeculativeDecoder", sizer: TreeSizer) -> None:
+        super().__init__(decoder)
+        self.sizer = sizer  # the model's: it learns across calls
+
+    def next_run(self, budget: int) -> Optional[Run]:
+        """A run carrying a tree of drafts: as many nodes as the cost model finds worth their
+        compute. A tree that came out a chain goes as one (a plain Step)."""
+        d, state = self.decoder, self.decoder.state
+        committed = state.history[state.cached :]
+        room = min(self.room(budget, 0), d.swarm.max_positions_per_step - len(committed))
+        tree = DraftTree()
+        if d.drafter is not None and room > 0:
+            chain = d.drafter.draft(min(room, d.drafter.draft_cap))
+            max_nodes = min(MAX_TREE_NODES, d.swarm.max_positions_per_step - len(committed),
+                            state.max_length - len(state.history) - 1)  # fmt: skip
+            full = build_tree(d.drafter, chain, max_nodes, room, d.drafter.extra_chains(room), d.eos_token_ids)
+            tree = full.prefix(self.sizer.choose(full, len(committed)))
+        d.hedges.clear()
+        run = Run(state.take_run_id(), state.cached, committed + tree.ids, tree.ids, None, 0, tree.chain_len, tree=True,
+                  shape=tree)  # fmt: skip
+        if not tree_rules.is_chain(tree.parents):
+            run.parents = tree.parents
+        d.stats.tree_laps += 1
+        d.stats.tree_nodes += len(tree)
+        d.stats.tree_sizes[len(tree)] += 1
+        return run
+
+    def step_fields(self, run: Run) -> dict[str, Any]:
+        return {"parents": list(run.parents)} if run.parents else {}
+
+    def observe_verdict(self, run: Run, result: StepResult) -> None:
+        """The lap's time and the tree's acceptance feed the cost model that sizes the next tree."""
+        super().observe_verdict(run, result)
+        self.sizer.observe_lap(len(run.token_ids), self.decoder.verdict_at - run.sent_at)
+        if run.drafts and run.shape is not None:
+            self.sizer.observe_acceptance(run.shape, result.accepted)
+
+    def accepted_drafts(self, run: Run, result: StepResult) -> list[int]:
+        """A tree's verdict names its accepted path, which must be one."""
+        if not run.parents:
+            return super().accepted_drafts(run, result)
+        try:
+            if len(result.path) != result.accepted:
+                raise ValueError(f"a path of {len(result.path)} nodes for {result.accepted} accepted drafts")
+            tree_rules.check_path(result.path, run.parents)
+        except ValueError as e:
+            raise ServerError(f"a malformed verdict on a tree run: {e}", self.decoder.state.remote.tail_peer) from None
+        return tree_rules.path_ids(result.path, run.drafts)
+
+    def on_commit(self, run: Run, result: StepResult, base: int) -> None:
+        if run.parents:  # the servers hold the tree in run order until the next Step keeps this path
+            self.decoder.state.tree_pending = PendingPath(run.run_id, base, list(result.path))
+        if run.tree:
+            self.decoder.stats.tree_accepted += result.accepted
+
+    def observe_drafter(self, run: Run, result: StepResult) -> None:
+        """The chain's length (its cap adapts as a chain's would) or the accepted path's."""
+        if not run.tree:
+            return super().observe_drafter(run, result)
+        self.decoder.drafter.observe(max(run.proposed, result.accepted), run.prefix_drafts + result.accepted)
