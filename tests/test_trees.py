@@ -568,9 +568,9 @@ def test_a_refused_tree_run_leaves_the_client_session_usable(tree_servers, monke
     plain = model.generate(torch.tensor(PROMPT), max_new_tokens=16, speculation=None)
     truth = plain[0, len(PROMPT[0]) :].tolist()
     monkeypatch.setattr("client.model.make_drafter", lambda *a, **k: ScriptedTreeDrafter(truth, len(PROMPT[0]), {1, 3}, 3, {1, 3}))
-    import client._generation as generation
+    import client.modes.tree as tree_mode
 
-    real_build, calls = generation.build_tree, []
+    real_build, calls = tree_mode.build_tree, []
 
     def sometimes_malformed(*args, **kwargs):
         tree = real_build(*args, **kwargs)
@@ -579,7 +579,7 @@ def test_a_refused_tree_run_leaves_the_client_session_usable(tree_servers, monke
             tree.parents[-1] = len(tree) + 3  # out of range
         return tree
 
-    monkeypatch.setattr(generation, "build_tree", sometimes_malformed)
+    monkeypatch.setattr(tree_mode, "build_tree", sometimes_malformed)
     with full_trees(monkeypatch):
         with model.inference_session(max_length=160):
             with pytest.raises(GenerationError, match="out of range"):

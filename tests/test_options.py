@@ -1,0 +1,51 @@
+"""generate() and agenerate_stream() share one table of defaults and one check (client/_options.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import re
+
+import pytest
+
+from client._options import GenerationOptions, check_decoding
+from client.model import AutoDistributedModel
+
+
+def test_old_spellings_still_work_with_a_warning_naming_the_new_one():
+    with pytest.warns(FutureWarning, match="head_start= is now loop_runs="):
+        options, rest = GenerationOptions.split({"head_start": False, "max_new_tokens": 5, "foo": 1})
+    assert options.loop_runs is False and options.max_new_tokens == 5 and rest == {"foo": 1}
+    for old, new in (("head", "tail"), ("suffix+head", "suffix+tail"), ("ngram+head", "ngram+tail")):
+        with pytest.warns(FutureWarning, match=re.escape(f'speculation="{old}" is now speculation="{new}"')):
+            assert GenerationOptions.split({"speculation": old})[0].speculation == new
+    with pytest.raises(ValueError, match="head_start= is the old name of loop_runs="):
+        GenerationOptions.split({"head_start": True, "loop_runs": True})
+
+
+def test_decoding_modes_that_do_not_go_together_are_refused_by_name():
+    for args, phrase in (
+        (("nope", False, 1, None), "verification must be one of"),
+        (("match", "yes", 1, None), "draft_tree must be True or False"),
+        (("match", True, 3, None), "leave async_speculation off"),
+        (("rejection", True, 1, None), "does not go with verification='rejection'"),
+        (("match", False, 1, "yes"), "loop_runs must be True, False or None"),
+        (("match", False, 3, True), "loop_runs=True runs one chain at a time"),
+    ):  # fmt: skip
+        with pytest.raises(ValueError, match=phrase):
+            check_decoding(*args)
+    # None: on wherever it applies
+    assert check_decoding("match", False, 1, None) is True
+    assert check_decoding("match", False, 3, None) is False
+    assert check_decoding("match", True, 1, None) is False
+    assert check_decoding("match", False, 1, None, draft_model=True) is False
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 0"):
+        GenerationOptions(max_new_tokens=-1).checked()
+
+
+def test_generate_and_agenerate_stream_take_the_same_options():
+    """Neither spells a default of its own: both take the options as keywords (the table's)."""
+    for method in (AutoDistributedModel.generate, AutoDistributedModel.agenerate_stream):
+        parameters = inspect.signature(method).parameters
+        shared = [name for name in parameters if name in {f.name for f in dataclasses.fields(GenerationOptions)}]
+        assert shared == [] and inspect.Parameter.VAR_KEYWORD in {p.kind for p in parameters.values()}
