@@ -4,7 +4,7 @@ A lap over the WAN costs ~200 ms, so a drafter must cost well under 1 ms per lap
 resets a drafter on a 4,000-token context, then times `LAPS` laps that each commit the next
 token of the stream and ask for a 16-token draft; it prints the median and p99 in
 microseconds, the reset time, and the mean draft length. "hedge us" is the median cost of the
-outcome hedging the client does per lap while a run is in flight (what `SpeculativeDecoder._hedge`
+outcome hedging the client does per lap while a run is in flight (what `client.modes.chain.ChainMode.hedge`
 asks of the drafter: top-3 alternatives at each draft position and a 16-token draft past each,
 at most 16). Run: python -m benchmarks.drafter_micro
 """
