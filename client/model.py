@@ -148,6 +148,10 @@ class AutoDistributedModel:
     ) -> Union[torch.Tensor, GenerateDecoderOnlyOutput]:
         """transformers-compatible ``generate``: returns ``[batch, input + new]`` token ids.
 
+        The generation arguments (below) and their defaults are ``client._options.GenerationOptions``,
+        shared with ``agenerate_stream``; arguments neither knows are ignored with a warning, as
+        transformers-style callers pass some this model has no use for.
+
         ``speculation``: "suffix" (default), "ngram", "tail" (the tail's drafter), "suffix+tail"
         (tail drafts merged with retrieval's, per lap by measured acceptance) or None; ``num_draft_tokens`` caps drafts per
         lap; ``draft_corpus`` adds texts or token lists the answer is likely to repeat.
