@@ -13,7 +13,7 @@ verdict, and the lap loop cancels a looped run it does not need.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from client._runs import Run
 from client.errors import ServerError
@@ -21,9 +21,12 @@ from client.modes.chain import ChainMode
 from protocol.limits import MAX_OFFER_OPTIONS
 from protocol.messages import DraftOffer, StepResult
 
+if TYPE_CHECKING:
+    from client._generation import SpeculativeDecoder
+
 
 class LoopedMode(ChainMode):
-    def __init__(self, decoder) -> None:
+    def __init__(self, decoder: "SpeculativeDecoder") -> None:
         super().__init__(decoder)
         self.offered: dict[tuple[int, int], list[int]] = {}  # the last DraftOffer's options by verdict
         self.offered_for = -1  # the run whose verdicts they follow
