@@ -68,7 +68,6 @@ class SessionHandler:
         *,
         session_timeout: float = 600.0,
         compression: str = codecs.LOSSLESS,  # protocol.compression codec of the activations sent on
-        block_delay: float = 0.0,
         max_positions_per_step: int = limits.DEFAULT_MAX_POSITIONS_PER_STEP,
         max_sessions: int = limits.DEFAULT_MAX_SESSIONS,
         max_sessions_per_peer: int = limits.DEFAULT_MAX_SESSIONS_PER_PEER,
@@ -77,7 +76,6 @@ class SessionHandler:
         self.peer_id = p2p.peer_id.to_base58()
         self.session_timeout = session_timeout
         self.compression = compression
-        self.block_delay = block_delay
         self.max_positions_per_step = max_positions_per_step
         self.max_sessions, self.max_sessions_per_peer = max_sessions, max_sessions_per_peer
         # the largest frame a Step of max_positions_per_step positions needs, and its activations
@@ -487,7 +485,7 @@ class SessionHandler:
             session.running = run
             try:
                 output = await loop.run_in_executor(
-                    self._executor, compute_run, self.span, session, run, self.block_delay
+                    self._executor, compute_run, self.span, session, run
                 )
             except SpanCancelled:
                 self.stats["cancelled_runs"] += 1

@@ -306,9 +306,7 @@ def check_token_ids(token_ids, vocab_size: int) -> None:
         raise ProtocolError(ErrorCode.TOKEN_OUT_OF_VOCAB, f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
 
 
-def compute_run(
-    span: SpanAdapter, session: ServerSession, run: QueuedRun, block_delay: float = 0.0
-) -> torch.Tensor | StepResult | TailReply:
+def compute_run(span: SpanAdapter, session: ServerSession, run: QueuedRun) -> torch.Tensor | StepResult | TailReply:
     """Run this server's blocks over a run's new positions; at the tail, verify its drafts (and
     collect the outputs the run asked for with ``return_logits``).
 
@@ -329,8 +327,6 @@ def compute_run(
     hidden = span.embed(token_ids) if session.hop_index == 0 else run.hidden
 
     def check_cancelled() -> None:
-        if block_delay:
-            time.sleep(block_delay)  # fault injection: a slow server, for tests of cancellation
         if run.cancelled or session.closed:
             raise SpanCancelled()
 

@@ -137,14 +137,16 @@ class LocalSwarm:
         return []
 
     def start_server(
-        self, start: Optional[int], end: Optional[int], name: str = "server", extra: Sequence[str] = ()
+        self, start: Optional[int], end: Optional[int], name: str = "server", extra: Sequence[str] = (),
+        launcher: Sequence[str] = ("swarm.server",),
     ) -> subprocess.Popen:
         """Start one server of blocks start:end; with start=None and end=N it serves N blocks
-        wherever the swarm needs them most (``--num-blocks``)."""
+        wherever the swarm needs them most (``--num-blocks``). ``launcher``: the module (and its
+        options) run with ``python -m`` in place of ``swarm.server`` (tests: tests/faulty_server.py)."""
         port = free_port()
         blocks = ["--blocks", f"{start}:{end}"] if start is not None else ["--num-blocks", str(end)]
         args = [
-            "swarm.server", "--model", self.model, "--initial-peers", *self.initial_peers,
+            *launcher, "--model", self.model, "--initial-peers", *self.initial_peers,
             *blocks, "--host", "127.0.0.1", "--port", str(port),
             # every peer is on loopback: nothing to probe (docs/nat.md); server_args may override
             "--public-name", name, "--reachability", "public", *self.server_args, *extra,
