@@ -331,10 +331,7 @@ class SpeculativeDecoder:
         self._verdict_at = None
         remote = self.state.remote
         if remote is not None:
-            # a silent hang names no server: ask every hop, and blame those that do not answer
-            blamed = [error.peer_id] if error.peer_id else await self.swarm.unresponsive(remote.route)
-            for peer_id in blamed:
-                self.swarm.exclude(peer_id)
+            await self.swarm.blame(remote.route, error)  # by evidence only (client/_swarm.py)
             await self.swarm.close_session(remote)
         self.state.remote = None
 

@@ -169,6 +169,9 @@ class StepResult(msgspec.Struct, tag="result", kw_only=True, array_like=True, om
     # ids drafted by the tail's drafter after next_token (Step.tail_drafts asked for them):
     # only drafts, which the client may send in its next run like its own
     drafts: list[int] = []
+    # protocol.digest.step_digest of the Step the tail verified, keyed with the session's secret:
+    # the client compares it with its own, so a hop that rewrote the Step is caught at once
+    step_digest: int = 0
     path: ClassVar[tuple] = ()  # a chain's verdict names no path (TreeResult does)
     looped: ClassVar[bool] = False  # LoopedResult (below)
     run_drafts: ClassVar[Optional[list[int]]] = None

@@ -1,6 +1,6 @@
 """The wire protocol's version. Peers that speak another version are refused with a clear error."""
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 # 2: Step.sampling is optional (None = greedy): a greedy run sends nil (1 byte) instead of the parameters.
 # 3: new activation codecs blockwise8/blockwise4 on the wire (protocol/compression.py).
 #    Also Step.return_logits/return_hidden and the RunOutputs message (forward passes: logits and
@@ -24,3 +24,5 @@ PROTOCOL_VERSION = 5
 # 5: one meaning per word: runs the tail starts at the head are "looped runs" (messages LoopedStep,
 #    LoopedResult, LoopedRun with tags lstep/lresult/loop; Step field loop_runs, result field looped),
 #    and the tail's drafter asks with Step.tail_drafts (was head_start/head_drafts: same fields).
+# 6: verdicts bound to what was verified: StepResult.step_digest (a trailing field, 5 bytes), a
+#    digest of the Step the tail verified keyed with the session's secret (protocol/digest.py).

@@ -622,7 +622,7 @@ class SessionHandler:
                                    peer_id=self.peer_id)  # fmt: skip
                 await _send_quietly(client, error)
                 return
-            session.subscribed = True
+            session.subscribed, session.secret = True, subscribe.secret
             queue = self._results[session.session_id]
             while True:
                 getter = asyncio.create_task(queue.get())
