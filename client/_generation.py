@@ -30,7 +30,7 @@ import msgspec
 
 from client._remote_session import RemoteSession
 from client._swarm import SwarmClient
-from client._spot_checks import SpotChecker
+from client._verdict_audits import Audits
 from client._trees import DraftTree, PendingPath, TreeSizer, build_tree
 from client.drafters import Drafter
 from client.errors import GenerationError, ServerError
@@ -89,6 +89,12 @@ class GenerationStats:
     liars_excluded: list[str] = field(default_factory=list)  # peer ids outvoted by a third server
     tokens_retracted: int = 0  # committed (and streamed) tokens that a re-verification replaced
     spot_check_events: list[str] = field(default_factory=list)  # one line per audit: hop, peers, outcome
+    # verdict audits (client/_verdict_audits.py; docs/reliability.md, "Verdict audits")
+    verdict_audits: int = 0  # shadow Steps rounds started
+    verdict_audit_positions: int = 0  # server positions they computed (shadow and third sessions, summed over servers)
+    verdict_audits_skipped: int = 0  # no other server of the tail's blocks and precision: not audited
+    verdict_audits_failed: int = 0  # ended by a failing server or their timeout: no verdict
+    verdict_audits_undecided: int = 0  # a disagreement no third server settled: nobody excluded
 
     @property
     def accepted_per_lap(self) -> float:
@@ -208,7 +214,7 @@ class SpeculativeDecoder:
         max_failovers: int = 5,
         front_drafts: Optional[int] = 0,
         verification: str = "match",
-        spot_checker: Optional[SpotChecker] = None,
+        spot_checker: Optional[Audits] = None,
         draft_tree: bool = False,
         tree_sizer: Optional[TreeSizer] = None,
         loop_runs: bool = False,
@@ -252,6 +258,8 @@ class SpeculativeDecoder:
         if self.drafter is not None:
             self.drafter.reset(self.state.history)
         self._prompt_len = len(prompt)
+        if self.spot_checker is not None:
+            self.spot_checker.begin(prompt, self.state.max_length, self.sampling)
         if self.state.remote is not None:  # an inference session's route from an earlier call
             self._route_peers.update(hop.peer_id for hop in self.state.remote.route)
         try:
@@ -260,6 +268,9 @@ class SpeculativeDecoder:
                 produced = len(self.state.history) - self._prompt_len
                 ended = produced >= max_new_tokens or (produced > 0 and self.state.history[-1] in self.eos_token_ids)
                 if ended and not self._replay:
+                    if self.spot_checker is not None and self.state.remote is not None:  # audit the last tokens
+                        self.spot_checker.maybe_start(self.state.remote.route, self.state.history, self.stats,
+                                                      self.stats.laps, final=True)  # fmt: skip
                     if self.spot_checker is None or self.spot_checker.task is None:
                         break
                     await self.spot_checker.settle()  # its verdict may retract tokens: it comes before the output

@@ -26,3 +26,4 @@ PROTOCOL_VERSION = 6
 #    and the tail's drafter asks with Step.tail_drafts (was head_start/head_drafts: same fields).
 # 6: verdicts bound to what was verified: StepResult.step_digest (a trailing field, 5 bytes), a
 #    digest of the Step the tail verified keyed with the session's secret (protocol/digest.py).
+#    Every message's session_id is at most 64 characters (longer: malformed).

@@ -190,6 +190,9 @@ class SessionHandler:
         self._opening.add(session.session_id)  # the same id on another stream, meanwhile: session_exists
         try:
             if session.next_hop is not None:
+                # the next hop may sit behind NAT: dial it through its relays (remembered only now,
+                # once the OpenSession is authorised and admitted: nothing before changes our state)
+                relay.remember(session.next_hop.peer_id, session.next_hop.addrs)
                 downstream = await self._open_downstream(session)
                 asyncio.create_task(self._relay_reports(downstream, upstream, session))
         except BaseException:
@@ -226,8 +229,6 @@ class SessionHandler:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "the route must start at block 0 and end at the last block")
         if index > 0 and route[index - 1].end != hop.start:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "the route's hops are not contiguous")
-        if index + 1 < len(route):  # the next hop may sit behind NAT: dial it through its relays
-            relay.remember(route[index + 1].peer_id, route[index + 1].addrs)
         if message.max_length <= 0:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"max_length must be positive, got {message.max_length}")
         if not _is_sha256_hex(message.secret_hash):

@@ -17,6 +17,8 @@ server stays honest, so each test sees exactly the one lie it is about.
   route's tail sent upstream instead.
 - ``replace_secret_hash(handler)``: the OpenSession forwarded downstream carries another secret_hash.
 - ``black_hole(handler)``: sessions open and pings are answered, but every Step is dropped.
+- ``lie_in_verdicts(rate, kind)``: a tail that computes honestly but, on ``rate`` of its verdicts,
+  replaces the next token with the model's second choice (``second``) or a random id (``random``).
 """
 
 from __future__ import annotations
@@ -157,4 +159,37 @@ def black_hole(handler) -> Counter:
         session.touch()
 
     handler._enqueue = dropping_enqueue
+    return count
+
+
+VERDICT_LIES = ("second", "random")
+
+
+def lie_in_verdicts(rate: float, kind: str = "second", seed: int = 0) -> Counter:
+    """From now on this process's tails lie in ``rate`` of their verdicts (``server.session._verdict``
+    patched): the next token becomes the second choice of the logits at its position, or a random id."""
+    import random
+
+    from server import session as session_module
+
+    if kind not in VERDICT_LIES:
+        raise ValueError(f"kind must be one of {VERDICT_LIES}, got {kind!r}")
+    count, rng, verdict = Counter(1), random.Random(seed), session_module._verdict
+
+    def lying_verdict(session, step, logits):
+        result = verdict(session, step, logits)
+        if step.parents or step.draft_q is not None or rng.random() >= rate:
+            return result
+        count.due()
+        row = len(step.token_ids) - step.n_draft - 1 + result.accepted
+        if kind == "second":
+            top = logits[row].float().topk(2).indices.tolist()
+            lie = top[1] if top[0] == result.next_token else top[0]
+        else:
+            lie = (result.next_token + 1 + rng.randrange(len(logits[row]) - 1)) % len(logits[row])
+        logger.warning(f"Fault injection: verdict on run {step.run_id} says {lie}, not {result.next_token}")
+        result.next_token = lie
+        return result
+
+    session_module._verdict = lying_verdict
     return count

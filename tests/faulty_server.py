@@ -29,6 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--accuse-code", default=ErrorCode.DOWNSTREAM_FAILED.value, choices=[c.value for c in ErrorCode])
     p.add_argument("--replace-secret-hash", action="store_true", help="forward OpenSession with another secret_hash")
     p.add_argument("--black-hole", action="store_true", help="open sessions, answer pings, drop every Step")
+    p.add_argument("--lie-in-verdicts", type=float, default=0.0, metavar="RATE", help="lie in this share of verdicts")
+    p.add_argument("--lie", default="second", choices=faults.VERDICT_LIES, help="the lie: second choice or random id")
     return p
 
 
@@ -59,6 +61,8 @@ def patch(args: argparse.Namespace) -> None:
                 faults.black_hole(self)
 
     span_server.load_span, span_server.SessionHandler = faulty_load_span, FaultyHandler
+    if args.lie_in_verdicts:
+        faults.lie_in_verdicts(args.lie_in_verdicts, args.lie)
 
 
 def main(argv: Sequence[str]) -> int:

@@ -22,10 +22,10 @@ from protocol.messages import GREEDY, SamplingParams
 from swarm.local import LocalSwarm, kill_group
 from tests.conftest import SERVER_ARGS, servers_by_name
 from tests.faulty_server import faulty
-from tests.test_exactness import PROMPT
+from tests.test_exactness import PROMPT, reference_sample
 
 NEW_TOKENS = 40
-HONEST = {"H": (0, 2), "M": (2, 4), "T": (4, 6)}
+HONEST = {"H": (0, 2), "M": (2, 4), "T": (4, 6), "U": (4, 6)}  # U: a second honest tail
 THROUGH_M = [("H", 0, 2), ("M", 2, 4), ("T", 4, 6)]
 
 
@@ -52,6 +52,17 @@ def test_the_digest_is_keyed_and_short():
     assert 0 <= digest < 2**32  # 5 bytes on the wire
 
 
+def test_a_session_id_longer_than_the_limit_is_malformed():
+    from protocol.errors import ErrorCode, ProtocolError
+    from protocol.messages import MAX_SESSION_ID_CHARS, CloseSession, decode, encode
+
+    assert decode(encode(CloseSession(session_id="a" * MAX_SESSION_ID_CHARS))).session_id == "a" * MAX_SESSION_ID_CHARS
+    with pytest.raises(ProtocolError) as caught:
+        decode(encode(CloseSession(session_id="a" * (MAX_SESSION_ID_CHARS + 1))))
+    assert caught.value.code == ErrorCode.MALFORMED and "length <= 64" in str(caught.value)
+    assert "aaaa" not in str(caught.value)  # the id is not echoed
+
+
 # ---- live ---------------------------------------------------------------------------------------
 
 
@@ -72,21 +83,23 @@ def greedy_reference(tiny_reference):
 _faulty_count = iter(range(1000))
 
 
-def with_faulty_middle(swarm, path, *fault: str, request_timeout: float = 60.0):
-    """Start F (2:4) with ``fault``, wait until it is online, and return a client whose first
-    route runs through it (and the other through M); the caller stops both."""
+def with_faulty_middle(swarm, path, *fault: str, request_timeout: float = 60.0, blocks=(2, 4), **kwargs):
+    """Start F (``blocks``, the middle's by default) with ``fault``, wait until it is online, and
+    return a client whose first route runs through it (and the other through M and T); the caller
+    stops both."""
     from swarm import AutoDistributedModelForCausalLM
 
     name = f"F{next(_faulty_count)}"  # a fresh name: an earlier F's record may outlive it a while
-    process = swarm.start_server(2, 4, name=name, launcher=faulty(*fault))
+    process = swarm.start_server(*blocks, name=name, launcher=faulty(*fault))
     model = AutoDistributedModelForCausalLM.from_pretrained(str(path), initial_peers=swarm.initial_peers,
-                                                            request_timeout=request_timeout)  # fmt: skip
+                                                            request_timeout=request_timeout, **kwargs)  # fmt: skip
     deadline = time.monotonic() + 120
     while not all(servers_by_name(model, 6).get(n) is not None and servers_by_name(model, 6)[n].state == "online"
                   for n in (name, *HONEST)):  # fmt: skip
         assert time.monotonic() < deadline and process.poll() is None, "F did not come online"
         time.sleep(0.5)
-    model.swarm.router = PreferredRoutes([("H", 0, 2), (name, 2, 4), ("T", 4, 6)], THROUGH_M)
+    through_f = [(name, *blocks) if (a, b) == blocks else (n, a, b) for n, a, b in THROUGH_M]
+    model.swarm.router = PreferredRoutes(through_f, THROUGH_M)
     model.peers = {n: info.peer_id for n, info in servers_by_name(model, 6).items()}
     model.peers["F"] = model.peers[name]
     return model, process
@@ -125,3 +138,44 @@ def test_a_hostile_middle_costs_one_failover_and_changes_nothing(honest_swarm, t
     finally:
         model.shutdown()
         kill_group(process)
+
+
+# ---- a tail that lies in its verdicts -----------------------------------------------------------
+
+SAMPLING = SamplingParams(do_sample=True, temperature=0.8, top_p=0.9, seed=1234)
+
+
+@pytest.mark.parametrize("lie", ["second", "random"])
+def test_a_lying_tail_is_convicted_and_the_output_stays_exact(honest_swarm, tiny_llama_path, tiny_reference,
+                                                              greedy_reference, lie):  # fmt: skip
+    """L (4:6) computes honestly and lies in 30% of its verdicts; with the client's defaults (no
+    spot-checks of activations here, so the verdict audits alone must catch it) greedy and seeded
+    outputs equal local transformers, and L is convicted and reported."""
+    model, process = with_faulty_middle(honest_swarm, tiny_llama_path, "--lie-in-verdicts", "0.3", "--lie", lie,
+                                        blocks=(4, 6))  # fmt: skip
+    try:
+        out = model.generate(torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS, spot_check_rate=0.0)
+        stats = model.last_generation_stats
+        print(f"\n{lie} liar: {stats.verdict_audits} verdict audits, {stats.verdict_audit_positions} audit positions "
+              f"for {stats.new_tokens} tokens, {stats.tokens_retracted} retracted: {stats.spot_check_events}")
+        assert out[0, len(PROMPT[0]) :].tolist() == greedy_reference, stats.spot_check_events
+        assert stats.liars_excluded == [model.peers["F"]], stats.spot_check_events
+        assert model.peers["F"] in model.swarm.liars and stats.verdict_audits >= 1
+        assert not {model.peers[n] for n in HONEST} & model.swarm.excluded.current()
+        assert model.peers["F"] not in [peer for peer, _, _ in stats.route]
+        model.swarm.excluded = type(model.swarm.excluded)()  # forgive L: the seeded run meets it again
+        sampled = model.generate(torch.tensor(PROMPT), max_new_tokens=20, spot_check_rate=0.0, do_sample=True,
+                                 temperature=0.8, top_p=0.9, seed=1234)  # fmt: skip
+        assert sampled[0, len(PROMPT[0]) :].tolist() == reference_sample(tiny_reference, PROMPT[0], 20, SAMPLING)
+        assert model.last_generation_stats.liars_excluded == [model.peers["F"]]
+        _run(model.swarm.flush_reports())
+        assert model.swarm.reports[model.peers["F"]] == 2  # reported in the DHT (the dashboard reads it)
+    finally:
+        model.shutdown()
+        kill_group(process)
+
+
+def _run(coro):
+    from client import _loop
+
+    return _loop.run(coro)
