@@ -3,7 +3,7 @@
     python -m benchmarks.spot_checks --generations 30 --trials 8
 
 On the tiny 6-block Llama of the tests (tests/checkpoints.py), a swarm of five servers: N lies
-(``--debug-corrupt noise``, blocks 0:3), O lies (``offset``, 3:6), A (0:3), B (3:6) and F (0:6)
+(``tests.faulty_server --corrupt noise``, blocks 0:3), O lies (``--corrupt offset``, 3:6), A (0:3), B (3:6) and F (0:6)
 are honest. Greedy, no speculation (one lap per token: the most audits per token).
 
 - cost: ``--generations`` generations on the honest route A -> B (the liars kept out of the
@@ -28,6 +28,7 @@ from pathlib import Path
 from client._spot_checks import DEFAULT_SPOT_CHECK_RATE
 from swarm.local import LocalSwarm
 from protocol.routing import NoRouteError, RoutePlanner, RouteHop
+from tests.faulty_server import faulty
 
 SERVERS = {"N": (0, 3, "noise"), "O": (3, 6, "offset"), "A": (0, 3, None), "B": (3, 6, None), "F": (0, 6, None)}
 PROMPT = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]
@@ -78,7 +79,7 @@ def main() -> None:
     honest = [("A", 0, 3), ("B", 3, 6)]
     with LocalSwarm(str(path), spans=[], server_args=ARGS) as swarm:
         for name, (a, b, corrupt) in SERVERS.items():
-            swarm.start_server(a, b, name=name, extra=["--debug-corrupt", corrupt] if corrupt else [])
+            swarm.start_server(a, b, name=name, launcher=faulty("--corrupt", corrupt) if corrupt else ["swarm.server"])
         swarm.wait_ready(len(SERVERS))
 
         model, peers = connect(path, swarm, honest)

@@ -1,6 +1,8 @@
 """The researcher's library: a transformers-style model whose blocks run in the swarm."""
 
-from client.errors import GenerationError, RoutingError, ServerError, ServerRejected, ServerTimeout, SwarmError
+from client.errors import (
+    GenerationError, RouteFault, RoutingError, ServerError, ServerRejected, ServerTimeout, SwarmError,
+)  # fmt: skip
 from client._stats import GenerationStats
 from client.model import AutoDistributedModel, AutoDistributedModelForCausalLM
 
@@ -9,6 +11,7 @@ __all__ = [
     "AutoDistributedModelForCausalLM",
     "GenerationError",
     "GenerationStats",
+    "RouteFault",
     "RoutingError",
     "ServerError",
     "ServerRejected",

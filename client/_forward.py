@@ -59,9 +59,7 @@ async def forward_row(
                 raise GenerationError(f"the forward pass failed after {failovers} failovers: {e}") from e
             failovers += 1
             logger.warning(f"Failing over: {e}")
-            blamed = [e.peer_id] if e.peer_id else await swarm.unresponsive(remote.route)
-            for peer_id in blamed:
-                swarm.exclude(peer_id)
+            await swarm.blame(remote.route, e)
         finally:
             await swarm.close_session(remote)
 

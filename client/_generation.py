@@ -24,7 +24,7 @@ from collections import deque
 from typing import Callable, Optional, Sequence
 
 from client._runs import HedgeCache, Run, SessionState
-from client._spot_checks import SpotChecker
+from client._verdict_audits import Audits
 from client._stats import GenerationStats
 from client._swarm import SwarmClient
 from client._trees import TreeSizer
@@ -54,7 +54,7 @@ class SpeculativeDecoder:
         max_failovers: int = 5,
         front_drafts: Optional[int] = 0,
         verification: str = "match",
-        spot_checker: Optional[SpotChecker] = None,
+        spot_checker: Optional[Audits] = None,
         draft_tree: bool = False,
         tree_sizer: Optional[TreeSizer] = None,
         loop_runs: bool = False,
@@ -91,6 +91,8 @@ class SpeculativeDecoder:
         if self.drafter is not None:
             self.drafter.reset(self.state.history)
         self._prompt_len = len(prompt)
+        if self.spot_checker is not None:
+            self.spot_checker.begin(prompt, self.state.max_length, self.sampling)
         if self.state.remote is not None:  # an inference session's route from an earlier call
             self._route_peers.update(hop.peer_id for hop in self.state.remote.route)
         try:
@@ -99,6 +101,9 @@ class SpeculativeDecoder:
                 produced = len(self.state.history) - self._prompt_len
                 ended = produced >= max_new_tokens or (produced > 0 and self.state.history[-1] in self.eos_token_ids)
                 if ended and not self._replay:
+                    if self.spot_checker is not None and self.state.remote is not None:  # audit the last tokens
+                        self.spot_checker.maybe_start(self.state.remote.route, self.state.history, self.stats,
+                                                      self.stats.laps, final=True)  # fmt: skip
                     if self.spot_checker is None or self.spot_checker.task is None:
                         break
                     await self.spot_checker.settle()  # its verdict may retract tokens: it comes before the output
@@ -170,10 +175,7 @@ class SpeculativeDecoder:
         self.verdict_at = None
         remote = self.state.remote
         if remote is not None:
-            # a silent hang names no server: ask every hop, and blame those that do not answer
-            blamed = [error.peer_id] if error.peer_id else await self.swarm.unresponsive(remote.route)
-            for peer_id in blamed:
-                self.swarm.exclude(peer_id)
+            await self.swarm.blame(remote.route, error)  # by evidence only (client/_swarm.py)
             await self.swarm.close_session(remote)
         self.state.remote = None
 

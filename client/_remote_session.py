@@ -9,6 +9,11 @@ Verdicts count only from the tail the client chose, on the results stream it ope
 stream passes nothing but ErrorReply to the inbox (a forged StepResult relayed up the chain is
 dropped), and the tail gives the results stream only to a Subscribe carrying the session's secret,
 a random string only this client knows (route servers see its sha256 in OpenSession).
+
+Verdicts are bound to what was verified: each carries a digest of the Step the tail saw, keyed with
+that secret (protocol/digest.py), and a verdict whose digest differs from the Step this client sent
+raises RouteFault (some hop rewrote the Step; failover avoids the route). Errors that arrive as
+ErrorReply are hearsay (client/errors.py): they make failover check, never exclude by themselves.
 """
 
 from __future__ import annotations
@@ -22,9 +27,10 @@ from typing import Optional, Sequence
 import msgspec
 from hivemind.p2p import P2P, PeerID
 
-from client.errors import ServerError, ServerRejected, ServerTimeout
+from client.errors import RouteFault, ServerError, ServerRejected, ServerTimeout
 from protocol import limits
-from protocol.errors import ErrorCode, ProtocolError
+from protocol.digest import digest_of, step_digest
+from protocol.errors import RETRYABLE_CODES, ErrorCode, ProtocolError
 from protocol.messages import (
     GREEDY,
     OUTPUTS_FRAME_BYTES,
@@ -69,6 +75,11 @@ class RemoteSession:
         self._tail: Optional[MessageStream] = None
         self._inbox: asyncio.Queue[Message | _StreamLost | _Outputs] = asyncio.Queue()
         self._readers: list[asyncio.Task] = []
+        # run id -> (digest, start_pos, committed ids) of each run sent and not yet judged; and the
+        # (start_pos, first id) of runs the tail said it looped to the head (their drafts come in
+        # their verdict): what each verdict's step_digest must match
+        self._sent: dict[int, tuple[int, int, int]] = {}
+        self._looped: dict[int, tuple[int, int]] = {}
         self.closed = False
 
     @property
@@ -155,6 +166,7 @@ class RemoteSession:
         wanted = step.sampling_params
         step.sampling = None if wanted == self.sampling_sent else wanted
         self.sampling_sent = wanted
+        self._sent[step.run_id] = (digest_of(step, wanted, self.secret), step.start_pos, len(step.token_ids) - step.n_draft)
         try:
             return await self._head.send(step)
         except (OSError, ConnectionError, RuntimeError) as e:
@@ -200,7 +212,32 @@ class RemoteSession:
             if isinstance(item, _Outputs) and item.message.run_id >= min_run_id and outputs is not None:
                 outputs.append((item.message, item.tensors))
             if isinstance(item, StepResult) and item.run_id >= min_run_id:
+                self._check_verdict(item)
                 return item
+
+    def _check_verdict(self, result: StepResult) -> None:
+        """The verdict must be about the Step this client sent (or, for a run the tail looped to
+        the head, the one the previous verdict announced, with the drafts this verdict names)."""
+        sent = self._sent.get(result.run_id)
+        if sent is not None:
+            expected, start, committed = sent
+        elif result.run_id in self._looped:
+            start, first = self._looped[result.run_id]
+            drafts, committed = list(result.run_drafts or ()), 1
+            expected = step_digest(self.secret, run_id=result.run_id, start_pos=start, token_ids=[first, *drafts],
+                                   n_draft=len(drafts), sampling=self.sampling_sent)  # fmt: skip
+        else:
+            return  # a run this session never sent nor expected: the decoder refuses it
+        for table in (self._sent, self._looped):
+            for run_id in [r for r in table if r <= result.run_id]:
+                del table[run_id]
+        if result.step_digest != expected:
+            raise RouteFault(
+                f"the verdict on run {result.run_id} is about another Step than the one sent: a hop rewrote it",
+                "", ErrorCode.DOWNSTREAM_FAILED,
+            )  # fmt: skip
+        if result.looped:
+            self._looped[result.run_id + 1] = (start + committed + result.accepted, result.next_token)
 
     @property
     def bytes_sent(self) -> int:
@@ -222,8 +259,15 @@ class RemoteSession:
                 stream.close()
 
 
-def _error_from(reply: Optional[Message], default_peer: str) -> ServerError:
+def _error_from(reply: Optional[Message], head: str) -> ServerError:
+    """An ErrorReply is hearsay: relayed hop by hop, it may come from any route member and name
+    anyone. A refusal of the client's own request is final only when it names the head, which
+    checks every Step first; the same refusal from further on (the head accepted what it refuses),
+    and ``unauthorized`` (this client always sends its true secret), are faults of the route."""
     if not isinstance(reply, ErrorReply):
-        return ServerError(f"unexpected reply {type(reply).__name__}", default_peer, ErrorCode.INTERNAL)
+        return ServerError(f"unexpected reply {type(reply).__name__}", head, ErrorCode.INTERNAL)
+    named, text = reply.peer_id or head, f"[{reply.code.value}] {reply.message[:500]}"
+    if reply.code == ErrorCode.UNAUTHORIZED or (reply.code not in RETRYABLE_CODES and named != head):
+        return RouteFault(text, named, reply.code, hearsay=True)
     cls = ServerRejected if reply.code not in (ErrorCode.DOWNSTREAM_FAILED, ErrorCode.INTERNAL) else ServerError
-    return cls(f"[{reply.code.value}] {reply.message}", reply.peer_id or default_peer, reply.code)
+    return cls(text, named, reply.code, hearsay=True)

@@ -53,6 +53,12 @@ class GenerationStats:
     liars_excluded: list[str] = field(default_factory=list)  # peer ids outvoted by a third server
     tokens_retracted: int = 0  # committed (and streamed) tokens that a re-verification replaced
     spot_check_events: list[str] = field(default_factory=list)  # one line per audit: hop, peers, outcome
+    # verdict audits (client/_verdict_audits.py; docs/reliability.md, "Verdict audits")
+    verdict_audits: int = 0  # shadow Steps rounds started
+    verdict_audit_positions: int = 0  # server positions they computed (shadow and third sessions, summed over servers)
+    verdict_audits_skipped: int = 0  # no other server of the tail's blocks and precision: not audited
+    verdict_audits_failed: int = 0  # ended by a failing server or their timeout: no verdict
+    verdict_audits_undecided: int = 0  # a disagreement no third server settled: nobody excluded
 
     @property
     def accepted_per_lap(self) -> float:

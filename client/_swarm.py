@@ -9,6 +9,7 @@ server's claimed throughput and what this client measured it deliver (client/_th
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections import Counter
@@ -20,7 +21,7 @@ from hivemind.p2p import P2P
 
 from client._remote_session import RemoteSession
 from client._throughput import ThroughputMeter
-from client.errors import RoutingError, ServerError
+from client.errors import RouteFault, RoutingError, ServerError
 from protocol.errors import ErrorCode
 from protocol.limits import DEFAULT_MAX_POSITIONS_PER_STEP
 from protocol.dht_records import fetch_servers, publish_report
@@ -34,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 RTT_TTL = 60.0  # seconds a measured client->server RTT is trusted
 PING_TIMEOUT = 2.0
+MAX_SUSPECT_SUBSETS = 64  # routing plans tried to avoid suspects before routing over them all
 
 
 @dataclass
@@ -91,6 +93,7 @@ class SwarmClient:
         self.max_route_attempts = max_route_attempts
         self.route_retry_delay = route_retry_delay
         self.excluded = ExclusionList()
+        self.suspects = ExclusionList()  # on a route that failed with no hop to blame: avoided while others exist
         self._rtts: dict[str, tuple[float, float]] = {}  # peer id -> (measured at, RTT seconds)
         self.meter = ThroughputMeter()  # what each server delivered to this client
         self._records: dict[str, ServerInfo] = {}  # peer id -> the record the last route was planned from
@@ -130,11 +133,10 @@ class SwarmClient:
                 if not e.retryable:
                     raise
                 logger.info(f"Could not open a session on {e.peer_id or 'the route'}: {e}; trying another route")
-                peer_id = e.peer_id or route[0].peer_id
-                if e.code == ErrorCode.BUSY:
-                    busy.add(peer_id)
+                if e.code == ErrorCode.BUSY and not isinstance(e, RouteFault):
+                    busy.add(e.peer_id or route[0].peer_id)
                 else:
-                    self.exclude(peer_id)
+                    await self.blame(route, e)
                 last_error = refusal = e
         assert last_error is not None
         raise last_error
@@ -146,9 +148,19 @@ class SwarmClient:
         rtts = await self._client_rtts(servers)
         self._records = {s.peer_id: s for s in servers}
         servers = cap_throughput(servers, self.meter.measured())
-        return self.router.plan(
-            servers, 0, self.num_blocks, max_length=max_length, exclude=self.excluded.current() | set(also_exclude), client_rtts=rtts
-        )
+        exclude = self.excluded.current() | set(also_exclude)
+        suspects = sorted(self.suspects.current() - exclude)
+        # the route with the fewest suspects: none if the swarm allows, else one, two, ... (the
+        # suspects of one fault are one route's servers, a handful; past MAX_SUSPECT_SUBSETS
+        # plans, route over all of them)
+        allowed_sets = (set(c) for k in range(len(suspects)) for c in itertools.combinations(suspects, k))
+        for allowed in itertools.islice(allowed_sets, MAX_SUSPECT_SUBSETS):
+            try:
+                return self.router.plan(servers, 0, self.num_blocks, max_length=max_length,
+                                        exclude=exclude | (set(suspects) - allowed), client_rtts=rtts)  # fmt: skip
+            except NoRouteError:
+                continue
+        return self.router.plan(servers, 0, self.num_blocks, max_length=max_length, exclude=exclude, client_rtts=rtts)
 
     def observe_lap(self, route: Sequence[RouteHop], seconds: float, positions: int) -> None:
         """One lap of ``positions`` positions over ``route`` took ``seconds`` (send to verdict)."""
@@ -168,6 +180,26 @@ class SwarmClient:
             if rtt is not None:
                 self._rtts[peer_id] = (now, rtt)
         return {p: self._rtts[p][1] for p in ends if p in self._rtts}
+
+    async def blame(self, route: Sequence[RouteHop], error: ServerError) -> list[str]:
+        """Act on a failure of ``route`` by evidence only; returns the servers excluded.
+
+        What this client saw of one server itself (its dial, its send, a stream it opened, the
+        tail's own verdict) excludes that server. Anything else (an ErrorReply, which any hop may
+        have written about anyone; a silent timeout; a rewritten Step) is checked by pinging every
+        hop: those that do not answer are excluded, and if all answer, every hop becomes a suspect
+        (a black hole answers pings), which routes avoid for a while where they can."""
+        if error.peer_id and not error.hearsay and not isinstance(error, RouteFault):
+            self.exclude(error.peer_id)
+            return [error.peer_id]
+        dead = await self.unresponsive(route)
+        for peer_id in dead:
+            self.exclude(peer_id)
+        if not dead:
+            for hop in route:
+                self.suspects.add(hop.peer_id)
+            logger.info(f"No hop to blame for {error}: avoiding the route's {len(route)} servers for a while")
+        return dead
 
     async def unresponsive(self, route: Sequence[RouteHop], timeout: float = 3.0) -> list[str]:
         """The hops of ``route`` that do not answer a ping within ``timeout`` seconds."""

@@ -4,12 +4,21 @@
     ├── RoutingError            no chain of servers covers the model (names the missing blocks)
     ├── ServerError             a server failed or refused; ``peer_id`` and ``code`` say which and why
     │   ├── ServerTimeout       no answer in time
-    │   └── ServerRejected      the server refused the request (bad input, busy, ...)
+    │   ├── ServerRejected      the server refused the request (bad input, busy, ...)
+    │   └── RouteFault          the route misbehaved, no single hop provably (a verdict on a Step
+    │                           the client did not send, a refused secret, a hop's refusal of what
+    │                           the head accepted): failover avoids the whole route
     └── GenerationError         failover gave up after its retries; ``__cause__`` is the last failure
 
 Retryable server failures (busy, unreachable, dead, timed out) are handled by failover and only
-reach the user as GenerationError once retries run out; requests the swarm refuses as invalid
+reach the user as GenerationError once retries run out; requests the head refuses as invalid
 are raised at once as ServerRejected, because retrying them elsewhere cannot help.
+
+Evidence, not accusations: an error built from an ErrorReply is ``hearsay`` (its ``peer_id`` is
+what some route member says; the client cannot tell which member wrote it, as replies are relayed
+hop by hop). Failover excludes a server only on what the client saw itself: its own failed dial
+or send, a stream it opened that broke, a ping it sent unanswered, a malformed verdict on the
+tail's own stream, an audit conviction. Hearsay makes the client check (ping the route) instead.
 """
 
 from __future__ import annotations
@@ -30,9 +39,10 @@ class RoutingError(SwarmError):
 
 
 class ServerError(SwarmError):
-    def __init__(self, message: str, peer_id: str = "", code: ErrorCode = ErrorCode.INTERNAL):
+    def __init__(self, message: str, peer_id: str = "", code: ErrorCode = ErrorCode.INTERNAL, *, hearsay: bool = False):
         super().__init__(f"{message} (server {peer_id or 'unknown'})")
         self.peer_id, self.code = peer_id, code
+        self.hearsay = hearsay  # peer_id is a route member's claim, not what this client saw
 
     @property
     def retryable(self) -> bool:
@@ -45,6 +55,12 @@ class ServerTimeout(ServerError):
 
 class ServerRejected(ServerError):
     pass
+
+
+class RouteFault(ServerError):
+    @property
+    def retryable(self) -> bool:
+        return True
 
 
 class GenerationError(SwarmError):

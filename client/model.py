@@ -31,6 +31,7 @@ from client._generation import GenerationStats, SessionState, SpeculativeDecoder
 from client._options import GenerationOptions
 from client._trees import TreeSizer
 from client._spot_checks import DEFAULT_SPOT_CHECK_RATE, SpotChecker, check_rate
+from client._verdict_audits import DEFAULT_AUDIT_EVERY, Audits, VerdictAuditor
 from client.draft_model import ModelDrafter, check_draft_model
 from client._swarm import SwarmClient
 from client.drafters import SuffixStore, make_drafter
@@ -67,6 +68,7 @@ class AutoDistributedModel:
         self.last_batch_stats: list[GenerationStats] = []  # one per row of the last generate()
         self.last_logprobs: list = []
         self.spot_check_rate = DEFAULT_SPOT_CHECK_RATE  # generate()'s default; from_pretrained sets it
+        self.verdict_audit_every = DEFAULT_AUDIT_EVERY  # tokens per verdict audit; 0: none; from_pretrained sets it
         self._session: Optional[SessionState] = None
         self.warm_corpus: list[list[int]] = []  # the model's own answers a new suffix store starts with
         self._suffix_store = SuffixStore()
@@ -85,6 +87,7 @@ class AutoDistributedModel:
         max_positions_per_step: int = DEFAULT_MAX_POSITIONS_PER_STEP,
         spot_check_rate: float = DEFAULT_SPOT_CHECK_RATE,
         warm_draft_store: bool = False,
+        verdict_audit_every: int = DEFAULT_AUDIT_EVERY,
         **kwargs: Any,
     ) -> "AutoDistributedModel":
         """Fetch the config and tokenizer (never weights) and join the swarm as a client.
@@ -94,6 +97,10 @@ class AutoDistributedModel:
         ``max_positions_per_step``: the most positions one Step carries; longer prompts are sent
         as several Steps (chunked prefill), at first and in failover replays.
         ``spot_check_rate``: the default of ``generate``'s (audits per verdict; 1/50; 0: none).
+        ``verdict_audit_every``: every generated token is re-verified by a second tail on a shadow
+        session, in one Step per this many tokens and once more before the output is returned; a
+        tail caught lying in its verdicts is excluded and its tokens re-verified (client/_verdict_audits.py;
+        0 turns the audits off).
         ``warm_draft_store``: start the suffix drafter's memory with the model's own answers to
         prompts of its kind, where the package has them (client/warm_corpus.py; SmolLM2-135M);
         drafts only, so the output is the same either way. Off by default: on the 2-core CPU
@@ -114,6 +121,9 @@ class AutoDistributedModel:
         )
         model = cls(config, tokenizer, swarm)
         model.spot_check_rate = float(spot_check_rate)
+        if isinstance(verdict_audit_every, bool) or not isinstance(verdict_audit_every, int) or verdict_audit_every < 0:
+            raise ValueError(f"verdict_audit_every must be an int >= 0 (0: no verdict audits), got {verdict_audit_every!r}")
+        model.verdict_audit_every = verdict_audit_every
         if warm_draft_store:
             model.warm_corpus = load_warm_corpus(config)
             model.reset_draft_store()
@@ -424,11 +434,16 @@ class AutoDistributedModel:
             num_logprobs=options.num_logprobs,
             on_tokens=on_tokens,
             verification=options.verification,
-            spot_checker=SpotChecker(self.swarm, call.spot_check_rate, self.config.vocab_size) if call.spot_check_rate else None,
+            spot_checker=self._audits(call.spot_check_rate),
             draft_tree=options.draft_tree,
             tree_sizer=self._tree_sizer,
             loop_runs=options.loop_runs,
         )
+
+    def _audits(self, spot_check_rate: float) -> Optional[Audits]:
+        spot = SpotChecker(self.swarm, spot_check_rate, self.config.vocab_size) if spot_check_rate else None
+        verdicts = VerdictAuditor(self.swarm, self.config.vocab_size, self.verdict_audit_every) if self.verdict_audit_every else None
+        return Audits(spot, verdicts) if spot or verdicts else None
 
     def _corpus(self, draft_corpus: Sequence[Union[str, Sequence[int]]]) -> list[list[int]]:
         return [self.tokenizer.encode(c, add_special_tokens=False) if isinstance(c, str) else list(c) for c in draft_corpus]

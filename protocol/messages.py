@@ -23,6 +23,11 @@ from protocol.errors import ErrorCode, ProtocolError
 from protocol.version import PROTOCOL_VERSION
 
 
+# A session id is the opener's random token (the client draws 16 hex digits): longer ones are
+# malformed, so no peer makes a server store, key or log an id of its choosing length
+MAX_SESSION_ID_CHARS = 64
+SessionId = Annotated[str, msgspec.Meta(max_length=MAX_SESSION_ID_CHARS)]
+
 _SAMPLING_KEYS = dict(do_sample="d", temperature="t", top_k="k", top_p="p", min_p="m", repetition_penalty="r", seed="s")
 
 
@@ -56,7 +61,7 @@ class Hop(msgspec.Struct, frozen=True, array_like=True):
 
 
 class OpenSession(msgspec.Struct, tag="open", kw_only=True, array_like=True):
-    session_id: str
+    session_id: SessionId
     max_length: int  # positions the session may ever hold; reserved in every server's cache
     route: list[Hop]  # the whole chain, head first
     hop_index: int  # which hop of ``route`` the receiver is
@@ -78,7 +83,7 @@ class Step(msgspec.Struct, tag="step", kw_only=True, array_like=True, omit_defau
     last, the rarest last of all.
     """
 
-    session_id: str
+    session_id: SessionId
     run_id: int
     start_pos: int
     token_ids: list[int]
@@ -119,12 +124,12 @@ class Step(msgspec.Struct, tag="step", kw_only=True, array_like=True, omit_defau
 class Cancel(msgspec.Struct, tag="cancel", kw_only=True, array_like=True):
     """Drop run ``run_id`` and every later run of the session."""
 
-    session_id: str
+    session_id: SessionId
     run_id: int
 
 
 class CloseSession(msgspec.Struct, tag="close", kw_only=True, array_like=True):
-    session_id: str
+    session_id: SessionId
 
 
 class Subscribe(msgspec.Struct, tag="subscribe", kw_only=True, array_like=True):
@@ -133,12 +138,12 @@ class Subscribe(msgspec.Struct, tag="subscribe", kw_only=True, array_like=True):
     ``secret``: the client's session secret; the tail compares its sha256 with the session's
     ``OpenSession.secret_hash`` and refuses (``unauthorized``) anyone who does not know it."""
 
-    session_id: str
+    session_id: SessionId
     secret: str = ""
 
 
 class SessionOpened(msgspec.Struct, tag="opened", kw_only=True, array_like=True):
-    session_id: str
+    session_id: SessionId
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
@@ -154,10 +159,14 @@ class StepResult(msgspec.Struct, tag="result", kw_only=True, array_like=True, om
     """The tail's verdict on one run, sent to the client (and, in a looped run, what the tail
     builds the next run from). An array that stops at its last non-default field, as Step."""
 
-    session_id: str
+    session_id: SessionId
     run_id: int
     accepted: int  # drafts accepted: a prefix of a chain's drafts, or the length of a tree's ``path``
     next_token: int  # the target's own token after the accepted drafts
+    # protocol.digest.step_digest of the Step the tail verified, keyed with the session's secret:
+    # the client compares it with its own, so a hop that rewrote the Step is caught at once. Every
+    # verdict carries it, so it comes before the optional fields (which would cost it their defaults)
+    step_digest: int = 0
     logprobs: Optional[list[TokenLogprobs]] = None  # accepted + 1 entries when asked for
     # the rejection exchange, on a rejected draft only: the top-K ids of the target's processed p at
     # the rejected position and their probabilities (float16 little-endian, 2 bytes each); the
@@ -195,7 +204,7 @@ class DraftOffer(msgspec.Struct, tag="offer", kw_only=True, array_like=True):
     ``(accepted, next_token, drafts)``. The head uses the option matching the verdict, if any, in
     place of the tail's drafts; the client's retrieval drafts so ride in looped runs."""
 
-    session_id: str
+    session_id: SessionId
     run_id: int
     options: list[tuple[int, int, list[int]]]
 
@@ -207,13 +216,13 @@ class RunOutputs(msgspec.Struct, tag="outputs", kw_only=True, array_like=True):
     hidden states ``[n, hidden]`` float32. The tail splits the rows over as many messages as keep
     each frame under ``OUTPUTS_FRAME_BYTES``."""
 
-    session_id: str
+    session_id: SessionId
     run_id: int
     offset: int
 
 
 class ErrorReply(msgspec.Struct, tag="error", kw_only=True, array_like=True):
-    session_id: str
+    session_id: SessionId
     code: ErrorCode
     message: str
     run_id: Optional[int] = None

@@ -29,3 +29,6 @@ PROTOCOL_VERSION = 6
 #    not at its default (protocol.messages.encode), so a plain chain lap is smaller than in v5 and the
 #    optional fields cost it nothing. Gone: TreeStep, TreeResult, LoopedStep, LoopedResult (tags
 #    tree, tree_result, lstep, lresult); LoopedRun (tag loop) is now [step, accepted].
+#    Verdicts bound to what was verified: StepResult.step_digest (a trailing field, 5 bytes), a
+#    digest of the Step the tail verified keyed with the session's secret (protocol/digest.py).
+#    Every message's session_id is at most 64 characters (longer: malformed).

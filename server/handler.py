@@ -68,7 +68,6 @@ class SessionHandler:
         *,
         session_timeout: float = 600.0,
         compression: str = codecs.LOSSLESS,  # protocol.compression codec of the activations sent on
-        block_delay: float = 0.0,
         max_positions_per_step: int = limits.DEFAULT_MAX_POSITIONS_PER_STEP,
         max_sessions: int = limits.DEFAULT_MAX_SESSIONS,
         max_sessions_per_peer: int = limits.DEFAULT_MAX_SESSIONS_PER_PEER,
@@ -77,7 +76,6 @@ class SessionHandler:
         self.peer_id = p2p.peer_id.to_base58()
         self.session_timeout = session_timeout
         self.compression = compression
-        self.block_delay = block_delay
         self.max_positions_per_step = max_positions_per_step
         self.max_sessions, self.max_sessions_per_peer = max_sessions, max_sessions_per_peer
         # the largest frame a Step of max_positions_per_step positions needs, and its activations
@@ -192,6 +190,9 @@ class SessionHandler:
         self._opening.add(session.session_id)  # the same id on another stream, meanwhile: session_exists
         try:
             if session.next_hop is not None:
+                # the next hop may sit behind NAT: dial it through its relays (remembered only now,
+                # once the OpenSession is authorised and admitted: nothing before changes our state)
+                relay.remember(session.next_hop.peer_id, session.next_hop.addrs)
                 downstream = await self._open_downstream(session)
                 asyncio.create_task(self._relay_reports(downstream, upstream, session))
         except BaseException:
@@ -228,8 +229,6 @@ class SessionHandler:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "the route must start at block 0 and end at the last block")
         if index > 0 and route[index - 1].end != hop.start:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "the route's hops are not contiguous")
-        if index + 1 < len(route):  # the next hop may sit behind NAT: dial it through its relays
-            relay.remember(route[index + 1].peer_id, route[index + 1].addrs)
         if message.max_length <= 0:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"max_length must be positive, got {message.max_length}")
         if not _is_sha256_hex(message.secret_hash):
@@ -486,7 +485,7 @@ class SessionHandler:
             session.running = run
             try:
                 output = await loop.run_in_executor(
-                    self._executor, compute_run, self.span, session, run, self.block_delay
+                    self._executor, compute_run, self.span, session, run
                 )
             except SpanCancelled:
                 self.stats["cancelled_runs"] += 1
@@ -623,7 +622,7 @@ class SessionHandler:
                                    peer_id=self.peer_id)  # fmt: skip
                 await _send_quietly(client, error)
                 return
-            session.subscribed = True
+            session.subscribed, session.secret = True, subscribe.secret
             queue = self._results[session.session_id]
             while True:
                 getter = asyncio.create_task(queue.get())

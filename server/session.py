@@ -21,6 +21,7 @@ from protocol.limits import MAX_TREE_NODES
 from protocol.messages import (
     GREEDY, MAX_TOP_LOGPROBS, OUTPUTS_FRAME_BYTES, Hop, RunOutputs, SamplingParams, Step, StepResult,
 )
+from protocol.digest import digest_of
 from protocol.sampling import check_draft_q, pack_f16, validate_sampling, verify, verify_rejection, verify_tree
 from server.adapters import SpanAdapter, SpanCancelled
 from server.tail_drafter import MAX_TAIL_DRAFTS
@@ -78,6 +79,7 @@ class ServerSession:
     worker: Optional["asyncio.Task"] = None
     secret_hash: str = ""  # sha256 hex of the client's secret: the tail's results go to its holder only
     subscribed: bool = False  # the tail has given this session's results stream to its client
+    secret: str = ""  # the client's secret, from its Subscribe: keys the digest of each verdict (protocol/digest.py)
     drafter_state: Optional[object] = None  # the tail's drafter cache (server.tail_drafter.DrafterSession)
     sampling: SamplingParams = GREEDY  # as of the last Step that carried parameters (a Step without: as before)
     tree: Optional[TreeLayout] = None  # the last accepted run's tree, if it was one
@@ -306,9 +308,7 @@ def check_token_ids(token_ids, vocab_size: int) -> None:
         raise ProtocolError(ErrorCode.TOKEN_OUT_OF_VOCAB, f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
 
 
-def compute_run(
-    span: SpanAdapter, session: ServerSession, run: QueuedRun, block_delay: float = 0.0
-) -> torch.Tensor | StepResult | TailReply:
+def compute_run(span: SpanAdapter, session: ServerSession, run: QueuedRun) -> torch.Tensor | StepResult | TailReply:
     """Run this server's blocks over a run's new positions; at the tail, verify its drafts (and
     collect the outputs the run asked for with ``return_logits``).
 
@@ -329,8 +329,6 @@ def compute_run(
     hidden = span.embed(token_ids) if session.hop_index == 0 else run.hidden
 
     def check_cancelled() -> None:
-        if block_delay:
-            time.sleep(block_delay)  # fault injection: a slow server, for tests of cancellation
         if run.cancelled or session.closed:
             raise SpanCancelled()
 
@@ -346,6 +344,7 @@ def compute_run(
     logits = LazyLogits(span, hidden, contiguous=not step.parents)
     outputs = _outputs(span, session, step, hidden, logits) if step.return_logits else None
     result = _verdict(session, step, logits)
+    result.step_digest = digest_of(step, step.sampling_params, session.secret)  # what this verdict is about
     if step.tail_drafts and span.drafter is not None:
         result.drafts = _tail_drafts(span, session, step, hidden, result)
     return result if outputs is None else TailReply(outputs, result)

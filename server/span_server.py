@@ -28,7 +28,6 @@ from server.cache_budget import CacheBudget, default_cache_tokens
 from server.handler import SessionHandler
 from server.joining import claim_span, joining_throughput, keep_announcing, leave
 from server.tail_drafter import DEFAULT_TAIL_DRAFTS
-from server.faults import corrupt_outputs
 from server.memory import MemoryPlan, plan_blocks
 from server.quantization import Quant, resident_bytes, resolve_quant
 from server.upkeep import measure_next_pings
@@ -68,8 +67,6 @@ class ServerConfig:
     dht_prefix: Optional[str] = None
     drain_seconds: float = 30.0  # on shutdown or a move, open sessions get this long to finish
     balance_period: float = 120.0  # seconds between checks whether another span helps the swarm more
-    debug_block_delay: float = 0.0  # seconds slept before each block: fault injection for tests
-    debug_corrupt: Optional[str] = None  # noise|offset: the span's outputs are wrong (server/faults.py; tests)
     max_positions_per_step: int = DEFAULT_MAX_POSITIONS_PER_STEP  # a Step's positions; frames sized by it
     max_sessions: int = DEFAULT_MAX_SESSIONS  # open sessions at most
     max_sessions_per_peer: int = DEFAULT_MAX_SESSIONS_PER_PEER  # open sessions per upstream peer at most
@@ -150,8 +147,6 @@ class SpanServer:
                 None, load_span, model_config, checkpoint, start, end, dtype, device, quant.quant
             )
             await loop.run_in_executor(None, attach_drafter, span, config, model_config, checkpoint)
-            if config.debug_corrupt:
-                corrupt_outputs(span, config.debug_corrupt)
             logger.info(f"Blocks {start}:{end} hold {resident_bytes(span.layers) / 2**20:.1f} MiB of weights ({quant.quant.value})")
             budget = CacheBudget(config.cache_tokens or _cache_tokens(span, plan, device))
             p2p = await dht.replicate_p2p()
@@ -161,7 +156,6 @@ class SpanServer:
                 budget,
                 session_timeout=config.session_timeout,
                 compression=config.compression,
-                block_delay=config.debug_block_delay,
                 max_positions_per_step=config.max_positions_per_step,
                 max_sessions=config.max_sessions,
                 max_sessions_per_peer=config.max_sessions_per_peer,

@@ -63,7 +63,11 @@ class LocalSwarm:
         names: Optional[Sequence[str]] = None,
         dashboard_port: Optional[int] = None,
         api_port: Optional[int] = None,
+        launcher: Sequence[str] = ("swarm.server",),
     ):
+        """``launcher``: the module (and its options) each server runs as, ``python -m`` style
+        (tests start faulty servers with tests/faulty_server.py)."""
+        self.launcher = list(launcher)
         self.model, self.num_servers, self.spans = model, num_servers, list(spans) if spans is not None else None
         self.hop_delay_ms, self.server_args = hop_delay_ms, list(server_args)
         self.ready_timeout = ready_timeout
@@ -137,14 +141,16 @@ class LocalSwarm:
         return []
 
     def start_server(
-        self, start: Optional[int], end: Optional[int], name: str = "server", extra: Sequence[str] = ()
+        self, start: Optional[int], end: Optional[int], name: str = "server", extra: Sequence[str] = (),
+        launcher: Optional[Sequence[str]] = None,
     ) -> subprocess.Popen:
         """Start one server of blocks start:end; with start=None and end=N it serves N blocks
-        wherever the swarm needs them most (``--num-blocks``)."""
+        wherever the swarm needs them most (``--num-blocks``). ``launcher``: the module (and its
+        options) run with ``python -m`` (default: the swarm's)."""
         port = free_port()
         blocks = ["--blocks", f"{start}:{end}"] if start is not None else ["--num-blocks", str(end)]
         args = [
-            "swarm.server", "--model", self.model, "--initial-peers", *self.initial_peers,
+            *(self.launcher if launcher is None else launcher), "--model", self.model, "--initial-peers", *self.initial_peers,
             *blocks, "--host", "127.0.0.1", "--port", str(port),
             # every peer is on loopback: nothing to probe (docs/nat.md); server_args may override
             "--public-name", name, "--reachability", "public", *self.server_args, *extra,

@@ -46,8 +46,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drain-seconds", type=float, default=30.0, help="on shutdown, let open sessions finish this long")
     p.add_argument("--balance-period", type=float, default=120.0,
                    help="with --num-blocks: seconds between checks whether another span helps the swarm more")
-    p.add_argument("--debug-block-delay-ms", type=float, default=0.0, help=argparse.SUPPRESS)  # tests: a slow server
-    p.add_argument("--debug-corrupt", choices=["noise", "offset"], help=argparse.SUPPRESS)  # tests: a lying server
     p.add_argument("--max-positions-per-step", type=int, default=DEFAULT_MAX_POSITIONS_PER_STEP,
                    help="most positions one Step may carry (frames are limited to what it needs)")
     p.add_argument("--max-sessions", type=int, default=DEFAULT_MAX_SESSIONS, help="open sessions at most")
@@ -89,8 +87,6 @@ async def serve(args: argparse.Namespace) -> None:
         dht_prefix=args.dht_prefix,
         drain_seconds=args.drain_seconds,
         balance_period=args.balance_period,
-        debug_block_delay=args.debug_block_delay_ms / 1000,
-        debug_corrupt=args.debug_corrupt,
         max_positions_per_step=args.max_positions_per_step,
         max_sessions=args.max_sessions,
         max_sessions_per_peer=args.max_sessions_per_peer,

@@ -17,6 +17,7 @@ from client import _loop
 from protocol.messages import Cancel, Hop, OpenSession, SessionOpened, Step, StepResult, Subscribe
 from protocol.streams import RESULTS_PROTOCOL, SESSION_PROTOCOL, MessageStream
 from tests.conftest import inprocess_servers
+from tests.faults import slow_blocks
 from tests.test_exactness import PROMPT, ScriptedDrafter
 
 SLOW_BLOCK_SECONDS = 0.02  # a slow server, so cancels catch runs queued and mid-computation
@@ -24,7 +25,10 @@ SLOW_BLOCK_SECONDS = 0.02  # a slow server, so cancels catch runs queued and mid
 
 @pytest.fixture(scope="module")
 def inproc_swarm(tiny_llama_path):
-    yield from inprocess_servers(tiny_llama_path, debug_block_delay=SLOW_BLOCK_SECONDS)
+    for model, servers in inprocess_servers(tiny_llama_path):
+        for server in servers:
+            slow_blocks(server.span, SLOW_BLOCK_SECONDS)
+        yield model, servers
 
 
 def assert_servers_hold_only(servers, committed_cached: int) -> None:

@@ -426,9 +426,11 @@ def v4_model(request, v4_path, artifacts_dir):
     from swarm import AutoDistributedModelForCausalLM
     from swarm.local import LocalSwarm
 
-    server_args = [*SERVER_ARGS, "--debug-block-delay-ms", "5"]  # slow blocks: cancels catch runs mid-span
-    swarm = LocalSwarm(str(v4_path), spans=[(0, 2), (2, 6)], server_args=server_args,
-                       log_dir=str(artifacts_dir / "v4-swarm"), names=["V4-head", "V4-tail"])  # fmt: skip
+    from tests.faulty_server import faulty
+
+    swarm = LocalSwarm(str(v4_path), spans=[(0, 2), (2, 6)], server_args=SERVER_ARGS,
+                       log_dir=str(artifacts_dir / "v4-swarm"), names=["V4-head", "V4-tail"],
+                       launcher=faulty("--block-delay-ms", "5"))  # slow blocks: cancels catch runs mid-span  # fmt: skip
     with swarm:
         model = AutoDistributedModelForCausalLM.from_pretrained(str(v4_path), initial_peers=swarm.initial_peers)
         with last_use.until_last_use(request, lambda: (model.shutdown(), swarm.stop())):

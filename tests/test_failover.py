@@ -13,6 +13,7 @@ import torch
 
 from swarm.local import LocalSwarm, kill_group
 from tests.conftest import SERVER_ARGS, servers_by_name
+from tests.faulty_server import faulty
 from tests.test_exactness import PROMPT
 
 NEW_TOKENS = 40
@@ -24,7 +25,8 @@ FAULT_AT = 10  # tokens into the generation
 def failover_swarm(tiny_llama_path, artifacts_dir):
     """Head and tail servers for the whole module; each test brings its own two middle servers."""
     with LocalSwarm(str(tiny_llama_path), spans=[(0, 2), (4, 6)], server_args=SERVER_ARGS_FAILOVER,
-                    names=["head", "tail"], log_dir=str(artifacts_dir / "failover-swarm")) as swarm:  # fmt: skip
+                    names=["head", "tail"], log_dir=str(artifacts_dir / "failover-swarm"),
+                    launcher=faulty("--block-delay-ms", "5")) as swarm:  # fmt: skip
         from swarm import AutoDistributedModelForCausalLM
 
         model = AutoDistributedModelForCausalLM.from_pretrained(
@@ -34,7 +36,7 @@ def failover_swarm(tiny_llama_path, artifacts_dir):
         model.shutdown()
 
 
-SERVER_ARGS_FAILOVER = SERVER_ARGS + ["--drain-seconds", "1", "--debug-block-delay-ms", "5"]
+SERVER_ARGS_FAILOVER = SERVER_ARGS + ["--drain-seconds", "1"]  # and slow blocks (5 ms each): faulty(...) above
 _counter = iter(range(1000))
 
 

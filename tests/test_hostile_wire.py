@@ -24,6 +24,7 @@ from protocol.errors import ErrorCode
 from protocol.messages import ErrorReply, Hop, OpenSession, RunOutputs, SessionOpened, Step, StepResult, Subscribe
 from protocol.streams import RESULTS_PROTOCOL, SESSION_PROTOCOL, MessageStream
 from tests.conftest import LIMITS_MAX_POSITIONS
+from tests.faults import slow_blocks
 from tests.test_exactness import PROMPT
 
 LONG_PROMPT = [PROMPT[0] * 4]  # 44 positions: three Steps of at most 16
@@ -329,13 +330,12 @@ FLOOD_CODES = (ErrorCode.QUEUE_FULL, ErrorCode.START_POS_BEYOND_CACHE)
 
 def test_a_client_that_floods_runs_gets_queue_full(limits_swarm, monkeypatch):
     model, servers, _ = limits_swarm
-    head = servers[0].handler
     monkeypatch.setattr(limits, "MAX_QUEUED_RUNS", 4)
 
     async def flood():
         s = RawSession(model.swarm.p2p, servers)
         assert isinstance(await s.open(), SessionOpened)
-        head.block_delay = 0.5  # slow compute: runs pile up in the head's queue
+        slow = slow_blocks(servers[0].span, 0.5)  # slow compute: runs pile up in the head's queue
         try:
             for run_id in range(12):
                 await s.step(run_id, run_id, [5])
@@ -347,7 +347,7 @@ def test_a_client_that_floods_runs_gets_queue_full(limits_swarm, monkeypatch):
                     break
             return errors
         finally:
-            head.block_delay = 0.0
+            slow.seconds = 0.0
             s.close()
 
     errors = _loop.run(flood(), timeout=60)

@@ -1,8 +1,8 @@
 """Spot-checks of activations (client/_spot_checks.py; docs/reliability.md, "Spot-checks").
 
 Unit: the tolerance rule, the choice of the audited hop and its substitutes, the majority vote.
-Live: a tiny-model swarm with two lying servers (``--debug-corrupt noise`` on blocks 0:3 and
-``--debug-corrupt offset`` on 3:6) beside honest ones; routes pinned through a liar, every verdict
+Live: a tiny-model swarm with two lying servers (``tests.faulty_server --corrupt noise`` on blocks 0:3 and
+``--corrupt offset`` on 3:6) beside honest ones; routes pinned through a liar, every verdict
 audited (``spot_check_rate=1.0``): the liar is caught, excluded, reported in the DHT (the dashboard
 counts it), and the output is token-identical to an honest run.
 """
@@ -25,6 +25,7 @@ from swarm.local import LocalSwarm
 from protocol.records import ServerInfo, ServerState
 from protocol.routing import RouteHop
 from tests.conftest import SERVER_ARGS, servers_by_name
+from tests.faulty_server import faulty
 
 # ---- unit: the tolerance rule ------------------------------------------------------------------
 
@@ -176,7 +177,7 @@ def test_re_verification_keeps_the_honest_prefix_and_chunks(limit):
 
 # ---- live: a swarm with liars ------------------------------------------------------------------
 
-# name -> (blocks, --debug-corrupt); N and O lie, A, B and F are honest (F holds every block)
+# name -> (blocks, corruption: tests/faults.py); N and O lie, A, B and F are honest (F holds every block)
 SERVERS = {"N": (0, 3, "noise"), "O": (3, 6, "offset"), "A": (0, 3, None), "B": (3, 6, None), "F": (0, 6, None)}
 PROMPT = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3]
 NEW_TOKENS = 32
@@ -188,7 +189,7 @@ def liar_swarm(tiny_llama_path, artifacts_dir):
     swarm = LocalSwarm(str(tiny_llama_path), spans=[], server_args=SERVER_ARGS, log_dir=log_dir)
     with swarm:
         for name, (start, end, corrupt) in SERVERS.items():
-            swarm.start_server(start, end, name=name, extra=["--debug-corrupt", corrupt] if corrupt else [])
+            swarm.start_server(start, end, name=name, launcher=faulty("--corrupt", corrupt) if corrupt else ["swarm.server"])
         swarm.wait_ready(len(SERVERS))
         yield swarm
 

@@ -1,0 +1,269 @@
+"""Audits of verdicts: every committed token re-verified by another tail (docs/reliability.md,
+"Verdict audits").
+
+The tail's verdict decides each token, and a tail can compute honestly and lie only in its verdict
+(a wrong next token, a draft accepted that its own choice refutes): spot-checks of activations
+(client/_spot_checks.py) cannot see that. So the client keeps a *shadow session* on the
+generation's route with the tail's blocks computed by another server of the same precision, and
+advances it with the tokens committed since the last audit, sent as drafts after the last audited
+one: an honest shadow tail accepts exactly the tokens the exact rule chooses (greedy, or seeded
+sampling, whose draws are fixed by (seed, position)). The shadow prefills the context once per
+generation; after that an audit costs one position per generated token on each of the shadow
+route's servers, whatever the context, in one Step per ``every`` tokens. Its Steps are ordinary
+chain Steps with drafts, as any generation sends.
+
+A disagreement at position t goes to a third server of the tail's blocks (a fresh session that
+verifies the committed token at t): the server in the minority is convicted (excluded for good,
+reported in the DHT: ``SwarmClient.convict``), and when that is the generation's tail the
+generation re-verifies its tokens on a route without it (``SpeculativeDecoder._react_to_liars``).
+Before the output is returned the last tokens are audited too, so every token the caller gets has
+been confirmed by a second tail whenever the swarm has one. One audit at a time, in the background.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from typing import Optional, Sequence
+
+from client._remote_session import RemoteSession
+from client._spot_checks import AuditResult, SpotChecker, alternatives, substituted
+from protocol.messages import GREEDY, SamplingParams, Step, StepResult
+from protocol.routing import RouteHop
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_AUDIT_EVERY = 16  # committed tokens per shadow Step (more: fewer audit laps, later catches)
+
+
+class VerdictAuditor:
+    def __init__(self, swarm, vocab_size: int, every: int = DEFAULT_AUDIT_EVERY, timeout: Optional[float] = None,
+                 rng: Optional[random.Random] = None):  # fmt: skip
+        if every < 1:
+            raise ValueError(f"every must be >= 1, got {every}")
+        self.swarm, self.vocab_size, self.every = swarm, vocab_size, every
+        self.timeout = timeout if timeout is not None else 4 * swarm.request_timeout  # a dispute runs several sessions
+        self.rng = rng or random.Random()
+        self.task: Optional[asyncio.Task] = None
+        self.audited: list[int] = []  # the ids whose verdicts a second tail confirmed (the prompt counts)
+        self.max_length, self.sampling = 0, GREEDY
+        self._shadow: Optional[RemoteSession] = None
+        self._held = 0  # positions the shadow's caches hold (of ``audited``)
+        self._next_run = 0
+        self._given_up = 0  # history length an audit ended at without a verdict: not retried at the end
+
+    def begin(self, prompt: Sequence[int], max_length: int, sampling: SamplingParams) -> None:
+        self.audited, self.max_length, self.sampling = list(prompt), max_length, sampling
+        self._given_up = 0
+
+    def maybe_start(self, route: Sequence[RouteHop], ids: Sequence[int], stats, final: bool = False) -> None:
+        """Audit the tokens committed since the last audit: once ``every`` of them wait, or any
+        number when the generation is about to return them (``final``)."""
+        if self.task is not None or not route or (final and len(ids) <= self._given_up):
+            return
+        if any(hop.peer_id in self.swarm.liars for hop in route):
+            return  # the generation leaves this route and re-verifies before its next lap
+        common = 0
+        for a, b in zip(self.audited, ids):  # a re-verification may have replaced some tokens
+            if a != b:
+                break
+            common += 1
+        self.audited = self.audited[:common]
+        if len(ids) - common < (1 if final else self.every) or common == 0:
+            return
+        self.task = asyncio.ensure_future(self._run(list(route), list(ids), stats))
+
+    async def settle(self) -> None:
+        if self.task is not None:
+            await asyncio.gather(self.task, return_exceptions=True)
+
+    async def cancel(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+            self.task = None
+        await self._drop_shadow()
+
+    async def _run(self, route: list[RouteHop], ids: list[int], stats) -> None:
+        self._given_up = len(ids)  # unless the audit confirms them (then nothing is left to audit)
+        try:
+            await asyncio.wait_for(self._audit(route, ids, stats), self.timeout)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a server died, refused or timed out: no verdict on anyone
+            stats.verdict_audits_failed += 1
+            stats.spot_check_events.append(f"verdict audit failed: {e!r}")
+            logger.info(f"Verdict audit failed, no verdict: {e!r}")
+            await self._drop_shadow()
+        finally:
+            self.task = None
+
+    async def _audit(self, route: list[RouteHop], ids: list[int], stats) -> None:
+        if not await self._ensure_shadow(route, len(ids)):
+            stats.verdict_audits_skipped += 1
+            return
+        stats.verdict_audits += 1
+        limit = self.swarm.max_positions_per_step
+        start = len(self.audited)  # the first position not yet confirmed
+        position = min(self._held, start - 1)
+        while position < start - 1:  # the context the shadow lacks (its first audit: the prompt)
+            count = min(limit, start - 1 - position)
+            await self._step(position, ids[position : position + count], 0, stats)
+            position += count
+        self._held, position = position, start
+        while position < len(ids):  # the committed tokens as drafts after the last confirmed one
+            drafts = ids[position : position + limit - 1]
+            result = await self._step(position - 1, [ids[position - 1], *drafts], len(drafts), stats)
+            if result.accepted < len(drafts):
+                await self._dispute(route, ids, position + result.accepted, result.next_token, stats)
+                return
+            position += len(drafts)
+            self._held, self.audited = position, ids[:position]
+
+    async def _ensure_shadow(self, route: list[RouteHop], length: int) -> bool:
+        """A shadow session on ``route`` with another server as its tail (kept across audits while
+        the route's tail and the shadow's servers stay the same and unexcluded)."""
+        shadow, excluded = self._shadow, self.swarm.excluded.current()
+        if shadow is not None and (
+            shadow.route[:-1] != route[:-1] or shadow.tail_peer == route[-1].peer_id
+            or any(hop.peer_id in excluded for hop in shadow.route)
+        ):  # fmt: skip
+            await self._drop_shadow()
+        if self._shadow is not None:
+            return True
+        found = alternatives(route, len(route) - 1, self.swarm.records, excluded, length)
+        if not found:
+            return False
+        shadow_route = substituted(route, len(route) - 1, self.rng.choice(found).peer_id)
+        shadow = RemoteSession(self.swarm.p2p, shadow_route, self.max_length, timeout=self.swarm.request_timeout)
+        await shadow.open()
+        self._shadow, self._held, self._next_run = shadow, 0, 0
+        return True
+
+    async def _step(self, start: int, token_ids: list[int], n_draft: int, stats) -> StepResult:
+        run_id, self._next_run = self._next_run, self._next_run + 1
+        sampling = None if self.sampling == GREEDY else self.sampling
+        await self._shadow.send_step(Step(session_id=self._shadow.session_id, run_id=run_id, start_pos=start,
+                                          token_ids=token_ids, n_draft=n_draft, sampling=sampling))  # fmt: skip
+        stats.verdict_audit_positions += len(token_ids) * len(self._shadow.route)
+        return await self._shadow.next_result(run_id)
+
+    async def _dispute(self, route: list[RouteHop], ids: list[int], t: int, shadow_token: int, stats) -> None:
+        """The route's tail committed ids[t]; the shadow's tail chose ``shadow_token``: a third
+        server of the tail's blocks decides, and the minority is convicted."""
+        tail, alt = route[-1].peer_id, self._shadow.tail_peer
+        what = f"position {t}: the route's tail {tail} committed {ids[t]}, {alt} chose {shadow_token}"
+        excluded = self.swarm.excluded.current() | {alt}
+        thirds = alternatives(route, len(route) - 1, self.swarm.records, excluded, t + 1)
+        if not thirds:
+            stats.verdict_audits_undecided += 1
+            stats.spot_check_events.append(f"verdict audit undecided: {what}; no third server")
+            return
+        third = self.rng.choice(thirds).peer_id
+        token = await self._third_opinion(substituted(route, len(route) - 1, third), ids, t, stats)
+        liar = tail if token == shadow_token else alt if token == ids[t] else None
+        if liar is not None and not await self._upstream_clean(route, ids[:t], stats):
+            what += "; a hop before the tail failed its spot-check or could not be checked"
+            liar = None
+        elif liar is None:
+            what += "; the third agrees with neither"
+        stats.spot_check_events.append(f"verdict audit: {what}; third {third} chose {token}"
+                                       + (f"; {liar} is in the minority" if liar else ""))  # fmt: skip
+        if liar is None:
+            stats.verdict_audits_undecided += 1
+            return
+        stats.liars_excluded.append(liar)
+        self.swarm.convict(liar)
+        self._given_up = 0
+        if liar == alt:
+            await self._drop_shadow()  # the next audit re-verifies the same tokens with another
+        else:
+            self.audited = ids[:t]  # the generation re-verifies from the prompt on a new route
+
+    async def _upstream_clean(self, route: list[RouteHop], ids: list[int], stats) -> bool:
+        """Whether the hops before the tail, which the shadow and the third share with the route,
+        pass a spot-check of their activations on ``ids`` (client/_spot_checks.py): two tails'
+        verdicts differ also when a shared hop lies at random (fresh noise in every session), and
+        that must not convict an honest tail. A hop without a second server of its blocks and
+        precision cannot be checked and counts as clean; a hop the spot-check convicts is convicted."""
+        checker = SpotChecker(self.swarm, 1.0, self.vocab_size, rng=self.rng)
+        for index in range(len(route) - 1):
+            found = alternatives(route, index, self.swarm.records, self.swarm.excluded.current(), len(ids))
+            if not found:
+                continue
+            alt = self.rng.choice(found).peer_id
+            result = AuditResult("failed")
+            try:
+                await checker._compare(route, index, alt, [s.peer_id for s in found if s.peer_id != alt], ids, result)
+            finally:
+                stats.spot_check_positions += result.positions
+            stats.spot_check_events.append(f"verdict audit: spot-check of hop {index} {route[index].peer_id} vs {alt}: "
+                                           f"{result.verdict} ({result.detail})")  # fmt: skip
+            if result.verdict == "convicted":
+                stats.liars_excluded.append(result.liar)
+                self.swarm.convict(result.liar)
+            if result.verdict != "agree":
+                return False
+        return True
+
+    async def _third_opinion(self, route: list[RouteHop], ids: list[int], t: int, stats) -> int:
+        """The token a fresh session on ``route`` chooses at position t after ids[:t]."""
+        session = RemoteSession(self.swarm.p2p, route, t + 1, timeout=self.swarm.request_timeout)
+        try:
+            await session.open()
+            limit, position, run_id = self.swarm.max_positions_per_step, 0, 0
+            while position < t - 1:
+                count = min(limit, t - 1 - position)
+                step = Step(session_id=session.session_id, run_id=run_id, start_pos=position,
+                            token_ids=ids[position : position + count],
+                            sampling=None if self.sampling == GREEDY else self.sampling)  # fmt: skip
+                await session.send_step(step)
+                await session.next_result(run_id)
+                stats.verdict_audit_positions += count * len(route)
+                position, run_id = position + count, run_id + 1
+            step = Step(session_id=session.session_id, run_id=run_id, start_pos=t - 1, token_ids=[ids[t - 1], ids[t]],
+                        n_draft=1, sampling=None if self.sampling == GREEDY else self.sampling)  # fmt: skip
+            await session.send_step(step)
+            result = await session.next_result(run_id)
+            stats.verdict_audit_positions += 2 * len(route)
+            return ids[t] if result.accepted == 1 else result.next_token
+        finally:
+            await session.close()
+
+    async def _drop_shadow(self) -> None:
+        shadow, self._shadow, self._held = self._shadow, None, 0
+        if shadow is not None:
+            await shadow.close()
+
+
+class Audits:
+    """A generation's audits: spot-checks of activations and audits of verdicts, either optional,
+    behind the one interface the decoder calls after each verdict and before it returns."""
+
+    def __init__(self, spot: Optional[SpotChecker], verdicts: Optional[VerdictAuditor]):
+        self.spot, self.verdicts = spot, verdicts
+
+    @property
+    def task(self) -> Optional[asyncio.Task]:
+        return (self.spot and self.spot.task) or (self.verdicts and self.verdicts.task) or None
+
+    def begin(self, prompt: Sequence[int], max_length: int, sampling: SamplingParams) -> None:
+        if self.verdicts is not None:
+            self.verdicts.begin(prompt, max_length, sampling)
+
+    def maybe_start(self, route, ids, stats, lap: int, final: bool = False) -> None:
+        if self.spot is not None and not final:
+            self.spot.maybe_start(route, ids, stats, lap)
+        if self.verdicts is not None:
+            self.verdicts.maybe_start(route, ids, stats, final=final)
+
+    async def settle(self) -> None:
+        for audit in (self.spot, self.verdicts):
+            if audit is not None:
+                await audit.settle()
+
+    async def cancel(self) -> None:
+        for audit in (self.spot, self.verdicts):
+            if audit is not None:
+                await audit.cancel()
