@@ -32,6 +32,20 @@ ALIASES: dict[str, str | None] = {
 }
 
 
+# aliases whose published config.json ships with the package (protocol/configs/<alias>/), so that
+# ``python -m swarm.server --model ALIAS --plan-only`` answers offline; a server that loads weights
+# reads the hub's own config instead
+SHIPPED_CONFIGS = ("deepseek-v4-pro",)
+
+
+def shipped_config_dir(alias: str) -> Path | None:
+    """The folder holding the published ``config.json`` of ``alias``, if the package ships one."""
+    if alias not in SHIPPED_CONFIGS:
+        return None
+    folder = Path(__file__).resolve().parent / "configs" / alias
+    return folder if (folder / "config.json").exists() else None
+
+
 @dataclass(frozen=True)
 class ResolvedModel:
     """Where to read a model from, and the name it has in the DHT."""

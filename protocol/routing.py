@@ -246,19 +246,22 @@ def swarm_max_flow(servers: Sequence[ServerInfo], num_blocks: int) -> float:
 
 
 def choose_best_span(
-    servers: Sequence[ServerInfo], num_blocks: int, span_length: int, my_throughput: float
+    servers: Sequence[ServerInfo], num_blocks: int, span_length: int, my_throughput: float,
+    within: tuple[int, int] | None = None,
 ) -> tuple[int, int]:
     """Span ``(start, end)`` for a joining server that raises the swarm's max-flow the most.
 
     Joining and online servers both count. While the model has gaps, no single span raises the
     max-flow unless it closes the last gap, so ties go to the span covering the most of the
     least-served blocks (gaps first, then the lowest per-block throughput), then to the span
-    with the least throughput already on it, then to the lowest start.
+    with the least throughput already on it, then to the lowest start. ``within=(lo, hi)`` keeps
+    the span inside blocks [lo, hi) (a server whose memory cannot hold an end of the model).
     """
-    if num_blocks <= 0 or span_length <= 0:
-        raise ValueError("num_blocks and span_length must be positive")
+    lo, hi = within or (0, num_blocks)
+    if num_blocks <= 0 or span_length <= 0 or not 0 <= lo < hi <= num_blocks:
+        raise ValueError("num_blocks and span_length must be positive, and within a range of blocks")
     placed = _usable(servers, _PLACED)
-    length = min(span_length, num_blocks)
+    length = min(span_length, hi - lo)
     per_block = _block_throughput(placed, num_blocks)
     model = placed[0].model if placed else ""
     least = min(per_block)
@@ -269,12 +272,13 @@ def choose_best_span(
         flow = round(_max_flow(placed + [me], 0, num_blocks), 6)  # tolerate float noise in ties
         return flow, sum(math.isclose(t, least, abs_tol=1e-9) for t in window), -sum(window)
 
-    best = max(range(num_blocks - length + 1), key=score)  # max() keeps the lowest start on ties
+    best = max(range(lo, hi - length + 1), key=score)  # max() keeps the lowest start on ties
     return best, best + length
 
 
 def should_move(
-    servers: Sequence[ServerInfo], my_info: ServerInfo, num_blocks: int, min_gain: float = 0.2
+    servers: Sequence[ServerInfo], my_info: ServerInfo, num_blocks: int, min_gain: float = 0.2,
+    within: tuple[int, int] | None = None,
 ) -> tuple[int, int] | None:
     """New span for a running server if moving there raises the max-flow by more than
     ``min_gain`` (relative), else ``None``. The threshold keeps servers from oscillating
@@ -282,7 +286,7 @@ def should_move(
     leaves fewer uncovered blocks.
     """
     others = [s for s in _usable(servers, _PLACED) if s.peer_id != my_info.peer_id]
-    span = choose_best_span(others, num_blocks, len(my_info.span), my_info.throughput)
+    span = choose_best_span(others, num_blocks, len(my_info.span), my_info.throughput, within)
     if span == (my_info.start_block, my_info.end_block):
         return None
     moved = msgspec.structs.replace(my_info, start_block=span[0], end_block=span[1])
