@@ -153,7 +153,7 @@ class MemoryPlan:
             text += f" and the drafter ({self.drafter_bytes / GiB:.2f} GiB): {_count(tail)}"
             without = self.most_blocks(tail=True, drafter=False)
             if without > tail:
-                text += f" ({tail} beside the drafter, {without} without it)"
+                text += f" ({without} without it)"
         elif self.drafter_bytes:
             text += f": {_count(tail)}, without the drafter ({self.drafter_bytes / GiB:.2f} GiB does not fit)"
         else:
