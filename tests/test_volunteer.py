@@ -1,0 +1,169 @@
+"""What a volunteer meets: the memory plan on real model shapes, ``--plan-only`` offline, blocks
+that do not fit refused before anything is announced, and moves that never leave a server broken.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from protocol.models import shipped_config_dir
+from server.memory import GiB, plan_blocks
+from server.quantization import Quant
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def v4_pro_config():
+    return AutoConfig.from_pretrained(shipped_config_dir("deepseek-v4-pro"))
+
+
+@pytest.mark.parametrize("free_gib, at_least", [(22, 1), (44, 3), (76, 5)], ids=["24GB", "48GB", "80GB"])
+def test_v4_pro_nf4_plan_on_consumer_and_datacenter_cards(v4_pro_config, free_gib, at_least):
+    """The published V4-Pro shapes on the meta device: a 24 GB card (22 GiB free) holds one nf4
+    block with no flag besides --model, a 48 GB card three, an 80 GB card five. Only a span at an
+    end holds the embeddings or the LM head (1.73 GiB each), so those may take fewer."""
+    plan = plan_blocks(v4_pro_config, torch.bfloat16, "cuda", 61, free_bytes=free_gib * GiB, quant=Quant.NF4)
+    assert plan.blocks >= at_least, plan.describe("cuda")
+    assert plan.fits(1, 1 + plan.blocks) and plan.most_blocks() == plan.blocks
+    ends = plan.sizes.embed_bytes + plan.headroom_bytes + plan.cache_bytes(plan.blocks)
+    assert plan.head_blocks == min(plan.blocks, (plan.free_bytes - ends) // plan.sizes.block_bytes)
+    # the old plan reserved both ends for every server: 22 GiB then held no block at all
+    both = plan.ends_bytes(True, True) + plan.headroom_bytes + int(0.25 * plan.free_bytes)
+    assert free_gib != 22 or plan.free_bytes - both < plan.sizes.block_bytes
+
+
+def run_server(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "swarm.server", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env={**os.environ, **(env or {})})  # fmt: skip
+
+
+def test_plan_only_answers_offline_without_weights(tmp_path):
+    """The card's model, no hub, an empty cache: the shipped config answers, nothing is downloaded."""
+    env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    done = run_server("--model", "deepseek-v4-pro", "--plan-only", "--assume-free-memory", "44GiB", "--device", "cuda",
+                      env=env)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("3 of 61 blocks fit: 44.0 GiB free on cuda (assumed free memory)"), done.stdout
+    assert "nf4 weights" in done.stdout and "cache budget of" in done.stdout and "embeddings" in done.stdout
+    assert not any((tmp_path / "hf").rglob("*.safetensors"))
+    too_many = run_server("--model", "deepseek-v4-pro", "--plan-only", "--assume-free-memory", "22GiB",
+                          "--device", "cuda", "--num-blocks", "2", env=env)  # fmt: skip
+    assert too_many.returncode == 2 and "Traceback" not in too_many.stderr, too_many.stderr
+    assert "--num-blocks 2: blocks 1:3 do not fit: they need" in too_many.stderr and "22.00 GiB is free on cuda" in too_many.stderr
+
+
+def test_blocks_that_do_not_fit_stop_before_announcing(tiny_llama_path):
+    """--num-blocks beyond the memory: one line naming what is needed and what is free, exit 2,
+    and the server never got as far as joining the DHT or claiming a span."""
+    done = run_server("--model", str(tiny_llama_path), "--new-swarm", "--host", "127.0.0.1", "--num-blocks", "6",
+                      "--assume-free-memory", "1MiB", "--torch-threads", "1")  # fmt: skip
+    log = done.stdout + done.stderr
+    assert done.returncode == 2, log
+    errors = [line for line in log.splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and "--num-blocks 6: blocks 0:6 do not fit: they need" in errors[0], log
+    assert "0.00 GiB is free on cpu" in errors[0], errors[0]
+    assert "Serving blocks" not in log and "joining" not in log and "Traceback" not in log, log
+
+
+# ---- moves -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def move_swarm(tiny_llama_path):
+    from tests.conftest import inprocess_servers
+
+    yield from inprocess_servers(tiny_llama_path)
+
+
+def still_serves(model, servers, tiny_reference, span=(0, 3)) -> None:
+    """The first server holds ``span``, is announced online for it, accepts sessions, and the swarm
+    generates what transformers does."""
+    from protocol.dht_records import fetch_servers
+    from protocol.records import ServerState
+    from tests.test_exactness import PROMPT
+
+    server = servers[0]
+    assert (server.span.start, server.span.end) == span and server.handler.accepting
+    deadline = time.monotonic() + 15  # the announcement is stored in the background
+    while True:
+        mine = {s.peer_id: s for s in fetch_servers(server.dht, server.info.model, 6)}.get(server.info.peer_id)
+        seen = None if mine is None else (mine.start_block, mine.end_block, mine.state)
+        if seen == (*span, ServerState.ONLINE) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert seen == (*span, ServerState.ONLINE)
+    expected = tiny_reference.generate(torch.tensor(PROMPT), max_new_tokens=8, do_sample=False)
+    output = model.generate(torch.tensor(PROMPT), max_new_tokens=8, speculation=None)
+    assert output[0].tolist() == expected[0].tolist()
+
+
+def test_a_failed_move_keeps_the_old_span_serving(move_swarm, tiny_reference, monkeypatch):
+    from client import _loop
+    from server import span_server
+
+    model, servers = move_swarm
+    server = servers[0]
+
+    def broken_load(*args, **kwargs):
+        raise RuntimeError("injected: the disk went away")
+
+    monkeypatch.setattr(span_server, "load_span", broken_load)
+    assert server.plan is not None and server.plan.fits_beside((0, 3), (3, 6))
+    assert _loop.run(server.move_to(3, 6), timeout=120) is False  # loads beside the old span, fails
+    still_serves(model, servers, tiny_reference)
+
+
+def test_a_failed_move_that_freed_the_old_span_loads_it_again(move_swarm, tiny_reference, monkeypatch):
+    """Not room for both spans: the old one drains and is freed first; the new one fails to load,
+    so the old one loads again and is announced online and accepting."""
+    from client import _loop
+    from server import span_server
+    from server.memory import MemoryPlan
+
+    model, servers = move_swarm
+    server = servers[0]
+    plan = server.plan
+    sizes = plan.sizes
+    # room for one 3-block span with both ends, not for two
+    cache = MemoryPlan(6, 0, sizes, cache_tokens=2048).cache_bytes(3)
+    free = int((3 * sizes.block_bytes + sizes.embed_bytes + sizes.tail_bytes + cache) / 0.94)
+    monkeypatch.setattr(server, "plan", MemoryPlan(6, free, sizes, plan.quant, 0, cache_tokens=2048))
+    assert server.plan.fits(3, 6) and not server.plan.fits_beside((0, 3), (3, 6))
+    real_load, calls = span_server.load_span, []
+
+    def fails_once(*args, **kwargs):
+        calls.append(args[2:4])
+        if len(calls) == 1:
+            raise MemoryError("injected: out of memory while loading")
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(span_server, "load_span", fails_once)
+    assert _loop.run(server.move_to(3, 6), timeout=240) is False
+    assert calls == [(3, 6), (0, 3)]  # the target failed, the old span came back
+    still_serves(model, servers, tiny_reference)
+
+
+def test_a_target_too_large_for_the_memory_is_refused(move_swarm, tiny_reference, monkeypatch):
+    from client import _loop
+    from server import span_server
+    from server.memory import MemoryPlan
+
+    model, servers = move_swarm
+    server = servers[0]
+    sizes = server.plan.sizes
+    cache = MemoryPlan(6, 0, sizes, cache_tokens=2048).cache_bytes(3)
+    free = int((3 * sizes.block_bytes + sizes.embed_bytes + cache) / 0.94)  # 0:3 fits, 0:6 not
+    monkeypatch.setattr(server, "plan", MemoryPlan(6, free, sizes, server.plan.quant, cache_tokens=2048))
+    assert server.plan.fits(0, 3) and not server.plan.fits(0, 6)
+    monkeypatch.setattr(span_server, "load_span", lambda *a, **k: pytest.fail("a move that does not fit must not load"))
+    assert _loop.run(server.move_to(0, 6), timeout=60) is False
+    still_serves(model, servers, tiny_reference)
