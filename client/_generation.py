@@ -409,7 +409,8 @@ class SpeculativeDecoder:
         at most that many positions (a long prompt, or a failover replay), all at once, and wait
         for their verdicts (ignored: they only confirm the positions are cached). The last chunk,
         at most ``max_positions_per_step`` positions, rides in the next run with its drafts."""
-        state, limit = self.state, self.swarm.max_positions_per_step
+        state = self.state
+        limit = state.remote.max_positions_per_step
         runs = []
         position = state.cached
         while len(state.history) - position > limit:
@@ -455,7 +456,7 @@ class SpeculativeDecoder:
 
     def _take_run_drafts(self, run: Run, result: StepResult) -> None:
         drafts = result.run_drafts
-        if drafts is None or not 0 <= result.accepted <= len(drafts) or len(drafts) > self.swarm.max_positions_per_step:
+        if drafts is None or not 0 <= result.accepted <= len(drafts) or len(drafts) > self.state.remote.max_positions_per_step:
             raise ServerError(f"the verdict on looped run {run.run_id} does not name its drafts", self.state.remote.tail_peer)
         run.drafts, run.token_ids, run.proposed = list(drafts), [run.token_ids[0], *drafts], len(drafts)
 
@@ -492,7 +493,7 @@ class SpeculativeDecoder:
         else:
             start_pos, committed_part, assumed = state.cached, state.history[state.cached :], []
         # drafts and committed ids together stay within one Step's positions
-        room = min(self._room(budget, len(assumed)), self.swarm.max_positions_per_step - len(committed_part))
+        room = min(self._room(budget, len(assumed)), self.state.remote.max_positions_per_step - len(committed_part))
         if self._inflight and room < 1:
             return None
         if self.draft_tree and not self._inflight:
@@ -537,7 +538,7 @@ class SpeculativeDecoder:
         tree = DraftTree()
         if self.drafter is not None and room > 0:
             chain = self.drafter.draft(min(room, self.drafter.draft_cap))
-            max_nodes = min(MAX_TREE_NODES, self.swarm.max_positions_per_step - len(committed_part),
+            max_nodes = min(MAX_TREE_NODES, self.state.remote.max_positions_per_step - len(committed_part),
                             state.max_length - len(state.history) - 1)  # fmt: skip
             full = build_tree(self.drafter, chain, max_nodes, room, self.drafter.extra_chains(room), self.eos_token_ids)
             tree = full.prefix(self._sizer.choose(full, len(committed_part)))
@@ -747,7 +748,7 @@ class SpeculativeDecoder:
             return None
         state = self.state
         committed = state.history[state.cached :]
-        room = min(budget - 1, state.max_length - len(state.history) - 1, self.swarm.max_positions_per_step - len(committed))
+        room = min(budget - 1, state.max_length - len(state.history) - 1, state.remote.max_positions_per_step - len(committed))
         drafts = self._replay[: max(0, room)]
         run_id = state.next_run_id
         state.next_run_id += 1

@@ -70,6 +70,9 @@ class RemoteSession:
         self._inbox: asyncio.Queue[Message | _StreamLost | _Outputs] = asyncio.Queue()
         self._readers: list[asyncio.Task] = []
         self.closed = False
+        # the most positions one Step may carry on this route: the smallest its servers announce
+        # (set by SwarmClient.open_session; the client's own limit where no record says more)
+        self.max_positions_per_step = limits.DEFAULT_MAX_POSITIONS_PER_STEP
 
     @property
     def head_peer(self) -> str:

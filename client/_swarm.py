@@ -122,6 +122,7 @@ class SwarmClient:
                                           e.missing_blocks)  # fmt: skip
                 continue
             session = RemoteSession(self.p2p, route, max_length, timeout=self.request_timeout)
+            session.max_positions_per_step = self.route_step_limit(route)
             try:
                 await session.open()
                 return session
@@ -149,6 +150,12 @@ class SwarmClient:
         return self.router.plan(
             servers, 0, self.num_blocks, max_length=max_length, exclude=self.excluded.current() | set(also_exclude), client_rtts=rtts
         )
+
+    def route_step_limit(self, route: Sequence[RouteHop]) -> int:
+        """The most positions one Step may carry on ``route``: this client's own limit, lowered to
+        the smallest any of its servers announces (bounded below by the record schema)."""
+        announced = [self._records[hop.peer_id].max_positions_per_step for hop in route if hop.peer_id in self._records]
+        return min([self.max_positions_per_step, *announced])
 
     def observe_lap(self, route: Sequence[RouteHop], seconds: float, positions: int) -> None:
         """One lap of ``positions`` positions over ``route`` took ``seconds`` (send to verdict)."""

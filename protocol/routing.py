@@ -38,6 +38,7 @@ import networkx as nx
 
 from protocol.messages import Hop
 from protocol.records import MAX_THROUGHPUT, ServerInfo, ServerState
+from protocol.version import PROTOCOL_VERSION
 
 DEFAULT_RTT = 0.05  # seconds, assumed for a link nobody has measured
 
@@ -141,6 +142,7 @@ class MaxFlowRouter(RoutePlanner):
             s
             for s in _usable(servers, _ROUTABLE)
             if s.peer_id not in exclude
+            and s.protocol_version == PROTOCOL_VERSION  # another version cannot talk to this client
             and s.free_cache_tokens >= max_length
             and s.start_block < end
             and s.end_block > start
@@ -415,11 +417,15 @@ def _reasons(holders: list[ServerInfo], max_length: int, exclude: Collection[str
     excluded = [s for s in holders if s.peer_id in exclude]
     rest = [s for s in holders if s.peer_id not in exclude]
     not_online = Counter(s.state.value for s in rest if s.state != ServerState.ONLINE)
-    online = [s for s in rest if s.state == ServerState.ONLINE]
+    other_version = [s for s in rest if s.state == ServerState.ONLINE and s.protocol_version != PROTOCOL_VERSION]
+    online = [s for s in rest if s.state == ServerState.ONLINE and s.protocol_version == PROTOCOL_VERSION]
     stalled = [s for s in online if s.throughput <= 0]
     full = [s for s in online if s.throughput > 0 and s.free_cache_tokens < max_length]
     reasons = [f"{_servers_are(len(excluded))} excluded after failing"] if excluded else []
     reasons += [f"{_servers_are(n)} {state}" for state, n in sorted(not_online.items())]
+    if other_version:
+        versions = ", ".join(str(v) for v in sorted({s.protocol_version for s in other_version}))
+        reasons.append(f"{_servers_are(len(other_version))} on protocol version {versions}, not {PROTOCOL_VERSION}")
     if stalled:
         reasons.append(f"{_servers_are(len(stalled))} reporting zero throughput")
     if full:

@@ -1,6 +1,6 @@
 """The wire protocol's version. Peers that speak another version are refused with a clear error."""
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 # 2: Step.sampling is optional (None = greedy): a greedy run sends nil (1 byte) instead of the parameters.
 # 3: new activation codecs blockwise8/blockwise4 on the wire (protocol/compression.py).
 #    Also Step.return_logits/return_hidden and the RunOutputs message (forward passes: logits and
@@ -24,3 +24,5 @@ PROTOCOL_VERSION = 5
 # 5: one meaning per word: runs the tail starts at the head are "looped runs" (messages LoopedStep,
 #    LoopedResult, LoopedRun with tags lstep/lresult/loop; Step field loop_runs, result field looped),
 #    and the tail's drafter asks with Step.tail_drafts (was head_start/head_drafts: same fields).
+# 6: records carry max_positions_per_step (8..65536; clients chunk prefill to the smallest on their
+#    route instead of failing with step_too_large); routers skip servers of another protocol_version.

@@ -23,7 +23,10 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from protocol.compression import CODECS
-from protocol.limits import DEFAULT_MAX_POSITIONS_PER_STEP, DEFAULT_MAX_SESSIONS, DEFAULT_MAX_SESSIONS_PER_PEER
+from protocol.limits import (
+    DEFAULT_MAX_POSITIONS_PER_STEP, DEFAULT_MAX_SESSIONS, DEFAULT_MAX_SESSIONS_PER_PEER, MAX_POSITIONS_PER_STEP,
+    MIN_POSITIONS_PER_STEP,
+)  # fmt: skip
 from server.adapters import SpanAdapter, load_span
 from server.cache_budget import CacheBudget
 from server.handler import SessionHandler
@@ -97,6 +100,9 @@ class SpanServer:
             logger.info(initial_peers.describe())
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
+        if not MIN_POSITIONS_PER_STEP <= config.max_positions_per_step <= MAX_POSITIONS_PER_STEP:
+            raise ValueError(f"--max-positions-per-step must be in {MIN_POSITIONS_PER_STEP}..{MAX_POSITIONS_PER_STEP}, "
+                             f"got {config.max_positions_per_step}")  # fmt: skip
         if config.compression not in CODECS:
             raise ValueError(f"--compression must be one of {CODECS}, got {config.compression!r}")
         if config.torch_threads:
@@ -186,6 +192,7 @@ class SpanServer:
                 started_at=time.time(),
                 using_relay=joined.using_relay,
                 relay_addrs=joined.relay_addrs,
+                max_positions_per_step=config.max_positions_per_step,
             )
         except BaseException:
             refresher.cancel()

@@ -167,3 +167,68 @@ def test_a_target_too_large_for_the_memory_is_refused(move_swarm, tiny_reference
     monkeypatch.setattr(span_server, "load_span", lambda *a, **k: pytest.fail("a move that does not fit must not load"))
     assert _loop.run(server.move_to(0, 6), timeout=60) is False
     still_serves(model, servers, tiny_reference)
+
+
+# ---- announced limits and protocol versions --------------------------------------------------
+
+
+def test_routers_skip_servers_of_another_protocol_version_and_say_so():
+    from protocol.records import ServerInfo
+    from protocol.routing import MaxFlowRouter, NoRouteError
+    from protocol.version import PROTOCOL_VERSION
+
+    def server(peer: str, version: int) -> ServerInfo:
+        return ServerInfo(peer_id=peer, model="m", start_block=0, end_block=4, throughput=10.0,
+                          free_cache_tokens=4096, protocol_version=version)  # fmt: skip
+
+    route = MaxFlowRouter().plan([server("old", PROTOCOL_VERSION - 1), server("new", PROTOCOL_VERSION)], 0, 4)
+    assert [hop.peer_id for hop in route] == ["new"]
+    with pytest.raises(NoRouteError, match=f"1 server is on protocol version {PROTOCOL_VERSION - 1}, not {PROTOCOL_VERSION}"):
+        MaxFlowRouter().plan([server("old", PROTOCOL_VERSION - 1)], 0, 4)
+
+
+def test_records_bound_the_announced_step_limit():
+    import msgspec
+
+    from protocol.records import ServerInfo
+
+    record = ServerInfo(peer_id="p", model="m", start_block=0, end_block=2).to_dict()
+    assert ServerInfo.from_dict({**record, "max_positions_per_step": 16}).max_positions_per_step == 16
+    del record["max_positions_per_step"]  # an older server: the default
+    assert ServerInfo.from_dict(record).max_positions_per_step == 512
+    for bad in (0, 7, 10**9, "16"):  # below the floor no record can make a client crawl a prompt
+        with pytest.raises(msgspec.ValidationError):
+            ServerInfo.from_dict({**record, "max_positions_per_step": bad})
+
+
+def test_the_client_chunks_prefill_to_the_smallest_limit_on_its_route(tiny_llama_path, tiny_reference):
+    """The tail takes at most 8 positions per Step, the head and the client 512: a 40-token prompt
+    goes as chunks of 8 (not one Step the tail refuses with step_too_large), and the output is
+    transformers' own."""
+    from client import _loop
+    from protocol.dht import make_dht
+    from server.span_server import ServerConfig, SpanServer
+    from swarm import AutoDistributedModelForCausalLM
+
+    bootstrap = make_dht(host="127.0.0.1")
+    peers = [str(m) for m in bootstrap.get_visible_maddrs()]
+    common = dict(model=str(tiny_llama_path), initial_peers=peers, host="127.0.0.1", reachability="public",
+                  update_period=2.0, torch_threads=1)  # fmt: skip
+
+    async def start():
+        return [await SpanServer.create(ServerConfig(blocks=(0, 3), **common)),
+                await SpanServer.create(ServerConfig(blocks=(3, 6), max_positions_per_step=8, **common))]  # fmt: skip
+
+    servers = _loop.run(start(), timeout=240)
+    model = AutoDistributedModelForCausalLM.from_pretrained(str(tiny_llama_path), initial_peers=peers)
+    try:
+        prompt = torch.tensor([[(7 * i + 3) % 200 + 5 for i in range(40)]])
+        expected = tiny_reference.generate(prompt, max_new_tokens=8, do_sample=False)
+        output = model.generate(prompt, max_new_tokens=8, speculation=None)
+        assert output[0].tolist() == expected[0].tolist()
+        assert servers[1].handler.stats["runs"] >= 40 // 8  # the prompt went as chunks of at most 8
+    finally:
+        model.shutdown()
+        for server in servers:
+            _loop.run(server.shutdown(), timeout=60)
+        bootstrap.shutdown()
