@@ -94,6 +94,11 @@ class ServerInfo(msgspec.Struct, frozen=True, kw_only=True):
     max_positions_per_step: Annotated[int, msgspec.Meta(ge=MIN_POSITIONS_PER_STEP, le=MAX_POSITIONS_PER_STEP)] = (
         DEFAULT_MAX_POSITIONS_PER_STEP
     )
+    # Which model exactly: the config's fingerprint (protocol.models.config_fingerprint) and the
+    # weights' revision (protocol.models.weights_revision: a hub commit, or a local folder's hash).
+    # Servers of another config or revision are never routed together with ours (protocol.routing.same_model)
+    config_fingerprint: _Short = ""
+    revision: _Short = ""
 
     @property
     def span(self) -> range:

@@ -448,3 +448,15 @@ def _ranges(blocks: list[int]) -> list[tuple[int, int]]:
         else:
             runs.append((b, b + 1))
     return runs
+
+
+def same_model(servers: Sequence[ServerInfo], config_fingerprint: str, revision: str = "") -> list[ServerInfo]:
+    """The servers that hold this model exactly, so that one route never mixes weights: those of
+    ``config_fingerprint`` and of one revision: ``revision`` where any server has it, else the
+    revision most servers hold (a client that could not resolve one, or a swarm on an older
+    commit). Records of another config, or without a fingerprint, are left out."""
+    mine = [s for s in servers if s.config_fingerprint == config_fingerprint]
+    revisions = Counter(s.revision for s in mine)
+    if revision not in revisions and revisions:
+        revision = min(revisions, key=lambda r: (-revisions[r], r))  # the most servers, then a fixed order
+    return [s for s in mine if s.revision == revision]

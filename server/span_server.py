@@ -40,7 +40,7 @@ from server.weights import Checkpoint
 from protocol.config import no_initial_peers_message, resolve_initial_peers
 from protocol.dht_records import announce, fetch_servers
 from protocol.identity import load_or_create_identity
-from protocol.models import resolve_model
+from protocol.models import config_fingerprint, hub_commit, resolve_model, weights_revision
 from server.reachability import ProbeService, start_server_dht
 from protocol.records import ServerInfo, ServerState
 
@@ -108,8 +108,12 @@ class SpanServer:
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
         model = resolve_model(config.model)
-        model_config = load_model_config(model.source)
-        checkpoint = Checkpoint(model.source)  # one: it reads the weight map once
+        # a hub model is pinned to one commit: its config and every shard come from it, and it is announced
+        pinned = None if os.path.isdir(model.source) or not _hub_reachable() else hub_commit(model.source)
+        model_config = load_model_config(model.source, pinned)
+        checkpoint = Checkpoint(model.source, revision=pinned)  # one: it reads the weight map once
+        identity_fields = dict(config_fingerprint=config_fingerprint(model_config),
+                               revision=weights_revision(model.source, pinned))  # fmt: skip
         quant = resolve_quant(config.quant, model_config, device, dtype)
         logger.info(quant.describe())
         # the plan comes before the DHT: blocks that do not fit stop here, before anything is announced
@@ -138,7 +142,7 @@ class SpanServer:
         template = ServerInfo(
             peer_id=dht.peer_id.to_base58(), model=dht_name, start_block=0, end_block=1, version=_package_version(),
             public_name=config.public_name, dtype=str(dtype).removeprefix("torch."), quantization=quant.quant.value,
-            using_relay=joined.using_relay, relay_addrs=joined.relay_addrs,
+            using_relay=joined.using_relay, relay_addrs=joined.relay_addrs, **identity_fields,
         )  # fmt: skip
         loop = asyncio.get_running_loop()
 
@@ -147,7 +151,7 @@ class SpanServer:
 
         claimed = await claim_span(
             template, lambda servers: _choose_blocks(config, servers, total, plan),
-            fetch=lambda: loop.run_in_executor(None, fetch_servers, dht, dht_name, total),
+            fetch=lambda: loop.run_in_executor(None, _fetch_same_model, dht, template, total),
             publish=lambda info: loop.run_in_executor(None, partial(publish, info, wait=True)),
             automatic=config.blocks is None,
         )  # fmt: skip
@@ -193,6 +197,7 @@ class SpanServer:
                 using_relay=joined.using_relay,
                 relay_addrs=joined.relay_addrs,
                 max_positions_per_step=config.max_positions_per_step,
+                **identity_fields,
             )
         except BaseException:
             refresher.cancel()
@@ -226,7 +231,7 @@ class SpanServer:
         while True:
             await asyncio.sleep(self.config.update_period)
             try:
-                servers = await loop.run_in_executor(None, fetch_servers, self.dht, self.info.model, self.span.num_blocks)
+                servers = await loop.run_in_executor(None, _fetch_same_model, self.dht, self.info, self.span.num_blocks)
                 pings = await measure_next_pings(self.handler.p2p, self.info, servers)
                 self.info = msgspec.structs.replace(self.info, next_pings=pings)
                 if self.config.blocks is None and loop.time() - last_balance > self.config.balance_period:
@@ -466,7 +471,14 @@ def resolve_dtype(requested: str, device: str) -> torch.dtype:
     return DTYPES[requested]
 
 
-def load_model_config(source: str) -> PretrainedConfig:
+def _fetch_same_model(dht: hivemind.DHT, mine: ServerInfo, total: int) -> list[ServerInfo]:
+    """The records placement counts: servers of this exact model (config and weights revision);
+    another revision under the same name covers no block for us."""
+    servers = fetch_servers(dht, mine.model, total)
+    return [s for s in servers if (s.config_fingerprint, s.revision) == (mine.config_fingerprint, mine.revision)]
+
+
+def load_model_config(source: str, revision: Optional[str] = None) -> PretrainedConfig:
     """The model's config, or a ValueError naming the repo (or folder) that could not be read.
 
     Without network the hub client retries for half a minute before giving up; when the hub's host
@@ -475,7 +487,7 @@ def load_model_config(source: str) -> PretrainedConfig:
     """
     local_only = not os.path.isdir(source) and not _hub_reachable()
     try:
-        return AutoConfig.from_pretrained(source, local_files_only=local_only)
+        return AutoConfig.from_pretrained(source, local_files_only=local_only, revision=revision)
     except Exception as e:  # OSError, huggingface_hub and httpx errors, unknown model types
         if local_only:
             reason = (

@@ -232,3 +232,78 @@ def test_the_client_chunks_prefill_to_the_smallest_limit_on_its_route(tiny_llama
         for server in servers:
             _loop.run(server.shutdown(), timeout=60)
         bootstrap.shutdown()
+
+
+# ---- model identity --------------------------------------------------------------------------
+
+
+def test_same_model_keeps_one_config_and_one_revision():
+    from protocol.records import ServerInfo
+    from protocol.routing import same_model
+
+    def server(peer: str, fingerprint: str, revision: str) -> ServerInfo:
+        return ServerInfo(peer_id=peer, model="m", start_block=0, end_block=2, config_fingerprint=fingerprint,
+                          revision=revision)  # fmt: skip
+
+    servers = [server("a", "f", "r1"), server("b", "f", "r2"), server("c", "f", "r2"), server("d", "g", "r1"),
+               server("old", "", "")]  # fmt: skip
+    assert [s.peer_id for s in same_model(servers, "f", "r1")] == ["a"]  # the client's own revision
+    assert [s.peer_id for s in same_model(servers, "f", "r3")] == ["b", "c"]  # else the one most servers hold
+    assert [s.peer_id for s in same_model(servers, "g", "")] == ["d"]
+    assert same_model(servers, "h", "r1") == []
+
+
+def test_two_folders_of_the_same_name_are_never_routed_together(tmp_path, single_thread_reference):
+    """Two different checkpoints, both in folders called ``model`` with the same config: one DHT
+    name, two weights revisions. Each client sees both servers in the DHT, routes only to the one
+    holding its own weights, and generates what transformers does with them."""
+    from client import _loop
+    from protocol.dht import make_dht
+    from protocol.dht_records import fetch_servers
+    from protocol.models import resolve_model
+    from server.span_server import ServerConfig, SpanServer
+    from swarm import AutoDistributedModelForCausalLM
+    from tests.checkpoints import build_tiny_llama
+    from tests.test_exactness import PROMPT
+
+    paths = [build_tiny_llama(tmp_path / name / "model", seed=seed) for name, seed in (("a", 0), ("b", 1))]
+    names = {resolve_model(str(p)).dht_name for p in paths}
+    assert len(names) == 1 and names.pop().startswith("model-")  # base name + a hash of the config
+    other = build_tiny_llama(tmp_path / "c" / "model", num_layers=4)
+    assert resolve_model(str(other)).dht_name != resolve_model(str(paths[0])).dht_name  # another config: another name
+
+    bootstrap = make_dht(host="127.0.0.1")
+    peers = [str(m) for m in bootstrap.get_visible_maddrs()]
+
+    async def start():
+        return [await SpanServer.create(ServerConfig(model=str(p), initial_peers=peers, host="127.0.0.1", blocks=(0, 6),
+                                                     reachability="public", update_period=2.0, torch_threads=1))
+                for p in paths]  # fmt: skip
+
+    servers = _loop.run(start(), timeout=240)
+    assert servers[0].info.revision != servers[1].info.revision
+    models = []
+    try:
+        for path, server in zip(paths, servers):
+            model = AutoDistributedModelForCausalLM.from_pretrained(str(path), initial_peers=peers)
+            models.append(model)
+            listed = {s.peer_id for s in fetch_servers(model.swarm.dht, model.swarm.model, 6)}
+            assert {s.info.peer_id for s in servers} <= listed  # both under one name
+            route = _loop.run(model.swarm._plan(64), timeout=60)
+            model.swarm.router.release(route)
+            assert [hop.peer_id for hop in route] == [server.info.peer_id]
+            expected = single_thread_reference(path).generate(torch.tensor(PROMPT), max_new_tokens=8, do_sample=False)
+            assert model.generate(torch.tensor(PROMPT), max_new_tokens=8, speculation=None)[0].tolist() == expected[0].tolist()
+    finally:
+        for model in models:
+            model.shutdown()
+        for server in servers:
+            _loop.run(server.shutdown(), timeout=60)
+        bootstrap.shutdown()
+
+
+@pytest.fixture
+def single_thread_reference():
+    from transformers import AutoModelForCausalLM
+
+    return lambda path: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
