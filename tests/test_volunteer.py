@@ -307,3 +307,67 @@ def single_thread_reference():
     from transformers import AutoModelForCausalLM
 
     return lambda path: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+# ---- the CLI ---------------------------------------------------------------------------------
+
+
+def test_help_shows_defaults_and_every_alias_and_version_answers():
+    from protocol.models import ALIASES
+    from protocol.version import PROTOCOL_VERSION
+
+    text = run_server("--help").stdout
+    assert f"alias ({', '.join(ALIASES)}), hub repo id" in " ".join(text.split())  # all of them, no "..."
+    assert "(default: auto)" in text and "(default: 0.0.0.0)" in text and "(default: None)" not in text
+    version = run_server("--version")
+    assert version.returncode == 0 and f"(protocol {PROTOCOL_VERSION})" in version.stdout
+
+
+def test_listen_addresses_are_built_with_multiaddr():
+    from protocol.dht import listen_maddr
+
+    assert listen_maddr("::1", 31337) == "/ip6/::1/tcp/31337"
+    assert listen_maddr("[::]", 0) == "/ip6/::/tcp/0"
+    assert listen_maddr("127.0.0.1", 5) == "/ip4/127.0.0.1/tcp/5"
+    with pytest.raises(ValueError, match="--host must be an IPv4 or IPv6 address"):
+        listen_maddr("example.org", 5)
+
+
+def _has_ipv6_loopback() -> bool:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="this machine has no IPv6 loopback (::1)")
+def test_a_swarm_on_ipv6_loopback_generates(tiny_llama_path, tiny_reference):
+    """Bootstrap, server and client on ::1 only: the server announces /ip6/ addresses and the
+    client generates what transformers does."""
+    from client import _loop
+    from protocol.dht import make_dht
+    from server.span_server import ServerConfig, SpanServer
+    from swarm import AutoDistributedModelForCausalLM
+    from tests.test_exactness import PROMPT
+
+    bootstrap = make_dht(host="::1")
+    peers = [str(m) for m in bootstrap.get_visible_maddrs() if str(m).startswith("/ip6/::1/")]
+    assert peers, bootstrap.get_visible_maddrs()
+    server = _loop.run(SpanServer.create(ServerConfig(model=str(tiny_llama_path), initial_peers=peers, host="::1",
+                                                      blocks=(0, 6), reachability="public", update_period=2.0,
+                                                      torch_threads=1)), timeout=240)  # fmt: skip
+    model = None
+    try:
+        assert all(str(m).startswith("/ip6/") for m in server.dht.get_visible_maddrs())
+        model = AutoDistributedModelForCausalLM.from_pretrained(str(tiny_llama_path), initial_peers=peers)
+        expected = tiny_reference.generate(torch.tensor(PROMPT), max_new_tokens=8, do_sample=False)
+        assert model.generate(torch.tensor(PROMPT), max_new_tokens=8, speculation=None)[0].tolist() == expected[0].tolist()
+    finally:
+        if model is not None:
+            model.shutdown()
+        _loop.run(server.shutdown(), timeout=60)
+        bootstrap.shutdown()
