@@ -371,3 +371,29 @@ def test_a_swarm_on_ipv6_loopback_generates(tiny_llama_path, tiny_reference):
             model.shutdown()
         _loop.run(server.shutdown(), timeout=60)
         bootstrap.shutdown()
+
+
+def test_the_dashboard_shows_other_weights_apart_and_other_versions_as_such():
+    """Under one DHT name, servers of another weights revision are another model on the dashboard,
+    and a server of another protocol version is listed, marked, and covers no block."""
+    from protocol.records import ServerInfo
+    from protocol.version import PROTOCOL_VERSION
+    from swarm.dashboard.events import ModelSnapshot, SwarmPolled
+    from swarm.dashboard.poller import split_by_weights
+    from swarm.dashboard.state import State, fold
+    from swarm.dashboard.views import state_view
+
+    def server(peer: str, start: int, end: int, revision: str = "r1", version: int = PROTOCOL_VERSION) -> ServerInfo:
+        return ServerInfo(peer_id=peer, model="m", start_block=start, end_block=end, throughput=5.0,
+                          config_fingerprint="f", revision=revision, protocol_version=version, started_at=1.0)  # fmt: skip
+
+    snapshot = ModelSnapshot("m", 4, (server("a", 0, 2), server("b", 2, 4), server("c", 0, 4, revision="r2"),
+                                      server("old", 0, 4, version=PROTOCOL_VERSION - 1)))  # fmt: skip
+    parts = split_by_weights(snapshot)
+    assert [(p.name, sorted(s.peer_id for s in p.servers)) for p in parts] == [("m", ["a", "b", "old"]), ("m @r2", ["c"])]
+    view = state_view(fold([SwarmPolled(10.0, tuple(parts))], State()), now=10.0, refresh_seconds=5.0)
+    models = {m["name"]: m for m in view["models"]}
+    assert set(models) == {"m", "m @r2"} and models["m"]["healthy"] and models["m @r2"]["healthy"]
+    rows = {row["peer_id"]: row for row in models["m"]["servers"]}
+    assert rows["old"]["compatible"] is False and rows["a"]["compatible"] is True
+    assert [b["servers"] for b in models["m"]["blocks"]] == [1, 1, 1, 1]  # "old" covers nothing
