@@ -5,9 +5,8 @@ A volunteer who runs ``python -m swarm.server --model deepseek-v4-pro`` without 
 the final norm, LM head and the tail's drafter, so a span in the middle needs none of them: the
 plan counts them only for a span that touches an end (on a 24 GB card that is the difference
 between one DeepSeek-V4-Pro block and none). The cache takes a quarter of the free memory, but
-never more than :data:`MAX_CACHE_TOKENS` tokens of the span need: beyond that the server could
-not use it (``server.cache_budget``), and for DeepSeek-V4's compressed caches a quarter of a GPU
-would be gigabytes held for nothing.
+never more than :data:`MAX_CACHE_TOKENS` tokens of the span need: a budget is capped there, and
+for DeepSeek-V4's compressed caches a quarter of a GPU would be gigabytes held for nothing.
 
 The arithmetic is pure (:class:`MemoryPlan`, given the sizes and a free-memory figure) so tests
 drive it with made-up budgets on the meta device; measuring (free memory of the device, bytes of
@@ -24,9 +23,9 @@ import torch
 
 from server.quantization import Quant, estimate_module_bytes
 
-CACHE_FRACTION = 0.25  # of free memory kept for the KV cache budget at most (also server.cache_budget)
+CACHE_FRACTION = 0.25  # of free memory kept for the KV cache budget at most
 HEADROOM_FRACTION = 0.05  # of free memory left for activations and allocator slack
-MAX_CACHE_TOKENS = 1 << 20  # the cache budget's cap (server.cache_budget.default_cache_tokens)
+MAX_CACHE_TOKENS = 1 << 20  # the cache budget's cap, in tokens
 MIN_CACHE_TOKENS = 2048  # the smallest cache budget a server runs with
 
 GiB = 1 << 30
