@@ -31,19 +31,16 @@ CSA, HCA = "compressed_sparse_attention", "heavily_compressed_attention"
 
 
 def deepseek_v4_pro_config():
-    """DeepSeek-V4-Pro's shapes. The hub's config.json cannot be read from here; these values are
-    the published ones (61 layers + 1 MTP, hidden 7168, 128 heads x 512, q_lora_rank 1536, 384
-    routed experts of 3072 with 6 active and 1 shared, 16 output groups of rank 1024, sliding
-    window 128, layers 0-1 HCA then CSA/HCA interleaved, vocabulary 129,280); the indexer's shapes
-    are transformers' defaults."""
-    from transformers import DeepseekV4Config
+    """DeepSeek-V4-Pro's shapes, from the published config the package ships
+    (protocol/configs/deepseek-v4-pro/config.json: 61 layers + 1 MTP, hidden 7168, 128 heads x 512,
+    q_lora_rank 1536, 384 routed experts of 3072 with 6 active and 1 shared, 16 output groups of
+    rank 1024, sliding window 128, layers 0-1 HCA then CSA/HCA interleaved, vocabulary 129,280; the
+    indexer's shapes are transformers' defaults). The hub's config.json cannot be read from here."""
+    from transformers import AutoConfig
 
-    return DeepseekV4Config(
-        vocab_size=129280, hidden_size=7168, moe_intermediate_size=3072, num_hidden_layers=61,
-        num_attention_heads=128, num_key_value_heads=1, head_dim=512, q_lora_rank=1536, n_routed_experts=384,
-        num_experts_per_tok=6, n_shared_experts=1, o_groups=16, o_lora_rank=1024, index_topk=1024,
-        sliding_window=128, layer_types=[HCA, HCA] + [CSA if i % 2 == 0 else HCA for i in range(59)],
-    )  # fmt: skip
+    from protocol.models import shipped_config_dir
+
+    return AutoConfig.from_pretrained(shipped_config_dir("deepseek-v4-pro"))
 
 
 def size_table() -> list[dict]:

@@ -50,7 +50,7 @@ async def forward_row(
     while True:
         remote = await swarm.open_session(len(row))
         try:
-            logits, hidden = await prefill_outputs(remote, row, num_outputs, swarm.max_positions_per_step,
+            logits, hidden = await prefill_outputs(remote, row, num_outputs, remote.max_positions_per_step,
                                                    vocab_size, hidden_size, return_hidden)  # fmt: skip
             route = [(hop.peer_id, hop.start, hop.end) for hop in remote.route]
             return RowOutputs(logits, hidden, route, failovers)

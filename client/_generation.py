@@ -263,7 +263,8 @@ class SpeculativeDecoder:
         at most that many positions (a long prompt, or a failover replay), all at once, and wait
         for their verdicts (ignored: they only confirm the positions are cached). The last chunk,
         at most ``max_positions_per_step`` positions, rides in the next run with its drafts."""
-        state, limit = self.state, self.swarm.max_positions_per_step
+        state = self.state
+        limit = state.remote.max_positions_per_step
         runs = []
         position = state.cached
         while len(state.history) - position > limit:
@@ -359,7 +360,7 @@ class SpeculativeDecoder:
             return None
         state = self.state
         committed = state.history[state.cached :]
-        room = min(budget - 1, state.max_length - len(state.history) - 1, self.swarm.max_positions_per_step - len(committed))
+        room = min(budget - 1, state.max_length - len(state.history) - 1, state.remote.max_positions_per_step - len(committed))
         drafts = self._replay[: max(0, room)]
         return Run(state.take_run_id(), state.cached, committed + drafts, drafts, None, replay=True)
 

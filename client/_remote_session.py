@@ -81,6 +81,9 @@ class RemoteSession:
         self._sent: dict[int, tuple[int, int, int]] = {}
         self._looped: dict[int, tuple[int, int]] = {}
         self.closed = False
+        # the most positions one Step may carry on this route: the smallest its servers announce
+        # (set by SwarmClient.open_session; the client's own limit where no record says more)
+        self.max_positions_per_step = limits.DEFAULT_MAX_POSITIONS_PER_STEP
 
     @property
     def head_peer(self) -> str:

@@ -249,7 +249,7 @@ class SpotChecker:
         try:
             await session.open()
             result.positions += len(ids) * len(route)
-            logits, _ = await prefill_outputs(session, ids, 1, swarm.max_positions_per_step, self.vocab_size, 0)
+            logits, _ = await prefill_outputs(session, ids, 1, swarm.route_step_limit(route), self.vocab_size, 0)
             return logits[0]
         finally:
             await session.close()

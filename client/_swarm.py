@@ -27,7 +27,7 @@ from protocol.limits import DEFAULT_MAX_POSITIONS_PER_STEP
 from protocol.dht_records import fetch_servers, publish_report
 from protocol.identity import load_or_create_identity
 from protocol.records import ServerInfo, ServerState
-from protocol.routing import MaxFlowRouter, NoRouteError, RouteHop, RoutePlanner, cap_throughput
+from protocol.routing import MaxFlowRouter, NoRouteError, RouteHop, RoutePlanner, cap_throughput, same_model
 from protocol.streams import ping_many
 from protocol.dht import make_dht
 
@@ -80,6 +80,8 @@ class SwarmClient:
         max_route_attempts: int = 5,
         route_retry_delay: float = 1.0,
         max_positions_per_step: int = DEFAULT_MAX_POSITIONS_PER_STEP,
+        config_fingerprint: str = "",
+        revision: str = "",
     ):
         """``max_positions_per_step``: the most positions one Step carries; longer prompts (and
         failover replays) are sent as several Steps (chunked prefill). Servers refuse a Step
@@ -87,6 +89,8 @@ class SwarmClient:
         if max_positions_per_step < 1:
             raise ValueError(f"max_positions_per_step must be >= 1, got {max_positions_per_step}")
         self.max_positions_per_step = max_positions_per_step
+        # which model exactly (protocol.routing.same_model): routes never mix configs or weights
+        self.config_fingerprint, self.revision = config_fingerprint, revision
         self.dht, self.p2p, self.model, self.num_blocks = dht, p2p, model, num_blocks
         self.router = router or MaxFlowRouter()
         self.request_timeout = request_timeout
@@ -125,6 +129,7 @@ class SwarmClient:
                                           e.missing_blocks)  # fmt: skip
                 continue
             session = RemoteSession(self.p2p, route, max_length, timeout=self.request_timeout)
+            session.max_positions_per_step = self.route_step_limit(route)
             try:
                 await session.open()
                 return session
@@ -144,6 +149,8 @@ class SwarmClient:
     async def _plan(self, max_length: int, also_exclude: Collection[str] = ()):
         loop = asyncio.get_running_loop()
         servers = await loop.run_in_executor(None, fetch_servers, self.dht, self.model, self.num_blocks)
+        if self.config_fingerprint:
+            servers = same_model(servers, self.config_fingerprint, self.revision)
         logger.debug(f"Routing over {[(s.public_name or s.peer_id[:8], s.span, s.state.value) for s in servers]}")
         rtts = await self._client_rtts(servers)
         self._records = {s.peer_id: s for s in servers}
@@ -161,6 +168,12 @@ class SwarmClient:
             except NoRouteError:
                 continue
         return self.router.plan(servers, 0, self.num_blocks, max_length=max_length, exclude=exclude, client_rtts=rtts)
+
+    def route_step_limit(self, route: Sequence[RouteHop]) -> int:
+        """The most positions one Step may carry on ``route``: this client's own limit, lowered to
+        the smallest any of its servers announces (bounded below by the record schema)."""
+        announced = [self._records[hop.peer_id].max_positions_per_step for hop in route if hop.peer_id in self._records]
+        return min([self.max_positions_per_step, *announced])
 
     def observe_lap(self, route: Sequence[RouteHop], seconds: float, positions: int) -> None:
         """One lap of ``positions`` positions over ``route`` took ``seconds`` (send to verdict)."""

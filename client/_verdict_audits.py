@@ -104,7 +104,7 @@ class VerdictAuditor:
             stats.verdict_audits_skipped += 1
             return
         stats.verdict_audits += 1
-        limit = self.swarm.max_positions_per_step
+        limit = self.swarm.route_step_limit(self._shadow.route)
         start = len(self.audited)  # the first position not yet confirmed
         position = min(self._held, start - 1)
         while position < start - 1:  # the context the shadow lacks (its first audit: the prompt)
@@ -212,7 +212,7 @@ class VerdictAuditor:
         session = RemoteSession(self.swarm.p2p, route, t + 1, timeout=self.swarm.request_timeout)
         try:
             await session.open()
-            limit, position, run_id = self.swarm.max_positions_per_step, 0, 0
+            limit, position, run_id = self.swarm.route_step_limit(route), 0, 0
             while position < t - 1:
                 count = min(limit, t - 1 - position)
                 step = Step(session_id=session.session_id, run_id=run_id, start_pos=position,

@@ -40,7 +40,7 @@ from protocol.limits import DEFAULT_MAX_POSITIONS_PER_STEP, MAX_TREE_NODES
 from protocol.messages import SamplingParams, TokenLogprobs
 from protocol.sampling import validate_sampling
 from protocol.config import no_initial_peers_message, resolve_initial_peers
-from protocol.models import resolve_model
+from protocol.models import config_fingerprint, resolve_model, weights_revision
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +117,7 @@ class AutoDistributedModel:
             SwarmClient.connect(
                 list(initial_peers), dht_prefix or model.dht_name, config.num_hidden_layers, request_timeout=request_timeout,
                 max_positions_per_step=max_positions_per_step,
+                config_fingerprint=config_fingerprint(config), revision=weights_revision(model.source),
             )
         )
         model = cls(config, tokenizer, swarm)

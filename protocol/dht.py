@@ -43,7 +43,8 @@ def make_dht(
 ) -> hivemind.DHT:
     """A hivemind DHT that signs this peer's records (with ``identity``) and validates everyone's.
 
-    :param host: listen on ``/ip4/{host}/tcp/{port}``; ``None`` for a client that only dials out.
+    :param host: listen on this IPv4 or IPv6 address (:func:`listen_maddr`); ``None`` for a client
+      that only dials out.
     :param reachability: ``auto`` (let libp2p's AutoNAT decide), ``public`` or ``private``.
     :param relays: full multiaddrs of relays to reserve a slot on (makes this peer reachable
       through them; only meaningful with ``reachability="private"``).
@@ -55,7 +56,7 @@ def make_dht(
     hivemind_private.install_p2pd_flags()
     kwargs: dict = {}
     if host is not None:
-        kwargs["host_maddrs"] = [f"/ip4/{host}/tcp/{port}"]
+        kwargs["host_maddrs"] = [listen_maddr(host, port)]
     if announce_maddrs:
         kwargs["announce_maddrs"] = list(announce_maddrs)
     if identity is not None:
@@ -78,3 +79,18 @@ def make_dht(
         **kwargs,
     )
 
+
+def listen_maddr(host: str, port: int) -> str:
+    """``/ip4/...`` or ``/ip6/...`` + ``/tcp/port`` for an IP address (brackets around IPv6 allowed),
+    built with ``multiaddr``; a ValueError names a host that is not an IP address."""
+    import ipaddress
+
+    from multiaddr import Multiaddr
+
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        raise ValueError(f"--host must be an IPv4 or IPv6 address to listen on (0.0.0.0, ::, 127.0.0.1, ::1), got {host!r}") from None
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port must be in 0..65535, got {port}")
+    return str(Multiaddr(f"/ip{ip.version}/{ip}/tcp/{port}"))

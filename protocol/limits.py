@@ -14,6 +14,11 @@ import math
 from typing import Sequence
 
 DEFAULT_MAX_POSITIONS_PER_STEP = 512  # positions one Step may carry; longer prompts are chunked
+# a server announces its own limit (ServerInfo.max_positions_per_step) and clients chunk to the smallest
+# on their route; not below MIN_POSITIONS_PER_STEP, so no record can make a client crawl a prompt
+# one position per Step, nor above MAX_POSITIONS_PER_STEP (a frame of that many positions stays bounded)
+MIN_POSITIONS_PER_STEP = 8
+MAX_POSITIONS_PER_STEP = 1 << 16
 ACTIVATION_BYTES_PER_ELEMENT = 4  # float32: the widest activations a server sends
 FRAME_MARGIN_BYTES = 64 * 1024  # message fields, protobuf and codec headers
 CONTROL_FRAME_BYTES = 64 * 1024  # frames that carry no tensors: Subscribe, Ping, ErrorReply, ...

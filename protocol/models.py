@@ -32,6 +32,20 @@ ALIASES: dict[str, str | None] = {
 }
 
 
+# aliases whose published config.json ships with the package (protocol/configs/<alias>/), so that
+# ``python -m swarm.server --model ALIAS --plan-only`` answers offline; a server that loads weights
+# reads the hub's own config instead
+SHIPPED_CONFIGS = ("deepseek-v4-pro",)
+
+
+def shipped_config_dir(alias: str) -> Path | None:
+    """The folder holding the published ``config.json`` of ``alias``, if the package ships one."""
+    if alias not in SHIPPED_CONFIGS:
+        return None
+    folder = Path(__file__).resolve().parent / "configs" / alias
+    return folder if (folder / "config.json").exists() else None
+
+
 @dataclass(frozen=True)
 class ResolvedModel:
     """Where to read a model from, and the name it has in the DHT."""
@@ -51,6 +65,62 @@ def config_fingerprint(config: Any) -> str:
     return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def weights_revision(source: str, revision: str | None = None) -> str:
+    """Which weights ``source`` holds, as one short string that servers announce: a hub repo's commit
+    (``revision`` when the caller resolved one, else the cached ``main``; "" when neither is known),
+    or for a local folder a hash of its config, its safetensors index and of each shard's size and
+    first and last MiB (cheap for any size, and two folders of random weights built from one config
+    still differ)."""
+    if not os.path.isdir(source):
+        return revision or _cached_hub_commit(source) or ""
+    digest = hashlib.sha256()
+    folder = Path(source)
+    for name in ("config.json", "model.safetensors.index.json"):
+        if (folder / name).exists():
+            digest.update(name.encode() + (folder / name).read_bytes())
+    for shard in sorted(folder.glob("*.safetensors")):
+        size = shard.stat().st_size
+        digest.update(f"{shard.name}:{size}".encode())
+        with open(shard, "rb") as f:
+            digest.update(f.read(1 << 20))
+            f.seek(max(0, size - (1 << 20)))
+            digest.update(f.read(1 << 20))
+    return "sha256:" + digest.hexdigest()[:32]
+
+
+def _cached_hub_commit(repo: str) -> str | None:
+    """The commit the hub cache holds for ``repo``'s main branch (no network)."""
+    try:
+        from huggingface_hub import constants
+
+        ref = Path(constants.HF_HUB_CACHE) / f"models--{repo.replace('/', '--')}" / "refs" / "main"
+        return ref.read_text().strip() or None if ref.exists() else None
+    except Exception:
+        return None
+
+
+def hub_commit(repo: str) -> str | None:
+    """The commit ``repo``'s main branch points to now (one small hub request), else the cached one."""
+    try:
+        from huggingface_hub import HfApi
+
+        return HfApi().model_info(repo).sha or _cached_hub_commit(repo)
+    except Exception:
+        return _cached_hub_commit(repo)
+
+
+def local_dht_name(folder: str) -> str:
+    """A local folder's name in the DHT: its base name and a short hash of its config (and index),
+    so two different folders called ``model`` are two models, not one, while copies of one folder
+    on different machines still meet."""
+    path = Path(folder).resolve()
+    digest = hashlib.sha256()
+    for name in ("config.json", "model.safetensors.index.json"):
+        if (path / name).exists():
+            digest.update((path / name).read_bytes())
+    return f"{path.name}-{digest.hexdigest()[:8]}"
+
+
 def cache_dir() -> Path:
     root = os.environ.get("SPECSWARM_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "specswarm"
@@ -65,7 +135,7 @@ def resolve_model(name_or_path: str) -> ResolvedModel:
         source = str(ensure_smollm2_checkpoint()) if repo is None else repo
         return ResolvedModel(source, name_or_path)
     if os.path.isdir(name_or_path):
-        return ResolvedModel(os.path.abspath(name_or_path), Path(name_or_path).resolve().name)
+        return ResolvedModel(os.path.abspath(name_or_path), local_dht_name(name_or_path))
     if os.path.exists(name_or_path):
         raise ValueError(f"{name_or_path!r} is a file; pass a folder in Hugging Face layout")
     if name_or_path.count("/") != 1:

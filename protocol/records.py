@@ -23,6 +23,7 @@ from typing import Annotated, Any, Optional
 
 import msgspec
 
+from protocol.limits import DEFAULT_MAX_POSITIONS_PER_STEP, MAX_POSITIONS_PER_STEP, MIN_POSITIONS_PER_STEP
 from protocol.version import PROTOCOL_VERSION
 
 
@@ -88,6 +89,16 @@ class ServerInfo(msgspec.Struct, frozen=True, kw_only=True):
     # Behind NAT: circuit addresses through which peers dial this server (protocol.relay; readers keep
     # only well-formed circuit addresses naming this peer)
     relay_addrs: Annotated[list[_Addr], msgspec.Meta(max_length=MAX_RELAY_ADDRS)] = []
+    # What a client must respect: the most positions one Step to this server may carry (clients
+    # chunk prefill to the smallest on their route; older records read as the default)
+    max_positions_per_step: Annotated[int, msgspec.Meta(ge=MIN_POSITIONS_PER_STEP, le=MAX_POSITIONS_PER_STEP)] = (
+        DEFAULT_MAX_POSITIONS_PER_STEP
+    )
+    # Which model exactly: the config's fingerprint (protocol.models.config_fingerprint) and the
+    # weights' revision (protocol.models.weights_revision: a hub commit, or a local folder's hash).
+    # Servers of another config or revision are never routed together with ours (protocol.routing.same_model)
+    config_fingerprint: _Short = ""
+    revision: _Short = ""
 
     @property
     def span(self) -> range:

@@ -38,6 +38,7 @@ import networkx as nx
 
 from protocol.messages import Hop
 from protocol.records import MAX_THROUGHPUT, ServerInfo, ServerState
+from protocol.version import PROTOCOL_VERSION
 
 DEFAULT_RTT = 0.05  # seconds, assumed for a link nobody has measured
 
@@ -141,6 +142,7 @@ class MaxFlowRouter(RoutePlanner):
             s
             for s in _usable(servers, _ROUTABLE)
             if s.peer_id not in exclude
+            and s.protocol_version == PROTOCOL_VERSION  # another version cannot talk to this client
             and s.free_cache_tokens >= max_length
             and s.start_block < end
             and s.end_block > start
@@ -246,19 +248,22 @@ def swarm_max_flow(servers: Sequence[ServerInfo], num_blocks: int) -> float:
 
 
 def choose_best_span(
-    servers: Sequence[ServerInfo], num_blocks: int, span_length: int, my_throughput: float
+    servers: Sequence[ServerInfo], num_blocks: int, span_length: int, my_throughput: float,
+    within: tuple[int, int] | None = None,
 ) -> tuple[int, int]:
     """Span ``(start, end)`` for a joining server that raises the swarm's max-flow the most.
 
     Joining and online servers both count. While the model has gaps, no single span raises the
     max-flow unless it closes the last gap, so ties go to the span covering the most of the
     least-served blocks (gaps first, then the lowest per-block throughput), then to the span
-    with the least throughput already on it, then to the lowest start.
+    with the least throughput already on it, then to the lowest start. ``within=(lo, hi)`` keeps
+    the span inside blocks [lo, hi) (a server whose memory cannot hold an end of the model).
     """
-    if num_blocks <= 0 or span_length <= 0:
-        raise ValueError("num_blocks and span_length must be positive")
+    lo, hi = within or (0, num_blocks)
+    if num_blocks <= 0 or span_length <= 0 or not 0 <= lo < hi <= num_blocks:
+        raise ValueError("num_blocks and span_length must be positive, and within a range of blocks")
     placed = _usable(servers, _PLACED)
-    length = min(span_length, num_blocks)
+    length = min(span_length, hi - lo)
     per_block = _block_throughput(placed, num_blocks)
     model = placed[0].model if placed else ""
     least = min(per_block)
@@ -269,12 +274,13 @@ def choose_best_span(
         flow = round(_max_flow(placed + [me], 0, num_blocks), 6)  # tolerate float noise in ties
         return flow, sum(math.isclose(t, least, abs_tol=1e-9) for t in window), -sum(window)
 
-    best = max(range(num_blocks - length + 1), key=score)  # max() keeps the lowest start on ties
+    best = max(range(lo, hi - length + 1), key=score)  # max() keeps the lowest start on ties
     return best, best + length
 
 
 def should_move(
-    servers: Sequence[ServerInfo], my_info: ServerInfo, num_blocks: int, min_gain: float = 0.2
+    servers: Sequence[ServerInfo], my_info: ServerInfo, num_blocks: int, min_gain: float = 0.2,
+    within: tuple[int, int] | None = None,
 ) -> tuple[int, int] | None:
     """New span for a running server if moving there raises the max-flow by more than
     ``min_gain`` (relative), else ``None``. The threshold keeps servers from oscillating
@@ -282,7 +288,7 @@ def should_move(
     leaves fewer uncovered blocks.
     """
     others = [s for s in _usable(servers, _PLACED) if s.peer_id != my_info.peer_id]
-    span = choose_best_span(others, num_blocks, len(my_info.span), my_info.throughput)
+    span = choose_best_span(others, num_blocks, len(my_info.span), my_info.throughput, within)
     if span == (my_info.start_block, my_info.end_block):
         return None
     moved = msgspec.structs.replace(my_info, start_block=span[0], end_block=span[1])
@@ -411,11 +417,15 @@ def _reasons(holders: list[ServerInfo], max_length: int, exclude: Collection[str
     excluded = [s for s in holders if s.peer_id in exclude]
     rest = [s for s in holders if s.peer_id not in exclude]
     not_online = Counter(s.state.value for s in rest if s.state != ServerState.ONLINE)
-    online = [s for s in rest if s.state == ServerState.ONLINE]
+    other_version = [s for s in rest if s.state == ServerState.ONLINE and s.protocol_version != PROTOCOL_VERSION]
+    online = [s for s in rest if s.state == ServerState.ONLINE and s.protocol_version == PROTOCOL_VERSION]
     stalled = [s for s in online if s.throughput <= 0]
     full = [s for s in online if s.throughput > 0 and s.free_cache_tokens < max_length]
     reasons = [f"{_servers_are(len(excluded))} excluded after failing"] if excluded else []
     reasons += [f"{_servers_are(n)} {state}" for state, n in sorted(not_online.items())]
+    if other_version:
+        versions = ", ".join(str(v) for v in sorted({s.protocol_version for s in other_version}))
+        reasons.append(f"{_servers_are(len(other_version))} on protocol version {versions}, not {PROTOCOL_VERSION}")
     if stalled:
         reasons.append(f"{_servers_are(len(stalled))} reporting zero throughput")
     if full:
@@ -438,3 +448,15 @@ def _ranges(blocks: list[int]) -> list[tuple[int, int]]:
         else:
             runs.append((b, b + 1))
     return runs
+
+
+def same_model(servers: Sequence[ServerInfo], config_fingerprint: str, revision: str = "") -> list[ServerInfo]:
+    """The servers that hold this model exactly, so that one route never mixes weights: those of
+    ``config_fingerprint`` and of one revision: ``revision`` where any server has it, else the
+    revision most servers hold (a client that could not resolve one, or a swarm on an older
+    commit). Records of another config, or without a fingerprint, are left out."""
+    mine = [s for s in servers if s.config_fingerprint == config_fingerprint]
+    revisions = Counter(s.revision for s in mine)
+    if revision not in revisions and revisions:
+        revision = min(revisions, key=lambda r: (-revisions[r], r))  # the most servers, then a fixed order
+    return [s for s in mine if s.revision == revision]

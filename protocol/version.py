@@ -32,3 +32,5 @@ PROTOCOL_VERSION = 6
 #    Verdicts bound to what was verified: StepResult.step_digest (a trailing field, 5 bytes), a
 #    digest of the Step the tail verified keyed with the session's secret (protocol/digest.py).
 #    Every message's session_id is at most 64 characters (longer: malformed).
+#    Records carry max_positions_per_step (8..65536; clients chunk prefill to the smallest on their
+#    route instead of failing with step_too_large); routers skip servers of another protocol_version.

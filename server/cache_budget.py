@@ -26,13 +26,3 @@ class CacheBudget:
 
     def release(self, session_id: str) -> None:
         self._reserved.pop(session_id, None)
-
-
-def default_cache_tokens(bytes_per_token: int, device: str = "cpu", cap: int = 1 << 20) -> int:
-    """A budget of :data:`server.memory.CACHE_FRACTION` of the device's free memory (measured by
-    :func:`server.memory.free_device_bytes`, the one place that measures it), at least 2048 tokens."""
-    from server.memory import CACHE_FRACTION, free_device_bytes
-
-    if bytes_per_token <= 0:
-        return 8192
-    return max(2048, min(cap, int(free_device_bytes(device) * CACHE_FRACTION) // bytes_per_token))

@@ -1,49 +1,186 @@
-"""How many blocks a server can hold: weights in the device's free memory after the cache budget.
+"""How many blocks a server can hold: weights, the ends it holds, cache and headroom in the free memory.
 
 A volunteer who runs ``python -m swarm.server --model deepseek-v4-pro`` without ``--blocks`` or
-``--num-blocks`` gets as many blocks as fit. The arithmetic is a pure function
-(:func:`blocks_that_fit`) so it can be tested with a made-up memory budget; the measuring
-(free memory of the device, bytes of one block) lives beside it.
+``--num-blocks`` gets as many blocks as fit. Only the head holds the embeddings and only the tail
+the final norm, LM head and the tail's drafter, so a span in the middle needs none of them: the
+plan counts them only for a span that touches an end (on a 24 GB card that is the difference
+between one DeepSeek-V4-Pro block and none). The cache takes a quarter of the free memory, but
+never more than :data:`MAX_CACHE_TOKENS` tokens of the span need: a budget is capped there, and
+for DeepSeek-V4's compressed caches a quarter of a GPU would be gigabytes held for nothing.
+
+The arithmetic is pure (:class:`MemoryPlan`, given the sizes and a free-memory figure) so tests
+drive it with made-up budgets on the meta device; measuring (free memory of the device, bytes of
+one block from a meta-device model) lives beside it.
 """
 
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from server.quantization import Quant, estimate_module_bytes
 
-CACHE_FRACTION = 0.25  # of free memory kept for the KV cache budget (also server.cache_budget.default_cache_tokens)
+CACHE_FRACTION = 0.25  # of free memory kept for the KV cache budget at most
 HEADROOM_FRACTION = 0.05  # of free memory left for activations and allocator slack
+MAX_CACHE_TOKENS = 1 << 20  # the cache budget's cap, in tokens
+MIN_CACHE_TOKENS = 2048  # the smallest cache budget a server runs with
 
 GiB = 1 << 30
 
 
 @dataclass(frozen=True)
-class MemoryPlan:
-    """The numbers behind a block count, for the server's log."""
+class ModelSizes:
+    """Bytes of a model's parts once loaded (from the config, on the meta device)."""
 
-    blocks: int
+    block_bytes: int  # the largest block
+    embed_bytes: int  # the embeddings (the head)
+    tail_bytes: int  # final norm, LM head and any extra head (the tail); the embeddings again when tied
+    tied: bool  # LM head and embeddings are one tensor: a server holding both ends holds it once
+    cache_bytes_per_token: int  # KV bytes of one position in the block that needs most
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What fits in ``free_bytes``: the block counts for a span in the middle, at the head and at
+    the tail, and the numbers behind them for the server's log and ``--plan-only``."""
+
     total_blocks: int
     free_bytes: int
-    bytes_per_block: int
-    cache_bytes: int
-    reserve_bytes: int
+    sizes: ModelSizes
     quant: str = "none"
     drafter_bytes: int = 0  # the tail's drafter (DeepSeek-V4's MTP block, a tail drafter), beyond its blocks
-    tail_blocks: int = 0  # blocks that fit beside the drafter: the most a span ending at the last block takes
+    cache_tokens: Optional[int] = None  # --cache-tokens, when the volunteer set the budget
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.sizes.block_bytes
+
+    @property
+    def headroom_bytes(self) -> int:
+        return int(self.free_bytes * HEADROOM_FRACTION)
+
+    def cache_bytes(self, num_blocks: int) -> int:
+        """Memory kept for the KV cache of a span of ``num_blocks``."""
+        per_token = self.sizes.cache_bytes_per_token * max(1, num_blocks)
+        if self.cache_tokens is not None:
+            return self.cache_tokens * per_token
+        return max(MIN_CACHE_TOKENS * per_token, min(int(self.free_bytes * CACHE_FRACTION), MAX_CACHE_TOKENS * per_token))
+
+    def cache_budget_tokens(self, num_blocks: int) -> int:
+        """The cache budget in tokens that :meth:`cache_bytes` pays for."""
+        if self.cache_tokens is not None:
+            return self.cache_tokens
+        per_token = self.sizes.cache_bytes_per_token * max(1, num_blocks)
+        if per_token <= 0:
+            return MAX_CACHE_TOKENS
+        return max(MIN_CACHE_TOKENS, min(MAX_CACHE_TOKENS, self.cache_bytes(num_blocks) // per_token))
+
+    def ends_bytes(self, head: bool, tail: bool, drafter: bool = True) -> int:
+        """Bytes beyond the blocks: embeddings at the head; norm, LM head (and drafter) at the tail."""
+        size = (self.sizes.embed_bytes if head else 0) + (self.sizes.tail_bytes if tail else 0)
+        if head and tail and self.sizes.tied:
+            size -= self.sizes.embed_bytes
+        return size + (self.drafter_bytes if tail and drafter else 0)
+
+    def needed_bytes(self, num_blocks: int, head: bool = False, tail: bool = False, drafter: bool = True) -> int:
+        return (num_blocks * self.sizes.block_bytes + self.ends_bytes(head, tail, drafter)
+                + self.cache_bytes(num_blocks) + self.headroom_bytes)  # fmt: skip
+
+    def most_blocks(self, head: bool = False, tail: bool = False, drafter: bool = True) -> int:
+        """The longest span with these ends that fits (0: not even one block)."""
+        limit = self.total_blocks - (0 if head else 1) - (0 if tail else 1)  # a middle span leaves both ends to others
+        if head and tail:
+            return self.total_blocks if self.needed_bytes(self.total_blocks, True, True, drafter) <= self.free_bytes else 0
+        best = 0
+        for n in range(1, max(0, limit) + 1):  # needed_bytes grows with n: stop at the first that does not fit
+            if self.needed_bytes(n, head, tail, drafter) > self.free_bytes:
+                break
+            best = n
+        return best
+
+    @property
+    def blocks(self) -> int:
+        """Blocks of the longest span that fits anywhere (a middle span, unless the model is that small)."""
+        return max(self.most_blocks(), self.head_blocks, self.tail_blocks, self.most_blocks(True, True))
+
+    @property
+    def head_blocks(self) -> int:
+        return self.most_blocks(head=True)
+
+    @property
+    def tail_blocks(self) -> int:
+        """Blocks of the longest span ending at the last block: beside the drafter if one block fits
+        beside it, else without it (the drafter is then left out: see :attr:`tail_drafter`)."""
+        return self.most_blocks(tail=True) or self.most_blocks(tail=True, drafter=False)
+
+    @property
+    def tail_drafter(self) -> bool:
+        """Whether a tail has room for the drafter at all."""
+        return self.most_blocks(tail=True) > 0
+
+    def fits(self, start: int, end: int, drafter: bool = True) -> bool:
+        head, tail = start == 0, end == self.total_blocks
+        return self.needed_bytes(end - start, head, tail, drafter and tail) <= self.free_bytes
+
+    def fits_beside(self, old: tuple[int, int], new: tuple[int, int]) -> bool:
+        """Whether span ``new`` loads while ``old`` is still resident (a move that keeps serving)."""
+        def weights(start: int, end: int) -> int:
+            tail = end == self.total_blocks
+            return (end - start) * self.sizes.block_bytes + self.ends_bytes(start == 0, tail, tail)
+
+        longest = max(old[1] - old[0], new[1] - new[0])
+        return weights(*old) + weights(*new) + self.cache_bytes(longest) + self.headroom_bytes <= self.free_bytes
 
     def describe(self, device: str) -> str:
+        """The plan in one line, with what is reserved and why."""
+        n, size = self.blocks, self.sizes.block_bytes
         text = (
-            f"{self.blocks} of {self.total_blocks} blocks fit: {self.free_bytes / GiB:.1f} GiB free on {device}, "
-            f"{self.cache_bytes / GiB:.1f} GiB kept for the cache budget, {self.reserve_bytes / GiB:.1f} GiB for "
-            f"embeddings/LM head and headroom, {self.bytes_per_block / GiB:.2f} GiB per block ({self.quant} weights)"
+            f"{n} of {self.total_blocks} blocks fit: {self.free_bytes / GiB:.1f} GiB free on {device}, "
+            f"{size / GiB:.2f} GiB per block ({self.quant} weights), {self.cache_bytes(n) / GiB:.2f} GiB for a "
+            f"cache budget of {self.cache_budget_tokens(n)} tokens, {self.headroom_bytes / GiB:.2f} GiB headroom "
+            "for activations"
         )
-        if self.tail_blocks < self.blocks:
-            text += f"; {self.tail_blocks} beside the drafter ({self.drafter_bytes / GiB:.2f} GiB) if the span ends at the tail"
+        head, tail = self.head_blocks, self.tail_blocks
+        text += (
+            f"; a span at the head also holds the embeddings ({self.sizes.embed_bytes / GiB:.2f} GiB): "
+            f"{_count(head)}; at the tail the final norm and LM head ({self.sizes.tail_bytes / GiB:.2f} GiB)"
+        )
+        if self.drafter_bytes and self.tail_drafter:
+            text += f" and the drafter ({self.drafter_bytes / GiB:.2f} GiB): {_count(tail)}"
+            without = self.most_blocks(tail=True, drafter=False)
+            if without > tail:
+                text += f" ({without} without it)"
+        elif self.drafter_bytes:
+            text += f": {_count(tail)}, without the drafter ({self.drafter_bytes / GiB:.2f} GiB does not fit)"
+        else:
+            text += f": {_count(tail)}"
         return text
+
+    def shortfall(self, start: int, end: int, device: str) -> str:
+        """One line for blocks the volunteer asked for that do not fit."""
+        head, tail = start == 0, end == self.total_blocks
+        n = end - start
+        parts = [f"{n} x {self.sizes.block_bytes / GiB:.2f} GiB of blocks ({self.quant} weights)"]
+        ends = self.ends_bytes(head, tail, drafter=False)
+        if ends:
+            parts.append(f"{ends / GiB:.2f} GiB for the {'embeddings' if head else ''}"
+                         f"{' and ' if head and tail else ''}{'LM head' if tail else ''}")  # fmt: skip
+        parts.append(f"{self.cache_bytes(n) / GiB:.2f} GiB of cache ({self.cache_budget_tokens(n)} tokens)")
+        parts.append(f"{self.headroom_bytes / GiB:.2f} GiB headroom")
+        needed = self.needed_bytes(n, head, tail, drafter=False)
+        most = self.most_blocks(head, tail, drafter=False)
+        return (
+            f"blocks {start}:{end} do not fit: they need {needed / GiB:.2f} GiB ({', '.join(parts)}) and "
+            f"{self.free_bytes / GiB:.2f} GiB is free on {device}; {_count(most)} would fit there "
+            "(try fewer blocks, --quant nf4 or int8, a smaller --dtype or --cache-tokens, or another --device)"
+        )
+
+
+def _count(blocks: int) -> str:
+    return "none" if blocks == 0 else f"{blocks} block" + ("s" if blocks > 1 else "")
 
 
 def blocks_that_fit(
@@ -77,8 +214,8 @@ def free_device_bytes(device: str) -> int:
     return psutil.virtual_memory().available
 
 
-def model_bytes(config, dtype: torch.dtype, quant: Quant = Quant.NONE) -> tuple[int, int]:
-    """(bytes of the largest block, bytes of embeddings + LM head) once loaded in ``dtype`` and
+def model_sizes(config, dtype: torch.dtype, quant: Quant = Quant.NONE) -> ModelSizes:
+    """Bytes of a block, the embeddings and the tail's modules once loaded in ``dtype`` and
     ``quant``, from a meta-device model (no memory, no download). Embeddings and the LM head
     stay unquantized, as transformers leaves them."""
     from transformers import AutoModelForCausalLM
@@ -99,21 +236,26 @@ def model_bytes(config, dtype: torch.dtype, quant: Quant = Quant.NONE) -> tuple[
         return sum(p.numel() for p in module.parameters()) * size
 
     embeddings, head = model.get_input_embeddings(), model.get_output_embeddings()
-    tied = head.weight is embeddings.weight  # one tensor when a server holds both ends
-    return per_block, nbytes(embeddings) + (0 if tied else nbytes(head))
+    tied = head.weight is embeddings.weight
+    extras = [m for name, m in model.model.named_children() if name not in ("embed_tokens", "layers")]  # norm, hc_head
+    tail = sum(nbytes(m) for m in extras) + size * head.weight.numel()
+    cache = max(adapter.span_cache_bytes_per_token(config, i, i + 1, dtype) for i in range(config.num_hidden_layers))
+    return ModelSizes(per_block, nbytes(embeddings), tail, tied, cache)
+
+
+def model_bytes(config, dtype: torch.dtype, quant: Quant = Quant.NONE) -> tuple[int, int]:
+    """(bytes of the largest block, bytes of embeddings + LM head) once loaded in ``dtype`` and
+    ``quant``: what a server holding the whole model keeps besides its blocks, roughly."""
+    sizes = model_sizes(config, dtype, quant)
+    head = sizes.tail_bytes if not sizes.tied else 0
+    return sizes.block_bytes, sizes.embed_bytes + head
 
 
 def plan_blocks(
     config, dtype: torch.dtype, device: str, total_blocks: int, free_bytes: int | None = None, quant: Quant = Quant.NONE,
-    drafter_bytes: int = 0,
+    drafter_bytes: int = 0, cache_tokens: int | None = None,
 ) -> MemoryPlan:
-    """How many blocks this server should hold when the volunteer did not say; a span that ends at
-    the last block also holds the tail's drafter (``drafter_bytes``), so it may take fewer
-    (``tail_blocks``, at least one: a drafter that still does not fit is left out when it fails to load)."""
+    """The memory plan of this server: ``free_bytes`` stands in for the device's free memory when given."""
     free = free_device_bytes(device) if free_bytes is None else free_bytes
-    per_block, ends = model_bytes(config, dtype, quant)
-    cache = int(free * CACHE_FRACTION)
-    reserve = ends + int(free * HEADROOM_FRACTION)
-    blocks = blocks_that_fit(per_block, free, cache, total_blocks, reserve_bytes=reserve)
-    tail_blocks = max(1, min(blocks, (free - cache - reserve - drafter_bytes) // per_block))
-    return MemoryPlan(blocks, total_blocks, free, per_block, cache, reserve, quant.value, drafter_bytes, tail_blocks)
+    sizes = model_sizes(config, dtype, quant)
+    return MemoryPlan(total_blocks, free, sizes, quant.value, drafter_bytes, cache_tokens)

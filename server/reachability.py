@@ -72,9 +72,10 @@ def _check_maddrs(maddrs: Sequence[str]) -> list[Multiaddr]:
 
 def _without_peer(maddr: Multiaddr, peer_id: PeerID) -> Multiaddr:
     """``.../p2p/<peer_id>`` -> ``...``: libp2p dials addresses without the target's own id."""
-    suffix = f"/p2p/{peer_id.to_base58()}"
-    text = str(maddr)
-    return Multiaddr(text[: -len(suffix)]) if text.endswith(suffix) else maddr
+    items = list(maddr.items())
+    if items and items[-1][0].name == "p2p" and items[-1][1] == peer_id.to_base58():
+        return maddr.decapsulate(Multiaddr(f"/p2p/{peer_id.to_base58()}"))
+    return maddr
 
 
 class ProbeService:
@@ -98,8 +99,12 @@ class ProbeService:
         await p2p.add_protobuf_handler(PROBE_PROTOCOL, self._serve, runtime_pb2.ExpertRequest)
 
     def _through_me(self, maddr: Multiaddr) -> bool:
-        relay, circuit, _ = str(maddr).partition("/p2p-circuit")
-        return bool(circuit) and self._peer_id is not None and relay.endswith(f"/p2p/{self._peer_id.to_base58()}")
+        items = [(protocol.name, value) for protocol, value in maddr.items()]
+        names = [name for name, _ in items]
+        if self._peer_id is None or "p2p-circuit" not in names:
+            return False
+        relay = items[: names.index("p2p-circuit")]  # the relay's address: it ends with the relay's id
+        return bool(relay) and relay[-1] == ("p2p", self._peer_id.to_base58())
 
     async def _serve(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         return runtime_pb2.ExpertResponse(metadata=msgspec.msgpack.encode(await self._answer(request, context)))

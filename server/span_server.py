@@ -8,6 +8,7 @@ leaves. The CLI (``python -m swarm.server``) is a thin layer over this.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import time
@@ -22,9 +23,12 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from protocol.compression import CODECS
-from protocol.limits import DEFAULT_MAX_POSITIONS_PER_STEP, DEFAULT_MAX_SESSIONS, DEFAULT_MAX_SESSIONS_PER_PEER
+from protocol.limits import (
+    DEFAULT_MAX_POSITIONS_PER_STEP, DEFAULT_MAX_SESSIONS, DEFAULT_MAX_SESSIONS_PER_PEER, MAX_POSITIONS_PER_STEP,
+    MIN_POSITIONS_PER_STEP,
+)  # fmt: skip
 from server.adapters import SpanAdapter, load_span
-from server.cache_budget import CacheBudget, default_cache_tokens
+from server.cache_budget import CacheBudget
 from server.handler import SessionHandler
 from server.joining import claim_span, joining_throughput, keep_announcing, leave
 from server.tail_drafter import DEFAULT_TAIL_DRAFTS
@@ -35,7 +39,7 @@ from server.weights import Checkpoint
 from protocol.config import no_initial_peers_message, resolve_initial_peers
 from protocol.dht_records import announce, fetch_servers
 from protocol.identity import load_or_create_identity
-from protocol.models import resolve_model
+from protocol.models import config_fingerprint, hub_commit, resolve_model, weights_revision
 from server.reachability import ProbeService, start_server_dht
 from protocol.records import ServerInfo, ServerState
 
@@ -67,6 +71,7 @@ class ServerConfig:
     dht_prefix: Optional[str] = None
     drain_seconds: float = 30.0  # on shutdown or a move, open sessions get this long to finish
     balance_period: float = 120.0  # seconds between checks whether another span helps the swarm more
+    assume_free_memory: Optional[int] = None  # bytes that stand in for the device's free memory in the plan
     max_positions_per_step: int = DEFAULT_MAX_POSITIONS_PER_STEP  # a Step's positions; frames sized by it
     max_sessions: int = DEFAULT_MAX_SESSIONS  # open sessions at most
     max_sessions_per_peer: int = DEFAULT_MAX_SESSIONS_PER_PEER  # open sessions per upstream peer at most
@@ -81,7 +86,7 @@ class SpanServer:
         self._announcer: Optional[asyncio.Task] = None
         self.model_config: Optional[PretrainedConfig] = None
         self.checkpoint: Optional[Checkpoint] = None
-        self.plan: Optional[MemoryPlan] = None  # how many blocks fit, when the volunteer did not say
+        self.plan: Optional[MemoryPlan] = None  # what fits in this server's memory (server/memory.py)
 
     @classmethod
     async def create(cls, config: ServerConfig) -> "SpanServer":
@@ -92,22 +97,30 @@ class SpanServer:
             logger.info(initial_peers.describe())
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
+        if not MIN_POSITIONS_PER_STEP <= config.max_positions_per_step <= MAX_POSITIONS_PER_STEP:
+            raise ValueError(f"--max-positions-per-step must be in {MIN_POSITIONS_PER_STEP}..{MAX_POSITIONS_PER_STEP}, "
+                             f"got {config.max_positions_per_step}")  # fmt: skip
         if config.compression not in CODECS:
             raise ValueError(f"--compression must be one of {CODECS}, got {config.compression!r}")
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
         model = resolve_model(config.model)
-        model_config = load_model_config(model.source)
-        checkpoint = Checkpoint(model.source)  # one: it reads the weight map once
+        # a hub model is pinned to one commit: its config and every shard come from it, and it is announced
+        pinned = None if os.path.isdir(model.source) or not _hub_reachable() else hub_commit(model.source)
+        model_config = load_model_config(model.source, pinned)
+        checkpoint = Checkpoint(model.source, revision=pinned)  # one: it reads the weight map once
+        identity_fields = dict(config_fingerprint=config_fingerprint(model_config),
+                               revision=weights_revision(model.source, pinned))  # fmt: skip
         quant = resolve_quant(config.quant, model_config, device, dtype)
         logger.info(quant.describe())
-        plan = None
-        if config.blocks is None and config.num_blocks is None:  # as many blocks as fit in memory
-            drafter = drafter_bytes(config, model_config, checkpoint, dtype, quant.quant)
-            plan = plan_blocks(
-                model_config, dtype, device, model_config.num_hidden_layers, quant=quant.quant, drafter_bytes=drafter
-            )
-            logger.info(plan.describe(device))
+        # the plan comes before the DHT: blocks that do not fit stop here, before anything is announced
+        plan = plan_blocks(
+            model_config, dtype, device, model_config.num_hidden_layers, free_bytes=config.assume_free_memory,
+            quant=quant.quant, drafter_bytes=drafter_bytes(config, model_config, checkpoint, dtype, quant.quant),
+            cache_tokens=config.cache_tokens,
+        )  # fmt: skip
+        logger.info(plan.describe(device))
+        check_requested_blocks(config, plan, device)
         dht_name = config.dht_prefix or model.dht_name
         identity = load_or_create_identity(config.identity_path)
         # Can peers dial us? If not, join through a relay (or stop: server/reachability.py)
@@ -126,7 +139,7 @@ class SpanServer:
         template = ServerInfo(
             peer_id=dht.peer_id.to_base58(), model=dht_name, start_block=0, end_block=1, version=_package_version(),
             public_name=config.public_name, dtype=str(dtype).removeprefix("torch."), quantization=quant.quant.value,
-            using_relay=joined.using_relay, relay_addrs=joined.relay_addrs,
+            using_relay=joined.using_relay, relay_addrs=joined.relay_addrs, **identity_fields,
         )  # fmt: skip
         loop = asyncio.get_running_loop()
 
@@ -135,7 +148,7 @@ class SpanServer:
 
         claimed = await claim_span(
             template, lambda servers: _choose_blocks(config, servers, total, plan),
-            fetch=lambda: loop.run_in_executor(None, fetch_servers, dht, dht_name, total),
+            fetch=lambda: loop.run_in_executor(None, _fetch_same_model, dht, template, total),
             publish=lambda info: loop.run_in_executor(None, partial(publish, info, wait=True)),
             automatic=config.blocks is None,
         )  # fmt: skip
@@ -146,9 +159,9 @@ class SpanServer:
             span = await loop.run_in_executor(
                 None, load_span, model_config, checkpoint, start, end, dtype, device, quant.quant
             )
-            await loop.run_in_executor(None, attach_drafter, span, config, model_config, checkpoint)
+            await loop.run_in_executor(None, attach_drafter_if_it_fits, span, config, model_config, checkpoint, plan)
             logger.info(f"Blocks {start}:{end} hold {resident_bytes(span.layers) / 2**20:.1f} MiB of weights ({quant.quant.value})")
-            budget = CacheBudget(config.cache_tokens or _cache_tokens(span, plan, device))
+            budget = CacheBudget(plan.cache_budget_tokens(end - start))
             p2p = await dht.replicate_p2p()
             handler = SessionHandler(
                 p2p,
@@ -177,6 +190,8 @@ class SpanServer:
                 started_at=time.time(),
                 using_relay=joined.using_relay,
                 relay_addrs=joined.relay_addrs,
+                max_positions_per_step=config.max_positions_per_step,
+                **identity_fields,
             )
         except BaseException:
             refresher.cancel()
@@ -210,7 +225,7 @@ class SpanServer:
         while True:
             await asyncio.sleep(self.config.update_period)
             try:
-                servers = await loop.run_in_executor(None, fetch_servers, self.dht, self.info.model, self.span.num_blocks)
+                servers = await loop.run_in_executor(None, _fetch_same_model, self.dht, self.info, self.span.num_blocks)
                 pings = await measure_next_pings(self.handler.p2p, self.info, servers)
                 self.info = msgspec.structs.replace(self.info, next_pings=pings)
                 if self.config.blocks is None and loop.time() - last_balance > self.config.balance_period:
@@ -221,37 +236,92 @@ class SpanServer:
             self._announce()
 
     async def _maybe_move(self, servers: Sequence[ServerInfo]) -> None:
-        """Move to the span that raises the swarm's max-flow the most, if the gain is large."""
+        """Move to the span that raises the swarm's max-flow the most, if the gain is large and
+        the span fits this server's memory (a span at an end also holds the embeddings or the LM head)."""
         from protocol.routing import should_move
 
-        target = should_move(servers, self.current_info(), self.span.num_blocks)
-        if target is None:
-            return
-        start, end = target
-        logger.info(f"Moving from blocks {self.info.start_block}:{self.info.end_block} to {start}:{end}")
-        self._announce(ServerState.DRAINING)
+        total, me = self.span.num_blocks, self.current_info()
+        target = should_move(servers, me, total)
+        if target is not None and self.plan is not None and not self.plan.fits(*target, drafter=False):
+            lo = 1 if target[0] == 0 else 0
+            hi = total - 1 if target[1] == total else total
+            target = should_move(servers, me, total, within=(lo, hi)) if me.end_block - me.start_block <= hi - lo else None
+        if target is not None:
+            await self.move_to(*target)
+
+    async def move_to(self, start: int, end: int) -> bool:
+        """Serve blocks [start, end) instead of the current span; True if the server moved.
+
+        Nothing here may leave the server broken: the new span is announced only once it serves;
+        it loads beside the old one when both fit the memory plan (the old keeps serving meanwhile),
+        else the old one drains and is freed first; a target that does not fit at all is refused;
+        on any failure the old span is kept (or loaded again), announced online and accepting."""
+        old_info = self.info  # not the old span itself: freeing it must drop the last reference
+        where = f"blocks {old_info.start_block}:{old_info.end_block} to {start}:{end}"
+        if self.plan is not None and not self.plan.fits(start, end, drafter=False):
+            logger.warning(f"Not moving from {where}: " + self.plan.shortfall(start, end, str(self.span.device)))
+            return False
+        beside = self.plan is None or self.plan.fits_beside((old_info.start_block, old_info.end_block), (start, end))
+        logger.info(f"Moving from {where} ({'loading beside the old span' if beside else 'draining and freeing the old span first'})")
+        if not beside:
+            await self._drain_and_free(ServerState.DRAINING)
+        try:
+            span = await self._load_span(start, end, ServerState.JOINING if not beside else None)
+        except Exception as e:
+            logger.error(f"Could not load blocks {start}:{end} ({e!r}); keeping blocks {old_info.start_block}:{old_info.end_block}")
+            span = self.span
+            if not beside:  # the old span was freed: load it again, announced as joining meanwhile
+                try:
+                    span = await self._load_span(old_info.start_block, old_info.end_block, ServerState.JOINING)
+                except Exception as again:
+                    logger.error(f"Could not load blocks {old_info.start_block}:{old_info.end_block} again ({again!r}): "
+                                 "this server serves nothing now; restart it")  # fmt: skip
+                    self._announce(ServerState.OFFLINE)
+                    return False
+            self._serve(span, old_info)
+            return False
+        if beside:  # the old span's sessions finish (or move) before its blocks go
+            self._announce(ServerState.DRAINING)
+            await self.handler.drain(self.config.drain_seconds)
+        self._serve(span, msgspec.structs.replace(old_info, start_block=start, end_block=end, next_pings={}))
+        logger.info(f"Serving blocks {start}:{end} (moved)")
+        return True
+
+    async def _drain_and_free(self, state: ServerState) -> None:
+        """Stop taking sessions, let open ones finish, and free the span's memory."""
+        self._announce(state)
         await self.handler.drain(self.config.drain_seconds)
-        # the target span is claimed as JOINING while it loads, as at start (server/joining.py):
-        # placement by other servers counts it, routing does not
-        self.info = msgspec.structs.replace(self.info, start_block=start, end_block=end, next_pings={})
-        joining = self.current_info(ServerState.JOINING)
-        self._announce(ServerState.JOINING)
-        logger.info(f"Announced blocks {start}:{end} as joining while they load")
-        refresher = keep_announcing(self._publish, joining, self.config.update_period)
+        self.span = self.handler.span = _FreedSpan(self.span)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    async def _load_span(self, start: int, end: int, claim: Optional[ServerState]) -> SpanAdapter:
+        """Load blocks [start, end) with their drafter where it fits; with ``claim`` (JOINING) the
+        span is announced as claimed while it loads (placement counts it, routing does not)."""
         loop = asyncio.get_running_loop()
+        refresher = None
+        if claim is not None:
+            joining = msgspec.structs.replace(self.current_info(claim), start_block=start, end_block=end, next_pings={})
+            self._publish(joining)
+            refresher = keep_announcing(self._publish, joining, self.config.update_period)
         try:
             span = await loop.run_in_executor(
-                None, load_span, self.model_config, self.checkpoint, start, end, self.span.dtype, str(self.span.device),
-                Quant(self.info.quantization),
-            )
-            if span.is_tail and not drafter_fits(self.plan, end - start):
-                # the gap wants every block this server holds: coverage first, drafting is only speed
-                logger.info(f"Tail drafter: none (blocks {start}:{end} leave no memory for it, by the memory plan)")
-            else:
-                await loop.run_in_executor(None, attach_drafter, span, self.config, self.model_config, self.checkpoint)
+                None, load_span, self.model_config, self.checkpoint, start, end, self.span.dtype,
+                str(self.span.device), Quant(self.info.quantization),
+            )  # fmt: skip
+            await loop.run_in_executor(
+                None, attach_drafter_if_it_fits, span, self.config, self.model_config, self.checkpoint, self.plan
+            )  # fmt: skip
+            return span
         finally:
-            refresher.cancel()
+            if refresher is not None:
+                refresher.cancel()
+
+    def _serve(self, span: SpanAdapter, info: ServerInfo) -> None:
+        """Serve ``span`` and say so: the record goes out only once the span takes sessions."""
         self.span = self.handler.span = span
+        self.info = info
         self.handler.accepting = True
         self._announce()
 
@@ -317,18 +387,36 @@ def _drafter_file(config: ServerConfig, model_config: PretrainedConfig) -> Optio
     return config.drafter
 
 
-def drafter_fits(plan: Optional[MemoryPlan], num_blocks: int) -> bool:
-    """Whether a tail of ``num_blocks`` has memory for its drafter too (always, when the volunteer
-    chose the blocks: then the memory is theirs to plan)."""
-    return plan is None or num_blocks <= plan.tail_blocks
+def attach_drafter_if_it_fits(
+    span: SpanAdapter, config: ServerConfig, model_config: PretrainedConfig, checkpoint: Checkpoint,
+    plan: Optional[MemoryPlan],
+) -> None:
+    """:func:`attach_drafter`, unless the memory plan leaves a tail of this length no room for the
+    drafter: then the span serves without one (coverage first, drafting is only speed)."""
+    if span.is_tail and plan is not None and config.drafter != "none" and not plan.fits(span.start, span.end):
+        span.drafter = None
+        logger.info(f"Tail drafter: none (blocks {span.start}:{span.end} leave no memory for it, by the memory plan)")
+        return
+    attach_drafter(span, config, model_config, checkpoint)
+
+
+class _FreedSpan:
+    """Stands for a span whose weights were freed during a move: keeps the facts the server reads
+    (device, dtype, block count) and nothing else."""
+
+    def __init__(self, span: SpanAdapter):
+        self.device, self.dtype, self.num_blocks = span.device, span.dtype, span.num_blocks
+        self.start, self.end, self.drafter = span.start, span.end, None
 
 
 def drafter_bytes(
-    config: ServerConfig, model_config: PretrainedConfig, checkpoint: Checkpoint, dtype: torch.dtype, quant: Quant
+    config: ServerConfig, model_config: PretrainedConfig, checkpoint: Optional[Checkpoint], dtype: torch.dtype,
+    quant: Quant,
 ) -> int:
     """Memory the drafter of ``attach_drafter`` takes on a tail beyond its blocks (0: none), so that
     the memory plan can keep room for it (MemoryPlan.tail_blocks). A file that cannot be read counts
-    0 here: loading it later says what is wrong."""
+    0 here: loading it later says what is wrong. Without a ``checkpoint`` (``--plan-only`` before
+    any weights are reachable) the config alone decides."""
     if config.drafter == "none":
         return 0
     if model_config.model_type == "deepseek_v4":
@@ -343,7 +431,9 @@ def drafter_bytes(
     if path is None:
         return 0
     try:
-        return drafter_file_bytes(path, model_config, dtype, tied="lm_head.weight" not in checkpoint.weight_map())
+        tied = (bool(getattr(model_config, "tie_word_embeddings", False)) if checkpoint is None
+                else "lm_head.weight" not in checkpoint.weight_map())  # fmt: skip
+        return drafter_file_bytes(path, model_config, dtype, tied=tied)
     except (OSError, SafetensorError):  # missing or no safetensors file: attach_drafter names it
         return 0
 
@@ -375,7 +465,14 @@ def resolve_dtype(requested: str, device: str) -> torch.dtype:
     return DTYPES[requested]
 
 
-def load_model_config(source: str) -> PretrainedConfig:
+def _fetch_same_model(dht: hivemind.DHT, mine: ServerInfo, total: int) -> list[ServerInfo]:
+    """The records placement counts: servers of this exact model (config and weights revision);
+    another revision under the same name covers no block for us."""
+    servers = fetch_servers(dht, mine.model, total)
+    return [s for s in servers if (s.config_fingerprint, s.revision) == (mine.config_fingerprint, mine.revision)]
+
+
+def load_model_config(source: str, revision: Optional[str] = None) -> PretrainedConfig:
     """The model's config, or a ValueError naming the repo (or folder) that could not be read.
 
     Without network the hub client retries for half a minute before giving up; when the hub's host
@@ -384,7 +481,7 @@ def load_model_config(source: str) -> PretrainedConfig:
     """
     local_only = not os.path.isdir(source) and not _hub_reachable()
     try:
-        return AutoConfig.from_pretrained(source, local_files_only=local_only)
+        return AutoConfig.from_pretrained(source, local_files_only=local_only, revision=revision)
     except Exception as e:  # OSError, huggingface_hub and httpx errors, unknown model types
         if local_only:
             reason = (
@@ -417,33 +514,77 @@ def _hub_reachable(timeout: float = 5.0) -> bool:
         pool.shutdown(wait=False)
 
 
-def _cache_tokens(span: SpanAdapter, plan: Optional[MemoryPlan], device: str) -> int:
-    """The cache budget in tokens: the memory plan's share when blocks were chosen by memory."""
-    if plan is None:
-        return default_cache_tokens(span.cache_bytes_per_token(), device)
-    return max(2048, plan.cache_bytes // max(1, span.cache_bytes_per_token()))
+def check_requested_blocks(config: ServerConfig, plan: MemoryPlan, device: str) -> None:
+    """Stop with one line before announcing anything when the blocks asked for (or, without
+    ``--blocks``/``--num-blocks``, even one block) do not fit the memory plan."""
+    total = plan.total_blocks
+    if config.blocks is not None:
+        start, end = config.blocks
+        if not 0 <= start < end <= total:
+            raise ValueError(f"--blocks {start}:{end} is outside the model's 0:{total}")
+        if not plan.fits(start, end, drafter=False):
+            raise ValueError(f"--blocks {start}:{end}: " + plan.shortfall(start, end, device))
+        return
+    if config.num_blocks is not None:
+        n = config.num_blocks
+        if n <= 0:
+            raise ValueError(f"--num-blocks must be positive, got {n}")
+        if n > total:
+            raise ValueError(f"--num-blocks {n}: the model has {total} blocks")
+        if _most_blocks(plan, anywhere=True, automatic=False) < n:
+            start = 1 if n <= total - 2 else 0  # the cheapest place: the middle, where no end is held
+            raise ValueError(f"--num-blocks {n}: " + plan.shortfall(start, start + n, device))
+        return
+    if plan.blocks < 1:
+        raise ValueError("cannot serve here, not even one block fits: " + plan.describe(device))
+
+
+def _most_blocks(plan: MemoryPlan, head: bool = False, tail: bool = False, *, automatic: bool, anywhere: bool = False) -> int:
+    """The longest span with these ends this server takes; a tail planned automatically keeps room
+    for the drafter when one block fits beside it, one the volunteer sized (``--num-blocks``) drops it."""
+    if anywhere:
+        return max(_most_blocks(plan, h, t, automatic=automatic) for h in (False, True) for t in (False, True))
+    if tail and not (automatic and plan.tail_drafter):
+        return plan.most_blocks(head, tail, drafter=False)
+    return plan.most_blocks(head, tail)
 
 
 def _choose_blocks(
     config: ServerConfig, servers: Sequence[ServerInfo], total: int, plan: Optional[MemoryPlan] = None
 ) -> tuple[int, int]:
     """``--blocks`` as given, else the span that raises the max-flow most over ``servers`` (the
-    others' records; placement counts JOINING and ONLINE ones)."""
+    others' records; placement counts JOINING and ONLINE ones) among the spans that fit the memory
+    plan: a span at an end holds the embeddings or the LM head (and drafter) too, so it may be
+    shorter, or, where an end does not fit at all, the span stays off it."""
     if config.blocks is not None:
         start, end = config.blocks
         if not 0 <= start < end <= total:
             raise ValueError(f"--blocks {start}:{end} is outside the model's 0:{total}")
         return start, end
-    length = min(config.num_blocks or (plan.blocks if plan else total), total)
-    if length <= 0:
+    if config.num_blocks is not None and config.num_blocks <= 0:
         raise ValueError(f"--num-blocks must be positive, got {config.num_blocks}")
     from protocol.routing import choose_best_span
 
-    start, end = choose_best_span(servers, total, length, my_throughput=joining_throughput(servers, length))
-    if config.num_blocks is None and plan is not None and end == total and plan.tail_blocks < length:
-        length = plan.tail_blocks  # the tail also holds the drafter: fewer blocks, wherever they go then
-        start, end = choose_best_span(servers, total, length, my_throughput=joining_throughput(servers, length))
-    return start, end
+    automatic = config.num_blocks is None
+    length = min(config.num_blocks or (plan.blocks if plan else total), total)
+    lo, hi = 0, total  # the span stays inside [lo, hi): an end that does not fit is left out
+    for _ in range(4):  # each round shortens the span or narrows [lo, hi); four rounds settle both ends
+        span = choose_best_span(servers, total, length, my_throughput=joining_throughput(servers, length), within=(lo, hi))
+        start, end = span
+        if plan is None:
+            return span
+        room = _most_blocks(plan, start == 0, end == total, automatic=automatic)
+        if room >= end - start:
+            return span
+        if room >= 1 and automatic:
+            length = room  # fewer blocks at this end, wherever they go then
+            continue
+        lo, hi = (1 if start == 0 else lo), (total - 1 if end == total else hi)  # this end does not fit: stay off it
+        length = min(length, hi - lo)
+        if length < 1:
+            break
+    raise ValueError(f"no span of {config.num_blocks or plan.blocks} blocks fits this server's memory: "
+                     + plan.describe("this device"))  # fmt: skip
 
 
 def measure_throughput(span: SpanAdapter, num_steps: int = 8) -> float:

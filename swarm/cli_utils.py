@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import signal
@@ -33,3 +34,17 @@ def parse_blocks(text: str) -> tuple[int, int]:
     except ValueError:
         raise ValueError(f"--blocks takes START:END (end exclusive), got {text!r}") from None
     return start, end
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}  # fmt: skip
+
+
+def parse_size(text: str) -> int:
+    """``22GiB``, ``24GB``, ``512MiB``, ``1.5G`` (binary), or bytes -> bytes."""
+    import re
+
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    if match is None or match.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"expected a size such as 22GiB, 24GB or 512MiB, got {text!r}")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])

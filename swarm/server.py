@@ -9,22 +9,42 @@ import sys
 
 from protocol.compression import CODECS
 from protocol.limits import DEFAULT_MAX_POSITIONS_PER_STEP, DEFAULT_MAX_SESSIONS, DEFAULT_MAX_SESSIONS_PER_PEER
-from swarm.cli_utils import parse_blocks, setup_logging, stop_event_on_signals
+from protocol.version import PROTOCOL_VERSION
+from swarm.cli_utils import parse_blocks, parse_size, setup_logging, stop_event_on_signals
 from protocol.config import ENV_INITIAL_PEERS, config_path
 
 logger = logging.getLogger("swarm.server")
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, except where there is none to show (unset, off, empty)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default in (None, False, [], argparse.SUPPRESS):
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m swarm.server", description=__doc__)
-    p.add_argument("--model", required=True, help="alias (smollm2-135m, deepseek-v4-pro, ...), hub repo id or local folder")
+    from protocol.models import ALIASES
+
+    p = argparse.ArgumentParser(prog="python -m swarm.server", description=__doc__,
+                                formatter_class=_DefaultsFormatter)  # fmt: skip
+    p.add_argument("--version", action="version", version=f"specswarm {_package_version()} (protocol {PROTOCOL_VERSION})")
+    p.add_argument("--model", required=True,
+                   help=f"alias ({', '.join(ALIASES)}), hub repo id (org/name) or local folder")
+    p.add_argument("--plan-only", action="store_true",
+                   help="print the memory plan (blocks that fit, cache budget, what is reserved) and exit, "
+                        "without loading or downloading weights")
+    p.add_argument("--assume-free-memory", type=parse_size, metavar="SIZE",
+                   help="plan with this much free device memory (e.g. 22GiB) instead of measuring it")
     p.add_argument("--initial-peers", nargs="+", default=[], metavar="MADDR",
-                   help=f"multiaddrs of peers in the swarm (default: ${ENV_INITIAL_PEERS}, else initial_peers in {config_path()})")
+                   help=f"multiaddrs of peers in the swarm (if not given: ${ENV_INITIAL_PEERS}, else initial_peers in {config_path()})")
     p.add_argument("--new-swarm", action="store_true", help="start a new swarm instead of joining one")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--blocks", type=parse_blocks, help="serve blocks START:END (end exclusive)")
     group.add_argument("--num-blocks", type=int, help="serve this many blocks, placed where the swarm needs them most")
-    p.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    p.add_argument("--host", default="0.0.0.0", help="IPv4 or IPv6 address to listen on (:: for every IPv6 address)")
     p.add_argument("--port", type=int, default=0, help="TCP port to listen on (0: any free port)")
     p.add_argument("--announce-maddrs", nargs="+", default=[], metavar="MADDR", help="addresses other peers should dial")
     p.add_argument("--device", default="auto", help="auto (cuda when available, else cpu), cpu, cuda or cuda:N")
@@ -35,9 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weights of the blocks: none, int8 (LLM.int8) or nf4 (bitsandbytes); auto: the smallest that "
                    "keeps the checkpoint's own precision (docs/quantization.md)")
     p.add_argument("--public-name", help="a name shown on the health dashboard")
-    p.add_argument("--cache-tokens", type=int, help="KV cache budget in tokens (default: from free memory)")
+    p.add_argument("--cache-tokens", type=int, help="KV cache budget in tokens (if not given: from free memory, by the memory plan)")
     p.add_argument("--identity-path", help="private key file; keeps the peer id across restarts")
-    p.add_argument("--dht-prefix", help="the model's name in the DHT (default: from --model)")
+    p.add_argument("--dht-prefix", help="the model's name in the DHT (if not given: from --model)")
     p.add_argument("--compression", default="none", choices=CODECS,
                    help="codec of activations sent to the next server (none keeps outputs exact; docs/protocol.md)")
     p.add_argument("--update-period", type=float, default=15.0, help="seconds between DHT announcements")
@@ -62,10 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-async def serve(args: argparse.Namespace) -> None:
-    from server.span_server import ServerConfig, SpanServer
+def server_config(args: argparse.Namespace):
+    from server.span_server import ServerConfig
 
-    config = ServerConfig(
+    return ServerConfig(
         model=args.model,
         initial_peers=args.initial_peers,
         new_swarm=args.new_swarm,
@@ -87,6 +107,7 @@ async def serve(args: argparse.Namespace) -> None:
         dht_prefix=args.dht_prefix,
         drain_seconds=args.drain_seconds,
         balance_period=args.balance_period,
+        assume_free_memory=args.assume_free_memory,
         max_positions_per_step=args.max_positions_per_step,
         max_sessions=args.max_sessions,
         max_sessions_per_peer=args.max_sessions_per_peer,
@@ -94,6 +115,12 @@ async def serve(args: argparse.Namespace) -> None:
         drafter=args.drafter,
         drafter_tokens=args.drafter_tokens,
     )
+
+
+async def serve(args: argparse.Namespace) -> None:
+    from server.span_server import SpanServer
+
+    config = server_config(args)
     stop = stop_event_on_signals()
     server = await SpanServer.create(config)
     for maddr in server.dht.get_visible_maddrs():
@@ -110,11 +137,25 @@ def main(argv: list[str] | None = None) -> int:
 
     lifeline.install()
     try:
+        if args.plan_only:
+            from server.plan_only import plan_text
+
+            print(plan_text(server_config(args)))
+            return 0
         asyncio.run(serve(args))
     except (ValueError, RuntimeError, OSError) as e:
         logger.error(str(e))
         return 2
     return 0
+
+
+def _package_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("specswarm")
+    except Exception:
+        return "0+unknown"
 
 
 if __name__ == "__main__":

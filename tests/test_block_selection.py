@@ -31,8 +31,9 @@ def test_num_blocks_servers_cover_the_model_then_add_redundancy(tiny_llama_path,
 
 
 def test_running_server_moves_to_a_gap(tiny_llama_path, artifacts_dir):
-    """A --num-blocks server sitting on a well-served range moves (after draining) to blocks
-    that lost their only server, announcing them as joining while it loads them."""
+    """A --num-blocks server sitting on a well-served range moves to blocks that lost their only
+    server: it loads them beside its old span (both fit its memory), and announces them only once
+    they serve."""
 
     from protocol.dht import make_dht
     from protocol.dht_records import fetch_servers
@@ -64,8 +65,8 @@ def test_running_server_moves_to_a_gap(tiny_llama_path, artifacts_dir):
             gap = [(0, 2), (2, 4), (4, 6)][victim]
             after = wait_for(lambda s: s.get("mover", (None, None, None))[:2] == gap and s["mover"][2] == "online")
             assert after["mover"][:2] == gap
-            # the target span was claimed as joining before its weights loaded, as at start
             log = (artifacts_dir / "block-move" / "mover.log").read_text()
-            assert f"Announced blocks {gap[0]}:{gap[1]} as joining while they load" in log
+            assert f"to {gap[0]}:{gap[1]} (loading beside the old span)" in log and "Serving blocks" in log
+            assert log.index("loading beside the old span") < log.index(f"Serving blocks {gap[0]}:{gap[1]} (moved)")
         finally:
             dht.shutdown()

@@ -190,8 +190,8 @@ def _stop(process: subprocess.Popen) -> None:
 def _start_gap_server(path: Path, swarm, blocks: str, name: str, log_dir: Path) -> subprocess.Popen:
     args = ["swarm.server", "--model", str(path), "--blocks", blocks, "--initial-peers", *swarm.initial_peers,
             "--host", "127.0.0.1", "--port", str(free_port()), "--public-name", name, "--update-period", "2",
-            "--torch-threads", "1", "--log-level", "INFO"]  # fmt: skip
-    return _popen(args, log_dir / f"{name}.log")
+            "--torch-threads", "1", "--log-level", "INFO", "--dht-prefix", GAP_MODEL]  # fmt: skip
+    return _popen(args, log_dir / f"{name}.log")  # named by --dht-prefix (a folder's own name carries a hash)
 
 
 @pytest.fixture(scope="module")

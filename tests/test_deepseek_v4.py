@@ -29,7 +29,7 @@ from protocol.sampling import verify
 from server.adapters import SpanCancelled, load_span
 from server.adapters.deepseek_v4 import DeepseekV4Adapter
 from server.adapters.deepseek_v4_cache import RollbackTooDeep
-from server.memory import GiB, blocks_that_fit, model_bytes, plan_blocks
+from server.memory import GiB, blocks_that_fit, model_sizes, plan_blocks
 from server.quantization import Quant, resident_bytes
 from server.weights import Checkpoint
 from swarm import lifeline
@@ -347,12 +347,14 @@ def test_blocks_that_fit_a_fabricated_budget():
 
 def test_plan_blocks_for_a_fabricated_free_memory(v4_path, v4_reference):
     config = AutoConfig.from_pretrained(v4_path)
-    per_block, ends = model_bytes(config, torch.float32)
+    sizes = model_sizes(config, torch.float32)
     # every tensor a block keeps: float32 parameters and the hash layers' integer token-to-expert table
-    assert per_block == max(resident_bytes(layer) for layer in v4_reference.model.layers)
-    free = int((ends + 3.5 * per_block) / 0.7)  # 25% cache, 5% headroom, embeddings + LM head, 3.5 blocks
-    plan = plan_blocks(config, torch.float32, "cpu", 6, free_bytes=free)
-    assert plan.blocks == 3 and plan.cache_bytes == int(free * 0.25)
+    assert sizes.block_bytes == max(resident_bytes(layer) for layer in v4_reference.model.layers)
+    per_token = sizes.cache_bytes_per_token * 2048  # --cache-tokens 2048, per block
+    free = int((3.5 * sizes.block_bytes + 4 * per_token) / 0.95)  # 5% headroom; 3.5 blocks with their cache
+    plan = plan_blocks(config, torch.float32, "cpu", 6, free_bytes=free, cache_tokens=2048)
+    assert plan.blocks == 3 and plan.cache_bytes(3) == 3 * per_token and plan.cache_budget_tokens(3) == 2048
+    assert plan.head_blocks < 3 and plan.tail_blocks < 3  # the ends hold embeddings or LM head (12 MiB) too
     assert "3 of 6 blocks fit" in plan.describe("cpu")
 
 
@@ -366,14 +368,17 @@ def test_the_memory_plan_counts_the_mtp_block_at_the_tail(v4_mtp_paths):
     config, checkpoint = AutoConfig.from_pretrained(path), Checkpoint(str(path))
     expected = resident_bytes(load_mtp(config, checkpoint, torch.float32, "cpu"))
     assert mtp_bytes(config, checkpoint, torch.float32) == expected
+    assert mtp_bytes(config, None, torch.float32) == expected  # from the config alone (--plan-only): CSA assumed
     assert drafter_bytes(ServerConfig(model=str(path)), config, checkpoint, torch.float32, Quant.NONE) == expected
     assert drafter_bytes(ServerConfig(model=str(path), drafter="none"), config, checkpoint, torch.float32, Quant.NONE) == 0
-    per_block, ends = model_bytes(config, torch.float32)
-    assert 0.1 * per_block < expected < per_block  # the tiny MTP block is smaller than the largest main block
-    free = int((ends + 3.1 * per_block) / 0.7)  # room for 3.1 blocks: 3, or 2 beside the MTP module
-    plan = plan_blocks(config, torch.float32, "cpu", 6, free_bytes=free, drafter_bytes=expected)
-    assert (plan.blocks, plan.tail_blocks, plan.drafter_bytes) == (3, 2, expected)
-    assert "2 beside the drafter" in plan.describe("cpu")
+    sizes = model_sizes(config, torch.float32)
+    assert 0.1 * sizes.block_bytes < expected < sizes.block_bytes  # the tiny MTP block is smaller than the largest main block
+    per_token = sizes.cache_bytes_per_token * 2048
+    # room for 3.1 blocks beside the LM head: 3, or 2 beside the MTP module
+    free = int((sizes.tail_bytes + 3.1 * sizes.block_bytes + 3 * per_token) / 0.95)
+    plan = plan_blocks(config, torch.float32, "cpu", 6, free_bytes=free, drafter_bytes=expected, cache_tokens=2048)
+    assert (plan.tail_blocks, plan.most_blocks(tail=True, drafter=False), plan.drafter_bytes) == (2, 3, expected)
+    assert "2 blocks (3 without it)" in plan.describe("cpu")
 
 
 def test_aliases_name_the_official_hub_repos():

@@ -47,21 +47,48 @@ def test_server_placement_counts_a_joining_server():
     assert _choose_blocks(ServerConfig(model=MODEL, blocks=(1, 4)), [joining("j", 0, 3)], TOTAL) == (1, 4)
 
 
+def fabricated_plan(free: int, drafter: int = 0):
+    """Blocks of 10 bytes, embeddings and LM head of 5 each, no cache: the plan's arithmetic alone
+    (headroom is 5% of ``free``)."""
+    from server.memory import MemoryPlan, ModelSizes
+
+    return MemoryPlan(TOTAL, free, ModelSizes(10, 5, 5, False, 0), drafter_bytes=drafter)
+
+
 def test_a_span_that_would_end_at_the_tail_leaves_room_for_the_drafter():
     """The memory plan's 3 blocks fit, but only 2 beside the tail's drafter (MTP block, head):
     where the best 3-block span ends at the last block, the server takes 2 blocks instead."""
-    from server.memory import MemoryPlan
-    from server.span_server import ServerConfig, _choose_blocks, drafter_fits
+    from server.span_server import ServerConfig, _choose_blocks
 
-    plan = MemoryPlan(3, TOTAL, 100, 10, 25, 15, drafter_bytes=15, tail_blocks=2)
+    plan = fabricated_plan(40, drafter=5)  # 3 x 10 + 2 headroom (+ 5 at an end); 2 beside the drafter
+    assert (plan.blocks, plan.head_blocks, plan.tail_blocks) == (3, 3, 2)
     config = ServerConfig(model=MODEL)
     assert _choose_blocks(config, [], TOTAL, plan) == (0, 3)  # not at the tail: all 3
     start, end = _choose_blocks(config, [srv("a", 0, 3)], TOTAL, plan)
     assert end - start == 2 and start >= 3  # the gap 3:6, with room for the drafter
-    assert "2 beside the drafter" in plan.describe("cpu")
+    assert "2 blocks (3 without it)" in plan.describe("cpu")
     assert _choose_blocks(ServerConfig(model=MODEL, num_blocks=3), [srv("a", 0, 3)], TOTAL, plan) == (3, 6)  # as asked
-    # a running server that moves to a 3-block gap at the tail keeps the blocks and drops the drafter
-    assert not drafter_fits(plan, 3) and drafter_fits(plan, 2) and drafter_fits(None, 6)
+    # a server that moves to a 3-block gap at the tail keeps the blocks and drops the drafter
+    assert not plan.fits(3, 6) and plan.fits(3, 6, drafter=False) and plan.fits(4, 6)
+
+
+def test_a_server_that_cannot_hold_an_end_takes_a_middle_span():
+    """Room for one block and nothing more: the plan says 1 block (in the middle, where no
+    embeddings or LM head are held), and placement keeps off both ends even where they are gaps."""
+    from server.span_server import ServerConfig, _choose_blocks, check_requested_blocks
+
+    plan = fabricated_plan(12)
+    assert (plan.blocks, plan.head_blocks, plan.tail_blocks) == (1, 0, 0)
+    for servers in ([], [srv("a", 1, 6)], [srv("a", 0, 5)]):
+        start, end = _choose_blocks(ServerConfig(model=MODEL), servers, TOTAL, plan)
+        assert end - start == 1 and 1 <= start and end <= TOTAL - 1, (servers, start, end)
+    check_requested_blocks(ServerConfig(model=MODEL, blocks=(2, 3)), plan, "cpu")  # fits: no error
+    with pytest.raises(ValueError, match=r"blocks 0:1 do not fit: they need 0.00 GiB .*embeddings.* is free on cpu"):
+        check_requested_blocks(ServerConfig(model=MODEL, blocks=(0, 1)), plan, "cpu")
+    with pytest.raises(ValueError, match="--num-blocks 2: blocks 1:3 do not fit"):
+        check_requested_blocks(ServerConfig(model=MODEL, num_blocks=2), plan, "cpu")
+    with pytest.raises(ValueError, match="not even one block fits"):
+        check_requested_blocks(ServerConfig(model=MODEL), fabricated_plan(9), "cpu")
 
 
 def test_joining_throughput_is_the_slowest_online_server_per_block():

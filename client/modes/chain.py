@@ -19,7 +19,7 @@ class ChainMode(Mode):
         d, state = self.decoder, self.decoder.state
         committed = state.history[state.cached :]
         # drafts and committed ids together stay within one Step's positions
-        room = min(self.room(budget, 0), d.swarm.max_positions_per_step - len(committed))
+        room = min(self.room(budget, 0), d.state.remote.max_positions_per_step - len(committed))
         drafts = self.drafts(room)
         d.hedges.clear()
         return Run(state.take_run_id(), state.cached, committed + drafts, drafts, None, proposed=len(drafts))

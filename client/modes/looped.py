@@ -55,7 +55,7 @@ class LoopedMode(ChainMode):
         if not run.looped:
             return super().observe_verdict(run, result)
         drafts, d = result.run_drafts, self.decoder
-        if drafts is None or not 0 <= result.accepted <= len(drafts) or len(drafts) > d.swarm.max_positions_per_step:
+        if drafts is None or not 0 <= result.accepted <= len(drafts) or len(drafts) > d.state.remote.max_positions_per_step:
             raise ServerError(f"the verdict on looped run {run.run_id} does not name its drafts", d.state.remote.tail_peer)
         run.drafts, run.token_ids, run.proposed = list(drafts), [run.token_ids[0], *drafts], len(drafts)
 

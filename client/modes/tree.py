@@ -34,11 +34,11 @@ class TreeMode(Mode):
         compute. A tree that came out a chain goes as one (a plain Step)."""
         d, state = self.decoder, self.decoder.state
         committed = state.history[state.cached :]
-        room = min(self.room(budget, 0), d.swarm.max_positions_per_step - len(committed))
+        room = min(self.room(budget, 0), d.state.remote.max_positions_per_step - len(committed))
         tree = DraftTree()
         if d.drafter is not None and room > 0:
             chain = d.drafter.draft(min(room, d.drafter.draft_cap))
-            max_nodes = min(MAX_TREE_NODES, d.swarm.max_positions_per_step - len(committed),
+            max_nodes = min(MAX_TREE_NODES, d.state.remote.max_positions_per_step - len(committed),
                             state.max_length - len(state.history) - 1)  # fmt: skip
             full = build_tree(d.drafter, chain, max_nodes, room, d.drafter.extra_chains(room), d.eos_token_ids)
             tree = full.prefix(self.sizer.choose(full, len(committed)))

@@ -36,7 +36,7 @@ class WindowMode(ChainMode):
         else:
             start_pos, committed, assumed = state.cached, state.history[state.cached :], []
         # drafts and committed ids together stay within one Step's positions
-        room = min(self.room(budget, len(assumed)), d.swarm.max_positions_per_step - len(committed))
+        room = min(self.room(budget, len(assumed)), d.state.remote.max_positions_per_step - len(committed))
         if d.inflight and room < 1:
             return None
         proposal: list[int] = []

@@ -94,6 +94,12 @@ class SpanAdapter(abc.ABC):
 
     def cache_bytes_per_token(self) -> int:
         """KV bytes one position costs across this span; used for the cache budget."""
+        return self.span_cache_bytes_per_token(self.config, self.start, self.end, self.dtype)
+
+    @staticmethod
+    def span_cache_bytes_per_token(config: Any, start: int, end: int, dtype: torch.dtype) -> int:
+        """:meth:`cache_bytes_per_token` from the config alone, so the memory plan can size the cache
+        before any weights load."""
         return 0
 
     @staticmethod

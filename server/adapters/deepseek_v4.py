@@ -143,16 +143,20 @@ class DeepseekV4Adapter(SpanAdapter):
         v4cache.trim_cache(cache, length)
 
     def cache_bytes_per_token(self) -> int:
+        return self.span_cache_bytes_per_token(self.config, self.start, self.end, self.dtype)
+
+    @staticmethod
+    def span_cache_bytes_per_token(config, start: int, end: int, dtype: torch.dtype) -> int:
         """Compressed entries grow with the context: head_dim (+ index_head_dim on CSA) per
         ``compress_rate`` positions. The sliding window and rollback history are a fixed
         per-session cost, not counted per token."""
-        config, elements = self.config, 0.0
-        for layer_type in config.layer_types[self.start : self.end]:
+        elements = 0.0
+        for layer_type in config.layer_types[start:end]:
             if layer_type == "compressed_sparse_attention":
                 elements += (config.head_dim + config.index_head_dim) / config.compress_rates[layer_type]
             elif layer_type == "heavily_compressed_attention":
                 elements += config.head_dim / config.compress_rates[layer_type]
-        return max(1, int(elements * torch.finfo(self.dtype).bits // 8))
+        return max(1, int(elements * torch.finfo(dtype).bits // 8))
 
     # ---- compute ----------------------------------------------------------------------------
 

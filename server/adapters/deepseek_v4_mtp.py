@@ -148,15 +148,25 @@ def load_mtp(config: PretrainedConfig, checkpoint: Checkpoint, dtype: torch.dtyp
     return mtp
 
 
-def mtp_bytes(config: PretrainedConfig, checkpoint: Checkpoint, dtype: torch.dtype, quant: Quant = Quant.NONE) -> int:
+def mtp_bytes(
+    config: PretrainedConfig, checkpoint: Checkpoint | None, dtype: torch.dtype, quant: Quant = Quant.NONE
+) -> int:
     """Resident bytes of MTP module 0 as :func:`load_mtp` would load it (0 without one), from a
-    meta-device copy: the memory plan keeps room for it on a server whose span ends at the tail."""
+    meta-device copy: the memory plan keeps room for it on a server whose span ends at the tail.
+    Without a ``checkpoint`` (a plan made before any weights are reachable) the config's
+    ``num_nextn_predict_layers`` says whether there is one, counted with the largest attention (CSA)."""
     from server.quantization import estimate_module_bytes
 
-    if not has_mtp(config, checkpoint):
+    if checkpoint is None:
+        if not (getattr(config, "num_nextn_predict_layers", 0) or 0) >= 1:
+            return 0
+        attention_type = "compressed_sparse_attention"
+    elif not has_mtp(config, checkpoint):
         return 0
+    else:
+        attention_type = mtp_attention_type(checkpoint.weight_map(), MTP_INDEX)
     with torch.device("meta"):
-        mtp = DeepseekV4MTP(config, mtp_attention_type(checkpoint.weight_map(), MTP_INDEX))
+        mtp = DeepseekV4MTP(config, attention_type)
     dtype_of = DeepseekV4Adapter.dtype_plan(dtype)
     block = estimate_module_bytes(mtp.layer, Quant(quant), dtype, dtype_of, DeepseekV4Adapter.stacked_linears)
     rest = sum(

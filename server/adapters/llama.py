@@ -154,9 +154,13 @@ class LlamaFamilyAdapter(SpanAdapter):
         return self.norm(hidden.to(self.device, self.dtype))[0].float()
 
     def cache_bytes_per_token(self) -> int:
-        head_dim = getattr(self.config, "head_dim", None) or self.config.hidden_size // self.config.num_attention_heads
-        kv_heads = getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads
-        return 2 * kv_heads * head_dim * (self.end - self.start) * torch.finfo(self.dtype).bits // 8
+        return self.span_cache_bytes_per_token(self.config, self.start, self.end, self.dtype)
+
+    @staticmethod
+    def span_cache_bytes_per_token(config, start: int, end: int, dtype: torch.dtype) -> int:
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        return 2 * kv_heads * head_dim * (end - start) * torch.finfo(dtype).bits // 8
 
 
 def _causal_mask(start_pos: int, num_new: int, device: torch.device) -> torch.Tensor | None:

@@ -68,7 +68,8 @@ class SwarmReader:
                     logger.debug(f"Skipping model {name} this poll: {num_blocks} blocks, {budget} keys left")
                     continue
                 snapshot, used = self._snapshot(name, num_blocks, budget - 1)
-                snapshots.append(replace(snapshot, disputes=fetch_reports(self.dht, name)))
+                disputes = fetch_reports(self.dht, name)
+                snapshots += [replace(part, disputes=disputes) for part in split_by_weights(snapshot)]
                 budget -= used + 1
         except Exception as e:
             logger.warning(f"Reading the DHT failed: {e!r}")
@@ -143,3 +144,22 @@ def _describe(e: BaseException) -> str:
     """One line for the page: the message, or the exception's name when it has none."""
     text = " ".join(str(e).split())
     return text[:300] if text else type(e).__name__
+
+
+def split_by_weights(snapshot: ModelSnapshot) -> list[ModelSnapshot]:
+    """One snapshot per exact model under one DHT name (config fingerprint and weights revision,
+    protocol.routing.same_model): clients never route them together, so the dashboard shows them
+    apart. The group with the most servers keeps the name; the others are named ``name @revision``."""
+    groups: dict[tuple[str, str], list[ServerInfo]] = {}
+    for info in snapshot.servers:
+        groups.setdefault((info.config_fingerprint, info.revision), []).append(info)
+    if len(groups) <= 1:
+        return [snapshot]
+    ordered = sorted(groups.items(), key=lambda item: (-len(item[1]), item[0]))
+    parts = [replace(snapshot, servers=tuple(ordered[0][1]))]
+    for (fingerprint, revision), servers in ordered[1:]:
+        label = (revision.removeprefix("sha256:")[:12] or "no revision") + ("" if fingerprint == ordered[0][0][0] else
+                                                                         f", config {fingerprint[:8] or 'unknown'}")
+        parts.append(replace(snapshot, name=f"{snapshot.name} @{label}", servers=tuple(servers)))
+    return parts
+

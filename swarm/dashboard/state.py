@@ -22,6 +22,7 @@ from typing import Mapping, Optional
 from swarm.dashboard.events import Event, ModelSnapshot, PeerProbed, PollFailed, SwarmPolled
 from protocol.records import ServerInfo, ServerState
 from protocol.routing import swarm_max_flow
+from protocol.version import PROTOCOL_VERSION
 
 # A bucket of the uptime timeline shows the worst state seen in it.
 _SEVERITY = {ServerState.ONLINE: 0, ServerState.JOINING: 1, ServerState.DRAINING: 2, ServerState.OFFLINE: 3}
@@ -99,7 +100,9 @@ class ModelEntry:
         return bool(self.coverage) and not self.missing_blocks
 
     def online(self) -> list[ServerInfo]:
-        return [entry.info for entry in self.servers.values() if entry.state == ServerState.ONLINE]
+        """Online servers a client of this version can route to (another protocol version cannot)."""
+        return [entry.info for entry in self.servers.values()
+                if entry.state == ServerState.ONLINE and entry.info.protocol_version == PROTOCOL_VERSION]  # fmt: skip
 
 
 @dataclass(frozen=True)

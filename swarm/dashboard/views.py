@@ -11,6 +11,7 @@ from typing import Any, Optional
 
 from swarm.dashboard.state import ModelEntry, ServerEntry, State, UptimeRecord
 from protocol.records import ServerState
+from protocol.version import PROTOCOL_VERSION
 
 API_VERSION = 1
 ANONYMOUS = "(anonymous)"
@@ -65,6 +66,7 @@ def server_view(
         "public_name": info.public_name,
         "version": info.version,
         "protocol_version": info.protocol_version,
+        "compatible": info.protocol_version == PROTOCOL_VERSION,  # else routers skip it (and coverage leaves it out)
         "state": entry.state.value,
         "start_block": info.start_block,
         "end_block": info.end_block,
