@@ -17,6 +17,7 @@ from server.quantization import Quant, estimate_module_bytes
 
 CACHE_FRACTION = 0.25  # of free memory kept for the KV cache budget (also server.cache_budget.default_cache_tokens)
 HEADROOM_FRACTION = 0.05  # of free memory left for activations and allocator slack
+DEFAULT_MAX_BATCH_POSITIONS = 1024  # positions of one batched pass (server/batching.py), at most
 
 GiB = 1 << 30
 
@@ -103,17 +104,36 @@ def model_bytes(config, dtype: torch.dtype, quant: Quant = Quant.NONE) -> tuple[
     return per_block, nbytes(embeddings) + (0 if tied else nbytes(head))
 
 
+def activation_bytes_per_position(config, dtype: torch.dtype) -> int:
+    """Activation bytes one position of a batched pass holds at its peak inside a block: the
+    hidden row and its residual, q/k/v and the attention output, the MLP's gate, up and product
+    (in ``dtype``), and at the tail one float32 logits row. Attention scores are per session and
+    bounded by its own Step, so they are not multiplied by the batch."""
+    hidden, inner = config.hidden_size, getattr(config, "intermediate_size", None) or 4 * config.hidden_size
+    width = getattr(config, "hc_mult", 1)  # DeepSeek-V4's hyper-connection streams
+    return (torch.finfo(dtype).bits // 8) * (width * 2 * hidden + 4 * hidden + 3 * inner) + 4 * config.vocab_size
+
+
+def batch_positions_that_fit(config, dtype: torch.dtype, free_bytes: int) -> int:
+    """The default ``--max-batch-positions``: what the headroom share of free memory holds, at
+    most DEFAULT_MAX_BATCH_POSITIONS and at least 64."""
+    fit = int(free_bytes * HEADROOM_FRACTION) // activation_bytes_per_position(config, dtype)
+    return max(64, min(DEFAULT_MAX_BATCH_POSITIONS, fit))
+
+
 def plan_blocks(
     config, dtype: torch.dtype, device: str, total_blocks: int, free_bytes: int | None = None, quant: Quant = Quant.NONE,
-    drafter_bytes: int = 0,
+    drafter_bytes: int = 0, batch_positions: int = DEFAULT_MAX_BATCH_POSITIONS,
 ) -> MemoryPlan:
     """How many blocks this server should hold when the volunteer did not say; a span that ends at
     the last block also holds the tail's drafter (``drafter_bytes``), so it may take fewer
-    (``tail_blocks``, at least one: a drafter that still does not fit is left out when it fails to load)."""
+    (``tail_blocks``, at least one: a drafter that still does not fit is left out when it fails to load).
+    The reserve also holds the activations of the largest batched pass (``batch_positions``)."""
     free = free_device_bytes(device) if free_bytes is None else free_bytes
     per_block, ends = model_bytes(config, dtype, quant)
     cache = int(free * CACHE_FRACTION)
     reserve = ends + int(free * HEADROOM_FRACTION)
+    reserve += batch_positions * activation_bytes_per_position(config, dtype)  # the largest batch
     blocks = blocks_that_fit(per_block, free, cache, total_blocks, reserve_bytes=reserve)
     tail_blocks = max(1, min(blocks, (free - cache - reserve - drafter_bytes) // per_block))
     return MemoryPlan(blocks, total_blocks, free, per_block, cache, reserve, quant.value, drafter_bytes, tail_blocks)

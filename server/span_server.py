@@ -29,7 +29,8 @@ from server.handler import SessionHandler
 from server.joining import claim_span, joining_throughput, keep_announcing, leave
 from server.tail_drafter import DEFAULT_TAIL_DRAFTS
 from server.faults import corrupt_outputs
-from server.memory import MemoryPlan, plan_blocks
+from server.batching import DEFAULT_GATHER_WINDOW
+from server.memory import MemoryPlan, batch_positions_that_fit, free_device_bytes, plan_blocks
 from server.quantization import Quant, resident_bytes, resolve_quant
 from server.upkeep import measure_next_pings
 from server.weights import Checkpoint
@@ -76,6 +77,9 @@ class ServerConfig:
     reachability: str = "auto"  # auto: ask initial peers to dial back; public; private (always through a relay)
     drafter: str = "auto"  # the tail's drafter: auto (the committed head for this model, if any), none, or a file
     drafter_tokens: int = DEFAULT_TAIL_DRAFTS  # ids the tail drafts per run at most
+    max_batch_positions: Optional[int] = None  # positions of one batched pass; None: what the memory plan's headroom holds
+    gather_window: float = DEFAULT_GATHER_WINDOW  # seconds a ready batch waits for more runs
+    batching: bool = True  # False: one run per pass through the span (for comparisons)
 
 
 class SpanServer:
@@ -108,7 +112,8 @@ class SpanServer:
         if config.blocks is None and config.num_blocks is None:  # as many blocks as fit in memory
             drafter = drafter_bytes(config, model_config, checkpoint, dtype, quant.quant)
             plan = plan_blocks(
-                model_config, dtype, device, model_config.num_hidden_layers, quant=quant.quant, drafter_bytes=drafter
+                model_config, dtype, device, model_config.num_hidden_layers, quant=quant.quant, drafter_bytes=drafter,
+                **({"batch_positions": config.max_batch_positions} if config.max_batch_positions else {}),
             )
             logger.info(plan.describe(device))
         dht_name = config.dht_prefix or model.dht_name
@@ -165,7 +170,11 @@ class SpanServer:
                 max_positions_per_step=config.max_positions_per_step,
                 max_sessions=config.max_sessions,
                 max_sessions_per_peer=config.max_sessions_per_peer,
+                max_batch_positions=config.max_batch_positions
+                or batch_positions_that_fit(model_config, dtype, free_device_bytes(device)),
+                gather_window=config.gather_window,
             )
+            handler.batches.enabled = config.batching
             await handler.start()
             info = ServerInfo(
                 peer_id=dht.peer_id.to_base58(),
@@ -257,7 +266,7 @@ class SpanServer:
                 await loop.run_in_executor(None, attach_drafter, span, self.config, self.model_config, self.checkpoint)
         finally:
             refresher.cancel()
-        self.span = self.handler.span = span
+        self.span = self.handler.span = self.handler.batches.span = span
         self.handler.accepting = True
         self._announce()
 
