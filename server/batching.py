@@ -20,6 +20,7 @@ go on.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -32,7 +33,10 @@ from server.adapters.base import BatchMember
 from server.memory import DEFAULT_MAX_BATCH_POSITIONS
 from server.session import QueuedRun, ServerSession, begin_run, finish_run, first_logits_row
 
+logger = logging.getLogger(__name__)
+
 DEFAULT_GATHER_WINDOW = 0.0  # seconds a batch waits for more runs once one is ready (docs/benchmarks.md)
+REPORT_PERIOD = 5.0  # seconds between log lines of the batching counters (when they changed)
 
 
 @dataclass
@@ -86,16 +90,16 @@ class BatchScheduler:
         self.enabled = True  # False: one run per pass (what every server did before; benchmarks compare)
         self._waiting: list[Job] = []  # arrival order
         self._ready = asyncio.Event()
-        self._task: Optional[asyncio.Task] = None
+        self._tasks: list[asyncio.Task] = []
         self.stats = {"batches": 0, "batched_runs": 0, "batched_positions": 0, "max_batch_runs": 0, "chunks": 0}
         self.batch_sizes: list[tuple[int, int]] = []  # (runs, positions) of recent batches, for benchmarks
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._loop())
+        self._tasks = [asyncio.create_task(self._loop()), asyncio.create_task(self._report())]
 
     def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in self._tasks:
+            task.cancel()
         for job in self._waiting:
             if not job.future.done():
                 job.future.set_exception(SpanCancelled())
@@ -126,6 +130,21 @@ class BatchScheduler:
                 outcomes = [Outcome(error=e) for _ in batch]
             for (job, _), outcome in zip(batch, outcomes):  # 3) outputs to their sessions
                 self._settle(job, outcome)
+
+    async def _report(self) -> None:
+        """Log the counters (cumulative, so a reader can diff two lines: benchmarks/load.py does)."""
+        last = dict(self.stats)
+        while True:
+            await asyncio.sleep(REPORT_PERIOD)
+            now = dict(self.stats)
+            passes = now["batches"] - last["batches"]
+            if passes:
+                runs, positions = now["batched_runs"] - last["batched_runs"], now["batched_positions"] - last["batched_positions"]
+                logger.info(
+                    f"Batching: {now['batches']} passes, {now['batched_runs']} runs, {now['batched_positions']} positions "
+                    f"in all (last {REPORT_PERIOD:.0f} s: {runs / passes:.1f} runs, {positions / passes:.1f} positions per pass)"
+                )
+            last = now
 
     def _take(self) -> list[tuple[Job, int]]:
         """Jobs for one pass and how many positions of each: in arrival order, all over the same

@@ -21,6 +21,7 @@ from protocol.messages import GREEDY, Hop, SamplingParams, Step
 from server.adapters import SpanCancelled, load_span
 from server.adapters.base import BatchMember
 from server.batching import BatchScheduler
+from server.quantization import Quant
 from server.session import QueuedRun, ServerSession
 from server.weights import Checkpoint
 from tests.conftest import inprocess_servers, single_torch_thread
@@ -31,10 +32,14 @@ pytestmark = pytest.mark.timeout(600)
 SESSIONS = 16
 
 
+def _whole_span(path, quant: Quant = Quant.NONE):
+    config = AutoConfig.from_pretrained(path)
+    return load_span(config, Checkpoint(str(path)), 0, config.num_hidden_layers, torch.float32, "cpu", quant)
+
+
 @pytest.fixture(scope="module")
 def whole_span(tiny_llama_path):
-    config = AutoConfig.from_pretrained(tiny_llama_path)
-    return load_span(config, Checkpoint(str(tiny_llama_path)), 0, config.num_hidden_layers, torch.float32, "cpu")
+    return _whole_span(tiny_llama_path)
 
 
 def prompts(count: int, seed: int = 5) -> list[list[int]]:
@@ -67,7 +72,11 @@ def span_blocks(span) -> range:
 MEMBERS = [(5, 1, None), (0, 7, None), (3, 4, [-1, 0, 0]), (9, 3, None), (2, 1, None), (12, 5, [-1, 0, 1, 0])]
 
 
-def test_a_batched_pass_gives_each_member_its_own_activations_and_cache(whole_span):
+@pytest.mark.parametrize("quant", ["none", "int8", "nf4"])
+def test_a_batched_pass_gives_each_member_its_own_activations_and_cache(tiny_llama_path, whole_span, quant):
+    """Quantized spans batch too: their linears take the packed row like any other."""
+    if quant != "none":
+        whole_span = _whole_span(tiny_llama_path, Quant(quant))
     alone, members = [], []
     with single_torch_thread():
         for i, (length, num_new, tree) in enumerate(MEMBERS):
