@@ -208,10 +208,11 @@ def batching_main(args, rows: list[list[int]], expected: list[list[int]]) -> Non
     names = ["batch-0", "batch-1", "batch-2"]
     cells = []
     for delay in args.delays:
-        for batching in (True, False):
+        for batching in (True,) if args.no_off else (True, False):
             log_dir = f"{args.log_dir}-batching-{'on' if batching else 'off'}-{delay:g}ms"
             server_args = ["--torch-threads", "1", "--log-level", "INFO", "--update-period", "5",
-                           "--cache-tokens", str(args.cache_tokens), *([] if batching else ["--no-batching"])]  # fmt: skip
+                           "--cache-tokens", str(args.cache_tokens), "--gather-window-ms", str(args.gather_window_ms),
+                           *([] if batching else ["--no-batching"])]  # fmt: skip
             with LocalSwarm(args.model, 3, hop_delay_ms=delay, server_args=server_args, names=names, log_dir=log_dir) as swarm:
                 model = AutoDistributedModelForCausalLM.from_pretrained(args.model, initial_peers=swarm.initial_peers,
                                                                         request_timeout=args.request_timeout)  # fmt: skip
@@ -244,16 +245,18 @@ def batching_table(cells: list[dict]) -> str:
              "| lap p50 ms (on / off) | lap p95 ms (on / off) | positions per pass (on) | identical |",
              "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     by_key = {(c["delay_ms"], c["speculation"], c["sessions"], c["batching"]): c for c in cells}
+    missing = dict(aggregate_tps=float("nan"), per_session_tps=float("nan"), lap_p50_ms=float("nan"),
+                   lap_p95_ms=float("nan"), identical=0)  # fmt: skip
     for (delay, mode, count, batching), on in by_key.items():
-        off = by_key.get((delay, mode, count, False))
+        off = by_key.get((delay, mode, count, False), missing)
         alone = by_key.get((delay, mode, 1, True))
-        if not batching or off is None or alone is None:
+        if not batching or alone is None:
             continue
         lines.append(
             f"| {delay:g} ms | {mode} | {count} | {on['aggregate_tps']:.1f} / {off['aggregate_tps']:.1f} "
             f"| {on['per_session_tps']:.1f} / {off['per_session_tps']:.1f} | {on['aggregate_tps'] / alone['aggregate_tps']:.1f}x "
             f"| {on['lap_p50_ms']:.0f} / {off['lap_p50_ms']:.0f} | {on['lap_p95_ms']:.0f} / {off['lap_p95_ms']:.0f} "
-            f"| {on['positions_per_pass']:.1f} | {on['identical'] + off['identical']}/{2 * count} |"
+            f"| {on['positions_per_pass']:.1f} | {on['identical'] + off['identical']}/{(1 + (off is not missing)) * count} |"
         )  # fmt: skip
     return "\n".join(lines)
 
@@ -271,6 +274,8 @@ def main() -> None:
     p.add_argument("--delays", type=float, nargs="+", default=[0, 25], help="--batching: ms per hop")
     p.add_argument("--counts", type=int, nargs="+", default=[1, 4, 16, 32], help="--batching: concurrent sessions")
     p.add_argument("--modes", nargs="+", default=["none", "suffix"], help="--batching: speculation modes (none: off)")
+    p.add_argument("--gather-window-ms", type=float, default=0.0, help="--batching: the servers' --gather-window-ms")
+    p.add_argument("--no-off", action="store_true", help="--batching: skip the swarms with batching off")
     args = p.parse_args()
     args.out = args.out or f"benchmarks/results/load{'-batching' if args.batching else ''}.json"
     torch.set_num_threads(1)
