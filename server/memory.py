@@ -114,6 +114,11 @@ def activation_bytes_per_position(config, dtype: torch.dtype) -> int:
     return (torch.finfo(dtype).bits // 8) * (width * 2 * hidden + 4 * hidden + 3 * inner) + 4 * config.vocab_size
 
 
+def batch_bytes(config, dtype: torch.dtype, positions: int = DEFAULT_MAX_BATCH_POSITIONS) -> int:
+    """What the memory plan reserves for the largest batched pass of ``positions`` positions."""
+    return positions * activation_bytes_per_position(config, dtype)
+
+
 def batch_positions_that_fit(config, dtype: torch.dtype, free_bytes: int) -> int:
     """The default ``--max-batch-positions``: what the headroom share of free memory holds, at
     most DEFAULT_MAX_BATCH_POSITIONS and at least 64."""
@@ -133,7 +138,7 @@ def plan_blocks(
     per_block, ends = model_bytes(config, dtype, quant)
     cache = int(free * CACHE_FRACTION)
     reserve = ends + int(free * HEADROOM_FRACTION)
-    reserve += batch_positions * activation_bytes_per_position(config, dtype)  # the largest batch
+    reserve += batch_bytes(config, dtype, batch_positions)  # the largest batched pass
     blocks = blocks_that_fit(per_block, free, cache, total_blocks, reserve_bytes=reserve)
     tail_blocks = max(1, min(blocks, (free - cache - reserve - drafter_bytes) // per_block))
     return MemoryPlan(blocks, total_blocks, free, per_block, cache, reserve, quant.value, drafter_bytes, tail_blocks)

@@ -258,3 +258,18 @@ def test_sixteen_concurrent_sessions_each_equal_transformers_and_themselves_alon
         for row, want in zip(rows, expected):
             alone = model.generate(torch.tensor([row]), max_new_tokens=TOKENS, **kwargs)
             assert alone[0, len(row) :].tolist() == want
+
+
+def test_the_memory_plan_keeps_room_for_the_largest_batch(tiny_llama_path):
+    """The plan's reserve grows by exactly the activations of --max-batch-positions positions, and
+    the default cap is what the headroom holds, within [64, 1024]."""
+    from server.memory import activation_bytes_per_position, batch_positions_that_fit, plan_blocks
+
+    config = AutoConfig.from_pretrained(tiny_llama_path)
+    per_position = activation_bytes_per_position(config, torch.float32)
+    small = plan_blocks(config, torch.float32, "cpu", 6, free_bytes=1 << 30, batch_positions=16)
+    large = plan_blocks(config, torch.float32, "cpu", 6, free_bytes=1 << 30, batch_positions=1024)
+    assert large.reserve_bytes - small.reserve_bytes == (1024 - 16) * per_position
+    assert batch_positions_that_fit(config, torch.float32, 1 << 40) == 1024
+    assert batch_positions_that_fit(config, torch.float32, 1 << 20) == 64
+    assert batch_positions_that_fit(config, torch.float32, 400 * 20 * per_position) == 400

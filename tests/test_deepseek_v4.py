@@ -29,7 +29,7 @@ from protocol.sampling import verify
 from server.adapters import SpanCancelled, load_span
 from server.adapters.deepseek_v4 import DeepseekV4Adapter
 from server.adapters.deepseek_v4_cache import RollbackTooDeep
-from server.memory import GiB, blocks_that_fit, model_bytes, plan_blocks
+from server.memory import GiB, batch_bytes, blocks_that_fit, model_bytes, plan_blocks
 from server.quantization import Quant, resident_bytes
 from server.weights import Checkpoint
 from swarm import lifeline
@@ -350,7 +350,8 @@ def test_plan_blocks_for_a_fabricated_free_memory(v4_path, v4_reference):
     per_block, ends = model_bytes(config, torch.float32)
     # every tensor a block keeps: float32 parameters and the hash layers' integer token-to-expert table
     assert per_block == max(resident_bytes(layer) for layer in v4_reference.model.layers)
-    free = int((ends + 3.5 * per_block) / 0.7)  # 25% cache, 5% headroom, embeddings + LM head, 3.5 blocks
+    # 25% cache, 5% headroom, embeddings + LM head, the largest batched pass, 3.5 blocks
+    free = int((ends + batch_bytes(config, torch.float32) + 3.5 * per_block) / 0.7)
     plan = plan_blocks(config, torch.float32, "cpu", 6, free_bytes=free)
     assert plan.blocks == 3 and plan.cache_bytes == int(free * 0.25)
     assert "3 of 6 blocks fit" in plan.describe("cpu")
@@ -370,7 +371,7 @@ def test_the_memory_plan_counts_the_mtp_block_at_the_tail(v4_mtp_paths):
     assert drafter_bytes(ServerConfig(model=str(path), drafter="none"), config, checkpoint, torch.float32, Quant.NONE) == 0
     per_block, ends = model_bytes(config, torch.float32)
     assert 0.1 * per_block < expected < per_block  # the tiny MTP block is smaller than the largest main block
-    free = int((ends + 3.1 * per_block) / 0.7)  # room for 3.1 blocks: 3, or 2 beside the MTP module
+    free = int((ends + batch_bytes(config, torch.float32) + 3.1 * per_block) / 0.7)  # room for 3.1 blocks: 3, or 2 beside the MTP module
     plan = plan_blocks(config, torch.float32, "cpu", 6, free_bytes=free, drafter_bytes=expected)
     assert (plan.blocks, plan.tail_blocks, plan.drafter_bytes) == (3, 2, expected)
     assert "2 beside the drafter" in plan.describe("cpu")
