@@ -48,14 +48,15 @@ def _attention(attn: torch.nn.Module, hidden: torch.Tensor, packed: Packed, cos_
     query, key, value = attn.q_proj(hidden).view(shape), attn.k_proj(hidden).view(shape), attn.v_proj(hidden).view(shape)
     if hasattr(attn, "q_norm"):
         query, key = attn.q_norm(query), attn.k_norm(key)
-    rotate = _rotary_of(attn)
+    # rotary embeddings are elementwise per position: the packed row at once equals each member's own
+    query, key = _rotary_of(attn)(query.transpose(1, 2), key.transpose(1, 2), *cos_sin)  # [1, heads, T, head_dim]
+    value = value.transpose(1, 2)
     interface: Callable = ALL_ATTENTION_FUNCTIONS[attn.config._attn_implementation]
-    cos, sin = cos_sin
     outputs = []
     for member, (a, b), mask in zip(packed.members, packed.bounds, packed.masks):
-        q, k = rotate(query[:, a:b].transpose(1, 2), key[:, a:b].transpose(1, 2), cos[:, a:b], sin[:, a:b])
-        k, v = member.cache.update(k, value[:, a:b].transpose(1, 2), attn.layer_idx)
-        out, _ = interface(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling)
+        # copies: a new cache keeps these tensors, which must not hold the whole packed row
+        k, v = member.cache.update(key[:, :, a:b].contiguous(), value[:, :, a:b].contiguous(), attn.layer_idx)
+        out, _ = interface(attn, query[:, :, a:b], k, v, mask, dropout=0.0, scaling=attn.scaling)
         outputs.append(out.reshape(1, b - a, -1))
     return attn.o_proj(torch.cat(outputs, dim=1))
 
