@@ -145,20 +145,19 @@ async def _decode(scheduler, span, session: ServerSession, prompt: list[int], to
     return committed[len(prompt) : len(prompt) + tokens]
 
 
-def test_sixteen_sessions_through_the_scheduler_each_get_what_transformers_gives(whole_span, tiny_reference):
-    """16 sessions at once over a span that is head and tail: greedy with drafts, prefills longer
-    than the cap cut into chunks, and every session's tokens equal local transformers'."""
-    rows = prompts(SESSIONS)
-    truths = [greedy_truth(tiny_reference, row, 10) for row in rows]
+def _through_scheduler(span, reference, rows: list[list[int]], tokens: int, cap: int):
+    """Greedy decodes of ``rows`` at once through a scheduler over ``span`` (head and tail in one);
+    returns (each session's tokens, transformers' tokens, the scheduler)."""
+    truths = [greedy_truth(reference, row, tokens) for row in rows]
 
     async def main():
         executor = ThreadPoolExecutor(1)
-        scheduler = BatchScheduler(whole_span, executor, max_batch_positions=12)
+        scheduler = BatchScheduler(span, executor, max_batch_positions=cap)
         scheduler.start()
         try:
-            sessions = [ServerSession(f"s{i}", 128, [Hop("p", 0, whole_span.end)], 0, whole_span.new_cache()) for i in range(SESSIONS)]
+            sessions = [ServerSession(f"s{i}", 128, [Hop("p", 0, span.end)], 0, span.new_cache()) for i in range(len(rows))]
             outputs = await asyncio.gather(*(
-                _decode(scheduler, whole_span, session, row, 10, truth[1:4]) for session, row, truth in zip(sessions, rows, truths)
+                _decode(scheduler, span, session, row, tokens, truth[1:4]) for session, row, truth in zip(sessions, rows, truths)
             ))  # fmt: skip
         finally:
             scheduler.stop()
@@ -167,10 +166,32 @@ def test_sixteen_sessions_through_the_scheduler_each_get_what_transformers_gives
 
     with single_torch_thread():
         outputs, scheduler = asyncio.run(main())
+    return outputs, truths, scheduler
+
+
+def test_sixteen_sessions_through_the_scheduler_each_get_what_transformers_gives(whole_span, tiny_reference):
+    """16 sessions at once over a span that is head and tail: greedy with drafts, prefills longer
+    than the cap cut into chunks, and every session's tokens equal local transformers'."""
+    outputs, truths, scheduler = _through_scheduler(whole_span, tiny_reference, prompts(SESSIONS), 10, cap=12)
     assert outputs == truths
     assert scheduler.stats["max_batch_runs"] >= 4  # sessions were computed together...
     assert scheduler.stats["chunks"] > 0  # ...and the longer prompts went in chunks
     assert max(positions for _, positions in scheduler.batch_sizes) <= 12
+
+
+def test_deepseek_v4_sessions_share_the_scheduler_one_member_at_a_time(tmp_path):
+    """DeepSeek-V4 spans compute a batch's members one after another (SpanAdapter.forward_batch's
+    default), chunked prefills included: compressed and sliding-window caches stay exact."""
+    from transformers import DeepseekV4ForCausalLM
+
+    from tests.test_deepseek_v4 import build_tiny_deepseek_v4
+
+    path = build_tiny_deepseek_v4(tmp_path / "v4")
+    reference = DeepseekV4ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    rows = [row * 2 for row in prompts(4, seed=3)]  # 6 to 24 ids: past the sliding window of 8
+    outputs, truths, scheduler = _through_scheduler(_whole_span(path), reference, rows, 6, cap=8)
+    assert outputs == truths
+    assert scheduler.stats["max_batch_runs"] >= 2 and scheduler.stats["chunks"] > 0
 
 
 def test_a_run_cancelled_while_waiting_leaves_and_its_session_goes_on(whole_span, tiny_reference):
