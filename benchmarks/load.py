@@ -217,16 +217,18 @@ def batching_main(args, rows: list[list[int]], expected: list[list[int]]) -> Non
                 model = AutoDistributedModelForCausalLM.from_pretrained(args.model, initial_peers=swarm.initial_peers,
                                                                         request_timeout=args.request_timeout)  # fmt: skip
                 model.generate(torch.tensor([rows[0]]), max_new_tokens=2, speculation=None)  # warm connections
+                time.sleep(REPORT_PERIOD + 1.5)  # the servers' counters before the first phase are logged
+                after = batching_counters(log_dir, names)
                 for mode in args.modes:
                     speculation = None if mode == "none" else mode
                     for count in args.counts:
-                        time.sleep(REPORT_PERIOD + 1.5)  # the servers' counters before this phase are logged
-                        before = batching_counters(log_dir, names)
+                        before = after
                         t0 = time.perf_counter()
                         results = asyncio.run(load(model, rows[:count], args.tokens, speculation))
                         wall = time.perf_counter() - t0
-                        time.sleep(REPORT_PERIOD + 1.5)
-                        row = phase_row(results, expected[:count], wall, before, batching_counters(log_dir, names))
+                        time.sleep(REPORT_PERIOD + 1.5)  # this phase's last counters are logged
+                        after = batching_counters(log_dir, names)
+                        row = phase_row(results, expected[:count], wall, before, after)
                         row.update(delay_ms=delay, batching=batching, speculation=mode)
                         cells.append(row)
                         print(f"{delay:>3g} ms  batching {'on ' if batching else 'off'}  {mode:<6} {count:>2} sessions: "
