@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import re
 import statistics
@@ -200,45 +201,63 @@ def phase_row(results: list[dict], expected: list[list[int]], wall: float, befor
 
 
 def batching_main(args, rows: list[list[int]], expected: list[list[int]]) -> None:
-    """For each delay, a swarm with batching on, then one with it off (``--no-batching``), each
-    running every mode and session count in turn; one table, side by side."""
+    """For each delay, two swarms at once, batching on and off (``--no-batching``); every mode and
+    session count runs on one, then at once on the other, so that the two cells of a pair see the
+    same load on a shared machine; one table, side by side."""
     from server.batching import REPORT_PERIOD
-    from swarm import AutoDistributedModelForCausalLM
 
     names = ["batch-0", "batch-1", "batch-2"]
     cells = []
     for delay in args.delays:
-        for batching in (True,) if args.no_off else (True, False):
-            log_dir = f"{args.log_dir}-batching-{'on' if batching else 'off'}-{delay:g}ms"
-            server_args = ["--torch-threads", "1", "--log-level", "INFO", "--update-period", "5",
-                           "--cache-tokens", str(args.cache_tokens), "--gather-window-ms", str(args.gather_window_ms),
-                           *([] if batching else ["--no-batching"])]  # fmt: skip
-            with LocalSwarm(args.model, 3, hop_delay_ms=delay, server_args=server_args, names=names, log_dir=log_dir) as swarm:
-                model = AutoDistributedModelForCausalLM.from_pretrained(args.model, initial_peers=swarm.initial_peers,
-                                                                        request_timeout=args.request_timeout)  # fmt: skip
-                model.generate(torch.tensor([rows[0]]), max_new_tokens=2, speculation=None)  # warm connections
-                time.sleep(REPORT_PERIOD + 1.5)  # the servers' counters before the first phase are logged
-                after = batching_counters(log_dir, names)
-                for mode in args.modes:
-                    speculation = None if mode == "none" else mode
-                    for count in args.counts:
-                        before = after
-                        t0 = time.perf_counter()
-                        results = asyncio.run(load(model, rows[:count], args.tokens, speculation))
-                        wall = time.perf_counter() - t0
-                        time.sleep(REPORT_PERIOD + 1.5)  # this phase's last counters are logged
-                        after = batching_counters(log_dir, names)
-                        row = phase_row(results, expected[:count], wall, before, after)
+        with contextlib.ExitStack() as stack:
+            arms = []
+            for batching in (True,) if args.no_off else (True, False):
+                log_dir = f"{args.log_dir}-batching-{'on' if batching else 'off'}-{delay:g}ms"
+                server_args = ["--torch-threads", "1", "--log-level", "INFO", "--update-period", "5",
+                               "--cache-tokens", str(args.cache_tokens), "--gather-window-ms", str(args.gather_window_ms),
+                               *([] if batching else ["--no-batching"])]  # fmt: skip
+                swarm = stack.enter_context(LocalSwarm(args.model, 3, hop_delay_ms=delay, server_args=server_args,
+                                                       names=names, log_dir=log_dir))  # fmt: skip
+                model = batching_client(args, swarm, rows[0])
+                stack.callback(model.shutdown)
+                arms.append((batching, log_dir, model))
+            time.sleep(REPORT_PERIOD + 1.5)  # the servers' counters before the first phase are logged
+            counters = {log_dir: batching_counters(log_dir, names) for _, log_dir, _ in arms}
+            for mode in args.modes:
+                for count in args.counts:
+                    for batching, log_dir, model in arms:
+                        row = batching_phase(args, model, rows[:count], expected[:count], mode, log_dir, names, counters)
                         row.update(delay_ms=delay, batching=batching, speculation=mode)
                         cells.append(row)
                         print(f"{delay:>3g} ms  batching {'on ' if batching else 'off'}  {mode:<6} {count:>2} sessions: "
                               f"{row['aggregate_tps']:6.1f} tok/s in all, {row['per_session_tps']:5.1f} per session, lap p50 "
                               f"{row['lap_p50_ms']:.0f} ms p95 {row['lap_p95_ms']:.0f} ms, {row['positions_per_pass']:.1f} "
                               f"positions/pass, {row['identical']}/{count} identical", flush=True)  # fmt: skip
-                model.shutdown()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(dict(model=args.model, new_tokens=args.tokens, cells=cells), indent=1))
     print(batching_table(cells))
+
+
+def batching_client(args, swarm: LocalSwarm, warm_row: list[int]):
+    from swarm import AutoDistributedModelForCausalLM
+
+    model = AutoDistributedModelForCausalLM.from_pretrained(args.model, initial_peers=swarm.initial_peers,
+                                                            request_timeout=args.request_timeout)  # fmt: skip
+    model.generate(torch.tensor([warm_row]), max_new_tokens=2, speculation=None)  # warm connections
+    return model
+
+
+def batching_phase(args, model, rows, expected, mode: str, log_dir: str, names: list[str], counters: dict) -> dict:
+    """One cell: ``rows`` as concurrent sessions on one swarm; its servers' counters are diffed
+    against the last ones logged (``counters``, updated)."""
+    from server.batching import REPORT_PERIOD
+
+    t0 = time.perf_counter()
+    results = asyncio.run(load(model, rows, args.tokens, None if mode == "none" else mode))
+    wall = time.perf_counter() - t0
+    time.sleep(REPORT_PERIOD + 1.5)  # this phase's last counters are logged
+    before, counters[log_dir] = counters[log_dir], batching_counters(log_dir, names)
+    return phase_row(results, expected, wall, before, counters[log_dir])
 
 
 def batching_table(cells: list[dict]) -> str:
