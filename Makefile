@@ -59,8 +59,10 @@ bench-failover: setup
 	$(PYTHON) -m benchmarks.failover
 
 # 32 concurrent sessions on a 3-server SmolLM2 swarm: token-identical or busy, memory and cache budget, lap times
+# the busy path (32 sessions, small cache budget), then batching on/off side by side (docs/benchmarks.md)
 bench-load: setup
 	$(PYTHON) -m benchmarks.load
+	$(PYTHON) -m benchmarks.load --batching
 
 # 50 generations (RUNS=N for fewer), each with a random server SIGKILLed, SIGSTOPped or cut off; all must match
 RUNS ?= 50

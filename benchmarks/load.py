@@ -1,6 +1,8 @@
-"""Load: 32 concurrent sessions on a 3-server SmolLM2-135M swarm (issue #15, figure "Load").
+"""Load: 32 concurrent sessions on a 3-server SmolLM2-135M swarm (issue #15, figure "Load"), and
+with ``--batching`` the servers' continuous batching on and off side by side (issue #25).
 
     python -m benchmarks.load --sessions 32 --tokens 32
+    python -m benchmarks.load --batching --delays 0 25 --counts 1 4 16 32 --tokens 16
 
 Every session is its own ``agenerate_stream`` (greedy, no speculation, so one streamed chunk is one
 lap) on one client, all started at once. Each must end token-identical to local transformers
@@ -22,7 +24,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import re
 import statistics
 import threading
 import time
@@ -140,11 +144,11 @@ def busy_error(error: BaseException) -> bool:
     return False
 
 
-async def one_session(model, row: list[int], tokens: int) -> dict:
+async def one_session(model, row: list[int], tokens: int, speculation: Optional[str] = None) -> dict:
     began = time.perf_counter()
     stamps, out = [], []
     try:
-        async for chunk in model.agenerate_stream(row, max_new_tokens=tokens, speculation=None):
+        async for chunk in model.agenerate_stream(row, max_new_tokens=tokens, speculation=speculation):
             stamps.append(time.perf_counter())
             out += chunk.token_ids
     except Exception as e:  # noqa: BLE001 - counted and reported below
@@ -154,13 +158,128 @@ async def one_session(model, row: list[int], tokens: int) -> dict:
                 wall=time.perf_counter() - began)  # fmt: skip
 
 
-async def load(model, rows: list[list[int]], tokens: int) -> list[dict]:
-    return await asyncio.gather(*(one_session(model, row, tokens) for row in rows))
+async def load(model, rows: list[list[int]], tokens: int, speculation: Optional[str] = None) -> list[dict]:
+    return await asyncio.gather(*(one_session(model, row, tokens, speculation) for row in rows))
 
 
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+# ---- --batching: the servers' continuous batching on and off (issue #25) ---------------------------
+
+BATCHING_LINE = re.compile(r"Batching: (\d+) passes, (\d+) runs, (\d+) positions in all")
+
+
+def batching_counters(log_dir: str, names: list[str]) -> dict[str, tuple[int, int, int]]:
+    """Each server's latest cumulative (passes, runs, positions), from the line server/batching.py
+    logs every REPORT_PERIOD seconds while it computes."""
+    counters = {}
+    for name in names:
+        path = Path(log_dir) / f"{name}.log"
+        found = BATCHING_LINE.findall(path.read_text(errors="replace")) if path.exists() else []
+        counters[name] = tuple(map(int, found[-1])) if found else (0, 0, 0)
+    return counters
+
+
+def phase_row(results: list[dict], expected: list[list[int]], wall: float, before: dict, after: dict) -> dict:
+    """One (delay, batching, mode, sessions) cell: throughput, laps and what the servers batched."""
+    ok = [r for r in results if r["error"] is None]
+    laps = [lap for r in ok for lap in r["laps"]]
+    tokens = sum(len(r["tokens"]) for r in ok)
+    passes = sum(after[n][0] - before[n][0] for n in after)
+    runs = sum(after[n][1] - before[n][1] for n in after)
+    positions = sum(after[n][2] - before[n][2] for n in after)
+    return dict(
+        sessions=len(results), identical=sum(1 for r, e in zip(results, expected) if r["error"] is None and r["tokens"] == e),
+        errors=[r["error"] for r in results if r["error"] is not None], wall_s=wall, tokens=tokens,
+        aggregate_tps=tokens / wall, per_session_tps=statistics.median(len(r["tokens"]) / r["wall"] for r in ok) if ok else None,
+        lap_p50_ms=1000 * statistics.median(laps) if laps else None, lap_p95_ms=1000 * percentile(laps, 0.95) if laps else None,
+        passes=passes, runs_per_pass=runs / max(1, passes), positions_per_pass=positions / max(1, passes),
+    )  # fmt: skip
+
+
+def batching_main(args, rows: list[list[int]], expected: list[list[int]]) -> None:
+    """For each delay, two swarms at once, batching on and off (``--no-batching``); every mode and
+    session count runs on one, then at once on the other, so that the two cells of a pair see the
+    same load on a shared machine; one table, side by side."""
+    from server.batching import REPORT_PERIOD
+
+    names = ["batch-0", "batch-1", "batch-2"]
+    cells = []
+    for delay in args.delays:
+        with contextlib.ExitStack() as stack:
+            arms = []
+            for batching in (True,) if args.no_off else (True, False):
+                log_dir = f"{args.log_dir}-batching-{'on' if batching else 'off'}-{delay:g}ms"
+                server_args = ["--torch-threads", "1", "--log-level", "INFO", "--update-period", "5",
+                               "--cache-tokens", str(args.cache_tokens), "--gather-window-ms", str(args.gather_window_ms),
+                               *([] if batching else ["--no-batching"])]  # fmt: skip
+                swarm = stack.enter_context(LocalSwarm(args.model, 3, hop_delay_ms=delay, server_args=server_args,
+                                                       names=names, log_dir=log_dir))  # fmt: skip
+                model = batching_client(args, swarm, rows[0])
+                stack.callback(model.shutdown)
+                arms.append((batching, log_dir, model))
+            time.sleep(REPORT_PERIOD + 1.5)  # the servers' counters before the first phase are logged
+            counters = {log_dir: batching_counters(log_dir, names) for _, log_dir, _ in arms}
+            for mode in args.modes:
+                for count in args.counts:
+                    for batching, log_dir, model in arms:
+                        row = batching_phase(args, model, rows[:count], expected[:count], mode, log_dir, names, counters)
+                        row.update(delay_ms=delay, batching=batching, speculation=mode)
+                        cells.append(row)
+                        print(f"{delay:>3g} ms  batching {'on ' if batching else 'off'}  {mode:<6} {count:>2} sessions: "
+                              f"{row['aggregate_tps']:6.1f} tok/s in all, {row['per_session_tps']:5.1f} per session, lap p50 "
+                              f"{row['lap_p50_ms']:.0f} ms p95 {row['lap_p95_ms']:.0f} ms, {row['positions_per_pass']:.1f} "
+                              f"positions/pass, {row['identical']}/{count} identical", flush=True)  # fmt: skip
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(dict(model=args.model, new_tokens=args.tokens, cells=cells), indent=1))
+    print(batching_table(cells))
+
+
+def batching_client(args, swarm: LocalSwarm, warm_row: list[int]):
+    from swarm import AutoDistributedModelForCausalLM
+
+    model = AutoDistributedModelForCausalLM.from_pretrained(args.model, initial_peers=swarm.initial_peers,
+                                                            request_timeout=args.request_timeout)  # fmt: skip
+    model.generate(torch.tensor([warm_row]), max_new_tokens=2, speculation=None)  # warm connections
+    return model
+
+
+def batching_phase(args, model, rows, expected, mode: str, log_dir: str, names: list[str], counters: dict) -> dict:
+    """One cell: ``rows`` as concurrent sessions on one swarm; its servers' counters are diffed
+    against the last ones logged (``counters``, updated)."""
+    from server.batching import REPORT_PERIOD
+
+    t0 = time.perf_counter()
+    results = asyncio.run(load(model, rows, args.tokens, None if mode == "none" else mode))
+    wall = time.perf_counter() - t0
+    time.sleep(REPORT_PERIOD + 1.5)  # this phase's last counters are logged
+    before, counters[log_dir] = counters[log_dir], batching_counters(log_dir, names)
+    return phase_row(results, expected, wall, before, counters[log_dir])
+
+
+def batching_table(cells: list[dict]) -> str:
+    """Markdown: one line per (delay, mode, sessions), batching on beside off."""
+    lines = ["| delay/hop | speculation | sessions | tok/s in all (on / off) | per session (on / off) | vs 1 session on "
+             "| lap p50 ms (on / off) | lap p95 ms (on / off) | positions per pass (on) | identical |",
+             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    by_key = {(c["delay_ms"], c["speculation"], c["sessions"], c["batching"]): c for c in cells}
+    missing = dict(aggregate_tps=float("nan"), per_session_tps=float("nan"), lap_p50_ms=float("nan"),
+                   lap_p95_ms=float("nan"), identical=0)  # fmt: skip
+    for (delay, mode, count, batching), on in by_key.items():
+        off = by_key.get((delay, mode, count, False), missing)
+        alone = by_key.get((delay, mode, 1, True))
+        if not batching or alone is None:
+            continue
+        lines.append(
+            f"| {delay:g} ms | {mode} | {count} | {on['aggregate_tps']:.1f} / {off['aggregate_tps']:.1f} "
+            f"| {on['per_session_tps']:.1f} / {off['per_session_tps']:.1f} | {on['aggregate_tps'] / alone['aggregate_tps']:.1f}x "
+            f"| {on['lap_p50_ms']:.0f} / {off['lap_p50_ms']:.0f} | {on['lap_p95_ms']:.0f} / {off['lap_p95_ms']:.0f} "
+            f"| {on['positions_per_pass']:.1f} | {on['identical'] + off['identical']}/{(1 + (off is not missing)) * count} |"
+        )  # fmt: skip
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -171,8 +290,15 @@ def main() -> None:
     p.add_argument("--cache-tokens", type=int, default=1536, help="each server's KV budget (small on purpose)")
     p.add_argument("--request-timeout", type=float, default=120.0, help="generous: the machine is shared")
     p.add_argument("--log-dir", default="test-artifacts/bench-load")
-    p.add_argument("--out", default="benchmarks/results/load.json")
+    p.add_argument("--out", default=None, help="default: benchmarks/results/load.json (load-batching.json with --batching)")
+    p.add_argument("--batching", action="store_true", help="servers' batching on and off side by side (issue #25)")
+    p.add_argument("--delays", type=float, nargs="+", default=[0, 25], help="--batching: ms per hop")
+    p.add_argument("--counts", type=int, nargs="+", default=[1, 4, 16, 32], help="--batching: concurrent sessions")
+    p.add_argument("--modes", nargs="+", default=["none", "suffix"], help="--batching: speculation modes (none: off)")
+    p.add_argument("--gather-window-ms", type=float, default=0.0, help="--batching: the servers' --gather-window-ms")
+    p.add_argument("--no-off", action="store_true", help="--batching: skip the swarms with batching off")
     args = p.parse_args()
+    args.out = args.out or f"benchmarks/results/load{'-batching' if args.batching else ''}.json"
     torch.set_num_threads(1)
 
     from swarm import AutoDistributedModelForCausalLM
@@ -181,12 +307,16 @@ def main() -> None:
 
     source = resolve_model(args.model).source
     tokenizer = AutoTokenizer.from_pretrained(source)
+    if args.batching:  # enough cache that no session is refused
+        args.sessions, args.cache_tokens = max(args.counts), max(args.cache_tokens, 65536)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.sessions)]
     rows = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True,
                                           return_dict=True)["input_ids"] for t in prompts]  # fmt: skip
     t0 = time.perf_counter()
     expected = references(source, rows, args.tokens)
     print(f"references: {len(rows)} prompts in {time.perf_counter() - t0:.1f} s", flush=True)
+    if args.batching:
+        return batching_main(args, rows, expected)
 
     names = ["load-0", "load-1", "load-2"]
     server_args = SERVER_ARGS + ["--cache-tokens", str(args.cache_tokens)]

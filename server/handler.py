@@ -48,8 +48,9 @@ from protocol.messages import (
     Subscribe,
 )
 from server.adapters import SpanAdapter, SpanCancelled
+from server.batching import DEFAULT_GATHER_WINDOW, DEFAULT_MAX_BATCH_POSITIONS, BatchScheduler
 from server.cache_budget import CacheBudget
-from server.session import QueuedRun, QueuedTrim, ServerSession, TailReply, check_token_ids, compute_run
+from server.session import QueuedRun, QueuedTrim, ServerSession, TailReply, check_token_ids
 from protocol import relay
 from protocol.streams import PING_PROTOCOL, RESULTS_PROTOCOL, SESSION_PROTOCOL, MessageStream, serve
 
@@ -71,6 +72,8 @@ class SessionHandler:
         max_positions_per_step: int = limits.DEFAULT_MAX_POSITIONS_PER_STEP,
         max_sessions: int = limits.DEFAULT_MAX_SESSIONS,
         max_sessions_per_peer: int = limits.DEFAULT_MAX_SESSIONS_PER_PEER,
+        max_batch_positions: int = DEFAULT_MAX_BATCH_POSITIONS,
+        gather_window: float = DEFAULT_GATHER_WINDOW,
     ):
         self.p2p, self.span, self.budget = p2p, span, budget
         self.peer_id = p2p.peer_id.to_base58()
@@ -86,6 +89,9 @@ class SessionHandler:
         self._session_opened = asyncio.Event()  # set (and replaced) whenever a session opens here
         self._opening: set[str] = set()  # session ids whose OpenSession waits for the next hop
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="span-compute")
+        # every session's runs go through the span together (server/batching.py)
+        self.batches = BatchScheduler(span, self._executor, max_batch_positions=max_batch_positions,
+                                      gather_window=gather_window)  # fmt: skip
         self.accepting = True
         self.stats = {"runs": 0, "cancelled_runs": 0, "sessions_opened": 0, "accepted_tokens": 0,
                       "cancelled_queued": 0, "cancelled_running": 0, "cancelled_computed": 0,
@@ -103,6 +109,7 @@ class SessionHandler:
         # bitsandbytes takes seconds to import: not on the first run's path
         asyncio.get_running_loop().run_in_executor(None, codecs.preload, self.compression)
         self._reaper = asyncio.create_task(self._reap_idle_sessions())
+        self.batches.start()
 
     async def drain(self, grace: float) -> None:
         """Stop taking sessions, give open ones ``grace`` seconds to finish, then close them:
@@ -119,6 +126,7 @@ class SessionHandler:
     async def shutdown(self, grace: float = 0.0) -> None:
         await self.drain(grace)
         self._reaper.cancel()
+        self.batches.stop()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     # ---- session streams -------------------------------------------------------------------
@@ -474,7 +482,6 @@ class SessionHandler:
             await _send_quietly(downstream, cancel)
 
     async def _run_session(self, session: ServerSession, downstream: Optional[MessageStream]) -> None:
-        loop = asyncio.get_running_loop()
         while (run := await session.queue.get()) is not None:
             if isinstance(run, QueuedTrim):
                 session.trim(self.span, min(run.length, self.span.cache_length(session.cache)))
@@ -484,9 +491,7 @@ class SessionHandler:
                 continue
             session.running = run
             try:
-                output = await loop.run_in_executor(
-                    self._executor, compute_run, self.span, session, run
-                )
+                output = await self.batches.compute(session, run)
             except SpanCancelled:
                 self.stats["cancelled_runs"] += 1
                 continue

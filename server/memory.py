@@ -27,6 +27,7 @@ CACHE_FRACTION = 0.25  # of free memory kept for the KV cache budget at most
 HEADROOM_FRACTION = 0.05  # of free memory left for activations and allocator slack
 MAX_CACHE_TOKENS = 1 << 20  # the cache budget's cap, in tokens
 MIN_CACHE_TOKENS = 2048  # the smallest cache budget a server runs with
+DEFAULT_MAX_BATCH_POSITIONS = 1024  # positions of one batched pass (server/batching.py), at most
 
 GiB = 1 << 30
 
@@ -53,6 +54,7 @@ class MemoryPlan:
     quant: str = "none"
     drafter_bytes: int = 0  # the tail's drafter (DeepSeek-V4's MTP block, a tail drafter), beyond its blocks
     cache_tokens: Optional[int] = None  # --cache-tokens, when the volunteer set the budget
+    batch_bytes: int = 0  # activations of the largest batched pass beyond what the headroom holds
 
     @property
     def bytes_per_block(self) -> int:
@@ -60,7 +62,7 @@ class MemoryPlan:
 
     @property
     def headroom_bytes(self) -> int:
-        return int(self.free_bytes * HEADROOM_FRACTION)
+        return int(self.free_bytes * HEADROOM_FRACTION) + self.batch_bytes
 
     def cache_bytes(self, num_blocks: int) -> int:
         """Memory kept for the KV cache of a span of ``num_blocks``."""
@@ -251,11 +253,38 @@ def model_bytes(config, dtype: torch.dtype, quant: Quant = Quant.NONE) -> tuple[
     return sizes.block_bytes, sizes.embed_bytes + head
 
 
+def activation_bytes_per_position(config, dtype: torch.dtype) -> int:
+    """Activation bytes one position of a batched pass holds at its peak inside a block: the
+    hidden row and its residual, q/k/v and the attention output, the MLP's gate, up and product
+    (in ``dtype``), and at the tail one float32 logits row. Attention scores are per session and
+    bounded by its own Step, so they are not multiplied by the batch."""
+    hidden, inner = config.hidden_size, getattr(config, "intermediate_size", None) or 4 * config.hidden_size
+    width = getattr(config, "hc_mult", 1)  # DeepSeek-V4's hyper-connection streams
+    return (torch.finfo(dtype).bits // 8) * (width * 2 * hidden + 4 * hidden + 3 * inner) + 4 * config.vocab_size
+
+
+def batch_bytes(config, dtype: torch.dtype, positions: int = DEFAULT_MAX_BATCH_POSITIONS) -> int:
+    """What the memory plan reserves for the largest batched pass of ``positions`` positions."""
+    return positions * activation_bytes_per_position(config, dtype)
+
+
+def batch_positions_that_fit(config, dtype: torch.dtype, free_bytes: int) -> int:
+    """The default ``--max-batch-positions``: what the headroom share of free memory holds, at
+    most DEFAULT_MAX_BATCH_POSITIONS and at least 64."""
+    fit = int(free_bytes * HEADROOM_FRACTION) // activation_bytes_per_position(config, dtype)
+    return max(64, min(DEFAULT_MAX_BATCH_POSITIONS, fit))
+
+
 def plan_blocks(
     config, dtype: torch.dtype, device: str, total_blocks: int, free_bytes: int | None = None, quant: Quant = Quant.NONE,
-    drafter_bytes: int = 0, cache_tokens: int | None = None,
+    drafter_bytes: int = 0, cache_tokens: int | None = None, batch_positions: int | None = None,
 ) -> MemoryPlan:
-    """The memory plan of this server: ``free_bytes`` stands in for the device's free memory when given."""
+    """The memory plan of this server: ``free_bytes`` stands in for the device's free memory when given.
+    ``batch_positions`` (--max-batch-positions): the largest batched pass; by default it is what the
+    headroom holds (:func:`batch_positions_that_fit`), and a larger one reserves the rest beside it."""
     free = free_device_bytes(device) if free_bytes is None else free_bytes
     sizes = model_sizes(config, dtype, quant)
-    return MemoryPlan(total_blocks, free, sizes, quant.value, drafter_bytes, cache_tokens)
+    extra = 0
+    if batch_positions is not None:  # the activations of the largest pass beyond the headroom
+        extra = max(0, batch_bytes(config, dtype, batch_positions) - int(free * HEADROOM_FRACTION))
+    return MemoryPlan(total_blocks, free, sizes, quant.value, drafter_bytes, cache_tokens, extra)

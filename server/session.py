@@ -310,7 +310,29 @@ def check_token_ids(token_ids, vocab_size: int) -> None:
 
 def compute_run(span: SpanAdapter, session: ServerSession, run: QueuedRun) -> torch.Tensor | StepResult | TailReply:
     """Run this server's blocks over a run's new positions; at the tail, verify its drafts (and
-    collect the outputs the run asked for with ``return_logits``).
+    collect the outputs the run asked for with ``return_logits``). One run alone: the batch
+    scheduler (server/batching.py) does the same in three parts, :func:`begin_run`, the span's
+    ``forward_batch`` and :func:`finish_run`.
+    """
+    hidden = begin_run(span, session, run)
+    step = run.step
+
+    def check_cancelled() -> None:
+        if run.cancelled or session.closed:
+            raise SpanCancelled()
+
+    tree = {"tree": list(step.parents)} if step.parents else {}  # checked on arrival: the span takes trees
+    token_ids = torch.tensor([step.token_ids], dtype=torch.long)
+    try:
+        hidden = span.forward(hidden, token_ids, step.start_pos, session.cache, session.blocks, check_cancelled, **tree)
+    except SpanCancelled:
+        span.trim_cache(session.cache, step.start_pos)
+        raise
+    return finish_run(span, session, run, hidden)
+
+
+def begin_run(span: SpanAdapter, session: ServerSession, run: QueuedRun) -> torch.Tensor:
+    """Make the cache ready for a run and return its input activations (the head embeds the ids).
 
     The cache is first trimmed to ``start_pos``: that trim is the protocol's only rollback.
     """
@@ -325,23 +347,29 @@ def compute_run(span: SpanAdapter, session: ServerSession, run: QueuedRun) -> to
     if gather is not None:
         session.compact(span, *gather)
     session.trim(span, step.start_pos)
-    token_ids = torch.tensor([step.token_ids], dtype=torch.long)
-    hidden = span.embed(token_ids) if session.hop_index == 0 else run.hidden
+    if session.hop_index == 0:
+        return span.embed(torch.tensor([step.token_ids], dtype=torch.long))
+    return run.hidden
 
-    def check_cancelled() -> None:
-        if run.cancelled or session.closed:
-            raise SpanCancelled()
 
-    tree = {"tree": list(step.parents)} if step.parents else {}  # checked on arrival: the span takes trees
-    try:
-        hidden = span.forward(hidden, token_ids, step.start_pos, session.cache, session.blocks, check_cancelled, **tree)
-    except SpanCancelled:
-        span.trim_cache(session.cache, step.start_pos)
-        raise
+def first_logits_row(step: Step) -> int:
+    """The row of a run's logits that verification reads first (it predicts the first draft), so
+    that a batch can compute that row of every member's in one call of the LM head."""
+    return len(step.token_ids) - step.n_draft - 1
+
+
+def finish_run(
+    span: SpanAdapter, session: ServerSession, run: QueuedRun, hidden: torch.Tensor, first_row: Optional[torch.Tensor] = None
+) -> torch.Tensor | StepResult | TailReply:
+    """After the blocks: a middle server's output activations, or the tail's verdict (and outputs).
+    ``first_row``: the logits of :func:`first_logits_row`, when the caller computed them already."""
+    step = run.step
     session.history.extend(step.token_ids)
     if session.next_hop is not None:
         return hidden
     logits = LazyLogits(span, hidden, contiguous=not step.parents)
+    if first_row is not None:
+        logits.seed(first_logits_row(step), first_row[None])
     outputs = _outputs(span, session, step, hidden, logits) if step.return_logits else None
     result = _verdict(session, step, logits)
     result.step_digest = digest_of(step, step.sampling_params, session.secret)  # what this verdict is about

@@ -32,7 +32,8 @@ from server.cache_budget import CacheBudget
 from server.handler import SessionHandler
 from server.joining import claim_span, joining_throughput, keep_announcing, leave
 from server.tail_drafter import DEFAULT_TAIL_DRAFTS
-from server.memory import MemoryPlan, plan_blocks
+from server.batching import DEFAULT_GATHER_WINDOW
+from server.memory import MemoryPlan, batch_positions_that_fit, plan_blocks
 from server.quantization import Quant, resident_bytes, resolve_quant
 from server.upkeep import measure_next_pings
 from server.weights import Checkpoint
@@ -78,6 +79,9 @@ class ServerConfig:
     reachability: str = "auto"  # auto: ask initial peers to dial back; public; private (always through a relay)
     drafter: str = "auto"  # the tail's drafter: auto (the committed head for this model, if any), none, or a file
     drafter_tokens: int = DEFAULT_TAIL_DRAFTS  # ids the tail drafts per run at most
+    max_batch_positions: Optional[int] = None  # positions of one batched pass; None: what the memory plan's headroom holds
+    gather_window: float = DEFAULT_GATHER_WINDOW  # seconds a ready batch waits for more runs
+    batching: bool = True  # False: one run per pass through the span (for comparisons)
 
 
 class SpanServer:
@@ -117,7 +121,7 @@ class SpanServer:
         plan = plan_blocks(
             model_config, dtype, device, model_config.num_hidden_layers, free_bytes=config.assume_free_memory,
             quant=quant.quant, drafter_bytes=drafter_bytes(config, model_config, checkpoint, dtype, quant.quant),
-            cache_tokens=config.cache_tokens,
+            cache_tokens=config.cache_tokens, batch_positions=config.max_batch_positions,
         )  # fmt: skip
         logger.info(plan.describe(device))
         check_requested_blocks(config, plan, device)
@@ -172,7 +176,11 @@ class SpanServer:
                 max_positions_per_step=config.max_positions_per_step,
                 max_sessions=config.max_sessions,
                 max_sessions_per_peer=config.max_sessions_per_peer,
+                max_batch_positions=config.max_batch_positions
+                or batch_positions_that_fit(model_config, dtype, plan.free_bytes),
+                gather_window=config.gather_window,
             )
+            handler.batches.enabled = config.batching
             await handler.start()
             info = ServerInfo(
                 peer_id=dht.peer_id.to_base58(),
@@ -291,7 +299,7 @@ class SpanServer:
         """Stop taking sessions, let open ones finish, and free the span's memory."""
         self._announce(state)
         await self.handler.drain(self.config.drain_seconds)
-        self.span = self.handler.span = _FreedSpan(self.span)
+        self.span = self.handler.span = self.handler.batches.span = _FreedSpan(self.span)
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -320,7 +328,7 @@ class SpanServer:
 
     def _serve(self, span: SpanAdapter, info: ServerInfo) -> None:
         """Serve ``span`` and say so: the record goes out only once the span takes sessions."""
-        self.span = self.handler.span = span
+        self.span = self.handler.span = self.handler.batches.span = span
         self.info = info
         self.handler.accepting = True
         self._announce()

@@ -68,6 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --num-blocks: seconds between checks whether another span helps the swarm more")
     p.add_argument("--max-positions-per-step", type=int, default=DEFAULT_MAX_POSITIONS_PER_STEP,
                    help="most positions one Step may carry (frames are limited to what it needs)")
+    p.add_argument("--max-batch-positions", type=int,
+                   help="most positions one batched pass through the span computes; sessions' runs beyond it wait "
+                   "in arrival order, long prefills are cut into chunks (default: what the memory plan's headroom holds, "
+                   "at most 1024)")
+    p.add_argument("--gather-window-ms", type=float, default=0.0,
+                   help="how long a ready batch waits for more sessions' runs before it starts (default 0: never waits)")
+    p.add_argument("--no-batching", action="store_true",
+                   help="compute one session's run per pass through the span (for comparisons)")
     p.add_argument("--max-sessions", type=int, default=DEFAULT_MAX_SESSIONS, help="open sessions at most")
     p.add_argument("--max-sessions-per-peer", type=int, default=DEFAULT_MAX_SESSIONS_PER_PEER,
                    help="open sessions per client (or previous server) at most")
@@ -111,6 +119,9 @@ def server_config(args: argparse.Namespace):
         max_positions_per_step=args.max_positions_per_step,
         max_sessions=args.max_sessions,
         max_sessions_per_peer=args.max_sessions_per_peer,
+        max_batch_positions=args.max_batch_positions,
+        gather_window=args.gather_window_ms / 1000,
+        batching=not args.no_batching,
         reachability=args.reachability,
         drafter=args.drafter,
         drafter_tokens=args.drafter_tokens,

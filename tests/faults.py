@@ -58,6 +58,13 @@ def corrupt_outputs(span, mode: str) -> None:
         return corrupt(forward(*args, **kwargs), mode)
 
     span.forward = lying_forward
+    forward_batch = span.forward_batch
+
+    @functools.wraps(forward_batch)
+    def lying_forward_batch(*args, **kwargs):  # several sessions in one pass (server/batching.py)
+        return [None if out is None else corrupt(out, mode) for out in forward_batch(*args, **kwargs)]
+
+    span.forward_batch = lying_forward_batch
     logger.warning(f"Fault injection: this server corrupts its outputs ({mode})")
 
 
@@ -85,7 +92,19 @@ def slow_blocks(span, seconds: float = 0.0) -> SlowBlocks:
 
             return forward(hidden, token_ids, start_pos, cache, blocks, check, **kwargs)
 
+        forward_batch = span.forward_batch
+
+        @functools.wraps(forward_batch)
+        def slow_forward_batch(members, blocks, between_blocks=lambda: None):  # several sessions in one pass
+            def between() -> None:
+                if control.seconds:
+                    time.sleep(control.seconds)
+                between_blocks()
+
+            return forward_batch(members, blocks, between)
+
         span.forward = slow_forward
+        span.forward_batch = slow_forward_batch
         span._test_slow_blocks = control
     control.seconds = seconds
     return control

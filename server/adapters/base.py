@@ -9,7 +9,8 @@ new adapter file registered in ``server.adapters``.
 from __future__ import annotations
 
 import abc
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -20,6 +21,20 @@ Cache = Any  # each adapter chooses its own cache type
 
 class SpanCancelled(Exception):
     """Raised between blocks when the run being computed was cancelled."""
+
+
+@dataclass
+class BatchMember:
+    """One session's part of a batched pass (server/batching.py): its new positions, its own
+    cache, and whether it has been cancelled (asked between blocks; a cancelled member leaves the
+    batch there and its output is None)."""
+
+    hidden: torch.Tensor  # [1, S, *hidden_shape]
+    token_ids: torch.Tensor  # [1, S]
+    start_pos: int
+    cache: Cache
+    tree: Optional[list[int]] = None  # parents of the run's last len(tree) positions (supports_trees)
+    cancelled: Callable[[], bool] = lambda: False
 
 
 class SpanAdapter(abc.ABC):
@@ -77,6 +92,31 @@ class SpanAdapter(abc.ABC):
         tree of drafts, computed in the same pass with a tree attention mask and depth-based
         positions, and cached in run order until :meth:`gather_cache` keeps the accepted path.
         """
+
+    def forward_batch(
+        self, members: list[BatchMember], blocks: range, between_blocks: Callable[[], None] = lambda: None
+    ) -> list[Optional[torch.Tensor]]:
+        """Run ``blocks`` over every member's new positions, each with its own cache, positions and
+        mask; returns each member's output, or None for a member cancelled on the way.
+
+        This default computes the members one after another (a batch of one at a time): families
+        that batch for real override it, and give each member what :meth:`forward` gives it alone,
+        up to the rounding of rows computed together (docs/design.md).
+        """
+        outputs: list[Optional[torch.Tensor]] = []
+        for member in members:
+
+            def check(member: BatchMember = member) -> None:
+                between_blocks()
+                if member.cancelled():
+                    raise SpanCancelled()
+
+            tree = {"tree": member.tree} if member.tree else {}
+            try:
+                outputs.append(self.forward(member.hidden, member.token_ids, member.start_pos, member.cache, blocks, check, **tree))
+            except SpanCancelled:
+                outputs.append(None)
+        return outputs
 
     def gather_cache(self, cache: Cache, base: int, nodes: list[int]) -> None:
         """Move the entries of positions ``base + nodes[j]`` to ``base + j`` (a tree's accepted path

@@ -10,7 +10,7 @@ span's tensors; nothing here reimplements attention.
 from __future__ import annotations
 
 import copy
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PretrainedConfig
@@ -18,7 +18,8 @@ from transformers.cache_utils import DynamicLayer
 
 from protocol import trees
 
-from server.adapters.base import Cache, SpanAdapter
+from server.adapters import llama_batch
+from server.adapters.base import BatchMember, Cache, SpanAdapter
 from server.quantization import Quant, assign_tensor, checkpoint_names
 from server.weights import Checkpoint
 
@@ -144,6 +145,49 @@ class LlamaFamilyAdapter(SpanAdapter):
                 position_embeddings=position_embeddings,
             )
         return hidden
+
+    @torch.inference_mode()
+    def forward_batch(
+        self, members: list[BatchMember], blocks: range, between_blocks: Callable[[], None] = lambda: None
+    ) -> list[Optional[torch.Tensor]]:
+        """Every member's positions packed into one pass (server/adapters/llama_batch.py). A batch of
+        one, and spans with sliding-window layers, take :meth:`forward` (one member at a time)."""
+        if len(members) < 2 or not self.supports_trees:
+            return super().forward_batch(members, blocks, between_blocks)
+        packed, hidden = self._pack(members)
+        outputs: list[Optional[torch.Tensor]] = [None] * len(members)
+        index = list(range(len(members)))  # packed.members[j] is members[index[j]]
+        cos_sin = self.rotary_emb(hidden, position_ids=packed.position_ids)
+        for block in blocks:
+            between_blocks()
+            keep = [j for j, member in enumerate(packed.members) if not member.cancelled()]
+            if not keep:
+                return outputs
+            if len(keep) < len(packed.members):  # cancelled members leave; the others go on
+                packed, hidden = llama_batch.drop(packed, hidden, keep)
+                index = [index[j] for j in keep]
+                cos_sin = self.rotary_emb(hidden, position_ids=packed.position_ids)
+            hidden = llama_batch.decoder_layer(self.layers[block - self.start], hidden, packed, cos_sin)
+        for j, (a, b) in zip(index, packed.bounds):
+            outputs[j] = hidden[:, a:b]
+        return outputs
+
+    def _pack(self, members: list[BatchMember]) -> tuple[llama_batch.Packed, torch.Tensor]:
+        """One row of every member's positions, with each member's position ids and mask."""
+        bounds, masks, positions, start = [], [], [], 0
+        for member in members:
+            num_new = member.hidden.shape[1]
+            if member.tree:
+                position_ids, mask = _tree_positions_and_mask(member.start_pos, num_new, member.tree, self.device)
+            else:
+                position_ids = torch.arange(member.start_pos, member.start_pos + num_new, device=self.device).unsqueeze(0)
+                mask = _causal_mask(member.start_pos, num_new, self.device)
+            bounds.append((start, start + num_new))
+            masks.append(mask)
+            positions.append(position_ids)
+            start += num_new
+        hidden = torch.cat([member.hidden.to(self.device, self.dtype) for member in members], dim=1)
+        return llama_batch.Packed(list(members), bounds, masks, torch.cat(positions, dim=1)), hidden
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

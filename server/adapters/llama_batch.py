@@ -1,0 +1,82 @@
+"""Several sessions' positions through Llama-family decoder layers in one pass (continuous
+batching, server/batching.py).
+
+The sessions' new positions are packed into one row of T positions: the norms, the q/k/v/o
+projections and the MLP (most of a block's weights and time) run once over all T, while rotary
+embeddings, the cache update and attention run per session, over that session's own cache with
+its own mask, through the same transformers functions a layer uses alone. Packing, not padding:
+no position is computed that no session asked for, and no cache is copied.
+
+Each session's rows are what the layer gives it alone up to the rounding of rows computed
+together (docs/design.md); attention itself is the very same call. Layers whose caches are not
+plain full-attention caches (sliding windows) are not batched here (LlamaFamilyAdapter decides).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from server.adapters.base import BatchMember
+
+
+@dataclass
+class Packed:
+    """The members still in the batch, and where each one's positions sit in the packed row."""
+
+    members: list[BatchMember]
+    bounds: list[tuple[int, int]]  # [start, end) in the packed row, per member
+    masks: list[Optional[torch.Tensor]]  # each member's [1, 1, S, start_pos + S] mask (None for S == 1)
+    position_ids: torch.Tensor  # [1, T]
+
+
+def decoder_layer(layer: torch.nn.Module, hidden: torch.Tensor, packed: Packed, cos_sin) -> torch.Tensor:
+    """One LlamaDecoderLayer over the packed row ``hidden`` [1, T, H], as its own forward does it."""
+    attended = _attention(layer.self_attn, layer.input_layernorm(hidden), packed, cos_sin)
+    hidden = hidden + attended
+    return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+
+def _attention(attn: torch.nn.Module, hidden: torch.Tensor, packed: Packed, cos_sin) -> torch.Tensor:
+    """LlamaAttention.forward (and Qwen3's, with its q/k norms) with projections over the packed
+    row and the rest per member."""
+    shape = (1, hidden.shape[1], -1, attn.head_dim)
+    query, key, value = attn.q_proj(hidden).view(shape), attn.k_proj(hidden).view(shape), attn.v_proj(hidden).view(shape)
+    if hasattr(attn, "q_norm"):
+        query, key = attn.q_norm(query), attn.k_norm(key)
+    # rotary embeddings are elementwise per position: the packed row at once equals each member's own
+    query, key = _rotary_of(attn)(query.transpose(1, 2), key.transpose(1, 2), *cos_sin)  # [1, heads, T, head_dim]
+    value = value.transpose(1, 2)
+    interface: Callable = ALL_ATTENTION_FUNCTIONS[attn.config._attn_implementation]
+    outputs = []
+    for member, (a, b), mask in zip(packed.members, packed.bounds, packed.masks):
+        # copies: a new cache keeps these tensors, which must not hold the whole packed row
+        k, v = member.cache.update(key[:, :, a:b].contiguous(), value[:, :, a:b].contiguous(), attn.layer_idx)
+        out, _ = interface(attn, query[:, :, a:b], k, v, mask, dropout=0.0, scaling=attn.scaling)
+        outputs.append(out.reshape(1, b - a, -1))
+    return attn.o_proj(torch.cat(outputs, dim=1))
+
+
+def _rotary_of(attn: torch.nn.Module) -> Callable:
+    """The family's own apply_rotary_pos_emb, from the module that defines its attention."""
+    return sys.modules[type(attn).__module__].apply_rotary_pos_emb
+
+
+def drop(packed: Packed, hidden: torch.Tensor, keep: list[int]) -> tuple[Packed, torch.Tensor]:
+    """The batch without the members not in ``keep`` (indices into packed.members): their rows
+    leave the packed row; returns the new packing and hidden rows."""
+    rows, bounds, start = [], [], 0
+    for i in keep:
+        a, b = packed.bounds[i]
+        rows.extend(range(a, b))
+        bounds.append((start, start + b - a))
+        start += b - a
+    index = torch.tensor(rows, dtype=torch.long, device=hidden.device)
+    smaller = Packed(
+        [packed.members[i] for i in keep], bounds, [packed.masks[i] for i in keep], packed.position_ids[:, index]
+    )
+    return smaller, hidden[:, index]
