@@ -293,7 +293,7 @@ def test_what_evaluation_and_load_tools_send(gateway, client, smol_model):
     assert status == 401
     refused = [
         ("logit_bias", dict(logit_bias={"42": 5})),
-        ("response_format", dict(response_format={"type": "json_object"})),
+        ("response_format", dict(extra_body={"response_format": {"type": "json_object"}})),
         ("stream_options", dict(stream_options={"include_usage": True})),
         ("max_tokens", dict(max_tokens=0)),  # 0 only with echo
         ("best_of", dict(best_of=3)),
@@ -301,6 +301,11 @@ def test_what_evaluation_and_load_tools_send(gateway, client, smol_model):
     for param, kwargs in refused:
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model=MODEL, prompt=PROMPT, **kwargs)
+        assert e.value.param == param, param
+    for param, kwargs in [("response_format", dict(response_format={"type": "json_object"})),
+                          ("tool_choice", dict(tool_choice="required"))]:  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, **kwargs)
         assert e.value.param == param, param
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt=[PROMPT] * 33, max_tokens=1)

@@ -89,3 +89,22 @@ def test_the_harness_gives_the_same_samples_through_the_gateway_as_on_the_local_
         assert remote["results"]["swarm_choice"][metric] == local["results"]["swarm_choice"][metric]
     assert remote["results"]["swarm_gen"]["exact_match,none"] == local["results"]["swarm_gen"]["exact_match,none"]
     print(f"max |delta log-likelihood| = {widest:.2e}")
+
+
+def test_the_harness_finds_and_uses_the_gateways_tokenizer(tiny_llama_path, gateway_url):
+    """``local-completions`` without a tokenizer of its own: it probes /tokenizer_info and /tokenize
+    (vLLM's endpoints) and then tokenizes through the gateway, with the served model's tokenizer."""
+    from lm_eval.utils import RemoteTokenizer, check_remote_tokenizer_support
+    from transformers import AutoTokenizer
+
+    local = AutoTokenizer.from_pretrained(tiny_llama_path)
+    completions = f"{gateway_url}/completions"
+    assert check_remote_tokenizer_support(completions)
+    remote = RemoteTokenizer(completions)
+    text = "Q: What is the capital of France?\nA: Paris"
+    assert remote.encode(text) == local.encode(text, add_special_tokens=False)
+    assert remote.decode(local.encode(text)) == local.decode(local.encode(text))
+    assert remote.eos_token_id == local.eos_token_id
+    assert remote.apply_chat_template([{"role": "user", "content": "hi"}]) == local.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
