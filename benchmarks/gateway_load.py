@@ -11,7 +11,8 @@ concurrency level, and reports output tokens/s, time to first token and inter-to
 benchmark adds ``temperature: 0`` to its requests (guidellm's ``extras``), so that afterwards every
 completed request can be sent again alone and must give exactly the same text (token-identical:
 same greedy tokens, same count): concurrent sessions batched on the servers must not change
-anyone's tokens. Writes benchmarks/results/gateway_load.json (guidellm's own report beside it).
+anyone's tokens. Writes benchmarks/results/gateway_load.json and the scenario guidellm ran beside
+it (guidellm's own report, with every request's text, goes to test-artifacts/bench-gateway/).
 
 guidellm is not a test dependency (it pins its own versions of shared libraries, and needs
 torch); ``make bench-gateway`` puts it in a venv that sees this environment's packages
@@ -102,7 +103,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--guidellm", default=shutil.which("guidellm") or "guidellm", help="the guidellm executable")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
-    p.add_argument("--requests", type=int, default=32, help="requests per concurrency level")
+    p.add_argument("--requests", type=int, default=16, help="requests per concurrency level")
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--output-tokens", type=int, default=32)
     p.add_argument("--out", default=str(RESULTS / "gateway_load.json"))
@@ -110,9 +111,11 @@ def main() -> None:
     if not Path(args.guidellm).exists() and not shutil.which(args.guidellm):
         raise SystemExit(f"guidellm not found ({args.guidellm}): run `make bench-gateway`, which installs it")
     RESULTS.mkdir(parents=True, exist_ok=True)
-    report_path = Path(args.out).with_name("gateway_load_guidellm.json")
+    logs = Path("test-artifacts/bench-gateway")  # guidellm's full report (every request's text) stays out of git
+    logs.mkdir(parents=True, exist_ok=True)
+    report_path = logs / "guidellm.json"
     scenario_path = Path(args.out).with_name("gateway_load_scenario.json")
-    with LocalSwarm(MODEL, 3, server_args=SERVER_ARGS, log_dir="test-artifacts/bench-gateway") as swarm:
+    with LocalSwarm(MODEL, 3, server_args=SERVER_ARGS, log_dir=str(logs)) as swarm:
         url = swarm.start_api(0)
         spec = scenario(url.removesuffix("/v1"), str(ensure_smollm2_checkpoint()), args.concurrency, args.requests,
                         args.prompt_tokens, args.output_tokens, report_path)  # fmt: skip

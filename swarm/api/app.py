@@ -4,8 +4,9 @@ A request, top to bottom (``Gateway._generate``):
   1) authenticate (``Authorization: Bearer KEY``, when keys are configured);
   2) parse and validate the body; find the model (400 / 404 before any swarm work);
   3) take one of the key's concurrency slots (429 when none is free);
-  4) generate under the request's deadline; a streamed reply sends its headers with the first
-     lap, so errors before any token (no route, timeout) still get their own HTTP status;
+  4) generate under the request's deadline, one concurrent session per choice (a batch of
+     prompts, ``n``), merged as they come (``merged_deltas``); a streamed reply sends its headers
+     with the first lap, so errors before any token (no route, timeout) still get their own status;
   5) a client that goes away cancels the request's task (aiohttp's handler cancellation, or
      the next failed write): the generation stops and its session closes on every server.
 """
