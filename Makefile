@@ -3,7 +3,7 @@ PYTHON ?= python3
 PIP = $(PYTHON) -m pip
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup browser systemd-analyze netns-tools demo test bench-wan bench-ceiling bench-drafter bench-failover bench-load bench-chaos bench-codecs bench-bandwidth bench-batch bench-quant train-drafter warm-corpus bench-drafter-cost bench-dssd bench-trees bench-spot-checks bench-step-bytes
+.PHONY: setup browser systemd-analyze netns-tools demo test bench-wan bench-ceiling bench-drafter bench-failover bench-load bench-chaos bench-codecs bench-bandwidth bench-batch bench-quant train-drafter warm-corpus bench-drafter-cost bench-dssd bench-trees bench-spot-checks bench-step-bytes bench-gateway
 
 # Keeps a torch that is already installed (a GPU user's own build); otherwise installs the torch
 # wheel pip's index serves: the CPU build on these machines (local wheels), but on Linux x86-64
@@ -76,6 +76,16 @@ bench-codecs: setup
 # needs root: peers in network namespaces, links shaped with tc tbf to 20 and 100 Mbit/s, per codec
 bench-bandwidth: setup
 	$(PYTHON) -m benchmarks.bandwidth
+
+# guidellm (a standard OpenAI-compatible load generator) against the gateway on 3 SmolLM2 servers at
+# concurrency 1, 4 and 16; every request must equal the same request alone. guidellm goes into its own
+# venv that sees this environment (--system-site-packages): it pins shared libraries (click, multidict)
+# to other versions, and needs torch (the CPU build already here, not a CUDA one)
+GUIDELLM_VENV ?= $(HOME)/.cache/specswarm/guidellm-venv
+bench-gateway: setup
+	@test -x $(GUIDELLM_VENV)/bin/guidellm || ($(PYTHON) -m venv --system-site-packages $(GUIDELLM_VENV) && \
+		$(GUIDELLM_VENV)/bin/pip install --quiet guidellm==0.8.1)
+	$(PYTHON) -m benchmarks.gateway_load --guidellm $(GUIDELLM_VENV)/bin/guidellm
 
 # 1 row against a left-padded batch of 4 (concurrent sessions), at 0 and 25 ms per hop
 bench-batch: setup

@@ -336,6 +336,22 @@ class AutoDistributedModel:
 
     __call__ = forward
 
+    async def aforward_logits(self, input_ids: Sequence[int]) -> torch.Tensor:
+        """The asyncio twin of ``forward`` for one sequence of ids: float32 logits ``[length, vocab]``
+        of every position, from one prefill session (chunked like any long prompt, with failover).
+        Usable from any event loop (the swarm I/O stays on the client's loop thread); cancelling the
+        awaiting task cancels the pass, which closes its session."""
+        row = self._check_ids(torch.as_tensor([list(input_ids)]))[0].tolist()
+        if len(row) > self._context_limit():
+            raise ValueError(f"the sequence has {len(row)} tokens; the model's context is {self._context_limit()}")
+        config = self.config
+        coro = forward_row(self.swarm, row, len(row), vocab_size=config.vocab_size, hidden_size=config.hidden_size)
+        future = asyncio.run_coroutine_threadsafe(coro, _loop.get_loop())
+        try:
+            return (await asyncio.wrap_future(future)).logits
+        finally:
+            future.cancel()  # a no-op once done
+
     async def agenerate_stream(self, input_ids: Sequence[int], **kwargs: Any) -> AsyncIterator[GeneratedChunk]:
         """The asyncio twin of ``generate`` for one sequence of ids: yields each lap's tokens as soon
         as the tail accepts them. Same arguments and seed handling, so the tokens equal ``generate``'s.

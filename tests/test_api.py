@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional
 
 import openai
 import pytest
+import torch
 
 from swarm.api import Gateway, GatewayConfig, start_server
 from swarm.api.text import IncrementalDetokenizer, StopMatcher
@@ -203,6 +204,117 @@ def test_logprobs_when_asked(client):
     assert all(len(top) <= 2 for top in logprobs.top_logprobs)
 
 
+# ---- prompt log-probs, batches, n ---------------------------------------------------------
+
+
+def reference_logprobs(reference, ids: list[int]) -> torch.Tensor:
+    """Local transformers, float32: log-softmax over the vocabulary at every position."""
+    with torch.no_grad():
+        return torch.log_softmax(reference(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def test_echo_scores_the_prompt_exactly_as_local_transformers(client, smol_model, smol_reference):
+    ids = smol_model.tokenizer.encode(PROMPT)
+    expected = reference_logprobs(smol_reference, ids)
+    scored = client.completions.create(model=MODEL, prompt=PROMPT, echo=True, logprobs=3, max_tokens=0)
+    choice = scored.choices[0]
+    assert choice.text == PROMPT and choice.finish_reason == "length"
+    assert scored.usage.prompt_tokens == len(ids) and scored.usage.completion_tokens == 0
+    lp = choice.logprobs
+    assert lp.tokens == [smol_model.tokenizer.decode([i]) for i in ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for t in range(1, len(ids)):
+        assert lp.token_logprobs[t] == pytest.approx(expected[t - 1, ids[t]].item(), abs=1e-4)
+        top = expected[t - 1].topk(3)
+        want = {smol_model.tokenizer.decode([i]): v for i, v in zip(top.indices.tolist(), top.values.tolist())}
+        assert set(want) <= set(lp.top_logprobs[t]) and len(lp.top_logprobs[t]) <= 4  # K and the token itself
+        for token, value in want.items():
+            assert lp.top_logprobs[t][token] == pytest.approx(value, abs=1e-4)
+    assert lp.text_offset == [sum(map(len, lp.tokens[:t])) for t in range(len(ids))]
+
+    # ids in, and generated tokens after the prompt's (the harness's max_tokens=1 request)
+    plain = client.completions.create(model=MODEL, prompt=ids, max_tokens=3, temperature=0, logprobs=1)
+    both = client.completions.create(model=MODEL, prompt=[ids], max_tokens=3, temperature=0, logprobs=1, echo=True)
+    lp = both.choices[0].logprobs
+    assert both.choices[0].text == smol_model.tokenizer.decode(ids) + plain.choices[0].text
+    assert len(lp.tokens) == len(ids) + plain.usage.completion_tokens
+    assert lp.token_logprobs[len(ids) :] == plain.choices[0].logprobs.token_logprobs
+    assert lp.token_logprobs[1 : len(ids)] == pytest.approx(expected[torch.arange(len(ids) - 1), ids[1:]].tolist(), abs=1e-4)
+    streamed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, echo=True, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == PROMPT + plain.choices[0].text
+
+
+def test_a_batch_of_prompts_gives_one_choice_per_prompt_in_order(client, smol_model):
+    prompts = [PROMPT, "def add(a, b):", "Once upon a time"]
+    alone = [client.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0) for p in prompts]
+    batch = client.completions.create(model=MODEL, prompt=prompts, max_tokens=8, temperature=0)
+    assert [c.index for c in batch.choices] == [0, 1, 2]
+    assert [c.text for c in batch.choices] == [a.choices[0].text for a in alone]
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert batch.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    ids = [smol_model.tokenizer.encode(p) for p in prompts]
+    assert [c.text for c in client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0).choices] == [
+        a.choices[0].text for a in alone
+    ]
+    chunks = list(client.completions.create(model=MODEL, prompt=prompts, max_tokens=8, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))  # fmt: skip
+    texts = ["", "", ""]
+    for chunk in chunks[:-1]:
+        texts[chunk.choices[0].index] += chunk.choices[0].text
+    assert texts == [a.choices[0].text for a in alone] and chunks[-1].usage == batch.usage
+    assert sorted(c.choices[0].index for c in chunks[:-1] if c.choices[0].finish_reason) == [0, 1, 2]
+
+
+def test_n_samples_with_seed_plus_index(client):
+    kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=1.0, top_p=0.95)
+    three = client.chat.completions.create(**kwargs, n=3, seed=77)
+    alone = [client.chat.completions.create(**kwargs, seed=77 + j) for j in range(3)]
+    each = [a.choices[0].message.content for a in alone]
+    assert [c.message.content for c in three.choices] == each and [c.index for c in three.choices] == [0, 1, 2]
+    assert len(set(each)) > 1  # distinct seeds, distinct samples
+    assert three.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    assert three.usage.prompt_tokens == alone[0].usage.prompt_tokens  # one prompt, counted once
+
+
+def test_what_evaluation_and_load_tools_send(gateway, client, smol_model):
+    card = client.models.retrieve(MODEL)
+    assert card.model_extra["max_model_len"] == smol_model.context_length and card.created > 0
+    reply = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, user="someone",
+                                      stop=["\n\n", "###"], seed=3)  # fmt: skip
+    assert reply.usage.completion_tokens <= 2
+    text, root = "Hello there, general", gateway.url.removesuffix("/v1")
+    status, body = post_raw(f"{root}/tokenize", json.dumps({"prompt": text}).encode())
+    assert status == 400 and body["error"]["param"] == "model"  # this gateway serves two models: name one
+    status, body = post_raw(f"{root}/tokenize", json.dumps({"model": MODEL, "prompt": text}).encode())
+    assert status == 200 and body["tokens"] == smol_model.tokenizer.encode(text) and body["count"] == len(body["tokens"])
+    status, body = post_raw(f"{root}/detokenize", json.dumps({"model": MODEL, "tokens": body["tokens"]}).encode())
+    assert status == 200 and body["prompt"] == text
+    status, body = post_raw(f"{root}/tokenize", json.dumps({"model": MODEL, "prompt": text}).encode(), key=None)
+    assert status == 401
+    refused = [
+        ("logit_bias", dict(logit_bias={"42": 5})),
+        ("response_format", dict(extra_body={"response_format": {"type": "json_object"}})),
+        ("stream_options", dict(stream_options={"include_usage": True})),
+        ("max_tokens", dict(max_tokens=0)),  # 0 only with echo
+        ("best_of", dict(best_of=3)),
+    ]
+    for param, kwargs in refused:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=MODEL, prompt=PROMPT, **kwargs)
+        assert e.value.param == param, param
+    for param, kwargs in [("response_format", dict(response_format={"type": "json_object"})),
+                          ("tool_choice", dict(tool_choice="required"))]:  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, **kwargs)
+        assert e.value.param == param, param
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=[PROMPT] * 33, max_tokens=1)
+    assert e.value.param == "prompt" and e.value.code == "too_many_choices"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=[PROMPT, [1, 2]], max_tokens=1)
+    assert e.value.param == "prompt"
+
+
 # ---- errors ----------------------------------------------------------------------------------
 
 
@@ -227,8 +339,8 @@ def test_errors_have_openai_shape_while_a_good_request_is_served(gateway, client
             client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=-1)
         assert e.value.param == "max_tokens"
         with pytest.raises(openai.BadRequestError) as e:
-            client.chat.completions.create(model=MODEL, messages=MESSAGES, n=2)
-        assert e.value.param == "n"
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, n=1000)
+        assert e.value.param == "n" and e.value.code == "too_many_choices"
         for param, value in (("top_p", 1.5), ("top_p", 0.0)):  # the range check shared with client and tail
             with pytest.raises(openai.BadRequestError) as e:
                 client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0.7, **{param: value})

@@ -2,7 +2,8 @@
 
 Existing tools (the official ``openai`` client, LangChain, editors, agents) talk to the swarm
 unchanged: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``, with
-``stream=true`` as server-sent events. See docs/api.md.
+``stream=true`` as server-sent events; batches of prompts, ``n``, and prompt log-probs (``echo``) as
+evaluation harnesses send them; vLLM's ``/tokenize``, ``/detokenize``, ``/tokenizer_info``. See docs/api.md.
 
 In code: ``runner, url = await start_server(Gateway({"smollm2-135m": model}), port=0)``.
 """

@@ -36,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--swarm-timeout", type=float, default=60.0, help="seconds to wait for any one server's answer")
     p.add_argument("--default-max-tokens", type=int, default=1024, metavar="N",  # engine.DEFAULT_MAX_TOKENS
                    help="tokens at most for a request that gives no max_tokens (each hop reserves cache for them)")
+    p.add_argument("--max-choices-per-request", type=int, default=32, metavar="N",  # app.MAX_CHOICES_PER_REQUEST
+                   help="choices one request may ask for: prompts in a batch times n (each is a session on every hop)")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -53,7 +55,8 @@ def read_keys(args: argparse.Namespace) -> frozenset[str]:
 async def serve(args: argparse.Namespace, models: dict) -> None:
     from swarm.api import Gateway, GatewayConfig, start_server
 
-    config = GatewayConfig(read_keys(args), args.max_concurrent_per_key, args.request_timeout, args.default_max_tokens)
+    config = GatewayConfig(read_keys(args), args.max_concurrent_per_key, args.request_timeout, args.default_max_tokens,
+                           args.max_choices_per_request)
     if not config.api_keys and not _is_loopback(args.host):
         logger.warning(f"Serving on {args.host} without API keys: anyone who can reach it can use the swarm")
     stop = stop_event_on_signals()
@@ -79,6 +82,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     lifeline.install()
     if args.max_concurrent_per_key < 0:
         logger.error("--max-concurrent-per-key must be >= 0")
+        return 2
+    if args.max_choices_per_request < 1:
+        logger.error("--max-choices-per-request must be >= 1")
         return 2
     from client import AutoDistributedModelForCausalLM
 

@@ -4,8 +4,9 @@ A request, top to bottom (``Gateway._generate``):
   1) authenticate (``Authorization: Bearer KEY``, when keys are configured);
   2) parse and validate the body; find the model (400 / 404 before any swarm work);
   3) take one of the key's concurrency slots (429 when none is free);
-  4) generate under the request's deadline; a streamed reply sends its headers with the first
-     lap, so errors before any token (no route, timeout) still get their own HTTP status;
+  4) generate under the request's deadline, one concurrent session per choice (a batch of
+     prompts, ``n``), merged as they come (``merged_deltas``); a streamed reply sends its headers
+     with the first lap, so errors before any token (no route, timeout) still get their own status;
   5) a client that goes away cancels the request's task (aiohttp's handler cancellation, or
      the next failed write): the generation stops and its session closes on every server.
 """
@@ -16,6 +17,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Mapping, Optional, Union
@@ -25,13 +27,15 @@ from aiohttp import web
 
 from client import AutoDistributedModelForCausalLM
 from swarm.api.engine import DEFAULT_MAX_TOKENS, Delta, ServedModel, TextGeneration
-from swarm.api.errors import APIError, from_exception
+from swarm.api.errors import APIError, bad_request, from_exception
 from swarm.api.responses import ChatFormat, CompletionFormat, speculation_headers
 from swarm.api.schemas import ChatRequest, CompletionRequest, chat_params, completion_params, parse
+from swarm.api.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize, tokenizer_info
 
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 32 << 20
+MAX_CHOICES_PER_REQUEST = 32
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -45,6 +49,8 @@ class GatewayConfig:
     # every hop reserves cache for prompt + max_tokens, so "up to the whole context" on every
     # request would let a few requests take every server's cache
     default_max_tokens: int = DEFAULT_MAX_TOKENS
+    # choices one request may ask for (prompts in a batch x n): each is a session on every hop
+    max_choices_per_request: int = MAX_CHOICES_PER_REQUEST
 
 
 class ConcurrencyLimiter:
@@ -81,6 +87,7 @@ class Gateway:
         self.models = {name: ServedModel(name, model, config.default_max_tokens) for name, model in models.items()}
         self.config = config
         self.limiter = ConcurrencyLimiter(config.max_concurrent_per_key)
+        self.created = int(time.time())  # the models' "created": when this gateway started serving them
 
     @property
     def requests_in_flight(self) -> int:
@@ -93,6 +100,9 @@ class Gateway:
         app.router.add_get("/v1/models/{model}", self.get_model)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_get("/tokenizer_info", self.tokenizer_info)
         return app
 
     # ---- middlewares -------------------------------------------------------------------------
@@ -117,7 +127,7 @@ class Gateway:
 
     @web.middleware
     async def _authenticate(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        if self.config.api_keys and request.path.startswith("/v1/"):
+        if self.config.api_keys and request.path != "/health":
             key = _bearer(request)
             if key is None or not any(hmac.compare_digest(key.encode(), k.encode()) for k in self.config.api_keys):
                 raise APIError(401, "missing or incorrect API key: send 'Authorization: Bearer KEY'",
@@ -130,24 +140,45 @@ class Gateway:
         return _json({"status": "ok", "models": sorted(self.models), "requests_in_flight": self.requests_in_flight})
 
     async def list_models(self, request: web.Request) -> web.Response:
-        return _json({"object": "list", "data": [_model_card(name) for name in self.models]})
+        return _json({"object": "list", "data": [self._model_card(served) for served in self.models.values()]})
 
     async def get_model(self, request: web.Request) -> web.Response:
-        return _json(_model_card(self._served(request.match_info["model"]).name))
+        return _json(self._model_card(self._served(request.match_info["model"])))
+
+    def _model_card(self, served: ServedModel) -> dict[str, Any]:
+        """OpenAI's model object, plus vLLM's ``root`` and ``max_model_len`` (the context length)."""
+        return {"id": served.name, "object": "model", "created": self.created, "owned_by": "specswarm",
+                "root": served.name, "parent": None, "max_model_len": served.context_length}  # fmt: skip
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        req = parse(await request.read(), TokenizeRequest)
+        return _json(tokenize(req, self._served_or_only(req.model)))
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        req = parse(await request.read(), DetokenizeRequest)
+        return _json(detokenize(req, self._served_or_only(req.model)))
+
+    async def tokenizer_info(self, request: web.Request) -> web.Response:
+        return _json(tokenizer_info(self._served_or_only(request.query.get("model"))))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         req = parse(await request.read(), ChatRequest)
         served = self._served(req.model)
-        params, shown = chat_params(req, served)
-        generation = TextGeneration(served, params, buffered=not req.stream)
-        return await self._generate(request, req, generation, ChatFormat(served, generation, shown))
+        params, shown = chat_params(req, served, self.config.max_choices_per_request)
+        generations = [TextGeneration(served, p, buffered=not req.stream) for p in params]
+        return await self._generate(request, req, generations, ChatFormat(served, generations, shown))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         req = parse(await request.read(), CompletionRequest)
         served = self._served(req.model)
-        params, shown = completion_params(req, served)
-        generation = TextGeneration(served, params, buffered=not req.stream)
-        return await self._generate(request, req, generation, CompletionFormat(served, generation, shown))
+        params, shown = completion_params(req, served, self.config.max_choices_per_request)
+        generations = [TextGeneration(served, p, buffered=not req.stream) for p in params]
+        return await self._generate(request, req, generations, CompletionFormat(served, generations, shown))
+
+    def _served_or_only(self, name: Optional[str]) -> ServedModel:
+        if name is None and len(self.models) > 1:
+            raise bad_request(f"this gateway serves several models ({', '.join(sorted(self.models))}): name one", "model")
+        return self._served(name) if name is not None else next(iter(self.models.values()))
 
     def _served(self, name: str) -> ServedModel:
         served = self.models.get(name)
@@ -158,62 +189,102 @@ class Gateway:
 
     # ---- generation --------------------------------------------------------------------------
 
-    async def _generate(self, request: web.Request, req: Any, generation: TextGeneration,
+    async def _generate(self, request: web.Request, req: Any, generations: list[TextGeneration],
                         fmt: Union[ChatFormat, CompletionFormat]) -> web.StreamResponse:  # fmt: skip
         with self.limiter.slot(_bearer(request) or ""):
             deadline = asyncio.get_running_loop().time() + self.config.request_timeout
             if req.stream:
-                return await self._stream(request, generation, fmt, deadline, req.include_usage)
-            deltas = []
+                return await self._stream(request, generations, fmt, deadline, req.include_usage, req.continuous_usage)
+            deltas: list[list[Delta]] = [[] for _ in generations]
             try:
                 async with asyncio.timeout_at(deadline):
-                    async with contextlib.aclosing(generation.deltas()) as stream:
-                        async for delta in stream:
-                            if delta.restart:  # a spot-check replaced tokens: this delta holds all of it
-                                deltas.clear()
-                            deltas.append(delta)
+                    async with contextlib.aclosing(merged_deltas(generations)) as stream:
+                        async for index, delta in stream:
+                            if delta is None:
+                                continue
+                            if delta.restart:  # a spot-check replaced tokens: this delta holds all of them
+                                deltas[index] = [d for d in deltas[index] if d.echo]
+                            deltas[index].append(delta)
             except Exception as e:
-                raise from_exception(e, generation.served.name) from None
-            return _json(fmt.response(deltas), headers=speculation_headers(generation.stats))
+                raise from_exception(e, fmt.served.name) from None
+            return _json(fmt.response(deltas), headers=speculation_headers(fmt.stats()))
 
-    async def _stream(self, request: web.Request, generation: TextGeneration, fmt: Union[ChatFormat, CompletionFormat],
-                      deadline: float, include_usage: bool) -> web.StreamResponse:  # fmt: skip
+    async def _stream(self, request: web.Request, generations: list[TextGeneration], fmt: Union[ChatFormat, CompletionFormat],
+                      deadline: float, include_usage: bool, continuous_usage: bool) -> web.StreamResponse:  # fmt: skip
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        async with contextlib.aclosing(generation.deltas()) as stream:
+        async with contextlib.aclosing(merged_deltas(generations)) as stream:
             try:
                 async with asyncio.timeout_at(deadline):
-                    delta = await anext(stream, None)  # before the headers: early errors keep their status
+                    first = await anext(stream, None)  # before the headers: early errors keep their status
             except Exception as e:
-                raise from_exception(e, generation.served.name) from None
+                raise from_exception(e, fmt.served.name) from None
             await response.prepare(request)
             try:
-                await self._send_chunks(response, stream, delta, fmt, deadline, include_usage)
+                await self._send_chunks(response, stream, first, fmt, deadline, include_usage, continuous_usage)
                 await response.write(b"data: [DONE]\n\n")
             except ConnectionResetError:  # leaving the block closes the stream: the generation stops
                 logger.info("The client went away mid-stream; its generation is cancelled")
         return response
 
-    async def _send_chunks(self, response: web.StreamResponse, stream: AsyncIterator[Delta], delta: Optional[Delta],
-                           fmt: Union[ChatFormat, CompletionFormat], deadline: float, include_usage: bool) -> None:  # fmt: skip
+    async def _send_chunks(self, response: web.StreamResponse, stream: AsyncIterator[tuple[int, Optional[Delta]]],
+                           item: Optional[tuple[int, Optional[Delta]]], fmt: Union[ChatFormat, CompletionFormat],
+                           deadline: float, include_usage: bool, continuous_usage: bool) -> None:  # fmt: skip
+        usage = fmt.usage if continuous_usage else None  # vLLM's continuous_usage_stats: usage so far in each chunk
         try:
-            await _send(response, fmt.opening_chunk())
+            for index in range(len(fmt.generations)):
+                await _send(response, fmt.opening_chunk(index), usage)
             async with asyncio.timeout_at(deadline):
-                while delta is not None:
-                    if fmt.wants_chunk(delta):
-                        await _send(response, fmt.chunk(delta))
-                    delta = await anext(stream, None)
+                while item is not None:
+                    index, delta = item
+                    if delta is None:  # this choice is done
+                        await _send(response, fmt.closing_chunk(index), usage)
+                    elif fmt.wants_chunk(delta):
+                        await _send(response, fmt.chunk(index, delta), usage)
+                    item = await anext(stream, None)
         except ConnectionResetError:
             raise
         except Exception as e:  # the headers are sent: report in the stream, as OpenAI does
             await _send(response, from_exception(e, fmt.served.name).body())
             return
-        await _send(response, fmt.closing_chunk())
         if include_usage:
             await _send(response, fmt.usage_chunk())
 
 
-async def _send(response: web.StreamResponse, payload: Optional[dict[str, Any]]) -> None:
+async def merged_deltas(generations: list[TextGeneration]) -> AsyncIterator[tuple[int, Optional[Delta]]]:
+    """Every choice's deltas as they come, each with its choice's index, and ``(index, None)`` when
+    that choice ends. The choices run as concurrent sessions; the first error ends them all (the
+    others are cancelled, so their sessions close) and is raised here."""
+    queue: asyncio.Queue[tuple[int, Optional[Delta], Optional[Exception]]] = asyncio.Queue()
+
+    async def pump(index: int, generation: TextGeneration) -> None:
+        try:
+            async with contextlib.aclosing(generation.deltas()) as deltas:
+                async for delta in deltas:
+                    queue.put_nowait((index, delta, None))
+            queue.put_nowait((index, None, None))
+        except Exception as e:
+            queue.put_nowait((index, None, e))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(generations)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, delta, error = await queue.get()
+            if error is not None:
+                raise error
+            remaining -= delta is None
+            yield index, delta
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _send(response: web.StreamResponse, payload: Optional[dict[str, Any]],
+                usage: Optional[Callable[[], dict[str, int]]] = None) -> None:  # fmt: skip
     if payload is not None:
+        if usage is not None:
+            payload["usage"] = usage()
         await response.write(b"data: " + msgspec.json.encode(payload) + b"\n\n")
 
 
@@ -229,10 +300,6 @@ def _bearer(request: web.Request) -> Optional[str]:
     header = request.headers.get("Authorization", "")
     scheme, _, token = header.partition(" ")
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
-
-
-def _model_card(name: str) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": 0, "owned_by": "specswarm"}
 
 
 async def start_server(gateway: Gateway, host: str = "127.0.0.1", port: int = 0,

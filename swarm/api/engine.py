@@ -10,6 +10,7 @@ Data path of a request, top to bottom (``TextGeneration.deltas``):
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional, Sequence
@@ -17,6 +18,7 @@ from typing import Any, AsyncIterator, Optional, Sequence
 from client import AutoDistributedModelForCausalLM, GenerationStats
 from protocol.messages import TokenLogprobs
 from swarm.api.errors import RetractedError, bad_request
+from swarm.api.prompt_logprobs import MAX_CONCURRENT_FORWARDS, prompt_logprobs
 from swarm.api.text import IncrementalDetokenizer, StopMatcher
 
 CHAT_ROLES = {"system", "user", "assistant", "tool"}
@@ -33,6 +35,9 @@ class GenerationParams:
     num_logprobs: int = 0  # top-K asked of the swarm; 0: none
     ignore_eos: bool = False
     sampling: dict[str, Any] = field(default_factory=dict)  # agenerate_stream's sampling and drafting arguments
+    prompt_index: int = 0  # which of the request's prompts (several choices may share one)
+    echo: Optional[str] = None  # the prompt's text, returned before the completion (completions' echo)
+    prompt_logprobs: int = -1  # with echo: score the prompt's tokens, with this many alternatives; -1: no
 
 
 @dataclass
@@ -41,10 +46,11 @@ class Delta:
 
     text: str
     token_ids: list[int]
-    logprobs: list[TokenLogprobs]
-    # this delta replaces every earlier one: the whole text so far (a spot-check replaced tokens
-    # already yielded; only a buffered, non-streamed response can take that)
+    logprobs: list[Optional[TokenLogprobs]]
+    # this delta replaces every earlier one but the echo: the whole text so far (a spot-check
+    # replaced tokens already yielded; only a buffered, non-streamed response can take that)
     restart: bool = False
+    echo: bool = False  # the echoed prompt (its log-probs: None for the first token, which has no context)
 
 
 class ServedModel:
@@ -53,6 +59,7 @@ class ServedModel:
     def __init__(self, name: str, model: AutoDistributedModelForCausalLM, default_max_tokens: int = DEFAULT_MAX_TOKENS):
         self.name, self.model, self.tokenizer = name, model, model.tokenizer
         self.default_max_tokens = default_max_tokens  # the cap on a request that names no max_tokens
+        self.forward_slots = asyncio.Semaphore(MAX_CONCURRENT_FORWARDS)  # prompt-logprob passes at once
         eos = model.config.eos_token_id
         self.eos_token_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
         self.vocab_size = int(model.config.vocab_size)
@@ -67,12 +74,12 @@ class ServedModel:
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+    def chat_prompt(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         """The conversation formatted by the model's own chat template, ready for the reply."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise bad_request(f"model {self.name!r} has no chat template; use /v1/completions", "messages")
         try:
-            encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+            encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=True)
         except Exception as e:  # jinja raises on conversations the template rejects
             raise bad_request(f"the chat template of {self.name!r} rejected the messages: {e}", "messages") from None
         return list(encoded["input_ids"])
@@ -91,6 +98,15 @@ class TextGeneration:
 
     async def deltas(self) -> AsyncIterator[Delta]:
         params, served = self.params, self.served
+        if params.echo is not None:
+            scored: list[Optional[TokenLogprobs]] = []
+            if params.prompt_logprobs >= 0:
+                async with served.forward_slots:
+                    scored = await prompt_logprobs(served.model, params.prompt_ids, params.prompt_logprobs)
+            yield Delta(params.echo, list(params.prompt_ids), scored, echo=True)
+        if params.max_tokens == 0:  # echo alone: scoring a text, nothing to generate
+            self.finish_reason = "length"
+            return
         detokenizer = IncrementalDetokenizer(served.tokenizer, params.prompt_ids)
         stops = StopMatcher(params.stop)
         stream = served.model.agenerate_stream(

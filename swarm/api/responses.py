@@ -2,32 +2,33 @@
 
 Both endpoints share the envelope (id, object, created, model) and the speculation stats; they
 differ in how a choice carries its text (``message``/``delta`` vs ``text``) and its log-probs.
-Speculation stats ride in a ``specswarm`` field (clients ignore unknown fields) and, for
-non-streamed responses, in ``x-specswarm-*`` headers.
+A request has one choice per prompt and per ``n`` (``choices[i].index`` is its place in that
+order); ``usage`` adds them up, each prompt counted once. Speculation stats ride in a ``specswarm``
+field (clients ignore unknown fields) and, for non-streamed responses, in ``x-specswarm-*`` headers.
 """
 
 from __future__ import annotations
 
 import secrets
 import time
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from client import GenerationStats
 from protocol.messages import TokenLogprobs
 from swarm.api.engine import Delta, ServedModel, TextGeneration
 
-
-def speculation_stats(stats: GenerationStats) -> dict[str, Any]:
-    return {
-        "laps": stats.laps,
-        "accepted_per_lap": round(stats.accepted_per_lap, 3),
-        "drafted": stats.drafted,
-        "accepted": stats.accepted,
-        "failovers": stats.failovers,
-    }
+STAT_COUNTS = ("laps", "drafted", "accepted", "failovers")
 
 
-def speculation_headers(stats: GenerationStats) -> dict[str, str]:
+def speculation_stats(stats: Sequence[GenerationStats]) -> dict[str, Any]:
+    """The counts of all the choices' generations added up; tokens per lap over all their laps."""
+    totals = {key: sum(getattr(s, key) for s in stats) for key in STAT_COUNTS}
+    per_lap = (totals["accepted"] + totals["laps"]) / totals["laps"] if totals["laps"] else 0.0
+    return {"laps": totals["laps"], "accepted_per_lap": round(per_lap, 3), "drafted": totals["drafted"],
+            "accepted": totals["accepted"], "failovers": totals["failovers"]}  # fmt: skip
+
+
+def speculation_headers(stats: Sequence[GenerationStats]) -> dict[str, str]:
     return {f"x-specswarm-{key.replace('_', '-')}": str(value) for key, value in speculation_stats(stats).items()}
 
 
@@ -36,19 +37,23 @@ class _Format:
     object_name = ""
     chunk_object = ""
 
-    def __init__(self, served: ServedModel, generation: TextGeneration, shown_logprobs: int):
-        self.served, self.generation = served, generation
+    def __init__(self, served: ServedModel, generations: list[TextGeneration], shown_logprobs: int):
+        self.served, self.generations = served, generations
         self.shown = shown_logprobs  # top log-probs shown per token; -1: log-probs not asked for
         self.id = f"{self.prefix}-{secrets.token_hex(12)}"
         self.created = int(time.time())
-        self.text_offset = 0
+        self.text_offsets = [0] * len(generations)  # per choice: characters of text before the next token
 
     def _envelope(self, object_name: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.served.name,
                 "choices": choices, **extra}  # fmt: skip
 
+    def stats(self) -> list[GenerationStats]:
+        return [g.stats for g in self.generations]
+
     def usage(self) -> dict[str, int]:
-        prompt, completion = len(self.generation.params.prompt_ids), self.generation.completion_tokens
+        prompts = {g.params.prompt_index: len(g.params.prompt_ids) for g in self.generations}
+        prompt, completion = sum(prompts.values()), sum(g.completion_tokens for g in self.generations)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def wants_chunk(self, delta: Delta) -> bool:
@@ -67,25 +72,29 @@ class ChatFormat(_Format):
     object_name = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
-    def opening_chunk(self) -> dict[str, Any]:
-        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+    def opening_chunk(self, index: int) -> dict[str, Any]:
+        choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
         return self._envelope(self.chunk_object, [choice])
 
-    def chunk(self, delta: Delta) -> dict[str, Any]:
-        choice = {"index": 0, "delta": {"content": delta.text}, "logprobs": self._logprobs(delta.logprobs), "finish_reason": None}
+    def chunk(self, index: int, delta: Delta) -> dict[str, Any]:
+        choice = {"index": index, "delta": {"content": delta.text}, "logprobs": self._logprobs(delta.logprobs),
+                  "finish_reason": None}  # fmt: skip
         return self._envelope(self.chunk_object, [choice])
 
-    def closing_chunk(self) -> dict[str, Any]:
-        choice = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": self.generation.finish_reason}
-        return self._envelope(self.chunk_object, [choice], specswarm=speculation_stats(self.generation.stats))
+    def closing_chunk(self, index: int) -> dict[str, Any]:
+        generation = self.generations[index]
+        choice = {"index": index, "delta": {}, "logprobs": None, "finish_reason": generation.finish_reason}
+        return self._envelope(self.chunk_object, [choice], specswarm=speculation_stats([generation.stats]))
 
-    def response(self, deltas: list[Delta]) -> dict[str, Any]:
-        message = {"role": "assistant", "content": "".join(d.text for d in deltas)}
-        logprobs = self._logprobs([lp for d in deltas for lp in d.logprobs])
-        choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": self.generation.finish_reason}
-        return self._envelope(self.object_name, [choice], usage=self.usage(), specswarm=speculation_stats(self.generation.stats))
+    def response(self, deltas: list[list[Delta]]) -> dict[str, Any]:
+        choices = []
+        for index, (generation, own) in enumerate(zip(self.generations, deltas)):
+            message = {"role": "assistant", "content": "".join(d.text for d in own)}
+            logprobs = self._logprobs([lp for d in own for lp in d.logprobs])
+            choices.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": generation.finish_reason})
+        return self._envelope(self.object_name, choices, usage=self.usage(), specswarm=speculation_stats(self.stats()))
 
-    def _logprobs(self, entries: list[TokenLogprobs]) -> Optional[dict[str, Any]]:
+    def _logprobs(self, entries: list[Optional[TokenLogprobs]]) -> Optional[dict[str, Any]]:
         if self.shown < 0:
             return None
         content = []
@@ -97,38 +106,51 @@ class ChatFormat(_Format):
 
 
 class CompletionFormat(_Format):
+    """OpenAI's legacy completions shape, as vLLM returns it: with ``echo`` the prompt's tokens come
+    first in ``logprobs`` (the first with ``null`` log-prob and alternatives: it has no context),
+    then the generated ones; ``top_logprobs`` holds the K likeliest and the token itself (so up to
+    K + 1 entries, as OpenAI documents); ``text_offset`` counts characters from the choice's text start."""
+
     prefix = "cmpl"
     object_name = "text_completion"
     chunk_object = "text_completion"
 
-    def opening_chunk(self) -> None:
+    def opening_chunk(self, index: int) -> None:
         return None
 
-    def chunk(self, delta: Delta) -> dict[str, Any]:
-        choice = {"index": 0, "text": delta.text, "logprobs": self._logprobs(delta.logprobs), "finish_reason": None}
+    def chunk(self, index: int, delta: Delta) -> dict[str, Any]:
+        choice = {"index": index, "text": delta.text, "logprobs": self._logprobs(index, [delta]), "finish_reason": None}
         return self._envelope(self.chunk_object, [choice])
 
-    def closing_chunk(self) -> dict[str, Any]:
-        choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": self.generation.finish_reason}
-        return self._envelope(self.chunk_object, [choice], specswarm=speculation_stats(self.generation.stats))
+    def closing_chunk(self, index: int) -> dict[str, Any]:
+        generation = self.generations[index]
+        choice = {"index": index, "text": "", "logprobs": None, "finish_reason": generation.finish_reason}
+        return self._envelope(self.chunk_object, [choice], specswarm=speculation_stats([generation.stats]))
 
-    def response(self, deltas: list[Delta]) -> dict[str, Any]:
-        logprobs = self._logprobs([lp for d in deltas for lp in d.logprobs])
-        choice = {"index": 0, "text": "".join(d.text for d in deltas), "logprobs": logprobs,
-                  "finish_reason": self.generation.finish_reason}  # fmt: skip
-        return self._envelope(self.object_name, [choice], usage=self.usage(), specswarm=speculation_stats(self.generation.stats))
+    def response(self, deltas: list[list[Delta]]) -> dict[str, Any]:
+        choices = []
+        for index, (generation, own) in enumerate(zip(self.generations, deltas)):
+            choices.append({"index": index, "text": "".join(d.text for d in own), "logprobs": self._logprobs(index, own),
+                            "finish_reason": generation.finish_reason})  # fmt: skip
+        return self._envelope(self.object_name, choices, usage=self.usage(), specswarm=speculation_stats(self.stats()))
 
-    def _logprobs(self, entries: list[TokenLogprobs]) -> Optional[dict[str, Any]]:
+    def _logprobs(self, index: int, deltas: list[Delta]) -> Optional[dict[str, Any]]:
         if self.shown < 0:
             return None
-        tokens, offsets = [], []
-        for entry in entries:
-            tokens.append(self.served.token_text(entry.token_id))
-            offsets.append(self.text_offset)
-            self.text_offset += len(tokens[-1])
-        return {
-            "tokens": tokens,
-            "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [dict(self._top(e)) for e in entries],
-            "text_offset": offsets,
-        }
+        tokens: list[str] = []
+        offsets: list[int] = []
+        token_logprobs: list[Optional[float]] = []
+        top_logprobs: list[Optional[dict[str, float]]] = []
+        for delta in deltas:
+            for token_id, entry in zip(delta.token_ids, delta.logprobs):
+                tokens.append(self.served.token_text(token_id))
+                offsets.append(self.text_offsets[index])
+                self.text_offsets[index] += len(tokens[-1])
+                token_logprobs.append(None if entry is None else entry.logprob)
+                top_logprobs.append(None if entry is None else self._top_with_token(entry))
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
+
+    def _top_with_token(self, entry: TokenLogprobs) -> dict[str, float]:
+        top = dict(self._top(entry))
+        top.setdefault(self.served.token_text(entry.token_id), entry.logprob)
+        return top

@@ -9,8 +9,9 @@ Extensions beyond OpenAI's parameters use vLLM's names (``top_k``, ``min_p``,
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from typing import Any, Optional, TypeVar, Union
+from typing import Any, NamedTuple, Optional, TypeVar, Union
 
 import msgspec
 
@@ -36,6 +37,15 @@ class ChatMessage(msgspec.Struct):
 
 class StreamOptions(msgspec.Struct):
     include_usage: Optional[bool] = False
+    continuous_usage_stats: Optional[bool] = False  # vLLM's: usage so far in every chunk
+
+
+class Prediction(msgspec.Struct):
+    """OpenAI's predicted output: text the answer will likely repeat. Here it seeds the drafts only,
+    so it speeds up the answer and never changes it."""
+
+    type: str
+    content: Union[str, list[ContentPart]]
 
 
 class _Request(msgspec.Struct, kw_only=True):
@@ -51,6 +61,9 @@ class _Request(msgspec.Struct, kw_only=True):
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
     logit_bias: Optional[dict[str, float]] = None
+    response_format: Optional[dict[str, Any]] = None
+    prediction: Optional[Prediction] = None
+    user: Optional[str] = None  # accepted, unused (OpenAI's end-user id for abuse monitoring)
     # extensions
     top_k: Optional[int] = None
     min_p: Optional[float] = None
@@ -63,6 +76,10 @@ class _Request(msgspec.Struct, kw_only=True):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
 
 class ChatRequest(_Request, kw_only=True):
     messages: list[ChatMessage]
@@ -70,7 +87,11 @@ class ChatRequest(_Request, kw_only=True):
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = None
     tools: Optional[list[Any]] = None
-    response_format: Optional[dict[str, Any]] = None
+    tool_choice: Any = None
+    functions: Optional[list[Any]] = None
+    function_call: Any = None
+    modalities: Optional[list[str]] = None
+    audio: Optional[dict[str, Any]] = None
 
 
 class CompletionRequest(_Request, kw_only=True):
@@ -81,7 +102,7 @@ class CompletionRequest(_Request, kw_only=True):
     suffix: Optional[str] = None
 
 
-R = TypeVar("R", bound=_Request)
+R = TypeVar("R", bound=msgspec.Struct)
 
 
 def parse(body: bytes, kind: type[R]) -> R:
@@ -98,38 +119,48 @@ def _param_of(message: str) -> Optional[str]:
     return match.group(1) if match else None
 
 
-def chat_params(req: ChatRequest, served: ServedModel) -> tuple[GenerationParams, int]:
-    """The validated generation, and how many top log-probs to show per token (-1: none)."""
+def chat_params(req: ChatRequest, served: ServedModel, max_choices: int) -> tuple[list[GenerationParams], int]:
+    """One validated generation per choice, and how many top log-probs to show per token (-1: none)."""
     if req.tools:
         raise bad_request("tools are not supported by this gateway", "tools")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise bad_request("only response_format {'type': 'text'} is supported", "response_format")
+    if req.functions or req.function_call not in (None, "none"):
+        raise bad_request("functions are not supported by this gateway", "functions" if req.functions else "function_call")
+    if req.tool_choice not in (None, "none"):
+        raise bad_request("tool_choice is not supported by this gateway (it has no tools)", "tool_choice")
+    if req.modalities not in (None, ["text"]):
+        raise bad_request("only text output is supported (modalities ['text'])", "modalities")
+    if req.audio is not None:
+        raise bad_request("audio output is not supported", "audio")
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
         raise bad_request(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}", "top_logprobs")
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-    prompt_ids = served.chat_prompt(_messages(req.messages))
+    prompt_ids = served.chat_prompt(chat_messages(req.messages))
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     shown = (req.top_logprobs or 0) if req.logprobs else -1
-    return _common(req, served, prompt_ids, max_tokens, "messages", shown), shown
+    return _choices(req, served, [Prompt(prompt_ids, None)], max_tokens, "messages", shown, max_choices), shown
 
 
-def completion_params(req: CompletionRequest, served: ServedModel) -> tuple[GenerationParams, int]:
-    if req.echo:
-        raise bad_request("echo is not supported", "echo")
+def completion_params(req: CompletionRequest, served: ServedModel, max_choices: int) -> tuple[list[GenerationParams], int]:
+    """One validated generation per choice (prompt-major, then ``n``), and the top log-probs shown."""
     if req.suffix:
         raise bad_request("suffix is not supported", "suffix")
-    if req.best_of not in (None, 1):
-        raise bad_request("best_of must be 1", "best_of")
+    if req.best_of not in (None, 1, req.n or 1):
+        raise bad_request("best_of must equal n (choosing the best of several is not supported)", "best_of")
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
         raise bad_request(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}", "logprobs")
-    prompt_ids = _prompt_ids(req.prompt, served)
+    prompts = _prompts(req.prompt, served)
     shown = req.logprobs if req.logprobs is not None else -1
     max_tokens = req.max_tokens if req.max_tokens is not None else 16  # OpenAI's default for completions
-    return _common(req, served, prompt_ids, max_tokens, "prompt", shown), shown
+    return _choices(req, served, prompts, max_tokens, "prompt", shown, max_choices), shown
 
 
-def _messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+class Prompt(NamedTuple):
+    ids: list[int]
+    text: Optional[str]  # as the request gave it (None: given as ids); what echo returns
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
     if not messages:
         raise bad_request("messages must not be empty", "messages")
     out = []
@@ -147,50 +178,84 @@ def _messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
     return out
 
 
-def _prompt_ids(prompt: Any, served: ServedModel) -> list[int]:
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
+def _prompts(prompt: Any, served: ServedModel) -> list[Prompt]:
+    """A string, a list of ids, or a batch: a list of strings or of id lists."""
     if isinstance(prompt, str):
-        if not prompt:
-            raise bad_request("the prompt is empty", "prompt")
-        return served.encode(prompt)
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        raise bad_request("only one prompt per request is supported", "prompt")
-    if isinstance(prompt, list):
-        return check_prompt_ids(prompt, served, "prompt")
-    raise bad_request("prompt must be a string or a list of token ids", "prompt")
+        return [_text_prompt(prompt, served)]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        return [_text_prompt(p, served) for p in prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
+        return [Prompt(check_prompt_ids(p, served, "prompt"), None) for p in prompt]
+    if isinstance(prompt, list) and not any(isinstance(p, (str, list)) for p in prompt):
+        return [Prompt(check_prompt_ids(prompt, served, "prompt"), None)]
+    raise bad_request("prompt must be a string, a list of token ids, or a batch: a list of strings or a list of "
+                      "token-id lists", "prompt")  # fmt: skip
 
 
-def _common(req: _Request, served: ServedModel, prompt_ids: list[int], max_tokens: Optional[int], prompt_param: str,
-            shown_logprobs: int) -> GenerationParams:  # fmt: skip
-    if req.n not in (None, 1):
-        raise bad_request("n must be 1: this gateway generates one choice per request", "n")
+def _text_prompt(text: str, served: ServedModel) -> Prompt:
+    if not text:
+        raise bad_request("the prompt is empty", "prompt")
+    return Prompt(served.encode(text), text)
+
+
+def _choices(req: _Request, served: ServedModel, prompts: list[Prompt], max_tokens: Optional[int], prompt_param: str,
+             shown_logprobs: int, max_choices: int) -> list[GenerationParams]:  # fmt: skip
+    """``n`` choices per prompt, each its own concurrent session. With a seed, choice j of a prompt
+    samples with seed + j (as vLLM does), so the same request gives the same choices again."""
+    n = 1 if req.n is None else req.n
+    if n < 1:
+        raise bad_request(f"n must be at least 1, got {n}", "n")
+    if len(prompts) * n > max_choices:
+        raise bad_request(f"{len(prompts)} prompt(s) x n={n} make {len(prompts) * n} choices; this gateway runs at most "
+                          f"{max_choices} per request: split the batch", "n" if n > 1 else prompt_param,
+                          code="too_many_choices")  # fmt: skip
+    echo = bool(getattr(req, "echo", False))
+    base = _common(req)
+    choices = []
+    for index, prompt in enumerate(prompts):
+        limit = _max_tokens(len(prompt.ids), max_tokens, served, prompt_param, echo)
+        text = prompt.text if prompt.text is not None else served.tokenizer.decode(prompt.ids, skip_special_tokens=True)
+        for j in range(n):
+            sampling = dict(base.sampling)
+            if sampling.get("seed") is not None:
+                sampling["seed"] = (sampling["seed"] + j + INT64) % (2 * INT64) - INT64  # a signed 64-bit int still
+            choices.append(dataclasses.replace(
+                base, prompt_ids=prompt.ids, max_tokens=limit, sampling=sampling, prompt_index=index,
+                num_logprobs=max(shown_logprobs, 1) if shown_logprobs >= 0 else 0,
+                echo=text if echo else None, prompt_logprobs=shown_logprobs if echo else -1,
+            ))  # fmt: skip
+    return choices
+
+
+def _common(req: _Request) -> GenerationParams:
+    """What every choice of the request shares (prompt and length are set per choice)."""
     if req.presence_penalty or req.frequency_penalty:
         param = "presence_penalty" if req.presence_penalty else "frequency_penalty"
         raise bad_request(f"{param} is not supported; repetition_penalty (an extension) is", param)
     if req.logit_bias:
-        raise bad_request("logit_bias is not supported", "logit_bias")
-    max_tokens = _max_tokens(len(prompt_ids), max_tokens, served, prompt_param)
-    return GenerationParams(
-        prompt_ids=prompt_ids,
-        max_tokens=max_tokens,
-        stop=_stops(req.stop),
-        num_logprobs=max(shown_logprobs, 1) if shown_logprobs >= 0 else 0,
-        ignore_eos=bool(req.ignore_eos),
-        sampling=_sampling(req),
-    )
+        raise bad_request("logit_bias is not supported: the tail decides every token by the model's own "
+                          "distribution", "logit_bias")  # fmt: skip
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise bad_request("only response_format {'type': 'text'} is supported (no JSON mode)", "response_format")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options needs stream: true", "stream_options")
+    return GenerationParams(prompt_ids=[], max_tokens=0, stop=_stops(req.stop), ignore_eos=bool(req.ignore_eos),
+                            sampling=_sampling(req))  # fmt: skip
 
 
-def _max_tokens(prompt_tokens: int, max_tokens: Optional[int], served: ServedModel, prompt_param: str) -> int:
+def _max_tokens(prompt_tokens: int, max_tokens: Optional[int], served: ServedModel, prompt_param: str,
+                echo: bool = False) -> int:  # fmt: skip
+    """max_tokens checked against the context; 0 only with echo (scoring the prompt alone)."""
     param = "max_tokens"
     context = served.context_length
-    if prompt_tokens >= context:
+    if prompt_tokens > context or (prompt_tokens == context and not (echo and max_tokens == 0)):
         raise APIError(400, f"this model's maximum context length is {context} tokens, but the prompt has "
                        f"{prompt_tokens} tokens", "invalid_request_error", param=prompt_param, code="context_length_exceeded")  # fmt: skip
     if max_tokens is None:  # capped: each hop reserves cache for prompt + max_tokens
         return min(context - prompt_tokens, served.default_max_tokens)
-    if max_tokens < 1:
-        raise bad_request(f"{param} must be at least 1, got {max_tokens}", param)
+    if max_tokens < (0 if echo else 1):
+        raise bad_request(f"{param} must be at least {0 if echo else 1} {'with' if echo else 'without'} echo, "
+                          f"got {max_tokens}", param)  # fmt: skip
     if prompt_tokens + max_tokens > context:
         raise APIError(400, f"this model's maximum context length is {context} tokens; the prompt ({prompt_tokens}) "
                        f"plus {param} ({max_tokens}) exceeds it", "invalid_request_error", param=param,
@@ -242,4 +307,16 @@ def _sampling(req: _Request) -> dict[str, Any]:
         sampling["speculation"] = None if req.speculation.lower() == "none" else req.speculation.lower()
     if req.num_draft_tokens is not None:
         sampling["num_draft_tokens"] = req.num_draft_tokens
+    if req.prediction is not None:
+        sampling["draft_corpus"] = [_prediction_text(req.prediction)]
     return sampling
+
+
+def _prediction_text(prediction: Prediction) -> str:
+    if prediction.type != "content":
+        raise bad_request("prediction.type must be 'content'", "prediction")
+    if isinstance(prediction.content, str):
+        return prediction.content
+    if any(part.type != "text" or part.text is None for part in prediction.content):
+        raise bad_request("only text parts are supported in prediction.content", "prediction")
+    return "".join(part.text for part in prediction.content)
