@@ -130,31 +130,41 @@ def route_latency(
 
 
 def exhaustive_best(
-    servers: Sequence[ServerInfo], blocks: int, client_rtts: Mapping[str, float], max_length: int = 0, limit: int = 5_000_000
+    servers: Sequence[ServerInfo], blocks: int, client_rtts: Mapping[str, float], max_length: int = 0,
+    default_rtt: float = DEFAULT_RTT, limit: int = 20_000_000,
 ) -> tuple[float, list[RouteHop]]:
-    """The lowest-latency route over every route there is: each hop a server and a sub-range of
-    its span, next hop a different server starting where it ended (depth-first, every branch;
-    ``limit`` bounds the routes visited so a too-large swarm fails loudly instead of running
-    for hours)."""
+    """The lowest-latency route among all routes: each hop a server and a sub-range of its span,
+    the next hop a different server starting where it ended. Depth-first over every branch,
+    dropping a branch only once its partial latency already reaches the best complete route's
+    (latencies only grow along a route). ``limit`` bounds the branches visited, so a swarm too
+    large for this fails loudly instead of running for hours."""
     usable = [s for s in servers if s.state == ServerState.ONLINE and s.free_cache_tokens >= max_length]
+    by_peer = {s.peer_id: s for s in usable}
     best: list = [float("inf"), []]
     visited = [0]
 
-    def walk(at: int, route: list[RouteHop]) -> None:
+    def link(p: str, q: str) -> float:
+        return by_peer[p].next_pings.get(q, by_peer[q].next_pings.get(p, default_rtt)) / 2
+
+    def walk(at: int, route: list[RouteHop], cost: float) -> None:
+        visited[0] += 1
+        if visited[0] > limit:
+            raise RuntimeError(f"more than {limit} branches: too large for an exhaustive search")
+        if cost >= best[0]:
+            return
         if at == blocks:
-            visited[0] += 1
-            if visited[0] > limit:
-                raise RuntimeError(f"more than {limit} routes: too large for an exhaustive search")
-            latency = route_latency(route, usable, client_rtts)
-            if latency < best[0]:
-                best[:] = [latency, list(route)]
+            total = cost + client_rtts.get(route[-1].peer_id, default_rtt) / 2
+            if total < best[0]:
+                best[:] = [total, list(route)]
             return
         for s in usable:
             if s.start_block <= at < s.end_block and (not route or route[-1].peer_id != s.peer_id):
+                enter = link(route[-1].peer_id, s.peer_id) if route else client_rtts.get(s.peer_id, default_rtt) / 2
                 for end in range(at + 1, s.end_block + 1):
-                    walk(end, route + [RouteHop(s.peer_id, at, end)])
+                    compute = (end - at) / (s.throughput * len(s.span))
+                    walk(end, route + [RouteHop(s.peer_id, at, end)], cost + enter + compute)
 
-    walk(0, [])
+    walk(0, [], 0.0)
     return best[0], best[1]
 
 
