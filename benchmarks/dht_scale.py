@@ -36,6 +36,7 @@ import json
 import os
 import random
 import statistics
+import sys
 import threading
 import time
 from concurrent.futures import Future
@@ -57,6 +58,7 @@ from protocol.validation import PeerIdSignatureValidator
 KEYS_PATH = os.path.expanduser("~/.cache/specswarm/dht_scale_identities.msgpack")
 UPDATE_PERIOD = 15.0  # server.span_server's default
 LOCALHOST = ["/ip4/127.0.0.1/tcp/0"]
+NODE_OPTIONS = dict(wait_timeout=10.0)  # hivemind's 3 s default times pings out on a loaded machine
 
 
 def identities(count: int, path: str = KEYS_PATH) -> list[Identity]:
@@ -102,6 +104,9 @@ class LoopDHT:
         future = asyncio.run_coroutine_threadsafe(coro(self, self.node), self.loop)
         return future if return_future else future.result()
 
+    def get(self, key: str, latest: bool = False) -> Any:
+        return asyncio.run_coroutine_threadsafe(self.node.get(key, latest=latest), self.loop).result()
+
 
 class Swarm:
     """DHT peers on one loop in a background thread; servers' records refreshed by their hosts."""
@@ -112,6 +117,7 @@ class Swarm:
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.peers: list[DHTNode] = []
+        self.clients: list[DHTNode] = []
         self.maddrs: list[str] = []
         self.refreshing: dict[str, tuple[int, Any]] = {}  # server peer id -> (host index, record or raw dict)
         self._refresher: Optional[Future] = None
@@ -119,15 +125,15 @@ class Swarm:
     def run(self, coro) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
-    def start_peers(self, count: int, batch: int = 8) -> None:
+    def start_peers(self, count: int, batch: int = 4) -> None:
         async def first() -> None:
-            node = await DHTNode.create(record_validator=self.signer, host_maddrs=LOCALHOST)
+            node = await DHTNode.create(record_validator=self.signer, host_maddrs=LOCALHOST, **NODE_OPTIONS)
             self.peers.append(node)
             self.maddrs = [str(m) for m in await node.get_visible_maddrs()]
 
         async def more(n: int) -> None:
             nodes = await asyncio.gather(*(
-                DHTNode.create(initial_peers=self.maddrs, record_validator=self.signer, host_maddrs=LOCALHOST)
+                DHTNode.create(initial_peers=self.maddrs, record_validator=self.signer, host_maddrs=LOCALHOST, **NODE_OPTIONS)
                 for _ in range(n)
             ))  # fmt: skip
             self.peers.extend(nodes)
@@ -137,7 +143,8 @@ class Swarm:
             self.run(more(min(batch, count - len(self.peers))))
 
     def client(self) -> LoopDHT:
-        node = self.run(DHTNode.create(initial_peers=self.maddrs, record_validator=ServersSigner(), client_mode=True))
+        node = self.run(DHTNode.create(initial_peers=self.maddrs, record_validator=ServersSigner(), client_mode=True, **NODE_OPTIONS))
+        self.clients.append(node)
         return LoopDHT(node, self.loop)
 
     def host(self, server: str, host: int, record: Any) -> None:
@@ -201,7 +208,7 @@ class Swarm:
         if hasattr(self, "_stop"):
             self._stop.set()
             self._refresh_thread.join(timeout=60)
-        for node in self.peers:
+        for node in self.clients + self.peers:
             try:
                 self.run(asyncio.wait_for(node.shutdown(), 10))
             except Exception:
@@ -246,6 +253,7 @@ def measure(peers: int, servers: int, blocks: int, fetches: int, period: float, 
         began = time.monotonic()
         swarm.start_peers(peers)
         result["start_s"] = round(time.monotonic() - began, 1)
+        _progress(result)
         p2pd_rss = [p.memory_info().rss for p in swarm.p2pd_processes()]
         result["p2pd_rss_mib_mean"] = round(statistics.mean(p2pd_rss) / 2**20, 1)
         result["python_mib_per_peer"] = round((me.memory_info().rss - rss_before) / peers / 2**20, 1)
@@ -256,6 +264,7 @@ def measure(peers: int, servers: int, blocks: int, fetches: int, period: float, 
         began = time.monotonic()
         swarm.announce_all(blocks, 3 * period)
         result["first_announce_s"] = round(time.monotonic() - began, 1)
+        _progress(result)
         swarm.keep_refreshing(blocks, period)
         client = swarm.client()
         online = {s.peer_id for s in honest}
@@ -264,10 +273,15 @@ def measure(peers: int, servers: int, blocks: int, fetches: int, period: float, 
         result["fetch_servers_seen"] = len(seen)
         result["fetch_honest_announced"] = len(online)
         result["fetch_hostile_seen"] = len(seen - online)
+        _progress(result)
+        result.update(_poll_times(client, blocks))
         result["memory_per_peer_mib"] = round(result["p2pd_rss_mib_mean"] + (me.memory_info().rss - rss_before) / peers / 2**20, 1)
         result["bytes_per_peer_per_min"] = _bytes_per_minute(swarm, period)
+        _progress(result)
         result["new_server_visible_s"] = _new_server(swarm, client, ids[servers], blocks, period)
+        _progress(result)
         result["dead_server_gone_s"] = _dead_server(swarm, client, honest, blocks)
+        _progress(result)
         result.update(_vanish(swarm, client, blocks, rng, fetches, period))
         result["load_average"] = round(os.getloadavg()[0], 1)
         result["commit"] = _commit()
@@ -284,6 +298,21 @@ def _fetch_times(client: LoopDHT, blocks: int, count: int) -> tuple[list[float],
         times.append(time.monotonic() - began)
         seen = {s.peer_id for s in found}
     return times, seen
+
+
+def _poll_times(client: LoopDHT, blocks: int, count: int = 3) -> dict:
+    """The dashboard's poll (registry, every block key, spot-check reports) against this DHT."""
+    from swarm.dashboard.events import SwarmPolled
+    from swarm.dashboard.poller import SwarmReader
+
+    reader, times, servers = SwarmReader(client, known_blocks={MODEL: blocks}), [], 0
+    for _ in range(count):
+        began = time.monotonic()
+        event = reader.poll()
+        times.append(time.monotonic() - began)
+        if isinstance(event, SwarmPolled):
+            servers = sum(len(m.servers) for m in event.models)
+    return {**_figures("dashboard_poll", times), "dashboard_poll_servers": servers}
 
 
 def _bytes_per_minute(swarm: Swarm, period: float) -> int:
@@ -318,7 +347,7 @@ def _dead_server(swarm: Swarm, client: LoopDHT, honest: list[ServerInfo], blocks
 def _vanish(swarm: Swarm, client: LoopDHT, blocks: int, rng: random.Random, fetches: int, period: float) -> dict:
     """20% of the peers (never the first, the client's entry point) vanish at once."""
     victims = rng.sample(range(1, len(swarm.peers)), max(1, len(swarm.peers) // 5))
-    alive = {s for s, (host, _) in swarm.refreshing.items() if host not in victims}
+    alive = {s for s, (host, record) in swarm.refreshing.items() if host not in victims and isinstance(record, ServerInfo)}
     swarm.vanish(victims)
     times, seen = _fetch_times(client, blocks, fetches)
     out = {f"vanished_{k}": v for k, v in _figures("fetch", times).items()}
@@ -332,7 +361,11 @@ def _vanish(swarm: Swarm, client: LoopDHT, blocks: int, rng: random.Random, fetc
     return out
 
 
-def _until(condition: Callable[[], bool], began: float, timeout: float = 300.0) -> float:
+def _progress(result: dict) -> None:
+    print(f"  ... {json.dumps(result)}", file=sys.stderr, flush=True)
+
+
+def _until(condition: Callable[[], bool], began: float, timeout: float = 180.0) -> float:
     while not condition():
         if time.monotonic() - began > timeout:
             return float("inf")
