@@ -244,7 +244,10 @@ def real_ids(swarm: SyntheticSwarm, ids: list[Identity]) -> tuple[list[ServerInf
     return honest, hostile, real
 
 
-def measure(peers: int, servers: int, blocks: int, fetches: int, period: float, seed: int) -> dict:
+def measure(peers: int, servers: int, blocks: int, fetches: int, period: float, seed: int, refresh: bool = True) -> dict:
+    """Every figure of the module docstring; with ``refresh=False`` the records are stored once
+    (for an hour) and the figures that need refreshing (bytes per minute, a dead server) are
+    left out."""
     rng = random.Random(seed)
     synthetic = make_swarm(servers, blocks, seed=seed)
     ids = identities(servers + 1)
@@ -253,7 +256,7 @@ def measure(peers: int, servers: int, blocks: int, fetches: int, period: float, 
     me = psutil.Process()
     rss_before = me.memory_info().rss
     swarm = Swarm(signer)
-    result: dict[str, Any] = {"peers": peers, "servers": servers, "blocks": blocks, "update_period_s": period}
+    result: dict[str, Any] = {"peers": peers, "servers": servers, "blocks": blocks, "update_period_s": period if refresh else None}
     try:
         began = time.monotonic()
         swarm.start_peers(peers)
@@ -267,10 +270,11 @@ def measure(peers: int, servers: int, blocks: int, fetches: int, period: float, 
         for i, raw in enumerate(hostile):
             swarm.host(raw["_subkey"], (len(honest) + i) % peers, raw)
         began = time.monotonic()
-        swarm.announce_all(blocks, 3 * period, hostile_expiration=3600.0)
+        swarm.announce_all(blocks, 3 * period if refresh else 3600.0, hostile_expiration=3600.0)
         result["first_announce_s"] = round(time.monotonic() - began, 1)
         _progress(result)
-        swarm.keep_refreshing(blocks, period)
+        if refresh:
+            swarm.keep_refreshing(blocks, period)
         client = swarm.client()
         online = {s.peer_id for s in honest}
         times, seen = _fetch_times(client, blocks, fetches)
@@ -281,13 +285,15 @@ def measure(peers: int, servers: int, blocks: int, fetches: int, period: float, 
         _progress(result)
         result.update(_poll_times(client, blocks))
         result["memory_per_peer_mib"] = round(result["p2pd_rss_mib_mean"] + (me.memory_info().rss - rss_before) / peers / 2**20, 1)
-        result["bytes_per_peer_per_min"] = _bytes_per_minute(swarm, period)
-        _progress(result)
+        if refresh:
+            result["bytes_per_peer_per_min"] = _bytes_per_minute(swarm, period)
+            _progress(result)
         result["new_server_visible_s"] = _new_server(swarm, client, ids[servers], blocks, period)
         _progress(result)
-        result["dead_server_gone_s"] = _dead_server(swarm, client, honest, blocks)
-        _progress(result)
-        result.update(_vanish(swarm, client, blocks, rng, fetches, period))
+        if refresh:
+            result["dead_server_gone_s"] = _dead_server(swarm, client, honest, blocks)
+            _progress(result)
+        result.update(_vanish(swarm, client, blocks, rng, fetches, period, refresh))
         result["load_average"] = round(os.getloadavg()[0], 1)
         result["commit"] = _commit()
     finally:
@@ -349,7 +355,7 @@ def _dead_server(swarm: Swarm, client: LoopDHT, honest: list[ServerInfo], blocks
     return _until(lambda: victim not in {s.peer_id for s in fetch_servers(client, MODEL, blocks)}, began)
 
 
-def _vanish(swarm: Swarm, client: LoopDHT, blocks: int, rng: random.Random, fetches: int, period: float) -> dict:
+def _vanish(swarm: Swarm, client: LoopDHT, blocks: int, rng: random.Random, fetches: int, period: float, refresh: bool) -> dict:
     """20% of the peers (never the first, the client's entry point) vanish at once."""
     victims = rng.sample(range(1, len(swarm.peers)), max(1, len(swarm.peers) // 5))
     alive = {s for s, (host, record) in swarm.refreshing.items() if host not in victims and isinstance(record, ServerInfo)}
@@ -359,6 +365,8 @@ def _vanish(swarm: Swarm, client: LoopDHT, blocks: int, rng: random.Random, fetc
     out["vanished_peers"] = len(victims)
     out["vanished_live_servers_seen"] = len(alive & seen)
     out["vanished_live_servers"] = len(alive)
+    if not refresh:
+        return out
     time.sleep(period * 3)  # the vanished hosts' records expire; the survivors refresh theirs
     _, seen = _fetch_times(client, blocks, 1)
     out["vanished_after_expiry_live_seen"] = len(alive & seen)
@@ -400,9 +408,10 @@ def main() -> None:
     parser.add_argument("--fetches", type=int, default=10)
     parser.add_argument("--update-period", type=float, default=UPDATE_PERIOD)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-refresh", action="store_true", help="store the records once (for an hour)")
     parser.add_argument("--out", help="also write the JSON object to this file")
     args = parser.parse_args()
-    result = measure(args.peers, args.servers, args.blocks, args.fetches, args.update_period, args.seed)
+    result = measure(args.peers, args.servers, args.blocks, args.fetches, args.update_period, args.seed, not args.no_refresh)
     for key, value in result.items():
         print(f"  {key}: {value}")
     print(json.dumps(result), flush=True)
