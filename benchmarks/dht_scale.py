@@ -46,7 +46,6 @@ import msgpack
 import psutil
 from hivemind.dht.node import DHTNode
 from hivemind.proto import crypto_pb2
-from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 from benchmarks.synthetic_swarm import MODEL, SyntheticSwarm, make_swarm

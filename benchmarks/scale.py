@@ -32,7 +32,7 @@ import time
 import tracemalloc
 from typing import Callable, Mapping, Sequence
 
-from benchmarks.synthetic_swarm import SyntheticSwarm, make_swarm
+from benchmarks.synthetic_swarm import make_swarm
 from protocol.records import ServerInfo, ServerState
 from protocol.routing import DEFAULT_RTT, MaxFlowRouter, RouteHop, cap_throughput, choose_best_span, swarm_max_flow
 
