@@ -3,7 +3,7 @@ PYTHON ?= python3
 PIP = $(PYTHON) -m pip
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup browser systemd-analyze netns-tools demo test bench-wan bench-ceiling bench-drafter bench-failover bench-load bench-chaos bench-codecs bench-bandwidth bench-batch bench-quant train-drafter warm-corpus bench-drafter-cost bench-dssd bench-trees bench-spot-checks bench-step-bytes bench-gateway
+.PHONY: setup browser systemd-analyze netns-tools demo test bench-wan bench-ceiling bench-drafter bench-failover bench-load bench-chaos bench-codecs bench-bandwidth bench-batch bench-quant train-drafter warm-corpus bench-drafter-cost bench-dssd bench-trees bench-spot-checks bench-step-bytes bench-gateway bench-scale bench-dht-scale bench-dashboard-scale
 
 # Keeps a torch that is already installed (a GPU user's own build); otherwise installs the torch
 # wheel pip's index serves: the CPU build on these machines (local wheels), but on Linux x86-64
@@ -116,3 +116,18 @@ bench-dssd: setup
 # Bytes of one lap's messages (deterministic; the README's and docs/protocol.md's figures).
 bench-step-bytes: setup
 	$(PYTHON) -m benchmarks.step_bytes
+
+# in one process (no network): route, block selection and max-flow at 10, 100, 300 and 1,000
+# synthetic servers, 10% of the records hostile (docs/scale.md)
+bench-scale: setup
+	$(PYTHON) -m benchmarks.scale --sweep --out benchmarks/results/scale.json
+
+# hivemind DHT peers on loopback (one p2pd each) holding 1,000 signed server records (docs/scale.md);
+# PEERS=50 needs ~2.5 GiB
+PEERS ?= 20
+bench-dht-scale: setup
+	$(PYTHON) -m benchmarks.dht_scale --peers $(PEERS) --servers 1000 --out benchmarks/results/dht_scale_$(PEERS).json
+
+# the dashboard with 1,000 servers: fold, state JSON and the page in headless Chromium (docs/scale.md)
+bench-dashboard-scale: setup browser
+	$(PYTHON) -m benchmarks.dashboard_scale --servers 1000 --screenshot docs/dashboard-1000.png

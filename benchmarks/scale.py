@@ -1,0 +1,215 @@
+"""Routing, block selection and the dashboard's max-flow at swarm sizes nobody has run yet.
+
+    python -m benchmarks.scale --servers 1000 --blocks 61     # one size; last line: one JSON object
+    python -m benchmarks.scale --sweep                        # 10, 100, 300, 1000 servers (make bench-scale)
+
+In one process, no network: the records of ``benchmarks/synthetic_swarm.py`` (spans of 1 to 12
+blocks, log-normal throughputs, RTTs from positions on a map, 10% hostile records) are validated as
+a client reads them (``fetch_servers``'s ``_parse``), then timed:
+
+* **route**: what ``client/_swarm.py`` does per session: ``cap_throughput`` and
+  ``MaxFlowRouter.plan(servers, 0, blocks, max_length=..., client_rtts=...)``, with ``--sessions``
+  sessions opened one after another on one router (so the quotas of the later ones count);
+  ``route_ms_p50/p95`` over all of them.
+* **placement**: ``choose_best_span`` for a joining server of 8 blocks.
+* **max-flow**: ``swarm_max_flow`` (the dashboard computes it every poll).
+
+Peak memory is ``tracemalloc``'s peak over one call (a separate run from the timed ones, as
+tracemalloc slows Python down). Wall times count whatever else the machine runs (the load
+average is in the JSON), so the CPU time of the planning process (``route_cpu_ms_*``) is given
+too. Quality: for swarms small enough (``--exhaustive-max``), the first
+route's latency against the best route found by enumerating every route (``exhaustive_best``),
+as a ratio (1.0 = the best).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+import tracemalloc
+from typing import Callable, Mapping, Sequence
+
+from benchmarks.synthetic_swarm import make_swarm
+from protocol.records import ServerInfo, ServerState
+from protocol.routing import DEFAULT_RTT, MaxFlowRouter, RouteHop, cap_throughput, choose_best_span, swarm_max_flow
+
+SIZES = (10, 100, 300, 1000)
+MAX_LENGTH = 2048  # cache tokens a session asks for
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--servers", type=int, default=1000)
+    parser.add_argument("--blocks", type=int, default=61)
+    parser.add_argument("--sessions", type=int, default=50, help="routes planned per size")
+    parser.add_argument("--hostile", type=float, default=0.1, help="fraction of hostile records")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--exhaustive-max", type=int, default=12, help="largest swarm searched exhaustively")
+    parser.add_argument("--sweep", action="store_true", help=f"every size of {SIZES} (one JSON line each)")
+    parser.add_argument("--out", help="also write the JSON objects to this file")
+    args = parser.parse_args()
+    sizes = SIZES if args.sweep else (args.servers,)
+    results = []
+    for n in sizes:
+        result = measure(n, args.blocks, args.sessions, args.hostile, args.seed, args.exhaustive_max)
+        print_table(result)
+        print(json.dumps(result), flush=True)
+        results.append(result)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"commit": _commit(), "results": results}, f, indent=1)
+
+
+def measure(servers: int, blocks: int, sessions: int, hostile: float, seed: int, exhaustive_max: int) -> dict:
+    swarm = make_swarm(servers, blocks, hostile, seed)
+    records = swarm.parsed()
+    rtts = swarm.client_rtts(records)
+    router, routes, route_s, route_cpu = MaxFlowRouter(), [], [], []
+    for _ in range(sessions):  # sessions opened one after another, as a busy client (or gateway) would
+        began, cpu = time.perf_counter(), time.process_time()
+        routes.append(router.plan(cap_throughput(records, {}), 0, blocks, max_length=MAX_LENGTH, client_rtts=rtts))
+        route_s.append(time.perf_counter() - began)
+        route_cpu.append(time.process_time() - cpu)
+    place_s = _repeat(lambda: choose_best_span(records, blocks, 8, 20.0), 20)
+    flow_s = _repeat(lambda: swarm_max_flow(records, blocks), 20)
+    one_route = lambda: MaxFlowRouter().plan(cap_throughput(records, {}), 0, blocks, max_length=MAX_LENGTH, client_rtts=rtts)  # noqa: E731
+    result = {
+        "servers": servers,
+        "blocks": blocks,
+        "records_valid": len(records),
+        "records_hostile": len(swarm.hostile),
+        "hostile_used": sum(hop.peer_id in swarm.hostile for route in routes for hop in route),
+        "route_ms_p50": _ms(statistics.median(route_s)),
+        "route_ms_p95": _ms(_p95(route_s)),
+        "route_cpu_ms_p50": _ms(statistics.median(route_cpu)),
+        "route_cpu_ms_p95": _ms(_p95(route_cpu)),
+        "route_peak_mib": _peak_mib(one_route),
+        "route_hops_mean": round(statistics.mean(len(r) for r in routes), 2),
+        "route_servers_used": len({hop.peer_id for r in routes for hop in r}),
+        "place_ms_p50": _ms(statistics.median(place_s)),
+        "place_peak_mib": _peak_mib(lambda: choose_best_span(records, blocks, 8, 20.0)),
+        "max_flow_ms_p50": _ms(statistics.median(flow_s)),
+        "max_flow_peak_mib": _peak_mib(lambda: swarm_max_flow(records, blocks)),
+        "max_flow_tokens_s": round(swarm_max_flow(records, blocks), 2),
+        "sessions": sessions,
+        "seed": seed,
+        "load_average": round(os.getloadavg()[0], 1),
+        "commit": _commit(),
+    }
+    if servers <= exhaustive_max:
+        routable = [s for s in records if s.state == ServerState.ONLINE]
+        best = exhaustive_best(routable, blocks, rtts, MAX_LENGTH)
+        result["route_latency_s"] = round(route_latency(routes[0], records, rtts), 6)
+        result["exhaustive_latency_s"] = round(best[0], 6)
+        result["quality"] = round(best[0] / route_latency(routes[0], records, rtts), 6)
+    return result
+
+
+def route_latency(
+    route: Sequence[RouteHop], servers: Sequence[ServerInfo], client_rtts: Mapping[str, float], default_rtt: float = DEFAULT_RTT
+) -> float:
+    """Seconds for one token through ``route``, as ``MaxFlowRouter``'s docstring defines it:
+    half of each link's RTT (client -> head, hop -> hop, tail -> client) plus each hop's
+    ``blocks / (throughput x span length)``. Written apart from the router, as the yardstick."""
+    by_peer = {s.peer_id: s for s in servers}
+
+    def link(p: str, q: str) -> float:
+        rtt = by_peer[p].next_pings.get(q, by_peer[q].next_pings.get(p, default_rtt))
+        return rtt / 2
+
+    total = client_rtts.get(route[0].peer_id, default_rtt) / 2 + client_rtts.get(route[-1].peer_id, default_rtt) / 2
+    for i, hop in enumerate(route):
+        s = by_peer[hop.peer_id]
+        total += (hop.end - hop.start) / (s.throughput * len(s.span))
+        if i:
+            total += link(route[i - 1].peer_id, hop.peer_id)
+    return total
+
+
+def exhaustive_best(
+    servers: Sequence[ServerInfo], blocks: int, client_rtts: Mapping[str, float], max_length: int = 0,
+    default_rtt: float = DEFAULT_RTT, limit: int = 20_000_000,
+) -> tuple[float, list[RouteHop]]:
+    """The lowest-latency route among all routes: each hop a server and a sub-range of its span,
+    the next hop a different server starting where it ended. Depth-first over every branch,
+    dropping a branch only once its partial latency already reaches the best complete route's
+    (latencies only grow along a route). ``limit`` bounds the branches visited, so a swarm too
+    large for this fails loudly instead of running for hours."""
+    usable = [s for s in servers if s.state == ServerState.ONLINE and s.free_cache_tokens >= max_length]
+    by_peer = {s.peer_id: s for s in usable}
+    best: list = [float("inf"), []]
+    visited = [0]
+
+    def link(p: str, q: str) -> float:
+        return by_peer[p].next_pings.get(q, by_peer[q].next_pings.get(p, default_rtt)) / 2
+
+    def walk(at: int, route: list[RouteHop], cost: float) -> None:
+        visited[0] += 1
+        if visited[0] > limit:
+            raise RuntimeError(f"more than {limit} branches: too large for an exhaustive search")
+        if cost >= best[0]:
+            return
+        if at == blocks:
+            total = cost + client_rtts.get(route[-1].peer_id, default_rtt) / 2
+            if total < best[0]:
+                best[:] = [total, list(route)]
+            return
+        for s in usable:
+            if s.start_block <= at < s.end_block and (not route or route[-1].peer_id != s.peer_id):
+                enter = link(route[-1].peer_id, s.peer_id) if route else client_rtts.get(s.peer_id, default_rtt) / 2
+                for end in range(at + 1, s.end_block + 1):
+                    compute = (end - at) / (s.throughput * len(s.span))
+                    walk(end, route + [RouteHop(s.peer_id, at, end)], cost + enter + compute)
+
+    walk(0, [], 0.0)
+    return best[0], best[1]
+
+
+def print_table(r: dict) -> None:
+    print(f"{r['servers']} servers ({r['records_valid']} valid records, {r['records_hostile']} hostile), {r['blocks']} blocks")
+    print(f"  route:     p50 {r['route_ms_p50']} ms, p95 {r['route_ms_p95']} ms (CPU p50 {r['route_cpu_ms_p50']} ms, "
+          f"p95 {r['route_cpu_ms_p95']} ms), peak {r['route_peak_mib']} MiB, "
+          f"{r['route_hops_mean']} hops, {r['route_servers_used']} servers used by {r['sessions']} sessions")  # fmt: skip
+    print(f"  placement: p50 {r['place_ms_p50']} ms, peak {r['place_peak_mib']} MiB")
+    print(f"  max-flow:  p50 {r['max_flow_ms_p50']} ms, peak {r['max_flow_peak_mib']} MiB ({r['max_flow_tokens_s']} tokens/s)")
+    if "quality" in r:
+        print(f"  quality:   {r['quality']} (route {r['route_latency_s']} s, exhaustive best {r['exhaustive_latency_s']} s)")
+
+
+def _repeat(fn: Callable[[], object], count: int) -> list[float]:
+    times = []
+    for _ in range(count):
+        began = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - began)
+    return times
+
+
+def _peak_mib(fn: Callable[[], object]) -> float:
+    tracemalloc.start()
+    try:
+        fn()
+        return round(tracemalloc.get_traced_memory()[1] / 2**20, 3)
+    finally:
+        tracemalloc.stop()
+
+
+def _p95(values: list[float]) -> float:
+    return sorted(values)[min(len(values) - 1, int(0.95 * len(values)))]
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000, 3)
+
+
+def _commit() -> str:
+    from benchmarks.wan import _commit as commit
+
+    return commit()
+
+
+if __name__ == "__main__":
+    main()

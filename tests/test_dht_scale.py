@@ -1,0 +1,63 @@
+"""Twenty real hivemind DHT peers on loopback (one p2pd each) holding signed server records: a
+client reads every valid record and none of the hostile ones, and still reads the live servers'
+records after a fifth of the peers vanish at once (``benchmarks/dht_scale.py`` measures the same
+swarm at larger sizes).
+
+The peers run on an asyncio loop in a thread of their own process, started here with ``spawn``:
+pytest's own process then keeps no DHT threads or daemons (CPython 3.11's AST check misfires
+when pytest compiles a module late in a process with such threads).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+import pytest
+
+pytestmark = pytest.mark.timeout(600)
+
+PEERS, SERVERS, BLOCKS = 20, 40, 61
+
+
+def scenario(keys_path: str) -> dict:
+    """Runs in a child process: what the client saw before and after a fifth of the peers vanished."""
+    from benchmarks.dht_scale import ServersSigner, Swarm, identities, real_ids
+    from benchmarks.synthetic_swarm import MODEL, make_swarm
+    from protocol.dht_records import fetch_servers
+
+    ids = identities(SERVERS, keys_path)
+    honest, hostile, _ = real_ids(make_swarm(SERVERS, BLOCKS, seed=3), ids)
+    swarm = Swarm(ServersSigner(ids))
+    try:
+        swarm.start_peers(PEERS)
+        for i, info in enumerate(honest):
+            swarm.host(info.peer_id, i % PEERS, info)
+        for i, raw in enumerate(hostile):
+            swarm.host(raw["_subkey"], i % PEERS, raw)
+        swarm.announce_all(BLOCKS, expiration=300.0, hostile_expiration=300.0)
+        client = swarm.client()
+        seen = lambda: {s.peer_id for s in fetch_servers(client, MODEL, BLOCKS)}  # noqa: E731
+        before = seen()
+        victims = list(range(PEERS - PEERS // 5, PEERS))  # 4 peers, never the client's entry point
+        alive = {info.peer_id for i, info in enumerate(honest) if i % PEERS not in victims}
+        swarm.vanish(victims)
+        deadline = time.monotonic() + 120
+        while not alive <= (after := seen()) and time.monotonic() < deadline:
+            time.sleep(1)
+        return {"honest": {i.peer_id for i in honest}, "hostile": {r["_subkey"] for r in hostile},
+                "before": before, "alive": alive, "after": after, "victims": len(victims)}  # fmt: skip
+    finally:
+        swarm.shutdown()
+
+
+def test_twenty_dht_peers_serve_every_record_and_survive_a_fifth_vanishing(tmp_path):
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        facts = pool.submit(scenario, str(tmp_path / "identities.msgpack")).result(timeout=540)
+    assert len(facts["hostile"]) == 4 and len(facts["honest"]) == 36
+    assert facts["before"] == facts["honest"]  # every valid record, none of the hostile ones
+    assert facts["victims"] == 4
+    missing = facts["alive"] - facts["after"]
+    assert not missing, f"{len(missing)} live servers no longer listed after 4 of {PEERS} peers vanished"
+    assert facts["after"] <= facts["honest"]
