@@ -19,6 +19,8 @@ class OracleSession:
     """A `RemoteSession` stand-in whose tail knows the target's answer: verdicts are exact for
     every run whose assumptions hold, and such runs are the only ones the decoder reads."""
 
+    max_positions_per_step = 10**9  # an oracle takes any Step (no chunked prefill)
+
     def __init__(self, target: list[int], eos: int):
         self.target, self.eos = target, eos
         self.session_id, self.route, self.tail_peer = "oracle", [], "oracle"
