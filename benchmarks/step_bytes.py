@@ -39,7 +39,7 @@ def main() -> None:
     print("Sampling parameters on a session's first Step (8 drafts, early), bytes added:")
     for name, params in SAMPLING.items():
         print(f"  {name:40}{step_bytes(8, SMOLLM2_ID, 1, 10, params) - greedy:>4}")
-    result = StepResult(session_id=SESSION_ID, run_id=1, accepted=3, next_token=SMOLLM2_ID)
+    result = StepResult(session_id=SESSION_ID, run_id=1, accepted=3, next_token=SMOLLM2_ID, step_digest=0x89ABCDEF)  # a real verdict names its Step
     print(f"StepResult (greedy verdict, no drafts or logprobs): {len(encode(result))}")
     print(f"Cancel: {len(encode(Cancel(session_id=SESSION_ID, run_id=100)))}")
 

@@ -29,11 +29,13 @@ from typing import Optional, Sequence
 
 from client._remote_session import RemoteSession
 from client._spot_checks import AuditResult, SpotChecker, alternatives, substituted
+from client.errors import ServerError
 from protocol.messages import GREEDY, SamplingParams, Step, StepResult
 from protocol.routing import RouteHop
 
 logger = logging.getLogger(__name__)
 
+MAX_SHADOW_TRIES = 3  # substitutes tried for the shadow's tail when one cannot be reached
 DEFAULT_AUDIT_EVERY = 16  # committed tokens per shadow Step (more: fewer audit laps, later catches)
 
 
@@ -133,13 +135,21 @@ class VerdictAuditor:
         if self._shadow is not None:
             return True
         found = alternatives(route, len(route) - 1, self.swarm.records, excluded, length)
-        if not found:
-            return False
-        shadow_route = substituted(route, len(route) - 1, self.rng.choice(found).peer_id)
-        shadow = RemoteSession(self.swarm.p2p, shadow_route, self.max_length, timeout=self.swarm.request_timeout)
-        await shadow.open()
-        self._shadow, self._held, self._next_run = shadow, 0, 0
-        return True
+        self.rng.shuffle(found)
+        for attempt, candidate in enumerate(found[:MAX_SHADOW_TRIES]):
+            shadow_route = substituted(route, len(route) - 1, candidate.peer_id)
+            shadow = RemoteSession(self.swarm.p2p, shadow_route, self.max_length, timeout=self.swarm.request_timeout)
+            try:
+                await shadow.open()
+            except ServerError as e:  # e.g. a stale record of a server that is gone: blame by evidence, try another
+                await shadow.close()
+                await self.swarm.blame(shadow_route, e)
+                if attempt + 1 == min(len(found), MAX_SHADOW_TRIES):
+                    raise
+                continue
+            self._shadow, self._held, self._next_run = shadow, 0, 0
+            return True
+        return False
 
     async def _step(self, start: int, token_ids: list[int], n_draft: int, stats) -> StepResult:
         run_id, self._next_run = self._next_run, self._next_run + 1

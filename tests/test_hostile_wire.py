@@ -237,16 +237,24 @@ def test_failover_replays_a_long_history_in_chunks(limits_swarm, tiny_reference)
     wait_until_no_sessions(servers)
 
 
-def test_step_above_the_servers_limit_is_refused_clearly_without_failover(limits_swarm, tiny_reference):
+def test_step_above_the_servers_limit_is_refused_clearly_without_failover(limits_swarm, tiny_reference, monkeypatch):
+    """A client honours the smallest limit its route announces (records carry
+    max_positions_per_step): one that would send 64 positions chunks to the servers' 16 and gets the
+    exact output. A client that ignores the announcement gets a clear, final step_too_large."""
     model, servers, _ = limits_swarm
-    model.swarm.max_positions_per_step = 64  # this client sends the 44-position prompt as one Step
+    model.swarm.max_positions_per_step = 64  # this client would send the 44-position prompt as one Step
     try:
+        assert model.generate(torch.tensor(LONG_PROMPT), max_new_tokens=4, speculation=None).tolist() == reference(
+            tiny_reference, LONG_PROMPT, 4
+        )
+        monkeypatch.setattr(model.swarm, "route_step_limit", lambda route: 64)  # ignores what the route announces
         with pytest.raises(GenerationError, match="step_too_large.*max_positions_per_step 16") as error:
             model.generate(torch.tensor(LONG_PROMPT), max_new_tokens=4, speculation=None)
         assert error.value.__cause__.code == ErrorCode.STEP_TOO_LARGE
         assert model.last_generation_stats.failovers == 0  # not mistaken for a dead hop
     finally:
         model.swarm.max_positions_per_step = LIMITS_MAX_POSITIONS
+        monkeypatch.undo()
     assert model.generate(torch.tensor(LONG_PROMPT), max_new_tokens=4, speculation=None).tolist() == reference(
         tiny_reference, LONG_PROMPT, 4
     )
@@ -390,7 +398,7 @@ def test_gateway_caps_a_request_without_max_tokens():
             return [1, 2, 3]
 
     request = ChatRequest(model="m", messages=[ChatMessage(role="user", content="hi")])
-    params, _ = chat_params(request, Served())
-    assert params.max_tokens == 1024  # not 32765: every hop reserves cache for prompt + max_tokens
+    params, _ = chat_params(request, Served(), 32)
+    assert params[0].max_tokens == 1024  # not 32765: every hop reserves cache for prompt + max_tokens
     Served.context_length = 100
-    assert chat_params(request, Served())[0].max_tokens == 97  # the rest of a short context
+    assert chat_params(request, Served(), 32)[0][0].max_tokens == 97  # the rest of a short context

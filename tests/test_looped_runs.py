@@ -73,10 +73,12 @@ def test_chain_laps_keep_their_bytes():
     start = LoopedRun(step=Step(session_id="0" * 16, run_id=8, start_pos=41, token_ids=[6, 9], n_draft=1, loop_runs=59),
                       accepted=2)  # fmt: skip
     assert decode(encode(start)) == start and decode(encode(start)).step.loop_runs == 59
-    verdict = StepResult(session_id="0" * 16, run_id=7, accepted=0, next_token=6, drafts=[9])
-    assert len(encode(verdict)) == 35 and not verdict.looped and verdict.run_drafts is None
-    started = StepResult(session_id="0" * 16, run_id=7, accepted=0, next_token=6, drafts=[9], looped=True, run_drafts=[3])
-    assert decode(encode(started)) == started and len(encode(started)) == 35 + 3
+    # every verdict carries its 32-bit step digest (5 bytes) right after next_token
+    verdict = StepResult(session_id="0" * 16, run_id=7, accepted=0, next_token=6, step_digest=0x89ABCDEF, drafts=[9])
+    assert len(encode(verdict)) == 40 and not verdict.looped and verdict.run_drafts is None
+    started = StepResult(session_id="0" * 16, run_id=7, accepted=0, next_token=6, step_digest=0x89ABCDEF, drafts=[9],
+                         looped=True, run_drafts=[3])  # fmt: skip
+    assert decode(encode(started)) == started and len(encode(started)) == 40 + 3
 
 
 @pytest.fixture(scope="module")
