@@ -135,6 +135,11 @@ class VerdictAuditor:
         if self._shadow is not None:
             return True
         found = alternatives(route, len(route) - 1, self.swarm.records, excluded, length)
+        if found:  # records outlive their servers by up to 3 update periods: drop those that do not answer
+            dead = set(await self.swarm.unresponsive([RouteHop(peer_id=info.peer_id, start=0, end=0) for info in found]))
+            for peer_id in dead:
+                self.swarm.exclude(peer_id)  # the client's own failed ping: evidence
+            found = [info for info in found if info.peer_id not in dead]
         self.rng.shuffle(found)
         for attempt, candidate in enumerate(found[:MAX_SHADOW_TRIES]):
             shadow_route = substituted(route, len(route) - 1, candidate.peer_id)

@@ -393,6 +393,10 @@ def test_gateway_caps_a_request_without_max_tokens():
 
     class Served:
         context_length, default_max_tokens = 32768, 1024
+        class tokenizer:  # the choice's text of a chat prompt given as ids (only the max_tokens matter here)
+            @staticmethod
+            def decode(ids, skip_special_tokens=True):
+                return "hi"
 
         def chat_prompt(self, messages):
             return [1, 2, 3]

@@ -118,6 +118,7 @@ class LiarThenHonestSwarm:
         lying = not self.liars
         session = self._session(self.wrong if lying else self.honest, eos=-1)
         session.route = [RouteHop("liar" if lying else "honest", 0, 6)]
+        session.max_positions_per_step = self.max_positions_per_step  # the route's limit (SwarmClient.route_step_limit)
         read = session.next_result
 
         async def next_result(min_run_id, timeout=None):

@@ -74,6 +74,16 @@ def honest_swarm(tiny_llama_path, artifacts_dir):
 
 
 @pytest.fixture(scope="module")
+def liar_swarm(tiny_llama_path, artifacts_dir):
+    """A swarm of its own for the lying tails: after the hostile middles above, the honest servers'
+    libp2p may hold a dial backoff towards a peer for minutes, and a verdict audit whose only
+    substitute tail cannot be dialled then has no verdict (an open gap, noted on issue 24)."""
+    with LocalSwarm(str(tiny_llama_path), spans=list(HONEST.values()), names=list(HONEST), server_args=SERVER_ARGS,
+                    log_dir=str(artifacts_dir / "trust-liar-swarm")) as swarm:  # fmt: skip
+        yield swarm
+
+
+@pytest.fixture(scope="module")
 def greedy_reference(tiny_reference):
     with torch.no_grad():
         out = tiny_reference.generate(torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS, do_sample=False)
@@ -146,12 +156,12 @@ SAMPLING = SamplingParams(do_sample=True, temperature=0.8, top_p=0.9, seed=1234)
 
 
 @pytest.mark.parametrize("lie", ["second", "random"])
-def test_a_lying_tail_is_convicted_and_the_output_stays_exact(honest_swarm, tiny_llama_path, tiny_reference,
+def test_a_lying_tail_is_convicted_and_the_output_stays_exact(liar_swarm, tiny_llama_path, tiny_reference,
                                                               greedy_reference, lie):  # fmt: skip
     """L (4:6) computes honestly and lies in 30% of its verdicts; with the client's defaults (no
     spot-checks of activations here, so the verdict audits alone must catch it) greedy and seeded
     outputs equal local transformers, and L is convicted and reported."""
-    model, process = with_faulty_middle(honest_swarm, tiny_llama_path, "--lie-in-verdicts", "0.3", "--lie", lie,
+    model, process = with_faulty_middle(liar_swarm, tiny_llama_path, "--lie-in-verdicts", "0.3", "--lie", lie,
                                         blocks=(4, 6))  # fmt: skip
     try:
         out = model.generate(torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS, spot_check_rate=0.0)
