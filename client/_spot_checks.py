@@ -141,7 +141,25 @@ class AuditResult:
     detail: str = ""
 
 
-class SpotChecker:
+class BackgroundAudit:
+    """One audit at a time in the background (``task``), which the decoder waits for before it
+    returns tokens (``settle``) or stops (``cancel``); spot-checks and verdict audits share this."""
+
+    task: Optional[asyncio.Task] = None
+
+    async def settle(self) -> None:
+        """Wait for the audit in flight, if any (it is bounded by its own timeout)."""
+        if self.task is not None:
+            await asyncio.gather(self.task, return_exceptions=True)
+
+    async def cancel(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+            self.task = None
+
+
+class SpotChecker(BackgroundAudit):
     """One generation's spot-checks: draws whether to audit after each verdict, picks the hop and its
     substitutes, and runs at most one audit at a time in the background."""
 
@@ -174,17 +192,6 @@ class SpotChecker:
         thirds = [c.peer_id for c in candidates if c.peer_id != alt.peer_id]
         stats.spot_checks += 1
         self.task = asyncio.ensure_future(self._audit(list(route), index, alt.peer_id, thirds, list(ids), stats, lap))
-
-    async def settle(self) -> None:
-        """Wait for the audit in flight, if any (it is bounded by ``timeout``)."""
-        if self.task is not None:
-            await asyncio.gather(self.task, return_exceptions=True)
-
-    async def cancel(self) -> None:
-        if self.task is not None:
-            self.task.cancel()
-            await asyncio.gather(self.task, return_exceptions=True)
-            self.task = None
 
     async def _audit(self, route, index, alt, thirds, ids, stats, lap) -> None:
         result = AuditResult("failed")

@@ -28,7 +28,7 @@ import random
 from typing import Optional, Sequence
 
 from client._remote_session import RemoteSession
-from client._spot_checks import AuditResult, SpotChecker, alternatives, substituted
+from client._spot_checks import AuditResult, BackgroundAudit, SpotChecker, alternatives, substituted
 from client.errors import ServerError
 from protocol.messages import GREEDY, SamplingParams, Step, StepResult
 from protocol.routing import RouteHop
@@ -39,7 +39,7 @@ MAX_SHADOW_TRIES = 3  # substitutes tried for the shadow's tail when one cannot 
 DEFAULT_AUDIT_EVERY = 16  # committed tokens per shadow Step (more: fewer audit laps, later catches)
 
 
-class VerdictAuditor:
+class VerdictAuditor(BackgroundAudit):
     def __init__(self, swarm, vocab_size: int, every: int = DEFAULT_AUDIT_EVERY, timeout: Optional[float] = None,
                  rng: Optional[random.Random] = None):  # fmt: skip
         if every < 1:
@@ -76,15 +76,8 @@ class VerdictAuditor:
             return
         self.task = asyncio.ensure_future(self._run(list(route), list(ids), stats))
 
-    async def settle(self) -> None:
-        if self.task is not None:
-            await asyncio.gather(self.task, return_exceptions=True)
-
     async def cancel(self) -> None:
-        if self.task is not None:
-            self.task.cancel()
-            await asyncio.gather(self.task, return_exceptions=True)
-            self.task = None
+        await super().cancel()
         await self._drop_shadow()
 
     async def _run(self, route: list[RouteHop], ids: list[int], stats) -> None:
