@@ -32,6 +32,35 @@ MAX_OFFER_DRAFTS = 32  # drafts per option; a looped run's positions stay under 
 MAX_QUEUED_RUNS = 64  # runs received and not yet computed, per session
 MAX_UNREAD_RESULTS = 256  # messages the tail holds for a session whose client does not read them
 
+# Bytes of results the tail holds unread (server/unread.py): a RunOutputs may carry 64 MiB of logits, so a
+# count alone does not bound memory. The server's budget is --max-unread-mib; one session may hold a
+# quarter of it (so a few forward passes of honest clients fit together), and a session with nothing
+# unread may always queue one run's outputs whatever their size (a single forward pass never fails here)
+DEFAULT_MAX_UNREAD_MIB = 1024
+UNREAD_SESSION_SHARE = 4  # a session holds at most 1/4 of the server's unread budget before it waits
+UNREAD_WAIT_SECONDS = 60.0  # a session over its share waits this long for its client to read, then closes
+
+# The cache a session and an upstream peer may reserve (server/handler.py): one client at most half
+# of the budget, so a stranger asking for the largest max_length cannot starve the others; a session
+# at most --max-session-tokens positions, by default a quarter of the budget but at least
+# MIN_DEFAULT_SESSION_TOKENS (a chat's context) where the client's half holds that many
+PEER_CACHE_SHARE = 2  # one upstream peer (a client) reserves at most 1/2 of the cache budget
+SESSION_TOKENS_SHARE = 4
+MIN_DEFAULT_SESSION_TOKENS = 2048
+
+# Streams that hold nothing yet: a session stream must carry its OpenSession (or a LoopedRun) within
+# this many seconds of the last message, and a results stream's Subscribe waits at most
+# SUBSCRIBE_TIMEOUT for its session; at most max_sessions Subscribes wait at once, max_sessions_per_peer per peer
+SESSIONLESS_TIMEOUT = 30.0
+SUBSCRIBE_TIMEOUT = 60.0
+
+
+def default_max_session_tokens(cache_tokens: int) -> int:
+    """A fair share of a server's cache budget for one session: a quarter, but at least
+    MIN_DEFAULT_SESSION_TOKENS within one client's half (so a small server still takes a chat)."""
+    half = max(1, cache_tokens // PEER_CACHE_SHARE)
+    return max(cache_tokens // SESSION_TOKENS_SHARE, min(half, MIN_DEFAULT_SESSION_TOKENS), 1)
+
 
 def step_tensor_elements(hidden_shape: Sequence[int], max_positions: int) -> int:
     """The most activation values one Step may carry."""

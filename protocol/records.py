@@ -99,6 +99,16 @@ class ServerInfo(msgspec.Struct, frozen=True, kw_only=True):
     # Servers of another config or revision are never routed together with ours (protocol.routing.same_model)
     config_fingerprint: _Short = ""
     revision: _Short = ""
+    # The most positions (OpenSession.max_length) one session may reserve here (--max-session-tokens);
+    # 0: not announced (older records), only free_cache_tokens limits it
+    max_session_tokens: _CacheTokens = 0
+
+    @property
+    def session_room(self) -> int:
+        """The largest max_length a new session may ask of this server now."""
+        if self.max_session_tokens:
+            return min(self.free_cache_tokens, self.max_session_tokens)
+        return self.free_cache_tokens
 
     @property
     def span(self) -> range:

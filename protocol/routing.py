@@ -88,8 +88,8 @@ class RoutePlanner(abc.ABC):
 
         Guarantees: the first hop starts at ``start``, each hop starts where the previous one
         ended, the last ends at ``end``, and each hop's range lies inside its server's span.
-        Only ``ONLINE`` servers with positive throughput and ``free_cache_tokens >= max_length``
-        are used, and never a peer in ``exclude`` (the client excludes servers that failed it).
+        Only ``ONLINE`` servers with positive throughput and room for ``max_length`` (free cache
+        within the announced per-session cap: ``ServerInfo.session_room``) are used, and never a peer in ``exclude`` (the client excludes servers that failed it).
         ``client_rtts`` maps peer id to the client's measured RTT in seconds.
 
         Raises :class:`NoRouteError`, naming the blocks no usable server covers, when no route
@@ -149,7 +149,7 @@ class MaxFlowRouter(RoutePlanner):
             for s in _usable(servers, _ROUTABLE)
             if s.peer_id not in exclude
             and s.protocol_version == PROTOCOL_VERSION  # another version cannot talk to this client
-            and s.free_cache_tokens >= max_length
+            and s.session_room >= max_length
             and s.start_block < end
             and s.end_block > start
         ]
@@ -452,7 +452,7 @@ def _reasons(holders: list[ServerInfo], max_length: int, exclude: Collection[str
     other_version = [s for s in rest if s.state == ServerState.ONLINE and s.protocol_version != PROTOCOL_VERSION]
     online = [s for s in rest if s.state == ServerState.ONLINE and s.protocol_version == PROTOCOL_VERSION]
     stalled = [s for s in online if s.throughput <= 0]
-    full = [s for s in online if s.throughput > 0 and s.free_cache_tokens < max_length]
+    full = [s for s in online if s.throughput > 0 and s.session_room < max_length]
     reasons = [f"{_servers_are(len(excluded))} excluded after failing"] if excluded else []
     reasons += [f"{_servers_are(n)} {state}" for state, n in sorted(not_online.items())]
     if other_version:
@@ -461,8 +461,8 @@ def _reasons(holders: list[ServerInfo], max_length: int, exclude: Collection[str
     if stalled:
         reasons.append(f"{_servers_are(len(stalled))} reporting zero throughput")
     if full:
-        most = max(s.free_cache_tokens for s in full)
-        room = f"out of cache room for {max_length} tokens (most free: {most})"
+        most = max(s.session_room for s in full)
+        room = f"out of cache room for {max_length} tokens (most free or allowed per session: {most})"
         reasons.append(f"{_servers_are(len(full))} {room}")
     return reasons
 

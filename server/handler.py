@@ -11,8 +11,11 @@ ErrorReply travels upstream: a verdict reaches the client only from the tail, on
 the client opened and authenticated with its session secret (docs/design.md, "Trust").
 
 Every peer is a stranger: frames are limited per protocol by what the model can need
-(protocol/limits.py), and sessions per server, sessions per upstream peer, runs queued and results
-unread per session are capped, so no peer can make a server allocate without bound.
+(protocol/limits.py), and sessions per server, sessions and cache tokens per upstream peer, a
+session's max_length, runs queued, results unread (in messages and bytes: server/unread.py), and
+streams that hold no session yet are capped, so no peer can make a server allocate without bound
+(docs/reliability.md, "Resource bounds"). An upstream that is an announced server of the route's
+previous blocks carries many clients' sessions and is not capped as one client (``_cap_owner``).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from hivemind.p2p import P2P, PeerID
 from protocol import compression as codecs
 from protocol import limits
 from protocol.errors import ErrorCode, ProtocolError
+from protocol.records import ServerInfo, ServerState
 from protocol.messages import (
     Cancel,
     CloseSession,
@@ -51,13 +55,13 @@ from server.adapters import SpanAdapter, SpanCancelled
 from server.batching import DEFAULT_GATHER_WINDOW, DEFAULT_MAX_BATCH_POSITIONS, BatchScheduler
 from server.cache_budget import CacheBudget
 from server.session import QueuedRun, QueuedTrim, ServerSession, TailReply, check_token_ids
+from server.unread import ResultQueue, UnreadLedger, largest, size_of
 from protocol import relay
 from protocol.streams import PING_PROTOCOL, RESULTS_PROTOCOL, SESSION_PROTOCOL, MessageStream, serve
 
 logger = logging.getLogger(__name__)
 
 DOWNSTREAM_OPEN_TIMEOUT = 30.0
-SUBSCRIBE_TIMEOUT = 60.0
 
 
 class SessionHandler:
@@ -74,6 +78,8 @@ class SessionHandler:
         max_sessions_per_peer: int = limits.DEFAULT_MAX_SESSIONS_PER_PEER,
         max_batch_positions: int = DEFAULT_MAX_BATCH_POSITIONS,
         gather_window: float = DEFAULT_GATHER_WINDOW,
+        max_session_tokens: Optional[int] = None,  # None: limits.default_max_session_tokens of the budget
+        max_unread_bytes: int = limits.DEFAULT_MAX_UNREAD_MIB << 20,
     ):
         self.p2p, self.span, self.budget = p2p, span, budget
         self.peer_id = p2p.peer_id.to_base58()
@@ -81,11 +87,25 @@ class SessionHandler:
         self.compression = compression
         self.max_positions_per_step = max_positions_per_step
         self.max_sessions, self.max_sessions_per_peer = max_sessions, max_sessions_per_peer
+        self.max_session_tokens = max_session_tokens or limits.default_max_session_tokens(budget.total_tokens)
+        if not 0 < self.max_session_tokens <= budget.total_tokens:
+            raise ValueError(f"--max-session-tokens must be in 1..{budget.total_tokens} (the cache budget), "
+                             f"got {self.max_session_tokens}")  # fmt: skip
+        self.max_peer_tokens = max(self.max_session_tokens, budget.total_tokens // limits.PEER_CACHE_SHARE)
+        self.unread = UnreadLedger(max_unread_bytes)  # results held for clients that have not read them
+        self.max_unread_session_bytes = max_unread_bytes // limits.UNREAD_SESSION_SHARE
+        self.unread_wait = limits.UNREAD_WAIT_SECONDS
+        self.sessionless_timeout = limits.SESSIONLESS_TIMEOUT
+        self.subscribe_timeout = limits.SUBSCRIBE_TIMEOUT
+        self._pending_subscribes: dict[str, int] = {}  # peer id -> its Subscribes waiting for their session
+        # announced ONLINE servers of this model (peer id -> record), refreshed by the server's upkeep:
+        # an upstream among them that serves the route's previous blocks is a server, not a client
+        self.known_servers: dict[str, ServerInfo] = {}
         # the largest frame a Step of max_positions_per_step positions needs, and its activations
         self.max_frame_bytes = limits.session_frame_bytes(span.hidden_shape, max_positions_per_step)
         self.max_tensor_elements = limits.step_tensor_elements(span.hidden_shape, max_positions_per_step)
         self.sessions: dict[str, ServerSession] = {}
-        self._results: dict[str, asyncio.Queue[Optional[Message]]] = {}  # tail: per open session
+        self._results: dict[str, ResultQueue] = {}  # tail: per open session
         self._session_opened = asyncio.Event()  # set (and replaced) whenever a session opens here
         self._opening: set[str] = set()  # session ids whose OpenSession waits for the next hop
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="span-compute")
@@ -138,7 +158,15 @@ class SessionHandler:
             while True:
                 message: Optional[Message] = None
                 try:
-                    received = await upstream.receive()
+                    if session is None:  # a stream that holds nothing yet may not sit (limits.SESSIONLESS_TIMEOUT)
+                        try:
+                            received = await asyncio.wait_for(upstream.receive(), self.sessionless_timeout)
+                        except asyncio.TimeoutError:
+                            error = ProtocolError(ErrorCode.BAD_REQUEST, f"no OpenSession within {self.sessionless_timeout:.0f} s: closing the stream")
+                            await self._report(upstream, None, error, None)
+                            return
+                    else:
+                        received = await upstream.receive()
                     if received is None:
                         return  # the client or previous server closed the stream, or died
                     message = received.message
@@ -182,8 +210,9 @@ class SessionHandler:
         self._check_upstream(message, upstream)
         if message.session_id in self.sessions or message.session_id in self._opening:
             raise ProtocolError(ErrorCode.SESSION_EXISTS, f"session {message.session_id} is already open here")
-        self._check_session_caps(upstream)
-        if not self.budget.reserve(message.session_id, message.max_length):
+        owner = self._cap_owner(message, upstream)
+        self._check_session_caps(message, owner)
+        if not self.budget.reserve(message.session_id, message.max_length, owner):
             raise ProtocolError(
                 ErrorCode.BUSY,
                 f"no cache room for max_length={message.max_length}: {self.budget.free_tokens} of "
@@ -210,7 +239,7 @@ class SessionHandler:
             self._opening.discard(session.session_id)
         self.sessions[session.session_id] = session
         if session.next_hop is None:
-            self._results[session.session_id] = asyncio.Queue()
+            self._results[session.session_id] = ResultQueue(self.unread)
         self._session_opened.set()
         self._session_opened = asyncio.Event()
         session.worker = asyncio.create_task(self._run_session(session, downstream))
@@ -256,18 +285,59 @@ class SessionHandler:
                     f"not by {upstream.peer_id.to_base58()}",
                 )
 
-    def _check_session_caps(self, upstream: MessageStream) -> None:
-        """Open sessions are capped per server and per upstream peer (a client at the head, the
-        previous server further on): one peer cannot take every slot."""
+    def _cap_owner(self, message: OpenSession, upstream: MessageStream) -> Optional[str]:
+        """Whom a new session counts against in the per-peer caps: its upstream peer, unless that
+        peer is a server forwarding the session (None: then only the server-wide caps apply).
+
+        A middle hop's upstream is the previous server, which carries many clients' sessions: capping
+        it as one client would cap every server pair. It counts as a server only if it is announced
+        ONLINE for this model, holding the route's previous hop, in the records this server reads
+        (``known_servers``). Why that cannot be abused: every client enters a chain at its head, which
+        caps it as a client, and ``_check_upstream`` lets only the route's previous hop open a middle
+        session; a stranger who wants to skip the per-peer caps must announce itself as a server of
+        the previous blocks (then clients are routed to it and audits check it), and even so its
+        sessions stay under the server-wide caps (max_sessions, the cache budget), each under
+        max_session_tokens, and its unread results under their byte bounds."""
+        peer = upstream.peer_id.to_base58()
+        if message.hop_index == 0:
+            return peer
+        previous = message.route[message.hop_index - 1]
+        record = self.known_servers.get(peer)
+        if (
+            record is not None
+            and record.state == ServerState.ONLINE
+            and record.start_block <= previous.start
+            and previous.end <= record.end_block
+        ):
+            return None
+        return peer
+
+    def _check_session_caps(self, message: OpenSession, owner: Optional[str]) -> None:
+        """Open sessions are capped per server; per owner (a client, or a peer not announced as the
+        previous server) in sessions and in cache tokens (a share of the budget); and each session's
+        max_length by max_session_tokens: one peer cannot take every slot or the whole cache."""
         held = len(self.sessions) + len(self._opening)
         if held >= self.max_sessions:
             raise ProtocolError(ErrorCode.BUSY, f"this server has {held} sessions open, its limit")
-        peer = upstream.peer_id
-        held = sum(1 for s in self.sessions.values() if s.upstream is not None and s.upstream.peer_id == peer)
-        if held >= self.max_sessions_per_peer:
+        if message.max_length > self.max_session_tokens:
             raise ProtocolError(
                 ErrorCode.BUSY,
-                f"peer {peer.to_base58()} already has {held} sessions open here (at most {self.max_sessions_per_peer})",
+                f"no cache room for max_length={message.max_length} in one session: this server's "
+                f"max_session_tokens is {self.max_session_tokens} (announced in its record)",
+            )
+        if owner is None:
+            return
+        sessions, tokens = self.budget.held_by(owner)
+        if sessions >= self.max_sessions_per_peer:
+            raise ProtocolError(
+                ErrorCode.BUSY,
+                f"peer {owner} already has {sessions} sessions open here (at most {self.max_sessions_per_peer})",
+            )
+        if tokens + message.max_length > self.max_peer_tokens:
+            raise ProtocolError(
+                ErrorCode.BUSY,
+                f"peer {owner} already reserves {tokens} cache tokens here: {message.max_length} more exceed its "
+                f"share of {self.max_peer_tokens} of {self.budget.total_tokens}",
             )
 
     async def _open_downstream(self, session: ServerSession) -> MessageStream:
@@ -443,7 +513,7 @@ class SessionHandler:
                     ),  # fmt: skip
                     DOWNSTREAM_OPEN_TIMEOUT,
                 )
-                asyncio.create_task(self._drain_head_replies(session.head_stream))
+                asyncio.create_task(self._drain_head_replies(session, session.head_stream))
             await session.head_stream.send(following)
         except (asyncio.TimeoutError, OSError, Exception) as e:  # the client then sends the run itself
             logger.info(f"Could not start run {following.step.run_id} of session {session.session_id} at the head: {e!r}")
@@ -461,14 +531,18 @@ class SessionHandler:
             session.tail_started.discard(min(session.tail_started))
         return True
 
-    async def _drain_head_replies(self, stream: MessageStream) -> None:
-        """The head answers a looped run only to refuse it (ErrorReply); log and drop those."""
+    async def _drain_head_replies(self, session: ServerSession, stream: MessageStream) -> None:
+        """The head answers a looped run only to refuse it (ErrorReply); log and drop those. The head
+        closes a stream that carried nothing for limits.SESSIONLESS_TIMEOUT: the next looped run opens another."""
         while True:
             try:
                 received = await stream.receive()
             except ProtocolError:
                 continue
             if received is None:
+                if session.head_stream is stream:
+                    session.head_stream = None
+                stream.close()
                 return
             logger.info(f"The head refused a looped run: {received.message}")
 
@@ -531,20 +605,37 @@ class SessionHandler:
             await _send_quietly(session.upstream, reply)
 
     async def _post_result(self, session: ServerSession, item) -> None:
-        """Queue a message for the session's results stream (tail). A client that leaves more than
-        MAX_UNREAD_RESULTS unread loses the session (told upstream) instead of growing our memory."""
+        """Queue a message for the session's results stream (tail), within the unread bounds
+        (server/unread.py says why each): more than MAX_UNREAD_RESULTS messages unread closes the
+        session; over its byte share it waits for its client to read (computing nothing meanwhile),
+        and closes after ``unread_wait`` seconds; over the server's byte budget, the session holding
+        the most unread bytes closes. Each closed session is told why (queue_full) upstream."""
         queue = self._results.get(session.session_id)
         if queue is None or session.closed:
             return
         if queue.qsize() >= limits.MAX_UNREAD_RESULTS:
-            error = ProtocolError(
-                ErrorCode.QUEUE_FULL, f"more than {limits.MAX_UNREAD_RESULTS} results unread: closing the session"
-            )
-            await self._report(session.upstream, session, error, None)
-            self._close(session, reason="results unread")
-            session.upstream.close()
+            await self._close_unread(session, f"more than {limits.MAX_UNREAD_RESULTS} results unread: closing the session")
             return
-        queue.put_nowait(item)
+        size = size_of(item)
+        cap = self.max_unread_session_bytes
+        if not await queue.room_for(size, cap, self.unread_wait):
+            await self._close_unread(session, f"{queue.bytes} bytes of results unread for {self.unread_wait:.0f} s "
+                                              f"(a session may hold {cap} bytes unread): closing the session")  # fmt: skip
+            return
+        while not session.closed and self.unread.total + size > self.unread.max_bytes:
+            hog = largest(self._results)
+            if hog is None or hog not in self.sessions:
+                break  # nothing unread elsewhere: one message always passes
+            held = self._results[hog].bytes
+            await self._close_unread(self.sessions[hog], f"this server holds more than {self.unread.max_bytes} bytes "
+                                                         f"of unread results, {held} of them for this session: closing it")  # fmt: skip
+        if not session.closed:
+            queue.post(item, size)
+
+    async def _close_unread(self, session: ServerSession, why: str) -> None:
+        await self._report(session.upstream, session, ProtocolError(ErrorCode.QUEUE_FULL, why), None)
+        self._close(session, reason="results unread")
+        session.upstream.close()
 
     async def _report(
         self,
@@ -578,7 +669,7 @@ class SessionHandler:
         self.sessions.pop(session.session_id, None)
         results = self._results.pop(session.session_id, None)
         if results is not None:
-            results.put_nowait(None)
+            results.end()
         logger.info(f"Closed session {session.session_id} ({reason})")
 
     async def _reap_idle_sessions(self) -> None:
@@ -601,9 +692,33 @@ class SessionHandler:
 
     async def _serve_results(self, client: MessageStream) -> None:
         """One client's results stream: its first message must be a Subscribe carrying the secret
-        whose sha256 the session was opened with; then the session's verdicts go out here."""
+        whose sha256 the session was opened with; then the session's verdicts go out here. Until
+        its session is found, a Subscribe is pending: at most max_sessions wait at once (and
+        max_sessions_per_peer per peer), each at most ``subscribe_timeout`` seconds."""
+        peer = client.peer_id.to_base58()
+        pending = sum(self._pending_subscribes.values())
+        mine = self._pending_subscribes.get(peer, 0)
+        if pending >= self.max_sessions or mine >= self.max_sessions_per_peer:
+            message = (f"{pending} Subscribes already wait for their sessions here, {mine} of them from peer {peer} "
+                       f"(at most {self.max_sessions}, {self.max_sessions_per_peer} per peer)")  # fmt: skip
+            logger.info(f"Refused a Subscribe from {peer}: {message}")
+            await _send_quietly(client, ErrorReply(session_id="", code=ErrorCode.BUSY, message=message, peer_id=self.peer_id))
+            return
+        self._pending_subscribes[peer] = mine + 1
         try:
-            first = await asyncio.wait_for(client.receive(), SUBSCRIBE_TIMEOUT)
+            session = await self._subscribed_session(client)
+        finally:
+            left = self._pending_subscribes.pop(peer) - 1
+            if left:
+                self._pending_subscribes[peer] = left
+        if session is not None:
+            await self._send_results(client, *session)
+
+    async def _subscribed_session(self, client: MessageStream):
+        """(session, its Subscribe, the task that ends when the client goes away) once a valid
+        Subscribe names a session open here; None (the client told why) otherwise."""
+        try:
+            first = await asyncio.wait_for(client.receive(), self.subscribe_timeout)
         except (asyncio.TimeoutError, ProtocolError) as e:
             code = e.code if isinstance(e, ProtocolError) else ErrorCode.BAD_REQUEST
             await _send_quietly(client, ErrorReply(session_id="", code=code, message=str(e) or "no Subscribe in time"))
@@ -619,19 +734,30 @@ class SessionHandler:
         try:
             session = await self._wait_for_session(subscribe.session_id, closed)
             if session is None:
-                return  # the client went away, or the session never opened here
+                return _forget(closed)  # the client went away, or the session never opened here
             refusal = self._check_subscriber(session, subscribe)
             if refusal is not None:
                 logger.info(f"Refused a Subscribe to {session.session_id} from {client.peer_id}: {refusal}")
                 error = ErrorReply(session_id=subscribe.session_id, code=ErrorCode.UNAUTHORIZED, message=refusal,
                                    peer_id=self.peer_id)  # fmt: skip
                 await _send_quietly(client, error)
-                return
+                return _forget(closed)
+        except BaseException:
+            _forget(closed)
+            raise
+        return session, subscribe, closed
+
+    async def _send_results(self, client: MessageStream, session: ServerSession, subscribe: Subscribe,
+                            closed: "asyncio.Task") -> None:  # fmt: skip
+        """The session's results, in order, to its client, until either goes away."""
+        try:
             session.subscribed, session.secret = True, subscribe.secret
-            queue = self._results[session.session_id]
+            queue = self._results.get(session.session_id)
+            if queue is None:
+                return  # the session closed meanwhile
             while True:
                 getter = asyncio.create_task(queue.get())
-                done, _ = await asyncio.wait({getter, closed}, timeout=SUBSCRIBE_TIMEOUT, return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait({getter, closed}, timeout=self.subscribe_timeout, return_when=asyncio.FIRST_COMPLETED)
                 if getter not in done:
                     getter.cancel()
                     if closed in done or session.closed:
@@ -648,14 +774,12 @@ class SessionHandler:
                 except (ConnectionError, OSError):  # the client went away mid-send (e.g. with a run's
                     return  # verdict still on its way after it cancelled that run): nothing to report
         finally:
-            closed.cancel()
-            if closed.done() and not closed.cancelled():
-                closed.exception()  # a malformed frame after Subscribe: retrieved, nothing to report
+            _forget(closed)
 
     async def _wait_for_session(self, session_id: str, closed: "asyncio.Task") -> Optional[ServerSession]:
         """The client subscribes before it opens the session through the head: wait (bounded) for
         the session to open here."""
-        deadline = time.monotonic() + SUBSCRIBE_TIMEOUT
+        deadline = time.monotonic() + self.subscribe_timeout
         while (session := self.sessions.get(session_id)) is None:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or closed.done():
@@ -685,6 +809,13 @@ async def _send_quietly(stream: Optional[MessageStream], message: Message, tenso
         await stream.send(message, tensors, codec)
     except (ConnectionError, OSError, RuntimeError) as e:
         logger.debug(f"Could not send {type(message).__name__} to {stream.peer_id}: {e!r}")
+
+
+def _forget(closed: "asyncio.Task") -> None:
+    """Stop watching a results stream's end."""
+    closed.cancel()
+    if closed.done() and not closed.cancelled():
+        closed.exception()  # a malformed frame after Subscribe: retrieved, nothing to report
 
 
 def _is_sha256_hex(text: str) -> bool:

@@ -25,7 +25,7 @@ from transformers import AutoConfig, PretrainedConfig
 from protocol.compression import CODECS
 from protocol.limits import (
     DEFAULT_MAX_POSITIONS_PER_STEP, DEFAULT_MAX_SESSIONS, DEFAULT_MAX_SESSIONS_PER_PEER, MAX_POSITIONS_PER_STEP,
-    MIN_POSITIONS_PER_STEP,
+    MIN_POSITIONS_PER_STEP, DEFAULT_MAX_UNREAD_MIB,
 )  # fmt: skip
 from server.adapters import SpanAdapter, load_span
 from server.cache_budget import CacheBudget
@@ -76,6 +76,8 @@ class ServerConfig:
     max_positions_per_step: int = DEFAULT_MAX_POSITIONS_PER_STEP  # a Step's positions; frames sized by it
     max_sessions: int = DEFAULT_MAX_SESSIONS  # open sessions at most
     max_sessions_per_peer: int = DEFAULT_MAX_SESSIONS_PER_PEER  # open sessions per upstream peer at most
+    max_session_tokens: Optional[int] = None  # one session's max_length at most; None: a fair share of the budget
+    max_unread_mib: int = DEFAULT_MAX_UNREAD_MIB  # results held for clients that have not read them (server/unread.py)
     reachability: str = "auto"  # auto: ask initial peers to dial back; public; private (always through a relay)
     drafter: str = "auto"  # the tail's drafter: auto (the committed head for this model, if any), none, or a file
     drafter_tokens: int = DEFAULT_TAIL_DRAFTS  # ids the tail drafts per run at most
@@ -179,8 +181,11 @@ class SpanServer:
                 max_batch_positions=config.max_batch_positions
                 or batch_positions_that_fit(model_config, dtype, plan.free_bytes),
                 gather_window=config.gather_window,
+                max_session_tokens=config.max_session_tokens,
+                max_unread_bytes=config.max_unread_mib << 20,
             )
             handler.batches.enabled = config.batching
+            handler.known_servers = {s.peer_id: s for s in await loop.run_in_executor(None, _fetch_same_model, dht, template, total)}
             await handler.start()
             info = ServerInfo(
                 peer_id=dht.peer_id.to_base58(),
@@ -200,6 +205,7 @@ class SpanServer:
                 relay_addrs=joined.relay_addrs,
                 max_positions_per_step=config.max_positions_per_step,
                 **identity_fields,
+                max_session_tokens=handler.max_session_tokens,
             )
         except BaseException:
             refresher.cancel()
@@ -234,6 +240,7 @@ class SpanServer:
             await asyncio.sleep(self.config.update_period)
             try:
                 servers = await loop.run_in_executor(None, _fetch_same_model, self.dht, self.info, self.span.num_blocks)
+                self.handler.known_servers = {s.peer_id: s for s in servers}  # upstream servers vs clients
                 pings = await measure_next_pings(self.handler.p2p, self.info, servers)
                 self.info = msgspec.structs.replace(self.info, next_pings=pings)
                 if self.config.blocks is None and loop.time() - last_balance > self.config.balance_period:

@@ -8,7 +8,9 @@ import logging
 import sys
 
 from protocol.compression import CODECS
-from protocol.limits import DEFAULT_MAX_POSITIONS_PER_STEP, DEFAULT_MAX_SESSIONS, DEFAULT_MAX_SESSIONS_PER_PEER
+from protocol.limits import (
+    DEFAULT_MAX_POSITIONS_PER_STEP, DEFAULT_MAX_SESSIONS, DEFAULT_MAX_SESSIONS_PER_PEER, DEFAULT_MAX_UNREAD_MIB,
+)  # fmt: skip
 from protocol.version import PROTOCOL_VERSION
 from swarm.cli_utils import parse_blocks, parse_size, setup_logging, stop_event_on_signals
 from protocol.config import ENV_INITIAL_PEERS, config_path
@@ -78,7 +80,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute one session's run per pass through the span (for comparisons)")
     p.add_argument("--max-sessions", type=int, default=DEFAULT_MAX_SESSIONS, help="open sessions at most")
     p.add_argument("--max-sessions-per-peer", type=int, default=DEFAULT_MAX_SESSIONS_PER_PEER,
-                   help="open sessions per client (or previous server) at most")
+                   help="open sessions per client at most (a previous server announced for the route's previous "
+                   "blocks carries many clients and is not capped as one)")
+    p.add_argument("--max-session-tokens", type=int,
+                   help="the longest session (OpenSession max_length) this server takes, announced in its record "
+                   "(default: a quarter of the cache budget, at least 2048 tokens where the budget has them); one "
+                   "client may reserve at most half of the cache budget")
+    p.add_argument("--max-unread-mib", type=int, default=DEFAULT_MAX_UNREAD_MIB,
+                   help="MiB of results a tail holds for clients that have not read them (default %(default)s); "
+                   "one session at most a quarter of it")
     p.add_argument("--drafter", default="auto", metavar="auto|none|PATH",
                    help="the tail's drafter: auto (the head shipped for this model, if any), none, or a head "
                    "file (.safetensors, from python -m server.drafter_train)")
@@ -119,6 +129,8 @@ def server_config(args: argparse.Namespace):
         max_positions_per_step=args.max_positions_per_step,
         max_sessions=args.max_sessions,
         max_sessions_per_peer=args.max_sessions_per_peer,
+        max_session_tokens=args.max_session_tokens,
+        max_unread_mib=args.max_unread_mib,
         max_batch_positions=args.max_batch_positions,
         gather_window=args.gather_window_ms / 1000,
         batching=not args.no_batching,
