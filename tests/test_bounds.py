@@ -10,6 +10,7 @@ import asyncio
 from contextlib import contextmanager
 
 import hivemind
+import pytest
 import torch
 from hivemind.p2p import PeerID
 
@@ -26,14 +27,15 @@ from tests.test_hostile_wire import RawSession, reference, wait_until_no_session
 FORWARD_POSITIONS = 16  # positions (and logits rows) of each forward pass the non-reader asks for
 
 
-@contextmanager
-def stranger(servers):
-    """A peer with an identity of its own (so the honest client's per-peer caps are not its caps)."""
-    dht = hivemind.DHT(initial_peers=[str(m) for m in servers[0].dht.get_visible_maddrs()], client_mode=True, start=True)
-    p2p = _loop.run(dht.replicate_p2p(), timeout=60)
-    try:
-        yield p2p
-    finally:
+@pytest.fixture(scope="module")
+def strangers(limits_swarm):
+    """Two peers with identities of their own (so the honest client's per-peer caps are not theirs)."""
+    _, servers, _ = limits_swarm
+    maddrs = [str(m) for m in servers[0].dht.get_visible_maddrs()]
+    dhts = [hivemind.DHT(initial_peers=maddrs, client_mode=True, start=True) for _ in range(2)]
+    p2ps = [_loop.run(dht.replicate_p2p(), timeout=60) for dht in dhts]
+    yield p2ps
+    for p2p, dht in zip(p2ps, dhts):
         _loop.run(p2p.shutdown(), timeout=30)
         dht.shutdown()
 
@@ -72,7 +74,9 @@ async def until(predicate, timeout: float = 30.0) -> None:
     raise AssertionError("the condition never held")
 
 
-def test_a_hog_and_a_non_reader_leave_the_server_within_budget_and_an_honest_client_served(limits_swarm, tiny_reference):
+def test_a_hog_and_a_non_reader_leave_the_server_within_budget_and_an_honest_client_served(
+    limits_swarm, strangers, tiny_reference
+):
     """The figure of issue 24: one stranger opens sessions with the largest max_length, another
     asks for large forward passes and never reads them. The stranger's cache stays within its
     share, the unread bytes within the session's share, and the honest client's greedy output
@@ -110,13 +114,14 @@ def test_a_hog_and_a_non_reader_leave_the_server_within_budget_and_an_honest_cli
         await until(lambda: session.session_id in tail._results and tail._results[session.session_id].bytes >= 2 * message)
         return session
 
-    with stranger(servers) as hog_p2p, stranger(servers) as reader_p2p, attributes(
-        tail, max_unread_session_bytes=cap, unread_wait=6.0
-    ):
+    hog_p2p, reader_p2p = strangers
+    with attributes(tail, max_unread_session_bytes=cap, unread_wait=4.0):
         tail.unread.peak = tail.unread.total
         hogs, replies = _loop.run(hog(hog_p2p), timeout=60)
         wasteful = _loop.run(non_reader(reader_p2p), timeout=60)
         try:
+            waiting = tail._results[wasteful.session_id]
+            assert 2 * message <= waiting.bytes <= cap  # the non-reader's third pass waits, not queued
             assert [type(r).__name__ for r in replies] == ["ErrorReply", "SessionOpened", "SessionOpened", "ErrorReply"]
             assert replies[0].code == ErrorCode.BUSY and f"max_session_tokens is {head.max_session_tokens}" in replies[0].message
             assert replies[3].code == ErrorCode.BUSY and f"share of {total // 2} of {total}" in replies[3].message
@@ -125,8 +130,6 @@ def test_a_hog_and_a_non_reader_leave_the_server_within_budget_and_an_honest_cli
             # the honest client is served exactly while both strangers hold what they may
             output = model.generate(torch.tensor(PROMPT), max_new_tokens=8, speculation=None)
             assert output.tolist() == expected
-            waiting = tail._results[wasteful.session_id]
-            assert 2 * message <= waiting.bytes <= cap  # the non-reader's third pass waits, not queued
             reply = _loop.run(asyncio.wait_for(wasteful.head.receive(), 30), timeout=40).message
             assert isinstance(reply, ErrorReply) and reply.code == ErrorCode.QUEUE_FULL
             assert "bytes of results unread" in reply.message and f"may hold {cap} bytes" in reply.message
@@ -138,7 +141,7 @@ def test_a_hog_and_a_non_reader_leave_the_server_within_budget_and_an_honest_cli
     assert tail.unread.total == 0
 
 
-def test_unread_bytes_over_the_servers_budget_close_the_largest_holder(limits_swarm):
+def test_unread_bytes_over_the_servers_budget_close_the_largest_holder(limits_swarm, strangers):
     """Many sessions cannot add up: past the server's unread budget, the session holding the most
     unread bytes is closed (queue_full, naming the budget) and the others keep theirs."""
     model, servers, _ = limits_swarm
@@ -161,9 +164,9 @@ def test_unread_bytes_over_the_servers_budget_close_the_largest_holder(limits_sw
             first.close()
             second.close()
 
-    with stranger(servers) as p2p, attributes(tail, max_unread_session_bytes=int(2.5 * message), unread_wait=30.0), \
+    with attributes(tail, max_unread_session_bytes=int(2.5 * message), unread_wait=30.0), \
             attributes(tail.unread, max_bytes=budget, peak=tail.unread.total):  # fmt: skip
-        reply, second_open = _loop.run(flood(p2p), timeout=90)
+        reply, second_open = _loop.run(flood(strangers[0]), timeout=90)
         assert isinstance(reply, ErrorReply) and reply.code == ErrorCode.QUEUE_FULL, reply
         assert f"more than {budget} bytes of unread results" in reply.message
         assert second_open
@@ -172,7 +175,7 @@ def test_unread_bytes_over_the_servers_budget_close_the_largest_holder(limits_sw
     assert tail.unread.total == 0
 
 
-def test_server_pairs_are_not_capped_as_one_client_but_a_pretender_is(limits_swarm, tiny_reference):
+def test_server_pairs_are_not_capped_as_one_client_but_a_pretender_is(limits_swarm, strangers):
     """The tail takes many sessions from the head (an announced server of blocks 0:3: it carries
     many clients), while a peer that names itself the route's previous hop without being an
     announced server is capped like any client."""
@@ -196,32 +199,28 @@ def test_server_pairs_are_not_capped_as_one_client_but_a_pretender_is(limits_swa
             replies.append((await asyncio.wait_for(stream.receive(), 30)).message)
         return streams, replies
 
+    a, b = strangers
     with attributes(tail, max_sessions_per_peer=1):
-        with stranger(servers) as a, stranger(servers) as b:
-            sessions, replies = _loop.run(through_the_head(a, 2), timeout=60)
-            more, more_replies = _loop.run(through_the_head(b, 1), timeout=60)
-            try:
-                assert all(isinstance(r, SessionOpened) for r in replies + more_replies), replies + more_replies
-                assert len(tail.sessions) == 3  # three clients' sessions from one upstream server
-                # and an honest generation goes through the same pair meanwhile
-                assert model.generate(torch.tensor(PROMPT), max_new_tokens=4, speculation=None).tolist() == reference(
-                    tiny_reference, PROMPT, 4
-                )
-            finally:
-                for s in sessions + more:
-                    s.close()
-            streams, replies = _loop.run(pretend(a, 2), timeout=60)
-            try:
-                assert isinstance(replies[0], SessionOpened), replies[0]
-                assert isinstance(replies[1], ErrorReply) and replies[1].code == ErrorCode.BUSY
-                assert "already has 1 sessions open" in replies[1].message
-            finally:
-                for stream in streams:
-                    stream.close()
+        sessions, replies = _loop.run(through_the_head(a, 2), timeout=60)
+        more, more_replies = _loop.run(through_the_head(b, 1), timeout=60)
+        try:
+            assert all(isinstance(r, SessionOpened) for r in replies + more_replies), replies + more_replies
+            assert len(tail.sessions) == 3  # three clients' sessions from one upstream server
+        finally:
+            for s in sessions + more:
+                s.close()
+        streams, replies = _loop.run(pretend(a, 2), timeout=60)
+        try:
+            assert isinstance(replies[0], SessionOpened), replies[0]
+            assert isinstance(replies[1], ErrorReply) and replies[1].code == ErrorCode.BUSY
+            assert "already has 1 sessions open" in replies[1].message
+        finally:
+            for stream in streams:
+                stream.close()
     wait_until_no_sessions(servers)
 
 
-def test_streams_that_hold_nothing_are_closed_and_pending_subscribes_are_bounded(limits_swarm):
+def test_streams_that_hold_nothing_are_closed_and_pending_subscribes_are_bounded(limits_swarm, strangers):
     """A session stream that never opens a session is closed after the timeout, telling why; at most
     max_sessions_per_peer Subscribes of one peer wait for their sessions, each for the timeout."""
     model, servers, _ = limits_swarm
@@ -251,8 +250,8 @@ def test_streams_that_hold_nothing_are_closed_and_pending_subscribes_are_bounded
             stream.close()
         return refused, ends
 
-    with stranger(servers) as p2p, attributes(head, sessionless_timeout=0.5), \
-            attributes(tail, max_sessions_per_peer=2, subscribe_timeout=1.0):  # fmt: skip
+    p2p = strangers[0]
+    with attributes(head, sessionless_timeout=0.5), attributes(tail, max_sessions_per_peer=2, subscribe_timeout=1.0):
         reply, end = _loop.run(idle(p2p), timeout=60)
         assert isinstance(reply, ErrorReply) and reply.code == ErrorCode.BAD_REQUEST
         assert "no OpenSession within" in reply.message and end is None
