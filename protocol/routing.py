@@ -452,7 +452,8 @@ def _reasons(holders: list[ServerInfo], max_length: int, exclude: Collection[str
     other_version = [s for s in rest if s.state == ServerState.ONLINE and s.protocol_version != PROTOCOL_VERSION]
     online = [s for s in rest if s.state == ServerState.ONLINE and s.protocol_version == PROTOCOL_VERSION]
     stalled = [s for s in online if s.throughput <= 0]
-    full = [s for s in online if s.throughput > 0 and s.session_room < max_length]
+    capped = [s for s in online if s.throughput > 0 and 0 < s.max_session_tokens < max_length]
+    full = [s for s in online if s.throughput > 0 and s not in capped and s.free_cache_tokens < max_length]
     reasons = [f"{_servers_are(len(excluded))} excluded after failing"] if excluded else []
     reasons += [f"{_servers_are(n)} {state}" for state, n in sorted(not_online.items())]
     if other_version:
@@ -461,9 +462,13 @@ def _reasons(holders: list[ServerInfo], max_length: int, exclude: Collection[str
     if stalled:
         reasons.append(f"{_servers_are(len(stalled))} reporting zero throughput")
     if full:
-        most = max(s.session_room for s in full)
-        room = f"out of cache room for {max_length} tokens (most free or allowed per session: {most})"
+        most = max(s.free_cache_tokens for s in full)
+        room = f"out of cache room for {max_length} tokens (most free: {most})"
         reasons.append(f"{_servers_are(len(full))} {room}")
+    if capped:
+        most = max(s.max_session_tokens for s in capped)
+        reasons.append(f"{_servers_are(len(capped))} capped at sessions of {most} tokens (--max-session-tokens), "
+                       f"not {max_length}")  # fmt: skip
     return reasons
 
 

@@ -156,6 +156,15 @@ def test_full_caches_are_skipped():
     assert peers(MaxFlowRouter().plan(servers, 0, 8, max_length=1024)) == ["roomy"]
 
 
+def test_servers_whose_session_cap_is_below_max_length_are_skipped():
+    """A record's max_session_tokens (0: not announced) bounds the sessions it is routed."""
+    servers = [srv("capped", 0, 8, 50, max_session_tokens=1000), srv("open", 0, 8, 1)]
+    assert peers(MaxFlowRouter().plan(servers, 0, 8, max_length=1024)) == ["open"]
+    assert peers(MaxFlowRouter().plan(servers, 0, 8, max_length=1000)) == ["capped"]
+    with pytest.raises(NoRouteError, match=r"capped at sessions of 1000 tokens \(--max-session-tokens\), not 1024"):
+        MaxFlowRouter().plan(servers[:1], 0, 8, max_length=1024)
+
+
 def test_all_caches_full_says_so():
     servers = [srv("a", 0, 4, free_cache_tokens=4096), srv("b", 4, 8, free_cache_tokens=512)]
     with pytest.raises(NoRouteError) as info:
