@@ -126,16 +126,18 @@ def greedy_truth(reference, row: list[int], tokens: int) -> list[int]:
     return out[0, len(row):].tolist()
 
 
-async def _decode(scheduler, span, session: ServerSession, prompt: list[int], tokens: int, drafts: list[int]) -> list[int]:
-    """One session's greedy decode through the scheduler, one run at a time: each run carries the
-    last token and, every other run, ``drafts`` (some right, some wrong)."""
+async def _decode(
+    scheduler, span, session: ServerSession, prompt: list[int], tokens: int, drafts: list[int], sampling=GREEDY
+) -> list[int]:
+    """One session's decode through the scheduler (greedy, or seeded ``sampling``), one run at a
+    time: each run carries the last token and, every other run, ``drafts`` (some right, some wrong)."""
     committed, run_id, start = list(prompt), 0, 0
     pending = list(prompt)
     while len(committed) - len(prompt) < tokens:
         run_id += 1
         guess = drafts[: 1 + run_id % 3] if run_id % 2 == 0 else []
         step = Step(session_id=session.session_id, run_id=run_id, start_pos=start, token_ids=pending + guess,
-                    n_draft=len(guess), sampling=GREEDY)  # fmt: skip
+                    n_draft=len(guess), sampling=sampling)  # fmt: skip
         session.check_step(step, None, span)
         session.accept(step)
         result = await scheduler.compute(session, QueuedRun(step, None))
@@ -145,10 +147,14 @@ async def _decode(scheduler, span, session: ServerSession, prompt: list[int], to
     return committed[len(prompt) : len(prompt) + tokens]
 
 
-def _through_scheduler(span, reference, rows: list[list[int]], tokens: int, cap: int):
-    """Greedy decodes of ``rows`` at once through a scheduler over ``span`` (head and tail in one);
-    returns (each session's tokens, transformers' tokens, the scheduler)."""
-    truths = [greedy_truth(reference, row, tokens) for row in rows]
+def _through_scheduler(span, reference, rows: list[list[int]], tokens: int, cap: int, sampling=GREEDY):
+    """Decodes of ``rows`` at once through a scheduler over ``span`` (head and tail in one), greedy
+    or seeded; returns (each session's tokens, transformers' tokens, the scheduler)."""
+    if sampling.do_sample:
+        with single_torch_thread():
+            truths = [reference_sample(reference, row, tokens, sampling) for row in rows]
+    else:
+        truths = [greedy_truth(reference, row, tokens) for row in rows]
 
     async def main():
         executor = ThreadPoolExecutor(1)
@@ -157,7 +163,8 @@ def _through_scheduler(span, reference, rows: list[list[int]], tokens: int, cap:
         try:
             sessions = [ServerSession(f"s{i}", 128, [Hop("p", 0, span.end)], 0, span.new_cache()) for i in range(len(rows))]
             outputs = await asyncio.gather(*(
-                _decode(scheduler, span, session, row, tokens, truth[1:4]) for session, row, truth in zip(sessions, rows, truths)
+                _decode(scheduler, span, session, row, tokens, truth[1:4], sampling)
+                for session, row, truth in zip(sessions, rows, truths)
             ))  # fmt: skip
         finally:
             scheduler.stop()
@@ -179,19 +186,40 @@ def test_sixteen_sessions_through_the_scheduler_each_get_what_transformers_gives
     assert max(positions for _, positions in scheduler.batch_sizes) <= 12
 
 
-def test_deepseek_v4_sessions_share_the_scheduler_one_member_at_a_time(tmp_path):
-    """DeepSeek-V4 spans compute a batch's members one after another (SpanAdapter.forward_batch's
-    default), chunked prefills included: compressed and sliding-window caches stay exact."""
+@pytest.fixture(scope="module")
+def tiny_v4(tmp_path_factory):
+    """A tiny random DeepSeek-V4 (tests/test_deepseek_v4.py), its whole-model span and transformers."""
     from transformers import DeepseekV4ForCausalLM
 
     from tests.test_deepseek_v4 import build_tiny_deepseek_v4
 
-    path = build_tiny_deepseek_v4(tmp_path / "v4")
-    reference = DeepseekV4ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    path = build_tiny_deepseek_v4(tmp_path_factory.mktemp("v4") / "v4")
+    return _whole_span(path), DeepseekV4ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(do_sample=True, temperature=0.8, top_p=0.9, seed=11)],
+                         ids=["greedy", "seeded"])  # fmt: skip
+def test_deepseek_v4_sessions_are_computed_together_and_equal_transformers(tiny_v4, sampling, monkeypatch):
+    """DeepSeek-V4 sessions through the scheduler, packed into one pass per batch
+    (server/adapters/deepseek_v4_batch.py): drafts right and wrong, chunked prefills past the
+    sliding window and across compression windows; every session's tokens equal transformers'
+    (greedy) or the reference sampler's (seeded), and batches of several members were computed
+    together, not one member at a time."""
+    from server.adapters import deepseek_v4_batch
+
+    span, reference = tiny_v4
+    packed_members, layer = [], deepseek_v4_batch.decoder_layer
+
+    def counting(layer_module, hidden, token_ids, packed, rotary):
+        packed_members.append(len(packed.members))
+        return layer(layer_module, hidden, token_ids, packed, rotary)
+
+    monkeypatch.setattr(deepseek_v4_batch, "decoder_layer", counting)
     rows = [row * 2 for row in prompts(4, seed=3)]  # 6 to 24 ids: past the sliding window of 8
-    outputs, truths, scheduler = _through_scheduler(_whole_span(path), reference, rows, 6, cap=8)
+    outputs, truths, scheduler = _through_scheduler(span, reference, rows, 6, cap=8, sampling=sampling)
     assert outputs == truths
     assert scheduler.stats["max_batch_runs"] >= 2 and scheduler.stats["chunks"] > 0
+    assert max(packed_members) >= 2
 
 
 def test_a_run_cancelled_while_waiting_leaves_and_its_session_goes_on(whole_span, tiny_reference):
