@@ -116,6 +116,58 @@ def test_a_member_cancelled_between_blocks_leaves_without_disturbing_the_others(
         torch.testing.assert_close(outputs[i], alone[i], rtol=1e-4, atol=1e-4)
 
 
+@pytest.fixture(scope="module")
+def sliding(tmp_path_factory):
+    """A tiny random Qwen2 whose layers 2-5 have a sliding window of 6 (layers 0-1 full attention,
+    as Qwen2's ``max_window_layers`` makes them), its whole-model span and local transformers."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         use_sliding_window=True, sliding_window=6, max_window_layers=2, tie_word_embeddings=False)  # fmt: skip
+    torch.manual_seed(3)
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.ndim == 2:
+                param.normal_(0, 0.2)
+    path = tmp_path_factory.mktemp("sliding") / "qwen2"
+    model.save_pretrained(path)
+    return _whole_span(path), Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def test_sliding_window_spans_batch_a_pass_like_full_attention(sliding):
+    """Sliding-window layers (Qwen2) pack like full attention: each member's activations and cache
+    equal its pass alone, with members past the window, a prefill longer than it and a tree."""
+    span, _ = sliding
+    assert span.windows == [None, None, 6, 6, 6, 6] and span.supports_trees
+    alone, members = [], []
+    with single_torch_thread():
+        for i, (length, num_new, tree) in enumerate(MEMBERS):
+            cache = _filled_cache(span, length, seed=i)
+            twin = copy.deepcopy(cache)
+            ids = torch.randint(0, 1000, (1, num_new), generator=torch.Generator().manual_seed(300 + i))
+            hidden = span.embed(ids)
+            extra = {"tree": tree} if tree else {}
+            alone.append((span.forward(hidden, ids, length, cache, span_blocks(span), **extra), cache))
+            members.append(BatchMember(hidden, ids, length, twin, tree))
+        outputs = span.forward_batch(members, span_blocks(span))
+    for (expected, cache), got, member in zip(alone, outputs, members):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        for mine, theirs in zip(member.cache.layers, cache.layers):
+            torch.testing.assert_close(mine.keys, theirs.keys, rtol=1e-4, atol=1e-4)
+
+
+def test_sliding_window_sessions_through_the_scheduler_equal_transformers(sliding):
+    """Sessions whose prompts and drafts run past the sliding window, computed together: each
+    equals local transformers (its own sliding-window cache and mask), chunked prefills included."""
+    span, reference = sliding
+    rows = [row * 2 for row in prompts(6, seed=4)]  # 6 to 36 ids: past the window of 6
+    outputs, truths, scheduler = _through_scheduler(span, reference, rows, 8, cap=10)
+    assert outputs == truths
+    assert scheduler.stats["max_batch_runs"] >= 2 and scheduler.stats["chunks"] > 0
+
+
 # ---- the scheduler over real sessions -------------------------------------------------------------
 
 
