@@ -292,7 +292,7 @@ def batching_table(cells: list[dict]) -> str:
         found = [by_key[(delay, mode, count, on, window)] for on, window in arms if (delay, mode, count, on, window) in by_key]
         lines.append(
             f"| {delay:g} ms | {mode} | {count} | {column(delay, mode, count, 'aggregate_tps', '.1f')} "
-            f"| {column(delay, mode, count, 'per_session_tps', '.1f')} | {' / '.join(ratios)} "
+            f"| {column(delay, mode, count, 'per_session_tps', '.2f')} | {' / '.join(ratios)} "
             f"| {column(delay, mode, count, 'lap_p50_ms', '.0f')} | {column(delay, mode, count, 'lap_p95_ms', '.0f')} "
             f"| {column(delay, mode, count, 'positions_per_pass', '.1f')} "
             f"| {sum(c['identical'] for c in found)}/{sum(c['sessions'] for c in found)} |"
