@@ -2,7 +2,7 @@
 with ``--batching`` the servers' continuous batching on and off side by side (issue #25).
 
     python -m benchmarks.load --sessions 32 --tokens 32
-    python -m benchmarks.load --batching --delays 0 25 --counts 1 4 16 32 --tokens 16
+    python -m benchmarks.load --batching --delays 0 25 --counts 1 4 16 32 --tokens 16 --gather-window-ms 0 2 5
 
 Every session is its own ``agenerate_stream`` (greedy, no speculation, so one streamed chunk is one
 lap) on one client, all started at once. Each must end token-identical to local transformers
@@ -201,40 +201,45 @@ def phase_row(results: list[dict], expected: list[list[int]], wall: float, befor
 
 
 def batching_main(args, rows: list[list[int]], expected: list[list[int]]) -> None:
-    """For each delay, two swarms at once, batching on and off (``--no-batching``); every mode and
-    session count runs on one, then at once on the other, so that the two cells of a pair see the
-    same load on a shared machine; one table, side by side."""
+    """For each delay, one swarm per arm at once: batching on with each gather window
+    (``--gather-window-ms``), and off (``--no-batching``); every mode and session count runs on one
+    arm, then at once on the next, so that the cells of a row see the same load on a shared machine;
+    one table, side by side. The JSON is rewritten after every cell (a cut-short run keeps its cells)."""
     from server.batching import REPORT_PERIOD
 
     names = ["batch-0", "batch-1", "batch-2"]
     cells = []
+    arms_wanted = [(True, window) for window in args.gather_window_ms] + ([] if args.no_off else [(False, 0.0)])
     for delay in args.delays:
         with contextlib.ExitStack() as stack:
             arms = []
-            for batching in (True,) if args.no_off else (True, False):
-                log_dir = f"{args.log_dir}-batching-{'on' if batching else 'off'}-{delay:g}ms"
+            for batching, window in arms_wanted:
+                arm = f"on-{window:g}ms" if batching else "off"
+                log_dir = f"{args.log_dir}-batching-{arm}-{delay:g}ms"
                 server_args = ["--torch-threads", "1", "--log-level", "INFO", "--update-period", "5",
-                               "--cache-tokens", str(args.cache_tokens), "--gather-window-ms", str(args.gather_window_ms),
+                               "--cache-tokens", str(args.cache_tokens), "--gather-window-ms", str(window),
                                *([] if batching else ["--no-batching"])]  # fmt: skip
                 swarm = stack.enter_context(LocalSwarm(args.model, 3, hop_delay_ms=delay, server_args=server_args,
                                                        names=names, log_dir=log_dir))  # fmt: skip
                 model = batching_client(args, swarm, rows[0])
                 stack.callback(model.shutdown)
-                arms.append((batching, log_dir, model))
+                arms.append((batching, window, log_dir, model))
             time.sleep(REPORT_PERIOD + 1.5)  # the servers' counters before the first phase are logged
-            counters = {log_dir: batching_counters(log_dir, names) for _, log_dir, _ in arms}
+            counters = {log_dir: batching_counters(log_dir, names) for _, _, log_dir, _ in arms}
             for mode in args.modes:
                 for count in args.counts:
-                    for batching, log_dir, model in arms:
+                    for batching, window, log_dir, model in arms:
                         row = batching_phase(args, model, rows[:count], expected[:count], mode, log_dir, names, counters)
-                        row.update(delay_ms=delay, batching=batching, speculation=mode)
+                        row.update(delay_ms=delay, batching=batching, gather_window_ms=window if batching else None,
+                                   speculation=mode)  # fmt: skip
                         cells.append(row)
-                        print(f"{delay:>3g} ms  batching {'on ' if batching else 'off'}  {mode:<6} {count:>2} sessions: "
+                        arm = f"on ({window:g} ms window)" if batching else "off"
+                        print(f"{delay:>3g} ms  batching {arm:<17} {mode:<6} {count:>2} sessions: "
                               f"{row['aggregate_tps']:6.1f} tok/s in all, {row['per_session_tps']:5.1f} per session, lap p50 "
                               f"{row['lap_p50_ms']:.0f} ms p95 {row['lap_p95_ms']:.0f} ms, {row['positions_per_pass']:.1f} "
                               f"positions/pass, {row['identical']}/{count} identical", flush=True)  # fmt: skip
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(dict(model=args.model, new_tokens=args.tokens, cells=cells), indent=1))
+                        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+                        Path(args.out).write_text(json.dumps(dict(model=args.model, new_tokens=args.tokens, cells=cells), indent=1))
     print(batching_table(cells))
 
 
@@ -261,23 +266,36 @@ def batching_phase(args, model, rows, expected, mode: str, log_dir: str, names: 
 
 
 def batching_table(cells: list[dict]) -> str:
-    """Markdown: one line per (delay, mode, sessions), batching on beside off."""
-    lines = ["| delay/hop | speculation | sessions | tok/s in all (on / off) | per session (on / off) | vs 1 session on "
-             "| lap p50 ms (on / off) | lap p95 ms (on / off) | positions per pass (on) | identical |",
+    """Markdown: one line per (delay, mode, sessions), the arms side by side: batching off, then on
+    with each gather window."""
+    arms = sorted({(c["batching"], c.get("gather_window_ms")) for c in cells}, key=lambda a: (a[0], a[1] or 0.0))
+    names = " / ".join("off" if not on else f"on {window:g} ms" for on, window in arms)
+    lines = [f"| delay/hop | speculation | sessions | tok/s in all ({names}) | per session | vs 1 session (same arm) "
+             f"| lap p50 ms | lap p95 ms | positions per pass | identical |",
              "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    by_key = {(c["delay_ms"], c["speculation"], c["sessions"], c["batching"]): c for c in cells}
-    missing = dict(aggregate_tps=float("nan"), per_session_tps=float("nan"), lap_p50_ms=float("nan"),
-                   lap_p95_ms=float("nan"), identical=0)  # fmt: skip
-    for (delay, mode, count, batching), on in by_key.items():
-        off = by_key.get((delay, mode, count, False), missing)
-        alone = by_key.get((delay, mode, 1, True))
-        if not batching or alone is None:
-            continue
+    by_key = {(c["delay_ms"], c["speculation"], c["sessions"], c["batching"], c.get("gather_window_ms")): c for c in cells}
+    rows = sorted({(c["delay_ms"], c["speculation"], c["sessions"]) for c in cells},
+                  key=lambda r: (r[0], r[1] != "none", r[2]))  # fmt: skip
+
+    def column(delay, mode, count, field: str, fmt: str) -> str:
+        values = []
+        for on, window in arms:
+            cell = by_key.get((delay, mode, count, on, window))
+            values.append(format(cell[field], fmt) if cell and cell[field] is not None else "-")
+        return " / ".join(values)
+
+    for delay, mode, count in rows:
+        ratios = []
+        for on, window in arms:
+            cell, alone = by_key.get((delay, mode, count, on, window)), by_key.get((delay, mode, 1, on, window))
+            ratios.append(f"{cell['aggregate_tps'] / alone['aggregate_tps']:.1f}x" if cell and alone else "-")
+        found = [by_key[(delay, mode, count, on, window)] for on, window in arms if (delay, mode, count, on, window) in by_key]
         lines.append(
-            f"| {delay:g} ms | {mode} | {count} | {on['aggregate_tps']:.1f} / {off['aggregate_tps']:.1f} "
-            f"| {on['per_session_tps']:.1f} / {off['per_session_tps']:.1f} | {on['aggregate_tps'] / alone['aggregate_tps']:.1f}x "
-            f"| {on['lap_p50_ms']:.0f} / {off['lap_p50_ms']:.0f} | {on['lap_p95_ms']:.0f} / {off['lap_p95_ms']:.0f} "
-            f"| {on['positions_per_pass']:.1f} | {on['identical'] + off['identical']}/{(1 + (off is not missing)) * count} |"
+            f"| {delay:g} ms | {mode} | {count} | {column(delay, mode, count, 'aggregate_tps', '.1f')} "
+            f"| {column(delay, mode, count, 'per_session_tps', '.2f')} | {' / '.join(ratios)} "
+            f"| {column(delay, mode, count, 'lap_p50_ms', '.0f')} | {column(delay, mode, count, 'lap_p95_ms', '.0f')} "
+            f"| {column(delay, mode, count, 'positions_per_pass', '.1f')} "
+            f"| {sum(c['identical'] for c in found)}/{sum(c['sessions'] for c in found)} |"
         )  # fmt: skip
     return "\n".join(lines)
 
@@ -295,7 +313,8 @@ def main() -> None:
     p.add_argument("--delays", type=float, nargs="+", default=[0, 25], help="--batching: ms per hop")
     p.add_argument("--counts", type=int, nargs="+", default=[1, 4, 16, 32], help="--batching: concurrent sessions")
     p.add_argument("--modes", nargs="+", default=["none", "suffix"], help="--batching: speculation modes (none: off)")
-    p.add_argument("--gather-window-ms", type=float, default=0.0, help="--batching: the servers' --gather-window-ms")
+    p.add_argument("--gather-window-ms", type=float, nargs="+", default=[0.0, 2.0, 5.0],
+                   help="--batching: the servers' --gather-window-ms, one batching-on swarm per value")
     p.add_argument("--no-off", action="store_true", help="--batching: skip the swarms with batching off")
     args = p.parse_args()
     args.out = args.out or f"benchmarks/results/load{'-batching' if args.batching else ''}.json"

@@ -116,6 +116,58 @@ def test_a_member_cancelled_between_blocks_leaves_without_disturbing_the_others(
         torch.testing.assert_close(outputs[i], alone[i], rtol=1e-4, atol=1e-4)
 
 
+@pytest.fixture(scope="module")
+def sliding(tmp_path_factory):
+    """A tiny random Qwen2 whose layers 2-5 have a sliding window of 6 (layers 0-1 full attention,
+    as Qwen2's ``max_window_layers`` makes them), its whole-model span and local transformers."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         use_sliding_window=True, sliding_window=6, max_window_layers=2, tie_word_embeddings=False)  # fmt: skip
+    torch.manual_seed(3)
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.ndim == 2:
+                param.normal_(0, 0.2)
+    path = tmp_path_factory.mktemp("sliding") / "qwen2"
+    model.save_pretrained(path)
+    return _whole_span(path), Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def test_sliding_window_spans_batch_a_pass_like_full_attention(sliding):
+    """Sliding-window layers (Qwen2) pack like full attention: each member's activations and cache
+    equal its pass alone, with members past the window, a prefill longer than it and a tree."""
+    span, _ = sliding
+    assert span.windows == [None, None, 6, 6, 6, 6] and span.supports_trees
+    alone, members = [], []
+    with single_torch_thread():
+        for i, (length, num_new, tree) in enumerate(MEMBERS):
+            cache = _filled_cache(span, length, seed=i)
+            twin = copy.deepcopy(cache)
+            ids = torch.randint(0, 1000, (1, num_new), generator=torch.Generator().manual_seed(300 + i))
+            hidden = span.embed(ids)
+            extra = {"tree": tree} if tree else {}
+            alone.append((span.forward(hidden, ids, length, cache, span_blocks(span), **extra), cache))
+            members.append(BatchMember(hidden, ids, length, twin, tree))
+        outputs = span.forward_batch(members, span_blocks(span))
+    for (expected, cache), got, member in zip(alone, outputs, members):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        for mine, theirs in zip(member.cache.layers, cache.layers):
+            torch.testing.assert_close(mine.keys, theirs.keys, rtol=1e-4, atol=1e-4)
+
+
+def test_sliding_window_sessions_through_the_scheduler_equal_transformers(sliding):
+    """Sessions whose prompts and drafts run past the sliding window, computed together: each
+    equals local transformers (its own sliding-window cache and mask), chunked prefills included."""
+    span, reference = sliding
+    rows = [row * 2 for row in prompts(6, seed=4)]  # 6 to 36 ids: past the window of 6
+    outputs, truths, scheduler = _through_scheduler(span, reference, rows, 8, cap=10)
+    assert outputs == truths
+    assert scheduler.stats["max_batch_runs"] >= 2 and scheduler.stats["chunks"] > 0
+
+
 # ---- the scheduler over real sessions -------------------------------------------------------------
 
 
@@ -126,16 +178,18 @@ def greedy_truth(reference, row: list[int], tokens: int) -> list[int]:
     return out[0, len(row):].tolist()
 
 
-async def _decode(scheduler, span, session: ServerSession, prompt: list[int], tokens: int, drafts: list[int]) -> list[int]:
-    """One session's greedy decode through the scheduler, one run at a time: each run carries the
-    last token and, every other run, ``drafts`` (some right, some wrong)."""
+async def _decode(
+    scheduler, span, session: ServerSession, prompt: list[int], tokens: int, drafts: list[int], sampling=GREEDY
+) -> list[int]:
+    """One session's decode through the scheduler (greedy, or seeded ``sampling``), one run at a
+    time: each run carries the last token and, every other run, ``drafts`` (some right, some wrong)."""
     committed, run_id, start = list(prompt), 0, 0
     pending = list(prompt)
     while len(committed) - len(prompt) < tokens:
         run_id += 1
         guess = drafts[: 1 + run_id % 3] if run_id % 2 == 0 else []
         step = Step(session_id=session.session_id, run_id=run_id, start_pos=start, token_ids=pending + guess,
-                    n_draft=len(guess), sampling=GREEDY)  # fmt: skip
+                    n_draft=len(guess), sampling=sampling)  # fmt: skip
         session.check_step(step, None, span)
         session.accept(step)
         result = await scheduler.compute(session, QueuedRun(step, None))
@@ -145,10 +199,14 @@ async def _decode(scheduler, span, session: ServerSession, prompt: list[int], to
     return committed[len(prompt) : len(prompt) + tokens]
 
 
-def _through_scheduler(span, reference, rows: list[list[int]], tokens: int, cap: int):
-    """Greedy decodes of ``rows`` at once through a scheduler over ``span`` (head and tail in one);
-    returns (each session's tokens, transformers' tokens, the scheduler)."""
-    truths = [greedy_truth(reference, row, tokens) for row in rows]
+def _through_scheduler(span, reference, rows: list[list[int]], tokens: int, cap: int, sampling=GREEDY):
+    """Decodes of ``rows`` at once through a scheduler over ``span`` (head and tail in one), greedy
+    or seeded; returns (each session's tokens, transformers' tokens, the scheduler)."""
+    if sampling.do_sample:
+        with single_torch_thread():
+            truths = [reference_sample(reference, row, tokens, sampling) for row in rows]
+    else:
+        truths = [greedy_truth(reference, row, tokens) for row in rows]
 
     async def main():
         executor = ThreadPoolExecutor(1)
@@ -157,7 +215,8 @@ def _through_scheduler(span, reference, rows: list[list[int]], tokens: int, cap:
         try:
             sessions = [ServerSession(f"s{i}", 128, [Hop("p", 0, span.end)], 0, span.new_cache()) for i in range(len(rows))]
             outputs = await asyncio.gather(*(
-                _decode(scheduler, span, session, row, tokens, truth[1:4]) for session, row, truth in zip(sessions, rows, truths)
+                _decode(scheduler, span, session, row, tokens, truth[1:4], sampling)
+                for session, row, truth in zip(sessions, rows, truths)
             ))  # fmt: skip
         finally:
             scheduler.stop()
@@ -179,19 +238,40 @@ def test_sixteen_sessions_through_the_scheduler_each_get_what_transformers_gives
     assert max(positions for _, positions in scheduler.batch_sizes) <= 12
 
 
-def test_deepseek_v4_sessions_share_the_scheduler_one_member_at_a_time(tmp_path):
-    """DeepSeek-V4 spans compute a batch's members one after another (SpanAdapter.forward_batch's
-    default), chunked prefills included: compressed and sliding-window caches stay exact."""
+@pytest.fixture(scope="module")
+def tiny_v4(tmp_path_factory):
+    """A tiny random DeepSeek-V4 (tests/test_deepseek_v4.py), its whole-model span and transformers."""
     from transformers import DeepseekV4ForCausalLM
 
     from tests.test_deepseek_v4 import build_tiny_deepseek_v4
 
-    path = build_tiny_deepseek_v4(tmp_path / "v4")
-    reference = DeepseekV4ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    path = build_tiny_deepseek_v4(tmp_path_factory.mktemp("v4") / "v4")
+    return _whole_span(path), DeepseekV4ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(do_sample=True, temperature=0.8, top_p=0.9, seed=11)],
+                         ids=["greedy", "seeded"])  # fmt: skip
+def test_deepseek_v4_sessions_are_computed_together_and_equal_transformers(tiny_v4, sampling, monkeypatch):
+    """DeepSeek-V4 sessions through the scheduler, packed into one pass per batch
+    (server/adapters/deepseek_v4_batch.py): drafts right and wrong, chunked prefills past the
+    sliding window and across compression windows; every session's tokens equal transformers'
+    (greedy) or the reference sampler's (seeded), and batches of several members were computed
+    together, not one member at a time."""
+    from server.adapters import deepseek_v4_batch
+
+    span, reference = tiny_v4
+    packed_members, layer = [], deepseek_v4_batch.decoder_layer
+
+    def counting(layer_module, hidden, token_ids, packed, rotary):
+        packed_members.append(len(packed.members))
+        return layer(layer_module, hidden, token_ids, packed, rotary)
+
+    monkeypatch.setattr(deepseek_v4_batch, "decoder_layer", counting)
     rows = [row * 2 for row in prompts(4, seed=3)]  # 6 to 24 ids: past the sliding window of 8
-    outputs, truths, scheduler = _through_scheduler(_whole_span(path), reference, rows, 6, cap=8)
+    outputs, truths, scheduler = _through_scheduler(span, reference, rows, 6, cap=8, sampling=sampling)
     assert outputs == truths
     assert scheduler.stats["max_batch_runs"] >= 2 and scheduler.stats["chunks"] > 0
+    assert max(packed_members) >= 2
 
 
 def test_a_run_cancelled_while_waiting_leaves_and_its_session_goes_on(whole_span, tiny_reference):

@@ -11,6 +11,7 @@ to 1e-4 (float32; only the batching of positions differs); tokens agree exactly.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -518,6 +519,58 @@ def _assert_same_state(a: dict, b: dict) -> None:
             assert y is not None and x.shape == y.shape and torch.allclose(x, y, atol=1e-5), key
         else:
             assert x == y, key
+
+
+# ---- continuous batching (server/adapters/deepseek_v4_batch.py) ----------------------------------
+
+# (cached positions, new positions): decodes past the sliding window and at every compression-window
+# offset, a prefill that closes windows of both rates, drafts across a window boundary
+BATCH_MEMBERS = [(13, 1), (0, 11), (6, 3), (21, 5), (3, 1), (9, 2)]
+
+
+def _v4_member(span, length: int, num_new: int, seed: int, cancelled=lambda: False):
+    """A cache filled with ``length`` random positions, its deep copy, and a member of ``num_new``."""
+    from server.adapters.base import BatchMember
+
+    cache = span.new_cache()
+    if length:
+        ids = torch.randint(0, 1000, (1, length), generator=torch.Generator().manual_seed(seed))
+        span.forward(span.embed(ids), ids, 0, cache, range(span.start, span.end))
+    ids = torch.randint(0, 1000, (1, num_new), generator=torch.Generator().manual_seed(100 + seed))
+    twin = copy.deepcopy(cache)
+    return cache, BatchMember(span.embed(ids), ids, length, twin, None, cancelled)
+
+
+def test_a_batched_pass_gives_each_member_what_it_gets_alone(v4_spans, monkeypatch):
+    """One packed pass over members at different offsets (sliding window, CSA and HCA windows):
+    each member's activations and its whole cache state (window, compressor buffers, overlap
+    slices, compressed entries, raw history) equal what its run alone gives, up to the rounding of
+    rows computed together; the pass never falls back to one member at a time."""
+    (span,) = v4_spans([(0, 6)])
+    alone, members = [], []
+    for i, (length, num_new) in enumerate(BATCH_MEMBERS):
+        cache, member = _v4_member(span, length, num_new, seed=i)
+        alone.append((span.forward(member.hidden, member.token_ids, length, cache, range(0, 6)), cache))
+        members.append(member)
+    monkeypatch.setattr(span, "forward", lambda *a, **k: pytest.fail("a member computed alone"))
+    outputs = span.forward_batch(members, range(0, 6))
+    for (expected, cache), got, member in zip(alone, outputs, members):
+        torch.testing.assert_close(got, expected, rtol=ATOL, atol=ATOL)
+        _assert_same_state(_mtp_cache_state(member.cache), _mtp_cache_state(cache))
+
+
+def test_a_member_cancelled_mid_pass_leaves_and_the_others_are_exact(v4_spans):
+    (span,) = v4_spans([(0, 6)])
+    blocks_seen, alone, members = [], [], []
+    for i, (length, num_new) in enumerate(BATCH_MEMBERS[:4]):
+        cancelled = (lambda: len(blocks_seen) > 2) if i == 1 else (lambda: False)
+        cache, member = _v4_member(span, length, num_new, seed=20 + i, cancelled=cancelled)
+        alone.append(span.forward(member.hidden, member.token_ids, length, cache, range(0, 6)))
+        members.append(member)
+    outputs = span.forward_batch(members, range(0, 6), lambda: blocks_seen.append(1))
+    assert outputs[1] is None
+    for i in (0, 2, 3):
+        torch.testing.assert_close(outputs[i], alone[i], rtol=ATOL, atol=ATOL)
 
 
 @pytest.mark.parametrize(

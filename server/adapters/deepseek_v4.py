@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import copy
 import re
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from tqdm.auto import tqdm
@@ -39,8 +39,9 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
     DeepseekV4RotaryEmbedding,
 )
 
+from server.adapters import deepseek_v4_batch, packing
 from server.adapters import deepseek_v4_cache as v4cache
-from server.adapters.base import Cache, SpanAdapter
+from server.adapters.base import BatchMember, Cache, SpanAdapter
 from server.adapters.deepseek_v4_quant import QuantizedExperts, quantize_experts_skeleton
 from server.adapters.deepseek_v4_weights import iter_experts, iter_plain, map_span
 from server.quantization import Quant, assign_tensor
@@ -194,6 +195,32 @@ class DeepseekV4Adapter(SpanAdapter):
                 cache=cache,
             )
         return hidden
+
+    @torch.inference_mode()
+    def forward_batch(
+        self, members: list[BatchMember], blocks: range, between_blocks: Callable[[], None] = lambda: None
+    ) -> list[Optional[torch.Tensor]]:
+        """Every member's positions packed into one pass (server/adapters/deepseek_v4_batch.py says
+        what runs once for the batch and what per member); a batch of one takes :meth:`forward`."""
+        if len(members) < 2:
+            return super().forward_batch(members, blocks, between_blocks)
+        window = self.config.sliding_window
+
+        def positions_and_mask(member: BatchMember) -> tuple[torch.Tensor, torch.Tensor]:
+            num_new = member.hidden.shape[1]
+            position_ids = torch.arange(member.start_pos, member.start_pos + num_new, device=self.device).unsqueeze(0)
+            return position_ids, sliding_window_mask(member.start_pos, num_new, window, self.dtype, self.device)
+
+        def prepare(packed: packing.Packed, hidden: torch.Tensor) -> tuple[torch.Tensor, dict]:
+            rotary = {kind: self.rotary_emb(hidden, position_ids=packed.position_ids, layer_type=kind) for kind in ("main", "compress")}
+            return packed.token_ids(self.device), rotary
+
+        def block(number: int, hidden: torch.Tensor, packed: packing.Packed, prepared) -> torch.Tensor:
+            token_ids, rotary = prepared
+            return deepseek_v4_batch.decoder_layer(self.layers[number - self.start], hidden, token_ids, packed, rotary)
+
+        packed, hidden = packing.pack(members, self.dtype, self.device, positions_and_mask)
+        return packing.run_blocks(packed, hidden, blocks, between_blocks, prepare, block)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,12 @@ transformers implementation is ``model.model.{embed_tokens, layers, norm, rotary
 ``lm_head``, with decoder layers called as ``layer(hidden, attention_mask, position_ids, cache,
 position_embeddings)``.
 
+Sliding-window layers (Mistral's ``sliding_window``, Qwen2's ``layer_types``): the span's cache
+keeps every position of every layer (plain ``DynamicLayer``s, which trim and gather exactly, so
+rollback, token trees and batching work as for full attention), and each sliding layer gets a
+mask that hides keys at or before ``position - sliding_window`` (transformers' sliding rule). The
+cache budget already counts every position (``span_cache_bytes_per_token``).
+
 The layers are the real transformers modules, built on the meta device and filled with only this
 span's tensors; nothing here reimplements attention.
 """
@@ -18,7 +24,7 @@ from transformers.cache_utils import DynamicLayer
 
 from protocol import trees
 
-from server.adapters import llama_batch
+from server.adapters import llama_batch, packing
 from server.adapters.base import BatchMember, Cache, SpanAdapter
 from server.quantization import Quant, assign_tensor, checkpoint_names
 from server.weights import Checkpoint
@@ -56,7 +62,9 @@ class LlamaFamilyAdapter(SpanAdapter):
         self.norm = skeleton.model.norm if self.is_tail else None
         self.lm_head = skeleton.lm_head if self.is_tail else None
         self._load(checkpoint)
-        # trees need caches whose entries sit at their positions (no sliding-window layers)
+        # each layer's sliding window (None: full attention), for its masks
+        self.windows = _layer_windows(self.config)[start:end]
+        # trees need caches whose entries sit at their positions (new_cache keeps them all)
         self.supports_trees = all(type(layer) is DynamicLayer for layer in self.new_cache().layers)
 
     def _load(self, checkpoint: Checkpoint) -> None:
@@ -89,8 +97,9 @@ class LlamaFamilyAdapter(SpanAdapter):
     def new_cache(self) -> Cache:
         span_config = copy.deepcopy(self.config)
         span_config.num_hidden_layers = self.end - self.start
-        if getattr(span_config, "layer_types", None):
-            span_config.layer_types = span_config.layer_types[self.start : self.end]
+        # every layer keeps every position: sliding layers mask what lies outside their window
+        span_config.layer_types = ["full_attention"] * (self.end - self.start)
+        span_config.sliding_window = None
         return DynamicCache(config=span_config)
 
     def cache_length(self, cache: Cache) -> int:
@@ -127,18 +136,13 @@ class LlamaFamilyAdapter(SpanAdapter):
         tree: list[int] | None = None,
     ) -> torch.Tensor:
         hidden = hidden.to(self.device, self.dtype)
-        num_new = hidden.shape[1]
-        if tree:
-            position_ids, mask = _tree_positions_and_mask(start_pos, num_new, tree, self.device)
-        else:
-            position_ids = torch.arange(start_pos, start_pos + num_new, device=self.device).unsqueeze(0)
-            mask = _causal_mask(start_pos, num_new, self.device)
+        position_ids, masks = self._positions_and_masks(start_pos, hidden.shape[1], tree)
         position_embeddings = self.rotary_emb(hidden, position_ids=position_ids)
         for block in blocks:
             check_cancelled()
             hidden = self.layers[block - self.start](
                 hidden,
-                attention_mask=mask,
+                attention_mask=masks[self.windows[block - self.start]],
                 position_ids=position_ids,
                 cache=cache,
                 use_cache=True,
@@ -146,48 +150,36 @@ class LlamaFamilyAdapter(SpanAdapter):
             )
         return hidden
 
+    def _positions_and_masks(
+        self, start_pos: int, num_new: int, tree: Optional[list[int]]
+    ) -> tuple[torch.Tensor, dict[Optional[int], Optional[torch.Tensor]]]:
+        """Position ids [1, S] of a run's new positions, and its mask for each window this span's
+        layers use (None: full attention)."""
+        if tree:
+            position_ids, tree_mask = _tree_positions_and_mask(start_pos, num_new, tree, self.device)
+        else:
+            position_ids, tree_mask = torch.arange(start_pos, start_pos + num_new, device=self.device).unsqueeze(0), None
+        masks = {window: _mask(start_pos, position_ids, window, tree_mask) for window in set(self.windows)}
+        return position_ids, masks
+
     @torch.inference_mode()
     def forward_batch(
         self, members: list[BatchMember], blocks: range, between_blocks: Callable[[], None] = lambda: None
     ) -> list[Optional[torch.Tensor]]:
-        """Every member's positions packed into one pass (server/adapters/llama_batch.py). A batch of
-        one, and spans with sliding-window layers, take :meth:`forward` (one member at a time)."""
-        if len(members) < 2 or not self.supports_trees:
+        """Every member's positions packed into one pass (server/adapters/llama_batch.py); a batch
+        of one takes :meth:`forward`."""
+        if len(members) < 2:
             return super().forward_batch(members, blocks, between_blocks)
-        packed, hidden = self._pack(members)
-        outputs: list[Optional[torch.Tensor]] = [None] * len(members)
-        index = list(range(len(members)))  # packed.members[j] is members[index[j]]
-        cos_sin = self.rotary_emb(hidden, position_ids=packed.position_ids)
-        for block in blocks:
-            between_blocks()
-            keep = [j for j, member in enumerate(packed.members) if not member.cancelled()]
-            if not keep:
-                return outputs
-            if len(keep) < len(packed.members):  # cancelled members leave; the others go on
-                packed, hidden = llama_batch.drop(packed, hidden, keep)
-                index = [index[j] for j in keep]
-                cos_sin = self.rotary_emb(hidden, position_ids=packed.position_ids)
-            hidden = llama_batch.decoder_layer(self.layers[block - self.start], hidden, packed, cos_sin)
-        for j, (a, b) in zip(index, packed.bounds):
-            outputs[j] = hidden[:, a:b]
-        return outputs
+        packed, hidden = packing.pack(
+            members, self.dtype, self.device, lambda m: self._positions_and_masks(m.start_pos, m.hidden.shape[1], m.tree)
+        )
 
-    def _pack(self, members: list[BatchMember]) -> tuple[llama_batch.Packed, torch.Tensor]:
-        """One row of every member's positions, with each member's position ids and mask."""
-        bounds, masks, positions, start = [], [], [], 0
-        for member in members:
-            num_new = member.hidden.shape[1]
-            if member.tree:
-                position_ids, mask = _tree_positions_and_mask(member.start_pos, num_new, member.tree, self.device)
-            else:
-                position_ids = torch.arange(member.start_pos, member.start_pos + num_new, device=self.device).unsqueeze(0)
-                mask = _causal_mask(member.start_pos, num_new, self.device)
-            bounds.append((start, start + num_new))
-            masks.append(mask)
-            positions.append(position_ids)
-            start += num_new
-        hidden = torch.cat([member.hidden.to(self.device, self.dtype) for member in members], dim=1)
-        return llama_batch.Packed(list(members), bounds, masks, torch.cat(positions, dim=1)), hidden
+        def block(number: int, hidden: torch.Tensor, packed: packing.Packed, cos_sin) -> torch.Tensor:
+            local = number - self.start
+            return llama_batch.decoder_layer(self.layers[local], hidden, packed, cos_sin, self.windows[local])
+
+        rotary = lambda packed, hidden: self.rotary_emb(hidden, position_ids=packed.position_ids)  # noqa: E731
+        return packing.run_blocks(packed, hidden, blocks, between_blocks, rotary, block)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -207,17 +199,41 @@ class LlamaFamilyAdapter(SpanAdapter):
         return 2 * kv_heads * head_dim * (end - start) * torch.finfo(dtype).bits // 8
 
 
-def _causal_mask(start_pos: int, num_new: int, device: torch.device) -> torch.Tensor | None:
-    """[1, 1, S, start_pos + S] boolean mask (True = attend) for new positions over the cache.
+def _layer_windows(config: PretrainedConfig) -> list[Optional[int]]:
+    """Each layer's sliding window (None: full attention), as transformers' own models read the
+    config: ``layer_types`` where the config has them (Qwen2: the layers above
+    ``max_window_layers``), else every layer sliding when ``sliding_window`` is set (Mistral)."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None) or ["sliding_attention" if window else "full_attention"] * config.num_hidden_layers
+    return [window if kind == "sliding_attention" and window else None for kind in types]
+
+
+def _mask(
+    start_pos: int, position_ids: torch.Tensor, window: Optional[int], tree_mask: Optional[torch.Tensor]
+) -> Optional[torch.Tensor]:
+    """[1, 1, S, start_pos + S] boolean mask (True = attend) of new positions over a cache that holds
+    every earlier position: causal (or a tree's ``tree_mask``), and with a sliding ``window`` only
+    keys at positions > query - window. None where every query sees every key (one position with
+    nothing outside its window), which sdpa computes fastest.
 
     Built here rather than by transformers' mask helpers because a span's cache holds only its
     own layers, whose lengths those helpers would read from the wrong layer index.
     """
-    if num_new == 1:
+    device, num_new = position_ids.device, position_ids.shape[1]
+    query = position_ids[0].unsqueeze(1)  # [S, 1]
+    key = torch.cat([torch.arange(start_pos, device=device), position_ids[0]]).unsqueeze(0)  # [1, start_pos + S]
+    allowed = tree_mask[0, 0] if tree_mask is not None else key <= query
+    if window is not None:
+        allowed = allowed & (key > query - window)
+    if num_new == 1 and bool(allowed.all()):
         return None
-    query = torch.arange(start_pos, start_pos + num_new, device=device).unsqueeze(1)
-    key = torch.arange(start_pos + num_new, device=device).unsqueeze(0)
-    return (key <= query)[None, None]
+    return allowed[None, None]
+
+
+def _causal_mask(start_pos: int, num_new: int, device: torch.device) -> torch.Tensor | None:
+    """[1, 1, S, start_pos + S] causal boolean mask of a chain (None for one position); the tail
+    drafter and its trainer use it too."""
+    return _mask(start_pos, torch.arange(start_pos, start_pos + num_new, device=device).unsqueeze(0), None, None)
 
 
 def _tree_positions_and_mask(

@@ -8,40 +8,34 @@ its own mask, through the same transformers functions a layer uses alone. Packin
 no position is computed that no session asked for, and no cache is copied.
 
 Each session's rows are what the layer gives it alone up to the rounding of rows computed
-together (docs/design.md); attention itself is the very same call. Layers whose caches are not
-plain full-attention caches (sliding windows) are not batched here (LlamaFamilyAdapter decides).
+together (docs/design.md); attention itself is the very same call. Sliding-window layers (Mistral,
+Qwen2's upper layers) batch the same way: their caches keep every position and each member's mask
+for the layer's window hides what lies outside it (LlamaFamilyAdapter builds the masks).
 """
 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from server.adapters.base import BatchMember
+from server.adapters.packing import Packed
 
 
-@dataclass
-class Packed:
-    """The members still in the batch, and where each one's positions sit in the packed row."""
-
-    members: list[BatchMember]
-    bounds: list[tuple[int, int]]  # [start, end) in the packed row, per member
-    masks: list[Optional[torch.Tensor]]  # each member's [1, 1, S, start_pos + S] mask (None for S == 1)
-    position_ids: torch.Tensor  # [1, T]
-
-
-def decoder_layer(layer: torch.nn.Module, hidden: torch.Tensor, packed: Packed, cos_sin) -> torch.Tensor:
-    """One LlamaDecoderLayer over the packed row ``hidden`` [1, T, H], as its own forward does it."""
-    attended = _attention(layer.self_attn, layer.input_layernorm(hidden), packed, cos_sin)
+def decoder_layer(
+    layer: torch.nn.Module, hidden: torch.Tensor, packed: Packed, cos_sin, window: Optional[int] = None
+) -> torch.Tensor:
+    """One LlamaDecoderLayer over the packed row ``hidden`` [1, T, H], as its own forward does it;
+    ``window``: the layer's sliding window (None: full attention), which picks each member's mask
+    (``packed.masks[j]`` maps a window to that member's mask)."""
+    attended = _attention(layer.self_attn, layer.input_layernorm(hidden), packed, cos_sin, window)
     hidden = hidden + attended
     return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
 
 
-def _attention(attn: torch.nn.Module, hidden: torch.Tensor, packed: Packed, cos_sin) -> torch.Tensor:
+def _attention(attn: torch.nn.Module, hidden: torch.Tensor, packed: Packed, cos_sin, window: Optional[int]) -> torch.Tensor:
     """LlamaAttention.forward (and Qwen3's, with its q/k norms) with projections over the packed
     row and the rest per member."""
     shape = (1, hidden.shape[1], -1, attn.head_dim)
@@ -53,7 +47,8 @@ def _attention(attn: torch.nn.Module, hidden: torch.Tensor, packed: Packed, cos_
     value = value.transpose(1, 2)
     interface: Callable = ALL_ATTENTION_FUNCTIONS[attn.config._attn_implementation]
     outputs = []
-    for member, (a, b), mask in zip(packed.members, packed.bounds, packed.masks):
+    for member, (a, b), masks in zip(packed.members, packed.bounds, packed.masks):
+        mask = masks[window]
         # copies: a new cache keeps these tensors, which must not hold the whole packed row
         k, v = member.cache.update(key[:, :, a:b].contiguous(), value[:, :, a:b].contiguous(), attn.layer_idx)
         out, _ = interface(attn, query[:, :, a:b], k, v, mask, dropout=0.0, scaling=attn.scaling)
@@ -64,19 +59,3 @@ def _attention(attn: torch.nn.Module, hidden: torch.Tensor, packed: Packed, cos_
 def _rotary_of(attn: torch.nn.Module) -> Callable:
     """The family's own apply_rotary_pos_emb, from the module that defines its attention."""
     return sys.modules[type(attn).__module__].apply_rotary_pos_emb
-
-
-def drop(packed: Packed, hidden: torch.Tensor, keep: list[int]) -> tuple[Packed, torch.Tensor]:
-    """The batch without the members not in ``keep`` (indices into packed.members): their rows
-    leave the packed row; returns the new packing and hidden rows."""
-    rows, bounds, start = [], [], 0
-    for i in keep:
-        a, b = packed.bounds[i]
-        rows.extend(range(a, b))
-        bounds.append((start, start + b - a))
-        start += b - a
-    index = torch.tensor(rows, dtype=torch.long, device=hidden.device)
-    smaller = Packed(
-        [packed.members[i] for i in keep], bounds, [packed.masks[i] for i in keep], packed.position_ids[:, index]
-    )
-    return smaller, hidden[:, index]
