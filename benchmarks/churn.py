@@ -54,6 +54,7 @@ import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import psutil
@@ -68,6 +69,7 @@ MODES = {
     "sampled+speculation": dict(do_sample=True, temperature=0.8, top_p=0.9),
 }
 SIGNALS = {"SIGKILL": signal.SIGKILL, "SIGTERM": signal.SIGTERM}
+REFERENCE_CACHE = Path("test-artifacts/bench-churn-references.json")
 ORPHAN_WAIT_S = 10.0  # swarm/lifeline.py: a killed server's DHT process and p2pd exit within this
 
 
@@ -92,6 +94,7 @@ class ChurnConfig:
     # only kill a server whose blocks another alive, ONLINE server also holds (CI: generations must
     # complete, whatever the draw); the benchmark draws from every server, as real churn does
     keep_coverage: bool = False
+    cache_references: bool = True  # in test-artifacts/ (the test's tiny checkpoint is new each run: off)
     idle_sample_s: float = 20.0
     log_dir: Optional[str] = "test-artifacts/bench-churn"
     extra_server_args: Sequence[str] = ()
@@ -263,20 +266,31 @@ class Monitor(threading.Thread):
         self.dht.shutdown()
 
 
-def references(source: str, rows: list[list[int]], tokens: int, seeds: Sequence[int]) -> dict[tuple[str, int], list[int]]:
+def references(source: str, rows: list[list[int]], tokens: int, seeds: Sequence[int],
+               cache_references: bool = False) -> dict[tuple[str, int], list[int]]:  # fmt: skip
     """(kind, prompt index) -> what the swarm must produce, by local transformers in float32 and the
     exact rule's reference sampler: the logits of the whole context, one token at a time (no cache,
     no drafts), the token chosen by ``protocol.sampling.choose_token``: the argmax for greedy, for
     seeded sampling a draw keyed by (``seeds[k]``, position); it stops after an end-of-sequence id
-    as the client does."""
+    as the client does. With ``cache_references``, kept in REFERENCE_CACHE by (checkpoint, prompts,
+    tokens, seeds): SmolLM2's take minutes on a loaded 2-core machine."""
     from transformers import AutoModelForCausalLM
 
+    key = json.dumps([source, rows, tokens, list(seeds), MODES["sampled"]])
+    cache = json.loads(REFERENCE_CACHE.read_text()) if cache_references and REFERENCE_CACHE.exists() else {}
+    if key in cache:
+        return {(kind, int(k)): ids for kind, k, ids in cache[key]}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a loaded 2-core machine: more threads only contend
     try:
-        return _references(AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval(), rows, tokens, seeds)
+        out = _references(AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval(), rows, tokens, seeds)
     finally:
         torch.set_num_threads(threads)
+    if cache_references:
+        cache[key] = [(kind, k, ids) for (kind, k), ids in out.items()]
+        REFERENCE_CACHE.parent.mkdir(parents=True, exist_ok=True)
+        REFERENCE_CACHE.write_text(json.dumps(cache))
+    return out
 
 
 def _references(model, rows: list[list[int]], tokens: int, seeds: Sequence[int]) -> dict[tuple[str, int], list[int]]:
@@ -406,7 +420,7 @@ def run(config: ChurnConfig, rows: list[list[int]]) -> dict:
     rng = random.Random(config.seed)
     seeds = [1000 + k for k in range(len(rows))]
     t0 = time.monotonic()
-    refs = references(resolve_model(config.model).source, rows, config.tokens, seeds)
+    refs = references(resolve_model(config.model).source, rows, config.tokens, seeds, config.cache_references)
     print(f"references: {len(refs)} in {time.monotonic() - t0:.1f} s", flush=True)
     server_args = ["--torch-threads", "1", "--log-level", "WARNING", "--update-period", str(config.update_period),
                    "--drain-seconds", str(config.drain_seconds), "--balance-period", str(config.balance_period),

@@ -18,12 +18,13 @@ API_VERSION = 1
 ANONYMOUS = "(anonymous)"
 PER_PAGE = 100  # server rows per page when the caller pages (the page does: 1,000 rows took 3.9 s to draw)
 MAX_PER_PAGE = 1000
+PAGED_CONTRIBUTORS = 25  # contributor rows in a paged view (a swarm of 1,000 one-server volunteers has 1,000)
 
 
 @dataclass(frozen=True)
 class Paging:
     """Which server rows of each model a view carries: ``page`` (1-based) of ``per_page`` rows,
-    ordered by span then peer id so that a page holds the same servers from one poll to the next."""
+    ordered by first block then peer id (as docs/dashboard.md says) so that a page holds the same servers from one poll to the next."""
 
     page: int = 1
     per_page: int = PER_PAGE
@@ -37,8 +38,10 @@ class Paging:
 
 def state_view(state: State, now: float, refresh_seconds: float, paging: Optional[Paging] = None) -> dict[str, Any]:
     """Everything the page shows; with ``paging``, each model's ``servers`` holds one page of rows
-    and ``servers_page`` says which (without it, every row: the API as it always was)."""
-    return {
+    and ``servers_page`` says which, and ``top_contributors`` the first PAGED_CONTRIBUTORS groups
+    (``contributors_total`` says how many there are); without it, every row: the API as it always was."""
+    contributors = top_contributors(state)
+    view = {
         "api_version": API_VERSION,
         "now": now,
         "updated_at": state.updated_at,
@@ -46,12 +49,15 @@ def state_view(state: State, now: float, refresh_seconds: float, paging: Optiona
         "error": state.poll_error,
         "error_at": state.poll_error_at,
         "models": [model_view(model, state, now, paging) for model in state.models.values()],
-        "top_contributors": top_contributors(state),
+        "top_contributors": contributors if paging is None else contributors[:PAGED_CONTRIBUTORS],
         "reachability_errors": [
             {"at": e.at, "model": e.model, "peer_id": e.peer_id, "message": e.message, "count": e.count}
             for e in reversed(state.errors)
         ],
     }
+    if paging is not None:
+        view["contributors_total"] = len(contributors)
+    return view
 
 
 def model_view(model: ModelEntry, state: State, now: float, paging: Optional[Paging] = None) -> dict[str, Any]:
@@ -61,7 +67,7 @@ def model_view(model: ModelEntry, state: State, now: float, paging: Optional[Pag
     if paging is not None:
         pages = max(1, -(-len(entries) // paging.per_page))
         number = min(paging.page, pages)  # past the last page (the swarm shrank): the last one
-        entries.sort(key=lambda item: (item[1].info.start_block, item[1].info.end_block, item[0]))
+        entries.sort(key=lambda item: (item[1].info.start_block, item[0]))
         entries = entries[(number - 1) * paging.per_page : number * paging.per_page]
         page = {"page": number, "per_page": paging.per_page, "pages": pages, "total": len(model.servers)}
     view = {
