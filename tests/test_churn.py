@@ -9,6 +9,7 @@ asserts its behaviour figures only, never its timings.
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -31,6 +32,8 @@ def test_generations_survive_churn_token_identical_and_nothing_is_left_behind(ti
         keep_coverage=True, cache_references=False,  # never the last server of a block: every generation must then complete
     )  # fmt: skip
     figures = run(config, rows)
+    (artifacts_dir / "churn.json").write_text(json.dumps(figures, indent=1))  # the figures, for a look
+
 
     assert figures["churn_events"] >= 2, figures
     assert sum(figures["kills"].values()) == figures["churn_events"] - figures["churn_skipped"] >= 1
