@@ -163,9 +163,10 @@ class Fleet:
         kill_group(process)
 
     def mark_online(self, names: set[str]) -> None:
-        for name in list(self.started_at):
-            if name in names:
-                self.online_after.append(time.monotonic() - self.started_at.pop(name))
+        for name in list(self.started_at):  # the monitor's thread; leave() may pop a name meanwhile
+            began = self.started_at.pop(name, None) if name in names else None
+            if began is not None:
+                self.online_after.append(time.monotonic() - began)
 
     def finish_reaping(self) -> None:
         for reaper in self._reapers:
