@@ -3,7 +3,7 @@ PYTHON ?= python3
 PIP = $(PYTHON) -m pip
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup browser systemd-analyze netns-tools demo test bench-wan bench-ceiling bench-drafter bench-failover bench-load bench-chaos bench-codecs bench-bandwidth bench-batch bench-quant train-drafter warm-corpus bench-drafter-cost bench-dssd bench-trees bench-spot-checks bench-step-bytes bench-gateway bench-scale bench-dht-scale bench-dashboard-scale
+.PHONY: setup browser systemd-analyze netns-tools demo test bench-wan bench-ceiling bench-drafter bench-failover bench-load bench-chaos bench-codecs bench-bandwidth bench-batch bench-quant train-drafter warm-corpus bench-drafter-cost bench-dssd bench-trees bench-spot-checks bench-step-bytes bench-gateway bench-scale bench-dht-scale bench-dashboard-scale bench-churn
 
 # Keeps a torch that is already installed (a GPU user's own build); otherwise installs the torch
 # wheel pip's index serves: the CPU build on these machines (local wheels), but on Linux x86-64
@@ -131,3 +131,11 @@ bench-dht-scale: setup
 # the dashboard with 1,000 servers: fold, state JSON and the page in headless Chromium (docs/scale.md)
 bench-dashboard-scale: setup browser
 	$(PYTHON) -m benchmarks.dashboard_scale --servers 1000 --screenshot docs/dashboard-1000.png
+
+# servers of SmolLM2 (--num-blocks 3 to 5) SIGKILLed/SIGTERMed and replaced every 20 s while 4 clients
+# generate (docs/scale.md "Churn"); the issue's size is 24 servers for 10 minutes (~1 GiB RSS each)
+CHURN_SERVERS ?= 24
+CHURN_MINUTES ?= 10
+bench-churn: setup
+	$(PYTHON) -m benchmarks.churn --servers $(CHURN_SERVERS) --minutes $(CHURN_MINUTES) --period 20 --clients 4 \
+		--out benchmarks/results/churn_$(CHURN_SERVERS).json

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from swarm import lifeline
 from swarm.dashboard.events import ModelSnapshot, PeerProbed, PollFailed, SwarmPolled
 from swarm.dashboard.state import Limits, State, apply, fold
-from swarm.dashboard.views import state_view
+from swarm.dashboard.views import Paging, state_view
 from swarm.local import free_port
 from protocol.records import ServerInfo, ServerState
 from tests.browser import Chromium, Page, find_or_install_chromium
@@ -134,6 +134,27 @@ def test_views_speculation_and_contributors():
     assert (spec["tail_servers"], spec["laps_served"], spec["tokens_per_lap"], spec["cancelled_runs"]) == (2, 10, 3.5, 2)
     assert [(r["public_name"], r["servers"], r["blocks"]) for r in view["top_contributors"]] == [("ann", 2, 6), ("bob", 1, 2)]
     json.dumps(view)  # plain JSON types only
+
+
+def test_paged_view_carries_one_page_of_servers_in_block_order_and_bad_pages_are_refused():
+    servers = [server(f"P{i:03d}", i % 7, i % 7 + 2, public_name=f"n{i}") for i in range(250)]
+    state = fold([polled(100, ("m", 9, servers))], State(LIMITS))
+    pages = [state_view(state, now=160, refresh_seconds=5, paging=Paging(p, 100)) for p in (1, 2, 3, 4)]
+    rows = [[s["peer_id"] for s in view["models"][0]["servers"]] for view in pages]
+    assert [len(r) for r in rows] == [100, 100, 50, 50]  # past the last page: the last page
+    assert [view["models"][0]["servers_page"]["page"] for view in pages] == [1, 2, 3, 3]
+    assert pages[0]["models"][0]["servers_page"] == {"page": 1, "per_page": 100, "pages": 3, "total": 250}
+    everyone = rows[0] + rows[1] + rows[2]
+    by_peer = {s.peer_id: s for s in servers}
+    assert sorted(everyone) == sorted(by_peer)  # every server on exactly one page
+    assert everyone == sorted(everyone, key=lambda p: (by_peer[p].start_block, p))
+    assert len(pages[0]["top_contributors"]) == 25 and pages[0]["contributors_total"] == 250
+    full = state_view(state, now=160, refresh_seconds=5)  # no paging: every row, as before
+    assert len(full["models"][0]["servers"]) == 250 and "servers_page" not in full["models"][0]
+    assert len(full["top_contributors"]) == 250
+    for page, per_page in ((0, 100), (1, 0), (1, 5000)):
+        with pytest.raises(ValueError, match="page"):
+            Paging(page, per_page)
 
 
 def test_unknown_event_is_a_type_error():
@@ -269,6 +290,17 @@ def test_api_unknown_model_is_a_clear_404(dashboard):
     url, _, _ = dashboard
     status, body = get_json(f"{url}api/v1/models/no-such-model")
     assert status == 404 and "no model named 'no-such-model'" in body["error"]
+
+
+def test_api_pages_server_rows_and_refuses_bad_pages_clearly(dashboard):
+    url, _, swarm = dashboard
+    status, state = get_json(f"{url}api/v1/state?page=2&per_page=2")
+    tiny = next(m for m in state["models"] if m["name"] == swarm.dht_name)
+    assert status == 200 and len(tiny["servers"]) == 2
+    assert tiny["servers_page"] == {"page": 2, "per_page": 2, "pages": 3, "total": 5}
+    for query, words in (("page=two", "whole numbers"), ("page=0", "page must be"), ("per_page=100000", "per_page must be")):
+        status, body = get_json(f"{url}api/v1/state?{query}")
+        assert status == 400 and words in body["error"], (query, body)
 
 
 def test_metrics_parse_with_prometheus_parser(dashboard):

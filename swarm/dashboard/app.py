@@ -8,6 +8,7 @@ after each event, so a request always sees one consistent state.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from swarm.dashboard import metrics
 from swarm.dashboard.events import Event, SwarmPolled
 from swarm.dashboard.poller import SwarmReader
 from swarm.dashboard.state import Limits, State, apply
-from swarm.dashboard.views import model_view, state_view
+from swarm.dashboard.views import PER_PAGE, Paging, model_view, state_view
 
 logger = logging.getLogger(__name__)
 
@@ -88,17 +89,31 @@ async def _index(request: web.Request) -> web.StreamResponse:
 
 async def _api_state(request: web.Request) -> web.Response:
     dashboard: Dashboard = request.app[DASHBOARD]
-    return web.json_response(state_view(dashboard.state, time.time(), dashboard.config.refresh_seconds))
+    paging = _paging(request)
+    return web.json_response(state_view(dashboard.state, time.time(), dashboard.config.refresh_seconds, paging))
 
 
 async def _api_model(request: web.Request) -> web.Response:
     state = request.app[DASHBOARD].state
     name = request.match_info["name"]
+    paging = _paging(request)
     model = state.models.get(name)
     if model is None:
         known = ", ".join(state.models) or "none yet"
         return web.json_response({"error": f"no model named {name!r} in the swarm (known: {known})"}, status=404)
-    return web.json_response(model_view(model, state, time.time()))
+    return web.json_response(model_view(model, state, time.time(), paging))
+
+
+def _paging(request: web.Request) -> Optional[Paging]:
+    """``?page=N[&per_page=M]``: one page of server rows per model (none given: every row)."""
+    query = request.rel_url.query
+    if "page" not in query and "per_page" not in query:
+        return None
+    try:
+        return Paging(int(query.get("page", "1")), int(query.get("per_page", str(PER_PAGE))))
+    except ValueError as e:
+        message = str(e) if "must be" in str(e) else f"page and per_page must be whole numbers, got {dict(query)}"
+        raise web.HTTPBadRequest(text=json.dumps({"error": message}), content_type="application/json") from e
 
 
 async def _metrics(request: web.Request) -> web.Response:

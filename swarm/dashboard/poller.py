@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 MAX_DISCOVERY_ROUNDS = 8  # block-key reads to find the length of a model whose servers did not say
 MAX_MODELS_PER_POLL = 32  # registry entries read per poll (known models first, then by name)
 MAX_KEYS_PER_POLL = 512  # block keys read per poll, all models together
+MAX_CONCURRENT_PROBES = 32  # pings in flight at once when the dashboard probes every server
 
 
 class SwarmReader:
@@ -50,8 +51,12 @@ class SwarmReader:
     (see :func:`protocol.models.model_num_blocks`); registry entries that disagree are ignored.
     """
 
-    def __init__(self, dht: DHT, probe_timeout: float = 5.0, known_blocks: Optional[Mapping[str, int]] = None):
+    def __init__(self, dht: DHT, probe_timeout: float = 5.0, known_blocks: Optional[Mapping[str, int]] = None,
+                 max_concurrent_probes: int = MAX_CONCURRENT_PROBES):  # fmt: skip
+        if max_concurrent_probes < 1:
+            raise ValueError(f"max_concurrent_probes must be 1 or more, got {max_concurrent_probes}")
         self.dht, self.probe_timeout = dht, probe_timeout
+        self.max_concurrent_probes = max_concurrent_probes
         self.known_blocks = dict(known_blocks or {})
 
     def poll(self) -> Event:
@@ -106,17 +111,26 @@ class SwarmReader:
         at = time.time()
         try:
             results = self.dht.run_coroutine(
-                partial(_ping_many, peer_ids=peers, timeout=self.probe_timeout, relayed=relayed)
+                partial(_ping_many, peer_ids=peers, timeout=self.probe_timeout, relayed=relayed,
+                        limit=self.max_concurrent_probes)
             )
         except Exception as e:
             return [PeerProbed(at, model, peer, None, f"probe could not run: {_describe(e)}") for peer in peers]
         return [PeerProbed(at, model, peer, *results[peer]) for peer in peers]
 
 
-async def _ping_many(dht: DHT, node: DHTNode, peer_ids: list[str], timeout: float, relayed: dict) -> dict:
-    """Runs inside the DHT's process: peer id -> (rtt seconds or None, error or None)."""
-    pings = [_ping_relayed(node, p, relayed[p], timeout) if p in relayed else _ping(node, p, timeout) for p in peer_ids]
-    return dict(zip(peer_ids, await asyncio.gather(*pings)))
+async def _ping_many(dht: DHT, node: DHTNode, peer_ids: list[str], timeout: float, relayed: dict,
+                     limit: int = MAX_CONCURRENT_PROBES) -> dict:  # fmt: skip
+    """Runs inside the DHT's process: peer id -> (rtt seconds or None, error or None). At most
+    ``limit`` pings are in flight: 1,000 servers pinged at once would open 1,000 streams together
+    and time the queue, not the servers."""
+    gate = asyncio.Semaphore(limit)
+
+    async def one(peer: str) -> tuple[Optional[float], Optional[str]]:
+        async with gate:
+            return await (_ping_relayed(node, peer, relayed[peer], timeout) if peer in relayed else _ping(node, peer, timeout))
+
+    return dict(zip(peer_ids, await asyncio.gather(*(one(p) for p in peer_ids))))
 
 
 async def _ping_relayed(

@@ -5,6 +5,11 @@
 
 const SVG_NS = "http://www.w3.org/2000/svg";
 let refreshSeconds = 5;
+// The servers table shows one page of rows: the API sends only that page (?page=N&per_page=M), so a
+// swarm of 1,000 servers costs the page 100 rows to draw and a tenth of the JSON per refresh.
+const PER_PAGE = 100;
+let serversPage = 1;
+let refreshTimer = null;
 
 function h(tag, attrs, ...children) {
   const el = document.createElement(tag);
@@ -164,8 +169,23 @@ function serverRow(sv) {
 
 function serversTable(model) {
   const head = h("tr", null, SERVER_COLUMNS.map(([label, col, cls]) => h("th", { class: cls, "data-col": col }, label)));
-  return h("div", { class: "scroll" },
-    h("table", { class: "servers" }, h("thead", null, head), h("tbody", null, model.servers.map(serverRow))));
+  return [pager(model.servers_page, model.servers.length), h("div", { class: "scroll" },
+    h("table", { class: "servers" }, h("thead", null, head), h("tbody", null, model.servers.map(serverRow))))];
+}
+
+// "servers 101–200 of 900 · page 2 of 9" with previous/next buttons; nothing when one page holds every row
+function pager(page, shown) {
+  if (!page || page.pages <= 1) return null;
+  const first = (page.page - 1) * page.per_page + 1;
+  const go = (to) => () => { serversPage = Math.max(1, Math.min(page.pages, to)); refresh(); };
+  const button = (label, to, disabled) => h("button", { type: "button", disabled, "data-page": to }, label);
+  const prev = button("‹ previous", page.page - 1, page.page <= 1);
+  const next = button("next ›", page.page + 1, page.page >= page.pages);
+  prev.addEventListener("click", go(page.page - 1));
+  next.addEventListener("click", go(page.page + 1));
+  return h("div", { class: "pager", "data-page": page.page, "data-pages": page.pages }, prev,
+    h("span", { class: "muted" }, `servers ${int(first)}–${int(first + shown - 1)} of ${int(page.total)} · page ${page.page} of ${page.pages}`),
+    next);
 }
 
 function modelCard(model) {
@@ -192,14 +212,15 @@ function modelCard(model) {
     h("h3", null, "Servers"), serversTable(model));
 }
 
-function contributors(rows) {
+function contributors(rows, total) {
   const table = document.getElementById("contributors");
+  const more = total > rows.length ? h("tr", null, h("td", { colspan: 5, class: "muted" }, `the first ${rows.length} of ${int(total)} names`)) : null;
   table.replaceChildren(
     h("thead", null, h("tr", null, h("th", null, "Name"), h("th", { class: "num" }, "Servers"),
       h("th", { class: "num" }, "Blocks"), h("th", { class: "num" }, "Throughput"), h("th", null, "Models"))),
     h("tbody", null, rows.length ? rows.map((r) => h("tr", null, h("td", null, r.public_name), h("td", { class: "num" }, r.servers),
       h("td", { class: "num" }, r.blocks), h("td", { class: "num" }, num(r.throughput) + " tok/s"), h("td", null, r.models.join(", "))))
-      : h("tr", null, h("td", { colspan: 5, class: "muted" }, "no server online"))));
+      : h("tr", null, h("td", { colspan: 5, class: "muted" }, "no server online")), more));
 }
 
 function errors(list, now) {
@@ -226,21 +247,23 @@ function render(state) {
   const models = document.getElementById("models");
   models.replaceChildren(...(state.models.length ? state.models.map(modelCard)
     : [h("section", { class: "card muted" }, state.updated_at === null ? "Reading the swarm…" : "No model is served in this swarm right now.")]));
-  contributors(state.top_contributors);
+  contributors(state.top_contributors, state.contributors_total);
   errors(state.reachability_errors, state.now);
   document.body.dataset.updatedAt = String(state.updated_at);
 }
 
 async function refresh() {
+  clearTimeout(refreshTimer);  // a page button refreshes at once; one timer stays pending
   try {
-    const response = await fetch("api/v1/state", { cache: "no-store" });
+    const response = await fetch(`api/v1/state?page=${serversPage}&per_page=${PER_PAGE}`, { cache: "no-store" });
     const body = await response.json().catch(() => ({}));
     if (!response.ok) throw new Error(body.error || `HTTP ${response.status}`);
     render(body);
   } catch (e) {
     showBanner(`The dashboard server could not be reached: ${e.message}. Retrying…`);
   } finally {
-    setTimeout(refresh, refreshSeconds * 1000);
+    clearTimeout(refreshTimer);
+    refreshTimer = setTimeout(refresh, refreshSeconds * 1000);
   }
 }
 
