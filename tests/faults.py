@@ -19,6 +19,7 @@ server stays honest, so each test sees exactly the one lie it is about.
 - ``black_hole(handler)``: sessions open and pings are answered, but every Step is dropped.
 - ``lie_in_verdicts(rate, kind)``: a tail that computes honestly but, on ``rate`` of its verdicts,
   replaces the next token with the model's second choice (``second``) or a random id (``random``).
+- ``inflate_claims(factor)``: the server announces ``factor`` x the throughput it measures.
 """
 
 from __future__ import annotations
@@ -212,3 +213,19 @@ def lie_in_verdicts(rate: float, kind: str = "second", seed: int = 0) -> Counter
 
     session_module._verdict = lying_verdict
     return count
+
+
+def inflate_claims(factor: float) -> None:
+    """From now on this process's servers announce ``factor`` x the throughput they measure
+    (``server.span_server.measure_throughput`` patched); everything they compute stays honest."""
+    from server import span_server
+
+    measure = span_server.measure_throughput
+
+    @functools.wraps(measure)
+    def inflated(*args, **kwargs) -> float:
+        real = measure(*args, **kwargs)
+        logger.warning(f"Fault injection: claiming {factor:g} x the measured {real:.1f} tokens/s")
+        return real * factor
+
+    span_server.measure_throughput = inflated
