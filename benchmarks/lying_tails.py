@@ -106,7 +106,7 @@ def one_kind(swarm, log_dir: Path, index: int, name: str, flags: list[str], prom
         peer = records[liar].peer_id
         log = log_dir / f"{liar}.log"
         for run in range(args.runs):
-            for sampled in (False, True):
+            for sampled in (False,) if args.greedy_only else (False, True):
                 model.swarm.excluded = ExclusionList()  # forgive L: each run meets it afresh
                 before = len(lies_in(log))
                 sampling = dict(do_sample=True, temperature=0.8, top_p=0.9, seed=1000 + run) if sampled else {}
@@ -210,7 +210,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=int, default=10, help="greedy and seeded-sampling generations per kind, each")
     p.add_argument("--tokens", type=int, default=64)
-    p.add_argument("--kinds", nargs="*", help="only the kinds whose name contains one of these")
+    p.add_argument("--kinds", nargs="*", help="only the kinds whose name contains one of these, in this order")
+    p.add_argument("--greedy-only", action="store_true", help="no seeded-sampling generations")
     p.add_argument("--cost-tokens", type=int, default=64)
     p.add_argument("--skip-cost", action="store_true")
     p.add_argument("--out", default="benchmarks/results/lying_tails.json")
@@ -248,9 +249,10 @@ def main() -> None:
                     log_dir=str(log_dir)) as swarm:  # fmt: skip
         if not args.skip_cost:
             result["cost"] = cost(swarm, tokenizer, args)
-        for index, (name, flags) in enumerate(kinds(len(prompt)).items()):
-            if args.kinds and not any(k in name for k in args.kinds):
-                continue
+        table = kinds(len(prompt))
+        chosen = [n for k in args.kinds for n in table if k in n] if args.kinds else list(table)  # in --kinds order
+        for index, name in enumerate(dict.fromkeys(chosen)):
+            flags = table[name]
             result["kinds"].append(one_kind(swarm, log_dir, index, name, flags, prompt, references, args))
             result["summary"] = summarize(result["kinds"])
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)

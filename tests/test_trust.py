@@ -211,6 +211,26 @@ def test_a_lying_tail_is_convicted_and_the_output_stays_exact(liar_swarm, tiny_l
         kill_group(process)
 
 
+def test_lies_in_the_last_tokens_only_are_caught_before_generate_returns(liar_swarm, tiny_llama_path,
+                                                                          greedy_reference):  # fmt: skip
+    """L lies on every verdict about the last 6 of 40 tokens only: fewer than one audit's worth (16),
+    so the audit that sees them may be the one ``generate()`` waits for before it returns; either
+    way L is convicted before the output is returned, and the output equals local transformers."""
+    after = len(PROMPT[0]) + NEW_TOKENS - 6
+    model, process = with_faulty_middle(liar_swarm, tiny_llama_path, "--lie-in-verdicts", "1", "--lie-after",
+                                        str(after), blocks=(4, 6))  # fmt: skip
+    try:
+        out = model.generate(torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS, spot_check_rate=0.0)
+        stats = model.last_generation_stats
+        assert out[0, len(PROMPT[0]) :].tolist() == greedy_reference, stats.spot_check_events
+        assert stats.liars_excluded == [model.peers["F"]], stats.spot_check_events
+        disputed = [int(e.split("position ")[1].split(":")[0]) for e in stats.spot_check_events if "the route's tail" in e]
+        assert disputed and min(disputed) >= after, stats.spot_check_events
+    finally:
+        model.shutdown()
+        kill_group(process)
+
+
 # ---- a tail that claims more than it serves -----------------------------------------------------
 
 LONG_PROMPT = [PROMPT[0] * 2]  # 22 positions: the first lap is a prefill, which the meter never times
