@@ -3,7 +3,7 @@ PYTHON ?= python3
 PIP = $(PYTHON) -m pip
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup browser systemd-analyze netns-tools demo test bench-wan bench-ceiling bench-drafter bench-failover bench-load bench-chaos bench-codecs bench-bandwidth bench-batch bench-quant train-drafter warm-corpus bench-drafter-cost bench-dssd bench-trees bench-spot-checks bench-step-bytes bench-gateway bench-scale bench-dht-scale bench-dashboard-scale bench-churn
+.PHONY: setup browser systemd-analyze netns-tools demo test bench-wan bench-ceiling bench-drafter bench-failover bench-load bench-chaos bench-codecs bench-bandwidth bench-batch bench-quant train-drafter warm-corpus bench-drafter-cost bench-dssd bench-trees bench-spot-checks bench-lies bench-step-bytes bench-gateway bench-scale bench-dht-scale bench-dashboard-scale bench-churn
 
 # Keeps a torch that is already installed (a GPU user's own build); otherwise installs the torch
 # wheel pip's index serves: the CPU build on these machines (local wheels), but on Linux x86-64
@@ -50,6 +50,12 @@ bench-trees: setup
 # a lying tiny-model server: laps until spot-checks leave it (default rate), and what the audits cost per token
 bench-spot-checks: setup
 	$(PYTHON) -m benchmarks.spot_checks
+
+# lying tails of several kinds among honest ones on a SmolLM2 swarm: exact outputs, convictions, detection, audit cost
+# (docs/reliability.md "Lying tails: figures"); RUNS greedy and RUNS seeded generations per kind
+RUNS ?= 10
+bench-lies: setup
+	$(PYTHON) -m benchmarks.lying_tails --runs $(RUNS)
 
 # offline (no swarm): the most asynchronous speculation can gain with this drafter; reads bench-wan's lap times
 bench-ceiling: setup

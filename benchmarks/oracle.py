@@ -76,5 +76,5 @@ class OracleSwarm:
     async def close_session(self, session: OracleSession) -> None:
         pass
 
-    def observe_lap(self, route, seconds: float, positions: int) -> None:
+    def observe_lap(self, route, seconds: float, positions: int, looped: bool = False) -> None:
         """Lap timings mean nothing without servers (``SwarmClient`` measures throughput with them)."""

@@ -226,7 +226,7 @@ class SpeculativeDecoder:
             tail_drafts=getattr(self.drafter, "head_tokens", 0),
             **self.mode.step_fields(run),
         )
-        run.sent_at = time.perf_counter()
+        run.sent_at, run.overlapped = time.perf_counter(), bool(self.inflight)
         await state.remote.send_step(state.with_tree_path(step))
         self.inflight.append(run)
         self.stats.runs_sent += 1
@@ -246,6 +246,11 @@ class SpeculativeDecoder:
         self.inflight.popleft()
         self.state.verdict_seen(front.run_id)
         return result
+
+    def audits_quiet_since(self, since: float) -> bool:
+        """Whether no audit of this generation was in flight since ``since`` (perf_counter): an
+        audit's sessions share the route's head and middles, so a lap beside one is not timed."""
+        return self.spot_checker is None or self.spot_checker.quiet_since(since)
 
     def _feed_drafter(self, result: StepResult, new: list[int], tail_drafts: list[int]) -> None:
         """The committed tokens, and the tail's drafts after them, go to the drafter."""

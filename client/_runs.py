@@ -76,6 +76,7 @@ class Run:
     tree: bool = False  # sent in tree mode (a tree, or a chain the tree sizer chose)
     shape: Optional[DraftTree] = None  # tree mode: the nodes sent, with the drafter's scores (for the cost model)
     looped: bool = False  # started at the head by the tail (a looped run), not sent by the client
+    overlapped: bool = False  # sent while an earlier run of the session was in flight (not timed)
 
     @property
     def split(self) -> bool:

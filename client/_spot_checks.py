@@ -22,6 +22,7 @@ import asyncio
 import logging
 import math
 import random
+import time
 from dataclasses import dataclass
 from typing import Collection, Mapping, Optional, Sequence
 
@@ -146,6 +147,15 @@ class BackgroundAudit:
     returns tokens (``settle``) or stops (``cancel``); spot-checks and verdict audits share this."""
 
     task: Optional[asyncio.Task] = None
+    busy_until: float = float("-inf")  # perf_counter() when the last audit ended
+
+    def quiet_since(self, since: float) -> bool:
+        """Whether no audit has been in flight since ``since`` (perf_counter)."""
+        return self.task is None and self.busy_until <= since
+
+    def _ended(self) -> None:
+        """The audit in flight has ended (every audit's ``finally``)."""
+        self.task, self.busy_until = None, time.perf_counter()
 
     async def settle(self) -> None:
         """Wait for the audit in flight, if any (it is bounded by its own timeout)."""
@@ -156,7 +166,7 @@ class BackgroundAudit:
         if self.task is not None:
             self.task.cancel()
             await asyncio.gather(self.task, return_exceptions=True)
-            self.task = None
+            self._ended()
 
 
 class SpotChecker(BackgroundAudit):
@@ -205,7 +215,7 @@ class SpotChecker(BackgroundAudit):
         except Exception as e:  # a server died or refused: no verdict on anyone
             result.detail = f"{e}"
         finally:
-            self.task = None
+            self._ended()
             self.results.append(result)
             stats.spot_check_positions += result.positions
             hop = route[index]

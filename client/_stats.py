@@ -16,6 +16,10 @@ class GenerationStats:
     accepted: int = 0
     accepted_lengths: Counter = field(default_factory=Counter)  # accepted drafts per lap -> laps
     runs_sent: int = 0
+    # laps timed for the throughput meter, and those not (a prefill or replay, a run queued behind
+    # another, a lap beside an audit: client/modes/base.py, ``Mode.time_lap``)
+    laps_timed: int = 0
+    laps_untimed: int = 0
     runs_cancelled: int = 0
     positions_wasted: int = 0  # positions servers computed (or were sent) for refuted runs
     wait_time: float = 0.0  # seconds the client spent waiting for verdicts

@@ -175,10 +175,11 @@ class SwarmClient:
         announced = [self._records[hop.peer_id].max_positions_per_step for hop in route if hop.peer_id in self._records]
         return min([self.max_positions_per_step, *announced])
 
-    def observe_lap(self, route: Sequence[RouteHop], seconds: float, positions: int) -> None:
-        """One lap of ``positions`` positions over ``route`` took ``seconds`` (send to verdict)."""
+    def observe_lap(self, route: Sequence[RouteHop], seconds: float, positions: int, looped: bool = False) -> None:
+        """One lap of ``positions`` positions over ``route`` took ``seconds`` (send to verdict; for
+        a looped run, the previous verdict to its own)."""
         rtts = {peer_id: rtt for peer_id, (_, rtt) in self._rtts.items()}
-        self.meter.observe(route, self._records, seconds, positions, rtts)
+        self.meter.observe(route, self._records, seconds, positions, rtts, looped=looped)
 
     async def _client_rtts(self, servers) -> dict[str, float]:
         """RTTs from this client to the servers that can be a head or a tail (the client's own

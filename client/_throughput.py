@@ -1,12 +1,18 @@
 """What each server actually delivers to this client, measured from lap timings.
 
 A server's record claims its throughput (tokens/s for its whole span) and anyone can claim
-anything up to ``protocol.records.MAX_THROUGHPUT``. The client times every decode lap (from sending
-a run to its verdict) and attributes that time to the hops of the route: a hop is charged what
-the lap took minus the network legs (the client's own measured RTTs to the head and the tail, and
-the smaller of the two servers' ``next_pings`` for each link between hops, at most
-``DEFAULT_RTT``) minus what the *other* hops are expected to take at their current effective
-throughput. A hop that is slower than it
+anything up to ``protocol.records.MAX_THROUGHPUT``. The client times every decode lap, in every
+decoding mode (client/modes/base.py, ``Mode.time_lap``, says which laps count), and attributes that
+time to the hops of the route: a hop is charged what the lap took minus the network legs minus what
+the *other* hops are expected to take at their current effective throughput. What a lap is:
+- a run the client sent: from sending it to its verdict; its network legs are the client's own
+  measured RTTs to the head and the tail (half each) and, per link between hops, half the smaller
+  of the two servers' ``next_pings``, at most ``DEFAULT_RTT``;
+- a looped run (the tail started it at the head, client/modes/looped.py): from the previous
+  verdict's arrival to its own. Both arrivals cross the same tail -> client link, so that leg
+  cancels; the legs are the tail -> head link and the links between hops (``next_pings`` as above;
+  a leg nobody measured counts as zero: hops look slower, never faster).
+A hop that is slower than it
 claims therefore gets the unexplained time; the other hops' estimates recover as the slow one's
 own estimate falls and explains more of the lap. Routing then uses the smaller of claimed and
 measured (``protocol.routing.cap_throughput``), so a server far below its claim loses weight for
@@ -52,16 +58,18 @@ class ThroughputMeter:
         seconds: float,
         positions: int,
         client_rtts: Mapping[str, float],
+        looped: bool = False,
     ) -> None:
         """Attribute one lap of ``seconds`` over ``route`` (``servers``: the records it was
-        planned from) to its hops; laps over unknown servers or too many positions are ignored."""
+        planned from) to its hops; laps over unknown servers or too many positions are ignored.
+        ``looped``: the lap began at the tail (a looped run), not at the client."""
         if not route or positions > self.max_positions or not seconds > 0:
             return
         infos = [servers.get(hop.peer_id) for hop in route]
         if any(info is None for info in infos):
             return
         measured = self.measured()
-        network = _network_seconds(route, infos, client_rtts)
+        network = _looped_network_seconds(infos) if looped else _network_seconds(route, infos, client_rtts)
         share = [(hop.end - hop.start) / max(1, info.end_block - info.start_block) for hop, info in zip(route, infos)]
         expected = [
             s / min(info.throughput, measured.get(info.peer_id, info.throughput)) for s, info in zip(share, infos)
@@ -82,7 +90,18 @@ def _network_seconds(route: Sequence[RouteHop], infos: Sequence[ServerInfo], cli
     assumes for an unmeasured link), so a server that claims a slow link hides at most half that
     of its compute. Unknown legs count as zero: that makes hops look slower, never faster."""
     legs = client_rtts.get(route[0].peer_id, 0.0) / 2 + client_rtts.get(route[-1].peer_id, 0.0) / 2
-    for p, q in zip(infos, infos[1:]):
-        rtts = [r for r in (p.next_pings.get(q.peer_id), q.next_pings.get(p.peer_id)) if r is not None]
-        legs += min(rtts + [DEFAULT_RTT]) / 2 if rtts else 0.0
-    return legs
+    return legs + sum(_link_seconds(p, q) for p, q in zip(infos, infos[1:]))
+
+
+def _looped_network_seconds(infos: Sequence[ServerInfo]) -> float:
+    """One-way legs of a looped lap: tail -> head, then the links between hops (none on a route of
+    one server, whose tail is its head)."""
+    links = sum(_link_seconds(p, q) for p, q in zip(infos, infos[1:]))
+    return links + (_link_seconds(infos[-1], infos[0]) if len(infos) > 1 else 0.0)
+
+
+def _link_seconds(p: ServerInfo, q: ServerInfo) -> float:
+    """One way over the p -> q link: half the smaller of the two servers' ``next_pings`` of each
+    other, at most ``DEFAULT_RTT``; zero when neither measured it."""
+    rtts = [r for r in (p.next_pings.get(q.peer_id), q.next_pings.get(p.peer_id)) if r is not None]
+    return min(rtts + [DEFAULT_RTT]) / 2 if rtts else 0.0

@@ -92,7 +92,7 @@ class VerdictAuditor(BackgroundAudit):
             logger.info(f"Verdict audit failed, no verdict: {e!r}")
             await self._drop_shadow()
         finally:
-            self.task = None
+            self._ended()
 
     async def _audit(self, route: list[RouteHop], ids: list[int], stats) -> None:
         if not await self._ensure_shadow(route, len(ids)):
@@ -255,6 +255,10 @@ class Audits:
     @property
     def task(self) -> Optional[asyncio.Task]:
         return (self.spot and self.spot.task) or (self.verdicts and self.verdicts.task) or None
+
+    def quiet_since(self, since: float) -> bool:
+        """Whether neither audit has been in flight since ``since`` (perf_counter)."""
+        return all(audit is None or audit.quiet_since(since) for audit in (self.spot, self.verdicts))
 
     def begin(self, prompt: Sequence[int], max_length: int, sampling: SamplingParams) -> None:
         if self.verdicts is not None:

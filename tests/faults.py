@@ -17,8 +17,11 @@ server stays honest, so each test sees exactly the one lie it is about.
   route's tail sent upstream instead.
 - ``replace_secret_hash(handler)``: the OpenSession forwarded downstream carries another secret_hash.
 - ``black_hole(handler)``: sessions open and pings are answered, but every Step is dropped.
-- ``lie_in_verdicts(rate, kind)``: a tail that computes honestly but, on ``rate`` of its verdicts,
-  replaces the next token with the model's second choice (``second``) or a random id (``random``).
+- ``lie_in_verdicts(rate, kind, after, short)``: a tail that computes honestly but, on ``rate`` of
+  its verdicts, replaces the next token with the model's second choice (``second``) or a random id
+  (``random``); optionally only from position ``after`` on, or only on Steps of at most ``short``
+  positions.
+- ``inflate_claims(factor)``: the server announces ``factor`` x the throughput it measures.
 """
 
 from __future__ import annotations
@@ -184,9 +187,11 @@ def black_hole(handler) -> Counter:
 VERDICT_LIES = ("second", "random")
 
 
-def lie_in_verdicts(rate: float, kind: str = "second", seed: int = 0) -> Counter:
+def lie_in_verdicts(rate: float, kind: str = "second", seed: int = 0, after: int = 0, short: int = 0) -> Counter:
     """From now on this process's tails lie in ``rate`` of their verdicts (``server.session._verdict``
-    patched): the next token becomes the second choice of the logits at its position, or a random id."""
+    patched): the next token becomes the second choice of the logits at its position, or a random id.
+    ``after``: only when that token's position is at least this; ``short``: only on Steps of at most
+    this many positions (a generation's decode laps, never a long audit Step or a prefill)."""
     import random
 
     from server import session as session_module
@@ -197,18 +202,37 @@ def lie_in_verdicts(rate: float, kind: str = "second", seed: int = 0) -> Counter
 
     def lying_verdict(session, step, logits):
         result = verdict(session, step, logits)
+        row = len(step.token_ids) - step.n_draft - 1 + result.accepted
+        if step.start_pos + row + 1 < after or (short and len(step.token_ids) > short):
+            return result
         if step.parents or step.draft_q is not None or rng.random() >= rate:
             return result
         count.due()
-        row = len(step.token_ids) - step.n_draft - 1 + result.accepted
         if kind == "second":
             top = logits[row].float().topk(2).indices.tolist()
             lie = top[1] if top[0] == result.next_token else top[0]
         else:
             lie = (result.next_token + 1 + rng.randrange(len(logits[row]) - 1)) % len(logits[row])
-        logger.warning(f"Fault injection: verdict on run {step.run_id} says {lie}, not {result.next_token}")
+        logger.warning(f"Fault injection: verdict on run {step.run_id} says {lie}, not {result.next_token}, "
+                       f"at position {step.start_pos + row + 1}")
         result.next_token = lie
         return result
 
     session_module._verdict = lying_verdict
     return count
+
+
+def inflate_claims(factor: float) -> None:
+    """From now on this process's servers announce ``factor`` x the throughput they measure
+    (``server.span_server.measure_throughput`` patched); everything they compute stays honest."""
+    from server import span_server
+
+    measure = span_server.measure_throughput
+
+    @functools.wraps(measure)
+    def inflated(*args, **kwargs) -> float:
+        real = measure(*args, **kwargs)
+        logger.warning(f"Fault injection: claiming {factor:g} x the measured {real:.1f} tokens/s")
+        return real * factor
+
+    span_server.measure_throughput = inflated

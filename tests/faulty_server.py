@@ -31,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--black-hole", action="store_true", help="open sessions, answer pings, drop every Step")
     p.add_argument("--lie-in-verdicts", type=float, default=0.0, metavar="RATE", help="lie in this share of verdicts")
     p.add_argument("--lie", default="second", choices=faults.VERDICT_LIES, help="the lie: second choice or random id")
+    p.add_argument("--lie-after", type=int, default=0, metavar="POS", help="lie only from this position on")
+    p.add_argument("--lie-short", type=int, default=0, metavar="N", help="lie only on Steps of at most N positions")
+    p.add_argument("--claim-factor", type=float, default=0.0, metavar="X", help="announce X x the measured throughput")
     return p
 
 
@@ -62,7 +65,9 @@ def patch(args: argparse.Namespace) -> None:
 
     span_server.load_span, span_server.SessionHandler = faulty_load_span, FaultyHandler
     if args.lie_in_verdicts:
-        faults.lie_in_verdicts(args.lie_in_verdicts, args.lie)
+        faults.lie_in_verdicts(args.lie_in_verdicts, args.lie, after=args.lie_after, short=args.lie_short)
+    if args.claim_factor:
+        faults.inflate_claims(args.claim_factor)
 
 
 def main(argv: Sequence[str]) -> int:

@@ -135,7 +135,7 @@ class LiarThenHonestSwarm:
     async def close_session(self, session) -> None:
         pass
 
-    def observe_lap(self, route, seconds: float, positions: int) -> None:
+    def observe_lap(self, route, seconds: float, positions: int, looped: bool = False) -> None:
         pass
 
 

@@ -7,6 +7,8 @@ runs through F, the other through M. Each fault is met as the design says: a rew
 caught by its verdict's digest; a false accusation, a replaced secret_hash and a black hole that
 answers pings each cost one failover; the output equals local transformers and no honest server is
 excluded (the route's honest servers are at most suspects, which routes avoid only where they can).
+A tail that claims ten times the throughput it measured is capped by what the client measures in
+the default mode (looped runs) and routed around.
 """
 
 from __future__ import annotations
@@ -17,8 +19,11 @@ import pytest
 import torch
 
 from benchmarks.spot_checks import PreferredRoutes
+from client._throughput import ThroughputMeter
 from protocol.digest import step_digest
 from protocol.messages import GREEDY, SamplingParams
+from protocol.records import ServerInfo
+from protocol.routing import MaxFlowRouter, RouteHop, cap_throughput
 from swarm.local import LocalSwarm, kill_group
 from tests.conftest import SERVER_ARGS, servers_by_name
 from tests.faulty_server import faulty
@@ -61,6 +66,27 @@ def test_a_session_id_longer_than_the_limit_is_malformed():
         decode(encode(CloseSession(session_id="a" * (MAX_SESSION_ID_CHARS + 1))))
     assert caught.value.code == ErrorCode.MALFORMED and "length <= 64" in str(caught.value)
     assert "aaaa" not in str(caught.value)  # the id is not echoed
+
+
+def test_a_looped_lap_is_charged_the_tail_to_head_link_not_the_clients_links():
+    """A looped lap runs tail -> head -> ... -> tail; it is timed from the previous verdict's arrival
+    to its own, so the tail -> client leg cancels and the client's RTTs to head and tail are no part
+    of it. Head h and tail t (1000 tokens/s claimed, 1 ms a step) pinged each other at 20 ms; the
+    client's RTTs are 100 ms. A 32 ms looped lap leaves 32 - 2 x 10 (h -> t and t -> h) - 1 (the
+    other hop) = 11 ms per hop; the same 32 ms sent by the client is explained by its legs alone."""
+    servers = {"h": ServerInfo(peer_id="h", model="m", start_block=0, end_block=3, throughput=1000.0,
+                               next_pings={"t": 0.02}),
+               "t": ServerInfo(peer_id="t", model="m", start_block=3, end_block=6, throughput=1000.0)}  # fmt: skip
+    route, rtts = [RouteHop("h", 0, 3), RouteHop("t", 3, 6)], {"h": 0.1, "t": 0.1}
+    sent = ThroughputMeter()
+    sent.observe(route, servers, 0.032, 3, rtts)
+    assert sent.measured() == {}
+    looped = ThroughputMeter()
+    looped.observe(route, servers, 0.032, 3, rtts, looped=True)
+    assert looped.measured() == pytest.approx({"h": 1 / 0.011, "t": 1 / 0.011})
+    alone = ThroughputMeter()  # a route of one server: its looped runs cross no link at all
+    alone.observe([RouteHop("h", 0, 3)], servers, 0.004, 3, rtts, looped=True)
+    assert alone.measured() == pytest.approx({"h": 1 / 0.004})
 
 
 # ---- live ---------------------------------------------------------------------------------------
@@ -180,6 +206,63 @@ def test_a_lying_tail_is_convicted_and_the_output_stays_exact(liar_swarm, tiny_l
         assert model.last_generation_stats.liars_excluded == [model.peers["F"]]
         _run(model.swarm.flush_reports())
         assert model.swarm.reports[model.peers["F"]] == 2  # reported in the DHT (the dashboard reads it)
+    finally:
+        model.shutdown()
+        kill_group(process)
+
+
+def test_lies_in_the_last_tokens_only_are_caught_before_generate_returns(liar_swarm, tiny_llama_path,
+                                                                          greedy_reference):  # fmt: skip
+    """L lies on every verdict about the last 6 of 40 tokens only: fewer than one audit's worth (16),
+    so the audit that sees them may be the one ``generate()`` waits for before it returns; either
+    way L is convicted before the output is returned, and the output equals local transformers."""
+    after = len(PROMPT[0]) + NEW_TOKENS - 6
+    model, process = with_faulty_middle(liar_swarm, tiny_llama_path, "--lie-in-verdicts", "1", "--lie-after",
+                                        str(after), blocks=(4, 6))  # fmt: skip
+    try:
+        out = model.generate(torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS, spot_check_rate=0.0)
+        stats = model.last_generation_stats
+        assert out[0, len(PROMPT[0]) :].tolist() == greedy_reference, stats.spot_check_events
+        assert stats.liars_excluded == [model.peers["F"]], stats.spot_check_events
+        disputed = [int(e.split("position ")[1].split(":")[0]) for e in stats.spot_check_events if "the route's tail" in e]
+        assert disputed and min(disputed) >= after, stats.spot_check_events
+    finally:
+        model.shutdown()
+        kill_group(process)
+
+
+# ---- a tail that claims more than it serves -----------------------------------------------------
+
+LONG_PROMPT = [PROMPT[0] * 2]  # 22 positions: the first lap is a prefill, which the meter never times
+CLAIM_TOKENS = 16
+
+
+def test_an_inflated_claim_is_capped_in_the_default_mode(liar_swarm, tiny_llama_path, tiny_reference):
+    """F (4:6) is slow (50 ms before each block) and announces 10x the throughput it measured
+    (its real speed). One generate() with every default (looped
+    runs, whose laps the tail starts: before issue 24 none of them was timed, and the first lap,
+    a prefill, never is) is enough for the client to cap F far below its claim; its next route
+    takes an honest tail, and both outputs equal local transformers."""
+    with torch.no_grad():
+        out = tiny_reference.generate(torch.tensor(LONG_PROMPT), max_new_tokens=CLAIM_TOKENS, do_sample=False)
+    reference = out[0, len(LONG_PROMPT[0]) :].tolist()
+    model, process = with_faulty_middle(liar_swarm, tiny_llama_path, "--claim-factor", "10", "--block-delay-ms", "50",
+                                        blocks=(4, 6))  # fmt: skip
+    try:
+        liar = model.peers["F"]
+        out = model.generate(torch.tensor(LONG_PROMPT), max_new_tokens=CLAIM_TOKENS)
+        stats = model.last_generation_stats
+        assert out[0, len(LONG_PROMPT[0]) :].tolist() == reference
+        assert stats.route[-1][0] == liar and stats.looped_runs > 0 and stats.laps_timed > 0, stats
+        claim = next(s.throughput for s in servers_by_name(model, 6).values() if s.peer_id == liar)
+        measured = model.swarm.meter.measured()
+        assert measured.get(liar, claim) < claim / 3, (measured, claim, stats.laps_timed, stats.laps_untimed)
+        capped = {s.peer_id: s.throughput for s in cap_throughput(list(servers_by_name(model, 6).values()), measured)}
+        assert capped[liar] < claim / 3
+        model.swarm.router = MaxFlowRouter()  # the client's own router, on what it measured
+        again = model.generate(torch.tensor(LONG_PROMPT), max_new_tokens=CLAIM_TOKENS)
+        assert again[0, len(LONG_PROMPT[0]) :].tolist() == reference
+        assert model.last_generation_stats.route[-1][0] in {model.peers["T"], model.peers["U"]}
     finally:
         model.shutdown()
         kill_group(process)

@@ -11,6 +11,7 @@ import abc
 from typing import TYPE_CHECKING, Any, Optional
 
 from client._runs import Run
+from client._throughput import MAX_MEASURED_POSITIONS
 from client.errors import ServerError
 from protocol.messages import StepResult
 
@@ -55,9 +56,25 @@ class Mode(abc.ABC):
         return self.corrected(run, result) if result.correction_ids is not None else result
 
     def observe_verdict(self, run: Run, result: StepResult) -> None:
-        """Measure the lap (the client sent ``run``: every link of the route was crossed)."""
+        """Check what only this mode can check in a verdict, and time the lap."""
+        self.time_lap(run)
+
+    def time_lap(self, run: Run) -> None:
+        """Time ``run``'s lap for the throughput meter (client/_throughput.py), in every mode.
+
+        A lap is ``run.sent_at`` to its verdict: for a run the client sent, from sending it; for a
+        looped run, from the previous verdict's arrival (the tail started it then). Only a lap that
+        had the route to itself says what its hops deliver, so these are not timed: a run sent
+        while an earlier run of the session was in flight (it queued behind it at every hop, and
+        the client cannot tell queueing from computing), and a lap beside an audit of this
+        generation (its sessions share the route's head and middles), and a prefill or replay (more
+        positions than a decode lap: ``MAX_MEASURED_POSITIONS``)."""
         d = self.decoder
-        d.swarm.observe_lap(d.state.remote.route, d.verdict_at - run.sent_at, len(run.token_ids))
+        if run.overlapped or len(run.token_ids) > MAX_MEASURED_POSITIONS or not d.audits_quiet_since(run.sent_at):
+            d.stats.laps_untimed += 1
+            return
+        d.stats.laps_timed += 1
+        d.swarm.observe_lap(d.state.remote.route, d.verdict_at - run.sent_at, len(run.token_ids), looped=run.looped)
 
     def corrected(self, run: Run, result: StepResult) -> StepResult:
         """A verdict with a correction (the rejection rule's): no run of this mode can take one."""

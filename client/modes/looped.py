@@ -51,13 +51,15 @@ class LoopedMode(ChainMode):
 
     def observe_verdict(self, run: Run, result: StepResult) -> None:
         """A looped run: the head chose its drafts (the tail's or an offer), which the verdict names;
-        its lap began at the tail, so there is no client-to-head link to time."""
+        its lap began at the tail when the previous verdict left it (timed from that verdict's
+        arrival at the client: ``Mode.time_lap``)."""
         if not run.looped:
             return super().observe_verdict(run, result)
         drafts, d = result.run_drafts, self.decoder
         if drafts is None or not 0 <= result.accepted <= len(drafts) or len(drafts) > d.state.remote.max_positions_per_step:
             raise ServerError(f"the verdict on looped run {run.run_id} does not name its drafts", d.state.remote.tail_peer)
         run.drafts, run.token_ids, run.proposed = list(drafts), [run.token_ids[0], *drafts], len(drafts)
+        self.time_lap(run)
 
     def after_verdict(self, run: Run, result: StepResult, tail_drafts: list[int]) -> None:
         """The tail has started the next run at the head: [next_token, *its tail drafts] from the
