@@ -55,7 +55,7 @@ from protocol.records import MODELS_KEY, ServerInfo, block_key
 from protocol.validation import PeerIdSignatureValidator
 
 KEYS_PATH = os.path.expanduser("~/.cache/specswarm/dht_scale_identities.msgpack")
-UPDATE_PERIOD = 15.0  # server.span_server's default
+UPDATE_PERIOD = 15.0  # server.server_config.ServerConfig's default
 LOCALHOST = ["/ip4/127.0.0.1/tcp/0"]
 NODE_OPTIONS = dict(wait_timeout=10.0)  # hivemind's 3 s default times pings out on a loaded machine
 

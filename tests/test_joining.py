@@ -38,13 +38,14 @@ def choose3(servers) -> tuple[int, int]:
 
 
 def test_server_placement_counts_a_joining_server():
-    from server.span_server import ServerConfig, _choose_blocks
+    from server.placement import choose_blocks
+    from server.server_config import ServerConfig
 
     config = ServerConfig(model=MODEL, num_blocks=3)
-    assert _choose_blocks(config, [], TOTAL) == (0, 3)
-    assert _choose_blocks(config, [joining("j", 0, 3)], TOTAL) == (3, 6)
-    assert _choose_blocks(config, [srv("off", 0, 3, state=ServerState.OFFLINE)], TOTAL) == (0, 3)
-    assert _choose_blocks(ServerConfig(model=MODEL, blocks=(1, 4)), [joining("j", 0, 3)], TOTAL) == (1, 4)
+    assert choose_blocks(config, [], TOTAL) == (0, 3)
+    assert choose_blocks(config, [joining("j", 0, 3)], TOTAL) == (3, 6)
+    assert choose_blocks(config, [srv("off", 0, 3, state=ServerState.OFFLINE)], TOTAL) == (0, 3)
+    assert choose_blocks(ServerConfig(model=MODEL, blocks=(1, 4)), [joining("j", 0, 3)], TOTAL) == (1, 4)
 
 
 def fabricated_plan(free: int, drafter: int = 0):
@@ -58,16 +59,17 @@ def fabricated_plan(free: int, drafter: int = 0):
 def test_a_span_that_would_end_at_the_tail_leaves_room_for_the_drafter():
     """The memory plan's 3 blocks fit, but only 2 beside the tail's drafter (MTP block, head):
     where the best 3-block span ends at the last block, the server takes 2 blocks instead."""
-    from server.span_server import ServerConfig, _choose_blocks
+    from server.placement import choose_blocks
+    from server.server_config import ServerConfig
 
     plan = fabricated_plan(40, drafter=5)  # 3 x 10 + 2 headroom (+ 5 at an end); 2 beside the drafter
     assert (plan.blocks, plan.head_blocks, plan.tail_blocks) == (3, 3, 2)
     config = ServerConfig(model=MODEL)
-    assert _choose_blocks(config, [], TOTAL, plan) == (0, 3)  # not at the tail: all 3
-    start, end = _choose_blocks(config, [srv("a", 0, 3)], TOTAL, plan)
+    assert choose_blocks(config, [], TOTAL, plan) == (0, 3)  # not at the tail: all 3
+    start, end = choose_blocks(config, [srv("a", 0, 3)], TOTAL, plan)
     assert end - start == 2 and start >= 3  # the gap 3:6, with room for the drafter
     assert "2 blocks (3 without it)" in plan.describe("cpu")
-    assert _choose_blocks(ServerConfig(model=MODEL, num_blocks=3), [srv("a", 0, 3)], TOTAL, plan) == (3, 6)  # as asked
+    assert choose_blocks(ServerConfig(model=MODEL, num_blocks=3), [srv("a", 0, 3)], TOTAL, plan) == (3, 6)  # as asked
     # a server that moves to a 3-block gap at the tail keeps the blocks and drops the drafter
     assert not plan.fits(3, 6) and plan.fits(3, 6, drafter=False) and plan.fits(4, 6)
 
@@ -75,12 +77,13 @@ def test_a_span_that_would_end_at_the_tail_leaves_room_for_the_drafter():
 def test_a_server_that_cannot_hold_an_end_takes_a_middle_span():
     """Room for one block and nothing more: the plan says 1 block (in the middle, where no
     embeddings or LM head are held), and placement keeps off both ends even where they are gaps."""
-    from server.span_server import ServerConfig, _choose_blocks, check_requested_blocks
+    from server.placement import check_requested_blocks, choose_blocks
+    from server.server_config import ServerConfig
 
     plan = fabricated_plan(12)
     assert (plan.blocks, plan.head_blocks, plan.tail_blocks) == (1, 0, 0)
     for servers in ([], [srv("a", 1, 6)], [srv("a", 0, 5)]):
-        start, end = _choose_blocks(ServerConfig(model=MODEL), servers, TOTAL, plan)
+        start, end = choose_blocks(ServerConfig(model=MODEL), servers, TOTAL, plan)
         assert end - start == 1 and 1 <= start and end <= TOTAL - 1, (servers, start, end)
     check_requested_blocks(ServerConfig(model=MODEL, blocks=(2, 3)), plan, "cpu")  # fits: no error
     with pytest.raises(ValueError, match=r"blocks 0:1 do not fit: they need 0.00 GiB .*embeddings.* is free on cpu"):

@@ -108,7 +108,7 @@ def still_serves(model, servers, tiny_reference, span=(0, 3)) -> None:
 
 def test_a_failed_move_keeps_the_old_span_serving(move_swarm, tiny_reference, monkeypatch):
     from client import _loop
-    from server import span_server
+    from server import moves
 
     model, servers = move_swarm
     server = servers[0]
@@ -116,7 +116,7 @@ def test_a_failed_move_keeps_the_old_span_serving(move_swarm, tiny_reference, mo
     def broken_load(*args, **kwargs):
         raise RuntimeError("injected: the disk went away")
 
-    monkeypatch.setattr(span_server, "load_span", broken_load)
+    monkeypatch.setattr(moves, "load_span", broken_load)
     assert server.plan is not None and server.plan.fits_beside((0, 3), (3, 6))
     assert _loop.run(server.move_to(3, 6), timeout=120) is False  # loads beside the old span, fails
     still_serves(model, servers, tiny_reference)
@@ -126,7 +126,7 @@ def test_a_failed_move_that_freed_the_old_span_loads_it_again(move_swarm, tiny_r
     """Not room for both spans: the old one drains and is freed first; the new one fails to load,
     so the old one loads again and is announced online and accepting."""
     from client import _loop
-    from server import span_server
+    from server import moves
     from server.memory import MemoryPlan
 
     model, servers = move_swarm
@@ -138,7 +138,7 @@ def test_a_failed_move_that_freed_the_old_span_loads_it_again(move_swarm, tiny_r
     free = int((3 * sizes.block_bytes + sizes.embed_bytes + sizes.tail_bytes + cache) / 0.94)
     monkeypatch.setattr(server, "plan", MemoryPlan(6, free, sizes, plan.quant, 0, cache_tokens=2048))
     assert server.plan.fits(3, 6) and not server.plan.fits_beside((0, 3), (3, 6))
-    real_load, calls = span_server.load_span, []
+    real_load, calls = moves.load_span, []
 
     def fails_once(*args, **kwargs):
         calls.append(args[2:4])
@@ -146,7 +146,7 @@ def test_a_failed_move_that_freed_the_old_span_loads_it_again(move_swarm, tiny_r
             raise MemoryError("injected: out of memory while loading")
         return real_load(*args, **kwargs)
 
-    monkeypatch.setattr(span_server, "load_span", fails_once)
+    monkeypatch.setattr(moves, "load_span", fails_once)
     assert _loop.run(server.move_to(3, 6), timeout=240) is False
     assert calls == [(3, 6), (0, 3)]  # the target failed, the old span came back
     still_serves(model, servers, tiny_reference)
@@ -154,7 +154,7 @@ def test_a_failed_move_that_freed_the_old_span_loads_it_again(move_swarm, tiny_r
 
 def test_a_target_too_large_for_the_memory_is_refused(move_swarm, tiny_reference, monkeypatch):
     from client import _loop
-    from server import span_server
+    from server import moves
     from server.memory import MemoryPlan
 
     model, servers = move_swarm
@@ -164,7 +164,7 @@ def test_a_target_too_large_for_the_memory_is_refused(move_swarm, tiny_reference
     free = int((3 * sizes.block_bytes + sizes.embed_bytes + cache) / 0.94)  # 0:3 fits, 0:6 not
     monkeypatch.setattr(server, "plan", MemoryPlan(6, free, sizes, server.plan.quant, cache_tokens=2048))
     assert server.plan.fits(0, 3) and not server.plan.fits(0, 6)
-    monkeypatch.setattr(span_server, "load_span", lambda *a, **k: pytest.fail("a move that does not fit must not load"))
+    monkeypatch.setattr(moves, "load_span", lambda *a, **k: pytest.fail("a move that does not fit must not load"))
     assert _loop.run(server.move_to(0, 6), timeout=60) is False
     still_serves(model, servers, tiny_reference)
 
