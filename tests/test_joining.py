@@ -140,23 +140,28 @@ def test_the_dashboard_lists_joining_servers_without_counting_them():
 # --- the re-read after announcing ----------------------------------------------------------------
 
 
-def test_rank_is_online_first_then_claim_time_then_peer_id():
+def test_rank_is_online_first_then_a_pairwise_draw_never_the_claim_time():
+    from server.joining import rank
+
     me = joining("m", 0, 3, started_at=100)
     assert outranks(srv("o", 0, 3, started_at=500), me)
-    assert outranks(joining("z", 0, 3, started_at=99), me)
-    assert not outranks(joining("a", 0, 3, started_at=101), me)
-    assert outranks(joining("a", 0, 3, started_at=100), me) and not outranks(joining("z", 0, 3, started_at=100), me)
     assert not outranks(srv("d", 0, 3, state=ServerState.DRAINING), me)
+    # of two joining servers, the one that wins the draw of both ids, whatever either claims as its start
+    assert rank("e", "m") < rank("m", "e") and rank("l", "m") > rank("m", "l")
+    for claimed in (0.0, 99.0, 101.0, 1e9):
+        assert outranks(joining("e", 0, 3, started_at=claimed), me)
+        assert not outranks(joining("l", 0, 3, started_at=claimed), me)
+        assert outranks(me, joining("l", 0, 3, started_at=claimed))
 
 
 def test_rivals_are_new_overlapping_servers_that_outrank_us():
     me = joining("m", 0, 3, started_at=100)
-    earlier = joining("e", 2, 5, started_at=50)
-    assert rivals(me, [], [earlier]) == [earlier]
-    assert rivals(me, [earlier], [earlier]) == []  # counted when choosing: chosen knowingly
-    assert rivals(me, [joining("e", 3, 6, started_at=50)], [earlier]) == [earlier]  # it moved onto us
-    assert rivals(me, [], [joining("e", 3, 6, started_at=50)]) == []  # no overlap
-    assert rivals(me, [], [joining("l", 0, 3, started_at=150)]) == []  # it yields to us
+    winner = joining("e", 2, 5, started_at=150)  # wins the draw against "m"
+    assert rivals(me, [], [winner]) == [winner]
+    assert rivals(me, [winner], [winner]) == []  # counted when choosing: chosen knowingly
+    assert rivals(me, [joining("e", 3, 6)], [winner]) == [winner]  # it moved onto us
+    assert rivals(me, [], [joining("e", 3, 6)]) == []  # no overlap
+    assert rivals(me, [], [joining("l", 0, 3, started_at=0.0)]) == []  # it yields to us, whatever it claims
 
 
 class FakeSwarm:
@@ -191,28 +196,30 @@ class FakeSwarm:
 
 
 def test_two_servers_that_chose_the_same_gap_at_once_split_the_model():
+    """"early" wins the draw against "late" (server.joining.rank): it keeps the span although
+    "late" claims an earlier start."""
     swarm = FakeSwarm(racers=2)
 
     async def race():
-        return await asyncio.gather(swarm.claim("late", 100.5), swarm.claim("early", 100.0))
+        return await asyncio.gather(swarm.claim("late", 0.0), swarm.claim("early", 100.0))
 
     late, early = asyncio.run(race())
     assert {(i.peer_id, i.start_block, i.end_block) for i in swarm.published[:2]} == {("late", 0, 3), ("early", 0, 3)}
-    assert (early.start_block, early.end_block) == (0, 3)  # claimed first: keeps it
+    assert (early.start_block, early.end_block) == (0, 3)  # wins the draw: keeps it
     assert (late.start_block, late.end_block) == (3, 6)  # yields, chooses again, announces again
     assert late.state == early.state == ServerState.JOINING and late.throughput == JOINING_THROUGHPUT
-    assert late.started_at == 100.5  # its rank does not change with its span
+    assert late.started_at == 0.0  # its record's freshness does not change with its span
     assert swarm.records["late"].end_block == 6 and len(swarm.published) == 3
 
 
-def test_equal_claim_times_are_broken_by_peer_id():
+def test_equal_claim_times_are_broken_by_the_draw():
     swarm = FakeSwarm(racers=2)
 
     async def race():
         return await asyncio.gather(swarm.claim("QmB", 100.0), swarm.claim("QmA", 100.0))
 
     b, a = asyncio.run(race())
-    assert (a.start_block, b.start_block) == (0, 3)
+    assert (b.start_block, a.start_block) == (0, 3)  # "QmB" wins the draw against "QmA"
 
 
 def test_a_server_that_came_online_meanwhile_wins():
