@@ -1,13 +1,74 @@
 """Where a server's model comes from: its config, read from a local folder or the hub, with a clear
-error when neither answers.
+error when neither answers, and for a hub model the commit to pin.
+
+**Which commit.** Servers of one model must hold the same weights to be routed together (records
+carry ``revision``; ``protocol.routing.same_model``). A hub repo's ``main`` moves, so a server that
+pinned "main now" could join a swarm that serves last month's commit and serve nobody's route. A new
+server of a hub model therefore adopts the commit the swarm's ``ONLINE`` servers announce
+(:func:`adopt_swarm_revision`): with several, the one with the most served blocks (the sum of the
+announcing servers' span lengths), named in the log; ``--revision`` given by the volunteer wins;
+with no server of the model online (or only records without a hub commit) it is ``main``'s commit.
+A commit that records announce but the hub cannot serve (a typo, a deleted branch, a record that
+lies) falls back to ``main``, with a warning: a record can choose among real commits, never make a
+server fail to start.
 """
 
 from __future__ import annotations
 
+import logging
 import os
-from typing import Optional
+import re
+from collections import Counter
+from typing import Optional, Sequence
 
+import hivemind
 from transformers import AutoConfig, PretrainedConfig
+
+from protocol.dht_records import fetch_servers
+from protocol.models import hub_commit
+from protocol.records import ServerInfo, ServerState
+
+logger = logging.getLogger(__name__)
+
+_COMMIT = re.compile(r"[0-9a-f]{40}")  # a hub commit; a local folder's revision is "sha256:..."
+
+
+def swarm_revision(servers: Sequence[ServerInfo]) -> Optional[str]:
+    """The hub commit that ``ONLINE`` records announce with the most served blocks (ties: the
+    smallest commit id, so every reader picks the same); None when no online record names one."""
+    blocks: Counter[str] = Counter()
+    for s in servers:
+        if s.state == ServerState.ONLINE and _COMMIT.fullmatch(s.revision):
+            blocks[s.revision] += len(s.span)
+    if not blocks:
+        return None
+    best = min(blocks, key=lambda r: (-blocks[r], r))
+    if len(blocks) > 1:
+        counts = ", ".join(f"{r[:12]}: {n} blocks" for r, n in sorted(blocks.items(), key=lambda rn: (-rn[1], rn[0])))
+        logger.info(f"The swarm serves several revisions ({counts}); taking {best[:12]}, which serves the most blocks")
+    return best
+
+
+def adopt_swarm_revision(dht: hivemind.DHT, dht_name: str, source: str) -> Optional[str]:
+    """The commit of hub repo ``source`` a new server pins (module docstring): the swarm's
+    (:func:`swarm_revision` over the records of ``dht_name``), else the hub's ``main``."""
+    main = hub_commit(source)
+    total = load_model_config(source, main).num_hidden_layers  # which block keys to read
+    chosen = swarm_revision(fetch_servers(dht, dht_name, total))
+    if chosen is None:
+        logger.info(f"Revision of {source}: {main} (the hub's main; no server of it online announces one)")
+        return main
+    if chosen == main:
+        logger.info(f"Revision of {source}: {chosen} (what the swarm serves, and the hub's main)")
+        return chosen
+    try:
+        load_model_config(source, chosen)
+    except ValueError as e:
+        logger.warning(f"The swarm serves {source} at {chosen}, which the hub does not serve ({e}); "
+                       f"taking the hub's main {main}")  # fmt: skip
+        return main
+    logger.info(f"Revision of {source}: {chosen} (what the swarm serves; the hub's main is {main})")
+    return chosen
 
 
 def load_model_config(source: str, revision: Optional[str] = None) -> PretrainedConfig:

@@ -47,3 +47,4 @@ class ServerConfig:
     max_batch_positions: Optional[int] = None  # positions of one batched pass; None: what the memory plan's headroom holds
     gather_window: float = DEFAULT_GATHER_WINDOW  # seconds a ready batch waits for more runs
     batching: bool = True  # False: one run per pass through the span (for comparisons)
+    revision: Optional[str] = None  # a hub model's commit, branch or tag; None: the one the swarm serves, else main

@@ -33,7 +33,7 @@ from server.drafter_attach import attach_drafter_if_it_fits, drafter_bytes
 from server.handler import SessionHandler
 from server.joining import claim_span, keep_announcing, leave
 from server.memory import MemoryPlan, batch_positions_that_fit, plan_blocks
-from server.model_source import hub_reachable, load_model_config
+from server.model_source import adopt_swarm_revision, hub_reachable, load_model_config
 from server.moves import SpanMoves
 from server.placement import check_requested_blocks, choose_blocks, fetch_same_model, measure_throughput
 from server.quantization import resident_bytes, resolve_quant
@@ -77,30 +77,52 @@ class SpanServer(SpanMoves):
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
         model = resolve_model(config.model)
-        # a hub model is pinned to one commit: its config and every shard come from it, and it is announced
-        pinned = None if os.path.isdir(model.source) or not hub_reachable() else hub_commit(model.source)
-        model_config = load_model_config(model.source, pinned)
-        checkpoint = Checkpoint(model.source, revision=pinned)  # one: it reads the weight map once
-        identity_fields = dict(config_fingerprint=config_fingerprint(model_config),
-                               revision=weights_revision(model.source, pinned))  # fmt: skip
-        quant = resolve_quant(config.quant, model_config, device, dtype)
-        logger.info(quant.describe())
-        # the plan comes before the DHT: blocks that do not fit stop here, before anything is announced
-        plan = plan_blocks(
-            model_config, dtype, device, model_config.num_hidden_layers, free_bytes=config.assume_free_memory,
-            quant=quant.quant, drafter_bytes=drafter_bytes(config, model_config, checkpoint, dtype, quant.quant),
-            cache_tokens=config.cache_tokens, batch_positions=config.max_batch_positions,
-        )  # fmt: skip
-        logger.info(plan.describe(device))
-        check_requested_blocks(config, plan, device)
         dht_name = config.dht_prefix or model.dht_name
         identity = load_or_create_identity(config.identity_path)
-        # Can peers dial us? If not, join through a relay (or stop: server/reachability.py)
-        joined = await start_server_dht(
-            initial_peers=initial_peers.peers, identity=identity, host=config.host, port=config.port,
-            announce_maddrs=config.announce_maddrs,
-            reachability="public" if config.new_swarm and config.reachability == "auto" else config.reachability,
-        )  # fmt: skip
+
+        def join_dht():  # can peers dial us? If not, join through a relay (or stop: server/reachability.py)
+            return start_server_dht(
+                initial_peers=initial_peers.peers, identity=identity, host=config.host, port=config.port,
+                announce_maddrs=config.announce_maddrs,
+                reachability="public" if config.new_swarm and config.reachability == "auto" else config.reachability,
+            )  # fmt: skip
+
+        # A hub model is pinned to one commit: its config and every shard come from it, and it is
+        # announced. Without --revision that is the commit the swarm already serves (read from the
+        # DHT, so a hub model joins the DHT first: joining announces nothing), else the hub's main.
+        joined = None
+        hub = not os.path.isdir(model.source)
+        try:
+            if hub and config.revision is None and initial_peers.peers and hub_reachable():
+                joined = await join_dht()
+                pinned = await asyncio.get_running_loop().run_in_executor(
+                    None, adopt_swarm_revision, joined.dht, dht_name, model.source
+                )
+            elif hub and config.revision is not None:
+                pinned = config.revision
+                logger.info(f"Revision of {model.source}: {pinned} (--revision)")
+            else:
+                pinned = hub_commit(model.source) if hub and hub_reachable() else None
+            model_config = load_model_config(model.source, pinned)
+            checkpoint = Checkpoint(model.source, revision=pinned)  # one: it reads the weight map once
+            identity_fields = dict(config_fingerprint=config_fingerprint(model_config),
+                                   revision=weights_revision(model.source, pinned))  # fmt: skip
+            quant = resolve_quant(config.quant, model_config, device, dtype)
+            logger.info(quant.describe())
+            # the plan comes before any announcement: blocks that do not fit stop here
+            plan = plan_blocks(
+                model_config, dtype, device, model_config.num_hidden_layers, free_bytes=config.assume_free_memory,
+                quant=quant.quant, drafter_bytes=drafter_bytes(config, model_config, checkpoint, dtype, quant.quant),
+                cache_tokens=config.cache_tokens, batch_positions=config.max_batch_positions,
+            )  # fmt: skip
+            logger.info(plan.describe(device))
+            check_requested_blocks(config, plan, device)
+            if joined is None:
+                joined = await join_dht()
+        except BaseException:
+            if joined is not None:
+                joined.dht.shutdown()
+            raise
         dht = joined.dht
         probes = ProbeService()  # lets peers that use this one as an initial peer check themselves
         if not joined.using_relay:
