@@ -6,7 +6,8 @@ capacity-limited path from boundary ``a`` to boundary ``b``. Two uses follow fro
 
 * **Block selection** (:func:`choose_best_span`, :func:`should_move`): a joining server takes the
   span that raises the swarm's max-flow (its throughput from boundary 0 to N) the most, and a
-  running server moves when another span would raise it by enough.
+  running server moves when another span would raise it by enough. Both count each record's
+  throughput only up to what a reader can check (:func:`placement_view`), never as claimed.
 * **Routing** (:class:`MaxFlowRouter`): each session gets the lowest-latency path among servers
   with spare capacity, where a server's capacity is its share of the max-flow, so sessions are
   spread in proportion to what each server can carry (as Helix's weighted round-robin spreads

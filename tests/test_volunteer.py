@@ -74,6 +74,21 @@ def test_blocks_that_do_not_fit_stop_before_announcing(tiny_llama_path):
     assert "Serving blocks" not in log and "joining" not in log and "Traceback" not in log, log
 
 
+def test_the_cards_command_on_a_machine_with_no_room_stops_with_one_line(tiny_llama_path):
+    """The card's command (``--model`` alone, no --blocks/--num-blocks) where the weights are
+    reachable (a local checkpoint) but the device has no memory to spare: exit 2 with one line
+    saying not even one block fits and why, before joining the DHT or loading any weights."""
+    done = run_server("--model", str(tiny_llama_path), "--new-swarm", "--host", "127.0.0.1", "--assume-free-memory",
+                      "1KiB", "--torch-threads", "1")  # fmt: skip
+    log = done.stdout + done.stderr
+    assert done.returncode == 2, log
+    errors = [line for line in log.splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and "cannot serve here, not even one block fits: 0 of 6 blocks fit" in errors[0], log
+    assert "0.0 GiB free on cpu" in errors[0], errors[0]
+    for never in ("Serving blocks", "joining", "Listening on", "MiB of weights", "Traceback"):
+        assert never not in log, log
+
+
 # ---- moves -----------------------------------------------------------------------------------
 
 
