@@ -55,7 +55,7 @@ from protocol.records import MODELS_KEY, ServerInfo, block_key
 from protocol.validation import PeerIdSignatureValidator
 
 KEYS_PATH = os.path.expanduser("~/.cache/specswarm/dht_scale_identities.msgpack")
-UPDATE_PERIOD = 15.0  # server.span_server's default
+UPDATE_PERIOD = 15.0  # server.server_config.ServerConfig's default
 LOCALHOST = ["/ip4/127.0.0.1/tcp/0"]
 NODE_OPTIONS = dict(wait_timeout=30.0, startup_timeout=90.0)  # hivemind: pings time out after 3 s, p2pd start after 15 s: too short on a loaded machine
 

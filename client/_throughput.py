@@ -19,7 +19,7 @@ measured (``protocol.routing.cap_throughput``), so a server far below its claim 
 this client, and only for it.
 
 Only laps with at most ``max_positions`` positions count: a decode lap costs about one step of
-each span, which is what servers measure and claim (``server.span_server.measure_throughput``); a
+each span, which is what servers measure and claim (``server.placement.measure_throughput``); a
 prefill lap would make every hop look slow. Estimates are kept in seconds per step (an
 exponential moving average) and forgotten after ``ttl`` seconds, so a server that was slow once
 is tried again later.

@@ -28,21 +28,30 @@ pick the same gap. :func:`claim_span` narrows that race for servers that choose 
    read the swarm again;
 3. a *rival* is a server in that second read whose span overlaps ours, which the first choice did
    not count (it was absent, or held another span), and which *outranks* us: it is ``ONLINE`` (it
-   already serves and will not look again), or it is ``JOINING`` and claimed earlier — its
-   ``(started_at, peer_id)`` is smaller than ours (the claim time, and the peer id to break ties,
-   so both sides agree on who yields without talking to each other);
+   already serves and will not look again), or it is ``JOINING`` and wins the pairwise draw
+   :func:`rank` (a hash of both peer ids, so both sides agree on who yields without talking to
+   each other);
 4. if there is a rival, choose once more, counting everything in the second read except the new
    overlapping servers that we outrank (they yield to us, so they will move), and announce the
    new span if it differs. Only once: start-up stays bounded and two servers cannot chase each
    other. What overlap remains (three servers racing for one gap, or a rival whose record reached
    the DHT only after our second read) the periodic rebalancing (``--balance-period``) fixes later.
-   Clocks need not agree: any order of claim times works, as long as both sides compare the same
-   records.
+
+**Why not the claim time.** The order used to be ``(started_at, peer_id)``: the earlier claim kept
+its span. But ``started_at`` is what a record says about itself, so a record claiming
+``started_at=0`` outranked every honest newcomer, and a peer id that sorts low outranked the rest
+on ties; a stranger could make every joining server yield to it. The pairwise draw cannot be
+bought: whether ``a`` outranks ``b`` is ``sha256(a, b) < sha256(b, a)``, which no peer id wins
+against most others (an identity ground to beat one rival wins against half of the rest), and
+needs no clock. ``started_at`` is only the record's freshness now (the dashboard's uptime).
+An ``ONLINE`` record still outranks a joining one; what a false ``ONLINE`` claim can steer is
+bounded by how much placement believes of its throughput (:func:`protocol.routing.placement_view`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import random
 import time
@@ -76,11 +85,22 @@ def joining_throughput(servers: Sequence[ServerInfo], span_length: int) -> float
     return max(MIN_THROUGHPUT, min(speeds) / max(1, span_length)) if speeds else JOINING_THROUGHPUT
 
 
+def rank(peer_id: str, other: str) -> bytes:
+    """``peer_id``'s draw against ``other``: the smaller draw keeps a span both claimed while joining.
+    Pairwise (it depends on both ids), so no peer id outranks most others, and the order of two
+    peers is the same wherever it is computed."""
+    return hashlib.sha256(f"{peer_id}\0{other}".encode()).digest()
+
+
 def outranks(other: ServerInfo, mine: ServerInfo) -> bool:
-    """Whether ``other`` keeps its span when it and ``mine`` (joining) picked overlapping ones."""
+    """Whether ``other`` keeps its span when it and ``mine`` (joining) picked overlapping ones:
+    an ``ONLINE`` server always does; of two joining ones, the one that wins :func:`rank`
+    (never the claimed ``started_at``, which a record sets as it likes)."""
     if other.state == ServerState.ONLINE:
         return True
-    return other.state == ServerState.JOINING and (other.started_at, other.peer_id) < (mine.started_at, mine.peer_id)
+    if other.state != ServerState.JOINING or other.peer_id == mine.peer_id:
+        return False
+    return rank(other.peer_id, mine.peer_id) < rank(mine.peer_id, other.peer_id)
 
 
 def _overlaps(a: ServerInfo, b: ServerInfo) -> bool:

@@ -16,7 +16,11 @@ import torch
 from protocol.models import resolve_model, shipped_config_dir
 from server.memory import MemoryPlan, plan_blocks
 from server.quantization import Quant, default_quant
-from server.span_server import ServerConfig, check_requested_blocks, drafter_bytes, load_model_config, resolve_dtype
+from server.drafter_attach import drafter_bytes
+from server.model_source import load_model_config
+from server.placement import check_requested_blocks
+from server.server_config import ServerConfig
+from server.span_server import resolve_dtype
 from server.weights import Checkpoint
 
 logger = logging.getLogger(__name__)

@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-tokens", type=int, help="KV cache budget in tokens (if not given: from free memory, by the memory plan)")
     p.add_argument("--identity-path", help="private key file; keeps the peer id across restarts")
     p.add_argument("--dht-prefix", help="the model's name in the DHT (if not given: from --model)")
+    p.add_argument("--revision", help="a hub model's commit, branch or tag (if not given: the commit the swarm's "
+                   "servers announce, with the most served blocks, else the hub's main)")
     p.add_argument("--compression", default="none", choices=CODECS,
                    help="codec of activations sent to the next server (none keeps outputs exact; docs/protocol.md)")
     p.add_argument("--update-period", type=float, default=15.0, help="seconds between DHT announcements")
@@ -137,6 +139,7 @@ def server_config(args: argparse.Namespace):
         reachability=args.reachability,
         drafter=args.drafter,
         drafter_tokens=args.drafter_tokens,
+        revision=args.revision,
     )
 
 

@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def patch(args: argparse.Namespace) -> None:
     """Wrap the span server's construction so the faults apply to what it builds."""
-    from server import span_server
+    from server import moves, span_server
 
     load_span, handler_class = span_server.load_span, span_server.SessionHandler
 
@@ -64,6 +64,7 @@ def patch(args: argparse.Namespace) -> None:
                 faults.black_hole(self)
 
     span_server.load_span, span_server.SessionHandler = faulty_load_span, FaultyHandler
+    moves.load_span = faulty_load_span  # a span loaded by a move is as faulty as the first
     if args.lie_in_verdicts:
         faults.lie_in_verdicts(args.lie_in_verdicts, args.lie, after=args.lie_after, short=args.lie_short)
     if args.claim_factor:

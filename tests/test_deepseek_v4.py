@@ -363,7 +363,8 @@ def test_the_memory_plan_counts_the_mtp_block_at_the_tail(v4_mtp_paths):
     """A tail also holds the checkpoint's MTP module (one more block plus its projections): the
     plan says how many blocks still fit beside it, and the server's estimate matches what loads."""
     from server.adapters.deepseek_v4_mtp import load_mtp, mtp_bytes
-    from server.span_server import ServerConfig, drafter_bytes
+    from server.drafter_attach import drafter_bytes
+    from server.server_config import ServerConfig
 
     path = v4_mtp_paths("csa")
     config, checkpoint = AutoConfig.from_pretrained(path), Checkpoint(str(path))
@@ -658,7 +659,7 @@ def test_drafter_choice_on_deepseek_v4(v4_path, v4_mtp_paths, v4_spans):
     from types import SimpleNamespace
 
     from server.adapters.deepseek_v4_mtp import MTPDrafter
-    from server.span_server import attach_drafter
+    from server.drafter_attach import attach_drafter
 
     (tail,) = v4_spans([(2, 6)])
     options = SimpleNamespace(drafter="auto", drafter_tokens=4)

@@ -38,13 +38,14 @@ def choose3(servers) -> tuple[int, int]:
 
 
 def test_server_placement_counts_a_joining_server():
-    from server.span_server import ServerConfig, _choose_blocks
+    from server.placement import choose_blocks
+    from server.server_config import ServerConfig
 
     config = ServerConfig(model=MODEL, num_blocks=3)
-    assert _choose_blocks(config, [], TOTAL) == (0, 3)
-    assert _choose_blocks(config, [joining("j", 0, 3)], TOTAL) == (3, 6)
-    assert _choose_blocks(config, [srv("off", 0, 3, state=ServerState.OFFLINE)], TOTAL) == (0, 3)
-    assert _choose_blocks(ServerConfig(model=MODEL, blocks=(1, 4)), [joining("j", 0, 3)], TOTAL) == (1, 4)
+    assert choose_blocks(config, [], TOTAL) == (0, 3)
+    assert choose_blocks(config, [joining("j", 0, 3)], TOTAL) == (3, 6)
+    assert choose_blocks(config, [srv("off", 0, 3, state=ServerState.OFFLINE)], TOTAL) == (0, 3)
+    assert choose_blocks(ServerConfig(model=MODEL, blocks=(1, 4)), [joining("j", 0, 3)], TOTAL) == (1, 4)
 
 
 def fabricated_plan(free: int, drafter: int = 0):
@@ -58,16 +59,17 @@ def fabricated_plan(free: int, drafter: int = 0):
 def test_a_span_that_would_end_at_the_tail_leaves_room_for_the_drafter():
     """The memory plan's 3 blocks fit, but only 2 beside the tail's drafter (MTP block, head):
     where the best 3-block span ends at the last block, the server takes 2 blocks instead."""
-    from server.span_server import ServerConfig, _choose_blocks
+    from server.placement import choose_blocks
+    from server.server_config import ServerConfig
 
     plan = fabricated_plan(40, drafter=5)  # 3 x 10 + 2 headroom (+ 5 at an end); 2 beside the drafter
     assert (plan.blocks, plan.head_blocks, plan.tail_blocks) == (3, 3, 2)
     config = ServerConfig(model=MODEL)
-    assert _choose_blocks(config, [], TOTAL, plan) == (0, 3)  # not at the tail: all 3
-    start, end = _choose_blocks(config, [srv("a", 0, 3)], TOTAL, plan)
+    assert choose_blocks(config, [], TOTAL, plan) == (0, 3)  # not at the tail: all 3
+    start, end = choose_blocks(config, [srv("a", 0, 3)], TOTAL, plan)
     assert end - start == 2 and start >= 3  # the gap 3:6, with room for the drafter
     assert "2 blocks (3 without it)" in plan.describe("cpu")
-    assert _choose_blocks(ServerConfig(model=MODEL, num_blocks=3), [srv("a", 0, 3)], TOTAL, plan) == (3, 6)  # as asked
+    assert choose_blocks(ServerConfig(model=MODEL, num_blocks=3), [srv("a", 0, 3)], TOTAL, plan) == (3, 6)  # as asked
     # a server that moves to a 3-block gap at the tail keeps the blocks and drops the drafter
     assert not plan.fits(3, 6) and plan.fits(3, 6, drafter=False) and plan.fits(4, 6)
 
@@ -75,12 +77,13 @@ def test_a_span_that_would_end_at_the_tail_leaves_room_for_the_drafter():
 def test_a_server_that_cannot_hold_an_end_takes_a_middle_span():
     """Room for one block and nothing more: the plan says 1 block (in the middle, where no
     embeddings or LM head are held), and placement keeps off both ends even where they are gaps."""
-    from server.span_server import ServerConfig, _choose_blocks, check_requested_blocks
+    from server.placement import check_requested_blocks, choose_blocks
+    from server.server_config import ServerConfig
 
     plan = fabricated_plan(12)
     assert (plan.blocks, plan.head_blocks, plan.tail_blocks) == (1, 0, 0)
     for servers in ([], [srv("a", 1, 6)], [srv("a", 0, 5)]):
-        start, end = _choose_blocks(ServerConfig(model=MODEL), servers, TOTAL, plan)
+        start, end = choose_blocks(ServerConfig(model=MODEL), servers, TOTAL, plan)
         assert end - start == 1 and 1 <= start and end <= TOTAL - 1, (servers, start, end)
     check_requested_blocks(ServerConfig(model=MODEL, blocks=(2, 3)), plan, "cpu")  # fits: no error
     with pytest.raises(ValueError, match=r"blocks 0:1 do not fit: they need 0.00 GiB .*embeddings.* is free on cpu"):
@@ -137,23 +140,28 @@ def test_the_dashboard_lists_joining_servers_without_counting_them():
 # --- the re-read after announcing ----------------------------------------------------------------
 
 
-def test_rank_is_online_first_then_claim_time_then_peer_id():
+def test_rank_is_online_first_then_a_pairwise_draw_never_the_claim_time():
+    from server.joining import rank
+
     me = joining("m", 0, 3, started_at=100)
     assert outranks(srv("o", 0, 3, started_at=500), me)
-    assert outranks(joining("z", 0, 3, started_at=99), me)
-    assert not outranks(joining("a", 0, 3, started_at=101), me)
-    assert outranks(joining("a", 0, 3, started_at=100), me) and not outranks(joining("z", 0, 3, started_at=100), me)
     assert not outranks(srv("d", 0, 3, state=ServerState.DRAINING), me)
+    # of two joining servers, the one that wins the draw of both ids, whatever either claims as its start
+    assert rank("e", "m") < rank("m", "e") and rank("l", "m") > rank("m", "l")
+    for claimed in (0.0, 99.0, 101.0, 1e9):
+        assert outranks(joining("e", 0, 3, started_at=claimed), me)
+        assert not outranks(joining("l", 0, 3, started_at=claimed), me)
+        assert outranks(me, joining("l", 0, 3, started_at=claimed))
 
 
 def test_rivals_are_new_overlapping_servers_that_outrank_us():
     me = joining("m", 0, 3, started_at=100)
-    earlier = joining("e", 2, 5, started_at=50)
-    assert rivals(me, [], [earlier]) == [earlier]
-    assert rivals(me, [earlier], [earlier]) == []  # counted when choosing: chosen knowingly
-    assert rivals(me, [joining("e", 3, 6, started_at=50)], [earlier]) == [earlier]  # it moved onto us
-    assert rivals(me, [], [joining("e", 3, 6, started_at=50)]) == []  # no overlap
-    assert rivals(me, [], [joining("l", 0, 3, started_at=150)]) == []  # it yields to us
+    winner = joining("e", 2, 5, started_at=150)  # wins the draw against "m"
+    assert rivals(me, [], [winner]) == [winner]
+    assert rivals(me, [winner], [winner]) == []  # counted when choosing: chosen knowingly
+    assert rivals(me, [joining("e", 3, 6)], [winner]) == [winner]  # it moved onto us
+    assert rivals(me, [], [joining("e", 3, 6)]) == []  # no overlap
+    assert rivals(me, [], [joining("l", 0, 3, started_at=0.0)]) == []  # it yields to us, whatever it claims
 
 
 class FakeSwarm:
@@ -188,28 +196,30 @@ class FakeSwarm:
 
 
 def test_two_servers_that_chose_the_same_gap_at_once_split_the_model():
+    """"early" wins the draw against "late" (server.joining.rank): it keeps the span although
+    "late" claims an earlier start."""
     swarm = FakeSwarm(racers=2)
 
     async def race():
-        return await asyncio.gather(swarm.claim("late", 100.5), swarm.claim("early", 100.0))
+        return await asyncio.gather(swarm.claim("late", 0.0), swarm.claim("early", 100.0))
 
     late, early = asyncio.run(race())
     assert {(i.peer_id, i.start_block, i.end_block) for i in swarm.published[:2]} == {("late", 0, 3), ("early", 0, 3)}
-    assert (early.start_block, early.end_block) == (0, 3)  # claimed first: keeps it
+    assert (early.start_block, early.end_block) == (0, 3)  # wins the draw: keeps it
     assert (late.start_block, late.end_block) == (3, 6)  # yields, chooses again, announces again
     assert late.state == early.state == ServerState.JOINING and late.throughput == JOINING_THROUGHPUT
-    assert late.started_at == 100.5  # its rank does not change with its span
+    assert late.started_at == 0.0  # its record's freshness does not change with its span
     assert swarm.records["late"].end_block == 6 and len(swarm.published) == 3
 
 
-def test_equal_claim_times_are_broken_by_peer_id():
+def test_equal_claim_times_are_broken_by_the_draw():
     swarm = FakeSwarm(racers=2)
 
     async def race():
         return await asyncio.gather(swarm.claim("QmB", 100.0), swarm.claim("QmA", 100.0))
 
     b, a = asyncio.run(race())
-    assert (a.start_block, b.start_block) == (0, 3)
+    assert (b.start_block, a.start_block) == (0, 3)  # "QmB" wins the draw against "QmA"
 
 
 def test_a_server_that_came_online_meanwhile_wins():

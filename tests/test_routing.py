@@ -272,9 +272,11 @@ def test_should_not_move_for_a_small_gain():
     me = srv("me", 0, 4, 1)
     servers = [srv("a", 0, 4, 10), srv("b", 4, 8, 10), me]  # flow 10; moving gives 10 too
     assert should_move(servers, me, 8) is None
-    servers = [srv("a", 0, 4, 11), srv("b", 4, 8, 10), me]  # moving gains 1/10 < 0.2
-    assert should_move(servers, me, 8) is None
-    assert should_move(servers, me, 8, min_gain=0.05) == (4, 8)
+    # moving gains 1/10 < 0.2 (blocks 8:12 over-served, so that "a" is no faster than the median
+    # server: placement counts none faster, protocol.routing.placement_view)
+    servers = [srv("a", 0, 4, 11), srv("b", 4, 8, 10), srv("c", 8, 12, 11), srv("d", 8, 12, 11), me]
+    assert should_move(servers, me, 12) is None
+    assert should_move(servers, me, 12, min_gain=0.05) == (4, 8)
 
 
 def test_an_empty_read_is_not_reported_as_missing_servers():

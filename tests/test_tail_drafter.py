@@ -137,7 +137,8 @@ def test_the_memory_plan_counts_the_committed_drafter_at_the_tail():
     from server.adapters import load_span
     from server.tail_drafter import build_tail_drafter, committed_drafter, drafter_file_bytes, load_drafter
     from server.quantization import Quant, resident_bytes
-    from server.span_server import ServerConfig, drafter_bytes
+    from server.drafter_attach import drafter_bytes
+    from server.server_config import ServerConfig
     from server.weights import Checkpoint
     from protocol.models import ensure_smollm2_checkpoint
 

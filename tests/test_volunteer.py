@@ -74,6 +74,21 @@ def test_blocks_that_do_not_fit_stop_before_announcing(tiny_llama_path):
     assert "Serving blocks" not in log and "joining" not in log and "Traceback" not in log, log
 
 
+def test_the_cards_command_on_a_machine_with_no_room_stops_with_one_line(tiny_llama_path):
+    """The card's command (``--model`` alone, no --blocks/--num-blocks) where the weights are
+    reachable (a local checkpoint) but the device has no memory to spare: exit 2 with one line
+    saying not even one block fits and why, before joining the DHT or loading any weights."""
+    done = run_server("--model", str(tiny_llama_path), "--new-swarm", "--host", "127.0.0.1", "--assume-free-memory",
+                      "1KiB", "--torch-threads", "1")  # fmt: skip
+    log = done.stdout + done.stderr
+    assert done.returncode == 2, log
+    errors = [line for line in log.splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and "cannot serve here, not even one block fits: 0 of 6 blocks fit" in errors[0], log
+    assert "0.0 GiB free on cpu" in errors[0], errors[0]
+    for never in ("Serving blocks", "joining", "Listening on", "MiB of weights", "Traceback"):
+        assert never not in log, log
+
+
 # ---- moves -----------------------------------------------------------------------------------
 
 
@@ -108,7 +123,7 @@ def still_serves(model, servers, tiny_reference, span=(0, 3)) -> None:
 
 def test_a_failed_move_keeps_the_old_span_serving(move_swarm, tiny_reference, monkeypatch):
     from client import _loop
-    from server import span_server
+    from server import moves
 
     model, servers = move_swarm
     server = servers[0]
@@ -116,7 +131,7 @@ def test_a_failed_move_keeps_the_old_span_serving(move_swarm, tiny_reference, mo
     def broken_load(*args, **kwargs):
         raise RuntimeError("injected: the disk went away")
 
-    monkeypatch.setattr(span_server, "load_span", broken_load)
+    monkeypatch.setattr(moves, "load_span", broken_load)
     assert server.plan is not None and server.plan.fits_beside((0, 3), (3, 6))
     assert _loop.run(server.move_to(3, 6), timeout=120) is False  # loads beside the old span, fails
     still_serves(model, servers, tiny_reference)
@@ -126,7 +141,7 @@ def test_a_failed_move_that_freed_the_old_span_loads_it_again(move_swarm, tiny_r
     """Not room for both spans: the old one drains and is freed first; the new one fails to load,
     so the old one loads again and is announced online and accepting."""
     from client import _loop
-    from server import span_server
+    from server import moves
     from server.memory import MemoryPlan
 
     model, servers = move_swarm
@@ -138,7 +153,7 @@ def test_a_failed_move_that_freed_the_old_span_loads_it_again(move_swarm, tiny_r
     free = int((3 * sizes.block_bytes + sizes.embed_bytes + sizes.tail_bytes + cache) / 0.94)
     monkeypatch.setattr(server, "plan", MemoryPlan(6, free, sizes, plan.quant, 0, cache_tokens=2048))
     assert server.plan.fits(3, 6) and not server.plan.fits_beside((0, 3), (3, 6))
-    real_load, calls = span_server.load_span, []
+    real_load, calls = moves.load_span, []
 
     def fails_once(*args, **kwargs):
         calls.append(args[2:4])
@@ -146,7 +161,7 @@ def test_a_failed_move_that_freed_the_old_span_loads_it_again(move_swarm, tiny_r
             raise MemoryError("injected: out of memory while loading")
         return real_load(*args, **kwargs)
 
-    monkeypatch.setattr(span_server, "load_span", fails_once)
+    monkeypatch.setattr(moves, "load_span", fails_once)
     assert _loop.run(server.move_to(3, 6), timeout=240) is False
     assert calls == [(3, 6), (0, 3)]  # the target failed, the old span came back
     still_serves(model, servers, tiny_reference)
@@ -154,7 +169,7 @@ def test_a_failed_move_that_freed_the_old_span_loads_it_again(move_swarm, tiny_r
 
 def test_a_target_too_large_for_the_memory_is_refused(move_swarm, tiny_reference, monkeypatch):
     from client import _loop
-    from server import span_server
+    from server import moves
     from server.memory import MemoryPlan
 
     model, servers = move_swarm
@@ -164,7 +179,7 @@ def test_a_target_too_large_for_the_memory_is_refused(move_swarm, tiny_reference
     free = int((3 * sizes.block_bytes + sizes.embed_bytes + cache) / 0.94)  # 0:3 fits, 0:6 not
     monkeypatch.setattr(server, "plan", MemoryPlan(6, free, sizes, server.plan.quant, cache_tokens=2048))
     assert server.plan.fits(0, 3) and not server.plan.fits(0, 6)
-    monkeypatch.setattr(span_server, "load_span", lambda *a, **k: pytest.fail("a move that does not fit must not load"))
+    monkeypatch.setattr(moves, "load_span", lambda *a, **k: pytest.fail("a move that does not fit must not load"))
     assert _loop.run(server.move_to(0, 6), timeout=60) is False
     still_serves(model, servers, tiny_reference)
 

@@ -1,0 +1,103 @@
+"""The tail's drafter on a span: which one ``--drafter`` names, whether it fits, and its memory.
+
+A tail span may carry a drafter (server/tail_drafter.py, or DeepSeek-V4's own MTP module) that
+proposes ids from the final hidden states the tail already has. The memory plan keeps room for it
+(:func:`drafter_bytes`), and a span loaded where the plan leaves no room serves without one
+(:func:`attach_drafter_if_it_fits`): coverage first, drafting is only speed.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+from transformers import PretrainedConfig
+
+from server.adapters import SpanAdapter
+from server.memory import MemoryPlan
+from server.quantization import Quant
+from server.server_config import ServerConfig
+from server.weights import Checkpoint
+
+logger = logging.getLogger(__name__)
+
+
+def attach_drafter(span: SpanAdapter, config: ServerConfig, model_config: PretrainedConfig, checkpoint: Checkpoint) -> None:
+    """``--drafter``: give a tail span its tail drafter (server/tail_drafter.py). ``auto`` picks the
+    head committed for this model (matched by config fingerprint) and drafts nothing without one;
+    ``none`` never drafts; a path loads that head file, and a file that does not fit is an error.
+    A DeepSeek-V4 tail drafts with its checkpoint's own MTP module instead (server/adapters/deepseek_v4_mtp.py)."""
+    from server.tail_drafter import build_tail_drafter
+
+    span.drafter = None
+    if config.drafter == "none" or not span.is_tail:
+        return
+    if model_config.model_type == "deepseek_v4":
+        from server.adapters.deepseek_v4_mtp import build_mtp_drafter
+
+        span.drafter = build_mtp_drafter(span, model_config, checkpoint, config.drafter, max_drafts=config.drafter_tokens)
+        return
+    path = drafter_file(config, model_config)
+    if path is None:
+        logger.info("Tail drafter: none (no committed head for this model)")
+        return
+    span.drafter = build_tail_drafter(span, model_config, checkpoint, path, max_drafts=config.drafter_tokens)
+    logger.info(f"Tail drafter: {path} (up to {config.drafter_tokens} ids per run)")
+
+
+def drafter_file(config: ServerConfig, model_config: PretrainedConfig) -> Optional[str]:
+    """The head file ``--drafter`` names for a Llama-family tail (auto: the committed one, if any)."""
+    from server.adapters import adapter_class
+    from server.adapters.llama import LlamaFamilyAdapter
+    from server.tail_drafter import committed_drafter
+
+    llama = issubclass(adapter_class(model_config), LlamaFamilyAdapter)
+    if config.drafter == "auto":
+        path = committed_drafter(model_config) if llama else None
+        return None if path is None else str(path)
+    if not llama:
+        raise ValueError(f"--drafter {config.drafter}: tail drafters exist only for Llama-family models so far")
+    return config.drafter
+
+
+def attach_drafter_if_it_fits(
+    span: SpanAdapter, config: ServerConfig, model_config: PretrainedConfig, checkpoint: Checkpoint,
+    plan: Optional[MemoryPlan],
+) -> None:
+    """:func:`attach_drafter`, unless the memory plan leaves a tail of this length no room for the
+    drafter: then the span serves without one (coverage first, drafting is only speed)."""
+    if span.is_tail and plan is not None and config.drafter != "none" and not plan.fits(span.start, span.end):
+        span.drafter = None
+        logger.info(f"Tail drafter: none (blocks {span.start}:{span.end} leave no memory for it, by the memory plan)")
+        return
+    attach_drafter(span, config, model_config, checkpoint)
+
+
+def drafter_bytes(
+    config: ServerConfig, model_config: PretrainedConfig, checkpoint: Optional[Checkpoint], dtype: torch.dtype,
+    quant: Quant,
+) -> int:
+    """Memory the drafter of ``attach_drafter`` takes on a tail beyond its blocks (0: none), so that
+    the memory plan can keep room for it (MemoryPlan.tail_blocks). A file that cannot be read counts
+    0 here: loading it later says what is wrong. Without a ``checkpoint`` (``--plan-only`` before
+    any weights are reachable) the config alone decides."""
+    if config.drafter == "none":
+        return 0
+    if model_config.model_type == "deepseek_v4":
+        from server.adapters.deepseek_v4_mtp import mtp_bytes
+
+        return mtp_bytes(model_config, checkpoint, dtype, quant) if config.drafter == "auto" else 0
+    from safetensors import SafetensorError
+
+    from server.tail_drafter import drafter_file_bytes
+
+    path = drafter_file(config, model_config)
+    if path is None:
+        return 0
+    try:
+        tied = (bool(getattr(model_config, "tie_word_embeddings", False)) if checkpoint is None
+                else "lm_head.weight" not in checkpoint.weight_map())  # fmt: skip
+        return drafter_file_bytes(path, model_config, dtype, tied=tied)
+    except (OSError, SafetensorError):  # missing or no safetensors file: attach_drafter names it
+        return 0

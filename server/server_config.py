@@ -1,0 +1,54 @@
+"""What a volunteer server is asked to do: every option of ``python -m swarm.server``, as one value.
+
+Its own module so that the modules the server is built from (placement, moves, the tail's drafter)
+read it without importing the server's life cycle (server/span_server.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from protocol.limits import (
+    DEFAULT_MAX_POSITIONS_PER_STEP, DEFAULT_MAX_SESSIONS, DEFAULT_MAX_SESSIONS_PER_PEER, DEFAULT_MAX_UNREAD_MIB,
+)  # fmt: skip
+from server.batching import DEFAULT_GATHER_WINDOW
+from server.tail_drafter import DEFAULT_TAIL_DRAFTS
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model: str
+    initial_peers: Sequence[str] = ()
+    new_swarm: bool = False
+    blocks: Optional[tuple[int, int]] = None
+    num_blocks: Optional[int] = None
+    host: str = "0.0.0.0"
+    port: int = 0
+    announce_maddrs: Sequence[str] = ()
+    device: str = "auto"  # auto: cuda when available, else cpu
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on the CPU
+    quant: str = "auto"  # none|int8|nf4; auto: server.quantization.default_quant
+    public_name: Optional[str] = None
+    cache_tokens: Optional[int] = None
+    identity_path: Optional[str] = None
+    update_period: float = 15.0  # seconds between DHT refreshes; records live 3x as long
+    session_timeout: float = 600.0
+    compression: str = "none"
+    torch_threads: Optional[int] = None
+    dht_prefix: Optional[str] = None
+    drain_seconds: float = 30.0  # on shutdown or a move, open sessions get this long to finish
+    balance_period: float = 120.0  # seconds between checks whether another span helps the swarm more
+    assume_free_memory: Optional[int] = None  # bytes that stand in for the device's free memory in the plan
+    max_positions_per_step: int = DEFAULT_MAX_POSITIONS_PER_STEP  # a Step's positions; frames sized by it
+    max_sessions: int = DEFAULT_MAX_SESSIONS  # open sessions at most
+    max_sessions_per_peer: int = DEFAULT_MAX_SESSIONS_PER_PEER  # open sessions per upstream peer at most
+    max_session_tokens: Optional[int] = None  # one session's max_length at most; None: a fair share of the budget
+    max_unread_mib: int = DEFAULT_MAX_UNREAD_MIB  # results held for clients that have not read them (server/unread.py)
+    reachability: str = "auto"  # auto: ask initial peers to dial back; public; private (always through a relay)
+    drafter: str = "auto"  # the tail's drafter: auto (the committed head for this model, if any), none, or a file
+    drafter_tokens: int = DEFAULT_TAIL_DRAFTS  # ids the tail drafts per run at most
+    max_batch_positions: Optional[int] = None  # positions of one batched pass; None: what the memory plan's headroom holds
+    gather_window: float = DEFAULT_GATHER_WINDOW  # seconds a ready batch waits for more runs
+    batching: bool = True  # False: one run per pass through the span (for comparisons)
+    revision: Optional[str] = None  # a hub model's commit, branch or tag; None: the one the swarm serves, else main
