@@ -72,22 +72,29 @@ def span_blocks(span) -> range:
 MEMBERS = [(5, 1, None), (0, 7, None), (3, 4, [-1, 0, 0]), (9, 3, None), (2, 1, None), (12, 5, [-1, 0, 1, 0])]
 
 
+def _alone_and_together(span, seed: int):
+    """Each of MEMBERS through ``span`` alone ((output, cache) pairs), the same members (on twin
+    caches) and their outputs from one batched pass."""
+    alone, members = [], []
+    with single_torch_thread():
+        for i, (length, num_new, tree) in enumerate(MEMBERS):
+            cache = _filled_cache(span, length, seed=i)
+            twin = copy.deepcopy(cache)
+            ids = torch.randint(0, 1000, (1, num_new), generator=torch.Generator().manual_seed(seed + i))
+            hidden = span.embed(ids)
+            extra = {"tree": tree} if tree else {}
+            alone.append((span.forward(hidden, ids, length, cache, span_blocks(span), **extra), cache))
+            members.append(BatchMember(hidden, ids, length, twin, tree))
+        outputs = span.forward_batch(members, span_blocks(span))
+    return alone, members, outputs
+
+
 @pytest.mark.parametrize("quant", ["none", "int8", "nf4"])
 def test_a_batched_pass_gives_each_member_its_own_activations_and_cache(tiny_llama_path, whole_span, quant):
     """Quantized spans batch too: their linears take the packed row like any other."""
     if quant != "none":
         whole_span = _whole_span(tiny_llama_path, Quant(quant))
-    alone, members = [], []
-    with single_torch_thread():
-        for i, (length, num_new, tree) in enumerate(MEMBERS):
-            cache = _filled_cache(whole_span, length, seed=i)
-            twin = copy.deepcopy(cache)
-            ids = torch.randint(0, 1000, (1, num_new), generator=torch.Generator().manual_seed(100 + i))
-            hidden = whole_span.embed(ids)
-            extra = {"tree": tree} if tree else {}
-            alone.append((whole_span.forward(hidden, ids, length, cache, span_blocks(whole_span), **extra), cache))
-            members.append(BatchMember(hidden, ids, length, twin, tree))
-        outputs = whole_span.forward_batch(members, span_blocks(whole_span))
+    alone, members, outputs = _alone_and_together(whole_span, seed=100)
     for (expected, cache), got, member in zip(alone, outputs, members):
         assert got.shape == expected.shape
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)  # rounding of rows computed together
@@ -141,17 +148,7 @@ def test_sliding_window_spans_batch_a_pass_like_full_attention(sliding):
     equal its pass alone, with members past the window, a prefill longer than it and a tree."""
     span, _ = sliding
     assert span.windows == [None, None, 6, 6, 6, 6] and span.supports_trees
-    alone, members = [], []
-    with single_torch_thread():
-        for i, (length, num_new, tree) in enumerate(MEMBERS):
-            cache = _filled_cache(span, length, seed=i)
-            twin = copy.deepcopy(cache)
-            ids = torch.randint(0, 1000, (1, num_new), generator=torch.Generator().manual_seed(300 + i))
-            hidden = span.embed(ids)
-            extra = {"tree": tree} if tree else {}
-            alone.append((span.forward(hidden, ids, length, cache, span_blocks(span), **extra), cache))
-            members.append(BatchMember(hidden, ids, length, twin, tree))
-        outputs = span.forward_batch(members, span_blocks(span))
+    alone, members, outputs = _alone_and_together(span, seed=300)
     for (expected, cache), got, member in zip(alone, outputs, members):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
         for mine, theirs in zip(member.cache.layers, cache.layers):
