@@ -22,7 +22,7 @@ import sys
 import time
 from typing import Optional, Sequence
 
-from swarm import lifeline
+from swarm import lifeline, warm_start
 from swarm.cli_utils import setup_logging
 
 logger = logging.getLogger("swarm.local")
@@ -118,14 +118,17 @@ class LocalSwarm:
             self.start_api(self.api_port)
 
     def _popen(self, args: list[str], name: str, stdout=None) -> subprocess.Popen:
+        """``python -m args...`` in its own session (forked from a process that has imported torch,
+        transformers and hivemind already: swarm/warm_start.py); stderr to ``log_dir/name.log``."""
         stderr = None
         if self.log_dir:
             os.makedirs(self.log_dir, exist_ok=True)
             stderr = open(os.path.join(self.log_dir, f"{name}.log"), "w")
-        return subprocess.Popen(
-            [sys.executable, "-m", *args], stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL, start_new_session=True,
-            env=lifeline.child_env(),  # each child exits when this process is gone, even after a SIGKILL
-        )
+        try:  # each child exits when this process is gone, even after a SIGKILL
+            return warm_start.start(args[0], args[1:], env=lifeline.child_env(), stdout=stdout, stderr=stderr)
+        finally:
+            if stderr is not None:
+                stderr.close()  # the child has its own copy
 
     def _start_bootstrap(self) -> None:
         args = ["swarm.bootstrap", "--host", "127.0.0.1", "--port", "0", *self._log_level_args()]

@@ -67,7 +67,9 @@ def test_forward_of_a_padded_batch_gives_each_row_its_own_logits(tiny_model, tin
             alone = tiny_reference(torch.tensor([row])).logits[0]
         torch.testing.assert_close(out.logits[i][mask[i].bool()], alone, rtol=1e-4, atol=1e-4)
         assert not out.logits[i][~mask[i].bool()].any()  # padding gets zero logits
-    torch.testing.assert_close(last, out.logits[:, -2:])
+    # two separate passes: the server may pack each row with different company (server/batching.py),
+    # which changes the matmul shapes and so the last float bits; the same bound as against transformers
+    torch.testing.assert_close(last, out.logits[:, -2:], rtol=1e-4, atol=1e-4)
 
 
 def test_left_padded_batch_generates_what_transformers_generates(tiny_model, tiny_reference):

@@ -1,0 +1,207 @@
+"""``python -m`` processes forked from one that has already imported torch, transformers and hivemind.
+
+A ``python -m swarm.server`` spends 5-10 s of CPU importing torch, transformers and hivemind before
+it does anything of its own. A local swarm of three servers, a bootstrap node and a dashboard pays
+that five times, and the test suite starts well over a hundred such processes on two cores. Here
+the standard library's forkserver imports them once, and every process is a fork of it that runs
+its module as ``__main__``, as ``python -m`` does: its own pid and session (so ``killpg`` reaches
+its DHT process and libp2p daemon), its own arguments, environment, stdout, stderr and exit code.
+Only the imports are shared. ``SPECSWARM_COLD_START=1`` starts plain ``python -m`` processes instead.
+
+:class:`WarmProcess` offers what ``swarm.local`` and the tests use of ``subprocess.Popen``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import runpy
+import signal
+import subprocess
+import sys
+import threading
+import weakref
+from multiprocessing import context as mp_context, forkserver, popen_forkserver, reduction, spawn
+from typing import IO, Mapping, Optional, Sequence, Union
+
+ENV_COLD_START = "SPECSWARM_COLD_START"
+
+# What the forkserver imports once (an ImportError there is ignored: the child imports it again).
+# The model modules matter as much as the packages: transformers builds its lazy import table on
+# the first model class a process asks for (seconds of CPU on these machines).
+PRELOAD = [
+    "torch",
+    "transformers",
+    "hivemind",
+    "transformers.models.llama.modeling_llama",
+    "server.span_server",
+    "swarm.server",
+    "swarm.bootstrap",
+    "client.model",
+]
+
+Target = Union[None, int, IO]  # None: this process's own stream; subprocess.PIPE / DEVNULL; or an open file
+
+_lock = threading.Lock()  # one start at a time: _Popen swaps a function of multiprocessing while it starts
+_preloading = False
+_running: "weakref.WeakSet[WarmProcess]" = weakref.WeakSet()
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV_COLD_START, "") not in ("1", "true", "yes")
+
+
+class _Popen(popen_forkserver.Popen):
+    """Starts the child without this process's ``__main__``: multiprocessing would import it in the
+    child again, and a user's script without a main guard would run a second time there."""
+
+    def _launch(self, process_obj) -> None:
+        original = spawn.get_preparation_data
+
+        def without_main(name: str) -> dict:
+            data = original(name)
+            data.pop("init_main_from_name", None)
+            data.pop("init_main_from_path", None)
+            return data
+
+        spawn.get_preparation_data = without_main
+        try:
+            super()._launch(process_obj)
+        finally:
+            spawn.get_preparation_data = original
+
+
+class _Process(mp_context.ForkServerProcess):
+    @staticmethod
+    def _Popen(process_obj):
+        return _Popen(process_obj)
+
+
+def _ensure_preload() -> None:
+    global _preloading
+    if not _preloading:
+        forkserver.set_forkserver_preload(PRELOAD)
+        atexit.register(_kill_leftovers)  # runs before multiprocessing's own exit hook joins them
+        _preloading = True
+
+
+class _PassedFd:
+    """An open file descriptor sent to the forked child with the request that starts it (the
+    forkserver passes it over its Unix socket, as it does for multiprocessing's own pipes)."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        return _received_fd, (reduction.DupFd(self.fd),)
+
+
+def _received_fd(dup) -> int:
+    return dup.detach()
+
+
+def _run_module(module: str, argv: list[str], env: dict[str, str], fds: dict[int, int]) -> None:
+    """In the child: become what ``python -m module argv...`` would be, then run it."""
+    os.setsid()
+    sys.modules.pop(module, None)  # preloaded as a module; now it runs as __main__, as under python -m
+    for target, fd in fds.items():
+        os.dup2(fd, target)
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(env)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    sys.argv = [module, *argv]
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    finally:
+        # multiprocessing ends its children with os._exit: run what a normal interpreter exit runs
+        atexit._run_exitfuncs()
+
+
+class WarmProcess:
+    """A forked ``python -m module args``; the part of ``subprocess.Popen`` that launchers use."""
+
+    def __init__(
+        self, module: str, args: Sequence[str], *, env: Optional[Mapping[str, str]] = None,
+        stdout: Target = None, stderr: Target = None,
+    ):  # fmt: skip
+        self.args = [sys.executable, "-m", module, *args]
+        self.returncode: Optional[int] = None
+        self.stdout: Optional[IO[bytes]] = None
+        fds, close_after = {}, []
+        for target, where in ((1, stdout), (2, stderr)):
+            if where is None:
+                fds[target] = target
+            elif where == subprocess.PIPE:
+                read_end, write_end = os.pipe()
+                self.stdout = open(read_end, "rb")
+                fds[target] = write_end
+                close_after.append(write_end)
+            elif where == subprocess.DEVNULL:
+                fds[target] = os.open(os.devnull, os.O_WRONLY)
+                close_after.append(fds[target])
+            else:
+                fds[target] = where.fileno()
+        env = dict(os.environ if env is None else env)
+        process = _Process(
+            target=_run_module, args=(module, list(args), env, {t: _PassedFd(fd) for t, fd in fds.items()}),
+            name=module,
+        )  # fmt: skip
+        try:
+            with _lock:
+                _ensure_preload()
+                process.start()
+        finally:
+            for fd in close_after:
+                os.close(fd)
+        self._process = process
+        self.pid: int = process.pid
+        _running.add(self)
+
+    def poll(self) -> Optional[int]:
+        if self.returncode is None:
+            self.returncode = self._process.exitcode
+        return self.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        self._process.join(timeout)
+        if self.poll() is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def start(
+    module: str, args: Sequence[str], *, env: Optional[Mapping[str, str]] = None, stdout: Target = None,
+    stderr: Target = None,
+) -> Union[WarmProcess, subprocess.Popen]:
+    """``python -m module args``, forked from the warm forkserver unless ``SPECSWARM_COLD_START`` is set."""
+    if enabled():
+        return WarmProcess(module, args, env=env, stdout=stdout, stderr=stderr)
+    return subprocess.Popen(
+        [sys.executable, "-m", module, *args], stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL,
+        start_new_session=True, env=None if env is None else dict(env),
+    )  # fmt: skip
+
+
+def _kill_leftovers() -> None:
+    """At exit, SIGKILL the groups of forked processes still running: multiprocessing would
+    otherwise wait for every child it started before this interpreter may exit."""
+    for process in list(_running):
+        if process.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signal.SIGKILL)
+        with contextlib.suppress(Exception):
+            process.wait(timeout=5)
