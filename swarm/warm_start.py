@@ -20,9 +20,11 @@ import runpy
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import weakref
-from multiprocessing import context as mp_context, forkserver, popen_forkserver, reduction, spawn
+from multiprocessing import context as mp_context
+from multiprocessing import forkserver, popen_forkserver, reduction, spawn
 from typing import IO, Mapping, Optional, Sequence, Union
 
 ENV_COLD_START = "SPECSWARM_COLD_START"
@@ -45,6 +47,7 @@ Target = Union[None, int, IO]  # None: this process's own stream; subprocess.PIP
 
 _lock = threading.Lock()  # one start at a time: _Popen swaps a function of multiprocessing while it starts
 _preloading = False
+_server_env: dict[str, str] = {}
 _running: "weakref.WeakSet[WarmProcess]" = weakref.WeakSet()
 
 
@@ -79,8 +82,9 @@ class _Process(mp_context.ForkServerProcess):
 
 
 def _ensure_preload() -> None:
-    global _preloading
+    global _preloading, _server_env
     if not _preloading:
+        _server_env = dict(os.environ)  # what the forkserver starts with (it inherits this process's)
         forkserver.set_forkserver_preload(PRELOAD)
         atexit.register(_kill_leftovers)  # runs before multiprocessing's own exit hook joins them
         _preloading = True
@@ -101,17 +105,27 @@ def _received_fd(dup) -> int:
     return dup.detach()
 
 
-def _run_module(module: str, argv: list[str], env: dict[str, str], fds: dict[int, int]) -> None:
-    """In the child: become what ``python -m module argv...`` would be, then run it."""
+def _run_module(module: str, argv: list[str], env: dict[str, str], warm: bool, fds: dict[int, int],
+                cwd: Optional[str]) -> None:  # fmt: skip
+    """In the child: become what ``python -m module argv...`` would be, then run it. With
+    ``warm`` false (another environment than the forkserver's: HF_HOME, HF_HUB_OFFLINE, ...,
+    which libraries read once, at import) it executes a fresh interpreter instead."""
     os.setsid()
-    sys.modules.pop(module, None)  # preloaded as a module; now it runs as __main__, as under python -m
     for target, fd in fds.items():
         os.dup2(fd, target)
         os.close(fd)
-    os.environ.clear()
-    os.environ.update(env)
+    if cwd is not None:
+        os.chdir(cwd)
+    if not warm:
+        os.execve(sys.executable, [sys.executable, "-m", module, *argv], env)
+    from swarm.lifeline import ENV_VAR  # the one variable a launcher adds (read by our code at start)
+
+    os.environ.pop(ENV_VAR, None)
+    if ENV_VAR in env:
+        os.environ[ENV_VAR] = env[ENV_VAR]
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    sys.modules.pop(module, None)  # preloaded as a module; now it runs as __main__, as under python -m
     sys.argv = [module, *argv]
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
@@ -120,23 +134,35 @@ def _run_module(module: str, argv: list[str], env: dict[str, str], fds: dict[int
         atexit._run_exitfuncs()
 
 
+def _same_environment(env: Mapping[str, str]) -> bool:
+    """Whether ``env`` is the environment the forkserver started with, but for the lifeline."""
+    from swarm.lifeline import ENV_VAR
+
+    return {k: v for k, v in env.items() if k != ENV_VAR} == {k: v for k, v in _server_env.items() if k != ENV_VAR}
+
+
 class WarmProcess:
     """A forked ``python -m module args``; the part of ``subprocess.Popen`` that launchers use."""
 
     def __init__(
         self, module: str, args: Sequence[str], *, env: Optional[Mapping[str, str]] = None,
-        stdout: Target = None, stderr: Target = None,
+        stdout: Target = None, stderr: Target = None, cwd: Optional[str] = None, text: bool = False,
     ):  # fmt: skip
+        """``stdout``/``stderr``: None (this process's own), ``subprocess.PIPE``, ``DEVNULL``, an
+        open file, or for stderr ``subprocess.STDOUT``; ``text`` reads the pipes as str."""
         self.args = [sys.executable, "-m", module, *args]
         self.returncode: Optional[int] = None
-        self.stdout: Optional[IO[bytes]] = None
+        self.stdout: Optional[IO] = None
+        self.stderr: Optional[IO] = None
         fds, close_after = {}, []
         for target, where in ((1, stdout), (2, stderr)):
             if where is None:
                 fds[target] = target
+            elif where == subprocess.STDOUT and target == 2:
+                fds[2] = fds[1]
             elif where == subprocess.PIPE:
                 read_end, write_end = os.pipe()
-                self.stdout = open(read_end, "rb")
+                setattr(self, "stdout" if target == 1 else "stderr", open(read_end, "r" if text else "rb"))
                 fds[target] = write_end
                 close_after.append(write_end)
             elif where == subprocess.DEVNULL:
@@ -145,13 +171,12 @@ class WarmProcess:
             else:
                 fds[target] = where.fileno()
         env = dict(os.environ if env is None else env)
-        process = _Process(
-            target=_run_module, args=(module, list(args), env, {t: _PassedFd(fd) for t, fd in fds.items()}),
-            name=module,
-        )  # fmt: skip
+        passed = {t: _PassedFd(fd) for t, fd in fds.items()}
         try:
             with _lock:
                 _ensure_preload()
+                process = _Process(target=_run_module, name=module, args=(
+                    module, list(args), env, _same_environment(env), passed, None if cwd is None else str(cwd)))
                 process.start()
         finally:
             for fd in close_after:
@@ -185,15 +210,35 @@ class WarmProcess:
 
 def start(
     module: str, args: Sequence[str], *, env: Optional[Mapping[str, str]] = None, stdout: Target = None,
-    stderr: Target = None,
+    stderr: Target = None, cwd: Optional[str] = None, text: bool = False,
 ) -> Union[WarmProcess, subprocess.Popen]:
     """``python -m module args``, forked from the warm forkserver unless ``SPECSWARM_COLD_START`` is set."""
     if enabled():
-        return WarmProcess(module, args, env=env, stdout=stdout, stderr=stderr)
+        return WarmProcess(module, args, env=env, stdout=stdout, stderr=stderr, cwd=cwd, text=text)
     return subprocess.Popen(
         [sys.executable, "-m", module, *args], stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL,
-        start_new_session=True, env=None if env is None else dict(env),
+        start_new_session=True, env=None if env is None else dict(env), cwd=cwd, text=text,
     )  # fmt: skip
+
+
+def run(
+    module: str, args: Sequence[str], *, env: Optional[Mapping[str, str]] = None, cwd: Optional[str] = None,
+    timeout: Optional[float] = None,
+) -> subprocess.CompletedProcess:
+    """``subprocess.run([python, -m, module, *args], capture_output=True, text=True)``, warm: for
+    tests of a command line's output and exit code. On a timeout the process group is killed."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        process = start(module, args, env=env, stdout=out, stderr=err, cwd=cwd)
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            raise
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(process.args, process.returncode, out.read(), err.read())
 
 
 def _kill_leftovers() -> None:

@@ -14,7 +14,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import pytest
 import torch
 
-from swarm import lifeline
+from swarm import lifeline, warm_start
 from protocol.dht import make_dht
 from protocol.dht_records import fetch_servers
 from swarm.local import LocalSwarm
@@ -23,6 +23,9 @@ from protocol.routing import RoutePlanner, RouteHop
 from tests.checkpoints import build_tiny_llama
 
 lifeline.install_fork_hook()  # the DHT processes (and p2pd) of pytest's clients die with it, even on SIGKILL
+# The suite's swarms also run quantized and DeepSeek-V4 servers (4-5 s of imports each on 2 cores):
+# the forkserver that every LocalSwarm forks from imports those once too (swarm/warm_start.py).
+warm_start.PRELOAD += ["bitsandbytes", "server.adapters.deepseek_v4", "server.int8_weight"]
 
 SERVER_ARGS = ["--torch-threads", "1", "--update-period", "5", "--log-level", "INFO"]
 

@@ -33,7 +33,7 @@ from server.adapters.deepseek_v4_cache import RollbackTooDeep
 from server.memory import GiB, blocks_that_fit, model_sizes, plan_blocks
 from server.quantization import Quant, resident_bytes
 from server.weights import Checkpoint
-from swarm import lifeline
+from swarm import lifeline, warm_start
 from protocol.models import ensure_smollm2_checkpoint, resolve_model
 from tests.conftest import SERVER_ARGS, last_use, single_torch_thread
 from tests.test_exactness import PROMPT, ScriptedDrafter, reference_sample
@@ -401,10 +401,9 @@ def test_server_without_network_fails_fast_naming_the_repo(tmp_path):
 
 
 def test_server_without_blocks_takes_what_fits_and_says_so(v4_path):
-    process = subprocess.Popen(
-        [sys.executable, "-m", "swarm.server", "--model", str(v4_path), "--new-swarm", "--host", "127.0.0.1",
-         "--torch-threads", "1"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=Path(__file__).resolve().parent.parent,
+    process = warm_start.start(
+        "swarm.server", ["--model", str(v4_path), "--new-swarm", "--host", "127.0.0.1", "--torch-threads", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(Path(__file__).resolve().parent.parent),
         env=lifeline.child_env(),  # exits if pytest is killed
     )  # fmt: skip
     lines = []

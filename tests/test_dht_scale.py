@@ -1,4 +1,4 @@
-"""Twenty real hivemind DHT peers on loopback (one p2pd each) holding signed server records: a
+"""Ten real hivemind DHT peers on loopback (one p2pd each) holding signed server records: a
 client reads every valid record and none of the hostile ones, and still reads the live servers'
 records after a fifth of the peers vanish at once (``benchmarks/dht_scale.py`` measures the same
 swarm at larger sizes).
@@ -18,7 +18,7 @@ import pytest
 
 pytestmark = pytest.mark.timeout(600)
 
-PEERS, SERVERS, BLOCKS = 20, 40, 61
+PEERS, SERVERS, BLOCKS = 10, 20, 61  # benchmarks/dht_scale.py goes to hundreds
 
 
 def scenario(keys_path: str) -> dict:
@@ -40,7 +40,7 @@ def scenario(keys_path: str) -> dict:
         client = swarm.client()
         seen = lambda: {s.peer_id for s in fetch_servers(client, MODEL, BLOCKS)}  # noqa: E731
         before = seen()
-        victims = list(range(PEERS - PEERS // 5, PEERS))  # 4 peers, never the client's entry point
+        victims = list(range(PEERS - PEERS // 5, PEERS))  # never the client's entry point
         alive = {info.peer_id for i, info in enumerate(honest) if i % PEERS not in victims}
         swarm.vanish(victims)
         deadline = time.monotonic() + 120
@@ -52,12 +52,12 @@ def scenario(keys_path: str) -> dict:
         swarm.shutdown()
 
 
-def test_twenty_dht_peers_serve_every_record_and_survive_a_fifth_vanishing(tmp_path):
+def test_ten_dht_peers_serve_every_record_and_survive_a_fifth_vanishing(tmp_path):
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         facts = pool.submit(scenario, str(tmp_path / "identities.msgpack")).result(timeout=540)
-    assert len(facts["hostile"]) == 4 and len(facts["honest"]) == 36
+    assert len(facts["hostile"]) >= 1 and len(facts["honest"]) + len(facts["hostile"]) == SERVERS
     assert facts["before"] == facts["honest"]  # every valid record, none of the hostile ones
-    assert facts["victims"] == 4
+    assert facts["victims"] == PEERS // 5
     missing = facts["alive"] - facts["after"]
     assert not missing, f"{len(missing)} live servers no longer listed after 4 of {PEERS} peers vanished"
     assert facts["after"] <= facts["honest"]

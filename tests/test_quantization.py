@@ -31,6 +31,7 @@ from server.span_server import resolve_device, resolve_dtype
 from server.weights import Checkpoint
 from protocol.config import ENV_INITIAL_PEERS, resolve_initial_peers
 from protocol.dht_records import fetch_servers
+from swarm import warm_start
 from swarm.local import LocalSwarm
 from tests.conftest import SERVER_ARGS, PinnedRoute, last_use
 from tests.test_deepseek_v4 import build_tiny_deepseek_v4, quantize_like_deepseek
@@ -123,11 +124,8 @@ def test_server_refuses_a_quantization_it_cannot_run_at_start(tiny_llama_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     began = time.monotonic()
-    result = subprocess.run(
-        [sys.executable, "-m", "swarm.server", "--model", str(tiny_llama_path), "--new-swarm", "--quant", "nf4",
-         "--device", "cuda", "--host", "127.0.0.1"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    result = warm_start.run("swarm.server", ["--model", str(tiny_llama_path), "--new-swarm", "--quant", "nf4",
+                                             "--device", "cuda", "--host", "127.0.0.1"], timeout=120)  # fmt: skip
     assert result.returncode != 0
     assert "CUDA is not available" in result.stderr and "Traceback" not in result.stderr, result.stderr
     assert time.monotonic() - began < 60

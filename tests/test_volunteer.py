@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from transformers import AutoConfig
 from protocol.models import shipped_config_dir
 from server.memory import GiB, plan_blocks
 from server.quantization import Quant
+from swarm import warm_start
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -42,8 +42,9 @@ def test_v4_pro_nf4_plan_on_consumer_and_datacenter_cards(v4_pro_config, free_gi
 
 
 def run_server(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "swarm.server", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT, env={**os.environ, **(env or {})})  # fmt: skip
+    """``python -m swarm.server args`` (forked warm, swarm/warm_start.py; a fresh interpreter when
+    ``env`` changes anything)."""
+    return warm_start.run("swarm.server", args, timeout=timeout, cwd=str(ROOT), env={**os.environ, **(env or {})})
 
 
 def test_plan_only_answers_offline_without_weights(tmp_path):
