@@ -105,24 +105,35 @@ def _received_fd(dup) -> int:
     return dup.detach()
 
 
-def _run_module(module: str, argv: list[str], env: dict[str, str], warm: bool, fds: dict[int, int],
-                cwd: Optional[str]) -> None:  # fmt: skip
-    """In the child: become what ``python -m module argv...`` would be, then run it. With
-    ``warm`` false (another environment than the forkserver's: HF_HOME, HF_HUB_OFFLINE, ...,
-    which libraries read once, at import) it executes a fresh interpreter instead."""
+# Variables that the preloaded libraries read once, at import (cache folders, offline switches,
+# thread counts, log levels): a child asked for other values of these starts a fresh interpreter.
+# Every other difference (PYTEST_CURRENT_TEST, the lifeline's pid, our own SPECSWARM_* settings,
+# read when used) is applied to the warm child's environment.
+READ_AT_IMPORT = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TORCH", "PYTORCH_", "CUDA_", "OMP_", "MKL_", "KMP_",
+                  "BNB_", "BITSANDBYTES_", "TOKENIZERS_", "HIVEMIND_", "PYTHON", "XDG_", "HOME", "LD_")  # fmt: skip
+
+
+def _environment_change(env: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
+    """What ``env`` sets and removes relative to the environment the forkserver started with."""
+    return ({k: v for k, v in env.items() if _server_env.get(k) != v}, [k for k in _server_env if k not in env])
+
+
+def _run_module(module: str, argv: list[str], env: dict[str, str], change: tuple[dict[str, str], list[str]],
+                fds: dict[int, int], cwd: Optional[str]) -> None:  # fmt: skip
+    """In the child: become what ``python -m module argv...`` would be, then run it. ``change``:
+    what ``env`` sets and removes relative to the forkserver's environment (the parent knows it)."""
     os.setsid()
     for target, fd in fds.items():
         os.dup2(fd, target)
         os.close(fd)
     if cwd is not None:
         os.chdir(cwd)
-    if not warm:
+    sets, removes = change
+    if any(k.startswith(READ_AT_IMPORT) for k in [*sets, *removes]):
         os.execve(sys.executable, [sys.executable, "-m", module, *argv], env)
-    from swarm.lifeline import ENV_VAR  # the one variable a launcher adds (read by our code at start)
-
-    os.environ.pop(ENV_VAR, None)
-    if ENV_VAR in env:
-        os.environ[ENV_VAR] = env[ENV_VAR]
+    for key in removes:
+        os.environ.pop(key, None)
+    os.environ.update(sets)  # what the imports set themselves (TORCHINDUCTOR_CACHE_DIR, ...) stays
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     sys.modules.pop(module, None)  # preloaded as a module; now it runs as __main__, as under python -m
@@ -132,13 +143,6 @@ def _run_module(module: str, argv: list[str], env: dict[str, str], warm: bool, f
     finally:
         # multiprocessing ends its children with os._exit: run what a normal interpreter exit runs
         atexit._run_exitfuncs()
-
-
-def _same_environment(env: Mapping[str, str]) -> bool:
-    """Whether ``env`` is the environment the forkserver started with, but for the lifeline."""
-    from swarm.lifeline import ENV_VAR
-
-    return {k: v for k, v in env.items() if k != ENV_VAR} == {k: v for k, v in _server_env.items() if k != ENV_VAR}
 
 
 class WarmProcess:
@@ -175,8 +179,9 @@ class WarmProcess:
         try:
             with _lock:
                 _ensure_preload()
-                process = _Process(target=_run_module, name=module, args=(
-                    module, list(args), env, _same_environment(env), passed, None if cwd is None else str(cwd)))
+                process = _Process(target=_run_module, name=module,
+                                   args=(module, list(args), env, _environment_change(env), passed,
+                                         None if cwd is None else str(cwd)))  # fmt: skip
                 process.start()
         finally:
             for fd in close_after:
