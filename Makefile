@@ -35,7 +35,7 @@ netns-tools:
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends iproute2 nftables)
 
 test: setup browser systemd-analyze netns-tools
-	$(PYTHON) -m pytest tests -n 2 --dist loadgroup
+	$(PYTHON) -m pytest tests
 
 bench-drafter: setup
 	$(PYTHON) -m benchmarks.drafter_micro

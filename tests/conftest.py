@@ -77,31 +77,6 @@ class LastUse:
 last_use = LastUse()
 
 
-SHARED_SWARMS = ("tiny_swarm", "smol_swarm", "limits_swarm")
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (``make test`` runs ``-n 2 --dist loadgroup``) a file's tests run on one
-    worker, and so do all the files that share a session swarm: each worker would otherwise start
-    its own copy of the swarm, and a module-scoped one would start once per worker."""
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-    groups: dict[str, str] = {}  # file -> group, merged through the shared swarms its tests use
-
-    def find(name: str) -> str:
-        while groups.get(name, name) != name:
-            name = groups[name]
-        return name
-
-    for item in items:
-        file = item.nodeid.split("::")[0]
-        for swarm in SHARED_SWARMS:
-            if swarm in getattr(item, "fixturenames", ()):
-                groups[find(file)] = find(swarm)
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(find(item.nodeid.split("::")[0])))
-
-
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: Optional[pytest.Item]):
     yield
