@@ -1,8 +1,9 @@
 """``python -m swarm.local --model smollm2-135m --servers 3``: a whole swarm on 127.0.0.1.
 
-Starts a bootstrap node and N servers splitting the blocks evenly (as separate processes, exactly
-as volunteers would run them) and a health dashboard, prints the initial peers and the
-dashboard's URL, and stops everything on Ctrl-C or SIGTERM; if the launcher is killed outright
+Starts a bootstrap node and N servers splitting the blocks evenly (as separate processes, each
+running the same ``__main__`` a volunteer's ``python -m`` runs, forked from one that has imported
+torch, transformers and hivemind once: ``swarm/warm_start.py``) and a health dashboard, prints
+the initial peers and the dashboard's URL, and stops everything on Ctrl-C or SIGTERM; if the launcher is killed outright
 (SIGKILL), everything it started exits on its own within seconds (``swarm/lifeline.py``). With
 ``--prompt`` it also generates from the prompt with speculation and prints the text, tokens/s and
 laps, then exits. With ``--hop-delay-ms D`` every server sits behind a TCP delay proxy
