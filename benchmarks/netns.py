@@ -49,6 +49,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
+from swarm import lifeline
+
 FAMILY = "ssbed"  # every testbed's namespaces start with this, then the creating process's pid
 SWITCH = "sw"
 DEFAULT_SUBNET = "10.77.0.0/24"
@@ -303,6 +305,8 @@ class Testbed:
         if self._closed:
             raise RuntimeError("the testbed is closed")
         popen_kwargs.setdefault("stdin", subprocess.DEVNULL)
+        # our CLIs exit when this process is gone, even when it dies without running close()
+        popen_kwargs.setdefault("env", lifeline.child_env())
         popen_kwargs["start_new_session"] = True
         process = subprocess.Popen(["ip", "netns", "exec", self.ns(name), *argv], **popen_kwargs)
         self.processes.append(process)
