@@ -22,7 +22,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import weakref
 from multiprocessing import context as mp_context
 from multiprocessing import forkserver, popen_forkserver, reduction, spawn
 from typing import IO, Mapping, Optional, Sequence, Union
@@ -48,7 +47,7 @@ Target = Union[None, int, IO]  # None: this process's own stream; subprocess.PIP
 _lock = threading.Lock()  # one start at a time: _Popen swaps a function of multiprocessing while it starts
 _preloading = False
 _server_env: dict[str, str] = {}
-_running: "weakref.WeakSet[WarmProcess]" = weakref.WeakSet()
+_running: "set[WarmProcess]" = set()  # strong: multiprocessing holds each child until exit anyway
 
 
 def enabled() -> bool:
