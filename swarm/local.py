@@ -3,11 +3,11 @@
 Starts a bootstrap node and N servers splitting the blocks evenly (as separate processes, each
 running the same ``__main__`` a volunteer's ``python -m`` runs, forked from one that has imported
 torch, transformers and hivemind once: ``swarm/warm_start.py``) and a health dashboard, prints
-the initial peers and the dashboard's URL, and stops everything on Ctrl-C or SIGTERM; if the launcher is killed outright
-(SIGKILL), everything it started exits on its own within seconds (``swarm/lifeline.py``). With
-``--prompt`` it also generates from the prompt with speculation and prints the text, tokens/s and
-laps, then exits. With ``--hop-delay-ms D`` every server sits behind a TCP delay proxy
-(WAN emulation), so one lap crosses servers + 1 delayed links.
+the initial peers and the dashboard's URL, and stops everything on Ctrl-C or SIGTERM; if the
+launcher is killed outright (SIGKILL), everything it started exits on its own within seconds
+(``swarm/lifeline.py``). With ``--prompt`` it also generates from the prompt with speculation and
+prints the text, tokens/s and laps, then exits. With ``--hop-delay-ms D`` every server sits behind
+a TCP delay proxy (WAN emulation), so one lap crosses servers + 1 delayed links.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import Optional, Sequence
 
 from swarm import lifeline, warm_start
 from swarm.cli_utils import setup_logging
+from swarm.warm_start import Started, kill_group  # kill_group is also imported from here by tests and benchmarks
 
 logger = logging.getLogger("swarm.local")
 
@@ -75,13 +76,13 @@ class LocalSwarm:
         self.log_dir = log_dir
         self.names = list(names) if names else None
         self.dashboard_port = dashboard_port  # None: no dashboard; 0: any free port
-        self.dashboard: Optional[subprocess.Popen] = None
+        self.dashboard: Optional[Started] = None
         self.dashboard_url = ""
         self.api_port = api_port  # None: no OpenAI-compatible gateway; 0: any free port
-        self.api: Optional[subprocess.Popen] = None
+        self.api: Optional[Started] = None
         self.api_url = ""
-        self.bootstrap: Optional[subprocess.Popen] = None
-        self.servers: list[subprocess.Popen] = []
+        self.bootstrap: Optional[Started] = None
+        self.servers: list[Started] = []
         self.proxies: list = []
         self.initial_peers: list[str] = []
         self.dht_name = ""
@@ -118,7 +119,7 @@ class LocalSwarm:
         if self.api_port is not None:
             self.start_api(self.api_port)
 
-    def _popen(self, args: list[str], name: str, stdout=None) -> subprocess.Popen:
+    def _popen(self, args: list[str], name: str, stdout=None) -> Started:
         """``python -m args...`` in its own session (forked from a process that has imported torch,
         transformers and hivemind already: swarm/warm_start.py); stderr to ``log_dir/name.log``."""
         stderr = None
@@ -147,7 +148,7 @@ class LocalSwarm:
     def start_server(
         self, start: Optional[int], end: Optional[int], name: str = "server", extra: Sequence[str] = (),
         launcher: Optional[Sequence[str]] = None,
-    ) -> subprocess.Popen:
+    ) -> Started:
         """Start one server of blocks start:end; with start=None and end=N it serves N blocks
         wherever the swarm needs them most (``--num-blocks``). ``launcher``: the module (and its
         options) run with ``python -m`` (default: the swarm's)."""
@@ -242,17 +243,6 @@ class LocalSwarm:
         for proxy in self.proxies:
             proxy.stop()
         self.proxies.clear()
-
-
-def kill_group(process: subprocess.Popen) -> None:
-    """SIGKILL a process and everything it started (its DHT process, the libp2p daemon): a server
-    killed alone would leave those running."""
-    if getattr(process, "group_reaped", False):  # its id may be a stranger's by now
-        return
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
-    process.group_reaped = True
 
 
 def run_demo(swarm: LocalSwarm, prompt: str, max_new_tokens: int, speculation: Optional[str]) -> None:

@@ -212,10 +212,13 @@ class WarmProcess:
         self.send_signal(signal.SIGKILL)
 
 
+Started = Union[WarmProcess, subprocess.Popen]  # what start() returns: warm, or cold when disabled
+
+
 def start(
     module: str, args: Sequence[str], *, env: Optional[Mapping[str, str]] = None, stdout: Target = None,
     stderr: Target = None, cwd: Optional[str] = None, text: bool = False,
-) -> Union[WarmProcess, subprocess.Popen]:
+) -> Started:
     """``python -m module args``, forked from the warm forkserver unless ``SPECSWARM_COLD_START`` is set."""
     if enabled():
         return WarmProcess(module, args, env=env, stdout=stdout, stderr=stderr, cwd=cwd, text=text)
@@ -236,13 +239,22 @@ def run(
         try:
             process.wait(timeout)
         except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+            kill_group(process)
             raise
         out.seek(0)
         err.seek(0)
         return subprocess.CompletedProcess(process.args, process.returncode, out.read(), err.read())
+
+
+def kill_group(process: Started) -> None:
+    """SIGKILL a process and everything it started (its DHT process, the libp2p daemon): a server
+    killed alone would leave those running."""
+    if getattr(process, "group_reaped", False):  # its id may be a stranger's by now
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    process.group_reaped = True
 
 
 def _kill_leftovers() -> None:
@@ -250,7 +262,4 @@ def _kill_leftovers() -> None:
     otherwise wait for every child it started before this interpreter may exit."""
     for process in list(_running):
         if process.poll() is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(process.pid, signal.SIGKILL)
-        with contextlib.suppress(Exception):
-            process.wait(timeout=5)
+            kill_group(process)

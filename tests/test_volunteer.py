@@ -43,7 +43,7 @@ def test_v4_pro_nf4_plan_on_consumer_and_datacenter_cards(v4_pro_config, free_gi
 
 def run_server(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """``python -m swarm.server args`` (forked warm, swarm/warm_start.py; a fresh interpreter when
-    ``env`` changes anything)."""
+    ``env`` changes a variable that libraries read at import, such as HF_HOME)."""
     return warm_start.run("swarm.server", args, timeout=timeout, cwd=str(ROOT), env={**os.environ, **(env or {})})
 
 
