@@ -13,6 +13,7 @@ import asyncio
 import copy
 from concurrent.futures import ThreadPoolExecutor
 
+import bitsandbytes as bnb
 import pytest
 import torch
 from transformers import AutoConfig
@@ -72,12 +73,12 @@ def span_blocks(span) -> range:
 MEMBERS = [(5, 1, None), (0, 7, None), (3, 4, [-1, 0, 0]), (9, 3, None), (2, 1, None), (12, 5, [-1, 0, 1, 0])]
 
 
-def _alone_and_together(span, seed: int):
-    """Each of MEMBERS through ``span`` alone ((output, cache) pairs), the same members (on twin
-    caches) and their outputs from one batched pass."""
+def _alone_and_together(span, seed: int, members_spec=MEMBERS):
+    """Each of ``members_spec`` through ``span`` alone ((output, cache) pairs), the same members
+    (on twin caches) and their outputs from one batched pass."""
     alone, members = [], []
     with single_torch_thread():
-        for i, (length, num_new, tree) in enumerate(MEMBERS):
+        for i, (length, num_new, tree) in enumerate(members_spec):
             cache = _filled_cache(span, length, seed=i)
             twin = copy.deepcopy(cache)
             ids = torch.randint(0, 1000, (1, num_new), generator=torch.Generator().manual_seed(seed + i))
@@ -95,13 +96,47 @@ def test_a_batched_pass_gives_each_member_its_own_activations_and_cache(tiny_lla
     if quant != "none":
         whole_span = _whole_span(tiny_llama_path, Quant(quant))
     alone, members, outputs = _alone_and_together(whole_span, seed=100)
+    _assert_each_member_got_its_own(whole_span, alone, outputs, members)
+
+
+def _assert_each_member_got_its_own(span, alone, outputs, members):
     for (expected, cache), got, member in zip(alone, outputs, members):
         assert got.shape == expected.shape
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)  # rounding of rows computed together
-        assert whole_span.cache_length(member.cache) == whole_span.cache_length(cache)
+        assert span.cache_length(member.cache) == span.cache_length(cache)
         for mine, theirs in zip(member.cache.layers, cache.layers):
             torch.testing.assert_close(mine.keys, theirs.keys, rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(mine.values, theirs.values, rtol=1e-4, atol=1e-4)
+
+
+# DeepSeek-V4 runs chains only (no token trees): decode steps, a prefill past the sliding window of
+# 8 and across compression windows, drafts
+V4_MEMBERS = [(5, 1, None), (0, 11, None), (3, 4, None), (9, 3, None), (14, 1, None)]
+
+
+@pytest.mark.parametrize("quant", ["int8", "nf4"])
+def test_a_quantized_deepseek_v4_pass_gives_each_member_its_own_activations_and_cache(tiny_v4_path, quant):
+    """The packed V4 pass (server/adapters/deepseek_v4_batch.py) over bitsandbytes-quantized experts
+    and projections: each member gets what the same quantized span gives it alone, caches included
+    (the compressor's and indexer's state is part of what the next lap reads)."""
+    span = _whole_span(tiny_v4_path, Quant(quant))
+    assert any(isinstance(m, (bnb.nn.Linear8bitLt, bnb.nn.Linear4bit)) for m in span.layers.modules())
+    alone, members, outputs = _alone_and_together(span, seed=300, members_spec=V4_MEMBERS)
+    _assert_each_member_got_its_own(span, alone, outputs, members)
+    for member, (_, cache) in zip(members, alone):  # the next lap reads the whole cache state
+        torch.testing.assert_close(_cache_tensors(member.cache), _cache_tensors(cache), rtol=1e-4, atol=1e-4)
+
+
+def _cache_tensors(cache) -> list[torch.Tensor]:
+    """Every tensor a cache object holds, in a fixed order (V4's layers keep compressor and indexer
+    state beside keys and values)."""
+    found = []
+    for layer in cache.layers:
+        for name in sorted(vars(layer)):
+            value = getattr(layer, name)
+            if isinstance(value, torch.Tensor):
+                found.append(value)
+    return found
 
 
 def test_a_member_cancelled_between_blocks_leaves_without_disturbing_the_others(whole_span):
@@ -236,14 +271,19 @@ def test_sixteen_sessions_through_the_scheduler_each_get_what_transformers_gives
 
 
 @pytest.fixture(scope="module")
-def tiny_v4(tmp_path_factory):
-    """A tiny random DeepSeek-V4 (tests/test_deepseek_v4.py), its whole-model span and transformers."""
-    from transformers import DeepseekV4ForCausalLM
-
+def tiny_v4_path(tmp_path_factory):
+    """A tiny random DeepSeek-V4 checkpoint (tests/test_deepseek_v4.py)."""
     from tests.test_deepseek_v4 import build_tiny_deepseek_v4
 
-    path = build_tiny_deepseek_v4(tmp_path_factory.mktemp("v4") / "v4")
-    return _whole_span(path), DeepseekV4ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return build_tiny_deepseek_v4(tmp_path_factory.mktemp("v4") / "v4")
+
+
+@pytest.fixture(scope="module")
+def tiny_v4(tiny_v4_path):
+    """The tiny DeepSeek-V4's whole-model span and transformers."""
+    from transformers import DeepseekV4ForCausalLM
+
+    return _whole_span(tiny_v4_path), DeepseekV4ForCausalLM.from_pretrained(tiny_v4_path, dtype=torch.float32).eval()
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(do_sample=True, temperature=0.8, top_p=0.9, seed=11)],
