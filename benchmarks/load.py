@@ -89,6 +89,42 @@ def tree_rss(pid: int) -> int:
     return total
 
 
+def tree_cpu(pid: int) -> float:
+    """CPU seconds (user + system) used so far by a process and every live process it started."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0.0
+    total = 0.0
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            times = p.cpu_times()
+            total += times.user + times.system
+    return total
+
+
+def client_cpu(servers: list[int]) -> float:
+    """CPU seconds of this process (the client and its sessions) and of the processes it started
+    that are not servers (its DHT process and libp2p daemon), the forkserver's subtree excluded."""
+    me = psutil.Process()
+    total = sum(me.cpu_times()[:2])
+    server_side = set(servers)
+    for child in me.children():
+        with contextlib.suppress(psutil.NoSuchProcess):
+            tree = [child, *child.children(recursive=True)]
+            if server_side.isdisjoint(p.pid for p in tree):
+                total += tree_cpu(child.pid)
+    return total
+
+
+def cpu_snapshot(server_pids: list[int]) -> dict[str, float]:
+    busy = psutil.cpu_times()
+    return dict(servers=sum(tree_cpu(pid) for pid in server_pids), client=client_cpu(server_pids),
+                machine_busy=busy.user + busy.system + busy.nice + getattr(busy, "irq", 0) + getattr(busy, "softirq", 0),
+                at=time.perf_counter())  # fmt: skip
+
+
 class Sampler(threading.Thread):
     """Samples every server's tree RSS and its record's free_cache_tokens while the load runs."""
 
@@ -183,6 +219,17 @@ def batching_counters(log_dir: str, names: list[str]) -> dict[str, tuple[int, in
     return counters
 
 
+def cpu_row(before: dict[str, float], after: dict[str, float], tokens: int) -> dict:
+    """Where a cell's CPU went: seconds of the cell's three servers (with their DHT processes and
+    libp2p daemons) and of the client, the machine's busy fraction over its cores, and the CPU
+    milliseconds each generated token cost in all."""
+    wall = after["at"] - before["at"]
+    servers, client = after["servers"] - before["servers"], after["client"] - before["client"]
+    return dict(cpu_servers_s=servers, cpu_client_s=client,
+                machine_busy=(after["machine_busy"] - before["machine_busy"]) / (wall * psutil.cpu_count()),
+                cpu_ms_per_token=1000 * (servers + client) / max(1, tokens))  # fmt: skip
+
+
 def phase_row(results: list[dict], expected: list[list[int]], wall: float, before: dict, after: dict) -> dict:
     """One (delay, batching, mode, sessions) cell: throughput, laps and what the servers batched."""
     ok = [r for r in results if r["error"] is None]
@@ -223,13 +270,14 @@ def batching_main(args, rows: list[list[int]], expected: list[list[int]]) -> Non
                                                        names=names, log_dir=log_dir))  # fmt: skip
                 model = batching_client(args, swarm, rows[0])
                 stack.callback(model.shutdown)
-                arms.append((batching, window, log_dir, model))
+                arms.append((batching, window, log_dir, model, [process.pid for process in swarm.servers]))
             time.sleep(REPORT_PERIOD + 1.5)  # the servers' counters before the first phase are logged
-            counters = {log_dir: batching_counters(log_dir, names) for _, _, log_dir, _ in arms}
+            counters = {log_dir: batching_counters(log_dir, names) for _, _, log_dir, _, _ in arms}
             for mode in args.modes:
                 for count in args.counts:
-                    for batching, window, log_dir, model in arms:
-                        row = batching_phase(args, model, rows[:count], expected[:count], mode, log_dir, names, counters)
+                    for batching, window, log_dir, model, pids in arms:
+                        row = batching_phase(args, model, rows[:count], expected[:count], mode, log_dir, names, counters,
+                                             pids)  # fmt: skip
                         row.update(delay_ms=delay, batching=batching, gather_window_ms=window if batching else None,
                                    speculation=mode)  # fmt: skip
                         cells.append(row)
@@ -237,7 +285,10 @@ def batching_main(args, rows: list[list[int]], expected: list[list[int]]) -> Non
                         print(f"{delay:>3g} ms  batching {arm:<17} {mode:<6} {count:>2} sessions: "
                               f"{row['aggregate_tps']:6.1f} tok/s in all, {row['per_session_tps']:5.1f} per session, lap p50 "
                               f"{row['lap_p50_ms']:.0f} ms p95 {row['lap_p95_ms']:.0f} ms, {row['positions_per_pass']:.1f} "
-                              f"positions/pass, {row['identical']}/{count} identical", flush=True)  # fmt: skip
+                              f"positions/pass, {row['identical']}/{count} identical; CPU: servers "
+                              f"{row['cpu_servers_s']:.1f} s, client {row['cpu_client_s']:.1f} s, machine "
+                              f"{100 * row['machine_busy']:.0f}% busy, {row['cpu_ms_per_token']:.0f} ms/token",
+                              flush=True)  # fmt: skip
                         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
                         Path(args.out).write_text(json.dumps(dict(model=args.model, new_tokens=args.tokens, cells=cells), indent=1))
     print(batching_table(cells))
@@ -252,17 +303,23 @@ def batching_client(args, swarm: LocalSwarm, warm_row: list[int]):
     return model
 
 
-def batching_phase(args, model, rows, expected, mode: str, log_dir: str, names: list[str], counters: dict) -> dict:
+def batching_phase(args, model, rows, expected, mode: str, log_dir: str, names: list[str], counters: dict,
+                   server_pids: list[int]) -> dict:  # fmt: skip
     """One cell: ``rows`` as concurrent sessions on one swarm; its servers' counters are diffed
-    against the last ones logged (``counters``, updated)."""
+    against the last ones logged (``counters``, updated), and the CPU its servers and the client
+    used is measured over the cell."""
     from server.batching import REPORT_PERIOD
 
+    cpu_before = cpu_snapshot(server_pids)
     t0 = time.perf_counter()
     results = asyncio.run(load(model, rows, args.tokens, None if mode == "none" else mode))
     wall = time.perf_counter() - t0
+    cpu_after = cpu_snapshot(server_pids)
     time.sleep(REPORT_PERIOD + 1.5)  # this phase's last counters are logged
     before, counters[log_dir] = counters[log_dir], batching_counters(log_dir, names)
-    return phase_row(results, expected, wall, before, counters[log_dir])
+    row = phase_row(results, expected, wall, before, counters[log_dir])
+    row.update(cpu_row(cpu_before, cpu_after, row["tokens"]))
+    return row
 
 
 def batching_table(cells: list[dict]) -> str:

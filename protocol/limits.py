@@ -53,6 +53,10 @@ MIN_DEFAULT_SESSION_TOKENS = 2048
 # SUBSCRIBE_TIMEOUT for its session; at most max_sessions Subscribes wait at once, max_sessions_per_peer per peer
 SESSIONLESS_TIMEOUT = 30.0
 SUBSCRIBE_TIMEOUT = 60.0
+# the most seconds a server's ready batch waits for runs of its other open sessions (server/batching.py;
+# docs/benchmarks.md, "Batching sessions at a server": on an idle 2-core machine 5 ms gave 16-32
+# sessions 1.3-1.4x the tokens/s of no window)
+DEFAULT_GATHER_WINDOW = 0.005
 
 
 def default_max_session_tokens(cache_tokens: int) -> int:

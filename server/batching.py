@@ -12,9 +12,10 @@ run order. The scheduler's loop:
      mask (``SpanAdapter.forward_batch``); at the tail, the first logits row of every run is
      computed in one call of the LM head;
   3) hands each finished run its output (activations for the next hop, or the verdict).
-A batch never waits for a late run: it starts with what is ready (after ``gather_window``
-seconds, default 0). A run cancelled while waiting or between blocks leaves the batch; the others
-go on.
+A batch never waits for a late run: it starts with what is ready, after at most ``gather_window``
+seconds (default 5 ms) spent waiting for runs of the server's other open sessions; it starts at
+once when every open session already has a run waiting (a session alone never waits). A run
+cancelled while waiting or between blocks leaves the batch; the others go on.
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ import asyncio
 import logging
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
+from protocol.limits import DEFAULT_GATHER_WINDOW
 from server.adapters import SpanAdapter, SpanCancelled
 from server.adapters.base import BatchMember
 from server.memory import DEFAULT_MAX_BATCH_POSITIONS
@@ -34,7 +36,6 @@ from server.session import QueuedRun, ServerSession, begin_run, finish_run, firs
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_GATHER_WINDOW = 0.0  # seconds a batch waits for more runs once one is ready (docs/benchmarks.md)
 REPORT_PERIOD = 5.0  # seconds between log lines of the batching counters (when they changed)
 
 
@@ -79,11 +80,17 @@ class BatchScheduler:
         *,
         max_batch_positions: int = DEFAULT_MAX_BATCH_POSITIONS,
         gather_window: float = DEFAULT_GATHER_WINDOW,
+        open_sessions: Optional[Callable[[], int]] = None,
     ):
+        """``open_sessions``: how many sessions are open at the server now (the handler's count);
+        the gather window ends once each of them has a run waiting. None: the window always runs
+        to its end."""
         if max_batch_positions < 1 or gather_window < 0:
             raise ValueError(f"max_batch_positions must be >= 1 and gather_window >= 0, got {max_batch_positions}, {gather_window}")
         self.span, self.executor = span, executor
         self.max_batch_positions, self.gather_window = max_batch_positions, gather_window
+        self.open_sessions = open_sessions
+        self._arrived = asyncio.Event()  # set by every run handed in (the gather window watches it)
         self.enabled = True  # False: one run per pass (what every server did before; benchmarks compare)
         self._waiting: list[Job] = []  # arrival order
         self._ready = asyncio.Event()
@@ -109,14 +116,30 @@ class BatchScheduler:
         future = asyncio.get_running_loop().create_future()
         self._waiting.append(Job(session, run, future))
         self._ready.set()
+        self._arrived.set()
         return await future
+
+    async def _gather(self) -> None:
+        """Wait up to ``gather_window`` for runs of the other open sessions, and not at all once
+        every open session has a run waiting: whom the batch could still gain is known."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.gather_window
+        while self.open_sessions is None or len({id(job.session) for job in self._waiting}) < self.open_sessions():
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), remaining)
+            except asyncio.TimeoutError:
+                return
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             await self._ready.wait()
             if self.gather_window:
-                await asyncio.sleep(self.gather_window)
+                await self._gather()
             batch = self._take()  # 1) what is ready, in arrival order, within the cap
             if not batch:
                 self._ready.clear()

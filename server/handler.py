@@ -111,7 +111,7 @@ class SessionHandler:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="span-compute")
         # every session's runs go through the span together (server/batching.py)
         self.batches = BatchScheduler(span, self._executor, max_batch_positions=max_batch_positions,
-                                      gather_window=gather_window)  # fmt: skip
+                                      gather_window=gather_window, open_sessions=lambda: len(self.sessions))  # fmt: skip
         self.accepting = True
         self.stats = {"runs": 0, "cancelled_runs": 0, "sessions_opened": 0, "accepted_tokens": 0,
                       "cancelled_queued": 0, "cancelled_running": 0, "cancelled_computed": 0,

@@ -9,7 +9,8 @@ import sys
 
 from protocol.compression import CODECS
 from protocol.limits import (
-    DEFAULT_MAX_POSITIONS_PER_STEP, DEFAULT_MAX_SESSIONS, DEFAULT_MAX_SESSIONS_PER_PEER, DEFAULT_MAX_UNREAD_MIB,
+    DEFAULT_GATHER_WINDOW, DEFAULT_MAX_POSITIONS_PER_STEP, DEFAULT_MAX_SESSIONS, DEFAULT_MAX_SESSIONS_PER_PEER,
+    DEFAULT_MAX_UNREAD_MIB,
 )  # fmt: skip
 from protocol.version import PROTOCOL_VERSION
 from swarm.cli_utils import parse_blocks, parse_size, setup_logging, stop_event_on_signals
@@ -76,8 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most positions one batched pass through the span computes; sessions' runs beyond it wait "
                    "in arrival order, long prefills are cut into chunks (default: what the memory plan's headroom holds, "
                    "at most 1024)")
-    p.add_argument("--gather-window-ms", type=float, default=0.0,
-                   help="how long a ready batch waits for more sessions' runs before it starts (default 0: never waits)")
+    p.add_argument("--gather-window-ms", type=float, default=1000 * DEFAULT_GATHER_WINDOW,
+                   help="the most a ready batch waits for runs of the server's other open sessions; it starts at once "
+                   "when each open session has a run waiting, so a session alone never waits (0: never waits)")
     p.add_argument("--no-batching", action="store_true",
                    help="compute one session's run per pass through the span (for comparisons)")
     p.add_argument("--max-sessions", type=int, default=DEFAULT_MAX_SESSIONS, help="open sessions at most")

@@ -347,6 +347,44 @@ def test_a_run_cancelled_while_waiting_leaves_and_its_session_goes_on(whole_span
     assert result.next_token == truth[0]
 
 
+def test_the_gather_window_waits_for_other_open_sessions_only(whole_span):
+    """With a long gather window, a session alone is computed at once; with two open sessions the
+    first run waits for the second, both go through one pass, and the pass starts as soon as the
+    second arrives, not at the window's end."""
+    window = 30.0  # seconds: far longer than the test could wait
+
+    def step(session: ServerSession) -> QueuedRun:
+        run = Step(session_id=session.session_id, run_id=1, start_pos=0, token_ids=[5, 6, 7], sampling=GREEDY)
+        session.check_step(run, None, whole_span)
+        session.accept(run)
+        return QueuedRun(run, None)
+
+    async def main():
+        executor = ThreadPoolExecutor(1)
+        sessions: dict[str, ServerSession] = {}
+        scheduler = BatchScheduler(whole_span, executor, gather_window=window, open_sessions=lambda: len(sessions))
+        scheduler.start()
+        try:
+            sessions["a"] = ServerSession("a", 64, [Hop("p", 0, whole_span.end)], 0, whole_span.new_cache())
+            await asyncio.wait_for(scheduler.compute(sessions["a"], step(sessions["a"])), 20)  # alone: no wait
+            assert scheduler.stats["batches"] == 1
+            del sessions["a"]  # closed (an idle open session would hold a pass for the whole window)
+            sessions["b"] = ServerSession("b", 64, [Hop("p", 0, whole_span.end)], 0, whole_span.new_cache())
+            sessions["c"] = ServerSession("c", 64, [Hop("p", 0, whole_span.end)], 0, whole_span.new_cache())
+            first = asyncio.ensure_future(scheduler.compute(sessions["b"], step(sessions["b"])))
+            await asyncio.sleep(0.3)
+            assert not first.done()  # waits for "c", whose session is open
+            second = scheduler.compute(sessions["c"], step(sessions["c"]))
+            await asyncio.wait_for(asyncio.gather(first, second), 20)  # started on arrival, not after 30 s
+            assert scheduler.stats["batches"] == 2 and scheduler.stats["max_batch_runs"] == 2
+        finally:
+            scheduler.stop()
+            executor.shutdown()
+
+    with single_torch_thread():
+        asyncio.run(main())
+
+
 # ---- 16 client sessions through two servers ---------------------------------------------------------
 
 
