@@ -47,7 +47,8 @@ async def _store_many(dht: DHT, node: DHTNode, keys, subkeys, values, expiration
 
 
 def fetch_servers(
-    dht: DHT, model: str, num_blocks: int, latest: bool = True, *, read_blocks: Optional[int] = None
+    dht: DHT, model: str, num_blocks: int, latest: bool = True, *, read_blocks: Optional[int] = None,
+    blocks: Optional[Sequence[int]] = None,
 ) -> list[ServerInfo]:
     """Every valid, unexpired record of ``model``; one entry per server (not per block).
 
@@ -55,7 +56,9 @@ def fetch_servers(
     no config, a number it capped at ``MAX_MODEL_BLOCKS``; never a claim read from the swarm):
     records whose span leaves ``0..num_blocks``, or whose fields fail the bounds of
     :class:`ServerInfo`, are dropped (logged at DEBUG). ``read_blocks`` reads only the keys of the
-    first blocks (default: all ``num_blocks``).
+    first blocks (default: all ``num_blocks``); ``blocks`` only the keys of these blocks (those
+    outside ``0..num_blocks`` skipped): a reader that needs two blocks' servers should not pay for
+    a lookup of every block (each key is a full DHT search).
 
     A server that changed its span (a move, a second choice while joining) leaves its older
     record under the blocks it left until that expires, so the newest record wins: the one that
@@ -63,7 +66,10 @@ def fetch_servers(
     if not 0 < num_blocks <= MAX_MODEL_BLOCKS:
         raise ValueError(f"num_blocks must be in 1..{MAX_MODEL_BLOCKS}, got {num_blocks}")
     read = num_blocks if read_blocks is None else max(0, min(read_blocks, num_blocks))
-    keys = [block_key(model, block) for block in range(read)]
+    chosen = range(read) if blocks is None else sorted({b for b in blocks if 0 <= b < read})
+    keys = [block_key(model, block) for block in chosen]
+    if not keys:
+        return []
     found = dht.run_coroutine(partial(_get_many, keys=keys, latest=latest))
     servers: dict[str, tuple[float, ServerInfo]] = {}
     for key in keys:

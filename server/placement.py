@@ -23,10 +23,13 @@ from server.memory import MemoryPlan
 from server.server_config import ServerConfig
 
 
-def fetch_same_model(dht: hivemind.DHT, mine: ServerInfo, total: int) -> list[ServerInfo]:
+def fetch_same_model(
+    dht: hivemind.DHT, mine: ServerInfo, total: int, blocks: Optional[Sequence[int]] = None
+) -> list[ServerInfo]:
     """The records placement counts: servers of this exact model (config and weights revision);
-    another revision under the same name covers no block for us."""
-    servers = fetch_servers(dht, mine.model, total)
+    another revision under the same name covers no block for us. ``blocks``: read only these
+    blocks' keys (default: every block)."""
+    servers = fetch_servers(dht, mine.model, total, blocks=blocks)
     return [s for s in servers if (s.config_fingerprint, s.revision) == (mine.config_fingerprint, mine.revision)]
 
 

@@ -39,7 +39,7 @@ from server.placement import check_requested_blocks, choose_blocks, fetch_same_m
 from server.quantization import resident_bytes, resolve_quant
 from server.reachability import ProbeService, start_server_dht
 from server.server_config import ServerConfig
-from server.upkeep import measure_next_pings
+from server.upkeep import measure_next_pings, upkeep_blocks
 from server.weights import Checkpoint
 
 logger = logging.getLogger(__name__)
@@ -227,11 +227,14 @@ class SpanServer(SpanMoves):
         while True:
             await asyncio.sleep(self.config.update_period)
             try:
-                servers = await loop.run_in_executor(None, fetch_same_model, self.dht, self.info, self.span.num_blocks)
+                total = self.span.num_blocks
+                rebalance = self.config.blocks is None and loop.time() - last_balance > self.config.balance_period
+                blocks = None if rebalance else upkeep_blocks(self.info, total)  # every block only to rebalance
+                servers = await loop.run_in_executor(None, fetch_same_model, self.dht, self.info, total, blocks)
                 self.handler.known_servers = {s.peer_id: s for s in servers}  # upstream servers vs clients
                 pings = await measure_next_pings(self.handler.p2p, self.info, servers)
                 self.info = msgspec.structs.replace(self.info, next_pings=pings)
-                if self.config.blocks is None and loop.time() - last_balance > self.config.balance_period:
+                if rebalance:
                     last_balance = loop.time()
                     await self._maybe_move(servers)
             except Exception as e:  # the DHT or a peer misbehaving must not stop the announcements

@@ -20,6 +20,15 @@ logger = logging.getLogger(__name__)
 MAX_PINGED = 8  # next servers measured per refresh
 
 
+def upkeep_blocks(me: ServerInfo, total: int) -> list[int]:
+    """The blocks whose records a refresh needs when it does not rebalance: the block before ours
+    (servers that hand sessions to us: ``SessionHandler.known_servers``) and the block after ours
+    (the next servers, whose RTTs the record carries). Reading every block each period made each
+    server search all of the model's keys every 15 s, which with 24 servers on one machine kept the
+    DHT processes and their daemons busier than the models (docs/scale.md, "Churn")."""
+    return [b for b in (me.start_block - 1, me.end_block) if 0 <= b < total]
+
+
 def next_servers(me: ServerInfo, servers: Sequence[ServerInfo]) -> list[ServerInfo]:
     """Servers a route could hand over to after this one: those holding the block after ours."""
     return [

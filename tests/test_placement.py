@@ -86,3 +86,36 @@ def test_a_claimed_start_time_of_zero_outranks_nobody():
         later = msgspec.structs.replace(liar, started_at=2e9)
         assert outranks(later, me) == outranks(liar, me)  # the claim time changes nothing
         assert rivals(me, [], [liar]) == ([liar] if outranks(liar, me) else [])
+
+
+# ---- what a refresh reads -------------------------------------------------------------------------
+
+
+class KeysAsked:
+    """A stand-in for the DHT's lookup: records the keys a read asks for, answers nothing."""
+
+    def __init__(self):
+        self.keys: list[list[str]] = []
+
+    def run_coroutine(self, call, return_future=False):
+        self.keys.append(list(call.keywords["keys"]))
+        return {}
+
+
+def test_a_refresh_reads_only_the_blocks_beside_its_span_and_rebalancing_reads_all():
+    """Every key is a full DHT search, so a refresh that does not rebalance reads two: the block
+    before the span (servers that forward sessions to it) and the block after (the next servers it
+    pings); the head and the tail read one, a whole-model server none."""
+    from protocol.dht_records import block_key
+    from server.placement import fetch_same_model
+    from server.upkeep import upkeep_blocks
+
+    assert upkeep_blocks(srv("M", 2, 5), TOTAL) == [1, 5]
+    assert upkeep_blocks(srv("H", 0, 4), TOTAL) == [4]
+    assert upkeep_blocks(srv("T", 4, 8), TOTAL) == [3]
+    assert upkeep_blocks(srv("W", 0, 8), TOTAL) == []
+    dht, me = KeysAsked(), srv("M", 2, 5)
+    assert fetch_same_model(dht, me, TOTAL, upkeep_blocks(me, TOTAL)) == []
+    assert fetch_same_model(dht, srv("W", 0, 8), TOTAL, []) == [] and len(dht.keys) == 1  # nothing to read: no search
+    fetch_same_model(dht, me, TOTAL)  # rebalancing: the whole model
+    assert dht.keys == [[block_key("m", 1), block_key("m", 5)], [block_key("m", b) for b in range(TOTAL)]]
