@@ -73,8 +73,9 @@ def references(source: str, rows: list[list[int]], tokens: int) -> list[list[int
     return [cache[k] for k in keys]
 
 
-def tree_rss(pid: int) -> int:
-    """Resident bytes of a process and every process it started (DHT process, p2pd)."""
+def _tree_sum(pid: int, measure) -> float:
+    """``measure`` summed over a process and every live process it started (DHT process, p2pd);
+    processes that exit meanwhile count 0."""
     try:
         root = psutil.Process(pid)
         procs = [root, *root.children(recursive=True)]
@@ -82,26 +83,19 @@ def tree_rss(pid: int) -> int:
         return 0
     total = 0
     for p in procs:
-        try:
-            total += p.memory_info().rss
-        except psutil.NoSuchProcess:
-            pass
+        with contextlib.suppress(psutil.NoSuchProcess):
+            total += measure(p)
     return total
+
+
+def tree_rss(pid: int) -> int:
+    """Resident bytes of a process and every process it started."""
+    return int(_tree_sum(pid, lambda p: p.memory_info().rss))
 
 
 def tree_cpu(pid: int) -> float:
     """CPU seconds (user + system) used so far by a process and every live process it started."""
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0.0
-    total = 0.0
-    for p in procs:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            times = p.cpu_times()
-            total += times.user + times.system
-    return total
+    return float(_tree_sum(pid, lambda p: sum(p.cpu_times()[:2])))
 
 
 def client_cpu(servers: list[int]) -> float:
