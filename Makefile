@@ -128,7 +128,7 @@ bench-step-bytes: setup
 bench-scale: setup
 	$(PYTHON) -m benchmarks.scale --sweep --out benchmarks/results/scale.json
 
-# hivemind DHT peers on loopback (one p2pd each) holding 1,000 signed server records (docs/scale.md);
+# hivemind DHT peers on loopback (one p2pd each, spread over one process per 10 peers) holding 1,000 signed server records (docs/scale.md);
 # PEERS=50 needs ~2.5 GiB
 PEERS ?= 20
 bench-dht-scale: setup
@@ -139,7 +139,7 @@ bench-dashboard-scale: setup browser
 	$(PYTHON) -m benchmarks.dashboard_scale --servers 1000 --screenshot docs/dashboard-1000.png
 
 # servers of SmolLM2 (--num-blocks 3 to 5) SIGKILLed/SIGTERMed and replaced every 20 s while 4 clients
-# generate (docs/scale.md "Churn"); the issue's size is 24 servers for 10 minutes (~1 GiB RSS each)
+# generate (docs/scale.md "Churn"); the issue's size is 24 servers for 10 minutes (~0.43 GiB PSS each, forked warm)
 CHURN_SERVERS ?= 24
 CHURN_MINUTES ?= 10
 bench-churn: setup
