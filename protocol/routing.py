@@ -173,7 +173,7 @@ class MaxFlowRouter(RoutePlanner):
         return self._load[peer_id]
 
     def _count(self, route: Sequence[RouteHop], delta: int) -> None:
-        """Sessions count once per server even if a route visits it twice."""
+        """Sessions count once per server."""
         for peer_id in {hop.peer_id for hop in route}:
             self._load[peer_id] = max(0, self._load[peer_id] + delta)
         self._sessions = max(0, self._sessions + delta)
@@ -473,7 +473,27 @@ def _hops(back: Mapping, last: tuple[str, str, int]) -> list[RouteHop]:
             hops.append([peer_id, block, block])
         else:
             hops[-1][2] = block
-    return [RouteHop(peer_id, a, b) for peer_id, a, b in hops]
+    return _once_per_server([RouteHop(peer_id, a, b) for peer_id, a, b in hops])
+
+
+def _once_per_server(route: list[RouteHop]) -> list[RouteHop]:
+    """The route with every server in one hop: a server that appears twice (it hands off to
+    another and gets the token back further on) computes everything between its two visits itself.
+
+    A server keys its sessions by session id, so a second OpenSession of the same session reaches
+    it as ``session_exists`` and the generation fails (seen in the 24-server churn run, docs/scale.md).
+    Its span is contiguous and holds both visits' blocks, so it holds every block between them, and
+    the merged route has fewer hand-offs."""
+    hops = list(route)
+    while True:
+        first: dict[str, int] = {}
+        for k, hop in enumerate(hops):
+            i = first.setdefault(hop.peer_id, k)
+            if i != k:
+                hops[i : k + 1] = [RouteHop(hop.peer_id, hops[i].start, hop.end)]
+                break
+        else:
+            return hops
 
 
 def _no_route_error(

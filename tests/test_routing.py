@@ -283,3 +283,18 @@ def test_an_empty_read_is_not_reported_as_missing_servers():
     with pytest.raises(NoRouteError, match="returned no server records") as e:
         MaxFlowRouter().plan([], 0, 4)
     assert e.value.missing_blocks == [0, 1, 2, 3] and "?" not in str(e.value)
+
+
+def test_a_route_visits_each_server_once():
+    """A slow server A holding every block and a fast B holding the middle ones, with cheap
+    measured links both ways: handing the middle to B and taking it back is the fastest path, but a
+    server keys sessions by id, so a second visit would open the same session there twice
+    (``session_exists``). A computes the whole stretch between its visits itself instead."""
+    servers = [
+        srv("A", 0, 8, throughput=1.0, next_pings={"B": 0.0001}),
+        srv("B", 2, 5, throughput=1000.0, next_pings={"A": 0.0001}),
+    ]
+    route = MaxFlowRouter().plan(servers, 0, 8, client_rtts={"A": 0.0001, "B": 0.0001})
+    assert_valid(route, servers, 0, 8)
+    peers = [hop.peer_id for hop in route]
+    assert len(peers) == len(set(peers)), route
