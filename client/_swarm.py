@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 RTT_TTL = 60.0  # seconds a measured client->server RTT is trusted
 PING_TIMEOUT = 2.0
+SUSPECT_SECONDS = 60.0  # a route's servers stay suspects this long after a fault nobody can be blamed for
 MAX_SUSPECT_SUBSETS = 64  # routing plans tried to avoid suspects before routing over them all
 
 
@@ -97,7 +98,10 @@ class SwarmClient:
         self.max_route_attempts = max_route_attempts
         self.route_retry_delay = route_retry_delay
         self.excluded = ExclusionList()
-        self.suspects = ExclusionList()  # on a route that failed with no hop to blame: avoided while others exist
+        # on a route that failed with no hop to blame (or on hearsay): avoided while others exist; longer
+        # than an exclusion, so that the accuser is still avoided when an accused hop that missed a
+        # ping comes back (a soft preference: it costs nothing where no other route exists)
+        self.suspects = ExclusionList(base_seconds=SUSPECT_SECONDS)
         self._rtts: dict[str, tuple[float, float]] = {}  # peer id -> (measured at, RTT seconds)
         self.meter = ThroughputMeter()  # what each server delivered to this client
         self._records: dict[str, ServerInfo] = {}  # peer id -> the record the last route was planned from
@@ -202,16 +206,20 @@ class SwarmClient:
         tail's own verdict) excludes that server. Anything else (an ErrorReply, which any hop may
         have written about anyone; a silent timeout; a rewritten Step) is checked by pinging every
         hop: those that do not answer are excluded, and if all answer, every hop becomes a suspect
-        (a black hole answers pings), which routes avoid for a while where they can."""
+        (a black hole answers pings), which routes avoid for a while where they can. After hearsay
+        the hops that did answer become suspects even when another missed its ping: an accused
+        server busy for a few seconds must not leave its accuser trusted (seen: the accused tail
+        excluded, then the accuser routed again once that exclusion ended)."""
         if error.peer_id and not error.hearsay and not isinstance(error, RouteFault):
             self.exclude(error.peer_id)
             return [error.peer_id]
         dead = await self.unresponsive(route)
         for peer_id in dead:
             self.exclude(peer_id)
-        if not dead:
+        if not dead or error.hearsay:
             for hop in route:
-                self.suspects.add(hop.peer_id)
+                if hop.peer_id not in dead:
+                    self.suspects.add(hop.peer_id)
             logger.info(f"No hop to blame for {error}: avoiding the route's {len(route)} servers for a while")
         return dead
 
