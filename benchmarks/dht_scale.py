@@ -29,6 +29,12 @@ The client's ``fetch_servers`` and the hosts' ``announce`` are the real function
 their ``DHTNode`` through :class:`LoopDHT`, which runs their coroutines on the nodes' loop as
 ``hivemind.DHT.run_coroutine`` runs them in its own process.
 
+Each p2pd is a Go program of ~55 MiB at 12 peers, ~75 MiB at 100 and ~100 MiB at 200 (its
+connections), so 200 do not fit in 23 GiB beside their workers (docs/scale.md). ``GOMEMLIMIT``
+in the environment (the Go runtime's soft limit, inherited by every p2pd hivemind starts) trades
+memory for collections; below the working set (64 MiB at 200 peers) the runtime collects without
+pause and the daemons take the CPU. The JSON records the value (``gomemlimit``).
+
 RSA keys for the servers take ~0.1-0.3 s each to make, so they are made once and kept in
 ``~/.cache/specswarm/dht_scale_identities.msgpack``.
 """
@@ -624,6 +630,7 @@ def measure(
     result: dict[str, Any] = {
         "peers": peers, "servers": servers, "blocks": blocks, "processes": processes,
         "update_period_s": period if refresh else None,
+        "gomemlimit": os.environ.get("GOMEMLIMIT"),  # the Go runtime's soft memory limit, inherited by every p2pd
     }  # fmt: skip
     try:
         began = time.monotonic()

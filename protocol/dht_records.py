@@ -6,6 +6,7 @@ every block key of a span at once instead of one round trip per block.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from functools import partial
@@ -23,6 +24,14 @@ from protocol.records import (
 )  # fmt: skip
 
 logger = logging.getLogger(__name__)
+
+# Block keys one DHT lookup asks for. hivemind asks a peer about sqrt(keys) keys a request and the
+# peer answers with every value it holds under them, each up to MAX_RECORD_BYTES (64 KB: a hostile
+# record may be that large); past p2pd's 4 MiB a message hivemind sends no answer at all (its error
+# reply fails to build), so the reader waits out its timeout and reads those keys as missing. All
+# 61 keys in one lookup asked 7 a request, and with 1,000 servers (10% hostile) the readers stalled
+# (docs/scale.md, "100 and 200 peers"); lookups of 8 keys ask 2 a request.
+KEYS_PER_LOOKUP = 8
 
 
 def announce(
@@ -86,8 +95,14 @@ def fetch_servers(
 
 
 async def _get_many(dht: DHT, node: DHTNode, keys: Sequence[str], latest: bool) -> dict:
+    """Every key's entry, looked up ``KEYS_PER_LOOKUP`` keys at a time, the lookups all at once."""
     sufficient = float("inf") if latest else None  # latest: keep searching for the freshest value
-    return await node.get_many(keys, sufficient_expiration_time=sufficient, num_workers=8)
+    groups = [keys[i : i + KEYS_PER_LOOKUP] for i in range(0, len(keys), KEYS_PER_LOOKUP)]
+    found: dict = {}
+    lookups = (node.get_many(group, sufficient_expiration_time=sufficient, num_workers=8) for group in groups)
+    for entries in await asyncio.gather(*lookups):
+        found.update(entries)
+    return found
 
 
 def fetch_model_registry(dht: DHT, known: Optional[Mapping[str, int]] = None) -> dict[str, Optional[int]]:

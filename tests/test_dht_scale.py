@@ -61,3 +61,45 @@ def test_ten_dht_peers_serve_every_record_and_survive_a_fifth_vanishing(tmp_path
     missing = facts["alive"] - facts["after"]
     assert not missing, f"{len(missing)} live servers no longer listed after {facts['victims']} of {PEERS} peers vanished"
     assert facts["after"] <= facts["honest"]
+
+
+
+def big_answers(keys: int, subkeys: int, value_bytes: int) -> dict:
+    """Runs in a child process: one DHT peer holds ``keys`` block keys, each with ``subkeys``
+    values of ``value_bytes``; a client-mode peer reads them all with the readers' lookup."""
+    import asyncio
+
+    from hivemind.dht.node import DHTNode
+    from hivemind.utils import get_dht_time
+
+    from protocol.dht_records import _get_many
+    from protocol.records import block_key
+
+    async def run() -> dict:
+        server = await DHTNode.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        client = await DHTNode.create(initial_peers=await server.protocol.p2p.get_visible_maddrs(), client_mode=True)
+        try:
+            names = [block_key("big-model", block) for block in range(keys)]
+            for subkey in range(subkeys):
+                await server.store_many(names, [b"x" * value_bytes] * keys, expiration_time=get_dht_time() + 300,
+                                        subkeys=[f"server-{subkey}"] * keys)  # fmt: skip
+            began = time.monotonic()
+            found = await _get_many(None, client, names, latest=True)
+            took = time.monotonic() - began
+            complete = sum(1 for n in names if found.get(n) is not None and len(found[n].value) == subkeys)
+            return {"keys": keys, "complete": complete, "seconds": round(took, 2)}
+        finally:
+            await client.shutdown()
+            await server.shutdown()
+
+    return asyncio.run(run())
+
+
+def test_every_key_of_a_large_lookup_is_read():
+    """16 block keys of 20 values of 60 KB (as Sybils could store: each below the validators' 64 KB
+    cap). hivemind asks a peer for sqrt(keys) keys a request, 4 here, and an answer of 4.8 MB is
+    past p2pd's 4 MiB per message: it never comes, and those keys read as missing. The readers
+    look keys up 8 at a time, so a request asks for 2 (2.4 MB an answer)."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        facts = pool.submit(big_answers, 16, 20, 60_000).result(timeout=240)
+    assert facts["complete"] == 16, facts
