@@ -1,7 +1,8 @@
 """Ten real hivemind DHT peers on loopback (one p2pd each) holding signed server records: a
 client reads every valid record and none of the hostile ones, and still reads the live servers'
 records after a fifth of the peers vanish at once (``benchmarks/dht_scale.py`` measures the same
-swarm at larger sizes).
+swarm at larger sizes); and a lookup of many keys whose answers would pass p2pd's message limit
+is still answered (the readers' ``KEYS_PER_LOOKUP``).
 
 The peers run on an asyncio loop in a thread of their own process, started here with ``spawn``:
 pytest's own process then keeps no DHT threads or daemons (CPython 3.11's AST check misfires
