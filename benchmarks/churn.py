@@ -299,7 +299,7 @@ def references(source: str, rows: list[list[int]], tokens: int, seeds: Sequence[
 
 def _references(model, rows: list[list[int]], tokens: int, seeds: Sequence[int]) -> dict[tuple[str, int], list[int]]:
     from protocol.messages import SamplingParams
-    from protocol.sampling import choose_token
+    from tests.test_exactness import reference_sample
 
     eos = model.config.eos_token_id
     eos = set([eos] if isinstance(eos, int) else eos or [])
@@ -307,12 +307,7 @@ def _references(model, rows: list[list[int]], tokens: int, seeds: Sequence[int])
     out = {}
     for k, row in enumerate(rows):
         for kind, params in (("greedy", SamplingParams()), ("sampled", SamplingParams(**sampling, seed=seeds[k]))):
-            ids = list(row)
-            with torch.inference_mode():
-                while len(ids) - len(row) < tokens and not (len(ids) > len(row) and ids[-1] in eos):
-                    logits = model(torch.tensor([ids])).logits[0, -1]
-                    ids.append(choose_token(logits, ids, len(ids), params))
-            out[(kind, k)] = ids[len(row) :]
+            out[(kind, k)] = reference_sample(model, row, tokens, params, eos)
     return out
 
 

@@ -67,14 +67,6 @@ def left_at(events: list[str]) -> int | None:
     return None
 
 
-def until_eos(ids: list[int], eos: set[int]) -> list[int]:
-    """``ids`` up to and including the first end-of-sequence token."""
-    for i, token in enumerate(ids):
-        if token in eos:
-            return ids[: i + 1]
-    return ids
-
-
 def wait_online(model, names, deadline: float) -> dict:
     from tests.conftest import servers_by_name
 
@@ -246,9 +238,9 @@ def main() -> None:
                 with torch.no_grad():
                     out = reference.generate(torch.tensor([prompt]), max_new_tokens=args.tokens, do_sample=False)
                 made[seed] = out[0, len(prompt):].tolist()
-            else:  # the reference sampler runs on past EOS; generate() stops there, as transformers does
+            else:
                 params = SamplingParams(do_sample=True, temperature=0.8, top_p=0.9, seed=seed)
-                made[seed] = until_eos(reference_sample(reference, prompt, args.tokens, params), eos)
+                made[seed] = reference_sample(reference, prompt, args.tokens, params, eos)  # stops at EOS, as generate()
         return made[seed]
 
     log_dir = Path(tempfile.mkdtemp(prefix="lying-tails-"))

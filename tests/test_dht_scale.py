@@ -64,7 +64,6 @@ def test_ten_dht_peers_serve_every_record_and_survive_a_fifth_vanishing(tmp_path
     assert facts["after"] <= facts["honest"]
 
 
-
 def big_answers(keys: int, subkeys: int, value_bytes: int) -> dict:
     """Runs in a child process: one DHT peer holds ``keys`` block keys, each with ``subkeys``
     values of ``value_bytes``; a client-mode peer reads them all with the readers' lookup."""

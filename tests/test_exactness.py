@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Collection
 
 import pytest
 import torch
@@ -32,13 +33,18 @@ def pinned(model, hops):
         model.swarm.router = saved
 
 
-def reference_sample(reference, prompt: list[int], max_new_tokens: int, params: SamplingParams) -> list[int]:
-    """The reference sampler, one token at a time over the full context (no cache, no drafts)."""
+def reference_sample(
+    reference, prompt: list[int], max_new_tokens: int, params: SamplingParams, eos: Collection[int] = ()
+) -> list[int]:
+    """The reference sampler, one token at a time over the full context (no cache, no drafts);
+    it stops after a token in ``eos``, as ``generate()`` does."""
     tokens = list(prompt)
     for _ in range(max_new_tokens):
         with torch.no_grad():
             logits = reference(torch.tensor([tokens])).logits[0, -1]
         tokens.append(choose_token(logits, tokens, len(tokens), params))
+        if tokens[-1] in eos:
+            break
     return tokens[len(prompt) :]
 
 

@@ -5,6 +5,7 @@ run without a failure, with the failover recorded in the stats."""
 from __future__ import annotations
 
 import signal
+import subprocess
 import time
 
 import psutil
@@ -46,7 +47,7 @@ class Middles:
     victim); the other serves on into the next test, so each test starts one server, not two."""
 
     def __init__(self):
-        self.processes: dict[str, "subprocess.Popen"] = {}
+        self.processes: dict[str, subprocess.Popen] = {}
         self.spent: set[int] = set()  # pids of the victims of faults
 
     def replace_spent(self) -> None:
@@ -68,7 +69,7 @@ def middle_servers(failover_swarm):
 def middles(failover_swarm, middle_servers):
     """Two servers for blocks 2:4, online before the test starts; its victim is gone after it."""
     swarm, model = failover_swarm
-    while len(middle_servers.processes) < 2:  # noqa: PLR2004
+    while len(middle_servers.processes) < 2:
         name = f"mid-{next(_counter)}"
         middle_servers.processes[name] = swarm.start_server(2, 4, name=name)
     names = list(middle_servers.processes)
@@ -84,7 +85,7 @@ def middles(failover_swarm, middle_servers):
     middle_servers.replace_spent()
 
 
-def middle_in_use(model, middles: Middles) -> "subprocess.Popen":
+def middle_in_use(model, middles: Middles) -> subprocess.Popen:
     """The process of the first middle-block server of the current route."""
     names = {info.peer_id: name for name, info in servers_by_name(model, 6).items()}
     peer_id = next(hop[0] for hop in model.last_generation_stats.route if hop[1] >= 2 and hop[2] <= 4)
