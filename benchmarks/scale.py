@@ -33,8 +33,11 @@ import tracemalloc
 from typing import Callable, Mapping, Sequence
 
 from benchmarks.synthetic_swarm import make_swarm
+from protocol.flow import swarm_max_flow
+from protocol.messages import Hop
+from protocol.placement import choose_best_span
 from protocol.records import ServerInfo, ServerState
-from protocol.routing import DEFAULT_RTT, MaxFlowRouter, RouteHop, cap_throughput, choose_best_span, swarm_max_flow
+from protocol.routing import DEFAULT_RTT, MaxFlowRouter, cap_throughput
 
 SIZES = (10, 100, 300, 1000)
 MAX_LENGTH = 2048  # cache tokens a session asks for
@@ -109,7 +112,7 @@ def measure(servers: int, blocks: int, sessions: int, hostile: float, seed: int,
 
 
 def route_latency(
-    route: Sequence[RouteHop], servers: Sequence[ServerInfo], client_rtts: Mapping[str, float], default_rtt: float = DEFAULT_RTT
+    route: Sequence[Hop], servers: Sequence[ServerInfo], client_rtts: Mapping[str, float], default_rtt: float = DEFAULT_RTT
 ) -> float:
     """Seconds for one token through ``route``, as ``MaxFlowRouter``'s docstring defines it:
     half of each link's RTT (client -> head, hop -> hop, tail -> client) plus each hop's
@@ -132,7 +135,7 @@ def route_latency(
 def exhaustive_best(
     servers: Sequence[ServerInfo], blocks: int, client_rtts: Mapping[str, float], max_length: int = 0,
     default_rtt: float = DEFAULT_RTT, limit: int = 20_000_000,
-) -> tuple[float, list[RouteHop]]:
+) -> tuple[float, list[Hop]]:
     """The lowest-latency route among all routes: each hop a server and a sub-range of its span,
     the next hop a different server starting where it ended. Depth-first over every branch,
     dropping a branch only once its partial latency already reaches the best complete route's
@@ -146,7 +149,7 @@ def exhaustive_best(
     def link(p: str, q: str) -> float:
         return by_peer[p].next_pings.get(q, by_peer[q].next_pings.get(p, default_rtt)) / 2
 
-    def walk(at: int, route: list[RouteHop], cost: float) -> None:
+    def walk(at: int, route: list[Hop], cost: float) -> None:
         visited[0] += 1
         if visited[0] > limit:
             raise RuntimeError(f"more than {limit} branches: too large for an exhaustive search")
@@ -162,7 +165,7 @@ def exhaustive_best(
                 enter = link(route[-1].peer_id, s.peer_id) if route else client_rtts.get(s.peer_id, default_rtt) / 2
                 for end in range(at + 1, s.end_block + 1):
                     compute = (end - at) / (s.throughput * len(s.span))
-                    walk(end, route + [RouteHop(s.peer_id, at, end)], cost + enter + compute)
+                    walk(end, route + [Hop(s.peer_id, at, end)], cost + enter + compute)
 
     walk(0, [], 0.0)
     return best[0], best[1]

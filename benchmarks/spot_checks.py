@@ -27,7 +27,9 @@ from pathlib import Path
 
 from client._spot_checks import DEFAULT_SPOT_CHECK_RATE
 from swarm.local import LocalSwarm
-from protocol.routing import NoRouteError, RoutePlanner, RouteHop
+from protocol.messages import Hop
+from protocol.route_errors import NoRouteError
+from protocol.routing import RoutePlanner
 from tests.faulty_server import faulty
 
 SERVERS = {"N": (0, 3, "noise"), "O": (3, 6, "offset"), "A": (0, 3, None), "B": (3, 6, None), "F": (0, 6, None)}
@@ -42,10 +44,10 @@ class PreferredRoutes(RoutePlanner):
     def __init__(self, *routes):
         self.routes = routes
 
-    def plan(self, servers, start, end, *, max_length=0, exclude=(), client_rtts=None) -> list[RouteHop]:
+    def plan(self, servers, start, end, *, max_length=0, exclude=(), client_rtts=None) -> list[Hop]:
         by_name = {s.public_name: s.peer_id for s in servers}
         for route in self.routes:
-            hops = [RouteHop(by_name[name], a, b) for name, a, b in route]
+            hops = [Hop(by_name[name], a, b) for name, a, b in route]
             if not any(hop.peer_id in exclude for hop in hops):
                 return hops
         raise NoRouteError("every preferred route holds an excluded server", [])

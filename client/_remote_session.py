@@ -37,6 +37,7 @@ from protocol.messages import (
     Cancel,
     DraftOffer,
     ErrorReply,
+    Hop,
     Message,
     OpenSession,
     RunOutputs,
@@ -46,7 +47,6 @@ from protocol.messages import (
     Subscribe,
 )
 from protocol import relay
-from protocol.routing import RouteHop
 from protocol.streams import RESULTS_PROTOCOL, SESSION_PROTOCOL, MessageStream
 
 logger = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ class _Outputs:
 
 
 class RemoteSession:
-    def __init__(self, p2p: P2P, route: Sequence[RouteHop], max_length: int, *, timeout: float = 60.0):
+    def __init__(self, p2p: P2P, route: Sequence[Hop], max_length: int, *, timeout: float = 60.0):
         self.p2p, self.route, self.max_length, self.timeout = p2p, list(route), max_length, timeout
         self.session_id = secrets.token_hex(8)
         self.secret = secrets.token_hex(16)  # proves to the tail that a Subscribe comes from this client

@@ -31,8 +31,8 @@ import torch
 
 from client._forward import prefill_outputs
 from client._remote_session import RemoteSession
+from protocol.messages import Hop
 from protocol.records import ServerInfo, ServerState
-from protocol.routing import RouteHop
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def tolerance(dtype: str, quantization: Optional[str]) -> float:
     return TOLERANCES.get(dtype, UNKNOWN_TOLERANCE)
 
 
-def route_tolerance(route: Sequence[RouteHop], records: Mapping[str, ServerInfo]) -> float:
+def route_tolerance(route: Sequence[Hop], records: Mapping[str, ServerInfo]) -> float:
     """The loosest tolerance of the route's servers: a hop's honest rounding difference propagates
     through every later hop, and 16-bit hops after it can amplify it."""
     found = [records.get(hop.peer_id) for hop in route]
@@ -81,7 +81,7 @@ def same_precision(a: ServerInfo, b: ServerInfo) -> bool:
 
 
 def alternatives(
-    route: Sequence[RouteHop], index: int, records: Mapping[str, ServerInfo], exclude: Collection[str], length: int
+    route: Sequence[Hop], index: int, records: Mapping[str, ServerInfo], exclude: Collection[str], length: int
 ) -> list[ServerInfo]:
     """Servers that can compute hop ``index``'s blocks instead of it: online, a span covering the
     hop's [start, end) (a sub-range of their span is fine), the same dtype and quantization as the
@@ -104,7 +104,7 @@ def alternatives(
 
 
 def pick_hop(
-    route: Sequence[RouteHop], first: int, records: Mapping[str, ServerInfo], exclude: Collection[str], length: int
+    route: Sequence[Hop], first: int, records: Mapping[str, ServerInfo], exclude: Collection[str], length: int
 ) -> Optional[tuple[int, list[ServerInfo]]]:
     """Round robin: the first hop at or after ``first`` (mod the route's length) that has an
     alternative, with its alternatives; None when no hop has one."""
@@ -129,7 +129,7 @@ def minority(orig_alt: bool, orig_third: bool, alt_third: bool) -> Optional[str]
     return None
 
 
-def substituted(route: Sequence[RouteHop], index: int, peer_id: str) -> list[RouteHop]:
+def substituted(route: Sequence[Hop], index: int, peer_id: str) -> list[Hop]:
     """The route with hop ``index``'s blocks computed by ``peer_id`` instead."""
     return [msgspec.structs.replace(hop, peer_id=peer_id) if i == index else hop for i, hop in enumerate(route)]
 
@@ -183,7 +183,7 @@ class SpotChecker(BackgroundAudit):
         self.task: Optional[asyncio.Task] = None
         self.results: list[AuditResult] = []
 
-    def maybe_start(self, route: Sequence[RouteHop], ids: Sequence[int], stats, lap: int) -> None:
+    def maybe_start(self, route: Sequence[Hop], ids: Sequence[int], stats, lap: int) -> None:
         """After a verdict: with probability ``rate``, audit the next hop that has a substitute."""
         if self.rate <= 0 or self.task is not None or not route or not ids:
             return
@@ -258,7 +258,7 @@ class SpotChecker(BackgroundAudit):
             result.detail = f"{detail}; {result.liar} is in the minority"
         return result
 
-    async def _final_logits(self, route: list[RouteHop], ids: list[int], result: AuditResult) -> torch.Tensor:
+    async def _final_logits(self, route: list[Hop], ids: list[int], result: AuditResult) -> torch.Tensor:
         """One fresh session on ``route``: prefill ``ids`` (chunked as the client chunks), the
         float32 logits of the last position."""
         swarm = self.swarm

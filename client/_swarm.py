@@ -27,7 +27,9 @@ from protocol.limits import DEFAULT_MAX_POSITIONS_PER_STEP
 from protocol.dht_records import fetch_servers, publish_report
 from protocol.identity import load_or_create_identity
 from protocol.records import ServerInfo, ServerState
-from protocol.routing import MaxFlowRouter, NoRouteError, RouteHop, RoutePlanner, cap_throughput, same_model
+from protocol.messages import Hop
+from protocol.route_errors import NoRouteError
+from protocol.routing import MaxFlowRouter, RoutePlanner, cap_throughput, same_model
 from protocol.streams import ping_many
 from protocol.dht import make_dht
 
@@ -173,13 +175,13 @@ class SwarmClient:
                 continue
         return self.router.plan(servers, 0, self.num_blocks, max_length=max_length, exclude=exclude, client_rtts=rtts)
 
-    def route_step_limit(self, route: Sequence[RouteHop]) -> int:
+    def route_step_limit(self, route: Sequence[Hop]) -> int:
         """The most positions one Step may carry on ``route``: this client's own limit, lowered to
         the smallest any of its servers announces (bounded below by the record schema)."""
         announced = [self._records[hop.peer_id].max_positions_per_step for hop in route if hop.peer_id in self._records]
         return min([self.max_positions_per_step, *announced])
 
-    def observe_lap(self, route: Sequence[RouteHop], seconds: float, positions: int, looped: bool = False) -> None:
+    def observe_lap(self, route: Sequence[Hop], seconds: float, positions: int, looped: bool = False) -> None:
         """One lap of ``positions`` positions over ``route`` took ``seconds`` (send to verdict; for
         a looped run, the previous verdict to its own)."""
         rtts = {peer_id: rtt for peer_id, (_, rtt) in self._rtts.items()}
@@ -199,7 +201,7 @@ class SwarmClient:
                 self._rtts[peer_id] = (now, rtt)
         return {p: self._rtts[p][1] for p in ends if p in self._rtts}
 
-    async def blame(self, route: Sequence[RouteHop], error: ServerError) -> list[str]:
+    async def blame(self, route: Sequence[Hop], error: ServerError) -> list[str]:
         """Act on a failure of ``route`` by evidence only; returns the servers excluded.
 
         What this client saw of one server itself (its dial, its send, a stream it opened, the
@@ -223,7 +225,7 @@ class SwarmClient:
             logger.info(f"No hop to blame for {error}: avoiding the route's {len(route)} servers for a while")
         return dead
 
-    async def unresponsive(self, route: Sequence[RouteHop], timeout: float = 3.0) -> list[str]:
+    async def unresponsive(self, route: Sequence[Hop], timeout: float = 3.0) -> list[str]:
         """The hops of ``route`` that do not answer a ping within ``timeout`` seconds."""
         rtts = await ping_many(self.p2p, [hop.peer_id for hop in route], timeout)
         return [peer_id for peer_id, rtt in rtts.items() if rtt is None]

@@ -31,8 +31,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
+from protocol.messages import Hop
 from protocol.records import ServerInfo
-from protocol.routing import DEFAULT_RTT, RouteHop
+from protocol.routing import DEFAULT_RTT
 
 MAX_MEASURED_POSITIONS = 16  # laps with more positions (prefills, replays) are not timed
 
@@ -53,7 +54,7 @@ class ThroughputMeter:
 
     def observe(
         self,
-        route: Sequence[RouteHop],
+        route: Sequence[Hop],
         servers: Mapping[str, ServerInfo],
         seconds: float,
         positions: int,
@@ -84,7 +85,7 @@ class ThroughputMeter:
             self._seconds[info.peer_id] = (now, (1 - self.alpha) * old + self.alpha * step)
 
 
-def _network_seconds(route: Sequence[RouteHop], infos: Sequence[ServerInfo], client_rtts: Mapping[str, float]) -> float:
+def _network_seconds(route: Sequence[Hop], infos: Sequence[ServerInfo], client_rtts: Mapping[str, float]) -> float:
     """One-way legs of a lap: the client's own RTTs to the head and the tail, and per link between
     hops the smaller of the two servers' ``next_pings``, at most ``DEFAULT_RTT`` (what the router
     assumes for an unmeasured link), so a server that claims a slow link hides at most half that

@@ -30,8 +30,7 @@ from typing import Optional, Sequence
 from client._remote_session import RemoteSession
 from client._spot_checks import AuditResult, BackgroundAudit, SpotChecker, alternatives, substituted
 from client.errors import ServerError
-from protocol.messages import GREEDY, SamplingParams, Step, StepResult
-from protocol.routing import RouteHop
+from protocol.messages import GREEDY, Hop, SamplingParams, Step, StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +58,7 @@ class VerdictAuditor(BackgroundAudit):
         self.audited, self.max_length, self.sampling = list(prompt), max_length, sampling
         self._given_up = 0
 
-    def maybe_start(self, route: Sequence[RouteHop], ids: Sequence[int], stats, final: bool = False) -> None:
+    def maybe_start(self, route: Sequence[Hop], ids: Sequence[int], stats, final: bool = False) -> None:
         """Audit the tokens committed since the last audit: once ``every`` of them wait, or any
         number when the generation is about to return them (``final``)."""
         if self.task is not None or not route or (final and len(ids) <= self._given_up):
@@ -80,7 +79,7 @@ class VerdictAuditor(BackgroundAudit):
         await super().cancel()
         await self._drop_shadow()
 
-    async def _run(self, route: list[RouteHop], ids: list[int], stats) -> None:
+    async def _run(self, route: list[Hop], ids: list[int], stats) -> None:
         self._given_up = len(ids)  # unless the audit confirms them (then nothing is left to audit)
         try:
             await asyncio.wait_for(self._audit(route, ids, stats), self.timeout)
@@ -94,7 +93,7 @@ class VerdictAuditor(BackgroundAudit):
         finally:
             self._ended()
 
-    async def _audit(self, route: list[RouteHop], ids: list[int], stats) -> None:
+    async def _audit(self, route: list[Hop], ids: list[int], stats) -> None:
         if not await self._ensure_shadow(route, len(ids)):
             stats.verdict_audits_skipped += 1
             return
@@ -116,7 +115,7 @@ class VerdictAuditor(BackgroundAudit):
             position += len(drafts)
             self._held, self.audited = position, ids[:position]
 
-    async def _ensure_shadow(self, route: list[RouteHop], length: int) -> bool:
+    async def _ensure_shadow(self, route: list[Hop], length: int) -> bool:
         """A shadow session on ``route`` with another server as its tail (kept across audits while
         the route's tail and the shadow's servers stay the same and unexcluded)."""
         shadow, excluded = self._shadow, self.swarm.excluded.current()
@@ -129,7 +128,7 @@ class VerdictAuditor(BackgroundAudit):
             return True
         found = alternatives(route, len(route) - 1, self.swarm.records, excluded, length)
         if found:  # records outlive their servers by up to 3 update periods: drop those that do not answer
-            dead = set(await self.swarm.unresponsive([RouteHop(peer_id=info.peer_id, start=0, end=0) for info in found]))
+            dead = set(await self.swarm.unresponsive([Hop(peer_id=info.peer_id, start=0, end=0) for info in found]))
             for peer_id in dead:
                 self.swarm.exclude(peer_id)  # the client's own failed ping: evidence
             found = [info for info in found if info.peer_id not in dead]
@@ -157,7 +156,7 @@ class VerdictAuditor(BackgroundAudit):
         stats.verdict_audit_positions += len(token_ids) * len(self._shadow.route)
         return await self._shadow.next_result(run_id)
 
-    async def _dispute(self, route: list[RouteHop], ids: list[int], t: int, shadow_token: int, stats) -> None:
+    async def _dispute(self, route: list[Hop], ids: list[int], t: int, shadow_token: int, stats) -> None:
         """The route's tail committed ids[t]; the shadow's tail chose ``shadow_token``: a third
         server of the tail's blocks decides, and the minority is convicted."""
         tail, alt = route[-1].peer_id, self._shadow.tail_peer
@@ -189,7 +188,7 @@ class VerdictAuditor(BackgroundAudit):
         else:
             self.audited = ids[:t]  # the generation re-verifies from the prompt on a new route
 
-    async def _upstream_clean(self, route: list[RouteHop], ids: list[int], stats) -> bool:
+    async def _upstream_clean(self, route: list[Hop], ids: list[int], stats) -> bool:
         """Whether the hops before the tail, which the shadow and the third share with the route,
         pass a spot-check of their activations on ``ids`` (client/_spot_checks.py): two tails'
         verdicts differ also when a shared hop lies at random (fresh noise in every session), and
@@ -215,7 +214,7 @@ class VerdictAuditor(BackgroundAudit):
                 return False
         return True
 
-    async def _third_opinion(self, route: list[RouteHop], ids: list[int], t: int, stats) -> int:
+    async def _third_opinion(self, route: list[Hop], ids: list[int], t: int, stats) -> int:
         """The token a fresh session on ``route`` chooses at position t after ids[:t]."""
         session = RemoteSession(self.swarm.p2p, route, t + 1, timeout=self.swarm.request_timeout)
         try:

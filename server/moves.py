@@ -59,7 +59,7 @@ class SpanMoves:
     async def _maybe_move(self, servers: Sequence[ServerInfo]) -> None:
         """Move to the span that raises the swarm's max-flow the most, if the gain is large and
         the span fits this server's memory (a span at an end also holds the embeddings or the LM head)."""
-        from protocol.routing import should_move
+        from protocol.placement import should_move
 
         total, me = self.span.num_blocks, self.current_info()
         target = should_move(servers, me, total)

@@ -82,7 +82,7 @@ def choose_blocks(
         return start, end
     if config.num_blocks is not None and config.num_blocks <= 0:
         raise ValueError(f"--num-blocks must be positive, got {config.num_blocks}")
-    from protocol.routing import choose_best_span
+    from protocol.placement import choose_best_span
 
     automatic = config.num_blocks is None
     length = min(config.num_blocks or (plan.blocks if plan else total), total)

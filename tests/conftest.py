@@ -18,8 +18,9 @@ from swarm import lifeline, warm_start
 from protocol.dht import make_dht
 from protocol.dht_records import fetch_servers
 from swarm.local import LocalSwarm
+from protocol.messages import Hop
 from protocol.records import ServerInfo
-from protocol.routing import RoutePlanner, RouteHop
+from protocol.routing import RoutePlanner
 from tests.checkpoints import build_tiny_llama
 
 lifeline.install_fork_hook()  # the DHT processes (and p2pd) of pytest's clients die with it, even on SIGKILL
@@ -167,9 +168,9 @@ class PinnedRoute(RoutePlanner):
 
     def __init__(self, model, hops: Sequence[tuple[str, int, int]]):
         by_name = servers_by_name(model, model.config.num_hidden_layers)
-        self.route = [RouteHop(by_name[name].peer_id, start, end) for name, start, end in hops]
+        self.route = [Hop(by_name[name].peer_id, start, end) for name, start, end in hops]
 
-    def plan(self, servers, start, end, *, max_length=0, exclude=(), client_rtts=None) -> list[RouteHop]:
+    def plan(self, servers, start, end, *, max_length=0, exclude=(), client_rtts=None) -> list[Hop]:
         return list(self.route)
 
 

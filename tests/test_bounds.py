@@ -19,7 +19,8 @@ from protocol import limits
 from protocol.dht_records import fetch_servers
 from protocol.errors import ErrorCode
 from protocol.messages import ErrorReply, Hop, OpenSession, SessionOpened, Step, Subscribe
-from protocol.routing import MaxFlowRouter, NoRouteError
+from protocol.route_errors import NoRouteError
+from protocol.routing import MaxFlowRouter
 from protocol.streams import RESULTS_PROTOCOL, SESSION_PROTOCOL, MessageStream
 from tests.test_exactness import PROMPT
 from tests.test_hostile_wire import RawSession, reference, wait_until_no_sessions

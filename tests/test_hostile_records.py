@@ -35,7 +35,10 @@ from protocol.records import (
     ServerInfo,
     block_key,
 )
-from protocol.routing import MaxFlowRouter, RouteHop, cap_throughput, choose_best_span, swarm_max_flow
+from protocol.flow import swarm_max_flow
+from protocol.messages import Hop
+from protocol.placement import choose_best_span
+from protocol.routing import MaxFlowRouter, cap_throughput
 from protocol.validation import MAX_RECORD_BYTES, PeerIdSignatureValidator
 
 pytestmark = pytest.mark.timeout(60)
@@ -238,8 +241,8 @@ def test_meter_blames_the_slow_hop_and_forgets_after_ttl():
     servers = {p: srv(p, *span, 1000.0) for p, span in {"slow": (0, 3), "fast": (0, 3), "tail": (3, 6)}.items()}
     clock = Clock()
     meter = ThroughputMeter(clock=clock, ttl=60.0)
-    via_slow = [RouteHop("slow", 0, 3), RouteHop("tail", 3, 6)]
-    via_fast = [RouteHop("fast", 0, 3), RouteHop("tail", 3, 6)]
+    via_slow = [Hop("slow", 0, 3), Hop("tail", 3, 6)]
+    via_fast = [Hop("fast", 0, 3), Hop("tail", 3, 6)]
     rtts = {"slow": 0.0, "fast": 0.0, "tail": 0.0}
     for _ in range(6):
         meter.observe(via_slow, servers, 0.101, 1, rtts)

@@ -13,8 +13,11 @@ import msgspec
 import pytest
 
 from server.joining import JOINING_THROUGHPUT, claim_span, joining_throughput, outranks, rivals
+from protocol.flow import swarm_max_flow
+from protocol.placement import choose_best_span, should_move
 from protocol.records import ServerInfo, ServerState
-from protocol.routing import MaxFlowRouter, NoRouteError, choose_best_span, should_move, swarm_max_flow
+from protocol.route_errors import NoRouteError
+from protocol.routing import MaxFlowRouter
 
 MODEL = "tiny"
 TOTAL = 6

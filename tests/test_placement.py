@@ -1,6 +1,6 @@
 """Placement trusts no claim: records claiming 1,000 times a real server's throughput, or a claim
 time of 0, change no honest server's placement or rebalancing decision beyond what announcing a
-typical server would (protocol.routing.placement_view, server.joining.rank).
+typical server would (protocol.placement.placement_view, server.joining.rank).
 
 Unit tests on fabricated records: an honest swarm of 8 blocks, three servers on each half.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import msgspec
 
 from protocol.records import ServerInfo, ServerState
-from protocol.routing import CLAIM_CAP, choose_best_span, placement_view, should_move
+from protocol.placement import CLAIM_CAP, choose_best_span, placement_view, should_move
 from server.joining import outranks, rivals
 
 TOTAL = 8
@@ -47,7 +47,7 @@ def test_a_huge_claim_does_not_push_an_honest_server_off_its_blocks():
     """Believed as written, one record claiming 1,000x on blocks 0:4 makes them look saturated and
     the honest server A would move to 4:8 (leaving 0:4 to the claimant); counted as placement
     counts it, A stays, as it does without that record."""
-    from protocol.routing import _max_flow
+    from protocol.flow import max_flow
 
     swarm, liar = honest_swarm(), hostile("H", 0, 4)
     me = swarm[0]
@@ -55,21 +55,22 @@ def test_a_huge_claim_does_not_push_an_honest_server_off_its_blocks():
     assert should_move([*swarm, liar], me, TOTAL) is None
     others = [*swarm[1:], liar]  # what the claim would have bought, believed as written:
     moved = msgspec.structs.replace(me, start_block=4, end_block=8)
-    assert _max_flow([*others, moved], 0, TOTAL) > 1.2 * _max_flow([*others, me], 0, TOTAL)
+    assert max_flow([*others, moved], 0, TOTAL) > 1.2 * max_flow([*others, me], 0, TOTAL)
 
 
 def test_an_honest_newcomer_chooses_as_if_the_liars_claimed_a_typical_speed():
     """Liars with 1,000x claims on blocks 4:8 (one ONLINE, one JOINING with claim time 0) next to
     one honest server there: the newcomer still takes 4:8, the least-served half, as it does when
     they claim what an honest server does; believed as written they would send it to 0:4."""
-    from protocol.routing import _PLACED, _best_span, _usable
+    from protocol.flow import PLACED, usable
+    from protocol.placement import _best_span
 
     swarm = [srv(p, 0, 4) for p in "ACEG"] + [srv("B", 4, 8)]
     liars = [hostile("H1", 4, 8), hostile("H3", 4, 8, ServerState.JOINING)]
     typical = [msgspec.structs.replace(h, throughput=10.0) for h in liars]
     assert choose_best_span([*swarm, *liars], TOTAL, 4, 1.0) == (4, 8)
     assert choose_best_span([*swarm, *typical], TOTAL, 4, 1.0) == (4, 8)
-    assert _best_span(_usable([*swarm, *liars], _PLACED), TOTAL, 4, 1.0, None) == (0, 4)  # believed
+    assert _best_span(usable([*swarm, *liars], PLACED), TOTAL, 4, 1.0, None) == (0, 4)  # believed
     # and liars cannot hide a gap: blocks 0:4 get the newcomer when nobody else holds them
     assert choose_best_span([srv(p, 4, 8) for p in "BDF"] + liars, TOTAL, 4, 1.0) == (0, 4)
 

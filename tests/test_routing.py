@@ -7,15 +7,12 @@ from collections import Counter
 
 import pytest
 
+from protocol.flow import swarm_max_flow
+from protocol.messages import Hop
+from protocol.placement import choose_best_span, should_move
 from protocol.records import ServerInfo, ServerState
-from protocol.routing import (
-    MaxFlowRouter,
-    NoRouteError,
-    RouteHop,
-    choose_best_span,
-    should_move,
-    swarm_max_flow,
-)
+from protocol.route_errors import NoRouteError
+from protocol.routing import MaxFlowRouter
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -34,7 +31,7 @@ def srv(peer_id: str, start: int, end: int, throughput: float = 10.0, **fields) 
     )
 
 
-def assert_valid(route: list[RouteHop], servers: list[ServerInfo], start: int, end: int) -> None:
+def assert_valid(route: list[Hop], servers: list[ServerInfo], start: int, end: int) -> None:
     """The contract of RoutePlanner.plan: contiguous hops inside each server's span."""
     spans = {s.peer_id: s.span for s in servers}
     assert route[0].start == start and route[-1].end == end
@@ -45,7 +42,7 @@ def assert_valid(route: list[RouteHop], servers: list[ServerInfo], start: int, e
         assert hop.start in spans[hop.peer_id] and hop.end - 1 in spans[hop.peer_id]
 
 
-def peers(route: list[RouteHop]) -> list[str]:
+def peers(route: list[Hop]) -> list[str]:
     return [hop.peer_id for hop in route]
 
 
@@ -113,14 +110,14 @@ def test_overlapping_spans_route_is_contiguous():
 def test_sub_range_of_a_span():
     servers = [srv("a", 0, 12), srv("b", 0, 4, 1)]
     route = MaxFlowRouter().plan(servers, 5, 9)
-    assert route == [RouteHop("a", 5, 9)]
+    assert route == [Hop("a", 5, 9)]
 
 
 def test_sub_range_switches_to_a_faster_server_mid_span():
     # slow covers everything; fast covers 4..8 only, so the route leaves slow at boundary 4.
     servers = [srv("slow", 0, 8, 1), srv("fast", 4, 8, 100)]
     route = MaxFlowRouter().plan(servers, 0, 8)
-    assert route == [RouteHop("slow", 0, 4), RouteHop("fast", 4, 8)]
+    assert route == [Hop("slow", 0, 4), Hop("fast", 4, 8)]
 
 
 def test_slow_server_is_avoided():
@@ -273,7 +270,7 @@ def test_should_not_move_for_a_small_gain():
     servers = [srv("a", 0, 4, 10), srv("b", 4, 8, 10), me]  # flow 10; moving gives 10 too
     assert should_move(servers, me, 8) is None
     # moving gains 1/10 < 0.2 (blocks 8:12 over-served, so that "a" is no faster than the median
-    # server: placement counts none faster, protocol.routing.placement_view)
+    # server: placement counts none faster, protocol.placement.placement_view)
     servers = [srv("a", 0, 4, 11), srv("b", 4, 8, 10), srv("c", 8, 12, 11), srv("d", 8, 12, 11), me]
     assert should_move(servers, me, 12) is None
     assert should_move(servers, me, 12, min_gain=0.05) == (4, 8)

@@ -15,13 +15,16 @@ import pytest
 
 from benchmarks.scale import exhaustive_best, route_latency
 from benchmarks.synthetic_swarm import HOSTILE_KINDS, MODEL, make_swarm
+from protocol.flow import swarm_max_flow
+from protocol.messages import Hop
+from protocol.placement import choose_best_span
 from protocol.records import ServerInfo, ServerState
-from protocol.routing import MaxFlowRouter, RouteHop, cap_throughput, choose_best_span, swarm_max_flow
+from protocol.routing import MaxFlowRouter, cap_throughput
 
 pytestmark = pytest.mark.timeout(120)
 
 
-def assert_covers(route: list[RouteHop], servers: dict[str, ServerInfo], blocks: int) -> None:
+def assert_covers(route: list[Hop], servers: dict[str, ServerInfo], blocks: int) -> None:
     assert route[0].start == 0 and route[-1].end == blocks
     for prev, hop in zip(route, route[1:]):
         assert prev.end == hop.start and prev.peer_id != hop.peer_id
@@ -81,7 +84,7 @@ def test_route_of_the_synthetic_swarm_is_the_exhaustive_best():
 
 
 def networkx_max_flow(servers: list[ServerInfo], blocks: int, states=(ServerState.ONLINE,)) -> float:
-    """The flow network of protocol/routing.py's docstring, solved by networkx."""
+    """The flow network of protocol/flow.py's docstring, solved by networkx."""
     graph = nx.DiGraph()
     graph.add_nodes_from(range(blocks + 1))
     for s in servers:

@@ -22,8 +22,8 @@ from client._spot_checks import (
 )  # fmt: skip
 from benchmarks.spot_checks import PreferredRoutes
 from swarm.local import LocalSwarm
+from protocol.messages import Hop
 from protocol.records import ServerInfo, ServerState
-from protocol.routing import RouteHop
 from tests.conftest import SERVER_ARGS, servers_by_name
 from tests.faulty_server import faulty
 
@@ -62,13 +62,13 @@ def test_alternatives_same_precision_sub_ranges_and_round_robin():
         _info("joining", 0, 3, state=ServerState.JOINING), _info("full-cache", 3, 6, free_cache_tokens=5),
         _info("t2", 3, 6), _info("gone", 3, 6),
     ]}  # fmt: skip
-    route = [RouteHop("h", 0, 3), RouteHop("t", 3, 6)]
+    route = [Hop("h", 0, 3), Hop("t", 3, 6)]
     names = lambda infos: [i.peer_id for i in infos]  # noqa: E731
     assert names(alternatives(route, 0, records, exclude={"gone"}, length=100)) == ["full"]
     assert names(alternatives(route, 1, records, exclude={"gone"}, length=100)) == ["full", "t2"]
-    assert alternatives([RouteHop("unknown", 0, 6)], 0, records, (), 100) == []  # no record: no precision known
+    assert alternatives([Hop("unknown", 0, 6)], 0, records, (), 100) == []  # no record: no precision known
     # a hop that is a sub-range of its server's span: substitutes must cover just that range
-    sub = [RouteHop("full", 0, 2), RouteHop("t", 2, 6)]
+    sub = [Hop("full", 0, 2), Hop("t", 2, 6)]
     assert names(alternatives(sub, 0, records, (), 100)) == ["h", "short"]
     assert names(alternatives(sub, 1, records, (), 100)) == []  # nobody else covers 2:6
     # round robin: the next hop at or after `first` that has an alternative
@@ -78,7 +78,7 @@ def test_alternatives_same_precision_sub_ranges_and_round_robin():
     assert pick_hop(sub, 1, records, (), 100)[0] == 0  # hop 1 has none: on to hop 0
     assert pick_hop(route, 0, records, {"full", "t2", "gone"}, 100) is None  # nothing left: skipped
     # the substitute computes exactly the hop's blocks, the rest of the route unchanged
-    assert substituted(route, 1, "t2") == [RouteHop("h", 0, 3), RouteHop("t2", 3, 6)]
+    assert substituted(route, 1, "t2") == [Hop("h", 0, 3), Hop("t2", 3, 6)]
     # the route's loosest precision sets the tolerance (16-bit hops after a hop amplify its rounding)
     mixed = {**records, "t": _info("t", 3, 6, dtype="bfloat16")}
     assert route_tolerance(route, records) == 1e-3 and route_tolerance(route, mixed) == 3e-2
@@ -117,7 +117,7 @@ class LiarThenHonestSwarm:
     async def open_session(self, max_length: int):
         lying = not self.liars
         session = self._session(self.wrong if lying else self.honest, eos=-1)
-        session.route = [RouteHop("liar" if lying else "honest", 0, 6)]
+        session.route = [Hop("liar" if lying else "honest", 0, 6)]
         session.max_positions_per_step = self.max_positions_per_step  # the route's limit (SwarmClient.route_step_limit)
         read = session.next_result
 

@@ -21,9 +21,9 @@ import torch
 from benchmarks.spot_checks import PreferredRoutes
 from client._throughput import ThroughputMeter
 from protocol.digest import step_digest
-from protocol.messages import GREEDY, SamplingParams
+from protocol.messages import GREEDY, Hop, SamplingParams
 from protocol.records import ServerInfo
-from protocol.routing import MaxFlowRouter, RouteHop, cap_throughput
+from protocol.routing import MaxFlowRouter, cap_throughput
 from swarm.local import LocalSwarm, kill_group
 from tests.conftest import SERVER_ARGS, servers_by_name
 from tests.faulty_server import faulty
@@ -77,7 +77,7 @@ def test_a_looped_lap_is_charged_the_tail_to_head_link_not_the_clients_links():
     servers = {"h": ServerInfo(peer_id="h", model="m", start_block=0, end_block=3, throughput=1000.0,
                                next_pings={"t": 0.02}),
                "t": ServerInfo(peer_id="t", model="m", start_block=3, end_block=6, throughput=1000.0)}  # fmt: skip
-    route, rtts = [RouteHop("h", 0, 3), RouteHop("t", 3, 6)], {"h": 0.1, "t": 0.1}
+    route, rtts = [Hop("h", 0, 3), Hop("t", 3, 6)], {"h": 0.1, "t": 0.1}
     sent = ThroughputMeter()
     sent.observe(route, servers, 0.032, 3, rtts)
     assert sent.measured() == {}
@@ -85,7 +85,7 @@ def test_a_looped_lap_is_charged_the_tail_to_head_link_not_the_clients_links():
     looped.observe(route, servers, 0.032, 3, rtts, looped=True)
     assert looped.measured() == pytest.approx({"h": 1 / 0.011, "t": 1 / 0.011})
     alone = ThroughputMeter()  # a route of one server: its looped runs cross no link at all
-    alone.observe([RouteHop("h", 0, 3)], servers, 0.004, 3, rtts, looped=True)
+    alone.observe([Hop("h", 0, 3)], servers, 0.004, 3, rtts, looped=True)
     assert alone.measured() == pytest.approx({"h": 1 / 0.004})
 
 

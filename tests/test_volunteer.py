@@ -190,7 +190,8 @@ def test_a_target_too_large_for_the_memory_is_refused(move_swarm, tiny_reference
 
 def test_routers_skip_servers_of_another_protocol_version_and_say_so():
     from protocol.records import ServerInfo
-    from protocol.routing import MaxFlowRouter, NoRouteError
+    from protocol.route_errors import NoRouteError
+    from protocol.routing import MaxFlowRouter
     from protocol.version import PROTOCOL_VERSION
 
     def server(peer: str, version: int) -> ServerInfo:

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field, replace
 from typing import Mapping, Optional
 
 from swarm.dashboard.events import Event, ModelSnapshot, PeerProbed, PollFailed, SwarmPolled
+from protocol.flow import swarm_max_flow
 from protocol.records import ServerInfo, ServerState
-from protocol.routing import swarm_max_flow
 from protocol.version import PROTOCOL_VERSION
 
 # A bucket of the uptime timeline shows the worst state seen in it.
