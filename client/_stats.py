@@ -1,9 +1,12 @@
-"""What one generation did, for the caller (``model.last_generation_stats``) and the benchmarks."""
+"""What one generation did, for the caller (``model.last_generation_stats``) and the benchmarks, and
+the sum of a batch's rows (``merged_stats``)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Sequence
 
 
 @dataclass
@@ -85,3 +88,20 @@ class GenerationStats:
     def tree_accepted_per_lap(self) -> float:
         """Drafts accepted per tree-mode lap (the target's own token not counted)."""
         return self.tree_accepted / self.tree_laps if self.tree_laps else 0.0
+
+
+def merged_stats(stats: Sequence[GenerationStats], wall_time: float) -> GenerationStats:
+    """A batch's stats: every row's counts added up; the wall time of the whole call; row 0's route."""
+    merged = GenerationStats()
+    for row in stats:
+        for f in dataclasses.fields(GenerationStats):
+            value, total = getattr(row, f.name), getattr(merged, f.name)
+            if isinstance(value, Counter):
+                total.update(value)
+            elif isinstance(value, list) and f.name != "route":
+                total.extend(value)
+            elif isinstance(value, (int, float)) and f.name != "wall_time":
+                setattr(merged, f.name, total + value)
+    merged.route = list(stats[0].route) if stats else []
+    merged.wall_time = wall_time
+    return merged

@@ -10,15 +10,13 @@ A padded batch (``attention_mask``) runs its rows as concurrent sessions, each w
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
-from collections import Counter
-from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Optional, Sequence, TypeVar, Union
+from typing import Any, AsyncIterator, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
@@ -26,42 +24,32 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from client import _loop
+from client._calls import DEFAULT_MAX_LENGTH, Call, check_audit_every, context_limit, one_call_session, plan_call
 from client._forward import forward_row
 from client._generation import GenerationStats, SessionState, SpeculativeDecoder
+from client._masks import causal_lm_loss, checked_ids, checked_mask, kept_columns, unpadded
 from client._options import GenerationOptions
+from client._stats import merged_stats
 from client._trees import TreeSizer
 from client._spot_checks import DEFAULT_SPOT_CHECK_RATE, SpotChecker, check_rate
 from client._verdict_audits import DEFAULT_AUDIT_EVERY, Audits, VerdictAuditor
-from client.draft_model import ModelDrafter, check_draft_model
+from client.draft_model import ModelDrafter
 from client._swarm import SwarmClient
+from client._token_stream import GeneratedChunk, stream_laps
 from client.drafters import SuffixStore, make_drafter
 from client.warm_corpus import load_warm_corpus
-from protocol.limits import DEFAULT_MAX_POSITIONS_PER_STEP, MAX_TREE_NODES
-from protocol.messages import SamplingParams, TokenLogprobs
-from protocol.sampling import validate_sampling
+from protocol.limits import DEFAULT_MAX_POSITIONS_PER_STEP
 from protocol.config import no_initial_peers_message, resolve_initial_peers
 from protocol.models import config_fingerprint, resolve_model, weights_revision
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_LENGTH = 2048
-
-
-@dataclass
-class GeneratedChunk:
-    """One lap's output from ``agenerate_stream``: the tokens it accepted (several with speculation),
-    their log-probs when asked for, and the generation's running stats (final once the stream ends)."""
-
-    token_ids: list[int]
-    logprobs: list[TokenLogprobs]
-    stats: GenerationStats
-    # tokens yielded earlier that this chunk replaces: drop that many from the end of what you have,
-    # then append token_ids (a spot-check caught a server of the route lying, and the tokens it may
-    # have corrupted were re-verified on an honest route: docs/reliability.md, "Spot-checks")
-    retracted: int = 0
-
 
 class AutoDistributedModel:
+    """A transformers-style causal LM whose blocks run in the swarm: ``from_pretrained``,
+    ``generate``, ``forward`` and their asyncio twins, with transformers' argument names, so code
+    written for a local model runs against the swarm unchanged."""
+
     def __init__(self, config: PretrainedConfig, tokenizer: Any, swarm: SwarmClient):
         self.config, self.tokenizer, self.swarm = config, tokenizer, swarm
         self.last_generation_stats: Optional[GenerationStats] = None
@@ -115,16 +103,18 @@ class AutoDistributedModel:
         tokenizer = AutoTokenizer.from_pretrained(model.source, **kwargs)
         swarm = _loop.run(
             SwarmClient.connect(
-                list(initial_peers), dht_prefix or model.dht_name, config.num_hidden_layers, request_timeout=request_timeout,
+                list(initial_peers),
+                dht_prefix or model.dht_name,
+                config.num_hidden_layers,
+                request_timeout=request_timeout,
                 max_positions_per_step=max_positions_per_step,
-                config_fingerprint=config_fingerprint(config), revision=weights_revision(model.source),
+                config_fingerprint=config_fingerprint(config),
+                revision=weights_revision(model.source),
             )
         )
         model = cls(config, tokenizer, swarm)
         model.spot_check_rate = float(spot_check_rate)
-        if isinstance(verdict_audit_every, bool) or not isinstance(verdict_audit_every, int) or verdict_audit_every < 0:
-            raise ValueError(f"verdict_audit_every must be an int >= 0 (0: no verdict audits), got {verdict_audit_every!r}")
-        model.verdict_audit_every = verdict_audit_every
+        model.verdict_audit_every = check_audit_every(verdict_audit_every)
         if warm_draft_store:
             model.warm_corpus = load_warm_corpus(config)
             model.reset_draft_store()
@@ -164,8 +154,9 @@ class AutoDistributedModel:
         transformers-style callers pass some this model has no use for.
 
         ``speculation``: "suffix" (default), "ngram", "tail" (the tail's drafter), "suffix+tail"
-        (tail drafts merged with retrieval's, per lap by measured acceptance) or None; ``num_draft_tokens`` caps drafts per
-        lap; ``draft_corpus`` adds texts or token lists the answer is likely to repeat.
+        (tail drafts merged with retrieval's, per lap by measured acceptance) or None;
+        ``num_draft_tokens`` caps drafts per lap; ``draft_corpus`` adds texts or token lists the
+        answer is likely to repeat.
         ``async_speculation=True`` keeps up to ``max_inflight_runs`` runs in flight, each assuming
         the ones before it are accepted whole; refuted runs are cancelled hop by hop.
         ``draft_tree=True`` sends a token tree per lap instead of a chain: the drafter's chain plus
@@ -218,12 +209,12 @@ class AutoDistributedModel:
         input_ids = self._check_input(input_ids)
         if max_length is not None:
             options = dataclasses.replace(options, max_new_tokens=max_length - input_ids.shape[1])
-        call = self._checked(options)
+        call = plan_call(options, self.config, self.tokenizer, self.spot_check_rate)
         if streamer is not None and input_ids.shape[0] > 1:
             raise ValueError("a streamer takes one sequence (as in transformers): pass input_ids of batch size 1")
         eos = call.eos
         pad_id = self.config.pad_token_id if self.config.pad_token_id is not None else (eos[0] if eos else 0)
-        rows = _unpadded(input_ids, _checked_mask(input_ids, attention_mask))
+        rows = unpadded(input_ids, checked_mask(input_ids, attention_mask))
         if len(rows) == 1:
             new_rows = [self._generate_row(rows[0], call, streamer)]
             self.last_batch_stats = [self.last_generation_stats]
@@ -238,9 +229,10 @@ class AutoDistributedModel:
             return output
         return sequences
 
-    def _generate_row(self, row: list[int], call: "_Call", streamer: Any) -> list[int]:
+    def _generate_row(self, row: list[int], call: Call, streamer: Any) -> list[int]:
+        """One row in the open inference session (or a session of its own), streamed to ``streamer``."""
         own_session = self._session is None
-        state = self._session or self._new_session_state(row, call)
+        state = self._session or one_call_session(row, call, self.context_length)
         if streamer is not None:
             streamer.put(torch.tensor(row))
         on_tokens = (lambda new: streamer.put(torch.tensor(new))) if streamer is not None else None
@@ -256,24 +248,23 @@ class AutoDistributedModel:
                 streamer.end()
         return new
 
-    def _generate_batch(self, rows: list[list[int]], call: "_Call") -> list[list[int]]:
+    def _generate_batch(self, rows: list[list[int]], call: Call) -> list[list[int]]:
         """Each row in its own session, all at once on the client loop; the new tokens of each."""
-        states = [self._new_session_state(row, call) for row in rows]
+        states = [one_call_session(row, call, self.context_length) for row in rows]
         decoders = [self._make_decoder(state, call, None) for state in states]
 
         async def decode(decoder: SpeculativeDecoder, state: SessionState, row: list[int]) -> list[int]:
             try:
                 return await decoder.generate(row, call.options.max_new_tokens)
             finally:
-                if state.remote is not None:
-                    await self.swarm.close_session(state.remote)
+                await self._close(state)
 
         began = time.perf_counter()
         try:
-            return _loop.run(_all_or_none([decode(*args) for args in zip(decoders, states, rows)]))
+            return _loop.run(_loop.all_or_none([decode(*args) for args in zip(decoders, states, rows)]))
         finally:
             self.last_batch_stats = [decoder.stats for decoder in decoders]
-            self.last_generation_stats = _merged_stats(self.last_batch_stats, time.perf_counter() - began)
+            self.last_generation_stats = merged_stats(self.last_batch_stats, time.perf_counter() - began)
             self.last_logprobs = [decoder.logprobs for decoder in decoders]
 
     def forward(
@@ -301,8 +292,8 @@ class AutoDistributedModel:
         """
         if unused:
             logger.warning(f"forward() ignores unsupported arguments: {sorted(unused)}")
-        input_ids = self._check_ids(input_ids)
-        mask = _checked_mask(input_ids, attention_mask)
+        input_ids = checked_ids(input_ids, self.config.vocab_size)
+        mask = checked_mask(input_ids, attention_mask)
         batch, width = input_ids.shape
         if logits_to_keep < 0:
             raise ValueError(f"logits_to_keep must be >= 0, got {logits_to_keep}")
@@ -310,26 +301,22 @@ class AutoDistributedModel:
         if labels is not None and keep != width:
             raise ValueError("labels need the logits of every position: leave logits_to_keep at 0")
         first = width - keep  # the first column the outputs cover
-        rows = _unpadded(input_ids, mask)
-        if max(map(len, rows)) > self._context_limit():
-            raise ValueError(f"a row has {max(map(len, rows))} tokens; the model's context is {self._context_limit()}")
-        columns = [mask[i].nonzero().flatten() for i in range(batch)]  # where each row's tokens sit
-        kept = [cols[cols >= first] - first for cols in columns]
+        rows = unpadded(input_ids, mask)
+        if max(map(len, rows)) > self.context_length:
+            raise ValueError(f"a row has {max(map(len, rows))} tokens; the model's context is {self.context_length}")
+        kept = kept_columns(mask, first)
         wanted = [i for i in range(batch) if len(kept[i])]
         vocab, hidden_size = self.config.vocab_size, self.config.hidden_size
-        results = _loop.run(
-            _all_or_none(
-                [forward_row(self.swarm, rows[i], len(kept[i]), vocab_size=vocab, hidden_size=hidden_size,
-                             return_hidden=output_hidden_states) for i in wanted]  # fmt: skip
-            )
-        )
+        wanted_outputs = dict(vocab_size=vocab, hidden_size=hidden_size, return_hidden=output_hidden_states)
+        passes = [forward_row(self.swarm, rows[i], len(kept[i]), **wanted_outputs) for i in wanted]
+        results = _loop.run(_loop.all_or_none(passes))
         logits = torch.zeros(batch, keep, vocab)
         hidden = torch.zeros(batch, keep, hidden_size) if output_hidden_states else None
         for i, result in zip(wanted, results):
             logits[i, kept[i]] = result.logits
             if hidden is not None:
                 hidden[i, kept[i]] = result.hidden
-        loss = _causal_lm_loss(logits, torch.as_tensor(labels), mask) if labels is not None else None
+        loss = causal_lm_loss(logits, torch.as_tensor(labels), mask) if labels is not None else None
         states = (hidden,) if hidden is not None else None
         output = CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=states)
         return output if return_dict else output.to_tuple()
@@ -341,16 +328,12 @@ class AutoDistributedModel:
         of every position, from one prefill session (chunked like any long prompt, with failover).
         Usable from any event loop (the swarm I/O stays on the client's loop thread); cancelling the
         awaiting task cancels the pass, which closes its session."""
-        row = self._check_ids(torch.as_tensor([list(input_ids)]))[0].tolist()
-        if len(row) > self._context_limit():
-            raise ValueError(f"the sequence has {len(row)} tokens; the model's context is {self._context_limit()}")
+        row = checked_ids(torch.as_tensor([list(input_ids)]), self.config.vocab_size)[0].tolist()
+        if len(row) > self.context_length:
+            raise ValueError(f"the sequence has {len(row)} tokens; the model's context is {self.context_length}")
         config = self.config
         coro = forward_row(self.swarm, row, len(row), vocab_size=config.vocab_size, hidden_size=config.hidden_size)
-        future = asyncio.run_coroutine_threadsafe(coro, _loop.get_loop())
-        try:
-            return (await asyncio.wrap_future(future)).logits
-        finally:
-            future.cancel()  # a no-op once done
+        return (await _loop.arun(coro)).logits
 
     async def agenerate_stream(self, input_ids: Sequence[int], **kwargs: Any) -> AsyncIterator[GeneratedChunk]:
         """The asyncio twin of ``generate`` for one sequence of ids: yields each lap's tokens as soon
@@ -365,81 +348,30 @@ class AutoDistributedModel:
         if unknown:
             raise TypeError(f"agenerate_stream() got unexpected keyword arguments: {sorted(unknown)}")
         row = self._check_input(torch.as_tensor([list(input_ids)]))[0].tolist()
-        call = self._checked(options)
-        state = self._new_session_state(row, call)
-        caller, laps = asyncio.get_running_loop(), asyncio.Queue()
-
-        def post(item: Optional[GeneratedChunk]) -> None:  # client loop -> caller's loop
-            caller.call_soon_threadsafe(laps.put_nowait, item)
-
-        retracted = [0]  # tokens_retracted already reported
-
-        def on_tokens(new: list[int]) -> None:
-            gone, retracted[0] = decoder.stats.tokens_retracted - retracted[0], decoder.stats.tokens_retracted
-            post(GeneratedChunk(new, decoder.logprobs[-len(new) :] if options.num_logprobs else [], decoder.stats, gone))
-
-        decoder = self._make_decoder(state, call, on_tokens)
-        control: dict[str, Any] = {}
-
-        async def decode() -> None:  # runs on the client loop; always ends by posting None
-            control["task"] = asyncio.current_task()
-            try:
-                if not control.get("cancelled"):
-                    await decoder.generate(row, options.max_new_tokens)
-            except Exception as e:
-                control["error"] = e
-            finally:
-                try:
-                    if state.remote is not None:
-                        await self.swarm.close_session(state.remote)
-                finally:
-                    post(None)
-
-        def cancel() -> None:  # runs on the client loop, so it cannot race decode()'s first line
-            control["cancelled"] = True
-            if control.get("task") is not None:
-                control["task"].cancel()
-
-        asyncio.run_coroutine_threadsafe(decode(), _loop.get_loop())
-        ended = False
-        try:
-            while (chunk := await laps.get()) is not None:
+        call = plan_call(options, self.config, self.tokenizer, self.spot_check_rate)
+        state = one_call_session(row, call, self.context_length)
+        make_decoder, close = functools.partial(self._make_decoder, state, call), functools.partial(self._close, state)
+        laps = stream_laps(make_decoder, row, options.max_new_tokens, bool(options.num_logprobs), close)
+        async with contextlib.aclosing(laps) as chunks:
+            async for chunk in chunks:
                 yield chunk
-            ended = True
-            if "error" in control:
-                raise control["error"]
-        finally:
-            if not ended:
-                _loop.get_loop().call_soon_threadsafe(cancel)
-                while await laps.get() is not None:  # the session is closed once None arrives
-                    pass
 
-    def _checked(self, options: GenerationOptions) -> "_Call":
-        """Check a call's options before any session opens (client/_options.py holds the rules the
-        decoding modes share), and work out what they imply."""
-        rate = check_rate(self.spot_check_rate if options.spot_check_rate is None else options.spot_check_rate)
-        sampling = _sampling_params(options.do_sample, options.temperature, options.top_k, options.top_p,
-                                    options.min_p, options.repetition_penalty, options.seed)  # fmt: skip
-        if options.draft_model is not None:
-            check_draft_model(options.draft_model, self.config.vocab_size)
-        options = options.checked()
-        return _Call(options, sampling, self._eos_ids(options.eos_token_id), self._corpus(options.draft_corpus), rate)
-
-    def _new_session_state(self, row: list[int], call: "_Call") -> SessionState:
-        """A one-call session: room for the prompt, the new tokens and one run's drafts (a tree's nodes)."""
-        options = call.options
-        drafts = max(options.num_draft_tokens, MAX_TREE_NODES) if options.draft_tree else options.num_draft_tokens
-        return SessionState(max_length=min(len(row) + options.max_new_tokens + drafts + 1, self._context_limit()))
-
-    def _make_decoder(self, state: SessionState, call: "_Call", on_tokens: Optional[Callable[[list[int]], None]]) -> SpeculativeDecoder:
+    def _make_decoder(
+        self, state: SessionState, call: Call, on_tokens: Optional[Callable[[list[int]], None]]
+    ) -> SpeculativeDecoder:
         """The one place generate() and agenerate_stream() build their decoder and drafter."""
         options = call.options
         if options.draft_model is not None:  # one ModelDrafter (own KV cache) per stream; the model is shared
             sample = options.verification == "rejection"
             drafter = ModelDrafter(options.draft_model, call.sampling, options.num_draft_tokens, sample=sample)
         else:
-            drafter = make_drafter(options.speculation, num_draft_tokens=options.num_draft_tokens, corpus=call.corpus,
-                                   store=self._suffix_store, eos_token_ids=call.eos)  # fmt: skip
+            drafter = make_drafter(
+                options.speculation,
+                num_draft_tokens=options.num_draft_tokens,
+                corpus=call.corpus,
+                store=self._suffix_store,
+                eos_token_ids=call.eos,
+            )
         return SpeculativeDecoder(
             self.swarm,
             state,
@@ -458,49 +390,29 @@ class AutoDistributedModel:
         )
 
     def _audits(self, spot_check_rate: float) -> Optional[Audits]:
-        spot = SpotChecker(self.swarm, spot_check_rate, self.config.vocab_size) if spot_check_rate else None
-        verdicts = VerdictAuditor(self.swarm, self.config.vocab_size, self.verdict_audit_every) if self.verdict_audit_every else None
+        """A generation's audits: spot-checks at this rate and verdict audits at the model's period
+        (None when both are off, so the decoder skips them)."""
+        vocab, every = self.config.vocab_size, self.verdict_audit_every
+        spot = SpotChecker(self.swarm, spot_check_rate, vocab) if spot_check_rate else None
+        verdicts = VerdictAuditor(self.swarm, vocab, every) if every else None
         return Audits(spot, verdicts) if spot or verdicts else None
-
-    def _corpus(self, draft_corpus: Sequence[Union[str, Sequence[int]]]) -> list[list[int]]:
-        return [self.tokenizer.encode(c, add_special_tokens=False) if isinstance(c, str) else list(c) for c in draft_corpus]
 
     @property
     def context_length(self) -> int:
         """The most positions (prompt + new tokens) one sequence may hold."""
-        return self._context_limit()
+        return context_limit(self.config)
 
     def _check_input(self, input_ids: Optional[torch.Tensor]) -> torch.Tensor:
+        """``generate``'s ids, checked: inside an inference session, one row, or none to continue
+        the session's own history."""
         if input_ids is None:
             if self._session is None or not self._session.history:
                 raise ValueError("input_ids is required (outside an inference session that already has tokens)")
             input_ids = torch.tensor([self._session.history])
-        input_ids = self._check_ids(input_ids)
+        input_ids = checked_ids(input_ids, self.config.vocab_size)
         if self._session is not None and input_ids.shape[0] != 1:
             raise ValueError("an inference session holds one sequence; pass input_ids with batch size 1")
         return input_ids
-
-    def _check_ids(self, input_ids: Any) -> torch.Tensor:
-        """[batch, length] (or [length]) token ids inside the vocabulary, as a long tensor."""
-        input_ids = torch.as_tensor(input_ids)
-        if input_ids.ndim == 1:
-            input_ids = input_ids.unsqueeze(0)
-        if input_ids.ndim != 2 or input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
-            raise ValueError(f"input_ids must be [batch, length] with length >= 1, got shape {tuple(input_ids.shape)}")
-        vocab = self.config.vocab_size
-        if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab:
-            raise ValueError(f"input_ids contain token ids outside the vocabulary [0, {vocab})")
-        return input_ids
-
-    def _eos_ids(self, eos_token_id) -> list[int]:
-        if eos_token_id is None:
-            eos_token_id = self.config.eos_token_id
-        if eos_token_id is None:
-            return []
-        return [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-
-    def _context_limit(self) -> int:
-        return int(getattr(self.config, "max_position_embeddings", None) or DEFAULT_MAX_LENGTH)
 
     def reset_draft_store(self, warm: bool = True) -> None:
         """Forget earlier outputs the suffix drafter learned from (benchmarks compare modes fairly);
@@ -510,6 +422,11 @@ class AutoDistributedModel:
         for sequence in self.warm_corpus if warm else ():
             self._suffix_store.add(sequence)
 
+    async def _close(self, state: SessionState) -> None:
+        """Close a one-call session on every server of its route, if it was opened (on the client loop)."""
+        if state.remote is not None:
+            await self.swarm.close_session(state.remote)
+
     def shutdown(self) -> None:
         """Leave the swarm (also done at interpreter exit)."""
         if not self._closed:
@@ -518,94 +435,4 @@ class AutoDistributedModel:
             _loop.run(self.swarm.aclose())
 
 
-def _sampling_params(do_sample, temperature, top_k, top_p, min_p, repetition_penalty, seed) -> SamplingParams:
-    """transformers' arguments -> the wire's SamplingParams; no seed draws a random one."""
-    sampling = SamplingParams(
-        do_sample=do_sample,
-        temperature=temperature,
-        top_k=top_k or 0,
-        top_p=top_p,
-        min_p=min_p,
-        repetition_penalty=repetition_penalty,
-        seed=seed if seed is not None else int(torch.randint(0, 2**31 - 1, ()).item()),
-    )
-    validate_sampling(sampling)
-    if not do_sample:  # argmax: only the repetition penalty can change it; the rest stays off the wire
-        return SamplingParams(repetition_penalty=repetition_penalty)
-    return sampling
-
-
 AutoDistributedModelForCausalLM = AutoDistributedModel  # transformers' naming; the same class
-
-
-@dataclass(frozen=True)
-class _Call:
-    """One generate() or agenerate_stream() call's checked arguments and what they imply."""
-
-    options: GenerationOptions  # with loop_runs decided
-    sampling: SamplingParams  # with the call's seed
-    eos: list[int]
-    corpus: list[list[int]]  # draft_corpus as token ids
-    spot_check_rate: float
-
-
-T = TypeVar("T")
-
-
-async def _all_or_none(coros: Sequence[Awaitable[T]]) -> list[T]:
-    """Run coroutines concurrently; if one fails (or the caller gives up), cancel the others and
-    wait for them (each closes its own session) before raising."""
-    tasks = [asyncio.ensure_future(coro) for coro in coros]
-    try:
-        return list(await asyncio.gather(*tasks))
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
-
-
-def _checked_mask(input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
-    """The attention mask as a 0/1 long tensor of input_ids' shape, every row with a token."""
-    if attention_mask is None:
-        return torch.ones_like(input_ids)
-    mask = torch.as_tensor(attention_mask)
-    if mask.ndim == 1:
-        mask = mask.unsqueeze(0)
-    if tuple(mask.shape) != tuple(input_ids.shape):
-        raise ValueError(f"attention_mask has shape {tuple(mask.shape)}; input_ids has {tuple(input_ids.shape)}")
-    if not bool(((mask == 0) | (mask == 1)).all()):
-        raise ValueError("attention_mask must hold 0 (padding) and 1 (token) only")
-    if not bool(mask.any(dim=1).all()):
-        raise ValueError("attention_mask leaves a row without any token")
-    return mask.long()
-
-
-def _unpadded(input_ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
-    return [ids[keep.bool()].tolist() for ids, keep in zip(input_ids, mask)]
-
-
-def _causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """transformers' causal-LM loss (mean cross-entropy of position i's logits against label
-    i + 1, -100 ignored), except that targets predicted from a masked position are ignored too."""
-    if tuple(labels.shape) != tuple(mask.shape):
-        raise ValueError(f"labels have shape {tuple(labels.shape)}; input_ids has {tuple(mask.shape)}")
-    targets = torch.nn.functional.pad(labels.long(), (0, 1), value=-100)[:, 1:].masked_fill(mask == 0, -100)
-    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
-
-
-def _merged_stats(stats: Sequence[GenerationStats], wall_time: float) -> GenerationStats:
-    """A batch's stats: every row's counts added up; the wall time of the whole call; row 0's route."""
-    merged = GenerationStats()
-    for row in stats:
-        for f in dataclasses.fields(GenerationStats):
-            value, total = getattr(row, f.name), getattr(merged, f.name)
-            if isinstance(value, Counter):
-                total.update(value)
-            elif isinstance(value, list) and f.name != "route":
-                total.extend(value)
-            elif isinstance(value, (int, float)) and f.name != "wall_time":
-                setattr(merged, f.name, total + value)
-    merged.route = list(stats[0].route) if stats else []
-    merged.wall_time = wall_time
-    return merged

@@ -29,11 +29,11 @@ def test_sampling_parameters_round_trip() -> None:
 
 
 def test_greedy_generation_sends_only_what_can_change_the_argmax() -> None:
-    from client.model import _sampling_params
+    from client._calls import sampling_params
 
-    assert _sampling_params(False, 0.2, 50, 0.9, 0.05, 1.0, None) == GREEDY  # a model's sampling defaults
-    assert _sampling_params(False, 0.2, 50, 0.9, 0.0, 1.3, 7) == SamplingParams(repetition_penalty=1.3)
-    sampled = _sampling_params(True, 0.2, 50, 0.9, 0.0, 1.0, 7)
+    assert sampling_params(False, 0.2, 50, 0.9, 0.05, 1.0, None) == GREEDY  # a model's sampling defaults
+    assert sampling_params(False, 0.2, 50, 0.9, 0.0, 1.3, 7) == SamplingParams(repetition_penalty=1.3)
+    sampled = sampling_params(True, 0.2, 50, 0.9, 0.0, 1.0, 7)
     assert sampled.do_sample and sampled.temperature == 0.2 and sampled.seed == 7
 
 
