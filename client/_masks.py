@@ -46,6 +46,17 @@ def unpadded(input_ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
     return [ids[keep.bool()].tolist() for ids, keep in zip(input_ids, mask)]
 
 
+def kept_width(width: int, logits_to_keep: int, with_labels: bool) -> int:
+    """How many of the last columns ``forward`` returns outputs for (``logits_to_keep``; 0: all);
+    a loss needs every column's logits."""
+    if logits_to_keep < 0:
+        raise ValueError(f"logits_to_keep must be >= 0, got {logits_to_keep}")
+    keep = width if logits_to_keep == 0 else min(logits_to_keep, width)
+    if with_labels and keep != width:
+        raise ValueError("labels need the logits of every position: leave logits_to_keep at 0")
+    return keep
+
+
 def kept_columns(mask: torch.Tensor, first: int) -> list[torch.Tensor]:
     """Per row, the output columns its tokens fill when the outputs cover columns ``first`` on of
     the padded batch (``forward``'s ``logits_to_keep``): a row's results go back where its tokens

@@ -27,7 +27,7 @@ from client import _loop
 from client._calls import DEFAULT_MAX_LENGTH, Call, check_audit_every, context_limit, one_call_session, plan_call
 from client._forward import forward_row
 from client._generation import GenerationStats, SessionState, SpeculativeDecoder
-from client._masks import causal_lm_loss, checked_ids, checked_mask, kept_columns, unpadded
+from client._masks import causal_lm_loss, checked_ids, checked_mask, kept_columns, kept_width, unpadded
 from client._options import GenerationOptions
 from client._stats import merged_stats
 from client._trees import TreeSizer
@@ -294,34 +294,36 @@ class AutoDistributedModel:
             logger.warning(f"forward() ignores unsupported arguments: {sorted(unused)}")
         input_ids = checked_ids(input_ids, self.config.vocab_size)
         mask = checked_mask(input_ids, attention_mask)
-        batch, width = input_ids.shape
-        if logits_to_keep < 0:
-            raise ValueError(f"logits_to_keep must be >= 0, got {logits_to_keep}")
-        keep = width if logits_to_keep == 0 else min(logits_to_keep, width)
-        if labels is not None and keep != width:
-            raise ValueError("labels need the logits of every position: leave logits_to_keep at 0")
-        first = width - keep  # the first column the outputs cover
+        width = input_ids.shape[1]
+        keep = kept_width(width, logits_to_keep, labels is not None)
         rows = unpadded(input_ids, mask)
         if max(map(len, rows)) > self.context_length:
             raise ValueError(f"a row has {max(map(len, rows))} tokens; the model's context is {self.context_length}")
-        kept = kept_columns(mask, first)
-        wanted = [i for i in range(batch) if len(kept[i])]
-        vocab, hidden_size = self.config.vocab_size, self.config.hidden_size
-        wanted_outputs = dict(vocab_size=vocab, hidden_size=hidden_size, return_hidden=output_hidden_states)
-        passes = [forward_row(self.swarm, rows[i], len(kept[i]), **wanted_outputs) for i in wanted]
-        results = _loop.run(_loop.all_or_none(passes))
-        logits = torch.zeros(batch, keep, vocab)
-        hidden = torch.zeros(batch, keep, hidden_size) if output_hidden_states else None
-        for i, result in zip(wanted, results):
-            logits[i, kept[i]] = result.logits
-            if hidden is not None:
-                hidden[i, kept[i]] = result.hidden
+        logits, hidden = self._forward_rows(rows, kept_columns(mask, width - keep), keep, output_hidden_states)
         loss = causal_lm_loss(logits, torch.as_tensor(labels), mask) if labels is not None else None
         states = (hidden,) if hidden is not None else None
         output = CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=states)
         return output if return_dict else output.to_tuple()
 
     __call__ = forward
+
+    def _forward_rows(
+        self, rows: list[list[int]], kept: list[torch.Tensor], keep: int, output_hidden_states: bool
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """One prefill session per row with a kept column, all at once on the client loop; the
+        logits (and final hidden states) put back in the padded batch's last ``keep`` columns."""
+        wanted = [i for i in range(len(rows)) if len(kept[i])]
+        vocab, hidden_size = self.config.vocab_size, self.config.hidden_size
+        wanted_outputs = dict(vocab_size=vocab, hidden_size=hidden_size, return_hidden=output_hidden_states)
+        passes = [forward_row(self.swarm, rows[i], len(kept[i]), **wanted_outputs) for i in wanted]
+        results = _loop.run(_loop.all_or_none(passes))
+        logits = torch.zeros(len(rows), keep, vocab)
+        hidden = torch.zeros(len(rows), keep, hidden_size) if output_hidden_states else None
+        for i, result in zip(wanted, results):
+            logits[i, kept[i]] = result.logits
+            if hidden is not None:
+                hidden[i, kept[i]] = result.hidden
+        return logits, hidden
 
     async def aforward_logits(self, input_ids: Sequence[int]) -> torch.Tensor:
         """The asyncio twin of ``forward`` for one sequence of ids: float32 logits ``[length, vocab]``
