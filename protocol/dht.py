@@ -90,7 +90,8 @@ def listen_maddr(host: str, port: int) -> str:
     try:
         ip = ipaddress.ip_address(host.strip("[]"))
     except ValueError:
-        raise ValueError(f"--host must be an IPv4 or IPv6 address to listen on (0.0.0.0, ::, 127.0.0.1, ::1), got {host!r}") from None
+        allowed = "0.0.0.0, ::, 127.0.0.1, ::1"
+        raise ValueError(f"--host must be an IPv4 or IPv6 address to listen on ({allowed}), got {host!r}") from None
     if not 0 <= port <= 65535:
         raise ValueError(f"--port must be in 0..65535, got {port}")
     return str(Multiaddr(f"/ip{ip.version}/{ip}/tcp/{port}"))

@@ -19,9 +19,18 @@ from hivemind.utils import get_dht_time
 
 from protocol import relay
 from protocol.records import (
-    MAX_MODEL_BLOCKS, MAX_NAME_CHARS, MAX_PEER_ID_CHARS, MAX_REPORT_COUNT, MAX_REPORTED_PEERS, MAX_REPORTERS, MODELS_KEY,
-    REPORT_EXPIRATION, ServerInfo, block_key, reports_key,
-)  # fmt: skip
+    MAX_MODEL_BLOCKS,
+    MAX_NAME_CHARS,
+    MAX_PEER_ID_CHARS,
+    MAX_REPORT_COUNT,
+    MAX_REPORTED_PEERS,
+    MAX_REPORTERS,
+    MODELS_KEY,
+    REPORT_EXPIRATION,
+    ServerInfo,
+    block_key,
+    reports_key,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -31,7 +31,8 @@ class ErrorCode(str, enum.Enum):
     # without the session's secret, and a session that queued more runs or results than allowed
     FRAME_TOO_LARGE = "frame_too_large"  # the frame's declared length exceeds this protocol's limit
     STEP_TOO_LARGE = "step_too_large"  # more positions in one Step than max_positions_per_step
-    UNAUTHORIZED = "unauthorized"  # Subscribe without the session's secret; OpenSession past the head not from the previous hop
+    # Subscribe without the session's secret; OpenSession past the head not from the previous hop
+    UNAUTHORIZED = "unauthorized"
     QUEUE_FULL = "queue_full"  # too many runs queued (or results unread) in one session
 
 

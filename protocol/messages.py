@@ -295,9 +295,13 @@ def _trailing_defaults(kind: type) -> tuple:
     """The default of each field that has one (they are the last fields: kw_only structs keep order)."""
     if kind not in _DEFAULTS:
         fields = msgspec.structs.fields(kind)
-        defaults = [f.default if f.default_factory is msgspec.NODEFAULT else f.default_factory() for f in fields
-                    if f.default is not msgspec.NODEFAULT or f.default_factory is not msgspec.NODEFAULT]  # fmt: skip
-        if any(f.default is msgspec.NODEFAULT and f.default_factory is msgspec.NODEFAULT for f in fields[len(fields) - len(defaults) :]):
+        defaults = [
+            f.default if f.default_factory is msgspec.NODEFAULT else f.default_factory()
+            for f in fields
+            if f.default is not msgspec.NODEFAULT or f.default_factory is not msgspec.NODEFAULT
+        ]
+        trimmable = fields[len(fields) - len(defaults) :]
+        if any(f.default is msgspec.NODEFAULT and f.default_factory is msgspec.NODEFAULT for f in trimmable):
             raise TypeError(f"{kind.__name__}: fields with defaults must come after those without, to be trimmed")
         _DEFAULTS[kind] = tuple(defaults)
     return _DEFAULTS[kind]

@@ -257,7 +257,8 @@ def verify_rejection(
         scores = processed_scores(logits[row], history[:position], params)
         probs = torch.softmax(scores, dim=-1)
         if i == n_draft:  # every draft accepted: the bonus token, by the usual rule
-            chosen_rows.append((row, int(torch.multinomial(probs, 1, generator=position_generator(params.seed, position)))))
+            generator = position_generator(params.seed, position)
+            chosen_rows.append((row, int(torch.multinomial(probs, 1, generator=generator))))
             break
         x = history[position]
         u = float(torch.rand((), generator=position_generator(params.seed, position, "accept")))

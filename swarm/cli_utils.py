@@ -36,8 +36,21 @@ def parse_blocks(text: str) -> tuple[int, int]:
     return start, end
 
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}  # fmt: skip
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+    "k": 1 << 10,
+    "m": 1 << 20,
+    "g": 1 << 30,
+}
 
 
 def parse_size(text: str) -> int:

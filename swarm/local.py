@@ -155,7 +155,8 @@ class LocalSwarm:
         port = free_port()
         blocks = ["--blocks", f"{start}:{end}"] if start is not None else ["--num-blocks", str(end)]
         args = [
-            *(self.launcher if launcher is None else launcher), "--model", self.model, "--initial-peers", *self.initial_peers,
+            *(self.launcher if launcher is None else launcher),
+            "--model", self.model, "--initial-peers", *self.initial_peers,
             *blocks, "--host", "127.0.0.1", "--port", str(port),
             # every peer is on loopback: nothing to probe (docs/nat.md); server_args may override
             "--public-name", name, "--reachability", "public", *self.server_args, *extra,
@@ -254,7 +255,9 @@ def run_demo(swarm: LocalSwarm, prompt: str, max_new_tokens: int, speculation: O
     model = AutoDistributedModelForCausalLM.from_pretrained(swarm.model, initial_peers=swarm.initial_peers)
     tokenizer = model.tokenizer
     messages = [{"role": "user", "content": prompt}]
-    input_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    input_ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
     modes = {"speculation=None, loop_runs=False": dict(speculation=None, loop_runs=False)}
     if speculation:
         modes[f"speculation={speculation}, loop_runs=False"] = dict(speculation=speculation, loop_runs=False)
@@ -301,10 +304,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--speculation", default="suffix", help="suffix, ngram or none (compared against none)")
     p.add_argument("--log-dir", help="write each process's log to a file here")
     p.add_argument("--log-level", default="WARNING")
-    p.add_argument("--dashboard-port", type=int, default=0,
-                   help="port of the health dashboard (0: any free port, -1: none); not started with --prompt")  # fmt: skip
-    p.add_argument("--api-port", type=int, default=-1,
-                   help="port of an OpenAI-compatible gateway (python -m swarm.api): 0 any free port, -1 none")  # fmt: skip
+    p.add_argument(
+        "--dashboard-port",
+        type=int,
+        default=0,
+        help="port of the health dashboard (0: any free port, -1: none); not started with --prompt",
+    )
+    p.add_argument(
+        "--api-port",
+        type=int,
+        default=-1,
+        help="port of an OpenAI-compatible gateway (python -m swarm.api): 0 any free port, -1 none",
+    )
     args = p.parse_args(argv)
     setup_logging(args.log_level)
     lifeline.install()

@@ -33,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(prog="python -m swarm.server", description=__doc__,
                                 formatter_class=_DefaultsFormatter)  # fmt: skip
-    p.add_argument("--version", action="version", version=f"specswarm {_package_version()} (protocol {PROTOCOL_VERSION})")
+    version = f"specswarm {_package_version()} (protocol {PROTOCOL_VERSION})"
+    p.add_argument("--version", action="version", version=version)
     p.add_argument("--model", required=True,
                    help=f"alias ({', '.join(ALIASES)}), hub repo id (org/name) or local folder")
     p.add_argument("--plan-only", action="store_true",
@@ -42,14 +43,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--assume-free-memory", type=parse_size, metavar="SIZE",
                    help="plan with this much free device memory (e.g. 22GiB) instead of measuring it")
     p.add_argument("--initial-peers", nargs="+", default=[], metavar="MADDR",
-                   help=f"multiaddrs of peers in the swarm (if not given: ${ENV_INITIAL_PEERS}, else initial_peers in {config_path()})")
+                   help=f"multiaddrs of peers in the swarm (if not given: ${ENV_INITIAL_PEERS}, else initial_peers "
+                   f"in {config_path()})")
     p.add_argument("--new-swarm", action="store_true", help="start a new swarm instead of joining one")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--blocks", type=parse_blocks, help="serve blocks START:END (end exclusive)")
     group.add_argument("--num-blocks", type=int, help="serve this many blocks, placed where the swarm needs them most")
     p.add_argument("--host", default="0.0.0.0", help="IPv4 or IPv6 address to listen on (:: for every IPv6 address)")
     p.add_argument("--port", type=int, default=0, help="TCP port to listen on (0: any free port)")
-    p.add_argument("--announce-maddrs", nargs="+", default=[], metavar="MADDR", help="addresses other peers should dial")
+    p.add_argument("--announce-maddrs", nargs="+", default=[], metavar="MADDR",
+                   help="addresses other peers should dial")
     p.add_argument("--device", default="auto", help="auto (cuda when available, else cpu), cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: bfloat16 on CUDA, float32 on the CPU")
@@ -58,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weights of the blocks: none, int8 (LLM.int8) or nf4 (bitsandbytes); auto: the smallest that "
                    "keeps the checkpoint's own precision (docs/quantization.md)")
     p.add_argument("--public-name", help="a name shown on the health dashboard")
-    p.add_argument("--cache-tokens", type=int, help="KV cache budget in tokens (if not given: from free memory, by the memory plan)")
+    p.add_argument("--cache-tokens", type=int,
+                   help="KV cache budget in tokens (if not given: from free memory, by the memory plan)")
     p.add_argument("--identity-path", help="private key file; keeps the peer id across restarts")
     p.add_argument("--dht-prefix", help="the model's name in the DHT (if not given: from --model)")
     p.add_argument("--revision", help="a hub model's commit, branch or tag (if not given: the commit the swarm's "
@@ -75,8 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most positions one Step may carry (frames are limited to what it needs)")
     p.add_argument("--max-batch-positions", type=int,
                    help="most positions one batched pass through the span computes; sessions' runs beyond it wait "
-                   "in arrival order, long prefills are cut into chunks (default: what the memory plan's headroom holds, "
-                   "at most 1024)")
+                   "in arrival order, long prefills are cut into chunks (default: what the memory plan's headroom "
+                   "holds, at most 1024)")
     p.add_argument("--gather-window-ms", type=float, default=1000 * DEFAULT_GATHER_WINDOW,
                    help="the most a ready batch waits for runs of the server's other open sessions; it starts at once "
                    "when each open session has a run waiting, so a session alone never waits (0: never waits)")

@@ -21,8 +21,13 @@ logger = logging.getLogger("swarm.api")
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m swarm.api", description=__doc__)
-    p.add_argument("--initial-peers", nargs="+", default=[], metavar="MADDR",
-                   help="multiaddrs of peers in the swarm (default: $SPECSWARM_INITIAL_PEERS, then the config file)")  # fmt: skip
+    p.add_argument(
+        "--initial-peers",
+        nargs="+",
+        default=[],
+        metavar="MADDR",
+        help="multiaddrs of peers in the swarm (default: $SPECSWARM_INITIAL_PEERS, then the config file)",
+    )
     p.add_argument("--model", nargs="+", default=["smollm2-135m"], metavar="NAME",
                    help="models to serve (alias, hub repo id or local folder); the API's model ids")  # fmt: skip
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -30,8 +35,13 @@ def build_parser() -> argparse.ArgumentParser:
     keys = p.add_mutually_exclusive_group()
     keys.add_argument("--api-key", nargs="+", default=[], metavar="KEY", help="accept only these bearer keys")
     keys.add_argument("--api-key-file", help="accept only the keys in this file, one per line (# comments)")
-    p.add_argument("--max-concurrent-per-key", type=int, default=0, metavar="N",
-                   help="requests in flight per API key (0: unlimited; without keys, for all requests together)")  # fmt: skip
+    p.add_argument(
+        "--max-concurrent-per-key",
+        type=int,
+        default=0,
+        metavar="N",
+        help="requests in flight per API key (0: unlimited; without keys, for all requests together)",
+    )
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request may take in all")
     p.add_argument("--swarm-timeout", type=float, default=60.0, help="seconds to wait for any one server's answer")
     p.add_argument("--default-max-tokens", type=int, default=1024, metavar="N",  # engine.DEFAULT_MAX_TOKENS

@@ -63,8 +63,11 @@ class ConcurrencyLimiter:
     @contextlib.contextmanager
     def slot(self, key: str) -> Iterator[None]:
         if self.limit and self.active[key] >= self.limit:
-            raise APIError(429, f"this API key already has {self.active[key]} requests in flight (limit "
-                           f"{self.limit}); retry when one finishes", "rate_limit_error", code="concurrency_limit_exceeded")  # fmt: skip
+            message = (
+                f"this API key already has {self.active[key]} requests in flight (limit "
+                f"{self.limit}); retry when one finishes"
+            )
+            raise APIError(429, message, "rate_limit_error", code="concurrency_limit_exceeded")
         self.active[key] += 1
         try:
             yield
@@ -177,14 +180,15 @@ class Gateway:
 
     def _served_or_only(self, name: Optional[str]) -> ServedModel:
         if name is None and len(self.models) > 1:
-            raise bad_request(f"this gateway serves several models ({', '.join(sorted(self.models))}): name one", "model")
+            names = ", ".join(sorted(self.models))
+            raise bad_request(f"this gateway serves several models ({names}): name one", "model")
         return self._served(name) if name is not None else next(iter(self.models.values()))
 
     def _served(self, name: str) -> ServedModel:
         served = self.models.get(name)
         if served is None:
-            raise APIError(404, f"the model {name!r} does not exist on this gateway; it serves "
-                           f"{', '.join(sorted(self.models))}", "not_found_error", param="model", code="model_not_found")  # fmt: skip
+            message = f"the model {name!r} does not exist on this gateway; it serves {', '.join(sorted(self.models))}"
+            raise APIError(404, message, "not_found_error", param="model", code="model_not_found")
         return served
 
     # ---- generation --------------------------------------------------------------------------
@@ -209,8 +213,15 @@ class Gateway:
                 raise from_exception(e, fmt.served.name) from None
             return _json(fmt.response(deltas), headers=speculation_headers(fmt.stats()))
 
-    async def _stream(self, request: web.Request, generations: list[TextGeneration], fmt: Union[ChatFormat, CompletionFormat],
-                      deadline: float, include_usage: bool, continuous_usage: bool) -> web.StreamResponse:  # fmt: skip
+    async def _stream(
+        self,
+        request: web.Request,
+        generations: list[TextGeneration],
+        fmt: Union[ChatFormat, CompletionFormat],
+        deadline: float,
+        include_usage: bool,
+        continuous_usage: bool,
+    ) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         async with contextlib.aclosing(merged_deltas(generations)) as stream:
             try:

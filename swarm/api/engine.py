@@ -79,7 +79,9 @@ class ServedModel:
         if not getattr(self.tokenizer, "chat_template", None):
             raise bad_request(f"model {self.name!r} has no chat template; use /v1/completions", "messages")
         try:
-            encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=True)
+            encoded = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=True
+            )
         except Exception as e:  # jinja raises on conversations the template rejects
             raise bad_request(f"the chat template of {self.name!r} rejected the messages: {e}", "messages") from None
         return list(encoded["input_ids"])
@@ -131,7 +133,8 @@ class TextGeneration:
                         )
                     keep = max(0, len(tokens) - chunk.retracted)  # re-read the kept tokens from the start
                     tokens, logprobs, restart = tokens[:keep], logprobs[:keep], True
-                    detokenizer, stops = IncrementalDetokenizer(served.tokenizer, params.prompt_ids), StopMatcher(params.stop)
+                    detokenizer = IncrementalDetokenizer(served.tokenizer, params.prompt_ids)
+                    stops = StopMatcher(params.stop)
                     replayed = "".join(stops.feed(detokenizer.push(t)) for t in tokens)
                     self.completion_tokens = len(tokens)
                 text, taken = (replayed if restart else ""), 0

@@ -23,7 +23,9 @@ logger = logging.getLogger(__name__)
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, type: str, *, param: Optional[str] = None, code: Optional[str] = None):
+    def __init__(
+        self, status: int, message: str, type: str, *, param: Optional[str] = None, code: Optional[str] = None
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 

@@ -73,7 +73,8 @@ class ChatFormat(_Format):
     chunk_object = "chat.completion.chunk"
 
     def opening_chunk(self, index: int) -> dict[str, Any]:
-        choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        opening = {"role": "assistant", "content": ""}
+        choice = {"index": index, "delta": opening, "logprobs": None, "finish_reason": None}
         return self._envelope(self.chunk_object, [choice])
 
     def chunk(self, index: int, delta: Delta) -> dict[str, Any]:
@@ -91,7 +92,8 @@ class ChatFormat(_Format):
         for index, (generation, own) in enumerate(zip(self.generations, deltas)):
             message = {"role": "assistant", "content": "".join(d.text for d in own)}
             logprobs = self._logprobs([lp for d in own for lp in d.logprobs])
-            choices.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": generation.finish_reason})
+            finish = generation.finish_reason
+            choices.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish})
         return self._envelope(self.object_name, choices, usage=self.usage(), specswarm=speculation_stats(self.stats()))
 
     def _logprobs(self, entries: list[Optional[TokenLogprobs]]) -> Optional[dict[str, Any]]:
@@ -130,8 +132,8 @@ class CompletionFormat(_Format):
     def response(self, deltas: list[list[Delta]]) -> dict[str, Any]:
         choices = []
         for index, (generation, own) in enumerate(zip(self.generations, deltas)):
-            choices.append({"index": index, "text": "".join(d.text for d in own), "logprobs": self._logprobs(index, own),
-                            "finish_reason": generation.finish_reason})  # fmt: skip
+            text, logprobs, finish = "".join(d.text for d in own), self._logprobs(index, own), generation.finish_reason
+            choices.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish})
         return self._envelope(self.object_name, choices, usage=self.usage(), specswarm=speculation_stats(self.stats()))
 
     def _logprobs(self, index: int, deltas: list[Delta]) -> Optional[dict[str, Any]]:
@@ -148,7 +150,12 @@ class CompletionFormat(_Format):
                 self.text_offsets[index] += len(tokens[-1])
                 token_logprobs.append(None if entry is None else entry.logprob)
                 top_logprobs.append(None if entry is None else self._top_with_token(entry))
-        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": top_logprobs,
+            "text_offset": offsets,
+        }
 
     def _top_with_token(self, entry: TokenLogprobs) -> dict[str, float]:
         top = dict(self._top(entry))

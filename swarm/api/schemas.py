@@ -124,7 +124,8 @@ def chat_params(req: ChatRequest, served: ServedModel, max_choices: int) -> tupl
     if req.tools:
         raise bad_request("tools are not supported by this gateway", "tools")
     if req.functions or req.function_call not in (None, "none"):
-        raise bad_request("functions are not supported by this gateway", "functions" if req.functions else "function_call")
+        param = "functions" if req.functions else "function_call"
+        raise bad_request("functions are not supported by this gateway", param)
     if req.tool_choice not in (None, "none"):
         raise bad_request("tool_choice is not supported by this gateway (it has no tools)", "tool_choice")
     if req.modalities not in (None, ["text"]):
@@ -141,7 +142,9 @@ def chat_params(req: ChatRequest, served: ServedModel, max_choices: int) -> tupl
     return _choices(req, served, [Prompt(prompt_ids, None)], max_tokens, "messages", shown, max_choices), shown
 
 
-def completion_params(req: CompletionRequest, served: ServedModel, max_choices: int) -> tuple[list[GenerationParams], int]:
+def completion_params(
+    req: CompletionRequest, served: ServedModel, max_choices: int
+) -> tuple[list[GenerationParams], int]:
     """One validated generation per choice (prompt-major, then ``n``), and the top log-probs shown."""
     if req.suffix:
         raise bad_request("suffix is not supported", "suffix")
@@ -206,9 +209,11 @@ def _choices(req: _Request, served: ServedModel, prompts: list[Prompt], max_toke
     if n < 1:
         raise bad_request(f"n must be at least 1, got {n}", "n")
     if len(prompts) * n > max_choices:
-        raise bad_request(f"{len(prompts)} prompt(s) x n={n} make {len(prompts) * n} choices; this gateway runs at most "
-                          f"{max_choices} per request: split the batch", "n" if n > 1 else prompt_param,
-                          code="too_many_choices")  # fmt: skip
+        message = (
+            f"{len(prompts)} prompt(s) x n={n} make {len(prompts) * n} choices; this gateway runs at most "
+            f"{max_choices} per request: split the batch"
+        )
+        raise bad_request(message, "n" if n > 1 else prompt_param, code="too_many_choices")
     echo = bool(getattr(req, "echo", False))
     base = _common(req)
     choices = []
@@ -249,8 +254,8 @@ def _max_tokens(prompt_tokens: int, max_tokens: Optional[int], served: ServedMod
     param = "max_tokens"
     context = served.context_length
     if prompt_tokens > context or (prompt_tokens == context and not (echo and max_tokens == 0)):
-        raise APIError(400, f"this model's maximum context length is {context} tokens, but the prompt has "
-                       f"{prompt_tokens} tokens", "invalid_request_error", param=prompt_param, code="context_length_exceeded")  # fmt: skip
+        message = f"this model's maximum context length is {context} tokens, but the prompt has {prompt_tokens} tokens"
+        raise APIError(400, message, "invalid_request_error", param=prompt_param, code="context_length_exceeded")
     if max_tokens is None:  # capped: each hop reserves cache for prompt + max_tokens
         return min(context - prompt_tokens, served.default_max_tokens)
     if max_tokens < (0 if echo else 1):
@@ -283,10 +288,17 @@ def _sampling(req: _Request) -> dict[str, Any]:
         (temperature >= 0, "temperature", "temperature must be >= 0"),
         (req.top_k is None or req.top_k >= -1, "top_k", "top_k must be >= 0 (or -1: off)"),
         (req.seed is None or -INT64 <= req.seed < INT64, "seed", "seed must be a 64-bit signed integer"),
-        (req.speculation is None or req.speculation.lower() in SPECULATION_MODES, "speculation",
-         f"speculation must be one of {sorted(SPECULATION_MODES)}"),
-        (req.num_draft_tokens is None or 1 <= req.num_draft_tokens <= 64, "num_draft_tokens", "num_draft_tokens must be in [1, 64]"),
-    ]  # fmt: skip
+        (
+            req.speculation is None or req.speculation.lower() in SPECULATION_MODES,
+            "speculation",
+            f"speculation must be one of {sorted(SPECULATION_MODES)}",
+        ),
+        (
+            req.num_draft_tokens is None or 1 <= req.num_draft_tokens <= 64,
+            "num_draft_tokens",
+            "num_draft_tokens must be in [1, 64]",
+        ),
+    ]
     for ok, param, message in checks:
         if not ok:
             raise bad_request(message, param)

@@ -19,8 +19,13 @@ logger = logging.getLogger("swarm.dashboard")
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m swarm.dashboard", description=__doc__)
-    p.add_argument("--initial-peers", nargs="+", default=[], metavar="MADDR",
-                   help="multiaddrs of peers in the swarm (default: $SPECSWARM_INITIAL_PEERS, then the config file)")  # fmt: skip
+    p.add_argument(
+        "--initial-peers",
+        nargs="+",
+        default=[],
+        metavar="MADDR",
+        help="multiaddrs of peers in the swarm (default: $SPECSWARM_INITIAL_PEERS, then the config file)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to serve the page on")
     p.add_argument("--port", type=int, default=8080, help="TCP port (0: any free port)")
     p.add_argument("--refresh-seconds", type=float, default=5.0, help="seconds between reads of the DHT")

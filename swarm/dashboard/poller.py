@@ -128,7 +128,9 @@ async def _ping_many(dht: DHT, node: DHTNode, peer_ids: list[str], timeout: floa
 
     async def one(peer: str) -> tuple[Optional[float], Optional[str]]:
         async with gate:
-            return await (_ping_relayed(node, peer, relayed[peer], timeout) if peer in relayed else _ping(node, peer, timeout))
+            if peer in relayed:
+                return await _ping_relayed(node, peer, relayed[peer], timeout)
+            return await _ping(node, peer, timeout)
 
     return dict(zip(peer_ids, await asyncio.gather(*(one(p) for p in peer_ids))))
 

@@ -24,7 +24,8 @@ PAGED_CONTRIBUTORS = 25  # contributor rows in a paged view (a swarm of 1,000 on
 @dataclass(frozen=True)
 class Paging:
     """Which server rows of each model a view carries: ``page`` (1-based) of ``per_page`` rows,
-    ordered by first block then peer id (as docs/dashboard.md says) so that a page holds the same servers from one poll to the next."""
+    ordered by first block then peer id (as docs/dashboard.md says) so that a page holds the same
+    servers from one poll to the next."""
 
     page: int = 1
     per_page: int = PER_PAGE
@@ -79,10 +80,18 @@ def model_view(model: ModelEntry, state: State, now: float, paging: Optional[Pag
         "throughput": sum(info.throughput for info in online),
         "servers_online": len(online),
         "servers_total": len(model.servers),
-        "blocks": [{"block": i, "servers": c.servers, "throughput": c.throughput} for i, c in enumerate(model.coverage)],
+        "blocks": [
+            {"block": i, "servers": c.servers, "throughput": c.throughput} for i, c in enumerate(model.coverage)
+        ],
         "speculation": speculation_view(model),
         "history": [
-            {"at": p.at, "coverage": p.coverage, "max_flow": p.max_flow, "throughput": p.throughput, "servers": p.servers}
+            {
+                "at": p.at,
+                "coverage": p.coverage,
+                "max_flow": p.max_flow,
+                "throughput": p.throughput,
+                "servers": p.servers,
+            }
             for p in model.history
         ],
         "servers": [server_view(entry, state.uptime.get(peer_id), model.num_blocks, now, model.disputes.get(peer_id, 0))
@@ -146,7 +155,9 @@ def speculation_view(model: ModelEntry) -> dict[str, Any]:
 
 def top_contributors(state: State) -> list[dict[str, Any]]:
     """Online servers grouped by public name, most blocks served first (then throughput)."""
-    groups: dict[str, dict[str, Any]] = defaultdict(lambda: {"servers": 0, "blocks": 0, "throughput": 0.0, "models": set()})
+    groups: dict[str, dict[str, Any]] = defaultdict(
+        lambda: {"servers": 0, "blocks": 0, "throughput": 0.0, "models": set()}
+    )
     for model in state.models.values():
         for info in model.online():
             group = groups[info.public_name or ANONYMOUS]
