@@ -75,7 +75,7 @@ def _tail_drafts(span: SpanAdapter, session: ServerSession, step: Step, hidden: 
         session.drafter_state = span.drafter.new_session()
     committed = len(step.token_ids) - step.n_draft + result.accepted
     token_ids = step.token_ids
-    if step.parents:  # the committed ids, then the accepted path: a chain, as the head expects
+    if step.parents:  # the committed ids, then the accepted path: a chain, as the drafter expects
         rows = list(range(len(step.token_ids) - step.n_draft)) + [len(step.token_ids) - step.n_draft + n for n in result.path]
         hidden, token_ids = hidden[:, rows], [step.token_ids[r] for r in rows]
     return span.drafter.draft(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch
 
@@ -299,7 +299,7 @@ class ServerSession:
         self.history[base : base + len(nodes)] = [self.history[base + node] for node in nodes]
 
 
-def check_token_ids(token_ids, vocab_size: int) -> None:
+def check_token_ids(token_ids: Iterable[int], vocab_size: int) -> None:
     """Refuse ids outside the vocabulary (a Step's, a DraftOffer's), naming the first."""
     bad = [t for t in token_ids if not 0 <= t < vocab_size]
     if bad:
