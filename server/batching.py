@@ -32,7 +32,8 @@ from protocol.limits import DEFAULT_GATHER_WINDOW
 from server.adapters import SpanAdapter, SpanCancelled
 from server.adapters.base import BatchMember
 from server.memory import DEFAULT_MAX_BATCH_POSITIONS
-from server.session import QueuedRun, ServerSession, begin_run, finish_run, first_logits_row
+from server.compute import begin_run, finish_run, first_logits_row
+from server.session import QueuedRun, ServerSession
 
 logger = logging.getLogger(__name__)
 

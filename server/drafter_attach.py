@@ -25,8 +25,8 @@ logger = logging.getLogger(__name__)
 
 def attach_drafter(span: SpanAdapter, config: ServerConfig, model_config: PretrainedConfig, checkpoint: Checkpoint) -> None:
     """``--drafter``: give a tail span its tail drafter (server/tail_drafter.py). ``auto`` picks the
-    head committed for this model (matched by config fingerprint) and drafts nothing without one;
-    ``none`` never drafts; a path loads that head file, and a file that does not fit is an error.
+    drafter committed for this model (matched by config fingerprint) and drafts nothing without one;
+    ``none`` never drafts; a path loads that drafter file, and a file that does not fit is an error.
     A DeepSeek-V4 tail drafts with its checkpoint's own MTP module instead (server/adapters/deepseek_v4_mtp.py)."""
     from server.tail_drafter import build_tail_drafter
 
@@ -40,14 +40,14 @@ def attach_drafter(span: SpanAdapter, config: ServerConfig, model_config: Pretra
         return
     path = drafter_file(config, model_config)
     if path is None:
-        logger.info("Tail drafter: none (no committed head for this model)")
+        logger.info("Tail drafter: none (no committed drafter for this model)")
         return
     span.drafter = build_tail_drafter(span, model_config, checkpoint, path, max_drafts=config.drafter_tokens)
     logger.info(f"Tail drafter: {path} (up to {config.drafter_tokens} ids per run)")
 
 
 def drafter_file(config: ServerConfig, model_config: PretrainedConfig) -> Optional[str]:
-    """The head file ``--drafter`` names for a Llama-family tail (auto: the committed one, if any)."""
+    """The drafter file ``--drafter`` names for a Llama-family tail (auto: the committed one, if any)."""
     from server.adapters import adapter_class
     from server.adapters.llama import LlamaFamilyAdapter
     from server.tail_drafter import committed_drafter

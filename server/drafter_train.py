@@ -6,7 +6,7 @@ Data, all available offline: the model's own greedy answers to chat prompts writ
 the benchmarks' nor any test's), and Python standard library sources and docs under
 ``sys.prefix/lib/python3.11``. The target runs over them once; the final hidden states (after the
 final norm) and the target's own next-token choices are kept, and the drafter is fitted to them with
-EAGLE's loss: a smooth-L1 regression of the next feature plus the cross-entropy of the LM drafter's
+EAGLE's loss: a smooth-L1 regression of the next feature plus the cross-entropy of the LM head's
 logits over the predicted feature against the target's own choice (what greedy verification
 accepts). The drafter proposes only the ``--draft-vocab`` ids the target chose most often over the data
 (FR-Spec): the LM head rows it multiplies per draft shrink by that factor.
@@ -23,10 +23,14 @@ import random
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from server.tail_drafter import EagleModule, save_drafter
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 logger = logging.getLogger("server.drafter_train")
 
@@ -99,7 +103,7 @@ def stdlib_texts(limit_chars: int, seed: int = 0) -> list[str]:
 
 
 @torch.inference_mode()
-def own_answers(model, tokenizer, prompts: list[str], max_new_tokens: int, batch: int = 8) -> list[list[int]]:
+def own_answers(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[str], max_new_tokens: int, batch: int = 8) -> list[list[int]]:
     """Prompt + greedy answer ids for each prompt (batched, left-padded)."""
     tokenizer.padding_side = "left"
     sequences = []
@@ -118,7 +122,7 @@ def own_answers(model, tokenizer, prompts: list[str], max_new_tokens: int, batch
 
 
 @torch.inference_mode()
-def collect(model, sequences: list[list[int]], chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def collect(model: PreTrainedModel, sequences: list[list[int]], chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Features [N, chunk, H] (fp16), token ids [N, chunk] and the target's own next-token choice at
     each position [N, chunk] (the argmax of its logits there)."""
     feats, ids, labels = [], [], []
@@ -132,7 +136,7 @@ def collect(model, sequences: list[list[int]], chunk: int) -> tuple[torch.Tensor
     return torch.stack(feats), torch.stack(ids), torch.stack(labels)
 
 
-def chunks_of(tokenizer, texts: list[str], chunk: int) -> list[list[int]]:
+def chunks_of(tokenizer: PreTrainedTokenizerBase, texts: list[str], chunk: int) -> list[list[int]]:
     out = []
     for text in texts:
         ids = tokenizer(text)["input_ids"]
@@ -140,10 +144,10 @@ def chunks_of(tokenizer, texts: list[str], chunk: int) -> list[list[int]]:
     return out
 
 
-def train(model, feats, ids, labels, *, draft_vocab: torch.Tensor, seconds: float, lr: float, batch: int,
+def train(model: PreTrainedModel, feats: torch.Tensor, ids: torch.Tensor, labels: torch.Tensor, *, draft_vocab: torch.Tensor, seconds: float, lr: float, batch: int,
           seed: int = 0) -> EagleModule:  # fmt: skip
     """Fit the drafter by EAGLE's loss within ``seconds``. Position t's input is (feature_t, token_{t+1});
-    its output should be feature_{t+1}, whose LM-net argmax is the target's choice at t + 1."""
+    its output should be feature_{t+1}, whose LM head argmax is the target's choice at t + 1."""
     torch.manual_seed(seed)
     config = model.config
     net = EagleModule(config)
@@ -185,7 +189,7 @@ def train(model, feats, ids, labels, *, draft_vocab: torch.Tensor, seconds: floa
         f = feats[pick].float()  # [B, S, H]
         x_next = ids[pick][:, 1:]  # token at t + 1
         f_in = f[:, :-1] + torch.randn_like(f[:, :-1]) * 0.05 * f.std()  # EAGLE: noise on the inputs
-        out = head(f_in, embed[x_next], positions, None, mask)
+        out = net(f_in, embed[x_next], positions, None, mask)
         predicted = norm(out)
         reg = torch.nn.functional.smooth_l1_loss(predicted, f[:, 1:])
         target = to_draft[labels[pick][:, 1:]]
@@ -202,11 +206,11 @@ def train(model, feats, ids, labels, *, draft_vocab: torch.Tensor, seconds: floa
             logger.info(f"step {step} ({elapsed:.0f}s): loss {loss.item():.3f} reg {reg.item():.3f} ce {ce.item():.3f} top1 {top1:.3f}")
         step += 1
     net.eval()
-    return head
+    return net
 
 
 @torch.inference_mode()
-def evaluate(net: EagleModule, model, feats, ids, labels, draft_vocab: torch.Tensor, depth: int = 4) -> list[float]:
+def evaluate(net: EagleModule, model: PreTrainedModel, feats: torch.Tensor, ids: torch.Tensor, labels: torch.Tensor, draft_vocab: torch.Tensor, depth: int = 4) -> list[float]:
     """Fraction of positions whose first k tail drafts all equal the target's choices, k = 1..depth
     (teacher-forced context, the drafter's own features for the chain): the expected acceptance."""
     from server.adapters.llama import _causal_mask
@@ -219,7 +223,7 @@ def evaluate(net: EagleModule, model, feats, ids, labels, draft_vocab: torch.Ten
         seq = f.shape[1]
         cache = net.new_cache()
         half = seq // 2
-        out = head(f[:, :half], embed[x[1 : half + 1]].unsqueeze(0), torch.arange(half).unsqueeze(0), cache,
+        out = net(f[:, :half], embed[x[1 : half + 1]].unsqueeze(0), torch.arange(half).unsqueeze(0), cache,
                    _causal_mask(0, half, torch.device("cpu")))  # fmt: skip
         # the bonus token is x[half]; the drafts should be the target's choices at half, half + 1, ...
         o = out[:, -1:]
@@ -232,7 +236,7 @@ def evaluate(net: EagleModule, model, feats, ids, labels, draft_vocab: torch.Ten
                 hits[k] += 1
             else:
                 ok = False
-            o = head(predicted, embed[torch.tensor([[tok]])], torch.tensor([[pos]]), cache, None)
+            o = net(predicted, embed[torch.tensor([[tok]])], torch.tensor([[pos]]), cache, None)
             pos += 1
         count += 1
     return [h / max(count, 1) for h in hits]

@@ -1,10 +1,14 @@
-"""The streams a server serves: sessions (from a client or the previous server) and results.
+"""The streams a server serves: sessions (from a client or the previous server), results and pings.
 
 Data path of one run through this server, top to bottom:
-  1) ``_serve_session`` reads a Step (+ activations) from the upstream stream and checks it;
-  2) the session's worker (``_run_session``) computes it in the compute thread, in run order;
-  3) a middle server pushes the Step and its output activations to the next server's stream;
-     the tail puts the StepResult on the results stream the client opened.
+  1) ``_serve_session`` reads a Step (+ activations) from the upstream stream, checks it
+     (server/admission.py, ServerSession.check_step) and queues it;
+  2) the session's worker (``_run_session``) takes its runs in run order and computes each with the
+     other sessions' runs (server/batching.py -> server/compute.py -> the span's adapter);
+  3) a middle server pushes the Step and its output activations to the next server's stream
+     (server/next_hop.py); the tail posts the StepResult for the results stream the client opened
+     (server/results.py, read out by server/subscribe.py), and may start the next run at the head
+     (server/looped_runs.py).
 Errors found here go back upstream on the session stream (each server relays what its
 downstream reports), so the client hears about every failure on the stream it opened. Nothing but
 ErrorReply travels upstream: a verdict reaches the client only from the tail, on the results stream
@@ -15,56 +19,51 @@ Every peer is a stranger: frames are limited per protocol by what the model can 
 session's max_length, runs queued, results unread (in messages and bytes: server/unread.py), and
 streams that hold no session yet are capped, so no peer can make a server allocate without bound
 (docs/reliability.md, "Resource bounds"). An upstream that is an announced server of the route's
-previous blocks carries many clients' sessions and is not capped as one client (``_cap_owner``).
+previous blocks carries many clients' sessions and is not capped as one client (admission.cap_owner).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Optional
+from typing import Optional, Union
 
 import msgspec
 import torch
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import P2P
 
 from protocol import compression as codecs
-from protocol import limits
+from protocol import limits, relay
 from protocol.errors import ErrorCode, ProtocolError
-from protocol.records import ServerInfo, ServerState
 from protocol.messages import (
-    Cancel,
-    CloseSession,
-    DraftOffer,
-    ErrorReply,
-    LoopedRun,
-    Message,
-    OpenSession,
-    Ping,
-    Pong,
-    SessionOpened,
-    Step,
+    Cancel, CloseSession, DraftOffer, ErrorReply, LoopedRun, Message, OpenSession, Ping, Pong, SessionOpened, Step,
     StepResult,
-    Subscribe,
 )
+from protocol.records import ServerInfo
+from protocol.streams import PING_PROTOCOL, RESULTS_PROTOCOL, SESSION_PROTOCOL, MessageStream, serve
+from server import admission, looped_runs, next_hop
 from server.adapters import SpanAdapter, SpanCancelled
 from server.batching import DEFAULT_GATHER_WINDOW, DEFAULT_MAX_BATCH_POSITIONS, BatchScheduler
 from server.cache_budget import CacheBudget
-from server.session import QueuedRun, QueuedTrim, ServerSession, TailReply, check_token_ids
-from server.unread import ResultQueue, UnreadLedger, largest, size_of
-from protocol import relay
-from protocol.streams import PING_PROTOCOL, RESULTS_PROTOCOL, SESSION_PROTOCOL, MessageStream, serve
+from server.open_sessions import OpenSessions
+from server.replies import report, send_quietly
+from server.results import TailResults
+from server.session import QueuedRun, QueuedTrim, ServerSession, TailReply
+from server.subscribe import Subscriptions
+from server.unread import UnreadLedger
 
 logger = logging.getLogger(__name__)
 
-DOWNSTREAM_OPEN_TIMEOUT = 30.0
+RunOutput = Union[torch.Tensor, StepResult, TailReply]  # what a run's compute returns (server/compute.py)
+STATS = ("runs", "cancelled_runs", "sessions_opened", "accepted_tokens", "cancelled_queued", "cancelled_running",
+         "cancelled_computed", "dropped_upstream", "looped_runs", "looped_runs_dropped", "offers_used")  # fmt: skip
 
 
 class SessionHandler:
+    """Serves a span's sessions: dispatches what arrives on each stream, and runs each session's worker."""
+
     def __init__(
         self,
         p2p: P2P,
@@ -92,33 +91,35 @@ class SessionHandler:
             raise ValueError(f"--max-session-tokens must be in 1..{budget.total_tokens} (the cache budget), "
                              f"got {self.max_session_tokens}")  # fmt: skip
         self.max_peer_tokens = max(self.max_session_tokens, budget.total_tokens // limits.PEER_CACHE_SHARE)
-        self.unread = UnreadLedger(max_unread_bytes)  # results held for clients that have not read them
-        self.max_unread_session_bytes = max_unread_bytes // limits.UNREAD_SESSION_SHARE
-        self.unread_wait = limits.UNREAD_WAIT_SECONDS
         self.sessionless_timeout = limits.SESSIONLESS_TIMEOUT
-        self.subscribe_timeout = limits.SUBSCRIBE_TIMEOUT
-        self._pending_subscribes: dict[str, int] = {}  # peer id -> its Subscribes waiting for their session
         # announced ONLINE servers of this model (peer id -> record), refreshed by the server's upkeep:
         # an upstream among them that serves the route's previous blocks is a server, not a client
         self.known_servers: dict[str, ServerInfo] = {}
         # the largest frame a Step of max_positions_per_step positions needs, and its activations
         self.max_frame_bytes = limits.session_frame_bytes(span.hidden_shape, max_positions_per_step)
         self.max_tensor_elements = limits.step_tensor_elements(span.hidden_shape, max_positions_per_step)
-        self.sessions: dict[str, ServerSession] = {}
-        self._results: dict[str, ResultQueue] = {}  # tail: per open session
-        self._session_opened = asyncio.Event()  # set (and replaced) whenever a session opens here
-        self._opening: set[str] = set()  # session ids whose OpenSession waits for the next hop
+        self.open_sessions = OpenSessions(budget, max_unread_bytes)
+        self.results = TailResults(self.open_sessions, self.peer_id, max_unread_bytes)  # the tail's, unread
+        self.subscriptions = Subscriptions(self.open_sessions, self.peer_id)  # the tail's results streams
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="span-compute")
         # every session's runs go through the span together (server/batching.py)
         self.batches = BatchScheduler(span, self._executor, max_batch_positions=max_batch_positions,
                                       gather_window=gather_window, open_sessions=lambda: len(self.sessions))  # fmt: skip
         self.accepting = True
-        self.stats = {"runs": 0, "cancelled_runs": 0, "sessions_opened": 0, "accepted_tokens": 0,
-                      "cancelled_queued": 0, "cancelled_running": 0, "cancelled_computed": 0,
-                      "dropped_upstream": 0, "looped_runs": 0, "looped_runs_dropped": 0,
-                      "offers_used": 0}  # fmt: skip
+        self.stats = dict.fromkeys(STATS, 0)
+
+    @property
+    def sessions(self) -> dict[str, ServerSession]:
+        """The sessions open here, by id."""
+        return self.open_sessions.sessions
+
+    @property
+    def unread(self) -> UnreadLedger:
+        """The tail's unread result bytes over all sessions."""
+        return self.open_sessions.unread
 
     async def start(self) -> None:
+        """Serve the three protocols; start the idle reaper and the batch scheduler."""
         await serve(self.p2p, SESSION_PROTOCOL, self._serve_session,
                     max_frame_bytes=self.max_frame_bytes, max_tensor_elements=self.max_tensor_elements)  # fmt: skip
         # a client sends only Subscribe (results stream) or Ping (ping stream): small, no tensors
@@ -144,31 +145,26 @@ class SessionHandler:
                 session.upstream.close()
 
     async def shutdown(self, grace: float = 0.0) -> None:
+        """Drain, then stop the reaper, the scheduler and the compute thread."""
         await self.drain(grace)
         self._reaper.cancel()
         self.batches.stop()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
-    # ---- session streams -------------------------------------------------------------------
+    # ---- session streams: dispatch -----------------------------------------------------------
 
     async def _serve_session(self, upstream: MessageStream) -> None:
+        """One upstream stream: at most one session, then its runs, cancels and offers; or looped runs
+        from a tail. A refused message is answered with an ErrorReply and the stream goes on."""
         session: Optional[ServerSession] = None
         downstream: Optional[MessageStream] = None
         try:
             while True:
                 message: Optional[Message] = None
                 try:
-                    if session is None:  # a stream that holds nothing yet may not sit (limits.SESSIONLESS_TIMEOUT)
-                        try:
-                            received = await asyncio.wait_for(upstream.receive(), self.sessionless_timeout)
-                        except asyncio.TimeoutError:
-                            error = ProtocolError(ErrorCode.BAD_REQUEST, f"no OpenSession within {self.sessionless_timeout:.0f} s: closing the stream")
-                            await self._report(upstream, None, error, None)
-                            return
-                    else:
-                        received = await upstream.receive()
+                    received = await self._receive(upstream, session)
                     if received is None:
-                        return  # the client or previous server closed the stream, or died
+                        return  # the client or previous server closed the stream, or died (or sat idle)
                     message = received.message
                     if isinstance(message, OpenSession):
                         if session is not None:
@@ -176,25 +172,8 @@ class SessionHandler:
                         session, downstream = await self._open(message, upstream)
                     elif isinstance(message, CloseSession):
                         return
-                    elif isinstance(message, LoopedRun):  # from a tail, on a stream of its own
-                        await self._take_looped_run(message, upstream)
-                    elif (
-                        session is None
-                        or session.closed
-                        or getattr(message, "session_id", None) != session.session_id
-                    ):
-                        raise ProtocolError(
-                            ErrorCode.UNKNOWN_SESSION,
-                            f"session {getattr(message, 'session_id', None)!r} is not open on this stream",
-                        )
-                    elif isinstance(message, Step):
-                        self._enqueue(session, message, received.tensors)
-                    elif isinstance(message, Cancel):
-                        await self._cancel(session, message, downstream)
-                    elif isinstance(message, DraftOffer):
-                        self._take_offer(session, message)
                     else:
-                        raise ProtocolError(ErrorCode.BAD_REQUEST, f"unexpected {type(message).__name__}")
+                        await self._dispatch(message, received.tensors, upstream, session, downstream)
                 except ProtocolError as e:
                     await self._report(upstream, session, e, getattr(message, "run_id", None))
         finally:
@@ -203,15 +182,45 @@ class SessionHandler:
             if downstream is not None:
                 downstream.close()
 
+    async def _receive(self, upstream: MessageStream, session: Optional[ServerSession]):
+        """The stream's next message; None at its end, or when a stream that holds nothing yet sat for
+        limits.SESSIONLESS_TIMEOUT (it is told why)."""
+        if session is not None:
+            return await upstream.receive()
+        try:
+            return await asyncio.wait_for(upstream.receive(), self.sessionless_timeout)
+        except asyncio.TimeoutError:
+            why = f"no OpenSession within {self.sessionless_timeout:.0f} s: closing the stream"
+            await self._report(upstream, None, ProtocolError(ErrorCode.BAD_REQUEST, why), None)
+            return None
+
+    async def _dispatch(self, message: Message, tensors: list[torch.Tensor], upstream: MessageStream,
+                        session: Optional[ServerSession], downstream: Optional[MessageStream]) -> None:  # fmt: skip
+        """A message other than OpenSession and CloseSession: a looped run, or one for this stream's session."""
+        if isinstance(message, LoopedRun):  # from a tail, on a stream of its own
+            return await self._take_looped_run(message, upstream)
+        if session is None or session.closed or getattr(message, "session_id", None) != session.session_id:
+            raise ProtocolError(
+                ErrorCode.UNKNOWN_SESSION, f"session {getattr(message, 'session_id', None)!r} is not open on this stream"
+            )
+        if isinstance(message, Step):
+            self._enqueue(session, message, tensors)
+        elif isinstance(message, Cancel):
+            await self._cancel(session, message, downstream)
+        elif isinstance(message, DraftOffer):
+            admission.check_offer(message, session.hop_index, self.span.vocab_size)
+            session.offer = message  # the client's drafts for this run's verdicts (the latest offer only)
+            session.touch()
+        else:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"unexpected {type(message).__name__}")
+
+    # ---- opening a session --------------------------------------------------------------------
+
     async def _open(
         self, message: OpenSession, upstream: MessageStream
     ) -> tuple[ServerSession, Optional[MessageStream]]:
-        self._check_route(message)
-        self._check_upstream(message, upstream)
-        if message.session_id in self.sessions or message.session_id in self._opening:
-            raise ProtocolError(ErrorCode.SESSION_EXISTS, f"session {message.session_id} is already open here")
-        owner = self._cap_owner(message, upstream)
-        self._check_session_caps(message, owner)
+        """Admit a session (server/admission.py), reserve its cache, open it on the next hop, start its worker."""
+        owner = self._admit(message, upstream.peer_id.to_base58())
         if not self.budget.reserve(message.session_id, message.max_length, owner):
             raise ProtocolError(
                 ErrorCode.BUSY,
@@ -223,25 +232,8 @@ class SessionHandler:
         )
         session.upstream = upstream
         session.secret_hash = message.secret_hash
-        downstream = None
-        self._opening.add(session.session_id)  # the same id on another stream, meanwhile: session_exists
-        try:
-            if session.next_hop is not None:
-                # the next hop may sit behind NAT: dial it through its relays (remembered only now,
-                # once the OpenSession is authorised and admitted: nothing before changes our state)
-                relay.remember(session.next_hop.peer_id, session.next_hop.addrs)
-                downstream = await self._open_downstream(session)
-                asyncio.create_task(self._relay_reports(downstream, upstream, session))
-        except BaseException:
-            self.budget.release(session.session_id)
-            raise
-        finally:
-            self._opening.discard(session.session_id)
-        self.sessions[session.session_id] = session
-        if session.next_hop is None:
-            self._results[session.session_id] = ResultQueue(self.unread)
-        self._session_opened.set()
-        self._session_opened = asyncio.Event()
+        downstream = await self._chain(session, upstream)
+        self.open_sessions.add(session)
         session.worker = asyncio.create_task(self._run_session(session, downstream))
         self.stats["sessions_opened"] += 1
         logger.info(
@@ -249,168 +241,51 @@ class SessionHandler:
             f"max_length {session.max_length}, hop {session.hop_index + 1}/{len(session.route)})"
         )
         # quietly: if the opener is already gone, the stream's end closes the session at once
-        await _send_quietly(upstream, SessionOpened(session_id=session.session_id))
+        await send_quietly(upstream, SessionOpened(session_id=session.session_id))
         return session, downstream
 
-    def _check_route(self, message: OpenSession) -> None:
-        route, index = message.route, message.hop_index
-        if not 0 <= index < len(route) or route[index].peer_id != self.peer_id:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"hop {index} of the route is not this server ({self.peer_id})")
-        hop = route[index]
-        if not self.span.start <= hop.start < hop.end <= self.span.end:
-            raise ProtocolError(
-                ErrorCode.WRONG_BLOCKS,
-                f"blocks {hop.start}:{hop.end} asked, this server holds {self.span.start}:{self.span.end}",
-            )
-        if (index == 0) != (hop.start == 0) or (index == len(route) - 1) != (hop.end == self.span.num_blocks):
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "the route must start at block 0 and end at the last block")
-        if index > 0 and route[index - 1].end != hop.start:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "the route's hops are not contiguous")
-        if message.max_length <= 0:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"max_length must be positive, got {message.max_length}")
-        if not _is_sha256_hex(message.secret_hash):
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "secret_hash must be the sha256 (64 hex digits) of the client's secret")
-        if not self.accepting:
-            raise ProtocolError(ErrorCode.SHUTTING_DOWN, "this server is shutting down")
+    def _admit(self, message: OpenSession, upstream_peer: str) -> Optional[str]:
+        """Refuse a session this server may not open; else whom it counts against (admission.cap_owner)."""
+        span = self.span
+        admission.check_route(message, self.peer_id, admission.HeldBlocks(span.start, span.end, span.num_blocks),
+                              self.accepting)  # fmt: skip
+        admission.check_upstream(message, upstream_peer)
+        admission.check_new_session_id(message.session_id, self.sessions.keys() | self.open_sessions.opening)
+        owner = admission.cap_owner(message, upstream_peer, self.known_servers)
+        caps = admission.SessionCaps(self.max_sessions, self.max_session_tokens, self.max_sessions_per_peer,
+                                     self.max_peer_tokens, self.budget.total_tokens)  # fmt: skip
+        owner_holds = self.budget.held_by(owner) if owner is not None else (0, 0)
+        admission.check_session_caps(message, owner, self.open_sessions.held(), owner_holds, caps)
+        return owner
 
-    def _check_upstream(self, message: OpenSession, upstream: MessageStream) -> None:
-        """Past the head, the stream must come from the route's previous hop (libp2p authenticates
-        the peer id), so no peer can enter a chain in the middle or dodge the per-client cap."""
-        if message.hop_index > 0:
-            previous = message.route[message.hop_index - 1].peer_id
-            if upstream.peer_id.to_base58() != previous:
-                raise ProtocolError(
-                    ErrorCode.UNAUTHORIZED,
-                    f"hop {message.hop_index} must be opened by the route's previous hop {previous}, "
-                    f"not by {upstream.peer_id.to_base58()}",
-                )
-
-    def _cap_owner(self, message: OpenSession, upstream: MessageStream) -> Optional[str]:
-        """Whom a new session counts against in the per-peer caps: its upstream peer, unless that
-        peer is a server forwarding the session (None: then only the server-wide caps apply).
-
-        A middle hop's upstream is the previous server, which carries many clients' sessions: capping
-        it as one client would cap every server pair. It counts as a server only if it is announced
-        ONLINE for this model, holding the route's previous hop, in the records this server reads
-        (``known_servers``). Why that cannot be abused: every client enters a chain at its head, which
-        caps it as a client, and ``_check_upstream`` lets only the route's previous hop open a middle
-        session; a stranger who wants to skip the per-peer caps must announce itself as a server of
-        the previous blocks (then clients are routed to it and audits check it), and even so its
-        sessions stay under the server-wide caps (max_sessions, the cache budget), each under
-        max_session_tokens, and its unread results under their byte bounds."""
-        peer = upstream.peer_id.to_base58()
-        if message.hop_index == 0:
-            return peer
-        previous = message.route[message.hop_index - 1]
-        record = self.known_servers.get(peer)
-        if (
-            record is not None
-            and record.state == ServerState.ONLINE
-            and record.start_block <= previous.start
-            and previous.end <= record.end_block
-        ):
-            return None
-        return peer
-
-    def _check_session_caps(self, message: OpenSession, owner: Optional[str]) -> None:
-        """Open sessions are capped per server; per owner (a client, or a peer not announced as the
-        previous server) in sessions and in cache tokens (a share of the budget); and each session's
-        max_length by max_session_tokens: one peer cannot take every slot or the whole cache."""
-        held = len(self.sessions) + len(self._opening)
-        if held >= self.max_sessions:
-            raise ProtocolError(ErrorCode.BUSY, f"this server has {held} sessions open, its limit")
-        if message.max_length > self.max_session_tokens:
-            raise ProtocolError(
-                ErrorCode.BUSY,
-                f"no cache room for max_length={message.max_length} in one session: this server's "
-                f"max_session_tokens is {self.max_session_tokens} (announced in its record)",
-            )
-        if owner is None:
-            return
-        sessions, tokens = self.budget.held_by(owner)
-        if sessions >= self.max_sessions_per_peer:
-            raise ProtocolError(
-                ErrorCode.BUSY,
-                f"peer {owner} already has {sessions} sessions open here (at most {self.max_sessions_per_peer})",
-            )
-        if tokens + message.max_length > self.max_peer_tokens:
-            raise ProtocolError(
-                ErrorCode.BUSY,
-                f"peer {owner} already reserves {tokens} cache tokens here: {message.max_length} more exceed its "
-                f"share of {self.max_peer_tokens} of {self.budget.total_tokens}",
-            )
+    async def _chain(self, session: ServerSession, upstream: MessageStream) -> Optional[MessageStream]:
+        """Open the session on the next hop, if any, and relay its reports upstream; on failure the
+        session's cache reservation is released."""
+        downstream = None
+        self.open_sessions.opening.add(session.session_id)  # the same id on another stream, meanwhile: session_exists
+        try:
+            if session.next_hop is not None:
+                # the next hop may sit behind NAT: dial it through its relays (remembered only now,
+                # once the OpenSession is authorised and admitted: nothing before changes our state)
+                relay.remember(session.next_hop.peer_id, session.next_hop.addrs)
+                downstream = await self._open_downstream(session)
+                asyncio.create_task(next_hop.relay_reports(downstream, upstream, session, self.stats, self.peer_id))
+        except BaseException:
+            self.budget.release(session.session_id)
+            raise
+        finally:
+            self.open_sessions.opening.discard(session.session_id)
+        return downstream
 
     async def _open_downstream(self, session: ServerSession) -> MessageStream:
-        next_hop = session.next_hop
-        try:
-            stream = await asyncio.wait_for(
-                MessageStream.open(  # the next server sends back only SessionOpened and ErrorReply
-                    self.p2p, PeerID.from_base58(next_hop.peer_id), SESSION_PROTOCOL,
-                    max_frame_bytes=limits.CONTROL_FRAME_BYTES, max_tensor_elements=0,
-                ),  # fmt: skip
-                DOWNSTREAM_OPEN_TIMEOUT,
-            )
-            await stream.send(
-                OpenSession(
-                    session_id=session.session_id,
-                    max_length=session.max_length,
-                    route=session.route,
-                    hop_index=session.hop_index + 1,
-                    secret_hash=session.secret_hash,
-                )
-            )
-            reply = await asyncio.wait_for(stream.receive(), DOWNSTREAM_OPEN_TIMEOUT)
-        except (asyncio.TimeoutError, OSError, Exception) as e:
-            raise ProtocolError(
-                ErrorCode.DOWNSTREAM_FAILED,
-                f"could not open the session on next server {next_hop.peer_id}: {e!r}",
-                peer_id=next_hop.peer_id,
-            ) from None
-        if reply is None:
-            raise ProtocolError(
-                ErrorCode.DOWNSTREAM_FAILED, f"next server {next_hop.peer_id} closed the stream", peer_id=next_hop.peer_id
-            )
-        if isinstance(reply.message, ErrorReply):
-            stream.close()
-            raise ProtocolError(reply.message.code, reply.message.message, peer_id=reply.message.peer_id)
-        return stream
+        """The session's stream to its next hop (a method: tests/faults.py wraps it)."""
+        return await next_hop.open_downstream(self.p2p, session)
 
-    async def _relay_reports(self, downstream: MessageStream, upstream: MessageStream, session: ServerSession) -> None:
-        """Pass what the next server reports back upstream; report if it dies. Only ErrorReply
-        of this session travels upstream: anything else (a forged verdict) is dropped here, and
-        the client would drop it too (verdicts count only from the tail's results stream)."""
-        while True:
-            try:
-                received = await downstream.receive()
-            except ProtocolError:
-                continue
-            if received is None:
-                break
-            message = received.message
-            if isinstance(message, ErrorReply) and message.session_id in ("", session.session_id):
-                await _send_quietly(upstream, message)
-            else:
-                self.stats["dropped_upstream"] += 1
-                logger.info(f"Dropped a {type(message).__name__} that {downstream.peer_id} sent upstream")
-        if not session.closed:
-            error = ProtocolError(
-                ErrorCode.DOWNSTREAM_FAILED, f"next server {session.next_hop.peer_id} dropped the session"
-            )
-            await self._report(upstream, session, error, None, peer_id=session.next_hop.peer_id)
+    # ---- runs arriving ----------------------------------------------------------------------
 
     def _enqueue(self, session: ServerSession, step: Step, tensors: list[torch.Tensor]) -> None:
-        if len(step.token_ids) > self.max_positions_per_step:
-            raise ProtocolError(
-                ErrorCode.STEP_TOO_LARGE,
-                f"a Step of {len(step.token_ids)} positions exceeds this server's max_positions_per_step "
-                f"{self.max_positions_per_step}: send long prompts as several Steps (chunked prefill)",
-            )
-        if session.queue.qsize() >= limits.MAX_QUEUED_RUNS:
-            raise ProtocolError(
-                ErrorCode.QUEUE_FULL, f"{session.queue.qsize()} runs already queued (at most {limits.MAX_QUEUED_RUNS})"
-            )
-        if len(tensors) > 1:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"a Step carries at most one tensor, got {len(tensors)}")
+        """Check a run on arrival and queue it for the session's worker (a method: tests/faults.py wraps it)."""
+        admission.check_step_frame(step, len(tensors), session.queue.qsize(), self.max_positions_per_step)
         hidden = tensors[0] if tensors else None
         session.check_step(step, hidden, self.span)
         session.accept(step)
@@ -418,133 +293,23 @@ class SessionHandler:
         session.queue.put_nowait(QueuedRun(step, hidden))
 
     async def _take_looped_run(self, message: LoopedRun, tail: MessageStream) -> None:
-        """The head's side of a looped run: only the route's tail may start one, and only
-        right after the run it follows, with no cancel since (else the client has moved on)."""
+        """The head's side of a looped run: only the route's tail may start one (server/looped_runs.py)."""
         step = message.step
         session = self.sessions.get(step.session_id)
-        if (
-            session is None
-            or session.closed
-            or session.hop_index != 0
-            or len(session.route) < 2
-            or tail.peer_id.to_base58() != session.route[-1].peer_id
-        ):
-            raise ProtocolError(
-                ErrorCode.UNKNOWN_SESSION,
-                f"no session {step.session_id!r} here whose tail is {tail.peer_id.to_base58()}",
-            )
-        if session.loop_runs_left < 1 or step.loop_runs != session.loop_runs_left - 1:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"session {step.session_id!r} asked for no looped run here")
+        admission.check_looped_sender(session, step, tail.peer_id.to_base58())
         try:
             self._admit_looped_run(session, message)
         except ProtocolError as e:  # the client waits for this run: tell it on the stream it opened
             await self._report(session.upstream, session, e, step.run_id)
 
     def _admit_looped_run(self, session: ServerSession, message: LoopedRun) -> bool:
-        """Queue a looped run at the head, with the client's offered drafts for this verdict
-        if it made any; False (and counted) when it is stale."""
-        step, cancelled = message.step, session.cancelled_since_accept
-        if session.last_run_id != step.run_id - 1 or (cancelled is not None and cancelled <= step.run_id):
-            self.stats["looped_runs_dropped"] += 1
+        """Queue a looped run at the head as any run; False (and counted) when it is stale."""
+        step = looped_runs.looped_step(session, message, self.max_positions_per_step, self.stats)
+        if step is None:
             return False
-        offer, session.offer = session.offer, None
-        if offer is not None and offer.run_id == step.run_id - 1:
-            for accepted, next_token, drafts in offer.options:
-                if accepted == message.accepted and next_token == step.token_ids[0]:
-                    room = max(0, min(session.max_length - step.start_pos, self.max_positions_per_step) - 1)
-                    step.token_ids, step.n_draft = [next_token, *drafts[:room]], len(drafts[:room])
-                    self.stats["offers_used"] += 1
-                    break
         self._enqueue(session, step, [])
         self.stats["looped_runs"] += 1
         return True
-
-    def _take_offer(self, session: ServerSession, offer: DraftOffer) -> None:
-        """Keep the client's drafts for the verdicts of run ``offer.run_id`` (the latest offer only)."""
-        if session.hop_index != 0:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "a DraftOffer goes to the route's head")
-        if len(offer.options) > limits.MAX_OFFER_OPTIONS:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"{len(offer.options)} options exceed {limits.MAX_OFFER_OPTIONS}")
-        for accepted, next_token, drafts in offer.options:
-            if not 0 <= accepted <= limits.MAX_OFFER_DRAFTS or len(drafts) > limits.MAX_OFFER_DRAFTS:
-                raise ProtocolError(ErrorCode.BAD_REQUEST, f"an option may name and carry at most {limits.MAX_OFFER_DRAFTS} drafts")
-            check_token_ids((next_token, *drafts), self.span.vocab_size)
-        session.offer = offer
-        session.touch()
-
-    async def _looped_verdict(self, session: ServerSession, step: Step, result: StepResult) -> StepResult:
-        """The verdict of a Step with loop_runs, or of a run this tail started: the next run leaves
-        for the head before the verdict does, and a run the tail started names its drafts."""
-        if step.parents:  # a tree's verdict: never looped
-            return result
-        if step.run_id in session.tail_started:  # the client did not choose these drafts
-            session.tail_started.discard(step.run_id)
-            result = msgspec.structs.replace(result, run_drafts=step.token_ids[len(step.token_ids) - step.n_draft :])
-        if step.loop_runs > 0:
-            result = msgspec.structs.replace(result, looped=await self._loop_to_head(session, step, result))
-        return result
-
-    async def _loop_to_head(self, session: ServerSession, step: Step, result: StepResult) -> bool:
-        """The tail's side: send the run after ``result`` to the head (docs/protocol.md
-        "Looped runs"); False when this verdict cannot be continued without the client."""
-        if step.parents or step.draft_q is not None or step.return_logits:
-            return False  # trees, the rejection exchange (the client draws the token) and forward passes
-        start = step.start_pos + len(step.token_ids) - step.n_draft + result.accepted
-        ids = [result.next_token, *result.drafts]
-        if start + len(ids) > session.max_length:
-            return False
-        following = LoopedRun(step=Step(
-            session_id=session.session_id, run_id=step.run_id + 1, start_pos=start, token_ids=ids,
-            n_draft=len(result.drafts), top_logprobs=step.top_logprobs, tail_drafts=step.tail_drafts,
-            loop_runs=step.loop_runs - 1,
-        ), accepted=result.accepted)  # fmt: skip
-        if session.hop_index == 0:  # a one-server route: the tail is the head
-            try:
-                started = self._admit_looped_run(session, following)
-            except ProtocolError:
-                started = False
-            return started and self._started(session, following.step.run_id)
-        try:
-            if session.head_stream is None:
-                session.head_stream = await asyncio.wait_for(
-                    MessageStream.open(
-                        self.p2p, PeerID.from_base58(session.route[0].peer_id), SESSION_PROTOCOL,
-                        max_frame_bytes=limits.CONTROL_FRAME_BYTES, max_tensor_elements=0,
-                    ),  # fmt: skip
-                    DOWNSTREAM_OPEN_TIMEOUT,
-                )
-                asyncio.create_task(self._drain_head_replies(session, session.head_stream))
-            await session.head_stream.send(following)
-        except (asyncio.TimeoutError, OSError, Exception) as e:  # the client then sends the run itself
-            logger.info(f"Could not start run {following.step.run_id} of session {session.session_id} at the head: {e!r}")
-            if session.head_stream is not None:
-                session.head_stream.close()
-                session.head_stream = None
-            return False
-        return self._started(session, following.step.run_id)
-
-    @staticmethod
-    def _started(session: ServerSession, run_id: int) -> bool:
-        """Remember a run this tail started, so that its verdict names its drafts (run_drafts)."""
-        session.tail_started.add(run_id)
-        if len(session.tail_started) > 64:
-            session.tail_started.discard(min(session.tail_started))
-        return True
-
-    async def _drain_head_replies(self, session: ServerSession, stream: MessageStream) -> None:
-        """The head answers a looped run only to refuse it (ErrorReply); log and drop those. The head
-        closes a stream that carried nothing for limits.SESSIONLESS_TIMEOUT: the next looped run opens another."""
-        while True:
-            try:
-                received = await stream.receive()
-            except ProtocolError:
-                continue
-            if received is None:
-                if session.head_stream is stream:
-                    session.head_stream = None
-                stream.close()
-                return
-            logger.info(f"The head refused a looped run: {received.message}")
 
     async def _cancel(self, session: ServerSession, cancel: Cancel, downstream: Optional[MessageStream]) -> None:
         """Drop the run and every later one; forward after any data already sent downstream."""
@@ -553,9 +318,13 @@ class SessionHandler:
             session.queue.put_nowait(QueuedTrim(trim_to))
         session.touch()
         if downstream is not None:
-            await _send_quietly(downstream, cancel)
+            await send_quietly(downstream, cancel)
+
+    # ---- the session's worker -----------------------------------------------------------------
 
     async def _run_session(self, session: ServerSession, downstream: Optional[MessageStream]) -> None:
+        """The session's runs, strictly in run order, until it closes (a None in its queue)."""
+        # 1) take the next run (or trim: a cancel's rollback, in queue order)
         while (run := await session.queue.get()) is not None:
             if isinstance(run, QueuedTrim):
                 session.trim(self.span, min(run.length, self.span.cache_length(session.cache)))
@@ -563,36 +332,76 @@ class SessionHandler:
             if run.cancelled:
                 self.stats["cancelled_runs"] += 1
                 continue
-            session.running = run
+            # 2) compute it, with whatever other sessions' runs are waiting (server/batching.py)
+            output = await self._compute(session, run)
+            if output is None:
+                continue
+            # 3) send the outputs: activations to the next hop, or the verdict to the client
+            await self._send_outputs(session, run, output, downstream)
+
+    async def _compute(self, session: ServerSession, run: QueuedRun) -> Optional[RunOutput]:
+        """The run's output; None when it was cancelled or failed (the failure reported)."""
+        session.running = run
+        try:
+            return await self.batches.compute(session, run)
+        except SpanCancelled:
+            self.stats["cancelled_runs"] += 1
+        except ProtocolError as e:
+            await self._report_run(session, e, run.step.run_id)
+        except Exception as e:
+            logger.exception(f"Run {run.step.run_id} of session {session.session_id} failed")
+            await self._report_run(session, ProtocolError(ErrorCode.INTERNAL, repr(e)), run.step.run_id)
+        finally:
+            session.running = None
+        return None
+
+    async def _send_outputs(
+        self, session: ServerSession, run: QueuedRun, output: RunOutput, downstream: Optional[MessageStream]
+    ) -> None:
+        """A middle server's activations go down the chain; the tail's outputs and verdict go to the
+        client's results (a forward pass's outputs first), the next run to the head if it asked."""
+        if run.cancelled or session.closed:  # cancelled while computing: never send it on
+            self.stats["cancelled_runs"] += 1
+            return
+        self.stats["runs"] += 1
+        if isinstance(output, TailReply):
+            for frame in output.outputs:
+                await self.results.post(session, frame)
+            output = output.result
+        if isinstance(output, StepResult):
+            self.stats["accepted_tokens"] += output.accepted + 1
+            if run.step.loop_runs > 0 or run.step.run_id in session.tail_started:
+                output = await self._looped_verdict(session, run.step, output)
+            await self.results.post(session, output)
+        else:
+            await send_quietly(downstream, run.step, [output], self.compression)
+
+    async def _looped_verdict(self, session: ServerSession, step: Step, result: StepResult) -> StepResult:
+        """The verdict of a Step with loop_runs, or of a run this tail started: the next run leaves
+        for the head before the verdict does, and a run the tail started names its drafts."""
+        if step.parents:  # a tree's verdict: never looped
+            return result
+        result = looped_runs.name_run_drafts(session, step, result)
+        if step.loop_runs > 0:
+            result = msgspec.structs.replace(result, looped=await self._loop_to_head(session, step, result))
+        return result
+
+    async def _loop_to_head(self, session: ServerSession, step: Step, result: StepResult) -> bool:
+        """Start the run after ``result`` at the head (docs/protocol.md "Looped runs"); False when this
+        verdict cannot be continued without the client."""
+        following = looped_runs.following_run(session, step, result)
+        if following is None:
+            return False
+        if session.hop_index == 0:  # a one-server route: the tail is the head
             try:
-                output = await self.batches.compute(session, run)
-            except SpanCancelled:
-                self.stats["cancelled_runs"] += 1
-                continue
-            except ProtocolError as e:
-                await self._report_run(session, e, run.step.run_id)
-                continue
-            except Exception as e:
-                logger.exception(f"Run {run.step.run_id} of session {session.session_id} failed")
-                await self._report_run(session, ProtocolError(ErrorCode.INTERNAL, repr(e)), run.step.run_id)
-                continue
-            finally:
-                session.running = None
-            if run.cancelled or session.closed:  # cancelled while computing: never send it on
-                self.stats["cancelled_runs"] += 1
-                continue
-            self.stats["runs"] += 1
-            if isinstance(output, TailReply):  # a forward pass's outputs go first, the verdict after them
-                for frame in output.outputs:
-                    await self._post_result(session, frame)
-                output = output.result
-            if isinstance(output, StepResult):
-                self.stats["accepted_tokens"] += output.accepted + 1
-                if run.step.loop_runs > 0 or run.step.run_id in session.tail_started:
-                    output = await self._looped_verdict(session, run.step, output)
-                await self._post_result(session, output)
-            else:
-                await _send_quietly(downstream, run.step, [output], self.compression)
+                started = self._admit_looped_run(session, following)
+            except ProtocolError:
+                started = False
+        else:
+            started = await looped_runs.send_to_head(self.p2p, session, following)
+        return started and looped_runs.remember_started(session, following.step.run_id)
+
+    # ---- errors and closing -----------------------------------------------------------------
 
     async def _report_run(self, session: ServerSession, error: ProtocolError, run_id: int) -> None:
         """A run failed here: the tail tells the client directly, others tell their upstream."""
@@ -600,79 +409,22 @@ class SessionHandler:
             session_id=session.session_id, code=error.code, message=error.message, run_id=run_id, peer_id=self.peer_id
         )
         if session.next_hop is None:
-            await self._post_result(session, reply)
+            await self.results.post(session, reply)
         else:
-            await _send_quietly(session.upstream, reply)
-
-    async def _post_result(self, session: ServerSession, item) -> None:
-        """Queue a message for the session's results stream (tail), within the unread bounds
-        (server/unread.py says why each): more than MAX_UNREAD_RESULTS messages unread closes the
-        session; over its byte share it waits for its client to read (computing nothing meanwhile),
-        and closes after ``unread_wait`` seconds; over the server's byte budget, the session holding
-        the most unread bytes closes. Each closed session is told why (queue_full) upstream."""
-        queue = self._results.get(session.session_id)
-        if queue is None or session.closed:
-            return
-        if queue.qsize() >= limits.MAX_UNREAD_RESULTS:
-            await self._close_unread(session, f"more than {limits.MAX_UNREAD_RESULTS} results unread: closing the session")
-            return
-        size = size_of(item)
-        cap = self.max_unread_session_bytes
-        if not await queue.room_for(size, cap, self.unread_wait):
-            await self._close_unread(session, f"{queue.bytes} bytes of results unread for {self.unread_wait:.0f} s "
-                                              f"(a session may hold {cap} bytes unread): closing the session")  # fmt: skip
-            return
-        while not session.closed and self.unread.total + size > self.unread.max_bytes:
-            hog = largest(self._results)
-            if hog is None or hog not in self.sessions:
-                break  # nothing unread elsewhere: one message always passes
-            held = self._results[hog].bytes
-            await self._close_unread(self.sessions[hog], f"this server holds more than {self.unread.max_bytes} bytes "
-                                                         f"of unread results, {held} of them for this session: closing it")  # fmt: skip
-        if not session.closed:
-            queue.post(item, size)
-
-    async def _close_unread(self, session: ServerSession, why: str) -> None:
-        await self._report(session.upstream, session, ProtocolError(ErrorCode.QUEUE_FULL, why), None)
-        self._close(session, reason="results unread")
-        session.upstream.close()
+            await send_quietly(session.upstream, reply)
 
     async def _report(
-        self,
-        upstream: MessageStream,
-        session: Optional[ServerSession],
-        error: ProtocolError,
-        run_id: Optional[int],
-        peer_id: str = "",
+        self, upstream: MessageStream, session: Optional[ServerSession], error: ProtocolError, run_id: Optional[int]
     ) -> None:
-        session_id = session.session_id if session is not None else ""
-        logger.info(f"Refused {session_id or 'a request'} from {upstream.peer_id}: {error}")
-        reply = ErrorReply(
-            session_id=session_id,
-            code=error.code,
-            message=error.message,
-            run_id=run_id,
-            peer_id=peer_id or error.peer_id or self.peer_id,
-        )
-        await _send_quietly(upstream, reply)
+        """Refuse a request on the stream it came on, naming this server unless the error names another."""
+        await report(upstream, session.session_id if session is not None else "", error, run_id, self.peer_id)
 
     def _close(self, session: ServerSession, reason: str) -> None:
-        if session.closed:
-            return
-        session.closed = True
-        if session.head_stream is not None:
-            session.head_stream.close()
-        if session.running is not None:
-            session.running.cancelled = True
-        session.queue.put_nowait(None)
-        self.budget.release(session.session_id)
-        self.sessions.pop(session.session_id, None)
-        results = self._results.pop(session.session_id, None)
-        if results is not None:
-            results.end()
-        logger.info(f"Closed session {session.session_id} ({reason})")
+        """Close a session (server/open_sessions.py frees what it holds)."""
+        self.open_sessions.close(session, reason)
 
     async def _reap_idle_sessions(self) -> None:
+        """Close sessions idle for more than ``session_timeout``: their clients are gone."""
         while True:
             await asyncio.sleep(min(30.0, self.session_timeout / 4))
             now = time.monotonic()
@@ -680,143 +432,17 @@ class SessionHandler:
                 if now - session.last_active > self.session_timeout:
                     self._close(session, reason=f"idle for more than {self.session_timeout:.0f} s")
 
+    # ---- pings and results streams ----------------------------------------------------------
+
     async def _serve_ping(self, peer: MessageStream) -> None:
+        """Answer one Ping with a Pong carrying how many sessions are open here."""
         try:
             received = await asyncio.wait_for(peer.receive(), 10)
         except (asyncio.TimeoutError, ProtocolError):
             return
         if received is not None and isinstance(received.message, Ping):
-            await _send_quietly(peer, Pong(received.message.nonce, len(self.sessions)))
-
-    # ---- results streams (tail only) --------------------------------------------------------
+            await send_quietly(peer, Pong(received.message.nonce, len(self.sessions)))
 
     async def _serve_results(self, client: MessageStream) -> None:
-        """One client's results stream: its first message must be a Subscribe carrying the secret
-        whose sha256 the session was opened with; then the session's verdicts go out here. Until
-        its session is found, a Subscribe is pending: at most max_sessions wait at once (and
-        max_sessions_per_peer per peer), each at most ``subscribe_timeout`` seconds."""
-        peer = client.peer_id.to_base58()
-        pending = sum(self._pending_subscribes.values())
-        mine = self._pending_subscribes.get(peer, 0)
-        if pending >= self.max_sessions or mine >= self.max_sessions_per_peer:
-            message = (f"{pending} Subscribes already wait for their sessions here, {mine} of them from peer {peer} "
-                       f"(at most {self.max_sessions}, {self.max_sessions_per_peer} per peer)")  # fmt: skip
-            logger.info(f"Refused a Subscribe from {peer}: {message}")
-            await _send_quietly(client, ErrorReply(session_id="", code=ErrorCode.BUSY, message=message, peer_id=self.peer_id))
-            return
-        self._pending_subscribes[peer] = mine + 1
-        try:
-            session = await self._subscribed_session(client)
-        finally:
-            left = self._pending_subscribes.pop(peer) - 1
-            if left:
-                self._pending_subscribes[peer] = left
-        if session is not None:
-            await self._send_results(client, *session)
-
-    async def _subscribed_session(self, client: MessageStream):
-        """(session, its Subscribe, the task that ends when the client goes away) once a valid
-        Subscribe names a session open here; None (the client told why) otherwise."""
-        try:
-            first = await asyncio.wait_for(client.receive(), self.subscribe_timeout)
-        except (asyncio.TimeoutError, ProtocolError) as e:
-            code = e.code if isinstance(e, ProtocolError) else ErrorCode.BAD_REQUEST
-            await _send_quietly(client, ErrorReply(session_id="", code=code, message=str(e) or "no Subscribe in time"))
-            return
-        if first is None:
-            return
-        if not isinstance(first.message, Subscribe):
-            error = ErrorReply(session_id="", code=ErrorCode.BAD_REQUEST, message="expected Subscribe")
-            await _send_quietly(client, error)
-            return
-        subscribe = first.message
-        closed = asyncio.create_task(client.receive())  # returns when the client goes away
-        try:
-            session = await self._wait_for_session(subscribe.session_id, closed)
-            if session is None:
-                return _forget(closed)  # the client went away, or the session never opened here
-            refusal = self._check_subscriber(session, subscribe)
-            if refusal is not None:
-                logger.info(f"Refused a Subscribe to {session.session_id} from {client.peer_id}: {refusal}")
-                error = ErrorReply(session_id=subscribe.session_id, code=ErrorCode.UNAUTHORIZED, message=refusal,
-                                   peer_id=self.peer_id)  # fmt: skip
-                await _send_quietly(client, error)
-                return _forget(closed)
-        except BaseException:
-            _forget(closed)
-            raise
-        return session, subscribe, closed
-
-    async def _send_results(self, client: MessageStream, session: ServerSession, subscribe: Subscribe,
-                            closed: "asyncio.Task") -> None:  # fmt: skip
-        """The session's results, in order, to its client, until either goes away."""
-        try:
-            session.subscribed, session.secret = True, subscribe.secret
-            queue = self._results.get(session.session_id)
-            if queue is None:
-                return  # the session closed meanwhile
-            while True:
-                getter = asyncio.create_task(queue.get())
-                done, _ = await asyncio.wait({getter, closed}, timeout=self.subscribe_timeout, return_when=asyncio.FIRST_COMPLETED)
-                if getter not in done:
-                    getter.cancel()
-                    if closed in done or session.closed:
-                        return  # client gone, or the session closed
-                    continue
-                item = getter.result()
-                if item is None:
-                    return
-                try:
-                    if isinstance(item, tuple):  # (RunOutputs, its tensors)
-                        await client.send(*item)
-                    else:
-                        await client.send(item)
-                except (ConnectionError, OSError):  # the client went away mid-send (e.g. with a run's
-                    return  # verdict still on its way after it cancelled that run): nothing to report
-        finally:
-            _forget(closed)
-
-    async def _wait_for_session(self, session_id: str, closed: "asyncio.Task") -> Optional[ServerSession]:
-        """The client subscribes before it opens the session through the head: wait (bounded) for
-        the session to open here."""
-        deadline = time.monotonic() + self.subscribe_timeout
-        while (session := self.sessions.get(session_id)) is None:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or closed.done():
-                return None
-            opened = asyncio.create_task(self._session_opened.wait())
-            await asyncio.wait({opened, closed}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
-            opened.cancel()
-        return session
-
-    def _check_subscriber(self, session: ServerSession, subscribe: Subscribe) -> Optional[str]:
-        """Why this Subscribe may not have the session's results, or None if it may."""
-        if session.next_hop is not None:
-            return "this server is not the session's tail"
-        given = hashlib.sha256(subscribe.secret.encode()).hexdigest()
-        if not hmac.compare_digest(given, session.secret_hash):
-            return "the session's secret does not match: results go only to the client that opened the session"
-        if session.subscribed:
-            return "the session already has a results stream"
-        return None
-
-
-async def _send_quietly(stream: Optional[MessageStream], message: Message, tensors=(), codec=codecs.LOSSLESS) -> None:
-    """Send, ignoring a peer that is already gone (its own stream end reports that)."""
-    if stream is None:
-        return
-    try:
-        await stream.send(message, tensors, codec)
-    except (ConnectionError, OSError, RuntimeError) as e:
-        logger.debug(f"Could not send {type(message).__name__} to {stream.peer_id}: {e!r}")
-
-
-def _forget(closed: "asyncio.Task") -> None:
-    """Stop watching a results stream's end."""
-    closed.cancel()
-    if closed.done() and not closed.cancelled():
-        closed.exception()  # a malformed frame after Subscribe: retrieved, nothing to report
-
-
-def _is_sha256_hex(text: str) -> bool:
-    return len(text) == 64 and all(c in "0123456789abcdef" for c in text)
+        """One client's results stream (tail only): server/subscribe.py, under this server's session caps."""
+        await self.subscriptions.serve(client, self.max_sessions, self.max_sessions_per_peer)

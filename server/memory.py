@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from server.quantization import Quant, estimate_module_bytes
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 CACHE_FRACTION = 0.25  # of free memory kept for the KV cache budget at most
 HEADROOM_FRACTION = 0.05  # of free memory left for activations and allocator slack
@@ -216,7 +219,7 @@ def free_device_bytes(device: str) -> int:
     return psutil.virtual_memory().available
 
 
-def model_sizes(config, dtype: torch.dtype, quant: Quant = Quant.NONE) -> ModelSizes:
+def model_sizes(config: PretrainedConfig, dtype: torch.dtype, quant: Quant = Quant.NONE) -> ModelSizes:
     """Bytes of a block, the embeddings and the tail's modules once loaded in ``dtype`` and
     ``quant``, from a meta-device model (no memory, no download). Embeddings and the LM head
     stay unquantized, as transformers leaves them."""
@@ -237,23 +240,23 @@ def model_sizes(config, dtype: torch.dtype, quant: Quant = Quant.NONE) -> ModelS
     def nbytes(module: torch.nn.Module) -> int:
         return sum(p.numel() for p in module.parameters()) * size
 
-    embeddings, head = model.get_input_embeddings(), model.get_output_embeddings()
-    tied = head.weight is embeddings.weight
+    embeddings, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = lm_head.weight is embeddings.weight
     extras = [m for name, m in model.model.named_children() if name not in ("embed_tokens", "layers")]  # norm, hc_head
-    tail = sum(nbytes(m) for m in extras) + size * head.weight.numel()
+    tail = sum(nbytes(m) for m in extras) + size * lm_head.weight.numel()
     cache = max(adapter.span_cache_bytes_per_token(config, i, i + 1, dtype) for i in range(config.num_hidden_layers))
     return ModelSizes(per_block, nbytes(embeddings), tail, tied, cache)
 
 
-def model_bytes(config, dtype: torch.dtype, quant: Quant = Quant.NONE) -> tuple[int, int]:
+def model_bytes(config: PretrainedConfig, dtype: torch.dtype, quant: Quant = Quant.NONE) -> tuple[int, int]:
     """(bytes of the largest block, bytes of embeddings + LM head) once loaded in ``dtype`` and
     ``quant``: what a server holding the whole model keeps besides its blocks, roughly."""
     sizes = model_sizes(config, dtype, quant)
-    head = sizes.tail_bytes if not sizes.tied else 0
-    return sizes.block_bytes, sizes.embed_bytes + head
+    lm_head = sizes.tail_bytes if not sizes.tied else 0
+    return sizes.block_bytes, sizes.embed_bytes + lm_head
 
 
-def activation_bytes_per_position(config, dtype: torch.dtype) -> int:
+def activation_bytes_per_position(config: PretrainedConfig, dtype: torch.dtype) -> int:
     """Activation bytes one position of a batched pass holds at its peak inside a block: the
     hidden row and its residual, q/k/v and the attention output, the MLP's gate, up and product
     (in ``dtype``), and at the tail one float32 logits row. Attention scores are per session and
@@ -263,12 +266,12 @@ def activation_bytes_per_position(config, dtype: torch.dtype) -> int:
     return (torch.finfo(dtype).bits // 8) * (width * 2 * hidden + 4 * hidden + 3 * inner) + 4 * config.vocab_size
 
 
-def batch_bytes(config, dtype: torch.dtype, positions: int = DEFAULT_MAX_BATCH_POSITIONS) -> int:
+def batch_bytes(config: PretrainedConfig, dtype: torch.dtype, positions: int = DEFAULT_MAX_BATCH_POSITIONS) -> int:
     """What the memory plan reserves for the largest batched pass of ``positions`` positions."""
     return positions * activation_bytes_per_position(config, dtype)
 
 
-def batch_positions_that_fit(config, dtype: torch.dtype, free_bytes: int) -> int:
+def batch_positions_that_fit(config: PretrainedConfig, dtype: torch.dtype, free_bytes: int) -> int:
     """The default ``--max-batch-positions``: what the headroom share of free memory holds, at
     most DEFAULT_MAX_BATCH_POSITIONS and at least 64."""
     fit = int(free_bytes * HEADROOM_FRACTION) // activation_bytes_per_position(config, dtype)
@@ -276,7 +279,7 @@ def batch_positions_that_fit(config, dtype: torch.dtype, free_bytes: int) -> int
 
 
 def plan_blocks(
-    config, dtype: torch.dtype, device: str, total_blocks: int, free_bytes: int | None = None, quant: Quant = Quant.NONE,
+    config: PretrainedConfig, dtype: torch.dtype, device: str, total_blocks: int, free_bytes: int | None = None, quant: Quant = Quant.NONE,
     drafter_bytes: int = 0, cache_tokens: int | None = None, batch_positions: int | None = None,
 ) -> MemoryPlan:
     """The memory plan of this server: ``free_bytes`` stands in for the device's free memory when given.

@@ -130,7 +130,7 @@ def checkpoint_names(module: torch.nn.Module) -> list[str]:
     return names
 
 
-def quantize_loaded(module: torch.nn.Module, quant: Quant, compute_dtype: torch.dtype, device="cpu") -> torch.nn.Module:
+def quantize_loaded(module: torch.nn.Module, quant: Quant, compute_dtype: torch.dtype, device: str = "cpu") -> torch.nn.Module:
     """Quantize the plain linears of an already loaded float ``module`` in place, with the same
     recipe as loading (for references: a whole local model quantized like the servers' spans)."""
     if quant == Quant.NONE:

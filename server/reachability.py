@@ -30,6 +30,7 @@ from hivemind.proto import runtime_pb2
 from multiaddr import Multiaddr
 
 from protocol import hivemind_private
+from protocol.identity import Identity
 
 logger = logging.getLogger(__name__)
 
@@ -219,7 +220,7 @@ class Joined(msgspec.Struct):
 async def start_server_dht(
     *,
     initial_peers: Sequence[str],
-    identity,
+    identity: Identity,
     host: str,
     port: int,
     announce_maddrs: Sequence[str] = (),

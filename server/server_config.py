@@ -46,7 +46,7 @@ class ServerConfig:
     max_session_tokens: Optional[int] = None  # one session's max_length at most; None: a fair share of the budget
     max_unread_mib: int = DEFAULT_MAX_UNREAD_MIB  # results held for clients that have not read them (server/unread.py)
     reachability: str = "auto"  # auto: ask initial peers to dial back; public; private (always through a relay)
-    drafter: str = "auto"  # the tail's drafter: auto (the committed head for this model, if any), none, or a file
+    drafter: str = "auto"  # the tail's drafter: auto (the committed drafter for this model, if any), none, or a file
     drafter_tokens: int = DEFAULT_TAIL_DRAFTS  # ids the tail drafts per run at most
     max_batch_positions: Optional[int] = None  # positions of one batched pass; None: what the memory plan's headroom holds
     gather_window: float = DEFAULT_GATHER_WINDOW  # seconds a ready batch waits for more runs

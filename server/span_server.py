@@ -11,8 +11,9 @@ import asyncio
 import logging
 import os
 import time
+from dataclasses import dataclass
 from functools import partial
-from typing import Optional
+from typing import Awaitable, Callable, Optional
 
 import msgspec
 
@@ -21,11 +22,11 @@ import torch
 from transformers import PretrainedConfig
 
 from protocol.compression import CODECS
-from protocol.config import no_initial_peers_message, resolve_initial_peers
+from protocol.config import InitialPeers, no_initial_peers_message, resolve_initial_peers
 from protocol.dht_records import announce
 from protocol.identity import load_or_create_identity
 from protocol.limits import MAX_POSITIONS_PER_STEP, MIN_POSITIONS_PER_STEP
-from protocol.models import config_fingerprint, hub_commit, resolve_model, weights_revision
+from protocol.models import ResolvedModel, config_fingerprint, hub_commit, resolve_model, weights_revision
 from protocol.records import ServerInfo, ServerState
 from server.adapters import SpanAdapter, load_span
 from server.cache_budget import CacheBudget
@@ -36,8 +37,8 @@ from server.memory import MemoryPlan, batch_positions_that_fit, plan_blocks
 from server.model_source import adopt_swarm_revision, hub_reachable, load_model_config
 from server.moves import SpanMoves
 from server.placement import check_requested_blocks, choose_blocks, fetch_same_model, measure_throughput
-from server.quantization import resident_bytes, resolve_quant
-from server.reachability import ProbeService, start_server_dht
+from server.quantization import QuantChoice, resident_bytes, resolve_quant
+from server.reachability import Joined, ProbeService, start_server_dht
 from server.server_config import ServerConfig
 from server.upkeep import measure_next_pings, upkeep_blocks
 from server.weights import Checkpoint
@@ -62,150 +63,29 @@ class SpanServer(SpanMoves):
 
     @classmethod
     async def create(cls, config: ServerConfig) -> "SpanServer":
-        initial_peers = resolve_initial_peers(config.initial_peers)
-        if not initial_peers.peers and not config.new_swarm:
-            raise ValueError(no_initial_peers_message() + "; or pass --new-swarm to start a new swarm")
-        if initial_peers.peers:
-            logger.info(initial_peers.describe())
-        device = resolve_device(config.device)
-        dtype = resolve_dtype(config.dtype, device)
-        if not MIN_POSITIONS_PER_STEP <= config.max_positions_per_step <= MAX_POSITIONS_PER_STEP:
-            raise ValueError(f"--max-positions-per-step must be in {MIN_POSITIONS_PER_STEP}..{MAX_POSITIONS_PER_STEP}, "
-                             f"got {config.max_positions_per_step}")  # fmt: skip
-        if config.compression not in CODECS:
-            raise ValueError(f"--compression must be one of {CODECS}, got {config.compression!r}")
-        if config.torch_threads:
-            torch.set_num_threads(config.torch_threads)
-        model = resolve_model(config.model)
-        dht_name = config.dht_prefix or model.dht_name
-        identity = load_or_create_identity(config.identity_path)
-
-        def join_dht():  # can peers dial us? If not, join through a relay (or stop: server/reachability.py)
-            return start_server_dht(
-                initial_peers=initial_peers.peers, identity=identity, host=config.host, port=config.port,
-                announce_maddrs=config.announce_maddrs,
-                reachability="public" if config.new_swarm and config.reachability == "auto" else config.reachability,
-            )  # fmt: skip
-
-        # A hub model is pinned to one commit: its config and every shard come from it, and it is
-        # announced. Without --revision that is the commit the swarm already serves (read from the
-        # DHT, so a hub model joins the DHT first: joining announces nothing), else the hub's main.
-        joined = None
-        hub = not os.path.isdir(model.source)
-        try:
-            if hub and config.revision is None and initial_peers.peers and hub_reachable():
-                joined = await join_dht()
-                pinned = await asyncio.get_running_loop().run_in_executor(
-                    None, adopt_swarm_revision, joined.dht, dht_name, model.source
-                )
-            elif hub and config.revision is not None:
-                pinned = config.revision
-                logger.info(f"Revision of {model.source}: {pinned} (--revision)")
-            else:
-                pinned = hub_commit(model.source) if hub and hub_reachable() else None
-            model_config = load_model_config(model.source, pinned)
-            checkpoint = Checkpoint(model.source, revision=pinned)  # one: it reads the weight map once
-            identity_fields = dict(config_fingerprint=config_fingerprint(model_config),
-                                   revision=weights_revision(model.source, pinned))  # fmt: skip
-            quant = resolve_quant(config.quant, model_config, device, dtype)
-            logger.info(quant.describe())
-            # the plan comes before any announcement: blocks that do not fit stop here
-            plan = plan_blocks(
-                model_config, dtype, device, model_config.num_hidden_layers, free_bytes=config.assume_free_memory,
-                quant=quant.quant, drafter_bytes=drafter_bytes(config, model_config, checkpoint, dtype, quant.quant),
-                cache_tokens=config.cache_tokens, batch_positions=config.max_batch_positions,
-            )  # fmt: skip
-            logger.info(plan.describe(device))
-            check_requested_blocks(config, plan, device)
-            if joined is None:
-                joined = await join_dht()
+        """A server that is serving and announced ONLINE, in named steps; on failure, whatever a
+        step had claimed (the DHT, a JOINING record) is given back."""
+        # 1) check the settings; 2) pin the model, plan its memory, join the DHT
+        initial_peers, device, dtype = _check_settings(config)
+        joined, model = await _load_model(config, initial_peers, device, dtype)
+        # 3) claim blocks with a JOINING record (refreshed until the ONLINE one replaces it)
+        claim = await _claim_blocks(config, joined, model)
+        try:  # 4) load the span, 5) start the handler, 6) describe the server for its ONLINE record
+            span = await _load_span(config, model, claim.info)
+            handler = await _start_handler(config, joined, model, span, claim)
+            info = await _online_info(config, joined, model, span, handler, claim)
         except BaseException:
-            if joined is not None:
-                joined.dht.shutdown()
+            claim.refresher.cancel()
+            leave(partial(claim.publish, wait=True), claim.info)
+            joined.dht.shutdown()
             raise
-        dht = joined.dht
-        probes = ProbeService()  # lets peers that use this one as an initial peer check themselves
-        if not joined.using_relay:
-            await probes.add_to(await dht.replicate_p2p())
-        # Claim the span before loading it: a JOINING record that placement counts and routing
-        # ignores (server/joining.py), refreshed until the ONLINE one replaces it.
-        total = model_config.num_hidden_layers
-        template = ServerInfo(
-            peer_id=dht.peer_id.to_base58(), model=dht_name, start_block=0, end_block=1, version=_package_version(),
-            public_name=config.public_name, dtype=str(dtype).removeprefix("torch."), quantization=quant.quant.value,
-            using_relay=joined.using_relay, relay_addrs=joined.relay_addrs, **identity_fields,
-        )  # fmt: skip
-        loop = asyncio.get_running_loop()
-
-        def publish(info: ServerInfo, wait: bool = False):
-            return announce(dht, info, 3 * config.update_period, wait=wait, num_blocks=total)
-
-        claimed = await claim_span(
-            template, lambda servers: choose_blocks(config, servers, total, plan),
-            fetch=lambda: loop.run_in_executor(None, fetch_same_model, dht, template, total),
-            publish=lambda info: loop.run_in_executor(None, partial(publish, info, wait=True)),
-            automatic=config.blocks is None,
-        )  # fmt: skip
-        start, end = claimed.start_block, claimed.end_block
-        logger.info(f"Serving blocks {start}:{end} of {dht_name} as peer {dht.peer_id} (announced as joining)")
-        refresher = keep_announcing(publish, claimed, config.update_period)
-        try:
-            span = await loop.run_in_executor(
-                None, load_span, model_config, checkpoint, start, end, dtype, device, quant.quant
-            )
-            await loop.run_in_executor(None, attach_drafter_if_it_fits, span, config, model_config, checkpoint, plan)
-            logger.info(f"Blocks {start}:{end} hold {resident_bytes(span.layers) / 2**20:.1f} MiB of weights ({quant.quant.value})")
-            budget = CacheBudget(plan.cache_budget_tokens(end - start))
-            p2p = await dht.replicate_p2p()
-            handler = SessionHandler(
-                p2p,
-                span,
-                budget,
-                session_timeout=config.session_timeout,
-                compression=config.compression,
-                max_positions_per_step=config.max_positions_per_step,
-                max_sessions=config.max_sessions,
-                max_sessions_per_peer=config.max_sessions_per_peer,
-                max_batch_positions=config.max_batch_positions
-                or batch_positions_that_fit(model_config, dtype, plan.free_bytes),
-                gather_window=config.gather_window,
-                max_session_tokens=config.max_session_tokens,
-                max_unread_bytes=config.max_unread_mib << 20,
-            )
-            handler.batches.enabled = config.batching
-            handler.known_servers = {s.peer_id: s for s in await loop.run_in_executor(None, fetch_same_model, dht, template, total)}
-            await handler.start()
-            info = ServerInfo(
-                peer_id=dht.peer_id.to_base58(),
-                model=dht_name,
-                start_block=start,
-                end_block=end,
-                state=ServerState.ONLINE,
-                throughput=await loop.run_in_executor(None, measure_throughput, span),
-                cache_tokens=budget.total_tokens,
-                free_cache_tokens=budget.free_tokens,
-                version=_package_version(),
-                public_name=config.public_name,
-                dtype=str(dtype).removeprefix("torch."),
-                quantization=quant.quant.value,
-                started_at=time.time(),
-                using_relay=joined.using_relay,
-                relay_addrs=joined.relay_addrs,
-                max_positions_per_step=config.max_positions_per_step,
-                **identity_fields,
-                max_session_tokens=handler.max_session_tokens,
-            )
-        except BaseException:
-            refresher.cancel()
-            leave(partial(publish, wait=True), claimed)
-            dht.shutdown()
-            raise
-        refresher.cancel()
-        server = cls(config, dht, span, handler, info)
-        server.model_config, server.checkpoint, server.plan = model_config, checkpoint, plan
+        claim.refresher.cancel()
+        # 7) announce ONLINE, and keep announcing
+        server = cls(config, joined.dht, span, handler, info)
+        server.model_config, server.checkpoint, server.plan = model.config, model.checkpoint, model.plan
         server._announce()
         server._announcer = asyncio.create_task(server._announce_periodically())
-        logger.info(f"Ready: {span.cache_bytes_per_token()} cache bytes/token, budget {budget.total_tokens} tokens")
+        logger.info(f"Ready: {span.cache_bytes_per_token()} cache bytes/token, budget {handler.budget.total_tokens} tokens")
         return server
 
     def current_info(self, state: ServerState = ServerState.ONLINE) -> ServerInfo:
@@ -260,6 +140,210 @@ class SpanServer(SpanMoves):
             announce(self.dht, info, 3 * self.config.update_period, wait=True, num_blocks=self.span.num_blocks)
         except Exception as e:
             logger.warning(f"Could not announce {state.value}: {e!r}")
+
+
+# ---- the steps of SpanServer.create ---------------------------------------------------------------
+
+
+@dataclass
+class _Model:
+    """The model this server serves, pinned to one revision, and how it runs here."""
+
+    dht_name: str
+    config: PretrainedConfig
+    checkpoint: Checkpoint
+    identity_fields: dict  # config_fingerprint and revision, for every record this server writes
+    quant: QuantChoice
+    plan: MemoryPlan
+    device: str
+    dtype: torch.dtype
+
+
+@dataclass
+class _Claim:
+    """Blocks claimed with a JOINING record: the record, how to publish one, and its refresher."""
+
+    template: ServerInfo  # this server's record, blocks not yet chosen
+    info: ServerInfo  # the JOINING record of the claimed blocks
+    publish: Callable[..., object]
+    refresher: asyncio.Task
+
+
+def _check_settings(config: ServerConfig) -> tuple[InitialPeers, str, torch.dtype]:
+    """Refuse settings that cannot work before anything starts: no peers to join (and no
+    --new-swarm), a bad device, dtype, positions per step or codec."""
+    initial_peers = resolve_initial_peers(config.initial_peers)
+    if not initial_peers.peers and not config.new_swarm:
+        raise ValueError(no_initial_peers_message() + "; or pass --new-swarm to start a new swarm")
+    if initial_peers.peers:
+        logger.info(initial_peers.describe())
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    if not MIN_POSITIONS_PER_STEP <= config.max_positions_per_step <= MAX_POSITIONS_PER_STEP:
+        raise ValueError(f"--max-positions-per-step must be in {MIN_POSITIONS_PER_STEP}..{MAX_POSITIONS_PER_STEP}, "
+                         f"got {config.max_positions_per_step}")  # fmt: skip
+    if config.compression not in CODECS:
+        raise ValueError(f"--compression must be one of {CODECS}, got {config.compression!r}")
+    if config.torch_threads:
+        torch.set_num_threads(config.torch_threads)
+    return initial_peers, device, dtype
+
+
+async def _load_model(
+    config: ServerConfig, initial_peers: InitialPeers, device: str, dtype: torch.dtype
+) -> tuple[Joined, _Model]:
+    """Pin the model's revision, read its config, plan what fits in memory, and join the DHT.
+
+    The plan comes before any announcement: blocks that do not fit stop here. A hub model may join
+    the DHT first, to read the revision the swarm serves (joining announces nothing)."""
+    model = resolve_model(config.model)
+    dht_name = config.dht_prefix or model.dht_name
+    join = partial(_join_dht, config, initial_peers, load_or_create_identity(config.identity_path))
+    joined = None
+    try:
+        joined, pinned = await _pin_revision(config, model, dht_name, initial_peers, join)
+        model_config = load_model_config(model.source, pinned)
+        checkpoint = Checkpoint(model.source, revision=pinned)  # one: it reads the weight map once
+        identity_fields = dict(config_fingerprint=config_fingerprint(model_config),
+                               revision=weights_revision(model.source, pinned))  # fmt: skip
+        quant = resolve_quant(config.quant, model_config, device, dtype)
+        logger.info(quant.describe())
+        plan = _plan_memory(config, model_config, checkpoint, quant, device, dtype)
+        if joined is None:
+            joined = await join()
+    except BaseException:
+        if joined is not None:
+            joined.dht.shutdown()
+        raise
+    return joined, _Model(dht_name, model_config, checkpoint, identity_fields, quant, plan, device, dtype)
+
+
+def _join_dht(config: ServerConfig, initial_peers: InitialPeers, identity: object) -> Awaitable[Joined]:
+    """Join the DHT: can peers dial us? If not, join through a relay (or stop: server/reachability.py)."""
+    return start_server_dht(
+        initial_peers=initial_peers.peers, identity=identity, host=config.host, port=config.port,
+        announce_maddrs=config.announce_maddrs,
+        reachability="public" if config.new_swarm and config.reachability == "auto" else config.reachability,
+    )  # fmt: skip
+
+
+async def _pin_revision(
+    config: ServerConfig, model: ResolvedModel, dht_name: str, initial_peers: InitialPeers,
+    join: Callable[[], Awaitable[Joined]],
+) -> tuple[Optional[Joined], Optional[str]]:  # fmt: skip
+    """(the DHT if joined to read it, the revision). A hub model is pinned to one commit: its config
+    and every shard come from it, and it is announced. Without --revision that is the commit the
+    swarm already serves (read from the DHT), else the hub's main; a local folder has none."""
+    hub = not os.path.isdir(model.source)
+    if hub and config.revision is None and initial_peers.peers and hub_reachable():
+        joined = await join()
+        try:
+            pinned = await asyncio.get_running_loop().run_in_executor(
+                None, adopt_swarm_revision, joined.dht, dht_name, model.source
+            )
+        except BaseException:
+            joined.dht.shutdown()
+            raise
+        return joined, pinned
+    if hub and config.revision is not None:
+        logger.info(f"Revision of {model.source}: {config.revision} (--revision)")
+        return None, config.revision
+    return None, hub_commit(model.source) if hub and hub_reachable() else None
+
+
+def _plan_memory(
+    config: ServerConfig, model_config: PretrainedConfig, checkpoint: Checkpoint, quant: QuantChoice, device: str,
+    dtype: torch.dtype,
+) -> MemoryPlan:  # fmt: skip
+    """What fits in this machine's memory (server/memory.py); fails if the requested blocks do not."""
+    plan = plan_blocks(
+        model_config, dtype, device, model_config.num_hidden_layers, free_bytes=config.assume_free_memory,
+        quant=quant.quant, drafter_bytes=drafter_bytes(config, model_config, checkpoint, dtype, quant.quant),
+        cache_tokens=config.cache_tokens, batch_positions=config.max_batch_positions,
+    )  # fmt: skip
+    logger.info(plan.describe(device))
+    check_requested_blocks(config, plan, device)
+    return plan
+
+
+async def _claim_blocks(config: ServerConfig, joined: Joined, model: _Model) -> _Claim:
+    """Choose blocks and claim them before loading them: a JOINING record that placement counts and
+    routing ignores (server/joining.py), refreshed until the ONLINE one replaces it."""
+    dht, total = joined.dht, model.config.num_hidden_layers
+    probes = ProbeService()  # lets peers that use this one as an initial peer check themselves
+    if not joined.using_relay:
+        await probes.add_to(await dht.replicate_p2p())
+    template = ServerInfo(
+        peer_id=dht.peer_id.to_base58(), model=model.dht_name, start_block=0, end_block=1, version=_package_version(),
+        public_name=config.public_name, dtype=str(model.dtype).removeprefix("torch."),
+        quantization=model.quant.quant.value, using_relay=joined.using_relay, relay_addrs=joined.relay_addrs,
+        **model.identity_fields,
+    )  # fmt: skip
+    loop = asyncio.get_running_loop()
+
+    def publish(info: ServerInfo, wait: bool = False):
+        return announce(dht, info, 3 * config.update_period, wait=wait, num_blocks=total)
+
+    claimed = await claim_span(
+        template, lambda servers: choose_blocks(config, servers, total, model.plan),
+        fetch=lambda: loop.run_in_executor(None, fetch_same_model, dht, template, total),
+        publish=lambda info: loop.run_in_executor(None, partial(publish, info, wait=True)),
+        automatic=config.blocks is None,
+    )  # fmt: skip
+    logger.info(f"Serving blocks {claimed.start_block}:{claimed.end_block} of {model.dht_name} as peer {dht.peer_id} "
+                "(announced as joining)")  # fmt: skip
+    return _Claim(template, claimed, publish, keep_announcing(publish, claimed, config.update_period))
+
+
+async def _load_span(config: ServerConfig, model: _Model, claimed: ServerInfo) -> SpanAdapter:
+    """Load the claimed blocks' weights (and the tail's drafter, if it fits)."""
+    loop, start, end = asyncio.get_running_loop(), claimed.start_block, claimed.end_block
+    span = await loop.run_in_executor(
+        None, load_span, model.config, model.checkpoint, start, end, model.dtype, model.device, model.quant.quant
+    )
+    await loop.run_in_executor(None, attach_drafter_if_it_fits, span, config, model.config, model.checkpoint, model.plan)
+    logger.info(f"Blocks {start}:{end} hold {resident_bytes(span.layers) / 2**20:.1f} MiB of weights "
+                f"({model.quant.quant.value})")  # fmt: skip
+    return span
+
+
+async def _start_handler(
+    config: ServerConfig, joined: Joined, model: _Model, span: SpanAdapter, claim: _Claim
+) -> SessionHandler:
+    """Serve sessions over the span, under the cache budget the plan leaves for its blocks."""
+    loop, total = asyncio.get_running_loop(), model.config.num_hidden_layers
+    budget = CacheBudget(model.plan.cache_budget_tokens(claim.info.end_block - claim.info.start_block))
+    handler = SessionHandler(
+        await joined.dht.replicate_p2p(), span, budget, session_timeout=config.session_timeout,
+        compression=config.compression, max_positions_per_step=config.max_positions_per_step,
+        max_sessions=config.max_sessions, max_sessions_per_peer=config.max_sessions_per_peer,
+        max_batch_positions=config.max_batch_positions
+        or batch_positions_that_fit(model.config, model.dtype, model.plan.free_bytes),
+        gather_window=config.gather_window, max_session_tokens=config.max_session_tokens,
+        max_unread_bytes=config.max_unread_mib << 20,
+    )  # fmt: skip
+    handler.batches.enabled = config.batching
+    servers = await loop.run_in_executor(None, fetch_same_model, joined.dht, claim.template, total)
+    handler.known_servers = {s.peer_id: s for s in servers}
+    await handler.start()
+    return handler
+
+
+async def _online_info(
+    config: ServerConfig, joined: Joined, model: _Model, span: SpanAdapter, handler: SessionHandler, claim: _Claim
+) -> ServerInfo:
+    """The ONLINE record: the claimed blocks, the measured throughput, the cache and the limits."""
+    budget = handler.budget
+    return ServerInfo(
+        peer_id=joined.dht.peer_id.to_base58(), model=model.dht_name, start_block=claim.info.start_block,
+        end_block=claim.info.end_block, state=ServerState.ONLINE,
+        throughput=await asyncio.get_running_loop().run_in_executor(None, measure_throughput, span),
+        cache_tokens=budget.total_tokens, free_cache_tokens=budget.free_tokens, version=_package_version(),
+        public_name=config.public_name, dtype=str(model.dtype).removeprefix("torch."),
+        quantization=model.quant.quant.value, started_at=time.time(), using_relay=joined.using_relay,
+        relay_addrs=joined.relay_addrs, max_positions_per_step=config.max_positions_per_step,
+        **model.identity_fields, max_session_tokens=handler.max_session_tokens,
+    )  # fmt: skip
 
 
 def resolve_device(requested: str) -> str:

@@ -26,12 +26,16 @@ import copy
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PretrainedConfig
 
 from protocol.models import config_fingerprint
+
+if TYPE_CHECKING:
+    from server.adapters import SpanAdapter
+    from server.weights import Checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +43,7 @@ DRAFTER_FORMAT = "specswarm-eagle-1"
 DEFAULT_TAIL_DRAFTS = 1  # the most ids the tail drafts per run (a client may ask for fewer); see docs/benchmarks.md
 MAX_TAIL_DRAFTS = 16  # the most a Step may ask for
 RECENT_FEATURES = 32  # features a session keeps to redo the entry before a rollback's start_pos exactly
-COMMITTED_DRAFTERS = Path(__file__).resolve().parent / "drafters"  # heads shipped with the package
+COMMITTED_DRAFTERS = Path(__file__).resolve().parent / "drafters"  # drafters shipped with the package
 
 
 def _drafter_config(config: PretrainedConfig) -> PretrainedConfig:
@@ -131,7 +135,7 @@ def load_drafter(path: str | Path, config: PretrainedConfig, dtype: torch.dtype 
 
 def drafter_file_bytes(path: str | Path, config: PretrainedConfig, dtype: torch.dtype, tied: bool) -> int:
     """Bytes a drafter file takes once :func:`build_tail_drafter` loaded it in ``dtype``: the drafter, its
-    copy of the LM drafter's draft-vocabulary rows and, for a model whose LM head is not its embedding
+    copy of the LM head's draft-vocabulary rows and, for a model whose LM head is not its embedding
     matrix, the embeddings it reads (the memory plan keeps room for them at the tail)."""
     from safetensors import safe_open
 
@@ -255,7 +259,7 @@ class TailDrafter:
 
 class EagleDrafter(TailDrafter):
     """The EAGLE drafter plus what it shares with the tail's span: the final norm, the LM head, and the
-    token embeddings (the LM drafter's own matrix when the model ties them, else read from the checkpoint)."""
+    token embeddings (the LM head's own matrix when the model ties them, else read from the checkpoint)."""
 
     def __init__(self, net: EagleModule, norm: torch.nn.Module, lm_head: torch.nn.Module, embed_weight: torch.Tensor,
                  draft_vocab: Optional[torch.Tensor] = None, max_drafts: int = DEFAULT_TAIL_DRAFTS,
@@ -305,7 +309,7 @@ class EagleDrafter(TailDrafter):
         return index if self.draft_vocab is None else int(self.draft_vocab[index])
 
 
-def build_tail_drafter(span, config: PretrainedConfig, checkpoint, path: str | Path,
+def build_tail_drafter(span: SpanAdapter, config: PretrainedConfig, checkpoint: Checkpoint, path: str | Path,
                        max_drafts: int = DEFAULT_TAIL_DRAFTS) -> EagleDrafter:  # fmt: skip
     """A EagleDrafter for a tail span of a Llama-family model from the drafter file at ``path``."""
     if not span.is_tail or getattr(span, "lm_head", None) is None:

@@ -188,17 +188,17 @@ VERDICT_LIES = ("second", "random")
 
 
 def lie_in_verdicts(rate: float, kind: str = "second", seed: int = 0, after: int = 0, short: int = 0) -> Counter:
-    """From now on this process's tails lie in ``rate`` of their verdicts (``server.session._verdict``
+    """From now on this process's tails lie in ``rate`` of their verdicts (``server.compute._verdict``
     patched): the next token becomes the second choice of the logits at its position, or a random id.
     ``after``: only when that token's position is at least this; ``short``: only on Steps of at most
     this many positions (a generation's decode laps, never a long audit Step or a prefill)."""
     import random
 
-    from server import session as session_module
+    from server import compute as compute_module
 
     if kind not in VERDICT_LIES:
         raise ValueError(f"kind must be one of {VERDICT_LIES}, got {kind!r}")
-    count, rng, verdict = Counter(1), random.Random(seed), session_module._verdict
+    count, rng, verdict = Counter(1), random.Random(seed), compute_module._verdict
 
     def lying_verdict(session, step, logits):
         result = verdict(session, step, logits)
@@ -218,7 +218,7 @@ def lie_in_verdicts(rate: float, kind: str = "second", seed: int = 0, after: int
         result.next_token = lie
         return result
 
-    session_module._verdict = lying_verdict
+    compute_module._verdict = lying_verdict
     return count
 
 

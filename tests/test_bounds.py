@@ -112,16 +112,16 @@ def test_a_hog_and_a_non_reader_leave_the_server_within_budget_and_an_honest_cli
         session = RawSession(p2p, servers, subscribe=False)
         assert isinstance(await session.open(max_length=128), SessionOpened)
         await forward_passes(session, 4)
-        await until(lambda: session.session_id in tail._results and tail._results[session.session_id].bytes >= 2 * message)
+        await until(lambda: session.session_id in tail.open_sessions.results and tail.open_sessions.results[session.session_id].bytes >= 2 * message)
         return session
 
     hog_p2p, reader_p2p = strangers
-    with attributes(tail, max_unread_session_bytes=cap, unread_wait=4.0):
+    with attributes(tail.results, max_session_bytes=cap, wait=4.0):
         tail.unread.peak = tail.unread.total
         hogs, replies = _loop.run(hog(hog_p2p), timeout=60)
         wasteful = _loop.run(non_reader(reader_p2p), timeout=60)
         try:
-            waiting = tail._results[wasteful.session_id]
+            waiting = tail.open_sessions.results[wasteful.session_id]
             assert 2 * message <= waiting.bytes <= cap  # the non-reader's third pass waits, not queued
             assert [type(r).__name__ for r in replies] == ["ErrorReply", "SessionOpened", "SessionOpened", "ErrorReply"]
             assert replies[0].code == ErrorCode.BUSY and f"max_session_tokens is {head.max_session_tokens}" in replies[0].message
@@ -155,17 +155,17 @@ def test_unread_bytes_over_the_servers_budget_close_the_largest_holder(limits_sw
         try:
             assert isinstance(await first.open(max_length=128), SessionOpened)
             await forward_passes(first, 3)  # two queued, the third waits for room
-            await until(lambda: first.session_id in tail._results and tail._results[first.session_id].bytes >= 2 * message)
+            await until(lambda: first.session_id in tail.open_sessions.results and tail.open_sessions.results[first.session_id].bytes >= 2 * message)
             assert isinstance(await second.open(max_length=128), SessionOpened)
             await forward_passes(second, 2)
             reply = (await asyncio.wait_for(first.head.receive(), 30)).message
-            await until(lambda: second.session_id in tail._results and tail._results[second.session_id].bytes >= 2 * message)
+            await until(lambda: second.session_id in tail.open_sessions.results and tail.open_sessions.results[second.session_id].bytes >= 2 * message)
             return reply, second.session_id in tail.sessions
         finally:
             first.close()
             second.close()
 
-    with attributes(tail, max_unread_session_bytes=int(2.5 * message), unread_wait=30.0), \
+    with attributes(tail.results, max_session_bytes=int(2.5 * message), wait=30.0), \
             attributes(tail.unread, max_bytes=budget, peak=tail.unread.total):  # fmt: skip
         reply, second_open = _loop.run(flood(strangers[0]), timeout=90)
         assert isinstance(reply, ErrorReply) and reply.code == ErrorCode.QUEUE_FULL, reply
@@ -241,7 +241,7 @@ def test_streams_that_hold_nothing_are_closed_and_pending_subscribes_are_bounded
             stream = await MessageStream.open(p2p, PeerID.from_base58(tail.peer_id), RESULTS_PROTOCOL)
             streams.append(stream)
             await stream.send(Subscribe(session_id=f"never-opened-{n}", secret="s"))
-        await until(lambda: tail._pending_subscribes.get(p2p.peer_id.to_base58(), 0) == 2)
+        await until(lambda: tail.subscriptions.pending.get(p2p.peer_id.to_base58(), 0) == 2)
         extra = await MessageStream.open(p2p, PeerID.from_base58(tail.peer_id), RESULTS_PROTOCOL)
         streams.append(extra)
         await extra.send(Subscribe(session_id="one-too-many", secret="s"))
@@ -252,11 +252,12 @@ def test_streams_that_hold_nothing_are_closed_and_pending_subscribes_are_bounded
         return refused, ends
 
     p2p = strangers[0]
-    with attributes(head, sessionless_timeout=0.5), attributes(tail, max_sessions_per_peer=2, subscribe_timeout=1.0):
+    with attributes(head, sessionless_timeout=0.5), attributes(tail, max_sessions_per_peer=2), \
+            attributes(tail.subscriptions, timeout=1.0):  # fmt: skip
         reply, end = _loop.run(idle(p2p), timeout=60)
         assert isinstance(reply, ErrorReply) and reply.code == ErrorCode.BAD_REQUEST
         assert "no OpenSession within" in reply.message and end is None
         refused, ends = _loop.run(subscribe(p2p, 2), timeout=60)
         assert isinstance(refused, ErrorReply) and refused.code == ErrorCode.BUSY
         assert "2 of them from peer" in refused.message
-        assert ends == [None, None] and not tail._pending_subscribes
+        assert ends == [None, None] and not tail.subscriptions.pending

@@ -246,7 +246,7 @@ def test_cancel_between_blocks_leaves_no_trace(v4_spans, v4_reference):
     with pytest.raises(SpanCancelled):  # abandoned inside the second span, as a Cancel would
         pipeline.run([(t + 5) % 1000 for t in truth[13:22]], 13, cancel_at_block=4)
     for span, cache in zip(spans, pipeline.caches):
-        span.trim_cache(cache, 13)  # what compute_run does on SpanCancelled
+        span.trim_cache(cache, 13)  # what the batch scheduler does on SpanCancelled
     assert torch.allclose(pipeline.run(truth[13:], 13), full[13:], atol=ATOL)
 
 

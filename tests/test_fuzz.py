@@ -425,6 +425,6 @@ def test_fuzz_every_protocol_while_an_honest_client_generates(limits_swarm, tiny
     # nothing leaked: every session closed, the cache budget whole, no results queue left
     wait_until_no_sessions(servers)
     for server in servers:
-        assert not server.handler._results
+        assert not server.handler.open_sessions.results
     for name, prompt in (("short", PROMPT), ("long", LONG_PROMPT)):  # and the servers still serve
         assert model.generate(torch.tensor(prompt), max_new_tokens=10, speculation=None).tolist() == expected[name]

@@ -7,10 +7,10 @@ import torch
 
 from protocol.messages import GREEDY, SamplingParams
 from protocol.sampling import verify
-from server.session import LazyLogits
+from server.compute import LazyLogits
 
 
-class CountingDrafter:
+class CountingLMHead:
     """A stand-in LM head (a fixed linear map) that records which rows each call computed."""
 
     def __init__(self, hidden: int = 8, vocab: int = 16, seed: int = 0):
@@ -25,10 +25,10 @@ class CountingDrafter:
 @pytest.mark.parametrize("n_draft", [0, 1, 3, 7])
 @pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(do_sample=True, temperature=0.9, top_p=0.9, seed=5)])
 def test_lazy_rows_give_the_verdict_of_full_logits(n_draft, sampling):
-    head = CountingDrafter()
+    lm_head = CountingLMHead()
     start_pos, num_new = 4, n_draft + 2
     hidden = torch.randn(1, num_new, 8, generator=torch.Generator().manual_seed(n_draft))
-    full = head.logits(hidden)
+    full = lm_head.logits(hidden)
     # two committed tokens, then drafts equal to the target's greedy choices (the last one wrong
     # when there are three or more), so the walk reads several rows
     choices = full.argmax(-1).tolist()
@@ -36,8 +36,8 @@ def test_lazy_rows_give_the_verdict_of_full_logits(n_draft, sampling):
     if n_draft >= 3:
         history[-1] = (history[-1] + 1) % 16  # the last draft is wrong
     expected = verify(full, history, start_pos, n_draft, sampling, num_logprobs=3)
-    head.calls.clear()
-    got = verify(LazyLogits(head, hidden), history, start_pos, n_draft, sampling, num_logprobs=3)
+    lm_head.calls.clear()
+    got = verify(LazyLogits(lm_head, hidden), history, start_pos, n_draft, sampling, num_logprobs=3)
     assert got[:2] == expected[:2]
     assert [(lp.token_id, lp.top_ids) for lp in got[2]] == [(lp.token_id, lp.top_ids) for lp in expected[2]]
     for a, b in zip(got[2], expected[2]):
@@ -45,26 +45,26 @@ def test_lazy_rows_give_the_verdict_of_full_logits(n_draft, sampling):
 
 
 def test_a_rejected_first_draft_costs_one_row_and_a_prefill_only_its_last():
-    head = CountingDrafter()
+    lm_head = CountingLMHead()
     hidden = torch.randn(1, 5, 8, generator=torch.Generator().manual_seed(1))
-    first_choice = int(head.logits(hidden[:, :1]).argmax())
-    head.calls.clear()
+    first_choice = int(lm_head.logits(hidden[:, :1]).argmax())
+    lm_head.calls.clear()
     # one committed token then four drafts, the first of them wrong
-    verify(LazyLogits(head, hidden), [0, 0, 0, 9, (first_choice + 1) % 16, 1, 1, 1], 3, 4, GREEDY)
-    assert head.calls == [1]
-    head.calls.clear()
-    verify(LazyLogits(head, torch.randn(1, 40, 8)), list(range(40)), 0, 0, GREEDY)  # a 40-token prefill
-    assert head.calls == [1]
+    verify(LazyLogits(lm_head, hidden), [0, 0, 0, 9, (first_choice + 1) % 16, 1, 1, 1], 3, 4, GREEDY)
+    assert lm_head.calls == [1]
+    lm_head.calls.clear()
+    verify(LazyLogits(lm_head, torch.randn(1, 40, 8)), list(range(40)), 0, 0, GREEDY)  # a 40-token prefill
+    assert lm_head.calls == [1]
 
 
 def test_rows_after_the_first_are_computed_in_one_call():
-    head = CountingDrafter()
+    lm_head = CountingLMHead()
     hidden = torch.randn(1, 6, 8)
-    rows = LazyLogits(head, hidden)
-    full = head.logits(hidden)
-    head.calls.clear()
+    rows = LazyLogits(lm_head, hidden)
+    full = lm_head.logits(hidden)
+    lm_head.calls.clear()
     for r in range(2, 6):
         assert torch.allclose(rows[r], full[r], atol=1e-6)
-    assert head.calls == [1, 3]
+    assert lm_head.calls == [1, 3]
     with pytest.raises(IndexError):
         rows[6]

@@ -195,9 +195,10 @@ def test_the_clients_retrieval_drafts_ride_in_looped_runs(drafter_servers, sampl
 def test_malformed_offers_are_refused_by_name(drafter_servers):
     from protocol.limits import MAX_OFFER_DRAFTS, MAX_OFFER_OPTIONS
 
+    from server.admission import check_offer
+
     model, servers = drafter_servers
-    head = servers[0].handler
-    session = types.SimpleNamespace(hop_index=0, offer=None, touch=lambda: None)
+    vocab_size = servers[0].handler.span.vocab_size
     cases = {
         "options exceed": [(0, 1, [2])] * (MAX_OFFER_OPTIONS + 1),
         "at most": [(0, 1, [2] * (MAX_OFFER_DRAFTS + 1))],
@@ -205,11 +206,9 @@ def test_malformed_offers_are_refused_by_name(drafter_servers):
     }
     for phrase, options in cases.items():
         with pytest.raises(ProtocolError, match=phrase):
-            head._take_offer(session, DraftOffer(session_id="s", run_id=1, options=options))
-    assert session.offer is None
-    session.hop_index = 1
+            check_offer(DraftOffer(session_id="s", run_id=1, options=options), 0, vocab_size)
     with pytest.raises(ProtocolError, match="route's head"):
-        head._take_offer(session, DraftOffer(session_id="s", run_id=1, options=[]))
+        check_offer(DraftOffer(session_id="s", run_id=1, options=[]), 1, vocab_size)
 
 
 def test_agenerate_stream_with_looped_runs(drafter_servers):

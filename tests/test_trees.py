@@ -633,7 +633,7 @@ def test_tail_drafts_after_a_tree_continue_the_accepted_path(tiny_llama_path, ti
     from transformers import AutoConfig
 
     from server.tail_drafter import build_tail_drafter
-    from server.session import QueuedRun, ServerSession, compute_run
+    from server.session import QueuedRun, ServerSession
     from tests.checkpoints import build_random_drafter
 
     config = AutoConfig.from_pretrained(tiny_llama_path)
@@ -648,7 +648,7 @@ def test_tail_drafts_after_a_tree_continue_the_accepted_path(tiny_llama_path, ti
     def run(step):
         session.check_step(step, None, span)
         session.accept(step)
-        return compute_run(span, session, QueuedRun(step, None))
+        return asyncio.run(through_the_scheduler(span, session, QueuedRun(step, None)))
 
     def fresh_drafts(committed, next_token):
         cache = span.new_cache()
@@ -669,6 +669,21 @@ def test_tail_drafts_after_a_tree_continue_the_accepted_path(tiny_llama_path, ti
                              tree_path=[1, 3]))  # fmt: skip
         assert after.next_token == truth[4] and after.drafts == fresh_drafts(committed + truth[3:4], truth[4])
         assert session.history == committed + truth[3:4]
+
+
+async def through_the_scheduler(span, session, run):
+    """A run's output computed as a server computes it: by the batch scheduler (server/batching.py)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from server.batching import BatchScheduler
+
+    with ThreadPoolExecutor(1) as executor:
+        batches = BatchScheduler(span, executor, gather_window=0)
+        batches.start()
+        try:
+            return await batches.compute(session, run)
+        finally:
+            batches.stop()
 
 
 def test_trees_with_the_tails_tail_drafts(tree_servers, tiny_llama_path, tmp_path):

@@ -147,7 +147,7 @@ class DeepseekV4Adapter(SpanAdapter):
         return self.span_cache_bytes_per_token(self.config, self.start, self.end, self.dtype)
 
     @staticmethod
-    def span_cache_bytes_per_token(config, start: int, end: int, dtype: torch.dtype) -> int:
+    def span_cache_bytes_per_token(config: PretrainedConfig, start: int, end: int, dtype: torch.dtype) -> int:
         """Compressed entries grow with the context: head_dim (+ index_head_dim on CSA) per
         ``compress_rate`` positions. The sliding window and rollback history are a fixed
         per-session cost, not counted per token."""
@@ -215,7 +215,7 @@ class DeepseekV4Adapter(SpanAdapter):
             rotary = {kind: self.rotary_emb(hidden, position_ids=packed.position_ids, layer_type=kind) for kind in ("main", "compress")}
             return packed.token_ids(self.device), rotary
 
-        def block(number: int, hidden: torch.Tensor, packed: packing.Packed, prepared) -> torch.Tensor:
+        def block(number: int, hidden: torch.Tensor, packed: packing.Packed, prepared: tuple) -> torch.Tensor:
             token_ids, rotary = prepared
             return deepseek_v4_batch.decoder_layer(self.layers[number - self.start], hidden, token_ids, packed, rotary)
 

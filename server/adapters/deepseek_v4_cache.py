@@ -27,6 +27,7 @@ from typing import Optional
 
 import torch
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
+from transformers import PretrainedConfig
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4CSACache, DeepseekV4HCACache
 
 from protocol.errors import ErrorCode, ProtocolError
@@ -162,7 +163,7 @@ class RewindableSlidingLayer(_SlidingHistory, DynamicSlidingWindowLayer):
 class RewindableHCALayer(_CompressorHistory, DeepseekV4HCACache):
     """``heavily_compressed_attention`` layers: sliding window + one non-overlapping compressor."""
 
-    def __init__(self, config, max_rollback: int):
+    def __init__(self, config: PretrainedConfig, max_rollback: int):
         super().__init__(config)
         self._init_history(max_rollback)
 
@@ -172,7 +173,7 @@ class RewindableCSALayer(_CompressorHistory, DeepseekV4CSACache):
 
     _needs_overlap = True
 
-    def __init__(self, config, max_rollback: int):
+    def __init__(self, config: PretrainedConfig, max_rollback: int):
         super().__init__(config)
         self._init_history(max_rollback)
 
@@ -200,7 +201,7 @@ LAYER_CLASSES = {
 }
 
 
-def new_span_cache(config, layer_types: list[str], max_rollback: int) -> Cache:
+def new_span_cache(config: PretrainedConfig, layer_types: list[str], max_rollback: int) -> Cache:
     """A transformers ``Cache`` holding one rewindable layer per block of the span, in order."""
     layers = []
     for layer_type in layer_types:

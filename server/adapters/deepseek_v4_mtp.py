@@ -109,7 +109,7 @@ class DeepseekV4MTP(torch.nn.Module):
         token_ids: torch.Tensor,  # [1, S]: those tokens (the block's MoE takes them; unused by its learned router)
         position_ids: torch.Tensor,  # [1, S], counted in the cache's own positions
         mask: torch.Tensor,
-        cache,
+        cache: Optional[v4cache.Cache],
     ) -> torch.Tensor:
         x = self.e_proj(self.enorm(embeds)).unsqueeze(2) + self.h_proj(self.hnorm(hidden))
         position_embeddings = {
@@ -229,7 +229,7 @@ class MTPDrafter(TailDrafter):
         return int(torch.argmax(self.lm_head(self.mtp.final_hidden(feature[:, -1:]))[0, -1]))
 
 
-def build_mtp_drafter(span, config: PretrainedConfig, checkpoint: Checkpoint, choice: str = "auto",
+def build_mtp_drafter(span: DeepseekV4Adapter, config: PretrainedConfig, checkpoint: Checkpoint, choice: str = "auto",
                       max_drafts: int = DEFAULT_TAIL_DRAFTS) -> Optional[MTPDrafter]:  # fmt: skip
     """``--drafter`` on a DeepSeek-V4 server: ``auto`` drafts with the checkpoint's MTP module
     when it has one (tensors ``mtp.0.*`` and ``num_nextn_predict_layers >= 1``) and with nothing

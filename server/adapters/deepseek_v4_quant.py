@@ -60,7 +60,7 @@ def quantize_experts_skeleton(layers: torch.nn.Module, quant: Quant, compute_dty
     return replaced
 
 
-def quantize_loaded_experts(layers: torch.nn.Module, quant: Quant, compute_dtype: torch.dtype, device="cpu") -> None:
+def quantize_loaded_experts(layers: torch.nn.Module, quant: Quant, compute_dtype: torch.dtype, device: str = "cpu") -> None:
     """Quantize the experts of already loaded float layers in place (for single-process
     references: the same modules and the same per-expert quantization as a loaded span)."""
     for name, module in list(layers.named_modules()):

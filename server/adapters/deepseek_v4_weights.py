@@ -29,11 +29,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional
 
 import torch
 
 from server.weights import Checkpoint
+
+if TYPE_CHECKING:
+    from transformers.core_model_loading import WeightRenaming
 
 _LAYER_KEY = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
 _EXPERT = re.compile(r"^(?P<prefix>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>w[123])\.weight$")
@@ -61,14 +64,14 @@ class TensorSource:
         self.parts = [self.experts[(p, e)] for p in projections for e in range(count)]
 
 
-def _renamings():
+def _renamings() -> list[WeightRenaming]:
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping
     from transformers.core_model_loading import WeightConverter
 
     return [t for t in get_checkpoint_conversion_mapping("deepseek_v4") or [] if not isinstance(t, WeightConverter)]
 
 
-def transformers_name(key: str, renamings) -> str:
+def transformers_name(key: str, renamings: Iterable[WeightRenaming]) -> str:
     """A checkpoint key -> transformers' parameter name (``model.`` prefix except the LM head)."""
     name = key.removeprefix("model.")
     for renaming in renamings:

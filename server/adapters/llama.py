@@ -174,7 +174,7 @@ class LlamaFamilyAdapter(SpanAdapter):
             members, self.dtype, self.device, lambda m: self._positions_and_masks(m.start_pos, m.hidden.shape[1], m.tree)
         )
 
-        def block(number: int, hidden: torch.Tensor, packed: packing.Packed, cos_sin) -> torch.Tensor:
+        def block(number: int, hidden: torch.Tensor, packed: packing.Packed, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
             local = number - self.start
             return llama_batch.decoder_layer(self.layers[local], hidden, packed, cos_sin, self.windows[local])
 
@@ -193,7 +193,7 @@ class LlamaFamilyAdapter(SpanAdapter):
         return self.span_cache_bytes_per_token(self.config, self.start, self.end, self.dtype)
 
     @staticmethod
-    def span_cache_bytes_per_token(config, start: int, end: int, dtype: torch.dtype) -> int:
+    def span_cache_bytes_per_token(config: PretrainedConfig, start: int, end: int, dtype: torch.dtype) -> int:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         return 2 * kv_heads * head_dim * (end - start) * torch.finfo(dtype).bits // 8

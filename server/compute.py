@@ -1,0 +1,169 @@
+"""A run's compute over this server's blocks: begin (trim, gather, embed), the blocks, finish (the
+tail's logits and verdict, and the outputs a forward pass asked for).
+
+Everything here runs in the server's compute thread, called by the batch scheduler
+(server/batching.py), which runs the span's blocks between :func:`begin_run` and :func:`finish_run`
+for many sessions at once. It reads and changes a session's state (server/session.py) and calls the
+span's adapter (server/adapters/); it calls nothing above it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from protocol.digest import digest_of
+from protocol.errors import ErrorCode, ProtocolError
+from protocol.messages import OUTPUTS_FRAME_BYTES, RunOutputs, Step, StepResult
+from protocol.sampling import check_draft_q, pack_f16, verify, verify_rejection, verify_tree
+from server.adapters import SpanAdapter
+from server.session import QueuedRun, ServerSession, TailReply
+
+
+def begin_run(span: SpanAdapter, session: ServerSession, run: QueuedRun) -> torch.Tensor:
+    """Make the cache ready for a run and return its input activations (the head embeds the ids).
+
+    The cache is first trimmed to ``start_pos``: that trim is the protocol's only rollback.
+    """
+    step = run.step
+    gather = session.gathers.pop(step.run_id, None)  # a previous tree's accepted path, kept by this run
+    held = span.cache_length(session.cache)
+    if step.start_pos > held:
+        raise ProtocolError(
+            ErrorCode.START_POS_BEYOND_CACHE,
+            f"start_pos {step.start_pos} is beyond the {held} positions in this server's cache",
+        )
+    if gather is not None:
+        session.compact(span, *gather)
+    session.trim(span, step.start_pos)
+    if session.hop_index == 0:
+        return span.embed(torch.tensor([step.token_ids], dtype=torch.long))
+    return run.hidden
+
+
+def first_logits_row(step: Step) -> int:
+    """The row of a run's logits that verification reads first (it predicts the first draft), so
+    that a batch can compute that row of every member's in one call of the LM head."""
+    return len(step.token_ids) - step.n_draft - 1
+
+
+def finish_run(
+    span: SpanAdapter, session: ServerSession, run: QueuedRun, hidden: torch.Tensor, first_row: Optional[torch.Tensor] = None
+) -> torch.Tensor | StepResult | TailReply:
+    """After the blocks: a middle server's output activations, or the tail's verdict (and outputs).
+    ``first_row``: the logits of :func:`first_logits_row`, when the caller computed them already."""
+    step = run.step
+    session.history.extend(step.token_ids)
+    if session.next_hop is not None:
+        return hidden
+    logits = LazyLogits(span, hidden, contiguous=not step.parents)
+    if first_row is not None:
+        logits.seed(first_logits_row(step), first_row[None])
+    outputs = _outputs(span, session, step, hidden, logits) if step.return_logits else None
+    result = _verdict(session, step, logits)
+    result.step_digest = digest_of(step, step.sampling_params, session.secret)  # what this verdict is about
+    if step.tail_drafts and span.drafter is not None:
+        result.drafts = _tail_drafts(span, session, step, hidden, result)
+    return result if outputs is None else TailReply(outputs, result)
+
+
+def _tail_drafts(span: SpanAdapter, session: ServerSession, step: Step, hidden: torch.Tensor, result: StepResult) -> list[int]:
+    """The tail's drafter over the final activations of the positions this verdict commits
+    (server/tail_drafter.py); the session keeps the drafter's own cache."""
+    if session.drafter_state is None:
+        session.drafter_state = span.drafter.new_session()
+    committed = len(step.token_ids) - step.n_draft + result.accepted
+    token_ids = step.token_ids
+    if step.parents:  # the committed ids, then the accepted path: a chain, as the drafter expects
+        rows = list(range(len(step.token_ids) - step.n_draft)) + [len(step.token_ids) - step.n_draft + n for n in result.path]
+        hidden, token_ids = hidden[:, rows], [step.token_ids[r] for r in rows]
+    return span.drafter.draft(
+        session.drafter_state, hidden, token_ids, step.start_pos, committed, result.next_token, step.tail_drafts
+    )
+
+
+def _verdict(session: ServerSession, step: Step, logits: "LazyLogits") -> StepResult:
+    """Verify the run's drafts: by token match, or by the rejection rule when they carry q(x)."""
+    params, correction = step.sampling_params, None
+    if step.parents:  # a tree (never with draft_q: refused on arrival)
+        path, next_token, logprobs = verify_tree(
+            logits, session.history, step.start_pos, step.token_ids, step.parents, params, step.top_logprobs
+        )
+        return StepResult(session_id=session.session_id, run_id=step.run_id, accepted=len(path), next_token=next_token,
+                          logprobs=logprobs or None, path=path)  # fmt: skip
+    if step.draft_q is not None:  # checked on arrival (ServerSession.check_step)
+        q = check_draft_q(step.draft_q, step.n_draft)
+        accepted, next_token, correction, logprobs = verify_rejection(
+            logits, session.history, step.start_pos, step.n_draft, params, q, step.top_logprobs
+        )
+    else:
+        accepted, next_token, logprobs = verify(
+            logits, session.history, step.start_pos, step.n_draft, params, step.top_logprobs
+        )
+    return StepResult(
+        session_id=session.session_id,
+        run_id=step.run_id,
+        accepted=accepted,
+        next_token=next_token,
+        logprobs=logprobs or None,
+        correction_ids=correction[0] if correction else None,
+        correction_p=pack_f16(correction[1]) if correction else None,
+    )
+
+
+def _outputs(
+    span: SpanAdapter, session: ServerSession, step: Step, hidden: torch.Tensor, logits: "LazyLogits"
+) -> list[tuple[RunOutputs, list[torch.Tensor]]]:
+    """The logits (and final hidden states) of the run's last ``return_logits`` positions, cut into
+    messages of at most OUTPUTS_FRAME_BYTES of tensors each; the rows also serve verification."""
+    first = hidden.shape[1] - step.return_logits
+    row_bytes = 4 * (span.vocab_size + (hidden[0, 0].numel() if step.return_hidden else 0))
+    rows_per_message = max(1, OUTPUTS_FRAME_BYTES // row_bytes)
+    messages = []
+    for offset in range(0, step.return_logits, rows_per_message):
+        part = hidden[:, first + offset : first + min(offset + rows_per_message, step.return_logits)]
+        tensors = [span.logits(part)]
+        logits.seed(first + offset, tensors[0])
+        if step.return_hidden:
+            try:
+                tensors.append(span.final_hidden(part))
+            except NotImplementedError as e:
+                raise ProtocolError(ErrorCode.BAD_REQUEST, str(e)) from None
+        messages.append((RunOutputs(session_id=session.session_id, run_id=step.run_id, offset=offset), tensors))
+    return messages
+
+
+class LazyLogits:
+    """A run's logits rows, computed when verification first reads them.
+
+    Verification walks rows in order and stops at the first mismatch, which on most laps is the
+    first row it reads; a prefill reads only its last row. The LM head is the tail's largest
+    matrix (on SmolLM2, 49152 x 576: about 10 ms per row on one CPU core, two or three rows two or
+    three times that), so the first row read is computed alone and, if the walk goes on, every
+    row after it in one call. Row r of the result is what ``span.logits(hidden)[r]`` would be,
+    up to the floating-point rounding that computing rows together may add (docs/design.md).
+    """
+
+    def __init__(self, span: SpanAdapter, hidden: torch.Tensor, contiguous: bool = True):
+        self._span, self._hidden = span, hidden  # hidden: [1, S, *hidden_shape]
+        self._rows: dict[int, torch.Tensor] = {}
+        self._contiguous = contiguous  # False (a tree): the walk reads rows along one path, one at a time
+
+    def __len__(self) -> int:
+        return self._hidden.shape[1]
+
+    def seed(self, first_row: int, rows: torch.Tensor) -> None:
+        """Rows already computed (for a forward pass's outputs), so verification reuses them."""
+        for offset in range(rows.shape[0]):
+            self._rows.setdefault(first_row + offset, rows[offset])
+
+    def __getitem__(self, row: int) -> torch.Tensor:
+        if not 0 <= row < len(self):
+            raise IndexError(f"logits row {row} of {len(self)}")
+        if row not in self._rows:
+            end = row + 1 if not self._rows or not self._contiguous else len(self)
+            block = self._span.logits(self._hidden[:, row:end])  # [end - row, V]
+            for offset in range(end - row):
+                self._rows.setdefault(row + offset, block[offset])
+        return self._rows[row]

@@ -1,0 +1,135 @@
+"""A client's results stream at the tail: the Subscribe that authorises it, then the session's results.
+
+The client opens this stream before it opens the session through the head, so its first message, a
+Subscribe carrying the secret whose sha256 the session was opened with, may arrive before the session
+does: it then waits, bounded, for the session to open here. At most max_sessions Subscribes wait at
+once (max_sessions_per_peer per peer), each at most ``timeout`` seconds, so waiting Subscribes cannot
+pile up. Once authorised (server/admission.py, ``check_subscriber``), the session's results go out in
+order until the client or the session goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Optional
+
+from protocol import limits
+from protocol.errors import ErrorCode, ProtocolError
+from protocol.messages import ErrorReply, Subscribe
+from protocol.streams import MessageStream
+from server.admission import check_subscriber, subscribe_slot_refusal
+from server.open_sessions import OpenSessions
+from server.replies import send_quietly
+from server.session import ServerSession
+
+logger = logging.getLogger(__name__)
+
+Subscribed = tuple[ServerSession, Subscribe, "asyncio.Task"]  # the session, its Subscribe, the client's end
+
+
+class Subscriptions:
+    """The tail's results streams: Subscribes waiting for their sessions, and results going out."""
+
+    def __init__(self, open_sessions: OpenSessions, peer_id: str):
+        self.open_sessions, self.peer_id = open_sessions, peer_id
+        self.timeout = limits.SUBSCRIBE_TIMEOUT
+        self.pending: dict[str, int] = {}  # peer id -> its Subscribes waiting for their session
+
+    async def serve(self, client: MessageStream, max_sessions: int, max_per_peer: int) -> None:
+        """One client's results stream: a Subscribe, within the pending caps, then its results."""
+        peer = client.peer_id.to_base58()
+        refusal = subscribe_slot_refusal(peer, self.pending, max_sessions, max_per_peer)
+        if refusal is not None:
+            logger.info(f"Refused a Subscribe from {peer}: {refusal}")
+            await send_quietly(client, ErrorReply(session_id="", code=ErrorCode.BUSY, message=refusal, peer_id=self.peer_id))
+            return
+        self.pending[peer] = self.pending.get(peer, 0) + 1
+        try:
+            subscribed = await self._subscribed_session(client)
+        finally:
+            left = self.pending.pop(peer) - 1
+            if left:
+                self.pending[peer] = left
+        if subscribed is not None:
+            await self._send_results(client, *subscribed)
+
+    async def _subscribed_session(self, client: MessageStream) -> Optional[Subscribed]:
+        """(session, its Subscribe, the task that ends when the client goes away) once a valid
+        Subscribe names a session open here; None (the client told why) otherwise."""
+        subscribe = await self._first_subscribe(client)
+        if subscribe is None:
+            return None
+        closed = asyncio.create_task(client.receive())  # returns when the client goes away
+        try:
+            session = await self.open_sessions.wait_for(subscribe.session_id, closed, self.timeout)
+            if session is None:
+                return _forget(closed)  # the client went away, or the session never opened here
+            refusal = check_subscriber(session, subscribe)
+            if refusal is not None:
+                logger.info(f"Refused a Subscribe to {session.session_id} from {client.peer_id}: {refusal}")
+                error = ErrorReply(session_id=subscribe.session_id, code=ErrorCode.UNAUTHORIZED, message=refusal,
+                                   peer_id=self.peer_id)  # fmt: skip
+                await send_quietly(client, error)
+                return _forget(closed)
+        except BaseException:
+            _forget(closed)
+            raise
+        return session, subscribe, closed
+
+    async def _first_subscribe(self, client: MessageStream) -> Optional[Subscribe]:
+        """The stream's first message if it is a Subscribe in time; None (the client told why) if not."""
+        try:
+            first = await asyncio.wait_for(client.receive(), self.timeout)
+        except (asyncio.TimeoutError, ProtocolError) as e:
+            code = e.code if isinstance(e, ProtocolError) else ErrorCode.BAD_REQUEST
+            await send_quietly(client, ErrorReply(session_id="", code=code, message=str(e) or "no Subscribe in time"))
+            return None
+        if first is None:
+            return None
+        if not isinstance(first.message, Subscribe):
+            await send_quietly(client, ErrorReply(session_id="", code=ErrorCode.BAD_REQUEST, message="expected Subscribe"))
+            return None
+        return first.message
+
+    async def _send_results(self, client: MessageStream, session: ServerSession, subscribe: Subscribe,
+                            closed: "asyncio.Task") -> None:  # fmt: skip
+        """The session's results, in order, to its client, until either goes away."""
+        try:
+            session.subscribed, session.secret = True, subscribe.secret
+            queue = self.open_sessions.results.get(session.session_id)
+            if queue is None:
+                return  # the session closed meanwhile
+            while True:
+                getter = asyncio.create_task(queue.get())
+                done, _ = await asyncio.wait({getter, closed}, timeout=self.timeout, return_when=asyncio.FIRST_COMPLETED)
+                if getter not in done:
+                    getter.cancel()
+                    if closed in done or session.closed:
+                        return  # client gone, or the session closed
+                    continue
+                item = getter.result()
+                if item is None or not await _send(client, item):
+                    return
+        finally:
+            _forget(closed)
+
+
+async def _send(client: MessageStream, item: object) -> bool:
+    """Send one result; False when the client went away mid-send (e.g. with a run's verdict still on
+    its way after it cancelled that run): nothing to report."""
+    try:
+        if isinstance(item, tuple):  # (RunOutputs, its tensors)
+            await client.send(*item)
+        else:
+            await client.send(item)
+    except (ConnectionError, OSError):
+        return False
+    return True
+
+
+def _forget(closed: "asyncio.Task") -> None:
+    """Stop watching a results stream's end."""
+    closed.cancel()
+    if closed.done() and not closed.cancelled():
+        closed.exception()  # a malformed frame after Subscribe: retrieved, nothing to report

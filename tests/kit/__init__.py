@@ -1,0 +1,1 @@
+"""Shared test helpers that need no swarm: a fake message stream (streams.py)."""
