@@ -28,7 +28,7 @@ from client._verdict_audits import Audits
 from client._stats import GenerationStats
 from client._swarm import SwarmClient
 from client._trees import TreeSizer
-from client.drafters import Drafter
+from client.drafting import Drafter
 from client.errors import GenerationError, ServerError
 from client.modes import choose_mode
 from protocol.messages import GREEDY, SamplingParams, Step, StepResult, TokenLogprobs

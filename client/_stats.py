@@ -37,7 +37,7 @@ class GenerationStats:
     failover_events: list[str] = field(default_factory=list)
     failover_time: float = 0.0  # seconds from a failure to the next committed token
     corrections: int = 0  # rejections whose token the client drew from norm(max(0, p - q))
-    # with tail drafts (client.drafters.TailDrafts): per source ("tail", "retrieval"), [proposals,
+    # with tail drafts (client.drafting.TailDrafts): per source ("tail", "retrieval"), [proposals,
     # ids proposed, ids matching the committed text], measured on every proposal, sent or not;
     # and the laps whose run carried each source's drafts
     drafter_sources: dict = field(default_factory=dict)

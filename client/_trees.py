@@ -16,7 +16,7 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from client.drafters import Drafter
+from client.drafting import Drafter
 
 TREE_WIDTH = 3  # alternatives asked of the drafter per node
 UNRANKED_PROB = 0.5  # the estimate for a chain token the drafter's ranking does not list

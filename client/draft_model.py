@@ -20,7 +20,7 @@ from typing import Any, Optional, Sequence
 import torch
 from transformers import DynamicCache
 
-from client.drafters import Drafter
+from client.drafting import Drafter
 from protocol.messages import SamplingParams
 from protocol.sampling import draw_draft, processed_scores
 

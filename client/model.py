@@ -34,7 +34,7 @@ from client._spot_checks import DEFAULT_SPOT_CHECK_RATE, SpotChecker, check_rate
 from client._verdict_audits import DEFAULT_AUDIT_EVERY, Audits, VerdictAuditor
 from client.draft_model import ModelDrafter, check_draft_model
 from client._swarm import SwarmClient
-from client.drafters import SuffixStore, make_drafter
+from client.drafting import SuffixStore, make_drafter
 from client.warm_corpus import load_warm_corpus
 from protocol.limits import DEFAULT_MAX_POSITIONS_PER_STEP, MAX_TREE_NODES
 from protocol.messages import SamplingParams, TokenLogprobs

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from client.drafters import Drafter, TailDrafts
+from client.drafting import Drafter, TailDrafts
 from protocol.errors import ProtocolError
 from protocol.messages import Hop, SamplingParams, Step
 from swarm.local import LocalSwarm

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Optional
 
 from client._options import check_decoding
 from client._trees import TreeSizer
-from client.drafters import Drafter
+from client.drafting import Drafter
 from client.modes.base import Mode
 from client.modes.chain import ChainMode
 from client.modes.looped import LoopedMode
