@@ -121,9 +121,9 @@ class SpeculativeDecoder:
         generated = self.state.history[self._prompt_len :]
         if self.drafter is not None:
             self.drafter.finish()
-            if hasattr(self.drafter, "sources"):
-                self.stats.drafter_sources = {k: list(v) for k, v in self.drafter.sources.items()}
-                self.stats.drafter_choices = dict(self.drafter.chosen)
+            sources, chosen = self.drafter.source_stats()
+            if sources:  # a drafter with several sources (TailDrafts)
+                self.stats.drafter_sources, self.stats.drafter_choices = sources, chosen
         self.stats.new_tokens = len(generated)
         self.stats.wall_time = time.perf_counter() - began
         return generated
@@ -223,7 +223,7 @@ class SpeculativeDecoder:
             n_draft=len(run.drafts),
             sampling=None if self.sampling == GREEDY else self.sampling,
             top_logprobs=self.num_logprobs,
-            tail_drafts=getattr(self.drafter, "head_tokens", 0),
+            tail_drafts=self.drafter.tail_tokens if self.drafter is not None else 0,
             **self.mode.step_fields(run),
         )
         run.sent_at, run.overlapped = time.perf_counter(), bool(self.inflight)
@@ -257,11 +257,10 @@ class SpeculativeDecoder:
         if self.drafter is None:
             return
         self.drafter.extend(new)
-        if hasattr(self.drafter, "offer"):  # TailDrafts
-            if not result.drafts:  # a tail with a drafter always drafts when asked: this one has none
-                self.drafter.head_tokens = 0  # so stop asking (2 bytes up per lap)
-            elif tail_drafts and len(new) == result.accepted + 1:
-                self.drafter.offer(len(self.state.history), tail_drafts)  # they continue after `new`
+        if not result.drafts:  # a tail with a drafter always drafts when asked: this one has none
+            self.drafter.tail_sent_none()
+        elif tail_drafts and len(new) == result.accepted + 1:
+            self.drafter.offer(len(self.state.history), tail_drafts)  # they continue after `new`
 
     async def _prefill_chunks(self) -> None:
         """Send what the caches lack beyond ``max_positions_per_step`` positions as prefill runs of

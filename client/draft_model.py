@@ -62,6 +62,10 @@ class ModelDrafter(Drafter):
     def draft_cap(self) -> int:
         return self.num_draft_tokens
 
+    @property
+    def samples(self) -> bool:
+        return self.sample
+
     def reset(self, context: Sequence[int]) -> None:
         self._context = list(context)
         self._cache, self._cached = None, []

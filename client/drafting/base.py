@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
+from typing import Any
 
 
 class Drafter(abc.ABC):
@@ -20,7 +21,38 @@ class Drafter(abc.ABC):
     committed context without being committed: asynchronous speculation drafts past runs still
     in flight, and outcome hedging drafts past verdicts not yet received. The drafter's own
     state never holds uncommitted tokens, so a refuted assumption costs nothing to undo.
+
+    What a drafter can do beyond drafting is declared here, with the default of a drafter that
+    cannot: the decoder and the modes ask these, never ``hasattr``.
     """
+
+    fresh: bool = False
+    """Whether ids that arrived with the last verdict (the tail's drafts) are not yet drafted from:
+    they postdate every hedge, so the next run drafts afresh instead of taking a hedge."""
+    tail_tokens: int = 0
+    """Drafts to ask of the tail per run (``Step.tail_drafts``); 0: this drafter takes none."""
+    last_q: Sequence[float] = ()
+    """q(x) of each id the last ``draft`` call drew (a drafter that ``samples`` only)."""
+    last_dists: Sequence[Any] = ()
+    """The drafter's whole q at each of those positions (a drafter that ``samples`` only)."""
+
+    @property
+    def samples(self) -> bool:
+        """Whether drafts are drawn from the drafter's own q, recorded in ``last_q`` and
+        ``last_dists``: what the rejection rule needs (client/draft_model.py)."""
+        return False
+
+    def offer(self, position: int, drafts: Sequence[int]) -> None:
+        """The tail's drafts, continuing the committed text from ``position``; ignored unless the
+        drafter merges them (TailDrafts)."""
+
+    def tail_sent_none(self) -> None:
+        """The tail sent no drafts when asked (it has no drafter): stop asking (2 bytes up per lap)."""
+
+    def source_stats(self) -> tuple[dict[str, list[int]], dict[str, int]]:
+        """Per draft source, [proposals measured, ids proposed, ids that matched], and the laps that
+        carried each source's drafts; empty for a drafter with one source."""
+        return {}, {}
 
     @abc.abstractmethod
     def reset(self, context: Sequence[int]) -> None:
@@ -47,6 +79,12 @@ class Drafter(abc.ABC):
         """Up to `k` likeliest next tokens after context + `after`, best first (what outcome
         hedging prepares drafts for). Default: none known."""
         return []
+
+    def ranked(self, k: int, after: Sequence[int] = ()) -> list[tuple[int, float]]:
+        """Up to `k` likeliest next tokens with an estimate of each one's probability, best first
+        (what token trees branch on, client/_trees.py). Default: `alternatives` at 1/2, 1/3, 1/4,
+        ... by rank; a drafter that knows better (SuffixDrafter: empirical frequencies) overrides it."""
+        return [(tok, 1.0 / (rank + 2)) for rank, tok in enumerate(self.alternatives(k, after))]
 
     def cap_after(self, drafted: int, accepted: int) -> int:
         """What `draft_cap` will be after `observe(drafted, accepted)`."""

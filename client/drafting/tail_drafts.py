@@ -23,11 +23,11 @@ class TailDrafts(Drafter):
     SOURCES = ("tail", "retrieval")
     DECAY = 0.3
 
-    def __init__(self, inner: Drafter | None, head_tokens: int = 4) -> None:
+    def __init__(self, inner: Drafter | None, tail_tokens: int = 4) -> None:
         self.inner = inner
-        self.head_tokens = head_tokens  # asked of the tail per run (Step.tail_drafts)
+        self.tail_tokens = tail_tokens  # asked of the tail per run (Step.tail_drafts)
         self._context: list[int] = []
-        self._head: tuple[int, list[int]] | None = None  # (position of the first id, ids)
+        self._tail_drafts: tuple[int, list[int]] | None = None  # the tail's last drafts: (position of the first id, ids)
         self._pending: list[tuple[int, str, list[int]]] = []  # proposals waiting for committed text
         self._score = {source: 1.0 for source in self.SOURCES}
         self._last_source = "retrieval"
@@ -38,15 +38,21 @@ class TailDrafts(Drafter):
 
     def reset(self, context: Sequence[int]) -> None:
         self._context = list(context)
-        self._head, self._pending, self.fresh = None, [], False
+        self._tail_drafts, self._pending, self.fresh = None, [], False
         self._score = {source: 1.0 for source in self.SOURCES}
         if self.inner is not None:
             self.inner.reset(context)
 
     def offer(self, position: int, drafts: Sequence[int]) -> None:
         """Drafter ids continuing the committed text from ``position`` (where the verdict's next token ends)."""
-        self._head = (position, list(drafts))
+        self._tail_drafts = (position, list(drafts))
         self.fresh = bool(drafts)
+
+    def tail_sent_none(self) -> None:
+        self.tail_tokens = 0
+
+    def source_stats(self) -> tuple[dict[str, list[int]], dict[str, int]]:
+        return {k: list(v) for k, v in self.sources.items()}, dict(self.chosen)
 
     def extend(self, new_tokens: Sequence[int]) -> None:
         self._context.extend(new_tokens)
@@ -66,9 +72,9 @@ class TailDrafts(Drafter):
 
     def _tail_after(self, after: Sequence[int]) -> list[int]:
         """The drafter's ids that continue context + ``after``, if the text so far follows them."""
-        if self._head is None:
+        if self._tail_drafts is None:
             return []
-        position, ids = self._head
+        position, ids = self._tail_drafts
         context = self._context + list(after)
         if not position <= len(context) <= position + len(ids) or context[position:] != ids[: len(context) - position]:
             return []
@@ -99,12 +105,7 @@ class TailDrafts(Drafter):
         return self.inner.alternatives(k, after) if self.inner is not None else []
 
     def ranked(self, k: int, after: Sequence[int] = ()) -> list[tuple[int, float]]:
-        inner = self.inner
-        if inner is None:
-            return []
-        if hasattr(inner, "ranked"):
-            return inner.ranked(k, after)
-        return [(tok, 1.0 / (rank + 2)) for rank, tok in enumerate(inner.alternatives(k, after))]
+        return self.inner.ranked(k, after) if self.inner is not None else []
 
     def extra_chains(self, max_tokens: int) -> list[list[int]]:
         """The source the last `draft` did not send: a token tree carries both (no measurement)."""
@@ -115,7 +116,7 @@ class TailDrafts(Drafter):
         return [other] if other else []
 
     def cap_after(self, drafted: int, accepted: int) -> int:
-        return self.inner.cap_after(drafted, accepted) if self.inner is not None else self.head_tokens
+        return self.inner.cap_after(drafted, accepted) if self.inner is not None else self.tail_tokens
 
     def observe(self, drafted: int, accepted: int) -> None:
         if self.inner is not None and self._last_source == "retrieval":

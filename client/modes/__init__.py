@@ -50,7 +50,7 @@ def _rejection_applies(verification: str, sampling: SamplingParams, drafter: Opt
     is token match whatever is asked), with a drafter that reports q, one run in flight."""
     if verification == "match" or not sampling.do_sample:
         return False
-    if not hasattr(drafter, "last_dists") or not getattr(drafter, "sample", False):
+    if drafter is None or not drafter.samples:
         raise ValueError("verification='rejection' needs a draft_model (a drafter that samples from its q)")
     if inflight > 1:
         raise ValueError("verification='rejection' runs one run at a time: leave async_speculation off")

@@ -31,7 +31,7 @@ class ChainMode(Mode):
             return []
         size = min(room, d.drafter.draft_cap)
         # a verdict's tail drafts (TailDrafts) postdate every hedge: the drafter chooses afresh
-        hedged = None if getattr(d.drafter, "fresh", False) else d.hedges.take(d.state.history)
+        hedged = None if d.drafter.fresh else d.hedges.take(d.state.history)
         if hedged is not None:
             d.stats.hedge_hits += 1
             return hedged[:size]

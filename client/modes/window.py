@@ -45,7 +45,7 @@ class WindowMode(ChainMode):
             num_drafts = min(room, d.drafter.draft_cap)
             size = self.proposal_size(num_drafts)
             # a verdict's tail drafts (TailDrafts) postdate every hedge: the drafter chooses afresh
-            fresh = getattr(d.drafter, "fresh", False)
+            fresh = d.drafter.fresh
             hedged = None if d.inflight or fresh else d.hedges.take(state.history)
             if hedged is not None:
                 d.stats.hedge_hits += 1
