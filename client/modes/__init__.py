@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
 
-from client._options import check_decoding
 from client._trees import TreeSizer
 from client.drafting import Drafter
 from client.modes.base import Mode
@@ -33,9 +32,9 @@ __all__ = ["Mode", "ChainMode", "WindowMode", "LoopedMode", "TreeMode", "Rejecti
 
 def choose_mode(decoder: "SpeculativeDecoder", *, verification: str, draft_tree: bool, loop_runs: bool,
                 front_drafts: Optional[int], tree_sizer: TreeSizer) -> Mode:  # fmt: skip
-    """The decoder's mode for what was asked (checked by client._options.check_decoding)."""
+    """The decoder's mode for what was asked, already checked at the edge
+    (client._options.GenerationOptions.checked, with ``loop_runs`` decided)."""
     inflight = decoder.max_inflight_runs
-    loop_runs = check_decoding(verification, draft_tree, inflight, loop_runs)
     if _rejection_applies(verification, decoder.sampling, decoder.drafter, inflight):
         return RejectionMode(decoder)
     if draft_tree and decoder.drafter is not None:
