@@ -61,7 +61,7 @@ class GenerationOptions:
         return self.max_inflight_runs if self.async_speculation else 1
 
     def checked(self) -> "GenerationOptions":
-        """These options checked (token budget, decoding modes that go together) before any
+        """These options checked (max_new_tokens, decoding modes that go together) before any
         session opens, with ``loop_runs`` decided."""
         if self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")

@@ -17,7 +17,7 @@ class GenerationStats:
     accepted_lengths: Counter = field(default_factory=Counter)  # accepted drafts per lap -> laps
     runs_sent: int = 0
     # laps timed for the throughput meter, and those not (a prefill or replay, a run queued behind
-    # another, a lap beside an audit: client/modes/base.py, ``Mode.time_lap``)
+    # another, a lap beside an audit: client/_generation.py, ``SpeculativeDecoder._time_lap``)
     laps_timed: int = 0
     laps_untimed: int = 0
     runs_cancelled: int = 0

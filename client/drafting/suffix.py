@@ -137,8 +137,8 @@ class SuffixDrafter(_AdaptiveDrafter):
     def _draft_from(self, sam: _Automaton, state: int, matched: int, limit: int) -> tuple[list[int], float]:
         if matched <= 0:
             return [], 0.0
-        budget = min(limit, math.ceil(self.alpha * matched))
-        return sam.draft(state, budget, self.min_prob, self._eos)
+        length = min(limit, math.ceil(self.alpha * matched))
+        return sam.draft(state, length, self.min_prob, self._eos)
 
     def _sync_store(self) -> None:
         if self._store_version != self.store.version:

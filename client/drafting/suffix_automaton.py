@@ -133,7 +133,7 @@ class _Automaton:
             matched = max_depth
         return state, matched
 
-    def draft(self, state: int, budget: int, min_prob: float, eos: frozenset[int]) -> tuple[list[int], float]:
+    def draft(self, state: int, max_tokens: int, min_prob: float, eos: frozenset[int]) -> tuple[list[int], float]:
         """Follow the most frequent continuation while the cumulative product of its
         empirical probabilities (child count / sum of child counts) stays >= min_prob.
         Returns the draft and its score, the sum of those products: the expected number of
@@ -141,7 +141,7 @@ class _Automaton:
         end) it backs off to the longest suffix seen elsewhere, so loops keep drafting."""
         nxt, occ, out = self.nxt, self.occ, []
         prob, score = 1.0, 0.0
-        while len(out) < budget:
+        while len(out) < max_tokens:
             kids = nxt[state]
             if not kids:
                 state = self.link[state]

@@ -12,7 +12,7 @@ drafts with it like with any drafter, and rejection mode needs its q.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 from client._trees import TreeSizer
 from client.drafting import Drafter
@@ -21,27 +21,25 @@ from client.modes.chain import ChainMode
 from client.modes.looped import LoopedMode
 from client.modes.rejection import RejectionMode
 from client.modes.tree import TreeMode
+from client.modes.view import DecoderView, NextRun, VerdictAction, WorkAhead
 from client.modes.window import WindowMode
 from protocol.messages import SamplingParams
 
-if TYPE_CHECKING:
-    from client._generation import SpeculativeDecoder
-
-__all__ = ["Mode", "ChainMode", "WindowMode", "LoopedMode", "TreeMode", "RejectionMode", "choose_mode"]
+__all__ = ["Mode", "ChainMode", "WindowMode", "LoopedMode", "TreeMode", "RejectionMode", "choose_mode",
+           "DecoderView", "NextRun", "VerdictAction", "WorkAhead"]  # fmt: skip
 
 
-def choose_mode(decoder: "SpeculativeDecoder", *, verification: str, draft_tree: bool, loop_runs: bool,
+def choose_mode(view: DecoderView, *, inflight: int, verification: str, draft_tree: bool, loop_runs: bool,
                 front_drafts: Optional[int], tree_sizer: TreeSizer) -> Mode:  # fmt: skip
     """The decoder's mode for what was asked, already checked at the edge
     (client._options.GenerationOptions.checked, with ``loop_runs`` decided)."""
-    inflight = decoder.max_inflight_runs
-    if _rejection_applies(verification, decoder.sampling, decoder.drafter, inflight):
-        return RejectionMode(decoder)
-    if draft_tree and decoder.drafter is not None:
-        return TreeMode(decoder, tree_sizer)
+    if _rejection_applies(verification, view.sampling, view.drafter, inflight):
+        return RejectionMode(view)
+    if draft_tree and view.drafter is not None:
+        return TreeMode(view, tree_sizer)
     if inflight > 1:
-        return WindowMode(decoder, inflight, front_drafts)
-    return LoopedMode(decoder) if loop_runs else ChainMode(decoder)
+        return WindowMode(view, inflight, front_drafts)
+    return LoopedMode(view) if loop_runs else ChainMode(view)
 
 
 def _rejection_applies(verification: str, sampling: SamplingParams, drafter: Optional[Drafter], inflight: int) -> bool:
