@@ -39,7 +39,7 @@ from pathlib import Path
 
 from benchmarks.wan import workloads
 from client._generation import SessionState, SpeculativeDecoder
-from client.drafters import SuffixStore, make_drafter
+from client.drafting import SuffixStore, make_drafter
 from benchmarks.oracle import OracleSwarm
 from protocol.messages import GREEDY
 

@@ -16,7 +16,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-from client.drafters import Drafter, NgramDrafter, SuffixDrafter, SuffixStore
+from client.drafting import Drafter, NgramDrafter, SuffixDrafter, SuffixStore
 
 CONTEXT = 4000
 LAPS = 2000

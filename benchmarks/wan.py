@@ -31,7 +31,7 @@ MODES = {  # loop_runs=False: the client sends every run (as before looped runs 
     "suffix": dict(speculation="suffix", loop_runs=False),
     "suffix+async": dict(speculation="suffix", async_speculation=True, max_inflight_runs=3),
     "tail": dict(speculation="tail", loop_runs=False),  # the tail's drafter alone (server/tail_drafter.py)
-    "suffix+tail": dict(speculation="suffix+tail", loop_runs=False),  # per lap the source measured better (client.drafters.TailDrafts)
+    "suffix+tail": dict(speculation="suffix+tail", loop_runs=False),  # per lap the source measured better (client.drafting.TailDrafts)
     "suffix-tree": dict(speculation="suffix", draft_tree=True),  # token trees sized per lap (client/_trees.py)
     "ngram-tree": dict(speculation="ngram", draft_tree=True),
     # looped runs: the tail starts each next run at the head, one link earlier (docs/protocol.md)
@@ -65,7 +65,7 @@ class Run:
     hedge_hits: int = 0
     hedge_seconds: float = 0.0
     # head-drafting modes: per source, [proposals, ids proposed, ids matching the committed text]
-    # (client.drafters.TailDrafts measures both sources on every lap, whichever it sent)
+    # (client.drafting.TailDrafts measures both sources on every lap, whichever it sent)
     sources: dict = None
     choices: dict = None
     # tree modes: laps sent as trees, draft nodes they carried, drafts accepted on them, laps by nodes sent

@@ -2,16 +2,17 @@
 
 One lap, top to bottom (``SpeculativeDecoder._lap``); what each step does in a given decoding
 mode (chain, async window, looped runs, token trees, the rejection exchange) is that mode's
-(client/modes/, one module each behind :class:`client.modes.base.Mode`):
-  1) fill the window: the mode drafts the next run and the fields of its Step; the oldest run
-     in flight always starts from committed tokens (the canonical run), so every lap commits at
-     least one token whatever the drafter does;
+decision (client/modes/, one module each behind :class:`client.modes.base.Mode`), and the decoder
+acts on it: a mode reads the decoder through a read-only view and never changes it.
+  1) fill the window: the mode decides the next run and the fields of its Step, the decoder sends
+     it; the oldest run in flight always starts from committed tokens (the canonical run), so every
+     lap commits at least one token whatever the drafter does;
   2) while the front run is in flight, the mode works ahead (hedged drafts for its likeliest
-     refuting verdicts, offered to the head in looped runs);
+     refuting verdicts; in looped runs an offer of them, which the decoder sends the head);
   3) read the verdict of the front run: ``accepted`` drafts plus the target's own next token,
-     checked (and, in the rejection exchange, corrected) by the mode;
+     checked (and, in the rejection exchange, corrected) by the mode; the decoder times the lap;
   4) commit them; if the verdict refutes what later runs assumed, cancel those runs with one
-     ID-only message; then the mode follows up (a run the tail started at the head).
+     ID-only message; then track the run the tail started at the head, if the mode finds one.
 A failure anywhere (a server dies, hangs or refuses with a retryable error) reroutes the session
 and replays the committed tokens as one prefill lap, so no token is lost or repeated.
 """
@@ -23,14 +24,15 @@ import time
 from collections import deque
 from typing import Callable, Optional, Sequence
 
-from client._runs import HedgeCache, Run, SessionState
+from client._runs import Run, SessionState
 from client._verdict_audits import Audits
 from client._stats import GenerationStats
 from client._swarm import SwarmClient
+from client._throughput import lap_is_timed
 from client._trees import TreeSizer
-from client.drafters import Drafter
+from client.drafting import Drafter
 from client.errors import GenerationError, ServerError
-from client.modes import choose_mode
+from client.modes import NextRun, VerdictAction, choose_mode
 from protocol.messages import GREEDY, SamplingParams, Step, StepResult, TokenLogprobs
 
 logger = logging.getLogger(__name__)
@@ -39,6 +41,10 @@ __all__ = ["GenerationStats", "SessionState", "SpeculativeDecoder"]
 
 
 class SpeculativeDecoder:
+    """One generation's lap loop. The only writer of its own state: the mode (client/modes/) reads
+    it through ``client.modes.DecoderView`` and returns decisions that the loop acts on. The options
+    come checked (client._options.GenerationOptions.checked, with ``loop_runs`` decided)."""
+
     def __init__(
         self,
         swarm: SwarmClient,
@@ -54,7 +60,7 @@ class SpeculativeDecoder:
         max_failovers: int = 5,
         front_drafts: Optional[int] = 0,
         verification: str = "match",
-        spot_checker: Optional[Audits] = None,
+        audits: Optional[Audits] = None,
         draft_tree: bool = False,
         tree_sizer: Optional[TreeSizer] = None,
         loop_runs: bool = False,
@@ -71,12 +77,11 @@ class SpeculativeDecoder:
         self.stats = GenerationStats()
         self.logprobs: list[TokenLogprobs] = []
         self.inflight: deque[Run] = deque()  # oldest (the front run) first
-        self.hedges = HedgeCache()
         self.verdict_at: Optional[float] = None  # when the last verdict arrived (perf_counter)
-        self.budget = 0  # tokens this generation may still commit, as of this lap
-        self.spot_checker = spot_checker
-        self.mode = choose_mode(self, verification=verification, draft_tree=draft_tree, loop_runs=loop_runs,
-                                front_drafts=front_drafts if max_inflight_runs > 1 else None,
+        self.tokens_left = 0  # tokens this generation may still commit, as of this lap
+        self.audits = audits  # spot-checks and verdict audits of this generation's routes
+        self.mode = choose_mode(self, inflight=max_inflight_runs, verification=verification, draft_tree=draft_tree,
+                                loop_runs=loop_runs, front_drafts=front_drafts if max_inflight_runs > 1 else None,
                                 tree_sizer=tree_sizer if tree_sizer is not None else TreeSizer())  # fmt: skip
         self._failed_at: Optional[float] = None
         self._prompt_len = 0
@@ -87,66 +92,72 @@ class SpeculativeDecoder:
     async def generate(self, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
         """Generate after ``prompt`` (the whole context); returns the new tokens only."""
         began = time.perf_counter()
-        self._start_from(list(prompt))
-        if self.drafter is not None:
-            self.drafter.reset(self.state.history)
-        self._prompt_len = len(prompt)
-        if self.spot_checker is not None:
-            self.spot_checker.begin(prompt, self.state.max_length, self.sampling)
-        if self.state.remote is not None:  # an inference session's route from an earlier call
-            self._route_peers.update(hop.peer_id for hop in self.state.remote.route)
+        self._begin(prompt)
         try:
             while True:
                 await self._react_to_liars()
                 produced = len(self.state.history) - self._prompt_len
                 ended = produced >= max_new_tokens or (produced > 0 and self.state.history[-1] in self.eos_token_ids)
                 if ended and not self._replay:
-                    if self.spot_checker is not None and self.state.remote is not None:  # audit the last tokens
-                        self.spot_checker.maybe_start(self.state.remote.route, self.state.history, self.stats,
-                                                      self.stats.laps, final=True)  # fmt: skip
-                    if self.spot_checker is None or self.spot_checker.task is None:
-                        break
-                    await self.spot_checker.settle()  # its verdict may retract tokens: it comes before the output
-                    continue
-                new = await self._lap_with_failover(max_new_tokens - produced)
-                fresh = self._reconcile(new)
-                if self.on_tokens is not None and fresh:
-                    self.on_tokens(fresh)
-                if self.spot_checker is not None and self.state.remote is not None:
-                    self.spot_checker.maybe_start(self.state.remote.route, self.state.history, self.stats, self.stats.laps)
+                    if await self._audit_the_end():
+                        continue
+                    break
+                await self._lap_and_stream(max_new_tokens - produced)
         finally:
             await self._cancel_inflight()
-            if self.spot_checker is not None:
-                await self.spot_checker.cancel()
+            if self.audits is not None:
+                await self.audits.cancel()
+        return self._finish(began)
+
+    def _begin(self, prompt: Sequence[int]) -> None:
+        """Start on ``prompt``: what the caches keep of it, the drafter's context, the audits."""
+        self.state.start_from(list(prompt))
+        if self.drafter is not None:
+            self.drafter.reset(self.state.history)
+        self._prompt_len = len(prompt)
+        if self.audits is not None:
+            self.audits.begin(prompt, self.state.max_length, self.sampling)
+        if self.state.remote is not None:  # an inference session's route from an earlier call
+            self._route_peers.update(hop.peer_id for hop in self.state.remote.route)
+
+    async def _lap_and_stream(self, tokens_left: int) -> None:
+        """One lap; its tokens that are news go to the caller, and an audit may start after it."""
+        new = await self._lap_with_failover(tokens_left)
+        fresh = self._reconcile(new)
+        if self.on_tokens is not None and fresh:
+            self.on_tokens(fresh)
+        if self.audits is not None and self.state.remote is not None:
+            self.audits.maybe_start(self.state.remote.route, self.state.history, self.stats, self.stats.laps)
+
+    async def _audit_the_end(self) -> bool:
+        """Audit the last tokens before the output, since an audit's verdict may retract tokens:
+        whether one was in flight and is now settled (the loop then goes on)."""
+        if self.audits is not None and self.state.remote is not None:
+            route = self.state.remote.route
+            self.audits.maybe_start(route, self.state.history, self.stats, self.stats.laps, final=True)
+        if self.audits is None or self.audits.task is None:
+            return False
+        await self.audits.settle()
+        return True
+
+    def _finish(self, began: float) -> list[int]:
+        """The generated tokens, with the drafter told the stream ended and the stats filled in."""
         generated = self.state.history[self._prompt_len :]
         if self.drafter is not None:
             self.drafter.finish()
-            if hasattr(self.drafter, "sources"):
-                self.stats.drafter_sources = {k: list(v) for k, v in self.drafter.sources.items()}
-                self.stats.drafter_choices = dict(self.drafter.chosen)
+            sources, chosen = self.drafter.source_stats()
+            if sources:  # a drafter with several sources (TailDrafts)
+                self.stats.drafter_sources, self.stats.drafter_choices = sources, chosen
         self.stats.new_tokens = len(generated)
         self.stats.wall_time = time.perf_counter() - began
         return generated
 
-    def _start_from(self, prompt: list[int]) -> None:
-        """Keep the servers' cache for the longest common prefix with what they already hold."""
-        state = self.state
-        if len(prompt) + 1 > state.max_length:
-            raise ValueError(f"the prompt has {len(prompt)} tokens; the session's max_length is {state.max_length}")
-        common = 0
-        for a, b in zip(state.history[: state.cached], prompt):
-            if a != b:
-                break
-            common += 1
-        state.cached = min(common, len(prompt) - 1)  # at least one token must be sent to get logits
-        state.history = prompt
-
-    async def _lap_with_failover(self, budget: int) -> list[int]:
+    async def _lap_with_failover(self, tokens_left: int) -> list[int]:
         while True:
             try:
                 if self.state.remote is None:
                     await self._open_session()
-                new = await self._lap(budget)
+                new = await self._lap(tokens_left)
                 if self._failed_at is not None:
                     self.stats.failover_time += time.perf_counter() - self._failed_at
                     self._failed_at = None
@@ -171,7 +182,7 @@ class SpeculativeDecoder:
         self._failed_at = self._failed_at or time.perf_counter()
         logger.warning(f"Failing over: {error}")
         self._forget_inflight()
-        self.hedges.clear()
+        self.mode.forget()
         self.verdict_at = None
         remote = self.state.remote
         if remote is not None:
@@ -181,40 +192,50 @@ class SpeculativeDecoder:
 
     # ---- one lap -------------------------------------------------------------------------
 
-    async def _lap(self, budget: int) -> list[int]:
+    async def _lap(self, tokens_left: int) -> list[int]:
         remote = self.state.remote
-        self.budget = budget
+        self.tokens_left = tokens_left
         sent_before, received_before = remote.bytes_sent, remote.bytes_received
         if not self.inflight:
             await self._prefill_chunks()
         # 1) fill the window: the oldest run starts from committed tokens, later ones guess
         while len(self.inflight) < self.mode.window:
-            run = self._replay_run(budget) if self._replay else self.mode.next_run(budget)
-            if run is None:
+            decision = self._replay_run(tokens_left) if self._replay else self.mode.next_run(tokens_left)
+            if decision is None:
                 break
-            await self._send(run)
+            await self._send(decision)
         # 2) while the network works
         front = self.inflight[0]
-        hedging = time.perf_counter()
-        await self.mode.while_in_flight(front, budget)
-        self.stats.hedge_time += time.perf_counter() - hedging
-        # 3) the verdict on the oldest run
+        await self._work_ahead(front, tokens_left)
+        # 3) the verdict on the oldest run, as the mode reads it
         result = await self._verdict(front)
         tail_drafts = result.drafts if result.correction_ids is None else []  # after the tail's own next token
-        result = self.mode.read_verdict(front, result)
-        # 4) commit, cancel whatever the verdict refutes, and let the mode follow up
-        new = self._commit(front, result, budget)
+        front = self.mode.check_verdict(front, result)
+        self._time_lap(front)
+        if result.correction_ids is not None:
+            result = self.mode.corrected(front, result)
+            self.stats.corrections += 1
+        # 4) commit, cancel whatever the verdict refutes, and track a run the tail started
+        new = self._commit(front, result, tokens_left)
         self.stats.bytes_up += remote.bytes_sent - sent_before
         self.stats.bytes_down += remote.bytes_received - received_before
         refuted = not front.confirmed_by(result) or len(new) < len(front.drafts) + 1
         if refuted and self.inflight:
             await self._cancel_inflight()
-        self.mode.after_verdict(front, result, tail_drafts)
+        self._track_looped(self.mode.follow_up(front, result, tail_drafts))
         self._feed_drafter(result, new, tail_drafts)
         return new
 
-    async def _send(self, run: Run) -> None:
-        state = self.state
+    async def _send(self, decision: NextRun) -> None:
+        """Send the run a mode (or a re-verification) decided on, taking its run id."""
+        state, run = self.state, decision.run
+        run_id = state.take_run_id()
+        assert run_id == run.run_id, "a run must carry the session's next run id"
+        self.stats.hedge_hits += decision.hedged
+        if run.tree:
+            self.stats.tree_laps += 1
+            self.stats.tree_nodes += len(run.drafts)
+            self.stats.tree_sizes[len(run.drafts)] += 1
         step = Step(
             session_id=state.remote.session_id,
             run_id=run.run_id,
@@ -223,7 +244,7 @@ class SpeculativeDecoder:
             n_draft=len(run.drafts),
             sampling=None if self.sampling == GREEDY else self.sampling,
             top_logprobs=self.num_logprobs,
-            tail_drafts=getattr(self.drafter, "head_tokens", 0),
+            tail_drafts=self.drafter.tail_tokens if self.drafter is not None else 0,
             **self.mode.step_fields(run),
         )
         run.sent_at, run.overlapped = time.perf_counter(), bool(self.inflight)
@@ -247,21 +268,47 @@ class SpeculativeDecoder:
         self.state.verdict_seen(front.run_id)
         return result
 
-    def audits_quiet_since(self, since: float) -> bool:
-        """Whether no audit of this generation was in flight since ``since`` (perf_counter): an
-        audit's sessions share the route's head and middles, so a lap beside one is not timed."""
-        return self.spot_checker is None or self.spot_checker.quiet_since(since)
+    async def _work_ahead(self, front: Run, tokens_left: int) -> None:
+        """While the network computes ``front``: the mode's hedges, and their offer to the head."""
+        hedging = time.perf_counter()
+        work = self.mode.while_in_flight(front, tokens_left)
+        self.stats.hedges_prepared += work.hedges
+        if work.offer is not None:
+            await self.state.remote.offer(work.offer)
+            self.stats.offers_sent += 1
+        self.stats.hedge_time += time.perf_counter() - hedging
+
+    def _time_lap(self, run: Run) -> None:
+        """Time ``run``'s lap for the throughput meter (client/_throughput.py), in every mode, if it
+        had the route to itself (``lap_is_timed``). A lap is ``run.sent_at`` to its verdict: for a
+        run the client sent, from sending it; for a looped run, from the previous verdict's arrival
+        (the tail started it then)."""
+        beside_audit = self.audits is not None and not self.audits.quiet_since(run.sent_at)
+        if not lap_is_timed(run.overlapped, len(run.token_ids), beside_audit):
+            self.stats.laps_untimed += 1
+            return
+        self.stats.laps_timed += 1
+        seconds = self.verdict_at - run.sent_at
+        self.swarm.observe_lap(self.state.remote.route, seconds, len(run.token_ids), looped=run.looped)
+
+    def _track_looped(self, run: Optional[Run]) -> None:
+        """A run the tail started at the head: in flight now, though the client sent nothing."""
+        if run is None:
+            return
+        run_id = self.state.take_run_id()
+        assert run_id == run.run_id, "a looped run carries the session's next run id"
+        self.inflight.append(run)
+        self.stats.looped_runs += 1
 
     def _feed_drafter(self, result: StepResult, new: list[int], tail_drafts: list[int]) -> None:
         """The committed tokens, and the tail's drafts after them, go to the drafter."""
         if self.drafter is None:
             return
         self.drafter.extend(new)
-        if hasattr(self.drafter, "offer"):  # TailDrafts
-            if not result.drafts:  # a tail with a drafter always drafts when asked: this one has none
-                self.drafter.head_tokens = 0  # so stop asking (2 bytes up per lap)
-            elif tail_drafts and len(new) == result.accepted + 1:
-                self.drafter.offer(len(self.state.history), tail_drafts)  # they continue after `new`
+        if not result.drafts:  # a tail with a drafter always drafts when asked: this one has none
+            self.drafter.tail_sent_none()
+        elif tail_drafts and len(new) == result.accepted + 1:
+            self.drafter.offer(len(self.state.history), tail_drafts)  # they continue after `new`
 
     async def _prefill_chunks(self) -> None:
         """Send what the caches lack beyond ``max_positions_per_step`` positions as prefill runs of
@@ -287,31 +334,39 @@ class SpeculativeDecoder:
             state.cached = cached
             state.verdict_seen(run_id)
 
-    def _commit(self, run: Run, result: StepResult, budget: int) -> list[int]:
-        """Commit a verdict (cut at EOS and at the token budget); the cache keeps every committed
+    def _commit(self, run: Run, result: StepResult, tokens_left: int) -> list[int]:
+        """Commit a verdict (cut at EOS and at the tokens left); the cache keeps every committed
         position except the last token, which the next run sends."""
         state = self.state
         if not 0 <= result.accepted <= len(run.drafts):
             raise ServerError(f"result accepts {result.accepted} of {len(run.drafts)} drafts", state.remote.tail_peer)
         accepted = self.mode.accepted_drafts(run, result)
-        new = self._cut(accepted + [result.next_token], budget)
+        new = self._cut(accepted + [result.next_token], tokens_left)
         base = run.first_draft_pos
         assert base == len(state.history), "a run's verdict arrived out of order"
         state.cached = min(base + result.accepted, base + len(new) - 1)
         state.history = state.history + new
-        self.mode.on_commit(run, result, base)
+        self._act_on(run, result, self.mode.on_commit(run, result, base))
         self.stats.laps += 1
         self.stats.drafted += len(run.drafts)
         self.stats.accepted += result.accepted
         self.stats.accepted_lengths[result.accepted] += 1
-        if self.drafter is not None and not run.replay:
-            self.mode.observe_drafter(run, result)
         if result.logprobs:
             self.logprobs += result.logprobs[: len(new)]
         return new
 
-    def _cut(self, new: list[int], budget: int) -> list[int]:
-        new = new[:budget]
+    def _act_on(self, run: Run, result: StepResult, action: VerdictAction) -> None:
+        """What the mode decided a committed verdict means: a tree's path the servers hold until
+        the next Step keeps it, and the drafter's feedback (none for a re-verification's drafts)."""
+        if action.tree_path is not None:
+            self.state.tree_pending = action.tree_path
+        if run.tree:
+            self.stats.tree_accepted += result.accepted
+        if self.drafter is not None and not run.replay and action.drafter_feedback is not None:
+            self.drafter.observe(*action.drafter_feedback)
+
+    def _cut(self, new: list[int], tokens_left: int) -> list[int]:
+        new = new[:tokens_left]
         for i, token in enumerate(new):
             if token in self.eos_token_ids:
                 return new[: i + 1]
@@ -347,7 +402,7 @@ class SpeculativeDecoder:
         self.stats.spot_check_events.append(f"lap {self.stats.laps}: {what}")
         logger.warning(f"A server of this generation was caught lying: {what}")
         self._forget_inflight()  # the session closes below, on every server
-        self.hedges.clear()
+        self.mode.forget()
         self.verdict_at = None
         if state.remote is not None:
             await self.swarm.close_session(state.remote)
@@ -358,16 +413,17 @@ class SpeculativeDecoder:
         if self.drafter is not None:
             self.drafter.reset(state.history)
 
-    def _replay_run(self, budget: int) -> Optional[Run]:
+    def _replay_run(self, tokens_left: int) -> Optional[NextRun]:
         """A re-verification run, alone in the window: the committed ids the caches lack, then as
         many of the tokens to re-verify as drafts as one Step takes (the rest in later laps)."""
         if self.inflight:
             return None
         state = self.state
         committed = state.history[state.cached :]
-        room = min(budget - 1, state.max_length - len(state.history) - 1, state.remote.max_positions_per_step - len(committed))
+        room = min(tokens_left - 1, state.max_length - len(state.history) - 1,
+                   state.remote.max_positions_per_step - len(committed))  # fmt: skip
         drafts = self._replay[: max(0, room)]
-        return Run(state.take_run_id(), state.cached, committed + drafts, drafts, None, replay=True)
+        return NextRun(Run(state.next_run_id, state.cached, committed + drafts, drafts, None, replay=True))
 
     def _reconcile(self, new: list[int]) -> list[int]:
         """The tokens of a verdict that are news to the caller: those re-confirming tokens committed

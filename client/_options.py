@@ -2,21 +2,21 @@
 
 Both take transformers' names where transformers has one (``max_new_tokens``, ``do_sample``,
 ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``, ``eos_token_id``) and
-ours for the rest. Pre-rename spellings still work for a while, with a FutureWarning naming the new
-one: ``head_start=`` (now ``loop_runs=``) and ``speculation="head"``/``"suffix+head"``/
-``"ngram+head"`` (now ``"tail"``/``"suffix+tail"``/``"ngram+tail"``).
+ours for the rest. They are checked once, at the edge (``GenerationOptions.checked``, before any
+session opens); the decoder and its modes take them as checked. Spellings from before a rename
+(``head_start=``, ``speculation="head"``) are errors: the package has had no release to keep them for.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
+from client.drafting import DRAFTER_KINDS
+
 VERIFICATION_RULES = ("match", "rejection")
-RENAMED_SPECULATION = {"head": "tail", "suffix+head": "suffix+tail", "ngram+head": "ngram+tail"}
-RENAMED_ARGUMENTS = {"head_start": "loop_runs"}
+RENAMED_ARGUMENTS = {"head_start": "loop_runs"}  # refused by name: generate() only warns about other unknown ones
 
 
 @dataclass(frozen=True)
@@ -47,19 +47,11 @@ class GenerationOptions:
 
     @classmethod
     def split(cls, kwargs: dict[str, Any]) -> tuple["GenerationOptions", dict[str, Any]]:
-        """The options among ``kwargs`` (old spellings renamed, with a FutureWarning), and the rest."""
-        kwargs = dict(kwargs)
+        """The options among ``kwargs``, and the rest. An argument renamed before the first release is
+        refused by name, not ignored as another unknown argument would be by ``generate``."""
         for old, new in RENAMED_ARGUMENTS.items():
             if old in kwargs:
-                if new in kwargs:
-                    raise ValueError(f"{old}= is the old name of {new}=: pass {new}= only")
-                warnings.warn(f"{old}= is now {new}=", FutureWarning, stacklevel=3)
-                kwargs[new] = kwargs.pop(old)
-        speculation = kwargs.get("speculation")
-        if isinstance(speculation, str) and speculation in RENAMED_SPECULATION:
-            kwargs["speculation"] = RENAMED_SPECULATION[speculation]
-            warnings.warn(f'speculation="{speculation}" is now speculation="{kwargs["speculation"]}"', FutureWarning,
-                          stacklevel=3)  # fmt: skip
+                raise TypeError(f"{old}= is not an argument: the option is {new}=")
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in kwargs.items() if k in names}), {k: v for k, v in kwargs.items() if k not in names}
 
@@ -69,10 +61,12 @@ class GenerationOptions:
         return self.max_inflight_runs if self.async_speculation else 1
 
     def checked(self) -> "GenerationOptions":
-        """These options checked (token budget, decoding modes that go together) before any
+        """These options checked (max_new_tokens, decoding modes that go together) before any
         session opens, with ``loop_runs`` decided."""
         if self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if self.speculation is not None and self.speculation not in DRAFTER_KINDS:
+            raise ValueError(f"speculation must be one of {DRAFTER_KINDS} or None, got {self.speculation!r}")
         loop_runs = check_decoding(self.verification, self.draft_tree, self.inflight, self.loop_runs,
                                    self.draft_model is not None)  # fmt: skip
         return dataclasses.replace(self, loop_runs=loop_runs)

@@ -30,6 +30,18 @@ class SessionState:
     # a tree run's accepted path, held by the servers in run order until a Step keeps it
     tree_pending: Optional[PendingPath] = None
 
+    def start_from(self, prompt: list[int]) -> None:
+        """Keep the servers' cache for the longest common prefix with what they already hold."""
+        if len(prompt) + 1 > self.max_length:
+            raise ValueError(f"the prompt has {len(prompt)} tokens; the session's max_length is {self.max_length}")
+        common = 0
+        for a, b in zip(self.history[: self.cached], prompt):
+            if a != b:
+                break
+            common += 1
+        self.cached = min(common, len(prompt) - 1)  # at least one token must be sent to get logits
+        self.history = prompt
+
     def take_run_id(self) -> int:
         run_id, self.next_run_id = self.next_run_id, self.next_run_id + 1
         return run_id

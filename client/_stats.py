@@ -20,7 +20,7 @@ class GenerationStats:
     accepted_lengths: Counter = field(default_factory=Counter)  # accepted drafts per lap -> laps
     runs_sent: int = 0
     # laps timed for the throughput meter, and those not (a prefill or replay, a run queued behind
-    # another, a lap beside an audit: client/modes/base.py, ``Mode.time_lap``)
+    # another, a lap beside an audit: client/_generation.py, ``SpeculativeDecoder._time_lap``)
     laps_timed: int = 0
     laps_untimed: int = 0
     runs_cancelled: int = 0
@@ -40,7 +40,7 @@ class GenerationStats:
     failover_events: list[str] = field(default_factory=list)
     failover_time: float = 0.0  # seconds from a failure to the next committed token
     corrections: int = 0  # rejections whose token the client drew from norm(max(0, p - q))
-    # with tail drafts (client.drafters.TailDrafts): per source ("tail", "retrieval"), [proposals,
+    # with tail drafts (client.drafting.TailDrafts): per source ("tail", "retrieval"), [proposals,
     # ids proposed, ids matching the committed text], measured on every proposal, sent or not;
     # and the laps whose run carried each source's drafts
     drafter_sources: dict = field(default_factory=dict)

@@ -2,7 +2,7 @@
 
 A server's record claims its throughput (tokens/s for its whole span) and anyone can claim
 anything up to ``protocol.records.MAX_THROUGHPUT``. The client times every decode lap, in every
-decoding mode (client/modes/base.py, ``Mode.time_lap``, says which laps count), and attributes that
+decoding mode (client/_generation.py, ``SpeculativeDecoder._time_lap``, says which laps count), and attributes that
 time to the hops of the route: a hop is charged what the lap took minus the network legs minus what
 the *other* hops are expected to take at their current effective throughput. What a lap is:
 - a run the client sent: from sending it to its verdict; its network legs are the client's own
@@ -36,6 +36,15 @@ from protocol.records import ServerInfo
 from protocol.routing import DEFAULT_RTT
 
 MAX_MEASURED_POSITIONS = 16  # laps with more positions (prefills, replays) are not timed
+
+
+def lap_is_timed(overlapped: bool, positions: int, beside_audit: bool) -> bool:
+    """Whether a lap says what its hops deliver: only one that had the route to itself. Not timed:
+    a run sent while an earlier run of the session was in flight (it queued behind it at every hop,
+    and the client cannot tell queueing from computing), a lap beside an audit of this generation
+    (its sessions share the route's head and middles), and a prefill or replay (more positions than
+    a decode lap: ``MAX_MEASURED_POSITIONS``)."""
+    return not overlapped and positions <= MAX_MEASURED_POSITIONS and not beside_audit
 
 
 @dataclass

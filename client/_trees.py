@@ -16,7 +16,7 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from client.drafters import Drafter
+from client.drafting import Drafter
 
 TREE_WIDTH = 3  # alternatives asked of the drafter per node
 UNRANKED_PROB = 0.5  # the estimate for a chain token the drafter's ranking does not list
@@ -57,16 +57,6 @@ class DraftTree:
         return path[::-1]
 
 
-def ranked(drafter: Drafter, k: int, after: Sequence[int]) -> list[tuple[int, float]]:
-    """The drafter's likeliest next tokens with its estimate of each one's probability: its own
-    ``ranked`` where it has one (SuffixDrafter: empirical frequencies), else ``alternatives`` at
-    1/2, 1/3, 1/4, ... by rank."""
-    own = getattr(drafter, "ranked", None)
-    if own is not None:
-        return own(k, after)
-    return [(tok, 1.0 / (rank + 2)) for rank, tok in enumerate(drafter.alternatives(k, after))]
-
-
 def build_tree(
     drafter: Drafter,
     chain: Sequence[int],
@@ -89,7 +79,7 @@ def build_tree(
     def push_children(parent: int, prefix: tuple[int, ...], score: float) -> dict[int, float]:
         """Queue the drafter's ranked continuations of ``prefix`` (below node ``parent``)."""
         nonlocal counter
-        options = ranked(drafter, width, prefix)
+        options = drafter.ranked(width, prefix)
         expanded.add(parent)
         for token, prob in options:
             counter += 1

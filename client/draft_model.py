@@ -20,7 +20,7 @@ from typing import Any, Optional, Sequence
 import torch
 from transformers import DynamicCache
 
-from client.drafters import Drafter
+from client.drafting import Drafter
 from protocol.messages import SamplingParams
 from protocol.sampling import draw_draft, processed_scores
 
@@ -61,6 +61,10 @@ class ModelDrafter(Drafter):
     @property
     def draft_cap(self) -> int:
         return self.num_draft_tokens
+
+    @property
+    def samples(self) -> bool:
+        return self.sample
 
     def reset(self, context: Sequence[int]) -> None:
         self._context = list(context)

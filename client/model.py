@@ -36,7 +36,7 @@ from client._verdict_audits import DEFAULT_AUDIT_EVERY, Audits, VerdictAuditor
 from client.draft_model import ModelDrafter
 from client._swarm import SwarmClient
 from client._token_stream import GeneratedChunk, stream_laps
-from client.drafters import SuffixStore, make_drafter
+from client.drafting import SuffixStore, make_drafter
 from client.warm_corpus import load_warm_corpus
 from protocol.limits import DEFAULT_MAX_POSITIONS_PER_STEP
 from protocol.config import no_initial_peers_message, resolve_initial_peers
@@ -385,7 +385,7 @@ class AutoDistributedModel:
             num_logprobs=options.num_logprobs,
             on_tokens=on_tokens,
             verification=options.verification,
-            spot_checker=self._audits(call.spot_check_rate),
+            audits=self._audits(call.spot_check_rate),
             draft_tree=options.draft_tree,
             tree_sizer=self._tree_sizer,
             loop_runs=options.loop_runs,

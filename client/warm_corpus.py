@@ -1,6 +1,6 @@
 """A warm start for the suffix drafter: the model's own answers to prompts of its kind.
 
-A client's suffix store learns from every answer it sees (client.drafters.SuffixStore), so a
+A client's suffix store learns from every answer it sees (client.drafting.SuffixStore), so a
 long-running client drafts the model's habits (its chat template, "Here's a Python function
 that...", its code idioms) from memory. A fresh client starts cold, and first-turn work is where
 retrieval drafts least. So the package ships, per model, the token ids of the model's own greedy

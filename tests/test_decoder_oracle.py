@@ -11,7 +11,8 @@ import random
 import pytest
 
 from client._generation import SessionState, SpeculativeDecoder
-from client.drafters import SuffixDrafter, SuffixStore, _AdaptiveDrafter
+from client.drafting import SuffixDrafter, SuffixStore
+from client.drafting.base import _AdaptiveDrafter
 from benchmarks.oracle import OracleSwarm
 from protocol.messages import GREEDY
 from tests.test_exactness import ScriptedDrafter

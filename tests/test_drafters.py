@@ -6,13 +6,8 @@ import random
 
 import pytest
 
-from client.drafters import (
-    NgramDrafter,
-    SuffixDrafter,
-    SuffixStore,
-    _Automaton,
-    make_drafter,
-)
+from client.drafting import NgramDrafter, SuffixDrafter, SuffixStore, make_drafter
+from client.drafting.suffix_automaton import _Automaton
 
 A, B, C, D, E, F, G, H = range(10, 18)
 EOS = 2

@@ -8,7 +8,7 @@ from collections.abc import Collection
 import pytest
 import torch
 
-from client.drafters import Drafter
+from client.drafting import Drafter
 from protocol.messages import SamplingParams
 from protocol.sampling import choose_token
 from tests.conftest import PinnedRoute

@@ -1,8 +1,10 @@
 """The one rule of the layout (docs/design.md, "Layout"): every import runs down.
 
 protocol/ is the ground every peer shares and imports none of ours; server/ and client/ are the two
-roles and stand only on protocol/; swarm/ holds the programs and may import all three. The test walks
-the syntax tree of every module, so a lazy import inside a function counts as much as one at the top.
+roles and stand only on protocol/; swarm/ holds the programs and may import all three. Inside a
+package the modules import each other one way too: no circle. The tests walk the syntax tree of every
+module, so a lazy import inside a function, or one for type checking only, counts as much as one at
+the top.
 """
 
 from __future__ import annotations
@@ -44,6 +46,48 @@ def test_imports_run_down():
                 if target not in ALLOWED[package]:
                     wrong.append(f"{path.relative_to(ROOT)}:{line} imports {target}/")
     assert not wrong, "imports that run against the layout:\n" + "\n".join(wrong)
+
+
+def module_imports(path: Path, modules: set[str]) -> set[str]:
+    """Which of ``modules`` (dotted names) a module imports; ``from pkg import submodule`` names the
+    submodule only."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            subs = {f"{node.module}.{alias.name}" for alias in node.names} & modules
+            found |= subs if len(subs) == len(node.names) else subs | {node.module}
+    return found & modules
+
+
+def import_circles(package: str) -> list[list[str]]:
+    """Every circle of imports between the modules of ``package`` found by a depth-first walk."""
+    paths = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+             for p in (ROOT / package).rglob("*.py")}  # fmt: skip
+    graph = {name: module_imports(path, set(paths)) - {name} for name, path in paths.items()}
+    circles, state, stack = [], {}, []
+
+    def walk(module: str) -> None:
+        state[module], stack[len(stack):] = "open", [module]
+        for target in sorted(graph[module]):
+            if state.get(target) == "open":
+                circles.append(stack[stack.index(target):] + [target])
+            elif target not in state:
+                walk(target)
+        stack.pop()
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            walk(module)
+    return circles
+
+
+@pytest.mark.parametrize("package", OURS)
+def test_no_import_circle(package):
+    circles = import_circles(package)
+    assert not circles, "imports that run in a circle:\n" + "\n".join(" -> ".join(c) for c in circles)
 
 
 @pytest.mark.parametrize("source,expected", [

@@ -48,12 +48,10 @@ def test_loop_runs_is_on_by_default_wherever_it_applies(tiny_model):
         assert tiny_model.last_generation_stats.looped_runs == 0
 
 
-def test_the_old_spelling_head_start_still_works(tiny_model):
+def test_the_old_spelling_head_start_is_an_error(tiny_model):
     prompt = torch.tensor([PROMPT[0]])
-    plain = tiny_model.generate(prompt, max_new_tokens=8, loop_runs=False)
-    with pytest.warns(FutureWarning, match="head_start= is now loop_runs="):
-        assert tiny_model.generate(prompt, max_new_tokens=8, head_start=True).tolist() == plain.tolist()
-    assert tiny_model.last_generation_stats.looped_runs > 0
+    with pytest.raises(TypeError, match="head_start= is not an argument: the option is loop_runs="):
+        tiny_model.generate(prompt, max_new_tokens=8, head_start=True)
 
 
 def test_loop_runs_is_validated(tiny_model):

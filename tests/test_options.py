@@ -12,15 +12,19 @@ from client._options import GenerationOptions, check_decoding
 from client.model import AutoDistributedModel
 
 
-def test_old_spellings_still_work_with_a_warning_naming_the_new_one():
-    with pytest.warns(FutureWarning, match="head_start= is now loop_runs="):
-        options, rest = GenerationOptions.split({"head_start": False, "max_new_tokens": 5, "foo": 1})
+def test_old_spellings_are_errors_naming_the_argument():
+    """The package has had no release: spellings from before a rename are refused, not renamed."""
+    options, rest = GenerationOptions.split({"loop_runs": False, "max_new_tokens": 5, "foo": 1})
     assert options.loop_runs is False and options.max_new_tokens == 5 and rest == {"foo": 1}
-    for old, new in (("head", "tail"), ("suffix+head", "suffix+tail"), ("ngram+head", "ngram+tail")):
-        with pytest.warns(FutureWarning, match=re.escape(f'speculation="{old}" is now speculation="{new}"')):
-            assert GenerationOptions.split({"speculation": old})[0].speculation == new
-    with pytest.raises(ValueError, match="head_start= is the old name of loop_runs="):
-        GenerationOptions.split({"head_start": True, "loop_runs": True})
+    for kwargs in ({"head_start": False}, {"head_start": True, "loop_runs": True}):
+        with pytest.raises(TypeError, match=re.escape("head_start= is not an argument: the option is loop_runs=")):
+            GenerationOptions.split(kwargs)
+    for old in ("head", "suffix+head", "ngram+head"):
+        options, _ = GenerationOptions.split({"speculation": old})
+        with pytest.raises(ValueError, match=re.escape(f"speculation must be one of") + ".*" + re.escape(repr(old))):
+            options.checked()
+    for kind in ("suffix", "ngram", "tail", "suffix+tail", "ngram+tail", None):
+        assert GenerationOptions(speculation=kind).checked().speculation == kind
 
 
 def test_decoding_modes_that_do_not_go_together_are_refused_by_name():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from client.drafters import Drafter, TailDrafts
+from client.drafting import Drafter, TailDrafts
 from protocol.errors import ProtocolError
 from protocol.messages import Hop, SamplingParams, Step
 from swarm.local import LocalSwarm
@@ -101,17 +101,17 @@ def test_tail_drafts_merge_by_measured_acceptance():
     drafter = TailDrafts(_Fixed([7, 8, 9]))
     drafter.reset([1, 2, 3])
     drafter.offer(3, [4, 5, 6, 10])
-    assert drafter.fresh and drafter.draft(4) == [4, 5, 6, 10]  # no evidence yet: the head's
-    assert drafter.draft(4, after=[4, 5]) == [6, 10]  # past runs in flight that follow the head's ids
-    assert drafter.draft(4, after=[4, 9]) == [7, 8, 9]  # the head's ids no longer continue the text
-    drafter.extend([4, 5, 6, 11])  # the verdict: the head got 3 right, retrieval none
+    assert drafter.fresh and drafter.draft(4) == [4, 5, 6, 10]  # no evidence yet: the tail's
+    assert drafter.draft(4, after=[4, 5]) == [6, 10]  # past runs in flight that follow the tail's ids
+    assert drafter.draft(4, after=[4, 9]) == [7, 8, 9]  # the tail's ids no longer continue the text
+    drafter.extend([4, 5, 6, 11])  # the verdict: the tail got 3 right, retrieval none
     assert drafter.sources == {"tail": [1, 4, 3], "retrieval": [1, 3, 0]}
-    for _ in range(4):  # then retrieval is right and the head wrong, lap after lap
+    for _ in range(4):  # then retrieval is right and the tail wrong, lap after lap
         position = len(drafter._context)
         drafter.offer(position, [99, 99])
         drafter.draft(3)
         drafter.extend([7, 8, 9])
-    assert drafter.draft(3) == [7, 8, 9]  # measured better now (the head's ids are stale here anyway)
+    assert drafter.draft(3) == [7, 8, 9]  # measured better now (the tail's ids are stale here anyway)
     drafter.offer(len(drafter._context), [99])
     assert drafter.draft(3) == [7, 8, 9] and drafter.chosen["retrieval"] >= 2
     assert drafter.sources["tail"][2] == 3 and drafter.sources["retrieval"][2] == 12
@@ -170,7 +170,7 @@ def test_tail_drafts_leave_greedy_output_unchanged(tiny_drafter_model, tiny_refe
     expected = tiny_reference.generate(torch.tensor(PROMPT), max_new_tokens=24, do_sample=False)
     tiny_drafter_model.reset_draft_store()
     output = tiny_drafter_model.generate(torch.tensor(PROMPT), max_new_tokens=24, speculation=speculation, loop_runs=False)
-    assert output.tolist() == expected.tolist()  # runs from the client: the head's ids merged per lap
+    assert output.tolist() == expected.tolist()  # runs from the client: the tail's ids merged per lap
     stats = tiny_drafter_model.last_generation_stats
     proposals, proposed, _ = stats.drafter_sources["tail"]
     assert proposals >= 20 and proposed >= 3 * proposals  # the tail's drafts reached the client every lap

@@ -16,7 +16,7 @@ from hivemind.p2p import PeerID
 
 from client import _loop
 from client._trees import DraftTree, PendingPath, TreeSizer, build_tree
-from client.drafters import SuffixDrafter
+from client.drafting import SuffixDrafter
 from client.errors import GenerationError
 from protocol import trees
 from protocol.errors import ErrorCode

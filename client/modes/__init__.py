@@ -12,37 +12,34 @@ drafts with it like with any drafter, and rejection mode needs its q.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
-from client._options import check_decoding
 from client._trees import TreeSizer
-from client.drafters import Drafter
+from client.drafting import Drafter
 from client.modes.base import Mode
 from client.modes.chain import ChainMode
 from client.modes.looped import LoopedMode
 from client.modes.rejection import RejectionMode
 from client.modes.tree import TreeMode
+from client.modes.view import DecoderView, NextRun, VerdictAction, WorkAhead
 from client.modes.window import WindowMode
 from protocol.messages import SamplingParams
 
-if TYPE_CHECKING:
-    from client._generation import SpeculativeDecoder
-
-__all__ = ["Mode", "ChainMode", "WindowMode", "LoopedMode", "TreeMode", "RejectionMode", "choose_mode"]
+__all__ = ["Mode", "ChainMode", "WindowMode", "LoopedMode", "TreeMode", "RejectionMode", "choose_mode",
+           "DecoderView", "NextRun", "VerdictAction", "WorkAhead"]  # fmt: skip
 
 
-def choose_mode(decoder: "SpeculativeDecoder", *, verification: str, draft_tree: bool, loop_runs: bool,
+def choose_mode(view: DecoderView, *, inflight: int, verification: str, draft_tree: bool, loop_runs: bool,
                 front_drafts: Optional[int], tree_sizer: TreeSizer) -> Mode:  # fmt: skip
-    """The decoder's mode for what was asked (checked by client._options.check_decoding)."""
-    inflight = decoder.max_inflight_runs
-    loop_runs = check_decoding(verification, draft_tree, inflight, loop_runs)
-    if _rejection_applies(verification, decoder.sampling, decoder.drafter, inflight):
-        return RejectionMode(decoder)
-    if draft_tree and decoder.drafter is not None:
-        return TreeMode(decoder, tree_sizer)
+    """The decoder's mode for what was asked, already checked at the edge
+    (client._options.GenerationOptions.checked, with ``loop_runs`` decided)."""
+    if _rejection_applies(verification, view.sampling, view.drafter, inflight):
+        return RejectionMode(view)
+    if draft_tree and view.drafter is not None:
+        return TreeMode(view, tree_sizer)
     if inflight > 1:
-        return WindowMode(decoder, inflight, front_drafts)
-    return LoopedMode(decoder) if loop_runs else ChainMode(decoder)
+        return WindowMode(view, inflight, front_drafts)
+    return LoopedMode(view) if loop_runs else ChainMode(view)
 
 
 def _rejection_applies(verification: str, sampling: SamplingParams, drafter: Optional[Drafter], inflight: int) -> bool:
@@ -50,7 +47,7 @@ def _rejection_applies(verification: str, sampling: SamplingParams, drafter: Opt
     is token match whatever is asked), with a drafter that reports q, one run in flight."""
     if verification == "match" or not sampling.do_sample:
         return False
-    if not hasattr(drafter, "last_dists") or not getattr(drafter, "sample", False):
+    if drafter is None or not drafter.samples:
         raise ValueError("verification='rejection' needs a draft_model (a drafter that samples from its q)")
     if inflight > 1:
         raise ValueError("verification='rejection' runs one run at a time: leave async_speculation off")

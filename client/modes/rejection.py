@@ -20,24 +20,27 @@ import msgspec
 from client._runs import Run
 from client.errors import ServerError
 from client.modes.chain import ChainMode
+from client.modes.view import NextRun
 from protocol.messages import StepResult, TokenLogprobs
 from protocol.sampling import pack_f16, sample_correction, unpack_f16
 
 
 class RejectionMode(ChainMode):
-    def next_run(self, budget: int) -> Optional[Run]:
-        run = super().next_run(budget)
+    def next_run(self, tokens_left: int) -> Optional[NextRun]:
+        decision = super().next_run(tokens_left)
+        run = decision.run
         if run.drafts:  # one run in flight, drafted just now: last_q is this run's
-            drafter = self.decoder.drafter
-            run.draft_q, run.q_dists = drafter.last_q[: len(run.drafts)], drafter.last_dists[: len(run.drafts)]
-        return run
+            drafter = self.view.drafter
+            n = len(run.drafts)
+            run.draft_q, run.q_dists = list(drafter.last_q[:n]), list(drafter.last_dists[:n])
+        return decision
 
-    def drafts(self, room: int) -> list[int]:
-        d = self.decoder
-        if d.drafter is None or room <= 0:
-            return []
-        size = min(room, d.drafter.draft_cap)
-        return d.drafter.draft(size)[:size]
+    def drafts(self, room: int) -> tuple[list[int], bool]:
+        drafter = self.view.drafter
+        if drafter is None or room <= 0:
+            return [], False
+        size = min(room, drafter.draft_cap)
+        return drafter.draft(size)[:size], False
 
     def step_fields(self, run: Run) -> dict[str, Any]:
         return {"draft_q": pack_f16(run.draft_q)} if run.draft_q else {}
@@ -45,16 +48,14 @@ class RejectionMode(ChainMode):
     def corrected(self, run: Run, result: StepResult) -> StepResult:
         """A rejection's verdict with the client's token at the rejected position: drawn from
         norm(max(0, p - q)) over the top-K of p the tail sent (protocol/sampling.py)."""
-        d = self.decoder
-        tail = d.state.remote.tail_peer
         if not run.q_dists or not 0 <= result.accepted < len(run.q_dists):
             return super().corrected(run, result)
         ids, probs = result.correction_ids, unpack_f16(result.correction_p)
         q = run.q_dists[result.accepted]
         if not ids or len(probs) != len(ids) or not all(0 <= i < q.numel() for i in ids):
-            raise ServerError(f"a malformed correction: {len(ids)} ids, {len(probs)} probabilities", tail)
-        token = sample_correction(ids, probs, q, d.sampling.seed, run.first_draft_pos + result.accepted)
-        d.stats.corrections += 1
+            raise ServerError(f"a malformed correction: {len(ids)} ids, {len(probs)} probabilities",
+                              self.view.state.remote.tail_peer)  # fmt: skip
+        token = sample_correction(ids, probs, q, self.view.sampling.seed, run.first_draft_pos + result.accepted)
         logprobs = result.logprobs
         if logprobs:  # the tail reported its own token at the rejected position: report ours
             last = logprobs[-1]

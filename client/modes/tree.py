@@ -10,57 +10,51 @@ path); verified by token match.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from client._runs import Run
 from client._trees import DraftTree, PendingPath, TreeSizer, build_tree
 from client.errors import ServerError
 from client.modes.base import Mode
+from client.modes.view import DecoderView, NextRun, VerdictAction
 from protocol import trees as tree_rules
 from protocol.limits import MAX_TREE_NODES
 from protocol.messages import StepResult
 
-if TYPE_CHECKING:
-    from client._generation import SpeculativeDecoder
-
 
 class TreeMode(Mode):
-    def __init__(self, decoder: "SpeculativeDecoder", sizer: TreeSizer) -> None:
-        super().__init__(decoder)
+    def __init__(self, view: DecoderView, sizer: TreeSizer) -> None:
+        super().__init__(view)
         self.sizer = sizer  # the model's: it learns across calls
 
-    def next_run(self, budget: int) -> Optional[Run]:
+    def next_run(self, tokens_left: int) -> Optional[NextRun]:
         """A run carrying a tree of drafts: as many nodes as the cost model finds worth their
         compute. A tree that came out a chain goes as one (a plain Step)."""
-        d, state = self.decoder, self.decoder.state
+        v, state = self.view, self.view.state
         committed = state.history[state.cached :]
-        room = min(self.room(budget, 0), d.state.remote.max_positions_per_step - len(committed))
+        room = min(self.room(tokens_left, 0), state.remote.max_positions_per_step - len(committed))
         tree = DraftTree()
-        if d.drafter is not None and room > 0:
-            chain = d.drafter.draft(min(room, d.drafter.draft_cap))
-            max_nodes = min(MAX_TREE_NODES, d.state.remote.max_positions_per_step - len(committed),
+        if v.drafter is not None and room > 0:
+            chain = v.drafter.draft(min(room, v.drafter.draft_cap))
+            max_nodes = min(MAX_TREE_NODES, state.remote.max_positions_per_step - len(committed),
                             state.max_length - len(state.history) - 1)  # fmt: skip
-            full = build_tree(d.drafter, chain, max_nodes, room, d.drafter.extra_chains(room), d.eos_token_ids)
+            full = build_tree(v.drafter, chain, max_nodes, room, v.drafter.extra_chains(room), v.eos_token_ids)
             tree = full.prefix(self.sizer.choose(full, len(committed)))
-        d.hedges.clear()
-        run = Run(state.take_run_id(), state.cached, committed + tree.ids, tree.ids, None, 0, tree.chain_len, tree=True,
+        run = Run(state.next_run_id, state.cached, committed + tree.ids, tree.ids, None, 0, tree.chain_len, tree=True,
                   shape=tree)  # fmt: skip
         if not tree_rules.is_chain(tree.parents):
             run.parents = tree.parents
-        d.stats.tree_laps += 1
-        d.stats.tree_nodes += len(tree)
-        d.stats.tree_sizes[len(tree)] += 1
-        return run
+        return NextRun(run)
 
     def step_fields(self, run: Run) -> dict[str, Any]:
         return {"parents": list(run.parents)} if run.parents else {}
 
-    def observe_verdict(self, run: Run, result: StepResult) -> None:
+    def check_verdict(self, run: Run, result: StepResult) -> Run:
         """The lap's time and the tree's acceptance feed the cost model that sizes the next tree."""
-        super().observe_verdict(run, result)
-        self.sizer.observe_lap(len(run.token_ids), self.decoder.verdict_at - run.sent_at)
+        self.sizer.observe_lap(len(run.token_ids), self.view.verdict_at - run.sent_at)
         if run.drafts and run.shape is not None:
             self.sizer.observe_acceptance(run.shape, result.accepted)
+        return run
 
     def accepted_drafts(self, run: Run, result: StepResult) -> list[int]:
         """A tree's verdict names its accepted path, which must be one."""
@@ -71,17 +65,16 @@ class TreeMode(Mode):
                 raise ValueError(f"a path of {len(result.path)} nodes for {result.accepted} accepted drafts")
             tree_rules.check_path(result.path, run.parents)
         except ValueError as e:
-            raise ServerError(f"a malformed verdict on a tree run: {e}", self.decoder.state.remote.tail_peer) from None
+            raise ServerError(f"a malformed verdict on a tree run: {e}", self.view.state.remote.tail_peer) from None
         return tree_rules.path_ids(result.path, run.drafts)
 
-    def on_commit(self, run: Run, result: StepResult, base: int) -> None:
-        if run.parents:  # the servers hold the tree in run order until the next Step keeps this path
-            self.decoder.state.tree_pending = PendingPath(run.run_id, base, list(result.path))
-        if run.tree:
-            self.decoder.stats.tree_accepted += result.accepted
+    def on_commit(self, run: Run, result: StepResult, base: int) -> VerdictAction:
+        """The servers hold a tree in run order until the next Step keeps the accepted path."""
+        path = PendingPath(run.run_id, base, list(result.path)) if run.parents else None
+        return VerdictAction(path, self.drafter_feedback(run, result))
 
-    def observe_drafter(self, run: Run, result: StepResult) -> None:
+    def drafter_feedback(self, run: Run, result: StepResult) -> Optional[tuple[int, int]]:
         """The chain's length (its cap adapts as a chain's would) or the accepted path's."""
         if not run.tree:
-            return super().observe_drafter(run, result)
-        self.decoder.drafter.observe(max(run.proposed, result.accepted), run.prefix_drafts + result.accepted)
+            return super().drafter_feedback(run, result)
+        return max(run.proposed, result.accepted), run.prefix_drafts + result.accepted
