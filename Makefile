@@ -35,6 +35,7 @@ netns-tools:
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends iproute2 nftables)
 
 test: setup browser systemd-analyze netns-tools
+	$(PYTHON) -m ruff check . && $(PYTHON) -m ruff format --check .
 	$(PYTHON) -m pytest tests
 
 bench-drafter: setup

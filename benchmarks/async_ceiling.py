@@ -37,10 +37,10 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from benchmarks.oracle import OracleSwarm
 from benchmarks.wan import workloads
 from client._generation import SessionState, SpeculativeDecoder
 from client.drafting import SuffixStore, make_drafter
-from benchmarks.oracle import OracleSwarm
 from protocol.messages import GREEDY
 
 RESULTS = Path(__file__).parent / "results"
@@ -60,8 +60,15 @@ def replay(prompt: list[int], answer: list[int], eos: int, inflight: int, num_dr
     swarm = OracleSwarm(prompt + answer, eos)
     state = SessionState(max_length=len(prompt) + len(answer) + num_draft_tokens + 1)
     drafter = make_drafter("suffix", num_draft_tokens=num_draft_tokens, store=SuffixStore(), eos_token_ids=[eos])
-    decoder = SpeculativeDecoder(swarm, state, GREEDY, drafter=drafter, num_draft_tokens=num_draft_tokens,
-                                 max_inflight_runs=inflight, eos_token_ids=[eos])  # fmt: skip
+    decoder = SpeculativeDecoder(
+        swarm,
+        state,
+        GREEDY,
+        drafter=drafter,
+        num_draft_tokens=num_draft_tokens,
+        max_inflight_runs=inflight,
+        eos_token_ids=[eos],
+    )
     out = asyncio.run(decoder.generate(prompt, len(answer)))
     assert out == answer, "the oracle replay must reproduce the answer"
     s = decoder.stats
@@ -103,7 +110,9 @@ def answers(args) -> tuple[list[tuple[str, list[int], list[int]]], int]:
     first_answers: list[str] = []
     for workload, conversations in workloads(first_answers, args.prompts):
         for messages in conversations:
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+            ids = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+            )["input_ids"]
             with torch.no_grad():
                 generated = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)[0, ids.shape[1] :]
             out.append((workload, ids[0].tolist(), generated.tolist()))
@@ -134,10 +143,18 @@ def ceilings(samples, eos: int, args) -> list[Ceiling]:
         asyn = [replay(p, a, eos, args.max_inflight_runs, args.num_draft_tokens) for p, a in mine]
         tokens = sum(r.tokens for r in sync)
         missed = [unguessed(p, a, eos, args.num_draft_tokens) for p, a in mine]
-        rows.append(Ceiling(
-            workload, tokens, sum(r.laps for r in sync), sum(r.laps for r in asyn), sum(r.full_laps for r in asyn),
-            sum(r.positions_wasted for r in asyn) / tokens, sum(m[0] for m in missed), sum(m[1] for m in missed),
-        ))  # fmt: skip
+        rows.append(
+            Ceiling(
+                workload,
+                tokens,
+                sum(r.laps for r in sync),
+                sum(r.laps for r in asyn),
+                sum(r.full_laps for r in asyn),
+                sum(r.positions_wasted for r in asyn) / tokens,
+                sum(m[0] for m in missed),
+                sum(m[1] for m in missed),
+            )
+        )
     return rows
 
 
@@ -153,30 +170,43 @@ def add_time_bounds(rows: list[Ceiling], wan_path: Path) -> bool:
             sync_tps = statistics.median(r["tokens"] / r["seconds"] for r in runs if r["mode"] == "suffix")
             measured = [r["tokens"] / r["seconds"] for r in runs if r["mode"] == "suffix+async"]
             bound_tps = row.tokens / (row.unguessed_top1 * lap_min)
-            row.bounds[delay] = dict(lap_none_ms=1000 * lap_min, sync_tokens_per_s=sync_tps, bound_tokens_per_s=bound_tps,
-                                     bound_vs_sync=bound_tps / sync_tps,
-                                     async_vs_sync=statistics.median(measured) / sync_tps if measured else None)  # fmt: skip
+            row.bounds[delay] = dict(
+                lap_none_ms=1000 * lap_min,
+                sync_tokens_per_s=sync_tps,
+                bound_tokens_per_s=bound_tps,
+                bound_vs_sync=bound_tps / sync_tps,
+                async_vs_sync=statistics.median(measured) / sync_tps if measured else None,
+            )
     return True
 
 
 def markdown(rows: list[Ceiling]) -> str:
-    lines = ["| workload | tokens | sync laps (tokens/lap) | async verdicts / full laps | async wasted positions/token "
-             "| unguessed top-1 (tokens/lap ceiling) | unguessed top-16 | full laps: sync / ceiling |",
-             "|" + "---|" * 8]  # fmt: skip
+    lines = [
+        "| workload | tokens | sync laps (tokens/lap) | async verdicts / full laps | async wasted positions/token "
+        "| unguessed top-1 (tokens/lap ceiling) | unguessed top-16 | full laps: sync / ceiling |",
+        "|" + "---|" * 8,
+    ]
     for r in rows:
         lines.append(
-            f"| {r.workload} | {r.tokens} | {r.sync_laps} ({r.tokens / r.sync_laps:.2f}) | {r.async_laps} / {r.async_full_laps} "
+            f"| {r.workload} | {r.tokens} | {r.sync_laps} ({r.tokens / r.sync_laps:.2f}) | {r.async_laps} / "
+            f"{r.async_full_laps} "
             f"| {r.async_wasted_per_token:.2f} | {r.unguessed_top1} ({r.tokens / r.unguessed_top1:.2f}) "
             f"| {r.unguessed_top16} ({r.tokens / r.unguessed_top16:.2f}) | {r.sync_laps / r.unguessed_top1:.2f}x |"
         )
     if any(r.bounds for r in rows):
-        lines += ["", "| delay/hop | workload | lap without drafts ms | sync suffix tok/s | ceiling tok/s "
-                      "| ceiling vs sync | measured async vs sync |", "|" + "---|" * 7]  # fmt: skip
+        lines += [
+            "",
+            "| delay/hop | workload | lap without drafts ms | sync suffix tok/s | ceiling tok/s "
+            "| ceiling vs sync | measured async vs sync |",
+            "|" + "---|" * 7,
+        ]
         for r in rows:
             for delay, b in r.bounds.items():
                 measured = f"{b['async_vs_sync']:.2f}x" if b["async_vs_sync"] is not None else "-"
-                lines.append(f"| {delay:.0f} ms | {r.workload} | {b['lap_none_ms']:.0f} | {b['sync_tokens_per_s']:.1f} "
-                             f"| {b['bound_tokens_per_s']:.1f} | {b['bound_vs_sync']:.2f}x | {measured} |")  # fmt: skip
+                lines.append(
+                    f"| {delay:.0f} ms | {r.workload} | {b['lap_none_ms']:.0f} | {b['sync_tokens_per_s']:.1f} "
+                    f"| {b['bound_tokens_per_s']:.1f} | {b['bound_vs_sync']:.2f}x | {measured} |"
+                )
     return "\n".join(lines)
 
 

@@ -69,8 +69,13 @@ READY_TIMEOUT_S = 300.0
 CLIENT_TIMEOUT_S = 1200.0
 UNSHAPED_MBIT = 1000.0  # what "busy" means on an unshaped link: sending faster than a quarter of this
 REPO = Path(__file__).resolve().parent.parent
-ENV = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-           PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+ENV = dict(
+    os.environ,
+    HF_HUB_OFFLINE="1",
+    TRANSFORMERS_OFFLINE="1",
+    TOKENIZERS_PARALLELISM="false",
+    PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+)
 
 
 # ---- the prompt ------------------------------------------------------------------------------
@@ -164,8 +169,9 @@ def client_main(args: argparse.Namespace) -> int:
     prompt, prompt_source = long_prompt(tokenizer, args.prompt_tokens)
     prompt_ids = torch.tensor([prompt])
     chat = [{"role": "user", "content": CODE_EDITING[0]}]
-    chat_ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt",
-                                             return_dict=True)["input_ids"]  # fmt: skip
+    chat_ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)[
+        "input_ids"
+    ]
     model.generate(chat_ids, max_new_tokens=4, speculation=None)  # connections and code paths warm
     model.generate(prompt_ids, max_new_tokens=1, speculation=None)  # the first long prompt allocates more
 
@@ -176,8 +182,9 @@ def client_main(args: argparse.Namespace) -> int:
     before, t0 = counters(), time.perf_counter()
     time.sleep(args.idle_seconds)
     idle = {h: b / (time.perf_counter() - t0) for h, b in sent(before, counters()).items()}
-    print(f"    idle traffic, bytes/s: {', '.join(f'{h} {b:.0f}' for h, b in idle.items())}",
-          file=sys.stderr, flush=True)  # fmt: skip
+    print(
+        f"    idle traffic, bytes/s: {', '.join(f'{h} {b:.0f}' for h, b in idle.items())}", file=sys.stderr, flush=True
+    )
 
     def prefill(rate: float) -> dict:
         before = counters()
@@ -187,10 +194,21 @@ def client_main(args: argparse.Namespace) -> int:
             seconds = time.perf_counter() - t0
         s = model.last_generation_stats
         busy = {h: sampler.busy_seconds(h, rate or UNSHAPED_MBIT) for h in sampler.hosts}
-        print(f"    {_link(rate)}: prompt of {len(prompt)} tokens {seconds:.2f} s, links of head and mid busy "
-              f"{busy['s0']:.2f} + {busy['s1']:.2f} s", file=sys.stderr, flush=True)  # fmt: skip
-        return dict(rate_mbit=rate, seconds=seconds, wall_time=s.wall_time, bytes_up=s.bytes_up,
-                    bytes_down=s.bytes_down, sent=sent(before, counters()), busy_s=busy)  # fmt: skip
+        print(
+            f"    {_link(rate)}: prompt of {len(prompt)} tokens {seconds:.2f} s, links of head and mid busy "
+            f"{busy['s0']:.2f} + {busy['s1']:.2f} s",
+            file=sys.stderr,
+            flush=True,
+        )
+        return dict(
+            rate_mbit=rate,
+            seconds=seconds,
+            wall_time=s.wall_time,
+            bytes_up=s.bytes_up,
+            bytes_down=s.bytes_down,
+            sent=sent(before, counters()),
+            busy_s=busy,
+        )
 
     def decode(rate: float, mode: Optional[str]) -> dict:
         model.reset_draft_store()  # no mode may draft from another's answer
@@ -199,12 +217,25 @@ def client_main(args: argparse.Namespace) -> int:
             before = counters()
             out = model.generate(first, max_new_tokens=args.max_new_tokens, speculation=mode)
             s = model.last_generation_stats
-            print(f"    {_link(rate)}: decode, speculation={mode}: {s.tokens_per_second:.2f} tokens/s, "
-                  f"{s.accepted_per_lap:.2f} tokens/lap", file=sys.stderr, flush=True)  # fmt: skip
-            return dict(rate_mbit=rate, mode=str(mode), tokens=s.new_tokens, seconds=s.wall_time, laps=s.laps,
-                        drafted=s.drafted,
-                        accepted_per_lap=s.accepted_per_lap, bytes_up=s.bytes_up, bytes_down=s.bytes_down,
-                        sent=sent(before, counters()), output=out[0, chat_ids.shape[1]:].tolist())  # fmt: skip
+            print(
+                f"    {_link(rate)}: decode, speculation={mode}: {s.tokens_per_second:.2f} tokens/s, "
+                f"{s.accepted_per_lap:.2f} tokens/lap",
+                file=sys.stderr,
+                flush=True,
+            )
+            return dict(
+                rate_mbit=rate,
+                mode=str(mode),
+                tokens=s.new_tokens,
+                seconds=s.wall_time,
+                laps=s.laps,
+                drafted=s.drafted,
+                accepted_per_lap=s.accepted_per_lap,
+                bytes_up=s.bytes_up,
+                bytes_down=s.bytes_down,
+                sent=sent(before, counters()),
+                output=out[0, chat_ids.shape[1] :].tolist(),
+            )
 
     prefills, decodes = [], []
     for repeat in range(max(args.repeats, args.prompt_repeats)):
@@ -216,8 +247,20 @@ def client_main(args: argparse.Namespace) -> int:
                 decodes += [decode(rate, None), decode(rate, "suffix")]
     route = [(p, a, b) for p, a, b in model.last_generation_stats.route]
     model.shutdown()
-    print(json.dumps(dict(ready_s=ready_s, prompt_source=prompt_source, prompt_tokens=len(prompt),
-                          idle_bytes_per_s=idle, prefills=prefills, decodes=decodes, route=route)), flush=True)
+    print(
+        json.dumps(
+            dict(
+                ready_s=ready_s,
+                prompt_source=prompt_source,
+                prompt_tokens=len(prompt),
+                idle_bytes_per_s=idle,
+                prefills=prefills,
+                decodes=decodes,
+                route=route,
+            )
+        ),
+        flush=True,
+    )
     return 0
 
 
@@ -247,9 +290,13 @@ class CodecSwarm:
     def start(self) -> None:
         py = sys.executable
         ip = self.bed.ip("boot")
-        self.bootstrap = self.bed.run("boot", [py, "-m", "swarm.bootstrap", "--host", ip, "--port", str(BOOTSTRAP_PORT),
-                                               "--log-level", "WARNING"],
-                                      stdout=subprocess.PIPE, stderr=self._log("bootstrap"), env=ENV)  # fmt: skip
+        self.bootstrap = self.bed.run(
+            "boot",
+            [py, "-m", "swarm.bootstrap", "--host", ip, "--port", str(BOOTSTRAP_PORT), "--log-level", "WARNING"],
+            stdout=subprocess.PIPE,
+            stderr=self._log("bootstrap"),
+            env=ENV,
+        )
         line = self.bootstrap.stdout.readline().decode().strip()
         if not line:
             raise RuntimeError(f"the bootstrap node exited before printing its address (logs in {self.log_dir})")
@@ -257,17 +304,53 @@ class CodecSwarm:
         for index, (start, end) in enumerate(self.spans):
             host = f"s{index}"
             ip = self.bed.ip(host)
-            proxy = self.bed.run(host, [py, "-m", "benchmarks.bandwidth", "--proxy", f"{ip}:{PROXY_PORT}",
-                                        "--target", f"{ip}:{SERVER_PORT}", "--delay-ms", str(self.delay_ms)],
-                                 stdout=subprocess.PIPE, stderr=self._log(f"proxy{index}"), env=ENV)  # fmt: skip
+            proxy = self.bed.run(
+                host,
+                [
+                    py,
+                    "-m",
+                    "benchmarks.bandwidth",
+                    "--proxy",
+                    f"{ip}:{PROXY_PORT}",
+                    "--target",
+                    f"{ip}:{SERVER_PORT}",
+                    "--delay-ms",
+                    str(self.delay_ms),
+                ],
+                stdout=subprocess.PIPE,
+                stderr=self._log(f"proxy{index}"),
+                env=ENV,
+            )
             self.proxies.append(proxy)
             if not proxy.stdout.readline().decode().startswith("ready"):
                 raise RuntimeError(f"the delay proxy of {host} did not start (logs in {self.log_dir})")
-            args = [py, "-m", "swarm.server", "--model", MODEL, "--initial-peers", *self.initial_peers,
-                    "--blocks", f"{start}:{end}", "--host", ip, "--port", str(SERVER_PORT),
-                    "--announce-maddrs", f"/ip4/{ip}/tcp/{PROXY_PORT}", "--torch-threads", "1",
-                    "--compression", self.codec, "--public-name", f"bw-{host}", "--drain-seconds", "2",
-                    "--log-level", "WARNING"]  # fmt: skip
+            args = [
+                py,
+                "-m",
+                "swarm.server",
+                "--model",
+                MODEL,
+                "--initial-peers",
+                *self.initial_peers,
+                "--blocks",
+                f"{start}:{end}",
+                "--host",
+                ip,
+                "--port",
+                str(SERVER_PORT),
+                "--announce-maddrs",
+                f"/ip4/{ip}/tcp/{PROXY_PORT}",
+                "--torch-threads",
+                "1",
+                "--compression",
+                self.codec,
+                "--public-name",
+                f"bw-{host}",
+                "--drain-seconds",
+                "2",
+                "--log-level",
+                "WARNING",
+            ]
             self.servers.append(self.bed.run(host, args, stderr=self._log(f"server{index}"), env=ENV))
 
     def check_alive(self) -> None:
@@ -288,11 +371,30 @@ class CodecSwarm:
 
 
 def run_client(bed: netns.Testbed, swarm: CodecSwarm, args: argparse.Namespace) -> dict:
-    argv = [sys.executable, "-m", "benchmarks.bandwidth", "--client", "--initial-peers", *swarm.initial_peers,
-            "--servers", str(SERVERS), "--repeats", str(args.repeats), "--prompt-repeats", str(args.prompt_repeats),
-            "--prompt-tokens", str(args.prompt_tokens), "--idle-seconds", str(args.idle_seconds),
-            "--max-new-tokens", str(args.max_new_tokens), "--rates", *map(str, args.rates),
-            "--testbed", bed.spec()]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "benchmarks.bandwidth",
+        "--client",
+        "--initial-peers",
+        *swarm.initial_peers,
+        "--servers",
+        str(SERVERS),
+        "--repeats",
+        str(args.repeats),
+        "--prompt-repeats",
+        str(args.prompt_repeats),
+        "--prompt-tokens",
+        str(args.prompt_tokens),
+        "--idle-seconds",
+        str(args.idle_seconds),
+        "--max-new-tokens",
+        str(args.max_new_tokens),
+        "--rates",
+        *map(str, args.rates),
+        "--testbed",
+        bed.spec(),
+    ]
     with tempfile.TemporaryFile() as out:
         client = bed.run("client", argv, stdout=out, env=ENV)
         deadline = time.monotonic() + CLIENT_TIMEOUT_S
@@ -323,14 +425,19 @@ def summarize(results: list[dict], rates: list[float]) -> list[dict]:
             pre = [p for p in r["prefills"] if p["rate_mbit"] == rate]
             dec = [d for d in r["decodes"] if d["rate_mbit"] == rate]
             outputs[r["codec"], rate] = [d["output"] for d in dec]
-            row = dict(codec=r["codec"], rate_mbit=rate, prompt_tokens=r["prompt_tokens"],
-                       prompt_s=med([p["seconds"] for p in pre]), prompt_s_min=min(p["seconds"] for p in pre),
-                       head_sent_mb=med([p["sent"]["s0"] for p in pre]) / 1e6,
-                       mid_sent_mb=med([p["sent"]["s1"] for p in pre]) / 1e6,
-                       head_net_mb=med([net(p, "s0") for p in pre]) / 1e6,
-                       mid_net_mb=med([net(p, "s1") for p in pre]) / 1e6,
-                       idle_kb_per_s={h: b / 1e3 for h, b in idle.items()},
-                       client_sent_kb=med([p["sent"]["client"] for p in pre]) / 1e3)  # fmt: skip
+            row = dict(
+                codec=r["codec"],
+                rate_mbit=rate,
+                prompt_tokens=r["prompt_tokens"],
+                prompt_s=med([p["seconds"] for p in pre]),
+                prompt_s_min=min(p["seconds"] for p in pre),
+                head_sent_mb=med([p["sent"]["s0"] for p in pre]) / 1e6,
+                mid_sent_mb=med([p["sent"]["s1"] for p in pre]) / 1e6,
+                head_net_mb=med([net(p, "s0") for p in pre]) / 1e6,
+                mid_net_mb=med([net(p, "s1") for p in pre]) / 1e6,
+                idle_kb_per_s={h: b / 1e3 for h, b in idle.items()},
+                client_sent_kb=med([p["sent"]["client"] for p in pre]) / 1e3,
+            )
             if rate:  # the time the activations occupy the two server links, at the shaped rate
                 row["wire_s"] = (row["head_net_mb"] + row["mid_net_mb"]) * 8 / rate
             row["busy_s"] = med([p["busy_s"]["s0"] + p["busy_s"]["s1"] for p in pre])
@@ -364,12 +471,14 @@ def summarize(results: list[dict], rates: list[float]) -> list[dict]:
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| codec | link | 1,000-token prompt, s: median (min) | MB sent by head / mid per prompt, minus idle "
-             "| wire s: bytes / rate, measured busy "
-             "| prompt s minus the fastest link's: measured (median of pairs) / wire | decode tokens/s, no speculation "
-             "| decode tokens/s, suffix | tokens/lap, suffix | positions sent per token, suffix "
-             "| same tokens as codec none |",
-             "|" + "---|" * 11]  # fmt: skip
+    lines = [
+        "| codec | link | 1,000-token prompt, s: median (min) | MB sent by head / mid per prompt, minus idle "
+        "| wire s: bytes / rate, measured busy "
+        "| prompt s minus the fastest link's: measured (median of pairs) / wire | decode tokens/s, no speculation "
+        "| decode tokens/s, suffix | tokens/lap, suffix | positions sent per token, suffix "
+        "| same tokens as codec none |",
+        "|" + "---|" * 11,
+    ]
     for r in rows:
         wire = (f"{r['wire_s']:.2f}" if "wire_s" in r else "-") + f", {r['busy_s']:.2f}"
         over = "-"
@@ -406,15 +515,17 @@ def _commit() -> str:
 def orchestrate(args: argparse.Namespace) -> int:
     from transformers import AutoConfig
 
-    from swarm.local import even_spans
     from protocol.models import resolve_model
+    from swarm.local import even_spans
 
     offered = available_codecs()
     codecs = [c for c in args.codecs if c in offered]
     missing = [c for c in args.codecs if c not in offered]
     if missing:
-        print(f"skipping codecs the server does not offer yet: {', '.join(missing)} "
-              f"(it offers {', '.join(offered)})", flush=True)
+        print(
+            f"skipping codecs the server does not offer yet: {', '.join(missing)} (it offers {', '.join(offered)})",
+            flush=True,
+        )
     if not codecs:
         raise SystemExit("no codec to measure")
     resolved = resolve_model(MODEL)  # converts the embedded model once, before anything starts
@@ -422,9 +533,12 @@ def orchestrate(args: argparse.Namespace) -> int:
     log_dir = tempfile.mkdtemp(prefix="bench-bandwidth-")
     began = time.time()
     results = []
-    print(f"{MODEL}: {SERVERS} servers {spans}, {args.hop_delay_ms:g} ms per hop, codecs {codecs}, "
-          f"rates {[r or 'unshaped' for r in args.rates]} Mbit/s; peer logs in {log_dir} "
-          "(removed after a successful run)", flush=True)
+    print(
+        f"{MODEL}: {SERVERS} servers {spans}, {args.hop_delay_ms:g} ms per hop, codecs {codecs}, "
+        f"rates {[r or 'unshaped' for r in args.rates]} Mbit/s; peer logs in {log_dir} "
+        "(removed after a successful run)",
+        flush=True,
+    )
     with netns.Testbed(["boot", *[f"s{i}" for i in range(SERVERS)], "client"]) as bed:
         for codec in codecs:
             print(f"== codec {codec} ==", flush=True)
@@ -438,8 +552,11 @@ def orchestrate(args: argparse.Namespace) -> int:
             results.append(result)
             for rate in args.rates:
                 pre = statistics.median(p["seconds"] for p in result["prefills"] if p["rate_mbit"] == rate)
-                print(f"   {_link(rate)}: prompt {pre:.2f} s (median); servers were ready after "
-                      f"{result['ready_s']:.1f} s", flush=True)
+                print(
+                    f"   {_link(rate)}: prompt {pre:.2f} s (median); servers were ready after "
+                    f"{result['ready_s']:.1f} s",
+                    flush=True,
+                )
     shutil.rmtree(log_dir, ignore_errors=True)  # kept only when something failed
     rows = summarize(results, args.rates)
     print(markdown(rows))
@@ -450,18 +567,30 @@ def orchestrate(args: argparse.Namespace) -> int:
         for r in results:  # the generated tokens are only for the comparison; keep the file small
             for d in r["decodes"]:
                 d.pop("output", None)
-        Path(args.out).write_text(json.dumps({
-            "args": {k: v for k, v in vars(args).items() if k not in INTERNAL_ARGS},
-            "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": _commit(),
-            "model": MODEL, "spans": spans, "codecs_offered": offered, "rows": rows, "runs": results,
-            "wall_seconds": wall}, indent=1))  # fmt: skip
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "args": {k: v for k, v in vars(args).items() if k not in INTERNAL_ARGS},
+                    "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                    "commit": _commit(),
+                    "model": MODEL,
+                    "spans": spans,
+                    "codecs_offered": offered,
+                    "rows": rows,
+                    "runs": results,
+                    "wall_seconds": wall,
+                },
+                indent=1,
+            )
+        )
         print(f"wrote {args.out}")
     return 0
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.bandwidth", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.bandwidth", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--codecs", nargs="+", help=f"default {' '.join(CODECS)} (those the server offers)")
     p.add_argument("--rates", type=float, nargs="+", help="Mbit/s per link, 0 for unshaped (default 20 100)")
     p.add_argument("--hop-delay-ms", type=float, default=25.0)

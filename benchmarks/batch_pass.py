@@ -77,12 +77,19 @@ def main() -> None:
                 batched_s.append(time.perf_counter() - t0)
                 for a, b in zip(alone, outs):
                     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-            row = dict(sessions=size, positions_each=drafts + 1, alone_ms=1000 * statistics.median(alone_s),
-                       batched_ms=1000 * statistics.median(batched_s))  # fmt: skip
+            row = dict(
+                sessions=size,
+                positions_each=drafts + 1,
+                alone_ms=1000 * statistics.median(alone_s),
+                batched_ms=1000 * statistics.median(batched_s),
+            )
             row["speedup"] = row["alone_ms"] / row["batched_ms"]
             rows.append(row)
-            print(f"{size:>2} sessions x {drafts + 1} positions: {row['alone_ms']:7.1f} ms one by one, "
-                  f"{row['batched_ms']:7.1f} ms batched ({row['speedup']:.1f}x)", flush=True)  # fmt: skip
+            print(
+                f"{size:>2} sessions x {drafts + 1} positions: {row['alone_ms']:7.1f} ms one by one, "
+                f"{row['batched_ms']:7.1f} ms batched ({row['speedup']:.1f}x)",
+                flush=True,
+            )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(dict(blocks=args.blocks, context=args.context, rows=rows), indent=1))
 

@@ -120,8 +120,16 @@ class Chaos:
             self.swarm.proxies[index] = proxy
 
 
-async def disturbed(chaos: Chaos, row: list[int], tokens: int, kwargs: dict, fault: str, at: int, rng: random.Random,
-                    names: dict[str, str]) -> dict:  # fmt: skip
+async def disturbed(
+    chaos: Chaos,
+    row: list[int],
+    tokens: int,
+    kwargs: dict,
+    fault: str,
+    at: int,
+    rng: random.Random,
+    names: dict[str, str],
+) -> dict:
     """One generation with ``fault`` injected into a random hop of its route after ``at`` tokens."""
     out, victim, fault_time, recover = [], None, None, None
     stats = None
@@ -141,9 +149,15 @@ async def disturbed(chaos: Chaos, row: list[int], tokens: int, kwargs: dict, fau
         error = None
     except Exception as e:  # noqa: BLE001 - recorded: a generation that does not complete is the finding
         error = f"{type(e).__name__}: {e}"
-    return dict(tokens=out, victim=victim, error=error, recover_s=recover,
-                failovers=stats.failovers if stats else None, failover_s=stats.failover_time if stats else None,
-                failover_events=stats.failover_events if stats else [])  # fmt: skip
+    return dict(
+        tokens=out,
+        victim=victim,
+        error=error,
+        recover_s=recover,
+        failovers=stats.failovers if stats else None,
+        failover_s=stats.failover_time if stats else None,
+        failover_events=stats.failover_events if stats else [],
+    )
 
 
 async def undisturbed(model, row: list[int], tokens: int, kwargs: dict) -> list[int]:
@@ -174,9 +188,22 @@ def summarize(rows: list[dict]) -> dict:
 
 def write(args, results: list[dict], elapsed: float) -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(dict(runs=args.runs, done=len(results), tokens=args.tokens, seed=args.seed,
-                                              request_timeout_s=args.request_timeout, hop_delay_ms=args.hop_delay_ms,
-                                              elapsed_s=elapsed, summary=summarize(results), results=results), indent=1))  # fmt: skip
+    Path(args.out).write_text(
+        json.dumps(
+            dict(
+                runs=args.runs,
+                done=len(results),
+                tokens=args.tokens,
+                seed=args.seed,
+                request_timeout_s=args.request_timeout,
+                hop_delay_ms=args.hop_delay_ms,
+                elapsed_s=elapsed,
+                summary=summarize(results),
+                results=results,
+            ),
+            indent=1,
+        )
+    )
 
 
 def main() -> None:
@@ -187,40 +214,56 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=15)
     p.add_argument("--prompts", type=int, default=8, help="draw from the first N prompts of benchmarks.load")
     p.add_argument("--hop-delay-ms", type=float, default=5.0)
-    p.add_argument("--request-timeout", type=float, default=20.0,
-                   help="how long the client waits for a hop; a SIGSTOPped server is found only by this")  # fmt: skip
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=20.0,
+        help="how long the client waits for a hop; a SIGSTOPped server is found only by this",
+    )
     p.add_argument("--log-dir", default="test-artifacts/bench-chaos")
     p.add_argument("--out", default="benchmarks/results/chaos.json")
     args = p.parse_args()
     torch.set_num_threads(1)
     rng = random.Random(args.seed)
 
-    from swarm import AutoDistributedModelForCausalLM
-    from protocol.models import resolve_model
     from transformers import AutoTokenizer
+
+    from protocol.models import resolve_model
+    from swarm import AutoDistributedModelForCausalLM
 
     source = resolve_model(args.model).source
     tokenizer = AutoTokenizer.from_pretrained(source)
     plan = []
     for i in range(args.runs):
         mode = list(MODES)[i % len(MODES)]
-        plan.append(dict(run=i, mode=mode, fault=rng.choice(FAULTS), prompt=rng.randrange(args.prompts),
-                         at=rng.randint(2, args.tokens // 2), seed=1000 + i))  # fmt: skip
+        plan.append(
+            dict(
+                run=i,
+                mode=mode,
+                fault=rng.choice(FAULTS),
+                prompt=rng.randrange(args.prompts),
+                at=rng.randint(2, args.tokens // 2),
+                seed=1000 + i,
+            )
+        )
     rows_by_prompt = {
-        k: tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[k]}], add_generation_prompt=True,
-                                         tokenize=True, return_dict=True)["input_ids"]
+        k: tokenizer.apply_chat_template(
+            [{"role": "user", "content": PROMPTS[k]}], add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
         for k in sorted({r["prompt"] for r in plan})
-    }  # fmt: skip
+    }
     t0 = time.perf_counter()
     greedy = dict(zip(rows_by_prompt, references(source, list(rows_by_prompt.values()), args.tokens)))
     print(f"references: {len(greedy)} prompts in {time.perf_counter() - t0:.1f} s", flush=True)
 
     results = []
-    swarm = LocalSwarm(args.model, spans=[], hop_delay_ms=args.hop_delay_ms, server_args=SERVER_ARGS,
-                       log_dir=args.log_dir)  # fmt: skip
+    swarm = LocalSwarm(
+        args.model, spans=[], hop_delay_ms=args.hop_delay_ms, server_args=SERVER_ARGS, log_dir=args.log_dir
+    )
     with swarm:
-        model = AutoDistributedModelForCausalLM.from_pretrained(args.model, initial_peers=swarm.initial_peers,
-                                                                request_timeout=args.request_timeout)  # fmt: skip
+        model = AutoDistributedModelForCausalLM.from_pretrained(
+            args.model, initial_peers=swarm.initial_peers, request_timeout=args.request_timeout
+        )
         chaos = Chaos(swarm, model)
         for span in SPANS + SPANS:
             chaos.start(span)
@@ -243,10 +286,13 @@ def main() -> None:
             if r["victim"] is not None:
                 chaos.mend(r["fault"], r["victim"])
             model.swarm.excluded = type(model.swarm.excluded)()  # a fresh client would not know them
-            print(f"run {r['run']:2d} {r['mode']:11s} {r['fault']:8s} at {r['at']:2d} on {r['victim']}: "
-                  f"{'identical' if r['identical'] else 'DIFFERS' if r['error'] is None else 'FAILED'}, "
-                  f"{r['failovers']} failovers, recovered in {r['recover_s'] or 0:.1f} s"
-                  + (f" -- {r['error']}" if r["error"] else ""), flush=True)  # fmt: skip
+            print(
+                f"run {r['run']:2d} {r['mode']:11s} {r['fault']:8s} at {r['at']:2d} on {r['victim']}: "
+                f"{'identical' if r['identical'] else 'DIFFERS' if r['error'] is None else 'FAILED'}, "
+                f"{r['failovers']} failovers, recovered in {r['recover_s'] or 0:.1f} s"
+                + (f" -- {r['error']}" if r["error"] else ""),
+                flush=True,
+            )
             results.append(r)
             write(args, results, time.perf_counter() - began)  # after every run: a cut-short run keeps its figures
             chaos.wait_redundant()
@@ -258,7 +304,10 @@ def main() -> None:
     for key, t in summary.items():
         med = f"{t['recover_median_s']:.1f} s" if t["recover_median_s"] is not None else "-"
         mx = f"{t['recover_max_s']:.1f} s" if t["recover_max_s"] is not None else "-"
-        print(f"| {key} | {t['runs']} | {t['faulted']} | {t['completed']} | {t['identical']} | {t['failovers']} | {med} | {mx} |")
+        print(
+            f"| {key} | {t['runs']} | {t['faulted']} | {t['completed']} | {t['identical']} | "
+            f"{t['failovers']} | {med} | {mx} |"
+        )
 
 
 if __name__ == "__main__":

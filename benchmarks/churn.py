@@ -134,9 +134,15 @@ class Fleet:
         ``keep_coverage`` (with it and no server to spare, nobody leaves this round)."""
         candidates = sorted(self.alive)
         if self.config.keep_coverage:
-            candidates = [n for n in candidates if n in spans and all(
-                any(other != n and s <= b < e for other, (s, e) in spans.items() if other in self.alive)
-                for b in range(*spans[n]))]  # fmt: skip
+            candidates = [
+                n
+                for n in candidates
+                if n in spans
+                and all(
+                    any(other != n and s <= b < e for other, (s, e) in spans.items() if other in self.alive)
+                    for b in range(*spans[n])
+                )
+            ]
             if not candidates:
                 return None
         name = self.rng.choice(candidates)
@@ -235,8 +241,11 @@ class Monitor(threading.Thread):
         infos = fetch_servers(self.dht, self.swarm.dht_name, self.swarm.num_blocks)
         online = {i.public_name for i in infos if i.state == ServerState.ONLINE}
         self.fleet.mark_online(online)
-        spans = {i.public_name: (i.start_block, i.end_block) for i in infos
-                 if i.state == ServerState.ONLINE and i.public_name in self.fleet.alive}  # fmt: skip
+        spans = {
+            i.public_name: (i.start_block, i.end_block)
+            for i in infos
+            if i.state == ServerState.ONLINE and i.public_name in self.fleet.alive
+        }
         self.spans = spans
         blocks = {b for start, end in spans.values() for b in range(start, end)}
         return len(blocks) == self.swarm.num_blocks
@@ -270,8 +279,9 @@ class Monitor(threading.Thread):
         self.dht.shutdown()
 
 
-def references(source: str, rows: list[list[int]], tokens: int, seeds: Sequence[int],
-               cache_references: bool = False) -> dict[tuple[str, int], list[int]]:  # fmt: skip
+def references(
+    source: str, rows: list[list[int]], tokens: int, seeds: Sequence[int], cache_references: bool = False
+) -> dict[tuple[str, int], list[int]]:
     """(kind, prompt index) -> what the swarm must produce, by local transformers in float32 and the
     exact rule's reference sampler: the logits of the whole context, one token at a time (no cache,
     no drafts), the token chosen by ``protocol.sampling.choose_token``: the argmax for greedy, for
@@ -324,7 +334,9 @@ class Generation:
     error: Optional[str] = None
 
 
-async def generate_one(model, row: list[int], tokens: int, kwargs: dict, record: Generation, expected: list[int]) -> None:
+async def generate_one(
+    model, row: list[int], tokens: int, kwargs: dict, record: Generation, expected: list[int]
+) -> None:
     out, stats, counted, failover_time = [], None, 0, 0.0
     began = time.monotonic()
     try:
@@ -345,8 +357,9 @@ async def generate_one(model, row: list[int], tokens: int, kwargs: dict, record:
     record.wall_s = time.monotonic() - began
 
 
-async def client_loop(index: int, model, rows, refs, config: ChurnConfig, seeds, stop: asyncio.Event,
-                      results: list[Generation]) -> None:  # fmt: skip
+async def client_loop(
+    index: int, model, rows, refs, config: ChurnConfig, seeds, stop: asyncio.Event, results: list[Generation]
+) -> None:
     j = 0
     while not stop.is_set():
         mode = list(MODES)[(index + j) % len(MODES)]
@@ -359,8 +372,11 @@ async def client_loop(index: int, model, rows, refs, config: ChurnConfig, seeds,
         expected = refs[("sampled" if kwargs.get("do_sample") else "greedy", prompt)]
         await generate_one(model, rows[prompt], config.tokens, kwargs, record, expected)
         verdict = "identical" if record.identical else "DIFFERS" if record.completed else "FAILED"
-        print(f"client {index} {mode:20s} prompt {prompt}: {verdict}, {record.failovers} failovers, "
-              f"{record.wall_s:.1f} s" + (f" -- {record.error[:300]}" if record.error else ""), flush=True)  # fmt: skip
+        print(
+            f"client {index} {mode:20s} prompt {prompt}: {verdict}, {record.failovers} failovers, "
+            f"{record.wall_s:.1f} s" + (f" -- {record.error[:300]}" if record.error else ""),
+            flush=True,
+        )
         j += 1
 
 
@@ -399,16 +415,21 @@ def idle_server(fleet: Fleet, seconds: float) -> dict:
                 pass
         rss.append(r / 2**20)
         pss.append(s / 2**20)
-    return dict(idle_server_rss_mib=round(statistics.median(rss)), idle_server_pss_mib=round(statistics.median(pss)),
-                idle_server_cpu_percent=round(statistics.median(cpu_pct), 2))  # fmt: skip
+    return dict(
+        idle_server_rss_mib=round(statistics.median(rss)),
+        idle_server_pss_mib=round(statistics.median(pss)),
+        idle_server_cpu_percent=round(statistics.median(cpu_pct), 2),
+    )
 
 
 def percentiles(name: str, values: list[float], digits: int = 2) -> dict:
     if not values:
         return {f"{name}_p50": None, f"{name}_p95": None}
     ordered = sorted(values)
-    return {f"{name}_p50": round(statistics.median(ordered), digits),
-            f"{name}_p95": round(ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))], digits)}  # fmt: skip
+    return {
+        f"{name}_p50": round(statistics.median(ordered), digits),
+        f"{name}_p95": round(ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))], digits),
+    }
 
 
 def run(config: ChurnConfig, rows: list[list[int]]) -> dict:
@@ -421,13 +442,34 @@ def run(config: ChurnConfig, rows: list[list[int]]) -> dict:
     t0 = time.monotonic()
     refs = references(resolve_model(config.model).source, rows, config.tokens, seeds, config.cache_references)
     print(f"references: {len(refs)} in {time.monotonic() - t0:.1f} s", flush=True)
-    server_args = ["--torch-threads", "1", "--log-level", "WARNING", "--update-period", str(config.update_period),
-                   "--drain-seconds", str(config.drain_seconds), "--balance-period", str(config.balance_period),
-                   *config.extra_server_args]  # fmt: skip
-    swarm = LocalSwarm(config.model, spans=[], server_args=server_args, log_dir=config.log_dir,
-                       dashboard_port=0 if config.dashboard else None)  # fmt: skip
-    figures: dict[str, Any] = dict(model=config.model, servers=config.servers, duration_s=config.duration_s,
-                                   period_s=config.period_s, clients=config.clients, tokens=config.tokens)  # fmt: skip
+    server_args = [
+        "--torch-threads",
+        "1",
+        "--log-level",
+        "WARNING",
+        "--update-period",
+        str(config.update_period),
+        "--drain-seconds",
+        str(config.drain_seconds),
+        "--balance-period",
+        str(config.balance_period),
+        *config.extra_server_args,
+    ]
+    swarm = LocalSwarm(
+        config.model,
+        spans=[],
+        server_args=server_args,
+        log_dir=config.log_dir,
+        dashboard_port=0 if config.dashboard else None,
+    )
+    figures: dict[str, Any] = dict(
+        model=config.model,
+        servers=config.servers,
+        duration_s=config.duration_s,
+        period_s=config.period_s,
+        clients=config.clients,
+        tokens=config.tokens,
+    )
     results: list[Generation] = []
     models, monitor = [], None
     began = time.monotonic()
@@ -450,13 +492,17 @@ def run(config: ChurnConfig, rows: list[list[int]]) -> dict:
                     _until(lambda: not fleet.started_at, 300, fleet)
             _until(lambda: not fleet.started_at and monitor.covered, 300, fleet)
             figures["start_s"] = round(time.monotonic() - began, 1)
-            print(f"{len(fleet.alive)} servers online and covering {swarm.num_blocks} blocks after {figures['start_s']} s",
-                  flush=True)  # fmt: skip
+            print(
+                f"{len(fleet.alive)} servers online and covering {swarm.num_blocks} blocks after "
+                f"{figures['start_s']} s",
+                flush=True,
+            )
             figures.update(idle_server(fleet, config.idle_sample_s))
             fleet.online_after.clear()  # from here: servers joining a busy, churning swarm
             for _ in range(config.clients):
-                model = AutoDistributedModelForCausalLM.from_pretrained(config.model, initial_peers=swarm.initial_peers,
-                                                                        request_timeout=config.request_timeout)  # fmt: skip
+                model = AutoDistributedModelForCausalLM.from_pretrained(
+                    config.model, initial_peers=swarm.initial_peers, request_timeout=config.request_timeout
+                )
                 model.swarm.max_route_attempts = config.route_attempts
                 models.append(model)
             figures.update(asyncio.run(churn(config, fleet, monitor, models, rows, refs, seeds, results)))
@@ -489,7 +535,9 @@ def run(config: ChurnConfig, rows: list[list[int]]) -> dict:
 
 async def churn(config, fleet: Fleet, monitor: Monitor, models, rows, refs, seeds, results) -> dict:
     stop = asyncio.Event()
-    clients = [asyncio.create_task(client_loop(i, m, rows, refs, config, seeds, stop, results)) for i, m in enumerate(models)]
+    clients = [
+        asyncio.create_task(client_loop(i, m, rows, refs, config, seeds, stop, results)) for i, m in enumerate(models)
+    ]
     monitor.counting = True
     began, events = time.monotonic(), []
     try:
@@ -506,16 +554,21 @@ async def churn(config, fleet: Fleet, monitor: Monitor, models, rows, refs, seed
         stop.set()
         await asyncio.gather(*clients)
         monitor.counting = False
-    return dict(churn_s=round(time.monotonic() - began, 1), churn_events=len(events),
-                churn_skipped=sum(how == "-" for _, _, how, _ in events))  # fmt: skip
+    return dict(
+        churn_s=round(time.monotonic() - began, 1),
+        churn_events=len(events),
+        churn_skipped=sum(how == "-" for _, _, how, _ in events),
+    )
 
 
 def summarize(results: list[Generation], fleet: Fleet, monitor: Monitor) -> dict:
     per_failover = [s for r in results for s in r.failover_s]
     by_mode = {
-        mode: dict(started=sum(r.mode == mode for r in results), identical=sum(r.mode == mode and r.identical for r in results))
+        mode: dict(
+            started=sum(r.mode == mode for r in results), identical=sum(r.mode == mode and r.identical for r in results)
+        )
         for mode in MODES
-    }  # fmt: skip
+    }
     return dict(
         generations_started=len(results),
         generations_completed=sum(r.completed for r in results),
@@ -544,7 +597,9 @@ def _until(condition, timeout: float, fleet: Fleet) -> None:
         if dead:
             raise RuntimeError(f"server {dead[0]} exited with code {fleet.alive[dead[0]].returncode} during start-up")
         if time.monotonic() > deadline:
-            raise TimeoutError(f"servers {sorted(fleet.started_at)} not online (or blocks uncovered) within {timeout:.0f} s")
+            raise TimeoutError(
+                f"servers {sorted(fleet.started_at)} not online (or blocks uncovered) within {timeout:.0f} s"
+            )
         time.sleep(0.5)
 
 
@@ -566,9 +621,15 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=28)
     p.add_argument("--balance-period", type=float, default=60.0)
     p.add_argument("--update-period", type=float, default=15.0, help="the servers' (their default: 15 s)")
-    p.add_argument("--check-every", type=float, default=2.0,
-                   help="seconds between coverage checks (the resolution of the time without full coverage)")
-    p.add_argument("--wave", type=int, default=2, help="initial servers started at once (each wave once the last is online)")
+    p.add_argument(
+        "--check-every",
+        type=float,
+        default=2.0,
+        help="seconds between coverage checks (the resolution of the time without full coverage)",
+    )
+    p.add_argument(
+        "--wave", type=int, default=2, help="initial servers started at once (each wave once the last is online)"
+    )
     p.add_argument("--log-dir", default="test-artifacts/bench-churn")
     p.add_argument("--out", default="benchmarks/results/churn.json")
     args = p.parse_args()
@@ -579,12 +640,26 @@ def main() -> None:
     from protocol.models import resolve_model
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.model).source)
-    rows = [tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
-                                          return_dict=True)["input_ids"] for text in PROMPTS[: args.prompts]]  # fmt: skip
-    config = ChurnConfig(model=args.model, servers=args.servers, duration_s=60 * args.minutes, period_s=args.period,
-                         clients=args.clients, tokens=args.tokens, seed=args.seed, balance_period=args.balance_period,
-                         wave=args.wave, log_dir=args.log_dir, update_period=args.update_period,
-                         check_every=args.check_every)  # fmt: skip
+    rows = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
+        for text in PROMPTS[: args.prompts]
+    ]
+    config = ChurnConfig(
+        model=args.model,
+        servers=args.servers,
+        duration_s=60 * args.minutes,
+        period_s=args.period,
+        clients=args.clients,
+        tokens=args.tokens,
+        seed=args.seed,
+        balance_period=args.balance_period,
+        wave=args.wave,
+        log_dir=args.log_dir,
+        update_period=args.update_period,
+        check_every=args.check_every,
+    )
     figures = run(config, rows)
     for key, value in figures.items():
         print(f"  {key}: {value}")

@@ -63,9 +63,14 @@ def wire_rows(real: dict[int, torch.Tensor]) -> list[dict]:
                     began = time.perf_counter()
                     deserialize(serialize(x, codec), MAX_ELEMENTS)
                     times.append(time.perf_counter() - began)
-                row = dict(model=model, positions=positions, codec=codec,
-                           bytes_per_element=len(encoded.SerializeToString()) / x.numel(),
-                           rms_error_random=relative_rms_error(x, codec), round_trip_ms=1000 * statistics.median(times))  # fmt: skip
+                row = dict(
+                    model=model,
+                    positions=positions,
+                    codec=codec,
+                    bytes_per_element=len(encoded.SerializeToString()) / x.numel(),
+                    rms_error_random=relative_rms_error(x, codec),
+                    round_trip_ms=1000 * statistics.median(times),
+                )
                 if model == "SmolLM2-135M":
                     row["rms_error_real"] = relative_rms_error(real[positions], codec)
                 rows.append(row)
@@ -78,10 +83,10 @@ class Pipeline:
     def __init__(self, num_servers: int):
         from transformers import AutoConfig, AutoTokenizer
 
+        from protocol.models import ensure_smollm2_checkpoint
         from server.adapters import load_span
         from server.weights import Checkpoint
         from swarm.local import even_spans
-        from protocol.models import ensure_smollm2_checkpoint
 
         path = ensure_smollm2_checkpoint()
         config = AutoConfig.from_pretrained(path)
@@ -106,7 +111,9 @@ class Pipeline:
     def new_caches(self):
         return [span.new_cache() for span in self.spans]
 
-    def greedy(self, prompt: list[int], max_new_tokens: int, codec: str, until_unlike: Optional[list[int]] = None) -> list[int]:
+    def greedy(
+        self, prompt: list[int], max_new_tokens: int, codec: str, until_unlike: Optional[list[int]] = None
+    ) -> list[int]:
         """Greedy tokens; with ``until_unlike`` it stops at the first token that differs from it
         (all the free-running comparison needs, and most of its cost after an early difference)."""
         caches, tokens, new = self.new_caches(), list(prompt), list(prompt)
@@ -136,8 +143,11 @@ def agreement_rows(pipe: Pipeline, prompts: int, max_new_tokens: int, codecs: li
     for workload, conversations in workloads:
         if conversations is None:
             conversations = [
-                [{"role": "user", "content": p}, {"role": "assistant", "content": a},
-                 {"role": "user", "content": CODE_FOLLOW_UP}]
+                [
+                    {"role": "user", "content": p},
+                    {"role": "assistant", "content": a},
+                    {"role": "user", "content": CODE_FOLLOW_UP},
+                ]
                 for p, a in zip(CODE_EDITING, first_answers)
             ]
         for index, messages in enumerate(conversations):
@@ -153,20 +163,38 @@ def agreement_rows(pipe: Pipeline, prompts: int, max_new_tokens: int, codecs: li
                 agree = (pipe.teacher_forced_argmax(prompt, answer, codec) == reference).tolist()
                 free = pipe.greedy(prompt, max_new_tokens, codec, until_unlike=answer)
                 same = next((i for i, (a, b) in enumerate(zip(free, answer)) if a != b), min(len(free), len(answer)))
-                per_prompt.append(dict(workload=workload, prompt=index, codec=codec, prompt_tokens=len(prompt),
-                                       answer_tokens=len(answer), agree=sum(agree), identical_run=same,
-                                       whole_answer=free == answer))  # fmt: skip
-                print(f"  {workload:<21} #{index} {codec:<10} top-1 {sum(agree):>3}/{len(agree)}"
-                      f"  run {same:>3}/{len(answer)}", flush=True)
+                per_prompt.append(
+                    dict(
+                        workload=workload,
+                        prompt=index,
+                        codec=codec,
+                        prompt_tokens=len(prompt),
+                        answer_tokens=len(answer),
+                        agree=sum(agree),
+                        identical_run=same,
+                        whole_answer=free == answer,
+                    )
+                )
+                print(
+                    f"  {workload:<21} #{index} {codec:<10} top-1 {sum(agree):>3}/{len(agree)}"
+                    f"  run {same:>3}/{len(answer)}",
+                    flush=True,
+                )
     rows = []
     for workload in [w for w, _ in workloads] + ["overall"]:
         for codec in codecs:
             mine = [r for r in per_prompt if r["codec"] == codec and workload in (r["workload"], "overall")]
-            rows.append(dict(workload=workload, codec=codec, prompts=len(mine),
-                             top1=sum(r["agree"] for r in mine) / sum(r["answer_tokens"] for r in mine),
-                             mean_identical_run=statistics.mean(r["identical_run"] for r in mine),
-                             mean_answer_tokens=statistics.mean(r["answer_tokens"] for r in mine),
-                             whole_answers=sum(r["whole_answer"] for r in mine)))  # fmt: skip
+            rows.append(
+                dict(
+                    workload=workload,
+                    codec=codec,
+                    prompts=len(mine),
+                    top1=sum(r["agree"] for r in mine) / sum(r["answer_tokens"] for r in mine),
+                    mean_identical_run=statistics.mean(r["identical_run"] for r in mine),
+                    mean_answer_tokens=statistics.mean(r["answer_tokens"] for r in mine),
+                    whole_answers=sum(r["whole_answer"] for r in mine),
+                )
+            )
     return rows, per_prompt
 
 
@@ -184,21 +212,31 @@ def real_activations(pipe: Pipeline) -> dict[int, torch.Tensor]:
 
 
 def wire_markdown(rows: list[dict]) -> str:
-    lines = ["| model | positions | codec | bytes/element | rel. RMS error, random | rel. RMS error, real SmolLM2 | round trip ms |",
-             "|" + "---|" * 7]  # fmt: skip
+    lines = [
+        "| model | positions | codec | bytes/element | rel. RMS error, random | rel. RMS error, real "
+        "SmolLM2 | round trip ms |",
+        "|" + "---|" * 7,
+    ]
     for r in rows:
         real = f"{r['rms_error_real']:.2e}" if "rms_error_real" in r else "—"
-        lines.append(f"| {r['model']} | {r['positions']} | {r['codec']} | {r['bytes_per_element']:.3f} "
-                     f"| {r['rms_error_random']:.2e} | {real} | {r['round_trip_ms']:.2f} |")  # fmt: skip
+        lines.append(
+            f"| {r['model']} | {r['positions']} | {r['codec']} | {r['bytes_per_element']:.3f} "
+            f"| {r['rms_error_random']:.2e} | {real} | {r['round_trip_ms']:.2f} |"
+        )
     return "\n".join(lines)
 
 
 def agreement_markdown(rows: list[dict]) -> str:
-    lines = ["| workload | codec | prompts | top-1 agreement (teacher-forced) | identical tokens before first difference (mean) | answers identical |",
-             "|" + "---|" * 6]  # fmt: skip
+    lines = [
+        "| workload | codec | prompts | top-1 agreement (teacher-forced) | identical tokens before first "
+        "difference (mean) | answers identical |",
+        "|" + "---|" * 6,
+    ]
     for r in rows:
-        lines.append(f"| {r['workload']} | {r['codec']} | {r['prompts']} | {100 * r['top1']:.1f}% "
-                     f"| {r['mean_identical_run']:.1f} of {r['mean_answer_tokens']:.1f} | {r['whole_answers']}/{r['prompts']} |")  # fmt: skip
+        lines.append(
+            f"| {r['workload']} | {r['codec']} | {r['prompts']} | {100 * r['top1']:.1f}% "
+            f"| {r['mean_identical_run']:.1f} of {r['mean_answer_tokens']:.1f} | {r['whole_answers']}/{r['prompts']} |"
+        )
     return "\n".join(lines)
 
 
@@ -221,9 +259,21 @@ def main() -> None:
     print()
     print(agreement_markdown(agreement))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"args": vars(args), "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                                          "commit": _commit(), "spans": pipe.bounds, "wire": wire, "agreement": agreement,
-                                          "per_prompt": per_prompt, "wall_seconds": time.time() - began}, indent=1))  # fmt: skip
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "args": vars(args),
+                "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                "commit": _commit(),
+                "spans": pipe.bounds,
+                "wire": wire,
+                "agreement": agreement,
+                "per_prompt": per_prompt,
+                "wall_seconds": time.time() - began,
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

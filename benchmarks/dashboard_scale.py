@@ -75,34 +75,43 @@ async def page_figures(dashboard: Dashboard, rows: int, screenshot: Optional[Pat
         with Chromium(binary) as browser:
             page = await Page.open(browser)
             try:
-                await page.call("Emulation.setDeviceMetricsOverride", width=1280, height=900, deviceScaleFactor=1, mobile=False)
+                await page.call(
+                    "Emulation.setDeviceMetricsOverride", width=1280, height=900, deviceScaleFactor=1, mobile=False
+                )
                 await page.navigate(f"http://127.0.0.1:{port}/")
                 shown_ms = await page.evaluate(
                     "new Promise((done) => { const f = () => " + ROWS + f" >= {rows} ? done(performance.now()) "
                     ": setTimeout(f, 5); f(); })"
-                )  # fmt: skip
+                )
                 facts = await page.evaluate(
                     "({rows: " + ROWS + ", overflow: document.documentElement.scrollWidth - window.innerWidth, "
                     "height: document.documentElement.scrollHeight})"
-                )  # fmt: skip
+                )
                 if screenshot is not None:
                     await asyncio.sleep(0.5)
                     await page.screenshot(screenshot, full_page=False)
                 # the next page: click, until its first row (another server) is in the table
                 next_ms = await page.evaluate(
                     "new Promise((done) => { const b = document.querySelector('.pager button[data-page=\"2\"]');"
-                    " if (!b) { done(null); return; } const first = document.querySelector('table.servers tbody tr').dataset.peer;"
+                    " if (!b) { done(null); return; } const first = document.querySelector('table.servers "
+                    "tbody tr').dataset.peer;"
                     " const t0 = performance.now(); b.click(); const f = () => { const r = document.querySelector("
-                    "'table.servers tbody tr'); r && r.dataset.peer !== first ? done(performance.now() - t0) : setTimeout(f, 5); }; f(); })"
-                )  # fmt: skip
+                    "'table.servers tbody tr'); r && r.dataset.peer !== first ? done(performance.now() - "
+                    "t0) : setTimeout(f, 5); }; f(); })"
+                )
                 errors = list(page.errors)
             finally:
                 await page.close()
     finally:
         await runner.cleanup()
-    out = {"page_rows_ms": round(shown_ms, 1), "page_rows": facts["rows"], "page_overflow_px": facts["overflow"],
-           "page_height_px": facts["height"], "page_next_ms": None if next_ms is None else round(next_ms, 1),
-           "page_errors": errors}  # fmt: skip
+    out = {
+        "page_rows_ms": round(shown_ms, 1),
+        "page_rows": facts["rows"],
+        "page_overflow_px": facts["overflow"],
+        "page_height_px": facts["height"],
+        "page_next_ms": None if next_ms is None else round(next_ms, 1),
+        "page_errors": errors,
+    }
     if screenshot is not None:
         out["screenshot_kib"] = round(screenshot.stat().st_size / 1024, 1)
     return out

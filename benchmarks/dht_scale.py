@@ -75,7 +75,9 @@ from protocol.validation import PeerIdSignatureValidator
 KEYS_PATH = os.path.expanduser("~/.cache/specswarm/dht_scale_identities.msgpack")
 UPDATE_PERIOD = 15.0  # server.server_config.ServerConfig's default
 LOCALHOST = ["/ip4/127.0.0.1/tcp/0"]
-NODE_OPTIONS = dict(wait_timeout=30.0, startup_timeout=90.0)  # hivemind: pings time out after 3 s, p2pd start after 15 s: too short on a loaded machine
+NODE_OPTIONS = dict(
+    wait_timeout=30.0, startup_timeout=90.0
+)  # hivemind: pings time out after 3 s, p2pd start after 15 s: too short on a loaded machine
 PEERS_PER_PROCESS = 10  # the default --processes: about one worker process per this many peers
 WORKER_TIMEOUT = 1800.0  # seconds a worker may take to answer a command (starting its peers on a loaded machine)
 
@@ -166,10 +168,14 @@ class Swarm:
             self.maddrs = [str(m) for m in await node.get_visible_maddrs()]
 
         async def more(n: int) -> None:
-            nodes = await asyncio.gather(*(
-                DHTNode.create(initial_peers=self.maddrs, record_validator=self.signer, host_maddrs=LOCALHOST, **NODE_OPTIONS)
-                for _ in range(n)
-            ))  # fmt: skip
+            nodes = await asyncio.gather(
+                *(
+                    DHTNode.create(
+                        initial_peers=self.maddrs, record_validator=self.signer, host_maddrs=LOCALHOST, **NODE_OPTIONS
+                    )
+                    for _ in range(n)
+                )
+            )
             self.peers.extend(nodes)
 
         if initial_peers is None:
@@ -180,7 +186,11 @@ class Swarm:
             self.run(more(min(batch, count - len(self.peers))))
 
     def client(self) -> LoopDHT:
-        node = self.run(DHTNode.create(initial_peers=self.maddrs, record_validator=ServersSigner(), client_mode=True, **NODE_OPTIONS))
+        node = self.run(
+            DHTNode.create(
+                initial_peers=self.maddrs, record_validator=ServersSigner(), client_mode=True, **NODE_OPTIONS
+            )
+        )
         self.clients.append(node)
         return LoopDHT(node, self.loop)
 
@@ -208,13 +218,17 @@ class Swarm:
         for host, record in list(self.refreshing.values()):
             if isinstance(record, ServerInfo) or hostile_expiration is not None:
                 by_host.setdefault(host, []).append(record)
-        futures = [self._announce(host, records, num_blocks, expiration, hostile_expiration or expiration)
-                   for host, records in by_host.items()]  # fmt: skip
+        futures = [
+            self._announce(host, records, num_blocks, expiration, hostile_expiration or expiration)
+            for host, records in by_host.items()
+        ]
         for future in futures:
             with suppress(CancelledError):  # its host vanished mid-round (see vanish)
                 future.result()
 
-    def _announce(self, host: int, records: list[Any], num_blocks: int, expiration: float, hostile_expiration: float) -> Future:
+    def _announce(
+        self, host: int, records: list[Any], num_blocks: int, expiration: float, hostile_expiration: float
+    ) -> Future:
         """``peers[host]``'s stores of ``records``, launched on the loop (cancelled at once if the
         host has vanished since the round began)."""
         dht = LoopDHT(self.peers[host], self.loop)
@@ -222,8 +236,10 @@ class Swarm:
         hostile = [r for r in records if not isinstance(r, ServerInfo)]
 
         async def go() -> None:
-            stores = [asyncio.wrap_future(announce(dht, info, expiration, wait=False, num_blocks=num_blocks))
-                      for info in honest]  # fmt: skip
+            stores = [
+                asyncio.wrap_future(announce(dht, info, expiration, wait=False, num_blocks=num_blocks))
+                for info in honest
+            ]
             for raw in hostile:  # under every block key the record claims (at most the model's)
                 blocks = range(max(0, int(raw["start_block"])), min(int(raw["end_block"]), num_blocks))
                 keys = [block_key(MODEL, b) for b in blocks] + [MODELS_KEY]
@@ -614,7 +630,13 @@ def real_ids(swarm: SyntheticSwarm, ids: list[Identity]) -> tuple[list[ServerInf
 
 
 def measure(
-    peers: int, servers: int, blocks: int, fetches: int, period: float, seed: int, refresh: bool = True,
+    peers: int,
+    servers: int,
+    blocks: int,
+    fetches: int,
+    period: float,
+    seed: int,
+    refresh: bool = True,
     processes: int | None = None,
 ) -> dict:
     """Every figure of the module docstring; with ``refresh=False`` the records are stored once
@@ -628,10 +650,13 @@ def measure(
     processes = max(1, min(peers, default_processes(peers) if processes is None else processes))
     swarm: AnySwarm = Swarm(ServersSigner(ids)) if processes == 1 else ProcessSwarm(ids, processes)
     result: dict[str, Any] = {
-        "peers": peers, "servers": servers, "blocks": blocks, "processes": processes,
+        "peers": peers,
+        "servers": servers,
+        "blocks": blocks,
+        "processes": processes,
         "update_period_s": period if refresh else None,
         "gomemlimit": os.environ.get("GOMEMLIMIT"),  # the Go runtime's soft memory limit, inherited by every p2pd
-    }  # fmt: skip
+    }
     try:
         began = time.monotonic()
         swarm.start_peers(peers)
@@ -729,10 +754,14 @@ def _dead_server(swarm: AnySwarm, client: LoopDHT, honest: list[ServerInfo], blo
     return _until(lambda: victim not in {s.peer_id for s in fetch_servers(client, MODEL, blocks)}, began)
 
 
-def _vanish(swarm: AnySwarm, client: LoopDHT, blocks: int, rng: random.Random, fetches: int, period: float, refresh: bool) -> dict:
+def _vanish(
+    swarm: AnySwarm, client: LoopDHT, blocks: int, rng: random.Random, fetches: int, period: float, refresh: bool
+) -> dict:
     """20% of the peers (never the first, the client's entry point) vanish at once."""
     victims = rng.sample(range(1, swarm.peer_count), max(1, swarm.peer_count // 5))
-    alive = {s for s, (host, record) in swarm.refreshing.items() if host not in victims and isinstance(record, ServerInfo)}
+    alive = {
+        s for s, (host, record) in swarm.refreshing.items() if host not in victims and isinstance(record, ServerInfo)
+    }
     swarm.vanish(victims)
     times, seen = _fetch_times(client, blocks, fetches)
     out = {f"vanished_{k}": v for k, v in _figures("fetch", times).items()}

@@ -28,10 +28,10 @@ def main() -> None:
     torch.set_num_threads(1)
     from transformers import AutoConfig
 
+    from protocol.models import ensure_smollm2_checkpoint
     from server.adapters import load_span
     from server.tail_drafter import build_tail_drafter, committed_drafter
     from server.weights import Checkpoint
-    from protocol.models import ensure_smollm2_checkpoint
 
     source = str(ensure_smollm2_checkpoint())
     config = AutoConfig.from_pretrained(source)
@@ -56,8 +56,13 @@ def main() -> None:
         tail_ms.append(1000 * (middle - began))
         head_ms.append(1000 * (end - middle))
         assert len(drafts) >= 1
-    result = dict(head=str(path), drafts=args.drafts, tail_run_ms=statistics.median(tail_ms),
-                  drafter_ms=statistics.median(head_ms), threads=1)  # fmt: skip
+    result = dict(
+        head=str(path),
+        drafts=args.drafts,
+        tail_run_ms=statistics.median(tail_ms),
+        drafter_ms=statistics.median(head_ms),
+        threads=1,
+    )
     print(json.dumps(result, indent=1))
     Path(args.out).write_text(json.dumps(result, indent=1))
 

@@ -57,7 +57,14 @@ def run(make: Callable[[], Drafter], stream: list[int]) -> tuple[float, ...]:
         truth = stream[i + 1 : i + 1 + len(draft)]
         correct += next((j for j, (a, b) in enumerate(zip(draft, truth)) if a != b), len(truth))
     laps.sort()
-    return statistics.median(laps), laps[int(0.99 * len(laps))], reset_ms, drafted / LAPS, correct / LAPS, statistics.median(hedges)
+    return (
+        statistics.median(laps),
+        laps[int(0.99 * len(laps))],
+        reset_ms,
+        drafted / LAPS,
+        correct / LAPS,
+        statistics.median(hedges),
+    )
 
 
 def hedge(drafter: Drafter, draft: list[int], width: int = 2, limit: int = 16) -> None:

@@ -37,6 +37,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from benchmarks.prompts import CODE_EDITING, OPEN_CHAT
 from benchmarks.wan import _commit
 from protocol.messages import SamplingParams
+from protocol.models import ensure_smollm2_checkpoint
 from protocol.sampling import (
     check_draft_q,
     choose_token,
@@ -46,7 +47,6 @@ from protocol.sampling import (
     processed_scores,
     verify_rejection,
 )
-from protocol.models import ensure_smollm2_checkpoint
 
 SETTINGS = {
     "T=0.8, top-k 50": SamplingParams(do_sample=True, temperature=0.8, top_k=50),
@@ -72,7 +72,9 @@ def positions(target, tokenizer, prompts: list[str], tokens: int) -> list[tuple[
         ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
         torch.manual_seed(i)
         with torch.no_grad():
-            full = target.generate(torch.tensor([ids]), max_new_tokens=tokens, do_sample=True, temperature=0.8, top_k=50)
+            full = target.generate(
+                torch.tensor([ids]), max_new_tokens=tokens, do_sample=True, temperature=0.8, top_k=50
+            )
         out.append((full[0].tolist(), len(ids)))
     return out
 
@@ -150,7 +152,10 @@ def main() -> None:
     samples = positions(target, tokenizer, prompts, args.tokens)
     p_rows = [rows(target, ids) for ids, _ in samples]
     drafters = {
-        f"layer-skip ({SKIP_BLOCKS}/30 blocks)": ([(p, rows(skip, ids)) for p, (ids, _) in zip(p_rows, samples)], False),
+        f"layer-skip ({SKIP_BLOCKS}/30 blocks)": (
+            [(p, rows(skip, ids)) for p, (ids, _) in zip(p_rows, samples)],
+            False,
+        ),
         f"hot target ({HOT}x temperature)": ([(p, p) for p in p_rows], True),
     }
     accept = {}
@@ -159,8 +164,10 @@ def main() -> None:
     for name, (pairs, hot) in drafters.items():
         for setting, params in SETTINGS.items():
             r = accept[f"{name} | {setting}"] = acceptance(samples, pairs, params, args.seeds, hot)
-            print(f"| {name} | {setting} | {r['positions']} | {r['exact_match']:.3f} | {r['measured_match']:.3f} | "
-                  f"{r['exact_rejection']:.3f} | {r['measured_rejection']:.3f} |")  # fmt: skip
+            print(
+                f"| {name} | {setting} | {r['positions']} | {r['exact_match']:.3f} | {r['measured_match']:.3f} | "
+                f"{r['exact_rejection']:.3f} | {r['measured_rejection']:.3f} |"
+            )
     full = SamplingParams(do_sample=True)
     layer_skip = drafters[f"layer-skip ({SKIP_BLOCKS}/30 blocks)"][0]
     tv = {f"T=1.0, no top-k/top-p, K={k}": tv_error(samples, layer_skip, full, k) for k in (8, 16, 32, 64)}
@@ -169,10 +176,19 @@ def main() -> None:
     print("\n| layer-skip drafter, sampling and K | mean TV error of the committed token |\n|---|---|")
     for name, value in tv.items():
         print(f"| {name} | {value:.2e} |")
-    Path(args.out).write_text(json.dumps({
-        "args": vars(args), "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": _commit(),
-        "seconds": round(time.perf_counter() - began, 1), "acceptance": accept, "tv_error": tv,
-    }, indent=2))  # fmt: skip
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "args": vars(args),
+                "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                "commit": _commit(),
+                "seconds": round(time.perf_counter() - began, 1),
+                "acceptance": accept,
+                "tv_error": tv,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -47,13 +47,21 @@ def run(delay: float, tokens: int) -> dict:
         model.generate(ids, max_new_tokens=4, speculation=None)  # warm connections
         base = model.generate(ids, max_new_tokens=tokens, speculation=None)
         normal = model.last_generation_stats
-        out = model.generate(ids, max_new_tokens=tokens, speculation=None, streamer=KillMiddleAt(swarm, model, tokens // 3))
+        out = model.generate(
+            ids, max_new_tokens=tokens, speculation=None, streamer=KillMiddleAt(swarm, model, tokens // 3)
+        )
         failed = model.last_generation_stats
         assert out.tolist() == base.tolist(), "failover changed the output"
         model.shutdown()
     lap = normal.wall_time / normal.laps
-    return dict(delay_ms=delay, normal_lap_s=lap, failovers=failed.failovers, failover_s=failed.failover_time,
-                failover_laps=failed.failover_time / lap, extra_wall_s=failed.wall_time - normal.wall_time)  # fmt: skip
+    return dict(
+        delay_ms=delay,
+        normal_lap_s=lap,
+        failovers=failed.failovers,
+        failover_s=failed.failover_time,
+        failover_laps=failed.failover_time / lap,
+        extra_wall_s=failed.wall_time - normal.wall_time,
+    )
 
 
 def main() -> None:
@@ -62,10 +70,16 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=48)
     args = p.parse_args()
     rows = [run(d, args.tokens) for d in args.delays]
-    print("| delay/hop | normal lap | failovers | failure -> next token | in laps | extra wall time |\n|---|---|---|---|---|---|")
+    print(
+        "| delay/hop | normal lap | failovers | failure -> next token | in laps | extra wall time "
+        "|\n|---|---|---|---|---|---|"
+    )
     for r in rows:
-        print(f"| {r['delay_ms']:.0f} ms | {1000 * r['normal_lap_s']:.0f} ms | {r['failovers']} | {r['failover_s']:.2f} s "
-              f"| {r['failover_laps']:.1f} | {r['extra_wall_s']:.2f} s |")
+        print(
+            f"| {r['delay_ms']:.0f} ms | {1000 * r['normal_lap_s']:.0f} ms | {r['failovers']} | "
+            f"{r['failover_s']:.2f} s "
+            f"| {r['failover_laps']:.1f} | {r['extra_wall_s']:.2f} s |"
+        )
 
 
 if __name__ == "__main__":

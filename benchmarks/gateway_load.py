@@ -38,13 +38,20 @@ SERVER_ARGS = ["--torch-threads", "1", "--log-level", "WARNING", "--update-perio
 RESULTS = Path("benchmarks/results")
 
 
-def scenario(target: str, tokenizer: str, levels: list[int], requests: int, prompt_tokens: int, output_tokens: int,
-             report: Path) -> dict[str, Any]:  # fmt: skip
+def scenario(
+    target: str, tokenizer: str, levels: list[int], requests: int, prompt_tokens: int, output_tokens: int, report: Path
+) -> dict[str, Any]:
     """guidellm's scenario file: one concurrent benchmark per level, ``requests`` requests each."""
     return {
         "spec": {
-            "backend": {"kind": "openai_http", "target": target, "model": MODEL, "request_format": "/v1/completions",
-                        "extras": {"body": {"temperature": 0}}, "timeout": 600},  # fmt: skip
+            "backend": {
+                "kind": "openai_http",
+                "target": target,
+                "model": MODEL,
+                "request_format": "/v1/completions",
+                "extras": {"body": {"temperature": 0}},
+                "timeout": 600,
+            },
             "profile": {"kind": "concurrent", "streams": levels[0]},
             "data": [{"kind": "synthetic_text", "prompt_tokens": prompt_tokens, "output_tokens": output_tokens}],
             "tokenizer": {"kind": "hf_auto", "model": tokenizer},
@@ -117,11 +124,20 @@ def main() -> None:
     scenario_path = Path(args.out).with_name("gateway_load_scenario.json")
     with LocalSwarm(MODEL, 3, server_args=SERVER_ARGS, log_dir=str(logs)) as swarm:
         url = swarm.start_api(0)
-        spec = scenario(url.removesuffix("/v1"), str(ensure_smollm2_checkpoint()), args.concurrency, args.requests,
-                        args.prompt_tokens, args.output_tokens, report_path)  # fmt: skip
+        spec = scenario(
+            url.removesuffix("/v1"),
+            str(ensure_smollm2_checkpoint()),
+            args.concurrency,
+            args.requests,
+            args.prompt_tokens,
+            args.output_tokens,
+            report_path,
+        )
         scenario_path.write_text(json.dumps(spec, indent=2))
         began = time.perf_counter()
-        subprocess.run([args.guidellm, "run", "--scenario", str(scenario_path), "--disable-console-interactive"], check=True)
+        subprocess.run(
+            [args.guidellm, "run", "--scenario", str(scenario_path), "--disable-console-interactive"], check=True
+        )
         load_time = time.perf_counter() - began
         report = json.loads(report_path.read_text())
         rows, identical, replayed = [], 0, 0
@@ -130,13 +146,26 @@ def main() -> None:
             for request in completed_requests(benchmark):
                 replayed += 1
                 identical += replay(url, request)
-    result = {"model": MODEL, "servers": 3, "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
-              "levels": rows, "replayed": replayed, "identical_alone": identical, "load_seconds": round(load_time, 1)}  # fmt: skip
+    result = {
+        "model": MODEL,
+        "servers": 3,
+        "prompt_tokens": args.prompt_tokens,
+        "output_tokens": args.output_tokens,
+        "levels": rows,
+        "replayed": replayed,
+        "identical_alone": identical,
+        "load_seconds": round(load_time, 1),
+    }
     Path(args.out).write_text(json.dumps(result, indent=2))
-    print(f"{'concurrency':>11} {'requests':>8} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p95':>9} {'ITL p50':>8} {'ITL p95':>8}")
+    print(
+        f"{'concurrency':>11} {'requests':>8} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p95':>9} "
+        f"{'ITL p50':>8} {'ITL p95':>8}"
+    )
     for r in rows:
-        print(f"{r['concurrency']:>11} {r['requests']:>8} {r['output_tokens_per_s']:>9.1f} {r['ttft_ms_p50']:>7.0f}ms "
-              f"{r['ttft_ms_p95']:>7.0f}ms {r['itl_ms_p50']:>6.0f}ms {r['itl_ms_p95']:>6.0f}ms")  # fmt: skip
+        print(
+            f"{r['concurrency']:>11} {r['requests']:>8} {r['output_tokens_per_s']:>9.1f} {r['ttft_ms_p50']:>7.0f}ms "
+            f"{r['ttft_ms_p95']:>7.0f}ms {r['itl_ms_p50']:>6.0f}ms {r['itl_ms_p95']:>6.0f}ms"
+        )
     print(f"token-identical to the same request alone: {identical}/{replayed}")
     if identical != replayed:
         raise SystemExit("some requests under load differ from the same request alone")

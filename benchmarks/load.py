@@ -40,11 +40,39 @@ from swarm.local import LocalSwarm
 
 # 32 distinct prompts, each one chat turn (SmolLM2-135M-Instruct's template)
 TOPICS = [
-    "the moon", "rivers", "bread", "bicycles", "volcanoes", "honeybees", "libraries", "winter", "trains",
-    "coffee", "the ocean", "owls", "clocks", "deserts", "music", "bridges", "apples", "thunderstorms",
-    "chess", "lighthouses", "forests", "paper", "glaciers", "cats", "windmills", "salt", "maps", "rain",
-    "mountains", "candles", "gardens", "the alphabet",
-]  # fmt: skip
+    "the moon",
+    "rivers",
+    "bread",
+    "bicycles",
+    "volcanoes",
+    "honeybees",
+    "libraries",
+    "winter",
+    "trains",
+    "coffee",
+    "the ocean",
+    "owls",
+    "clocks",
+    "deserts",
+    "music",
+    "bridges",
+    "apples",
+    "thunderstorms",
+    "chess",
+    "lighthouses",
+    "forests",
+    "paper",
+    "glaciers",
+    "cats",
+    "windmills",
+    "salt",
+    "maps",
+    "rain",
+    "mountains",
+    "candles",
+    "gardens",
+    "the alphabet",
+]
 PROMPTS = [f"Write two sentences about {topic}." for topic in TOPICS]
 SERVER_ARGS = ["--torch-threads", "1", "--log-level", "WARNING", "--update-period", "2"]
 
@@ -114,9 +142,12 @@ def client_cpu(servers: list[int]) -> float:
 
 def cpu_snapshot(server_pids: list[int]) -> dict[str, float]:
     busy = psutil.cpu_times()
-    return dict(servers=sum(tree_cpu(pid) for pid in server_pids), client=client_cpu(server_pids),
-                machine_busy=busy.user + busy.system + busy.nice + getattr(busy, "irq", 0) + getattr(busy, "softirq", 0),
-                at=time.perf_counter())  # fmt: skip
+    return dict(
+        servers=sum(tree_cpu(pid) for pid in server_pids),
+        client=client_cpu(server_pids),
+        machine_busy=busy.user + busy.system + busy.nice + getattr(busy, "irq", 0) + getattr(busy, "softirq", 0),
+        at=time.perf_counter(),
+    )
 
 
 class Sampler(threading.Thread):
@@ -148,7 +179,9 @@ class Sampler(threading.Thread):
                         self.records += 1
                         self.budget[name] = info.cache_tokens
                         seen = self.min_free[name]
-                        self.min_free[name] = info.free_cache_tokens if seen is None else min(seen, info.free_cache_tokens)
+                        self.min_free[name] = (
+                            info.free_cache_tokens if seen is None else min(seen, info.free_cache_tokens)
+                        )
             self._halt.wait(self.period)
 
     def stop(self) -> None:
@@ -184,8 +217,14 @@ async def one_session(model, row: list[int], tokens: int, speculation: Optional[
     except Exception as e:  # noqa: BLE001 - counted and reported below
         return dict(tokens=out, error=f"{type(e).__name__}: {e}", busy=busy_error(e), wall=time.perf_counter() - began)
     laps = [b - a for a, b in zip(stamps, stamps[1:])]
-    return dict(tokens=out, error=None, busy=False, laps=laps, first=stamps[0] - began if stamps else None,
-                wall=time.perf_counter() - began)  # fmt: skip
+    return dict(
+        tokens=out,
+        error=None,
+        busy=False,
+        laps=laps,
+        first=stamps[0] - began if stamps else None,
+        wall=time.perf_counter() - began,
+    )
 
 
 async def load(model, rows: list[list[int]], tokens: int, speculation: Optional[str] = None) -> list[dict]:
@@ -219,9 +258,12 @@ def cpu_row(before: dict[str, float], after: dict[str, float], tokens: int) -> d
     milliseconds each generated token cost in all."""
     wall = after["at"] - before["at"]
     servers, client = after["servers"] - before["servers"], after["client"] - before["client"]
-    return dict(cpu_servers_s=servers, cpu_client_s=client,
-                machine_busy=(after["machine_busy"] - before["machine_busy"]) / (wall * psutil.cpu_count()),
-                cpu_ms_per_token=1000 * (servers + client) / max(1, tokens))  # fmt: skip
+    return dict(
+        cpu_servers_s=servers,
+        cpu_client_s=client,
+        machine_busy=(after["machine_busy"] - before["machine_busy"]) / (wall * psutil.cpu_count()),
+        cpu_ms_per_token=1000 * (servers + client) / max(1, tokens),
+    )
 
 
 def phase_row(results: list[dict], expected: list[list[int]], wall: float, before: dict, after: dict) -> dict:
@@ -233,12 +275,19 @@ def phase_row(results: list[dict], expected: list[list[int]], wall: float, befor
     runs = sum(after[n][1] - before[n][1] for n in after)
     positions = sum(after[n][2] - before[n][2] for n in after)
     return dict(
-        sessions=len(results), identical=sum(1 for r, e in zip(results, expected) if r["error"] is None and r["tokens"] == e),
-        errors=[r["error"] for r in results if r["error"] is not None], wall_s=wall, tokens=tokens,
-        aggregate_tps=tokens / wall, per_session_tps=statistics.median(len(r["tokens"]) / r["wall"] for r in ok) if ok else None,
-        lap_p50_ms=1000 * statistics.median(laps) if laps else None, lap_p95_ms=1000 * percentile(laps, 0.95) if laps else None,
-        passes=passes, runs_per_pass=runs / max(1, passes), positions_per_pass=positions / max(1, passes),
-    )  # fmt: skip
+        sessions=len(results),
+        identical=sum(1 for r, e in zip(results, expected) if r["error"] is None and r["tokens"] == e),
+        errors=[r["error"] for r in results if r["error"] is not None],
+        wall_s=wall,
+        tokens=tokens,
+        aggregate_tps=tokens / wall,
+        per_session_tps=statistics.median(len(r["tokens"]) / r["wall"] for r in ok) if ok else None,
+        lap_p50_ms=1000 * statistics.median(laps) if laps else None,
+        lap_p95_ms=1000 * percentile(laps, 0.95) if laps else None,
+        passes=passes,
+        runs_per_pass=runs / max(1, passes),
+        positions_per_pass=positions / max(1, passes),
+    )
 
 
 def batching_main(args, rows: list[list[int]], expected: list[list[int]]) -> None:
@@ -257,11 +306,22 @@ def batching_main(args, rows: list[list[int]], expected: list[list[int]]) -> Non
             for batching, window in arms_wanted:
                 arm = f"on-{window:g}ms" if batching else "off"
                 log_dir = f"{args.log_dir}-batching-{arm}-{delay:g}ms"
-                server_args = ["--torch-threads", "1", "--log-level", "INFO", "--update-period", "5",
-                               "--cache-tokens", str(args.cache_tokens), "--gather-window-ms", str(window),
-                               *([] if batching else ["--no-batching"])]  # fmt: skip
-                swarm = stack.enter_context(LocalSwarm(args.model, 3, hop_delay_ms=delay, server_args=server_args,
-                                                       names=names, log_dir=log_dir))  # fmt: skip
+                server_args = [
+                    "--torch-threads",
+                    "1",
+                    "--log-level",
+                    "INFO",
+                    "--update-period",
+                    "5",
+                    "--cache-tokens",
+                    str(args.cache_tokens),
+                    "--gather-window-ms",
+                    str(window),
+                    *([] if batching else ["--no-batching"]),
+                ]
+                swarm = stack.enter_context(
+                    LocalSwarm(args.model, 3, hop_delay_ms=delay, server_args=server_args, names=names, log_dir=log_dir)
+                )
                 model = batching_client(args, swarm, rows[0])
                 stack.callback(model.shutdown)
                 arms.append((batching, window, log_dir, model, [process.pid for process in swarm.servers]))
@@ -270,35 +330,48 @@ def batching_main(args, rows: list[list[int]], expected: list[list[int]]) -> Non
             for mode in args.modes:
                 for count in args.counts:
                     for batching, window, log_dir, model, pids in arms:
-                        row = batching_phase(args, model, rows[:count], expected[:count], mode, log_dir, names, counters,
-                                             pids)  # fmt: skip
-                        row.update(delay_ms=delay, batching=batching, gather_window_ms=window if batching else None,
-                                   speculation=mode)  # fmt: skip
+                        row = batching_phase(
+                            args, model, rows[:count], expected[:count], mode, log_dir, names, counters, pids
+                        )
+                        row.update(
+                            delay_ms=delay,
+                            batching=batching,
+                            gather_window_ms=window if batching else None,
+                            speculation=mode,
+                        )
                         cells.append(row)
                         arm = f"on ({window:g} ms window)" if batching else "off"
-                        print(f"{delay:>3g} ms  batching {arm:<17} {mode:<6} {count:>2} sessions: "
-                              f"{row['aggregate_tps']:6.1f} tok/s in all, {row['per_session_tps']:5.1f} per session, lap p50 "
-                              f"{row['lap_p50_ms']:.0f} ms p95 {row['lap_p95_ms']:.0f} ms, {row['positions_per_pass']:.1f} "
-                              f"positions/pass, {row['identical']}/{count} identical; CPU: servers "
-                              f"{row['cpu_servers_s']:.1f} s, client {row['cpu_client_s']:.1f} s, machine "
-                              f"{100 * row['machine_busy']:.0f}% busy, {row['cpu_ms_per_token']:.0f} ms/token",
-                              flush=True)  # fmt: skip
+                        print(
+                            f"{delay:>3g} ms  batching {arm:<17} {mode:<6} {count:>2} sessions: "
+                            f"{row['aggregate_tps']:6.1f} tok/s in all, {row['per_session_tps']:5.1f} per "
+                            f"session, lap p50 "
+                            f"{row['lap_p50_ms']:.0f} ms p95 {row['lap_p95_ms']:.0f} ms, "
+                            f"{row['positions_per_pass']:.1f} "
+                            f"positions/pass, {row['identical']}/{count} identical; CPU: servers "
+                            f"{row['cpu_servers_s']:.1f} s, client {row['cpu_client_s']:.1f} s, machine "
+                            f"{100 * row['machine_busy']:.0f}% busy, {row['cpu_ms_per_token']:.0f} ms/token",
+                            flush=True,
+                        )
                         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-                        Path(args.out).write_text(json.dumps(dict(model=args.model, new_tokens=args.tokens, cells=cells), indent=1))
+                        Path(args.out).write_text(
+                            json.dumps(dict(model=args.model, new_tokens=args.tokens, cells=cells), indent=1)
+                        )
     print(batching_table(cells))
 
 
 def batching_client(args, swarm: LocalSwarm, warm_row: list[int]):
     from swarm import AutoDistributedModelForCausalLM
 
-    model = AutoDistributedModelForCausalLM.from_pretrained(args.model, initial_peers=swarm.initial_peers,
-                                                            request_timeout=args.request_timeout)  # fmt: skip
+    model = AutoDistributedModelForCausalLM.from_pretrained(
+        args.model, initial_peers=swarm.initial_peers, request_timeout=args.request_timeout
+    )
     model.generate(torch.tensor([warm_row]), max_new_tokens=2, speculation=None)  # warm connections
     return model
 
 
-def batching_phase(args, model, rows, expected, mode: str, log_dir: str, names: list[str], counters: dict,
-                   server_pids: list[int]) -> dict:  # fmt: skip
+def batching_phase(
+    args, model, rows, expected, mode: str, log_dir: str, names: list[str], counters: dict, server_pids: list[int]
+) -> dict:
     """One cell: ``rows`` as concurrent sessions on one swarm; its servers' counters are diffed
     against the last ones logged (``counters``, updated), and the CPU its servers and the client
     used is measured over the cell."""
@@ -321,12 +394,17 @@ def batching_table(cells: list[dict]) -> str:
     with each gather window."""
     arms = sorted({(c["batching"], c.get("gather_window_ms")) for c in cells}, key=lambda a: (a[0], a[1] or 0.0))
     names = " / ".join("off" if not on else f"on {window:g} ms" for on, window in arms)
-    lines = [f"| delay/hop | speculation | sessions | tok/s in all ({names}) | per session | vs 1 session (same arm) "
-             f"| lap p50 ms | lap p95 ms | positions per pass | identical |",
-             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    by_key = {(c["delay_ms"], c["speculation"], c["sessions"], c["batching"], c.get("gather_window_ms")): c for c in cells}
-    rows = sorted({(c["delay_ms"], c["speculation"], c["sessions"]) for c in cells},
-                  key=lambda r: (r[0], r[1] != "none", r[2]))  # fmt: skip
+    lines = [
+        f"| delay/hop | speculation | sessions | tok/s in all ({names}) | per session | vs 1 session (same arm) "
+        f"| lap p50 ms | lap p95 ms | positions per pass | identical |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    by_key = {
+        (c["delay_ms"], c["speculation"], c["sessions"], c["batching"], c.get("gather_window_ms")): c for c in cells
+    }
+    rows = sorted(
+        {(c["delay_ms"], c["speculation"], c["sessions"]) for c in cells}, key=lambda r: (r[0], r[1] != "none", r[2])
+    )
 
     def column(delay, mode, count, field: str, fmt: str) -> str:
         values = []
@@ -340,14 +418,18 @@ def batching_table(cells: list[dict]) -> str:
         for on, window in arms:
             cell, alone = by_key.get((delay, mode, count, on, window)), by_key.get((delay, mode, 1, on, window))
             ratios.append(f"{cell['aggregate_tps'] / alone['aggregate_tps']:.1f}x" if cell and alone else "-")
-        found = [by_key[(delay, mode, count, on, window)] for on, window in arms if (delay, mode, count, on, window) in by_key]
+        found = [
+            by_key[(delay, mode, count, on, window)]
+            for on, window in arms
+            if (delay, mode, count, on, window) in by_key
+        ]
         lines.append(
             f"| {delay:g} ms | {mode} | {count} | {column(delay, mode, count, 'aggregate_tps', '.1f')} "
             f"| {column(delay, mode, count, 'per_session_tps', '.2f')} | {' / '.join(ratios)} "
             f"| {column(delay, mode, count, 'lap_p50_ms', '.0f')} | {column(delay, mode, count, 'lap_p95_ms', '.0f')} "
             f"| {column(delay, mode, count, 'positions_per_pass', '.1f')} "
             f"| {sum(c['identical'] for c in found)}/{sum(c['sessions'] for c in found)} |"
-        )  # fmt: skip
+        )
     return "\n".join(lines)
 
 
@@ -359,29 +441,41 @@ def main() -> None:
     p.add_argument("--cache-tokens", type=int, default=1536, help="each server's KV budget (small on purpose)")
     p.add_argument("--request-timeout", type=float, default=120.0, help="generous: the machine is shared")
     p.add_argument("--log-dir", default="test-artifacts/bench-load")
-    p.add_argument("--out", default=None, help="default: benchmarks/results/load.json (load-batching.json with --batching)")
+    p.add_argument(
+        "--out", default=None, help="default: benchmarks/results/load.json (load-batching.json with --batching)"
+    )
     p.add_argument("--batching", action="store_true", help="servers' batching on and off side by side (issue #25)")
     p.add_argument("--delays", type=float, nargs="+", default=[0, 25], help="--batching: ms per hop")
     p.add_argument("--counts", type=int, nargs="+", default=[1, 4, 16, 32], help="--batching: concurrent sessions")
     p.add_argument("--modes", nargs="+", default=["none", "suffix"], help="--batching: speculation modes (none: off)")
-    p.add_argument("--gather-window-ms", type=float, nargs="+", default=[0.0, 2.0, 5.0],
-                   help="--batching: the servers' --gather-window-ms, one batching-on swarm per value")
+    p.add_argument(
+        "--gather-window-ms",
+        type=float,
+        nargs="+",
+        default=[0.0, 2.0, 5.0],
+        help="--batching: the servers' --gather-window-ms, one batching-on swarm per value",
+    )
     p.add_argument("--no-off", action="store_true", help="--batching: skip the swarms with batching off")
     args = p.parse_args()
     args.out = args.out or f"benchmarks/results/load{'-batching' if args.batching else ''}.json"
     torch.set_num_threads(1)
 
-    from swarm import AutoDistributedModelForCausalLM
-    from protocol.models import resolve_model
     from transformers import AutoTokenizer
+
+    from protocol.models import resolve_model
+    from swarm import AutoDistributedModelForCausalLM
 
     source = resolve_model(args.model).source
     tokenizer = AutoTokenizer.from_pretrained(source)
     if args.batching:  # enough cache that no session is refused
         args.sessions, args.cache_tokens = max(args.counts), max(args.cache_tokens, 65536)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.sessions)]
-    rows = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True,
-                                          return_dict=True)["input_ids"] for t in prompts]  # fmt: skip
+    rows = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
+        for t in prompts
+    ]
     t0 = time.perf_counter()
     expected = references(source, rows, args.tokens)
     print(f"references: {len(rows)} prompts in {time.perf_counter() - t0:.1f} s", flush=True)
@@ -391,8 +485,9 @@ def main() -> None:
     names = ["load-0", "load-1", "load-2"]
     server_args = SERVER_ARGS + ["--cache-tokens", str(args.cache_tokens)]
     with LocalSwarm(args.model, 3, server_args=server_args, names=names, log_dir=args.log_dir) as swarm:
-        model = AutoDistributedModelForCausalLM.from_pretrained(args.model, initial_peers=swarm.initial_peers,
-                                                                request_timeout=args.request_timeout)  # fmt: skip
+        model = AutoDistributedModelForCausalLM.from_pretrained(
+            args.model, initial_peers=swarm.initial_peers, request_timeout=args.request_timeout
+        )
         model.generate(torch.tensor([rows[0]]), max_new_tokens=2, speculation=None)  # warm connections
         time.sleep(3)  # let the warm-up session's release reach the records
         before = {n: tree_rss(s.pid) for n, s in zip(names, swarm.servers)}
@@ -414,28 +509,52 @@ def main() -> None:
     servers = {}
     for n in names:
         budget, low = sampler.budget.get(n), sampler.min_free.get(n)
-        servers[n] = dict(rss_before_mib=before[n] / 2**20, rss_peak_mib=sampler.peak_rss[n] / 2**20,
-                          rss_after_mib=after[n] / 2**20, cache_tokens=budget, min_free_cache_tokens=low,
-                          within_budget=low is not None and budget is not None and 0 <= low <= budget)  # fmt: skip
+        servers[n] = dict(
+            rss_before_mib=before[n] / 2**20,
+            rss_peak_mib=sampler.peak_rss[n] / 2**20,
+            rss_after_mib=after[n] / 2**20,
+            cache_tokens=budget,
+            min_free_cache_tokens=low,
+            within_budget=low is not None and budget is not None and 0 <= low <= budget,
+        )
     report = dict(
-        model=args.model, sessions=args.sessions, new_tokens=args.tokens, cache_tokens=args.cache_tokens,
-        identical=identical, busy=busy, differing=wrong, other_errors=other, wall_s=wall,
-        laps=len(laps), lap_median_s=statistics.median(laps) if laps else None,
-        lap_p95_s=percentile(laps, 0.95) if laps else None, servers=servers,
+        model=args.model,
+        sessions=args.sessions,
+        new_tokens=args.tokens,
+        cache_tokens=args.cache_tokens,
+        identical=identical,
+        busy=busy,
+        differing=wrong,
+        other_errors=other,
+        wall_s=wall,
+        laps=len(laps),
+        lap_median_s=statistics.median(laps) if laps else None,
+        lap_p95_s=percentile(laps, 0.95) if laps else None,
+        servers=servers,
         all_within_budget=all(s["within_budget"] for s in servers.values()),
-        session_wall_s=[r["wall"] for r in results], errors=[r["error"] for r in results],
-    )  # fmt: skip
+        session_wall_s=[r["wall"] for r in results],
+        errors=[r["error"] for r in results],
+    )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1))
-    print(f"{args.sessions} sessions x {args.tokens} tokens in {wall:.1f} s: {identical} token-identical, {busy} busy, "
-          f"{len(wrong)} differing, {len(other)} other errors")  # fmt: skip
+    print(
+        f"{args.sessions} sessions x {args.tokens} tokens in {wall:.1f} s: {identical} token-identical, {busy} busy, "
+        f"{len(wrong)} differing, {len(other)} other errors"
+    )
     if laps:
-        print(f"lap time: median {1000 * report['lap_median_s']:.0f} ms, p95 {1000 * report['lap_p95_s']:.0f} ms "
-              f"({len(laps)} laps)")  # fmt: skip
-    print("| server | RSS before | peak during | after | cache budget | lowest free | within budget |\n|---|---|---|---|---|---|---|")
+        print(
+            f"lap time: median {1000 * report['lap_median_s']:.0f} ms, p95 {1000 * report['lap_p95_s']:.0f} ms "
+            f"({len(laps)} laps)"
+        )
+    print(
+        "| server | RSS before | peak during | after | cache budget | lowest free | within budget "
+        "|\n|---|---|---|---|---|---|---|"
+    )
     for n, s in servers.items():
-        print(f"| {n} | {s['rss_before_mib']:.0f} MiB | {s['rss_peak_mib']:.0f} MiB | {s['rss_after_mib']:.0f} MiB "
-              f"| {s['cache_tokens']} | {s['min_free_cache_tokens']} | {s['within_budget']} |")  # fmt: skip
+        print(
+            f"| {n} | {s['rss_before_mib']:.0f} MiB | {s['rss_peak_mib']:.0f} MiB | {s['rss_after_mib']:.0f} MiB "
+            f"| {s['cache_tokens']} | {s['min_free_cache_tokens']} | {s['within_budget']} |"
+        )
     for i, e in other:
         print(f"session {i}: {e}")
 

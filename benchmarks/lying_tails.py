@@ -42,8 +42,12 @@ def kinds(prompt_len: int) -> dict[str, list[str]]:
     return {
         "second choice, 30% of laps": ["--lie-in-verdicts", "0.3", "--lie", "second"],
         "random token, 30% of laps": ["--lie-in-verdicts", "0.3", "--lie", "random"],
-        f"only after position {prompt_len + LIE_AFTER}": ["--lie-in-verdicts", "1", "--lie-after",
-                                                          str(prompt_len + LIE_AFTER)],  # fmt: skip
+        f"only after position {prompt_len + LIE_AFTER}": [
+            "--lie-in-verdicts",
+            "1",
+            "--lie-after",
+            str(prompt_len + LIE_AFTER),
+        ],
         "only on short laps (<= 2 positions)": ["--lie-in-verdicts", "1", "--lie-short", "2"],
         "1% of laps": ["--lie-in-verdicts", "0.01"],
         "10% of laps": ["--lie-in-verdicts", "0.1"],
@@ -55,7 +59,9 @@ def kinds(prompt_len: int) -> dict[str, list[str]]:
 def lies_in(log: Path) -> list[int]:
     """The positions of the lies a liar's log records so far."""
     text = log.read_text(errors="replace") if log.exists() else ""
-    return [int(p) for p in re.findall(r"Fault injection: verdict on run \d+ says \d+, not \d+, at position (\d+)", text)]
+    return [
+        int(p) for p in re.findall(r"Fault injection: verdict on run \d+ says \d+, not \d+, at position (\d+)", text)
+    ]
 
 
 def left_at(events: list[str]) -> int | None:
@@ -83,13 +89,16 @@ def connect(swarm, *routes):
     from benchmarks.spot_checks import PreferredRoutes
     from swarm import AutoDistributedModelForCausalLM
 
-    model = AutoDistributedModelForCausalLM.from_pretrained("smollm2-135m", initial_peers=swarm.initial_peers,
-                                                            request_timeout=60.0)  # fmt: skip
+    model = AutoDistributedModelForCausalLM.from_pretrained(
+        "smollm2-135m", initial_peers=swarm.initial_peers, request_timeout=60.0
+    )
     model.swarm.router = PreferredRoutes(*routes)
     return model
 
 
-def one_kind(swarm, log_dir: Path, index: int, name: str, flags: list[str], prompt: list[int], references, args) -> dict:
+def one_kind(
+    swarm, log_dir: Path, index: int, name: str, flags: list[str], prompt: list[int], references, args
+) -> dict:
     import torch
 
     from client._swarm import ExclusionList
@@ -117,15 +126,25 @@ def one_kind(swarm, log_dir: Path, index: int, name: str, flags: list[str], prom
                 expected = references(1000 + run if sampled else None)
                 first_lie = min(lies) - len(prompt) if lies else None
                 left = left_at(stats.spot_check_events)
-                row["runs"].append({
-                    "sampled": sampled, "exact": out[0, len(prompt):].tolist() == expected,
-                    "lies": len(lies), "convicted": peer in stats.liars_excluded, "first_lie_token": first_lie,
-                    "left_at_token": left, "detection_tokens": None if left is None or first_lie is None else left - first_lie,
-                    "new_tokens": stats.new_tokens, "laps": stats.laps, "laps_timed": stats.laps_timed,
-                    "verdict_audits": stats.verdict_audits, "verdict_audit_positions": stats.verdict_audit_positions,
-                    "tokens_retracted": stats.tokens_retracted, "failovers": stats.failovers,
-                    "seconds": round(time.perf_counter() - began, 2),
-                })  # fmt: skip
+                row["runs"].append(
+                    {
+                        "sampled": sampled,
+                        "exact": out[0, len(prompt) :].tolist() == expected,
+                        "lies": len(lies),
+                        "convicted": peer in stats.liars_excluded,
+                        "first_lie_token": first_lie,
+                        "left_at_token": left,
+                        "detection_tokens": None if left is None or first_lie is None else left - first_lie,
+                        "new_tokens": stats.new_tokens,
+                        "laps": stats.laps,
+                        "laps_timed": stats.laps_timed,
+                        "verdict_audits": stats.verdict_audits,
+                        "verdict_audit_positions": stats.verdict_audit_positions,
+                        "tokens_retracted": stats.tokens_retracted,
+                        "failovers": stats.failovers,
+                        "seconds": round(time.perf_counter() - began, 2),
+                    }
+                )
                 print(f"  {name} run {run} {'sampled' if sampled else 'greedy'}: {row['runs'][-1]}", flush=True)
         if "--claim-factor" in flags:
             claim = records[liar].throughput
@@ -135,8 +154,11 @@ def one_kind(swarm, log_dir: Path, index: int, name: str, flags: list[str], prom
             model.swarm.router = MaxFlowRouter()  # the client's own router, on what it measured
             model.generate(torch.tensor([prompt]), max_new_tokens=8)
             row["next_route_tail_is_liar"] = model.last_generation_stats.route[-1][0] == peer
-            print(f"  {name}: claim {claim:.1f}, measured {row['measured']}, next route's tail is L: "
-                  f"{row['next_route_tail_is_liar']}", flush=True)  # fmt: skip
+            print(
+                f"  {name}: claim {claim:.1f}, measured {row['measured']}, next route's tail is L: "
+                f"{row['next_route_tail_is_liar']}",
+                flush=True,
+            )
     finally:
         model.shutdown()
         from swarm.local import kill_group
@@ -168,16 +190,25 @@ def cost(swarm, tokenizer, args) -> list[dict]:
             old = model.last_generation_stats
             model.verdict_audit_every = 16
             per_audit = old.spot_check_positions / max(1, sum(1 for e in old.spot_check_events if ": agree" in e))
-            rows.append({
-                "context": context, "new_tokens": new.new_tokens, "laps": new.laps, "hops": len(new.route),
-                "verdict_audits": new.verdict_audits, "verdict_audit_positions": new.verdict_audit_positions,
-                "verdict_positions_per_token": new.verdict_audit_positions / max(1, new.new_tokens),
-                "verdict_positions_per_token_after_prefill":
-                    (new.verdict_audit_positions - (context - 1) * len(new.route)) / max(1, new.new_tokens),
-                "spot_check_positions_per_audit": per_audit, "spot_check_events": old.spot_check_events,
-                "old_positions_per_lap_at_1_50": per_audit / 50,
-                "old_positions_per_token_at_1_50": per_audit / 50 * new.laps / max(1, new.new_tokens),
-            })  # fmt: skip
+            rows.append(
+                {
+                    "context": context,
+                    "new_tokens": new.new_tokens,
+                    "laps": new.laps,
+                    "hops": len(new.route),
+                    "verdict_audits": new.verdict_audits,
+                    "verdict_audit_positions": new.verdict_audit_positions,
+                    "verdict_positions_per_token": new.verdict_audit_positions / max(1, new.new_tokens),
+                    "verdict_positions_per_token_after_prefill": (
+                        new.verdict_audit_positions - (context - 1) * len(new.route)
+                    )
+                    / max(1, new.new_tokens),
+                    "spot_check_positions_per_audit": per_audit,
+                    "spot_check_events": old.spot_check_events,
+                    "old_positions_per_lap_at_1_50": per_audit / 50,
+                    "old_positions_per_token_at_1_50": per_audit / 50 * new.laps / max(1, new.new_tokens),
+                }
+            )
             print(f"  cost at {context} tokens of context: {rows[-1]}", flush=True)
     finally:
         model.shutdown()
@@ -189,20 +220,26 @@ def summarize(rows: list[dict]) -> dict:
     for row in rows:
         runs = row["runs"]
         lied = [r for r in runs if r["lies"]]
+        greedy = [r for r in runs if not r["sampled"]]
         summary[row["kind"]] = {
             "exact": f"{sum(r['exact'] for r in runs)} of {len(runs)}",
-            "greedy_exact": f"{sum(r['exact'] for r in runs if not r['sampled'])} of {sum(not r['sampled'] for r in runs)}",
+            "greedy_exact": f"{sum(r['exact'] for r in greedy)} of {len(greedy)}",
             "sampled_exact": f"{sum(r['exact'] for r in runs if r['sampled'])} of {sum(r['sampled'] for r in runs)}",
             "convicted_when_it_lied": f"{sum(r['convicted'] for r in lied)} of {len(lied)}",
             "convicted_when_honest": sum(r["convicted"] for r in runs if not r["lies"]),
-        }  # fmt: skip
+        }
         if "claim" in row:
-            summary[row["kind"]].update(claim=row["claim"], measured=row["measured"],
-                                        next_route_tail_is_liar=row["next_route_tail_is_liar"])  # fmt: skip
+            summary[row["kind"]].update(
+                claim=row["claim"], measured=row["measured"], next_route_tail_is_liar=row["next_route_tail_is_liar"]
+            )
     delays = [r["detection_tokens"] for row in rows for r in row["runs"] if r["detection_tokens"] is not None]
     if delays:
-        summary["detection_tokens"] = {"n": len(delays), "median": statistics.median(delays), "max": max(delays),
-                                       "all": sorted(delays)}  # fmt: skip
+        summary["detection_tokens"] = {
+            "n": len(delays),
+            "median": statistics.median(delays),
+            "max": max(delays),
+            "all": sorted(delays),
+        }
     return summary
 
 
@@ -237,18 +274,27 @@ def main() -> None:
             if seed is None:
                 with torch.no_grad():
                     out = reference.generate(torch.tensor([prompt]), max_new_tokens=args.tokens, do_sample=False)
-                made[seed] = out[0, len(prompt):].tolist()
+                made[seed] = out[0, len(prompt) :].tolist()
             else:
                 params = SamplingParams(do_sample=True, temperature=0.8, top_p=0.9, seed=seed)
-                made[seed] = reference_sample(reference, prompt, args.tokens, params, eos)  # stops at EOS, as generate()
+                made[seed] = reference_sample(
+                    reference, prompt, args.tokens, params, eos
+                )  # stops at EOS, as generate()
         return made[seed]
 
     log_dir = Path(tempfile.mkdtemp(prefix="lying-tails-"))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    result: dict = {"commit": commit, "runs": args.runs, "tokens": args.tokens, "prompt_tokens": len(prompt), "kinds": []}
+    result: dict = {
+        "commit": commit,
+        "runs": args.runs,
+        "tokens": args.tokens,
+        "prompt_tokens": len(prompt),
+        "kinds": [],
+    }
     began = time.perf_counter()
-    with LocalSwarm("smollm2-135m", spans=list(SPANS.values()), names=list(SPANS), server_args=ARGS,
-                    log_dir=str(log_dir)) as swarm:  # fmt: skip
+    with LocalSwarm(
+        "smollm2-135m", spans=list(SPANS.values()), names=list(SPANS), server_args=ARGS, log_dir=str(log_dir)
+    ) as swarm:
         if not args.skip_cost:
             result["cost"] = cost(swarm, tokenizer, args)
         table = kinds(len(prompt))

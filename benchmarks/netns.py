@@ -269,8 +269,13 @@ class Testbed:
         _cmd(["ip", "netns", "exec", gateway.ns, "sysctl", "-qw", "net.ipv4.ip_forward=1"])
         rules = NAT_RULES.format(lan=lan)
         try:
-            subprocess.run(["ip", "netns", "exec", gateway.ns, "nft", "-f", "-"], input=rules, text=True,
-                           capture_output=True, check=True)  # fmt: skip
+            subprocess.run(
+                ["ip", "netns", "exec", gateway.ns, "nft", "-f", "-"],
+                input=rules,
+                text=True,
+                capture_output=True,
+                check=True,
+            )
         except FileNotFoundError:
             raise TestbedUnavailable("the `nft` command (nftables) is not installed") from None
         except subprocess.CalledProcessError as e:
@@ -320,8 +325,14 @@ class Testbed:
         """A JSON string with which another process (as root) reads :meth:`counters` and re-shapes
         the links: :func:`read_counters_spec`, :func:`shape_spec`."""
         links = [[h.ns, "eth0"] for h in self.hosts.values()] + [[self.switch, h.port] for h in self.hosts.values()]
-        return json.dumps({"switch": self.switch, "ports": {h.port: h.name for h in self.hosts.values()},
-                           "links": links, "latency_ms": self.latency_ms})  # fmt: skip
+        return json.dumps(
+            {
+                "switch": self.switch,
+                "ports": {h.port: h.name for h in self.hosts.values()},
+                "links": links,
+                "latency_ms": self.latency_ms,
+            }
+        )
 
     # ---- teardown ------------------------------------------------------------------------
 
@@ -420,8 +431,17 @@ class CounterSampler:
         if not parsed["switch"].startswith(FAMILY):
             raise ValueError(f"{parsed['switch']} is not a testbed namespace")
         self.hosts = list(parsed["ports"].values())
-        self._argv = ["ip", "netns", "exec", parsed["switch"], sys.executable, "-c", _SAMPLER, str(interval),
-                      *parsed["ports"]]  # fmt: skip
+        self._argv = [
+            "ip",
+            "netns",
+            "exec",
+            parsed["switch"],
+            sys.executable,
+            "-c",
+            _SAMPLER,
+            str(interval),
+            *parsed["ports"],
+        ]
         self.samples: dict[str, list[tuple[float, int]]] = {}
         self._process: Optional[subprocess.Popen] = None
 
@@ -447,8 +467,9 @@ class CounterSampler:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.netns", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.netns", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--cleanup", action="store_true", help="delete testbeds left behind by dead processes")
     args = p.parse_args(argv)
     if args.cleanup:

@@ -47,13 +47,18 @@ class OracleSession:
         drafts = step.token_ids[len(step.token_ids) - step.n_draft :]
         committed = step.token_ids[: len(step.token_ids) - step.n_draft]
         if committed != [self._at(p) for p in range(step.start_pos, first_draft)]:
-            raise AssertionError(f"the decoder read the verdict of run {step.run_id}, "
-                                 "whose committed ids are not the target's")  # fmt: skip
+            raise AssertionError(
+                f"the decoder read the verdict of run {step.run_id}, whose committed ids are not the target's"
+            )
         accepted = 0
         while accepted < len(drafts) and self._at(first_draft + accepted) == drafts[accepted]:
             accepted += 1
-        return StepResult(session_id=self.session_id, run_id=step.run_id, accepted=accepted,
-                          next_token=self._at(first_draft + accepted))  # fmt: skip
+        return StepResult(
+            session_id=self.session_id,
+            run_id=step.run_id,
+            accepted=accepted,
+            next_token=self._at(first_draft + accepted),
+        )
 
     def _at(self, position: int) -> int:
         return self.target[position] if position < len(self.target) else self.eos

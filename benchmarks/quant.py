@@ -46,21 +46,25 @@ def deepseek_v4_pro_config():
 def size_table() -> list[dict]:
     from transformers import AutoConfig
 
+    from protocol.models import ensure_smollm2_checkpoint
     from server.adapters import load_span
     from server.memory import model_bytes
     from server.quantization import resident_bytes
     from server.weights import Checkpoint
-    from protocol.models import ensure_smollm2_checkpoint
     from tests.test_deepseek_v4 import build_tiny_deepseek_v4
 
     rows = []
     tiny_v4 = build_tiny_deepseek_v4(Path(tempfile.mkdtemp()) / "tiny-v4")
     models = [
         ("DeepSeek-V4-Pro (bfloat16 compute)", deepseek_v4_pro_config(), torch.bfloat16, None),
-        ("SmolLM2-135M (float32, CPU)", AutoConfig.from_pretrained(ensure_smollm2_checkpoint()), torch.float32,
-         ensure_smollm2_checkpoint()),
+        (
+            "SmolLM2-135M (float32, CPU)",
+            AutoConfig.from_pretrained(ensure_smollm2_checkpoint()),
+            torch.float32,
+            ensure_smollm2_checkpoint(),
+        ),
         ("tiny DeepSeek-V4 (tests, float32)", AutoConfig.from_pretrained(tiny_v4), torch.float32, str(tiny_v4)),
-    ]  # fmt: skip
+    ]
     for name, config, dtype, path in models:
         for quant in Quant:
             per_block, ends = model_bytes(config, dtype, quant)
@@ -104,8 +108,12 @@ def speed_table(args) -> list[dict]:
                 for mode, kwargs in (("none", dict(speculation=None)), ("default", {})):
                     speeds, same, agree, positions, same_as_unspeculated = [], 0, 0, 0, 0
                     for index, prompt in enumerate(prompts):
-                        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                                            return_tensors="pt", return_dict=True)["input_ids"]  # fmt: skip
+                        ids = tokenizer.apply_chat_template(
+                            [{"role": "user", "content": prompt}],
+                            add_generation_prompt=True,
+                            return_tensors="pt",
+                            return_dict=True,
+                        )["input_ids"]
                         began = time.perf_counter()
                         output = model.generate(ids, max_new_tokens=args.max_new_tokens, **kwargs)
                         seconds = time.perf_counter() - began
@@ -117,10 +125,16 @@ def speed_table(args) -> list[dict]:
                         agree += _common_prefix(new, reference)
                         positions += len(reference)
                         same_as_unspeculated += new == answers[("none", index)][quant.value]
-                    rows.append(dict(quant=quant.value, speculation=mode, tokens_per_s=statistics.median(speeds),
-                                     answers_identical_to_none=f"{same}/{len(prompts)}",
-                                     tokens_before_first_difference=f"{agree}/{positions}",
-                                     identical_to_no_speculation=f"{same_as_unspeculated}/{len(prompts)}"))  # fmt: skip
+                    rows.append(
+                        dict(
+                            quant=quant.value,
+                            speculation=mode,
+                            tokens_per_s=statistics.median(speeds),
+                            answers_identical_to_none=f"{same}/{len(prompts)}",
+                            tokens_before_first_difference=f"{agree}/{positions}",
+                            identical_to_no_speculation=f"{same_as_unspeculated}/{len(prompts)}",
+                        )
+                    )
                     print(rows[-1], flush=True)
             finally:
                 model.shutdown()
@@ -143,22 +157,43 @@ def main() -> None:
     print("| model | --quant | one block (estimated) | one block, loaded (measured) | embeddings + LM head |")
     print("|---|---|---|---|---|")
     for r in sizes:
-        measured = f"{r['measured_block_bytes'] / MiB:.3f} MiB (estimate {r['estimated_block1_bytes'] / MiB:.3f})" if "measured_block_bytes" in r else "-"
+        measured = (
+            f"{r['measured_block_bytes'] / MiB:.3f} MiB (estimate {r['estimated_block1_bytes'] / MiB:.3f})"
+            if "measured_block_bytes" in r
+            else "-"
+        )
         unit, scale = ("GiB", GiB) if r["estimated_block_bytes"] > GiB else ("MiB", MiB)
-        print(f"| {r['model']} | {r['quant']} | {r['estimated_block_bytes'] / scale:.3f} {unit} | {measured} | "
-              f"{r['ends_bytes'] / scale:.3f} {unit} |")  # fmt: skip
+        print(
+            f"| {r['model']} | {r['quant']} | {r['estimated_block_bytes'] / scale:.3f} {unit} | {measured} | "
+            f"{r['ends_bytes'] / scale:.3f} {unit} |"
+        )
     speeds = [] if args.sizes_only else speed_table(args)
     if speeds:
-        print("\n| --quant | speculation | tokens/s (median) | answers identical to --quant none | tokens before the first "
-              "difference from --quant none | answers identical without speculation |\n|---|---|---|---|---|---|")
+        print(
+            "\n| --quant | speculation | tokens/s (median) | answers identical to --quant none | tokens "
+            "before the first "
+            "difference from --quant none | answers identical without speculation |\n|---|---|---|---|---|---|"
+        )
         for r in speeds:
-            print(f"| {r['quant']} | {r['speculation']} | {r['tokens_per_s']:.1f} | {r['answers_identical_to_none']} | "
-                  f"{r['tokens_before_first_difference']} | {r['identical_to_no_speculation']} |")
+            print(
+                f"| {r['quant']} | {r['speculation']} | {r['tokens_per_s']:.1f} | {r['answers_identical_to_none']} | "
+                f"{r['tokens_before_first_difference']} | {r['identical_to_no_speculation']} |"
+            )
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True).stdout.strip())
+    dirty = bool(
+        subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+        ).stdout.strip()
+    )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(dict(commit=commit + ("+dirty" if dirty else ""), date=time.strftime("%Y-%m-%d"),
-                                              sizes=sizes, speeds=speeds), indent=1))  # fmt: skip
+    Path(args.out).write_text(
+        json.dumps(
+            dict(
+                commit=commit + ("+dirty" if dirty else ""), date=time.strftime("%Y-%m-%d"), sizes=sizes, speeds=speeds
+            ),
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

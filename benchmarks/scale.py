@@ -78,7 +78,10 @@ def measure(servers: int, blocks: int, sessions: int, hostile: float, seed: int,
         route_cpu.append(time.process_time() - cpu)
     place_s = _repeat(lambda: choose_best_span(records, blocks, 8, 20.0), 20)
     flow_s = _repeat(lambda: swarm_max_flow(records, blocks), 20)
-    one_route = lambda: MaxFlowRouter().plan(cap_throughput(records, {}), 0, blocks, max_length=MAX_LENGTH, client_rtts=rtts)  # noqa: E731
+
+    def one_route():
+        return MaxFlowRouter().plan(cap_throughput(records, {}), 0, blocks, max_length=MAX_LENGTH, client_rtts=rtts)
+
     result = {
         "servers": servers,
         "blocks": blocks,
@@ -112,7 +115,10 @@ def measure(servers: int, blocks: int, sessions: int, hostile: float, seed: int,
 
 
 def route_latency(
-    route: Sequence[Hop], servers: Sequence[ServerInfo], client_rtts: Mapping[str, float], default_rtt: float = DEFAULT_RTT
+    route: Sequence[Hop],
+    servers: Sequence[ServerInfo],
+    client_rtts: Mapping[str, float],
+    default_rtt: float = DEFAULT_RTT,
 ) -> float:
     """Seconds for one token through ``route``, as ``MaxFlowRouter``'s docstring defines it:
     half of each link's RTT (client -> head, hop -> hop, tail -> client) plus each hop's
@@ -133,8 +139,12 @@ def route_latency(
 
 
 def exhaustive_best(
-    servers: Sequence[ServerInfo], blocks: int, client_rtts: Mapping[str, float], max_length: int = 0,
-    default_rtt: float = DEFAULT_RTT, limit: int = 20_000_000,
+    servers: Sequence[ServerInfo],
+    blocks: int,
+    client_rtts: Mapping[str, float],
+    max_length: int = 0,
+    default_rtt: float = DEFAULT_RTT,
+    limit: int = 20_000_000,
 ) -> tuple[float, list[Hop]]:
     """The lowest-latency route among all routes: each hop a server and a sub-range of its span,
     the next hop a different server starting where it ended. Depth-first over every branch,
@@ -172,14 +182,25 @@ def exhaustive_best(
 
 
 def print_table(r: dict) -> None:
-    print(f"{r['servers']} servers ({r['records_valid']} valid records, {r['records_hostile']} hostile), {r['blocks']} blocks")
-    print(f"  route:     p50 {r['route_ms_p50']} ms, p95 {r['route_ms_p95']} ms (CPU p50 {r['route_cpu_ms_p50']} ms, "
-          f"p95 {r['route_cpu_ms_p95']} ms), peak {r['route_peak_mib']} MiB, "
-          f"{r['route_hops_mean']} hops, {r['route_servers_used']} servers used by {r['sessions']} sessions")  # fmt: skip
+    print(
+        f"{r['servers']} servers ({r['records_valid']} valid records, {r['records_hostile']} hostile), "
+        f"{r['blocks']} blocks"
+    )
+    print(
+        f"  route:     p50 {r['route_ms_p50']} ms, p95 {r['route_ms_p95']} ms (CPU p50 {r['route_cpu_ms_p50']} ms, "
+        f"p95 {r['route_cpu_ms_p95']} ms), peak {r['route_peak_mib']} MiB, "
+        f"{r['route_hops_mean']} hops, {r['route_servers_used']} servers used by {r['sessions']} sessions"
+    )
     print(f"  placement: p50 {r['place_ms_p50']} ms, peak {r['place_peak_mib']} MiB")
-    print(f"  max-flow:  p50 {r['max_flow_ms_p50']} ms, peak {r['max_flow_peak_mib']} MiB ({r['max_flow_tokens_s']} tokens/s)")
+    print(
+        f"  max-flow:  p50 {r['max_flow_ms_p50']} ms, peak {r['max_flow_peak_mib']} MiB "
+        f"({r['max_flow_tokens_s']} tokens/s)"
+    )
     if "quality" in r:
-        print(f"  quality:   {r['quality']} (route {r['route_latency_s']} s, exhaustive best {r['exhaustive_latency_s']} s)")
+        print(
+            f"  quality:   {r['quality']} (route {r['route_latency_s']} s, exhaustive best "
+            f"{r['exhaustive_latency_s']} s)"
+        )
 
 
 def _repeat(fn: Callable[[], object], count: int) -> list[float]:

@@ -26,10 +26,10 @@ import time
 from pathlib import Path
 
 from client._spot_checks import DEFAULT_SPOT_CHECK_RATE
-from swarm.local import LocalSwarm
 from protocol.messages import Hop
 from protocol.route_errors import NoRouteError
 from protocol.routing import RoutePlanner
+from swarm.local import LocalSwarm
 from tests.faulty_server import faulty
 
 SERVERS = {"N": (0, 3, "noise"), "O": (3, 6, "offset"), "A": (0, 3, None), "B": (3, 6, None), "F": (0, 6, None)}
@@ -54,8 +54,8 @@ class PreferredRoutes(RoutePlanner):
 
 
 def connect(path, swarm, *routes):
-    from swarm import AutoDistributedModelForCausalLM
     from protocol.dht_records import fetch_servers
+    from swarm import AutoDistributedModelForCausalLM
 
     model = AutoDistributedModelForCausalLM.from_pretrained(str(path), initial_peers=swarm.initial_peers)
     model.swarm.router = PreferredRoutes(*routes)
@@ -103,8 +103,11 @@ def main() -> None:
             totals["excluded"] += len(s.liars_excluded)
         totals["seconds"] = time.monotonic() - began
         model.shutdown()
-        cost = dict(totals, audit_positions_per_token=totals["audit_positions"] / totals["tokens"],
-                    own_positions_per_token=totals["own_positions"] / totals["tokens"])  # fmt: skip
+        cost = dict(
+            totals,
+            audit_positions_per_token=totals["audit_positions"] / totals["tokens"],
+            own_positions_per_token=totals["own_positions"] / totals["tokens"],
+        )
         print(f"cost at rate {args.rate:g}: {json.dumps(cost)}", flush=True)
 
         catches = []
@@ -117,11 +120,20 @@ def main() -> None:
                 model.generate(ids, max_new_tokens=args.tokens, speculation=None, spot_check_rate=args.rate)
                 s = model.last_generation_stats
                 if peers["N"] in s.liars_excluded:
-                    audit = next(int(m.group(1)) for e in s.spot_check_events
-                                 if (m := re.match(r"lap (\d+): hop .*: convicted", e)))  # fmt: skip
-                    left = next(int(m.group(1)) for e in s.spot_check_events if (m := re.match(r"lap (\d+): re-verifying", e)))
-                    found = dict(audit_lap=laps_before + audit, left_route_lap=laps_before + left,
-                                 audits=s.spot_checks, retracted=s.tokens_retracted)  # fmt: skip
+                    audit = next(
+                        int(m.group(1))
+                        for e in s.spot_check_events
+                        if (m := re.match(r"lap (\d+): hop .*: convicted", e))
+                    )
+                    left = next(
+                        int(m.group(1)) for e in s.spot_check_events if (m := re.match(r"lap (\d+): re-verifying", e))
+                    )
+                    found = dict(
+                        audit_lap=laps_before + audit,
+                        left_route_lap=laps_before + left,
+                        audits=s.spot_checks,
+                        retracted=s.tokens_retracted,
+                    )
                     break
                 laps_before += s.laps
             model.shutdown()
@@ -129,11 +141,13 @@ def main() -> None:
             catches.append(found)
     caught = [c for c in catches if c]
     summary = dict(
-        rate=args.rate, cost=cost, catches=catches,
+        rate=args.rate,
+        cost=cost,
+        catches=catches,
         audit_lap_median=statistics.median(c["audit_lap"] for c in caught) if caught else None,
         left_route_lap_median=statistics.median(c["left_route_lap"] for c in caught) if caught else None,
         left_route_lap_max=max(c["left_route_lap"] for c in caught) if caught else None,
-    )  # fmt: skip
+    )
     print(json.dumps(summary, indent=1))
     Path(args.out).write_text(json.dumps(summary, indent=1) + "\n")
 

@@ -23,8 +23,14 @@ SAMPLING = {
 
 
 def step_bytes(drafts: int, token_id: int, run_id: int, start_pos: int, sampling=None) -> int:
-    step = Step(session_id=SESSION_ID, run_id=run_id, start_pos=start_pos, token_ids=[token_id] * (1 + drafts),
-                n_draft=drafts, sampling=sampling)  # fmt: skip
+    step = Step(
+        session_id=SESSION_ID,
+        run_id=run_id,
+        start_pos=start_pos,
+        token_ids=[token_id] * (1 + drafts),
+        n_draft=drafts,
+        sampling=sampling,
+    )
     return len(encode(step))
 
 
@@ -39,7 +45,9 @@ def main() -> None:
     print("Sampling parameters on a session's first Step (8 drafts, early), bytes added:")
     for name, params in SAMPLING.items():
         print(f"  {name:40}{step_bytes(8, SMOLLM2_ID, 1, 10, params) - greedy:>4}")
-    result = StepResult(session_id=SESSION_ID, run_id=1, accepted=3, next_token=SMOLLM2_ID, step_digest=0x89ABCDEF)  # a real verdict names its Step
+    result = StepResult(
+        session_id=SESSION_ID, run_id=1, accepted=3, next_token=SMOLLM2_ID, step_digest=0x89ABCDEF
+    )  # a real verdict names its Step
     print(f"StepResult (greedy verdict, no drafts or logprobs): {len(encode(result))}")
     print(f"Cancel: {len(encode(Cancel(session_id=SESSION_ID, run_id=100)))}")
 

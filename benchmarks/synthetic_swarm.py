@@ -51,9 +51,17 @@ MODEL = "synthetic-61"
 MAX_SPAN = 12
 MAX_PINGED = 8  # as server.upkeep.MAX_PINGED (server/ is not imported from here)
 HOSTILE_KINDS = (
-    "end_block 10**9", "throughput inf", "throughput nan", "throughput above the cap", "negative cache",
-    "too many next_pings", "60 KB public name", "unknown state", "claims another peer id", "another model",
-)  # fmt: skip
+    "end_block 10**9",
+    "throughput inf",
+    "throughput nan",
+    "throughput above the cap",
+    "negative cache",
+    "too many next_pings",
+    "60 KB public name",
+    "unknown state",
+    "claims another peer id",
+    "another model",
+)
 
 
 @dataclass
@@ -118,10 +126,17 @@ def _honest(rng: random.Random, peer: str, start: int, end: int, tiling: bool) -
     joining = rng.random() < 0.05 and not tiling  # the servers tiling the model are online
     state = ServerState.JOINING if joining else ServerState.ONLINE
     return ServerInfo(
-        peer_id=peer, model=MODEL, start_block=start, end_block=end, state=state, throughput=throughput,
-        cache_tokens=65536, free_cache_tokens=rng.choice([65536, 32768, 8192, 1024]),
-        public_name=f"volunteer {peer}", version="1.0",
-    )  # fmt: skip
+        peer_id=peer,
+        model=MODEL,
+        start_block=start,
+        end_block=end,
+        state=state,
+        throughput=throughput,
+        cache_tokens=65536,
+        free_cache_tokens=rng.choice([65536, 32768, 8192, 1024]),
+        public_name=f"volunteer {peer}",
+        version="1.0",
+    )
 
 
 def _with_pings(rng: random.Random, me: ServerInfo, infos: list[ServerInfo], places: dict) -> ServerInfo:
@@ -137,8 +152,15 @@ def _rtt(a: tuple[float, float], b: tuple[float, float], jitter: float) -> float
 
 def _hostile(kind: str, peer: str, peers: list[str], num_blocks: int) -> tuple[str, dict]:
     """``(subkey, raw record)`` for one hostile kind; the span looks attractive (the whole model)."""
-    base = ServerInfo(peer_id=peer, model=MODEL, start_block=0, end_block=num_blocks, throughput=MAX_THROUGHPUT,
-                      cache_tokens=65536, free_cache_tokens=65536).to_dict()  # fmt: skip
+    base = ServerInfo(
+        peer_id=peer,
+        model=MODEL,
+        start_block=0,
+        end_block=num_blocks,
+        throughput=MAX_THROUGHPUT,
+        cache_tokens=65536,
+        free_cache_tokens=65536,
+    ).to_dict()
     changes: dict[str, Any] = {
         "end_block 10**9": {"end_block": 10**9},
         "throughput inf": {"throughput": math.inf},

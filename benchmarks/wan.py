@@ -31,13 +31,17 @@ MODES = {  # loop_runs=False: the client sends every run (as before looped runs 
     "suffix": dict(speculation="suffix", loop_runs=False),
     "suffix+async": dict(speculation="suffix", async_speculation=True, max_inflight_runs=3),
     "tail": dict(speculation="tail", loop_runs=False),  # the tail's drafter alone (server/tail_drafter.py)
-    "suffix+tail": dict(speculation="suffix+tail", loop_runs=False),  # per lap the source measured better (client.drafting.TailDrafts)
+    "suffix+tail": dict(
+        speculation="suffix+tail", loop_runs=False
+    ),  # per lap the source measured better (client.drafting.TailDrafts)
     "suffix-tree": dict(speculation="suffix", draft_tree=True),  # token trees sized per lap (client/_trees.py)
     "ngram-tree": dict(speculation="ngram", draft_tree=True),
     # looped runs: the tail starts each next run at the head, one link earlier (docs/protocol.md)
     "none+loop": dict(speculation=None, loop_runs=True),
     "tail+loop": dict(speculation="tail", loop_runs=True),
-    "suffix+loop": dict(speculation="suffix", loop_runs=True),  # generate()'s default; retrieval drafts ride as DraftOffers
+    "suffix+loop": dict(
+        speculation="suffix", loop_runs=True
+    ),  # generate()'s default; retrieval drafts ride as DraftOffers
     "suffix+tail+loop": dict(speculation="suffix+tail", loop_runs=True),
     # the suffix store starts with the model's warm corpus (client/warm_corpus.py; opt-in for users)
     "suffix+warm": dict(speculation="suffix", loop_runs=False, warm_store=True),
@@ -80,10 +84,17 @@ def workloads(first_answers: list[str], limit: int):
     turn's answers (identical in every mode), so it is only ready after the first turn ran."""
     yield "code editing", [[{"role": "user", "content": p}] for p in CODE_EDITING[:limit]]
     yield "open chat", [[{"role": "user", "content": p}] for p in OPEN_CHAT[:limit]]
-    yield "code editing, turn 2", [
-        [{"role": "user", "content": p}, {"role": "assistant", "content": a}, {"role": "user", "content": CODE_FOLLOW_UP}]
-        for p, a in zip(CODE_EDITING, first_answers)
-    ]
+    yield (
+        "code editing, turn 2",
+        [
+            [
+                {"role": "user", "content": p},
+                {"role": "assistant", "content": a},
+                {"role": "user", "content": CODE_FOLLOW_UP},
+            ]
+            for p, a in zip(CODE_EDITING, first_answers)
+        ],
+    )
 
 
 def run_setting(args, delay_ms: float, modes: dict) -> list[Run]:
@@ -92,29 +103,58 @@ def run_setting(args, delay_ms: float, modes: dict) -> list[Run]:
     runs: list[Run] = []
     server_args = ["--torch-threads", "1", "--log-level", "WARNING"]
     with LocalSwarm("smollm2-135m", args.servers, hop_delay_ms=delay_ms, server_args=server_args) as swarm:
-        model = AutoDistributedModelForCausalLM.from_pretrained("smollm2-135m", initial_peers=swarm.initial_peers,
-                                                                warm_draft_store=True)  # for the +warm modes
+        model = AutoDistributedModelForCausalLM.from_pretrained(
+            "smollm2-135m", initial_peers=swarm.initial_peers, warm_draft_store=True
+        )  # for the +warm modes
         tokenizer = model.tokenizer
         warm = tokenizer("Hello", return_tensors="pt")["input_ids"]
         model.generate(warm, max_new_tokens=4, speculation=None)  # connections and caches warm
         first_answers: list[str] = []
         for workload, conversations in workloads(first_answers, args.prompts):
             for index, messages in enumerate(conversations):
-                ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+                ids = tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+                )["input_ids"]
                 outputs = {}
                 for mode, kwargs in modes.items():
                     kwargs = dict(kwargs)
-                    model.reset_draft_store(warm=kwargs.pop("warm_store", False))  # no mode learns from another's answer
+                    model.reset_draft_store(
+                        warm=kwargs.pop("warm_store", False)
+                    )  # no mode learns from another's answer
                     out = model.generate(ids, max_new_tokens=args.max_new_tokens, **kwargs)
                     outputs[mode] = out.tolist()
                     s = model.last_generation_stats
-                    runs.append(Run(delay_ms, workload, mode, index, s.new_tokens, s.wall_time, s.laps,
-                                    s.accepted_per_lap, s.bytes_up, s.bytes_down, s.wall_time / max(s.laps, 1),
-                                    s.runs_cancelled, s.positions_wasted, s.turnaround_time, s.hedge_hits, s.hedge_time,
-                                    s.drafter_sources or None, s.drafter_choices or None, s.tree_laps, s.tree_nodes,
-                                    s.tree_accepted, dict(s.tree_sizes) or None))  # fmt: skip
-                    print(f"  {delay_ms:>4.0f} ms {workload:<12} #{index} {mode:<7} {s.new_tokens:>3} tok "
-                          f"{s.tokens_per_second:6.1f} tok/s {s.laps:>3} laps {s.accepted_per_lap:4.2f} tok/lap", flush=True)
+                    runs.append(
+                        Run(
+                            delay_ms,
+                            workload,
+                            mode,
+                            index,
+                            s.new_tokens,
+                            s.wall_time,
+                            s.laps,
+                            s.accepted_per_lap,
+                            s.bytes_up,
+                            s.bytes_down,
+                            s.wall_time / max(s.laps, 1),
+                            s.runs_cancelled,
+                            s.positions_wasted,
+                            s.turnaround_time,
+                            s.hedge_hits,
+                            s.hedge_time,
+                            s.drafter_sources or None,
+                            s.drafter_choices or None,
+                            s.tree_laps,
+                            s.tree_nodes,
+                            s.tree_accepted,
+                            dict(s.tree_sizes) or None,
+                        )
+                    )
+                    print(
+                        f"  {delay_ms:>4.0f} ms {workload:<12} #{index} {mode:<7} {s.new_tokens:>3} tok "
+                        f"{s.tokens_per_second:6.1f} tok/s {s.laps:>3} laps {s.accepted_per_lap:4.2f} tok/lap",
+                        flush=True,
+                    )
                 if len({json.dumps(o) for o in outputs.values()}) != 1:
                     print(f"  WARNING: modes disagree on prompt {index} ({workload}): a bug", flush=True)
                 if workload == "code editing":
@@ -133,19 +173,25 @@ def summarize(runs: list[Run], servers: int) -> list[dict]:
             mine = [r for r in group if r.mode == mode]
             tps = statistics.median(r.tokens / r.seconds for r in mine)
             laps = sum(r.laps for r in mine)
-            rows.append(dict(
-                delay_ms=delay, workload=workload, mode=mode, tokens_per_s=tps, ratio=tps / base,
-                tokens_per_lap=sum(r.tokens for r in mine) / laps,
-                lap_ms=1000 * statistics.median(r.lap_seconds for r in mine),
-                floor_ms=(servers + 1) * delay,
-                bytes_up_per_lap=sum(r.bytes_up for r in mine) / laps,
-                bytes_down_per_lap=sum(r.bytes_down for r in mine) / laps,
-                wasted_per_token=sum(r.positions_wasted for r in mine) / sum(r.tokens for r in mine),
-                client_ms_per_lap=1000 * sum(r.turnaround_seconds for r in mine) / laps,
-                hedge_hits_per_lap=sum(r.hedge_hits for r in mine) / laps,
-                **_source_acceptance(mine),
-                **_tree_sizes(mine),
-            ))  # fmt: skip
+            rows.append(
+                dict(
+                    delay_ms=delay,
+                    workload=workload,
+                    mode=mode,
+                    tokens_per_s=tps,
+                    ratio=tps / base,
+                    tokens_per_lap=sum(r.tokens for r in mine) / laps,
+                    lap_ms=1000 * statistics.median(r.lap_seconds for r in mine),
+                    floor_ms=(servers + 1) * delay,
+                    bytes_up_per_lap=sum(r.bytes_up for r in mine) / laps,
+                    bytes_down_per_lap=sum(r.bytes_down for r in mine) / laps,
+                    wasted_per_token=sum(r.positions_wasted for r in mine) / sum(r.tokens for r in mine),
+                    client_ms_per_lap=1000 * sum(r.turnaround_seconds for r in mine) / laps,
+                    hedge_hits_per_lap=sum(r.hedge_hits for r in mine) / laps,
+                    **_source_acceptance(mine),
+                    **_tree_sizes(mine),
+                )
+            )
     compute = {(r["workload"], r["mode"]): r["lap_ms"] for r in rows if r["delay_ms"] == 0}
     for r in rows:
         r["floor_plus_compute_ms"] = r["floor_ms"] + compute.get((r["workload"], r["mode"]), 0.0)
@@ -175,15 +221,20 @@ def _tree_sizes(runs: list[Run]) -> dict:
     if not laps:
         return {}
     sizes = [int(size) for r in runs for size, count in (r.tree_sizes or {}).items() for _ in range(count)]
-    return dict(tree_nodes_per_lap=sum(r.tree_nodes for r in runs) / laps,
-                tree_accepted_per_lap=sum(r.tree_accepted for r in runs) / laps,
-                tree_size_median=statistics.median(sizes), tree_size_max=max(sizes))  # fmt: skip
+    return dict(
+        tree_nodes_per_lap=sum(r.tree_nodes for r in runs) / laps,
+        tree_accepted_per_lap=sum(r.tree_accepted for r in runs) / laps,
+        tree_size_median=statistics.median(sizes),
+        tree_size_max=max(sizes),
+    )
 
 
 def markdown(rows: list[dict]) -> str:
-    head = ("| delay/hop | workload | mode | tokens/s (median) | vs none | tokens/lap | lap ms (median) "
-            "| floor ms | floor+compute ms | bytes up/lap | bytes down/lap | wasted positions/token "
-            "| client ms/lap | hedge hits/lap |\n|" + "---|" * 14)  # fmt: skip
+    head = (
+        "| delay/hop | workload | mode | tokens/s (median) | vs none | tokens/lap | lap ms (median) "
+        "| floor ms | floor+compute ms | bytes up/lap | bytes down/lap | wasted positions/token "
+        "| client ms/lap | hedge hits/lap |\n|" + "---|" * 14
+    )
     lines = [head]
     for r in rows:
         lines.append(
@@ -194,20 +245,33 @@ def markdown(rows: list[dict]) -> str:
         )
     sourced = [r for r in rows if "head_acceptance" in r or "retrieval_acceptance" in r]
     if sourced:  # what each draft source got right, measured on every lap of the head-drafting modes
-        lines += ["", "| delay/hop | workload | mode | head: ids right/proposed | head: right/proposal "
-                  "| retrieval: ids right/proposed | retrieval: right/proposal | laps sending tail drafts |",
-                  "|" + "---|" * 8]  # fmt: skip
+        lines += [
+            "",
+            "| delay/hop | workload | mode | head: ids right/proposed | head: right/proposal "
+            "| retrieval: ids right/proposed | retrieval: right/proposal | laps sending tail drafts |",
+            "|" + "---|" * 8,
+        ]
         for r in sourced:
-            cells = [f"{r.get(f'{s}_acceptance', 0):.2f} | {r.get(f'{s}_right_per_proposal', 0):.2f}" for s in ("tail", "retrieval")]
-            lines.append(f"| {r['delay_ms']:.0f} ms | {r['workload']} | {r['mode']} | {cells[0]} | {cells[1]} "
-                         f"| {r.get('head_share_of_laps', 0):.2f} |")  # fmt: skip
+            cells = [
+                f"{r.get(f'{s}_acceptance', 0):.2f} | {r.get(f'{s}_right_per_proposal', 0):.2f}"
+                for s in ("tail", "retrieval")
+            ]
+            lines.append(
+                f"| {r['delay_ms']:.0f} ms | {r['workload']} | {r['mode']} | {cells[0]} | {cells[1]} "
+                f"| {r.get('head_share_of_laps', 0):.2f} |"
+            )
     treed = [r for r in rows if "tree_nodes_per_lap" in r]
     if treed:  # what the tree modes sent: sizes chosen per lap by the cost model
-        lines += ["", "| delay/hop | workload | mode | tree nodes/lap | drafts accepted/lap | median tree | largest tree |",
-                  "|" + "---|" * 7]  # fmt: skip
+        lines += [
+            "",
+            "| delay/hop | workload | mode | tree nodes/lap | drafts accepted/lap | median tree | largest tree |",
+            "|" + "---|" * 7,
+        ]
         for r in treed:
-            lines.append(f"| {r['delay_ms']:.0f} ms | {r['workload']} | {r['mode']} | {r['tree_nodes_per_lap']:.1f} "
-                         f"| {r['tree_accepted_per_lap']:.2f} | {r['tree_size_median']:.0f} | {r['tree_size_max']} |")  # fmt: skip
+            lines.append(
+                f"| {r['delay_ms']:.0f} ms | {r['workload']} | {r['mode']} | {r['tree_nodes_per_lap']:.1f} "
+                f"| {r['tree_accepted_per_lap']:.2f} | {r['tree_size_median']:.0f} | {r['tree_size_max']} |"
+            )
     return "\n".join(lines)
 
 
@@ -230,9 +294,19 @@ def main() -> None:
     table = markdown(rows)
     print(table)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"args": vars(args), "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                                          "commit": _commit(), "rows": rows, "runs": [asdict(r) for r in runs],
-                                          "wall_seconds": time.time() - began}, indent=1))  # fmt: skip
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "args": vars(args),
+                "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                "commit": _commit(),
+                "rows": rows,
+                "runs": [asdict(r) for r in runs],
+                "wall_seconds": time.time() - began,
+            },
+            indent=1,
+        )
+    )
 
 
 def _commit() -> str:
@@ -240,7 +314,9 @@ def _commit() -> str:
     try:
         here = Path(__file__).parent
         git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=here)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, cwd=here)
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, cwd=here
+        )
         return git.stdout.strip() + (" + uncommitted changes" if dirty.stdout.strip() else "")
     except OSError:
         return ""

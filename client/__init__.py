@@ -1,9 +1,15 @@
 """The researcher's library: a transformers-style model whose blocks run in the swarm."""
 
-from client.errors import (
-    GenerationError, RouteFault, RoutingError, ServerError, ServerRejected, ServerTimeout, SwarmError,
-)  # fmt: skip
 from client._stats import GenerationStats
+from client.errors import (
+    GenerationError,
+    RouteFault,
+    RoutingError,
+    ServerError,
+    ServerRejected,
+    ServerTimeout,
+    SwarmError,
+)
 from client.model import AutoDistributedModel, AutoDistributedModelForCausalLM
 
 __all__ = [

@@ -15,8 +15,8 @@ from typing import Any, Optional, Sequence, Union
 import torch
 from transformers import PretrainedConfig
 
-from client._runs import SessionState
 from client._options import GenerationOptions
+from client._runs import SessionState
 from client._spot_checks import check_rate
 from client.draft_model import check_draft_model
 from protocol.limits import MAX_TREE_NODES

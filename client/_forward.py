@@ -50,8 +50,9 @@ async def forward_row(
     while True:
         remote = await swarm.open_session(len(row))
         try:
-            logits, hidden = await prefill_outputs(remote, row, num_outputs, remote.max_positions_per_step,
-                                                   vocab_size, hidden_size, return_hidden)  # fmt: skip
+            logits, hidden = await prefill_outputs(
+                remote, row, num_outputs, remote.max_positions_per_step, vocab_size, hidden_size, return_hidden
+            )
             route = [(hop.peer_id, hop.start, hop.end) for hop in remote.route]
             return RowOutputs(logits, hidden, route, failovers)
         except ServerError as e:
@@ -65,7 +66,12 @@ async def forward_row(
 
 
 async def prefill_outputs(
-    remote: RemoteSession, row: list[int], num_outputs: int, chunk: int, vocab_size: int, hidden_size: int,
+    remote: RemoteSession,
+    row: list[int],
+    num_outputs: int,
+    chunk: int,
+    vocab_size: int,
+    hidden_size: int,
     return_hidden: bool = False,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Prefill ``row`` on an open session in runs of at most ``chunk`` positions, all sent at once;
@@ -75,8 +81,14 @@ async def prefill_outputs(
     for run_id, start in enumerate(range(0, len(row), chunk)):
         end = min(start + chunk, len(row))
         wanted.append(max(0, end - max(start, first_output)))
-        step = Step(session_id=remote.session_id, run_id=run_id, start_pos=start, token_ids=list(row[start:end]),
-                    return_logits=wanted[-1], return_hidden=return_hidden and wanted[-1] > 0)  # fmt: skip
+        step = Step(
+            session_id=remote.session_id,
+            run_id=run_id,
+            start_pos=start,
+            token_ids=list(row[start:end]),
+            return_logits=wanted[-1],
+            return_hidden=return_hidden and wanted[-1] > 0,
+        )
         await remote.send_step(step)
     parts = []
     for run_id, count in enumerate(wanted):

@@ -25,11 +25,11 @@ from collections import deque
 from typing import Callable, Optional, Sequence
 
 from client._runs import Run, SessionState
-from client._verdict_audits import Audits
 from client._stats import GenerationStats
 from client._swarm import SwarmClient
 from client._throughput import lap_is_timed
 from client._trees import TreeSizer
+from client._verdict_audits import Audits
 from client.drafting import Drafter
 from client.errors import GenerationError, ServerError
 from client.modes import NextRun, VerdictAction, choose_mode
@@ -80,9 +80,15 @@ class SpeculativeDecoder:
         self.verdict_at: Optional[float] = None  # when the last verdict arrived (perf_counter)
         self.tokens_left = 0  # tokens this generation may still commit, as of this lap
         self.audits = audits  # spot-checks and verdict audits of this generation's routes
-        self.mode = choose_mode(self, inflight=max_inflight_runs, verification=verification, draft_tree=draft_tree,
-                                loop_runs=loop_runs, front_drafts=front_drafts if max_inflight_runs > 1 else None,
-                                tree_sizer=tree_sizer if tree_sizer is not None else TreeSizer())  # fmt: skip
+        self.mode = choose_mode(
+            self,
+            inflight=max_inflight_runs,
+            verification=verification,
+            draft_tree=draft_tree,
+            loop_runs=loop_runs,
+            front_drafts=front_drafts if max_inflight_runs > 1 else None,
+            tree_sizer=tree_sizer if tree_sizer is not None else TreeSizer(),
+        )
         self._failed_at: Optional[float] = None
         self._prompt_len = 0
         self._replay: list[int] = []  # tokens generated before a liar was caught, still to re-verify
@@ -321,8 +327,12 @@ class SpeculativeDecoder:
         position = state.cached
         while len(state.history) - position > limit:
             run_id = state.take_run_id()
-            step = Step(session_id=state.remote.session_id, run_id=run_id, start_pos=position,
-                        token_ids=state.history[position : position + limit])  # fmt: skip
+            step = Step(
+                session_id=state.remote.session_id,
+                run_id=run_id,
+                start_pos=position,
+                token_ids=state.history[position : position + limit],
+            )
             await state.remote.send_step(state.with_tree_path(step))
             self.stats.runs_sent += 1
             position += limit
@@ -398,7 +408,8 @@ class SpeculativeDecoder:
             return
         self._handled_liars |= caught
         state = self.state
-        what = f"re-verifying {len(state.history) - self._prompt_len + len(self._replay)} generated tokens without {sorted(caught)}"
+        generated = len(state.history) - self._prompt_len + len(self._replay)
+        what = f"re-verifying {generated} generated tokens without {sorted(caught)}"
         self.stats.spot_check_events.append(f"lap {self.stats.laps}: {what}")
         logger.warning(f"A server of this generation was caught lying: {what}")
         self._forget_inflight()  # the session closes below, on every server
@@ -420,8 +431,11 @@ class SpeculativeDecoder:
             return None
         state = self.state
         committed = state.history[state.cached :]
-        room = min(tokens_left - 1, state.max_length - len(state.history) - 1,
-                   state.remote.max_positions_per_step - len(committed))  # fmt: skip
+        room = min(
+            tokens_left - 1,
+            state.max_length - len(state.history) - 1,
+            state.remote.max_positions_per_step - len(committed),
+        )
         drafts = self._replay[: max(0, room)]
         return NextRun(Run(state.next_run_id, state.cached, committed + drafts, drafts, None, replay=True))
 
@@ -434,7 +448,9 @@ class SpeculativeDecoder:
                 continue
             if self._replay:
                 self.stats.tokens_retracted += len(self._replay)
-                logger.warning(f"Re-verification replaced {len(self._replay)} tokens committed before a liar was caught")
+                logger.warning(
+                    f"Re-verification replaced {len(self._replay)} tokens committed before a liar was caught"
+                )
                 self._replay = []
             return new[i:]
         return []

@@ -53,7 +53,9 @@ class GenerationOptions:
             if old in kwargs:
                 raise TypeError(f"{old}= is not an argument: the option is {new}=")
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in kwargs.items() if k in names}), {k: v for k, v in kwargs.items() if k not in names}
+        return cls(**{k: v for k, v in kwargs.items() if k in names}), {
+            k: v for k, v in kwargs.items() if k not in names
+        }
 
     @property
     def inflight(self) -> int:
@@ -67,13 +69,15 @@ class GenerationOptions:
             raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
         if self.speculation is not None and self.speculation not in DRAFTER_KINDS:
             raise ValueError(f"speculation must be one of {DRAFTER_KINDS} or None, got {self.speculation!r}")
-        loop_runs = check_decoding(self.verification, self.draft_tree, self.inflight, self.loop_runs,
-                                   self.draft_model is not None)  # fmt: skip
+        loop_runs = check_decoding(
+            self.verification, self.draft_tree, self.inflight, self.loop_runs, self.draft_model is not None
+        )
         return dataclasses.replace(self, loop_runs=loop_runs)
 
 
-def check_decoding(verification: str, draft_tree: bool, inflight: int, loop_runs: Optional[bool],
-                   draft_model: bool = False) -> bool:  # fmt: skip
+def check_decoding(
+    verification: str, draft_tree: bool, inflight: int, loop_runs: Optional[bool], draft_model: bool = False
+) -> bool:
     """The one check that the decoding modes asked for go together; returns ``loop_runs``
     decided (None: on wherever it applies, measured best in docs/benchmarks.md).
 
@@ -92,6 +96,8 @@ def check_decoding(verification: str, draft_tree: bool, inflight: int, loop_runs
     if not isinstance(loop_runs, bool):
         raise ValueError(f"loop_runs must be True, False or None, got {loop_runs!r}")
     if loop_runs and (inflight > 1 or draft_tree or verification == "rejection"):
-        raise ValueError("loop_runs=True runs one chain at a time verified by token match: leave "
-                         "async_speculation, draft_tree and verification='rejection' off")  # fmt: skip
+        raise ValueError(
+            "loop_runs=True runs one chain at a time verified by token match: leave "
+            "async_speculation, draft_tree and verification='rejection' off"
+        )
     return loop_runs

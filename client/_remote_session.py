@@ -28,7 +28,7 @@ import msgspec
 from hivemind.p2p import P2P, PeerID
 
 from client.errors import RouteFault, ServerError, ServerRejected, ServerTimeout
-from protocol import limits
+from protocol import limits, relay
 from protocol.digest import digest_of, step_digest
 from protocol.errors import RETRYABLE_CODES, ErrorCode, ProtocolError
 from protocol.messages import (
@@ -46,7 +46,6 @@ from protocol.messages import (
     StepResult,
     Subscribe,
 )
-from protocol import relay
 from protocol.streams import RESULTS_PROTOCOL, SESSION_PROTOCOL, MessageStream
 
 logger = logging.getLogger(__name__)
@@ -98,15 +97,24 @@ class RemoteSession:
         try:
             # the tail sends verdicts and the outputs of forward passes (RunOutputs, <= 64 MiB of
             # tensors each); the head sends SessionOpened and errors only
-            self._tail = await self._dial(self.tail_peer, RESULTS_PROTOCOL, OUTPUTS_FRAME_BYTES + limits.FRAME_MARGIN_BYTES,
-                                          OUTPUTS_FRAME_BYTES // 2)  # fmt: skip
+            self._tail = await self._dial(
+                self.tail_peer,
+                RESULTS_PROTOCOL,
+                OUTPUTS_FRAME_BYTES + limits.FRAME_MARGIN_BYTES,
+                OUTPUTS_FRAME_BYTES // 2,
+            )
             await self._tail.send(Subscribe(session_id=self.session_id, secret=self.secret))
             self._head = await self._dial(self.head_peer, SESSION_PROTOCOL, limits.CONTROL_FRAME_BYTES, 0)
             hops = [msgspec.structs.replace(h, addrs=list(relay.known_addrs(h.peer_id))) for h in self.route]
             secret_hash = hashlib.sha256(self.secret.encode()).hexdigest()
             await self._head.send(
-                OpenSession(session_id=self.session_id, max_length=self.max_length, route=hops, hop_index=0,
-                            secret_hash=secret_hash)  # fmt: skip
+                OpenSession(
+                    session_id=self.session_id,
+                    max_length=self.max_length,
+                    route=hops,
+                    hop_index=0,
+                    secret_hash=secret_hash,
+                )
             )
             reply = await asyncio.wait_for(self._head.receive(), self.timeout)
         except asyncio.TimeoutError:
@@ -127,8 +135,13 @@ class RemoteSession:
 
     async def _dial(self, peer_id: str, protocol: str, max_frame_bytes: int, max_tensor_elements: int) -> MessageStream:
         try:
-            stream = MessageStream.open(self.p2p, PeerID.from_base58(peer_id), protocol,
-                                        max_frame_bytes=max_frame_bytes, max_tensor_elements=max_tensor_elements)  # fmt: skip
+            stream = MessageStream.open(
+                self.p2p,
+                PeerID.from_base58(peer_id),
+                protocol,
+                max_frame_bytes=max_frame_bytes,
+                max_tensor_elements=max_tensor_elements,
+            )
             return await asyncio.wait_for(stream, self.timeout)
         except Exception as e:
             raise ServerError(f"could not reach the server: {e!r}", peer_id, ErrorCode.DOWNSTREAM_FAILED) from None
@@ -158,7 +171,9 @@ class RemoteSession:
         from the tail's results stream, and only for this session."""
         if isinstance(message, ErrorReply):
             return message.session_id in ("", self.session_id)
-        return which == "tail" and isinstance(message, (StepResult, RunOutputs)) and message.session_id == self.session_id
+        return (
+            which == "tail" and isinstance(message, (StepResult, RunOutputs)) and message.session_id == self.session_id
+        )
 
     async def send_step(self, step: Step) -> int:
         """Send one run up the head stream; returns the bytes it cost.
@@ -169,11 +184,17 @@ class RemoteSession:
         wanted = step.sampling_params
         step.sampling = None if wanted == self.sampling_sent else wanted
         self.sampling_sent = wanted
-        self._sent[step.run_id] = (digest_of(step, wanted, self.secret), step.start_pos, len(step.token_ids) - step.n_draft)
+        self._sent[step.run_id] = (
+            digest_of(step, wanted, self.secret),
+            step.start_pos,
+            len(step.token_ids) - step.n_draft,
+        )
         try:
             return await self._head.send(step)
         except (OSError, ConnectionError, RuntimeError) as e:
-            raise ServerError(f"lost the connection to the head: {e!r}", self.head_peer, ErrorCode.DOWNSTREAM_FAILED) from None
+            raise ServerError(
+                f"lost the connection to the head: {e!r}", self.head_peer, ErrorCode.DOWNSTREAM_FAILED
+            ) from None
 
     async def offer(self, offer: DraftOffer) -> int:
         """Offer the tail drafts for a looped run (best effort: a lost offer costs drafts only)."""
@@ -203,11 +224,15 @@ class RemoteSession:
                 item = await asyncio.wait_for(self._inbox.get(), max(remaining, 0))
             except asyncio.TimeoutError:
                 # a silent hang names no server: failover pings every hop to find the frozen one
-                raise ServerTimeout(f"no result within {timeout or self.timeout:.0f} s", "", ErrorCode.DOWNSTREAM_FAILED) from None
+                raise ServerTimeout(
+                    f"no result within {timeout or self.timeout:.0f} s", "", ErrorCode.DOWNSTREAM_FAILED
+                ) from None
             if isinstance(item, _StreamLost):
                 # The stream's end does not say who failed (a tail closes its results stream when
                 # any earlier hop drops the session), so name no server: failover asks every hop.
-                raise ServerError(f"the {item.which} server {item.peer_id} closed the session", "", ErrorCode.DOWNSTREAM_FAILED)
+                raise ServerError(
+                    f"the {item.which} server {item.peer_id} closed the session", "", ErrorCode.DOWNSTREAM_FAILED
+                )
             if isinstance(item, ErrorReply):
                 if item.run_id is not None and item.run_id < min_run_id:
                     continue
@@ -227,8 +252,14 @@ class RemoteSession:
         elif result.run_id in self._looped:
             start, first = self._looped[result.run_id]
             drafts, committed = list(result.run_drafts or ()), 1
-            expected = step_digest(self.secret, run_id=result.run_id, start_pos=start, token_ids=[first, *drafts],
-                                   n_draft=len(drafts), sampling=self.sampling_sent)  # fmt: skip
+            expected = step_digest(
+                self.secret,
+                run_id=result.run_id,
+                start_pos=start,
+                token_ids=[first, *drafts],
+                n_draft=len(drafts),
+                sampling=self.sampling_sent,
+            )
         else:
             return  # a run this session never sent nor expected: the decoder refuses it
         for table in (self._sent, self._looped):
@@ -237,8 +268,9 @@ class RemoteSession:
         if result.step_digest != expected:
             raise RouteFault(
                 f"the verdict on run {result.run_id} is about another Step than the one sent: a hop rewrote it",
-                "", ErrorCode.DOWNSTREAM_FAILED,
-            )  # fmt: skip
+                "",
+                ErrorCode.DOWNSTREAM_FAILED,
+            )
         if result.looped:
             self._looped[result.run_id + 1] = (start + committed + result.accepted, result.next_token)
 

@@ -94,13 +94,18 @@ def alternatives(
     on_route = {h.peer_id for h in route}
     return sorted(
         (
-            s for s in records.values()
-            if s.peer_id not in on_route and s.peer_id not in exclude and s.state == ServerState.ONLINE
-            and s.start_block <= hop.start and hop.end <= s.end_block and same_precision(s, own)
+            s
+            for s in records.values()
+            if s.peer_id not in on_route
+            and s.peer_id not in exclude
+            and s.state == ServerState.ONLINE
+            and s.start_block <= hop.start
+            and hop.end <= s.end_block
+            and same_precision(s, own)
             and s.free_cache_tokens >= length
         ),
         key=lambda s: s.peer_id,
-    )  # fmt: skip
+    )
 
 
 def pick_hop(
@@ -173,8 +178,9 @@ class SpotChecker(BackgroundAudit):
     """One generation's spot-checks: draws whether to audit after each verdict, picks the hop and its
     substitutes, and runs at most one audit at a time in the background."""
 
-    def __init__(self, swarm, rate: float, vocab_size: int, timeout: Optional[float] = None,
-                 rng: Optional[random.Random] = None):  # fmt: skip
+    def __init__(
+        self, swarm, rate: float, vocab_size: int, timeout: Optional[float] = None, rng: Optional[random.Random] = None
+    ):
         check_rate(rate)
         self.swarm, self.rate, self.vocab_size = swarm, rate, vocab_size
         self.timeout = timeout if timeout is not None else swarm.request_timeout
@@ -226,8 +232,10 @@ class SpotChecker(BackgroundAudit):
                 logger.info(f"Spot-check failed, no verdict: {what}: {result.detail}")
             elif result.verdict == "undecided":
                 stats.spot_checks_undecided += 1
-                logger.warning(f"Spot-check undecided: servers {hop.peer_id} and {alt} disagree on blocks "
-                               f"{hop.start}:{hop.end} ({result.detail}); nobody excluded")  # fmt: skip
+                logger.warning(
+                    f"Spot-check undecided: servers {hop.peer_id} and {alt} disagree on blocks "
+                    f"{hop.start}:{hop.end} ({result.detail}); nobody excluded"
+                )
             elif result.verdict == "convicted":
                 stats.liars_excluded.append(result.liar)
                 self.swarm.convict(result.liar)
@@ -235,8 +243,9 @@ class SpotChecker(BackgroundAudit):
     async def _compare(self, route, index, alt, thirds, ids, result: AuditResult) -> AuditResult:
         tol = route_tolerance(route, self.swarm.records)
         orig_route, alt_route = route, substituted(route, index, alt)
-        orig, other = await _both(self._final_logits(orig_route, ids, result),
-                                  self._final_logits(alt_route, ids, result))  # fmt: skip
+        orig, other = await _both(
+            self._final_logits(orig_route, ids, result), self._final_logits(alt_route, ids, result)
+        )
         difference = relative_difference(orig, other)
         if difference < tol:
             result.verdict, result.detail = "agree", f"difference {difference:.2g} < {tol:g}"
@@ -249,8 +258,10 @@ class SpotChecker(BackgroundAudit):
         third = self.rng.choice(thirds)
         decider = await self._final_logits(substituted(route, index, third), ids, result)
         loser = minority(False, agree(orig, decider, tol), agree(other, decider, tol))
-        detail += (f"; third {third}: {relative_difference(orig, decider):.3g} from the route's, "
-                   f"{relative_difference(other, decider):.3g} from the substitute's")  # fmt: skip
+        detail += (
+            f"; third {third}: {relative_difference(orig, decider):.3g} from the route's, "
+            f"{relative_difference(other, decider):.3g} from the substitute's"
+        )
         if loser is None:
             result.verdict, result.detail = "undecided", detail
         else:

@@ -22,16 +22,16 @@ from hivemind.p2p import P2P
 from client._remote_session import RemoteSession
 from client._throughput import ThroughputMeter
 from client.errors import RouteFault, RoutingError, ServerError
-from protocol.errors import ErrorCode
-from protocol.limits import DEFAULT_MAX_POSITIONS_PER_STEP
+from protocol.dht import make_dht
 from protocol.dht_records import fetch_servers, publish_report
+from protocol.errors import ErrorCode
 from protocol.identity import load_or_create_identity
-from protocol.records import ServerInfo, ServerState
+from protocol.limits import DEFAULT_MAX_POSITIONS_PER_STEP
 from protocol.messages import Hop
+from protocol.records import ServerInfo, ServerState
 from protocol.route_errors import NoRouteError
 from protocol.routing import MaxFlowRouter, RoutePlanner, cap_throughput, same_model
 from protocol.streams import ping_many
-from protocol.dht import make_dht
 
 logger = logging.getLogger(__name__)
 
@@ -131,8 +131,10 @@ class SwarmClient:
                 route = await self._plan(max_length, busy)
             except NoRouteError as e:
                 logger.info(f"No route yet (attempt {attempt + 1}/{self.max_route_attempts}): {e}")
-                last_error = RoutingError(f"{self.model}: {e}" + (f"; a server refused earlier: {refusal}" if refusal else ""),
-                                          e.missing_blocks)  # fmt: skip
+                last_error = RoutingError(
+                    f"{self.model}: {e}" + (f"; a server refused earlier: {refusal}" if refusal else ""),
+                    e.missing_blocks,
+                )
                 continue
             session = RemoteSession(self.p2p, route, max_length, timeout=self.request_timeout)
             session.max_positions_per_step = self.route_step_limit(route)
@@ -169,8 +171,14 @@ class SwarmClient:
         allowed_sets = (set(c) for k in range(len(suspects)) for c in itertools.combinations(suspects, k))
         for allowed in itertools.islice(allowed_sets, MAX_SUSPECT_SUBSETS):
             try:
-                return self.router.plan(servers, 0, self.num_blocks, max_length=max_length,
-                                        exclude=exclude | (set(suspects) - allowed), client_rtts=rtts)  # fmt: skip
+                return self.router.plan(
+                    servers,
+                    0,
+                    self.num_blocks,
+                    max_length=max_length,
+                    exclude=exclude | (set(suspects) - allowed),
+                    client_rtts=rtts,
+                )
             except NoRouteError:
                 continue
         return self.router.plan(servers, 0, self.num_blocks, max_length=max_length, exclude=exclude, client_rtts=rtts)
@@ -192,9 +200,10 @@ class SwarmClient:
         links of a lap), measured with one ping each and remembered for ``RTT_TTL`` seconds."""
         now = time.monotonic()
         ends = [  # only ONLINE servers are routed to; a JOINING one has no handlers yet
-            s.peer_id for s in servers
+            s.peer_id
+            for s in servers
             if s.state == ServerState.ONLINE and (s.start_block == 0 or s.end_block == self.num_blocks)
-        ]  # fmt: skip
+        ]
         stale = [p for p in ends if now - self._rtts.get(p, (float("-inf"), 0.0))[0] > RTT_TTL]
         for peer_id, rtt in (await ping_many(self.p2p, stale, PING_TIMEOUT)).items():
             if rtt is not None:

@@ -39,8 +39,14 @@ DEFAULT_AUDIT_EVERY = 16  # committed tokens per shadow Step (more: fewer audit 
 
 
 class VerdictAuditor(BackgroundAudit):
-    def __init__(self, swarm, vocab_size: int, every: int = DEFAULT_AUDIT_EVERY, timeout: Optional[float] = None,
-                 rng: Optional[random.Random] = None):  # fmt: skip
+    def __init__(
+        self,
+        swarm,
+        vocab_size: int,
+        every: int = DEFAULT_AUDIT_EVERY,
+        timeout: Optional[float] = None,
+        rng: Optional[random.Random] = None,
+    ):
         if every < 1:
             raise ValueError(f"every must be >= 1, got {every}")
         self.swarm, self.vocab_size, self.every = swarm, vocab_size, every
@@ -120,9 +126,10 @@ class VerdictAuditor(BackgroundAudit):
         the route's tail and the shadow's servers stay the same and unexcluded)."""
         shadow, excluded = self._shadow, self.swarm.excluded.current()
         if shadow is not None and (
-            shadow.route[:-1] != route[:-1] or shadow.tail_peer == route[-1].peer_id
+            shadow.route[:-1] != route[:-1]
+            or shadow.tail_peer == route[-1].peer_id
             or any(hop.peer_id in excluded for hop in shadow.route)
-        ):  # fmt: skip
+        ):
             await self._drop_shadow()
         if self._shadow is not None:
             return True
@@ -151,8 +158,16 @@ class VerdictAuditor(BackgroundAudit):
     async def _step(self, start: int, token_ids: list[int], n_draft: int, stats) -> StepResult:
         run_id, self._next_run = self._next_run, self._next_run + 1
         sampling = None if self.sampling == GREEDY else self.sampling
-        await self._shadow.send_step(Step(session_id=self._shadow.session_id, run_id=run_id, start_pos=start,
-                                          token_ids=token_ids, n_draft=n_draft, sampling=sampling))  # fmt: skip
+        await self._shadow.send_step(
+            Step(
+                session_id=self._shadow.session_id,
+                run_id=run_id,
+                start_pos=start,
+                token_ids=token_ids,
+                n_draft=n_draft,
+                sampling=sampling,
+            )
+        )
         stats.verdict_audit_positions += len(token_ids) * len(self._shadow.route)
         return await self._shadow.next_result(run_id)
 
@@ -175,8 +190,9 @@ class VerdictAuditor(BackgroundAudit):
             liar = None
         elif liar is None:
             what += "; the third agrees with neither"
-        stats.spot_check_events.append(f"verdict audit: {what}; third {third} chose {token}"
-                                       + (f"; {liar} is in the minority" if liar else ""))  # fmt: skip
+        stats.spot_check_events.append(
+            f"verdict audit: {what}; third {third} chose {token}" + (f"; {liar} is in the minority" if liar else "")
+        )
         if liar is None:
             stats.verdict_audits_undecided += 1
             return
@@ -205,8 +221,10 @@ class VerdictAuditor(BackgroundAudit):
                 await checker._compare(route, index, alt, [s.peer_id for s in found if s.peer_id != alt], ids, result)
             finally:
                 stats.spot_check_positions += result.positions
-            stats.spot_check_events.append(f"verdict audit: spot-check of hop {index} {route[index].peer_id} vs {alt}: "
-                                           f"{result.verdict} ({result.detail})")  # fmt: skip
+            stats.spot_check_events.append(
+                f"verdict audit: spot-check of hop {index} {route[index].peer_id} vs {alt}: "
+                f"{result.verdict} ({result.detail})"
+            )
             if result.verdict == "convicted":
                 stats.liars_excluded.append(result.liar)
                 self.swarm.convict(result.liar)
@@ -222,15 +240,25 @@ class VerdictAuditor(BackgroundAudit):
             limit, position, run_id = self.swarm.route_step_limit(route), 0, 0
             while position < t - 1:
                 count = min(limit, t - 1 - position)
-                step = Step(session_id=session.session_id, run_id=run_id, start_pos=position,
-                            token_ids=ids[position : position + count],
-                            sampling=None if self.sampling == GREEDY else self.sampling)  # fmt: skip
+                step = Step(
+                    session_id=session.session_id,
+                    run_id=run_id,
+                    start_pos=position,
+                    token_ids=ids[position : position + count],
+                    sampling=None if self.sampling == GREEDY else self.sampling,
+                )
                 await session.send_step(step)
                 await session.next_result(run_id)
                 stats.verdict_audit_positions += count * len(route)
                 position, run_id = position + count, run_id + 1
-            step = Step(session_id=session.session_id, run_id=run_id, start_pos=t - 1, token_ids=[ids[t - 1], ids[t]],
-                        n_draft=1, sampling=None if self.sampling == GREEDY else self.sampling)  # fmt: skip
+            step = Step(
+                session_id=session.session_id,
+                run_id=run_id,
+                start_pos=t - 1,
+                token_ids=[ids[t - 1], ids[t]],
+                n_draft=1,
+                sampling=None if self.sampling == GREEDY else self.sampling,
+            )
             await session.send_step(step)
             result = await session.next_result(run_id)
             stats.verdict_audit_positions += 2 * len(route)

@@ -31,7 +31,9 @@ def check_draft_model(draft_model: Any, vocab_size: int) -> None:
     """Refuse a draft model whose logits do not index the target's vocabulary."""
     config = getattr(draft_model, "config", None)
     if config is None or not callable(draft_model):
-        raise TypeError(f"draft_model must be a transformers causal LM (a PreTrainedModel), got {type(draft_model).__name__}")
+        raise TypeError(
+            f"draft_model must be a transformers causal LM (a PreTrainedModel), got {type(draft_model).__name__}"
+        )
     head = draft_model.get_output_embeddings() if hasattr(draft_model, "get_output_embeddings") else None
     draft_vocab = head.weight.shape[0] if head is not None else getattr(config, "vocab_size", None)
     if draft_vocab != vocab_size:

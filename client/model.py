@@ -29,17 +29,17 @@ from client._forward import forward_row
 from client._generation import GenerationStats, SessionState, SpeculativeDecoder
 from client._masks import causal_lm_loss, checked_ids, checked_mask, kept_columns, kept_width, unpadded
 from client._options import GenerationOptions
-from client._stats import merged_stats
-from client._trees import TreeSizer
 from client._spot_checks import DEFAULT_SPOT_CHECK_RATE, SpotChecker, check_rate
-from client._verdict_audits import DEFAULT_AUDIT_EVERY, Audits, VerdictAuditor
-from client.draft_model import ModelDrafter
+from client._stats import merged_stats
 from client._swarm import SwarmClient
 from client._token_stream import GeneratedChunk, stream_laps
+from client._trees import TreeSizer
+from client._verdict_audits import DEFAULT_AUDIT_EVERY, Audits, VerdictAuditor
+from client.draft_model import ModelDrafter
 from client.drafting import SuffixStore, make_drafter
 from client.warm_corpus import load_warm_corpus
-from protocol.limits import DEFAULT_MAX_POSITIONS_PER_STEP
 from protocol.config import no_initial_peers_message, resolve_initial_peers
+from protocol.limits import DEFAULT_MAX_POSITIONS_PER_STEP
 from protocol.models import config_fingerprint, resolve_model, weights_revision
 
 logger = logging.getLogger(__name__)

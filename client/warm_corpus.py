@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+
 from transformers import PretrainedConfig
 
 from protocol.models import config_fingerprint
@@ -42,6 +43,9 @@ def load_warm_corpus(config: PretrainedConfig) -> list[list[int]]:
             continue
         if corpus.get("format") == FORMAT and corpus.get("fingerprint") == wanted:
             vocab = config.vocab_size
-            return [list(seq) for seq in corpus["sequences"]
-                    if seq and all(isinstance(t, int) and 0 <= t < vocab for t in seq)]  # fmt: skip
+            return [
+                list(seq)
+                for seq in corpus["sequences"]
+                if seq and all(isinstance(t, int) and 0 <= t < vocab for t in seq)
+            ]
     return []

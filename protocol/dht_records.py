@@ -43,9 +43,7 @@ logger = logging.getLogger(__name__)
 KEYS_PER_LOOKUP = 8
 
 
-def announce(
-    dht: DHT, info: ServerInfo, expiration: float, wait: bool = True, num_blocks: Optional[int] = None
-) -> Any:
+def announce(dht: DHT, info: ServerInfo, expiration: float, wait: bool = True, num_blocks: Optional[int] = None) -> Any:
     """Store ``info`` under each of its blocks' keys (subkey: its peer id) and the model registry
     (subkey: the model, value: its ``num_blocks``, so readers such as the dashboard know the
     block keys to read)."""
@@ -65,7 +63,12 @@ async def _store_many(dht: DHT, node: DHTNode, keys, subkeys, values, expiration
 
 
 def fetch_servers(
-    dht: DHT, model: str, num_blocks: int, latest: bool = True, *, read_blocks: Optional[int] = None,
+    dht: DHT,
+    model: str,
+    num_blocks: int,
+    latest: bool = True,
+    *,
+    read_blocks: Optional[int] = None,
     blocks: Optional[Sequence[int]] = None,
 ) -> list[ServerInfo]:
     """Every valid, unexpired record of ``model``; one entry per server (not per block).
@@ -152,8 +155,9 @@ def publish_report(
     True if stored."""
     top = sorted(counts.items(), key=lambda item: (-item[1], item[0]))[:MAX_REPORTED_PEERS]
     value = {peer: min(int(count), MAX_REPORT_COUNT) for peer, count in top if count > 0}
-    stored = dht.store(reports_key(model), value, get_dht_time() + expiration, subkey=dht.peer_id.to_base58(),
-                       return_future=True)  # fmt: skip
+    stored = dht.store(
+        reports_key(model), value, get_dht_time() + expiration, subkey=dht.peer_id.to_base58(), return_future=True
+    )
     return bool(stored.result(timeout=timeout))
 
 

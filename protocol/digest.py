@@ -37,8 +37,16 @@ def step_digest(
 ) -> int:
     """What a verdict depends on besides the caches: positions, ids, drafts (and their tree or q),
     and the sampling parameters in effect (the session's when the Step carried none)."""
-    fields = (run_id, start_pos, list(token_ids), n_draft, list(parents), list(tree_path), draft_q,
-              msgspec.structs.astuple(sampling))  # fmt: skip
+    fields = (
+        run_id,
+        start_pos,
+        list(token_ids),
+        n_draft,
+        list(parents),
+        list(tree_path),
+        draft_q,
+        msgspec.structs.astuple(sampling),
+    )
     mac = hmac.new(key.encode(), _encoder.encode(fields), hashlib.blake2b).digest()
     return int.from_bytes(mac[:DIGEST_BYTES], "little")
 
@@ -46,7 +54,13 @@ def step_digest(
 def digest_of(step, sampling: msgspec.Struct, key: str) -> int:
     """``step_digest`` of a Step (any of its kinds), with the sampling parameters in effect."""
     return step_digest(
-        key, run_id=step.run_id, start_pos=step.start_pos, token_ids=step.token_ids, n_draft=step.n_draft,
-        sampling=sampling, parents=getattr(step, "parents", ()), tree_path=getattr(step, "tree_path", ()),
+        key,
+        run_id=step.run_id,
+        start_pos=step.start_pos,
+        token_ids=step.token_ids,
+        n_draft=step.n_draft,
+        sampling=sampling,
+        parents=getattr(step, "parents", ()),
+        tree_path=getattr(step, "tree_path", ()),
         draft_q=step.draft_q,
-    )  # fmt: skip
+    )

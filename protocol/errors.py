@@ -38,9 +38,7 @@ class ErrorCode(str, enum.Enum):
 
 # Errors the client may cure by routing around the reporting server (failover); the others are
 # the caller's fault and are raised to the user as they are.
-RETRYABLE_CODES = frozenset(
-    {ErrorCode.BUSY, ErrorCode.DOWNSTREAM_FAILED, ErrorCode.SHUTTING_DOWN, ErrorCode.INTERNAL}
-)
+RETRYABLE_CODES = frozenset({ErrorCode.BUSY, ErrorCode.DOWNSTREAM_FAILED, ErrorCode.SHUTTING_DOWN, ErrorCode.INTERNAL})
 
 
 class ProtocolError(Exception):

@@ -22,7 +22,6 @@ import msgspec
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.version import PROTOCOL_VERSION
 
-
 # A session id is the opener's random token (the client draws 16 hex digits): longer ones are
 # malformed, so no peer makes a server store, key or log an id of its choosing length
 MAX_SESSION_ID_CHARS = 64
@@ -241,8 +240,19 @@ class Pong(msgspec.Struct, tag="pong", array_like=True):
 
 
 Message = Union[
-    OpenSession, Step, LoopedRun, DraftOffer, Cancel, CloseSession, Subscribe, SessionOpened, StepResult, RunOutputs,
-    ErrorReply, Ping, Pong,
+    OpenSession,
+    Step,
+    LoopedRun,
+    DraftOffer,
+    Cancel,
+    CloseSession,
+    Subscribe,
+    SessionOpened,
+    StepResult,
+    RunOutputs,
+    ErrorReply,
+    Ping,
+    Pong,
 ]
 
 MAX_TOP_LOGPROBS = 20

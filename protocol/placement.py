@@ -63,7 +63,10 @@ def placement_view(servers: Sequence[ServerInfo]) -> list[ServerInfo]:
 
 
 def choose_best_span(
-    servers: Sequence[ServerInfo], num_blocks: int, span_length: int, my_throughput: float,
+    servers: Sequence[ServerInfo],
+    num_blocks: int,
+    span_length: int,
+    my_throughput: float,
     within: tuple[int, int] | None = None,
 ) -> tuple[int, int]:
     """Span ``(start, end)`` for a joining server that raises the swarm's max-flow the most.
@@ -79,7 +82,10 @@ def choose_best_span(
 
 
 def _best_span(
-    placed: Sequence[ServerInfo], num_blocks: int, span_length: int, my_throughput: float,
+    placed: Sequence[ServerInfo],
+    num_blocks: int,
+    span_length: int,
+    my_throughput: float,
     within: tuple[int, int] | None,
 ) -> tuple[int, int]:
     """:func:`choose_best_span` over records already counted as placement believes them."""
@@ -101,7 +107,10 @@ def _best_span(
 
 
 def should_move(
-    servers: Sequence[ServerInfo], my_info: ServerInfo, num_blocks: int, min_gain: float = 0.2,
+    servers: Sequence[ServerInfo],
+    my_info: ServerInfo,
+    num_blocks: int,
+    min_gain: float = 0.2,
     within: tuple[int, int] | None = None,
 ) -> tuple[int, int] | None:
     """New span for a running server if moving there raises the max-flow by more than

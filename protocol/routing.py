@@ -143,9 +143,7 @@ class MaxFlowRouter(RoutePlanner):
         """Sessions a server with this share may hold once the new one opens (float-tolerant)."""
         return math.ceil(min(1.0, share) * (self._sessions + 1) * (1 - 1e-9))
 
-    def _fastest(
-        self, servers: list[ServerInfo], start: int, end: int, client_rtts: Mapping[str, float]
-    ) -> list[Hop]:
+    def _fastest(self, servers: list[ServerInfo], start: int, end: int, client_rtts: Mapping[str, float]) -> list[Hop]:
         """Lowest-latency route over ``servers``, or ``[]`` if they do not cover the range.
 
         A shortest path, found block by block. States: ``enter(q, j)``, the token reached ``q``

@@ -91,9 +91,7 @@ def processed_scores(logits: torch.Tensor, context: Sequence[int], params: Sampl
     return scores[0]
 
 
-def choose_token(
-    logits: torch.Tensor, context: Sequence[int], position: int, params: SamplingParams
-) -> int:
+def choose_token(logits: torch.Tensor, context: Sequence[int], position: int, params: SamplingParams) -> int:
     """The target's token for absolute ``position``.
 
     logits: [vocab], the model's output at position - 1; context: the ids at positions < position.
@@ -273,9 +271,7 @@ def verify_rejection(
     return len(chosen_rows) - 1, chosen_rows[-1][1], correction, logprobs
 
 
-def sample_correction(
-    top_ids: Sequence[int], top_p: Sequence[float], q: torch.Tensor, seed: int, position: int
-) -> int:
+def sample_correction(top_ids: Sequence[int], top_p: Sequence[float], q: torch.Tensor, seed: int, position: int) -> int:
     """The client's side of a rejection: a token from norm(max(0, p - q)) over the top-K of p the
     tail sent (q: [vocab], the draft model's processed distribution at ``position``), drawn from
     the (seed, position, "correct") stream. If p - q has no positive mass there (p's support

@@ -21,11 +21,10 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 from hivemind.proto import runtime_pb2
 
-from protocol import compression
+from protocol import compression, relay
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.limits import CONTROL_FRAME_BYTES
 from protocol.messages import Message, decode, encode
-from protocol import relay
 
 logger = logging.getLogger(__name__)
 

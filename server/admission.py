@@ -53,7 +53,9 @@ def check_route(message: OpenSession, peer_id: str, held: HeldBlocks, accepting:
     if message.max_length <= 0:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"max_length must be positive, got {message.max_length}")
     if not is_sha256_hex(message.secret_hash):
-        raise ProtocolError(ErrorCode.BAD_REQUEST, "secret_hash must be the sha256 (64 hex digits) of the client's secret")
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST, "secret_hash must be the sha256 (64 hex digits) of the client's secret"
+        )
     if not accepting:
         raise ProtocolError(ErrorCode.SHUTTING_DOWN, "this server is shutting down")
 
@@ -79,7 +81,8 @@ def check_upstream(message: OpenSession, upstream_peer: str) -> None:
         if upstream_peer != previous:
             raise ProtocolError(
                 ErrorCode.UNAUTHORIZED,
-                f"hop {message.hop_index} must be opened by the route's previous hop {previous}, not by {upstream_peer}",
+                f"hop {message.hop_index} must be opened by the route's previous hop {previous}, not by "
+                f"{upstream_peer}",
             )
 
 
@@ -136,7 +139,8 @@ def check_session_caps(
     sessions, tokens = owner_holds
     if sessions >= caps.max_sessions_per_peer:
         raise ProtocolError(
-            ErrorCode.BUSY, f"peer {owner} already has {sessions} sessions open here (at most {caps.max_sessions_per_peer})"
+            ErrorCode.BUSY,
+            f"peer {owner} already has {sessions} sessions open here (at most {caps.max_sessions_per_peer})",
         )
     if tokens + message.max_length > caps.max_peer_tokens:
         raise ProtocolError(
@@ -170,7 +174,9 @@ def check_offer(offer: DraftOffer, hop_index: int, vocab_size: int) -> None:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"{len(offer.options)} options exceed {limits.MAX_OFFER_OPTIONS}")
     for accepted, next_token, drafts in offer.options:
         if not 0 <= accepted <= limits.MAX_OFFER_DRAFTS or len(drafts) > limits.MAX_OFFER_DRAFTS:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"an option may name and carry at most {limits.MAX_OFFER_DRAFTS} drafts")
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST, f"an option may name and carry at most {limits.MAX_OFFER_DRAFTS} drafts"
+            )
         check_token_ids((next_token, *drafts), vocab_size)
 
 
@@ -189,13 +195,17 @@ def check_looped_sender(session: Optional[ServerSession], step: Step, tail_peer:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"session {step.session_id!r} asked for no looped run here")
 
 
-def subscribe_slot_refusal(peer: str, pending: Mapping[str, int], max_sessions: int, max_per_peer: int) -> Optional[str]:
+def subscribe_slot_refusal(
+    peer: str, pending: Mapping[str, int], max_sessions: int, max_per_peer: int
+) -> Optional[str]:
     """Why a Subscribe may not wait for its session here (``pending``: peer -> its Subscribes waiting
     now), or None if it may: at most ``max_sessions`` wait at once, ``max_per_peer`` per peer."""
     total, mine = sum(pending.values()), pending.get(peer, 0)
     if total >= max_sessions or mine >= max_per_peer:
-        return (f"{total} Subscribes already wait for their sessions here, {mine} of them from peer {peer} "
-                f"(at most {max_sessions}, {max_per_peer} per peer)")  # fmt: skip
+        return (
+            f"{total} Subscribes already wait for their sessions here, {mine} of them from peer {peer} "
+            f"(at most {max_sessions}, {max_per_peer} per peer)"
+        )
     return None
 
 

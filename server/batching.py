@@ -31,8 +31,8 @@ import torch
 from protocol.limits import DEFAULT_GATHER_WINDOW
 from server.adapters import SpanAdapter, SpanCancelled
 from server.adapters.base import BatchMember
-from server.memory import DEFAULT_MAX_BATCH_POSITIONS
 from server.compute import begin_run, finish_run, first_logits_row
+from server.memory import DEFAULT_MAX_BATCH_POSITIONS
 from server.session import QueuedRun, ServerSession
 
 logger = logging.getLogger(__name__)
@@ -87,7 +87,9 @@ class BatchScheduler:
         the gather window ends once each of them has a run waiting. None: the window always runs
         to its end."""
         if max_batch_positions < 1 or gather_window < 0:
-            raise ValueError(f"max_batch_positions must be >= 1 and gather_window >= 0, got {max_batch_positions}, {gather_window}")
+            raise ValueError(
+                f"max_batch_positions must be >= 1 and gather_window >= 0, got {max_batch_positions}, {gather_window}"
+            )
         self.span, self.executor = span, executor
         self.max_batch_positions, self.gather_window = max_batch_positions, gather_window
         self.open_sessions = open_sessions
@@ -160,10 +162,15 @@ class BatchScheduler:
             now = dict(self.stats)
             passes = now["batches"] - last["batches"]
             if passes:
-                runs, positions = now["batched_runs"] - last["batched_runs"], now["batched_positions"] - last["batched_positions"]
+                runs, positions = (
+                    now["batched_runs"] - last["batched_runs"],
+                    now["batched_positions"] - last["batched_positions"],
+                )
                 logger.info(
-                    f"Batching: {now['batches']} passes, {now['batched_runs']} runs, {now['batched_positions']} positions "
-                    f"in all (last {REPORT_PERIOD:.0f} s: {runs / passes:.1f} runs, {positions / passes:.1f} positions per pass)"
+                    f"Batching: {now['batches']} passes, {now['batched_runs']} runs, "
+                    f"{now['batched_positions']} positions "
+                    f"in all (last {REPORT_PERIOD:.0f} s: {runs / passes:.1f} runs, "
+                    f"{positions / passes:.1f} positions per pass)"
                 )
             last = now
 

@@ -49,7 +49,11 @@ def first_logits_row(step: Step) -> int:
 
 
 def finish_run(
-    span: SpanAdapter, session: ServerSession, run: QueuedRun, hidden: torch.Tensor, first_row: Optional[torch.Tensor] = None
+    span: SpanAdapter,
+    session: ServerSession,
+    run: QueuedRun,
+    hidden: torch.Tensor,
+    first_row: Optional[torch.Tensor] = None,
 ) -> torch.Tensor | StepResult | TailReply:
     """After the blocks: a middle server's output activations, or the tail's verdict (and outputs).
     ``first_row``: the logits of :func:`first_logits_row`, when the caller computed them already."""
@@ -68,7 +72,9 @@ def finish_run(
     return result if outputs is None else TailReply(outputs, result)
 
 
-def _tail_drafts(span: SpanAdapter, session: ServerSession, step: Step, hidden: torch.Tensor, result: StepResult) -> list[int]:
+def _tail_drafts(
+    span: SpanAdapter, session: ServerSession, step: Step, hidden: torch.Tensor, result: StepResult
+) -> list[int]:
     """The tail's drafter over the final activations of the positions this verdict commits
     (server/tail_drafter.py); the session keeps the drafter's own cache."""
     if session.drafter_state is None:
@@ -76,7 +82,9 @@ def _tail_drafts(span: SpanAdapter, session: ServerSession, step: Step, hidden: 
     committed = len(step.token_ids) - step.n_draft + result.accepted
     token_ids = step.token_ids
     if step.parents:  # the committed ids, then the accepted path: a chain, as the drafter expects
-        rows = list(range(len(step.token_ids) - step.n_draft)) + [len(step.token_ids) - step.n_draft + n for n in result.path]
+        rows = list(range(len(step.token_ids) - step.n_draft)) + [
+            len(step.token_ids) - step.n_draft + n for n in result.path
+        ]
         hidden, token_ids = hidden[:, rows], [step.token_ids[r] for r in rows]
     return span.drafter.draft(
         session.drafter_state, hidden, token_ids, step.start_pos, committed, result.next_token, step.tail_drafts
@@ -90,8 +98,14 @@ def _verdict(session: ServerSession, step: Step, logits: "LazyLogits") -> StepRe
         path, next_token, logprobs = verify_tree(
             logits, session.history, step.start_pos, step.token_ids, step.parents, params, step.top_logprobs
         )
-        return StepResult(session_id=session.session_id, run_id=step.run_id, accepted=len(path), next_token=next_token,
-                          logprobs=logprobs or None, path=path)  # fmt: skip
+        return StepResult(
+            session_id=session.session_id,
+            run_id=step.run_id,
+            accepted=len(path),
+            next_token=next_token,
+            logprobs=logprobs or None,
+            path=path,
+        )
     if step.draft_q is not None:  # checked on arrival (ServerSession.check_step)
         q = check_draft_q(step.draft_q, step.n_draft)
         accepted, next_token, correction, logprobs = verify_rejection(

@@ -23,7 +23,9 @@ from server.weights import Checkpoint
 logger = logging.getLogger(__name__)
 
 
-def attach_drafter(span: SpanAdapter, config: ServerConfig, model_config: PretrainedConfig, checkpoint: Checkpoint) -> None:
+def attach_drafter(
+    span: SpanAdapter, config: ServerConfig, model_config: PretrainedConfig, checkpoint: Checkpoint
+) -> None:
     """``--drafter``: give a tail span its tail drafter (server/tail_drafter.py). ``auto`` picks the
     drafter committed for this model (matched by config fingerprint) and drafts nothing without one;
     ``none`` never drafts; a path loads that drafter file, and a file that does not fit is an error.
@@ -36,7 +38,9 @@ def attach_drafter(span: SpanAdapter, config: ServerConfig, model_config: Pretra
     if model_config.model_type == "deepseek_v4":
         from server.adapters.deepseek_v4_mtp import build_mtp_drafter
 
-        span.drafter = build_mtp_drafter(span, model_config, checkpoint, config.drafter, max_drafts=config.drafter_tokens)
+        span.drafter = build_mtp_drafter(
+            span, model_config, checkpoint, config.drafter, max_drafts=config.drafter_tokens
+        )
         return
     path = drafter_file(config, model_config)
     if path is None:
@@ -62,7 +66,10 @@ def drafter_file(config: ServerConfig, model_config: PretrainedConfig) -> Option
 
 
 def attach_drafter_if_it_fits(
-    span: SpanAdapter, config: ServerConfig, model_config: PretrainedConfig, checkpoint: Checkpoint,
+    span: SpanAdapter,
+    config: ServerConfig,
+    model_config: PretrainedConfig,
+    checkpoint: Checkpoint,
     plan: Optional[MemoryPlan],
 ) -> None:
     """:func:`attach_drafter`, unless the memory plan leaves a tail of this length no room for the
@@ -75,7 +82,10 @@ def attach_drafter_if_it_fits(
 
 
 def drafter_bytes(
-    config: ServerConfig, model_config: PretrainedConfig, checkpoint: Optional[Checkpoint], dtype: torch.dtype,
+    config: ServerConfig,
+    model_config: PretrainedConfig,
+    checkpoint: Optional[Checkpoint],
+    dtype: torch.dtype,
     quant: Quant,
 ) -> int:
     """Memory the drafter of ``attach_drafter`` takes on a tail beyond its blocks (0: none), so that
@@ -96,8 +106,11 @@ def drafter_bytes(
     if path is None:
         return 0
     try:
-        tied = (bool(getattr(model_config, "tie_word_embeddings", False)) if checkpoint is None
-                else "lm_head.weight" not in checkpoint.weight_map())  # fmt: skip
+        tied = (
+            bool(getattr(model_config, "tie_word_embeddings", False))
+            if checkpoint is None
+            else "lm_head.weight" not in checkpoint.weight_map()
+        )
         return drafter_file_bytes(path, model_config, dtype, tied=tied)
     except (OSError, SafetensorError):  # missing or no safetensors file: attach_drafter names it
         return 0

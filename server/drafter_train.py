@@ -74,8 +74,14 @@ SELF_PROMPTS = [
 def stdlib_texts(limit_chars: int, seed: int = 0) -> list[str]:
     """Source files and the docs' topics from the standard library, shuffled, about ``limit_chars``."""
     root = Path(sys.prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}"
-    files = [p for p in root.rglob("*.py") if "site-packages" not in p.parts and "test" not in p.parts
-             and "tests" not in p.parts and "idlelib" not in p.parts]  # fmt: skip
+    files = [
+        p
+        for p in root.rglob("*.py")
+        if "site-packages" not in p.parts
+        and "test" not in p.parts
+        and "tests" not in p.parts
+        and "idlelib" not in p.parts
+    ]
     random.Random(seed).shuffle(files)
     docs = root / "pydoc_data" / "topics.py"
     texts, total = [], 0
@@ -103,13 +109,17 @@ def stdlib_texts(limit_chars: int, seed: int = 0) -> list[str]:
 
 
 @torch.inference_mode()
-def own_answers(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[str], max_new_tokens: int, batch: int = 8) -> list[list[int]]:
+def own_answers(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[str], max_new_tokens: int, batch: int = 8
+) -> list[list[int]]:
     """Prompt + greedy answer ids for each prompt (batched, left-padded)."""
     tokenizer.padding_side = "left"
     sequences = []
     for i in range(0, len(prompts), batch):
-        chats = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                               add_generation_prompt=True) for p in prompts[i : i + batch]]  # fmt: skip
+        chats = [
+            tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+            for p in prompts[i : i + batch]
+        ]
         enc = tokenizer(chats, return_tensors="pt", padding=True)
         out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
         for row, mask in zip(out, enc["attention_mask"]):
@@ -122,7 +132,9 @@ def own_answers(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prom
 
 
 @torch.inference_mode()
-def collect(model: PreTrainedModel, sequences: list[list[int]], chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def collect(
+    model: PreTrainedModel, sequences: list[list[int]], chunk: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Features [N, chunk, H] (fp16), token ids [N, chunk] and the target's own next-token choice at
     each position [N, chunk] (the argmax of its logits there)."""
     feats, ids, labels = [], [], []
@@ -144,8 +156,18 @@ def chunks_of(tokenizer: PreTrainedTokenizerBase, texts: list[str], chunk: int) 
     return out
 
 
-def train(model: PreTrainedModel, feats: torch.Tensor, ids: torch.Tensor, labels: torch.Tensor, *, draft_vocab: torch.Tensor, seconds: float, lr: float, batch: int,
-          seed: int = 0) -> EagleModule:  # fmt: skip
+def train(
+    model: PreTrainedModel,
+    feats: torch.Tensor,
+    ids: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    draft_vocab: torch.Tensor,
+    seconds: float,
+    lr: float,
+    batch: int,
+    seed: int = 0,
+) -> EagleModule:
     """Fit the drafter by EAGLE's loss within ``seconds``. Position t's input is (feature_t, token_{t+1});
     its output should be feature_{t+1}, whose LM head argmax is the target's choice at t + 1."""
     torch.manual_seed(seed)
@@ -203,14 +225,25 @@ def train(model: PreTrainedModel, feats: torch.Tensor, ids: torch.Tensor, labels
             with torch.no_grad():
                 valid = target != -100
                 top1 = ((predicted @ rows.T).argmax(-1) == target)[valid].float().mean().item()
-            logger.info(f"step {step} ({elapsed:.0f}s): loss {loss.item():.3f} reg {reg.item():.3f} ce {ce.item():.3f} top1 {top1:.3f}")
+            logger.info(
+                f"step {step} ({elapsed:.0f}s): loss {loss.item():.3f} reg {reg.item():.3f} ce "
+                f"{ce.item():.3f} top1 {top1:.3f}"
+            )
         step += 1
     net.eval()
     return net
 
 
 @torch.inference_mode()
-def evaluate(net: EagleModule, model: PreTrainedModel, feats: torch.Tensor, ids: torch.Tensor, labels: torch.Tensor, draft_vocab: torch.Tensor, depth: int = 4) -> list[float]:
+def evaluate(
+    net: EagleModule,
+    model: PreTrainedModel,
+    feats: torch.Tensor,
+    ids: torch.Tensor,
+    labels: torch.Tensor,
+    draft_vocab: torch.Tensor,
+    depth: int = 4,
+) -> list[float]:
     """Fraction of positions whose first k tail drafts all equal the target's choices, k = 1..depth
     (teacher-forced context, the drafter's own features for the chain): the expected acceptance."""
     from server.adapters.llama import _causal_mask
@@ -223,8 +256,13 @@ def evaluate(net: EagleModule, model: PreTrainedModel, feats: torch.Tensor, ids:
         seq = f.shape[1]
         cache = net.new_cache()
         half = seq // 2
-        out = net(f[:, :half], embed[x[1 : half + 1]].unsqueeze(0), torch.arange(half).unsqueeze(0), cache,
-                   _causal_mask(0, half, torch.device("cpu")))  # fmt: skip
+        out = net(
+            f[:, :half],
+            embed[x[1 : half + 1]].unsqueeze(0),
+            torch.arange(half).unsqueeze(0),
+            cache,
+            _causal_mask(0, half, torch.device("cpu")),
+        )
         # the bonus token is x[half]; the drafts should be the target's choices at half, half + 1, ...
         o = out[:, -1:]
         pos = half
@@ -243,11 +281,15 @@ def evaluate(net: EagleModule, model: PreTrainedModel, feats: torch.Tensor, ids:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m server.drafter_train", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m server.drafter_train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "drafters"),
-                   help="folder for <model>.safetensors (--drafter auto looks there, matching config fingerprints)")  # fmt: skip
+    p.add_argument(
+        "--out",
+        default=str(Path(__file__).resolve().parent / "drafters"),
+        help="folder for <model>.safetensors (--drafter auto looks there, matching config fingerprints)",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--stdlib-chars", type=int, default=250_000, help="characters of standard library text")
     p.add_argument("--answer-tokens", type=int, default=160, help="new tokens per own answer")
@@ -271,7 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     answers = own_answers(model, tokenizer, SELF_PROMPTS, args.answer_tokens)
     logger.info(f"own answers: {sum(map(len, answers))} tokens in {time.perf_counter() - began:.0f}s")
     # the answers as whole sequences cut into chunks (several chunks where long), the stdlib after
-    sequences = [s[i : i + args.chunk] for s in answers for i in range(0, max(1, len(s) - args.chunk + 1), args.chunk // 2)]
+    sequences = [
+        s[i : i + args.chunk] for s in answers for i in range(0, max(1, len(s) - args.chunk + 1), args.chunk // 2)
+    ]
     sequences = [s for s in sequences if len(s) == args.chunk]
     sequences += chunks_of(tokenizer, stdlib_texts(args.stdlib_chars, args.seed), args.chunk)
     random.Random(args.seed).shuffle(sequences)
@@ -282,15 +326,32 @@ def main(argv: list[str] | None = None) -> int:
     draft_vocab = torch.sort(torch.argsort(counts, descending=True)[: args.draft_vocab]).values
     coverage = counts[draft_vocab].sum().item() / counts.sum().item()
     logger.info(f"draft vocabulary: {len(draft_vocab)} ids cover {coverage:.3f} of the target's choices")
-    net = train(model, feats[held_out:], ids[held_out:], labels[held_out:], draft_vocab=draft_vocab,
-                 seconds=args.train_seconds, lr=args.lr, batch=args.batch, seed=args.seed)  # fmt: skip
+    net = train(
+        model,
+        feats[held_out:],
+        ids[held_out:],
+        labels[held_out:],
+        draft_vocab=draft_vocab,
+        seconds=args.train_seconds,
+        lr=args.lr,
+        batch=args.batch,
+        seed=args.seed,
+    )
     acceptance = evaluate(net, model, feats[:held_out], ids[:held_out], labels[:held_out], draft_vocab)
     logger.info(f"held-out: first k drafts all right, k=1..4: {[round(a, 3) for a in acceptance]}")
     out = Path(args.out) / f"{Path(args.model).name}.safetensors"  # --drafter auto matches it by config fingerprint
-    save_drafter(net, out, model.config, draft_vocab=draft_vocab, extra={
-        "model": args.model, "positions": str(feats.shape[0] * args.chunk), "held_out_acceptance": str(acceptance),
-        "train_seconds": str(args.train_seconds),
-    })  # fmt: skip
+    save_drafter(
+        net,
+        out,
+        model.config,
+        draft_vocab=draft_vocab,
+        extra={
+            "model": args.model,
+            "positions": str(feats.shape[0] * args.chunk),
+            "held_out_acceptance": str(acceptance),
+            "train_seconds": str(args.train_seconds),
+        },
+    )
     logger.info(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB) after {time.perf_counter() - began:.0f}s")
     return 0
 

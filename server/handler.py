@@ -38,7 +38,17 @@ from protocol import compression as codecs
 from protocol import limits, relay
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.messages import (
-    Cancel, CloseSession, DraftOffer, ErrorReply, LoopedRun, Message, OpenSession, Ping, Pong, SessionOpened, Step,
+    Cancel,
+    CloseSession,
+    DraftOffer,
+    ErrorReply,
+    LoopedRun,
+    Message,
+    OpenSession,
+    Ping,
+    Pong,
+    SessionOpened,
+    Step,
     StepResult,
 )
 from protocol.records import ServerInfo
@@ -57,8 +67,19 @@ from server.unread import UnreadLedger
 logger = logging.getLogger(__name__)
 
 RunOutput = Union[torch.Tensor, StepResult, TailReply]  # what a run's compute returns (server/compute.py)
-STATS = ("runs", "cancelled_runs", "sessions_opened", "accepted_tokens", "cancelled_queued", "cancelled_running",
-         "cancelled_computed", "dropped_upstream", "looped_runs", "looped_runs_dropped", "offers_used")  # fmt: skip
+STATS = (
+    "runs",
+    "cancelled_runs",
+    "sessions_opened",
+    "accepted_tokens",
+    "cancelled_queued",
+    "cancelled_running",
+    "cancelled_computed",
+    "dropped_upstream",
+    "looped_runs",
+    "looped_runs_dropped",
+    "offers_used",
+)
 
 
 class SessionHandler:
@@ -88,8 +109,10 @@ class SessionHandler:
         self.max_sessions, self.max_sessions_per_peer = max_sessions, max_sessions_per_peer
         self.max_session_tokens = max_session_tokens or limits.default_max_session_tokens(budget.total_tokens)
         if not 0 < self.max_session_tokens <= budget.total_tokens:
-            raise ValueError(f"--max-session-tokens must be in 1..{budget.total_tokens} (the cache budget), "
-                             f"got {self.max_session_tokens}")  # fmt: skip
+            raise ValueError(
+                f"--max-session-tokens must be in 1..{budget.total_tokens} (the cache budget), "
+                f"got {self.max_session_tokens}"
+            )
         self.max_peer_tokens = max(self.max_session_tokens, budget.total_tokens // limits.PEER_CACHE_SHARE)
         self.sessionless_timeout = limits.SESSIONLESS_TIMEOUT
         # announced ONLINE servers of this model (peer id -> record), refreshed by the server's upkeep:
@@ -103,8 +126,13 @@ class SessionHandler:
         self.subscriptions = Subscriptions(self.open_sessions, self.peer_id)  # the tail's results streams
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="span-compute")
         # every session's runs go through the span together (server/batching.py)
-        self.batches = BatchScheduler(span, self._executor, max_batch_positions=max_batch_positions,
-                                      gather_window=gather_window, open_sessions=lambda: len(self.sessions))  # fmt: skip
+        self.batches = BatchScheduler(
+            span,
+            self._executor,
+            max_batch_positions=max_batch_positions,
+            gather_window=gather_window,
+            open_sessions=lambda: len(self.sessions),
+        )
         self.accepting = True
         self.stats = dict.fromkeys(STATS, 0)
 
@@ -120,13 +148,24 @@ class SessionHandler:
 
     async def start(self) -> None:
         """Serve the three protocols; start the idle reaper and the batch scheduler."""
-        await serve(self.p2p, SESSION_PROTOCOL, self._serve_session,
-                    max_frame_bytes=self.max_frame_bytes, max_tensor_elements=self.max_tensor_elements)  # fmt: skip
+        await serve(
+            self.p2p,
+            SESSION_PROTOCOL,
+            self._serve_session,
+            max_frame_bytes=self.max_frame_bytes,
+            max_tensor_elements=self.max_tensor_elements,
+        )
         # a client sends only Subscribe (results stream) or Ping (ping stream): small, no tensors
-        await serve(self.p2p, RESULTS_PROTOCOL, self._serve_results,
-                    max_frame_bytes=limits.CONTROL_FRAME_BYTES, max_tensor_elements=0)  # fmt: skip
-        await serve(self.p2p, PING_PROTOCOL, self._serve_ping,
-                    max_frame_bytes=limits.CONTROL_FRAME_BYTES, max_tensor_elements=0)  # fmt: skip
+        await serve(
+            self.p2p,
+            RESULTS_PROTOCOL,
+            self._serve_results,
+            max_frame_bytes=limits.CONTROL_FRAME_BYTES,
+            max_tensor_elements=0,
+        )
+        await serve(
+            self.p2p, PING_PROTOCOL, self._serve_ping, max_frame_bytes=limits.CONTROL_FRAME_BYTES, max_tensor_elements=0
+        )
         # bitsandbytes takes seconds to import: not on the first run's path
         asyncio.get_running_loop().run_in_executor(None, codecs.preload, self.compression)
         self._reaper = asyncio.create_task(self._reap_idle_sessions())
@@ -194,14 +233,21 @@ class SessionHandler:
             await self._report(upstream, None, ProtocolError(ErrorCode.BAD_REQUEST, why), None)
             return None
 
-    async def _dispatch(self, message: Message, tensors: list[torch.Tensor], upstream: MessageStream,
-                        session: Optional[ServerSession], downstream: Optional[MessageStream]) -> None:  # fmt: skip
+    async def _dispatch(
+        self,
+        message: Message,
+        tensors: list[torch.Tensor],
+        upstream: MessageStream,
+        session: Optional[ServerSession],
+        downstream: Optional[MessageStream],
+    ) -> None:
         """A message other than OpenSession and CloseSession: a looped run, or one for this stream's session."""
         if isinstance(message, LoopedRun):  # from a tail, on a stream of its own
             return await self._take_looped_run(message, upstream)
         if session is None or session.closed or getattr(message, "session_id", None) != session.session_id:
             raise ProtocolError(
-                ErrorCode.UNKNOWN_SESSION, f"session {getattr(message, 'session_id', None)!r} is not open on this stream"
+                ErrorCode.UNKNOWN_SESSION,
+                f"session {getattr(message, 'session_id', None)!r} is not open on this stream",
             )
         if isinstance(message, Step):
             self._enqueue(session, message, tensors)
@@ -247,13 +293,19 @@ class SessionHandler:
     def _admit(self, message: OpenSession, upstream_peer: str) -> Optional[str]:
         """Refuse a session this server may not open; else whom it counts against (admission.cap_owner)."""
         span = self.span
-        admission.check_route(message, self.peer_id, admission.HeldBlocks(span.start, span.end, span.num_blocks),
-                              self.accepting)  # fmt: skip
+        admission.check_route(
+            message, self.peer_id, admission.HeldBlocks(span.start, span.end, span.num_blocks), self.accepting
+        )
         admission.check_upstream(message, upstream_peer)
         admission.check_new_session_id(message.session_id, self.sessions.keys() | self.open_sessions.opening)
         owner = admission.cap_owner(message, upstream_peer, self.known_servers)
-        caps = admission.SessionCaps(self.max_sessions, self.max_session_tokens, self.max_sessions_per_peer,
-                                     self.max_peer_tokens, self.budget.total_tokens)  # fmt: skip
+        caps = admission.SessionCaps(
+            self.max_sessions,
+            self.max_session_tokens,
+            self.max_sessions_per_peer,
+            self.max_peer_tokens,
+            self.budget.total_tokens,
+        )
         owner_holds = self.budget.held_by(owner) if owner is not None else (0, 0)
         admission.check_session_caps(message, owner, self.open_sessions.held(), owner_holds, caps)
         return owner

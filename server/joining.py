@@ -77,9 +77,10 @@ def joining_throughput(servers: Sequence[ServerInfo], span_length: int) -> float
     span yet: the slowest ``ONLINE`` server's per-block speed (``throughput * blocks``) spread over
     ``span_length`` blocks; :data:`JOINING_THROUGHPUT` when no server is online."""
     speeds = [
-        s.throughput * (s.end_block - s.start_block) for s in servers
+        s.throughput * (s.end_block - s.start_block)
+        for s in servers
         if s.state == ServerState.ONLINE and s.throughput > 0 and s.end_block > s.start_block
-    ]  # fmt: skip
+    ]
     # at least MIN_THROUGHPUT: readers drop records below it, so a hostile record claiming a crawl
     # cannot make our JOINING record invisible to placement
     return max(MIN_THROUGHPUT, min(speeds) / max(1, span_length)) if speeds else JOINING_THROUGHPUT
@@ -116,10 +117,13 @@ def _new_overlapping(mine: ServerInfo, counted: Sequence[ServerInfo], fresh: Seq
     seen = _placements(counted)
     placed = (ServerState.JOINING, ServerState.ONLINE)
     return [
-        s for s in fresh
-        if s.peer_id != mine.peer_id and s.state in placed and _overlaps(s, mine)
+        s
+        for s in fresh
+        if s.peer_id != mine.peer_id
+        and s.state in placed
+        and _overlaps(s, mine)
         and (s.peer_id, s.start_block, s.end_block) not in seen
-    ]  # fmt: skip
+    ]
 
 
 def rivals(mine: ServerInfo, counted: Sequence[ServerInfo], fresh: Sequence[ServerInfo]) -> list[ServerInfo]:
@@ -161,9 +165,13 @@ async def claim_span(
     counted = await others()  # with --blocks, read only for the placeholder throughput
     start, end = choose(counted)
     mine = msgspec.structs.replace(
-        template, start_block=start, end_block=end, state=ServerState.JOINING,
-        throughput=joining_throughput(counted, end - start), started_at=now(),
-    )  # fmt: skip
+        template,
+        start_block=start,
+        end_block=end,
+        state=ServerState.JOINING,
+        throughput=joining_throughput(counted, end - start),
+        started_at=now(),
+    )
     await publish(mine)
     if not automatic:
         return mine
@@ -172,8 +180,9 @@ async def claim_span(
     found = rivals(mine, counted, fresh)
     if not found:
         return mine
-    names = ", ".join(f"{r.public_name or r.peer_id[:8]} ({r.state.value} {r.start_block}:{r.end_block})"
-                      for r in found)  # fmt: skip
+    names = ", ".join(
+        f"{r.public_name or r.peer_id[:8]} ({r.state.value} {r.start_block}:{r.end_block})" for r in found
+    )
     second = recount(mine, counted, fresh)
     span = choose(second)
     if span == (start, end):

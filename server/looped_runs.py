@@ -68,11 +68,19 @@ def following_run(session: ServerSession, step: Step, result: StepResult) -> Opt
     ids = [result.next_token, *result.drafts]
     if start + len(ids) > session.max_length:
         return None
-    return LoopedRun(step=Step(
-        session_id=session.session_id, run_id=step.run_id + 1, start_pos=start, token_ids=ids,
-        n_draft=len(result.drafts), top_logprobs=step.top_logprobs, tail_drafts=step.tail_drafts,
-        loop_runs=step.loop_runs - 1,
-    ), accepted=result.accepted)  # fmt: skip
+    return LoopedRun(
+        step=Step(
+            session_id=session.session_id,
+            run_id=step.run_id + 1,
+            start_pos=start,
+            token_ids=ids,
+            n_draft=len(result.drafts),
+            top_logprobs=step.top_logprobs,
+            tail_drafts=step.tail_drafts,
+            loop_runs=step.loop_runs - 1,
+        ),
+        accepted=result.accepted,
+    )
 
 
 def remember_started(session: ServerSession, run_id: int) -> bool:
@@ -90,9 +98,12 @@ async def send_to_head(p2p: P2P, session: ServerSession, following: LoopedRun) -
         if session.head_stream is None:
             session.head_stream = await asyncio.wait_for(
                 MessageStream.open(
-                    p2p, PeerID.from_base58(session.route[0].peer_id), SESSION_PROTOCOL,
-                    max_frame_bytes=limits.CONTROL_FRAME_BYTES, max_tensor_elements=0,
-                ),  # fmt: skip
+                    p2p,
+                    PeerID.from_base58(session.route[0].peer_id),
+                    SESSION_PROTOCOL,
+                    max_frame_bytes=limits.CONTROL_FRAME_BYTES,
+                    max_tensor_elements=0,
+                ),
                 OPEN_TIMEOUT,
             )
             asyncio.create_task(_drain_head_replies(session, session.head_stream))

@@ -72,7 +72,9 @@ class MemoryPlan:
         per_token = self.sizes.cache_bytes_per_token * max(1, num_blocks)
         if self.cache_tokens is not None:
             return self.cache_tokens * per_token
-        return max(MIN_CACHE_TOKENS * per_token, min(int(self.free_bytes * CACHE_FRACTION), MAX_CACHE_TOKENS * per_token))
+        return max(
+            MIN_CACHE_TOKENS * per_token, min(int(self.free_bytes * CACHE_FRACTION), MAX_CACHE_TOKENS * per_token)
+        )
 
     def cache_budget_tokens(self, num_blocks: int) -> int:
         """The cache budget in tokens that :meth:`cache_bytes` pays for."""
@@ -91,14 +93,20 @@ class MemoryPlan:
         return size + (self.drafter_bytes if tail and drafter else 0)
 
     def needed_bytes(self, num_blocks: int, head: bool = False, tail: bool = False, drafter: bool = True) -> int:
-        return (num_blocks * self.sizes.block_bytes + self.ends_bytes(head, tail, drafter)
-                + self.cache_bytes(num_blocks) + self.headroom_bytes)  # fmt: skip
+        return (
+            num_blocks * self.sizes.block_bytes
+            + self.ends_bytes(head, tail, drafter)
+            + self.cache_bytes(num_blocks)
+            + self.headroom_bytes
+        )
 
     def most_blocks(self, head: bool = False, tail: bool = False, drafter: bool = True) -> int:
         """The longest span with these ends that fits (0: not even one block)."""
         limit = self.total_blocks - (0 if head else 1) - (0 if tail else 1)  # a middle span leaves both ends to others
         if head and tail:
-            return self.total_blocks if self.needed_bytes(self.total_blocks, True, True, drafter) <= self.free_bytes else 0
+            return (
+                self.total_blocks if self.needed_bytes(self.total_blocks, True, True, drafter) <= self.free_bytes else 0
+            )
         best = 0
         for n in range(1, max(0, limit) + 1):  # needed_bytes grows with n: stop at the first that does not fit
             if self.needed_bytes(n, head, tail, drafter) > self.free_bytes:
@@ -132,6 +140,7 @@ class MemoryPlan:
 
     def fits_beside(self, old: tuple[int, int], new: tuple[int, int]) -> bool:
         """Whether span ``new`` loads while ``old`` is still resident (a move that keeps serving)."""
+
         def weights(start: int, end: int) -> int:
             tail = end == self.total_blocks
             return (end - start) * self.sizes.block_bytes + self.ends_bytes(start == 0, tail, tail)
@@ -171,8 +180,10 @@ class MemoryPlan:
         parts = [f"{n} x {self.sizes.block_bytes / GiB:.2f} GiB of blocks ({self.quant} weights)"]
         ends = self.ends_bytes(head, tail, drafter=False)
         if ends:
-            parts.append(f"{ends / GiB:.2f} GiB for the {'embeddings' if head else ''}"
-                         f"{' and ' if head and tail else ''}{'LM head' if tail else ''}")  # fmt: skip
+            parts.append(
+                f"{ends / GiB:.2f} GiB for the {'embeddings' if head else ''}"
+                f"{' and ' if head and tail else ''}{'LM head' if tail else ''}"
+            )
         parts.append(f"{self.cache_bytes(n) / GiB:.2f} GiB of cache ({self.cache_budget_tokens(n)} tokens)")
         parts.append(f"{self.headroom_bytes / GiB:.2f} GiB headroom")
         needed = self.needed_bytes(n, head, tail, drafter=False)
@@ -279,8 +290,15 @@ def batch_positions_that_fit(config: PretrainedConfig, dtype: torch.dtype, free_
 
 
 def plan_blocks(
-    config: PretrainedConfig, dtype: torch.dtype, device: str, total_blocks: int, free_bytes: int | None = None, quant: Quant = Quant.NONE,
-    drafter_bytes: int = 0, cache_tokens: int | None = None, batch_positions: int | None = None,
+    config: PretrainedConfig,
+    dtype: torch.dtype,
+    device: str,
+    total_blocks: int,
+    free_bytes: int | None = None,
+    quant: Quant = Quant.NONE,
+    drafter_bytes: int = 0,
+    cache_tokens: int | None = None,
+    batch_positions: int | None = None,
 ) -> MemoryPlan:
     """The memory plan of this server: ``free_bytes`` stands in for the device's free memory when given.
     ``batch_positions`` (--max-batch-positions): the largest batched pass; by default it is what the

@@ -64,8 +64,9 @@ def adopt_swarm_revision(dht: hivemind.DHT, dht_name: str, source: str) -> Optio
     try:
         load_model_config(source, chosen)
     except ValueError as e:
-        logger.warning(f"The swarm serves {source} at {chosen}, which the hub does not serve ({e}); "
-                       f"taking the hub's main {main}")  # fmt: skip
+        logger.warning(
+            f"The swarm serves {source} at {chosen}, which the hub does not serve ({e}); taking the hub's main {main}"
+        )
         return main
     logger.info(f"Revision of {source}: {chosen} (what the swarm serves; the hub's main is {main})")
     return chosen

@@ -66,7 +66,9 @@ class SpanMoves:
         if target is not None and self.plan is not None and not self.plan.fits(*target, drafter=False):
             lo = 1 if target[0] == 0 else 0
             hi = total - 1 if target[1] == total else total
-            target = should_move(servers, me, total, within=(lo, hi)) if me.end_block - me.start_block <= hi - lo else None
+            target = (
+                should_move(servers, me, total, within=(lo, hi)) if me.end_block - me.start_block <= hi - lo else None
+            )
         if target is not None:
             await self.move_to(*target)
 
@@ -83,20 +85,28 @@ class SpanMoves:
             logger.warning(f"Not moving from {where}: " + self.plan.shortfall(start, end, str(self.span.device)))
             return False
         beside = self.plan is None or self.plan.fits_beside((old_info.start_block, old_info.end_block), (start, end))
-        logger.info(f"Moving from {where} ({'loading beside the old span' if beside else 'draining and freeing the old span first'})")
+        logger.info(
+            f"Moving from {where} "
+            f"({'loading beside the old span' if beside else 'draining and freeing the old span first'})"
+        )
         if not beside:
             await self._drain_and_free(ServerState.DRAINING)
         try:
             span = await self._load_span(start, end, ServerState.JOINING if not beside else None)
         except Exception as e:
-            logger.error(f"Could not load blocks {start}:{end} ({e!r}); keeping blocks {old_info.start_block}:{old_info.end_block}")
+            logger.error(
+                f"Could not load blocks {start}:{end} ({e!r}); keeping blocks "
+                f"{old_info.start_block}:{old_info.end_block}"
+            )
             span = self.span
             if not beside:  # the old span was freed: load it again, announced as joining meanwhile
                 try:
                     span = await self._load_span(old_info.start_block, old_info.end_block, ServerState.JOINING)
                 except Exception as again:
-                    logger.error(f"Could not load blocks {old_info.start_block}:{old_info.end_block} again ({again!r}): "
-                                 "this server serves nothing now; restart it")  # fmt: skip
+                    logger.error(
+                        f"Could not load blocks {old_info.start_block}:{old_info.end_block} again ({again!r}): "
+                        "this server serves nothing now; restart it"
+                    )
                     self._announce(ServerState.OFFLINE)
                     return False
             self._serve(span, old_info)
@@ -128,12 +138,19 @@ class SpanMoves:
             refresher = keep_announcing(self._publish, joining, self.config.update_period)
         try:
             span = await loop.run_in_executor(
-                None, load_span, self.model_config, self.checkpoint, start, end, self.span.dtype,
-                str(self.span.device), Quant(self.info.quantization),
-            )  # fmt: skip
+                None,
+                load_span,
+                self.model_config,
+                self.checkpoint,
+                start,
+                end,
+                self.span.dtype,
+                str(self.span.device),
+                Quant(self.info.quantization),
+            )
             await loop.run_in_executor(
                 None, attach_drafter_if_it_fits, span, self.config, self.model_config, self.checkpoint, self.plan
-            )  # fmt: skip
+            )
             return span
         finally:
             if refresher is not None:

@@ -31,18 +31,30 @@ async def open_downstream(p2p: P2P, session: ServerSession) -> MessageStream:
     try:
         stream = await asyncio.wait_for(
             MessageStream.open(  # the next server sends back only SessionOpened and ErrorReply
-                p2p, PeerID.from_base58(next_hop.peer_id), SESSION_PROTOCOL,
-                max_frame_bytes=limits.CONTROL_FRAME_BYTES, max_tensor_elements=0,
-            ),  # fmt: skip
+                p2p,
+                PeerID.from_base58(next_hop.peer_id),
+                SESSION_PROTOCOL,
+                max_frame_bytes=limits.CONTROL_FRAME_BYTES,
+                max_tensor_elements=0,
+            ),
             OPEN_TIMEOUT,
         )
-        await stream.send(OpenSession(session_id=session.session_id, max_length=session.max_length,
-                                      route=session.route, hop_index=session.hop_index + 1,
-                                      secret_hash=session.secret_hash))  # fmt: skip
+        await stream.send(
+            OpenSession(
+                session_id=session.session_id,
+                max_length=session.max_length,
+                route=session.route,
+                hop_index=session.hop_index + 1,
+                secret_hash=session.secret_hash,
+            )
+        )
         reply = await asyncio.wait_for(stream.receive(), OPEN_TIMEOUT)
     except (asyncio.TimeoutError, OSError, Exception) as e:
-        raise ProtocolError(ErrorCode.DOWNSTREAM_FAILED, f"could not open the session on next server "
-                            f"{next_hop.peer_id}: {e!r}", peer_id=next_hop.peer_id) from None  # fmt: skip
+        raise ProtocolError(
+            ErrorCode.DOWNSTREAM_FAILED,
+            f"could not open the session on next server {next_hop.peer_id}: {e!r}",
+            peer_id=next_hop.peer_id,
+        ) from None
     if reply is None:
         raise ProtocolError(
             ErrorCode.DOWNSTREAM_FAILED, f"next server {next_hop.peer_id} closed the stream", peer_id=next_hop.peer_id
@@ -74,5 +86,7 @@ async def relay_reports(
             logger.info(f"Dropped a {type(message).__name__} that {downstream.peer_id} sent upstream")
     if not session.closed:
         next_peer = session.next_hop.peer_id
-        error = ProtocolError(ErrorCode.DOWNSTREAM_FAILED, f"next server {next_peer} dropped the session", peer_id=next_peer)
+        error = ProtocolError(
+            ErrorCode.DOWNSTREAM_FAILED, f"next server {next_peer} dropped the session", peer_id=next_peer
+        )
         await report(upstream, session.session_id, error, None, peer_id)

@@ -58,7 +58,9 @@ def check_requested_blocks(config: ServerConfig, plan: MemoryPlan, device: str) 
         raise ValueError("cannot serve here, not even one block fits: " + plan.describe(device))
 
 
-def most_blocks(plan: MemoryPlan, head: bool = False, tail: bool = False, *, automatic: bool, anywhere: bool = False) -> int:
+def most_blocks(
+    plan: MemoryPlan, head: bool = False, tail: bool = False, *, automatic: bool, anywhere: bool = False
+) -> int:
     """The longest span with these ends this server takes; a tail planned automatically keeps room
     for the drafter when one block fits beside it, one the volunteer sized (``--num-blocks``) drops it."""
     if anywhere:
@@ -88,7 +90,9 @@ def choose_blocks(
     length = min(config.num_blocks or (plan.blocks if plan else total), total)
     lo, hi = 0, total  # the span stays inside [lo, hi): an end that does not fit is left out
     for _ in range(4):  # each round shortens the span or narrows [lo, hi); four rounds settle both ends
-        span = choose_best_span(servers, total, length, my_throughput=joining_throughput(servers, length), within=(lo, hi))
+        span = choose_best_span(
+            servers, total, length, my_throughput=joining_throughput(servers, length), within=(lo, hi)
+        )
         start, end = span
         if plan is None:
             return span
@@ -102,8 +106,10 @@ def choose_blocks(
         length = min(length, hi - lo)
         if length < 1:
             break
-    raise ValueError(f"no span of {config.num_blocks or plan.blocks} blocks fits this server's memory: "
-                     + plan.describe("this device"))  # fmt: skip
+    raise ValueError(
+        f"no span of {config.num_blocks or plan.blocks} blocks fits this server's memory: "
+        + plan.describe("this device")
+    )
 
 
 def measure_throughput(span: SpanAdapter, num_steps: int = 8) -> float:

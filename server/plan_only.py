@@ -14,11 +14,11 @@ import logging
 import torch
 
 from protocol.models import resolve_model, shipped_config_dir
-from server.memory import MemoryPlan, plan_blocks
-from server.quantization import Quant, default_quant
 from server.drafter_attach import drafter_bytes
+from server.memory import MemoryPlan, plan_blocks
 from server.model_source import load_model_config
 from server.placement import check_requested_blocks
+from server.quantization import Quant, default_quant
 from server.server_config import ServerConfig
 from server.span_server import resolve_dtype
 from server.weights import Checkpoint
@@ -41,9 +41,15 @@ def make_plan(config: ServerConfig) -> tuple[MemoryPlan, str]:
     checkpoint = Checkpoint(source) if source is not None and _weight_map_readable(source) else None
     drafter = drafter_bytes(config, model_config, checkpoint, dtype, quant)
     plan = plan_blocks(
-        model_config, dtype, device, model_config.num_hidden_layers, free_bytes=config.assume_free_memory,
-        quant=quant, drafter_bytes=drafter, cache_tokens=config.cache_tokens,
-    )  # fmt: skip
+        model_config,
+        dtype,
+        device,
+        model_config.num_hidden_layers,
+        free_bytes=config.assume_free_memory,
+        quant=quant,
+        drafter_bytes=drafter,
+        cache_tokens=config.cache_tokens,
+    )
     return plan, device
 
 
@@ -65,8 +71,10 @@ def _plan_device(config: ServerConfig) -> str:
     if config.device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if config.device.startswith("cuda") and not torch.cuda.is_available() and config.assume_free_memory is None:
-        raise ValueError(f"--device {config.device}: CUDA is not available here; pass --assume-free-memory "
-                         "to plan for that device's free memory")  # fmt: skip
+        raise ValueError(
+            f"--device {config.device}: CUDA is not available here; pass --assume-free-memory "
+            "to plan for that device's free memory"
+        )
     return config.device
 
 

@@ -26,10 +26,9 @@ from __future__ import annotations
 import enum
 import logging
 import math
+import sys
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
-
-import sys
 
 import torch
 from transformers import PretrainedConfig
@@ -101,7 +100,9 @@ def assign_tensor(root: torch.nn.Module, name: str, tensor: torch.Tensor, device
     module = root.get_submodule(module_name) if module_name else root
     old = getattr(module, attr)
     if attr in module._buffers:  # integer buffers (DeepSeek-V4's tid2eid) keep the module's dtype
-        module._buffers[attr] = tensor.to(device=device, dtype=tensor.dtype if tensor.is_floating_point() else old.dtype)
+        module._buffers[attr] = tensor.to(
+            device=device, dtype=tensor.dtype if tensor.is_floating_point() else old.dtype
+        )
         return
     if is_quantized_param(old):
         import bitsandbytes as bnb
@@ -130,14 +131,18 @@ def checkpoint_names(module: torch.nn.Module) -> list[str]:
     return names
 
 
-def quantize_loaded(module: torch.nn.Module, quant: Quant, compute_dtype: torch.dtype, device: str = "cpu") -> torch.nn.Module:
+def quantize_loaded(
+    module: torch.nn.Module, quant: Quant, compute_dtype: torch.dtype, device: str = "cpu"
+) -> torch.nn.Module:
     """Quantize the plain linears of an already loaded float ``module`` in place, with the same
     recipe as loading (for references: a whole local model quantized like the servers' spans)."""
     if quant == Quant.NONE:
         return module
     training = module.training  # new bitsandbytes modules start in training mode (int8: another kernel on CPU)
     floats = {name: m.weight.data for name, m in module.named_modules() if type(m) is torch.nn.Linear}
-    biases = {name: m.bias.data for name, m in module.named_modules() if type(m) is torch.nn.Linear and m.bias is not None}
+    biases = {
+        name: m.bias.data for name, m in module.named_modules() if type(m) is torch.nn.Linear and m.bias is not None
+    }
     replace_linears(module, quant, compute_dtype)
     for name, weight in floats.items():
         assign_tensor(module, f"{name}.weight", weight, torch.device(device))
@@ -229,7 +234,9 @@ def estimate_module_bytes(
         if id(tensor) in linear_weights:
             continue
         floating = tensor.dtype.is_floating_point
-        element = torch.finfo(dtype_of(name) if dtype_of else tensor.dtype).bits // 8 if floating else tensor.element_size()
+        element = (
+            torch.finfo(dtype_of(name) if dtype_of else tensor.dtype).bits // 8 if floating else tensor.element_size()
+        )
         total += tensor.numel() * element
     return total
 
@@ -285,8 +292,12 @@ def default_quant(config: PretrainedConfig) -> QuantChoice:
     for quant in (Quant.NF4, Quant.INT8):
         if quant.bits >= bits:
             # as few bits per weight, not the same values: FP8/FP4 weights are re-quantized to int8/NF4
-            return QuantChoice(quant, f"default: {why}, so {quant.value} stores no more bits per weight (re-quantized, not lossless)")
-    return QuantChoice(Quant.NONE, f"default: {why}; 8-bit or 4-bit would lose precision (pass --quant int8|nf4 to fit more blocks)")
+            return QuantChoice(
+                quant, f"default: {why}, so {quant.value} stores no more bits per weight (re-quantized, not lossless)"
+            )
+    return QuantChoice(
+        Quant.NONE, f"default: {why}; 8-bit or 4-bit would lose precision (pass --quant int8|nf4 to fit more blocks)"
+    )
 
 
 def check_runnable(quant: Quant, device: str, dtype: torch.dtype) -> None:

@@ -155,7 +155,9 @@ async def _ask(p2p: P2P, prober: PeerID, maddrs: Sequence[str], timeout: float) 
     return result
 
 
-async def ask_dial_back(p2p: P2P, probers: Sequence[PeerID], maddrs: Sequence[str], timeout: float = 30.0) -> Optional[bool]:
+async def ask_dial_back(
+    p2p: P2P, probers: Sequence[PeerID], maddrs: Sequence[str], timeout: float = 30.0
+) -> Optional[bool]:
     """True if any prober reached us at ``maddrs``, False if some answered and none did, None if
     no prober answered (old peers, or none reachable): the caller decides what unknown means."""
     answered = False
@@ -240,9 +242,15 @@ async def start_server_dht(
         # behind NAT: a DHT client (nobody could reach its DHT server) that libp2p calls private
         mode = "private" if relays else ("public" if reachability == "public" else "auto")
         return make_dht(
-            initial_peers=initial_peers, identity=identity, host=host, port=port, announce_maddrs=announce_maddrs,
-            client_mode=bool(relays), reachability=mode, relays=relays,
-        )  # fmt: skip
+            initial_peers=initial_peers,
+            identity=identity,
+            host=host,
+            port=port,
+            announce_maddrs=announce_maddrs,
+            client_mode=bool(relays),
+            reachability=mode,
+            relays=relays,
+        )
 
     probers = peer_ids_of(initial_peers)
     dht = start()

@@ -21,7 +21,10 @@ logger = logging.getLogger(__name__)
 
 
 async def send_quietly(
-    stream: Optional[MessageStream], message: Message, tensors: Sequence[torch.Tensor] = (), codec: str = codecs.LOSSLESS
+    stream: Optional[MessageStream],
+    message: Message,
+    tensors: Sequence[torch.Tensor] = (),
+    codec: str = codecs.LOSSLESS,
 ) -> None:
     """Send, ignoring a peer that is already gone (its own stream end reports that)."""
     if stream is None:
@@ -38,6 +41,7 @@ async def report(
     """Refuse a request (or report a failure) upstream as an ErrorReply; ``peer_id``: the peer at
     fault, this server unless the error names another."""
     logger.info(f"Refused {session_id or 'a request'} from {upstream.peer_id}: {error}")
-    reply = ErrorReply(session_id=session_id, code=error.code, message=error.message, run_id=run_id,
-                       peer_id=error.peer_id or peer_id)  # fmt: skip
+    reply = ErrorReply(
+        session_id=session_id, code=error.code, message=error.message, run_id=run_id, peer_id=error.peer_id or peer_id
+    )
     await send_quietly(upstream, reply)

@@ -34,12 +34,17 @@ class TailResults:
         if queue is None or session.closed:
             return
         if queue.qsize() >= limits.MAX_UNREAD_RESULTS:
-            await self.close_unread(session, f"more than {limits.MAX_UNREAD_RESULTS} results unread: closing the session")
+            await self.close_unread(
+                session, f"more than {limits.MAX_UNREAD_RESULTS} results unread: closing the session"
+            )
             return
         size, cap = size_of(item), self.max_session_bytes
         if not await queue.room_for(size, cap, self.wait):
-            await self.close_unread(session, f"{queue.bytes} bytes of results unread for {self.wait:.0f} s "
-                                             f"(a session may hold {cap} bytes unread): closing the session")  # fmt: skip
+            await self.close_unread(
+                session,
+                f"{queue.bytes} bytes of results unread for {self.wait:.0f} s "
+                f"(a session may hold {cap} bytes unread): closing the session",
+            )
             return
         await self._make_room(session, size)
         if not session.closed:
@@ -54,8 +59,11 @@ class TailResults:
             if hog is None or hog not in self.open_sessions.sessions:
                 break
             held = queues[hog].bytes
-            await self.close_unread(self.open_sessions.sessions[hog], f"this server holds more than {ledger.max_bytes} "
-                                    f"bytes of unread results, {held} of them for this session: closing it")  # fmt: skip
+            await self.close_unread(
+                self.open_sessions.sessions[hog],
+                f"this server holds more than {ledger.max_bytes} "
+                f"bytes of unread results, {held} of them for this session: closing it",
+            )
 
     async def close_unread(self, session: ServerSession, why: str) -> None:
         """Close a session whose client leaves its results unread, telling it why upstream."""

@@ -10,8 +10,11 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from protocol.limits import (
-    DEFAULT_MAX_POSITIONS_PER_STEP, DEFAULT_MAX_SESSIONS, DEFAULT_MAX_SESSIONS_PER_PEER, DEFAULT_MAX_UNREAD_MIB,
-)  # fmt: skip
+    DEFAULT_MAX_POSITIONS_PER_STEP,
+    DEFAULT_MAX_SESSIONS,
+    DEFAULT_MAX_SESSIONS_PER_PEER,
+    DEFAULT_MAX_UNREAD_MIB,
+)
 from server.batching import DEFAULT_GATHER_WINDOW
 from server.tail_drafter import DEFAULT_TAIL_DRAFTS
 
@@ -48,7 +51,9 @@ class ServerConfig:
     reachability: str = "auto"  # auto: ask initial peers to dial back; public; private (always through a relay)
     drafter: str = "auto"  # the tail's drafter: auto (the committed drafter for this model, if any), none, or a file
     drafter_tokens: int = DEFAULT_TAIL_DRAFTS  # ids the tail drafts per run at most
-    max_batch_positions: Optional[int] = None  # positions of one batched pass; None: what the memory plan's headroom holds
+    max_batch_positions: Optional[int] = (
+        None  # positions of one batched pass; None: what the memory plan's headroom holds
+    )
     gather_window: float = DEFAULT_GATHER_WINDOW  # seconds a ready batch waits for more runs
     batching: bool = True  # False: one run per pass through the span (for comparisons)
     revision: Optional[str] = None  # a hub model's commit, branch or tag; None: the one the swarm serves, else main

@@ -149,9 +149,13 @@ class ServerSession:
         if step.draft_q is not None:
             self._check_draft_q(step)
         if not 0 <= step.loop_runs <= self.max_length:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"loop_runs must be in [0, max_length={self.max_length}], got {step.loop_runs}")
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST, f"loop_runs must be in [0, max_length={self.max_length}], got {step.loop_runs}"
+            )
         if not 0 <= step.tail_drafts <= MAX_TAIL_DRAFTS:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"tail_drafts must be in [0, {MAX_TAIL_DRAFTS}], got {step.tail_drafts}")
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST, f"tail_drafts must be in [0, {MAX_TAIL_DRAFTS}], got {step.tail_drafts}"
+            )
         if step.parents:
             self._check_tree(step, span)
         self._tree_gather(step)
@@ -169,11 +173,12 @@ class ServerSession:
             raise ProtocolError(
                 ErrorCode.BAD_REQUEST,
                 f"this server's model family ({type(span).__name__}) computes chains of drafts only: send "
-                "the drafts without parents (docs/protocol.md, \"Token trees\")",
+                'the drafts without parents (docs/protocol.md, "Token trees")',
             )
         if step.draft_q is not None:
             raise ProtocolError(
-                ErrorCode.BAD_REQUEST, "a tree of drafts (parents) and the rejection exchange (draft_q) do not go together"
+                ErrorCode.BAD_REQUEST,
+                "a tree of drafts (parents) and the rejection exchange (draft_q) do not go together",
             )
         if step.return_logits:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "return_logits needs a chain: a tree run returns no outputs")
@@ -189,7 +194,9 @@ class ServerSession:
         tree = self.tree
         if tree is None:
             if step.tree_path:
-                raise ProtocolError(ErrorCode.BAD_REQUEST, "tree_path names the accepted path of the previous run, which was no tree")
+                raise ProtocolError(
+                    ErrorCode.BAD_REQUEST, "tree_path names the accepted path of the previous run, which was no tree"
+                )
             return None
         keep = step.start_pos - tree.base  # nodes of the tree the new start_pos keeps
         if keep <= 0:
@@ -204,16 +211,20 @@ class ServerSession:
             return None
         if len(step.tree_path) > len(tree.parents):  # before walking it: a hostile list may be long
             raise ProtocolError(
-                ErrorCode.BAD_REQUEST, f"tree_path names {len(step.tree_path)} nodes; run {tree.run_id}'s tree has {len(tree.parents)}"
+                ErrorCode.BAD_REQUEST,
+                f"tree_path names {len(step.tree_path)} nodes; run {tree.run_id}'s tree has {len(tree.parents)}",
             )
         try:
             trees.check_path(step.tree_path, tree.parents)
         except ValueError as e:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"tree_path is no path of run {tree.run_id}'s tree: {e}") from None
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST, f"tree_path is no path of run {tree.run_id}'s tree: {e}"
+            ) from None
         if len(step.tree_path) < keep:
             raise ProtocolError(
                 ErrorCode.BAD_REQUEST,
-                f"start_pos {step.start_pos} keeps {keep} nodes of run {tree.run_id}'s tree; tree_path names {len(step.tree_path)}",
+                f"start_pos {step.start_pos} keeps {keep} nodes of run {tree.run_id}'s tree; tree_path "
+                f"names {len(step.tree_path)}",
             )
         nodes = list(step.tree_path[:keep])
         return None if nodes == list(range(keep)) else (tree.base, nodes)
@@ -303,4 +314,6 @@ def check_token_ids(token_ids: Iterable[int], vocab_size: int) -> None:
     """Refuse ids outside the vocabulary (a Step's, a DraftOffer's), naming the first."""
     bad = [t for t in token_ids if not 0 <= t < vocab_size]
     if bad:
-        raise ProtocolError(ErrorCode.TOKEN_OUT_OF_VOCAB, f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        raise ProtocolError(
+            ErrorCode.TOKEN_OUT_OF_VOCAB, f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
+        )

@@ -15,9 +15,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Awaitable, Callable, Optional
 
-import msgspec
-
 import hivemind
+import msgspec
 import torch
 from transformers import PretrainedConfig
 
@@ -54,7 +53,9 @@ class SpanServer(SpanMoves):
     """A serving span and its announcements; placement (server/placement.py), moves
     (server/moves.py) and the tail's drafter (server/drafter_attach.py) live in modules of their own."""
 
-    def __init__(self, config: ServerConfig, dht: hivemind.DHT, span: SpanAdapter, handler: SessionHandler, info: ServerInfo):
+    def __init__(
+        self, config: ServerConfig, dht: hivemind.DHT, span: SpanAdapter, handler: SessionHandler, info: ServerInfo
+    ):
         self.config, self.dht, self.span, self.handler, self.info = config, dht, span, handler, info
         self._announcer: Optional[asyncio.Task] = None
         self.model_config: Optional[PretrainedConfig] = None
@@ -85,16 +86,22 @@ class SpanServer(SpanMoves):
         server.model_config, server.checkpoint, server.plan = model.config, model.checkpoint, model.plan
         server._announce()
         server._announcer = asyncio.create_task(server._announce_periodically())
-        logger.info(f"Ready: {span.cache_bytes_per_token()} cache bytes/token, budget {handler.budget.total_tokens} tokens")
+        logger.info(
+            f"Ready: {span.cache_bytes_per_token()} cache bytes/token, budget {handler.budget.total_tokens} tokens"
+        )
         return server
 
     def current_info(self, state: ServerState = ServerState.ONLINE) -> ServerInfo:
         stats = self.handler.stats
         return msgspec.structs.replace(
-            self.info, state=state, free_cache_tokens=self.handler.budget.free_tokens, laps_served=stats["runs"],
-            accepted_tokens=stats["accepted_tokens"], cancelled_runs=stats["cancelled_runs"],
+            self.info,
+            state=state,
+            free_cache_tokens=self.handler.budget.free_tokens,
+            laps_served=stats["runs"],
+            accepted_tokens=stats["accepted_tokens"],
+            cancelled_runs=stats["cancelled_runs"],
             open_sessions=len(self.handler.sessions),
-        )  # fmt: skip
+        )
 
     def _announce(self, state: ServerState = ServerState.ONLINE, expiration: Optional[float] = None) -> None:
         expiration = expiration or 3 * self.config.update_period
@@ -180,8 +187,10 @@ def _check_settings(config: ServerConfig) -> tuple[InitialPeers, str, torch.dtyp
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     if not MIN_POSITIONS_PER_STEP <= config.max_positions_per_step <= MAX_POSITIONS_PER_STEP:
-        raise ValueError(f"--max-positions-per-step must be in {MIN_POSITIONS_PER_STEP}..{MAX_POSITIONS_PER_STEP}, "
-                         f"got {config.max_positions_per_step}")  # fmt: skip
+        raise ValueError(
+            f"--max-positions-per-step must be in {MIN_POSITIONS_PER_STEP}..{MAX_POSITIONS_PER_STEP}, "
+            f"got {config.max_positions_per_step}"
+        )
     if config.compression not in CODECS:
         raise ValueError(f"--compression must be one of {CODECS}, got {config.compression!r}")
     if config.torch_threads:
@@ -204,8 +213,9 @@ async def _load_model(
         joined, pinned = await _pin_revision(config, model, dht_name, initial_peers, join)
         model_config = load_model_config(model.source, pinned)
         checkpoint = Checkpoint(model.source, revision=pinned)  # one: it reads the weight map once
-        identity_fields = dict(config_fingerprint=config_fingerprint(model_config),
-                               revision=weights_revision(model.source, pinned))  # fmt: skip
+        identity_fields = dict(
+            config_fingerprint=config_fingerprint(model_config), revision=weights_revision(model.source, pinned)
+        )
         quant = resolve_quant(config.quant, model_config, device, dtype)
         logger.info(quant.describe())
         plan = _plan_memory(config, model_config, checkpoint, quant, device, dtype)
@@ -221,16 +231,22 @@ async def _load_model(
 def _join_dht(config: ServerConfig, initial_peers: InitialPeers, identity: object) -> Awaitable[Joined]:
     """Join the DHT: can peers dial us? If not, join through a relay (or stop: server/reachability.py)."""
     return start_server_dht(
-        initial_peers=initial_peers.peers, identity=identity, host=config.host, port=config.port,
+        initial_peers=initial_peers.peers,
+        identity=identity,
+        host=config.host,
+        port=config.port,
         announce_maddrs=config.announce_maddrs,
         reachability="public" if config.new_swarm and config.reachability == "auto" else config.reachability,
-    )  # fmt: skip
+    )
 
 
 async def _pin_revision(
-    config: ServerConfig, model: ResolvedModel, dht_name: str, initial_peers: InitialPeers,
+    config: ServerConfig,
+    model: ResolvedModel,
+    dht_name: str,
+    initial_peers: InitialPeers,
     join: Callable[[], Awaitable[Joined]],
-) -> tuple[Optional[Joined], Optional[str]]:  # fmt: skip
+) -> tuple[Optional[Joined], Optional[str]]:
     """(the DHT if joined to read it, the revision). A hub model is pinned to one commit: its config
     and every shard come from it, and it is announced. Without --revision that is the commit the
     swarm already serves (read from the DHT), else the hub's main; a local folder has none."""
@@ -252,15 +268,25 @@ async def _pin_revision(
 
 
 def _plan_memory(
-    config: ServerConfig, model_config: PretrainedConfig, checkpoint: Checkpoint, quant: QuantChoice, device: str,
+    config: ServerConfig,
+    model_config: PretrainedConfig,
+    checkpoint: Checkpoint,
+    quant: QuantChoice,
+    device: str,
     dtype: torch.dtype,
-) -> MemoryPlan:  # fmt: skip
+) -> MemoryPlan:
     """What fits in this machine's memory (server/memory.py); fails if the requested blocks do not."""
     plan = plan_blocks(
-        model_config, dtype, device, model_config.num_hidden_layers, free_bytes=config.assume_free_memory,
-        quant=quant.quant, drafter_bytes=drafter_bytes(config, model_config, checkpoint, dtype, quant.quant),
-        cache_tokens=config.cache_tokens, batch_positions=config.max_batch_positions,
-    )  # fmt: skip
+        model_config,
+        dtype,
+        device,
+        model_config.num_hidden_layers,
+        free_bytes=config.assume_free_memory,
+        quant=quant.quant,
+        drafter_bytes=drafter_bytes(config, model_config, checkpoint, dtype, quant.quant),
+        cache_tokens=config.cache_tokens,
+        batch_positions=config.max_batch_positions,
+    )
     logger.info(plan.describe(device))
     check_requested_blocks(config, plan, device)
     return plan
@@ -274,24 +300,34 @@ async def _claim_blocks(config: ServerConfig, joined: Joined, model: _Model) -> 
     if not joined.using_relay:
         await probes.add_to(await dht.replicate_p2p())
     template = ServerInfo(
-        peer_id=dht.peer_id.to_base58(), model=model.dht_name, start_block=0, end_block=1, version=_package_version(),
-        public_name=config.public_name, dtype=str(model.dtype).removeprefix("torch."),
-        quantization=model.quant.quant.value, using_relay=joined.using_relay, relay_addrs=joined.relay_addrs,
+        peer_id=dht.peer_id.to_base58(),
+        model=model.dht_name,
+        start_block=0,
+        end_block=1,
+        version=_package_version(),
+        public_name=config.public_name,
+        dtype=str(model.dtype).removeprefix("torch."),
+        quantization=model.quant.quant.value,
+        using_relay=joined.using_relay,
+        relay_addrs=joined.relay_addrs,
         **model.identity_fields,
-    )  # fmt: skip
+    )
     loop = asyncio.get_running_loop()
 
     def publish(info: ServerInfo, wait: bool = False):
         return announce(dht, info, 3 * config.update_period, wait=wait, num_blocks=total)
 
     claimed = await claim_span(
-        template, lambda servers: choose_blocks(config, servers, total, model.plan),
+        template,
+        lambda servers: choose_blocks(config, servers, total, model.plan),
         fetch=lambda: loop.run_in_executor(None, fetch_same_model, dht, template, total),
         publish=lambda info: loop.run_in_executor(None, partial(publish, info, wait=True)),
         automatic=config.blocks is None,
-    )  # fmt: skip
-    logger.info(f"Serving blocks {claimed.start_block}:{claimed.end_block} of {model.dht_name} as peer {dht.peer_id} "
-                "(announced as joining)")  # fmt: skip
+    )
+    logger.info(
+        f"Serving blocks {claimed.start_block}:{claimed.end_block} of {model.dht_name} as peer {dht.peer_id} "
+        "(announced as joining)"
+    )
     return _Claim(template, claimed, publish, keep_announcing(publish, claimed, config.update_period))
 
 
@@ -301,9 +337,13 @@ async def _load_span(config: ServerConfig, model: _Model, claimed: ServerInfo) -
     span = await loop.run_in_executor(
         None, load_span, model.config, model.checkpoint, start, end, model.dtype, model.device, model.quant.quant
     )
-    await loop.run_in_executor(None, attach_drafter_if_it_fits, span, config, model.config, model.checkpoint, model.plan)
-    logger.info(f"Blocks {start}:{end} hold {resident_bytes(span.layers) / 2**20:.1f} MiB of weights "
-                f"({model.quant.quant.value})")  # fmt: skip
+    await loop.run_in_executor(
+        None, attach_drafter_if_it_fits, span, config, model.config, model.checkpoint, model.plan
+    )
+    logger.info(
+        f"Blocks {start}:{end} hold {resident_bytes(span.layers) / 2**20:.1f} MiB of weights "
+        f"({model.quant.quant.value})"
+    )
     return span
 
 
@@ -314,14 +354,20 @@ async def _start_handler(
     loop, total = asyncio.get_running_loop(), model.config.num_hidden_layers
     budget = CacheBudget(model.plan.cache_budget_tokens(claim.info.end_block - claim.info.start_block))
     handler = SessionHandler(
-        await joined.dht.replicate_p2p(), span, budget, session_timeout=config.session_timeout,
-        compression=config.compression, max_positions_per_step=config.max_positions_per_step,
-        max_sessions=config.max_sessions, max_sessions_per_peer=config.max_sessions_per_peer,
+        await joined.dht.replicate_p2p(),
+        span,
+        budget,
+        session_timeout=config.session_timeout,
+        compression=config.compression,
+        max_positions_per_step=config.max_positions_per_step,
+        max_sessions=config.max_sessions,
+        max_sessions_per_peer=config.max_sessions_per_peer,
         max_batch_positions=config.max_batch_positions
         or batch_positions_that_fit(model.config, model.dtype, model.plan.free_bytes),
-        gather_window=config.gather_window, max_session_tokens=config.max_session_tokens,
+        gather_window=config.gather_window,
+        max_session_tokens=config.max_session_tokens,
         max_unread_bytes=config.max_unread_mib << 20,
-    )  # fmt: skip
+    )
     handler.batches.enabled = config.batching
     servers = await loop.run_in_executor(None, fetch_same_model, joined.dht, claim.template, total)
     handler.known_servers = {s.peer_id: s for s in servers}
@@ -335,15 +381,25 @@ async def _online_info(
     """The ONLINE record: the claimed blocks, the measured throughput, the cache and the limits."""
     budget = handler.budget
     return ServerInfo(
-        peer_id=joined.dht.peer_id.to_base58(), model=model.dht_name, start_block=claim.info.start_block,
-        end_block=claim.info.end_block, state=ServerState.ONLINE,
+        peer_id=joined.dht.peer_id.to_base58(),
+        model=model.dht_name,
+        start_block=claim.info.start_block,
+        end_block=claim.info.end_block,
+        state=ServerState.ONLINE,
         throughput=await asyncio.get_running_loop().run_in_executor(None, measure_throughput, span),
-        cache_tokens=budget.total_tokens, free_cache_tokens=budget.free_tokens, version=_package_version(),
-        public_name=config.public_name, dtype=str(model.dtype).removeprefix("torch."),
-        quantization=model.quant.quant.value, started_at=time.time(), using_relay=joined.using_relay,
-        relay_addrs=joined.relay_addrs, max_positions_per_step=config.max_positions_per_step,
-        **model.identity_fields, max_session_tokens=handler.max_session_tokens,
-    )  # fmt: skip
+        cache_tokens=budget.total_tokens,
+        free_cache_tokens=budget.free_tokens,
+        version=_package_version(),
+        public_name=config.public_name,
+        dtype=str(model.dtype).removeprefix("torch."),
+        quantization=model.quant.quant.value,
+        started_at=time.time(),
+        using_relay=joined.using_relay,
+        relay_addrs=joined.relay_addrs,
+        max_positions_per_step=config.max_positions_per_step,
+        **model.identity_fields,
+        max_session_tokens=handler.max_session_tokens,
+    )
 
 
 def resolve_device(requested: str) -> str:
@@ -353,7 +409,9 @@ def resolve_device(requested: str) -> str:
         logger.info(f"Device: {device} (auto: {'a CUDA GPU is' if device == 'cuda' else 'no CUDA GPU is'} available)")
         return device
     if requested.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {requested}: CUDA is not available on this machine (torch.cuda.is_available() is False)")
+        raise ValueError(
+            f"--device {requested}: CUDA is not available on this machine (torch.cuda.is_available() is False)"
+        )
     try:
         torch.device(requested)
     except RuntimeError:

@@ -42,7 +42,9 @@ class Subscriptions:
         refusal = subscribe_slot_refusal(peer, self.pending, max_sessions, max_per_peer)
         if refusal is not None:
             logger.info(f"Refused a Subscribe from {peer}: {refusal}")
-            await send_quietly(client, ErrorReply(session_id="", code=ErrorCode.BUSY, message=refusal, peer_id=self.peer_id))
+            await send_quietly(
+                client, ErrorReply(session_id="", code=ErrorCode.BUSY, message=refusal, peer_id=self.peer_id)
+            )
             return
         self.pending[peer] = self.pending.get(peer, 0) + 1
         try:
@@ -68,8 +70,9 @@ class Subscriptions:
             refusal = check_subscriber(session, subscribe)
             if refusal is not None:
                 logger.info(f"Refused a Subscribe to {session.session_id} from {client.peer_id}: {refusal}")
-                error = ErrorReply(session_id=subscribe.session_id, code=ErrorCode.UNAUTHORIZED, message=refusal,
-                                   peer_id=self.peer_id)  # fmt: skip
+                error = ErrorReply(
+                    session_id=subscribe.session_id, code=ErrorCode.UNAUTHORIZED, message=refusal, peer_id=self.peer_id
+                )
                 await send_quietly(client, error)
                 return _forget(closed)
         except BaseException:
@@ -88,12 +91,15 @@ class Subscriptions:
         if first is None:
             return None
         if not isinstance(first.message, Subscribe):
-            await send_quietly(client, ErrorReply(session_id="", code=ErrorCode.BAD_REQUEST, message="expected Subscribe"))
+            await send_quietly(
+                client, ErrorReply(session_id="", code=ErrorCode.BAD_REQUEST, message="expected Subscribe")
+            )
             return None
         return first.message
 
-    async def _send_results(self, client: MessageStream, session: ServerSession, subscribe: Subscribe,
-                            closed: "asyncio.Task") -> None:  # fmt: skip
+    async def _send_results(
+        self, client: MessageStream, session: ServerSession, subscribe: Subscribe, closed: "asyncio.Task"
+    ) -> None:
         """The session's results, in order, to its client, until either goes away."""
         try:
             session.subscribed, session.secret = True, subscribe.secret
@@ -102,7 +108,9 @@ class Subscriptions:
                 return  # the session closed meanwhile
             while True:
                 getter = asyncio.create_task(queue.get())
-                done, _ = await asyncio.wait({getter, closed}, timeout=self.timeout, return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait(
+                    {getter, closed}, timeout=self.timeout, return_when=asyncio.FIRST_COMPLETED
+                )
                 if getter not in done:
                     getter.cancel()
                     if closed in done or session.closed:

@@ -83,18 +83,31 @@ class EagleModule(torch.nn.Module):
         x = self.fc(torch.cat([features, embeds], dim=-1))
         position_embeddings = self.rotary_emb(x, position_ids=position_ids)
         return self.layer(
-            x, attention_mask=mask, position_ids=position_ids, cache=cache, use_cache=cache is not None,
+            x,
+            attention_mask=mask,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=cache is not None,
             position_embeddings=position_embeddings,
-        )  # fmt: skip
+        )
 
 
-def save_drafter(net: EagleModule, path: str | Path, config: PretrainedConfig, *,
-              draft_vocab: Optional[torch.Tensor] = None, dtype: torch.dtype = torch.float16,
-              extra: Optional[dict[str, str]] = None) -> None:  # fmt: skip
+def save_drafter(
+    net: EagleModule,
+    path: str | Path,
+    config: PretrainedConfig,
+    *,
+    draft_vocab: Optional[torch.Tensor] = None,
+    dtype: torch.dtype = torch.float16,
+    extra: Optional[dict[str, str]] = None,
+) -> None:
     from safetensors.torch import save_file
 
-    tensors = {name: t.detach().to(dtype).contiguous() for name, t in net.state_dict().items()
-               if not name.startswith("rotary_emb.")}  # fmt: skip
+    tensors = {
+        name: t.detach().to(dtype).contiguous()
+        for name, t in net.state_dict().items()
+        if not name.startswith("rotary_emb.")
+    }
     if draft_vocab is not None:
         tensors["draft_vocab"] = draft_vocab.to(torch.int32).contiguous()
     metadata = {"format": DRAFTER_FORMAT, "fingerprint": config_fingerprint(config), "model_type": config.model_type}
@@ -103,8 +116,9 @@ def save_drafter(net: EagleModule, path: str | Path, config: PretrainedConfig, *
     save_file(tensors, str(path), metadata=metadata)
 
 
-def load_drafter(path: str | Path, config: PretrainedConfig, dtype: torch.dtype = torch.float32,
-              device: str | torch.device = "cpu") -> tuple[EagleModule, Optional[torch.Tensor]]:  # fmt: skip
+def load_drafter(
+    path: str | Path, config: PretrainedConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> tuple[EagleModule, Optional[torch.Tensor]]:
     """The drafter in ``path`` and its draft vocabulary (None: all ids); a ValueError naming what does
     not fit when the file is no drafter, or a drafter for another model."""
     from safetensors import safe_open
@@ -213,8 +227,16 @@ class TailDrafter:
         raise NotImplementedError
 
     @torch.inference_mode()
-    def draft(self, state: DrafterSession, hidden: torch.Tensor, token_ids: list[int], start_pos: int,
-              committed: int, next_token: int, max_drafts: int) -> list[int]:  # fmt: skip
+    def draft(
+        self,
+        state: DrafterSession,
+        hidden: torch.Tensor,
+        token_ids: list[int],
+        start_pos: int,
+        committed: int,
+        next_token: int,
+        max_drafts: int,
+    ) -> list[int]:
         """Draft after a verified run: ``hidden`` [1, S, ...] is the run's final activations (before
         the final norm), its first ``committed`` positions are now committed and ``next_token``
         follows them. Returns up to ``max_drafts`` ids continuing after ``next_token``."""
@@ -261,9 +283,16 @@ class EagleDrafter(TailDrafter):
     """The EAGLE drafter plus what it shares with the tail's span: the final norm, the LM head, and the
     token embeddings (the LM head's own matrix when the model ties them, else read from the checkpoint)."""
 
-    def __init__(self, net: EagleModule, norm: torch.nn.Module, lm_head: torch.nn.Module, embed_weight: torch.Tensor,
-                 draft_vocab: Optional[torch.Tensor] = None, max_drafts: int = DEFAULT_TAIL_DRAFTS,
-                 eos_token_ids: tuple[int, ...] = ()):  # fmt: skip
+    def __init__(
+        self,
+        net: EagleModule,
+        norm: torch.nn.Module,
+        lm_head: torch.nn.Module,
+        embed_weight: torch.Tensor,
+        draft_vocab: Optional[torch.Tensor] = None,
+        max_drafts: int = DEFAULT_TAIL_DRAFTS,
+        eos_token_ids: tuple[int, ...] = (),
+    ):
         super().__init__(max_drafts, eos_token_ids)
         self.net, self.norm, self.embed_weight = net, norm, embed_weight
         weight = lm_head.weight
@@ -309,8 +338,13 @@ class EagleDrafter(TailDrafter):
         return index if self.draft_vocab is None else int(self.draft_vocab[index])
 
 
-def build_tail_drafter(span: SpanAdapter, config: PretrainedConfig, checkpoint: Checkpoint, path: str | Path,
-                       max_drafts: int = DEFAULT_TAIL_DRAFTS) -> EagleDrafter:  # fmt: skip
+def build_tail_drafter(
+    span: SpanAdapter,
+    config: PretrainedConfig,
+    checkpoint: Checkpoint,
+    path: str | Path,
+    max_drafts: int = DEFAULT_TAIL_DRAFTS,
+) -> EagleDrafter:
     """A EagleDrafter for a tail span of a Llama-family model from the drafter file at ``path``."""
     if not span.is_tail or getattr(span, "lm_head", None) is None:
         raise ValueError("a tail drafter runs only on a server that holds the model's last block (the tail)")
@@ -319,7 +353,11 @@ def build_tail_drafter(span: SpanAdapter, config: PretrainedConfig, checkpoint: 
     if tied:
         embed_weight = span.lm_head.weight
     else:
-        (_, embed_weight), = list(checkpoint.iter_read(["model.embed_tokens.weight"], span.dtype, desc="Loading embeddings for the tail drafter"))  # fmt: skip
+        ((_, embed_weight),) = list(
+            checkpoint.iter_read(
+                ["model.embed_tokens.weight"], span.dtype, desc="Loading embeddings for the tail drafter"
+            )
+        )
         embed_weight = embed_weight.to(span.device)
     eos = config.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))

@@ -32,12 +32,15 @@ def upkeep_blocks(me: ServerInfo, total: int) -> list[int]:
 def next_servers(me: ServerInfo, servers: Sequence[ServerInfo]) -> list[ServerInfo]:
     """Servers a route could hand over to after this one: those holding the block after ours."""
     return [
-        s for s in servers
+        s
+        for s in servers
         if s.peer_id != me.peer_id and s.state == ServerState.ONLINE and s.start_block <= me.end_block < s.end_block
-    ]  # fmt: skip
+    ]
 
 
-async def measure_next_pings(p2p: P2P, me: ServerInfo, servers: Sequence[ServerInfo], timeout: float = 5.0) -> dict[str, float]:
+async def measure_next_pings(
+    p2p: P2P, me: ServerInfo, servers: Sequence[ServerInfo], timeout: float = 5.0
+) -> dict[str, float]:
     candidates = next_servers(me, servers)[:MAX_PINGED]
     rtts = await ping_many(p2p, [s.peer_id for s in candidates], timeout)
     return {peer_id: rtt for peer_id, rtt in rtts.items() if rtt is not None}

@@ -27,9 +27,14 @@ async def run(args: argparse.Namespace) -> None:
     # A bootstrap is public by definition (everyone dials it), so libp2p offers the relay service at
     # once, and it answers dial-back probes: servers behind NAT find out and reach the swarm through it.
     dht = make_dht(
-        initial_peers=args.initial_peers, identity=identity, host=args.host, port=args.port,
-        announce_maddrs=args.announce_maddrs, reachability="public", relay_service=args.relay,
-    )  # fmt: skip
+        initial_peers=args.initial_peers,
+        identity=identity,
+        host=args.host,
+        port=args.port,
+        announce_maddrs=args.announce_maddrs,
+        reachability="public",
+        relay_service=args.relay,
+    )
     await ProbeService(relays=args.relay).add_to(await dht.replicate_p2p())
     for maddr in dht.get_visible_maddrs():
         print(maddr, flush=True)
@@ -45,8 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR")
     p.add_argument("--announce-maddrs", nargs="*", default=[], metavar="MADDR")
     p.add_argument("--identity-path", help="private key file; keeps the peer id (and addresses) across restarts")
-    p.add_argument("--no-relay", dest="relay", action="store_false",
-                   help="offer no libp2p relay to servers behind NAT (they then refuse to start; docs/nat.md)")
+    p.add_argument(
+        "--no-relay",
+        dest="relay",
+        action="store_false",
+        help="offer no libp2p relay to servers behind NAT (they then refuse to start; docs/nat.md)",
+    )
     p.add_argument("--log-level", default="INFO")
     return p
 

@@ -165,13 +165,15 @@ class DelayProxy:
         if self._server is not None:
             raise RuntimeError("DelayProxy already started")
         self._closing = False
-        self._server = await asyncio.start_server(
-            self._handle, self.listen_host, self.listen_port, limit=2 * _CHUNK
-        )
+        self._server = await asyncio.start_server(self._handle, self.listen_host, self.listen_port, limit=2 * _CHUNK)
         self.listen_port = self._server.sockets[0].getsockname()[1]
         logger.debug(
             "delay proxy %s:%d -> %s:%d, %.1f ms each way",
-            self.listen_host, self.listen_port, self.target_host, self.target_port, self.delay_ms,
+            self.listen_host,
+            self.listen_port,
+            self.target_host,
+            self.target_port,
+            self.delay_ms,
         )
 
     async def stop(self) -> None:
@@ -203,9 +205,7 @@ class DelayProxy:
             # client_connected_cb calls task.exception(), which would log a cancelled task as an error.
             pass
 
-    async def _serve_connection(
-        self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter
-    ) -> None:
+    async def _serve_connection(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         if self._closing:
             client_writer.transport.abort()
@@ -313,8 +313,12 @@ class ThreadedDelayProxy:
     ):
         # Validate here, in the caller's thread, so bad arguments raise from the constructor.
         self._proxy_args = dict(
-            target_host=target_host, target_port=target_port, delay_ms=delay_ms,
-            listen_host=listen_host, listen_port=listen_port, max_buffer_bytes=max_buffer_bytes,
+            target_host=target_host,
+            target_port=target_port,
+            delay_ms=delay_ms,
+            listen_host=listen_host,
+            listen_port=listen_port,
+            max_buffer_bytes=max_buffer_bytes,
         )
         probe = DelayProxy(**self._proxy_args)
         self.listen_host = probe.listen_host
@@ -331,9 +335,7 @@ class ThreadedDelayProxy:
             raise RuntimeError("ThreadedDelayProxy already started")
         self._started.clear()
         self._error = None
-        self._thread = threading.Thread(
-            target=self._thread_main, name=f"delay-proxy->{self.target_port}", daemon=True
-        )
+        self._thread = threading.Thread(target=self._thread_main, name=f"delay-proxy->{self.target_port}", daemon=True)
         self._thread.start()
         if not self._started.wait(timeout):
             raise TimeoutError("delay proxy thread did not start in time")

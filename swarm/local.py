@@ -146,7 +146,11 @@ class LocalSwarm:
         return []
 
     def start_server(
-        self, start: Optional[int], end: Optional[int], name: str = "server", extra: Sequence[str] = (),
+        self,
+        start: Optional[int],
+        end: Optional[int],
+        name: str = "server",
+        extra: Sequence[str] = (),
         launcher: Optional[Sequence[str]] = None,
     ) -> Started:
         """Start one server of blocks start:end; with start=None and end=N it serves N blocks
@@ -156,11 +160,23 @@ class LocalSwarm:
         blocks = ["--blocks", f"{start}:{end}"] if start is not None else ["--num-blocks", str(end)]
         args = [
             *(self.launcher if launcher is None else launcher),
-            "--model", self.model, "--initial-peers", *self.initial_peers,
-            *blocks, "--host", "127.0.0.1", "--port", str(port),
+            "--model",
+            self.model,
+            "--initial-peers",
+            *self.initial_peers,
+            *blocks,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
             # every peer is on loopback: nothing to probe (docs/nat.md); server_args may override
-            "--public-name", name, "--reachability", "public", *self.server_args, *extra,
-        ]  # fmt: skip
+            "--public-name",
+            name,
+            "--reachability",
+            "public",
+            *self.server_args,
+            *extra,
+        ]
         if self.hop_delay_ms > 0:
             from swarm.delay_proxy import ThreadedDelayProxy
 
@@ -174,8 +190,18 @@ class LocalSwarm:
 
     def start_dashboard(self, port: int = 0, extra: Sequence[str] = ()) -> str:
         """Start ``python -m swarm.dashboard`` on 127.0.0.1 and return its URL (it prints it when serving)."""
-        args = ["swarm.dashboard", "--initial-peers", *self.initial_peers, "--host", "127.0.0.1", "--port", str(port),
-                "--model", self.model, *extra]  # fmt: skip
+        args = [
+            "swarm.dashboard",
+            "--initial-peers",
+            *self.initial_peers,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--model",
+            self.model,
+            *extra,
+        ]
         self.dashboard = self._popen(args, "dashboard", subprocess.PIPE)
         line = self.dashboard.stdout.readline().decode().strip()
         if not line.startswith("Dashboard: "):
@@ -186,8 +212,19 @@ class LocalSwarm:
     def start_api(self, port: int = 0, extra: Sequence[str] = ()) -> str:
         """Start the OpenAI-compatible gateway (``python -m swarm.api``) on 127.0.0.1 for this swarm's
         model; returns its base URL (``http://127.0.0.1:PORT/v1``, printed once it serves)."""
-        args = ["swarm.api", "--initial-peers", *self.initial_peers, "--model", self.model, "--host", "127.0.0.1",
-                "--port", str(port), *self._log_level_args(), *extra]  # fmt: skip
+        args = [
+            "swarm.api",
+            "--initial-peers",
+            *self.initial_peers,
+            "--model",
+            self.model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            *self._log_level_args(),
+            *extra,
+        ]
         self.api = self._popen(args, "api", subprocess.PIPE)
         line = self.api.stdout.readline().decode().strip()
         if not line.startswith("http"):
@@ -220,8 +257,9 @@ class LocalSwarm:
 
         dht = make_dht(initial_peers=self.initial_peers, client_mode=True)
         try:
-            wait_until_online(dht, self.dht_name, self.num_blocks, expected or len(self.servers), self.ready_timeout,
-                              check_alive)  # fmt: skip
+            wait_until_online(
+                dht, self.dht_name, self.num_blocks, expected or len(self.servers), self.ready_timeout, check_alive
+            )
         finally:
             dht.shutdown()
 
@@ -262,8 +300,9 @@ def run_demo(swarm: LocalSwarm, prompt: str, max_new_tokens: int, speculation: O
     if speculation:
         modes[f"speculation={speculation}, loop_runs=False"] = dict(speculation=speculation, loop_runs=False)
         modes[f"speculation={speculation} (the default: looped runs)"] = dict(speculation=speculation)
-        modes[f"speculation={speculation}, async_speculation=True"] = dict(speculation=speculation,
-                                                                           async_speculation=True)  # fmt: skip
+        modes[f"speculation={speculation}, async_speculation=True"] = dict(
+            speculation=speculation, async_speculation=True
+        )
     first = None
     for label, kwargs in modes.items():
         model.reset_draft_store()  # no mode may draft from an earlier mode's answer
@@ -324,9 +363,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
     server_args = ["--log-level", args.log_level, "--torch-threads", "1"]
     dashboard_port = None if args.dashboard_port < 0 or args.prompt else args.dashboard_port
-    with LocalSwarm(args.model, args.servers, hop_delay_ms=args.hop_delay_ms, server_args=server_args,
-                    log_dir=args.log_dir, dashboard_port=dashboard_port,
-                    api_port=None if args.api_port < 0 else args.api_port) as swarm:  # fmt: skip
+    with LocalSwarm(
+        args.model,
+        args.servers,
+        hop_delay_ms=args.hop_delay_ms,
+        server_args=server_args,
+        log_dir=args.log_dir,
+        dashboard_port=dashboard_port,
+        api_port=None if args.api_port < 0 else args.api_port,
+    ) as swarm:
         print(f"Local swarm of {args.model}: {len(swarm.servers)} servers, blocks {swarm.spans}", flush=True)
         print("Initial peers:", *swarm.initial_peers, flush=True)
         if swarm.dashboard_url:

@@ -8,13 +8,16 @@ import logging
 import sys
 
 from protocol.compression import CODECS
+from protocol.config import ENV_INITIAL_PEERS, config_path
 from protocol.limits import (
-    DEFAULT_GATHER_WINDOW, DEFAULT_MAX_POSITIONS_PER_STEP, DEFAULT_MAX_SESSIONS, DEFAULT_MAX_SESSIONS_PER_PEER,
+    DEFAULT_GATHER_WINDOW,
+    DEFAULT_MAX_POSITIONS_PER_STEP,
+    DEFAULT_MAX_SESSIONS,
+    DEFAULT_MAX_SESSIONS_PER_PEER,
     DEFAULT_MAX_UNREAD_MIB,
-)  # fmt: skip
+)
 from protocol.version import PROTOCOL_VERSION
 from swarm.cli_utils import parse_blocks, parse_size, setup_logging, stop_event_on_signals
-from protocol.config import ENV_INITIAL_PEERS, config_path
 
 logger = logging.getLogger("swarm.server")
 
@@ -31,79 +34,147 @@ class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def build_parser() -> argparse.ArgumentParser:
     from protocol.models import ALIASES
 
-    p = argparse.ArgumentParser(prog="python -m swarm.server", description=__doc__,
-                                formatter_class=_DefaultsFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(prog="python -m swarm.server", description=__doc__, formatter_class=_DefaultsFormatter)
     version = f"specswarm {_package_version()} (protocol {PROTOCOL_VERSION})"
     p.add_argument("--version", action="version", version=version)
-    p.add_argument("--model", required=True,
-                   help=f"alias ({', '.join(ALIASES)}), hub repo id (org/name) or local folder")
-    p.add_argument("--plan-only", action="store_true",
-                   help="print the memory plan (blocks that fit, cache budget, what is reserved) and exit, "
-                        "without loading or downloading weights")
-    p.add_argument("--assume-free-memory", type=parse_size, metavar="SIZE",
-                   help="plan with this much free device memory (e.g. 22GiB) instead of measuring it")
-    p.add_argument("--initial-peers", nargs="+", default=[], metavar="MADDR",
-                   help=f"multiaddrs of peers in the swarm (if not given: ${ENV_INITIAL_PEERS}, else initial_peers "
-                   f"in {config_path()})")
+    p.add_argument(
+        "--model", required=True, help=f"alias ({', '.join(ALIASES)}), hub repo id (org/name) or local folder"
+    )
+    p.add_argument(
+        "--plan-only",
+        action="store_true",
+        help="print the memory plan (blocks that fit, cache budget, what is reserved) and exit, "
+        "without loading or downloading weights",
+    )
+    p.add_argument(
+        "--assume-free-memory",
+        type=parse_size,
+        metavar="SIZE",
+        help="plan with this much free device memory (e.g. 22GiB) instead of measuring it",
+    )
+    p.add_argument(
+        "--initial-peers",
+        nargs="+",
+        default=[],
+        metavar="MADDR",
+        help=f"multiaddrs of peers in the swarm (if not given: ${ENV_INITIAL_PEERS}, else initial_peers "
+        f"in {config_path()})",
+    )
     p.add_argument("--new-swarm", action="store_true", help="start a new swarm instead of joining one")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--blocks", type=parse_blocks, help="serve blocks START:END (end exclusive)")
     group.add_argument("--num-blocks", type=int, help="serve this many blocks, placed where the swarm needs them most")
     p.add_argument("--host", default="0.0.0.0", help="IPv4 or IPv6 address to listen on (:: for every IPv6 address)")
     p.add_argument("--port", type=int, default=0, help="TCP port to listen on (0: any free port)")
-    p.add_argument("--announce-maddrs", nargs="+", default=[], metavar="MADDR",
-                   help="addresses other peers should dial")
+    p.add_argument(
+        "--announce-maddrs", nargs="+", default=[], metavar="MADDR", help="addresses other peers should dial"
+    )
     p.add_argument("--device", default="auto", help="auto (cuda when available, else cpu), cpu, cuda or cuda:N")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="auto: bfloat16 on CUDA, float32 on the CPU")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="auto: bfloat16 on CUDA, float32 on the CPU",
+    )
     # the choices of server.quantization.QUANT_CHOICES, written out so that --help needs no torch import
-    p.add_argument("--quant", default="auto", choices=["auto", "none", "int8", "nf4"],
-                   help="weights of the blocks: none, int8 (LLM.int8) or nf4 (bitsandbytes); auto: the smallest that "
-                   "keeps the checkpoint's own precision (docs/quantization.md)")
+    p.add_argument(
+        "--quant",
+        default="auto",
+        choices=["auto", "none", "int8", "nf4"],
+        help="weights of the blocks: none, int8 (LLM.int8) or nf4 (bitsandbytes); auto: the smallest that "
+        "keeps the checkpoint's own precision (docs/quantization.md)",
+    )
     p.add_argument("--public-name", help="a name shown on the health dashboard")
-    p.add_argument("--cache-tokens", type=int,
-                   help="KV cache budget in tokens (if not given: from free memory, by the memory plan)")
+    p.add_argument(
+        "--cache-tokens",
+        type=int,
+        help="KV cache budget in tokens (if not given: from free memory, by the memory plan)",
+    )
     p.add_argument("--identity-path", help="private key file; keeps the peer id across restarts")
     p.add_argument("--dht-prefix", help="the model's name in the DHT (if not given: from --model)")
-    p.add_argument("--revision", help="a hub model's commit, branch or tag (if not given: the commit the swarm's "
-                   "servers announce, with the most served blocks, else the hub's main)")
-    p.add_argument("--compression", default="none", choices=CODECS,
-                   help="codec of activations sent to the next server (none keeps outputs exact; docs/protocol.md)")
+    p.add_argument(
+        "--revision",
+        help="a hub model's commit, branch or tag (if not given: the commit the swarm's "
+        "servers announce, with the most served blocks, else the hub's main)",
+    )
+    p.add_argument(
+        "--compression",
+        default="none",
+        choices=CODECS,
+        help="codec of activations sent to the next server (none keeps outputs exact; docs/protocol.md)",
+    )
     p.add_argument("--update-period", type=float, default=15.0, help="seconds between DHT announcements")
     p.add_argument("--session-timeout", type=float, default=600.0, help="free sessions idle this long (s)")
     p.add_argument("--torch-threads", type=int, help="torch CPU threads")
     p.add_argument("--drain-seconds", type=float, default=30.0, help="on shutdown, let open sessions finish this long")
-    p.add_argument("--balance-period", type=float, default=120.0,
-                   help="with --num-blocks: seconds between checks whether another span helps the swarm more")
-    p.add_argument("--max-positions-per-step", type=int, default=DEFAULT_MAX_POSITIONS_PER_STEP,
-                   help="most positions one Step may carry (frames are limited to what it needs)")
-    p.add_argument("--max-batch-positions", type=int,
-                   help="most positions one batched pass through the span computes; sessions' runs beyond it wait "
-                   "in arrival order, long prefills are cut into chunks (default: what the memory plan's headroom "
-                   "holds, at most 1024)")
-    p.add_argument("--gather-window-ms", type=float, default=1000 * DEFAULT_GATHER_WINDOW,
-                   help="the most a ready batch waits for runs of the server's other open sessions; it starts at once "
-                   "when each open session has a run waiting, so a session alone never waits (0: never waits)")
-    p.add_argument("--no-batching", action="store_true",
-                   help="compute one session's run per pass through the span (for comparisons)")
+    p.add_argument(
+        "--balance-period",
+        type=float,
+        default=120.0,
+        help="with --num-blocks: seconds between checks whether another span helps the swarm more",
+    )
+    p.add_argument(
+        "--max-positions-per-step",
+        type=int,
+        default=DEFAULT_MAX_POSITIONS_PER_STEP,
+        help="most positions one Step may carry (frames are limited to what it needs)",
+    )
+    p.add_argument(
+        "--max-batch-positions",
+        type=int,
+        help="most positions one batched pass through the span computes; sessions' runs beyond it wait "
+        "in arrival order, long prefills are cut into chunks (default: what the memory plan's headroom "
+        "holds, at most 1024)",
+    )
+    p.add_argument(
+        "--gather-window-ms",
+        type=float,
+        default=1000 * DEFAULT_GATHER_WINDOW,
+        help="the most a ready batch waits for runs of the server's other open sessions; it starts at once "
+        "when each open session has a run waiting, so a session alone never waits (0: never waits)",
+    )
+    p.add_argument(
+        "--no-batching",
+        action="store_true",
+        help="compute one session's run per pass through the span (for comparisons)",
+    )
     p.add_argument("--max-sessions", type=int, default=DEFAULT_MAX_SESSIONS, help="open sessions at most")
-    p.add_argument("--max-sessions-per-peer", type=int, default=DEFAULT_MAX_SESSIONS_PER_PEER,
-                   help="open sessions per client at most (a previous server announced for the route's previous "
-                   "blocks carries many clients and is not capped as one)")
-    p.add_argument("--max-session-tokens", type=int,
-                   help="the longest session (OpenSession max_length) this server takes, announced in its record "
-                   "(default: a quarter of the cache budget, at least 2048 tokens where the budget has them); one "
-                   "client may reserve at most half of the cache budget")
-    p.add_argument("--max-unread-mib", type=int, default=DEFAULT_MAX_UNREAD_MIB,
-                   help="MiB of results a tail holds for clients that have not read them (default %(default)s); "
-                   "one session at most a quarter of it")
-    p.add_argument("--drafter", default="auto", metavar="auto|none|PATH",
-                   help="the tail's drafter: auto (the head shipped for this model, if any), none, or a head "
-                   "file (.safetensors, from python -m server.drafter_train)")
+    p.add_argument(
+        "--max-sessions-per-peer",
+        type=int,
+        default=DEFAULT_MAX_SESSIONS_PER_PEER,
+        help="open sessions per client at most (a previous server announced for the route's previous "
+        "blocks carries many clients and is not capped as one)",
+    )
+    p.add_argument(
+        "--max-session-tokens",
+        type=int,
+        help="the longest session (OpenSession max_length) this server takes, announced in its record "
+        "(default: a quarter of the cache budget, at least 2048 tokens where the budget has them); one "
+        "client may reserve at most half of the cache budget",
+    )
+    p.add_argument(
+        "--max-unread-mib",
+        type=int,
+        default=DEFAULT_MAX_UNREAD_MIB,
+        help="MiB of results a tail holds for clients that have not read them (default %(default)s); "
+        "one session at most a quarter of it",
+    )
+    p.add_argument(
+        "--drafter",
+        default="auto",
+        metavar="auto|none|PATH",
+        help="the tail's drafter: auto (the head shipped for this model, if any), none, or a head "
+        "file (.safetensors, from python -m server.drafter_train)",
+    )
     p.add_argument("--drafter-tokens", type=int, default=1, help="ids the tail drafter drafts per run at most")
-    p.add_argument("--reachability", default="auto", choices=["auto", "public", "private"],
-                   help="auto: ask the initial peers to dial back and use them as relays if they cannot "
-                        "(docs/nat.md); public: skip the check; private: always serve through a relay")
+    p.add_argument(
+        "--reachability",
+        default="auto",
+        choices=["auto", "public", "private"],
+        help="auto: ask the initial peers to dial back and use them as relays if they cannot "
+        "(docs/nat.md); public: skip the check; private: always serve through a relay",
+    )
     p.add_argument("--log-level", default="INFO")
     return p
 

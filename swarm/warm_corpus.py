@@ -31,10 +31,18 @@ def build(model_path: str, out: Path, answer_tokens: int = 192) -> None:
     with torch.inference_mode():
         sequences = own_answers(model, tokenizer, SELF_PROMPTS, answer_tokens)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "format": FORMAT, "fingerprint": config_fingerprint(config), "model_type": config.model_type,
-        "prompts": "server.drafter_train.SELF_PROMPTS", "answer_tokens": answer_tokens, "sequences": sequences,
-    }))  # fmt: skip
+    out.write_text(
+        json.dumps(
+            {
+                "format": FORMAT,
+                "fingerprint": config_fingerprint(config),
+                "model_type": config.model_type,
+                "prompts": "server.drafter_train.SELF_PROMPTS",
+                "answer_tokens": answer_tokens,
+                "sequences": sequences,
+            }
+        )
+    )
     logger.info(f"{out}: {len(sequences)} sequences, {sum(map(len, sequences))} tokens")
 
 

@@ -108,8 +108,25 @@ def _received_fd(dup) -> int:
 # thread counts, log levels): a child asked for other values of these starts a fresh interpreter.
 # Every other difference (PYTEST_CURRENT_TEST, the lifeline's pid, our own SPECSWARM_* settings,
 # read when used) is applied to the warm child's environment.
-READ_AT_IMPORT = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TORCH", "PYTORCH_", "CUDA_", "OMP_", "MKL_", "KMP_",
-                  "BNB_", "BITSANDBYTES_", "TOKENIZERS_", "HIVEMIND_", "PYTHON", "XDG_", "HOME", "LD_")  # fmt: skip
+READ_AT_IMPORT = (
+    "HF_",
+    "HUGGINGFACE_",
+    "TRANSFORMERS_",
+    "TORCH",
+    "PYTORCH_",
+    "CUDA_",
+    "OMP_",
+    "MKL_",
+    "KMP_",
+    "BNB_",
+    "BITSANDBYTES_",
+    "TOKENIZERS_",
+    "HIVEMIND_",
+    "PYTHON",
+    "XDG_",
+    "HOME",
+    "LD_",
+)
 
 
 def _environment_change(env: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
@@ -117,8 +134,14 @@ def _environment_change(env: Mapping[str, str]) -> tuple[dict[str, str], list[st
     return ({k: v for k, v in env.items() if _server_env.get(k) != v}, [k for k in _server_env if k not in env])
 
 
-def _run_module(module: str, argv: list[str], env: dict[str, str], change: tuple[dict[str, str], list[str]],
-                fds: dict[int, int], cwd: Optional[str]) -> None:  # fmt: skip
+def _run_module(
+    module: str,
+    argv: list[str],
+    env: dict[str, str],
+    change: tuple[dict[str, str], list[str]],
+    fds: dict[int, int],
+    cwd: Optional[str],
+) -> None:
     """In the child: become what ``python -m module argv...`` would be, then run it. ``change``:
     what ``env`` sets and removes relative to the forkserver's environment (the parent knows it)."""
     os.setsid()
@@ -148,9 +171,16 @@ class WarmProcess:
     """A forked ``python -m module args``; the part of ``subprocess.Popen`` that launchers use."""
 
     def __init__(
-        self, module: str, args: Sequence[str], *, env: Optional[Mapping[str, str]] = None,
-        stdout: Target = None, stderr: Target = None, cwd: Optional[str] = None, text: bool = False,
-    ):  # fmt: skip
+        self,
+        module: str,
+        args: Sequence[str],
+        *,
+        env: Optional[Mapping[str, str]] = None,
+        stdout: Target = None,
+        stderr: Target = None,
+        cwd: Optional[str] = None,
+        text: bool = False,
+    ):
         """``stdout``/``stderr``: None (this process's own), ``subprocess.PIPE``, ``DEVNULL``, an
         open file, or for stderr ``subprocess.STDOUT``; ``text`` reads the pipes as str."""
         self.args = [sys.executable, "-m", module, *args]
@@ -178,9 +208,11 @@ class WarmProcess:
         try:
             with _lock:
                 _ensure_preload()
-                process = _Process(target=_run_module, name=module,
-                                   args=(module, list(args), env, _environment_change(env), passed,
-                                         None if cwd is None else str(cwd)))  # fmt: skip
+                process = _Process(
+                    target=_run_module,
+                    name=module,
+                    args=(module, list(args), env, _environment_change(env), passed, None if cwd is None else str(cwd)),
+                )
                 process.start()
         finally:
             for fd in close_after:
@@ -216,20 +248,36 @@ Started = Union[WarmProcess, subprocess.Popen]  # what start() returns: warm, or
 
 
 def start(
-    module: str, args: Sequence[str], *, env: Optional[Mapping[str, str]] = None, stdout: Target = None,
-    stderr: Target = None, cwd: Optional[str] = None, text: bool = False,
+    module: str,
+    args: Sequence[str],
+    *,
+    env: Optional[Mapping[str, str]] = None,
+    stdout: Target = None,
+    stderr: Target = None,
+    cwd: Optional[str] = None,
+    text: bool = False,
 ) -> Started:
     """``python -m module args``, forked from the warm forkserver unless ``SPECSWARM_COLD_START`` is set."""
     if enabled():
         return WarmProcess(module, args, env=env, stdout=stdout, stderr=stderr, cwd=cwd, text=text)
     return subprocess.Popen(
-        [sys.executable, "-m", module, *args], stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL,
-        start_new_session=True, env=None if env is None else dict(env), cwd=cwd, text=text,
-    )  # fmt: skip
+        [sys.executable, "-m", module, *args],
+        stdout=stdout,
+        stderr=stderr,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+        env=None if env is None else dict(env),
+        cwd=cwd,
+        text=text,
+    )
 
 
 def run(
-    module: str, args: Sequence[str], *, env: Optional[Mapping[str, str]] = None, cwd: Optional[str] = None,
+    module: str,
+    args: Sequence[str],
+    *,
+    env: Optional[Mapping[str, str]] = None,
+    cwd: Optional[str] = None,
     timeout: Optional[float] = None,
 ) -> subprocess.CompletedProcess:
     """``subprocess.run([python, -m, module, *args], capture_output=True, text=True)``, warm: for

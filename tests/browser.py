@@ -27,11 +27,22 @@ import aiohttp
 REPO = Path(__file__).resolve().parent.parent
 INSTALL_SCRIPT = REPO / ".ci" / "install-chromium.sh"
 FLAGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-    "--disable-extensions", "--disable-default-apps", "--mute-audio", "--hide-scrollbars",
-    "--remote-debugging-address=127.0.0.1", "--remote-debugging-port=0", "--window-size=1280,900",
-]  # fmt: skip
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-extensions",
+    "--disable-default-apps",
+    "--mute-audio",
+    "--hide-scrollbars",
+    "--remote-debugging-address=127.0.0.1",
+    "--remote-debugging-port=0",
+    "--window-size=1280,900",
+]
 
 
 def find_or_install_chromium() -> tuple[Optional[str], str]:

@@ -83,13 +83,18 @@ def add_random_mtp(src: Path, dst: Path, attention: str = "compressed_sparse_att
     hidden = config.hidden_size
     block = "model.layers.0."
     mtp = {"mtp.0." + key.removeprefix(block): t for key, t in saved.items() if key.startswith(block)}
-    mtp.update({
-        "mtp.0.hc_head_fn": saved["model.hc_head.hc_fn"], "mtp.0.hc_head_base": saved["model.hc_head.hc_base"],
-        "mtp.0.hc_head_scale": saved["model.hc_head.hc_scale"], "mtp.0.norm.weight": saved["model.norm.weight"],
-        "mtp.0.e_proj.weight": torch.randn(hidden, hidden) * 0.2,
-        "mtp.0.h_proj.weight": torch.randn(hidden, hidden) * 0.2,
-        "mtp.0.enorm.weight": 1 + 0.1 * torch.randn(hidden), "mtp.0.hnorm.weight": 1 + 0.1 * torch.randn(hidden),
-    })  # fmt: skip
+    mtp.update(
+        {
+            "mtp.0.hc_head_fn": saved["model.hc_head.hc_fn"],
+            "mtp.0.hc_head_base": saved["model.hc_head.hc_base"],
+            "mtp.0.hc_head_scale": saved["model.hc_head.hc_scale"],
+            "mtp.0.norm.weight": saved["model.norm.weight"],
+            "mtp.0.e_proj.weight": torch.randn(hidden, hidden) * 0.2,
+            "mtp.0.h_proj.weight": torch.randn(hidden, hidden) * 0.2,
+            "mtp.0.enorm.weight": 1 + 0.1 * torch.randn(hidden),
+            "mtp.0.hnorm.weight": 1 + 0.1 * torch.randn(hidden),
+        }
+    )
     shutil.copytree(src, dst)
     tensors = load_file(dst / "model.safetensors")
     tensors.update({key: t.contiguous() for key, t in mtp.items()})

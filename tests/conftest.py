@@ -14,13 +14,13 @@ from typing import Callable, Iterator, Optional, Sequence
 import pytest
 import torch
 
-from swarm import lifeline, warm_start
 from protocol.dht import make_dht
 from protocol.dht_records import fetch_servers
-from swarm.local import LocalSwarm
 from protocol.messages import Hop
 from protocol.records import ServerInfo
 from protocol.routing import RoutePlanner
+from swarm import lifeline, warm_start
+from swarm.local import LocalSwarm
 from tests.checkpoints import build_tiny_llama
 
 lifeline.install_fork_hook()  # the DHT processes (and p2pd) of pytest's clients die with it, even on SIGKILL
@@ -98,8 +98,13 @@ def tiny_llama_path(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_swarm(request, tiny_llama_path, artifacts_dir):
-    swarm = LocalSwarm(str(tiny_llama_path), spans=list(TINY_SERVERS.values()), server_args=SERVER_ARGS,
-                       log_dir=str(artifacts_dir / "tiny-swarm"), names=list(TINY_SERVERS))  # fmt: skip
+    swarm = LocalSwarm(
+        str(tiny_llama_path),
+        spans=list(TINY_SERVERS.values()),
+        server_args=SERVER_ARGS,
+        log_dir=str(artifacts_dir / "tiny-swarm"),
+        names=list(TINY_SERVERS),
+    )
     with swarm, last_use.until_last_use(request, swarm.stop):
         yield swarm
 
@@ -108,7 +113,9 @@ def tiny_swarm(request, tiny_llama_path, artifacts_dir):
 def tiny_model(request, tiny_swarm, tiny_llama_path):
     from swarm import AutoDistributedModelForCausalLM
 
-    model = AutoDistributedModelForCausalLM.from_pretrained(str(tiny_llama_path), initial_peers=tiny_swarm.initial_peers)
+    model = AutoDistributedModelForCausalLM.from_pretrained(
+        str(tiny_llama_path), initial_peers=tiny_swarm.initial_peers
+    )
     with last_use.until_last_use(request, model.shutdown):
         yield model
 
@@ -192,8 +199,15 @@ def limits_swarm(request, tiny_llama_path):
     peers = [str(m) for m in bootstrap.get_visible_maddrs()]
 
     async def start():
-        common = dict(model=str(tiny_llama_path), initial_peers=peers, host="127.0.0.1", reachability="public",
-                      update_period=2.0, torch_threads=1, max_positions_per_step=LIMITS_MAX_POSITIONS)  # fmt: skip
+        common = dict(
+            model=str(tiny_llama_path),
+            initial_peers=peers,
+            host="127.0.0.1",
+            reachability="public",
+            update_period=2.0,
+            torch_threads=1,
+            max_positions_per_step=LIMITS_MAX_POSITIONS,
+        )
         return [await SpanServer.create(ServerConfig(blocks=blocks, **common)) for blocks in [(0, 3), (3, 6)]]
 
     servers = _loop.run(start(), timeout=240)
@@ -223,8 +237,15 @@ def inprocess_servers(path, spans=((0, 3), (3, 6)), **config):
     peers = [str(m) for m in bootstrap.get_visible_maddrs()]
 
     async def start():
-        common = dict(model=str(path), initial_peers=peers, host="127.0.0.1", reachability="public",
-                      update_period=2.0, torch_threads=1, **config)  # fmt: skip
+        common = dict(
+            model=str(path),
+            initial_peers=peers,
+            host="127.0.0.1",
+            reachability="public",
+            update_period=2.0,
+            torch_threads=1,
+            **config,
+        )
         return [await SpanServer.create(ServerConfig(blocks=blocks, **common)) for blocks in spans]
 
     servers = _loop.run(start(), timeout=240)

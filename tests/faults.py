@@ -213,8 +213,10 @@ def lie_in_verdicts(rate: float, kind: str = "second", seed: int = 0, after: int
             lie = top[1] if top[0] == result.next_token else top[0]
         else:
             lie = (result.next_token + 1 + rng.randrange(len(logits[row]) - 1)) % len(logits[row])
-        logger.warning(f"Fault injection: verdict on run {step.run_id} says {lie}, not {result.next_token}, "
-                       f"at position {step.start_pos + row + 1}")
+        logger.warning(
+            f"Fault injection: verdict on run {step.run_id} says {lie}, not {result.next_token}, "
+            f"at position {step.start_pos + row + 1}"
+        )
         result.next_token = lie
         return result
 

@@ -12,7 +12,14 @@ import pytest
 from protocol import limits
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.messages import (
-    DraftOffer, ErrorReply, Hop, LoopedRun, OpenSession, SessionOpened, Step, Subscribe,
+    DraftOffer,
+    ErrorReply,
+    Hop,
+    LoopedRun,
+    OpenSession,
+    SessionOpened,
+    Step,
+    Subscribe,
 )
 from protocol.records import ServerInfo, ServerState
 from server import admission
@@ -43,24 +50,49 @@ def refused(code: ErrorCode, check, *args) -> str:
 
 # ---- OpenSession: the route, the upstream, the caps ---------------------------------------------
 
+
 def test_a_route_that_names_this_server_over_its_blocks_is_admitted():
     admission.check_route(open_session(), "middle", HeldBlocks(4, 8, 12), True)
     admission.check_route(open_session(), "middle", HeldBlocks(0, 12, 12), True)  # holds more than asked
 
 
-@pytest.mark.parametrize("message, peer, held, code, says", [
-    (open_session(hop_index=3), "middle", HeldBlocks(4, 8, 12), ErrorCode.BAD_REQUEST, "is not this server"),
-    (open_session(), "another", HeldBlocks(4, 8, 12), ErrorCode.BAD_REQUEST, "is not this server"),
-    (open_session(), "middle", HeldBlocks(5, 8, 12), ErrorCode.WRONG_BLOCKS, "this server holds 5:8"),
-    (open_session(hop_index=0, route=[Hop("head", 1, 12)]), "head", HeldBlocks(0, 12, 12), ErrorCode.BAD_REQUEST,
-     "start at block 0"),
-    (open_session(hop_index=0, route=[Hop("head", 0, 11)]), "head", HeldBlocks(0, 12, 12), ErrorCode.BAD_REQUEST,
-     "end at the last block"),
-    (open_session(route=[Hop("head", 0, 3), Hop("middle", 4, 8), Hop("tail", 8, 12)]), "middle", HeldBlocks(4, 8, 12),
-     ErrorCode.BAD_REQUEST, "not contiguous"),
-    (open_session(max_length=0), "middle", HeldBlocks(4, 8, 12), ErrorCode.BAD_REQUEST, "max_length must be positive"),
-    (open_session(secret_hash="abc"), "middle", HeldBlocks(4, 8, 12), ErrorCode.BAD_REQUEST, "secret_hash"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "message, peer, held, code, says",
+    [
+        (open_session(hop_index=3), "middle", HeldBlocks(4, 8, 12), ErrorCode.BAD_REQUEST, "is not this server"),
+        (open_session(), "another", HeldBlocks(4, 8, 12), ErrorCode.BAD_REQUEST, "is not this server"),
+        (open_session(), "middle", HeldBlocks(5, 8, 12), ErrorCode.WRONG_BLOCKS, "this server holds 5:8"),
+        (
+            open_session(hop_index=0, route=[Hop("head", 1, 12)]),
+            "head",
+            HeldBlocks(0, 12, 12),
+            ErrorCode.BAD_REQUEST,
+            "start at block 0",
+        ),
+        (
+            open_session(hop_index=0, route=[Hop("head", 0, 11)]),
+            "head",
+            HeldBlocks(0, 12, 12),
+            ErrorCode.BAD_REQUEST,
+            "end at the last block",
+        ),
+        (
+            open_session(route=[Hop("head", 0, 3), Hop("middle", 4, 8), Hop("tail", 8, 12)]),
+            "middle",
+            HeldBlocks(4, 8, 12),
+            ErrorCode.BAD_REQUEST,
+            "not contiguous",
+        ),
+        (
+            open_session(max_length=0),
+            "middle",
+            HeldBlocks(4, 8, 12),
+            ErrorCode.BAD_REQUEST,
+            "max_length must be positive",
+        ),
+        (open_session(secret_hash="abc"), "middle", HeldBlocks(4, 8, 12), ErrorCode.BAD_REQUEST, "secret_hash"),
+    ],
+)
 def test_a_route_that_does_not_fit_this_server_is_refused_by_name(message, peer, held, code, says):
     assert says in refused(code, admission.check_route, message, peer, held, True)
 
@@ -86,21 +118,28 @@ def record(peer: str, start: int, end: int, state: ServerState = ServerState.ONL
 
 
 def test_an_announced_server_of_the_previous_blocks_is_not_capped_as_a_client():
-    known = {"head": record("head", 0, 4), "joining": record("joining", 0, 4, ServerState.JOINING),
-             "short": record("short", 0, 3)}  # fmt: skip
+    known = {
+        "head": record("head", 0, 4),
+        "joining": record("joining", 0, 4, ServerState.JOINING),
+        "short": record("short", 0, 3),
+    }
     assert admission.cap_owner(open_session(hop_index=0), "client", known) == "client"  # the head caps its client
     assert admission.cap_owner(open_session(hop_index=1), "head", known) is None
     for peer in ("joining", "short", "stranger"):
         assert admission.cap_owner(open_session(hop_index=1), peer, known) == peer
 
 
-CAPS = SessionCaps(max_sessions=4, max_session_tokens=100, max_sessions_per_peer=2, max_peer_tokens=150, total_tokens=300)
+CAPS = SessionCaps(
+    max_sessions=4, max_session_tokens=100, max_sessions_per_peer=2, max_peer_tokens=150, total_tokens=300
+)
 
 
 def test_session_caps_per_server_per_session_and_per_peer():
     admission.check_session_caps(open_session(max_length=100), "p", 3, (1, 50), CAPS)
     admission.check_session_caps(open_session(max_length=100), None, 3, (9, 999), CAPS)  # a server: per-peer caps skip
-    assert "4 sessions open" in refused(ErrorCode.BUSY, admission.check_session_caps, open_session(), None, 4, (0, 0), CAPS)
+    assert "4 sessions open" in refused(
+        ErrorCode.BUSY, admission.check_session_caps, open_session(), None, 4, (0, 0), CAPS
+    )
     assert "max_session_tokens is 100" in refused(
         ErrorCode.BUSY, admission.check_session_caps, open_session(max_length=101), None, 0, (0, 0), CAPS
     )
@@ -113,6 +152,7 @@ def test_session_caps_per_server_per_session_and_per_peer():
 
 
 # ---- runs, offers and looped runs ---------------------------------------------------------------
+
 
 def step(n: int = 3, run_id: int = 0, loop_runs: int = 0) -> Step:
     return Step(session_id="s", run_id=run_id, start_pos=0, token_ids=list(range(n)), loop_runs=loop_runs)
@@ -152,6 +192,7 @@ def test_only_the_routes_tail_starts_a_looped_run_and_only_when_asked():
 
 # ---- Subscribe -----------------------------------------------------------------------------------
 
+
 def test_subscribes_waiting_for_their_sessions_are_capped_per_server_and_per_peer():
     assert admission.subscribe_slot_refusal("p", {"q": 1}, 3, 2) is None
     assert "2 of them from peer p" in admission.subscribe_slot_refusal("p", {"p": 2}, 3, 2)
@@ -163,12 +204,15 @@ def test_results_go_only_to_the_holder_of_the_secret_once_and_only_from_the_tail
     tail.secret_hash = SECRET_HASH
     assert admission.check_subscriber(tail, Subscribe(session_id="s", secret=SECRET)) is None
     assert "does not match" in admission.check_subscriber(tail, Subscribe(session_id="s", secret="guess"))
-    assert "not the session's tail" in admission.check_subscriber(session_at(1), Subscribe(session_id="s", secret=SECRET))
+    assert "not the session's tail" in admission.check_subscriber(
+        session_at(1), Subscribe(session_id="s", secret=SECRET)
+    )
     tail.subscribed = True
     assert "already has a results stream" in admission.check_subscriber(tail, Subscribe(session_id="s", secret=SECRET))
 
 
 # ---- the handler's and the results stream's steps over a fake stream --------------------------------
+
 
 class TinySpan:
     """What the handler reads of a span before any run is computed."""

@@ -20,9 +20,9 @@ import openai
 import pytest
 import torch
 
+from protocol.dht_records import fetch_servers
 from swarm.api import Gateway, GatewayConfig, start_server
 from swarm.api.text import IncrementalDetokenizer, StopMatcher
-from protocol.dht_records import fetch_servers
 
 pytestmark = pytest.mark.slow
 
@@ -63,8 +63,9 @@ def no_route_model(smol_swarm):
     """SmolLM2's config, but looked up under a DHT name no server announces: every block is missing."""
     from swarm import AutoDistributedModelForCausalLM
 
-    model = AutoDistributedModelForCausalLM.from_pretrained(MODEL, initial_peers=smol_swarm.initial_peers,
-                                                           dht_prefix="no-such-model")  # fmt: skip
+    model = AutoDistributedModelForCausalLM.from_pretrained(
+        MODEL, initial_peers=smol_swarm.initial_peers, dht_prefix="no-such-model"
+    )
     model.swarm.max_route_attempts = 1
     yield model
     model.shutdown()
@@ -142,7 +143,9 @@ def test_lists_models(client):
 def test_chat_completion_equals_generate(client, smol_model):
     raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=MESSAGES, max_tokens=16, temperature=0)
     completion = raw.parse()
-    prompt = smol_model.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, return_dict=True)["input_ids"]
+    prompt = smol_model.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, return_dict=True)[
+        "input_ids"
+    ]
     expected = smol_model.generate([prompt], max_new_tokens=16)[0, len(prompt) :].tolist()
     choice = completion.choices[0]
     assert choice.message.role == "assistant"
@@ -182,13 +185,16 @@ def test_completion_stops_exactly_before_a_multi_token_stop_string(client, smol_
     assert cut.choices[0].text == expected
     assert cut.choices[0].finish_reason == "stop"
     assert cut.usage.completion_tokens < full.usage.completion_tokens
-    streamed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stop=stop, stream=True)
+    streamed = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stop=stop, stream=True
+    )
     assert "".join(c.choices[0].text for c in streamed) == expected
 
 
 def test_logprobs_when_asked(client):
-    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0,
-                                          logprobs=True, top_logprobs=3)  # fmt: skip
+    chat = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens
     for entry in content:
@@ -239,8 +245,12 @@ def test_echo_scores_the_prompt_exactly_as_local_transformers(client, smol_model
     assert both.choices[0].text == smol_model.tokenizer.decode(ids) + plain.choices[0].text
     assert len(lp.tokens) == len(ids) + plain.usage.completion_tokens
     assert lp.token_logprobs[len(ids) :] == plain.choices[0].logprobs.token_logprobs
-    assert lp.token_logprobs[1 : len(ids)] == pytest.approx(expected[torch.arange(len(ids) - 1), ids[1:]].tolist(), abs=1e-4)
-    streamed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, echo=True, stream=True)
+    assert lp.token_logprobs[1 : len(ids)] == pytest.approx(
+        expected[torch.arange(len(ids) - 1), ids[1:]].tolist(), abs=1e-4
+    )
+    streamed = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, echo=True, stream=True
+    )
     assert "".join(c.choices[0].text for c in streamed) == PROMPT + plain.choices[0].text
 
 
@@ -253,11 +263,19 @@ def test_a_batch_of_prompts_gives_one_choice_per_prompt_in_order(client, smol_mo
     assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
     assert batch.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
     ids = [smol_model.tokenizer.encode(p) for p in prompts]
-    assert [c.text for c in client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0).choices] == [
-        a.choices[0].text for a in alone
-    ]
-    chunks = list(client.completions.create(model=MODEL, prompt=prompts, max_tokens=8, temperature=0, stream=True,
-                                            stream_options={"include_usage": True}))  # fmt: skip
+    assert [
+        c.text for c in client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0).choices
+    ] == [a.choices[0].text for a in alone]
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=prompts,
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     texts = ["", "", ""]
     for chunk in chunks[:-1]:
         texts[chunk.choices[0].index] += chunk.choices[0].text
@@ -279,14 +297,17 @@ def test_n_samples_with_seed_plus_index(client):
 def test_what_evaluation_and_load_tools_send(gateway, client, smol_model):
     card = client.models.retrieve(MODEL)
     assert card.model_extra["max_model_len"] == smol_model.context_length and card.created > 0
-    reply = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, user="someone",
-                                      stop=["\n\n", "###"], seed=3)  # fmt: skip
+    reply = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, user="someone", stop=["\n\n", "###"], seed=3
+    )
     assert reply.usage.completion_tokens <= 2
     text, root = "Hello there, general", gateway.url.removesuffix("/v1")
     status, body = post_raw(f"{root}/tokenize", json.dumps({"prompt": text}).encode())
     assert status == 400 and body["error"]["param"] == "model"  # this gateway serves two models: name one
     status, body = post_raw(f"{root}/tokenize", json.dumps({"model": MODEL, "prompt": text}).encode())
-    assert status == 200 and body["tokens"] == smol_model.tokenizer.encode(text) and body["count"] == len(body["tokens"])
+    assert (
+        status == 200 and body["tokens"] == smol_model.tokenizer.encode(text) and body["count"] == len(body["tokens"])
+    )
     status, body = post_raw(f"{root}/detokenize", json.dumps({"model": MODEL, "tokens": body["tokens"]}).encode())
     assert status == 200 and body["prompt"] == text
     status, body = post_raw(f"{root}/tokenize", json.dumps({"model": MODEL, "prompt": text}).encode(), key=None)
@@ -302,8 +323,10 @@ def test_what_evaluation_and_load_tools_send(gateway, client, smol_model):
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model=MODEL, prompt=PROMPT, **kwargs)
         assert e.value.param == param, param
-    for param, kwargs in [("response_format", dict(response_format={"type": "json_object"})),
-                          ("tool_choice", dict(tool_choice="required"))]:  # fmt: skip
+    for param, kwargs in [
+        ("response_format", dict(response_format={"type": "json_object"})),
+        ("tool_choice", dict(tool_choice="required")),
+    ]:
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=MODEL, messages=MESSAGES, **kwargs)
         assert e.value.param == param, param
@@ -322,8 +345,11 @@ def test_errors_have_openai_shape_while_a_good_request_is_served(gateway, client
     good_client = openai.OpenAI(base_url=gateway.url, api_key=OTHER_KEY, max_retries=0, timeout=240)
     kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0)
     with ThreadPoolExecutor(1) as pool:
-        good = pool.submit(lambda: "".join(c.choices[0].delta.content or "" for c in
-                                           good_client.chat.completions.create(**kwargs, stream=True)))  # fmt: skip
+        good = pool.submit(
+            lambda: "".join(
+                c.choices[0].delta.content or "" for c in good_client.chat.completions.create(**kwargs, stream=True)
+            )
+        )
 
         with pytest.raises(openai.NotFoundError) as e:
             client.chat.completions.create(model="no-such-model", messages=MESSAGES)
@@ -392,8 +418,9 @@ def test_a_client_that_disconnects_frees_the_session_on_every_server(gateway, cl
     # records refresh every 5 s: see every server idle, then holding the session, then idle again
     wait_until(lambda: max(open_sessions(smol_model).values()) == 0, 90, "no server holds a session")
     # max_tokens: long enough to be still generating when cut (the gateway caps an unset one at 1024)
-    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True, temperature=0, max_tokens=4000,
-                                            extra_body={"ignore_eos": True})  # fmt: skip
+    stream = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, stream=True, temperature=0, max_tokens=4000, extra_body={"ignore_eos": True}
+    )
     chunks = iter(stream)
     next(chunks), next(chunks)
     wait_until(lambda: min(open_sessions(smol_model).values()) >= 1, 90, "every server holds the session")
@@ -447,11 +474,17 @@ def test_retracted_tokens_rebuild_a_response_and_end_a_stream_with_an_error(smol
         done = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=32)
         assert done.choices[0].text == tokenizer.decode(first[:2] + replacement)
         assert done.usage.completion_tokens == 2 + len(replacement)
-        request = urllib.request.Request(f"{served.url}/completions", method="POST", headers={"Content-Type": "application/json"},
-                                         data=json.dumps({"model": MODEL, "prompt": PROMPT, "stream": True}).encode())  # fmt: skip
+        request = urllib.request.Request(
+            f"{served.url}/completions",
+            method="POST",
+            headers={"Content-Type": "application/json"},
+            data=json.dumps({"model": MODEL, "prompt": PROMPT, "stream": True}).encode(),
+        )
         with urllib.request.urlopen(request, timeout=60) as response:
             body = response.read().decode()
     assert "tokens_retracted" in body and "retry the request" in body
     assert tokenizer.decode(first) in "".join(
-        json.loads(line[6:])["choices"][0]["text"] for line in body.splitlines() if line.startswith("data: {") and '"choices"' in line
+        json.loads(line[6:])["choices"][0]["text"]
+        for line in body.splitlines()
+        if line.startswith("data: {") and '"choices"' in line
     )

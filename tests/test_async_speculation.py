@@ -9,9 +9,9 @@ import asyncio
 import hashlib
 import secrets
 
-from hivemind.p2p import PeerID
 import pytest
 import torch
+from hivemind.p2p import PeerID
 
 from client import _loop
 from protocol.messages import Cancel, Hop, OpenSession, SessionOpened, Step, StepResult, Subscribe
@@ -51,8 +51,14 @@ def assert_servers_hold_only(servers, committed_cached: int) -> None:
 def generate_with(model, monkeypatch, truth, wrong_at, inflight=3, **kwargs):
     drafter = ScriptedDrafter(truth, len(PROMPT[0]), wrong_at, length=3)
     monkeypatch.setattr("client.model.make_drafter", lambda *a, **k: drafter)
-    return model.generate(torch.tensor(PROMPT), max_new_tokens=18, num_draft_tokens=2, async_speculation=True,
-                          max_inflight_runs=inflight, **kwargs)  # fmt: skip
+    return model.generate(
+        torch.tensor(PROMPT),
+        max_new_tokens=18,
+        num_draft_tokens=2,
+        async_speculation=True,
+        max_inflight_runs=inflight,
+        **kwargs,
+    )
 
 
 @pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampled"])
@@ -99,8 +105,15 @@ class RawSession:
         self.tail = await MessageStream.open(self.p2p, PeerID.from_base58(self.route[-1].peer_id), RESULTS_PROTOCOL)
         await self.tail.send(Subscribe(session_id=self.session_id, secret="s"))
         self.head = await MessageStream.open(self.p2p, PeerID.from_base58(self.route[0].peer_id), SESSION_PROTOCOL)
-        await self.head.send(OpenSession(session_id=self.session_id, max_length=64, route=self.route, hop_index=0,
-                                         secret_hash=hashlib.sha256(b"s").hexdigest()))  # fmt: skip
+        await self.head.send(
+            OpenSession(
+                session_id=self.session_id,
+                max_length=64,
+                route=self.route,
+                hop_index=0,
+                secret_hash=hashlib.sha256(b"s").hexdigest(),
+            )
+        )
         assert isinstance((await self.head.receive()).message, SessionOpened)
 
     async def result(self):
@@ -117,12 +130,16 @@ def test_cancel_of_unknown_or_finished_run_is_harmless(inproc_swarm):
         first = await s.result()
         assert isinstance(first, StepResult)
         await s.head.send(Cancel(session_id=s.session_id, run_id=50))  # never sent: nothing happens
-        await s.head.send(Step(session_id=s.session_id, run_id=2, start_pos=len(PROMPT[0]), token_ids=[first.next_token]))
+        await s.head.send(
+            Step(session_id=s.session_id, run_id=2, start_pos=len(PROMPT[0]), token_ids=[first.next_token])
+        )
         second = await s.result()
         assert isinstance(second, StepResult) and second.run_id == 2
         # cancelling a finished run rolls its positions back; a run that restarts there works
         await s.head.send(Cancel(session_id=s.session_id, run_id=2))
-        await s.head.send(Step(session_id=s.session_id, run_id=3, start_pos=len(PROMPT[0]), token_ids=[first.next_token]))
+        await s.head.send(
+            Step(session_id=s.session_id, run_id=3, start_pos=len(PROMPT[0]), token_ids=[first.next_token])
+        )
         third = await s.result()
         assert isinstance(third, StepResult) and third.next_token == second.next_token
         s.head.close()
@@ -138,7 +155,9 @@ def test_client_vanishing_with_runs_in_flight_frees_every_server(inproc_swarm):
         s = RawSession(model, servers)
         await s.open()
         for run_id in range(1, 4):  # three runs in flight, then the client is gone
-            await s.head.send(Step(session_id=s.session_id, run_id=run_id, start_pos=(run_id - 1) * 11, token_ids=PROMPT[0]))
+            await s.head.send(
+                Step(session_id=s.session_id, run_id=run_id, start_pos=(run_id - 1) * 11, token_ids=PROMPT[0])
+            )
         s.head.close()
         s.tail.close()
         for _ in range(100):
@@ -149,18 +168,26 @@ def test_client_vanishing_with_runs_in_flight_frees_every_server(inproc_swarm):
 
     assert _loop.run(scenario(), timeout=60)
     for server in servers:
-        assert server.handler.budget.free_tokens == server.handler.budget.total_tokens or len(server.handler.sessions) > 0
+        assert (
+            server.handler.budget.free_tokens == server.handler.budget.total_tokens or len(server.handler.sessions) > 0
+        )
 
 
 def test_agenerate_stream_honours_async_speculation(inproc_swarm, monkeypatch):
     model, servers = inproc_swarm
     plain = model.generate(torch.tensor(PROMPT), max_new_tokens=18, speculation=None)
     truth = plain[0, len(PROMPT[0]) :].tolist()
-    monkeypatch.setattr("client.model.make_drafter", lambda *a, **k: ScriptedDrafter(truth, len(PROMPT[0]), {5, 13}, length=3))
+    monkeypatch.setattr(
+        "client.model.make_drafter", lambda *a, **k: ScriptedDrafter(truth, len(PROMPT[0]), {5, 13}, length=3)
+    )
 
     async def collect():
-        chunks = [c async for c in model.agenerate_stream(PROMPT[0], max_new_tokens=18, num_draft_tokens=2,
-                                                           async_speculation=True, max_inflight_runs=3)]  # fmt: skip
+        chunks = [
+            c
+            async for c in model.agenerate_stream(
+                PROMPT[0], max_new_tokens=18, num_draft_tokens=2, async_speculation=True, max_inflight_runs=3
+            )
+        ]
         return [t for c in chunks for t in c.token_ids], chunks[-1].stats
 
     tokens, stats = asyncio.run(collect())
@@ -183,12 +210,23 @@ def test_outcome_hedges_are_used_and_never_change_the_output(inproc_swarm, monke
     kwargs = dict(do_sample=True, temperature=0.8, top_p=0.9, seed=5) if sampling else {}
     plain = model.generate(torch.tensor(PROMPT), max_new_tokens=18, speculation=None, **kwargs)
     truth = plain[0, len(PROMPT[0]) :].tolist()
-    for cls, wrong_at in ((HedgingScriptedDrafter, set(range(40))), (HedgingScriptedDrafter, {2, 9, 10, 15}), (ScriptedDrafter, set(range(40)))):
+    for cls, wrong_at in (
+        (HedgingScriptedDrafter, set(range(40))),
+        (HedgingScriptedDrafter, {2, 9, 10, 15}),
+        (ScriptedDrafter, set(range(40))),
+    ):
         drafter = cls(truth, len(PROMPT[0]), wrong_at, length=3)
         monkeypatch.setattr("client.model.make_drafter", lambda *a, **k: drafter)
         # runs sent by the client (with looped runs the hedges become offers: tests/test_looped_runs.py)
-        output = model.generate(torch.tensor(PROMPT), max_new_tokens=18, num_draft_tokens=2, async_speculation=inflight > 1,
-                                max_inflight_runs=inflight, loop_runs=False, **kwargs)  # fmt: skip
+        output = model.generate(
+            torch.tensor(PROMPT),
+            max_new_tokens=18,
+            num_draft_tokens=2,
+            async_speculation=inflight > 1,
+            max_inflight_runs=inflight,
+            loop_runs=False,
+            **kwargs,
+        )
         assert output.tolist() == plain.tolist()
         stats = model.last_generation_stats
         if cls is ScriptedDrafter:  # no alternatives known: nothing to hedge

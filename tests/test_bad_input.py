@@ -15,8 +15,8 @@ from hivemind.proto import runtime_pb2
 from client import _loop
 from protocol.errors import ErrorCode
 from protocol.messages import ErrorReply, Hop, OpenSession, SessionOpened, Step, StepResult, Subscribe
-from protocol.version import PROTOCOL_VERSION
 from protocol.streams import RESULTS_PROTOCOL, SESSION_PROTOCOL, MessageStream
+from protocol.version import PROTOCOL_VERSION
 from tests.conftest import servers_by_name
 from tests.test_exactness import PROMPT, pinned
 
@@ -35,8 +35,15 @@ class RawSession:
         self.secret = secrets.token_hex(16)
         await self.tail.send(Subscribe(session_id=self.session_id, secret=self.secret))
         self.head = await MessageStream.open(self.p2p, PeerID.from_base58(self.route[0].peer_id), SESSION_PROTOCOL)
-        await self.head.send(OpenSession(session_id=self.session_id, max_length=max_length, route=self.route, hop_index=0,
-                                         secret_hash=hashlib.sha256(self.secret.encode()).hexdigest()))  # fmt: skip
+        await self.head.send(
+            OpenSession(
+                session_id=self.session_id,
+                max_length=max_length,
+                route=self.route,
+                hop_index=0,
+                secret_hash=hashlib.sha256(self.secret.encode()).hexdigest(),
+            )
+        )
         reply = await asyncio.wait_for(self.head.receive(), 30)
         assert isinstance(reply.message, SessionOpened), reply.message
 
@@ -100,12 +107,37 @@ def test_valid_raw_session_gets_results(tiny_model):
 @pytest.mark.parametrize(
     "case, fields, code, words",
     [
-        ("run id goes backwards", dict(run_id=0, start_pos=0, token_ids=[5]), ErrorCode.RUN_ID_NOT_INCREASING, ["run id 0"]),
-        ("start_pos beyond the cache", dict(run_id=5, start_pos=40, token_ids=[5]), ErrorCode.START_POS_BEYOND_CACHE, ["40"]),
-        ("token outside the vocabulary", dict(run_id=5, start_pos=3, token_ids=[10**6]), ErrorCode.TOKEN_OUT_OF_VOCAB, ["1000000"]),
+        (
+            "run id goes backwards",
+            dict(run_id=0, start_pos=0, token_ids=[5]),
+            ErrorCode.RUN_ID_NOT_INCREASING,
+            ["run id 0"],
+        ),
+        (
+            "start_pos beyond the cache",
+            dict(run_id=5, start_pos=40, token_ids=[5]),
+            ErrorCode.START_POS_BEYOND_CACHE,
+            ["40"],
+        ),
+        (
+            "token outside the vocabulary",
+            dict(run_id=5, start_pos=3, token_ids=[10**6]),
+            ErrorCode.TOKEN_OUT_OF_VOCAB,
+            ["1000000"],
+        ),
         ("negative token id", dict(run_id=5, start_pos=3, token_ids=[-1]), ErrorCode.TOKEN_OUT_OF_VOCAB, ["-1"]),
-        ("more tokens than max_length", dict(run_id=5, start_pos=3, token_ids=[5] * 70), ErrorCode.TOO_LONG, ["max_length 64"]),
-        ("all drafts, no committed token", dict(run_id=5, start_pos=3, token_ids=[5, 6], n_draft=2), ErrorCode.BAD_REQUEST, ["committed"]),
+        (
+            "more tokens than max_length",
+            dict(run_id=5, start_pos=3, token_ids=[5] * 70),
+            ErrorCode.TOO_LONG,
+            ["max_length 64"],
+        ),
+        (
+            "all drafts, no committed token",
+            dict(run_id=5, start_pos=3, token_ids=[5, 6], n_draft=2),
+            ErrorCode.BAD_REQUEST,
+            ["committed"],
+        ),
     ],
 )
 def test_bad_step_is_refused_and_session_survives(tiny_model, tiny_reference, case, fields, code, words):
@@ -134,7 +166,9 @@ def test_malformed_message_is_refused(tiny_model, tiny_reference):
     async def scenario(s):
         from hivemind.p2p import P2P
 
-        garbage = runtime_pb2.ExpertRequest(metadata=b"\x93" + bytes([PROTOCOL_VERSION]) + b"\xa3xyz\x00").SerializeToString()
+        garbage = runtime_pb2.ExpertRequest(
+            metadata=b"\x93" + bytes([PROTOCOL_VERSION]) + b"\xa3xyz\x00"
+        ).SerializeToString()
         s.head.writer.write(P2P.MESSAGE_MARKER)
         await P2P.send_raw_data(garbage, s.head.writer)
         assert_error(await s.outcome(), ErrorCode.MALFORMED)

@@ -164,9 +164,19 @@ def sliding(tmp_path_factory):
     as Qwen2's ``max_window_layers`` makes them), its whole-model span and local transformers."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         use_sliding_window=True, sliding_window=6, max_window_layers=2, tie_word_embeddings=False)  # fmt: skip
+    config = Qwen2Config(
+        vocab_size=2048,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        use_sliding_window=True,
+        sliding_window=6,
+        max_window_layers=2,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(3)
     model = Qwen2ForCausalLM(config)
     with torch.no_grad():
@@ -207,7 +217,7 @@ def greedy_truth(reference, row: list[int], tokens: int) -> list[int]:
     ids = torch.tensor([row])
     with torch.no_grad(), single_torch_thread():
         out = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, do_sample=False)
-    return out[0, len(row):].tolist()
+    return out[0, len(row) :].tolist()
 
 
 async def _decode(
@@ -220,8 +230,14 @@ async def _decode(
     while len(committed) - len(prompt) < tokens:
         run_id += 1
         guess = drafts[: 1 + run_id % 3] if run_id % 2 == 0 else []
-        step = Step(session_id=session.session_id, run_id=run_id, start_pos=start, token_ids=pending + guess,
-                    n_draft=len(guess), sampling=sampling)  # fmt: skip
+        step = Step(
+            session_id=session.session_id,
+            run_id=run_id,
+            start_pos=start,
+            token_ids=pending + guess,
+            n_draft=len(guess),
+            sampling=sampling,
+        )
         session.check_step(step, None, span)
         session.accept(step)
         result = await scheduler.compute(session, QueuedRun(step, None))
@@ -245,11 +261,15 @@ def _through_scheduler(span, reference, rows: list[list[int]], tokens: int, cap:
         scheduler = BatchScheduler(span, executor, max_batch_positions=cap)
         scheduler.start()
         try:
-            sessions = [ServerSession(f"s{i}", 128, [Hop("p", 0, span.end)], 0, span.new_cache()) for i in range(len(rows))]
-            outputs = await asyncio.gather(*(
-                _decode(scheduler, span, session, row, tokens, truth[1:4], sampling)
-                for session, row, truth in zip(sessions, rows, truths)
-            ))  # fmt: skip
+            sessions = [
+                ServerSession(f"s{i}", 128, [Hop("p", 0, span.end)], 0, span.new_cache()) for i in range(len(rows))
+            ]
+            outputs = await asyncio.gather(
+                *(
+                    _decode(scheduler, span, session, row, tokens, truth[1:4], sampling)
+                    for session, row, truth in zip(sessions, rows, truths)
+                )
+            )
         finally:
             scheduler.stop()
             executor.shutdown()
@@ -286,8 +306,9 @@ def tiny_v4(tiny_v4_path):
     return _whole_span(tiny_v4_path), DeepseekV4ForCausalLM.from_pretrained(tiny_v4_path, dtype=torch.float32).eval()
 
 
-@pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(do_sample=True, temperature=0.8, top_p=0.9, seed=11)],
-                         ids=["greedy", "seeded"])  # fmt: skip
+@pytest.mark.parametrize(
+    "sampling", [GREEDY, SamplingParams(do_sample=True, temperature=0.8, top_p=0.9, seed=11)], ids=["greedy", "seeded"]
+)
 def test_deepseek_v4_sessions_are_computed_together_and_equal_transformers(tiny_v4, sampling, monkeypatch):
     """DeepSeek-V4 sessions through the scheduler, packed into one pass per batch
     (server/adapters/deepseek_v4_batch.py): drafts right and wrong, chunked prefills past the
@@ -422,13 +443,17 @@ def test_sixteen_concurrent_sessions_each_equal_transformers_and_themselves_alon
             expected = [reference_sample(tiny_reference, row, TOKENS, params) for row in rows]
     else:
         expected = [greedy_truth(tiny_reference, row, TOKENS) for row in rows]
-    before = [server.handler.batches.stats["batched_runs"] - server.handler.batches.stats["batches"] for server in servers]
+    before = [
+        server.handler.batches.stats["batched_runs"] - server.handler.batches.stats["batches"] for server in servers
+    ]
     ids, mask = _padded(rows)
     output = model.generate(ids, attention_mask=mask, max_new_tokens=TOKENS, **kwargs)
     got = [output[i, ids.shape[1] : ids.shape[1] + TOKENS].tolist() for i in range(SESSIONS)]
     assert got == expected
     # runs that rode in a batch beside another run: batching happened at every server
-    after = [server.handler.batches.stats["batched_runs"] - server.handler.batches.stats["batches"] for server in servers]
+    after = [
+        server.handler.batches.stats["batched_runs"] - server.handler.batches.stats["batches"] for server in servers
+    ]
     assert all(a > b for a, b in zip(after, before)), (before, after)
     if mode in ALONE_TOO:
         for row, want in zip(rows, expected):

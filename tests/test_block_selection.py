@@ -12,8 +12,13 @@ def test_num_blocks_servers_cover_the_model_then_add_redundancy(tiny_llama_path,
     from protocol.dht import make_dht
     from protocol.dht_records import fetch_servers
 
-    with LocalSwarm(str(tiny_llama_path), spans=[(0, 2)], server_args=SERVER_ARGS, names=["seed"],
-                    log_dir=str(artifacts_dir / "block-selection")) as swarm:  # fmt: skip
+    with LocalSwarm(
+        str(tiny_llama_path),
+        spans=[(0, 2)],
+        server_args=SERVER_ARGS,
+        names=["seed"],
+        log_dir=str(artifacts_dir / "block-selection"),
+    ) as swarm:
         dht = make_dht(initial_peers=swarm.initial_peers, client_mode=True)
         try:
             spans = {}
@@ -21,7 +26,9 @@ def test_num_blocks_servers_cover_the_model_then_add_redundancy(tiny_llama_path,
                 swarm.start_server(None, 2, name=name)
                 deadline = time.monotonic() + 120
                 while name not in spans and time.monotonic() < deadline:
-                    spans.update({s.public_name: (s.start_block, s.end_block) for s in fetch_servers(dht, swarm.dht_name, 6)})
+                    spans.update(
+                        {s.public_name: (s.start_block, s.end_block) for s in fetch_servers(dht, swarm.dht_name, 6)}
+                    )
                     time.sleep(0.5)
             covered = sorted([spans["seed"], spans["first"], spans["second"]])
             assert covered == [(0, 2), (2, 4), (4, 6)], spans  # the first two filled the gaps
@@ -40,12 +47,20 @@ def test_running_server_moves_to_a_gap(tiny_llama_path, artifacts_dir):
     from swarm.local import kill_group
 
     args = SERVER_ARGS + ["--balance-period", "3", "--drain-seconds", "1"]
-    with LocalSwarm(str(tiny_llama_path), spans=[(0, 2), (2, 4), (4, 6)], server_args=args, names=["a", "b", "c"],
-                    log_dir=str(artifacts_dir / "block-move")) as swarm:  # fmt: skip
+    with LocalSwarm(
+        str(tiny_llama_path),
+        spans=[(0, 2), (2, 4), (4, 6)],
+        server_args=args,
+        names=["a", "b", "c"],
+        log_dir=str(artifacts_dir / "block-move"),
+    ) as swarm:
         dht = make_dht(initial_peers=swarm.initial_peers, client_mode=True)
 
         def spans() -> dict:
-            return {s.public_name: (s.start_block, s.end_block, s.state.value) for s in fetch_servers(dht, swarm.dht_name, 6)}
+            return {
+                s.public_name: (s.start_block, s.end_block, s.state.value)
+                for s in fetch_servers(dht, swarm.dht_name, 6)
+            }
 
         def wait_for(condition, seconds=120):
             deadline = time.monotonic() + seconds

@@ -58,8 +58,15 @@ async def forward_passes(session: RawSession, runs: int) -> None:
     FORWARD_POSITIONS x vocab float32 at the tail)."""
     for run in range(runs):
         ids = [5 + run] * FORWARD_POSITIONS
-        await session.head.send(Step(session_id=session.session_id, run_id=run, start_pos=run * FORWARD_POSITIONS,
-                                     token_ids=ids, return_logits=FORWARD_POSITIONS))  # fmt: skip
+        await session.head.send(
+            Step(
+                session_id=session.session_id,
+                run_id=run,
+                start_pos=run * FORWARD_POSITIONS,
+                token_ids=ids,
+                return_logits=FORWARD_POSITIONS,
+            )
+        )
 
 
 def outputs_bytes(tail) -> int:
@@ -112,7 +119,12 @@ def test_a_hog_and_a_non_reader_leave_the_server_within_budget_and_an_honest_cli
         session = RawSession(p2p, servers, subscribe=False)
         assert isinstance(await session.open(max_length=128), SessionOpened)
         await forward_passes(session, 4)
-        await until(lambda: session.session_id in tail.open_sessions.results and tail.open_sessions.results[session.session_id].bytes >= 2 * message)
+        await until(
+            lambda: (
+                session.session_id in tail.open_sessions.results
+                and tail.open_sessions.results[session.session_id].bytes >= 2 * message
+            )
+        )
         return session
 
     hog_p2p, reader_p2p = strangers
@@ -124,7 +136,10 @@ def test_a_hog_and_a_non_reader_leave_the_server_within_budget_and_an_honest_cli
             waiting = tail.open_sessions.results[wasteful.session_id]
             assert 2 * message <= waiting.bytes <= cap  # the non-reader's third pass waits, not queued
             assert [type(r).__name__ for r in replies] == ["ErrorReply", "SessionOpened", "SessionOpened", "ErrorReply"]
-            assert replies[0].code == ErrorCode.BUSY and f"max_session_tokens is {head.max_session_tokens}" in replies[0].message
+            assert (
+                replies[0].code == ErrorCode.BUSY
+                and f"max_session_tokens is {head.max_session_tokens}" in replies[0].message
+            )
             assert replies[3].code == ErrorCode.BUSY and f"share of {total // 2} of {total}" in replies[3].message
             sessions, tokens = head.budget.held_by(hog_p2p.peer_id.to_base58())
             assert sessions == 2 and tokens <= total // 2
@@ -155,18 +170,30 @@ def test_unread_bytes_over_the_servers_budget_close_the_largest_holder(limits_sw
         try:
             assert isinstance(await first.open(max_length=128), SessionOpened)
             await forward_passes(first, 3)  # two queued, the third waits for room
-            await until(lambda: first.session_id in tail.open_sessions.results and tail.open_sessions.results[first.session_id].bytes >= 2 * message)
+            await until(
+                lambda: (
+                    first.session_id in tail.open_sessions.results
+                    and tail.open_sessions.results[first.session_id].bytes >= 2 * message
+                )
+            )
             assert isinstance(await second.open(max_length=128), SessionOpened)
             await forward_passes(second, 2)
             reply = (await asyncio.wait_for(first.head.receive(), 30)).message
-            await until(lambda: second.session_id in tail.open_sessions.results and tail.open_sessions.results[second.session_id].bytes >= 2 * message)
+            await until(
+                lambda: (
+                    second.session_id in tail.open_sessions.results
+                    and tail.open_sessions.results[second.session_id].bytes >= 2 * message
+                )
+            )
             return reply, second.session_id in tail.sessions
         finally:
             first.close()
             second.close()
 
-    with attributes(tail.results, max_session_bytes=int(2.5 * message), wait=30.0), \
-            attributes(tail.unread, max_bytes=budget, peak=tail.unread.total):  # fmt: skip
+    with (
+        attributes(tail.results, max_session_bytes=int(2.5 * message), wait=30.0),
+        attributes(tail.unread, max_bytes=budget, peak=tail.unread.total),
+    ):
         reply, second_open = _loop.run(flood(strangers[0]), timeout=90)
         assert isinstance(reply, ErrorReply) and reply.code == ErrorCode.QUEUE_FULL, reply
         assert f"more than {budget} bytes of unread results" in reply.message
@@ -195,8 +222,9 @@ def test_server_pairs_are_not_capped_as_one_client_but_a_pretender_is(limits_swa
         for n in range(count):
             stream = await MessageStream.open(p2p, PeerID.from_base58(tail.peer_id), SESSION_PROTOCOL)
             streams.append(stream)
-            await stream.send(OpenSession(session_id=f"pretender-{n}", max_length=64, route=route, hop_index=1,
-                                          secret_hash="0" * 64))  # fmt: skip
+            await stream.send(
+                OpenSession(session_id=f"pretender-{n}", max_length=64, route=route, hop_index=1, secret_hash="0" * 64)
+            )
             replies.append((await asyncio.wait_for(stream.receive(), 30)).message)
         return streams, replies
 
@@ -236,7 +264,7 @@ def test_streams_that_hold_nothing_are_closed_and_pending_subscribes_are_bounded
             stream.close()
 
     async def subscribe(p2p, count: int):
-        streams, replies = [], []
+        streams = []
         for n in range(count):
             stream = await MessageStream.open(p2p, PeerID.from_base58(tail.peer_id), RESULTS_PROTOCOL)
             streams.append(stream)
@@ -252,8 +280,11 @@ def test_streams_that_hold_nothing_are_closed_and_pending_subscribes_are_bounded
         return refused, ends
 
     p2p = strangers[0]
-    with attributes(head, sessionless_timeout=0.5), attributes(tail, max_sessions_per_peer=2), \
-            attributes(tail.subscriptions, timeout=1.0):  # fmt: skip
+    with (
+        attributes(head, sessionless_timeout=0.5),
+        attributes(tail, max_sessions_per_peer=2),
+        attributes(tail.subscriptions, timeout=1.0),
+    ):
         reply, end = _loop.run(idle(p2p), timeout=60)
         assert isinstance(reply, ErrorReply) and reply.code == ErrorCode.BAD_REQUEST
         assert "no OpenSession within" in reply.message and end is None

@@ -26,14 +26,25 @@ def test_generations_survive_churn_token_identical_and_nothing_is_left_behind(ti
     rng = random.Random(7)
     rows = [[rng.randrange(3, vocab) for _ in range(6)] for _ in range(4)]
     config = ChurnConfig(
-        model=str(tiny_llama_path), servers=4, duration_s=30.0, period_s=10.0, clients=2, tokens=12,
-        num_blocks=(2, 3), initial_spans=[(0, 3), (3, 6), (0, 3), (3, 6)], update_period=3.0, drain_seconds=1.0,
-        request_timeout=10.0, dashboard=False, idle_sample_s=1.0, log_dir=str(artifacts_dir / "churn"),
-        keep_coverage=True, cache_references=False,  # never the last server of a block: every generation must then complete
-    )  # fmt: skip
+        model=str(tiny_llama_path),
+        servers=4,
+        duration_s=30.0,
+        period_s=10.0,
+        clients=2,
+        tokens=12,
+        num_blocks=(2, 3),
+        initial_spans=[(0, 3), (3, 6), (0, 3), (3, 6)],
+        update_period=3.0,
+        drain_seconds=1.0,
+        request_timeout=10.0,
+        dashboard=False,
+        idle_sample_s=1.0,
+        log_dir=str(artifacts_dir / "churn"),
+        keep_coverage=True,
+        cache_references=False,  # never the last server of a block: every generation must then complete
+    )
     figures = run(config, rows)
     (artifacts_dir / "churn.json").write_text(json.dumps(figures, indent=1))  # the figures, for a look
-
 
     assert figures["churn_events"] >= 2, figures
     assert sum(figures["kills"].values()) == figures["churn_events"] - figures["churn_skipped"] >= 1

@@ -15,8 +15,8 @@ from protocol import compression
 from protocol.compression import CODECS, deserialize, serialize
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.messages import Step, encode
-from swarm.local import LocalSwarm
 from protocol.streams import MessageStream
+from swarm.local import LocalSwarm
 from tests.conftest import SERVER_ARGS
 
 BIG = 1 << 40  # max_elements where a test is not about the bound

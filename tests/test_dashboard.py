@@ -19,12 +19,12 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from protocol.records import ServerInfo, ServerState
 from swarm import lifeline
 from swarm.dashboard.events import ModelSnapshot, PeerProbed, PollFailed, SwarmPolled
 from swarm.dashboard.state import Limits, State, apply, fold
 from swarm.dashboard.views import Paging, state_view
 from swarm.local import free_port
-from protocol.records import ServerInfo, ServerState
 from tests.browser import Chromium, Page, find_or_install_chromium
 from tests.checkpoints import build_tiny_llama
 from tests.conftest import TINY_SERVERS
@@ -131,8 +131,16 @@ def test_views_speculation_and_contributors():
     other = server("O", 0, 4, public_name="ann", throughput=1)
     view = state_view(fold([polled(100, ("m", 4, [tail, head, other]))], State(LIMITS)), now=160, refresh_seconds=5)
     spec = view["models"][0]["speculation"]
-    assert (spec["tail_servers"], spec["laps_served"], spec["tokens_per_lap"], spec["cancelled_runs"]) == (2, 10, 3.5, 2)
-    assert [(r["public_name"], r["servers"], r["blocks"]) for r in view["top_contributors"]] == [("ann", 2, 6), ("bob", 1, 2)]
+    assert (spec["tail_servers"], spec["laps_served"], spec["tokens_per_lap"], spec["cancelled_runs"]) == (
+        2,
+        10,
+        3.5,
+        2,
+    )
+    assert [(r["public_name"], r["servers"], r["blocks"]) for r in view["top_contributors"]] == [
+        ("ann", 2, 6),
+        ("bob", 1, 2),
+    ]
     json.dumps(view)  # plain JSON types only
 
 
@@ -163,8 +171,12 @@ def test_unknown_event_is_a_type_error():
 
 
 def test_bad_command_line_is_a_clear_error():
-    done = subprocess.run([sys.executable, "-m", "swarm.dashboard", "--initial-peers", "localhost:31337"],
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "swarm.dashboard", "--initial-peers", "localhost:31337"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2
     assert "--initial-peers takes multiaddrs" in done.stderr and "Traceback" not in done.stderr
 
@@ -178,24 +190,48 @@ def test_initial_peers_come_from_the_environment_or_a_clear_error(tmp_path):
 
     env = {k: v for k, v in os.environ.items() if k != ENV_INITIAL_PEERS}
     env["XDG_CONFIG_HOME"], env["HOME"] = str(tmp_path), str(tmp_path)  # no config file either
-    done = subprocess.run([sys.executable, "-m", "swarm.dashboard"], capture_output=True, text=True, timeout=60, env=env)
-    assert done.returncode == 2 and "no initial peers to watch a swarm" in done.stderr and ENV_INITIAL_PEERS in done.stderr
+    done = subprocess.run(
+        [sys.executable, "-m", "swarm.dashboard"], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert (
+        done.returncode == 2 and "no initial peers to watch a swarm" in done.stderr and ENV_INITIAL_PEERS in done.stderr
+    )
     env[ENV_INITIAL_PEERS] = "localhost:31337"
-    done = subprocess.run([sys.executable, "-m", "swarm.dashboard"], capture_output=True, text=True, timeout=60, env=env)
+    done = subprocess.run(
+        [sys.executable, "-m", "swarm.dashboard"], capture_output=True, text=True, timeout=60, env=env
+    )
     assert done.returncode == 2 and f"{ENV_INITIAL_PEERS}: 'localhost:31337' is not a multiaddr" in done.stderr
 
 
 # ---- against a real swarm ---------------------------------------------------------------------
 
 GAP_MODEL = "tiny-llama-gap"
-DASHBOARD_ARGS = ["--refresh-seconds", "1", "--probe-seconds", "2", "--probe-timeout", "3",
-                  "--forget-after", "6", "--history-interval", "2", "--log-level", "INFO"]  # fmt: skip
+DASHBOARD_ARGS = [
+    "--refresh-seconds",
+    "1",
+    "--probe-seconds",
+    "2",
+    "--probe-timeout",
+    "3",
+    "--forget-after",
+    "6",
+    "--history-interval",
+    "2",
+    "--log-level",
+    "INFO",
+]
 
 
 def _popen(args: list[str], log: Path, stdout=None) -> subprocess.Popen:
     log.parent.mkdir(parents=True, exist_ok=True)
-    return subprocess.Popen([sys.executable, "-m", *args], stdout=stdout, stderr=open(log, "w"),
-                            stdin=subprocess.DEVNULL, start_new_session=True, env=lifeline.child_env())  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-m", *args],
+        stdout=stdout,
+        stderr=open(log, "w"),
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+        env=lifeline.child_env(),
+    )
 
 
 def _stop(process: subprocess.Popen) -> None:
@@ -209,9 +245,29 @@ def _stop(process: subprocess.Popen) -> None:
 
 
 def _start_gap_server(path: Path, swarm, blocks: str, name: str, log_dir: Path) -> subprocess.Popen:
-    args = ["swarm.server", "--model", str(path), "--blocks", blocks, "--initial-peers", *swarm.initial_peers,
-            "--host", "127.0.0.1", "--port", str(free_port()), "--public-name", name, "--update-period", "2",
-            "--torch-threads", "1", "--log-level", "INFO", "--dht-prefix", GAP_MODEL]  # fmt: skip
+    args = [
+        "swarm.server",
+        "--model",
+        str(path),
+        "--blocks",
+        blocks,
+        "--initial-peers",
+        *swarm.initial_peers,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(free_port()),
+        "--public-name",
+        name,
+        "--update-period",
+        "2",
+        "--torch-threads",
+        "1",
+        "--log-level",
+        "INFO",
+        "--dht-prefix",
+        GAP_MODEL,
+    ]
     return _popen(args, log_dir / f"{name}.log")  # named by --dht-prefix (a folder's own name carries a hash)
 
 
@@ -222,13 +278,27 @@ def dashboard(tiny_swarm, tmp_path_factory, artifacts_dir):
     log_dir = artifacts_dir / "dashboard"
     gap_path = build_tiny_llama(tmp_path_factory.mktemp("gap") / GAP_MODEL, seed=1)
     gap_server = _start_gap_server(gap_path, tiny_swarm, "0:2", "gap-head", log_dir)
-    process = _popen(["swarm.dashboard", "--initial-peers", *tiny_swarm.initial_peers, "--host", "127.0.0.1",
-                      "--port", "0", *DASHBOARD_ARGS], log_dir / "dashboard.log", subprocess.PIPE)  # fmt: skip
+    process = _popen(
+        [
+            "swarm.dashboard",
+            "--initial-peers",
+            *tiny_swarm.initial_peers,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            *DASHBOARD_ARGS,
+        ],
+        log_dir / "dashboard.log",
+        subprocess.PIPE,
+    )
     try:
         line = process.stdout.readline().decode().strip()
         assert line.startswith("Dashboard: http://127.0.0.1:"), f"dashboard did not start: {line!r}"
         url = line.removeprefix("Dashboard: ")
-        wait_until(lambda: _online(url, tiny_swarm.dht_name) == 5 and _online(url, GAP_MODEL) == 1, "both models online")
+        wait_until(
+            lambda: _online(url, tiny_swarm.dht_name) == 5 and _online(url, GAP_MODEL) == 1, "both models online"
+        )
         yield url, gap_path, tiny_swarm
     finally:
         _stop(process)
@@ -298,7 +368,11 @@ def test_api_pages_server_rows_and_refuses_bad_pages_clearly(dashboard):
     tiny = next(m for m in state["models"] if m["name"] == swarm.dht_name)
     assert status == 200 and len(tiny["servers"]) == 2
     assert tiny["servers_page"] == {"page": 2, "per_page": 2, "pages": 3, "total": 5}
-    for query, words in (("page=two", "whole numbers"), ("page=0", "page must be"), ("per_page=100000", "per_page must be")):
+    for query, words in (
+        ("page=two", "whole numbers"),
+        ("page=0", "page must be"),
+        ("per_page=100000", "per_page must be"),
+    ):
         status, body = get_json(f"{url}api/v1/state?{query}")
         assert status == 400 and words in body["error"], (query, body)
 
@@ -383,7 +457,8 @@ PAGE_FACTS = """(() => {
       charts: card.querySelectorAll(".chart svg").length,
     };
   }
-  const tables = [...document.querySelectorAll("table.servers")].map((t) => t.parentElement.scrollWidth - t.parentElement.clientWidth);
+  const tables = [...document.querySelectorAll("table.servers")]
+    .map((t) => t.parentElement.scrollWidth - t.parentElement.clientWidth);
   return {models, banner: !document.getElementById("banner").hidden,
           overflow: document.documentElement.scrollWidth - window.innerWidth, tableOverflow: Math.max(0, ...tables)};
 })()"""
@@ -413,8 +488,10 @@ async def _visit(browser: Chromium, url: str, artifacts_dir: Path) -> tuple[dict
     page = await Page.open(browser)
     try:
         await page.navigate(url)
-        await page.wait_for(f"document.querySelectorAll('section.model').length >= 2 && "
-                            f"document.querySelectorAll('table.servers tbody tr').length >= 6")  # fmt: skip
+        await page.wait_for(
+            "document.querySelectorAll('section.model').length >= 2 && "
+            "document.querySelectorAll('table.servers tbody tr').length >= 6"
+        )
         await page.call("Emulation.setDeviceMetricsOverride", width=1280, height=900, deviceScaleFactor=1, mobile=False)
         await asyncio.sleep(0.5)
         facts = await page.evaluate(PAGE_FACTS)
@@ -436,8 +513,10 @@ def test_page_shows_a_dht_failure_as_a_banner_and_names_as_text(browser):
 
     hostile = "<img src=x onerror=alert(1)>"
     dashboard = Dashboard(reader=None)
-    for event in (polled(time.time(), ("m", 2, [server("A", 0, 2, public_name=hostile)])),
-                  PollFailed(time.time(), "DHT timed out after 30 s")):  # fmt: skip
+    for event in (
+        polled(time.time(), ("m", 2, [server("A", 0, 2, public_name=hostile)])),
+        PollFailed(time.time(), "DHT timed out after 30 s"),
+    ):
         dashboard.feed(event)
 
     async def visit() -> tuple[dict, list[str]]:

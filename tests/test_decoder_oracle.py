@@ -10,10 +10,10 @@ import random
 
 import pytest
 
+from benchmarks.oracle import OracleSwarm
 from client._generation import SessionState, SpeculativeDecoder
 from client.drafting import SuffixDrafter, SuffixStore
 from client.drafting.base import _AdaptiveDrafter
-from benchmarks.oracle import OracleSwarm
 from protocol.messages import GREEDY
 from tests.test_exactness import ScriptedDrafter
 
@@ -44,9 +44,16 @@ class RecordingDrafter(SuffixDrafter):
 def decode(prompt, answer, inflight: int, front_drafts=None, num_draft_tokens: int = 6):
     swarm = OracleSwarm(prompt + answer, EOS)
     drafter = RecordingDrafter(num_draft_tokens, store=SuffixStore(), eos_token_ids=[EOS])
-    decoder = SpeculativeDecoder(swarm, SessionState(max_length=len(prompt) + len(answer) + num_draft_tokens + 1),
-                                 GREEDY, drafter=drafter, num_draft_tokens=num_draft_tokens,
-                                 max_inflight_runs=inflight, eos_token_ids=[EOS], front_drafts=front_drafts)  # fmt: skip
+    decoder = SpeculativeDecoder(
+        swarm,
+        SessionState(max_length=len(prompt) + len(answer) + num_draft_tokens + 1),
+        GREEDY,
+        drafter=drafter,
+        num_draft_tokens=num_draft_tokens,
+        max_inflight_runs=inflight,
+        eos_token_ids=[EOS],
+        front_drafts=front_drafts,
+    )
     out = asyncio.run(decoder.generate(prompt, len(answer)))
     return out, decoder.stats, swarm.session, drafter
 
@@ -94,8 +101,15 @@ def test_a_split_proposal_teaches_the_adaptive_length_as_a_whole(inflight, front
     against the whole proposal, or the draft length would never shrink."""
     prompt, answer = stream(5, length=40)
     drafter = AlwaysWrongDrafter(6)
-    decoder = SpeculativeDecoder(OracleSwarm(prompt + answer, EOS), SessionState(max_length=100), GREEDY, drafter=drafter,
-                                 num_draft_tokens=6, max_inflight_runs=inflight, front_drafts=front_drafts)  # fmt: skip
+    decoder = SpeculativeDecoder(
+        OracleSwarm(prompt + answer, EOS),
+        SessionState(max_length=100),
+        GREEDY,
+        drafter=drafter,
+        num_draft_tokens=6,
+        max_inflight_runs=inflight,
+        front_drafts=front_drafts,
+    )
     assert asyncio.run(decoder.generate(prompt, len(answer))) == answer
     assert drafter.draft_cap == 1
 
@@ -116,7 +130,8 @@ def test_no_split_when_the_rest_of_the_proposal_could_not_follow():
         context, rest = prompt + answer[:start], answer[start : start + 2]
         swarm = OracleSwarm(context + rest, EOS)
         truth = ScriptedDrafter(rest, len(context), length=6)
-        decoder = SpeculativeDecoder(swarm, SessionState(max_length=200), GREEDY, drafter=truth, num_draft_tokens=6,
-                                     max_inflight_runs=3)  # fmt: skip
+        decoder = SpeculativeDecoder(
+            swarm, SessionState(max_length=200), GREEDY, drafter=truth, num_draft_tokens=6, max_inflight_runs=3
+        )
         assert asyncio.run(decoder.generate(context, 2)) == rest
         assert decoder.stats.laps == 1 and decoder.stats.accepted == 1

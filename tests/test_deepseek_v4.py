@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoTokenizer, DeepseekV4Config, DeepseekV4ForCausalLM
 
 from protocol.messages import SamplingParams
+from protocol.models import ensure_smollm2_checkpoint, resolve_model
 from protocol.sampling import verify
 from server.adapters import SpanCancelled, load_span
 from server.adapters.deepseek_v4 import DeepseekV4Adapter
@@ -34,7 +35,6 @@ from server.memory import GiB, blocks_that_fit, model_sizes, plan_blocks
 from server.quantization import Quant, resident_bytes
 from server.weights import Checkpoint
 from swarm import lifeline, warm_start
-from protocol.models import ensure_smollm2_checkpoint, resolve_model
 from tests.conftest import SERVER_ARGS, last_use, single_torch_thread
 from tests.test_exactness import PROMPT, ScriptedDrafter, reference_sample
 
@@ -52,14 +52,32 @@ def build_tiny_deepseek_v4(path: Path, seed: int = 0) -> Path:
     """A 6-block random DeepSeek-V4 with SmolLM2's tokenizer, saved by save_pretrained."""
     tokenizer = AutoTokenizer.from_pretrained(ensure_smollm2_checkpoint())
     config = DeepseekV4Config(
-        vocab_size=len(tokenizer), hidden_size=32, moe_intermediate_size=32, num_hidden_layers=6,
-        num_attention_heads=4, num_key_value_heads=1, head_dim=32, q_lora_rank=32, o_groups=2, o_lora_rank=16,
-        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, hc_mult=4, sliding_window=8,
-        layer_types=[HCA, CSA, SWA, CSA, HCA, CSA], mlp_layer_types=["hash_moe"] * 3 + ["moe"] * 3,
-        compress_rates={CSA: 4, HCA: 8}, index_n_heads=16, index_head_dim=16, index_topk=2,
-        max_position_embeddings=1024, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        moe_intermediate_size=32,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        q_lora_rank=32,
+        o_groups=2,
+        o_lora_rank=16,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        hc_mult=4,
+        sliding_window=8,
+        layer_types=[HCA, CSA, SWA, CSA, HCA, CSA],
+        mlp_layer_types=["hash_moe"] * 3 + ["moe"] * 3,
+        compress_rates={CSA: 4, HCA: 8},
+        index_n_heads=16,
+        index_head_dim=16,
+        index_topk=2,
+        max_position_embeddings=1024,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-    )  # fmt: skip
+    )
     torch.manual_seed(seed)
     model = DeepseekV4ForCausalLM(config)
     with torch.no_grad():  # weights far from the init default, so logits are far from uniform
@@ -287,8 +305,12 @@ def quantize_like_deepseek(src: Path, dst: Path) -> dict[str, torch.Tensor]:
     companions. Returns the dequantized value of every quantized weight."""
     shutil.copytree(src, dst)
     out, expected = {}, {}
-    leaf = {"embed_tokens.weight": "embed.weight", "hc_head.hc_fn": "hc_head_fn", "hc_head.hc_base": "hc_head_base",
-            "hc_head.hc_scale": "hc_head_scale"}  # fmt: skip
+    leaf = {
+        "embed_tokens.weight": "embed.weight",
+        "hc_head.hc_fn": "hc_head_fn",
+        "hc_head.hc_base": "hc_head_base",
+        "hc_head.hc_scale": "hc_head_scale",
+    }
     for key, tensor in load_file(src / "model.safetensors").items():
         name = key.removeprefix("model.")
         name = leaf.get(name, name)
@@ -301,8 +323,13 @@ def quantize_like_deepseek(src: Path, dst: Path) -> dict[str, torch.Tensor]:
     (dst / "model.safetensors").unlink()
     save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((dst / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
-                                     "weight_block_size": [16, 16], "scale_fmt": "ue8m0"}  # fmt: skip
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "weight_block_size": [16, 16],
+        "scale_fmt": "ue8m0",
+    }
     config["expert_dtype"] = "fp4"
     (dst / "config.json").write_text(json.dumps(config))
     return expected
@@ -372,9 +399,13 @@ def test_the_memory_plan_counts_the_mtp_block_at_the_tail(v4_mtp_paths):
     assert mtp_bytes(config, checkpoint, torch.float32) == expected
     assert mtp_bytes(config, None, torch.float32) == expected  # from the config alone (--plan-only): CSA assumed
     assert drafter_bytes(ServerConfig(model=str(path)), config, checkpoint, torch.float32, Quant.NONE) == expected
-    assert drafter_bytes(ServerConfig(model=str(path), drafter="none"), config, checkpoint, torch.float32, Quant.NONE) == 0
+    assert (
+        drafter_bytes(ServerConfig(model=str(path), drafter="none"), config, checkpoint, torch.float32, Quant.NONE) == 0
+    )
     sizes = model_sizes(config, torch.float32)
-    assert 0.1 * sizes.block_bytes < expected < sizes.block_bytes  # the tiny MTP block is smaller than the largest main block
+    assert (
+        0.1 * sizes.block_bytes < expected < sizes.block_bytes
+    )  # the tiny MTP block is smaller than the largest main block
     per_token = sizes.cache_bytes_per_token * 2048
     # room for 3.1 blocks beside the LM head: 3, or 2 beside the MTP module
     free = int((sizes.tail_bytes + 3.1 * sizes.block_bytes + 3 * per_token) / 0.95)
@@ -393,8 +424,12 @@ def test_server_without_network_fails_fast_naming_the_repo(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
     done = subprocess.run(
         [sys.executable, "-m", "swarm.server", "--model", "deepseek-v4-pro", "--new-swarm", "--host", "127.0.0.1"],
-        env=env, capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parent.parent,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
     output = done.stdout + done.stderr
     assert done.returncode == 2, output
     assert "deepseek-ai/DeepSeek-V4-Pro" in output and "Traceback" not in output
@@ -402,10 +437,14 @@ def test_server_without_network_fails_fast_naming_the_repo(tmp_path):
 
 def test_server_without_blocks_takes_what_fits_and_says_so(v4_path):
     process = warm_start.start(
-        "swarm.server", ["--model", str(v4_path), "--new-swarm", "--host", "127.0.0.1", "--torch-threads", "1"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(Path(__file__).resolve().parent.parent),
+        "swarm.server",
+        ["--model", str(v4_path), "--new-swarm", "--host", "127.0.0.1", "--torch-threads", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=str(Path(__file__).resolve().parent.parent),
         env=lifeline.child_env(),  # exits if pytest is killed
-    )  # fmt: skip
+    )
     lines = []
     try:
         for line in process.stdout:
@@ -431,12 +470,16 @@ def test_server_without_blocks_takes_what_fits_and_says_so(v4_path):
 def v4_model(request, v4_path, artifacts_dir):
     from swarm import AutoDistributedModelForCausalLM
     from swarm.local import LocalSwarm
-
     from tests.faulty_server import faulty
 
-    swarm = LocalSwarm(str(v4_path), spans=[(0, 2), (2, 6)], server_args=SERVER_ARGS,
-                       log_dir=str(artifacts_dir / "v4-swarm"), names=["V4-head", "V4-tail"],
-                       launcher=faulty("--block-delay-ms", "5"))  # slow blocks: cancels catch runs mid-span  # fmt: skip
+    swarm = LocalSwarm(
+        str(v4_path),
+        spans=[(0, 2), (2, 6)],
+        server_args=SERVER_ARGS,
+        log_dir=str(artifacts_dir / "v4-swarm"),
+        names=["V4-head", "V4-tail"],
+        launcher=faulty("--block-delay-ms", "5"),
+    )  # slow blocks: cancels catch runs mid-span
     with swarm:
         model = AutoDistributedModelForCausalLM.from_pretrained(str(v4_path), initial_peers=swarm.initial_peers)
         with last_use.until_last_use(request, lambda: (model.shutdown(), swarm.stop())):
@@ -458,7 +501,11 @@ def test_swarm_with_rejected_drafts_equals_plain_and_transformers(v4_model, v4_r
     drafter = ScriptedDrafter(truth, len(PROMPT[0]), wrong_at={1, 6, 11, 12, 16, 21}, length=5)
     monkeypatch.setattr("client.model.make_drafter", lambda *a, **k: drafter)
     # async: 4 drafts and the drafter's fifth id as the guess that sends the next run early
-    speculation = dict(async_speculation=True, max_inflight_runs=3, num_draft_tokens=4) if mode == "async" else dict(num_draft_tokens=5)
+    speculation = (
+        dict(async_speculation=True, max_inflight_runs=3, num_draft_tokens=4)
+        if mode == "async"
+        else dict(num_draft_tokens=5)
+    )
     output = v4_model.generate(torch.tensor(PROMPT), max_new_tokens=24, **speculation, **kwargs)
     assert output.tolist() == plain.tolist()
     stats = v4_model.last_generation_stats
@@ -608,9 +655,18 @@ def test_mtp_drafter_cache_rolls_back_exactly(v4_mtp_paths, v4_spans, kind, quan
 
     cache, state, history = span.new_cache(), drafter.new_session(), []
     # (start_pos, token ids, ids of them committed after the verdict, next token)
-    runs = [(0, text[:8], 8, text[8]), (8, text[8:12], 2, 999), (10, [999, 5, 6], 1, 42), (11, [42, 7], 2, 43),
-            (5, text[5:9], 4, 1234), (9, [77, 78, 79, 80], 4, 81), (13, [81] + text[14:29], 16, text[29]),
-            (21, [5, 6, 7, 8, 9], 3, 77), (24, [77, 1, 2, 3], 2, 300), (26, [300, 9, 9], 3, 4)]  # fmt: skip
+    runs = [
+        (0, text[:8], 8, text[8]),
+        (8, text[8:12], 2, 999),
+        (10, [999, 5, 6], 1, 42),
+        (11, [42, 7], 2, 43),
+        (5, text[5:9], 4, 1234),
+        (9, [77, 78, 79, 80], 4, 81),
+        (13, [81] + text[14:29], 16, text[29]),
+        (21, [5, 6, 7, 8, 9], 3, 77),
+        (24, [77, 1, 2, 3], 2, 300),
+        (26, [300, 9, 9], 3, 4),
+    ]
     for start_pos, ids, committed, next_token in runs:
         drafts = run(cache, state, ids, start_pos, committed, next_token)
         history = history[:start_pos] + ids[:committed]
@@ -684,8 +740,13 @@ def v4_mtp_model(request, v4_mtp_paths, artifacts_dir):
     from swarm.local import LocalSwarm
 
     path = v4_mtp_paths("csa")
-    swarm = LocalSwarm(str(path), spans=[(0, 2), (2, 6)], server_args=[*SERVER_ARGS, "--drafter-tokens", "4"],
-                       log_dir=str(artifacts_dir / "v4-mtp-swarm"), names=["V4-MTP-head", "V4-MTP-tail"])  # fmt: skip
+    swarm = LocalSwarm(
+        str(path),
+        spans=[(0, 2), (2, 6)],
+        server_args=[*SERVER_ARGS, "--drafter-tokens", "4"],
+        log_dir=str(artifacts_dir / "v4-mtp-swarm"),
+        names=["V4-MTP-head", "V4-MTP-tail"],
+    )
     with swarm:
         model = AutoDistributedModelForCausalLM.from_pretrained(str(path), initial_peers=swarm.initial_peers)
         with last_use.until_last_use(request, lambda: (model.shutdown(), swarm.stop())):
@@ -712,7 +773,9 @@ def v4_mtp_plain(v4_mtp_model, v4_reference):
     return get
 
 
-@pytest.mark.parametrize("speculation,mode", [("tail", "sync"), ("suffix+tail", "sync"), ("tail", "async"), ("tail", "looped")])
+@pytest.mark.parametrize(
+    "speculation,mode", [("tail", "sync"), ("suffix+tail", "sync"), ("tail", "async"), ("tail", "looped")]
+)
 @pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampled"])
 def test_mtp_tail_drafts_leave_the_output_unchanged(v4_mtp_model, v4_mtp_plain, speculation, mode, sampling):
     """The tail's MTP drafts reach the client every lap, ride in the next runs, are verified, and
@@ -721,8 +784,9 @@ def test_mtp_tail_drafts_leave_the_output_unchanged(v4_mtp_model, v4_mtp_plain, 
     if mode == "async":  # runs sent behind unverified ones: cancels, and MTP caches meeting gaps
         kwargs.update(async_speculation=True, max_inflight_runs=3, num_draft_tokens=4)
     plain = v4_mtp_plain(sampling)
-    output = v4_mtp_model.generate(torch.tensor(PROMPT), max_new_tokens=24, speculation=speculation,
-                                   loop_runs=mode == "looped", **kwargs)  # fmt: skip
+    output = v4_mtp_model.generate(
+        torch.tensor(PROMPT), max_new_tokens=24, speculation=speculation, loop_runs=mode == "looped", **kwargs
+    )
     assert output.tolist() == plain
     stats = v4_mtp_model.last_generation_stats
     if mode == "looped":  # the tail's MTP ids ride in the runs it starts at the head

@@ -402,8 +402,13 @@ def test_cli_runs_until_sigterm():
     async def main():
         async with echo_server() as port:
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "swarm.delay_proxy",
-                "--target", f"127.0.0.1:{port}", "--delay-ms", "10",
+                sys.executable,
+                "-m",
+                "swarm.delay_proxy",
+                "--target",
+                f"127.0.0.1:{port}",
+                "--delay-ms",
+                "10",
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
                 cwd=str(Path(__file__).resolve().parents[1]),
@@ -429,7 +434,10 @@ def test_cli_runs_until_sigterm():
 def test_cli_refuses_non_loopback():
     res = subprocess.run(
         [sys.executable, "-m", "swarm.delay_proxy", "--target", "10.1.2.3:80", "--delay-ms", "5"],
-        capture_output=True, text=True, timeout=20, cwd=str(Path(__file__).resolve().parents[1]),
+        capture_output=True,
+        text=True,
+        timeout=20,
+        cwd=str(Path(__file__).resolve().parents[1]),
     )
     assert res.returncode != 0
     assert "loopback" in res.stderr

@@ -31,9 +31,28 @@ ENTRYPOINT = DEPLOY / "entrypoint.sh"
 UNITS = sorted((DEPLOY / "systemd").glob("*.service"))
 ROLE_MODULES = {role: f"swarm.{role}" for role in ("server", "bootstrap", "dashboard", "api")}
 # every variable entrypoint.sh reads: cleared from the inherited environment before each run
-MAPPED = ["SPECSWARM_INITIAL_PEERS", "SPECSWARM_INITIAL_PEERS_FILE", "SPECSWARM_WAIT_SECONDS", "MODEL", "NUM_BLOCKS",
-          "BLOCKS", "HOST", "PORT", "ANNOUNCE_MADDRS", "PUBLIC_NAME", "DEVICE", "DTYPE", "QUANT", "CACHE_TOKENS",
-          "IDENTITY_PATH", "API_KEY_FILE", "LOG_LEVEL", "EXTRA_ARGS", "PYTHON", "ENTRYPOINT_DRY_RUN"]  # fmt: skip
+MAPPED = [
+    "SPECSWARM_INITIAL_PEERS",
+    "SPECSWARM_INITIAL_PEERS_FILE",
+    "SPECSWARM_WAIT_SECONDS",
+    "MODEL",
+    "NUM_BLOCKS",
+    "BLOCKS",
+    "HOST",
+    "PORT",
+    "ANNOUNCE_MADDRS",
+    "PUBLIC_NAME",
+    "DEVICE",
+    "DTYPE",
+    "QUANT",
+    "CACHE_TOKENS",
+    "IDENTITY_PATH",
+    "API_KEY_FILE",
+    "LOG_LEVEL",
+    "EXTRA_ARGS",
+    "PYTHON",
+    "ENTRYPOINT_DRY_RUN",
+]
 FAKE_PEER = "/ip4/127.0.0.1/tcp/31337/p2p/QmXx6SxkRJPqhDZFaL5H56jgPxHzDTXgEwhF9gEGW9WWYU"
 
 
@@ -46,8 +65,13 @@ def clean_env(**variables: str) -> dict[str, str]:
 
 def dry_run(args: list[str], env: dict[str, str]) -> list[str]:
     """The command entrypoint.sh would exec, one argument per list item."""
-    done = subprocess.run(["sh", str(ENTRYPOINT), *args], env=clean_env(ENTRYPOINT_DRY_RUN="1", **env),
-                          capture_output=True, text=True, timeout=30)  # fmt: skip
+    done = subprocess.run(
+        ["sh", str(ENTRYPOINT), *args],
+        env=clean_env(ENTRYPOINT_DRY_RUN="1", **env),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert done.returncode == 0, done.stderr
     return done.stdout.splitlines()
 
@@ -77,9 +101,17 @@ def read_env_file(path: Path) -> dict[str, str]:
 
 
 def test_entrypoint_maps_the_environment_to_the_server_cli():
-    command = dry_run(["--update-period", "10"], dict(
-        MODEL="smollm2-135m", NUM_BLOCKS="15", PUBLIC_NAME="my box", EXTRA_ARGS="--torch-threads 2",
-        ANNOUNCE_MADDRS="/ip4/203.0.113.9/tcp/31330", SPECSWARM_INITIAL_PEERS=FAKE_PEER))  # fmt: skip
+    command = dry_run(
+        ["--update-period", "10"],
+        dict(
+            MODEL="smollm2-135m",
+            NUM_BLOCKS="15",
+            PUBLIC_NAME="my box",
+            EXTRA_ARGS="--torch-threads 2",
+            ANNOUNCE_MADDRS="/ip4/203.0.113.9/tcp/31330",
+            SPECSWARM_INITIAL_PEERS=FAKE_PEER,
+        ),
+    )
     module, args = accepted_by_cli(command)
     assert module == "swarm.server" and command[-2:] == ["--update-period", "10"]  # the command's own arguments last
     assert (args.model, args.num_blocks, args.public_name) == ("smollm2-135m", 15, "my box")
@@ -122,8 +154,9 @@ def test_there_is_a_unit_for_each_service():
 
 @pytest.mark.parametrize("unit", UNITS, ids=lambda u: u.name)
 def test_unit_passes_systemd_analyze_verify(unit, systemd_root):
-    done = subprocess.run(["systemd-analyze", "verify", f"--root={systemd_root}", unit.name],
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    done = subprocess.run(
+        ["systemd-analyze", "verify", f"--root={systemd_root}", unit.name], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0 and not (done.stdout + done.stderr).strip(), done.stdout + done.stderr
 
 
@@ -131,8 +164,9 @@ def test_verify_catches_a_broken_unit(systemd_root):
     """The check above has teeth: a misspelt key (only a warning to systemd) is output."""
     broken = systemd_root / "etc/systemd/system/specswarm-broken.service"
     broken.write_text((DEPLOY / "systemd/specswarm-server.service").read_text().replace("Restart=", "Restrat="))
-    done = subprocess.run(["systemd-analyze", "verify", f"--root={systemd_root}", broken.name],
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    done = subprocess.run(
+        ["systemd-analyze", "verify", f"--root={systemd_root}", broken.name], capture_output=True, text=True, timeout=60
+    )
     assert "Unknown key" in done.stdout + done.stderr
 
 
@@ -199,8 +233,11 @@ def interpolate(value, variables: dict[str, str]):
 
 
 def dockerfile_env() -> dict[str, str]:
-    return dict(line.removeprefix("ENV ").split("=", 1) for line in (DEPLOY / "Dockerfile").read_text().splitlines()
-                if line.startswith("ENV "))  # fmt: skip
+    return dict(
+        line.removeprefix("ENV ").split("=", 1)
+        for line in (DEPLOY / "Dockerfile").read_text().splitlines()
+        if line.startswith("ENV ")
+    )
 
 
 def test_compose_services_are_accepted_by_their_clis(tmp_path):
@@ -246,12 +283,33 @@ def test_the_files_the_image_copies_build_a_complete_package(tmp_path):
                     shutil.copytree(ROOT / source, dest, ignore=shutil.ignore_patterns("__pycache__"))
                 else:
                     shutil.copy(ROOT / source, dest)
-    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                           str(tmp_path / "wheel"), str(src)], capture_output=True, text=True, timeout=240)  # fmt: skip
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path / "wheel"),
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert done.returncode == 0, done.stderr
     names = zipfile.ZipFile(next((tmp_path / "wheel").glob("specswarm-*.whl"))).namelist()
-    for needed in ["swarm/server.py", "server/joining.py", "client/model.py", "protocol/messages.py",
-                   "swarm/dashboard/static/index.html", "swarm/api/__main__.py"]:  # fmt: skip
+    for needed in [
+        "swarm/server.py",
+        "server/joining.py",
+        "client/model.py",
+        "protocol/messages.py",
+        "swarm/dashboard/static/index.html",
+        "swarm/api/__main__.py",
+    ]:
         assert needed in names
 
 
@@ -267,8 +325,15 @@ class Processes:
 
     def start(self, name: str, args: list[str], env: dict[str, str], cwd: Path, stdout=subprocess.DEVNULL):
         log = open(self.log_dir / f"{name}.log", "w")
-        proc = subprocess.Popen(["sh", str(ENTRYPOINT), *args], env=clean_env(**env), cwd=cwd, stdout=stdout,
-                                stderr=log, stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            ["sh", str(ENTRYPOINT), *args],
+            env=clean_env(**env),
+            cwd=cwd,
+            stdout=stdout,
+            stderr=log,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         self.procs[name] = proc
         return proc
 
@@ -300,11 +365,11 @@ def test_entrypoint_runs_a_swarm_that_serves_a_generation(tiny_llama_path, tiny_
     server.env; the others: the bootstrap's address file, as compose.yaml shares it)."""
     import torch
 
-    from swarm import AutoDistributedModelForCausalLM
+    from protocol.dht import make_dht
     from protocol.dht_records import fetch_servers
     from protocol.models import resolve_model
     from protocol.records import ServerState
-    from protocol.dht import make_dht
+    from swarm import AutoDistributedModelForCausalLM
 
     procs = Processes(artifacts_dir / "deploy-entrypoint")
     peers_file, data = tmp_path / "shared" / "initial_peers", tmp_path / "data"
@@ -312,20 +377,46 @@ def test_entrypoint_runs_a_swarm_that_serves_a_generation(tiny_llama_path, tiny_
     data.mkdir()
     bootstrap_port = free_port()
     try:
-        procs.start("bootstrap", ["bootstrap"], dict(
-            HOST="127.0.0.1", PORT=str(bootstrap_port), ANNOUNCE_MADDRS=f"/dns4/localhost/tcp/{bootstrap_port}",
-            IDENTITY_PATH=str(data / "bootstrap.key"), SPECSWARM_INITIAL_PEERS_FILE=str(peers_file)), data)  # fmt: skip
-        peers = wait_for(lambda: peers_file.exists() and peers_file.read_text().split(), 60,
-                         "the bootstrap's address", procs)  # fmt: skip
+        procs.start(
+            "bootstrap",
+            ["bootstrap"],
+            dict(
+                HOST="127.0.0.1",
+                PORT=str(bootstrap_port),
+                ANNOUNCE_MADDRS=f"/dns4/localhost/tcp/{bootstrap_port}",
+                IDENTITY_PATH=str(data / "bootstrap.key"),
+                SPECSWARM_INITIAL_PEERS_FILE=str(peers_file),
+            ),
+            data,
+        )
+        peers = wait_for(
+            lambda: peers_file.exists() and peers_file.read_text().split(), 60, "the bootstrap's address", procs
+        )
         assert peers[0].startswith(f"/dns4/localhost/tcp/{bootstrap_port}/p2p/Qm")
 
-        server = procs.start("server", [], dict(
-            MODEL=str(tiny_llama_path), NUM_BLOCKS="6", HOST="127.0.0.1", PORT=str(free_port()),
-            PUBLIC_NAME="entrypoint", IDENTITY_PATH=str(data / "server.key"), SPECSWARM_INITIAL_PEERS=" ".join(peers),
-            EXTRA_ARGS="--torch-threads 1 --update-period 5 --drain-seconds 1", LOG_LEVEL="INFO"), data)  # fmt: skip
+        server = procs.start(
+            "server",
+            [],
+            dict(
+                MODEL=str(tiny_llama_path),
+                NUM_BLOCKS="6",
+                HOST="127.0.0.1",
+                PORT=str(free_port()),
+                PUBLIC_NAME="entrypoint",
+                IDENTITY_PATH=str(data / "server.key"),
+                SPECSWARM_INITIAL_PEERS=" ".join(peers),
+                EXTRA_ARGS="--torch-threads 1 --update-period 5 --drain-seconds 1",
+                LOG_LEVEL="INFO",
+            ),
+            data,
+        )
         for role in ("api", "dashboard"):
-            env = dict(MODEL=str(tiny_llama_path), HOST="127.0.0.1", PORT=str(free_port()),
-                       SPECSWARM_INITIAL_PEERS_FILE=str(peers_file))  # fmt: skip
+            env = dict(
+                MODEL=str(tiny_llama_path),
+                HOST="127.0.0.1",
+                PORT=str(free_port()),
+                SPECSWARM_INITIAL_PEERS_FILE=str(peers_file),
+            )
             procs.start(role, [role], env, data, stdout=subprocess.PIPE)
         urls = {role: procs.procs[role].stdout.readline().decode().strip() for role in ("api", "dashboard")}
         assert urls["api"].startswith("http://127.0.0.1:"), urls
@@ -334,8 +425,12 @@ def test_entrypoint_runs_a_swarm_that_serves_a_generation(tiny_llama_path, tiny_
         dht = make_dht(initial_peers=peers, client_mode=True)
         try:
             name = resolve_model(str(tiny_llama_path)).dht_name
-            online = wait_for(lambda: [s for s in fetch_servers(dht, name, 6) if s.state == ServerState.ONLINE],
-                              240, "the server to announce itself online", procs)  # fmt: skip
+            online = wait_for(
+                lambda: [s for s in fetch_servers(dht, name, 6) if s.state == ServerState.ONLINE],
+                240,
+                "the server to announce itself online",
+                procs,
+            )
         finally:
             dht.shutdown()
         assert [(s.public_name, s.start_block, s.end_block) for s in online] == [("entrypoint", 0, 6)]

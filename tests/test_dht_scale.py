@@ -47,8 +47,14 @@ def scenario(keys_path: str) -> dict:
         deadline = time.monotonic() + 120
         while not alive <= (after := seen()) and time.monotonic() < deadline:
             time.sleep(1)
-        return {"honest": {i.peer_id for i in honest}, "hostile": {r["_subkey"] for r in hostile},
-                "before": before, "alive": alive, "after": after, "victims": len(victims)}  # fmt: skip
+        return {
+            "honest": {i.peer_id for i in honest},
+            "hostile": {r["_subkey"] for r in hostile},
+            "before": before,
+            "alive": alive,
+            "after": after,
+            "victims": len(victims),
+        }
     finally:
         swarm.shutdown()
 
@@ -60,7 +66,9 @@ def test_ten_dht_peers_serve_every_record_and_survive_a_fifth_vanishing(tmp_path
     assert facts["before"] == facts["honest"]  # every valid record, none of the hostile ones
     assert facts["victims"] == 2
     missing = facts["alive"] - facts["after"]
-    assert not missing, f"{len(missing)} live servers no longer listed after {facts['victims']} of {PEERS} peers vanished"
+    assert not missing, (
+        f"{len(missing)} live servers no longer listed after {facts['victims']} of {PEERS} peers vanished"
+    )
     assert facts["after"] <= facts["honest"]
 
 
@@ -81,8 +89,12 @@ def big_answers(keys: int, subkeys: int, value_bytes: int) -> dict:
         try:
             names = [block_key("big-model", block) for block in range(keys)]
             for subkey in range(subkeys):
-                await server.store_many(names, [b"x" * value_bytes] * keys, expiration_time=get_dht_time() + 300,
-                                        subkeys=[f"server-{subkey}"] * keys)  # fmt: skip
+                await server.store_many(
+                    names,
+                    [b"x" * value_bytes] * keys,
+                    expiration_time=get_dht_time() + 300,
+                    subkeys=[f"server-{subkey}"] * keys,
+                )
             began = time.monotonic()
             found = await _get_many(None, client, names, latest=True)
             took = time.monotonic() - began

@@ -37,8 +37,16 @@ def local_tasks() -> list[dict]:
 
 
 def evaluate(model: str, model_args: dict) -> dict:
-    return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=local_tasks(), log_samples=True,
-                                   bootstrap_iters=0, random_seed=0, numpy_random_seed=0, torch_random_seed=0)  # fmt: skip
+    return lm_eval.simple_evaluate(
+        model=model,
+        model_args=model_args,
+        tasks=local_tasks(),
+        log_samples=True,
+        bootstrap_iters=0,
+        random_seed=0,
+        numpy_random_seed=0,
+        torch_random_seed=0,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -65,9 +73,16 @@ def test_the_harness_gives_the_same_samples_through_the_gateway_as_on_the_local_
         local = evaluate("hf", {"pretrained": path, "dtype": "float32", "device": "cpu"})
     remote = evaluate(
         "local-completions",
-        {"model": path, "base_url": f"{gateway_url}/completions", "tokenizer_backend": "huggingface",
-         "tokenizer": path, "max_length": 1024, "num_concurrent": 1, "max_retries": 1},
-    )  # fmt: skip
+        {
+            "model": path,
+            "base_url": f"{gateway_url}/completions",
+            "tokenizer_backend": "huggingface",
+            "tokenizer": path,
+            "max_length": 1024,
+            "num_concurrent": 1,
+            "max_retries": 1,
+        },
+    )
 
     generated, expected = responses(remote, "swarm_gen"), responses(local, "swarm_gen")
     assert generated == expected and any(r[0] for r in generated)  # same text, not all empty

@@ -69,7 +69,9 @@ def test_seeded_sampling_equals_reference_sampler(tiny_model, tiny_reference, ro
         )
     assert output[0, len(PROMPT[0]) :].tolist() == expected
     with pinned(tiny_model, ROUTES[route]):  # another seed gives another sequence
-        other = tiny_model.generate(torch.tensor(PROMPT), max_new_tokens=20, do_sample=True, temperature=0.8, top_p=0.9, seed=99)
+        other = tiny_model.generate(
+            torch.tensor(PROMPT), max_new_tokens=20, do_sample=True, temperature=0.8, top_p=0.9, seed=99
+        )
     assert other[0, len(PROMPT[0]) :].tolist() != expected
 
 
@@ -106,12 +108,17 @@ def test_supplied_drafts_never_change_the_output(tiny_model, tiny_reference, mon
     with pinned(tiny_model, ROUTES["three servers, uneven"]):
         plain = tiny_model.generate(torch.tensor(PROMPT), max_new_tokens=16, speculation=None, **kwargs)
     truth = plain[0, len(PROMPT[0]) :].tolist()
-    wrong_at = {"all right": set(), "all wrong": set(range(16)), "half right": set(range(2, 16, 4)) | set(range(3, 16, 4))}[case]
+    wrong_at = {
+        "all right": set(),
+        "all wrong": set(range(16)),
+        "half right": set(range(2, 16, 4)) | set(range(3, 16, 4)),
+    }[case]
     drafter = ScriptedDrafter(truth, len(PROMPT[0]), wrong_at, length=4)
     monkeypatch.setattr("client.model.make_drafter", lambda *a, **k: drafter)
     with pinned(tiny_model, ROUTES["three servers, uneven"]):
-        output = tiny_model.generate(torch.tensor(PROMPT), max_new_tokens=16, num_draft_tokens=4, loop_runs=loop_runs,
-                                     **kwargs)  # fmt: skip
+        output = tiny_model.generate(
+            torch.tensor(PROMPT), max_new_tokens=16, num_draft_tokens=4, loop_runs=loop_runs, **kwargs
+        )
     assert output.tolist() == plain.tolist()
     stats = tiny_model.last_generation_stats
     if loop_runs:  # a scripted drafter ranks no alternatives: only the client's first run carries its drafts
@@ -140,7 +147,9 @@ def test_inference_session_continues_like_one_call(tiny_model, tiny_reference):
 def test_smollm2_greedy_64_tokens_equals_transformers(smol_model, smol_reference):
     tokenizer = smol_model.tokenizer
     messages = [{"role": "user", "content": "Write a long story about a dragon who learns to paint."}]
-    input_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    input_ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
     expected = smol_reference.generate(input_ids, max_new_tokens=64, do_sample=False)
     output = smol_model.generate(input_ids, max_new_tokens=64, speculation=None)
     assert output.tolist() == expected.tolist()
@@ -164,8 +173,9 @@ def test_warm_draft_store_drafts_the_models_habits_and_never_changes_the_output(
             assert (len(model.warm_corpus) == len(SELF_PROMPTS)) is warm
             assert all(sequence in model._suffix_store for sequence in model.warm_corpus)
             messages = [{"role": "user", "content": SELF_PROMPTS[0]}]
-            ids = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                                      return_dict=True)["input_ids"]  # fmt: skip
+            ids = model.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+            )["input_ids"]
             output = model.generate(ids, max_new_tokens=32)
             assert output.tolist() == smol_reference.generate(ids, max_new_tokens=32, do_sample=False).tolist()
             counts[warm] = model.last_generation_stats.laps
@@ -207,7 +217,9 @@ CODE_PROMPT = (
 def test_every_drafter_mode_matches_no_speculation_smollm2(smol_model, speculation, sampling):
     kwargs = dict(do_sample=True, temperature=0.8, top_p=0.9, seed=5) if sampling else {}
     messages = [{"role": "user", "content": CODE_PROMPT}]
-    input_ids = smol_model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    input_ids = smol_model.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
     plain = smol_model.generate(input_ids, max_new_tokens=48, speculation=None, **kwargs)
     plain_laps = smol_model.last_generation_stats.laps
     drafted = smol_model.generate(input_ids, max_new_tokens=48, speculation=speculation, **kwargs)
@@ -222,6 +234,8 @@ def test_real_router_uses_the_clients_measured_rtts_to_heads_and_tails(tiny_mode
     assert tiny_model.generate(torch.tensor(PROMPT), max_new_tokens=8, speculation=None).tolist() == expected.tolist()
     from tests.conftest import servers_by_name
 
-    ends = {info.peer_id for info in servers_by_name(tiny_model, 6).values() if info.start_block == 0 or info.end_block == 6}
+    ends = {
+        info.peer_id for info in servers_by_name(tiny_model, 6).values() if info.start_block == 0 or info.end_block == 6
+    }
     measured = {peer: rtt for peer, (_, rtt) in tiny_model.swarm._rtts.items()}
     assert ends <= set(measured) and all(rtt > 0 for rtt in measured.values())

@@ -26,9 +26,14 @@ FAULT_AT = 10  # tokens into the generation
 @pytest.fixture(scope="module")
 def failover_swarm(tiny_llama_path, artifacts_dir):
     """Head and tail servers for the whole module; the middle servers come from ``middles``."""
-    with LocalSwarm(str(tiny_llama_path), spans=[(0, 2), (4, 6)], server_args=SERVER_ARGS_FAILOVER,
-                    names=["head", "tail"], log_dir=str(artifacts_dir / "failover-swarm"),
-                    launcher=faulty("--block-delay-ms", "5")) as swarm:  # fmt: skip
+    with LocalSwarm(
+        str(tiny_llama_path),
+        spans=[(0, 2), (4, 6)],
+        server_args=SERVER_ARGS_FAILOVER,
+        names=["head", "tail"],
+        log_dir=str(artifacts_dir / "failover-swarm"),
+        launcher=faulty("--block-delay-ms", "5"),
+    ) as swarm:
         from swarm import AutoDistributedModelForCausalLM
 
         model = AutoDistributedModelForCausalLM.from_pretrained(
@@ -130,13 +135,17 @@ def terminate(process):
 
 
 @pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampled"])
-@pytest.mark.parametrize("fault", [kill, freeze, cut_off, terminate], ids=["SIGKILL", "SIGSTOP", "disconnect", "SIGTERM"])
+@pytest.mark.parametrize(
+    "fault", [kill, freeze, cut_off, terminate], ids=["SIGKILL", "SIGSTOP", "disconnect", "SIGTERM"]
+)
 def test_generation_survives_a_middle_server_failure(failover_swarm, middles, fault, sampling):
     swarm, model = failover_swarm
     kwargs = dict(do_sample=True, temperature=0.8, top_p=0.9, seed=21) if sampling else {}
     expected = model.generate(torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS, speculation=None, **kwargs)
     streamer = FaultAfter(model, middles, fault)
-    output = model.generate(torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS, speculation=None, streamer=streamer, **kwargs)
+    output = model.generate(
+        torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS, speculation=None, streamer=streamer, **kwargs
+    )
     stats = model.last_generation_stats
     assert streamer.victim is not None
     assert output.tolist() == expected.tolist()

@@ -5,7 +5,8 @@ Random bytes, truncated frames, wrong frame markers, huge declared lengths, unde
 other protocol versions, messages of the wrong type, and valid messages with hostile values
 (negative positions, huge run ids, unknown sessions, n_draft > len, out-of-vocabulary ids, huge
 top_logprobs, NaN sampling parameters, oversized Steps, hostile tensors, forged routes, stolen
-session ids), and runs valid but for one field (so every check is reached). Afterwards: no error logged by any server (no handler crashed), every session closed
+session ids), and runs valid but for one field (so every check is reached). Afterwards: no error
+logged by any server (no handler crashed), every session closed
 and the cache budget full again, no results queue left behind, and every honest generation that
 ran meanwhile token-identical to local transformers. Fixed seed; ~15-25 s on 2 cores.
 """
@@ -46,8 +47,8 @@ from protocol.messages import (
     Subscribe,
     encode,
 )
-from protocol.version import PROTOCOL_VERSION
 from protocol.streams import PING_PROTOCOL, RESULTS_PROTOCOL, SESSION_PROTOCOL, MessageStream
+from protocol.version import PROTOCOL_VERSION
 from tests.conftest import LIMITS_MAX_POSITIONS
 from tests.test_exactness import PROMPT
 from tests.test_hostile_wire import LONG_PROMPT, reference, wait_until_no_sessions
@@ -95,8 +96,20 @@ class Fuzzer:
             version = rng.choice([0, 1, 3, 5, 99, -1, 2**40])
             return frame(envelope(msgspec.msgpack.encode([version, ["step", "x", 1, 0, [1]]])))
         if kind == 3:  # our version, structurally wrong message
-            junk = rng.choice([["step"], ["nope", 1], ["step", 1, 2, 3, 4], ["open", "s", -1], [], None, "x" * 50,
-                               ["step", "s", 1, 0, ["a"]], ["step", "s", 1.5, 0, [1]], ["cancel", "s", "one"]])  # fmt: skip
+            junk = rng.choice(
+                [
+                    ["step"],
+                    ["nope", 1],
+                    ["step", 1, 2, 3, 4],
+                    ["open", "s", -1],
+                    [],
+                    None,
+                    "x" * 50,
+                    ["step", "s", 1, 0, ["a"]],
+                    ["step", "s", 1.5, 0, [1]],
+                    ["cancel", "s", "one"],
+                ]
+            )
             return frame(envelope(msgspec.msgpack.encode([PROTOCOL_VERSION, junk])))
         if kind == 4:  # an empty frame
             return frame(b"")
@@ -115,26 +128,50 @@ class Fuzzer:
 
     def sampling(self):
         rng = self.rng
-        return rng.choice([None, SamplingParams(do_sample=True, temperature=math.nan), SamplingParams(temperature=-1.0),
-                           SamplingParams(do_sample=True, top_p=2.0), SamplingParams(do_sample=True, top_k=-5),
-                           SamplingParams(do_sample=True, temperature=math.inf), SamplingParams(repetition_penalty=0.0),
-                           SamplingParams(do_sample=True, seed=-(2**63)), SamplingParams(do_sample=True, min_p=-1.0)])  # fmt: skip
+        return rng.choice(
+            [
+                None,
+                SamplingParams(do_sample=True, temperature=math.nan),
+                SamplingParams(temperature=-1.0),
+                SamplingParams(do_sample=True, top_p=2.0),
+                SamplingParams(do_sample=True, top_k=-5),
+                SamplingParams(do_sample=True, temperature=math.inf),
+                SamplingParams(repetition_penalty=0.0),
+                SamplingParams(do_sample=True, seed=-(2**63)),
+                SamplingParams(do_sample=True, min_p=-1.0),
+            ]
+        )
 
     def hostile_step(self, session_id: str, state: dict) -> bytes:
         rng = self.rng
         if rng.random() < 0.25:  # a valid run, so the session really computes between the hostile ones
             length = rng.randrange(1, 4)
-            step = Step(session_id=session_id, run_id=state["run_id"], start_pos=state["length"],
-                        token_ids=[rng.randrange(self.vocab) for _ in range(length)])  # fmt: skip
+            step = Step(
+                session_id=session_id,
+                run_id=state["run_id"],
+                start_pos=state["length"],
+                token_ids=[rng.randrange(self.vocab) for _ in range(length)],
+            )
             state["run_id"] += 1
             state["length"] += length
             return message_frame(step)
         if rng.random() < 0.4:
             return self.one_bad_field(session_id, state)
-        ids = rng.choice([[], [-1], [self.vocab], [2**62], [5] * (LIMITS_MAX_POSITIONS + 1), [5] * 10_000,
-                          [rng.randrange(self.vocab) for _ in range(rng.randrange(1, 6))]])  # fmt: skip
+        ids = rng.choice(
+            [
+                [],
+                [-1],
+                [self.vocab],
+                [2**62],
+                [5] * (LIMITS_MAX_POSITIONS + 1),
+                [5] * 10_000,
+                [rng.randrange(self.vocab) for _ in range(rng.randrange(1, 6))],
+            ]
+        )
         step = Step(
-            session_id=rng.choice([session_id, session_id, session_id, "", "unknown", "x" * 5000, self.rng.randbytes(8).hex()]),
+            session_id=rng.choice(
+                [session_id, session_id, session_id, "", "unknown", "x" * 5000, self.rng.randbytes(8).hex()]
+            ),
             run_id=rng.choice([-1, 0, state["run_id"], 2**63 - 1, -(2**63), rng.randrange(10**12)]),
             start_pos=rng.choice([-1, -(2**62), 0, state["length"], state["length"] + 1, 2**62, 10**6]),
             token_ids=ids,
@@ -150,26 +187,49 @@ class Fuzzer:
     def one_bad_field(self, session_id: str, state: dict) -> bytes:
         """A run that would be valid but for one field, so every check is reached, not only the first."""
         rng = self.rng
-        fields = dict(session_id=session_id, run_id=state["run_id"] + rng.randrange(1, 3), start_pos=state["length"],
-                      token_ids=[rng.randrange(self.vocab) for _ in range(rng.randrange(1, 4))])  # fmt: skip
-        bad = rng.choice(["vocab", "negative id", "n_draft", "start_pos", "negative start", "top_logprobs",
-                          "return_logits", "sampling", "too many ids", "run_id", "session", "tensor", "max_length"])  # fmt: skip
+        fields = dict(
+            session_id=session_id,
+            run_id=state["run_id"] + rng.randrange(1, 3),
+            start_pos=state["length"],
+            token_ids=[rng.randrange(self.vocab) for _ in range(rng.randrange(1, 4))],
+        )
+        bad = rng.choice(
+            [
+                "vocab",
+                "negative id",
+                "n_draft",
+                "start_pos",
+                "negative start",
+                "top_logprobs",
+                "return_logits",
+                "sampling",
+                "too many ids",
+                "run_id",
+                "session",
+                "tensor",
+                "max_length",
+            ]
+        )
         ids = fields["token_ids"]
-        fields.update({
-            "vocab": dict(token_ids=ids[:-1] + [self.vocab + rng.randrange(10**6)]),
-            "negative id": dict(token_ids=[-rng.randrange(1, 2**31)] + ids[1:]),
-            "n_draft": dict(n_draft=len(ids) + rng.choice([0, 1, 100])),
-            "start_pos": dict(start_pos=state["length"] + rng.randrange(1, 10**6)),
-            "negative start": dict(start_pos=-rng.randrange(1, 2**40)),
-            "top_logprobs": dict(top_logprobs=rng.choice([21, 10**6, -1])),
-            "return_logits": dict(return_logits=len(ids) + rng.randrange(1, 10**9)),
-            "sampling": dict(sampling=self.sampling() or SamplingParams(top_p=0.0)),
-            "too many ids": dict(token_ids=[5] * (LIMITS_MAX_POSITIONS + rng.randrange(1, 1000))),
-            "run_id": dict(run_id=state["run_id"] - rng.randrange(1, 3)),
-            "session": dict(session_id=rng.randbytes(8).hex()),
-            "tensor": {},
-            "max_length": dict(start_pos=state["length"], token_ids=[5] * LIMITS_MAX_POSITIONS),  # past max_length 64 eventually
-        }[bad])
+        fields.update(
+            {
+                "vocab": dict(token_ids=ids[:-1] + [self.vocab + rng.randrange(10**6)]),
+                "negative id": dict(token_ids=[-rng.randrange(1, 2**31)] + ids[1:]),
+                "n_draft": dict(n_draft=len(ids) + rng.choice([0, 1, 100])),
+                "start_pos": dict(start_pos=state["length"] + rng.randrange(1, 10**6)),
+                "negative start": dict(start_pos=-rng.randrange(1, 2**40)),
+                "top_logprobs": dict(top_logprobs=rng.choice([21, 10**6, -1])),
+                "return_logits": dict(return_logits=len(ids) + rng.randrange(1, 10**9)),
+                "sampling": dict(sampling=self.sampling() or SamplingParams(top_p=0.0)),
+                "too many ids": dict(token_ids=[5] * (LIMITS_MAX_POSITIONS + rng.randrange(1, 1000))),
+                "run_id": dict(run_id=state["run_id"] - rng.randrange(1, 3)),
+                "session": dict(session_id=rng.randbytes(8).hex()),
+                "tensor": {},
+                "max_length": dict(
+                    start_pos=state["length"], token_ids=[5] * LIMITS_MAX_POSITIONS
+                ),  # past max_length 64 eventually
+            }[bad]
+        )
         tensors = [self.hostile_tensor()] if bad == "tensor" else []
         if bad == "max_length" and state["length"] + LIMITS_MAX_POSITIONS <= 64:
             state["run_id"], state["length"] = fields["run_id"] + 1, state["length"] + LIMITS_MAX_POSITIONS  # accepted
@@ -178,28 +238,46 @@ class Fuzzer:
     def hostile_open(self) -> bytes:
         rng = self.rng
         head, tail = self.route
-        route = rng.choice([
-            [head, tail], [tail, head], [head], [], [Hop("not-a-peer", 0, 3), tail],
-            [head, Hop("QmNotAPeer", 3, 6)], [Hop(head.peer_id, 0, 3), Hop(head.peer_id, 3, 6)],  # the head as its own next hop
-            [Hop(head.peer_id, -1, 2**40)], [head] * 500, [Hop(head.peer_id, 0, 1), Hop(tail.peer_id, 1, 6)],
-        ])  # fmt: skip
-        return message_frame(OpenSession(
-            session_id=rng.choice([self.rng.randbytes(8).hex(), "", "y" * 3000]),
-            max_length=rng.choice([64, 0, -5, 10**12, 2**62]),
-            route=route,
-            hop_index=rng.choice([0, 0, 1, -1, 7, 2**40]),
-            secret_hash=rng.choice(["", "z" * 64, hashlib.sha256(b"x").hexdigest(), "A" * 64]),
-        ))  # fmt: skip
+        route = rng.choice(
+            [
+                [head, tail],
+                [tail, head],
+                [head],
+                [],
+                [Hop("not-a-peer", 0, 3), tail],
+                [head, Hop("QmNotAPeer", 3, 6)],
+                [Hop(head.peer_id, 0, 3), Hop(head.peer_id, 3, 6)],  # the head as its own next hop
+                [Hop(head.peer_id, -1, 2**40)],
+                [head] * 500,
+                [Hop(head.peer_id, 0, 1), Hop(tail.peer_id, 1, 6)],
+            ]
+        )
+        return message_frame(
+            OpenSession(
+                session_id=rng.choice([self.rng.randbytes(8).hex(), "", "y" * 3000]),
+                max_length=rng.choice([64, 0, -5, 10**12, 2**62]),
+                route=route,
+                hop_index=rng.choice([0, 0, 1, -1, 7, 2**40]),
+                secret_hash=rng.choice(["", "z" * 64, hashlib.sha256(b"x").hexdigest(), "A" * 64]),
+            )
+        )
 
     def wrong_type(self, session_id: str) -> bytes:
         rng = self.rng
-        return message_frame(rng.choice([
-            Pong(3, 9), Ping(rng.randrange(2**32)), SessionOpened(session_id=session_id),
-            StepResult(session_id=session_id, run_id=0, accepted=0, next_token=1),
-            RunOutputs(session_id=session_id, run_id=0, offset=0), Subscribe(session_id=session_id, secret="x"),
-            ErrorReply(session_id=session_id, code=ErrorCode.INTERNAL, message="forged"),
-            Cancel(session_id=session_id, run_id=rng.choice([-1, 0, 2**63 - 1])),
-        ]))  # fmt: skip
+        return message_frame(
+            rng.choice(
+                [
+                    Pong(3, 9),
+                    Ping(rng.randrange(2**32)),
+                    SessionOpened(session_id=session_id),
+                    StepResult(session_id=session_id, run_id=0, accepted=0, next_token=1),
+                    RunOutputs(session_id=session_id, run_id=0, offset=0),
+                    Subscribe(session_id=session_id, secret="x"),
+                    ErrorReply(session_id=session_id, code=ErrorCode.INTERNAL, message="forged"),
+                    Cancel(session_id=session_id, run_id=rng.choice([-1, 0, 2**63 - 1])),
+                ]
+            )
+        )
 
     def ending(self) -> tuple[str, bytes]:
         """How a stream ends: cleanly, or in a way that loses the framing."""
@@ -211,7 +289,9 @@ class Fuzzer:
             length = rng.choice([2**64 - 1, 2**40, 512 * 1024 * 1024 + 1, 10**8])
             return kind, P2P.MESSAGE_MARKER + length.to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER)
         if kind == "marker":
-            return kind, bytes([rng.choice([0x00, 0x02, 0xFF])]) + (5).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + b"abcde"
+            return kind, bytes([rng.choice([0x00, 0x02, 0xFF])]) + (5).to_bytes(
+                P2P.HEADER_LEN, P2P.BYTEORDER
+            ) + b"abcde"
         if kind == "header":  # a marker and half a length
             return kind, P2P.MESSAGE_MARKER + b"\0\0\0"
         return kind, b""
@@ -248,8 +328,13 @@ class Fuzzer:
         frames = []
         if rng.random() < 0.7:  # a real session (never subscribed: its results pile up unread)
             secret_hash = hashlib.sha256(rng.randbytes(8)).hexdigest()
-            frames.append(message_frame(OpenSession(session_id=session_id, max_length=64, route=self.route,
-                                                    hop_index=0, secret_hash=secret_hash)))  # fmt: skip
+            frames.append(
+                message_frame(
+                    OpenSession(
+                        session_id=session_id, max_length=64, route=self.route, hop_index=0, secret_hash=secret_hash
+                    )
+                )
+            )
         while len(frames) < count:
             kind = rng.random()
             if kind < 0.45:
@@ -261,7 +346,9 @@ class Fuzzer:
             elif kind < 0.85:
                 frames.append(self.hostile_open())
             else:
-                frames.append(message_frame(Cancel(session_id=session_id, run_id=rng.choice([0, -1, state["run_id"], 2**63 - 1]))))
+                frames.append(
+                    message_frame(Cancel(session_id=session_id, run_id=rng.choice([0, -1, state["run_id"], 2**63 - 1])))
+                )
         ending, tail = self.ending()
         if rng.random() < 0.1:
             ending, tail = "close-session", message_frame(CloseSession(session_id=rng.choice([session_id, "other"])))
@@ -368,7 +455,9 @@ def test_fuzz_every_protocol_while_an_honest_client_generates(limits_swarm, tiny
     model, servers, _ = limits_swarm
     caplog.set_level(logging.ERROR)
     rng = random.Random(SEED)
-    expected = {name: reference(tiny_reference, prompt, 10) for name, prompt in (("short", PROMPT), ("long", LONG_PROMPT))}
+    expected = {
+        name: reference(tiny_reference, prompt, 10) for name, prompt in (("short", PROMPT), ("long", LONG_PROMPT))
+    }
     # the stranger: its own peer (identity), connected to both servers
     maddrs = [str(m) for s in servers for m in s.dht.get_visible_maddrs()]
     stranger = hivemind.DHT(initial_peers=maddrs, client_mode=True, start=True)
@@ -382,13 +471,25 @@ def test_fuzz_every_protocol_while_an_honest_client_generates(limits_swarm, tiny
             plans = [fuzzer.plan_session_stream(MESSAGES_PER_SESSION_STREAM) for _ in range(streams)]
             await bounded([fuzzer.session_stream(plan) for plan in plans], PARALLEL_STREAMS)
             # a live session whose id the stranger knows (as route servers do), and any honest one open now
-            victim = await MessageStream.open(model.swarm.p2p, PeerID.from_base58(servers[0].info.peer_id), SESSION_PROTOCOL)
-            await victim.send(OpenSession(session_id="victim", max_length=8, route=fuzzer.route, hop_index=0,
-                                          secret_hash=hashlib.sha256(secrets.token_bytes(16)).hexdigest()))  # fmt: skip
+            victim = await MessageStream.open(
+                model.swarm.p2p, PeerID.from_base58(servers[0].info.peer_id), SESSION_PROTOCOL
+            )
+            await victim.send(
+                OpenSession(
+                    session_id="victim",
+                    max_length=8,
+                    route=fuzzer.route,
+                    hop_index=0,
+                    secret_hash=hashlib.sha256(secrets.token_bytes(16)).hexdigest(),
+                )
+            )
             assert isinstance((await asyncio.wait_for(victim.receive(), 30)).message, SessionOpened)
             live = ["victim", *servers[1].handler.sessions]
             try:
-                plans = [fuzzer.plan_one_message(lambda s: fuzzer.results_message(s, live)) for _ in range(MESSAGES_PER_PROTOCOL)]
+                plans = [
+                    fuzzer.plan_one_message(lambda s: fuzzer.results_message(s, live))
+                    for _ in range(MESSAGES_PER_PROTOCOL)
+                ]
                 await bounded([fuzzer.one_message_stream("results", plan) for plan in plans], PARALLEL_STREAMS * 4)
             finally:
                 victim.close()
@@ -401,7 +502,9 @@ def test_fuzz_every_protocol_while_an_honest_client_generates(limits_swarm, tiny
         while not future.done() or honest < 2:  # an honest client generates all along
             name = "long" if honest % 2 else "short"
             prompt = LONG_PROMPT if name == "long" else PROMPT
-            output = model.generate(torch.tensor(prompt), max_new_tokens=10, speculation="suffix" if honest % 3 else None)
+            output = model.generate(
+                torch.tensor(prompt), max_new_tokens=10, speculation="suffix" if honest % 3 else None
+            )
             assert output.tolist() == expected[name], f"honest generation {honest} diverged"
             honest += 1
         seconds = future.result(timeout=300)
@@ -409,14 +512,27 @@ def test_fuzz_every_protocol_while_an_honest_client_generates(limits_swarm, tiny
     finally:
         stranger.shutdown()
 
-    print(f"\nfuzz: {dict(fuzzer.sent)} messages in {seconds:.1f} s ({sum(map(len, fuzzer.unsent.values()))} resent); "
-          f"{honest} honest generations; "
-          f"replies {sorted(fuzzer.replies.items())}")  # fmt: skip
-    assert all(fuzzer.sent[p] >= MESSAGES_PER_PROTOCOL for p in ("session", "results", "ping")), (fuzzer.sent, fuzzer.unsent)
+    print(
+        f"\nfuzz: {dict(fuzzer.sent)} messages in {seconds:.1f} s ({sum(map(len, fuzzer.unsent.values()))} resent); "
+        f"{honest} honest generations; "
+        f"replies {sorted(fuzzer.replies.items())}"
+    )
+    assert all(fuzzer.sent[p] >= MESSAGES_PER_PROTOCOL for p in ("session", "results", "ping")), (
+        fuzzer.sent,
+        fuzzer.unsent,
+    )
     assert not fuzzer.unexpected, fuzzer.unexpected[:5]
     # the refusals name what was wrong (a sample of the codes the hostile values must produce)
-    for code in ("malformed", "version_mismatch", "unknown_session", "bad_request", "token_out_of_vocab",
-                 "step_too_large", "frame_too_large", "unauthorized"):  # fmt: skip
+    for code in (
+        "malformed",
+        "version_mismatch",
+        "unknown_session",
+        "bad_request",
+        "token_out_of_vocab",
+        "step_too_large",
+        "frame_too_large",
+        "unauthorized",
+    ):
         assert fuzzer.replies[("session", code)] + fuzzer.replies[("results", code)] > 0, (code, fuzzer.replies)
     assert fuzzer.replies[("ping", "Pong")] > 0
     # nothing crashed: no handler, compute thread or task logged an error

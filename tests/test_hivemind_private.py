@@ -30,8 +30,11 @@ def test_make_process_args_turns_keywords_into_p2pd_flags():
     p2pd path positionally and render each keyword as ``-key=value`` (booleans as 0/1)."""
     make = unpatched_make_process_args()
     assert make("p2pd", relayDiscovery=False, relayMaxCircuits=0, trustedRelays="/ip4/1.2.3.4/tcp/1") == [
-        "p2pd", "-relayDiscovery=0", "-relayMaxCircuits=0", "-trustedRelays=/ip4/1.2.3.4/tcp/1",
-    ]  # fmt: skip
+        "p2pd",
+        "-relayDiscovery=0",
+        "-relayMaxCircuits=0",
+        "-trustedRelays=/ip4/1.2.3.4/tcp/1",
+    ]
 
 
 @pytest.mark.parametrize("refuse_relay", [False, True])
@@ -109,4 +112,3 @@ def test_connect_dials_given_addresses():
             await target.shutdown()
 
     asyncio.run(scenario())
-

@@ -26,6 +26,9 @@ import torch
 
 from client._throughput import ThroughputMeter
 from protocol.dht_records import _parse, fetch_model_registry, fetch_servers
+from protocol.flow import swarm_max_flow
+from protocol.messages import Hop
+from protocol.placement import choose_best_span
 from protocol.records import (
     MAX_MODEL_BLOCKS,
     MAX_NAME_CHARS,
@@ -35,9 +38,6 @@ from protocol.records import (
     ServerInfo,
     block_key,
 )
-from protocol.flow import swarm_max_flow
-from protocol.messages import Hop
-from protocol.placement import choose_best_span
 from protocol.routing import MaxFlowRouter, cap_throughput
 from protocol.validation import MAX_RECORD_BYTES, PeerIdSignatureValidator
 
@@ -138,14 +138,29 @@ def _fake_registry(entries: dict) -> Any:
 
 
 def test_registry_entries_are_bounded_and_the_config_wins():
-    dht = _fake_registry({
-        "tiny": {"num_blocks": 10**9}, "other": {"num_blocks": 10**9}, "fine": {"num_blocks": 30},
-        "bool": {"num_blocks": True}, "zero": {"num_blocks": 0}, "n" * (MAX_NAME_CHARS + 1): {"num_blocks": 3},
-        7: {"num_blocks": 3}, "old": None, "capped": {"num_blocks": MAX_MODEL_BLOCKS},
-    })  # fmt: skip
+    dht = _fake_registry(
+        {
+            "tiny": {"num_blocks": 10**9},
+            "other": {"num_blocks": 10**9},
+            "fine": {"num_blocks": 30},
+            "bool": {"num_blocks": True},
+            "zero": {"num_blocks": 0},
+            "n" * (MAX_NAME_CHARS + 1): {"num_blocks": 3},
+            7: {"num_blocks": 3},
+            "old": None,
+            "capped": {"num_blocks": MAX_MODEL_BLOCKS},
+        }
+    )
     registry = fetch_model_registry(dht, known={"tiny": 6, "fine": 30})
-    assert registry == {"tiny": 6, "other": None, "fine": 30, "bool": None, "zero": None, "old": None,
-                        "capped": MAX_MODEL_BLOCKS}  # fmt: skip
+    assert registry == {
+        "tiny": 6,
+        "other": None,
+        "fine": 30,
+        "bool": None,
+        "zero": None,
+        "old": None,
+        "capped": MAX_MODEL_BLOCKS,
+    }
 
 
 class CountingDHT:
@@ -195,10 +210,13 @@ def test_router_ignores_non_finite_throughput_and_bounds_huge_spans():
     """Records built without decoding (so unchecked) still cannot make max-flow raise or the
     router allocate by a claimed span: peak allocation stays far below one set of 10**9 ints."""
     servers = [
-        srv("a", 0, 3), srv("b", 3, 6),
-        srv("inf", 0, 6, math.inf), srv("nan", 0, 6, math.nan), srv("huge", 0, 10**9, 1e300),
+        srv("a", 0, 3),
+        srv("b", 3, 6),
+        srv("inf", 0, 6, math.inf),
+        srv("nan", 0, 6, math.nan),
+        srv("huge", 0, 10**9, 1e300),
         srv("wide", 0, 10**9, 5.0),
-    ]  # fmt: skip
+    ]
     tracemalloc.start()
     try:
         route = MaxFlowRouter().plan(servers, 0, BLOCKS)
@@ -266,19 +284,38 @@ JUNK_MODELS = 40  # registry entries beyond MAX_MODELS_PER_POLL, named to sort b
 
 def _attacks(peer_id: str, model: str, first: bool) -> list[tuple[int, dict]]:
     """(block, record) pairs for one hostile peer: one record per block key it may sign."""
+
     def rec(**fields: Any) -> dict:
-        base = {"peer_id": peer_id, "model": model, "start_block": 0, "end_block": BLOCKS, "state": "online",
-                "throughput": 1.0, "cache_tokens": 10**6, "free_cache_tokens": 10**6}  # fmt: skip
+        base = {
+            "peer_id": peer_id,
+            "model": model,
+            "start_block": 0,
+            "end_block": BLOCKS,
+            "state": "online",
+            "throughput": 1.0,
+            "cache_tokens": 10**6,
+            "free_cache_tokens": 10**6,
+        }
         return {**base, **fields}
 
     if first:
-        records = [rec(end_block=10**9, throughput=math.inf), rec(throughput=math.nan), rec(throughput=1e300),
-                   rec(cache_tokens=-5, free_cache_tokens=-5), rec(end_block=BLOCKS + 1),
-                   rec(start_block=-3, end_block=10**12)]  # fmt: skip
+        records = [
+            rec(end_block=10**9, throughput=math.inf),
+            rec(throughput=math.nan),
+            rec(throughput=1e300),
+            rec(cache_tokens=-5, free_cache_tokens=-5),
+            rec(end_block=BLOCKS + 1),
+            rec(start_block=-3, end_block=10**12),
+        ]
     else:
-        records = [rec(next_pings={f"Qm{i:044d}": 0.01 for i in range(20_000)}), rec(public_name=BIG),
-                   rec(version=BIG), rec(next_pings={"a": math.nan, "b": -1.0}), rec(start_block=4, end_block=2),
-                   rec(free_cache_tokens=2**63 - 1)]  # fmt: skip
+        records = [
+            rec(next_pings={f"Qm{i:044d}": 0.01 for i in range(20_000)}),
+            rec(public_name=BIG),
+            rec(version=BIG),
+            rec(next_pings={"a": math.nan, "b": -1.0}),
+            rec(start_block=4, end_block=2),
+            rec(free_cache_tokens=2**63 - 1),
+        ]
     return list(enumerate(records))
 
 
@@ -289,8 +326,11 @@ def _attack_records(peer_id: str, model: str, first: bool) -> tuple[list, list, 
 
 def _registry_entries(model: str) -> tuple[list, list, list]:
     """Anyone may write the registry: one entry resizes the real model, the others flood it."""
-    registry = {model: {"num_blocks": 10**9}, "hostile-model": {"num_blocks": 10**9},
-                **{f"0-junk-{i:02d}": {"num_blocks": MAX_MODEL_BLOCKS} for i in range(JUNK_MODELS)}}  # fmt: skip
+    registry = {
+        model: {"num_blocks": 10**9},
+        "hostile-model": {"num_blocks": 10**9},
+        **{f"0-junk-{i:02d}": {"num_blocks": MAX_MODEL_BLOCKS} for i in range(JUNK_MODELS)},
+    }
     return [MODELS_KEY] * len(registry), list(registry), list(registry.values())
 
 

@@ -72,8 +72,15 @@ class RawSession:
             self.tail = await MessageStream.open(self.p2p, PeerID.from_base58(self.route[-1].peer_id), RESULTS_PROTOCOL)
             await self.tail.send(Subscribe(session_id=self.session_id, secret=self.secret))
         self.head = await MessageStream.open(self.p2p, PeerID.from_base58(self.route[0].peer_id), SESSION_PROTOCOL)
-        await self.head.send(OpenSession(session_id=self.session_id, max_length=max_length, route=self.route, hop_index=0,
-                                         secret_hash=hashlib.sha256(self.secret.encode()).hexdigest()))  # fmt: skip
+        await self.head.send(
+            OpenSession(
+                session_id=self.session_id,
+                max_length=max_length,
+                route=self.route,
+                hop_index=0,
+                secret_hash=hashlib.sha256(self.secret.encode()).hexdigest(),
+            )
+        )
         return (await asyncio.wait_for(self.head.receive(), 30)).message
 
     async def step(self, run_id: int, start_pos: int, token_ids: list[int]) -> None:
@@ -145,7 +152,9 @@ def test_subscribe_needs_the_session_secret(limits_swarm, tiny_reference, tiny_l
     tail = servers[1]
     expected = reference(tiny_reference, PROMPT, 12)
     # the attacker: another peer (its own identity), connected straight to the tail
-    attacker_dht = hivemind.DHT(initial_peers=[str(m) for m in tail.dht.get_visible_maddrs()], client_mode=True, start=True)
+    attacker_dht = hivemind.DHT(
+        initial_peers=[str(m) for m in tail.dht.get_visible_maddrs()], client_mode=True, start=True
+    )
     try:
         with model.inference_session(max_length=64) as state:
             first = model.generate(torch.tensor(PROMPT), max_new_tokens=6, speculation=None)
@@ -185,7 +194,9 @@ def test_middle_of_a_chain_must_be_opened_by_the_previous_hop(limits_swarm):
         route = [Hop(s.info.peer_id, s.info.start_block, s.info.end_block) for s in servers]
         stream = await MessageStream.open(model.swarm.p2p, PeerID.from_base58(route[1].peer_id), SESSION_PROTOCOL)
         try:
-            await stream.send(OpenSession(session_id="middle", max_length=16, route=route, hop_index=1, secret_hash="0" * 64))
+            await stream.send(
+                OpenSession(session_id="middle", max_length=16, route=route, hop_index=1, secret_hash="0" * 64)
+            )
             return (await asyncio.wait_for(stream.receive(), 30)).message
         finally:
             stream.close()
@@ -281,8 +292,11 @@ def test_frame_above_the_limit_is_refused_before_it_is_read(limits_swarm, tiny_r
         finally:
             stream.close()
 
-    for protocol, length in [(SESSION_PROTOCOL, head.max_frame_bytes + 1), (SESSION_PROTOCOL, 2**63),
-                             (RESULTS_PROTOCOL, limits.CONTROL_FRAME_BYTES + 1)]:  # fmt: skip
+    for protocol, length in [
+        (SESSION_PROTOCOL, head.max_frame_bytes + 1),
+        (SESSION_PROTOCOL, 2**63),
+        (RESULTS_PROTOCOL, limits.CONTROL_FRAME_BYTES + 1),
+    ]:
         reply, after = _loop.run(declare(protocol, length), timeout=60)
         assert isinstance(reply, ErrorReply) and reply.code == ErrorCode.FRAME_TOO_LARGE, reply
         assert str(length) in reply.message
@@ -393,6 +407,7 @@ def test_gateway_caps_a_request_without_max_tokens():
 
     class Served:
         context_length, default_max_tokens = 32768, 1024
+
         class tokenizer:  # the choice's text of a chat prompt given as ids (only the max_tokens matter here)
             @staticmethod
             def decode(ids, skip_special_tokens=True):

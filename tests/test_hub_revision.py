@@ -24,8 +24,14 @@ def rec(peer: str, start: int, end: int, revision: str, state=ServerState.ONLINE
 
 def test_the_revision_with_the_most_served_blocks_wins(caplog):
     caplog.set_level("INFO", logger="server.model_source")
-    servers = [rec("p1", 0, 2, OTHER), rec("p2", 2, 4, OTHER), rec("p3", 0, 6, OLD), rec("p4", 0, 6, MAIN, ServerState.JOINING),
-               rec("p5", 0, 6, "sha256:" + "0" * 32), rec("p6", 0, 6, "main")]  # fmt: skip
+    servers = [
+        rec("p1", 0, 2, OTHER),
+        rec("p2", 2, 4, OTHER),
+        rec("p3", 0, 6, OLD),
+        rec("p4", 0, 6, MAIN, ServerState.JOINING),
+        rec("p5", 0, 6, "sha256:" + "0" * 32),
+        rec("p6", 0, 6, "main"),
+    ]
     assert swarm_revision(servers) == OLD  # 6 blocks against 4; joining records and non-commits do not count
     assert "several revisions" in caplog.text and f"taking {OLD[:12]}" in caplog.text
     assert swarm_revision(servers[:2] + [rec("p3", 0, 4, OLD)]) == OLD  # a tie: the smaller commit id
@@ -78,8 +84,14 @@ def test_a_new_server_pins_the_revision_the_swarm_announces(fake_hub, tmp_path):
         peers = [str(a) for a in dht.get_visible_maddrs()]
 
         def create(**fields):
-            config = ServerConfig(model="org/tiny", initial_peers=peers, host="127.0.0.1", reachability="public",
-                                  identity_path=str(tmp_path / "id.key"), **fields)  # fmt: skip
+            config = ServerConfig(
+                model="org/tiny",
+                initial_peers=peers,
+                host="127.0.0.1",
+                reachability="public",
+                identity_path=str(tmp_path / "id.key"),
+                **fields,
+            )
             with pytest.raises(Stop):
                 asyncio.run(SpanServer.create(config))
 

@@ -12,12 +12,12 @@ import time
 import msgspec
 import pytest
 
-from server.joining import JOINING_THROUGHPUT, claim_span, joining_throughput, outranks, rivals
 from protocol.flow import swarm_max_flow
 from protocol.placement import choose_best_span, should_move
 from protocol.records import ServerInfo, ServerState
 from protocol.route_errors import NoRouteError
 from protocol.routing import MaxFlowRouter
+from server.joining import JOINING_THROUGHPUT, claim_span, joining_throughput, outranks, rivals
 
 MODEL = "tiny"
 TOTAL = 6
@@ -25,8 +25,9 @@ TOTAL = 6
 
 def srv(peer: str, start: int, end: int, throughput: float = 10.0, state=ServerState.ONLINE, **fields) -> ServerInfo:
     fields.setdefault("free_cache_tokens", 4096)
-    return ServerInfo(peer_id=peer, model=MODEL, start_block=start, end_block=end, throughput=throughput,
-                      state=state, **fields)  # fmt: skip
+    return ServerInfo(
+        peer_id=peer, model=MODEL, start_block=start, end_block=end, throughput=throughput, state=state, **fields
+    )
 
 
 def joining(peer: str, start: int, end: int, started_at: float = 100.0) -> ServerInfo:
@@ -194,12 +195,20 @@ class FakeSwarm:
 
     def claim(self, peer: str, started_at: float, choose=choose3, automatic: bool = True):
         template = ServerInfo(peer_id=peer, model=MODEL, start_block=0, end_block=1)
-        return claim_span(template, choose, self.fetch_for(peer), self.publish, automatic=automatic,
-                          jitter=0, settle=0.01, now=lambda: started_at)  # fmt: skip
+        return claim_span(
+            template,
+            choose,
+            self.fetch_for(peer),
+            self.publish,
+            automatic=automatic,
+            jitter=0,
+            settle=0.01,
+            now=lambda: started_at,
+        )
 
 
 def test_two_servers_that_chose_the_same_gap_at_once_split_the_model():
-    """"early" wins the draw against "late" (server.joining.rank): it keeps the span although
+    """ "early" wins the draw against "late" (server.joining.rank): it keeps the span although
     "late" claims an earlier start."""
     swarm = FakeSwarm(racers=2)
 
@@ -290,16 +299,17 @@ def empty_swarm(tiny_llama_path, artifacts_dir):
     from swarm.local import LocalSwarm
     from tests.conftest import SERVER_ARGS
 
-    with LocalSwarm(str(tiny_llama_path), spans=[], server_args=SERVER_ARGS,
-                    log_dir=str(artifacts_dir / "joining")) as swarm:  # fmt: skip
+    with LocalSwarm(
+        str(tiny_llama_path), spans=[], server_args=SERVER_ARGS, log_dir=str(artifacts_dir / "joining")
+    ) as swarm:
         yield swarm
 
 
 @pytest.mark.timeout(300)
 def test_two_servers_started_together_take_different_spans(empty_swarm):
 
-    from protocol.dht_records import fetch_servers
     from protocol.dht import make_dht
+    from protocol.dht_records import fetch_servers
 
     swarm = empty_swarm
     swarm.start_server(None, 3, name="twin-1")

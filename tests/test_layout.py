@@ -63,16 +63,18 @@ def module_imports(path: Path, modules: set[str]) -> set[str]:
 
 def import_circles(package: str) -> list[list[str]]:
     """Every circle of imports between the modules of ``package`` found by a depth-first walk."""
-    paths = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
-             for p in (ROOT / package).rglob("*.py")}  # fmt: skip
+    paths = {
+        ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in (ROOT / package).rglob("*.py")
+    }
     graph = {name: module_imports(path, set(paths)) - {name} for name, path in paths.items()}
     circles, state, stack = [], {}, []
 
     def walk(module: str) -> None:
-        state[module], stack[len(stack):] = "open", [module]
+        state[module], stack[len(stack) :] = "open", [module]
         for target in sorted(graph[module]):
             if state.get(target) == "open":
-                circles.append(stack[stack.index(target):] + [target])
+                circles.append(stack[stack.index(target) :] + [target])
             elif target not in state:
                 walk(target)
         stack.pop()
@@ -90,11 +92,14 @@ def test_no_import_circle(package):
     assert not circles, "imports that run in a circle:\n" + "\n".join(" -> ".join(c) for c in circles)
 
 
-@pytest.mark.parametrize("source,expected", [
-    ("import server.span_server", {(1, "server")}),
-    ("def f():\n    from client import model", {(2, "client")}),
-    ("from . import sibling\nimport torch", set()),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "source,expected",
+    [
+        ("import server.span_server", {(1, "server")}),
+        ("def f():\n    from client import model", {(2, "client")}),
+        ("from . import sibling\nimport torch", set()),
+    ],
+)
 def test_the_walker_sees_every_kind_of_import(tmp_path, source, expected):
     module = tmp_path / "m.py"
     module.write_text(source)

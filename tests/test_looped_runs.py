@@ -8,7 +8,6 @@ from __future__ import annotations
 import types
 
 import msgspec
-
 import pytest
 import torch
 from hivemind.p2p import PeerID
@@ -29,7 +28,9 @@ SAMPLINGS = {"greedy": {}, "seeded": {"do_sample": True, "temperature": 0.8, "to
 def test_looped_runs_give_the_output_of_no_speculation(tiny_model, sampling):
     prompt = torch.tensor([PROMPT[0]])
     plain = tiny_model.generate(prompt, max_new_tokens=16, speculation=None, loop_runs=False, **SAMPLINGS[sampling])
-    model_output = tiny_model.generate(prompt, max_new_tokens=16, speculation=None, loop_runs=True, **SAMPLINGS[sampling])
+    model_output = tiny_model.generate(
+        prompt, max_new_tokens=16, speculation=None, loop_runs=True, **SAMPLINGS[sampling]
+    )
     assert model_output.tolist() == plain.tolist()
     stats = tiny_model.last_generation_stats
     # every run but the client's first is started at the head (a tail without a tail drafts nothing)
@@ -68,14 +69,23 @@ def test_chain_laps_keep_their_bytes():
     asked = Step(session_id="0" * 16, run_id=7, start_pos=40, token_ids=[5], loop_runs=60)
     assert decode(encode(asked)) == asked and decode(encode(asked)).loop_runs == 60 and plain.loop_runs == 0
     assert len(encode(plain)) == 29 and len(encode(asked)) - len(encode(plain)) == 8  # 6 defaults before it, and it
-    start = LoopedRun(step=Step(session_id="0" * 16, run_id=8, start_pos=41, token_ids=[6, 9], n_draft=1, loop_runs=59),
-                      accepted=2)  # fmt: skip
+    start = LoopedRun(
+        step=Step(session_id="0" * 16, run_id=8, start_pos=41, token_ids=[6, 9], n_draft=1, loop_runs=59), accepted=2
+    )
     assert decode(encode(start)) == start and decode(encode(start)).step.loop_runs == 59
     # every verdict carries its 32-bit step digest (5 bytes) right after next_token
     verdict = StepResult(session_id="0" * 16, run_id=7, accepted=0, next_token=6, step_digest=0x89ABCDEF, drafts=[9])
     assert len(encode(verdict)) == 40 and not verdict.looped and verdict.run_drafts is None
-    started = StepResult(session_id="0" * 16, run_id=7, accepted=0, next_token=6, step_digest=0x89ABCDEF, drafts=[9],
-                         looped=True, run_drafts=[3])  # fmt: skip
+    started = StepResult(
+        session_id="0" * 16,
+        run_id=7,
+        accepted=0,
+        next_token=6,
+        step_digest=0x89ABCDEF,
+        drafts=[9],
+        looped=True,
+        run_drafts=[3],
+    )
     assert decode(encode(started)) == started and len(encode(started)) == 40 + 3
 
 
@@ -109,10 +119,11 @@ def test_tail_drafts_in_looped_runs(drafter_servers, sampling):
     assert stats.runs_cancelled == 0  # the chain's budget ends with the last token asked for
     # an end of sequence before the budget: the run started after it is cancelled on every server
     eos = plain[0, prompt.shape[1] + 5].item()
-    short = model.generate(prompt, max_new_tokens=24, speculation="tail", loop_runs=True, eos_token_id=eos,
-                           **SAMPLINGS[sampling])  # fmt: skip
-    new = plain[0, prompt.shape[1]:].tolist()
-    assert short[0, prompt.shape[1]:].tolist() == new[: new.index(eos) + 1]
+    short = model.generate(
+        prompt, max_new_tokens=24, speculation="tail", loop_runs=True, eos_token_id=eos, **SAMPLINGS[sampling]
+    )
+    new = plain[0, prompt.shape[1] :].tolist()
+    assert short[0, prompt.shape[1] :].tolist() == new[: new.index(eos) + 1]
     assert model.last_generation_stats.runs_cancelled == 1
     assert _loop.run(_wait_for(lambda: all(not s.handler.sessions for s in servers)), timeout=30)
 
@@ -143,7 +154,9 @@ def test_only_the_routes_tail_may_start_a_run_and_only_when_asked(drafter_server
         with pytest.raises(ProtocolError) as refused:
             await original(message, stranger)
         assert refused.value.code == ErrorCode.UNKNOWN_SESSION and "whose tail is" in refused.value.message
-        forged = LoopedRun(step=msgspec.structs.replace(message.step, loop_runs=message.step.loop_runs + 5), accepted=message.accepted)
+        forged = LoopedRun(
+            step=msgspec.structs.replace(message.step, loop_runs=message.step.loop_runs + 5), accepted=message.accepted
+        )
         with pytest.raises(ProtocolError, match="asked for no looped run"):
             await original(forged, stream)
         return await original(message, stream)
@@ -158,15 +171,23 @@ def test_only_the_routes_tail_may_start_a_run_and_only_when_asked(drafter_server
     assert output.tolist() == plain.tolist() and "session" in captured
     assert captured["session"].route[-1].peer_id == tail_id.to_base58()
     # stale: after a cancel of the run it would start, or once a newer run is the session's last
-    session = types.SimpleNamespace(closed=False, hop_index=0, route=captured["session"].route, loop_runs_left=3,
-                                    last_run_id=4, cancelled_since_accept=5)  # fmt: skip
+    session = types.SimpleNamespace(
+        closed=False,
+        hop_index=0,
+        route=captured["session"].route,
+        loop_runs_left=3,
+        last_run_id=4,
+        cancelled_since_accept=5,
+    )
     head.sessions["stale"] = session
     try:
         tail = types.SimpleNamespace(peer_id=tail_id)
         dropped = head.stats["looped_runs_dropped"]
         for last, cancelled in ((4, 5), (6, None)):
             session.last_run_id, session.cancelled_since_accept = last, cancelled
-            looped = LoopedRun(step=Step(session_id="stale", run_id=5, start_pos=0, token_ids=[1], loop_runs=2), accepted=0)
+            looped = LoopedRun(
+                step=Step(session_id="stale", run_id=5, start_pos=0, token_ids=[1], loop_runs=2), accepted=0
+            )
             _loop.run(head._take_looped_run(looped, tail), timeout=10)
         assert head.stats["looped_runs_dropped"] == dropped + 2
     finally:
@@ -182,8 +203,9 @@ def test_the_clients_retrieval_drafts_ride_in_looped_runs(drafter_servers, sampl
     plain = model.generate(prompt, max_new_tokens=24, speculation=None, loop_runs=False, **SAMPLINGS[sampling])
     used = servers[0].handler.stats["offers_used"]
     corpus = [plain[0, prompt.shape[1] :].tolist()]  # a text the answer repeats: retrieval drafts well
-    output = model.generate(prompt, max_new_tokens=24, speculation="suffix", loop_runs=True, draft_corpus=corpus,
-                            **SAMPLINGS[sampling])  # fmt: skip
+    output = model.generate(
+        prompt, max_new_tokens=24, speculation="suffix", loop_runs=True, draft_corpus=corpus, **SAMPLINGS[sampling]
+    )
     assert output.tolist() == plain.tolist()
     stats = model.last_generation_stats
     assert stats.looped_runs >= stats.laps - 1 > 0 and stats.offers_sent > 0
@@ -192,7 +214,6 @@ def test_the_clients_retrieval_drafts_ride_in_looped_runs(drafter_servers, sampl
 
 def test_malformed_offers_are_refused_by_name(drafter_servers):
     from protocol.limits import MAX_OFFER_DRAFTS, MAX_OFFER_OPTIONS
-
     from server.admission import check_offer
 
     model, servers = drafter_servers
@@ -218,7 +239,9 @@ def test_agenerate_stream_with_looped_runs(drafter_servers):
     truth = plain[0, len(prompt) :].tolist()
 
     async def collect():
-        chunks = [c async for c in model.agenerate_stream(prompt, max_new_tokens=14, loop_runs=True, draft_corpus=[truth])]
+        chunks = [
+            c async for c in model.agenerate_stream(prompt, max_new_tokens=14, loop_runs=True, draft_corpus=[truth])
+        ]
         return [t for c in chunks for t in c.token_ids], chunks[-1].stats
 
     tokens, stats = asyncio.run(collect())

@@ -9,14 +9,20 @@ from protocol.messages import GREEDY, SamplingParams, Step, decode, encode
 
 def test_a_greedy_step_leaves_sampling_off_the_wire() -> None:
     bare = Step(session_id="0123456789abcdef", run_id=57, start_pos=1234, token_ids=[49147])
-    explicit = Step(session_id="0123456789abcdef", run_id=57, start_pos=1234, token_ids=[49147], sampling=SamplingParams())
+    explicit = Step(
+        session_id="0123456789abcdef", run_id=57, start_pos=1234, token_ids=[49147], sampling=SamplingParams()
+    )
     decoded = decode(encode(bare))
     assert decoded.sampling is None and decoded.sampling_params == GREEDY
     # defaults stay off the wire too (a map without them: 1 byte, and n_draft's before it); as an
     # array they were 37 bytes. 38 in v3, 40 in v5; v6 cuts the array after its last field not at its default
     assert len(encode(bare)) == 33 and len(encode(explicit)) == len(encode(bare)) + 2
     seeded = SamplingParams(do_sample=True, top_k=50, seed=2**31 - 1)
-    assert len(encode(Step(session_id="0123456789abcdef", run_id=57, start_pos=1234, token_ids=[49147], sampling=seeded))) - len(encode(bare)) == 15  # 13, and n_draft's byte before it
+    assert (
+        len(encode(Step(session_id="0123456789abcdef", run_id=57, start_pos=1234, token_ids=[49147], sampling=seeded)))
+        - len(encode(bare))
+        == 15
+    )  # 13, and n_draft's byte before it
 
 
 def test_sampling_parameters_round_trip() -> None:
@@ -55,13 +61,20 @@ def test_arrays_stop_at_their_last_field_not_at_its_default() -> None:
     base = dict(session_id="0123456789abcdef", run_id=57, start_pos=1234, token_ids=[49147] + [40000] * 8, n_draft=8)
     chain = Step(**base)
     assert len(encode(chain)) == 58  # 64 in v5
-    for extra in (dict(tail_drafts=4), dict(return_hidden=True), dict(loop_runs=3), dict(tree_path=[0, 1]),
-                  dict(parents=[-1] + list(range(7)), top_logprobs=2)):  # fmt: skip
+    for extra in (
+        dict(tail_drafts=4),
+        dict(return_hidden=True),
+        dict(loop_runs=3),
+        dict(tree_path=[0, 1]),
+        dict(parents=[-1] + list(range(7)), top_logprobs=2),
+    ):
         step = Step(**base, **extra)
         assert decode(encode(step)) == step and len(encode(step)) > len(encode(chain))
-    for result in (StepResult(session_id="s", run_id=1, accepted=0, next_token=6),
-                   StepResult(session_id="s", run_id=1, accepted=2, next_token=6, path=[0, 3], looped=True),
-                   StepResult(session_id="s", run_id=1, accepted=2, next_token=6, logprobs=[], drafts=[1])):  # fmt: skip
+    for result in (
+        StepResult(session_id="s", run_id=1, accepted=0, next_token=6),
+        StepResult(session_id="s", run_id=1, accepted=2, next_token=6, path=[0, 3], looped=True),
+        StepResult(session_id="s", run_id=1, accepted=2, next_token=6, logprobs=[], drafts=[1]),
+    ):
         assert decode(encode(result)) == result
     looped = LoopedRun(step=chain, accepted=3)
     assert decode(encode(looped)) == looped and len(encode(looped)) == len(encode(chain)) + 7  # [tag, step, accepted]

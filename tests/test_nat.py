@@ -63,14 +63,31 @@ def bed():
 
 
 def _bootstrap(bed, *extra: str) -> tuple[subprocess.Popen, str]:
-    process = bed.run("pub", [sys.executable, "-m", "swarm.bootstrap", "--host", bed.ip("pub"), *extra],
-                      stdout=subprocess.PIPE, text=True)  # fmt: skip
+    process = bed.run(
+        "pub",
+        [sys.executable, "-m", "swarm.bootstrap", "--host", bed.ip("pub"), *extra],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     return process, process.stdout.readline().strip()
 
 
 def _server(bed, host: str, model: str, peer: str, blocks: str, log_path, *extra: str) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "swarm.server", "--model", model, "--initial-peers", peer, "--blocks", blocks,
-            "--host", bed.ip(host), *SERVER_ARGS, *extra]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "swarm.server",
+        "--model",
+        model,
+        "--initial-peers",
+        peer,
+        "--blocks",
+        blocks,
+        "--host",
+        bed.ip(host),
+        *SERVER_ARGS,
+        *extra,
+    ]
     return bed.run(host, argv, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
 
 
@@ -85,8 +102,13 @@ def test_server_behind_nat_serves_through_a_relay(bed, tiny_llama_path, tiny_ref
     result = None
     while result is None and time.monotonic() < deadline:  # the client retries until both are online
         assert public.poll() is None and home.poll() is None, (tmp_path / "home.log").read_text()[-3000:]
-        client = bed.run("cli", [sys.executable, "-c", CLIENT, model, peer, json.dumps(ids)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        client = bed.run(
+            "cli",
+            [sys.executable, "-c", CLIENT, model, peer, json.dumps(ids)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         out, err = client.communicate(timeout=120)
         if client.returncode == 0:
             result = json.loads(out.strip().splitlines()[-1])
@@ -127,7 +149,9 @@ def test_only_well_formed_circuit_addresses_of_the_peer_itself_are_kept():
     good = f"/ip4/10.0.0.1/tcp/5000/p2p/{other}/p2p-circuit/p2p/{me}"
     assert relay.valid_circuit_addrs([good], me) == (good,)
     assert relay.valid_circuit_addrs([good], other) == ()  # names another peer
-    assert relay.valid_circuit_addrs([f"/ip4/10.0.0.1/tcp/5000/p2p/{me}"], me) == ()  # direct: never taken from a record
+    assert (
+        relay.valid_circuit_addrs([f"/ip4/10.0.0.1/tcp/5000/p2p/{me}"], me) == ()
+    )  # direct: never taken from a record
     assert relay.valid_circuit_addrs(["/garbage/p2p-circuit/p2p/" + me, 42], me) == ()
     assert len(relay.valid_circuit_addrs([good] * 10, me)) == relay.MAX_RELAY_ADDRS
 

@@ -21,7 +21,7 @@ def test_old_spellings_are_errors_naming_the_argument():
             GenerationOptions.split(kwargs)
     for old in ("head", "suffix+head", "ngram+head"):
         options, _ = GenerationOptions.split({"speculation": old})
-        with pytest.raises(ValueError, match=re.escape(f"speculation must be one of") + ".*" + re.escape(repr(old))):
+        with pytest.raises(ValueError, match=re.escape("speculation must be one of") + ".*" + re.escape(repr(old))):
             options.checked()
     for kind in ("suffix", "ngram", "tail", "suffix+tail", "ngram+tail", None):
         assert GenerationOptions(speculation=kind).checked().speculation == kind
@@ -35,7 +35,7 @@ def test_decoding_modes_that_do_not_go_together_are_refused_by_name():
         (("rejection", True, 1, None), "does not go with verification='rejection'"),
         (("match", False, 1, "yes"), "loop_runs must be True, False or None"),
         (("match", False, 3, True), "loop_runs=True runs one chain at a time"),
-    ):  # fmt: skip
+    ):
         with pytest.raises(ValueError, match=phrase):
             check_decoding(*args)
     # None: on wherever it applies

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import msgspec
 
-from protocol.records import ServerInfo, ServerState
 from protocol.placement import CLAIM_CAP, choose_best_span, placement_view, should_move
+from protocol.records import ServerInfo, ServerState
 from server.joining import outranks, rivals
 
 TOTAL = 8
@@ -18,8 +18,17 @@ HUGE = 1000.0  # times an honest server's claim
 
 
 def srv(peer: str, start: int, end: int, throughput: float = 10.0, state=ServerState.ONLINE, **fields) -> ServerInfo:
-    return ServerInfo(peer_id=peer, model="m", start_block=start, end_block=end, throughput=throughput, state=state,
-                      free_cache_tokens=4096, started_at=fields.pop("started_at", 1000.0), **fields)  # fmt: skip
+    return ServerInfo(
+        peer_id=peer,
+        model="m",
+        start_block=start,
+        end_block=end,
+        throughput=throughput,
+        state=state,
+        free_cache_tokens=4096,
+        started_at=fields.pop("started_at", 1000.0),
+        **fields,
+    )
 
 
 def honest_swarm() -> list[ServerInfo]:

@@ -35,9 +35,15 @@ class Started:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.out, self.log = log_dir / f"{name}.out", log_dir / f"{name}.log"
         with open(self.out, "w") as out, open(self.log, "w") as log:
-            self.process = subprocess.Popen([sys.executable, "-m", *args], stdout=out, stderr=log,
-                                            stdin=subprocess.DEVNULL, start_new_session=True, cwd=REPO,
-                                            env=lifeline.child_env())  # fmt: skip
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", *args],
+                stdout=out,
+                stderr=log,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                cwd=REPO,
+                env=lifeline.child_env(),
+            )
 
     def wait_for(self, ready: Callable[[str, str], bool], timeout: float = START_TIMEOUT) -> str:
         """Wait until ready(stdout, stderr) holds; return stdout."""
@@ -113,8 +119,11 @@ def kill_and_expect_nothing_left(victim: subprocess.Popen, tree: list[psutil.Pro
 @pytest.fixture(scope="module")
 def bootstrap_peers(tmp_path_factory):
     """A bootstrap node (the CLI) for the server and dashboard tests; its multiaddr."""
-    node = Started(["swarm.bootstrap", "--host", "127.0.0.1", "--port", "0", "--log-level", "WARNING"],
-                   tmp_path_factory.mktemp("bootstrap"), "bootstrap")  # fmt: skip
+    node = Started(
+        ["swarm.bootstrap", "--host", "127.0.0.1", "--port", "0", "--log-level", "WARNING"],
+        tmp_path_factory.mktemp("bootstrap"),
+        "bootstrap",
+    )
     with cleanup(node):
         yield [node.wait_for(lambda out, _: out.endswith("\n")).split()[0]]
 
@@ -123,8 +132,21 @@ def test_sigkilled_launcher_leaves_no_process_of_its_swarm(tiny_llama_path, tmp_
     """Bootstrap, 3 servers (behind delay proxies, threads of the launcher) and dashboard, each with
     a DHT process and p2pd: all gone within 10 s of a SIGKILL to ``python -m swarm.local``. (The
     gateway, ``--api-port``, goes the same way; it is left out to keep the test short.)"""
-    launcher = Started(["swarm.local", "--model", str(tiny_llama_path), "--servers", "3", "--hop-delay-ms", "5",
-                        "--log-dir", str(tmp_path / "logs")], tmp_path, "launcher")  # fmt: skip
+    launcher = Started(
+        [
+            "swarm.local",
+            "--model",
+            str(tiny_llama_path),
+            "--servers",
+            "3",
+            "--hop-delay-ms",
+            "5",
+            "--log-dir",
+            str(tmp_path / "logs"),
+        ],
+        tmp_path,
+        "launcher",
+    )
     with cleanup(launcher) as tracked:
         launcher.wait_for(lambda out, _: "Press Ctrl-C to stop." in out)
         tree = _tree(launcher.process.pid)
@@ -152,15 +174,34 @@ def test_sigkilled_bootstrap_leaves_no_dht_process_or_p2pd(tmp_path):
 
 
 def test_sigkilled_dashboard_leaves_no_dht_process_or_p2pd(bootstrap_peers, tmp_path):
-    dashboard = Started(["swarm.dashboard", "--initial-peers", *bootstrap_peers, "--host", "127.0.0.1", "--port", "0"],
-                        tmp_path, "dashboard")  # fmt: skip
+    dashboard = Started(
+        ["swarm.dashboard", "--initial-peers", *bootstrap_peers, "--host", "127.0.0.1", "--port", "0"],
+        tmp_path,
+        "dashboard",
+    )
     with cleanup(dashboard) as tracked:
         _kill_one_cli(dashboard, lambda out, _: "Dashboard: " in out, tracked)
 
 
 def test_sigkilled_server_leaves_no_dht_process_or_p2pd(bootstrap_peers, tiny_llama_path, tmp_path):
-    server = Started(["swarm.server", "--model", str(tiny_llama_path), "--initial-peers", *bootstrap_peers,
-                      "--blocks", "0:6", "--host", "127.0.0.1", "--torch-threads", "1", "--log-level", "INFO"],
-                     tmp_path, "server")  # fmt: skip
+    server = Started(
+        [
+            "swarm.server",
+            "--model",
+            str(tiny_llama_path),
+            "--initial-peers",
+            *bootstrap_peers,
+            "--blocks",
+            "0:6",
+            "--host",
+            "127.0.0.1",
+            "--torch-threads",
+            "1",
+            "--log-level",
+            "INFO",
+        ],
+        tmp_path,
+        "server",
+    )
     with cleanup(server) as tracked:
         _kill_one_cli(server, lambda _, log: "Listening on" in log, tracked)

@@ -12,6 +12,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DeepseekV4ForCausalLM
 
+from protocol.config import ENV_INITIAL_PEERS, resolve_initial_peers
+from protocol.dht_records import fetch_servers
 from protocol.messages import SamplingParams
 from server.adapters import load_span
 from server.adapters.deepseek_v4_quant import quantize_loaded_experts
@@ -19,18 +21,16 @@ from server.memory import model_bytes
 from server.quantization import (
     Int8WeightLinear,
     Quant,
+    as_served,
     bnb_config,
     check_runnable,
     default_quant,
-    as_served,
     quantize_loaded,
     resident_bytes,
     resolve_quant,
 )
 from server.span_server import resolve_device, resolve_dtype
 from server.weights import Checkpoint
-from protocol.config import ENV_INITIAL_PEERS, resolve_initial_peers
-from protocol.dht_records import fetch_servers
 from swarm import warm_start
 from swarm.local import LocalSwarm
 from tests.conftest import SERVER_ARGS, PinnedRoute, last_use
@@ -49,7 +49,9 @@ def v4_path(tmp_path_factory):
 def quantized_llama_reference(path, quant: Quant):
     """transformers' own bitsandbytes loading: an independent path to the same quantized model."""
     config = bnb_config(quant, torch.float32)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, quantization_config=config, device_map="cpu")
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, quantization_config=config, device_map="cpu"
+    )
     return as_served(model).eval()  # the same weights, computed as the servers compute them
 
 
@@ -72,7 +74,13 @@ def test_estimated_block_bytes_equal_what_a_loaded_block_holds(tiny_llama_path, 
         config = AutoConfig.from_pretrained(path)
         span = load_span(config, Checkpoint(str(path)), 1, 2, torch.float32, "cpu", quant)
         with torch.inference_mode():  # counted after a call: a layer that builds state on first use shows it
-            span.forward(torch.zeros(1, 2, *span.hidden_shape), torch.zeros(1, 2, dtype=torch.long), 0, span.new_cache(), range(1, 2))
+            span.forward(
+                torch.zeros(1, 2, *span.hidden_shape),
+                torch.zeros(1, 2, dtype=torch.long),
+                0,
+                span.new_cache(),
+                range(1, 2),
+            )
         estimated_max, _ = model_bytes(config, torch.float32, quant)
         assert resident_bytes(span.layers) <= estimated_max
         if path == tiny_llama_path:  # all blocks of the Llama are alike
@@ -103,6 +111,7 @@ def test_a_mode_the_machine_cannot_run_is_named_with_its_reason(monkeypatch):
         pytest.skip("this machine has CUDA")
     with pytest.raises(ValueError, match=r"--quant nf4 cannot run on cuda .*CUDA is not available"):
         check_runnable(Quant.NF4, "cuda", torch.bfloat16)
+
     def broken(*args, **kwargs):
         raise RuntimeError("no kernel for this device")
 
@@ -124,8 +133,11 @@ def test_server_refuses_a_quantization_it_cannot_run_at_start(tiny_llama_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     began = time.monotonic()
-    result = warm_start.run("swarm.server", ["--model", str(tiny_llama_path), "--new-swarm", "--quant", "nf4",
-                                             "--device", "cuda", "--host", "127.0.0.1"], timeout=120)  # fmt: skip
+    result = warm_start.run(
+        "swarm.server",
+        ["--model", str(tiny_llama_path), "--new-swarm", "--quant", "nf4", "--device", "cuda", "--host", "127.0.0.1"],
+        timeout=120,
+    )
     assert result.returncode != 0
     assert "CUDA is not available" in result.stderr and "Traceback" not in result.stderr, result.stderr
     assert time.monotonic() - began < 60
@@ -162,8 +174,13 @@ def test_initial_peers_come_from_the_flag_then_the_environment_then_the_config_f
 def test_server_without_peers_names_all_three_ways(tmp_path):
     env = {k: v for k, v in __import__("os").environ.items() if k != ENV_INITIAL_PEERS}
     env["XDG_CONFIG_HOME"] = str(tmp_path)
-    result = subprocess.run([sys.executable, "-m", "swarm.server", "--model", "smollm2-135m"],
-                            capture_output=True, text=True, timeout=60, env=env)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "swarm.server", "--model", "smollm2-135m"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
     assert result.returncode != 0 and "Traceback" not in result.stderr
     for way in ("--initial-peers", ENV_INITIAL_PEERS, str(tmp_path / "specswarm" / "config.toml"), "--new-swarm"):
         assert way in result.stderr, result.stderr
@@ -241,7 +258,9 @@ def test_smollm2_over_three_quantized_servers_speculation_never_changes_the_outp
     from swarm.local import even_spans
 
     spans = {Quant.NF4: even_spans(30, 3), Quant.INT8: even_spans(30, 2)}  # 3 nf4 servers, as the issue asks
-    with LocalSwarm("smollm2-135m", spans=[], server_args=SERVER_ARGS, log_dir=str(artifacts_dir / "smol-quant-swarm")) as swarm:
+    with LocalSwarm(
+        "smollm2-135m", spans=[], server_args=SERVER_ARGS, log_dir=str(artifacts_dir / "smol-quant-swarm")
+    ) as swarm:
         for quant in QUANTS:  # all five start at once
             for i, (start, end) in enumerate(spans[quant]):
                 swarm.start_server(start, end, name=f"{quant.value}-{i}", extra=["--quant", quant.value])
@@ -250,8 +269,9 @@ def test_smollm2_over_three_quantized_servers_speculation_never_changes_the_outp
         try:
             infos = fetch_servers(model.swarm.dht, model.swarm.model, 30)
             messages = [{"role": "user", "content": CODE_EDITING[0]}]
-            prompt = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                                         return_dict=True)["input_ids"]  # fmt: skip
+            prompt = model.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+            )["input_ids"]
             for quant in QUANTS:
                 _pin(model, quant, spans[quant])
                 plain = model.generate(prompt, max_new_tokens=20, speculation=None)

@@ -26,7 +26,8 @@ from protocol.sampling import (
     verify_rejection,
 )
 from tests.conftest import single_torch_thread
-from tests.test_exactness import PROMPT as BATCH, pinned
+from tests.test_exactness import PROMPT as BATCH
+from tests.test_exactness import pinned
 
 PROMPT = BATCH[0]
 
@@ -137,7 +138,9 @@ def chi_square_p(counts: dict, expected: dict, total: int) -> float:
         wanted.append(max(pooled_e, 1e-12))
     stat = sum((o - e) ** 2 / e for o, e in zip(observed, wanted))
     dof = len(observed) - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+    return float(
+        torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64))
+    )
 
 
 def counts_of(samples) -> dict:
@@ -208,15 +211,28 @@ def test_bytes_up_per_lap_stay_under_100_for_8_drafts():
     """One rejection lap of 8 drafts: ids and their q(x) as float16. The sampling parameters go up
     on a session's first Step only (RemoteSession.send_step), so every later lap is under 100
     bytes whatever they are; even the first stays under 100 with seed and top_k."""
-    params = SamplingParams(do_sample=True, temperature=0.7, top_k=50, top_p=0.9, min_p=0.05,
-                            repetition_penalty=1.1, seed=2**31 - 1)  # fmt: skip
-    lap = dict(session_id=secrets.token_hex(8), run_id=1000, start_pos=1900, token_ids=[49151] * 9, n_draft=8,
-               draft_q=pack_f16([0.123] * 8))  # fmt: skip
+    params = SamplingParams(
+        do_sample=True, temperature=0.7, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1, seed=2**31 - 1
+    )
+    lap = dict(
+        session_id=secrets.token_hex(8),
+        run_id=1000,
+        start_pos=1900,
+        token_ids=[49151] * 9,
+        n_draft=8,
+        draft_q=pack_f16([0.123] * 8),
+    )
     assert len(encode(Step(**lap))) < 100  # every lap after the first: sampling=None, "as before"
     assert len(encode(Step(**lap, sampling=SamplingParams(do_sample=True, top_k=50, seed=2**31 - 1)))) < 100
     assert len(encode(Step(**lap, sampling=params))) <= 140  # a session's first lap, every parameter set
-    result = StepResult(session_id=lap["session_id"], run_id=1000, accepted=3, next_token=49151,
-                        correction_ids=[49151] * 50, correction_p=pack_f16([0.01] * 50))  # fmt: skip
+    result = StepResult(
+        session_id=lap["session_id"],
+        run_id=1000,
+        accepted=3,
+        next_token=49151,
+        correction_ids=[49151] * 50,
+        correction_p=pack_f16([0.01] * 50),
+    )
     assert len(encode(result)) < 300  # top-K down on a rejection only: 3 + 2 bytes per id
 
 
@@ -226,8 +242,10 @@ def test_a_step_without_sampling_keeps_the_sessions_parameters():
     sampled = SamplingParams(do_sample=True, temperature=0.7, seed=5)
     session = ServerSession(session_id="s", max_length=64, route=[], hop_index=0, cache=None)
     span = type("Span", (), {"vocab_size": 100, "hidden_shape": (4,)})()
-    steps = [Step(session_id="s", run_id=i, start_pos=i, token_ids=[1], sampling=p)
-             for i, p in enumerate([None, sampled, None, GREEDY, None])]  # fmt: skip
+    steps = [
+        Step(session_id="s", run_id=i, start_pos=i, token_ids=[1], sampling=p)
+        for i, p in enumerate([None, sampled, None, GREEDY, None])
+    ]
     seen = []
     for step in steps:
         session.check_step(step, None, span)
@@ -277,22 +295,33 @@ def test_malformed_q_over_the_wire_is_refused_and_the_session_survives(tiny_mode
 def test_greedy_draft_model_output_equals_transformers(tiny_model, tiny_reference, draft_model):
     expected = tiny_reference.generate(torch.tensor(BATCH), max_new_tokens=20, do_sample=False)
     with pinned(tiny_model, TWO_SERVERS):
-        output = tiny_model.generate(torch.tensor(BATCH), max_new_tokens=20, draft_model=draft_model, num_draft_tokens=4)
+        output = tiny_model.generate(
+            torch.tensor(BATCH), max_new_tokens=20, draft_model=draft_model, num_draft_tokens=4
+        )
     assert output.tolist() == expected.tolist()
     stats = tiny_model.last_generation_stats
     assert stats.drafted > 0 and stats.accepted > 0 and stats.laps < 20
 
 
-def test_rejection_over_a_live_swarm_equals_the_in_process_exchange(tiny_model, tiny_reference, draft_model, one_thread):
+def test_rejection_over_a_live_swarm_equals_the_in_process_exchange(
+    tiny_model, tiny_reference, draft_model, one_thread
+):
     """Through two real servers, each seed's tokens are those the in-process exchange computes."""
     target, drafter = Rows(tiny_reference), Rows(draft_model)
     eos = [tiny_model.config.eos_token_id]
     corrections = 0
     for seed in (11, 12, 13):
         with pinned(tiny_model, TWO_SERVERS):
-            output = tiny_model.generate(torch.tensor(BATCH), max_new_tokens=10, do_sample=True, top_k=TOP_K,
-                                         seed=seed, draft_model=draft_model, num_draft_tokens=3,
-                                         verification="rejection")  # fmt: skip
+            output = tiny_model.generate(
+                torch.tensor(BATCH),
+                max_new_tokens=10,
+                do_sample=True,
+                top_k=TOP_K,
+                seed=seed,
+                draft_model=draft_model,
+                num_draft_tokens=3,
+                verification="rejection",
+            )
         expected, _ = rejection_generate(target, drafter, PROMPT, 3, 10, params_for(seed), eos)
         assert output[0, len(PROMPT) :].tolist() == expected
         corrections += tiny_model.last_generation_stats.corrections
@@ -306,9 +335,21 @@ def test_bad_draft_arguments_are_refused_clearly(tiny_model, draft_model):
     with pytest.raises(ValueError, match="needs a draft_model"):
         tiny_model.generate(prompt, max_new_tokens=2, do_sample=True, verification="rejection")
     with pytest.raises(ValueError, match="one run at a time"):
-        tiny_model.generate(prompt, max_new_tokens=2, do_sample=True, verification="rejection",
-                            draft_model=draft_model, async_speculation=True)  # fmt: skip
-    config = LlamaConfig(vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
+        tiny_model.generate(
+            prompt,
+            max_new_tokens=2,
+            do_sample=True,
+            verification="rejection",
+            draft_model=draft_model,
+            async_speculation=True,
+        )
+    config = LlamaConfig(
+        vocab_size=100,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
     with pytest.raises(ValueError, match="100 output tokens; the target has"):
         tiny_model.generate(prompt, max_new_tokens=2, draft_model=LlamaForCausalLM(config))

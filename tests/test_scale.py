@@ -56,17 +56,32 @@ def test_route_is_the_exhaustive_best(seed):
     for i in range(7):
         start = rng.randint(0, 9)
         end = rng.randint(start + 1, min(12, start + 6))
-        servers.append(ServerInfo(peer_id=f"s{i}", model=MODEL, start_block=start, end_block=end,
-                                  throughput=rng.lognormvariate(3, 0.8), free_cache_tokens=4096))  # fmt: skip
-    servers += [ServerInfo(peer_id="head", model=MODEL, start_block=0, end_block=4, throughput=5.0),
-                ServerInfo(peer_id="tail", model=MODEL, start_block=8, end_block=12, throughput=5.0),
-                ServerInfo(peer_id="mid", model=MODEL, start_block=3, end_block=9, throughput=5.0)]  # fmt: skip
+        servers.append(
+            ServerInfo(
+                peer_id=f"s{i}",
+                model=MODEL,
+                start_block=start,
+                end_block=end,
+                throughput=rng.lognormvariate(3, 0.8),
+                free_cache_tokens=4096,
+            )
+        )
+    servers += [
+        ServerInfo(peer_id="head", model=MODEL, start_block=0, end_block=4, throughput=5.0),
+        ServerInfo(peer_id="tail", model=MODEL, start_block=8, end_block=12, throughput=5.0),
+        ServerInfo(peer_id="mid", model=MODEL, start_block=3, end_block=9, throughput=5.0),
+    ]
     ids = [s.peer_id for s in servers]
     servers = [  # some links measured, faster or slower than the default
-        ServerInfo(**{**s.to_dict(), "state": s.state,
-                      "next_pings": {q: rng.choice([0.001, 0.02, 0.2]) for q in rng.sample(ids, 4) if q != s.peer_id}})
+        ServerInfo(
+            **{
+                **s.to_dict(),
+                "state": s.state,
+                "next_pings": {q: rng.choice([0.001, 0.02, 0.2]) for q in rng.sample(ids, 4) if q != s.peer_id},
+            }
+        )
         for s in servers
-    ]  # fmt: skip
+    ]
     rtts = {p: rng.choice([0.005, 0.1]) for p in rng.sample(ids, 6)}
     route = MaxFlowRouter().plan(servers, 0, 12, client_rtts=rtts)
     assert_covers(route, {s.peer_id: s for s in servers}, 12)

@@ -17,13 +17,20 @@ import time
 import pytest
 import torch
 
-from client._spot_checks import (
-    alternatives, check_rate, minority, pick_hop, relative_difference, route_tolerance, substituted, tolerance,
-)  # fmt: skip
 from benchmarks.spot_checks import PreferredRoutes
-from swarm.local import LocalSwarm
+from client._spot_checks import (
+    alternatives,
+    check_rate,
+    minority,
+    pick_hop,
+    relative_difference,
+    route_tolerance,
+    substituted,
+    tolerance,
+)
 from protocol.messages import Hop
 from protocol.records import ServerInfo, ServerState
+from swarm.local import LocalSwarm
 from tests.conftest import SERVER_ARGS, servers_by_name
 from tests.faulty_server import faulty
 
@@ -49,19 +56,27 @@ def test_relative_difference_and_dtype_tolerances():
 
 def _info(peer: str, start: int, end: int, dtype: str = "float32", quant: str = "none", **fields) -> ServerInfo:
     fields.setdefault("free_cache_tokens", 10_000)
-    return ServerInfo(peer_id=peer, model="m", start_block=start, end_block=end, dtype=dtype, quantization=quant,
-                      **fields)  # fmt: skip
+    return ServerInfo(
+        peer_id=peer, model="m", start_block=start, end_block=end, dtype=dtype, quantization=quant, **fields
+    )
 
 
 def test_alternatives_same_precision_sub_ranges_and_round_robin():
-    records = {r.peer_id: r for r in [
-        _info("h", 0, 3), _info("t", 3, 6),
-        _info("full", 0, 6),  # covers either hop as a sub-range of its span
-        _info("head16", 0, 3, dtype="bfloat16"), _info("head8", 0, 3, quant="int8"),  # other precisions: never
-        _info("short", 0, 2),  # does not cover [0, 3)
-        _info("joining", 0, 3, state=ServerState.JOINING), _info("full-cache", 3, 6, free_cache_tokens=5),
-        _info("t2", 3, 6), _info("gone", 3, 6),
-    ]}  # fmt: skip
+    records = {
+        r.peer_id: r
+        for r in [
+            _info("h", 0, 3),
+            _info("t", 3, 6),
+            _info("full", 0, 6),  # covers either hop as a sub-range of its span
+            _info("head16", 0, 3, dtype="bfloat16"),
+            _info("head8", 0, 3, quant="int8"),  # other precisions: never
+            _info("short", 0, 2),  # does not cover [0, 3)
+            _info("joining", 0, 3, state=ServerState.JOINING),
+            _info("full-cache", 3, 6, free_cache_tokens=5),
+            _info("t2", 3, 6),
+            _info("gone", 3, 6),
+        ]
+    }
     route = [Hop("h", 0, 3), Hop("t", 3, 6)]
     names = lambda infos: [i.peer_id for i in infos]  # noqa: E731
     assert names(alternatives(route, 0, records, exclude={"gone"}, length=100)) == ["full"]
@@ -146,8 +161,8 @@ def test_re_verification_keeps_the_honest_prefix_and_chunks(limit):
     4-position limit: prefill chunks first, then the drafts over several laps), the first 3 are
     re-confirmed, the rest retracted, and the output is the honest answer; a streaming caller
     that drops ``retracted`` tokens before appending each lap's ends with it too."""
-    from client._generation import SessionState, SpeculativeDecoder
     from client import _loop
+    from client._generation import SessionState, SpeculativeDecoder
     from protocol.messages import GREEDY
 
     prompt = [1, 2, 3, 4, 5, 6]
@@ -190,7 +205,9 @@ def liar_swarm(tiny_llama_path, artifacts_dir):
     swarm = LocalSwarm(str(tiny_llama_path), spans=[], server_args=SERVER_ARGS, log_dir=log_dir)
     with swarm:
         for name, (start, end, corrupt) in SERVERS.items():
-            swarm.start_server(start, end, name=name, launcher=faulty("--corrupt", corrupt) if corrupt else ["swarm.server"])
+            swarm.start_server(
+                start, end, name=name, launcher=faulty("--corrupt", corrupt) if corrupt else ["swarm.server"]
+            )
         swarm.wait_ready(len(SERVERS))
         yield swarm
 
@@ -223,8 +240,10 @@ def story(stats, peers) -> list[str]:
         if m := re.match(r"lap (\d+): hop (\d) \S+ (\S+) vs (\S+): (\w+)", event):
             lap, hop, orig, alt, verdict = m.groups()
             liar = re.search(r"; (\S+) is in the minority", event)
-            lines.append(f"lap {lap} hop {hop} {names.get(orig)}/{names.get(alt)} {verdict}"
-                         + (f" {names.get(liar.group(1))}" if liar else ""))  # fmt: skip
+            lines.append(
+                f"lap {lap} hop {hop} {names.get(orig)}/{names.get(alt)} {verdict}"
+                + (f" {names.get(liar.group(1))}" if liar else "")
+            )
         elif m := re.match(r"lap (\d+): re-verifying (\d+)", event):
             lines.append(f"lap {m.group(1)} re-verify {m.group(2)}")
     return lines
@@ -252,9 +271,11 @@ def _run(coro):
 
 def test_noise_liar_is_caught_excluded_and_the_output_is_exact(noise_run, tiny_reference):
     peers, stats, new, seconds = noise_run
-    print(f"\nnoise liar: {stats.spot_checks} audits, {stats.tokens_retracted} tokens retracted, "
-          f"{stats.spot_check_positions} audit positions for {stats.new_tokens} tokens, {seconds:.1f} s: "
-          f"{story(stats, peers)}")  # fmt: skip
+    print(
+        f"\nnoise liar: {stats.spot_checks} audits, {stats.tokens_retracted} tokens retracted, "
+        f"{stats.spot_check_positions} audit positions for {stats.new_tokens} tokens, {seconds:.1f} s: "
+        f"{story(stats, peers)}"
+    )
     # the route's head is audited first (round robin from hop 0): its first audit, after the
     # first verdict, convicts it. Audits of B (blocks 3:6) on the new route may pick O as B's
     # substitute and convict it too
@@ -274,12 +295,12 @@ def test_dashboard_counts_the_report(noise_run, liar_swarm):
     shows N disputed by one client (JSON and Prometheus), and nobody else."""
     from prometheus_client.parser import text_string_to_metric_families
 
+    from protocol.dht import make_dht
     from swarm.dashboard import metrics
     from swarm.dashboard.events import SwarmPolled
     from swarm.dashboard.poller import SwarmReader
     from swarm.dashboard.state import fold
     from swarm.dashboard.views import state_view
-    from protocol.dht import make_dht
 
     peers = noise_run[0]
     dht = make_dht(initial_peers=liar_swarm.initial_peers, client_mode=True)
@@ -301,8 +322,12 @@ def test_dashboard_counts_the_report(noise_run, liar_swarm):
     # one client (the noise run's) or more, if later tests' clients caught N too
     assert disputed["N"] >= 1 and disputed["A"] == disputed["B"] == disputed["F"] == 0, disputed
     text = metrics.render(metrics.make_registry(lambda: state)).decode()
-    samples = {s.labels["public_name"]: s.value for f in text_string_to_metric_families(text)
-               if f.name == "specswarm_server_disputed_by_clients" for s in f.samples}  # fmt: skip
+    samples = {
+        s.labels["public_name"]: s.value
+        for f in text_string_to_metric_families(text)
+        if f.name == "specswarm_server_disputed_by_clients"
+        for s in f.samples
+    }
     assert samples["N"] == disputed["N"] and samples["A"] == 0.0
     assert peers["N"] in snapshot.disputes
 
@@ -311,17 +336,21 @@ def test_offset_liar_at_the_tail_is_caught_and_streaming_retracts(liar_swarm, ti
     """The tail lies (a constant offset on its final hidden states). Streamed through
     agenerate_stream: applying each chunk's ``retracted`` gives exactly the honest tokens."""
     with client(liar_swarm, tiny_llama_path, [("A", 0, 3), ("O", 3, 6)], HONEST) as model:
+
         async def stream():
             have, chunks = [], []
-            async for chunk in model.agenerate_stream(PROMPT, max_new_tokens=48, speculation="suffix",
-                                                      spot_check_rate=1.0):  # fmt: skip
+            async for chunk in model.agenerate_stream(
+                PROMPT, max_new_tokens=48, speculation="suffix", spot_check_rate=1.0
+            ):
                 have = have[: len(have) - chunk.retracted] + chunk.token_ids
                 chunks.append(chunk)
             return have, chunks[-1].stats
 
         have, stats = _run(stream())
-        print(f"\noffset liar: {stats.spot_checks} audits, {stats.tokens_retracted} retracted: "
-              f"{story(stats, model.peers)}")  # fmt: skip
+        print(
+            f"\noffset liar: {stats.spot_checks} audits, {stats.tokens_retracted} retracted: "
+            f"{story(stats, model.peers)}"
+        )
         assert model.peers["O"] in stats.liars_excluded
         assert set(stats.liars_excluded) <= {model.peers["O"], model.peers["N"]}  # N can be A's substitute: caught too
         assert len([e for e in stats.spot_check_events if ": hop " in e]) >= 1
@@ -350,12 +379,15 @@ def test_honest_servers_raise_no_false_alarm(liar_swarm, tiny_llama_path, tiny_r
         model.swarm.excluded = ExclusionList(base_seconds=3600)
         for liar in ("N", "O"):
             model.swarm.excluded.add(model.peers[liar])
-        out = model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, speculation="suffix",
-                             spot_check_rate=1.0)  # fmt: skip
+        out = model.generate(
+            torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, speculation="suffix", spot_check_rate=1.0
+        )
         stats = model.last_generation_stats
-        print(f"\nhonest: {stats.spot_checks} audits over {stats.laps} laps, {stats.spot_check_positions} audit "
-              "positions "
-              f"for {stats.new_tokens} tokens: {story(stats, model.peers)}")  # fmt: skip
+        print(
+            f"\nhonest: {stats.spot_checks} audits over {stats.laps} laps, {stats.spot_check_positions} audit "
+            "positions "
+            f"for {stats.new_tokens} tokens: {story(stats, model.peers)}"
+        )
         assert out[0, len(PROMPT) :].tolist() == reference(tiny_reference)
         assert stats.spot_checks >= 1 and stats.liars_excluded == [] and stats.tokens_retracted == 0
         assert stats.spot_checks_undecided == 0 and stats.spot_checks_failed == 0
@@ -380,8 +412,10 @@ def test_page_shows_disputed_servers(artifacts_dir):
     binary, why = find_or_install_chromium()
     if binary is None:
         pytest.skip(f"Debian's chromium is not installed and could not be installed: {why}")
-    servers = tuple(ServerInfo(peer_id=p, model="m", start_block=a, end_block=b, public_name=p)
-                    for p, a, b in [("liar", 0, 3), ("honest", 0, 3), ("tail", 3, 6)])  # fmt: skip
+    servers = tuple(
+        ServerInfo(peer_id=p, model="m", start_block=a, end_block=b, public_name=p)
+        for p, a, b in [("liar", 0, 3), ("honest", 0, 3), ("tail", 3, 6)]
+    )
     (artifacts_dir / "spot-checks").mkdir(exist_ok=True)
     dashboard = Dashboard(reader=None)
     dashboard.feed(SwarmPolled(time.time(), (ModelSnapshot("m", 6, servers, disputes={"liar": 3, "stranger": 9}),)))
@@ -404,8 +438,9 @@ def test_page_shows_disputed_servers(artifacts_dir):
             try:
                 await page.navigate(f"http://127.0.0.1:{runner.addresses[0][1]}/")
                 await page.wait_for("document.querySelectorAll('table.servers tbody tr').length === 3")
-                await page.call("Emulation.setDeviceMetricsOverride", width=1280, height=900, deviceScaleFactor=1,
-                                mobile=False)  # fmt: skip
+                await page.call(
+                    "Emulation.setDeviceMetricsOverride", width=1280, height=900, deviceScaleFactor=1, mobile=False
+                )
                 await asyncio.sleep(0.5)
                 return await page.evaluate(facts_js), list(page.errors)
             finally:

@@ -26,8 +26,9 @@ def tiny_drafter_model(request, tiny_llama_path, tiny_drafter_path, artifacts_di
     from swarm import AutoDistributedModelForCausalLM
 
     args = [*SERVER_ARGS, "--drafter", str(tiny_drafter_path), "--drafter-tokens", "4"]
-    with LocalSwarm(str(tiny_llama_path), spans=[(0, 3), (3, 6)], server_args=args,
-                    log_dir=str(artifacts_dir / "tiny-head-swarm")) as swarm:  # fmt: skip
+    with LocalSwarm(
+        str(tiny_llama_path), spans=[(0, 3), (3, 6)], server_args=args, log_dir=str(artifacts_dir / "tiny-head-swarm")
+    ) as swarm:
         model = AutoDistributedModelForCausalLM.from_pretrained(str(tiny_llama_path), initial_peers=swarm.initial_peers)
         with last_use.until_last_use(request, lambda: (model.shutdown(), swarm.stop())):
             yield model
@@ -62,8 +63,14 @@ def test_drafter_cache_rolls_back_exactly(tiny_llama_path, tiny_drafter_path):
 
     cache, state = span.new_cache(), drafter.new_session()
     # (start_pos, token ids, ids of them committed after the verdict, next token)
-    runs = [(0, text[:8], 8, text[8]), (8, text[8:12], 2, 999), (10, [999, 5, 6], 1, 42), (11, [42, 7], 2, 43),
-            (5, text[5:9], 4, 1234), (9, [77, 78, 79, 80], 4, 81)]  # fmt: skip
+    runs = [
+        (0, text[:8], 8, text[8]),
+        (8, text[8:12], 2, 999),
+        (10, [999, 5, 6], 1, 42),
+        (11, [42, 7], 2, 43),
+        (5, text[5:9], 4, 1234),
+        (9, [77, 78, 79, 80], 4, 81),
+    ]
     history: list[int] = []
     for start_pos, ids, committed, next_token in runs:
         span.trim_cache(cache, start_pos)
@@ -120,13 +127,15 @@ def test_tail_drafts_merge_by_measured_acceptance():
 def test_drafter_file_for_another_model_is_refused(tiny_drafter_path):
     from transformers import AutoConfig
 
-    from server.tail_drafter import load_drafter
     from protocol.models import ensure_smollm2_checkpoint
+    from server.tail_drafter import load_drafter
 
     with pytest.raises(ValueError, match="trained for another model"):
         load_drafter(tiny_drafter_path, AutoConfig.from_pretrained(ensure_smollm2_checkpoint()))
     with pytest.raises(ValueError, match="cannot read tail drafter"):
-        load_drafter(tiny_drafter_path.parent / "missing.safetensors", AutoConfig.from_pretrained(ensure_smollm2_checkpoint()))
+        load_drafter(
+            tiny_drafter_path.parent / "missing.safetensors", AutoConfig.from_pretrained(ensure_smollm2_checkpoint())
+        )
 
 
 def test_the_memory_plan_counts_the_committed_drafter_at_the_tail():
@@ -134,13 +143,13 @@ def test_the_memory_plan_counts_the_committed_drafter_at_the_tail():
     LM-head rows) is what the memory plan keeps room for (server.memory.MemoryPlan.tail_blocks)."""
     from transformers import AutoConfig
 
-    from server.adapters import load_span
-    from server.tail_drafter import build_tail_drafter, committed_drafter, drafter_file_bytes, load_drafter
-    from server.quantization import Quant, resident_bytes
-    from server.drafter_attach import drafter_bytes
-    from server.server_config import ServerConfig
-    from server.weights import Checkpoint
     from protocol.models import ensure_smollm2_checkpoint
+    from server.adapters import load_span
+    from server.drafter_attach import drafter_bytes
+    from server.quantization import Quant, resident_bytes
+    from server.server_config import ServerConfig
+    from server.tail_drafter import build_tail_drafter, committed_drafter, drafter_file_bytes, load_drafter
+    from server.weights import Checkpoint
 
     path = ensure_smollm2_checkpoint()
     config, checkpoint = AutoConfig.from_pretrained(path), Checkpoint(str(path))
@@ -153,7 +162,9 @@ def test_the_memory_plan_counts_the_committed_drafter_at_the_tail():
     loaded_bf16 = resident_bytes(head) + len(vocab) * config.hidden_size * 2
     assert drafter_file_bytes(committed_drafter(config), config, torch.bfloat16, tied=True) == loaded_bf16
     assert drafter_bytes(ServerConfig(model=str(path)), config, checkpoint, torch.float32, Quant.NONE) == loaded
-    assert drafter_bytes(ServerConfig(model=str(path), drafter="none"), config, checkpoint, torch.float32, Quant.NONE) == 0
+    assert (
+        drafter_bytes(ServerConfig(model=str(path), drafter="none"), config, checkpoint, torch.float32, Quant.NONE) == 0
+    )
 
 
 def test_tail_drafts_out_of_range_are_refused(tiny_llama_path, tiny_drafter_path):
@@ -169,7 +180,9 @@ def test_tail_drafts_out_of_range_are_refused(tiny_llama_path, tiny_drafter_path
 def test_tail_drafts_leave_greedy_output_unchanged(tiny_drafter_model, tiny_reference, speculation):
     expected = tiny_reference.generate(torch.tensor(PROMPT), max_new_tokens=24, do_sample=False)
     tiny_drafter_model.reset_draft_store()
-    output = tiny_drafter_model.generate(torch.tensor(PROMPT), max_new_tokens=24, speculation=speculation, loop_runs=False)
+    output = tiny_drafter_model.generate(
+        torch.tensor(PROMPT), max_new_tokens=24, speculation=speculation, loop_runs=False
+    )
     assert output.tolist() == expected.tolist()  # runs from the client: the tail's ids merged per lap
     stats = tiny_drafter_model.last_generation_stats
     proposals, proposed, _ = stats.drafter_sources["tail"]
@@ -178,14 +191,25 @@ def test_tail_drafts_leave_greedy_output_unchanged(tiny_drafter_model, tiny_refe
     tiny_drafter_model.reset_draft_store()
     started = tiny_drafter_model.generate(torch.tensor(PROMPT), max_new_tokens=24, speculation=speculation)
     assert started.tolist() == expected.tolist()  # the default: tail drafts in runs the tail starts
-    assert tiny_drafter_model.last_generation_stats.looped_runs > 0 and tiny_drafter_model.last_generation_stats.drafted > 0
+    assert (
+        tiny_drafter_model.last_generation_stats.looped_runs > 0
+        and tiny_drafter_model.last_generation_stats.drafted > 0
+    )
 
 
 def test_tail_drafts_leave_seeded_sampling_unchanged(tiny_drafter_model, tiny_reference):
     params = SamplingParams(do_sample=True, temperature=0.8, top_p=0.9, seed=1234)
     expected = reference_sample(tiny_reference, PROMPT[0], 20, params)
-    output = tiny_drafter_model.generate(torch.tensor(PROMPT), max_new_tokens=20, do_sample=True, temperature=0.8,
-                                      top_p=0.9, seed=1234, speculation="tail", loop_runs=False)  # fmt: skip
+    output = tiny_drafter_model.generate(
+        torch.tensor(PROMPT),
+        max_new_tokens=20,
+        do_sample=True,
+        temperature=0.8,
+        top_p=0.9,
+        seed=1234,
+        speculation="tail",
+        loop_runs=False,
+    )
     assert output[0, len(PROMPT[0]) :].tolist() == expected
     assert tiny_drafter_model.last_generation_stats.drafter_sources["tail"][0] >= 15
 
@@ -194,8 +218,9 @@ def test_smollm2_trained_tail_drafts_are_accepted(smol_model, smol_reference):
     """The committed head (server/drafters/, picked by --drafter auto) drafts for smollm2-135m: its
     drafts are accepted at a positive rate and the output equals transformers'."""
     messages = [{"role": "user", "content": "Explain how a bicycle works."}]  # no benchmark's, no training prompt
-    ids = smol_model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                                   return_dict=True)["input_ids"]  # fmt: skip
+    ids = smol_model.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
     expected = smol_reference.generate(ids, max_new_tokens=48, do_sample=False)
     output = smol_model.generate(ids, max_new_tokens=48, speculation="tail", loop_runs=False)
     assert output.tolist() == expected.tolist()

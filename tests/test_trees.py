@@ -22,13 +22,21 @@ from protocol import trees
 from protocol.errors import ErrorCode
 from protocol.limits import MAX_TREE_NODES
 from protocol.messages import (
-    ErrorReply, Hop, OpenSession, SamplingParams, SessionOpened, Step, StepResult, Subscribe,
-    decode, encode,
+    ErrorReply,
+    Hop,
+    OpenSession,
+    SamplingParams,
+    SessionOpened,
+    Step,
+    StepResult,
+    Subscribe,
+    decode,
+    encode,
 )
 from protocol.sampling import choose_token, pack_f16, verify, verify_tree
+from protocol.streams import RESULTS_PROTOCOL, SESSION_PROTOCOL, MessageStream
 from server.adapters import load_span
 from server.weights import Checkpoint
-from protocol.streams import RESULTS_PROTOCOL, SESSION_PROTOCOL, MessageStream
 from tests.conftest import inprocess_servers, single_torch_thread
 from tests.test_exactness import PROMPT, ROUTES, ScriptedDrafter, pinned
 
@@ -59,10 +67,16 @@ def one_at_a_time(context, start, count, params):
     return out[start:]
 
 
-@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(repetition_penalty=1.5),
-                                    SamplingParams(do_sample=True, temperature=0.9, top_k=6, seed=3),
-                                    SamplingParams(do_sample=True, temperature=1.2, repetition_penalty=2.0, seed=8)],
-                         ids=["greedy", "greedy+penalty", "seeded", "seeded+penalty"])  # fmt: skip
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(),
+        SamplingParams(repetition_penalty=1.5),
+        SamplingParams(do_sample=True, temperature=0.9, top_k=6, seed=3),
+        SamplingParams(do_sample=True, temperature=1.2, repetition_penalty=2.0, seed=8),
+    ],
+    ids=["greedy", "greedy+penalty", "seeded", "seeded+penalty"],
+)
 def test_tree_walk_equals_chain_walk(params):
     history, committed = [3, 1, 4, 1, 5], [9]
     truth = one_at_a_time(history + committed, len(history) + len(committed), 5, params)
@@ -70,8 +84,10 @@ def test_tree_walk_equals_chain_walk(params):
     cases = {  # (ids, parents): the truth down a late branch, behind wrong siblings, deep and wide
         "chain right": (truth[:3], [-1, 0, 1]),
         "second branch": ([wrong[0], truth[0], wrong[1], truth[1]], [-1, -1, 1, 1]),
-        "deep right under wide wrong": ([wrong[0], wrong[0] + 0, truth[0], wrong[1], wrong[1], truth[1], truth[2], truth[3]],
-                                        [-1, 0, -1, 2, 0, 2, 5, 6]),
+        "deep right under wide wrong": (
+            [wrong[0], wrong[0] + 0, truth[0], wrong[1], wrong[1], truth[1], truth[2], truth[3]],
+            [-1, 0, -1, 2, 0, 2, 5, 6],
+        ),
         "all wrong": ([wrong[0], (wrong[0] + 1) % VOCAB], [-1, -1]),
     }
     for name, (ids, parents) in cases.items():
@@ -119,14 +135,17 @@ def test_tree_positions_and_mask_for_a_small_tree():
     parents = [-1, 0, -1, 1]
     assert trees.depths(parents) == [1, 2, 1, 3]
     assert trees.offsets(2, parents) == [0, 1, 2, 3, 2, 4]
-    expected = torch.tensor([
-        [1, 0, 0, 0, 0, 0],
-        [1, 1, 0, 0, 0, 0],
-        [1, 1, 1, 0, 0, 0],
-        [1, 1, 1, 1, 0, 0],
-        [1, 1, 0, 0, 1, 0],
-        [1, 1, 1, 1, 0, 1],
-    ], dtype=torch.bool)  # fmt: skip
+    expected = torch.tensor(
+        [
+            [1, 0, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0, 0],
+            [1, 1, 1, 0, 0, 0],
+            [1, 1, 1, 1, 0, 0],
+            [1, 1, 0, 0, 1, 0],
+            [1, 1, 1, 1, 0, 1],
+        ],
+        dtype=torch.bool,
+    )
     assert torch.equal(trees.visibility(2, parents), expected)
     position_ids, mask = _tree_positions_and_mask(10, 6, parents, torch.device("cpu"))
     assert position_ids.tolist() == [[10, 11, 12, 13, 12, 14]]
@@ -134,14 +153,17 @@ def test_tree_positions_and_mask_for_a_small_tree():
     assert torch.equal(mask[0, 0, :, 10:], expected)
 
 
-@pytest.mark.parametrize("parents, n_draft, phrase", [
-    ([-1, 5], 2, "parents[1] = 5 is out of range"),
-    ([-2], 1, "parents[0] = -2 is out of range"),
-    ([1, -1], 2, "parents[0] = 1 does not come before its child"),
-    ([-1, 1], 2, "parents[1] = 1 does not come before its child"),
-    ([-1, 0], 3, "parents has 2 entries for 3 drafts"),
-    ([-1] * (MAX_TREE_NODES + 1), MAX_TREE_NODES + 1, f"exceeds the limit of {MAX_TREE_NODES} nodes"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "parents, n_draft, phrase",
+    [
+        ([-1, 5], 2, "parents[1] = 5 is out of range"),
+        ([-2], 1, "parents[0] = -2 is out of range"),
+        ([1, -1], 2, "parents[0] = 1 does not come before its child"),
+        ([-1, 1], 2, "parents[1] = 1 does not come before its child"),
+        ([-1, 0], 3, "parents has 2 entries for 3 drafts"),
+        ([-1] * (MAX_TREE_NODES + 1), MAX_TREE_NODES + 1, f"exceeds the limit of {MAX_TREE_NODES} nodes"),
+    ],
+)
 def test_malformed_trees_are_named(parents, n_draft, phrase):
     with pytest.raises(ValueError, match=phrase.replace("[", r"\[").replace("]", r"\]")):
         trees.check_tree(parents, n_draft, MAX_TREE_NODES)
@@ -150,8 +172,15 @@ def test_malformed_trees_are_named(parents, n_draft, phrase):
 def test_chain_steps_keep_their_bytes_and_trees_round_trip():
     chain = Step(session_id="0123456789abcdef", run_id=3, start_pos=10, token_ids=[5, 6, 7], n_draft=2)
     assert encode(chain)[3:8] == b"\xa4step" and chain.parents == [] and chain.tree_path == []
-    tree = Step(session_id="0123456789abcdef", run_id=3, start_pos=10, token_ids=[5, 6, 7], n_draft=2,
-                parents=[-1, -1], tree_path=[1, 4])  # fmt: skip
+    tree = Step(
+        session_id="0123456789abcdef",
+        run_id=3,
+        start_pos=10,
+        token_ids=[5, 6, 7],
+        n_draft=2,
+        parents=[-1, -1],
+        tree_path=[1, 4],
+    )
     assert decode(encode(tree)) == tree and len(encode(tree)) > len(encode(chain))
     # the tree's fields sit at the end of the Step: a chain's array stops before them
     assert len(encode(chain)) == len(encode(msgspec.structs.replace(tree, parents=[], tree_path=[])))
@@ -167,10 +196,13 @@ def test_deepseek_v4_servers_refuse_trees():
     span = DeepseekV4Adapter.__new__(DeepseekV4Adapter)
     span.vocab_size, span.hidden_shape = 100, (4, 8)
     session = ServerSession("s", 64, [Hop("p", 0, 2)], 0, cache=None)
-    session.check_step(Step(session_id="s", run_id=1, start_pos=0, token_ids=[1, 2, 3], n_draft=2), None, span)  # a chain
+    session.check_step(
+        Step(session_id="s", run_id=1, start_pos=0, token_ids=[1, 2, 3], n_draft=2), None, span
+    )  # a chain
     with pytest.raises(ProtocolError, match="DeepseekV4Adapter.*chains of drafts only") as e:
-        session.check_step(Step(session_id="s", run_id=2, start_pos=0, token_ids=[1, 2, 3], n_draft=2, parents=[-1, -1]),
-                           None, span)  # fmt: skip
+        session.check_step(
+            Step(session_id="s", run_id=2, start_pos=0, token_ids=[1, 2, 3], n_draft=2, parents=[-1, -1]), None, span
+        )
     assert e.value.code == ErrorCode.BAD_REQUEST
 
 
@@ -294,7 +326,9 @@ def test_trees_give_the_output_of_no_speculation(tiny_model, tiny_reference, mon
         drafter = ScriptedTreeDrafter(truth, len(PROMPT[0]), wrong_at, 4, right)
         monkeypatch.setattr("client.model.make_drafter", lambda *a, **k: drafter)
         with full_trees(monkeypatch):
-            output = tiny_model.generate(torch.tensor(PROMPT), max_new_tokens=16, num_draft_tokens=4, draft_tree=True, **kwargs)
+            output = tiny_model.generate(
+                torch.tensor(PROMPT), max_new_tokens=16, num_draft_tokens=4, draft_tree=True, **kwargs
+            )
     assert output.tolist() == plain.tolist()
     stats = tiny_model.last_generation_stats
     assert stats.tree_laps == stats.laps and stats.tree_nodes > stats.laps * 4  # branches went out
@@ -343,8 +377,10 @@ def test_trees_in_batches_sessions_and_streams(tiny_model, monkeypatch):
         truth = whole[0, len(PROMPT[0]) :].tolist()
         with full_trees(monkeypatch):
             # an inference session: the second call's first Step keeps the first call's last tree path
-            monkeypatch.setattr("client.model.make_drafter",
-                                lambda *a, **k: ScriptedTreeDrafter(truth, len(PROMPT[0]), {2, 9}, 3, {2, 9}))  # fmt: skip
+            monkeypatch.setattr(
+                "client.model.make_drafter",
+                lambda *a, **k: ScriptedTreeDrafter(truth, len(PROMPT[0]), {2, 9}, 3, {2, 9}),
+            )
             with tiny_model.inference_session(max_length=160):
                 first = tiny_model.generate(torch.tensor(PROMPT), max_new_tokens=8, num_draft_tokens=3, draft_tree=True)
                 second = tiny_model.generate(first, max_new_tokens=12, num_draft_tokens=3, draft_tree=True)
@@ -358,8 +394,11 @@ def test_trees_in_batches_sessions_and_streams(tiny_model, monkeypatch):
             assert out[1].tolist() == whole[0, : len(PROMPT[0]) + 12].tolist()
 
             async def stream():
-                return [t async for c in tiny_model.agenerate_stream(PROMPT[0], max_new_tokens=20, draft_tree=True)
-                        for t in c.token_ids]  # fmt: skip
+                return [
+                    t
+                    async for c in tiny_model.agenerate_stream(PROMPT[0], max_new_tokens=20, draft_tree=True)
+                    for t in c.token_ids
+                ]
 
             assert asyncio.run(stream()) == truth
 
@@ -387,7 +426,9 @@ def local_spans(tiny_llama_path):
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(tiny_llama_path)
-    return [load_span(config, Checkpoint(str(tiny_llama_path)), a, b, torch.float32, "cpu") for a, b in [(0, 3), (3, 6)]]
+    return [
+        load_span(config, Checkpoint(str(tiny_llama_path)), a, b, torch.float32, "cpu") for a, b in [(0, 3), (3, 6)]
+    ]
 
 
 class Raw:
@@ -403,15 +444,28 @@ class Raw:
         self.tail = await MessageStream.open(self.p2p, PeerID.from_base58(self.route[-1].peer_id), RESULTS_PROTOCOL)
         await self.tail.send(Subscribe(session_id=self.session_id, secret="s"))
         self.head = await MessageStream.open(self.p2p, PeerID.from_base58(self.route[0].peer_id), SESSION_PROTOCOL)
-        await self.head.send(OpenSession(session_id=self.session_id, max_length=self.max_length, route=self.route,
-                                         hop_index=0, secret_hash=hashlib.sha256(b"s").hexdigest()))  # fmt: skip
+        await self.head.send(
+            OpenSession(
+                session_id=self.session_id,
+                max_length=self.max_length,
+                route=self.route,
+                hop_index=0,
+                secret_hash=hashlib.sha256(b"s").hexdigest(),
+            )
+        )
         assert isinstance((await self.head.receive()).message, SessionOpened)
 
     async def step(self, start_pos, token_ids, n_draft=0, parents=(), tree_path=(), **extra):
         """Send one run; returns its StepResult, or the ErrorReply the head sent instead."""
         self.run_id += 1
-        fields = dict(session_id=self.session_id, run_id=self.run_id, start_pos=start_pos, token_ids=list(token_ids),
-                      n_draft=n_draft, **extra)  # fmt: skip
+        fields = dict(
+            session_id=self.session_id,
+            run_id=self.run_id,
+            start_pos=start_pos,
+            token_ids=list(token_ids),
+            n_draft=n_draft,
+            **extra,
+        )
         message = Step(**fields, parents=list(parents), tree_path=list(tree_path))
         await self.head.send(message)
         head = asyncio.ensure_future(self.head.receive())
@@ -480,7 +534,9 @@ def test_after_a_tree_run_every_cache_equals_the_accepted_chain(tree_servers, lo
         after = await s.step(base + 3, [truth[4]], tree_path=result.path)
         assert isinstance(after, StepResult) and after.next_token == truth[5]
         committed = prompt + truth[:5]
-        for session, server, local in zip(server_sessions(servers, s.session_id), servers, chain_caches(local_spans, committed)):
+        for session, server, local in zip(
+            server_sessions(servers, s.session_id), servers, chain_caches(local_spans, committed)
+        ):
             assert session.history == committed
             assert_caches_equal(session.cache, local, len(committed))
         # a tree whose accepted path is its run-order chain needs no tree_path
@@ -502,10 +558,16 @@ MALFORMED = {  # name -> (step keyword arguments after the prefill, with the tre
     "parent not before its child": (dict(n_draft=2, parents=[1, -1]), "parents[0] = 1 does not come before its child"),
     "parent is itself": (dict(n_draft=2, parents=[-1, 1]), "parents[1] = 1 does not come before its child"),
     "fewer parents than drafts": (dict(n_draft=2, parents=[-1]), "parents has 1 entries for 2 drafts"),
-    "more nodes than the limit": (dict(n_draft=MAX_TREE_NODES + 1, parents=[-1] * (MAX_TREE_NODES + 1)),
-                                  f"exceeds the limit of {MAX_TREE_NODES} nodes per run"),
-    "with the rejection exchange": (dict(n_draft=2, parents=[-1, -1], draft_q=pack_f16([0.5, 0.5]),
-                                         sampling=SamplingParams(do_sample=True, seed=1)), "rejection exchange"),
+    "more nodes than the limit": (
+        dict(n_draft=MAX_TREE_NODES + 1, parents=[-1] * (MAX_TREE_NODES + 1)),
+        f"exceeds the limit of {MAX_TREE_NODES} nodes per run",
+    ),
+    "with the rejection exchange": (
+        dict(
+            n_draft=2, parents=[-1, -1], draft_q=pack_f16([0.5, 0.5]), sampling=SamplingParams(do_sample=True, seed=1)
+        ),
+        "rejection exchange",
+    ),
     "tree_path after no tree": (dict(n_draft=0, tree_path=[0]), "which was no tree"),
 }
 
@@ -549,9 +611,11 @@ def test_keeping_tree_nodes_needs_their_path(tree_servers, tiny_reference):
         tree = dict(n_draft=3, parents=[-1, -1, 1])
         result = await s.step(len(prompt), [truth[0], wrong, truth[1], truth[2]], **tree)
         assert result.path == [1, 2]
-        for kwargs, phrase in ((dict(), "name the accepted path in tree_path"),
-                               (dict(tree_path=[0, 2]), "tree_path is no path"),
-                               (dict(tree_path=[1]), "tree_path names 1")):  # fmt: skip
+        for kwargs, phrase in (
+            (dict(), "name the accepted path in tree_path"),
+            (dict(tree_path=[0, 2]), "tree_path is no path"),
+            (dict(tree_path=[1]), "tree_path names 1"),
+        ):
             refused = await s.step(len(prompt) + 3, [truth[3]], **kwargs)
             assert isinstance(refused, ErrorReply) and phrase in refused.message, refused
         result = await s.step(len(prompt) + 3, [truth[3]], tree_path=[1, 2])
@@ -567,7 +631,9 @@ def test_a_refused_tree_run_leaves_the_client_session_usable(tree_servers, monke
     model, servers = tree_servers
     plain = model.generate(torch.tensor(PROMPT), max_new_tokens=16, speculation=None)
     truth = plain[0, len(PROMPT[0]) :].tolist()
-    monkeypatch.setattr("client.model.make_drafter", lambda *a, **k: ScriptedTreeDrafter(truth, len(PROMPT[0]), {1, 3}, 3, {1, 3}))
+    monkeypatch.setattr(
+        "client.model.make_drafter", lambda *a, **k: ScriptedTreeDrafter(truth, len(PROMPT[0]), {1, 3}, 3, {1, 3})
+    )
     import client.modes.tree as tree_mode
 
     real_build, calls = tree_mode.build_tree, []
@@ -620,7 +686,9 @@ def test_trees_survive_failover_and_chunked_prefill(tree_servers, monkeypatch, s
     with full_trees(monkeypatch):
         with model.inference_session(max_length=160) as session:
             streamer = DropSessionAfter(session, 9)
-            output = model.generate(prompt, max_new_tokens=24, num_draft_tokens=4, draft_tree=True, streamer=streamer, **kwargs)
+            output = model.generate(
+                prompt, max_new_tokens=24, num_draft_tokens=4, draft_tree=True, streamer=streamer, **kwargs
+            )
     assert output.tolist() == plain.tolist()
     stats = model.last_generation_stats
     assert streamer.dropped and stats.failovers == 1, stats.failover_events
@@ -632,15 +700,16 @@ def test_tail_drafts_after_a_tree_continue_the_accepted_path(tiny_llama_path, ti
     ids equal those of a fresh head over the committed text, and its cache keeps only that path."""
     from transformers import AutoConfig
 
-    from server.tail_drafter import build_tail_drafter
     from server.session import QueuedRun, ServerSession
+    from server.tail_drafter import build_tail_drafter
     from tests.checkpoints import build_random_drafter
 
     config = AutoConfig.from_pretrained(tiny_llama_path)
     checkpoint = Checkpoint(str(tiny_llama_path))
     span = load_span(config, checkpoint, 0, config.num_hidden_layers, torch.float32, "cpu")
-    span.drafter = build_tail_drafter(span, config, checkpoint, build_random_drafter(tiny_llama_path, tmp_path / "head.safetensors"),
-                                      max_drafts=4)  # fmt: skip
+    span.drafter = build_tail_drafter(
+        span, config, checkpoint, build_random_drafter(tiny_llama_path, tmp_path / "head.safetensors"), max_drafts=4
+    )
     truth = greedy_truth(tiny_reference, 8)
     prompt = PROMPT[0]
     session = ServerSession("s", 128, [Hop("p", 0, config.num_hidden_layers)], 0, span.new_cache())
@@ -660,13 +729,30 @@ def test_tail_drafts_after_a_tree_continue_the_accepted_path(tiny_llama_path, ti
         assert first.next_token == truth[0] and first.drafts == fresh_drafts(prompt, truth[0])
         wrong = [(t + 1) % 1000 for t in truth]
         ids, parents = [wrong[1], truth[1], wrong[2], truth[2]], [-1, -1, 1, 1]
-        tree = run(Step(session_id="s", run_id=2, start_pos=len(prompt), token_ids=[truth[0]] + ids, n_draft=4,
-                            parents=parents, tail_drafts=4))  # fmt: skip
+        tree = run(
+            Step(
+                session_id="s",
+                run_id=2,
+                start_pos=len(prompt),
+                token_ids=[truth[0]] + ids,
+                n_draft=4,
+                parents=parents,
+                tail_drafts=4,
+            )
+        )
         assert tree.path == [1, 3] and tree.next_token == truth[3]
         committed = prompt + truth[:3]
         assert tree.drafts == fresh_drafts(committed, truth[3])
-        after = run(Step(session_id="s", run_id=3, start_pos=len(committed), token_ids=[truth[3]], tail_drafts=4,
-                             tree_path=[1, 3]))  # fmt: skip
+        after = run(
+            Step(
+                session_id="s",
+                run_id=3,
+                start_pos=len(committed),
+                token_ids=[truth[3]],
+                tail_drafts=4,
+                tree_path=[1, 3],
+            )
+        )
         assert after.next_token == truth[4] and after.drafts == fresh_drafts(committed + truth[3:4], truth[4])
         assert session.history == committed + truth[3:4]
 

@@ -41,9 +41,17 @@ BASE = dict(run_id=3, start_pos=10, token_ids=[5, 6, 7], n_draft=2, sampling=GRE
 
 @pytest.mark.parametrize(
     "change",
-    [dict(run_id=4), dict(start_pos=11), dict(token_ids=[5, 6, 8]), dict(token_ids=[4, 6, 7]), dict(n_draft=1),
-     dict(sampling=SamplingParams(do_sample=True, seed=1)), dict(parents=[-1, 0]), dict(tree_path=[0]),
-     dict(draft_q=b"\x00\x3c\x00\x3c")],
+    [
+        dict(run_id=4),
+        dict(start_pos=11),
+        dict(token_ids=[5, 6, 8]),
+        dict(token_ids=[4, 6, 7]),
+        dict(n_draft=1),
+        dict(sampling=SamplingParams(do_sample=True, seed=1)),
+        dict(parents=[-1, 0]),
+        dict(tree_path=[0]),
+        dict(draft_q=b"\x00\x3c\x00\x3c"),
+    ],
     ids=lambda c: next(iter(c)),
 )
 def test_the_digest_changes_with_every_field_a_verdict_depends_on(change):
@@ -74,9 +82,10 @@ def test_a_looped_lap_is_charged_the_tail_to_head_link_not_the_clients_links():
     of it. Head h and tail t (1000 tokens/s claimed, 1 ms a step) pinged each other at 20 ms; the
     client's RTTs are 100 ms. A 32 ms looped lap leaves 32 - 2 x 10 (h -> t and t -> h) - 1 (the
     other hop) = 11 ms per hop; the same 32 ms sent by the client is explained by its legs alone."""
-    servers = {"h": ServerInfo(peer_id="h", model="m", start_block=0, end_block=3, throughput=1000.0,
-                               next_pings={"t": 0.02}),
-               "t": ServerInfo(peer_id="t", model="m", start_block=3, end_block=6, throughput=1000.0)}  # fmt: skip
+    servers = {
+        "h": ServerInfo(peer_id="h", model="m", start_block=0, end_block=3, throughput=1000.0, next_pings={"t": 0.02}),
+        "t": ServerInfo(peer_id="t", model="m", start_block=3, end_block=6, throughput=1000.0),
+    }
     route, rtts = [Hop("h", 0, 3), Hop("t", 3, 6)], {"h": 0.1, "t": 0.1}
     sent = ThroughputMeter()
     sent.observe(route, servers, 0.032, 3, rtts)
@@ -94,8 +103,13 @@ def test_a_looped_lap_is_charged_the_tail_to_head_link_not_the_clients_links():
 
 @pytest.fixture(scope="module")
 def honest_swarm(tiny_llama_path, artifacts_dir):
-    with LocalSwarm(str(tiny_llama_path), spans=list(HONEST.values()), names=list(HONEST), server_args=SERVER_ARGS,
-                    log_dir=str(artifacts_dir / "trust-swarm")) as swarm:  # fmt: skip
+    with LocalSwarm(
+        str(tiny_llama_path),
+        spans=list(HONEST.values()),
+        names=list(HONEST),
+        server_args=SERVER_ARGS,
+        log_dir=str(artifacts_dir / "trust-swarm"),
+    ) as swarm:
         yield swarm
 
 
@@ -104,8 +118,13 @@ def liar_swarm(tiny_llama_path, artifacts_dir):
     """A swarm of its own for the lying tails: after the hostile middles above, the honest servers'
     libp2p may hold a dial backoff towards a peer for minutes, and a verdict audit whose only
     substitute tail cannot be dialled then has no verdict (an open gap, noted on issue 24)."""
-    with LocalSwarm(str(tiny_llama_path), spans=list(HONEST.values()), names=list(HONEST), server_args=SERVER_ARGS,
-                    log_dir=str(artifacts_dir / "trust-liar-swarm")) as swarm:  # fmt: skip
+    with LocalSwarm(
+        str(tiny_llama_path),
+        spans=list(HONEST.values()),
+        names=list(HONEST),
+        server_args=SERVER_ARGS,
+        log_dir=str(artifacts_dir / "trust-liar-swarm"),
+    ) as swarm:
         yield swarm
 
 
@@ -127,11 +146,14 @@ def with_faulty_middle(swarm, path, *fault: str, request_timeout: float = 60.0, 
 
     name = f"F{next(_faulty_count)}"  # a fresh name: an earlier F's record may outlive it a while
     process = swarm.start_server(*blocks, name=name, launcher=faulty(*fault))
-    model = AutoDistributedModelForCausalLM.from_pretrained(str(path), initial_peers=swarm.initial_peers,
-                                                            request_timeout=request_timeout, **kwargs)  # fmt: skip
+    model = AutoDistributedModelForCausalLM.from_pretrained(
+        str(path), initial_peers=swarm.initial_peers, request_timeout=request_timeout, **kwargs
+    )
     deadline = time.monotonic() + 120
-    while not all(servers_by_name(model, 6).get(n) is not None and servers_by_name(model, 6)[n].state == "online"
-                  for n in (name, *HONEST)):  # fmt: skip
+    while not all(
+        servers_by_name(model, 6).get(n) is not None and servers_by_name(model, 6)[n].state == "online"
+        for n in (name, *HONEST)
+    ):
         assert time.monotonic() < deadline and process.poll() is None, "F did not come online"
         time.sleep(0.5)
     through_f = [(name, *blocks) if (a, b) == blocks else (n, a, b) for n, a, b in THROUGH_M]
@@ -152,8 +174,9 @@ def with_faulty_middle(swarm, path, *fault: str, request_timeout: float = 60.0, 
     ],
     ids=["rewrites-1-in-20", "accuses-the-tail", "non-retryable-code", "replaces-secret-hash", "black-hole"],
 )
-def test_a_hostile_middle_costs_one_failover_and_changes_nothing(honest_swarm, tiny_llama_path, greedy_reference,
-                                                                 fault, events):  # fmt: skip
+def test_a_hostile_middle_costs_one_failover_and_changes_nothing(
+    honest_swarm, tiny_llama_path, greedy_reference, fault, events
+):
     timeout = 8.0 if "--black-hole" in fault else 60.0
     model, process = with_faulty_middle(honest_swarm, tiny_llama_path, *fault, request_timeout=timeout)
     try:
@@ -182,26 +205,37 @@ SAMPLING = SamplingParams(do_sample=True, temperature=0.8, top_p=0.9, seed=1234)
 
 
 @pytest.mark.parametrize("lie", ["second", "random"])
-def test_a_lying_tail_is_convicted_and_the_output_stays_exact(liar_swarm, tiny_llama_path, tiny_reference,
-                                                              greedy_reference, lie):  # fmt: skip
+def test_a_lying_tail_is_convicted_and_the_output_stays_exact(
+    liar_swarm, tiny_llama_path, tiny_reference, greedy_reference, lie
+):
     """L (4:6) computes honestly and lies in 30% of its verdicts; with the client's defaults (no
     spot-checks of activations here, so the verdict audits alone must catch it) greedy and seeded
     outputs equal local transformers, and L is convicted and reported."""
-    model, process = with_faulty_middle(liar_swarm, tiny_llama_path, "--lie-in-verdicts", "0.3", "--lie", lie,
-                                        blocks=(4, 6))  # fmt: skip
+    model, process = with_faulty_middle(
+        liar_swarm, tiny_llama_path, "--lie-in-verdicts", "0.3", "--lie", lie, blocks=(4, 6)
+    )
     try:
         out = model.generate(torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS, spot_check_rate=0.0)
         stats = model.last_generation_stats
-        print(f"\n{lie} liar: {stats.verdict_audits} verdict audits, {stats.verdict_audit_positions} audit positions "
-              f"for {stats.new_tokens} tokens, {stats.tokens_retracted} retracted: {stats.spot_check_events}")
+        print(
+            f"\n{lie} liar: {stats.verdict_audits} verdict audits, {stats.verdict_audit_positions} audit positions "
+            f"for {stats.new_tokens} tokens, {stats.tokens_retracted} retracted: {stats.spot_check_events}"
+        )
         assert out[0, len(PROMPT[0]) :].tolist() == greedy_reference, stats.spot_check_events
         assert stats.liars_excluded == [model.peers["F"]], stats.spot_check_events
         assert model.peers["F"] in model.swarm.liars and stats.verdict_audits >= 1
         assert not {model.peers[n] for n in HONEST} & model.swarm.excluded.current()
         assert model.peers["F"] not in [peer for peer, _, _ in stats.route]
         model.swarm.excluded = type(model.swarm.excluded)()  # forgive L: the seeded run meets it again
-        sampled = model.generate(torch.tensor(PROMPT), max_new_tokens=20, spot_check_rate=0.0, do_sample=True,
-                                 temperature=0.8, top_p=0.9, seed=1234)  # fmt: skip
+        sampled = model.generate(
+            torch.tensor(PROMPT),
+            max_new_tokens=20,
+            spot_check_rate=0.0,
+            do_sample=True,
+            temperature=0.8,
+            top_p=0.9,
+            seed=1234,
+        )
         assert sampled[0, len(PROMPT[0]) :].tolist() == reference_sample(tiny_reference, PROMPT[0], 20, SAMPLING)
         assert model.last_generation_stats.liars_excluded == [model.peers["F"]]
         _run(model.swarm.flush_reports())
@@ -211,20 +245,22 @@ def test_a_lying_tail_is_convicted_and_the_output_stays_exact(liar_swarm, tiny_l
         kill_group(process)
 
 
-def test_lies_in_the_last_tokens_only_are_caught_before_generate_returns(liar_swarm, tiny_llama_path,
-                                                                          greedy_reference):  # fmt: skip
+def test_lies_in_the_last_tokens_only_are_caught_before_generate_returns(liar_swarm, tiny_llama_path, greedy_reference):
     """L lies on every verdict about the last 6 of 40 tokens only: fewer than one audit's worth (16),
     so the audit that sees them may be the one ``generate()`` waits for before it returns; either
     way L is convicted before the output is returned, and the output equals local transformers."""
     after = len(PROMPT[0]) + NEW_TOKENS - 6
-    model, process = with_faulty_middle(liar_swarm, tiny_llama_path, "--lie-in-verdicts", "1", "--lie-after",
-                                        str(after), blocks=(4, 6))  # fmt: skip
+    model, process = with_faulty_middle(
+        liar_swarm, tiny_llama_path, "--lie-in-verdicts", "1", "--lie-after", str(after), blocks=(4, 6)
+    )
     try:
         out = model.generate(torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS, spot_check_rate=0.0)
         stats = model.last_generation_stats
         assert out[0, len(PROMPT[0]) :].tolist() == greedy_reference, stats.spot_check_events
         assert stats.liars_excluded == [model.peers["F"]], stats.spot_check_events
-        disputed = [int(e.split("position ")[1].split(":")[0]) for e in stats.spot_check_events if "the route's tail" in e]
+        disputed = [
+            int(e.split("position ")[1].split(":")[0]) for e in stats.spot_check_events if "the route's tail" in e
+        ]
         assert disputed and min(disputed) >= after, stats.spot_check_events
     finally:
         model.shutdown()
@@ -246,8 +282,9 @@ def test_an_inflated_claim_is_capped_in_the_default_mode(liar_swarm, tiny_llama_
     with torch.no_grad():
         out = tiny_reference.generate(torch.tensor(LONG_PROMPT), max_new_tokens=CLAIM_TOKENS, do_sample=False)
     reference = out[0, len(LONG_PROMPT[0]) :].tolist()
-    model, process = with_faulty_middle(liar_swarm, tiny_llama_path, "--claim-factor", "10", "--block-delay-ms", "50",
-                                        blocks=(4, 6))  # fmt: skip
+    model, process = with_faulty_middle(
+        liar_swarm, tiny_llama_path, "--claim-factor", "10", "--block-delay-ms", "50", blocks=(4, 6)
+    )
     try:
         liar = model.peers["F"]
         out = model.generate(torch.tensor(LONG_PROMPT), max_new_tokens=CLAIM_TOKENS)

@@ -99,14 +99,19 @@ def test_dht_only_owner_can_write(ids):
     dht_a = dht_b = mallory = None
     try:
         dht_a = hivemind.DHT(
-            host_maddrs=["/ip4/127.0.0.1/tcp/0"], identity_path=a.path,
-            record_validators=[PeerIdSignatureValidator(a)], start=True,
+            host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+            identity_path=a.path,
+            record_validators=[PeerIdSignatureValidator(a)],
+            start=True,
         )
         assert dht_a.peer_id == a.peer_id  # the daemon runs with our key
         dht_b = hivemind.DHT(
-            host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=dht_a.get_visible_maddrs(),
-            identity_path=b.path, check_if_identity_free=False,
-            record_validators=[PeerIdSignatureValidator(b)], start=True,
+            host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+            initial_peers=dht_a.get_visible_maddrs(),
+            identity_path=b.path,
+            check_if_identity_free=False,
+            record_validators=[PeerIdSignatureValidator(b)],
+            start=True,
         )
         assert dht_b.peer_id == b.peer_id
 

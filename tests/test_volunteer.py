@@ -50,23 +50,48 @@ def run_server(*args: str, env: dict | None = None, timeout: float = 300) -> sub
 def test_plan_only_answers_offline_without_weights(tmp_path):
     """The card's model, no hub, an empty cache: the shipped config answers, nothing is downloaded."""
     env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
-    done = run_server("--model", "deepseek-v4-pro", "--plan-only", "--assume-free-memory", "44GiB", "--device", "cuda",
-                      env=env)  # fmt: skip
+    done = run_server(
+        "--model", "deepseek-v4-pro", "--plan-only", "--assume-free-memory", "44GiB", "--device", "cuda", env=env
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("3 of 61 blocks fit: 44.0 GiB free on cuda (assumed free memory)"), done.stdout
     assert "nf4 weights" in done.stdout and "cache budget of" in done.stdout and "embeddings" in done.stdout
     assert not any((tmp_path / "hf").rglob("*.safetensors"))
-    too_many = run_server("--model", "deepseek-v4-pro", "--plan-only", "--assume-free-memory", "22GiB",
-                          "--device", "cuda", "--num-blocks", "2", env=env)  # fmt: skip
+    too_many = run_server(
+        "--model",
+        "deepseek-v4-pro",
+        "--plan-only",
+        "--assume-free-memory",
+        "22GiB",
+        "--device",
+        "cuda",
+        "--num-blocks",
+        "2",
+        env=env,
+    )
     assert too_many.returncode == 2 and "Traceback" not in too_many.stderr, too_many.stderr
-    assert "--num-blocks 2: blocks 1:3 do not fit: they need" in too_many.stderr and "22.00 GiB is free on cuda" in too_many.stderr
+    assert (
+        "--num-blocks 2: blocks 1:3 do not fit: they need" in too_many.stderr
+        and "22.00 GiB is free on cuda" in too_many.stderr
+    )
 
 
 def test_blocks_that_do_not_fit_stop_before_announcing(tiny_llama_path):
     """--num-blocks beyond the memory: one line naming what is needed and what is free, exit 2,
     and the server never got as far as joining the DHT or claiming a span."""
-    done = run_server("--model", str(tiny_llama_path), "--new-swarm", "--host", "127.0.0.1", "--num-blocks", "6",
-                      "--assume-free-memory", "1MiB", "--torch-threads", "1")  # fmt: skip
+    done = run_server(
+        "--model",
+        str(tiny_llama_path),
+        "--new-swarm",
+        "--host",
+        "127.0.0.1",
+        "--num-blocks",
+        "6",
+        "--assume-free-memory",
+        "1MiB",
+        "--torch-threads",
+        "1",
+    )
     log = done.stdout + done.stderr
     assert done.returncode == 2, log
     errors = [line for line in log.splitlines() if " ERROR " in line]
@@ -79,8 +104,17 @@ def test_the_cards_command_on_a_machine_with_no_room_stops_with_one_line(tiny_ll
     """The card's command (``--model`` alone, no --blocks/--num-blocks) where the weights are
     reachable (a local checkpoint) but the device has no memory to spare: exit 2 with one line
     saying not even one block fits and why, before joining the DHT or loading any weights."""
-    done = run_server("--model", str(tiny_llama_path), "--new-swarm", "--host", "127.0.0.1", "--assume-free-memory",
-                      "1KiB", "--torch-threads", "1")  # fmt: skip
+    done = run_server(
+        "--model",
+        str(tiny_llama_path),
+        "--new-swarm",
+        "--host",
+        "127.0.0.1",
+        "--assume-free-memory",
+        "1KiB",
+        "--torch-threads",
+        "1",
+    )
     log = done.stdout + done.stderr
     assert done.returncode == 2, log
     errors = [line for line in log.splitlines() if " ERROR " in line]
@@ -195,12 +229,21 @@ def test_routers_skip_servers_of_another_protocol_version_and_say_so():
     from protocol.version import PROTOCOL_VERSION
 
     def server(peer: str, version: int) -> ServerInfo:
-        return ServerInfo(peer_id=peer, model="m", start_block=0, end_block=4, throughput=10.0,
-                          free_cache_tokens=4096, protocol_version=version)  # fmt: skip
+        return ServerInfo(
+            peer_id=peer,
+            model="m",
+            start_block=0,
+            end_block=4,
+            throughput=10.0,
+            free_cache_tokens=4096,
+            protocol_version=version,
+        )
 
     route = MaxFlowRouter().plan([server("old", PROTOCOL_VERSION - 1), server("new", PROTOCOL_VERSION)], 0, 4)
     assert [hop.peer_id for hop in route] == ["new"]
-    with pytest.raises(NoRouteError, match=f"1 server is on protocol version {PROTOCOL_VERSION - 1}, not {PROTOCOL_VERSION}"):
+    with pytest.raises(
+        NoRouteError, match=f"1 server is on protocol version {PROTOCOL_VERSION - 1}, not {PROTOCOL_VERSION}"
+    ):
         MaxFlowRouter().plan([server("old", PROTOCOL_VERSION - 1)], 0, 4)
 
 
@@ -229,12 +272,20 @@ def test_the_client_chunks_prefill_to_the_smallest_limit_on_its_route(tiny_llama
 
     bootstrap = make_dht(host="127.0.0.1")
     peers = [str(m) for m in bootstrap.get_visible_maddrs()]
-    common = dict(model=str(tiny_llama_path), initial_peers=peers, host="127.0.0.1", reachability="public",
-                  update_period=2.0, torch_threads=1)  # fmt: skip
+    common = dict(
+        model=str(tiny_llama_path),
+        initial_peers=peers,
+        host="127.0.0.1",
+        reachability="public",
+        update_period=2.0,
+        torch_threads=1,
+    )
 
     async def start():
-        return [await SpanServer.create(ServerConfig(blocks=(0, 3), **common)),
-                await SpanServer.create(ServerConfig(blocks=(3, 6), max_positions_per_step=8, **common))]  # fmt: skip
+        return [
+            await SpanServer.create(ServerConfig(blocks=(0, 3), **common)),
+            await SpanServer.create(ServerConfig(blocks=(3, 6), max_positions_per_step=8, **common)),
+        ]
 
     servers = _loop.run(start(), timeout=240)
     model = AutoDistributedModelForCausalLM.from_pretrained(str(tiny_llama_path), initial_peers=peers)
@@ -259,11 +310,17 @@ def test_same_model_keeps_one_config_and_one_revision():
     from protocol.routing import same_model
 
     def server(peer: str, fingerprint: str, revision: str) -> ServerInfo:
-        return ServerInfo(peer_id=peer, model="m", start_block=0, end_block=2, config_fingerprint=fingerprint,
-                          revision=revision)  # fmt: skip
+        return ServerInfo(
+            peer_id=peer, model="m", start_block=0, end_block=2, config_fingerprint=fingerprint, revision=revision
+        )
 
-    servers = [server("a", "f", "r1"), server("b", "f", "r2"), server("c", "f", "r2"), server("d", "g", "r1"),
-               server("old", "", "")]  # fmt: skip
+    servers = [
+        server("a", "f", "r1"),
+        server("b", "f", "r2"),
+        server("c", "f", "r2"),
+        server("d", "g", "r1"),
+        server("old", "", ""),
+    ]
     assert [s.peer_id for s in same_model(servers, "f", "r1")] == ["a"]  # the client's own revision
     assert [s.peer_id for s in same_model(servers, "f", "r3")] == ["b", "c"]  # else the one most servers hold
     assert [s.peer_id for s in same_model(servers, "g", "")] == ["d"]
@@ -293,9 +350,20 @@ def test_two_folders_of_the_same_name_are_never_routed_together(tmp_path, single
     peers = [str(m) for m in bootstrap.get_visible_maddrs()]
 
     async def start():
-        return [await SpanServer.create(ServerConfig(model=str(p), initial_peers=peers, host="127.0.0.1", blocks=(0, 6),
-                                                     reachability="public", update_period=2.0, torch_threads=1))
-                for p in paths]  # fmt: skip
+        return [
+            await SpanServer.create(
+                ServerConfig(
+                    model=str(p),
+                    initial_peers=peers,
+                    host="127.0.0.1",
+                    blocks=(0, 6),
+                    reachability="public",
+                    update_period=2.0,
+                    torch_threads=1,
+                )
+            )
+            for p in paths
+        ]
 
     servers = _loop.run(start(), timeout=240)
     assert servers[0].info.revision != servers[1].info.revision
@@ -304,7 +372,10 @@ def test_two_folders_of_the_same_name_are_never_routed_together(tmp_path, single
         for path, server in zip(paths, servers):
             model = AutoDistributedModelForCausalLM.from_pretrained(str(path), initial_peers=peers)
             models.append(model)
-            both, deadline = {s.info.peer_id for s in servers}, time.monotonic() + 30  # records are stored in the background
+            both, deadline = (
+                {s.info.peer_id for s in servers},
+                time.monotonic() + 30,
+            )  # records are stored in the background
             while not both <= {s.peer_id for s in fetch_servers(model.swarm.dht, model.swarm.model, 6)}:
                 assert time.monotonic() < deadline, "both servers should be listed under one name"
                 time.sleep(0.5)
@@ -312,7 +383,10 @@ def test_two_folders_of_the_same_name_are_never_routed_together(tmp_path, single
             model.swarm.router.release(route)
             assert [hop.peer_id for hop in route] == [server.info.peer_id]
             expected = single_thread_reference(path).generate(torch.tensor(PROMPT), max_new_tokens=8, do_sample=False)
-            assert model.generate(torch.tensor(PROMPT), max_new_tokens=8, speculation=None)[0].tolist() == expected[0].tolist()
+            assert (
+                model.generate(torch.tensor(PROMPT), max_new_tokens=8, speculation=None)[0].tolist()
+                == expected[0].tolist()
+            )
     finally:
         for model in models:
             model.shutdown()
@@ -376,15 +450,28 @@ def test_a_swarm_on_ipv6_loopback_generates(tiny_llama_path, tiny_reference):
     bootstrap = make_dht(host="::1")
     peers = [str(m) for m in bootstrap.get_visible_maddrs() if str(m).startswith("/ip6/::1/")]
     assert peers, bootstrap.get_visible_maddrs()
-    server = _loop.run(SpanServer.create(ServerConfig(model=str(tiny_llama_path), initial_peers=peers, host="::1",
-                                                      blocks=(0, 6), reachability="public", update_period=2.0,
-                                                      torch_threads=1)), timeout=240)  # fmt: skip
+    server = _loop.run(
+        SpanServer.create(
+            ServerConfig(
+                model=str(tiny_llama_path),
+                initial_peers=peers,
+                host="::1",
+                blocks=(0, 6),
+                reachability="public",
+                update_period=2.0,
+                torch_threads=1,
+            )
+        ),
+        timeout=240,
+    )
     model = None
     try:
         assert all(str(m).startswith("/ip6/") for m in server.dht.get_visible_maddrs())
         model = AutoDistributedModelForCausalLM.from_pretrained(str(tiny_llama_path), initial_peers=peers)
         expected = tiny_reference.generate(torch.tensor(PROMPT), max_new_tokens=8, do_sample=False)
-        assert model.generate(torch.tensor(PROMPT), max_new_tokens=8, speculation=None)[0].tolist() == expected[0].tolist()
+        assert (
+            model.generate(torch.tensor(PROMPT), max_new_tokens=8, speculation=None)[0].tolist() == expected[0].tolist()
+        )
     finally:
         if model is not None:
             model.shutdown()
@@ -403,13 +490,33 @@ def test_the_dashboard_shows_other_weights_apart_and_other_versions_as_such():
     from swarm.dashboard.views import state_view
 
     def server(peer: str, start: int, end: int, revision: str = "r1", version: int = PROTOCOL_VERSION) -> ServerInfo:
-        return ServerInfo(peer_id=peer, model="m", start_block=start, end_block=end, throughput=5.0,
-                          config_fingerprint="f", revision=revision, protocol_version=version, started_at=1.0)  # fmt: skip
+        return ServerInfo(
+            peer_id=peer,
+            model="m",
+            start_block=start,
+            end_block=end,
+            throughput=5.0,
+            config_fingerprint="f",
+            revision=revision,
+            protocol_version=version,
+            started_at=1.0,
+        )
 
-    snapshot = ModelSnapshot("m", 4, (server("a", 0, 2), server("b", 2, 4), server("c", 0, 4, revision="r2"),
-                                      server("old", 0, 4, version=PROTOCOL_VERSION - 1)))  # fmt: skip
+    snapshot = ModelSnapshot(
+        "m",
+        4,
+        (
+            server("a", 0, 2),
+            server("b", 2, 4),
+            server("c", 0, 4, revision="r2"),
+            server("old", 0, 4, version=PROTOCOL_VERSION - 1),
+        ),
+    )
     parts = split_by_weights(snapshot)
-    assert [(p.name, sorted(s.peer_id for s in p.servers)) for p in parts] == [("m", ["a", "b", "old"]), ("m @r2", ["c"])]
+    assert [(p.name, sorted(s.peer_id for s in p.servers)) for p in parts] == [
+        ("m", ["a", "b", "old"]),
+        ("m @r2", ["c"]),
+    ]
     view = state_view(fold([SwarmPolled(10.0, tuple(parts))], State()), now=10.0, refresh_seconds=5.0)
     models = {m["name"]: m for m in view["models"]}
     assert set(models) == {"m", "m @r2"} and models["m"]["healthy"] and models["m @r2"]["healthy"]

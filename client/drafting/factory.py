@@ -13,7 +13,6 @@ from client.drafting.tail_drafts import TailDrafts
 DRAFTER_KINDS = ("suffix", "ngram", "tail", "suffix+tail", "ngram+tail")
 
 
-
 def make_drafter(
     kind: str | None = "suffix",
     *,
@@ -30,8 +29,17 @@ def make_drafter(
     if kind is None:
         return None
     if kind == "tail" or kind.endswith("+tail"):  # the tail's drafts, alone or with retrieval
-        inner = None if kind == "tail" else make_drafter(kind.removesuffix("+tail"), num_draft_tokens=num_draft_tokens,
-                                                         corpus=corpus, store=store, eos_token_ids=eos_token_ids)  # fmt: skip
+        inner = (
+            None
+            if kind == "tail"
+            else make_drafter(
+                kind.removesuffix("+tail"),
+                num_draft_tokens=num_draft_tokens,
+                corpus=corpus,
+                store=store,
+                eos_token_ids=eos_token_ids,
+            )
+        )
         return TailDrafts(inner)
     if kind == "suffix":
         return SuffixDrafter(num_draft_tokens, store=store, corpus=corpus, eos_token_ids=eos_token_ids)

@@ -115,7 +115,9 @@ class _Automaton:
         total = sum(self.occ[child] for child in kids.values())
         if not total:
             return []
-        ranked = sorted(((self.occ[child] / total, tok) for tok, child in kids.items() if tok != SEPARATOR), reverse=True)
+        ranked = sorted(
+            ((self.occ[child] / total, tok) for tok, child in kids.items() if tok != SEPARATOR), reverse=True
+        )
         return [(tok, prob) for prob, tok in ranked[:k] if prob >= min_prob]
 
     def step(self, state: int, matched: int, tok: int, max_depth: int) -> tuple[int, int]:

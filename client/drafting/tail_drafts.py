@@ -27,7 +27,9 @@ class TailDrafts(Drafter):
         self.inner = inner
         self.tail_tokens = tail_tokens  # asked of the tail per run (Step.tail_drafts)
         self._context: list[int] = []
-        self._tail_drafts: tuple[int, list[int]] | None = None  # the tail's last drafts: (position of the first id, ids)
+        self._tail_drafts: tuple[int, list[int]] | None = (
+            None  # the tail's last drafts: (position of the first id, ids)
+        )
         self._pending: list[tuple[int, str, list[int]]] = []  # proposals waiting for committed text
         self._score = {source: 1.0 for source in self.SOURCES}
         self._last_source = "retrieval"
@@ -85,7 +87,9 @@ class TailDrafts(Drafter):
         retrieval = self.inner.draft(max_tokens, after) if self.inner is not None else []
         if not after:  # a lap's own proposal: measure both, whichever is sent
             position = len(self._context)
-            self._pending += [(position, source, ids) for source, ids in (("tail", tail), ("retrieval", retrieval)) if ids]
+            self._pending += [
+                (position, source, ids) for source, ids in (("tail", tail), ("retrieval", retrieval)) if ids
+            ]
             self.fresh = False
         source = "tail" if self._score["tail"] >= self._score["retrieval"] else "retrieval"
         chosen = tail if source == "tail" else retrieval

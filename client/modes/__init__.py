@@ -25,12 +25,31 @@ from client.modes.view import DecoderView, NextRun, VerdictAction, WorkAhead
 from client.modes.window import WindowMode
 from protocol.messages import SamplingParams
 
-__all__ = ["Mode", "ChainMode", "WindowMode", "LoopedMode", "TreeMode", "RejectionMode", "choose_mode",
-           "DecoderView", "NextRun", "VerdictAction", "WorkAhead"]  # fmt: skip
+__all__ = [
+    "Mode",
+    "ChainMode",
+    "WindowMode",
+    "LoopedMode",
+    "TreeMode",
+    "RejectionMode",
+    "choose_mode",
+    "DecoderView",
+    "NextRun",
+    "VerdictAction",
+    "WorkAhead",
+]
 
 
-def choose_mode(view: DecoderView, *, inflight: int, verification: str, draft_tree: bool, loop_runs: bool,
-                front_drafts: Optional[int], tree_sizer: TreeSizer) -> Mode:  # fmt: skip
+def choose_mode(
+    view: DecoderView,
+    *,
+    inflight: int,
+    verification: str,
+    draft_tree: bool,
+    loop_runs: bool,
+    front_drafts: Optional[int],
+    tree_sizer: TreeSizer,
+) -> Mode:
     """The decoder's mode for what was asked, already checked at the edge
     (client._options.GenerationOptions.checked, with ``loop_runs`` decided)."""
     if _rejection_applies(verification, view.sampling, view.drafter, inflight):

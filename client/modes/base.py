@@ -59,8 +59,10 @@ class Mode(abc.ABC):
 
     def corrected(self, run: Run, result: StepResult) -> StepResult:
         """A verdict with a correction (the rejection rule's): no run of this mode can take one."""
-        raise ServerError(f"a correction after {result.accepted} accepted drafts, for a run that cannot be corrected",
-                          self.view.state.remote.tail_peer)  # fmt: skip
+        raise ServerError(
+            f"a correction after {result.accepted} accepted drafts, for a run that cannot be corrected",
+            self.view.state.remote.tail_peer,
+        )
 
     def accepted_drafts(self, run: Run, result: StepResult) -> list[int]:
         """The drafts a verdict accepts: a prefix of the run's chain."""

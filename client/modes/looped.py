@@ -73,5 +73,13 @@ class LoopedMode(ChainMode):
         # hedges for its verdict build on it; its own verdict says what it really carried
         offered = self.offered if self.offered_for == run.run_id else {}
         drafts = offered.get((result.accepted, result.next_token), tail_drafts)
-        return Run(state.next_run_id, run.first_draft_pos + result.accepted, [result.next_token, *drafts],
-                   list(drafts), None, proposed=len(drafts), sent_at=self.view.verdict_at, looped=True)  # fmt: skip
+        return Run(
+            state.next_run_id,
+            run.first_draft_pos + result.accepted,
+            [result.next_token, *drafts],
+            list(drafts),
+            None,
+            proposed=len(drafts),
+            sent_at=self.view.verdict_at,
+            looped=True,
+        )

@@ -53,8 +53,9 @@ class RejectionMode(ChainMode):
         ids, probs = result.correction_ids, unpack_f16(result.correction_p)
         q = run.q_dists[result.accepted]
         if not ids or len(probs) != len(ids) or not all(0 <= i < q.numel() for i in ids):
-            raise ServerError(f"a malformed correction: {len(ids)} ids, {len(probs)} probabilities",
-                              self.view.state.remote.tail_peer)  # fmt: skip
+            raise ServerError(
+                f"a malformed correction: {len(ids)} ids, {len(probs)} probabilities", self.view.state.remote.tail_peer
+            )
         token = sample_correction(ids, probs, q, self.view.sampling.seed, run.first_draft_pos + result.accepted)
         logprobs = result.logprobs
         if logprobs:  # the tail reported its own token at the rejected position: report ours

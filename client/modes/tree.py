@@ -36,12 +36,24 @@ class TreeMode(Mode):
         tree = DraftTree()
         if v.drafter is not None and room > 0:
             chain = v.drafter.draft(min(room, v.drafter.draft_cap))
-            max_nodes = min(MAX_TREE_NODES, state.remote.max_positions_per_step - len(committed),
-                            state.max_length - len(state.history) - 1)  # fmt: skip
+            max_nodes = min(
+                MAX_TREE_NODES,
+                state.remote.max_positions_per_step - len(committed),
+                state.max_length - len(state.history) - 1,
+            )
             full = build_tree(v.drafter, chain, max_nodes, room, v.drafter.extra_chains(room), v.eos_token_ids)
             tree = full.prefix(self.sizer.choose(full, len(committed)))
-        run = Run(state.next_run_id, state.cached, committed + tree.ids, tree.ids, None, 0, tree.chain_len, tree=True,
-                  shape=tree)  # fmt: skip
+        run = Run(
+            state.next_run_id,
+            state.cached,
+            committed + tree.ids,
+            tree.ids,
+            None,
+            0,
+            tree.chain_len,
+            tree=True,
+            shape=tree,
+        )
         if not tree_rules.is_chain(tree.parents):
             run.parents = tree.parents
         return NextRun(run)

@@ -26,7 +26,9 @@ def adapter_class(config: PretrainedConfig) -> type[SpanAdapter]:
     try:
         return getattr(importlib.import_module(module), name)
     except ImportError as e:  # e.g. a transformers without deepseek_v4
-        raise ValueError(f"model type {config.model_type!r} needs {module}, which cannot be imported here: {e}") from None
+        raise ValueError(
+            f"model type {config.model_type!r} needs {module}, which cannot be imported here: {e}"
+        ) from None
 
 
 def load_span(

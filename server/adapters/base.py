@@ -113,7 +113,9 @@ class SpanAdapter(abc.ABC):
 
             tree = {"tree": member.tree} if member.tree else {}
             try:
-                outputs.append(self.forward(member.hidden, member.token_ids, member.start_pos, member.cache, blocks, check, **tree))
+                outputs.append(
+                    self.forward(member.hidden, member.token_ids, member.start_pos, member.cache, blocks, check, **tree)
+                )
             except SpanCancelled:
                 outputs.append(None)
         return outputs

@@ -113,8 +113,15 @@ class DeepseekV4Adapter(SpanAdapter):
             checkpoint.weight_map(), set(targets), range(self.start, self.end), self.is_head, self.is_tail
         )
         self.quantize_skeleton(self.layers, self.quant, self.dtype)
-        load_owned(checkpoint, owned, targets, sources, self.dtype_plan(self.dtype), self.device,
-                   desc=f"Loading blocks {self.start}:{self.end}")  # fmt: skip
+        load_owned(
+            checkpoint,
+            owned,
+            targets,
+            sources,
+            self.dtype_plan(self.dtype),
+            self.device,
+            desc=f"Loading blocks {self.start}:{self.end}",
+        )
         self.rotary_emb = DeepseekV4RotaryEmbedding(self.config)
         finish_loading(self._modules(), self.config, self.device, "DeepSeek-V4 span")
 
@@ -212,7 +219,10 @@ class DeepseekV4Adapter(SpanAdapter):
             return position_ids, sliding_window_mask(member.start_pos, num_new, window, self.dtype, self.device)
 
         def prepare(packed: packing.Packed, hidden: torch.Tensor) -> tuple[torch.Tensor, dict]:
-            rotary = {kind: self.rotary_emb(hidden, position_ids=packed.position_ids, layer_type=kind) for kind in ("main", "compress")}
+            rotary = {
+                kind: self.rotary_emb(hidden, position_ids=packed.position_ids, layer_type=kind)
+                for kind in ("main", "compress")
+            }
             return packed.token_ids(self.device), rotary
 
         def block(number: int, hidden: torch.Tensor, packed: packing.Packed, prepared: tuple) -> torch.Tensor:

@@ -43,10 +43,14 @@ def decoder_layer(
     dtype = hidden.dtype
     post, comb, collapsed = layer.attn_hc(hidden)
     attended = _attention(layer.self_attn, layer.input_layernorm(collapsed), packed, position_embeddings)
-    hidden = post.to(dtype).unsqueeze(-1) * attended.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), hidden)
+    hidden = post.to(dtype).unsqueeze(-1) * attended.unsqueeze(-2) + torch.matmul(
+        comb.to(dtype).transpose(-1, -2), hidden
+    )
     post, comb, collapsed = layer.ffn_hc(hidden)
     mlp_output = layer.mlp(layer.post_attention_layernorm(collapsed), input_ids=token_ids)
-    return post.to(dtype).unsqueeze(-1) * mlp_output.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), hidden)
+    return post.to(dtype).unsqueeze(-1) * mlp_output.unsqueeze(-2) + torch.matmul(
+        comb.to(dtype).transpose(-1, -2), hidden
+    )
 
 
 def _attention(attn: torch.nn.Module, hidden: torch.Tensor, packed: Packed, position_embeddings: dict) -> torch.Tensor:
@@ -59,7 +63,9 @@ def _attention(attn: torch.nn.Module, hidden: torch.Tensor, packed: Packed, posi
     q = attn.q_b_norm(attn.q_b_proj(q_residual).view(shape).transpose(1, 2))
     q = apply_rotary_pos_emb(q, cos, sin)
     kv = apply_rotary_pos_emb(attn.kv_norm(attn.kv_proj(hidden)).view(shape).transpose(1, 2), cos, sin)
-    interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager_attention_forward)
+    interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+        attn.config._attn_implementation, eager_attention_forward
+    )
     outputs = []
     for member, (a, b), mask in zip(packed.members, packed.bounds, packed.masks):
         # a copy: the cache keeps this tensor, which must not hold the whole packed row
@@ -67,13 +73,28 @@ def _attention(attn: torch.nn.Module, hidden: torch.Tensor, packed: Packed, posi
         keys = member.cache.update(own, own, attn.layer_idx)[0]
         if attn.compressor is not None:
             position_ids = packed.position_ids[:, a:b]
-            compressed, block_bias = attn.compressor(hidden[:, a:b], q_residual[:, a:b], position_ids, member.cache, attn.layer_idx)
+            compressed, block_bias = attn.compressor(
+                hidden[:, a:b], q_residual[:, a:b], position_ids, member.cache, attn.layer_idx
+            )
             keys = torch.cat([keys, compressed], dim=2)
             if keys.shape[2] > mask.shape[-1]:
                 extra = block_bias.to(mask.dtype) if block_bias is not None else None
-                mask = torch.cat([mask, extra], dim=-1) if extra is not None else F.pad(mask, (0, keys.shape[2] - mask.shape[-1]))
-        out, _ = interface(attn, q[:, :, a:b], keys, keys, mask, dropout=0.0, scaling=attn.scaling,
-                           sliding_window=attn.sliding_window, s_aux=attn.sinks)  # fmt: skip
+                mask = (
+                    torch.cat([mask, extra], dim=-1)
+                    if extra is not None
+                    else F.pad(mask, (0, keys.shape[2] - mask.shape[-1]))
+                )
+        out, _ = interface(
+            attn,
+            q[:, :, a:b],
+            keys,
+            keys,
+            mask,
+            dropout=0.0,
+            scaling=attn.scaling,
+            sliding_window=attn.sliding_window,
+            s_aux=attn.sinks,
+        )
         outputs.append(out)  # [1, S, heads, head_dim]
     attended = torch.cat(outputs, dim=1)
     # K = V: undo the rope on the outputs' rope slice (elementwise per position, so over the packed row)

@@ -26,8 +26,8 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 from transformers import PretrainedConfig
+from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4CSACache, DeepseekV4HCACache
 
 from protocol.errors import ErrorCode, ProtocolError

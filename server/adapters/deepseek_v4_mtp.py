@@ -55,8 +55,8 @@ from server.adapters.deepseek_v4 import (
     sliding_window_mask,
 )
 from server.adapters.deepseek_v4_weights import embedding_source, iter_plain, map_mtp, mtp_attention_type, mtp_keys
-from server.tail_drafter import DEFAULT_TAIL_DRAFTS, MAX_TAIL_DRAFTS, DrafterSession, TailDrafter
 from server.quantization import Quant
+from server.tail_drafter import DEFAULT_TAIL_DRAFTS, MAX_TAIL_DRAFTS, DrafterSession, TailDrafter
 from server.weights import Checkpoint
 
 logger = logging.getLogger(__name__)
@@ -116,9 +116,13 @@ class DeepseekV4MTP(torch.nn.Module):
             kind: self.rotary_emb(x, position_ids=position_ids, layer_type=kind) for kind in ("main", "compress")
         }
         return self.layer(
-            x, input_ids=token_ids, position_embeddings=position_embeddings, position_ids=position_ids,
-            attention_mask=mask, cache=cache,
-        )  # fmt: skip  # [1, S, hc_mult, H]
+            x,
+            input_ids=token_ids,
+            position_embeddings=position_embeddings,
+            position_ids=position_ids,
+            attention_mask=mask,
+            cache=cache,
+        )  # [1, S, hc_mult, H]
 
     def final_hidden(self, x: torch.Tensor) -> torch.Tensor:
         """What the shared LM head reads: the MTP's own hc head and norm over its output streams."""
@@ -130,8 +134,13 @@ def has_mtp(config: PretrainedConfig, checkpoint: Checkpoint) -> bool:
     return declared >= 1 and bool(mtp_keys(checkpoint.weight_map(), MTP_INDEX))
 
 
-def load_mtp(config: PretrainedConfig, checkpoint: Checkpoint, dtype: torch.dtype, device: str | torch.device,
-             quant: Quant = Quant.NONE) -> DeepseekV4MTP:  # fmt: skip
+def load_mtp(
+    config: PretrainedConfig,
+    checkpoint: Checkpoint,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    quant: Quant = Quant.NONE,
+) -> DeepseekV4MTP:
     """MTP module 0 of the checkpoint, its block quantized like the span's blocks (``quant``)."""
     weight_map = checkpoint.weight_map()
     attention_type = mtp_attention_type(weight_map, MTP_INDEX)
@@ -142,8 +151,15 @@ def load_mtp(config: PretrainedConfig, checkpoint: Checkpoint, dtype: torch.dtyp
     sources = map_mtp(weight_map, set(targets), MTP_INDEX, config.num_hidden_layers)
     DeepseekV4Adapter.quantize_skeleton(mtp.layer, Quant(quant), dtype)
     device = torch.device(device)
-    load_owned(checkpoint, owned, targets, sources, DeepseekV4Adapter.dtype_plan(dtype), device,
-               desc=f"Loading MTP module mtp.{MTP_INDEX}")  # fmt: skip
+    load_owned(
+        checkpoint,
+        owned,
+        targets,
+        sources,
+        DeepseekV4Adapter.dtype_plan(dtype),
+        device,
+        desc=f"Loading MTP module mtp.{MTP_INDEX}",
+    )
     finish_loading([mtp], mtp.config, device, f"DeepSeek-V4 MTP module mtp.{MTP_INDEX}")
     return mtp
 
@@ -171,8 +187,9 @@ def mtp_bytes(
     block = estimate_module_bytes(mtp.layer, Quant(quant), dtype, dtype_of, DeepseekV4Adapter.stacked_linears)
     rest = sum(
         t.numel() * torch.finfo(dtype_of(name)).bits // 8
-        for name, t in mtp.named_parameters() if not name.startswith("layer.")
-    )  # fmt: skip  # e_proj, h_proj, norms, hc head: never quantized
+        for name, t in mtp.named_parameters()
+        if not name.startswith("layer.")
+    )  # e_proj, h_proj, norms, hc head: never quantized
     buffers = sum(t.numel() * t.element_size() for name, t in mtp.named_buffers() if not name.startswith("layer."))
     return block + rest + buffers
 
@@ -182,9 +199,17 @@ class MTPDrafter(TailDrafter):
     streams as they are (no final norm), the drafter's output streams are the next step's feature,
     and a token is the argmax of the shared LM head over ``norm(hc_head(x))``."""
 
-    def __init__(self, mtp: DeepseekV4MTP, lm_head: torch.nn.Module, embed_weight: torch.Tensor, dtype: torch.dtype,
-                 device: torch.device, max_rollback: int, max_drafts: int = DEFAULT_TAIL_DRAFTS,
-                 eos_token_ids: tuple[int, ...] = ()):  # fmt: skip
+    def __init__(
+        self,
+        mtp: DeepseekV4MTP,
+        lm_head: torch.nn.Module,
+        embed_weight: torch.Tensor,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_rollback: int,
+        max_drafts: int = DEFAULT_TAIL_DRAFTS,
+        eos_token_ids: tuple[int, ...] = (),
+    ):
         super().__init__(max_drafts, eos_token_ids)
         self.mtp, self.lm_head, self.embed_weight = mtp, lm_head, embed_weight
         self.dtype, self.device = dtype, torch.device(device)
@@ -229,8 +254,13 @@ class MTPDrafter(TailDrafter):
         return int(torch.argmax(self.lm_head(self.mtp.final_hidden(feature[:, -1:]))[0, -1]))
 
 
-def build_mtp_drafter(span: DeepseekV4Adapter, config: PretrainedConfig, checkpoint: Checkpoint, choice: str = "auto",
-                      max_drafts: int = DEFAULT_TAIL_DRAFTS) -> Optional[MTPDrafter]:  # fmt: skip
+def build_mtp_drafter(
+    span: DeepseekV4Adapter,
+    config: PretrainedConfig,
+    checkpoint: Checkpoint,
+    choice: str = "auto",
+    max_drafts: int = DEFAULT_TAIL_DRAFTS,
+) -> Optional[MTPDrafter]:
     """``--drafter`` on a DeepSeek-V4 server: ``auto`` drafts with the checkpoint's MTP module
     when it has one (tensors ``mtp.0.*`` and ``num_nextn_predict_layers >= 1``) and with nothing
     otherwise; ``none`` never drafts; a drafter file is refused (V4 has its own drafter)."""
@@ -256,6 +286,8 @@ def build_mtp_drafter(span: DeepseekV4Adapter, config: PretrainedConfig, checkpo
         return None
     eos = config.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
-    logger.info(f"Tail drafter: the checkpoint's MTP module mtp.0 ({mtp.attention_type} block, "
-                f"{span.quant.value} weights; up to {max_drafts} ids per run)")  # fmt: skip
+    logger.info(
+        f"Tail drafter: the checkpoint's MTP module mtp.0 ({mtp.attention_type} block, "
+        f"{span.quant.value} weights; up to {max_drafts} ids per run)"
+    )
     return MTPDrafter(mtp, span.lm_head, embed_weight, span.dtype, span.device, span.max_rollback, max_drafts, eos_ids)

@@ -24,14 +24,20 @@ class QuantizedExperts(torch.nn.Module):
         self.intermediate_dim = experts.intermediate_dim
         self.act_fn, self.limit = experts.act_fn, experts.limit
         with torch.device("meta"):
-            gate_up = [torch.nn.Linear(self.hidden_dim, 2 * self.intermediate_dim, bias=False) for _ in range(self.num_experts)]
-            down = [torch.nn.Linear(self.intermediate_dim, self.hidden_dim, bias=False) for _ in range(self.num_experts)]
+            gate_up = [
+                torch.nn.Linear(self.hidden_dim, 2 * self.intermediate_dim, bias=False) for _ in range(self.num_experts)
+            ]
+            down = [
+                torch.nn.Linear(self.intermediate_dim, self.hidden_dim, bias=False) for _ in range(self.num_experts)
+            ]
         self.gate_up = replace_linears(torch.nn.ModuleList(gate_up), quant, compute_dtype)
         self.down = replace_linears(torch.nn.ModuleList(down), quant, compute_dtype)
 
     _apply_gate = DeepseekV4Experts._apply_gate
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
         final = torch.zeros_like(hidden_states)
         with torch.no_grad():
             mask = F.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
@@ -46,7 +52,9 @@ class QuantizedExperts(torch.nn.Module):
         return final
 
 
-def quantize_experts_skeleton(layers: torch.nn.Module, quant: Quant, compute_dtype: torch.dtype) -> dict[str, QuantizedExperts]:
+def quantize_experts_skeleton(
+    layers: torch.nn.Module, quant: Quant, compute_dtype: torch.dtype
+) -> dict[str, QuantizedExperts]:
     """Swap every fused expert module under ``layers`` for a :class:`QuantizedExperts` (meta)
     and every plain linear for its bitsandbytes counterpart; returns name -> new experts."""
     replaced: dict[str, QuantizedExperts] = {}
@@ -60,7 +68,9 @@ def quantize_experts_skeleton(layers: torch.nn.Module, quant: Quant, compute_dty
     return replaced
 
 
-def quantize_loaded_experts(layers: torch.nn.Module, quant: Quant, compute_dtype: torch.dtype, device: str = "cpu") -> None:
+def quantize_loaded_experts(
+    layers: torch.nn.Module, quant: Quant, compute_dtype: torch.dtype, device: str = "cpu"
+) -> None:
     """Quantize the experts of already loaded float layers in place (for single-process
     references: the same modules and the same per-expert quantization as a loaded span)."""
     for name, module in list(layers.named_modules()):

@@ -142,7 +142,9 @@ def iter_plain(
         yield source.target, _assemble(source.parts[0], tensors, dtype_of(source.target))
 
 
-def iter_experts(checkpoint: Checkpoint, source: TensorSource, dtype: torch.dtype) -> Iterator[tuple[int, torch.Tensor]]:
+def iter_experts(
+    checkpoint: Checkpoint, source: TensorSource, dtype: torch.dtype
+) -> Iterator[tuple[int, torch.Tensor]]:
     """(expert, weight) of a fused expert parameter, expert by expert: ``gate_up`` gives
     ``cat(w1, w3)`` ([2I, H]), ``down`` gives ``w2`` ([H, I]). Read a few experts at a time to
     bound the memory used while loading."""
@@ -153,7 +155,9 @@ def iter_experts(checkpoint: Checkpoint, source: TensorSource, dtype: torch.dtyp
             parts = [[source.parts[e], source.parts[count + e]] for e in experts]
         else:
             parts = [[source.parts[e]] for e in experts]
-        tensors = checkpoint.read({k for group in parts for pair in group for k in pair if k}, torch.float32, progress=False)
+        tensors = checkpoint.read(
+            {k for group in parts for pair in group for k in pair if k}, torch.float32, progress=False
+        )
         for expert, group in zip(experts, parts):
             yield expert, torch.cat([_assemble(pair, tensors, dtype) for pair in group], dim=0)
 
@@ -239,8 +243,9 @@ def map_mtp(weight_map: Iterable[str], targets: set[str], index: int, layer: int
         sources[source.target] = source
     missing = sorted(targets - set(sources))
     if missing:
-        raise KeyError(f"the checkpoint has no tensors for {len(missing)} parameters of MTP module mtp.{index}, "
-                       f"e.g. {missing[:3]}")  # fmt: skip
+        raise KeyError(
+            f"the checkpoint has no tensors for {len(missing)} parameters of MTP module mtp.{index}, e.g. {missing[:3]}"
+        )
     used = {k for source in sources.values() for pair in source.parts for k in pair if k}
     unused = sorted(set(keys) - used)
     if unused:

@@ -23,7 +23,6 @@ from transformers import AutoModelForCausalLM, DynamicCache, PretrainedConfig
 from transformers.cache_utils import DynamicLayer
 
 from protocol import trees
-
 from server.adapters import llama_batch, packing
 from server.adapters.base import BatchMember, Cache, SpanAdapter
 from server.quantization import Quant, assign_tensor, checkpoint_names
@@ -80,7 +79,9 @@ class LlamaFamilyAdapter(SpanAdapter):
         if self.is_tail:
             wanted["model.norm.weight"] = [(self.norm, "weight")]
             tied = "lm_head.weight" not in checkpoint.weight_map()
-            wanted.setdefault("model.embed_tokens.weight" if tied else "lm_head.weight", []).append((self.lm_head, "weight"))
+            wanted.setdefault("model.embed_tokens.weight" if tied else "lm_head.weight", []).append(
+                (self.lm_head, "weight")
+            )
         desc = f"Loading blocks {self.start}:{self.end}"
         for key, tensor in checkpoint.iter_read(list(wanted), self.dtype, desc=desc):
             for module, name in wanted[key]:
@@ -158,7 +159,10 @@ class LlamaFamilyAdapter(SpanAdapter):
         if tree:
             position_ids, tree_mask = _tree_positions_and_mask(start_pos, num_new, tree, self.device)
         else:
-            position_ids, tree_mask = torch.arange(start_pos, start_pos + num_new, device=self.device).unsqueeze(0), None
+            position_ids, tree_mask = (
+                torch.arange(start_pos, start_pos + num_new, device=self.device).unsqueeze(0),
+                None,
+            )
         masks = {window: _mask(start_pos, position_ids, window, tree_mask) for window in set(self.windows)}
         return position_ids, masks
 
@@ -171,10 +175,15 @@ class LlamaFamilyAdapter(SpanAdapter):
         if len(members) < 2:
             return super().forward_batch(members, blocks, between_blocks)
         packed, hidden = packing.pack(
-            members, self.dtype, self.device, lambda m: self._positions_and_masks(m.start_pos, m.hidden.shape[1], m.tree)
+            members,
+            self.dtype,
+            self.device,
+            lambda m: self._positions_and_masks(m.start_pos, m.hidden.shape[1], m.tree),
         )
 
-        def block(number: int, hidden: torch.Tensor, packed: packing.Packed, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        def block(
+            number: int, hidden: torch.Tensor, packed: packing.Packed, cos_sin: tuple[torch.Tensor, torch.Tensor]
+        ) -> torch.Tensor:
             local = number - self.start
             return llama_batch.decoder_layer(self.layers[local], hidden, packed, cos_sin, self.windows[local])
 
@@ -204,7 +213,10 @@ def _layer_windows(config: PretrainedConfig) -> list[Optional[int]]:
     config: ``layer_types`` where the config has them (Qwen2: the layers above
     ``max_window_layers``), else every layer sliding when ``sliding_window`` is set (Mistral)."""
     window = getattr(config, "sliding_window", None)
-    types = getattr(config, "layer_types", None) or ["sliding_attention" if window else "full_attention"] * config.num_hidden_layers
+    types = (
+        getattr(config, "layer_types", None)
+        or ["sliding_attention" if window else "full_attention"] * config.num_hidden_layers
+    )
     return [window if kind == "sliding_attention" and window else None for kind in types]
 
 

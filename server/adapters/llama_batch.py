@@ -25,7 +25,11 @@ from server.adapters.packing import Packed
 
 
 def decoder_layer(
-    layer: torch.nn.Module, hidden: torch.Tensor, packed: Packed, cos_sin: tuple[torch.Tensor, torch.Tensor], window: Optional[int] = None
+    layer: torch.nn.Module,
+    hidden: torch.Tensor,
+    packed: Packed,
+    cos_sin: tuple[torch.Tensor, torch.Tensor],
+    window: Optional[int] = None,
 ) -> torch.Tensor:
     """One LlamaDecoderLayer over the packed row ``hidden`` [1, T, H], as its own forward does it;
     ``window``: the layer's sliding window (None: full attention), which picks each member's mask
@@ -35,12 +39,21 @@ def decoder_layer(
     return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
 
 
-def _attention(attn: torch.nn.Module, hidden: torch.Tensor, packed: Packed, cos_sin: tuple[torch.Tensor, torch.Tensor],
-               window: Optional[int]) -> torch.Tensor:  # fmt: skip
+def _attention(
+    attn: torch.nn.Module,
+    hidden: torch.Tensor,
+    packed: Packed,
+    cos_sin: tuple[torch.Tensor, torch.Tensor],
+    window: Optional[int],
+) -> torch.Tensor:
     """LlamaAttention.forward (and Qwen3's, with its q/k norms) with projections over the packed
     row and the rest per member."""
     shape = (1, hidden.shape[1], -1, attn.head_dim)
-    query, key, value = attn.q_proj(hidden).view(shape), attn.k_proj(hidden).view(shape), attn.v_proj(hidden).view(shape)
+    query, key, value = (
+        attn.q_proj(hidden).view(shape),
+        attn.k_proj(hidden).view(shape),
+        attn.v_proj(hidden).view(shape),
+    )
     if hasattr(attn, "q_norm"):
         query, key = attn.q_norm(query), attn.k_norm(key)
     # rotary embeddings are elementwise per position: the packed row at once equals each member's own

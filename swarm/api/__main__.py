@@ -28,8 +28,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MADDR",
         help="multiaddrs of peers in the swarm (default: $SPECSWARM_INITIAL_PEERS, then the config file)",
     )
-    p.add_argument("--model", nargs="+", default=["smollm2-135m"], metavar="NAME",
-                   help="models to serve (alias, hub repo id or local folder); the API's model ids")  # fmt: skip
+    p.add_argument(
+        "--model",
+        nargs="+",
+        default=["smollm2-135m"],
+        metavar="NAME",
+        help="models to serve (alias, hub repo id or local folder); the API's model ids",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="TCP port (0: any free port)")
     keys = p.add_mutually_exclusive_group()
@@ -44,10 +49,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request may take in all")
     p.add_argument("--swarm-timeout", type=float, default=60.0, help="seconds to wait for any one server's answer")
-    p.add_argument("--default-max-tokens", type=int, default=1024, metavar="N",  # engine.DEFAULT_MAX_TOKENS
-                   help="tokens at most for a request that gives no max_tokens (each hop reserves cache for them)")
-    p.add_argument("--max-choices-per-request", type=int, default=32, metavar="N",  # app.MAX_CHOICES_PER_REQUEST
-                   help="choices one request may ask for: prompts in a batch times n (each is a session on every hop)")
+    p.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=1024,
+        metavar="N",  # engine.DEFAULT_MAX_TOKENS
+        help="tokens at most for a request that gives no max_tokens (each hop reserves cache for them)",
+    )
+    p.add_argument(
+        "--max-choices-per-request",
+        type=int,
+        default=32,
+        metavar="N",  # app.MAX_CHOICES_PER_REQUEST
+        help="choices one request may ask for: prompts in a batch times n (each is a session on every hop)",
+    )
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -65,8 +80,13 @@ def read_keys(args: argparse.Namespace) -> frozenset[str]:
 async def serve(args: argparse.Namespace, models: dict) -> None:
     from swarm.api import Gateway, GatewayConfig, start_server
 
-    config = GatewayConfig(read_keys(args), args.max_concurrent_per_key, args.request_timeout, args.default_max_tokens,
-                           args.max_choices_per_request)
+    config = GatewayConfig(
+        read_keys(args),
+        args.max_concurrent_per_key,
+        args.request_timeout,
+        args.default_max_tokens,
+        args.max_choices_per_request,
+    )
     if not config.api_keys and not _is_loopback(args.host):
         logger.warning(f"Serving on {args.host} without API keys: anyone who can reach it can use the swarm")
     stop = stop_event_on_signals()

@@ -133,8 +133,12 @@ class Gateway:
         if self.config.api_keys and request.path != "/health":
             key = _bearer(request)
             if key is None or not any(hmac.compare_digest(key.encode(), k.encode()) for k in self.config.api_keys):
-                raise APIError(401, "missing or incorrect API key: send 'Authorization: Bearer KEY'",
-                               "authentication_error", code="invalid_api_key")  # fmt: skip
+                raise APIError(
+                    401,
+                    "missing or incorrect API key: send 'Authorization: Bearer KEY'",
+                    "authentication_error",
+                    code="invalid_api_key",
+                )
         return await handler(request)
 
     # ---- routes ------------------------------------------------------------------------------
@@ -150,8 +154,15 @@ class Gateway:
 
     def _model_card(self, served: ServedModel) -> dict[str, Any]:
         """OpenAI's model object, plus vLLM's ``root`` and ``max_model_len`` (the context length)."""
-        return {"id": served.name, "object": "model", "created": self.created, "owned_by": "specswarm",
-                "root": served.name, "parent": None, "max_model_len": served.context_length}  # fmt: skip
+        return {
+            "id": served.name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "specswarm",
+            "root": served.name,
+            "parent": None,
+            "max_model_len": served.context_length,
+        }
 
     async def tokenize(self, request: web.Request) -> web.Response:
         req = parse(await request.read(), TokenizeRequest)
@@ -193,8 +204,13 @@ class Gateway:
 
     # ---- generation --------------------------------------------------------------------------
 
-    async def _generate(self, request: web.Request, req: Any, generations: list[TextGeneration],
-                        fmt: Union[ChatFormat, CompletionFormat]) -> web.StreamResponse:  # fmt: skip
+    async def _generate(
+        self,
+        request: web.Request,
+        req: Any,
+        generations: list[TextGeneration],
+        fmt: Union[ChatFormat, CompletionFormat],
+    ) -> web.StreamResponse:
         with self.limiter.slot(_bearer(request) or ""):
             deadline = asyncio.get_running_loop().time() + self.config.request_timeout
             if req.stream:
@@ -237,9 +253,16 @@ class Gateway:
                 logger.info("The client went away mid-stream; its generation is cancelled")
         return response
 
-    async def _send_chunks(self, response: web.StreamResponse, stream: AsyncIterator[tuple[int, Optional[Delta]]],
-                           item: Optional[tuple[int, Optional[Delta]]], fmt: Union[ChatFormat, CompletionFormat],
-                           deadline: float, include_usage: bool, continuous_usage: bool) -> None:  # fmt: skip
+    async def _send_chunks(
+        self,
+        response: web.StreamResponse,
+        stream: AsyncIterator[tuple[int, Optional[Delta]]],
+        item: Optional[tuple[int, Optional[Delta]]],
+        fmt: Union[ChatFormat, CompletionFormat],
+        deadline: float,
+        include_usage: bool,
+        continuous_usage: bool,
+    ) -> None:
         usage = fmt.usage if continuous_usage else None  # vLLM's continuous_usage_stats: usage so far in each chunk
         try:
             for index in range(len(fmt.generations)):
@@ -291,8 +314,11 @@ async def merged_deltas(generations: list[TextGeneration]) -> AsyncIterator[tupl
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _send(response: web.StreamResponse, payload: Optional[dict[str, Any]],
-                usage: Optional[Callable[[], dict[str, int]]] = None) -> None:  # fmt: skip
+async def _send(
+    response: web.StreamResponse,
+    payload: Optional[dict[str, Any]],
+    usage: Optional[Callable[[], dict[str, int]]] = None,
+) -> None:
     if payload is not None:
         if usage is not None:
             payload["usage"] = usage()
@@ -313,8 +339,9 @@ def _bearer(request: web.Request) -> Optional[str]:
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
-async def start_server(gateway: Gateway, host: str = "127.0.0.1", port: int = 0,
-                       shutdown_grace: float = 5.0) -> tuple[web.AppRunner, str]:  # fmt: skip
+async def start_server(
+    gateway: Gateway, host: str = "127.0.0.1", port: int = 0, shutdown_grace: float = 5.0
+) -> tuple[web.AppRunner, str]:
     """Listen on host:port (0: a free port); returns the runner and the base URL that OpenAI clients
     take, ``http://HOST:PORT/v1``. ``await runner.cleanup()`` stops it: requests still running after
     ``shutdown_grace`` seconds are cancelled (their sessions close on every server).

@@ -1,15 +1,15 @@
 """Every failure the gateway reports, in OpenAI's error shape, and how swarm errors map onto it.
 
-    {"error": {"message": "...", "type": "...", "param": "max_tokens" | null, "code": "..." | null}}
+{"error": {"message": "...", "type": "...", "param": "max_tokens" | null, "code": "..." | null}}
 
-    400 invalid_request_error   malformed JSON, a bad or unsupported parameter, prompt too long
-    401 authentication_error    missing or wrong API key
-    404 not_found_error         unknown model or path
-    429 rate_limit_error        the API key already has its limit of requests in flight
-    502 swarm_error             a server failed and failover gave up, or a server refused the request
-    503 no_route_error          no chain of servers covers the model (the missing blocks are named)
-    504 timeout_error           no answer from the swarm in time (the gateway's deadline or a server's)
-    500 internal_error          a bug in the gateway; logged here, never sent as a traceback
+400 invalid_request_error   malformed JSON, a bad or unsupported parameter, prompt too long
+401 authentication_error    missing or wrong API key
+404 not_found_error         unknown model or path
+429 rate_limit_error        the API key already has its limit of requests in flight
+502 swarm_error             a server failed and failover gave up, or a server refused the request
+503 no_route_error          no chain of servers covers the model (the missing blocks are named)
+504 timeout_error           no answer from the swarm in time (the gateway's deadline or a server's)
+500 internal_error          a bug in the gateway; logged here, never sent as a traceback
 """
 
 from __future__ import annotations
@@ -88,4 +88,3 @@ def compact_ranges(blocks: list[int]) -> str:
         else:
             parts.append(str(block))
     return ", ".join(parts)
-

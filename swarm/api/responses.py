@@ -24,8 +24,13 @@ def speculation_stats(stats: Sequence[GenerationStats]) -> dict[str, Any]:
     """The counts of all the choices' generations added up; tokens per lap over all their laps."""
     totals = {key: sum(getattr(s, key) for s in stats) for key in STAT_COUNTS}
     per_lap = (totals["accepted"] + totals["laps"]) / totals["laps"] if totals["laps"] else 0.0
-    return {"laps": totals["laps"], "accepted_per_lap": round(per_lap, 3), "drafted": totals["drafted"],
-            "accepted": totals["accepted"], "failovers": totals["failovers"]}  # fmt: skip
+    return {
+        "laps": totals["laps"],
+        "accepted_per_lap": round(per_lap, 3),
+        "drafted": totals["drafted"],
+        "accepted": totals["accepted"],
+        "failovers": totals["failovers"],
+    }
 
 
 def speculation_headers(stats: Sequence[GenerationStats]) -> dict[str, str]:
@@ -45,8 +50,14 @@ class _Format:
         self.text_offsets = [0] * len(generations)  # per choice: characters of text before the next token
 
     def _envelope(self, object_name: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-        return {"id": self.id, "object": object_name, "created": self.created, "model": self.served.name,
-                "choices": choices, **extra}  # fmt: skip
+        return {
+            "id": self.id,
+            "object": object_name,
+            "created": self.created,
+            "model": self.served.name,
+            "choices": choices,
+            **extra,
+        }
 
     def stats(self) -> list[GenerationStats]:
         return [g.stats for g in self.generations]
@@ -78,8 +89,12 @@ class ChatFormat(_Format):
         return self._envelope(self.chunk_object, [choice])
 
     def chunk(self, index: int, delta: Delta) -> dict[str, Any]:
-        choice = {"index": index, "delta": {"content": delta.text}, "logprobs": self._logprobs(delta.logprobs),
-                  "finish_reason": None}  # fmt: skip
+        choice = {
+            "index": index,
+            "delta": {"content": delta.text},
+            "logprobs": self._logprobs(delta.logprobs),
+            "finish_reason": None,
+        }
         return self._envelope(self.chunk_object, [choice])
 
     def closing_chunk(self, index: int) -> dict[str, Any]:

@@ -191,8 +191,10 @@ def _prompts(prompt: Any, served: ServedModel) -> list[Prompt]:
         return [Prompt(check_prompt_ids(p, served, "prompt"), None) for p in prompt]
     if isinstance(prompt, list) and not any(isinstance(p, (str, list)) for p in prompt):
         return [Prompt(check_prompt_ids(prompt, served, "prompt"), None)]
-    raise bad_request("prompt must be a string, a list of token ids, or a batch: a list of strings or a list of "
-                      "token-id lists", "prompt")  # fmt: skip
+    raise bad_request(
+        "prompt must be a string, a list of token ids, or a batch: a list of strings or a list of token-id lists",
+        "prompt",
+    )
 
 
 def _text_prompt(text: str, served: ServedModel) -> Prompt:
@@ -201,8 +203,15 @@ def _text_prompt(text: str, served: ServedModel) -> Prompt:
     return Prompt(served.encode(text), text)
 
 
-def _choices(req: _Request, served: ServedModel, prompts: list[Prompt], max_tokens: Optional[int], prompt_param: str,
-             shown_logprobs: int, max_choices: int) -> list[GenerationParams]:  # fmt: skip
+def _choices(
+    req: _Request,
+    served: ServedModel,
+    prompts: list[Prompt],
+    max_tokens: Optional[int],
+    prompt_param: str,
+    shown_logprobs: int,
+    max_choices: int,
+) -> list[GenerationParams]:
     """``n`` choices per prompt, each its own concurrent session. With a seed, choice j of a prompt
     samples with seed + j (as vLLM does), so the same request gives the same choices again."""
     n = 1 if req.n is None else req.n
@@ -224,11 +233,18 @@ def _choices(req: _Request, served: ServedModel, prompts: list[Prompt], max_toke
             sampling = dict(base.sampling)
             if sampling.get("seed") is not None:
                 sampling["seed"] = (sampling["seed"] + j + INT64) % (2 * INT64) - INT64  # a signed 64-bit int still
-            choices.append(dataclasses.replace(
-                base, prompt_ids=prompt.ids, max_tokens=limit, sampling=sampling, prompt_index=index,
-                num_logprobs=max(shown_logprobs, 1) if shown_logprobs >= 0 else 0,
-                echo=text if echo else None, prompt_logprobs=shown_logprobs if echo else -1,
-            ))  # fmt: skip
+            choices.append(
+                dataclasses.replace(
+                    base,
+                    prompt_ids=prompt.ids,
+                    max_tokens=limit,
+                    sampling=sampling,
+                    prompt_index=index,
+                    num_logprobs=max(shown_logprobs, 1) if shown_logprobs >= 0 else 0,
+                    echo=text if echo else None,
+                    prompt_logprobs=shown_logprobs if echo else -1,
+                )
+            )
     return choices
 
 
@@ -238,18 +254,21 @@ def _common(req: _Request) -> GenerationParams:
         param = "presence_penalty" if req.presence_penalty else "frequency_penalty"
         raise bad_request(f"{param} is not supported; repetition_penalty (an extension) is", param)
     if req.logit_bias:
-        raise bad_request("logit_bias is not supported: the tail decides every token by the model's own "
-                          "distribution", "logit_bias")  # fmt: skip
+        raise bad_request(
+            "logit_bias is not supported: the tail decides every token by the model's own distribution", "logit_bias"
+        )
     if req.response_format and req.response_format.get("type", "text") != "text":
         raise bad_request("only response_format {'type': 'text'} is supported (no JSON mode)", "response_format")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options needs stream: true", "stream_options")
-    return GenerationParams(prompt_ids=[], max_tokens=0, stop=_stops(req.stop), ignore_eos=bool(req.ignore_eos),
-                            sampling=_sampling(req))  # fmt: skip
+    return GenerationParams(
+        prompt_ids=[], max_tokens=0, stop=_stops(req.stop), ignore_eos=bool(req.ignore_eos), sampling=_sampling(req)
+    )
 
 
-def _max_tokens(prompt_tokens: int, max_tokens: Optional[int], served: ServedModel, prompt_param: str,
-                echo: bool = False) -> int:  # fmt: skip
+def _max_tokens(
+    prompt_tokens: int, max_tokens: Optional[int], served: ServedModel, prompt_param: str, echo: bool = False
+) -> int:
     """max_tokens checked against the context; 0 only with echo (scoring the prompt alone)."""
     param = "max_tokens"
     context = served.context_length
@@ -259,12 +278,18 @@ def _max_tokens(prompt_tokens: int, max_tokens: Optional[int], served: ServedMod
     if max_tokens is None:  # capped: each hop reserves cache for prompt + max_tokens
         return min(context - prompt_tokens, served.default_max_tokens)
     if max_tokens < (0 if echo else 1):
-        raise bad_request(f"{param} must be at least {0 if echo else 1} {'with' if echo else 'without'} echo, "
-                          f"got {max_tokens}", param)  # fmt: skip
+        raise bad_request(
+            f"{param} must be at least {0 if echo else 1} {'with' if echo else 'without'} echo, got {max_tokens}", param
+        )
     if prompt_tokens + max_tokens > context:
-        raise APIError(400, f"this model's maximum context length is {context} tokens; the prompt ({prompt_tokens}) "
-                       f"plus {param} ({max_tokens}) exceeds it", "invalid_request_error", param=param,
-                       code="context_length_exceeded")  # fmt: skip
+        raise APIError(
+            400,
+            f"this model's maximum context length is {context} tokens; the prompt ({prompt_tokens}) "
+            f"plus {param} ({max_tokens}) exceeds it",
+            "invalid_request_error",
+            param=param,
+            code="context_length_exceeded",
+        )
     return max_tokens
 
 

@@ -31,13 +31,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--refresh-seconds", type=float, default=5.0, help="seconds between reads of the DHT")
     p.add_argument("--probe-seconds", type=float, default=30.0, help="seconds between pings of every server")
     p.add_argument("--probe-timeout", type=float, default=5.0, help="seconds to wait for a server's ping")
-    p.add_argument("--forget-after", type=float, default=300.0,
-                   help="seconds a vanished server stays listed as offline")  # fmt: skip
+    p.add_argument(
+        "--forget-after", type=float, default=300.0, help="seconds a vanished server stays listed as offline"
+    )
     p.add_argument("--history-interval", type=float, default=60.0, help="seconds per point of the history charts")
     p.add_argument("--history-points", type=int, default=360, help="points kept per chart and uptime record")
-    p.add_argument("--model", action="append", default=[], metavar="NAME_OR_PATH",
-                   help="a model (alias, hub id or folder) whose config gives its number of blocks; "
-                        "records and registry entries that disagree are ignored (repeatable)")  # fmt: skip
+    p.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        metavar="NAME_OR_PATH",
+        help="a model (alias, hub id or folder) whose config gives its number of blocks; "
+        "records and registry entries that disagree are ignored (repeatable)",
+    )
     p.add_argument("--log-level", default="WARNING")
     return p
 
@@ -67,11 +73,11 @@ def check_args(args: argparse.Namespace) -> None:
 async def serve(args: argparse.Namespace) -> None:
     from aiohttp import web
 
+    from protocol.dht import make_dht
+    from protocol.models import model_num_blocks
     from swarm.dashboard.app import Dashboard, DashboardConfig, create_app
     from swarm.dashboard.poller import SwarmReader
     from swarm.dashboard.state import Limits
-    from protocol.models import model_num_blocks
-    from protocol.dht import make_dht
 
     try:
         known_blocks = dict(model_num_blocks(name) for name in args.model)
@@ -82,8 +88,9 @@ async def serve(args: argparse.Namespace) -> None:
         dht = make_dht(initial_peers=args.initial_peers, client_mode=True)
     except Exception as e:
         raise RuntimeError(f"could not join the swarm through {' '.join(args.initial_peers)}: {e}") from None
-    limits = Limits(forget_after=args.forget_after, history_interval=args.history_interval,
-                    history_points=args.history_points)  # fmt: skip
+    limits = Limits(
+        forget_after=args.forget_after, history_interval=args.history_interval, history_points=args.history_points
+    )
     config = DashboardConfig(refresh_seconds=args.refresh_seconds, probe_seconds=args.probe_seconds, limits=limits)
     dashboard = Dashboard(SwarmReader(dht, probe_timeout=args.probe_timeout, known_blocks=known_blocks), config)
     runner = web.AppRunner(create_app(dashboard), access_log=None)

@@ -13,8 +13,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from swarm.dashboard.state import State
 from protocol.records import ServerState
+from swarm.dashboard.state import State
 
 PREFIX = "specswarm"
 
@@ -73,8 +73,9 @@ def _server_metrics(state: State) -> Iterator[Metric]:
         f"{PREFIX}_server_accepted_tokens", "Tokens committed by the tail's results", labels=labels
     )
     cancelled = CounterMetricFamily(f"{PREFIX}_server_cancelled_runs", "Runs cancelled on the server", labels=labels)
-    disputed = _gauge("server_disputed_by_clients", "Clients reporting the server lying in a spot-check (claims)",
-                      labels)  # fmt: skip
+    disputed = _gauge(
+        "server_disputed_by_clients", "Clients reporting the server lying in a spot-check (claims)", labels
+    )
     for name, model in state.models.items():
         for peer_id, entry in model.servers.items():
             values = [name, peer_id, entry.info.public_name or ""]

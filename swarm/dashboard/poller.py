@@ -31,10 +31,10 @@ from hivemind.p2p import PeerID
 from hivemind.proto import dht_pb2
 
 from protocol import relay
-from swarm.dashboard.events import Event, ModelSnapshot, PeerProbed, PollFailed, SwarmPolled
 from protocol.dht_records import fetch_model_registry, fetch_reports, fetch_servers
 from protocol.records import MAX_MODEL_BLOCKS, ServerInfo, ServerState
 from protocol.streams import ping
+from swarm.dashboard.events import Event, ModelSnapshot, PeerProbed, PollFailed, SwarmPolled
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +51,13 @@ class SwarmReader:
     (see :func:`protocol.models.model_num_blocks`); registry entries that disagree are ignored.
     """
 
-    def __init__(self, dht: DHT, probe_timeout: float = 5.0, known_blocks: Optional[Mapping[str, int]] = None,
-                 max_concurrent_probes: int = MAX_CONCURRENT_PROBES):  # fmt: skip
+    def __init__(
+        self,
+        dht: DHT,
+        probe_timeout: float = 5.0,
+        known_blocks: Optional[Mapping[str, int]] = None,
+        max_concurrent_probes: int = MAX_CONCURRENT_PROBES,
+    ):
         if max_concurrent_probes < 1:
             raise ValueError(f"max_concurrent_probes must be 1 or more, got {max_concurrent_probes}")
         self.dht, self.probe_timeout = dht, probe_timeout
@@ -111,16 +116,22 @@ class SwarmReader:
         at = time.time()
         try:
             results = self.dht.run_coroutine(
-                partial(_ping_many, peer_ids=peers, timeout=self.probe_timeout, relayed=relayed,
-                        limit=self.max_concurrent_probes)
+                partial(
+                    _ping_many,
+                    peer_ids=peers,
+                    timeout=self.probe_timeout,
+                    relayed=relayed,
+                    limit=self.max_concurrent_probes,
+                )
             )
         except Exception as e:
             return [PeerProbed(at, model, peer, None, f"probe could not run: {_describe(e)}") for peer in peers]
         return [PeerProbed(at, model, peer, *results[peer]) for peer in peers]
 
 
-async def _ping_many(dht: DHT, node: DHTNode, peer_ids: list[str], timeout: float, relayed: dict,
-                     limit: int = MAX_CONCURRENT_PROBES) -> dict:  # fmt: skip
+async def _ping_many(
+    dht: DHT, node: DHTNode, peer_ids: list[str], timeout: float, relayed: dict, limit: int = MAX_CONCURRENT_PROBES
+) -> dict:
     """Runs inside the DHT's process: peer id -> (rtt seconds or None, error or None). At most
     ``limit`` pings are in flight: 1,000 servers pinged at once would open 1,000 streams together
     and time the queue, not the servers."""
@@ -174,8 +185,8 @@ def split_by_weights(snapshot: ModelSnapshot) -> list[ModelSnapshot]:
     ordered = sorted(groups.items(), key=lambda item: (-len(item[1]), item[0]))
     parts = [replace(snapshot, servers=tuple(ordered[0][1]))]
     for (fingerprint, revision), servers in ordered[1:]:
-        label = (revision.removeprefix("sha256:")[:12] or "no revision") + ("" if fingerprint == ordered[0][0][0] else
-                                                                         f", config {fingerprint[:8] or 'unknown'}")
+        label = (revision.removeprefix("sha256:")[:12] or "no revision") + (
+            "" if fingerprint == ordered[0][0][0] else f", config {fingerprint[:8] or 'unknown'}"
+        )
         parts.append(replace(snapshot, name=f"{snapshot.name} @{label}", servers=tuple(servers)))
     return parts
-

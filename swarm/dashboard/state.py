@@ -19,10 +19,10 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Optional
 
-from swarm.dashboard.events import Event, ModelSnapshot, PeerProbed, PollFailed, SwarmPolled
 from protocol.flow import swarm_max_flow
 from protocol.records import ServerInfo, ServerState
 from protocol.version import PROTOCOL_VERSION
+from swarm.dashboard.events import Event, ModelSnapshot, PeerProbed, PollFailed, SwarmPolled
 
 # A bucket of the uptime timeline shows the worst state seen in it.
 _SEVERITY = {ServerState.ONLINE: 0, ServerState.JOINING: 1, ServerState.DRAINING: 2, ServerState.OFFLINE: 3}
@@ -101,8 +101,11 @@ class ModelEntry:
 
     def online(self) -> list[ServerInfo]:
         """Online servers a client of this version can route to (another protocol version cannot)."""
-        return [entry.info for entry in self.servers.values()
-                if entry.state == ServerState.ONLINE and entry.info.protocol_version == PROTOCOL_VERSION]  # fmt: skip
+        return [
+            entry.info
+            for entry in self.servers.values()
+            if entry.state == ServerState.ONLINE and entry.info.protocol_version == PROTOCOL_VERSION
+        ]
 
 
 @dataclass(frozen=True)

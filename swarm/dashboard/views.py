@@ -10,9 +10,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from swarm.dashboard.state import ModelEntry, ServerEntry, State, UptimeRecord
 from protocol.records import ServerState
 from protocol.version import PROTOCOL_VERSION
+from swarm.dashboard.state import ModelEntry, ServerEntry, State, UptimeRecord
 
 API_VERSION = 1
 ANONYMOUS = "(anonymous)"
@@ -94,8 +94,10 @@ def model_view(model: ModelEntry, state: State, now: float, paging: Optional[Pag
             }
             for p in model.history
         ],
-        "servers": [server_view(entry, state.uptime.get(peer_id), model.num_blocks, now, model.disputes.get(peer_id, 0))
-                    for peer_id, entry in entries],  # fmt: skip
+        "servers": [
+            server_view(entry, state.uptime.get(peer_id), model.num_blocks, now, model.disputes.get(peer_id, 0))
+            for peer_id, entry in entries
+        ],
     }
     if page is not None:
         view["servers_page"] = page
