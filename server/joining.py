@@ -2,10 +2,10 @@
 
 A server announces a ``JOINING`` record for its span as soon as it has chosen it, before it loads
 weights (which can take minutes), and refreshes it until it announces ``ONLINE``. Routing ignores
-joining servers (``protocol.routing._ROUTABLE`` is ``ONLINE`` only: a client never sends a session to
+joining servers (``protocol.flow.ROUTABLE`` is ``ONLINE`` only: a client never sends a session to
 a server that is still loading), while block placement counts them (``_PLACED`` is ``JOINING`` and
-``ONLINE``: :func:`protocol.routing.choose_best_span` and the rebalancing
-:func:`protocol.routing.should_move`), so a server that starts while another is still loading sees
+``ONLINE``: :func:`protocol.placement.choose_best_span` and the rebalancing
+:func:`protocol.placement.should_move`), so a server that starts while another is still loading sees
 that span as taken and fills another gap.
 
 A joining server's throughput is not known until it has loaded and measured its span, so its
@@ -45,7 +45,7 @@ bought: whether ``a`` outranks ``b`` is ``sha256(a, b) < sha256(b, a)``, which n
 against most others (an identity ground to beat one rival wins against half of the rest), and
 needs no clock. ``started_at`` is only the record's freshness now (the dashboard's uptime).
 An ``ONLINE`` record still outranks a joining one; what a false ``ONLINE`` claim can steer is
-bounded by how much placement believes of its throughput (:func:`protocol.routing.placement_view`).
+bounded by how much placement believes of its throughput (:func:`protocol.placement.placement_view`).
 """
 
 from __future__ import annotations

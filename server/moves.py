@@ -2,7 +2,7 @@
 leave it broken.
 
 Every ``--balance-period`` seconds a server that chose its own blocks asks
-:func:`protocol.routing.should_move` whether another span raises the swarm's max-flow by enough;
+:func:`protocol.placement.should_move` whether another span raises the swarm's max-flow by enough;
 :meth:`SpanMoves.move_to` then loads that span beside the old one when the memory plan has room
 for both (the old keeps serving meanwhile), else drains and frees the old one first; the new span
 is announced only once it serves, and on any failure the old span is kept or loaded again.

@@ -2,7 +2,7 @@
 its memory plan, the check that blocks the volunteer asked for fit before anything is announced, the
 records placement counts, and the throughput a server measures and claims.
 
-The choice itself is :func:`protocol.routing.choose_best_span` (pure, over records); this module
+The choice itself is :func:`protocol.placement.choose_best_span` (pure, over records); this module
 joins it to the memory plan (server/memory.py): a span at an end of the model also holds the
 embeddings or the LM head (and a tail's drafter), so it may be shorter or stay off that end.
 """
