@@ -164,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--drafter",
         default="auto",
         metavar="auto|none|PATH",
-        help="the tail's drafter: auto (the head shipped for this model, if any), none, or a head "
+        help="the tail's drafter: auto (the drafter shipped for this model, if any), none, or a drafter "
         "file (.safetensors, from python -m server.drafter_train)",
     )
     p.add_argument("--drafter-tokens", type=int, default=1, help="ids the tail drafter drafts per run at most")
@@ -175,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto: ask the initial peers to dial back and use them as relays if they cannot "
         "(docs/nat.md); public: skip the check; private: always serve through a relay",
     )
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     return p
 
 
