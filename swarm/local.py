@@ -285,9 +285,9 @@ class LocalSwarm:
 
 
 def run_demo(swarm: LocalSwarm, prompt: str, max_new_tokens: int, speculation: Optional[str]) -> None:
-    """Generate without speculation, then with it (runs sent by the client; the default, with runs
-    the tail starts at the head; asynchronous), and print the text once and what each mode did;
-    the speculative modes must reproduce the same tokens."""
+    """Generate without speculation, then with it (runs sent by the client; looped runs, the
+    default, where the tail starts each next run at the head itself; asynchronous), and print the
+    text once and what each mode did; the speculative modes must reproduce the same tokens."""
     from swarm import AutoDistributedModelForCausalLM
 
     model = AutoDistributedModelForCausalLM.from_pretrained(swarm.model, initial_peers=swarm.initial_peers)
