@@ -10,11 +10,10 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import openai
 import pytest
@@ -23,6 +22,7 @@ import torch
 from protocol.dht_records import fetch_servers
 from swarm.api import Gateway, GatewayConfig, start_server
 from swarm.api.text import IncrementalDetokenizer, StopMatcher
+from tests.kit.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -93,14 +93,6 @@ def post_raw(url: str, body: bytes, key: Optional[str] = KEY) -> tuple[int, dict
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
-
-
-def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting until {what}")
-        time.sleep(0.5)
 
 
 def open_sessions(model) -> dict[str, int]:
@@ -396,7 +388,7 @@ def test_timeout_is_504(smol_model):
     with GatewayThread(Gateway({MODEL: smol_model}, GatewayConfig(request_timeout=0.001))) as served:
         status, body = post_raw(f"{served.url}/completions", json.dumps({"model": MODEL, "prompt": PROMPT}).encode())
         assert status == 504 and body["error"]["code"] == "timeout"
-        wait_until(lambda: served.gateway.requests_in_flight == 0, 30, "the timed-out request is gone")
+        wait_until(lambda: served.gateway.requests_in_flight == 0, "the timed-out request is gone", timeout=30)
 
 
 def test_per_key_concurrency_limit_is_429(gateway, client):
@@ -411,23 +403,23 @@ def test_per_key_concurrency_limit_is_429(gateway, client):
         assert other.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
     finally:
         stream.close()
-    wait_until(lambda: gateway.gateway.requests_in_flight == 0, 60, "the abandoned stream is cancelled")
+    wait_until(lambda: gateway.gateway.requests_in_flight == 0, "the abandoned stream is cancelled", timeout=60)
 
 
 def test_a_client_that_disconnects_frees_the_session_on_every_server(gateway, client, smol_model):
     # records refresh every 5 s: see every server idle, then holding the session, then idle again
-    wait_until(lambda: max(open_sessions(smol_model).values()) == 0, 90, "no server holds a session")
+    wait_until(lambda: max(open_sessions(smol_model).values()) == 0, "no server holds a session", timeout=90)
     # max_tokens: long enough to be still generating when cut (the gateway caps an unset one at 1024)
     stream = client.chat.completions.create(
         model=MODEL, messages=MESSAGES, stream=True, temperature=0, max_tokens=4000, extra_body={"ignore_eos": True}
     )
     chunks = iter(stream)
     next(chunks), next(chunks)
-    wait_until(lambda: min(open_sessions(smol_model).values()) >= 1, 90, "every server holds the session")
+    wait_until(lambda: min(open_sessions(smol_model).values()) >= 1, "every server holds the session", timeout=90)
     next(chunks)  # still generating
     stream.close()
-    wait_until(lambda: gateway.gateway.requests_in_flight == 0, 60, "the gateway cancels the generation")
-    wait_until(lambda: max(open_sessions(smol_model).values()) == 0, 90, "every server closes the session")
+    wait_until(lambda: gateway.gateway.requests_in_flight == 0, "the gateway cancels the generation", timeout=60)
+    wait_until(lambda: max(open_sessions(smol_model).values()) == 0, "every server closes the session", timeout=90)
     assert len(open_sessions(smol_model)) == 3
 
 

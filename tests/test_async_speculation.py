@@ -16,9 +16,10 @@ from hivemind.p2p import PeerID
 from client import _loop
 from protocol.messages import Cancel, Hop, OpenSession, SessionOpened, Step, StepResult, Subscribe
 from protocol.streams import RESULTS_PROTOCOL, SESSION_PROTOCOL, MessageStream
-from tests.conftest import inprocess_servers
-from tests.faults import slow_blocks
-from tests.test_exactness import PROMPT, ScriptedDrafter
+from tests.kit.drafters import ScriptedDrafter
+from tests.kit.faults import slow_blocks
+from tests.kit.reference import PROMPT
+from tests.kit.swarms import inprocess_servers
 
 SLOW_BLOCK_SECONDS = 0.02  # a slow server, so cancels catch runs queued and mid-computation
 

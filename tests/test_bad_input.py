@@ -4,8 +4,6 @@ other sessions. These tests speak the wire protocol directly to a real server.""
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import secrets
 
 import pytest
 import torch
@@ -14,78 +12,13 @@ from hivemind.proto import runtime_pb2
 
 from client import _loop
 from protocol.errors import ErrorCode
-from protocol.messages import ErrorReply, Hop, OpenSession, SessionOpened, Step, StepResult, Subscribe
-from protocol.streams import RESULTS_PROTOCOL, SESSION_PROTOCOL, MessageStream
+from protocol.messages import Hop, OpenSession, Step, StepResult
+from protocol.streams import SESSION_PROTOCOL, MessageStream
 from protocol.version import PROTOCOL_VERSION
-from tests.conftest import servers_by_name
-from tests.test_exactness import PROMPT, pinned
-
-
-class RawSession:
-    """A hand-driven session over one server holding every block (E holds 2:6, so use C->D->E)."""
-
-    def __init__(self, model, hops):
-        by_name = servers_by_name(model, model.config.num_hidden_layers)
-        self.p2p = model.swarm.p2p
-        self.route = [Hop(by_name[name].peer_id, start, end) for name, start, end in hops]
-        self.session_id = secrets.token_hex(8)
-
-    async def open(self, max_length: int = 64) -> None:
-        self.tail = await MessageStream.open(self.p2p, PeerID.from_base58(self.route[-1].peer_id), RESULTS_PROTOCOL)
-        self.secret = secrets.token_hex(16)
-        await self.tail.send(Subscribe(session_id=self.session_id, secret=self.secret))
-        self.head = await MessageStream.open(self.p2p, PeerID.from_base58(self.route[0].peer_id), SESSION_PROTOCOL)
-        await self.head.send(
-            OpenSession(
-                session_id=self.session_id,
-                max_length=max_length,
-                route=self.route,
-                hop_index=0,
-                secret_hash=hashlib.sha256(self.secret.encode()).hexdigest(),
-            )
-        )
-        reply = await asyncio.wait_for(self.head.receive(), 30)
-        assert isinstance(reply.message, SessionOpened), reply.message
-
-    async def step(self, **fields) -> object:
-        step = Step(**{"session_id": self.session_id, "n_draft": 0, **fields})
-        await self.head.send(step)
-        return await self.outcome()
-
-    async def outcome(self) -> object:
-        """The first thing either stream says: an error (head stream) or a result (tail stream)."""
-        tasks = [asyncio.create_task(self.head.receive()), asyncio.create_task(self.tail.receive())]
-        done, pending = await asyncio.wait(tasks, timeout=30, return_when=asyncio.FIRST_COMPLETED)
-        for task in pending:
-            task.cancel()
-        assert done, "no answer within 30 s"
-        return done.pop().result().message
-
-    def close(self) -> None:
-        self.head.close()
-        self.tail.close()
-
-
-HOPS = [("C", 0, 1), ("D", 1, 4), ("B", 4, 6)]
-
-
-def run_raw(model, scenario, **open_kwargs):
-    async def go():
-        session = RawSession(model, HOPS)
-        await session.open(**open_kwargs)
-        try:
-            return await scenario(session)
-        finally:
-            session.close()
-
-    return _loop.run(go(), timeout=120)
-
-
-def assert_error(reply, code: ErrorCode, *words: str) -> None:
-    assert isinstance(reply, ErrorReply), f"expected an error, got {reply}"
-    assert reply.code == code, reply
-    for word in words:
-        assert word in reply.message, reply.message
+from tests.kit.raw_sessions import HOPS, NamedRouteSession, assert_error, run_raw
+from tests.kit.reference import PROMPT
+from tests.kit.routes import pinned
+from tests.kit.swarms import servers_by_name
 
 
 def assert_still_serves(model, tiny_reference) -> None:
@@ -208,7 +141,7 @@ def test_route_naming_blocks_the_server_lacks_is_refused(tiny_model):
 
 def test_busy_server_refuses_a_session_larger_than_its_cache(tiny_model):
     async def go():
-        session = RawSession(tiny_model, HOPS)
+        session = NamedRouteSession(tiny_model, HOPS)
         try:
             await session.open(max_length=10**9)
         except AssertionError as e:

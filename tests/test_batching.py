@@ -25,8 +25,9 @@ from server.batching import BatchScheduler
 from server.quantization import Quant
 from server.session import QueuedRun, ServerSession
 from server.weights import Checkpoint
-from tests.conftest import inprocess_servers, single_torch_thread
-from tests.test_exactness import reference_sample
+from tests.kit.reference import reference_sample
+from tests.kit.swarms import inprocess_servers
+from tests.kit.threads import single_torch_thread
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -293,7 +294,7 @@ def test_sixteen_sessions_through_the_scheduler_each_get_what_transformers_gives
 @pytest.fixture(scope="module")
 def tiny_v4_path(tmp_path_factory):
     """A tiny random DeepSeek-V4 checkpoint (tests/test_deepseek_v4.py)."""
-    from tests.test_deepseek_v4 import build_tiny_deepseek_v4
+    from tests.kit.checkpoints import build_tiny_deepseek_v4
 
     return build_tiny_deepseek_v4(tmp_path_factory.mktemp("v4") / "v4")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from swarm.local import LocalSwarm
-from tests.conftest import SERVER_ARGS
+from tests.kit.swarms import SERVER_ARGS
 
 
 def test_num_blocks_servers_cover_the_model_then_add_redundancy(tiny_llama_path, artifacts_dir):

@@ -22,8 +22,9 @@ from protocol.messages import ErrorReply, Hop, OpenSession, SessionOpened, Step,
 from protocol.route_errors import NoRouteError
 from protocol.routing import MaxFlowRouter
 from protocol.streams import RESULTS_PROTOCOL, SESSION_PROTOCOL, MessageStream
-from tests.test_exactness import PROMPT
-from tests.test_hostile_wire import RawSession, reference, wait_until_no_sessions
+from tests.kit.raw_sessions import RawSession
+from tests.kit.reference import PROMPT, greedy_reference
+from tests.kit.swarms import wait_until_no_sessions
 
 FORWARD_POSITIONS = 16  # positions (and logits rows) of each forward pass the non-reader asks for
 
@@ -105,7 +106,7 @@ def test_a_hog_and_a_non_reader_leave_the_server_within_budget_and_an_honest_cli
         assert f"capped at sessions of {head.max_session_tokens} tokens" in str(e)
     message = outputs_bytes(tail)
     cap = int(2.5 * message)
-    expected = reference(tiny_reference, PROMPT, 8)
+    expected = greedy_reference(tiny_reference, PROMPT, 8)
 
     async def hog(p2p):
         """Sessions with the largest max_length, until the server refuses."""

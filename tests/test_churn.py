@@ -3,8 +3,8 @@ ones join with ``--num-blocks`` (placing themselves; a server is killed only whi
 blocks, so that the assertion below holds whatever the draw), and two clients keep generating (greedy and
 seeded sampling, with and without speculation). Every generation completes token-identical to
 local transformers, coverage of every block comes back, and nothing the run started is left
-behind. ``benchmarks/churn.py`` is the same run at SmolLM2 size (``make bench-churn``); this test
-asserts its behaviour figures only, never its timings.
+behind. ``benchmarks/churn.py`` is the same run (``tests/kit/churn.py``) at SmolLM2 size
+(``make bench-churn``); this test asserts its behaviour figures only, never its timings.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import random
 
 import pytest
 
-from benchmarks.churn import ChurnConfig, run
+from tests.kit.churn import ChurnConfig, run
 
 pytestmark = pytest.mark.timeout(400)
 

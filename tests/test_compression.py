@@ -17,7 +17,7 @@ from protocol.errors import ErrorCode, ProtocolError
 from protocol.messages import Step, encode
 from protocol.streams import MessageStream
 from swarm.local import LocalSwarm
-from tests.conftest import SERVER_ARGS
+from tests.kit.swarms import SERVER_ARGS
 
 BIG = 1 << 40  # max_elements where a test is not about the bound
 SMOL = 576  # SmolLM2-135M hidden size

@@ -13,7 +13,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -25,9 +25,10 @@ from swarm.dashboard.events import ModelSnapshot, PeerProbed, PollFailed, SwarmP
 from swarm.dashboard.state import Limits, State, apply, fold
 from swarm.dashboard.views import Paging, state_view
 from swarm.local import free_port
-from tests.browser import Chromium, Page, find_or_install_chromium
-from tests.checkpoints import build_tiny_llama
-from tests.conftest import TINY_SERVERS
+from tests.kit.browser import Chromium, Page, find_or_install_chromium
+from tests.kit.checkpoints import build_tiny_llama
+from tests.kit.swarms import TINY_SERVERS
+from tests.kit.waiting import wait_until
 
 LIMITS = Limits(forget_after=30, history_interval=10, history_points=5, max_errors=3, max_uptime_records=4)
 
@@ -321,16 +322,6 @@ def _model(url: str, name: str) -> dict | None:
 def _online(url: str, name: str) -> int:
     model = _model(url, name)
     return model["servers_online"] if model else 0
-
-
-def wait_until(condition: Callable[[], Any], what: str, timeout: float = 120.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_api_reports_covered_and_gap_models(dashboard):

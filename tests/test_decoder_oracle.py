@@ -1,4 +1,4 @@
-"""The client's decoder against an oracle target (benchmarks/oracle.py): no servers, so every
+"""The client's decoder against an oracle target (tests/kit/oracle.py): no servers, so every
 scheduling choice (window, split front runs, hedges, cancels) can be checked on many streams in
 milliseconds. The oracle fails the test if the decoder ever reads the verdict of a run whose
 assumptions were wrong, and the output must be the target, token for token."""
@@ -10,12 +10,12 @@ import random
 
 import pytest
 
-from benchmarks.oracle import OracleSwarm
 from client._generation import SessionState, SpeculativeDecoder
 from client.drafting import SuffixDrafter, SuffixStore
 from client.drafting.base import _AdaptiveDrafter
 from protocol.messages import GREEDY
-from tests.test_exactness import ScriptedDrafter
+from tests.kit.drafters import ScriptedDrafter
+from tests.kit.oracle import OracleSwarm
 
 EOS = 0
 

@@ -12,21 +12,17 @@ to 1e-4 (float32; only the batching of positions differs); tokens agree exactly.
 from __future__ import annotations
 
 import copy
-import json
 import os
-import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, AutoTokenizer, DeepseekV4Config, DeepseekV4ForCausalLM
+from transformers import AutoConfig, DeepseekV4ForCausalLM
 
 from protocol.messages import SamplingParams
-from protocol.models import ensure_smollm2_checkpoint, resolve_model
+from protocol.models import resolve_model
 from protocol.sampling import verify
 from server.adapters import SpanCancelled, load_span
 from server.adapters.deepseek_v4 import DeepseekV4Adapter
@@ -35,10 +31,14 @@ from server.memory import GiB, blocks_that_fit, model_sizes, plan_blocks
 from server.quantization import Quant, resident_bytes
 from server.weights import Checkpoint
 from swarm import lifeline, warm_start
-from tests.conftest import SERVER_ARGS, last_use, single_torch_thread
-from tests.test_exactness import PROMPT, ScriptedDrafter, reference_sample
+from tests.kit.checkpoints import CSA, HCA, SWA, build_tiny_deepseek_v4
+from tests.kit.deepseek_quant import quantize_like_deepseek
+from tests.kit.drafters import ScriptedDrafter
+from tests.kit.last_use import last_use
+from tests.kit.reference import PROMPT, reference_sample
+from tests.kit.swarms import SERVER_ARGS
+from tests.kit.threads import single_torch_thread
 
-HCA, CSA, SWA = "heavily_compressed_attention", "compressed_sparse_attention", "sliding_attention"
 SPLITS = {
     "2 spans, split inside the hash-MoE blocks": [(0, 2), (2, 6)],
     "3 spans": [(0, 1), (1, 4), (4, 6)],
@@ -46,53 +46,6 @@ SPLITS = {
 GREEDY = SamplingParams()
 SAMPLED = SamplingParams(do_sample=True, temperature=0.8, top_p=0.9, seed=1234)
 ATOL = 1e-4
-
-
-def build_tiny_deepseek_v4(path: Path, seed: int = 0) -> Path:
-    """A 6-block random DeepSeek-V4 with SmolLM2's tokenizer, saved by save_pretrained."""
-    tokenizer = AutoTokenizer.from_pretrained(ensure_smollm2_checkpoint())
-    config = DeepseekV4Config(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        moe_intermediate_size=32,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        head_dim=32,
-        q_lora_rank=32,
-        o_groups=2,
-        o_lora_rank=16,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
-        hc_mult=4,
-        sliding_window=8,
-        layer_types=[HCA, CSA, SWA, CSA, HCA, CSA],
-        mlp_layer_types=["hash_moe"] * 3 + ["moe"] * 3,
-        compress_rates={CSA: 4, HCA: 8},
-        index_n_heads=16,
-        index_head_dim=16,
-        index_topk=2,
-        max_position_embeddings=1024,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    torch.manual_seed(seed)
-    model = DeepseekV4ForCausalLM(config)
-    with torch.no_grad():  # weights far from the init default, so logits are far from uniform
-        for name, param in model.named_parameters():
-            if param.ndim >= 2:
-                param.normal_(0, 0.2)
-            elif name.endswith(("position_bias", "sinks", ".base", "hc_base")):
-                param.normal_(0, 0.5)
-        for layer in model.model.layers:
-            if layer.mlp.is_hash:  # a random token -> distinct-experts table
-                table = torch.rand(config.vocab_size, config.n_routed_experts).argsort(dim=-1)
-                layer.mlp.gate.tid2eid.copy_(table[:, : config.num_experts_per_tok])
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -270,70 +223,6 @@ def test_cancel_between_blocks_leaves_no_trace(v4_spans, v4_reference):
 
 # ---- weights ---------------------------------------------------------------------------------
 
-E2M1 = torch.tensor((0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0))
-
-
-def _pow2_at_least(x: torch.Tensor) -> torch.Tensor:
-    return torch.exp2(torch.ceil(torch.log2(x.clamp_min(1e-30))))
-
-
-def _fp8_blocks(w: torch.Tensor, block: int = 16):
-    """FP8 e4m3 weight with one ue8m0 scale per [block, block] tile (DeepSeek's layout, small tiles)."""
-    rows, cols = w.shape
-    tiles = w.reshape(rows // block, block, cols // block, block)
-    scale = _pow2_at_least(tiles.abs().amax(dim=(1, 3)) / 448.0)
-    q = (tiles / scale[:, None, :, None]).to(torch.float8_e4m3fn)
-    dequantized = (q.float() * scale[:, None, :, None]).reshape(rows, cols)
-    return q.reshape(rows, cols), scale.to(torch.float8_e8m0fnu), dequantized
-
-
-def _fp4_rows(w: torch.Tensor, group: int = 32):
-    """FP4 e2m1, two per int8 byte (low nibble first), one ue8m0 scale per 32 values of a row."""
-    rows, cols = w.shape
-    groups = w.reshape(rows, cols // group, group)
-    scale = _pow2_at_least(groups.abs().amax(-1) / 6.0)
-    codes = ((groups / scale[..., None]).abs().unsqueeze(-1) - E2M1[:8]).abs().argmin(-1) + 8 * (groups < 0)
-    dequantized = (E2M1[codes] * scale[..., None]).reshape(rows, cols)
-    codes = codes.reshape(rows, cols)
-    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8).view(torch.int8)
-    return packed, scale.to(torch.float8_e8m0fnu), dequantized
-
-
-def quantize_like_deepseek(src: Path, dst: Path) -> dict[str, torch.Tensor]:
-    """A copy in DeepSeek's hub layout: its names (no ``model.`` prefix, ``embed``, ``head``,
-    ``hc_head_fn``...), FP8 attention/shared-expert linears and FP4 routed experts with ``.scale``
-    companions. Returns the dequantized value of every quantized weight."""
-    shutil.copytree(src, dst)
-    out, expected = {}, {}
-    leaf = {
-        "embed_tokens.weight": "embed.weight",
-        "hc_head.hc_fn": "hc_head_fn",
-        "hc_head.hc_base": "hc_head_base",
-        "hc_head.hc_scale": "hc_head_scale",
-    }
-    for key, tensor in load_file(src / "model.safetensors").items():
-        name = key.removeprefix("model.")
-        name = leaf.get(name, name)
-        if re.search(r"ffn\.experts\.\d+\.w[123]\.weight$", name):
-            out[name], out[name.removesuffix("weight") + "scale"], expected[name] = _fp4_rows(tensor.float())
-        elif re.search(r"attn\.(wq_a|wq_b|wkv|wo_b)\.weight$|shared_experts\.w[123]\.weight$", name):
-            out[name], out[name.removesuffix("weight") + "scale"], expected[name] = _fp8_blocks(tensor.float())
-        else:
-            out[name] = tensor
-    (dst / "model.safetensors").unlink()
-    save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((dst / "config.json").read_text())
-    config["quantization_config"] = {
-        "quant_method": "fp8",
-        "activation_scheme": "dynamic",
-        "fmt": "e4m3",
-        "weight_block_size": [16, 16],
-        "scale_fmt": "ue8m0",
-    }
-    config["expert_dtype"] = "fp4"
-    (dst / "config.json").write_text(json.dumps(config))
-    return expected
-
 
 def test_quantized_hub_layout_loads_as_transformers_does(v4_path, tmp_path):
     path = tmp_path / "quantized"
@@ -470,7 +359,7 @@ def test_server_without_blocks_takes_what_fits_and_says_so(v4_path):
 def v4_model(request, v4_path, artifacts_dir):
     from swarm import AutoDistributedModelForCausalLM
     from swarm.local import LocalSwarm
-    from tests.faulty_server import faulty
+    from tests.kit.faulty_server import faulty
 
     swarm = LocalSwarm(
         str(v4_path),
@@ -529,7 +418,7 @@ MTP_KINDS = {"csa": CSA, "hca": HCA, "sliding": SWA}
 @pytest.fixture(scope="module")
 def v4_mtp_paths(v4_path, tmp_path_factory):
     """The tiny V4 plus one random MTP module whose block has attention of the given kind."""
-    from tests.checkpoints import add_random_mtp
+    from tests.kit.checkpoints import add_random_mtp
 
     built = {}
 

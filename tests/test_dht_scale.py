@@ -24,9 +24,9 @@ PEERS, SERVERS, BLOCKS = 10, 20, 61  # benchmarks/dht_scale.py goes to hundreds
 
 def scenario(keys_path: str) -> dict:
     """Runs in a child process: what the client saw before and after a fifth of the peers vanished."""
-    from benchmarks.dht_scale import ServersSigner, Swarm, identities, real_ids
-    from benchmarks.synthetic_swarm import MODEL, make_swarm
     from protocol.dht_records import fetch_servers
+    from tests.kit.dht_swarm import ServersSigner, Swarm, identities, real_ids
+    from tests.kit.synthetic_swarm import MODEL, make_swarm
 
     ids = identities(SERVERS, keys_path)
     honest, hostile, _ = real_ids(make_swarm(SERVERS, BLOCKS, seed=3), ids)

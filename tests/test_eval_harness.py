@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import single_torch_thread
+from tests.kit.threads import single_torch_thread
 
 lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is a dev dependency: pip install -e '.[dev]'")
 

@@ -2,50 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Collection
-
 import pytest
 import torch
 
-from client.drafting import Drafter
 from protocol.messages import SamplingParams
-from protocol.sampling import choose_token
-from tests.conftest import PinnedRoute
-
-PROMPT = [[1, 504, 3458, 282, 4649, 314, 253, 1345, 30, 657, 506]]
-
-ROUTES = {
-    "two servers": [("A", 0, 3), ("B", 3, 6)],
-    "three servers, uneven": [("C", 0, 1), ("D", 1, 4), ("B", 4, 6)],
-    "overlapping spans": [("A", 0, 3), ("E", 3, 6)],
-    "overlap, sub-ranges": [("C", 0, 1), ("D", 1, 2), ("E", 2, 6)],
-}
-
-
-@contextlib.contextmanager
-def pinned(model, hops):
-    saved = model.swarm.router
-    model.swarm.router = PinnedRoute(model, hops)
-    try:
-        yield
-    finally:
-        model.swarm.router = saved
-
-
-def reference_sample(
-    reference, prompt: list[int], max_new_tokens: int, params: SamplingParams, eos: Collection[int] = ()
-) -> list[int]:
-    """The reference sampler, one token at a time over the full context (no cache, no drafts);
-    it stops after a token in ``eos``, as ``generate()`` does."""
-    tokens = list(prompt)
-    for _ in range(max_new_tokens):
-        with torch.no_grad():
-            logits = reference(torch.tensor([tokens])).logits[0, -1]
-        tokens.append(choose_token(logits, tokens, len(tokens), params))
-        if tokens[-1] in eos:
-            break
-    return tokens[len(prompt) :]
+from tests.kit.drafters import ScriptedDrafter
+from tests.kit.reference import PROMPT, reference_sample
+from tests.kit.routes import ROUTES, pinned
 
 
 @pytest.mark.parametrize("route", list(ROUTES), ids=list(ROUTES))
@@ -73,31 +36,6 @@ def test_seeded_sampling_equals_reference_sampler(tiny_model, tiny_reference, ro
             torch.tensor(PROMPT), max_new_tokens=20, do_sample=True, temperature=0.8, top_p=0.9, seed=99
         )
     assert other[0, len(PROMPT[0]) :].tolist() != expected
-
-
-class ScriptedDrafter(Drafter):
-    """Drafts from a known continuation, right or deliberately wrong at chosen offsets."""
-
-    def __init__(self, truth: list[int], prompt_len: int, wrong_at: set[int] = frozenset(), length: int = 4):
-        self.truth, self.prompt_len, self.wrong_at, self.length = truth, prompt_len, wrong_at, length
-        self.position = 0
-
-    def reset(self, context):
-        self.position = len(context) - self.prompt_len
-
-    def extend(self, new_tokens):
-        self.position += len(new_tokens)
-
-    def draft(self, max_tokens, after=()):
-        start = self.position + len(after)  # the script ignores what `after` holds
-        drafts = self.truth[start : start + min(max_tokens, self.length)]
-        return [(t + 1) % 1000 if start + i in self.wrong_at else t for i, t in enumerate(drafts)]
-
-    def observe(self, drafted, accepted):
-        pass
-
-    def finish(self):
-        pass
 
 
 @pytest.mark.parametrize("loop_runs", [False, True], ids=["client runs", "looped"])
@@ -232,7 +170,7 @@ def test_every_drafter_mode_matches_no_speculation_smollm2(smol_model, speculati
 def test_real_router_uses_the_clients_measured_rtts_to_heads_and_tails(tiny_model, tiny_reference):
     expected = tiny_reference.generate(torch.tensor(PROMPT), max_new_tokens=8, do_sample=False)
     assert tiny_model.generate(torch.tensor(PROMPT), max_new_tokens=8, speculation=None).tolist() == expected.tolist()
-    from tests.conftest import servers_by_name
+    from tests.kit.swarms import servers_by_name
 
     ends = {
         info.peer_id for info in servers_by_name(tiny_model, 6).values() if info.start_block == 0 or info.end_block == 6

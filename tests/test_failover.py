@@ -14,9 +14,9 @@ import torch
 
 from client._swarm import SUSPECT_SECONDS
 from swarm.local import LocalSwarm, kill_group
-from tests.conftest import SERVER_ARGS, servers_by_name
-from tests.faulty_server import faulty
-from tests.test_exactness import PROMPT
+from tests.kit.faulty_server import faulty
+from tests.kit.reference import PROMPT
+from tests.kit.swarms import SERVER_ARGS, servers_by_name
 
 NEW_TOKENS = 40
 

@@ -12,7 +12,7 @@ import torch
 from client._forward import _assemble
 from client.errors import ServerError
 from protocol.messages import RunOutputs
-from tests.test_exactness import pinned
+from tests.kit.routes import pinned
 
 THREE_SERVERS = [("C", 0, 1), ("D", 1, 4), ("E", 4, 6)]
 PROMPTS = [[1, 504, 3458, 282, 4649, 314, 253], [1, 504, 3458], [1, 657, 506, 4649, 22]]

@@ -49,9 +49,8 @@ from protocol.messages import (
 )
 from protocol.streams import PING_PROTOCOL, RESULTS_PROTOCOL, SESSION_PROTOCOL, MessageStream
 from protocol.version import PROTOCOL_VERSION
-from tests.conftest import LIMITS_MAX_POSITIONS
-from tests.test_exactness import PROMPT
-from tests.test_hostile_wire import LONG_PROMPT, reference, wait_until_no_sessions
+from tests.kit.reference import LONG_PROMPT, PROMPT, greedy_reference
+from tests.kit.swarms import LIMITS_MAX_POSITIONS, wait_until_no_sessions
 
 SEED = 1515
 MESSAGES_PER_PROTOCOL = 1000
@@ -456,7 +455,8 @@ def test_fuzz_every_protocol_while_an_honest_client_generates(limits_swarm, tiny
     caplog.set_level(logging.ERROR)
     rng = random.Random(SEED)
     expected = {
-        name: reference(tiny_reference, prompt, 10) for name, prompt in (("short", PROMPT), ("long", LONG_PROMPT))
+        name: greedy_reference(tiny_reference, prompt, 10)
+        for name, prompt in (("short", PROMPT), ("long", LONG_PROMPT))
     }
     # the stranger: its own peer (identity), connected to both servers
     maddrs = [str(m) for s in servers for m in s.dht.get_visible_maddrs()]

@@ -9,6 +9,7 @@ dashboard's reader against it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import math
@@ -40,6 +41,7 @@ from protocol.records import (
 )
 from protocol.routing import MaxFlowRouter, cap_throughput
 from protocol.validation import MAX_RECORD_BYTES, PeerIdSignatureValidator
+from tests.kit import records
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -48,10 +50,7 @@ BLOCKS = 6
 BIG = "x" * 2**20  # 1 MiB
 
 
-def srv(peer_id: str, start: int, end: int, throughput: float = 10.0, **fields: Any) -> ServerInfo:
-    fields.setdefault("free_cache_tokens", 4096)
-    fields.setdefault("cache_tokens", 8192)
-    return ServerInfo(peer_id=peer_id, model=MODEL, start_block=start, end_block=end, throughput=throughput, **fields)
+srv = functools.partial(records.srv, model=MODEL, cache_tokens=8192)
 
 
 def honest(**changes: Any) -> dict:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import secrets
 from contextlib import contextmanager
 
 import hivemind
@@ -21,17 +20,12 @@ from client._remote_session import RemoteSession
 from client.errors import GenerationError, SwarmError
 from protocol import limits
 from protocol.errors import ErrorCode
-from protocol.messages import ErrorReply, Hop, OpenSession, RunOutputs, SessionOpened, Step, StepResult, Subscribe
+from protocol.messages import ErrorReply, Hop, OpenSession, RunOutputs, SessionOpened, StepResult, Subscribe
 from protocol.streams import RESULTS_PROTOCOL, SESSION_PROTOCOL, MessageStream
-from tests.conftest import LIMITS_MAX_POSITIONS
-from tests.faults import slow_blocks
-from tests.test_exactness import PROMPT
-
-LONG_PROMPT = [PROMPT[0] * 4]  # 44 positions: three Steps of at most 16
-
-
-def reference(tiny_reference, prompt, new_tokens: int) -> list[list[int]]:
-    return tiny_reference.generate(torch.tensor(prompt), max_new_tokens=new_tokens, do_sample=False).tolist()
+from tests.kit.faults import slow_blocks
+from tests.kit.raw_sessions import RawSession
+from tests.kit.reference import LONG_PROMPT, PROMPT, greedy_reference
+from tests.kit.swarms import LIMITS_MAX_POSITIONS, wait_until_no_sessions
 
 
 @contextmanager
@@ -56,53 +50,6 @@ def recording_steps(handler, sizes: list):
         return enqueue
 
     return patched(handler, "_enqueue", make)
-
-
-class RawSession:
-    """A session spoken by hand: Subscribe at the tail with the secret, OpenSession at the head."""
-
-    def __init__(self, p2p, servers, subscribe: bool = True):
-        self.p2p, self.subscribe = p2p, subscribe
-        self.route = [Hop(s.info.peer_id, s.info.start_block, s.info.end_block) for s in servers]
-        self.session_id, self.secret = secrets.token_hex(8), secrets.token_hex(16)
-        self.tail = self.head = None
-
-    async def open(self, max_length: int = 64):
-        if self.subscribe:
-            self.tail = await MessageStream.open(self.p2p, PeerID.from_base58(self.route[-1].peer_id), RESULTS_PROTOCOL)
-            await self.tail.send(Subscribe(session_id=self.session_id, secret=self.secret))
-        self.head = await MessageStream.open(self.p2p, PeerID.from_base58(self.route[0].peer_id), SESSION_PROTOCOL)
-        await self.head.send(
-            OpenSession(
-                session_id=self.session_id,
-                max_length=max_length,
-                route=self.route,
-                hop_index=0,
-                secret_hash=hashlib.sha256(self.secret.encode()).hexdigest(),
-            )
-        )
-        return (await asyncio.wait_for(self.head.receive(), 30)).message
-
-    async def step(self, run_id: int, start_pos: int, token_ids: list[int]) -> None:
-        await self.head.send(Step(session_id=self.session_id, run_id=run_id, start_pos=start_pos, token_ids=token_ids))
-
-    def close(self) -> None:
-        for stream in (self.head, self.tail):
-            if stream is not None:
-                stream.close()
-
-
-def wait_until_no_sessions(servers, timeout: float = 20.0) -> None:
-    async def wait():
-        for _ in range(int(timeout / 0.05)):
-            if all(not s.handler.sessions for s in servers):
-                return True
-            await asyncio.sleep(0.05)
-        return False
-
-    assert _loop.run(wait(), timeout=timeout + 10), [list(s.handler.sessions) for s in servers]
-    for s in servers:
-        assert s.handler.budget.free_tokens == s.handler.budget.total_tokens
 
 
 # ---- verdicts and subscriptions ------------------------------------------------------------------
@@ -136,7 +83,7 @@ def test_forged_verdicts_from_route_servers_change_nothing(limits_swarm, tiny_re
         return enqueue
 
     dropped_before = head.stats["dropped_upstream"]
-    expected = reference(tiny_reference, PROMPT, 10)
+    expected = greedy_reference(tiny_reference, PROMPT, 10)
     with patched(head, "_enqueue", forging), patched(tail, "_enqueue", forging):
         for speculation in (None, "suffix"):
             assert model.generate(torch.tensor(PROMPT), max_new_tokens=10, speculation=speculation).tolist() == expected
@@ -150,7 +97,7 @@ def test_subscribe_needs_the_session_secret(limits_swarm, tiny_reference, tiny_l
     honest session goes on unaffected."""
     model, servers, _ = limits_swarm
     tail = servers[1]
-    expected = reference(tiny_reference, PROMPT, 12)
+    expected = greedy_reference(tiny_reference, PROMPT, 12)
     # the attacker: another peer (its own identity), connected straight to the tail
     attacker_dht = hivemind.DHT(
         initial_peers=[str(m) for m in tail.dht.get_visible_maddrs()], client_mode=True, start=True
@@ -213,7 +160,7 @@ def test_long_prompt_goes_as_chunked_prefill_and_is_token_identical(limits_swarm
     sizes: list[int] = []
     with recording_steps(servers[0].handler, sizes):
         output = model.generate(torch.tensor(LONG_PROMPT), max_new_tokens=8, speculation=None)
-    assert output.tolist() == reference(tiny_reference, LONG_PROMPT, 8)
+    assert output.tolist() == greedy_reference(tiny_reference, LONG_PROMPT, 8)
     assert max(sizes) <= LIMITS_MAX_POSITIONS and sizes[:3] == [16, 16, 12], sizes
     # forward passes are chunked the same way: logits of all 44 positions, as local transformers
     logits = model(torch.tensor(LONG_PROMPT)).logits
@@ -242,7 +189,7 @@ def test_failover_replays_a_long_history_in_chunks(limits_swarm, tiny_reference)
 
     with patched(servers[0].handler, "_enqueue", dropping):
         output = model.generate(torch.tensor(LONG_PROMPT), max_new_tokens=8, speculation=None)
-    assert output.tolist() == reference(tiny_reference, LONG_PROMPT, 8)
+    assert output.tolist() == greedy_reference(tiny_reference, LONG_PROMPT, 8)
     assert dropped and model.last_generation_stats.failovers == 1
     assert max(sizes) <= LIMITS_MAX_POSITIONS and sizes.count(16) >= 4, sizes  # two prompts' worth of chunks
     wait_until_no_sessions(servers)
@@ -255,9 +202,9 @@ def test_step_above_the_servers_limit_is_refused_clearly_without_failover(limits
     model, servers, _ = limits_swarm
     model.swarm.max_positions_per_step = 64  # this client would send the 44-position prompt as one Step
     try:
-        assert model.generate(torch.tensor(LONG_PROMPT), max_new_tokens=4, speculation=None).tolist() == reference(
-            tiny_reference, LONG_PROMPT, 4
-        )
+        assert model.generate(
+            torch.tensor(LONG_PROMPT), max_new_tokens=4, speculation=None
+        ).tolist() == greedy_reference(tiny_reference, LONG_PROMPT, 4)
         monkeypatch.setattr(model.swarm, "route_step_limit", lambda route: 64)  # ignores what the route announces
         with pytest.raises(GenerationError, match="step_too_large.*max_positions_per_step 16") as error:
             model.generate(torch.tensor(LONG_PROMPT), max_new_tokens=4, speculation=None)
@@ -266,7 +213,7 @@ def test_step_above_the_servers_limit_is_refused_clearly_without_failover(limits
     finally:
         model.swarm.max_positions_per_step = LIMITS_MAX_POSITIONS
         monkeypatch.undo()
-    assert model.generate(torch.tensor(LONG_PROMPT), max_new_tokens=4, speculation=None).tolist() == reference(
+    assert model.generate(torch.tensor(LONG_PROMPT), max_new_tokens=4, speculation=None).tolist() == greedy_reference(
         tiny_reference, LONG_PROMPT, 4
     )
     wait_until_no_sessions(servers)
@@ -301,7 +248,7 @@ def test_frame_above_the_limit_is_refused_before_it_is_read(limits_swarm, tiny_r
         assert isinstance(reply, ErrorReply) and reply.code == ErrorCode.FRAME_TOO_LARGE, reply
         assert str(length) in reply.message
         assert after is None  # framing is lost: the server closed the stream
-    assert model.generate(torch.tensor(PROMPT), max_new_tokens=4, speculation=None).tolist() == reference(
+    assert model.generate(torch.tensor(PROMPT), max_new_tokens=4, speculation=None).tolist() == greedy_reference(
         tiny_reference, PROMPT, 4
     )
 
@@ -341,7 +288,7 @@ def test_sessions_per_peer_and_per_server_are_capped(limits_swarm, tiny_referenc
     # full is not broken: a busy server is skipped by that session only, never by the client's
     # other sessions, so the next generation uses it at once
     assert head.peer_id not in model.swarm.excluded.current()
-    assert model.generate(torch.tensor(PROMPT), max_new_tokens=4, speculation=None).tolist() == reference(
+    assert model.generate(torch.tensor(PROMPT), max_new_tokens=4, speculation=None).tolist() == greedy_reference(
         tiny_reference, PROMPT, 4
     )
     wait_until_no_sessions(servers)

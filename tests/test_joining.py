@@ -7,6 +7,7 @@ Unit tests on fabricated records first; one live test (a tiny-Llama swarm on 127
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 
 import msgspec
@@ -18,16 +19,13 @@ from protocol.records import ServerInfo, ServerState
 from protocol.route_errors import NoRouteError
 from protocol.routing import MaxFlowRouter
 from server.joining import JOINING_THROUGHPUT, claim_span, joining_throughput, outranks, rivals
+from tests.kit import records
 
 MODEL = "tiny"
 TOTAL = 6
 
 
-def srv(peer: str, start: int, end: int, throughput: float = 10.0, state=ServerState.ONLINE, **fields) -> ServerInfo:
-    fields.setdefault("free_cache_tokens", 4096)
-    return ServerInfo(
-        peer_id=peer, model=MODEL, start_block=start, end_block=end, throughput=throughput, state=state, **fields
-    )
+srv = functools.partial(records.srv, model=MODEL)
 
 
 def joining(peer: str, start: int, end: int, started_at: float = 100.0) -> ServerInfo:
@@ -297,7 +295,7 @@ def test_fetch_servers_prefers_the_newest_record_of_a_server_that_changed_span()
 def empty_swarm(tiny_llama_path, artifacts_dir):
     """A bootstrap node and no server yet, for the tiny 6-block Llama."""
     from swarm.local import LocalSwarm
-    from tests.conftest import SERVER_ARGS
+    from tests.kit.swarms import SERVER_ARGS
 
     with LocalSwarm(
         str(tiny_llama_path), spans=[], server_args=SERVER_ARGS, log_dir=str(artifacts_dir / "joining")

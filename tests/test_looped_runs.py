@@ -16,8 +16,8 @@ from client import _loop
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.messages import DraftOffer, LoopedRun, Step, StepResult, decode, encode
 from server.weights import Checkpoint
-from tests.conftest import inprocess_servers
-from tests.test_exactness import PROMPT
+from tests.kit.reference import PROMPT
+from tests.kit.swarms import inprocess_servers
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -91,11 +91,11 @@ def test_chain_laps_keep_their_bytes():
 
 @pytest.fixture(scope="module")
 def drafter_servers(tiny_llama_path, tmp_path_factory):
-    """Three in-process servers; the tail gets a random tail drafter (tests/checkpoints.py)."""
+    """Three in-process servers; the tail gets a random tail drafter (tests/kit/checkpoints.py)."""
     from transformers import AutoConfig
 
     from server.tail_drafter import build_tail_drafter
-    from tests.checkpoints import build_random_drafter
+    from tests.kit.checkpoints import build_random_drafter
 
     for model, servers in inprocess_servers(tiny_llama_path, spans=((0, 2), (2, 4), (4, 6))):
         tail = servers[-1].span

@@ -1,6 +1,6 @@
 """Serving from behind NAT, live, in network namespaces (needs root, iproute2 and nftables).
 
-Hosts (benchmarks/netns.py): ``pub`` runs the bootstrap and a server with the first blocks,
+Hosts (tests/kit/netns.py): ``pub`` runs the bootstrap and a server with the first blocks,
 ``home`` sits behind a NAT router (nftables masquerade, no inbound connections) and serves the
 last blocks, so every route passes through it; ``cli`` runs the client. Nobody can dial ``home``:
 it finds out with the dial-back probe, reserves a slot on the bootstrap's relay, and announces
@@ -20,8 +20,8 @@ import time
 import pytest
 import torch
 
-from benchmarks import netns
-from tests.conftest import SERVER_ARGS
+from tests.kit import netns
+from tests.kit.swarms import SERVER_ARGS
 
 pytestmark = pytest.mark.timeout(300)
 

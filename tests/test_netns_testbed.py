@@ -1,4 +1,4 @@
-"""The network-namespace testbed (benchmarks/netns.py): a shaped link really limits the rate, and
+"""The network-namespace testbed (tests/kit/netns.py): a shaped link really limits the rate, and
 close() leaves no namespace behind. Needs root; skipped otherwise."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from benchmarks import netns
+from tests.kit import netns
 
 RATE_MBIT = 20
 SIZE = 4_000_000  # bytes: 1.6 s at 20 Mbit/s

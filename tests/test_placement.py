@@ -7,28 +7,20 @@ Unit tests on fabricated records: an honest swarm of 8 blocks, three servers on 
 
 from __future__ import annotations
 
+import functools
+
 import msgspec
 
 from protocol.placement import CLAIM_CAP, choose_best_span, placement_view, should_move
 from protocol.records import ServerInfo, ServerState
 from server.joining import outranks, rivals
+from tests.kit import records
 
 TOTAL = 8
 HUGE = 1000.0  # times an honest server's claim
 
 
-def srv(peer: str, start: int, end: int, throughput: float = 10.0, state=ServerState.ONLINE, **fields) -> ServerInfo:
-    return ServerInfo(
-        peer_id=peer,
-        model="m",
-        start_block=start,
-        end_block=end,
-        throughput=throughput,
-        state=state,
-        free_cache_tokens=4096,
-        started_at=fields.pop("started_at", 1000.0),
-        **fields,
-    )
+srv = functools.partial(records.srv, model="m", started_at=1000.0)
 
 
 def honest_swarm() -> list[ServerInfo]:

@@ -33,9 +33,12 @@ from server.span_server import resolve_device, resolve_dtype
 from server.weights import Checkpoint
 from swarm import warm_start
 from swarm.local import LocalSwarm
-from tests.conftest import SERVER_ARGS, PinnedRoute, last_use
-from tests.test_deepseek_v4 import build_tiny_deepseek_v4, quantize_like_deepseek
-from tests.test_exactness import PROMPT, reference_sample
+from tests.kit.checkpoints import build_tiny_deepseek_v4
+from tests.kit.deepseek_quant import quantize_like_deepseek
+from tests.kit.last_use import last_use
+from tests.kit.reference import PROMPT, reference_sample
+from tests.kit.routes import PinnedRoute
+from tests.kit.swarms import SERVER_ARGS
 
 QUANTS = [Quant.INT8, Quant.NF4]
 SAMPLED = dict(do_sample=True, temperature=0.8, top_p=0.9, seed=1234)
@@ -253,9 +256,9 @@ def test_smollm2_over_three_quantized_servers_speculation_never_changes_the_outp
     """The real model, where quantization's rounding meets real activations: records say nf4 or
     int8, and the default speculation (drafts in most laps on a code-editing prompt) gives the
     tokens of no speculation in both modes."""
-    from benchmarks.prompts import CODE_EDITING
     from swarm import AutoDistributedModelForCausalLM
     from swarm.local import even_spans
+    from tests.kit.prompts import CODE_EDITING
 
     spans = {Quant.NF4: even_spans(30, 3), Quant.INT8: even_spans(30, 2)}  # 3 nf4 servers, as the issue asks
     with LocalSwarm(

@@ -25,9 +25,9 @@ from protocol.sampling import (
     unpack_f16,
     verify_rejection,
 )
-from tests.conftest import single_torch_thread
-from tests.test_exactness import PROMPT as BATCH
-from tests.test_exactness import pinned
+from tests.kit.reference import PROMPT as BATCH
+from tests.kit.routes import pinned
+from tests.kit.threads import single_torch_thread
 
 PROMPT = BATCH[0]
 
@@ -274,7 +274,7 @@ def test_malformed_q_is_refused_by_name(draft_q, n_draft, words):
 
 
 def test_malformed_q_over_the_wire_is_refused_and_the_session_survives(tiny_model):
-    from tests.test_bad_input import assert_error, run_raw
+    from tests.kit.raw_sessions import assert_error, run_raw
 
     sampled = params_for(3)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
 
@@ -13,22 +14,14 @@ from protocol.placement import choose_best_span, should_move
 from protocol.records import ServerInfo, ServerState
 from protocol.route_errors import NoRouteError
 from protocol.routing import MaxFlowRouter
+from tests.kit import records
 
 pytestmark = pytest.mark.timeout(30)
 
 MODEL = "tiny-llama"
 
 
-def srv(peer_id: str, start: int, end: int, throughput: float = 10.0, **fields) -> ServerInfo:
-    fields.setdefault("free_cache_tokens", 4096)
-    return ServerInfo(
-        peer_id=peer_id,
-        model=MODEL,
-        start_block=start,
-        end_block=end,
-        throughput=throughput,
-        **fields,
-    )
+srv = functools.partial(records.srv, model=MODEL)
 
 
 def assert_valid(route: list[Hop], servers: list[ServerInfo], start: int, end: int) -> None:

@@ -1,6 +1,6 @@
 """Routing, placement and max-flow on synthetic swarms of up to 1,000 servers (no network).
 
-The records come from ``benchmarks/synthetic_swarm.py`` (10% hostile); ``benchmarks/scale.py``
+The records come from ``tests/kit/synthetic_swarm.py`` (10% hostile); ``benchmarks/scale.py``
 measures the same calls. Here: what the router hands out is a valid route over valid records,
 it is the best route an exhaustive search finds, and the closed-form max-flow is networkx's.
 """
@@ -13,13 +13,13 @@ import tracemalloc
 import networkx as nx
 import pytest
 
-from benchmarks.scale import exhaustive_best, route_latency
-from benchmarks.synthetic_swarm import HOSTILE_KINDS, MODEL, make_swarm
 from protocol.flow import swarm_max_flow
 from protocol.messages import Hop
 from protocol.placement import choose_best_span
 from protocol.records import ServerInfo, ServerState
 from protocol.routing import MaxFlowRouter, cap_throughput
+from tests.kit.route_yardstick import exhaustive_best, route_latency
+from tests.kit.synthetic_swarm import HOSTILE_KINDS, MODEL, make_swarm
 
 pytestmark = pytest.mark.timeout(120)
 

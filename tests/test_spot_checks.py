@@ -1,7 +1,7 @@
 """Spot-checks of activations (client/_spot_checks.py; docs/reliability.md, "Spot-checks").
 
 Unit: the tolerance rule, the choice of the audited hop and its substitutes, the majority vote.
-Live: a tiny-model swarm with two lying servers (``tests.faulty_server --corrupt noise`` on blocks 0:3 and
+Live: a tiny-model swarm with two lying servers (``tests.kit.faulty_server --corrupt noise`` on blocks 0:3 and
 ``--corrupt offset`` on 3:6) beside honest ones; routes pinned through a liar, every verdict
 audited (``spot_check_rate=1.0``): the liar is caught, excluded, reported in the DHT (the dashboard
 counts it), and the output is token-identical to an honest run.
@@ -17,7 +17,6 @@ import time
 import pytest
 import torch
 
-from benchmarks.spot_checks import PreferredRoutes
 from client._spot_checks import (
     alternatives,
     check_rate,
@@ -31,8 +30,9 @@ from client._spot_checks import (
 from protocol.messages import Hop
 from protocol.records import ServerInfo, ServerState
 from swarm.local import LocalSwarm
-from tests.conftest import SERVER_ARGS, servers_by_name
-from tests.faulty_server import faulty
+from tests.kit.faulty_server import faulty
+from tests.kit.routes import PreferredRoutes
+from tests.kit.swarms import SERVER_ARGS, servers_by_name
 
 # ---- unit: the tolerance rule ------------------------------------------------------------------
 
@@ -115,12 +115,12 @@ def test_rate_is_checked():
 
 
 class LiarThenHonestSwarm:
-    """An oracle swarm (benchmarks/oracle.py) whose first route goes through a liar that answers
+    """An oracle swarm (tests/kit/oracle.py) whose first route goes through a liar that answers
     ``wrong``; after ``catch_after`` verdicts the liar is convicted, and every later session is
     honest. The decoder must leave the liar and re-verify what it generated through it."""
 
     def __init__(self, honest: list[int], wrong: list[int], catch_after: int, max_positions_per_step: int):
-        from benchmarks.oracle import OracleSession
+        from tests.kit.oracle import OracleSession
 
         self.honest, self.wrong, self.catch_after = honest, wrong, catch_after
         self.max_positions_per_step = max_positions_per_step
@@ -193,7 +193,7 @@ def test_re_verification_keeps_the_honest_prefix_and_chunks(limit):
 
 # ---- live: a swarm with liars ------------------------------------------------------------------
 
-# name -> (blocks, corruption: tests/faults.py); N and O lie, A, B and F are honest (F holds every block)
+# name -> (blocks, corruption: tests/kit/faults.py); N and O lie, A, B and F are honest (F holds every block)
 SERVERS = {"N": (0, 3, "noise"), "O": (3, 6, "offset"), "A": (0, 3, None), "B": (3, 6, None), "F": (0, 6, None)}
 PROMPT = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3]
 NEW_TOKENS = 32
@@ -407,7 +407,7 @@ def test_page_shows_disputed_servers(artifacts_dir):
 
     from swarm.dashboard.app import Dashboard, create_app
     from swarm.dashboard.events import ModelSnapshot, SwarmPolled
-    from tests.browser import Chromium, Page, find_or_install_chromium
+    from tests.kit.browser import Chromium, Page, find_or_install_chromium
 
     binary, why = find_or_install_chromium()
     if binary is None:

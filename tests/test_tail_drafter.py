@@ -10,9 +10,10 @@ from client.drafting import Drafter, TailDrafts
 from protocol.errors import ProtocolError
 from protocol.messages import Hop, SamplingParams, Step
 from swarm.local import LocalSwarm
-from tests.checkpoints import build_random_drafter
-from tests.conftest import SERVER_ARGS, last_use
-from tests.test_exactness import PROMPT, reference_sample
+from tests.kit.checkpoints import build_random_drafter
+from tests.kit.last_use import last_use
+from tests.kit.reference import PROMPT, reference_sample
+from tests.kit.swarms import SERVER_ARGS
 
 
 @pytest.fixture(scope="session")

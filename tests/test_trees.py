@@ -37,8 +37,11 @@ from protocol.sampling import choose_token, pack_f16, verify, verify_tree
 from protocol.streams import RESULTS_PROTOCOL, SESSION_PROTOCOL, MessageStream
 from server.adapters import load_span
 from server.weights import Checkpoint
-from tests.conftest import inprocess_servers, single_torch_thread
-from tests.test_exactness import PROMPT, ROUTES, ScriptedDrafter, pinned
+from tests.kit.drafters import ScriptedDrafter
+from tests.kit.reference import PROMPT
+from tests.kit.routes import ROUTES, pinned
+from tests.kit.swarms import inprocess_servers
+from tests.kit.threads import single_torch_thread
 
 # ---- the walk, the layout and the checks, on fabricated logits -----------------------------------
 
@@ -702,7 +705,7 @@ def test_tail_drafts_after_a_tree_continue_the_accepted_path(tiny_llama_path, ti
 
     from server.session import QueuedRun, ServerSession
     from server.tail_drafter import build_tail_drafter
-    from tests.checkpoints import build_random_drafter
+    from tests.kit.checkpoints import build_random_drafter
 
     config = AutoConfig.from_pretrained(tiny_llama_path)
     checkpoint = Checkpoint(str(tiny_llama_path))
@@ -777,7 +780,7 @@ def test_trees_with_the_tails_tail_drafts(tree_servers, tiny_llama_path, tmp_pat
     from transformers import AutoConfig
 
     from server.tail_drafter import build_tail_drafter
-    from tests.checkpoints import build_random_drafter
+    from tests.kit.checkpoints import build_random_drafter
 
     model, servers = tree_servers
     tail = servers[-1].span

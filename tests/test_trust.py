@@ -2,7 +2,7 @@
 
 Unit: the verdict digest names every field a verdict depends on and is keyed with the session's
 secret. Live: a tiny-model swarm of honest servers H (blocks 0:2), M (2:4) and T (4:6), and per test
-one hostile middle server F (2:4) started through tests/faulty_server.py; the client's first route
+one hostile middle server F (2:4) started through tests/kit/faulty_server.py; the client's first route
 runs through F, the other through M. Each fault is met as the design says: a rewritten Step is
 caught by its verdict's digest; a false accusation, a replaced secret_hash and a black hole that
 answers pings each cost one failover; the output equals local transformers and no honest server is
@@ -18,16 +18,16 @@ import time
 import pytest
 import torch
 
-from benchmarks.spot_checks import PreferredRoutes
 from client._throughput import ThroughputMeter
 from protocol.digest import step_digest
 from protocol.messages import GREEDY, Hop, SamplingParams
 from protocol.records import ServerInfo
 from protocol.routing import MaxFlowRouter, cap_throughput
 from swarm.local import LocalSwarm, kill_group
-from tests.conftest import SERVER_ARGS, servers_by_name
-from tests.faulty_server import faulty
-from tests.test_exactness import PROMPT, reference_sample
+from tests.kit.faulty_server import faulty
+from tests.kit.reference import PROMPT, reference_sample
+from tests.kit.routes import PreferredRoutes
+from tests.kit.swarms import SERVER_ARGS, servers_by_name
 
 NEW_TOKENS = 40
 HONEST = {"H": (0, 2), "M": (2, 4), "T": (4, 6), "U": (4, 6)}  # U: a second honest tail

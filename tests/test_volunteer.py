@@ -129,7 +129,7 @@ def test_the_cards_command_on_a_machine_with_no_room_stops_with_one_line(tiny_ll
 
 @pytest.fixture(scope="module")
 def move_swarm(tiny_llama_path):
-    from tests.conftest import inprocess_servers
+    from tests.kit.swarms import inprocess_servers
 
     yield from inprocess_servers(tiny_llama_path)
 
@@ -139,7 +139,7 @@ def still_serves(model, servers, tiny_reference, span=(0, 3)) -> None:
     generates what transformers does."""
     from protocol.dht_records import fetch_servers
     from protocol.records import ServerState
-    from tests.test_exactness import PROMPT
+    from tests.kit.reference import PROMPT
 
     server = servers[0]
     assert (server.span.start, server.span.end) == span and server.handler.accepting
@@ -337,8 +337,8 @@ def test_two_folders_of_the_same_name_are_never_routed_together(tmp_path, single
     from protocol.models import resolve_model
     from server.span_server import ServerConfig, SpanServer
     from swarm import AutoDistributedModelForCausalLM
-    from tests.checkpoints import build_tiny_llama
-    from tests.test_exactness import PROMPT
+    from tests.kit.checkpoints import build_tiny_llama
+    from tests.kit.reference import PROMPT
 
     paths = [build_tiny_llama(tmp_path / name / "model", seed=seed) for name, seed in (("a", 0), ("b", 1))]
     names = {resolve_model(str(p)).dht_name for p in paths}
@@ -445,7 +445,7 @@ def test_a_swarm_on_ipv6_loopback_generates(tiny_llama_path, tiny_reference):
     from protocol.dht import make_dht
     from server.span_server import ServerConfig, SpanServer
     from swarm import AutoDistributedModelForCausalLM
-    from tests.test_exactness import PROMPT
+    from tests.kit.reference import PROMPT
 
     bootstrap = make_dht(host="::1")
     peers = [str(m) for m in bootstrap.get_visible_maddrs() if str(m).startswith("/ip6/::1/")]

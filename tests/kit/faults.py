@@ -2,8 +2,8 @@
 
 Each function patches one running server's objects, in the server's own process: a test that runs
 servers in-process calls them on its ``SpanServer``; a test that runs server processes starts them
-with ``python -m tests.faulty_server <fault options> -- <swarm.server args>``
-(tests/faulty_server.py), which applies them before the CLI starts. Everything else about the
+with ``python -m tests.kit.faulty_server <fault options> -- <swarm.server args>``
+(tests/kit/faulty_server.py), which applies them before the CLI starts. Everything else about the
 server stays honest, so each test sees exactly the one lie it is about.
 
 - ``corrupt_outputs(span, mode)``: the span's activations are wrong (``noise``: Gaussian noise of

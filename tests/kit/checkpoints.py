@@ -103,3 +103,56 @@ def add_random_mtp(src: Path, dst: Path, attention: str = "compressed_sparse_att
     raw["num_nextn_predict_layers"] = 1
     (dst / "config.json").write_text(json.dumps(raw, indent=2))
     return dst
+
+
+# DeepSeek-V4 attention kinds (transformers' layer_types)
+HCA, CSA, SWA = "heavily_compressed_attention", "compressed_sparse_attention", "sliding_attention"
+
+
+def build_tiny_deepseek_v4(path: Path, seed: int = 0) -> Path:
+    """A 6-block random DeepSeek-V4 with SmolLM2's tokenizer, saved by save_pretrained."""
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_smollm2_checkpoint())
+    config = DeepseekV4Config(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        moe_intermediate_size=32,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        q_lora_rank=32,
+        o_groups=2,
+        o_lora_rank=16,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        hc_mult=4,
+        sliding_window=8,
+        layer_types=[HCA, CSA, SWA, CSA, HCA, CSA],
+        mlp_layer_types=["hash_moe"] * 3 + ["moe"] * 3,
+        compress_rates={CSA: 4, HCA: 8},
+        index_n_heads=16,
+        index_head_dim=16,
+        index_topk=2,
+        max_position_embeddings=1024,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = DeepseekV4ForCausalLM(config)
+    with torch.no_grad():  # weights far from the init default, so logits are far from uniform
+        for name, param in model.named_parameters():
+            if param.ndim >= 2:
+                param.normal_(0, 0.2)
+            elif name.endswith(("position_bias", "sinks", ".base", "hc_base")):
+                param.normal_(0, 0.5)
+        for layer in model.model.layers:
+            if layer.mlp.is_hash:  # a random token -> distinct-experts table
+                table = torch.rand(config.vocab_size, config.n_routed_experts).argsort(dim=-1)
+                layer.mlp.gate.tid2eid.copy_(table[:, : config.num_experts_per_tok])
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

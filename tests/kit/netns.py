@@ -28,7 +28,7 @@ was busy. :meth:`Testbed.spec` hands both, and re-shaping (:func:`shape_spec`), 
 ``close()`` (also on ``with`` exit, at interpreter exit, and after a failed start) SIGKILLs every
 process group it started, then every process still inside its namespaces, then deletes the
 namespaces (which removes their veths). Namespaces are named ``ssbed<pid>-<name>``, so parallel
-runs never collide; ``python -m benchmarks.netns --cleanup`` removes those left behind by runs
+runs never collide; ``python -m tests.kit.netns --cleanup`` removes those left behind by runs
 that were SIGKILLed (only testbeds whose creating process is gone).
 """
 
@@ -468,7 +468,7 @@ class CounterSampler:
 
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m benchmarks.netns", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m tests.kit.netns", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--cleanup", action="store_true", help="delete testbeds left behind by dead processes")
     args = p.parse_args(argv)

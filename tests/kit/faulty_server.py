@@ -1,5 +1,5 @@
-"""``python -m tests.faulty_server <fault options> -- <swarm.server args>``: a volunteer server with
-one test fault (tests/faults.py) patched into its own process, then the ordinary CLI.
+"""``python -m tests.kit.faulty_server <fault options> -- <swarm.server args>``: a volunteer server with
+one test fault (tests/kit/faults.py) patched into its own process, then the ordinary CLI.
 
 The production CLI has no fault flags; tests that need a lying, slow or hostile server start it
 through this launcher (``LocalSwarm.start_server(..., launcher=faulty(...))``).
@@ -12,16 +12,16 @@ import sys
 from typing import Sequence
 
 from protocol.errors import ErrorCode
-from tests import faults
+from tests.kit import faults
 
 
 def faulty(*options: str) -> list[str]:
     """The ``launcher`` for ``LocalSwarm.start_server``: this module with ``options``."""
-    return ["tests.faulty_server", *options, "--"]
+    return ["tests.kit.faulty_server", *options, "--"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m tests.faulty_server")
+    p = argparse.ArgumentParser(prog="python -m tests.kit.faulty_server")
     p.add_argument("--corrupt", choices=faults.CORRUPTIONS, help="the span's activations are wrong")
     p.add_argument("--block-delay-ms", type=float, default=0.0, help="sleep before each block")
     p.add_argument("--rewrite-steps", type=int, default=0, metavar="N", help="rewrite one forwarded Step in N")
@@ -74,7 +74,7 @@ def patch(args: argparse.Namespace) -> None:
 def main(argv: Sequence[str]) -> int:
     argv = list(argv)
     if "--" not in argv:
-        raise SystemExit("usage: python -m tests.faulty_server <fault options> -- <swarm.server args>")
+        raise SystemExit("usage: python -m tests.kit.faulty_server <fault options> -- <swarm.server args>")
     split = argv.index("--")
     patch(build_parser().parse_args(argv[:split]))
     from swarm.server import main as server_main

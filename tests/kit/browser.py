@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 import aiohttp
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 INSTALL_SCRIPT = REPO / ".ci" / "install-chromium.sh"
 FLAGS = [
     "--headless",
