@@ -25,7 +25,7 @@ import pytest
 from swarm import lifeline
 from swarm.local import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 ENTRYPOINT = DEPLOY / "entrypoint.sh"
 UNITS = sorted((DEPLOY / "systemd").glob("*.service"))

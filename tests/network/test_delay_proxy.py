@@ -411,7 +411,7 @@ def test_cli_runs_until_sigterm():
                 "10",
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
-                cwd=str(Path(__file__).resolve().parents[1]),
+                cwd=str(Path(__file__).resolve().parents[2]),
             )
             try:
                 line = (await asyncio.wait_for(proc.stdout.readline(), 10)).decode()
@@ -437,7 +437,7 @@ def test_cli_refuses_non_loopback():
         capture_output=True,
         text=True,
         timeout=20,
-        cwd=str(Path(__file__).resolve().parents[1]),
+        cwd=str(Path(__file__).resolve().parents[2]),
     )
     assert res.returncode != 0
     assert "loopback" in res.stderr

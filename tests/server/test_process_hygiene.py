@@ -23,7 +23,7 @@ import pytest
 
 from swarm import lifeline
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 GONE_WITHIN = 10.0  # seconds, from the SIGKILL to the last process of the tree
 START_TIMEOUT = 150.0
 

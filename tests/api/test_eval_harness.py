@@ -20,7 +20,7 @@ from tests.kit.threads import single_torch_thread
 
 lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is a dev dependency: pip install -e '.[dev]'")
 
-TASKS_DIR = Path(__file__).resolve().parent / "eval_tasks"
+TASKS_DIR = Path(__file__).resolve().parents[1] / "eval_tasks"
 TASKS = ["swarm_gen", "swarm_choice", "swarm_rolling"]
 TOLERANCE = 1e-4
 

@@ -18,7 +18,7 @@ from server.memory import GiB, plan_blocks
 from server.quantization import Quant
 from swarm import warm_start
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

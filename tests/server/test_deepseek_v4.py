@@ -317,7 +317,7 @@ def test_server_without_network_fails_fast_naming_the_repo(tmp_path):
         capture_output=True,
         text=True,
         timeout=120,
-        cwd=Path(__file__).resolve().parent.parent,
+        cwd=Path(__file__).resolve().parents[2],
     )
     output = done.stdout + done.stderr
     assert done.returncode == 2, output
@@ -331,7 +331,7 @@ def test_server_without_blocks_takes_what_fits_and_says_so(v4_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        cwd=str(Path(__file__).resolve().parent.parent),
+        cwd=str(Path(__file__).resolve().parents[2]),
         env=lifeline.child_env(),  # exits if pytest is killed
     )
     lines = []
