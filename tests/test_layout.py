@@ -130,7 +130,7 @@ def test_tests_and_benchmarks_share_only_the_kit():
     "in_benchmarks,in_tests,caught",
     [
         ("from tests.kit.routes import PreferredRoutes", "from tests.kit import records", 0),
-        ("from tests.test_exactness import PROMPT", "", 1),
+        ("from tests.generation.test_exactness import PROMPT", "", 1),
         ("def f():\n    from tests import test_trust", "", 1),
         ("from tests.conftest import SERVER_ARGS", "", 1),
         ("", "import benchmarks.wan", 1),

@@ -218,7 +218,7 @@ def test_outcome_hedges_are_used_and_never_change_the_output(inproc_swarm, monke
     ):
         drafter = cls(truth, len(PROMPT[0]), wrong_at, length=3)
         monkeypatch.setattr("client.model.make_drafter", lambda *a, **k: drafter)
-        # runs sent by the client (with looped runs the hedges become offers: tests/test_looped_runs.py)
+        # runs sent by the client (with looped runs the hedges become offers: tests/generation/test_looped_runs.py)
         output = model.generate(
             torch.tensor(PROMPT),
             max_new_tokens=18,

@@ -36,7 +36,7 @@ Figures (the last line of output is one JSON object with all of them):
   session started here still alive after the swarm stopped.
 
 ``run(ChurnConfig(...), rows)`` is the whole benchmark as a function, kept here in the test kit:
-``benchmarks/churn.py`` is its command line, and ``tests/test_churn.py`` runs a small version of
+``benchmarks/churn.py`` is its command line, and ``tests/network/test_churn.py`` runs a small version of
 it with a tiny checkpoint and asserts its behaviour figures.
 """
 

@@ -1,6 +1,6 @@
 """Real hivemind DHT peers on loopback, on one asyncio loop in a thread of this process, holding
 signed server records (``tests/kit/synthetic_swarm.py``'s, with real RSA identities): what
-``tests/test_dht_scale.py`` reads and ``benchmarks/dht_scale.py`` measures at larger sizes (its
+``tests/network/test_dht_scale.py`` reads and ``benchmarks/dht_scale.py`` measures at larger sizes (its
 worker processes each run one :class:`Swarm` of their share).
 
 The client's ``fetch_servers`` and the hosts' ``announce`` are the real functions; they reach

@@ -13,7 +13,7 @@ NAT (``add_nat_host``): a host behind a home router. The router is an ordinary h
 with a second veth into the NATed host's namespace (a private LAN, ``192.168.77.0/24`` by default,
 routed nowhere else); nftables masquerades the LAN's traffic and forwards back only replies to
 connections the LAN opened, so the NATed host can dial out and nobody can dial in
-(tests/test_nat.py).
+(tests/network/test_nat.py).
 
 Shaping (``rate_mbit``): ``tc qdisc ... root tbf`` on the host's ``eth0`` (what the host sends) and
 on its bridge port (what it receives), so each host sits behind a symmetric link of that rate; a

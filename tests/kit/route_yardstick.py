@@ -1,5 +1,5 @@
 """The router's yardstick, written apart from it: a route's latency as ``MaxFlowRouter``'s
-docstring defines it, and the best route an exhaustive search finds (``tests/test_scale.py``
+docstring defines it, and the best route an exhaustive search finds (``tests/network/test_scale.py``
 checks the router against them, ``benchmarks/scale.py`` reports its quality with them)."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Synthetic but realistic server records for a swarm of any size, honest and hostile.
 
 Used by ``benchmarks/scale.py`` (routing, placement and max-flow at up to thousands of servers),
-``benchmarks/dht_scale.py`` (the same records announced in a real DHT) and ``tests/test_scale.py``.
+``benchmarks/dht_scale.py`` (the same records announced in a real DHT) and ``tests/network/test_scale.py``.
 Everything is drawn from one seeded ``random.Random``, so a seed names a swarm.
 
 The distributions (stated here because every figure depends on them):

@@ -293,7 +293,7 @@ def test_sixteen_sessions_through_the_scheduler_each_get_what_transformers_gives
 
 @pytest.fixture(scope="module")
 def tiny_v4_path(tmp_path_factory):
-    """A tiny random DeepSeek-V4 checkpoint (tests/test_deepseek_v4.py)."""
+    """A tiny random DeepSeek-V4 checkpoint (tests/server/test_deepseek_v4.py)."""
     from tests.kit.checkpoints import build_tiny_deepseek_v4
 
     return build_tiny_deepseek_v4(tmp_path_factory.mktemp("v4") / "v4")
