@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Debian's chromium for the dashboard's browser test (tests/test_dashboard.py); no browser download
+# Debian's chromium for the dashboard's browser test (tests/api/test_dashboard.py); no browser download
 # from anywhere else. Does nothing when chromium is already installed. Needs root and apt.
 set -euo pipefail
 if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then

@@ -37,11 +37,11 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from benchmarks.oracle import OracleSwarm
 from benchmarks.wan import workloads
 from client._generation import SessionState, SpeculativeDecoder
 from client.drafting import SuffixStore, make_drafter
 from protocol.messages import GREEDY
+from tests.kit.oracle import OracleSwarm
 
 RESULTS = Path(__file__).parent / "results"
 

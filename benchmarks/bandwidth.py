@@ -5,7 +5,7 @@
     python -m benchmarks.bandwidth --quick    # smoke run: codec none, 20 Mbit/s, one repeat
     python -m benchmarks.bandwidth --codecs none float16 --rates 20 0    # 0: unshaped link
 
-Needs root: every peer is its own host in a network namespace (benchmarks/netns.py): a bootstrap
+Needs root: every peer is its own host in a network namespace (tests/kit/netns.py): a bootstrap
 node, three servers of SmolLM2-135M (10 blocks each) and the client, all on one bridge, every
 host's link shaped both ways with tc tbf to the rate. Delay comes from the delay proxy
 (swarm/delay_proxy.py), which runs in each server's namespace in front of the server's announced
@@ -55,7 +55,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from benchmarks import netns
+from tests.kit import netns
 
 MODEL = "smollm2-135m"
 INTERNAL_ARGS = ("initial_peers", "testbed", "client", "proxy", "target", "servers", "delay_ms")
@@ -156,8 +156,8 @@ def wait_for_servers(initial_peers: list[str], expected: int, timeout: float) ->
 def client_main(args: argparse.Namespace) -> int:
     import torch
 
-    from benchmarks.prompts import CODE_EDITING
     from swarm import AutoDistributedModelForCausalLM
+    from tests.kit.prompts import CODE_EDITING
 
     torch.set_num_threads(1)
     began = time.perf_counter()

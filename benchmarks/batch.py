@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from benchmarks.prompts import OPEN_CHAT
 from swarm.local import LocalSwarm
+from tests.kit.prompts import OPEN_CHAT
 
 SERVER_ARGS = ["--torch-threads", "1", "--log-level", "WARNING", "--update-period", "5"]
 

@@ -32,9 +32,9 @@ from typing import Optional
 
 import torch
 
-from benchmarks.prompts import CODE_EDITING, CODE_FOLLOW_UP, OPEN_CHAT
 from benchmarks.wan import _commit
 from protocol.compression import CODECS, deserialize, serialize
+from tests.kit.prompts import CODE_EDITING, CODE_FOLLOW_UP, OPEN_CHAT
 
 SHAPES = {"SmolLM2-135M": (576,), "DeepSeek-V4-Pro": (4, 7168)}
 POSITIONS = (1, 9, 1000)

@@ -2,11 +2,11 @@
 
     python -m benchmarks.dashboard_scale --servers 1000 --screenshot docs/dashboard-1000.png
 
-The records are ``benchmarks/synthetic_swarm.py``'s (validated as a reader does; the hostile tenth
+The records are ``tests/kit/synthetic_swarm.py``'s (validated as a reader does; the hostile tenth
 is dropped), fed to the real ``Dashboard`` as the ``SwarmPolled`` event its poller would make (the
 poll's DHT read itself is measured by ``benchmarks/dht_scale.py``). Figures: time and peak
 allocation (tracemalloc) of folding one poll into the state, size and time of ``/api/v1/state``,
-and, in real headless Chromium (``tests/browser.py``; ``make browser`` installs it) at 1280 px,
+and, in real headless Chromium (``tests/kit/browser.py``; ``make browser`` installs it) at 1280 px,
 the milliseconds from navigation start until the first page of server rows (100 rows; the API
 sends one page, ``?page=1&per_page=100``) is in the page (``performance.now()``, measured in the
 page) and from a click on "next" until the second page is shown, with a screenshot of the first
@@ -27,10 +27,10 @@ from typing import Optional
 
 from aiohttp import web
 
-from benchmarks.synthetic_swarm import MODEL, make_swarm
 from swarm.dashboard.app import Dashboard, create_app
 from swarm.dashboard.events import ModelSnapshot, SwarmPolled
 from swarm.dashboard.views import PER_PAGE, Paging, state_view
+from tests.kit.synthetic_swarm import MODEL, make_swarm
 
 ROWS = "document.querySelectorAll('table.servers tbody tr[data-peer]').length"
 
@@ -61,7 +61,7 @@ def fold_figures(servers: int, blocks: int, seed: int) -> tuple[Dashboard, dict]
 
 
 async def page_figures(dashboard: Dashboard, rows: int, screenshot: Optional[Path]) -> dict:
-    from tests.browser import Chromium, Page, find_or_install_chromium
+    from tests.kit.browser import Chromium, Page, find_or_install_chromium
 
     binary, why = find_or_install_chromium()
     if binary is None:

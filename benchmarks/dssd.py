@@ -34,7 +34,6 @@ import msgspec
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from benchmarks.prompts import CODE_EDITING, OPEN_CHAT
 from benchmarks.wan import _commit
 from protocol.messages import SamplingParams
 from protocol.models import ensure_smollm2_checkpoint
@@ -47,6 +46,7 @@ from protocol.sampling import (
     processed_scores,
     verify_rejection,
 )
+from tests.kit.prompts import CODE_EDITING, OPEN_CHAT
 
 SETTINGS = {
     "T=0.8, top-k 50": SamplingParams(do_sample=True, temperature=0.8, top_k=50),

@@ -3,7 +3,7 @@
     python -m benchmarks.lying_tails --runs 10      # make bench-lies
 
 SmolLM2-135M (30 blocks) on the smallest swarm with three servers of the last span: H (0:15), T and
-U (15:30) honest, and per kind of lie a liar L (15:30) started through ``tests/faulty_server.py``.
+U (15:30) honest, and per kind of lie a liar L (15:30) started through ``tests/kit/faulty_server.py``.
 Each client's route is H -> L (``PreferredRoutes``: H -> T, then H -> U once L is excluded); the
 verdict audits' shadow tail and the third server of a dispute are T and U. The client keeps every
 default (looped runs, suffix drafting, verdict audits every 16 tokens, spot-checks at 1/50).
@@ -38,7 +38,7 @@ LIE_AFTER = 24  # generated tokens before the "after" liar starts lying
 
 
 def kinds(prompt_len: int) -> dict[str, list[str]]:
-    """Each kind of liar: its tests/faulty_server.py options."""
+    """Each kind of liar: its tests/kit/faulty_server.py options."""
     return {
         "second choice, 30% of laps": ["--lie-in-verdicts", "0.3", "--lie", "second"],
         "random token, 30% of laps": ["--lie-in-verdicts", "0.3", "--lie", "random"],
@@ -74,7 +74,7 @@ def left_at(events: list[str]) -> int | None:
 
 
 def wait_online(model, names, deadline: float) -> dict:
-    from tests.conftest import servers_by_name
+    from tests.kit.swarms import servers_by_name
 
     while True:
         records = servers_by_name(model, 30)
@@ -86,8 +86,8 @@ def wait_online(model, names, deadline: float) -> dict:
 
 
 def connect(swarm, *routes):
-    from benchmarks.spot_checks import PreferredRoutes
     from swarm import AutoDistributedModelForCausalLM
+    from tests.kit.routes import PreferredRoutes
 
     model = AutoDistributedModelForCausalLM.from_pretrained(
         "smollm2-135m", initial_peers=swarm.initial_peers, request_timeout=60.0
@@ -103,8 +103,8 @@ def one_kind(
 
     from client._swarm import ExclusionList
     from protocol.routing import MaxFlowRouter
-    from tests.faulty_server import faulty
-    from tests.test_exactness import reference_sample  # noqa: F401  (references are made by the caller)
+    from tests.kit.faulty_server import faulty
+    from tests.kit.reference import reference_sample  # noqa: F401  (references are made by the caller)
 
     liar = f"L{index}"
     process = swarm.start_server(15, 30, name=liar, launcher=faulty(*flags))
@@ -171,7 +171,7 @@ def cost(swarm, tokenizer, args) -> list[dict]:
     """Server positions the audits cost per generated token on the honest route H -> T."""
     import torch
 
-    from benchmarks.prompts import CODE_EDITING, OPEN_CHAT
+    from tests.kit.prompts import CODE_EDITING, OPEN_CHAT
 
     text = "\n\n".join(CODE_EDITING + OPEN_CHAT)
     ids = tokenizer(text)["input_ids"]
@@ -259,7 +259,7 @@ def main() -> None:
     from protocol.messages import SamplingParams
     from protocol.models import ensure_smollm2_checkpoint
     from swarm.local import LocalSwarm
-    from tests.test_exactness import reference_sample
+    from tests.kit.reference import reference_sample
 
     path = ensure_smollm2_checkpoint()
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -51,7 +51,7 @@ def size_table() -> list[dict]:
     from server.memory import model_bytes
     from server.quantization import resident_bytes
     from server.weights import Checkpoint
-    from tests.test_deepseek_v4 import build_tiny_deepseek_v4
+    from tests.kit.checkpoints import build_tiny_deepseek_v4
 
     rows = []
     tiny_v4 = build_tiny_deepseek_v4(Path(tempfile.mkdtemp()) / "tiny-v4")
@@ -92,9 +92,9 @@ def _block_estimate(config, dtype, quant, index) -> int:
 
 
 def speed_table(args) -> list[dict]:
-    from benchmarks.prompts import CODE_EDITING, OPEN_CHAT
     from swarm import AutoDistributedModelForCausalLM
     from swarm.local import LocalSwarm
+    from tests.kit.prompts import CODE_EDITING, OPEN_CHAT
 
     prompts = [*CODE_EDITING[: args.prompts], *OPEN_CHAT[: args.prompts]]
     rows, answers = [], {}

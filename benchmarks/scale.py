@@ -3,7 +3,7 @@
     python -m benchmarks.scale --servers 1000 --blocks 61     # one size; last line: one JSON object
     python -m benchmarks.scale --sweep                        # 10, 100, 300, 1000 servers (make bench-scale)
 
-In one process, no network: the records of ``benchmarks/synthetic_swarm.py`` (spans of 1 to 12
+In one process, no network: the records of ``tests/kit/synthetic_swarm.py`` (spans of 1 to 12
 blocks, log-normal throughputs, RTTs from positions on a map, 10% hostile records) are validated as
 a client reads them (``fetch_servers``'s ``_parse``), then timed:
 
@@ -30,14 +30,14 @@ import os
 import statistics
 import time
 import tracemalloc
-from typing import Callable, Mapping, Sequence
+from typing import Callable
 
-from benchmarks.synthetic_swarm import make_swarm
 from protocol.flow import swarm_max_flow
-from protocol.messages import Hop
 from protocol.placement import choose_best_span
-from protocol.records import ServerInfo, ServerState
-from protocol.routing import DEFAULT_RTT, MaxFlowRouter, cap_throughput
+from protocol.records import ServerState
+from protocol.routing import MaxFlowRouter, cap_throughput
+from tests.kit.route_yardstick import exhaustive_best, route_latency
+from tests.kit.synthetic_swarm import make_swarm
 
 SIZES = (10, 100, 300, 1000)
 MAX_LENGTH = 2048  # cache tokens a session asks for
@@ -112,73 +112,6 @@ def measure(servers: int, blocks: int, sessions: int, hostile: float, seed: int,
         result["exhaustive_latency_s"] = round(best[0], 6)
         result["quality"] = round(best[0] / route_latency(routes[0], records, rtts), 6)
     return result
-
-
-def route_latency(
-    route: Sequence[Hop],
-    servers: Sequence[ServerInfo],
-    client_rtts: Mapping[str, float],
-    default_rtt: float = DEFAULT_RTT,
-) -> float:
-    """Seconds for one token through ``route``, as ``MaxFlowRouter``'s docstring defines it:
-    half of each link's RTT (client -> head, hop -> hop, tail -> client) plus each hop's
-    ``blocks / (throughput x span length)``. Written apart from the router, as the yardstick."""
-    by_peer = {s.peer_id: s for s in servers}
-
-    def link(p: str, q: str) -> float:
-        rtt = by_peer[p].next_pings.get(q, by_peer[q].next_pings.get(p, default_rtt))
-        return rtt / 2
-
-    total = client_rtts.get(route[0].peer_id, default_rtt) / 2 + client_rtts.get(route[-1].peer_id, default_rtt) / 2
-    for i, hop in enumerate(route):
-        s = by_peer[hop.peer_id]
-        total += (hop.end - hop.start) / (s.throughput * len(s.span))
-        if i:
-            total += link(route[i - 1].peer_id, hop.peer_id)
-    return total
-
-
-def exhaustive_best(
-    servers: Sequence[ServerInfo],
-    blocks: int,
-    client_rtts: Mapping[str, float],
-    max_length: int = 0,
-    default_rtt: float = DEFAULT_RTT,
-    limit: int = 20_000_000,
-) -> tuple[float, list[Hop]]:
-    """The lowest-latency route among all routes: each hop a server and a sub-range of its span,
-    the next hop a different server starting where it ended. Depth-first over every branch,
-    dropping a branch only once its partial latency already reaches the best complete route's
-    (latencies only grow along a route). ``limit`` bounds the branches visited, so a swarm too
-    large for this fails loudly instead of running for hours."""
-    usable = [s for s in servers if s.state == ServerState.ONLINE and s.free_cache_tokens >= max_length]
-    by_peer = {s.peer_id: s for s in usable}
-    best: list = [float("inf"), []]
-    visited = [0]
-
-    def link(p: str, q: str) -> float:
-        return by_peer[p].next_pings.get(q, by_peer[q].next_pings.get(p, default_rtt)) / 2
-
-    def walk(at: int, route: list[Hop], cost: float) -> None:
-        visited[0] += 1
-        if visited[0] > limit:
-            raise RuntimeError(f"more than {limit} branches: too large for an exhaustive search")
-        if cost >= best[0]:
-            return
-        if at == blocks:
-            total = cost + client_rtts.get(route[-1].peer_id, default_rtt) / 2
-            if total < best[0]:
-                best[:] = [total, list(route)]
-            return
-        for s in usable:
-            if s.start_block <= at < s.end_block and (not route or route[-1].peer_id != s.peer_id):
-                enter = link(route[-1].peer_id, s.peer_id) if route else client_rtts.get(s.peer_id, default_rtt) / 2
-                for end in range(at + 1, s.end_block + 1):
-                    compute = (end - at) / (s.throughput * len(s.span))
-                    walk(end, route + [Hop(s.peer_id, at, end)], cost + enter + compute)
-
-    walk(0, [], 0.0)
-    return best[0], best[1]
 
 
 def print_table(r: dict) -> None:

@@ -2,9 +2,9 @@
 
     python -m benchmarks.spot_checks --generations 30 --trials 8
 
-On the tiny 6-block Llama of the tests (tests/checkpoints.py), a swarm of five servers: N lies
-(``tests.faulty_server --corrupt noise``, blocks 0:3), O lies (``--corrupt offset``, 3:6), A (0:3), B (3:6) and F (0:6)
-are honest. Greedy, no speculation (one lap per token: the most audits per token).
+On the tiny 6-block Llama of the tests (tests/kit/checkpoints.py), a swarm of five servers: N lies
+(``tests.kit.faulty_server --corrupt noise``, blocks 0:3), O lies (``--corrupt offset``, 3:6), A (0:3), B (3:6)
+and F (0:6) are honest. Greedy, no speculation (one lap per token: the most audits per token).
 
 - cost: ``--generations`` generations on the honest route A -> B (the liars kept out of the
   client's view); the audits' extra server positions (``spot_check_positions``) per generated
@@ -26,31 +26,13 @@ import time
 from pathlib import Path
 
 from client._spot_checks import DEFAULT_SPOT_CHECK_RATE
-from protocol.messages import Hop
-from protocol.route_errors import NoRouteError
-from protocol.routing import RoutePlanner
 from swarm.local import LocalSwarm
-from tests.faulty_server import faulty
+from tests.kit.faulty_server import faulty
+from tests.kit.routes import PreferredRoutes
 
 SERVERS = {"N": (0, 3, "noise"), "O": (3, 6, "offset"), "A": (0, 3, None), "B": (3, 6, None), "F": (0, 6, None)}
 PROMPT = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]
 ARGS = ["--torch-threads", "1", "--log-level", "WARNING", "--update-period", "5"]
-
-
-class PreferredRoutes(RoutePlanner):
-    """The first of the given routes (servers by public name) that avoids every excluded peer
-    (tests/test_spot_checks.py uses it too)."""
-
-    def __init__(self, *routes):
-        self.routes = routes
-
-    def plan(self, servers, start, end, *, max_length=0, exclude=(), client_rtts=None) -> list[Hop]:
-        by_name = {s.public_name: s.peer_id for s in servers}
-        for route in self.routes:
-            hops = [Hop(by_name[name], a, b) for name, a, b in route]
-            if not any(hop.peer_id in exclude for hop in hops):
-                return hops
-        raise NoRouteError("every preferred route holds an excluded server", [])
 
 
 def connect(path, swarm, *routes):
@@ -74,7 +56,7 @@ def main() -> None:
     import torch
 
     from client._swarm import ExclusionList
-    from tests.checkpoints import build_tiny_llama
+    from tests.kit.checkpoints import build_tiny_llama
 
     path = build_tiny_llama(Path(tempfile.mkdtemp()) / "tiny-llama")
     ids = torch.tensor([PROMPT])

@@ -22,8 +22,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from benchmarks.prompts import CODE_EDITING, CODE_FOLLOW_UP, OPEN_CHAT
 from swarm.local import LocalSwarm
+from tests.kit.prompts import CODE_EDITING, CODE_FOLLOW_UP, OPEN_CHAT
 
 MODES = {  # loop_runs=False: the client sends every run (as before looped runs existed)
     "none": dict(speculation=None, loop_runs=False),

@@ -26,7 +26,7 @@ not. Let ``m`` be the lowest boundary outside ``S``: boundary ``m - 1`` is in ``
 server holding block ``m - 1`` has ``in`` in ``S`` (edge ``m - 1 -> in``) and ``out`` outside it
 (edge ``out -> m``, else ``m`` would be reached by an unlimited edge), and the cut pays at least
 that block's sum. The cut ``S = {0..m - 1}`` plus those servers' ``in`` nodes pays exactly it.
-``tests/test_scale.py`` checks the closed form against networkx's max-flow on random swarms.
+``tests/network/test_scale.py`` checks the closed form against networkx's max-flow on random swarms.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The two things specswarm takes from hivemind beyond its public API, kept here and nowhere else.
 
 hivemind (pinned in setup.cfg) exposes neither, and a release may rename or reshape them without
-notice; tests/test_hivemind_private.py checks each assumption below against the installed hivemind
+notice; tests/network/test_hivemind_private.py checks each assumption below against the installed hivemind
 and p2pd, so an upgrade that breaks one fails there by name instead of as a server that sits
 unreachable behind NAT.
 

@@ -2,7 +2,7 @@
 ProtocolError naming the problem (or returns its decision), with no handler state.
 
 The handler (server/handler.py) calls them as a request arrives, so a stranger's request is refused
-before it changes anything here; being pure, each has unit tests of its own (tests/test_admission.py).
+before it changes anything here; being pure, each has unit tests of its own (tests/server/test_admission.py).
 Every peer is a stranger (docs/reliability.md, "Resource bounds"): an OpenSession must name this
 server at the right hop of a sane route, come from the route's previous hop, and fit the caps on
 sessions and cache tokens; a Step must fit one frame and the session's queue; a Subscribe must carry

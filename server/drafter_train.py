@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("server.drafter_train")
 
-# Prompts for the model's own answers: none of benchmarks/prompts.py's, none of the tests'.
+# Prompts for the model's own answers: none of tests/kit/prompts.py's, none of the tests'.
 SELF_PROMPTS = [
     "Write a Python function that checks whether a string is a palindrome.",
     "Write a Python function that returns the n-th Fibonacci number.",

@@ -68,7 +68,7 @@ class LocalSwarm:
         launcher: Sequence[str] = ("swarm.server",),
     ):
         """``launcher``: the module (and its options) each server runs as, ``python -m`` style
-        (tests start faulty servers with tests/faulty_server.py)."""
+        (tests start faulty servers with tests/kit/faulty_server.py)."""
         self.launcher = list(launcher)
         self.model, self.num_servers, self.spans = model, num_servers, list(spans) if spans is not None else None
         self.hop_delay_ms, self.server_args = hop_delay_ms, list(server_args)

@@ -2,9 +2,10 @@
 
 protocol/ is the ground every peer shares and imports none of ours; server/ and client/ are the two
 roles and stand only on protocol/; swarm/ holds the programs and may import all three. Inside a
-package the modules import each other one way too: no circle. The tests walk the syntax tree of every
-module, so a lazy import inside a function, or one for type checking only, counts as much as one at
-the top.
+package the modules import each other one way too: no circle. Tests and benchmarks share code only
+through the test kit (tests/kit/): a benchmark imports nothing else of tests/, and no test imports
+benchmarks/. The tests walk the syntax tree of every module, so a lazy import inside a function, or
+one for type checking only, counts as much as one at the top.
 """
 
 from __future__ import annotations
@@ -90,6 +91,57 @@ def import_circles(package: str) -> list[list[str]]:
 def test_no_import_circle(package):
     circles = import_circles(package)
     assert not circles, "imports that run in a circle:\n" + "\n".join(" -> ".join(c) for c in circles)
+
+
+def imported_modules(path: Path) -> set[tuple[int, str]]:
+    """(line, dotted name) of every absolute import in a module; ``from a import b`` gives both
+    ``a`` and ``a.b`` (b may be a module)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found |= {(node.lineno, alias.name) for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found |= {(node.lineno, node.module)} | {(node.lineno, f"{node.module}.{a.name}") for a in node.names}
+    return found
+
+
+def kit_violations(root: Path) -> list[str]:
+    """Imports under ``root`` that cross between tests/ and benchmarks/ other than through
+    tests/kit/, one per import statement."""
+    wrong = {}
+    for path in sorted((root / "benchmarks").rglob("*.py")):
+        for line, name in sorted(imported_modules(path)):
+            shared = name in ("tests", "tests.kit") or name.startswith("tests.kit.")
+            if name.split(".")[0] == "tests" and not shared:
+                wrong.setdefault((path, line), f"imports {name} (only tests.kit is shared)")
+    for path in sorted((root / "tests").rglob("*.py")):
+        for line, name in sorted(imported_modules(path)):
+            if name.split(".")[0] == "benchmarks":
+                wrong.setdefault((path, line), f"imports {name} (move what is shared into tests/kit/)")
+    return [f"{path.relative_to(root)}:{line} {what}" for (path, line), what in wrong.items()]
+
+
+def test_tests_and_benchmarks_share_only_the_kit():
+    wrong = kit_violations(ROOT)
+    assert not wrong, "imports between tests/ and benchmarks/ outside tests/kit/:\n" + "\n".join(wrong)
+
+
+@pytest.mark.parametrize(
+    "in_benchmarks,in_tests,caught",
+    [
+        ("from tests.kit.routes import PreferredRoutes", "from tests.kit import records", 0),
+        ("from tests.generation.test_exactness import PROMPT", "", 1),
+        ("def f():\n    from tests import test_trust", "", 1),
+        ("from tests.conftest import SERVER_ARGS", "", 1),
+        ("", "import benchmarks.wan", 1),
+        ("", "def f():\n    from benchmarks import netns", 1),
+    ],
+)
+def test_the_kit_rule_sees_every_crossing(tmp_path, in_benchmarks, in_tests, caught):
+    for folder, source in (("benchmarks", in_benchmarks), ("tests", in_tests)):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "m.py").write_text(source)
+    assert len(kit_violations(tmp_path)) == caught
 
 
 @pytest.mark.parametrize(

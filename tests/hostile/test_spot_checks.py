@@ -1,0 +1,453 @@
+"""Spot-checks of activations (client/_spot_checks.py; docs/reliability.md, "Spot-checks").
+
+Unit: the tolerance rule, the choice of the audited hop and its substitutes, the majority vote.
+Live: a tiny-model swarm with two lying servers (``tests.kit.faulty_server --corrupt noise`` on blocks 0:3 and
+``--corrupt offset`` on 3:6) beside honest ones; routes pinned through a liar, every verdict
+audited (``spot_check_rate=1.0``): the liar is caught, excluded, reported in the DHT (the dashboard
+counts it), and the output is token-identical to an honest run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+import time
+
+import pytest
+import torch
+
+from client._spot_checks import (
+    alternatives,
+    check_rate,
+    minority,
+    pick_hop,
+    relative_difference,
+    route_tolerance,
+    substituted,
+    tolerance,
+)
+from protocol.messages import Hop
+from protocol.records import ServerInfo, ServerState
+from swarm.local import LocalSwarm
+from tests.kit.faulty_server import faulty
+from tests.kit.routes import PreferredRoutes
+from tests.kit.swarms import SERVER_ARGS, servers_by_name
+
+# ---- unit: the tolerance rule ------------------------------------------------------------------
+
+
+def test_relative_difference_and_dtype_tolerances():
+    x = torch.tensor([10.0, -20.0, 5.0])
+    assert relative_difference(x, x.clone()) == 0.0
+    assert relative_difference(x, x + torch.tensor([0.0, 0.1, 0.0])) == pytest.approx(0.1 / 20, rel=1e-4)
+    small = torch.tensor([0.1, -0.2])  # max|x| < 1: the difference is taken as absolute
+    assert relative_difference(small, small + 0.01) == pytest.approx(0.01, rel=1e-4)
+    assert relative_difference(x, x[:2]) == math.inf  # another shape: a disagreement
+    assert relative_difference(x, torch.tensor([10.0, float("nan"), 5.0])) == math.inf
+    assert tolerance("float32", "none") == 1e-3 and tolerance("float32", None) == 1e-3
+    assert tolerance("bfloat16", "none") == tolerance("float16", "none") == 3e-2
+    assert tolerance("bfloat16", "int8") == tolerance("float16", "nf4") == 0.1
+    assert tolerance("float8_e4m3fn", "none") == 0.1  # unknown: loose
+    honest = x * (1 + 1e-6)  # float32 rounding across kernels
+    assert relative_difference(x, honest) < tolerance("float32", "none")
+    assert relative_difference(x, x + 0.05 * 20) > tolerance("bfloat16", "none")
+
+
+def _info(peer: str, start: int, end: int, dtype: str = "float32", quant: str = "none", **fields) -> ServerInfo:
+    fields.setdefault("free_cache_tokens", 10_000)
+    return ServerInfo(
+        peer_id=peer, model="m", start_block=start, end_block=end, dtype=dtype, quantization=quant, **fields
+    )
+
+
+def test_alternatives_same_precision_sub_ranges_and_round_robin():
+    records = {
+        r.peer_id: r
+        for r in [
+            _info("h", 0, 3),
+            _info("t", 3, 6),
+            _info("full", 0, 6),  # covers either hop as a sub-range of its span
+            _info("head16", 0, 3, dtype="bfloat16"),
+            _info("head8", 0, 3, quant="int8"),  # other precisions: never
+            _info("short", 0, 2),  # does not cover [0, 3)
+            _info("joining", 0, 3, state=ServerState.JOINING),
+            _info("full-cache", 3, 6, free_cache_tokens=5),
+            _info("t2", 3, 6),
+            _info("gone", 3, 6),
+        ]
+    }
+    route = [Hop("h", 0, 3), Hop("t", 3, 6)]
+    names = lambda infos: [i.peer_id for i in infos]  # noqa: E731
+    assert names(alternatives(route, 0, records, exclude={"gone"}, length=100)) == ["full"]
+    assert names(alternatives(route, 1, records, exclude={"gone"}, length=100)) == ["full", "t2"]
+    assert alternatives([Hop("unknown", 0, 6)], 0, records, (), 100) == []  # no record: no precision known
+    # a hop that is a sub-range of its server's span: substitutes must cover just that range
+    sub = [Hop("full", 0, 2), Hop("t", 2, 6)]
+    assert names(alternatives(sub, 0, records, (), 100)) == ["h", "short"]
+    assert names(alternatives(sub, 1, records, (), 100)) == []  # nobody else covers 2:6
+    # round robin: the next hop at or after `first` that has an alternative
+    assert pick_hop(route, 0, records, {"gone"}, 100)[0] == 0
+    assert pick_hop(route, 1, records, {"gone"}, 100)[0] == 1
+    assert pick_hop(route, 2, records, {"gone"}, 100)[0] == 0
+    assert pick_hop(sub, 1, records, (), 100)[0] == 0  # hop 1 has none: on to hop 0
+    assert pick_hop(route, 0, records, {"full", "t2", "gone"}, 100) is None  # nothing left: skipped
+    # the substitute computes exactly the hop's blocks, the rest of the route unchanged
+    assert substituted(route, 1, "t2") == [Hop("h", 0, 3), Hop("t2", 3, 6)]
+    # the route's loosest precision sets the tolerance (16-bit hops after a hop amplify its rounding)
+    mixed = {**records, "t": _info("t", 3, 6, dtype="bfloat16")}
+    assert route_tolerance(route, records) == 1e-3 and route_tolerance(route, mixed) == 3e-2
+
+
+def test_majority_vote():
+    assert minority(True, False, False) is None  # no dispute: nobody
+    assert minority(False, False, True) == "orig"  # the third agrees with the substitute
+    assert minority(False, True, False) == "alt"  # ... with the route's own server
+    assert minority(False, False, False) is None  # three different answers: undecided
+    assert minority(False, True, True) is None  # agrees with both (each within tolerance): undecided
+
+
+def test_rate_is_checked():
+    assert check_rate(0) == 0.0 and check_rate(1) == 1.0 and check_rate(0.02) == 0.02
+    for bad in (-0.1, 1.5, float("nan"), True, "0.1", None):
+        with pytest.raises(ValueError, match="spot_check_rate must be a number in"):
+            check_rate(bad)
+
+
+class LiarThenHonestSwarm:
+    """An oracle swarm (tests/kit/oracle.py) whose first route goes through a liar that answers
+    ``wrong``; after ``catch_after`` verdicts the liar is convicted, and every later session is
+    honest. The decoder must leave the liar and re-verify what it generated through it."""
+
+    def __init__(self, honest: list[int], wrong: list[int], catch_after: int, max_positions_per_step: int):
+        from tests.kit.oracle import OracleSession
+
+        self.honest, self.wrong, self.catch_after = honest, wrong, catch_after
+        self.max_positions_per_step = max_positions_per_step
+        self.liars: frozenset = frozenset()
+        self.sessions: list = []
+        self._session = OracleSession
+        self.verdicts = 0
+
+    async def open_session(self, max_length: int):
+        lying = not self.liars
+        session = self._session(self.wrong if lying else self.honest, eos=-1)
+        session.route = [Hop("liar" if lying else "honest", 0, 6)]
+        session.max_positions_per_step = self.max_positions_per_step  # the route's limit (SwarmClient.route_step_limit)
+        read = session.next_result
+
+        async def next_result(min_run_id, timeout=None):
+            result = await read(min_run_id, timeout)
+            self.verdicts += 1
+            if self.verdicts >= self.catch_after:
+                self.liars = frozenset({"liar"})
+            return result
+
+        session.next_result = next_result
+        self.sessions.append(session)
+        return session
+
+    async def close_session(self, session) -> None:
+        pass
+
+    def observe_lap(self, route, seconds: float, positions: int, looped: bool = False) -> None:
+        pass
+
+
+@pytest.mark.parametrize("limit", [512, 4])
+def test_re_verification_keeps_the_honest_prefix_and_chunks(limit):
+    """The liar's answer agrees with the honest one for 3 tokens, then differs. Caught after 9
+    verdicts: the prompt goes up as committed ids, the generated tokens as drafts (with a
+    4-position limit: prefill chunks first, then the drafts over several laps), the first 3 are
+    re-confirmed, the rest retracted, and the output is the honest answer; a streaming caller
+    that drops ``retracted`` tokens before appending each lap's ends with it too."""
+    from client import _loop
+    from client._generation import SessionState, SpeculativeDecoder
+    from protocol.messages import GREEDY
+
+    prompt = [1, 2, 3, 4, 5, 6]
+    answer = list(range(100, 130))
+    wrong = answer[:3] + list(range(200, 227))
+    swarm = LiarThenHonestSwarm(prompt + answer, prompt + wrong, catch_after=9, max_positions_per_step=limit)
+    streamed, seen = [], [0]
+
+    def on_tokens(new):
+        gone, seen[0] = decoder.stats.tokens_retracted - seen[0], decoder.stats.tokens_retracted
+        streamed[len(streamed) - gone :] = []
+        streamed.extend(new)
+
+    decoder = SpeculativeDecoder(swarm, SessionState(max_length=64), GREEDY, on_tokens=on_tokens)
+    out = _loop.run(decoder.generate(prompt, 20))
+    assert out == answer[:20] and streamed == answer[:20]
+    (event,) = decoder.stats.spot_check_events
+    caught = int(re.search(r"re-verifying (\d+) generated tokens", event).group(1))
+    assert caught == (9 if limit == 512 else 8)  # 9 verdicts; with chunking the prompt's prefill chunk is one of them
+    assert decoder.stats.tokens_retracted == caught - 3
+    assert [s.route[0].peer_id for s in swarm.sessions] == ["liar", "honest"]
+    replay = [step for step in swarm.sessions[1].steps.values() if step.n_draft]
+    assert replay[0].token_ids[-replay[0].n_draft :] == wrong[: replay[0].n_draft]  # generated tokens as drafts
+    assert all(len(step.token_ids) <= limit for s in swarm.sessions for step in s.steps.values())
+    if limit == 4:  # 6 prompt ids: one prefill chunk, then 2 committed + 2 drafts, then 1 + 3 ...
+        assert len(replay) >= 2
+
+
+# ---- live: a swarm with liars ------------------------------------------------------------------
+
+# name -> (blocks, corruption: tests/kit/faults.py); N and O lie, A, B and F are honest (F holds every block)
+SERVERS = {"N": (0, 3, "noise"), "O": (3, 6, "offset"), "A": (0, 3, None), "B": (3, 6, None), "F": (0, 6, None)}
+PROMPT = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3]
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def liar_swarm(tiny_llama_path, artifacts_dir):
+    log_dir = str(artifacts_dir / "spot-checks")
+    swarm = LocalSwarm(str(tiny_llama_path), spans=[], server_args=SERVER_ARGS, log_dir=log_dir)
+    with swarm:
+        for name, (start, end, corrupt) in SERVERS.items():
+            swarm.start_server(
+                start, end, name=name, launcher=faulty("--corrupt", corrupt) if corrupt else ["swarm.server"]
+            )
+        swarm.wait_ready(len(SERVERS))
+        yield swarm
+
+
+@contextlib.contextmanager
+def client(swarm, path, *routes, **kwargs):
+    from swarm import AutoDistributedModelForCausalLM
+
+    model = AutoDistributedModelForCausalLM.from_pretrained(str(path), initial_peers=swarm.initial_peers, **kwargs)
+    try:
+        model.swarm.router = PreferredRoutes(*routes)
+        model.peers = {name: info.peer_id for name, info in servers_by_name(model, 6).items()}
+        yield model
+    finally:
+        model.shutdown()
+
+
+def reference(tiny_reference, new_tokens: int = NEW_TOKENS) -> list[int]:
+    with torch.no_grad():
+        out = tiny_reference.generate(torch.tensor([PROMPT]), max_new_tokens=new_tokens, do_sample=False)
+    return out[0, len(PROMPT) :].tolist()
+
+
+def story(stats, peers) -> list[str]:
+    """The audits and re-verifications of a generation, servers by name: "lap 1 hop 0 N/A convicted N",
+    "lap 9 re-verify 9"."""
+    names = {peer: name for name, peer in peers.items()}
+    lines = []
+    for event in stats.spot_check_events:
+        if m := re.match(r"lap (\d+): hop (\d) \S+ (\S+) vs (\S+): (\w+)", event):
+            lap, hop, orig, alt, verdict = m.groups()
+            liar = re.search(r"; (\S+) is in the minority", event)
+            lines.append(
+                f"lap {lap} hop {hop} {names.get(orig)}/{names.get(alt)} {verdict}"
+                + (f" {names.get(liar.group(1))}" if liar else "")
+            )
+        elif m := re.match(r"lap (\d+): re-verifying (\d+)", event):
+            lines.append(f"lap {m.group(1)} re-verify {m.group(2)}")
+    return lines
+
+
+HONEST = [("A", 0, 3), ("B", 3, 6)]
+
+
+@pytest.fixture(scope="module")
+def noise_run(liar_swarm, tiny_llama_path, tiny_reference):
+    """A greedy generation routed through the noise liar (head, blocks 0:3), every verdict audited."""
+    with client(liar_swarm, tiny_llama_path, [("N", 0, 3), ("B", 3, 6)], HONEST) as model:
+        began = time.monotonic()
+        out = model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, speculation=None, spot_check_rate=1.0)
+        seconds = time.monotonic() - began
+        _run(model.swarm.flush_reports())
+        yield model.peers, model.last_generation_stats, out[0, len(PROMPT) :].tolist(), seconds
+
+
+def _run(coro):
+    from client import _loop
+
+    return _loop.run(coro)
+
+
+def test_noise_liar_is_caught_excluded_and_the_output_is_exact(noise_run, tiny_reference):
+    peers, stats, new, seconds = noise_run
+    print(
+        f"\nnoise liar: {stats.spot_checks} audits, {stats.tokens_retracted} tokens retracted, "
+        f"{stats.spot_check_positions} audit positions for {stats.new_tokens} tokens, {seconds:.1f} s: "
+        f"{story(stats, peers)}"
+    )
+    # the route's head is audited first (round robin from hop 0): its first audit, after the
+    # first verdict, convicts it. Audits of B (blocks 3:6) on the new route may pick O as B's
+    # substitute and convict it too
+    assert stats.liars_excluded[0] == peers["N"] and set(stats.liars_excluded) <= {peers["N"], peers["O"]}
+    assert story(stats, peers)[0].startswith("lap 1 hop 0 N/") and story(stats, peers)[0].endswith("convicted N")
+    assert new == reference(tiny_reference)
+    # the generated tokens were re-verified on the new route; those the noise had changed (often all
+    # from the second on, sometimes none: a fresh draw each run) were replaced
+    reverified = [int(line.split()[-1]) for line in story(stats, peers) if "re-verify" in line]
+    assert len(reverified) == 1 and 0 <= stats.tokens_retracted <= reverified[0]
+    assert stats.route[0][0] == peers["A"] and stats.failovers == 0  # left the liar without a failure
+    assert stats.spot_checks_failed == 0
+
+
+def test_dashboard_counts_the_report(noise_run, liar_swarm):
+    """The client that caught N stored a signed report; the dashboard's reader, on the live DHT,
+    shows N disputed by one client (JSON and Prometheus), and nobody else."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from protocol.dht import make_dht
+    from swarm.dashboard import metrics
+    from swarm.dashboard.events import SwarmPolled
+    from swarm.dashboard.poller import SwarmReader
+    from swarm.dashboard.state import fold
+    from swarm.dashboard.views import state_view
+
+    peers = noise_run[0]
+    dht = make_dht(initial_peers=liar_swarm.initial_peers, client_mode=True)
+    try:
+        reader = SwarmReader(dht, known_blocks={liar_swarm.dht_name: 6})
+        deadline = time.monotonic() + 60
+        while True:
+            event = reader.poll()
+            assert isinstance(event, SwarmPolled), event
+            (snapshot,) = [m for m in event.models if m.name == liar_swarm.dht_name]
+            if snapshot.disputes or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+    finally:
+        dht.shutdown()
+    state = fold([event])
+    (model,) = [m for m in state_view(state, time.time(), 5)["models"] if m["name"] == liar_swarm.dht_name]
+    disputed = {s["public_name"]: s["disputed_by"] for s in model["servers"]}
+    # one client (the noise run's) or more, if later tests' clients caught N too
+    assert disputed["N"] >= 1 and disputed["A"] == disputed["B"] == disputed["F"] == 0, disputed
+    text = metrics.render(metrics.make_registry(lambda: state)).decode()
+    samples = {
+        s.labels["public_name"]: s.value
+        for f in text_string_to_metric_families(text)
+        if f.name == "specswarm_server_disputed_by_clients"
+        for s in f.samples
+    }
+    assert samples["N"] == disputed["N"] and samples["A"] == 0.0
+    assert peers["N"] in snapshot.disputes
+
+
+def test_offset_liar_at_the_tail_is_caught_and_streaming_retracts(liar_swarm, tiny_llama_path, tiny_reference):
+    """The tail lies (a constant offset on its final hidden states). Streamed through
+    agenerate_stream: applying each chunk's ``retracted`` gives exactly the honest tokens."""
+    with client(liar_swarm, tiny_llama_path, [("A", 0, 3), ("O", 3, 6)], HONEST) as model:
+
+        async def stream():
+            have, chunks = [], []
+            async for chunk in model.agenerate_stream(
+                PROMPT, max_new_tokens=48, speculation="suffix", spot_check_rate=1.0
+            ):
+                have = have[: len(have) - chunk.retracted] + chunk.token_ids
+                chunks.append(chunk)
+            return have, chunks[-1].stats
+
+        have, stats = _run(stream())
+        print(
+            f"\noffset liar: {stats.spot_checks} audits, {stats.tokens_retracted} retracted: "
+            f"{story(stats, model.peers)}"
+        )
+        assert model.peers["O"] in stats.liars_excluded
+        assert set(stats.liars_excluded) <= {model.peers["O"], model.peers["N"]}  # N can be A's substitute: caught too
+        assert len([e for e in stats.spot_check_events if ": hop " in e]) >= 1
+        assert have == reference(tiny_reference, 48)  # long enough for two audits: hop 0's, then O's
+        assert stats.tokens_retracted > 0
+
+
+def test_seeded_sampling_through_a_liar_equals_an_honest_run(liar_swarm, tiny_llama_path):
+    sampling = dict(do_sample=True, temperature=0.8, top_p=0.9, seed=7, max_new_tokens=24, speculation="suffix")
+    with client(liar_swarm, tiny_llama_path, HONEST) as honest:
+        expected = honest.generate(torch.tensor([PROMPT]), spot_check_rate=0, **sampling)[0].tolist()
+        assert honest.last_generation_stats.spot_checks == 0
+    with client(liar_swarm, tiny_llama_path, [("N", 0, 3), ("B", 3, 6)], HONEST) as model:
+        out = model.generate(torch.tensor([PROMPT]), spot_check_rate=1.0, **sampling)[0].tolist()
+        stats = model.last_generation_stats
+        assert stats.liars_excluded[0] == model.peers["N"]
+        assert out == expected
+
+
+def test_honest_servers_raise_no_false_alarm(liar_swarm, tiny_llama_path, tiny_reference):
+    """Every verdict audited over honest servers only (the liars kept out of this client's view):
+    audits agree, nobody is excluded, and the cost is what the stats say."""
+    from client._swarm import ExclusionList
+
+    with client(liar_swarm, tiny_llama_path, HONEST) as model:
+        model.swarm.excluded = ExclusionList(base_seconds=3600)
+        for liar in ("N", "O"):
+            model.swarm.excluded.add(model.peers[liar])
+        out = model.generate(
+            torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, speculation="suffix", spot_check_rate=1.0
+        )
+        stats = model.last_generation_stats
+        print(
+            f"\nhonest: {stats.spot_checks} audits over {stats.laps} laps, {stats.spot_check_positions} audit "
+            "positions "
+            f"for {stats.new_tokens} tokens: {story(stats, model.peers)}"
+        )
+        assert out[0, len(PROMPT) :].tolist() == reference(tiny_reference)
+        assert stats.spot_checks >= 1 and stats.liars_excluded == [] and stats.tokens_retracted == 0
+        assert stats.spot_checks_undecided == 0 and stats.spot_checks_failed == 0
+        assert all(e.endswith(")") and ": agree (" in e for e in stats.spot_check_events)
+        assert stats.spot_check_positions > 0
+        with pytest.raises(ValueError, match="spot_check_rate"):
+            model.generate(torch.tensor([PROMPT]), max_new_tokens=2, spot_check_rate=2.0)
+
+
+def test_page_shows_disputed_servers(artifacts_dir):
+    """The real app and page, fed a poll with reports (no swarm needed): a badge on the disputed
+    server's state, none elsewhere, reports about peers the model does not list dropped, and the
+    servers table still fits a 1280-pixel window."""
+    import asyncio
+
+    from aiohttp import web
+
+    from swarm.dashboard.app import Dashboard, create_app
+    from swarm.dashboard.events import ModelSnapshot, SwarmPolled
+    from tests.kit.browser import Chromium, Page, find_or_install_chromium
+
+    binary, why = find_or_install_chromium()
+    if binary is None:
+        pytest.skip(f"Debian's chromium is not installed and could not be installed: {why}")
+    servers = tuple(
+        ServerInfo(peer_id=p, model="m", start_block=a, end_block=b, public_name=p)
+        for p, a, b in [("liar", 0, 3), ("honest", 0, 3), ("tail", 3, 6)]
+    )
+    (artifacts_dir / "spot-checks").mkdir(exist_ok=True)
+    dashboard = Dashboard(reader=None)
+    dashboard.feed(SwarmPolled(time.time(), (ModelSnapshot("m", 6, servers, disputes={"liar": 3, "stranger": 9}),)))
+    assert dict(dashboard.state.models["m"].disputes) == {"liar": 3}
+
+    facts_js = """(() => ({
+      badges: Object.fromEntries([...document.querySelectorAll("table.servers tbody tr")].map(
+        (r) => [r.dataset.peer, r.querySelector(".dispute") ? r.querySelector(".dispute").textContent : null])),
+      overflow: Math.max(0, ...[...document.querySelectorAll("table.servers")].map(
+        (t) => t.parentElement.scrollWidth - t.parentElement.clientWidth)),
+    }))()"""
+
+    async def visit():
+        runner = web.AppRunner(create_app(dashboard))
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        with Chromium(binary, artifacts_dir / "spot-checks" / "chromium.log") as chromium:
+            page = await Page.open(chromium)
+            try:
+                await page.navigate(f"http://127.0.0.1:{runner.addresses[0][1]}/")
+                await page.wait_for("document.querySelectorAll('table.servers tbody tr').length === 3")
+                await page.call(
+                    "Emulation.setDeviceMetricsOverride", width=1280, height=900, deviceScaleFactor=1, mobile=False
+                )
+                await asyncio.sleep(0.5)
+                return await page.evaluate(facts_js), list(page.errors)
+            finally:
+                await page.close()
+                await runner.cleanup()
+
+    facts, errors = asyncio.run(visit())
+    assert errors == [], f"the page logged errors: {errors}"
+    assert facts["badges"] == {"liar": "disputed by 3", "honest": None, "tail": None}
+    assert facts["overflow"] <= 0, "at 1280 px the servers table is cut off"

@@ -1,0 +1,158 @@
+"""Tiny random checkpoints for tests: real transformers models with small configs, saved in
+Hugging Face layout (safetensors + config + the embedded model's tokenizer)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from protocol.models import ensure_smollm2_checkpoint
+
+
+def build_tiny_llama(path: Path, num_layers: int = 6, seed: int = 0) -> Path:
+    """A 6-block Llama with SmolLM2's tokenizer (so chat templates and decoding work)."""
+    tokenizer = AutoTokenizer.from_pretrained(ensure_smollm2_checkpoint())
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # larger weights than the init default, so logits are far from uniform
+        for param in model.parameters():
+            if param.ndim == 2:
+                param.normal_(0, 0.2)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def build_random_drafter(checkpoint: Path, path: Path, seed: int = 0) -> Path:
+    """A random EAGLE-style tail drafter for the model at ``checkpoint`` (server/tail_drafter.py):
+    its drafts are mostly wrong, which is what exactness tests want to survive."""
+    from transformers import AutoConfig
+
+    from server.tail_drafter import EagleModule, save_drafter
+
+    config = AutoConfig.from_pretrained(checkpoint)
+    torch.manual_seed(seed)
+    head = EagleModule(config)
+    save_drafter(head, path, config, dtype=torch.float32)
+    return path
+
+
+def add_random_mtp(src: Path, dst: Path, attention: str = "compressed_sparse_attention", seed: int = 1) -> Path:
+    """A copy of the DeepSeek-V4 checkpoint at ``src`` with one random multi-token-prediction
+    module under DeepSeek's names (``mtp.0.attn.wq_a.weight``, ``mtp.0.ffn.experts.0.w1.weight``,
+    ``mtp.0.e_proj.weight``, ``mtp.0.hc_head_fn`` ...; server/adapters/deepseek_v4_mtp.py), its
+    block's attention of kind ``attention`` with a learned-router MoE. The block's names are the
+    ones transformers' own save_pretrained writes for a V4 layer (its reverse conversion table)."""
+    import json
+    import shutil
+    import tempfile
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, DeepseekV4ForCausalLM
+
+    config = AutoConfig.from_pretrained(src)
+    one = AutoConfig.from_pretrained(src)
+    one.vocab_size, one.num_hidden_layers = 64, 1  # only the block, hc head and norm are kept
+    one.layer_types, one.mlp_layer_types = [attention], ["moe"]
+    torch.manual_seed(seed)
+    model = DeepseekV4ForCausalLM(one)
+    with torch.no_grad():  # as build_tiny_deepseek_v4 does: weights far from the init default
+        for name, param in model.named_parameters():
+            if param.ndim >= 2:
+                param.normal_(0, 0.2)
+            elif name.endswith(("position_bias", "sinks", ".base", "hc_base")):
+                param.normal_(0, 0.5)
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        saved = load_file(Path(tmp) / "model.safetensors")
+    hidden = config.hidden_size
+    block = "model.layers.0."
+    mtp = {"mtp.0." + key.removeprefix(block): t for key, t in saved.items() if key.startswith(block)}
+    mtp.update(
+        {
+            "mtp.0.hc_head_fn": saved["model.hc_head.hc_fn"],
+            "mtp.0.hc_head_base": saved["model.hc_head.hc_base"],
+            "mtp.0.hc_head_scale": saved["model.hc_head.hc_scale"],
+            "mtp.0.norm.weight": saved["model.norm.weight"],
+            "mtp.0.e_proj.weight": torch.randn(hidden, hidden) * 0.2,
+            "mtp.0.h_proj.weight": torch.randn(hidden, hidden) * 0.2,
+            "mtp.0.enorm.weight": 1 + 0.1 * torch.randn(hidden),
+            "mtp.0.hnorm.weight": 1 + 0.1 * torch.randn(hidden),
+        }
+    )
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    tensors.update({key: t.contiguous() for key, t in mtp.items()})
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    raw = json.loads((dst / "config.json").read_text())
+    raw["num_nextn_predict_layers"] = 1
+    (dst / "config.json").write_text(json.dumps(raw, indent=2))
+    return dst
+
+
+# DeepSeek-V4 attention kinds (transformers' layer_types)
+HCA, CSA, SWA = "heavily_compressed_attention", "compressed_sparse_attention", "sliding_attention"
+
+
+def build_tiny_deepseek_v4(path: Path, seed: int = 0) -> Path:
+    """A 6-block random DeepSeek-V4 with SmolLM2's tokenizer, saved by save_pretrained."""
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_smollm2_checkpoint())
+    config = DeepseekV4Config(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        moe_intermediate_size=32,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        q_lora_rank=32,
+        o_groups=2,
+        o_lora_rank=16,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        hc_mult=4,
+        sliding_window=8,
+        layer_types=[HCA, CSA, SWA, CSA, HCA, CSA],
+        mlp_layer_types=["hash_moe"] * 3 + ["moe"] * 3,
+        compress_rates={CSA: 4, HCA: 8},
+        index_n_heads=16,
+        index_head_dim=16,
+        index_topk=2,
+        max_position_embeddings=1024,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = DeepseekV4ForCausalLM(config)
+    with torch.no_grad():  # weights far from the init default, so logits are far from uniform
+        for name, param in model.named_parameters():
+            if param.ndim >= 2:
+                param.normal_(0, 0.2)
+            elif name.endswith(("position_bias", "sinks", ".base", "hc_base")):
+                param.normal_(0, 0.5)
+        for layer in model.model.layers:
+            if layer.mlp.is_hash:  # a random token -> distinct-experts table
+                table = torch.rand(config.vocab_size, config.n_routed_experts).argsort(dim=-1)
+                layer.mlp.gate.tid2eid.copy_(table[:, : config.num_experts_per_tok])
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

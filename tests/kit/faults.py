@@ -1,0 +1,240 @@
+"""Faults injected into a real server by the tests (never by a production flag).
+
+Each function patches one running server's objects, in the server's own process: a test that runs
+servers in-process calls them on its ``SpanServer``; a test that runs server processes starts them
+with ``python -m tests.kit.faulty_server <fault options> -- <swarm.server args>``
+(tests/kit/faulty_server.py), which applies them before the CLI starts. Everything else about the
+server stays honest, so each test sees exactly the one lie it is about.
+
+- ``corrupt_outputs(span, mode)``: the span's activations are wrong (``noise``: Gaussian noise of
+  ``NOISE_SCALE`` x their std, fresh on every run; ``offset``: ``OFFSET`` added to every value);
+  only a comparison of outputs (client/_spot_checks.py) can catch it.
+- ``slow_blocks(span)``: sleeps before each block (``.seconds``, changeable while it serves), so
+  runs pile up and cancels catch them queued or mid-computation.
+- ``rewrite_steps(handler, every)``: a middle hop that rewrites one Step in ``every`` before
+  computing and forwarding it (alternately its last draft and its committed id).
+- ``accuse(handler, every, code)``: one Step in ``every`` is dropped and an ErrorReply naming the
+  route's tail sent upstream instead.
+- ``replace_secret_hash(handler)``: the OpenSession forwarded downstream carries another secret_hash.
+- ``black_hole(handler)``: sessions open and pings are answered, but every Step is dropped.
+- ``lie_in_verdicts(rate, kind, after, short)``: a tail that computes honestly but, on ``rate`` of
+  its verdicts, replaces the next token with the model's second choice (``second``) or a random id
+  (``random``); optionally only from position ``after`` on, or only on Steps of at most ``short``
+  positions.
+- ``inflate_claims(factor)``: the server announces ``factor`` x the throughput it measures.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import secrets
+from dataclasses import dataclass
+
+import torch
+
+from protocol.errors import ErrorCode, ProtocolError
+
+logger = logging.getLogger(__name__)
+
+CORRUPTIONS = ("noise", "offset")
+NOISE_SCALE = 0.05  # x the std of the activations of the run
+OFFSET = 0.5  # added to every value (the tiny test model's activations have a std of 4-9 between blocks)
+
+
+def corrupt(hidden: torch.Tensor, mode: str) -> torch.Tensor:
+    if mode == "noise":
+        return hidden + torch.randn_like(hidden) * (NOISE_SCALE * hidden.float().std().item())
+    if mode == "offset":
+        return hidden + OFFSET
+    raise ValueError(f"corruption must be one of {CORRUPTIONS}, got {mode!r}")
+
+
+def corrupt_outputs(span, mode: str) -> None:
+    """Make ``span.forward`` return corrupted activations from now on (in place)."""
+    if mode not in CORRUPTIONS:
+        raise ValueError(f"corruption must be one of {CORRUPTIONS}, got {mode!r}")
+    forward = span.forward
+
+    @functools.wraps(forward)
+    def lying_forward(*args, **kwargs):
+        return corrupt(forward(*args, **kwargs), mode)
+
+    span.forward = lying_forward
+    forward_batch = span.forward_batch
+
+    @functools.wraps(forward_batch)
+    def lying_forward_batch(*args, **kwargs):  # several sessions in one pass (server/batching.py)
+        return [None if out is None else corrupt(out, mode) for out in forward_batch(*args, **kwargs)]
+
+    span.forward_batch = lying_forward_batch
+    logger.warning(f"Fault injection: this server corrupts its outputs ({mode})")
+
+
+@dataclass
+class SlowBlocks:
+    seconds: float = 0.0  # slept before each block; 0: a normal server
+
+
+def slow_blocks(span, seconds: float = 0.0) -> SlowBlocks:
+    """Sleep ``.seconds`` before each block of ``span`` (between-block cancellation points), set
+    once per span: later calls return the same control with the new delay."""
+    control = getattr(span, "_test_slow_blocks", None)
+    if control is None:
+        import time
+
+        control = SlowBlocks()
+        forward = span.forward
+
+        @functools.wraps(forward)
+        def slow_forward(hidden, token_ids, start_pos, cache, blocks, check_cancelled=lambda: None, **kwargs):
+            def check() -> None:
+                if control.seconds:
+                    time.sleep(control.seconds)
+                check_cancelled()
+
+            return forward(hidden, token_ids, start_pos, cache, blocks, check, **kwargs)
+
+        forward_batch = span.forward_batch
+
+        @functools.wraps(forward_batch)
+        def slow_forward_batch(members, blocks, between_blocks=lambda: None):  # several sessions in one pass
+            def between() -> None:
+                if control.seconds:
+                    time.sleep(control.seconds)
+                between_blocks()
+
+            return forward_batch(members, blocks, between)
+
+        span.forward = slow_forward
+        span.forward_batch = slow_forward_batch
+        span._test_slow_blocks = control
+    control.seconds = seconds
+    return control
+
+
+@dataclass
+class Counter:
+    every: int
+    seen: int = 0
+    faults: int = 0
+
+    def due(self) -> bool:
+        self.seen += 1
+        if self.seen % self.every:
+            return False
+        self.faults += 1
+        return True
+
+
+def rewrite_steps(handler, every: int = 20) -> Counter:
+    """One Step in ``every`` that this (middle) server forwards is rewritten before it computes
+    it: its last draft (a verdict on it would be taken for the client's draft), or else its first
+    (committed) id."""
+    count, enqueue = Counter(every), handler._enqueue
+
+    def rewriting_enqueue(session, step, tensors):
+        if session.next_hop is not None and count.due():
+            at = len(step.token_ids) - 1 if step.n_draft and count.faults % 2 else 0
+            step.token_ids = list(step.token_ids)
+            step.token_ids[at] = (step.token_ids[at] + 1) % handler.span.vocab_size
+            logger.warning(f"Fault injection: rewrote id {at} of run {step.run_id}")
+        return enqueue(session, step, tensors)
+
+    handler._enqueue = rewriting_enqueue
+    return count
+
+
+def accuse(handler, every: int = 5, code: ErrorCode = ErrorCode.DOWNSTREAM_FAILED) -> Counter:
+    """One Step in ``every`` is dropped, and an ErrorReply with ``code`` naming the route's tail
+    goes upstream in its place (a false accusation)."""
+    count, enqueue = Counter(every), handler._enqueue
+
+    def accusing_enqueue(session, step, tensors):
+        if session.next_hop is not None and count.due():
+            tail = session.route[-1].peer_id
+            logger.warning(f"Fault injection: accusing {tail} on run {step.run_id}")
+            raise ProtocolError(code, f"next server {tail} failed", peer_id=tail)
+        return enqueue(session, step, tensors)
+
+    handler._enqueue = accusing_enqueue
+    return count
+
+
+def replace_secret_hash(handler) -> None:
+    """Forward every OpenSession with a secret_hash of this server's choosing."""
+    open_downstream = handler._open_downstream
+
+    async def replacing(session):
+        session.secret_hash = secrets.token_hex(32)
+        return await open_downstream(session)
+
+    handler._open_downstream = replacing
+
+
+def black_hole(handler) -> Counter:
+    """Open sessions and answer pings, but drop every Step."""
+    count = Counter(1)
+
+    def dropping_enqueue(session, step, tensors):
+        count.due()
+        session.touch()
+
+    handler._enqueue = dropping_enqueue
+    return count
+
+
+VERDICT_LIES = ("second", "random")
+
+
+def lie_in_verdicts(rate: float, kind: str = "second", seed: int = 0, after: int = 0, short: int = 0) -> Counter:
+    """From now on this process's tails lie in ``rate`` of their verdicts (``server.compute._verdict``
+    patched): the next token becomes the second choice of the logits at its position, or a random id.
+    ``after``: only when that token's position is at least this; ``short``: only on Steps of at most
+    this many positions (a generation's decode laps, never a long audit Step or a prefill)."""
+    import random
+
+    from server import compute as compute_module
+
+    if kind not in VERDICT_LIES:
+        raise ValueError(f"kind must be one of {VERDICT_LIES}, got {kind!r}")
+    count, rng, verdict = Counter(1), random.Random(seed), compute_module._verdict
+
+    def lying_verdict(session, step, logits):
+        result = verdict(session, step, logits)
+        row = len(step.token_ids) - step.n_draft - 1 + result.accepted
+        if step.start_pos + row + 1 < after or (short and len(step.token_ids) > short):
+            return result
+        if step.parents or step.draft_q is not None or rng.random() >= rate:
+            return result
+        count.due()
+        if kind == "second":
+            top = logits[row].float().topk(2).indices.tolist()
+            lie = top[1] if top[0] == result.next_token else top[0]
+        else:
+            lie = (result.next_token + 1 + rng.randrange(len(logits[row]) - 1)) % len(logits[row])
+        logger.warning(
+            f"Fault injection: verdict on run {step.run_id} says {lie}, not {result.next_token}, "
+            f"at position {step.start_pos + row + 1}"
+        )
+        result.next_token = lie
+        return result
+
+    compute_module._verdict = lying_verdict
+    return count
+
+
+def inflate_claims(factor: float) -> None:
+    """From now on this process's servers announce ``factor`` x the throughput they measure
+    (``server.span_server.measure_throughput`` patched); everything they compute stays honest."""
+    from server import span_server
+
+    measure = span_server.measure_throughput
+
+    @functools.wraps(measure)
+    def inflated(*args, **kwargs) -> float:
+        real = measure(*args, **kwargs)
+        logger.warning(f"Fault injection: claiming {factor:g} x the measured {real:.1f} tokens/s")
+        return real * factor
+
+    span_server.measure_throughput = inflated

@@ -1,0 +1,86 @@
+"""``python -m tests.kit.faulty_server <fault options> -- <swarm.server args>``: a volunteer server with
+one test fault (tests/kit/faults.py) patched into its own process, then the ordinary CLI.
+
+The production CLI has no fault flags; tests that need a lying, slow or hostile server start it
+through this launcher (``LocalSwarm.start_server(..., launcher=faulty(...))``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from protocol.errors import ErrorCode
+from tests.kit import faults
+
+
+def faulty(*options: str) -> list[str]:
+    """The ``launcher`` for ``LocalSwarm.start_server``: this module with ``options``."""
+    return ["tests.kit.faulty_server", *options, "--"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m tests.kit.faulty_server")
+    p.add_argument("--corrupt", choices=faults.CORRUPTIONS, help="the span's activations are wrong")
+    p.add_argument("--block-delay-ms", type=float, default=0.0, help="sleep before each block")
+    p.add_argument("--rewrite-steps", type=int, default=0, metavar="N", help="rewrite one forwarded Step in N")
+    p.add_argument("--accuse", type=int, default=0, metavar="N", help="drop one Step in N, blaming the tail")
+    p.add_argument("--accuse-code", default=ErrorCode.DOWNSTREAM_FAILED.value, choices=[c.value for c in ErrorCode])
+    p.add_argument("--replace-secret-hash", action="store_true", help="forward OpenSession with another secret_hash")
+    p.add_argument("--black-hole", action="store_true", help="open sessions, answer pings, drop every Step")
+    p.add_argument("--lie-in-verdicts", type=float, default=0.0, metavar="RATE", help="lie in this share of verdicts")
+    p.add_argument("--lie", default="second", choices=faults.VERDICT_LIES, help="the lie: second choice or random id")
+    p.add_argument("--lie-after", type=int, default=0, metavar="POS", help="lie only from this position on")
+    p.add_argument("--lie-short", type=int, default=0, metavar="N", help="lie only on Steps of at most N positions")
+    p.add_argument("--claim-factor", type=float, default=0.0, metavar="X", help="announce X x the measured throughput")
+    return p
+
+
+def patch(args: argparse.Namespace) -> None:
+    """Wrap the span server's construction so the faults apply to what it builds."""
+    from server import moves, span_server
+
+    load_span, handler_class = span_server.load_span, span_server.SessionHandler
+
+    def faulty_load_span(*a, **kw):
+        span = load_span(*a, **kw)
+        if args.corrupt:
+            faults.corrupt_outputs(span, args.corrupt)
+        if args.block_delay_ms:
+            faults.slow_blocks(span, args.block_delay_ms / 1000)
+        return span
+
+    class FaultyHandler(handler_class):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            if args.rewrite_steps:
+                faults.rewrite_steps(self, args.rewrite_steps)
+            if args.accuse:
+                faults.accuse(self, args.accuse, ErrorCode(args.accuse_code))
+            if args.replace_secret_hash:
+                faults.replace_secret_hash(self)
+            if args.black_hole:
+                faults.black_hole(self)
+
+    span_server.load_span, span_server.SessionHandler = faulty_load_span, FaultyHandler
+    moves.load_span = faulty_load_span  # a span loaded by a move is as faulty as the first
+    if args.lie_in_verdicts:
+        faults.lie_in_verdicts(args.lie_in_verdicts, args.lie, after=args.lie_after, short=args.lie_short)
+    if args.claim_factor:
+        faults.inflate_claims(args.claim_factor)
+
+
+def main(argv: Sequence[str]) -> int:
+    argv = list(argv)
+    if "--" not in argv:
+        raise SystemExit("usage: python -m tests.kit.faulty_server <fault options> -- <swarm.server args>")
+    split = argv.index("--")
+    patch(build_parser().parse_args(argv[:split]))
+    from swarm.server import main as server_main
+
+    return server_main(argv[split + 1 :])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
