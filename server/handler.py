@@ -330,13 +330,13 @@ class SessionHandler:
         return downstream
 
     async def _open_downstream(self, session: ServerSession) -> MessageStream:
-        """The session's stream to its next hop (a method: tests/faults.py wraps it)."""
+        """The session's stream to its next hop (a method: tests/kit/faults.py wraps it)."""
         return await next_hop.open_downstream(self.p2p, session)
 
     # ---- runs arriving ----------------------------------------------------------------------
 
     def _enqueue(self, session: ServerSession, step: Step, tensors: list[torch.Tensor]) -> None:
-        """Check a run on arrival and queue it for the session's worker (a method: tests/faults.py wraps it)."""
+        """Check a run on arrival and queue it for the session's worker (a method: tests/kit/faults.py wraps it)."""
         admission.check_step_frame(step, len(tensors), session.queue.qsize(), self.max_positions_per_step)
         hidden = tensors[0] if tensors else None
         session.check_step(step, hidden, self.span)
