@@ -94,3 +94,19 @@ def test_unconfirmed_tokens_warn_or_raise():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         report(GenerationStats(new_tokens=5, tokens_confirmed_untrusted=5), "required")  # all confirmed: silent
+
+
+def test_the_gateway_reports_how_the_tokens_were_confirmed():
+    from swarm.api.responses import speculation_headers, speculation_stats
+
+    rows = [
+        GenerationStats(laps=2, tokens_confirmed_trusted=3, tokens_unconfirmed=1),
+        GenerationStats(laps=1, tokens_confirmed_untrusted=2, tokens_unconfirmed=4),
+    ]
+    stats = speculation_stats(rows)
+    assert (stats["tokens_confirmed_trusted"], stats["tokens_confirmed_untrusted"], stats["tokens_unconfirmed"]) == (
+        3,
+        2,
+        5,
+    )
+    assert speculation_headers(rows)["x-specswarm-tokens-unconfirmed"] == "5"
