@@ -91,8 +91,6 @@ class SpeculativeDecoder(Reverification):
         self.avoid: set[str] = set()  # servers disputed without settlement: routed around for this generation
         self.trusted_tail: set[int] = set()  # positions a trusted tail committed
         self.verification = verification
-        if audits is not None:
-            audits.share_avoid(self.avoid)
         self.mode = choose_mode(
             self,
             inflight=max_inflight_runs,
@@ -107,6 +105,8 @@ class SpeculativeDecoder(Reverification):
         self._replay: list[int] = []  # tokens generated before a liar was caught, still to re-verify
         self._route_peers: set[str] = set()  # every server of this generation's routes
         self._handled_liars: set[str] = set()
+        if audits is not None:
+            audits.share_avoid(self.avoid, self._handled_liars)
 
     async def generate(self, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
         """Generate after ``prompt`` (the whole context); returns the new tokens only."""

@@ -33,7 +33,7 @@ class Reverification:
         generated = len(state.history) - self._prompt_len + len(self._replay)
         what = f"re-verifying {generated} generated tokens without {sorted(caught)}"
         self.stats.spot_check_events.append(f"lap {self.stats.laps}: {what}")
-        logger.warning(f"A server of this generation was caught lying: {what}")
+        logger.warning(f"A server of this generation was caught lying or disputed: {what}")
         self._forget_inflight()  # the session closes below, on every server
         self.mode.forget()
         self.verdict_at = None

@@ -146,11 +146,12 @@ def substituted(route: Sequence[Hop], index: int, peer_id: str) -> list[Hop]:
 
 @dataclass
 class AuditResult:
-    verdict: str  # "agree", "convicted", "undecided", "failed" or "cancelled"
+    verdict: str  # "agree", "convicted", "undecided", "skipped" (no independent substitute), "failed" or "cancelled"
     liar: Optional[str] = None
     positions: int = 0  # server positions the audit's sessions computed (summed over servers)
     detail: str = ""
     disputed: tuple[str, ...] = ()  # the two servers of a disagreement nobody trusted settled
+    substitute: str = ""  # the substitute compared (an independent one may replace the one drawn)
 
 
 class BackgroundAudit:
@@ -202,13 +203,15 @@ class SpotChecker(BackgroundAudit):
         self.results: list[AuditResult] = []
         self.witnesses = witnesses or Witnesses()
         self.avoid: set[str] = set()  # the generation's disputed servers (the decoder shares its own set)
+        self.handled: set[str] = set()  # those of them the generation has already re-verified without
 
     def maybe_start(self, route: Sequence[Hop], ids: Sequence[int], stats, lap: int) -> None:
         """After a verdict: with probability ``rate``, audit the next hop that has a substitute."""
         if self.rate <= 0 or self.task is not None or not route or not ids:
             return
-        if any(hop.peer_id in self.swarm.liars or hop.peer_id in self.avoid for hop in route):
+        if any(hop.peer_id in self.swarm.liars or hop.peer_id in self.avoid - self.handled for hop in route):
             return  # the generation leaves this route before its next lap (an audit just convicted a hop)
+        # (a disputed server the generation already reacted to may stay on the route where the swarm has no other)
         if self.rate < 1 and self.rng.random() >= self.rate:
             return
         records = self.swarm.records
@@ -239,9 +242,12 @@ class SpotChecker(BackgroundAudit):
             self.results.append(result)
             stats.spot_check_positions += result.positions
             hop = route[index]
+            alt = result.substitute or alt
             what = f"lap {lap}: hop {index} [{hop.start}:{hop.end}) {hop.peer_id} vs {alt}: {result.verdict}"
             stats.spot_check_events.append(f"{what} ({result.detail})" if result.detail else what)
-            if result.verdict == "failed":
+            if result.verdict == "skipped":
+                stats.spot_checks_skipped += 1
+            elif result.verdict == "failed":
                 stats.spot_checks_failed += 1
                 logger.info(f"Spot-check failed, no verdict: {what}: {result.detail}")
             elif result.verdict == "undecided":
@@ -256,7 +262,26 @@ class SpotChecker(BackgroundAudit):
                 stats.liars_excluded.append(result.liar)
                 self.swarm.convict(result.liar)
 
+    async def _independent(self, checked: str, alt: str, thirds: list[str]) -> tuple[Optional[str], list[str]]:
+        """The substitute and thirds that could not be the checked server's operator (client/_witnesses.py):
+        the client pings them all first, so that its daemon holds a connection, then reads the
+        addresses. The substitute drawn is kept if it qualifies, else a qualifying one (trusted first)."""
+        pool = [alt, *thirds]
+        await self.swarm.unresponsive([Hop(peer_id=p, start=0, end=0) for p in (checked, *pool)])
+        await self.witnesses.refresh(self.swarm.p2p)
+        fit = [p for p in pool if self.witnesses.independent(p, [checked])]
+        if not fit:
+            return None, []
+        if alt not in fit:
+            alt = ([p for p in fit if self.witnesses.is_trusted(p)] or fit)[0]
+        return alt, [p for p in fit if p != alt]
+
     async def _compare(self, route, index, alt, thirds, ids, result: AuditResult) -> AuditResult:
+        alt, thirds = await self._independent(route[index].peer_id, alt, thirds)
+        result.substitute = alt or ""
+        if alt is None:
+            result.verdict, result.detail = "skipped", "no substitute on another machine group than the hop"
+            return result
         tol = route_tolerance(route, self.swarm.records)
         orig_route, alt_route = route, substituted(route, index, alt)
         orig, other = await _both(

@@ -69,6 +69,7 @@ class VerdictAuditor(BackgroundAudit):
         self.trusted_confirmed: set[int] = set()  # positions of ``audited`` that a trusted shadow confirmed
         self.witnesses = witnesses or Witnesses()
         self.avoid: set[str] = set()  # the generation's disputed servers (the decoder shares its own set)
+        self.handled: set[str] = set()  # those of them the generation has already re-verified without
         self.enabled = True  # off for rejection sampling (the module's docstring says why)
         self.max_length, self.sampling = 0, GREEDY
         self._shadow: Optional[RemoteSession] = None
@@ -87,8 +88,9 @@ class VerdictAuditor(BackgroundAudit):
         number when the generation is about to return them (``final``)."""
         if not self.enabled or self.task is not None or not route or (final and len(ids) <= self._given_up):
             return
-        if any(hop.peer_id in self.swarm.liars or hop.peer_id in self.avoid for hop in route):
+        if any(hop.peer_id in self.swarm.liars or hop.peer_id in self.avoid - self.handled for hop in route):
             return  # the generation leaves this route and re-verifies before its next lap
+        # (a disputed server the generation already reacted to may stay on the route where the swarm has no other)
         common = 0
         for a, b in zip(self.audited, ids):  # a re-verification may have replaced some tokens
             if a != b:
@@ -272,7 +274,7 @@ class VerdictAuditor(BackgroundAudit):
                 stats.liars_excluded.append(result.liar)
                 self.swarm.convict(result.liar)
             self.avoid.update(result.disputed)
-            if result.verdict != "agree":
+            if result.verdict not in ("agree", "skipped"):  # skipped: no independent substitute, as none at all
                 return False
         return True
 
@@ -341,11 +343,12 @@ class Audits:
         if self.verdicts is not None:
             self.verdicts.maybe_start(route, ids, stats, final=final)
 
-    def share_avoid(self, avoid: set[str]) -> None:
-        """The generation's ``avoid`` set: both audits add the servers of unsettled disputes to it."""
+    def share_avoid(self, avoid: set[str], handled: set[str]) -> None:
+        """The generation's ``avoid`` set (both audits add the servers of unsettled disputes to it),
+        and the servers the generation has already re-verified without (``handled``)."""
         for audit in (self.spot, self.verdicts):
             if audit is not None:
-                audit.avoid = avoid
+                audit.avoid, audit.handled = avoid, handled
 
     async def settle(self) -> None:
         for audit in (self.spot, self.verdicts):

@@ -58,18 +58,27 @@ def corrupt_outputs(span, mode: str) -> None:
     """Make ``span.forward`` return corrupted activations from now on (in place)."""
     if mode not in CORRUPTIONS:
         raise ValueError(f"corruption must be one of {CORRUPTIONS}, got {mode!r}")
-    forward = span.forward
+    import threading
+
+    forward, batching = span.forward, threading.local()
 
     @functools.wraps(forward)
     def lying_forward(*args, **kwargs):
-        return corrupt(forward(*args, **kwargs), mode)
+        out = forward(*args, **kwargs)
+        # a batch of one runs through forward (server/adapters/llama.py): corrupted once, by the batch wrapper
+        return out if getattr(batching, "inside", False) else corrupt(out, mode)
 
     span.forward = lying_forward
     forward_batch = span.forward_batch
 
     @functools.wraps(forward_batch)
     def lying_forward_batch(*args, **kwargs):  # several sessions in one pass (server/batching.py)
-        return [None if out is None else corrupt(out, mode) for out in forward_batch(*args, **kwargs)]
+        batching.inside = True
+        try:
+            outputs = forward_batch(*args, **kwargs)
+        finally:
+            batching.inside = False
+        return [None if out is None else corrupt(out, mode) for out in outputs]
 
     span.forward_batch = lying_forward_batch
     logger.warning(f"Fault injection: this server corrupts its outputs ({mode})")

@@ -110,3 +110,28 @@ def test_the_gateway_reports_how_the_tokens_were_confirmed():
         5,
     )
     assert speculation_headers(rows)["x-specswarm-tokens-unconfirmed"] == "5"
+
+
+def test_a_spot_check_substitute_on_the_checked_servers_machine_is_replaced_or_skipped():
+    from client._spot_checks import AuditResult, SpotChecker
+    from protocol.messages import Hop
+
+    class Swarm:
+        request_timeout = 1.0
+        records: dict = {}
+        p2p = FakeP2P(
+            {
+                "hop": ["/ip4/1.2.3.7/tcp/1"],
+                "sybil": ["/ip4/1.2.3.8/tcp/1"],
+                "other": ["/ip4/5.6.7.9/tcp/1"],
+            }
+        )
+
+        async def unresponsive(self, route, timeout=3.0):
+            return []
+
+    checker = SpotChecker(Swarm(), 1.0, 10)
+    assert asyncio.run(checker._independent("hop", "sybil", ["other"])) == ("other", [])
+    assert asyncio.run(checker._independent("hop", "sybil", [])) == (None, [])
+    result = asyncio.run(checker._compare([Hop("hop", 0, 3)], 0, "sybil", [], [1, 2], AuditResult("failed")))
+    assert result.verdict == "skipped" and "another machine group" in result.detail
