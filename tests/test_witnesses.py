@@ -135,3 +135,23 @@ def test_a_spot_check_substitute_on_the_checked_servers_machine_is_replaced_or_s
     assert asyncio.run(checker._independent("hop", "sybil", [])) == (None, [])
     result = asyncio.run(checker._compare([Hop("hop", 0, 3)], 0, "sybil", [], [1, 2], AuditResult("failed")))
     assert result.verdict == "skipped" and "another machine group" in result.detail
+
+
+def test_the_gateway_passes_trusted_peers_to_every_model(monkeypatch):
+    from client import AutoDistributedModelForCausalLM
+    from swarm.api import __main__ as gateway
+
+    assert gateway.build_parser().parse_args([]).trusted_peers == []
+    seen = {}
+
+    def fake_from_pretrained(name, **kwargs):
+        seen[name] = kwargs["trusted_peers"]
+        raise ValueError("stop here")  # the gateway reports it and exits 2, serving nothing
+
+    monkeypatch.setattr(AutoDistributedModelForCausalLM, "from_pretrained", fake_from_pretrained)
+    monkeypatch.setattr(gateway, "setup_logging", lambda level: None)  # leave the test process's logging alone
+    monkeypatch.setattr(gateway.lifeline, "install", lambda: None)
+    assert (
+        gateway.main(["--model", "m", "--initial-peers", "/ip4/127.0.0.1/tcp/1", "--trusted-peers", "QmA", "QmB"]) == 2
+    )
+    assert seen == {"m": ["QmA", "QmB"]}
