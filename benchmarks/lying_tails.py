@@ -9,8 +9,11 @@ verdict audits' shadow tail and the third server of a dispute are T and U. The c
 default (looped runs, suffix drafting, verdict audits every 16 tokens, spot-checks at 1/50).
 
 a) per kind, ``--runs`` greedy and ``--runs`` seeded-sampling generations of ``--tokens`` tokens
-   (a fresh seed per run; the liar forgiven before each): equal to local transformers? the liar
-   convicted whenever it lied (its log counts its lies)? For the inflated claim: what the client
+   (a fresh seed per run; the liar forgiven before each, every other exclusion kept across runs):
+   equal to local transformers? the liar convicted (with ``--trusted T U``: convictions need a
+   trusted server's word, docs/reliability.md "Disputes and witnesses") or disputed whenever it
+   lied (its log counts its lies)? any honest server convicted, in any run? how many returned
+   tokens were confirmed, and how many flagged unconfirmed? For the inflated claim: what the client
    measured of L against its claim, and whether the client's own router then leaves L;
 b) detection: in every generation whose liar lied, the tokens generated from its first lie to the
    moment the generation left it (``re-verifying K generated tokens``);
@@ -85,7 +88,7 @@ def wait_online(model, names, deadline: float) -> dict:
         time.sleep(1.0)
 
 
-def connect(swarm, *routes):
+def connect(swarm, *routes, trusted=()):
     from swarm import AutoDistributedModelForCausalLM
     from tests.kit.routes import PreferredRoutes
 
@@ -93,6 +96,7 @@ def connect(swarm, *routes):
         "smollm2-135m", initial_peers=swarm.initial_peers, request_timeout=60.0
     )
     model.swarm.router = PreferredRoutes(*routes)
+    model.trusted_names = list(trusted)  # public names: their peer ids are set once the servers are online
     return model
 
 
@@ -108,15 +112,26 @@ def one_kind(
 
     liar = f"L{index}"
     process = swarm.start_server(15, 30, name=liar, launcher=faulty(*flags))
-    model = connect(swarm, [("H", 0, 15), (liar, 15, 30)], [("H", 0, 15), ("T", 15, 30)], [("H", 0, 15), ("U", 15, 30)])
+    model = connect(
+        swarm,
+        [("H", 0, 15), (liar, 15, 30)],
+        [("H", 0, 15), ("T", 15, 30)],
+        [("H", 0, 15), ("U", 15, 30)],
+        trusted=args.trusted,
+    )
     row: dict = {"kind": name, "flags": flags, "runs": []}
     try:
         records = wait_online(model, ["H", "T", "U", liar], time.monotonic() + 600)
         peer = records[liar].peer_id
+        model.trusted_peers = frozenset(records[n].peer_id for n in model.trusted_names)
+        honest = {records[n].peer_id: n for n in ("H", "T", "U")}
         log = log_dir / f"{liar}.log"
         for run in range(args.runs):
             for sampled in (False,) if args.greedy_only else (False, True):
-                model.swarm.excluded = ExclusionList()  # forgive L: each run meets it afresh
+                kept = model.swarm.excluded.banned - {peer}  # forgive L only: each run meets it afresh
+                model.swarm.excluded = ExclusionList()
+                for banned in kept:  # an honest server convicted in an earlier run stays convicted
+                    model.swarm.excluded.ban(banned)
                 before = len(lies_in(log))
                 sampling = dict(do_sample=True, temperature=0.8, top_p=0.9, seed=1000 + run) if sampled else {}
                 began = time.perf_counter()
@@ -132,6 +147,12 @@ def one_kind(
                         "exact": out[0, len(prompt) :].tolist() == expected,
                         "lies": len(lies),
                         "convicted": peer in stats.liars_excluded,
+                        "disputed": peer in stats.disputed_peers,
+                        "honest_convicted": sorted(honest[p] for p in stats.liars_excluded if p in honest),
+                        "honest_disputed": sorted(honest[p] for p in stats.disputed_peers if p in honest),
+                        "tokens_confirmed_trusted": stats.tokens_confirmed_trusted,
+                        "tokens_confirmed_untrusted": stats.tokens_confirmed_untrusted,
+                        "tokens_unconfirmed": stats.tokens_unconfirmed,
                         "first_lie_token": first_lie,
                         "left_at_token": left,
                         "detection_tokens": None if left is None or first_lie is None else left - first_lie,
@@ -159,6 +180,8 @@ def one_kind(
                 f"{row['next_route_tail_is_liar']}",
                 flush=True,
             )
+        row["honest_banned_after_all_runs"] = sorted(honest[p] for p in model.swarm.liars if p in honest)
+        row["honest_reported_after_all_runs"] = sorted(honest[p] for p in model.swarm.reports if p in honest)
     finally:
         model.shutdown()
         from swarm.local import kill_group
@@ -227,6 +250,12 @@ def summarize(rows: list[dict]) -> dict:
             "sampled_exact": f"{sum(r['exact'] for r in runs if r['sampled'])} of {sum(r['sampled'] for r in runs)}",
             "convicted_when_it_lied": f"{sum(r['convicted'] for r in lied)} of {len(lied)}",
             "convicted_when_honest": sum(r["convicted"] for r in runs if not r["lies"]),
+            "disputed_when_it_lied": f"{sum(r['disputed'] for r in lied)} of {len(lied)}",
+            "honest_convictions_all_runs": sum(len(r["honest_convicted"]) for r in runs),
+            "honest_banned_after_all_runs": row.get("honest_banned_after_all_runs", []),
+            "honest_reported_after_all_runs": row.get("honest_reported_after_all_runs", []),
+            "tokens_unconfirmed": sum(r["tokens_unconfirmed"] for r in runs),
+            "tokens_returned": sum(r["new_tokens"] for r in runs),
         }
         if "claim" in row:
             summary[row["kind"]].update(
@@ -251,6 +280,7 @@ def main() -> None:
     p.add_argument("--greedy-only", action="store_true", help="no seeded-sampling generations")
     p.add_argument("--cost-tokens", type=int, default=64)
     p.add_argument("--skip-cost", action="store_true")
+    p.add_argument("--trusted", nargs="*", default=[], help="honest servers the client trusts, by name (T, U)")
     p.add_argument("--out", default="benchmarks/results/lying_tails.json")
     args = p.parse_args()
     import torch

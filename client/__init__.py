@@ -9,6 +9,8 @@ from client.errors import (
     ServerRejected,
     ServerTimeout,
     SwarmError,
+    UnconfirmedTokensError,
+    UnconfirmedTokensWarning,
 )
 from client.model import AutoDistributedModel, AutoDistributedModelForCausalLM
 
@@ -23,4 +25,6 @@ __all__ = [
     "ServerRejected",
     "ServerTimeout",
     "SwarmError",
+    "UnconfirmedTokensError",
+    "UnconfirmedTokensWarning",
 ]

@@ -24,6 +24,8 @@ import time
 from collections import deque
 from typing import Callable, Optional, Sequence
 
+from client import _confirmation
+from client._reverify import Reverification
 from client._runs import Run, SessionState
 from client._stats import GenerationStats
 from client._swarm import SwarmClient
@@ -40,7 +42,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["GenerationStats", "SessionState", "SpeculativeDecoder"]
 
 
-class SpeculativeDecoder:
+class SpeculativeDecoder(Reverification):
     """One generation's lap loop. The only writer of its own state: the mode (client/modes/) reads
     it through ``client.modes.DecoderView`` and returns decisions that the loop acts on. The options
     come checked (client._options.GenerationOptions.checked, with ``loop_runs`` decided)."""
@@ -64,7 +66,12 @@ class SpeculativeDecoder:
         draft_tree: bool = False,
         tree_sizer: Optional[TreeSizer] = None,
         loop_runs: bool = False,
+        trusted_peers: frozenset[str] = frozenset(),
+        audit: str = "warn",
     ):
+        """``trusted_peers``: servers the user trusts (tokens a trusted tail commits count as
+        confirmed); ``audit``: "warn" flags unconfirmed tokens, "required" raises instead
+        (client/_confirmation.py)."""
         if max_inflight_runs < 1:
             raise ValueError(f"max_inflight_runs must be >= 1, got {max_inflight_runs}")
         self.swarm, self.state, self.sampling = swarm, state, sampling
@@ -80,6 +87,10 @@ class SpeculativeDecoder:
         self.verdict_at: Optional[float] = None  # when the last verdict arrived (perf_counter)
         self.tokens_left = 0  # tokens this generation may still commit, as of this lap
         self.audits = audits  # spot-checks and verdict audits of this generation's routes
+        self.trusted_peers, self.audit_policy = trusted_peers, _confirmation.check_audit_policy(audit)
+        self.avoid: set[str] = set()  # servers disputed without settlement: routed around for this generation
+        self.trusted_tail: set[int] = set()  # positions a trusted tail committed
+        self.verification = verification
         self.mode = choose_mode(
             self,
             inflight=max_inflight_runs,
@@ -94,6 +105,8 @@ class SpeculativeDecoder:
         self._replay: list[int] = []  # tokens generated before a liar was caught, still to re-verify
         self._route_peers: set[str] = set()  # every server of this generation's routes
         self._handled_liars: set[str] = set()
+        if audits is not None:
+            audits.share_avoid(self.avoid, self._handled_liars)
 
     async def generate(self, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
         """Generate after ``prompt`` (the whole context); returns the new tokens only."""
@@ -113,7 +126,9 @@ class SpeculativeDecoder:
             await self._cancel_inflight()
             if self.audits is not None:
                 await self.audits.cancel()
-        return self._finish(began)
+        generated = self._finish(began)
+        _confirmation.report(self.stats, self.audit_policy)
+        return generated
 
     def _begin(self, prompt: Sequence[int]) -> None:
         """Start on ``prompt``: what the caches keep of it, the drafter's context, the audits."""
@@ -122,7 +137,7 @@ class SpeculativeDecoder:
             self.drafter.reset(self.state.history)
         self._prompt_len = len(prompt)
         if self.audits is not None:
-            self.audits.begin(prompt, self.state.max_length, self.sampling)
+            self.audits.begin(prompt, self.state.max_length, self.sampling, self.verification)
         if self.state.remote is not None:  # an inference session's route from an earlier call
             self._route_peers.update(hop.peer_id for hop in self.state.remote.route)
 
@@ -155,6 +170,15 @@ class SpeculativeDecoder:
             if sources:  # a drafter with several sources (TailDrafts)
                 self.stats.drafter_sources, self.stats.drafter_choices = sources, chosen
         self.stats.new_tokens = len(generated)
+        verdicts = self.audits.verdicts if self.audits is not None else None
+        _confirmation.count(
+            self.stats,
+            self.state.history,
+            self._prompt_len,
+            verdicts.audited if verdicts is not None and verdicts.enabled else None,
+            verdicts.trusted_confirmed if verdicts is not None else (),
+            self.trusted_tail,
+        )
         self.stats.wall_time = time.perf_counter() - began
         return generated
 
@@ -175,7 +199,7 @@ class SpeculativeDecoder:
                 await self._fail_over(e)
 
     async def _open_session(self) -> None:
-        remote = await self.swarm.open_session(self.state.max_length)
+        remote = await self.swarm.open_session(self.state.max_length, avoid=self.avoid)
         self.state.remote = remote
         self.state.cached = 0  # a new route holds nothing: the next lap replays the history
         self.state.tree_pending = None
@@ -356,6 +380,8 @@ class SpeculativeDecoder:
         assert base == len(state.history), "a run's verdict arrived out of order"
         state.cached = min(base + result.accepted, base + len(new) - 1)
         state.history = state.history + new
+        if state.remote.tail_peer in self.trusted_peers:
+            self.trusted_tail.update(range(base, base + len(new)))
         self._act_on(run, result, self.mode.on_commit(run, result, base))
         self.stats.laps += 1
         self.stats.drafted += len(run.drafts)
@@ -395,62 +421,3 @@ class SpeculativeDecoder:
         self.stats.runs_cancelled += len(self.inflight)
         self.stats.positions_wasted += sum(len(r.token_ids) for r in self.inflight)
         self.inflight.clear()
-
-    # ---- spot-checks: a liar caught, its tokens re-verified ----------------------------------
-
-    async def _react_to_liars(self) -> None:
-        """A server of this generation's routes was caught lying (by a spot-check of this or any
-        generation of the client): leave the route, and re-verify every token this call generated
-        on the new one. The prompt goes as committed ids, the generated tokens as drafts, so the
-        new tail accepts exactly those its own choices (the exact rule) reproduce."""
-        caught = (self.swarm.liars & self._route_peers) - self._handled_liars
-        if not caught:
-            return
-        self._handled_liars |= caught
-        state = self.state
-        generated = len(state.history) - self._prompt_len + len(self._replay)
-        what = f"re-verifying {generated} generated tokens without {sorted(caught)}"
-        self.stats.spot_check_events.append(f"lap {self.stats.laps}: {what}")
-        logger.warning(f"A server of this generation was caught lying: {what}")
-        self._forget_inflight()  # the session closes below, on every server
-        self.mode.forget()
-        self.verdict_at = None
-        if state.remote is not None:
-            await self.swarm.close_session(state.remote)
-            state.remote = None
-        self._replay = state.history[self._prompt_len :] + self._replay
-        state.history, state.cached = state.history[: self._prompt_len], 0
-        self.logprobs.clear()  # the re-verification's verdicts bring them again
-        if self.drafter is not None:
-            self.drafter.reset(state.history)
-
-    def _replay_run(self, tokens_left: int) -> Optional[NextRun]:
-        """A re-verification run, alone in the window: the committed ids the caches lack, then as
-        many of the tokens to re-verify as drafts as one Step takes (the rest in later laps)."""
-        if self.inflight:
-            return None
-        state = self.state
-        committed = state.history[state.cached :]
-        room = min(
-            tokens_left - 1,
-            state.max_length - len(state.history) - 1,
-            state.remote.max_positions_per_step - len(committed),
-        )
-        drafts = self._replay[: max(0, room)]
-        return NextRun(Run(state.next_run_id, state.cached, committed + drafts, drafts, None, replay=True))
-
-    def _reconcile(self, new: list[int]) -> list[int]:
-        """The tokens of a verdict that are news to the caller: those re-confirming tokens committed
-        before a re-verification are not; at the first that differs, the rest of them is retracted."""
-        for i, token in enumerate(new):
-            if self._replay and token == self._replay[0]:
-                self._replay.pop(0)
-                continue
-            if self._replay:
-                self.stats.tokens_retracted += len(self._replay)
-                logger.warning(
-                    f"Re-verification replaced {len(self._replay)} tokens committed before a liar was caught"
-                )
-                self._replay = []
-            return new[i:]
-        return []

@@ -13,6 +13,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
+from client._confirmation import check_audit_policy
+from client._witnesses import trusted_set
 from client.drafting import DRAFTER_KINDS
 
 VERIFICATION_RULES = ("match", "rejection")
@@ -44,6 +46,8 @@ class GenerationOptions:
     spot_check_rate: Optional[float] = None  # None: from_pretrained's
     draft_tree: bool = False
     loop_runs: Optional[bool] = None  # None: on wherever it applies
+    trusted_peers: Optional[Sequence[str]] = None  # None: from_pretrained's (docs/reliability.md, "Witnesses")
+    audit: str = "warn"  # unconfirmed tokens: "warn" flags them, "required" raises (client/_confirmation.py)
 
     @classmethod
     def split(cls, kwargs: dict[str, Any]) -> tuple["GenerationOptions", dict[str, Any]]:
@@ -69,6 +73,8 @@ class GenerationOptions:
             raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
         if self.speculation is not None and self.speculation not in DRAFTER_KINDS:
             raise ValueError(f"speculation must be one of {DRAFTER_KINDS} or None, got {self.speculation!r}")
+        check_audit_policy(self.audit)
+        trusted_set(self.trusted_peers)
         loop_runs = check_decoding(
             self.verification, self.draft_tree, self.inflight, self.loop_runs, self.draft_model is not None
         )

@@ -6,8 +6,12 @@ the generation's route (R_orig), one on the same route with that hop's blocks [a
 another server of the same dtype and quantization (R_alt). Both prefill the ids and return the
 float32 logits of the last position; they differ only in the substituted hop, so logits that
 disagree beyond a dtype-aware tolerance (:func:`tolerance`) mean that one of the two servers lies.
-A third server of the same blocks and precision then decides (R_C, :func:`minority`): the server in
-the minority is excluded for the rest of the client's life and reported in the DHT. The audit
+A server the user trusts (``trusted_peers``; client/_witnesses.py) then decides: one of the two, or
+a trusted third of the same blocks and precision (R_C, :func:`minority`); the server it refutes is
+excluded for the rest of the client's life and reported in the DHT. A stranger's vote settles
+nothing (one operator can run both the substitute and the third), so without a trusted judge the
+two servers are only avoided for the rest of the generation (``avoid``), which re-verifies its
+tokens on a route without them. The audit
 sessions are ordinary sessions (OpenSession, Step with ``return_logits``): nothing tells a server
 that it is being audited.
 
@@ -31,6 +35,7 @@ import torch
 
 from client._forward import prefill_outputs
 from client._remote_session import RemoteSession
+from client._witnesses import Witnesses
 from protocol.messages import Hop
 from protocol.records import ServerInfo, ServerState
 
@@ -141,10 +146,12 @@ def substituted(route: Sequence[Hop], index: int, peer_id: str) -> list[Hop]:
 
 @dataclass
 class AuditResult:
-    verdict: str  # "agree", "convicted", "undecided", "failed" or "cancelled"
+    verdict: str  # "agree", "convicted", "undecided", "skipped" (no independent substitute), "failed" or "cancelled"
     liar: Optional[str] = None
     positions: int = 0  # server positions the audit's sessions computed (summed over servers)
     detail: str = ""
+    disputed: tuple[str, ...] = ()  # the two servers of a disagreement nobody trusted settled
+    substitute: str = ""  # the substitute compared (an independent one may replace the one drawn)
 
 
 class BackgroundAudit:
@@ -179,7 +186,13 @@ class SpotChecker(BackgroundAudit):
     substitutes, and runs at most one audit at a time in the background."""
 
     def __init__(
-        self, swarm, rate: float, vocab_size: int, timeout: Optional[float] = None, rng: Optional[random.Random] = None
+        self,
+        swarm,
+        rate: float,
+        vocab_size: int,
+        timeout: Optional[float] = None,
+        rng: Optional[random.Random] = None,
+        witnesses: Optional[Witnesses] = None,
     ):
         check_rate(rate)
         self.swarm, self.rate, self.vocab_size = swarm, rate, vocab_size
@@ -188,23 +201,27 @@ class SpotChecker(BackgroundAudit):
         self.next_hop = 0  # round robin over the route's hops
         self.task: Optional[asyncio.Task] = None
         self.results: list[AuditResult] = []
+        self.witnesses = witnesses or Witnesses()
+        self.avoid: set[str] = set()  # the generation's disputed servers (the decoder shares its own set)
+        self.handled: set[str] = set()  # those of them the generation has already re-verified without
 
     def maybe_start(self, route: Sequence[Hop], ids: Sequence[int], stats, lap: int) -> None:
         """After a verdict: with probability ``rate``, audit the next hop that has a substitute."""
         if self.rate <= 0 or self.task is not None or not route or not ids:
             return
-        if any(hop.peer_id in self.swarm.liars for hop in route):
+        if any(hop.peer_id in self.swarm.liars or hop.peer_id in self.avoid - self.handled for hop in route):
             return  # the generation leaves this route before its next lap (an audit just convicted a hop)
+        # (a disputed server the generation already reacted to may stay on the route where the swarm has no other)
         if self.rate < 1 and self.rng.random() >= self.rate:
             return
         records = self.swarm.records
-        choice = pick_hop(route, self.next_hop, records, self.swarm.excluded.current(), len(ids))
+        choice = pick_hop(route, self.next_hop, records, self.swarm.excluded.current() | self.avoid, len(ids))
         if choice is None:
             stats.spot_checks_skipped += 1
             return
         index, candidates = choice
         self.next_hop = index + 1
-        alt = self.rng.choice(candidates)
+        alt = self.rng.choice([c for c in candidates if self.witnesses.is_trusted(c.peer_id)] or candidates)
         thirds = [c.peer_id for c in candidates if c.peer_id != alt.peer_id]
         stats.spot_checks += 1
         self.task = asyncio.ensure_future(self._audit(list(route), index, alt.peer_id, thirds, list(ids), stats, lap))
@@ -225,13 +242,18 @@ class SpotChecker(BackgroundAudit):
             self.results.append(result)
             stats.spot_check_positions += result.positions
             hop = route[index]
+            alt = result.substitute or alt
             what = f"lap {lap}: hop {index} [{hop.start}:{hop.end}) {hop.peer_id} vs {alt}: {result.verdict}"
             stats.spot_check_events.append(f"{what} ({result.detail})" if result.detail else what)
-            if result.verdict == "failed":
+            if result.verdict == "skipped":
+                stats.spot_checks_skipped += 1
+            elif result.verdict == "failed":
                 stats.spot_checks_failed += 1
                 logger.info(f"Spot-check failed, no verdict: {what}: {result.detail}")
             elif result.verdict == "undecided":
                 stats.spot_checks_undecided += 1
+                self.avoid.update(result.disputed)
+                stats.disputed_peers.extend(p for p in result.disputed if p not in stats.disputed_peers)
                 logger.warning(
                     f"Spot-check undecided: servers {hop.peer_id} and {alt} disagree on blocks "
                     f"{hop.start}:{hop.end} ({result.detail}); nobody excluded"
@@ -240,7 +262,26 @@ class SpotChecker(BackgroundAudit):
                 stats.liars_excluded.append(result.liar)
                 self.swarm.convict(result.liar)
 
+    async def _independent(self, checked: str, alt: str, thirds: list[str]) -> tuple[Optional[str], list[str]]:
+        """The substitute and thirds that could not be the checked server's operator (client/_witnesses.py):
+        the client pings them all first, so that its daemon holds a connection, then reads the
+        addresses. The substitute drawn is kept if it qualifies, else a qualifying one (trusted first)."""
+        pool = [alt, *thirds]
+        await self.swarm.unresponsive([Hop(peer_id=p, start=0, end=0) for p in (checked, *pool)])
+        await self.witnesses.refresh(self.swarm.p2p)
+        fit = [p for p in pool if self.witnesses.independent(p, [checked])]
+        if not fit:
+            return None, []
+        if alt not in fit:
+            alt = ([p for p in fit if self.witnesses.is_trusted(p)] or fit)[0]
+        return alt, [p for p in fit if p != alt]
+
     async def _compare(self, route, index, alt, thirds, ids, result: AuditResult) -> AuditResult:
+        alt, thirds = await self._independent(route[index].peer_id, alt, thirds)
+        result.substitute = alt or ""
+        if alt is None:
+            result.verdict, result.detail = "skipped", "no substitute on another machine group than the hop"
+            return result
         tol = route_tolerance(route, self.swarm.records)
         orig_route, alt_route = route, substituted(route, index, alt)
         orig, other = await _both(
@@ -252,17 +293,25 @@ class SpotChecker(BackgroundAudit):
             return result
         accused = (route[index].peer_id, alt)
         detail = f"difference {difference:.3g} >= {tol:g}"
-        if not thirds:
-            result.verdict, result.detail = "undecided", f"{detail}; no third server of the same blocks and precision"
+        trusted = self.witnesses.is_trusted
+        thirds = [t for t in thirds if trusted(t)]  # a stranger's vote settles nothing
+        if trusted(accused[0]) != trusted(accused[1]):
+            loser = "alt" if trusted(accused[0]) else "orig"
+            detail += f"; {accused[0] if loser == 'alt' else accused[1]} is trusted"
+        elif not thirds or trusted(accused[0]):
+            result.verdict, result.disputed = "undecided", accused
+            result.detail = f"{detail}; no trusted server of the same blocks and precision to settle it"
             return result
-        third = self.rng.choice(thirds)
-        decider = await self._final_logits(substituted(route, index, third), ids, result)
-        loser = minority(False, agree(orig, decider, tol), agree(other, decider, tol))
-        detail += (
-            f"; third {third}: {relative_difference(orig, decider):.3g} from the route's, "
-            f"{relative_difference(other, decider):.3g} from the substitute's"
-        )
+        else:
+            third = self.rng.choice(thirds)
+            decider = await self._final_logits(substituted(route, index, third), ids, result)
+            loser = minority(False, agree(orig, decider, tol), agree(other, decider, tol))
+            detail += (
+                f"; trusted third {third}: {relative_difference(orig, decider):.3g} from the route's, "
+                f"{relative_difference(other, decider):.3g} from the substitute's"
+            )
         if loser is None:
+            result.disputed = accused
             result.verdict, result.detail = "undecided", detail
         else:
             result.verdict, result.liar = "convicted", accused[0] if loser == "orig" else accused[1]

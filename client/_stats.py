@@ -65,7 +65,16 @@ class GenerationStats:
     verdict_audit_positions: int = 0  # server positions they computed (shadow and third sessions, summed over servers)
     verdict_audits_skipped: int = 0  # no other server of the tail's blocks and precision: not audited
     verdict_audits_failed: int = 0  # ended by a failing server or their timeout: no verdict
-    verdict_audits_undecided: int = 0  # a disagreement no third server settled: nobody excluded
+    verdict_audits_undecided: int = 0  # a disagreement no trusted server settled: nobody excluded
+    # servers seen disagreeing with another where nobody trusted settled it: avoided for the rest of
+    # the generation, never convicted (docs/reliability.md, "Disputes")
+    disputed_peers: list[str] = field(default_factory=list)
+    # every returned token, by how a second tail confirmed it (client/_confirmation.py): by a trusted
+    # server (a trusted shadow, or a trusted tail committed it), by an independent untrusted shadow,
+    # or not at all (no independent shadow, an audit that failed or was disputed, rejection sampling)
+    tokens_confirmed_trusted: int = 0
+    tokens_confirmed_untrusted: int = 0
+    tokens_unconfirmed: int = 0
 
     @property
     def accepted_per_lap(self) -> float:

@@ -119,8 +119,10 @@ class SwarmClient:
         p2p = await dht.replicate_p2p()
         return cls(dht, p2p, model, num_blocks, **kwargs)
 
-    async def open_session(self, max_length: int) -> RemoteSession:
-        """A session on a fresh route; retries (bounded) past busy or dead servers and empty swarms."""
+    async def open_session(self, max_length: int, avoid: Collection[str] = ()) -> RemoteSession:
+        """A session on a fresh route; retries (bounded) past busy or dead servers and empty swarms.
+        ``avoid``: servers a generation saw in an unsettled dispute, routed around where the swarm
+        allows (as suspects are), never excluded."""
         last_error: Exception | None = None
         refusal: Optional[ServerError] = None  # the last server that refused (busy, ...), named if no route is left
         busy: set[str] = set()  # full right now, not broken: skipped by this call only, not by other sessions
@@ -128,7 +130,7 @@ class SwarmClient:
             if attempt:
                 await asyncio.sleep(self.route_retry_delay * 2 ** (attempt - 1))
             try:
-                route = await self._plan(max_length, busy)
+                route = await self._plan(max_length, busy, avoid)
             except NoRouteError as e:
                 logger.info(f"No route yet (attempt {attempt + 1}/{self.max_route_attempts}): {e}")
                 last_error = RoutingError(
@@ -154,7 +156,7 @@ class SwarmClient:
         assert last_error is not None
         raise last_error
 
-    async def _plan(self, max_length: int, also_exclude: Collection[str] = ()):
+    async def _plan(self, max_length: int, also_exclude: Collection[str] = (), avoid: Collection[str] = ()):
         loop = asyncio.get_running_loop()
         servers = await loop.run_in_executor(None, fetch_servers, self.dht, self.model, self.num_blocks)
         if self.config_fingerprint:
@@ -164,7 +166,7 @@ class SwarmClient:
         self._records = {s.peer_id: s for s in servers}
         servers = cap_throughput(servers, self.meter.measured())
         exclude = self.excluded.current() | set(also_exclude)
-        suspects = sorted(self.suspects.current() - exclude)
+        suspects = sorted((self.suspects.current() | set(avoid)) - exclude)
         # the route with the fewest suspects: none if the swarm allows, else one, two, ... (the
         # suspects of one fault are one route's servers, a handful; past MAX_SUSPECT_SUBSETS
         # plans, route over all of them)

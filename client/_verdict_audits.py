@@ -12,12 +12,22 @@ generation; after that an audit costs one position per generated token on each o
 route's servers, whatever the context, in one Step per ``every`` tokens. Its Steps are ordinary
 chain Steps with drafts, as any generation sends.
 
-A disagreement at position t goes to a third server of the tail's blocks (a fresh session that
-verifies the committed token at t): the server in the minority is convicted (excluded for good,
-reported in the DHT: ``SwarmClient.convict``), and when that is the generation's tail the
-generation re-verifies its tokens on a route without it (``SpeculativeDecoder._react_to_liars``).
-Before the output is returned the last tokens are audited too, so every token the caller gets has
-been confirmed by a second tail whenever the swarm has one. One audit at a time, in the background.
+A shadow counts only if it could not be the same operator as the route's servers
+(client/_witnesses.py: trusted, or on another machine group); trusted shadows are preferred.
+
+A disagreement at position t is settled only by a server the user trusts (``trusted_peers``): the
+shadow itself, the tail itself, or a third trusted server of the tail's blocks (a fresh session that
+verifies the committed token at t). Then the server it refutes is convicted (excluded for good,
+reported in the DHT: ``SwarmClient.convict``). A vote among strangers settles nothing (k sybils agree
+with each other), so without a trusted judge nobody is convicted: both disputing servers join the
+generation's ``avoid`` set, and the generation re-verifies its tokens on a route without them
+(``SpeculativeDecoder._react_to_liars``). Before the output is returned the last tokens are audited
+too; what the audits confirmed (and by whom) is counted per token (client/_confirmation.py).
+One audit at a time, in the background.
+
+Rejection sampling (``verification="rejection"``) is not audited: its committed tokens are drawn by
+the client from the tail's residual distribution, not the seeded choice a shadow reproduces, so a
+token-match shadow would dispute honest tails. Its tokens are returned unconfirmed (and flagged).
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ from typing import Optional, Sequence
 
 from client._remote_session import RemoteSession
 from client._spot_checks import AuditResult, BackgroundAudit, SpotChecker, alternatives, substituted
+from client._witnesses import Witnesses
 from client.errors import ServerError
 from protocol.messages import GREEDY, Hop, SamplingParams, Step, StepResult
 
@@ -46,6 +57,7 @@ class VerdictAuditor(BackgroundAudit):
         every: int = DEFAULT_AUDIT_EVERY,
         timeout: Optional[float] = None,
         rng: Optional[random.Random] = None,
+        witnesses: Optional[Witnesses] = None,
     ):
         if every < 1:
             raise ValueError(f"every must be >= 1, got {every}")
@@ -54,29 +66,38 @@ class VerdictAuditor(BackgroundAudit):
         self.rng = rng or random.Random()
         self.task: Optional[asyncio.Task] = None
         self.audited: list[int] = []  # the ids whose verdicts a second tail confirmed (the prompt counts)
+        self.trusted_confirmed: set[int] = set()  # positions of ``audited`` that a trusted shadow confirmed
+        self.witnesses = witnesses or Witnesses()
+        self.avoid: set[str] = set()  # the generation's disputed servers (the decoder shares its own set)
+        self.handled: set[str] = set()  # those of them the generation has already re-verified without
+        self.enabled = True  # off for rejection sampling (the module's docstring says why)
         self.max_length, self.sampling = 0, GREEDY
         self._shadow: Optional[RemoteSession] = None
         self._held = 0  # positions the shadow's caches hold (of ``audited``)
         self._next_run = 0
         self._given_up = 0  # history length an audit ended at without a verdict: not retried at the end
 
-    def begin(self, prompt: Sequence[int], max_length: int, sampling: SamplingParams) -> None:
+    def begin(self, prompt: Sequence[int], max_length: int, sampling: SamplingParams, verification: str) -> None:
         self.audited, self.max_length, self.sampling = list(prompt), max_length, sampling
+        self.trusted_confirmed = set()
         self._given_up = 0
+        self.enabled = verification == "match"
 
     def maybe_start(self, route: Sequence[Hop], ids: Sequence[int], stats, final: bool = False) -> None:
         """Audit the tokens committed since the last audit: once ``every`` of them wait, or any
         number when the generation is about to return them (``final``)."""
-        if self.task is not None or not route or (final and len(ids) <= self._given_up):
+        if not self.enabled or self.task is not None or not route or (final and len(ids) <= self._given_up):
             return
-        if any(hop.peer_id in self.swarm.liars for hop in route):
+        if any(hop.peer_id in self.swarm.liars or hop.peer_id in self.avoid - self.handled for hop in route):
             return  # the generation leaves this route and re-verifies before its next lap
+        # (a disputed server the generation already reacted to may stay on the route where the swarm has no other)
         common = 0
         for a, b in zip(self.audited, ids):  # a re-verification may have replaced some tokens
             if a != b:
                 break
             common += 1
         self.audited = self.audited[:common]
+        self.trusted_confirmed = {p for p in self.trusted_confirmed if p < common}
         if len(ids) - common < (1 if final else self.every) or common == 0:
             return
         self.task = asyncio.ensure_future(self._run(list(route), list(ids), stats))
@@ -118,13 +139,15 @@ class VerdictAuditor(BackgroundAudit):
             if result.accepted < len(drafts):
                 await self._dispute(route, ids, position + result.accepted, result.next_token, stats)
                 return
+            if self.witnesses.is_trusted(self._shadow.tail_peer):
+                self.trusted_confirmed.update(range(position, position + len(drafts)))
             position += len(drafts)
             self._held, self.audited = position, ids[:position]
 
     async def _ensure_shadow(self, route: list[Hop], length: int) -> bool:
         """A shadow session on ``route`` with another server as its tail (kept across audits while
         the route's tail and the shadow's servers stay the same and unexcluded)."""
-        shadow, excluded = self._shadow, self.swarm.excluded.current()
+        shadow, excluded = self._shadow, self.swarm.excluded.current() | self.avoid
         if shadow is not None and (
             shadow.route[:-1] != route[:-1]
             or shadow.tail_peer == route[-1].peer_id
@@ -139,7 +162,9 @@ class VerdictAuditor(BackgroundAudit):
             for peer_id in dead:
                 self.swarm.exclude(peer_id)  # the client's own failed ping: evidence
             found = [info for info in found if info.peer_id not in dead]
+            await self.witnesses.refresh(self.swarm.p2p)  # the pings opened connections: their addresses
         self.rng.shuffle(found)
+        found = self.witnesses.choose(found, [hop.peer_id for hop in route])  # independent ones, trusted first
         for attempt, candidate in enumerate(found[:MAX_SHADOW_TRIES]):
             shadow_route = substituted(route, len(route) - 1, candidate.peer_id)
             shadow = RemoteSession(self.swarm.p2p, shadow_route, self.max_length, timeout=self.swarm.request_timeout)
@@ -172,30 +197,34 @@ class VerdictAuditor(BackgroundAudit):
         return await self._shadow.next_result(run_id)
 
     async def _dispute(self, route: list[Hop], ids: list[int], t: int, shadow_token: int, stats) -> None:
-        """The route's tail committed ids[t]; the shadow's tail chose ``shadow_token``: a third
-        server of the tail's blocks decides, and the minority is convicted."""
+        """The route's tail committed ids[t]; the shadow's tail chose ``shadow_token``. Settled only
+        by a trusted server (the shadow, the tail, or a trusted third): the one it refutes is
+        convicted. Otherwise nobody is: both are avoided for the rest of the generation, whose
+        tokens from t on are re-verified on a route without them."""
         tail, alt = route[-1].peer_id, self._shadow.tail_peer
         what = f"position {t}: the route's tail {tail} committed {ids[t]}, {alt} chose {shadow_token}"
-        excluded = self.swarm.excluded.current() | {alt}
-        thirds = alternatives(route, len(route) - 1, self.swarm.records, excluded, t + 1)
-        if not thirds:
-            stats.verdict_audits_undecided += 1
-            stats.spot_check_events.append(f"verdict audit undecided: {what}; no third server")
-            return
-        third = self.rng.choice(thirds).peer_id
-        token = await self._third_opinion(substituted(route, len(route) - 1, third), ids, t, stats)
-        liar = tail if token == shadow_token else alt if token == ids[t] else None
+        trusted = self.witnesses.is_trusted
+        liar, judge = None, None
+        if trusted(alt) != trusted(tail):
+            liar, judge = (tail, alt) if trusted(alt) else (alt, tail)
+        elif not trusted(alt):
+            judges = [
+                s
+                for s in alternatives(route, len(route) - 1, self.swarm.records, self._excluded() | {alt}, t + 1)
+                if trusted(s.peer_id)
+            ]
+            if judges:
+                judge = self.rng.choice(judges).peer_id
+                token = await self._third_opinion(substituted(route, len(route) - 1, judge), ids, t, stats)
+                liar = tail if token == shadow_token else alt if token == ids[t] else None
+                what += f"; trusted third {judge} chose {token}"
         if liar is not None and not await self._upstream_clean(route, ids[:t], stats):
             what += "; a hop before the tail failed its spot-check or could not be checked"
             liar = None
-        elif liar is None:
-            what += "; the third agrees with neither"
-        stats.spot_check_events.append(
-            f"verdict audit: {what}; third {third} chose {token}" + (f"; {liar} is in the minority" if liar else "")
-        )
         if liar is None:
-            stats.verdict_audits_undecided += 1
+            await self._unsettled(route, ids, t, what + ("" if judge else "; no trusted server to settle it"), stats)
             return
+        stats.spot_check_events.append(f"verdict audit: {what}; {liar} refuted by trusted {judge}")
         stats.liars_excluded.append(liar)
         self.swarm.convict(liar)
         self._given_up = 0
@@ -204,15 +233,31 @@ class VerdictAuditor(BackgroundAudit):
         else:
             self.audited = ids[:t]  # the generation re-verifies from the prompt on a new route
 
+    async def _unsettled(self, route: list[Hop], ids: list[int], t: int, what: str, stats) -> None:
+        """No conviction: avoid both disputing servers for this generation; its tokens from t on
+        are re-verified elsewhere (the decoder reacts to a route server in ``avoid``)."""
+        tail, alt = route[-1].peer_id, self._shadow.tail_peer
+        self.avoid.update((tail, alt))
+        stats.verdict_audits_undecided += 1
+        stats.disputed_peers.extend(p for p in (tail, alt) if p not in stats.disputed_peers)
+        stats.spot_check_events.append(f"verdict audit unsettled: {what}; avoiding both, re-verifying")
+        logger.warning(f"Verdict dispute unsettled ({what}): avoiding both servers for this generation")
+        self._given_up = 0
+        self.audited = ids[:t]
+        await self._drop_shadow()
+
+    def _excluded(self) -> set[str]:
+        return self.swarm.excluded.current() | self.avoid
+
     async def _upstream_clean(self, route: list[Hop], ids: list[int], stats) -> bool:
         """Whether the hops before the tail, which the shadow and the third share with the route,
         pass a spot-check of their activations on ``ids`` (client/_spot_checks.py): two tails'
         verdicts differ also when a shared hop lies at random (fresh noise in every session), and
         that must not convict an honest tail. A hop without a second server of its blocks and
         precision cannot be checked and counts as clean; a hop the spot-check convicts is convicted."""
-        checker = SpotChecker(self.swarm, 1.0, self.vocab_size, rng=self.rng)
+        checker = SpotChecker(self.swarm, 1.0, self.vocab_size, rng=self.rng, witnesses=self.witnesses)
         for index in range(len(route) - 1):
-            found = alternatives(route, index, self.swarm.records, self.swarm.excluded.current(), len(ids))
+            found = alternatives(route, index, self.swarm.records, self._excluded(), len(ids))
             if not found:
                 continue
             alt = self.rng.choice(found).peer_id
@@ -228,7 +273,8 @@ class VerdictAuditor(BackgroundAudit):
             if result.verdict == "convicted":
                 stats.liars_excluded.append(result.liar)
                 self.swarm.convict(result.liar)
-            if result.verdict != "agree":
+            self.avoid.update(result.disputed)
+            if result.verdict not in ("agree", "skipped"):  # skipped: no independent substitute, as none at all
                 return False
         return True
 
@@ -287,15 +333,22 @@ class Audits:
         """Whether neither audit has been in flight since ``since`` (perf_counter)."""
         return all(audit is None or audit.quiet_since(since) for audit in (self.spot, self.verdicts))
 
-    def begin(self, prompt: Sequence[int], max_length: int, sampling: SamplingParams) -> None:
+    def begin(self, prompt: Sequence[int], max_length: int, sampling: SamplingParams, verification: str) -> None:
         if self.verdicts is not None:
-            self.verdicts.begin(prompt, max_length, sampling)
+            self.verdicts.begin(prompt, max_length, sampling, verification)
 
     def maybe_start(self, route, ids, stats, lap: int, final: bool = False) -> None:
         if self.spot is not None and not final:
             self.spot.maybe_start(route, ids, stats, lap)
         if self.verdicts is not None:
             self.verdicts.maybe_start(route, ids, stats, final=final)
+
+    def share_avoid(self, avoid: set[str], handled: set[str]) -> None:
+        """The generation's ``avoid`` set (both audits add the servers of unsettled disputes to it),
+        and the servers the generation has already re-verified without (``handled``)."""
+        for audit in (self.spot, self.verdicts):
+            if audit is not None:
+                audit.avoid, audit.handled = avoid, handled
 
     async def settle(self) -> None:
         for audit in (self.spot, self.verdicts):

@@ -8,7 +8,10 @@
     │   └── RouteFault          the route misbehaved, no single hop provably (a verdict on a Step
     │                           the client did not send, a refused secret, a hop's refusal of what
     │                           the head accepted): failover avoids the whole route
-    └── GenerationError         failover gave up after its retries; ``__cause__`` is the last failure
+    ├── GenerationError         failover gave up after its retries; ``__cause__`` is the last failure
+    └── UnconfirmedTokensError  ``audit="required"``: some tokens no second tail confirmed
+
+    UnconfirmedTokensWarning    (a UserWarning) a generation returned tokens no second tail confirmed
 
 Retryable server failures (busy, unreachable, dead, timed out) are handled by failover and only
 reach the user as GenerationError once retries run out; requests the head refuses as invalid
@@ -65,3 +68,16 @@ class RouteFault(ServerError):
 
 class GenerationError(SwarmError):
     pass
+
+
+class UnconfirmedTokensError(SwarmError):
+    """``audit="required"``: the generation would return tokens that no independent or trusted second
+    tail confirmed (docs/reliability.md, "What is confirmed"); ``stats`` says how many and why."""
+
+    def __init__(self, message: str, stats=None):
+        super().__init__(message)
+        self.stats = stats
+
+
+class UnconfirmedTokensWarning(UserWarning):
+    """A generation returned tokens that no independent or trusted second tail confirmed."""

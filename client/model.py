@@ -35,6 +35,7 @@ from client._swarm import SwarmClient
 from client._token_stream import GeneratedChunk, stream_laps
 from client._trees import TreeSizer
 from client._verdict_audits import DEFAULT_AUDIT_EVERY, Audits, VerdictAuditor
+from client._witnesses import Witnesses, trusted_set
 from client.draft_model import ModelDrafter
 from client.drafting import SuffixStore, make_drafter
 from client.warm_corpus import load_warm_corpus
@@ -57,6 +58,7 @@ class AutoDistributedModel:
         self.last_logprobs: list = []
         self.spot_check_rate = DEFAULT_SPOT_CHECK_RATE  # generate()'s default; from_pretrained sets it
         self.verdict_audit_every = DEFAULT_AUDIT_EVERY  # tokens per verdict audit; 0: none; from_pretrained sets it
+        self.trusted_peers: frozenset[str] = frozenset()  # from_pretrained's; generate(trusted_peers=) overrides
         self._session: Optional[SessionState] = None
         self.warm_corpus: list[list[int]] = []  # the model's own answers a new suffix store starts with
         self._suffix_store = SuffixStore()
@@ -76,6 +78,7 @@ class AutoDistributedModel:
         spot_check_rate: float = DEFAULT_SPOT_CHECK_RATE,
         warm_draft_store: bool = False,
         verdict_audit_every: int = DEFAULT_AUDIT_EVERY,
+        trusted_peers: Sequence[str] = (),
         **kwargs: Any,
     ) -> "AutoDistributedModel":
         """Fetch the config and tokenizer (never weights) and join the swarm as a client.
@@ -87,8 +90,9 @@ class AutoDistributedModel:
         ``spot_check_rate``: the default of ``generate``'s (audits per verdict; 1/50; 0: none).
         ``verdict_audit_every``: every generated token is re-verified by a second tail on a shadow
         session, in one Step per this many tokens and once more before the output is returned; a
-        tail caught lying in its verdicts is excluded and its tokens re-verified (client/_verdict_audits.py;
-        0 turns the audits off).
+        dispute is settled by a trusted server or the disputed servers are avoided and the tokens
+        re-verified (client/_verdict_audits.py; 0 turns the audits off). ``trusted_peers``: peer ids
+        of servers you trust to settle disputes and confirm tokens (``generate`` may override it).
         ``warm_draft_store``: start the suffix drafter's memory with the model's own answers to
         prompts of its kind, where the package has them (client/warm_corpus.py; SmolLM2-135M);
         drafts only, so the output is the same either way. Off by default: on the 2-core CPU
@@ -115,6 +119,7 @@ class AutoDistributedModel:
         model = cls(config, tokenizer, swarm)
         model.spot_check_rate = float(spot_check_rate)
         model.verdict_audit_every = check_audit_every(verdict_audit_every)
+        model.trusted_peers = trusted_set(trusted_peers)
         if warm_draft_store:
             model.warm_corpus = load_warm_corpus(config)
             model.reset_draft_store()
@@ -198,10 +203,10 @@ class AutoDistributedModel:
 
         ``spot_check_rate`` (default: ``from_pretrained``'s, 1/50; 0 disables): after each verdict,
         with this probability, one hop of the route is audited against another server of the same
-        blocks and precision; a server outvoted by a third is excluded, and the tokens it may have
-        corrupted are re-verified on an honest route (``last_generation_stats.liars_excluded``,
-        ``tokens_retracted``). A ``streamer`` may have been given tokens that this replaced; the
-        returned ids never hold them (docs/reliability.md, "Spot-checks").
+        blocks and precision (docs/reliability.md, "Spot-checks"); a re-verification may replace
+        tokens a ``streamer`` was given, never the returned ids. ``trusted_peers`` (default
+        ``from_pretrained``'s) and ``audit`` ("warn": unconfirmed tokens give an
+        UnconfirmedTokensWarning; "required": UnconfirmedTokensError) in docs/api.md.
         """
         options, unused = GenerationOptions.split(kwargs)
         if unused:
@@ -363,6 +368,7 @@ class AutoDistributedModel:
     ) -> SpeculativeDecoder:
         """The one place generate() and agenerate_stream() build their decoder and drafter."""
         options = call.options
+        trusted = trusted_set(options.trusted_peers, self.trusted_peers)
         if options.draft_model is not None:  # one ModelDrafter (own KV cache) per stream; the model is shared
             sample = options.verification == "rejection"
             drafter = ModelDrafter(options.draft_model, call.sampling, options.num_draft_tokens, sample=sample)
@@ -385,18 +391,21 @@ class AutoDistributedModel:
             num_logprobs=options.num_logprobs,
             on_tokens=on_tokens,
             verification=options.verification,
-            audits=self._audits(call.spot_check_rate),
+            audits=self._audits(call.spot_check_rate, trusted),
+            trusted_peers=trusted,
+            audit=options.audit,
             draft_tree=options.draft_tree,
             tree_sizer=self._tree_sizer,
             loop_runs=options.loop_runs,
         )
 
-    def _audits(self, spot_check_rate: float) -> Optional[Audits]:
+    def _audits(self, spot_check_rate: float, trusted: frozenset[str]) -> Optional[Audits]:
         """A generation's audits: spot-checks at this rate and verdict audits at the model's period
         (None when both are off, so the decoder skips them)."""
         vocab, every = self.config.vocab_size, self.verdict_audit_every
-        spot = SpotChecker(self.swarm, spot_check_rate, vocab) if spot_check_rate else None
-        verdicts = VerdictAuditor(self.swarm, vocab, every) if every else None
+        witnesses = Witnesses(trusted)
+        spot = SpotChecker(self.swarm, spot_check_rate, vocab, witnesses=witnesses) if spot_check_rate else None
+        verdicts = VerdictAuditor(self.swarm, vocab, every, witnesses=witnesses) if every else None
         return Audits(spot, verdicts) if spot or verdicts else None
 
     @property

@@ -63,6 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",  # app.MAX_CHOICES_PER_REQUEST
         help="choices one request may ask for: prompts in a batch times n (each is a session on every hop)",
     )
+    p.add_argument(
+        "--trusted-peers",
+        nargs="+",
+        default=[],
+        metavar="PEER_ID",
+        help="servers you trust to settle disputes and confirm tokens (docs/reliability.md, 'Witnesses')",
+    )
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -123,7 +130,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         read_keys(args)
         for name in args.model:
             models[name] = AutoDistributedModelForCausalLM.from_pretrained(
-                name, initial_peers=args.initial_peers or None, request_timeout=args.swarm_timeout
+                name,
+                initial_peers=args.initial_peers or None,
+                request_timeout=args.swarm_timeout,
+                trusted_peers=args.trusted_peers,
             )
         asyncio.run(serve(args, models))
     except (ValueError, OSError, RuntimeError) as e:

@@ -18,11 +18,13 @@ from protocol.messages import TokenLogprobs
 from swarm.api.engine import Delta, ServedModel, TextGeneration
 
 STAT_COUNTS = ("laps", "drafted", "accepted", "failovers")
+# how the returned tokens were confirmed (docs/reliability.md, "Disputes and witnesses")
+CONFIRMATION_COUNTS = ("tokens_confirmed_trusted", "tokens_confirmed_untrusted", "tokens_unconfirmed")
 
 
 def speculation_stats(stats: Sequence[GenerationStats]) -> dict[str, Any]:
     """The counts of all the choices' generations added up; tokens per lap over all their laps."""
-    totals = {key: sum(getattr(s, key) for s in stats) for key in STAT_COUNTS}
+    totals = {key: sum(getattr(s, key) for s in stats) for key in STAT_COUNTS + CONFIRMATION_COUNTS}
     per_lap = (totals["accepted"] + totals["laps"]) / totals["laps"] if totals["laps"] else 0.0
     return {
         "laps": totals["laps"],
@@ -30,6 +32,7 @@ def speculation_stats(stats: Sequence[GenerationStats]) -> dict[str, Any]:
         "drafted": totals["drafted"],
         "accepted": totals["accepted"],
         "failovers": totals["failovers"],
+        **{key: totals[key] for key in CONFIRMATION_COUNTS},
     }
 
 

@@ -2,9 +2,10 @@
 
 Unit: the tolerance rule, the choice of the audited hop and its substitutes, the majority vote.
 Live: a tiny-model swarm with two lying servers (``tests.kit.faulty_server --corrupt noise`` on blocks 0:3 and
-``--corrupt offset`` on 3:6) beside honest ones; routes pinned through a liar, every verdict
-audited (``spot_check_rate=1.0``): the liar is caught, excluded, reported in the DHT (the dashboard
-counts it), and the output is token-identical to an honest run.
+``--corrupt offset`` on 3:6) beside honest ones, which the client trusts (``trusted_peers``); routes
+pinned through a liar, every verdict audited (``spot_check_rate=1.0``): the liar is caught by a
+trusted server, excluded, reported in the DHT (the dashboard counts it), and the output is
+token-identical to an honest run.
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ class LiarThenHonestSwarm:
         self._session = OracleSession
         self.verdicts = 0
 
-    async def open_session(self, max_length: int):
+    async def open_session(self, max_length: int, avoid=()):
         lying = not self.liars
         session = self._session(self.wrong if lying else self.honest, eos=-1)
         session.route = [Hop("liar" if lying else "honest", 0, 6)]
@@ -225,6 +226,12 @@ def client(swarm, path, *routes, **kwargs):
         model.shutdown()
 
 
+def trusted(model) -> dict:
+    """The honest servers as ``trusted_peers``: a dispute settled by one of them convicts (a stranger's
+    vote settles nothing: tests/test_sybils.py)."""
+    return {"trusted_peers": [model.peers[name] for name in ("A", "B", "F")]}
+
+
 def reference(tiny_reference, new_tokens: int = NEW_TOKENS) -> list[int]:
     with torch.no_grad():
         out = tiny_reference.generate(torch.tensor([PROMPT]), max_new_tokens=new_tokens, do_sample=False)
@@ -257,7 +264,9 @@ def noise_run(liar_swarm, tiny_llama_path, tiny_reference):
     """A greedy generation routed through the noise liar (head, blocks 0:3), every verdict audited."""
     with client(liar_swarm, tiny_llama_path, [("N", 0, 3), ("B", 3, 6)], HONEST) as model:
         began = time.monotonic()
-        out = model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, speculation=None, spot_check_rate=1.0)
+        out = model.generate(
+            torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, speculation=None, spot_check_rate=1.0, **trusted(model)
+        )
         seconds = time.monotonic() - began
         _run(model.swarm.flush_reports())
         yield model.peers, model.last_generation_stats, out[0, len(PROMPT) :].tolist(), seconds
@@ -340,7 +349,7 @@ def test_offset_liar_at_the_tail_is_caught_and_streaming_retracts(liar_swarm, ti
         async def stream():
             have, chunks = [], []
             async for chunk in model.agenerate_stream(
-                PROMPT, max_new_tokens=48, speculation="suffix", spot_check_rate=1.0
+                PROMPT, max_new_tokens=48, speculation="suffix", spot_check_rate=1.0, **trusted(model)
             ):
                 have = have[: len(have) - chunk.retracted] + chunk.token_ids
                 chunks.append(chunk)
@@ -364,7 +373,7 @@ def test_seeded_sampling_through_a_liar_equals_an_honest_run(liar_swarm, tiny_ll
         expected = honest.generate(torch.tensor([PROMPT]), spot_check_rate=0, **sampling)[0].tolist()
         assert honest.last_generation_stats.spot_checks == 0
     with client(liar_swarm, tiny_llama_path, [("N", 0, 3), ("B", 3, 6)], HONEST) as model:
-        out = model.generate(torch.tensor([PROMPT]), spot_check_rate=1.0, **sampling)[0].tolist()
+        out = model.generate(torch.tensor([PROMPT]), spot_check_rate=1.0, **sampling, **trusted(model))[0].tolist()
         stats = model.last_generation_stats
         assert stats.liars_excluded[0] == model.peers["N"]
         assert out == expected

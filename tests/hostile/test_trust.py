@@ -208,14 +208,18 @@ SAMPLING = SamplingParams(do_sample=True, temperature=0.8, top_p=0.9, seed=1234)
 def test_a_lying_tail_is_convicted_and_the_output_stays_exact(
     liar_swarm, tiny_llama_path, tiny_reference, greedy_reference, lie
 ):
-    """L (4:6) computes honestly and lies in 30% of its verdicts; with the client's defaults (no
-    spot-checks of activations here, so the verdict audits alone must catch it) greedy and seeded
+    """L (4:6) computes honestly and lies in 30% of its verdicts; with the honest tails trusted
+    (``trusted_peers``: a dispute with L is settled by the trusted shadow; a stranger's vote would
+    settle nothing, tests/test_sybils.py) and no spot-checks of activations here, greedy and seeded
     outputs equal local transformers, and L is convicted and reported."""
     model, process = with_faulty_middle(
         liar_swarm, tiny_llama_path, "--lie-in-verdicts", "0.3", "--lie", lie, blocks=(4, 6)
     )
     try:
-        out = model.generate(torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS, spot_check_rate=0.0)
+        trusted = [model.peers["T"], model.peers["U"]]
+        out = model.generate(
+            torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS, spot_check_rate=0.0, trusted_peers=trusted
+        )
         stats = model.last_generation_stats
         print(
             f"\n{lie} liar: {stats.verdict_audits} verdict audits, {stats.verdict_audit_positions} audit positions "
@@ -235,6 +239,7 @@ def test_a_lying_tail_is_convicted_and_the_output_stays_exact(
             temperature=0.8,
             top_p=0.9,
             seed=1234,
+            trusted_peers=trusted,
         )
         assert sampled[0, len(PROMPT[0]) :].tolist() == reference_sample(tiny_reference, PROMPT[0], 20, SAMPLING)
         assert model.last_generation_stats.liars_excluded == [model.peers["F"]]
@@ -248,13 +253,17 @@ def test_a_lying_tail_is_convicted_and_the_output_stays_exact(
 def test_lies_in_the_last_tokens_only_are_caught_before_generate_returns(liar_swarm, tiny_llama_path, greedy_reference):
     """L lies on every verdict about the last 6 of 40 tokens only: fewer than one audit's worth (16),
     so the audit that sees them may be the one ``generate()`` waits for before it returns; either
-    way L is convicted before the output is returned, and the output equals local transformers."""
+    way L is convicted (T and U trusted) before the output is returned, and the output equals
+    local transformers."""
     after = len(PROMPT[0]) + NEW_TOKENS - 6
     model, process = with_faulty_middle(
         liar_swarm, tiny_llama_path, "--lie-in-verdicts", "1", "--lie-after", str(after), blocks=(4, 6)
     )
     try:
-        out = model.generate(torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS, spot_check_rate=0.0)
+        trusted = [model.peers["T"], model.peers["U"]]
+        out = model.generate(
+            torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS, spot_check_rate=0.0, trusted_peers=trusted
+        )
         stats = model.last_generation_stats
         assert out[0, len(PROMPT[0]) :].tolist() == greedy_reference, stats.spot_check_events
         assert stats.liars_excluded == [model.peers["F"]], stats.spot_check_events

@@ -22,6 +22,10 @@ server stays honest, so each test sees exactly the one lie it is about.
   (``random``); optionally only from position ``after`` on, or only on Steps of at most ``short``
   positions.
 - ``inflate_claims(factor)``: the server announces ``factor`` x the throughput it measures.
+- ``frame()``: a sybil tail that is honest on every Step shaped like a live lap and, on a Step that
+  looks like an audit's (more than ``LIVE_DRAFTS`` drafts, as a shadow Step carries, or one that
+  ends at its session's last position, as a third opinion does), rejects the first draft and names
+  the model's second choice there: two such tails confirm each other against an honest one.
 """
 
 from __future__ import annotations
@@ -54,18 +58,27 @@ def corrupt_outputs(span, mode: str) -> None:
     """Make ``span.forward`` return corrupted activations from now on (in place)."""
     if mode not in CORRUPTIONS:
         raise ValueError(f"corruption must be one of {CORRUPTIONS}, got {mode!r}")
-    forward = span.forward
+    import threading
+
+    forward, batching = span.forward, threading.local()
 
     @functools.wraps(forward)
     def lying_forward(*args, **kwargs):
-        return corrupt(forward(*args, **kwargs), mode)
+        out = forward(*args, **kwargs)
+        # a batch of one runs through forward (server/adapters/llama.py): corrupted once, by the batch wrapper
+        return out if getattr(batching, "inside", False) else corrupt(out, mode)
 
     span.forward = lying_forward
     forward_batch = span.forward_batch
 
     @functools.wraps(forward_batch)
     def lying_forward_batch(*args, **kwargs):  # several sessions in one pass (server/batching.py)
-        return [None if out is None else corrupt(out, mode) for out in forward_batch(*args, **kwargs)]
+        batching.inside = True
+        try:
+            outputs = forward_batch(*args, **kwargs)
+        finally:
+            batching.inside = False
+        return [None if out is None else corrupt(out, mode) for out in outputs]
 
     span.forward_batch = lying_forward_batch
     logger.warning(f"Fault injection: this server corrupts its outputs ({mode})")
@@ -238,3 +251,39 @@ def inflate_claims(factor: float) -> None:
         return real * factor
 
     span_server.measure_throughput = inflated
+
+
+LIVE_DRAFTS = 8  # the most drafts a live lap carries with the client's defaults (num_draft_tokens)
+
+
+def looks_like_an_audit(session, step) -> bool:
+    """What a hostile tail can see of a Step: shadow Steps carry more drafts than a live lap; a
+    third opinion's Step ends at its session's last position."""
+    return step.n_draft > LIVE_DRAFTS or (
+        step.n_draft > 0 and step.start_pos + len(step.token_ids) == session.max_length
+    )
+
+
+def frame() -> Counter:
+    """From now on this process's tails frame whoever they audit (``server.compute._verdict``
+    patched): on an audit-looking Step (:func:`looks_like_an_audit`) the first draft is rejected
+    and the second choice at its position named instead; every other Step is verified honestly."""
+    from server import compute as compute_module
+
+    count, verdict = Counter(1), compute_module._verdict
+
+    def framing_verdict(session, step, logits):
+        result = verdict(session, step, logits)
+        if step.parents or step.draft_q is not None or not looks_like_an_audit(session, step):
+            return result
+        row = len(step.token_ids) - step.n_draft - 1  # the position of the first draft's verdict
+        top = logits[row].float().topk(2).indices.tolist()
+        drafted = step.token_ids[row + 1]
+        count.due()
+        result.accepted, result.next_token = 0, top[1] if top[0] == drafted else top[0]
+        result.logprobs = None
+        logger.warning(f"Fault injection: framing run {step.run_id} at position {step.start_pos + row + 1}")
+        return result
+
+    compute_module._verdict = framing_verdict
+    return count

@@ -33,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lie", default="second", choices=faults.VERDICT_LIES, help="the lie: second choice or random id")
     p.add_argument("--lie-after", type=int, default=0, metavar="POS", help="lie only from this position on")
     p.add_argument("--lie-short", type=int, default=0, metavar="N", help="lie only on Steps of at most N positions")
+    p.add_argument(
+        "--frame", action="store_true", help="honest in live laps, name a wrong token in audit-looking Steps"
+    )
     p.add_argument("--claim-factor", type=float, default=0.0, metavar="X", help="announce X x the measured throughput")
     return p
 
@@ -67,6 +70,8 @@ def patch(args: argparse.Namespace) -> None:
     moves.load_span = faulty_load_span  # a span loaded by a move is as faulty as the first
     if args.lie_in_verdicts:
         faults.lie_in_verdicts(args.lie_in_verdicts, args.lie, after=args.lie_after, short=args.lie_short)
+    if args.frame:
+        faults.frame()
     if args.claim_factor:
         faults.inflate_claims(args.claim_factor)
 

@@ -74,7 +74,7 @@ class OracleSwarm:
         self.target, self.eos = target, eos
         self.session: Optional[OracleSession] = None
 
-    async def open_session(self, max_length: int) -> OracleSession:
+    async def open_session(self, max_length: int, avoid=()) -> OracleSession:
         self.session = OracleSession(self.target, self.eos)
         return self.session
 

@@ -1,0 +1,76 @@
+"""How each returned token was confirmed, and what the caller is told about the rest
+(docs/reliability.md, "What is confirmed").
+
+A token is *confirmed by a trusted server* when a trusted tail committed it or a trusted shadow
+re-verified it; *confirmed by an untrusted one* when an independent shadow (client/_witnesses.py)
+re-verified it; otherwise *unconfirmed*: the swarm had no independent second tail of the tail's
+blocks and precision, the last audit failed, a dispute was left unsettled, or the generation used
+rejection sampling (client/_verdict_audits.py). Unconfirmed tokens are counted in the stats and
+flagged with an :class:`UnconfirmedTokensWarning`; ``audit="required"`` raises instead.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Collection, Optional
+
+from client._stats import GenerationStats
+from client.errors import UnconfirmedTokensError, UnconfirmedTokensWarning
+
+AUDIT_POLICIES = ("warn", "required")
+
+
+def check_audit_policy(audit: str) -> str:
+    if audit not in AUDIT_POLICIES:
+        raise ValueError(f"audit must be one of {AUDIT_POLICIES}, got {audit!r}")
+    return audit
+
+
+def count(
+    stats: GenerationStats,
+    history: list[int],
+    prompt_len: int,
+    audited: Optional[list[int]],
+    trusted_confirmed: Collection[int],
+    trusted_tail: Collection[int],
+) -> None:
+    """Fill the stats' three counts for ``history[prompt_len:]``: ``audited`` is the prefix the
+    verdict audits confirmed (None: no verdict audits), ``trusted_confirmed`` the positions a trusted
+    shadow confirmed, ``trusted_tail`` the positions a trusted tail committed."""
+    confirmed = 0
+    for a, b in zip(audited or [], history):
+        if a != b:
+            break
+        confirmed += 1
+    stats.tokens_confirmed_trusted = stats.tokens_confirmed_untrusted = stats.tokens_unconfirmed = 0
+    for position in range(prompt_len, len(history)):
+        if position in trusted_tail or (position < confirmed and position in trusted_confirmed):
+            stats.tokens_confirmed_trusted += 1
+        elif position < confirmed:
+            stats.tokens_confirmed_untrusted += 1
+        else:
+            stats.tokens_unconfirmed += 1
+
+
+def why(stats: GenerationStats) -> str:
+    """A short reason from the stats, for the warning and the error."""
+    if stats.disputed_peers:
+        return f"a dispute between {sorted(set(stats.disputed_peers))} that no trusted server settled"
+    if stats.verdict_audits_failed:
+        return "a verdict audit failed (a server died, refused or timed out)"
+    if stats.verdict_audits_skipped:
+        return "no independent second server of the tail's blocks and precision"
+    return "no verdict audit ran (rejection sampling, verdict_audit_every=0, or no second tail)"
+
+
+def report(stats: GenerationStats, audit: str) -> None:
+    """Warn about unconfirmed tokens, or raise under ``audit="required"``."""
+    if not stats.tokens_unconfirmed:
+        return
+    message = (
+        f"{stats.tokens_unconfirmed} of {stats.new_tokens} generated tokens are unconfirmed: {why(stats)}. "
+        "Name servers you trust with trusted_peers=[...] to settle disputes and confirm tokens"
+    )
+    if audit == "required":
+        raise UnconfirmedTokensError(message + ' (audit="required" refuses to return them)', stats)
+    warnings.warn(message, UnconfirmedTokensWarning, stacklevel=4)

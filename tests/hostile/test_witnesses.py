@@ -1,0 +1,157 @@
+"""Who may witness for whom, and what a generation says about its tokens (client/_witnesses.py,
+client/_confirmation.py; docs/reliability.md, "Witnesses" and "What is confirmed")."""
+
+from __future__ import annotations
+
+import asyncio
+import warnings
+from types import SimpleNamespace
+
+import pytest
+
+from client._confirmation import check_audit_policy, count, report
+from client._options import GenerationOptions
+from client._stats import GenerationStats
+from client._witnesses import Witnesses, machine_group, trusted_set
+from client.errors import UnconfirmedTokensError, UnconfirmedTokensWarning
+
+
+def test_machine_groups_by_observed_address():
+    assert machine_group("/ip4/1.2.3.7/tcp/31337", "a") == machine_group("/ip4/1.2.3.200/udp/1/quic", "b")
+    assert machine_group("/ip4/1.2.3.7/tcp/1", "a") != machine_group("/ip4/1.2.4.7/tcp/1", "a")
+    assert machine_group("/ip6/2a00:1450:1:2::1/tcp/1", "a") == machine_group("/ip6/2a00:1450:1:ffff::9/tcp/1", "b")
+    assert machine_group("/ip6/2a00:1450:1::1/tcp/1", "a") != machine_group("/ip6/2a00:1450:2::1/tcp/1", "a")
+    # private addresses: the exact address (a LAN's honest hosts share a /24)
+    assert machine_group("/ip4/10.0.0.2/tcp/1", "a") != machine_group("/ip4/10.0.0.3/tcp/1", "b")
+    assert machine_group("/ip4/10.0.0.2/tcp/1", "a") == machine_group("/ip4/10.0.0.2/tcp/2", "b")
+    # loopback: a process on the client's own machine, one group per peer id
+    assert machine_group("/ip4/127.0.0.1/tcp/1", "a") != machine_group("/ip4/127.0.0.1/tcp/2", "b")
+    assert machine_group("/ip6/::1/tcp/1", "a") == "local:a"
+    # behind one relay: one group, whoever the peers are
+    circuit = "/ip4/198.51.100.1/tcp/1/p2p/QmRelay/p2p-circuit"
+    assert machine_group(circuit, "a") == machine_group(circuit, "b")
+    assert machine_group("/unix/tmp/sock", "a") is None
+
+
+class FakeP2P:
+    def __init__(self, peers):
+        self.peers = peers
+
+    async def list_peers(self):
+        return [
+            SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda p=peer: p), addrs=addrs)
+            for peer, addrs in self.peers.items()
+        ]
+
+
+def test_independent_witnesses_and_trusted_first():
+    witnesses = Witnesses(trusted=["trusted"])
+    p2p = FakeP2P(
+        {
+            "tail": ["/ip4/1.2.3.7/tcp/1"],
+            "sybil": ["/ip4/1.2.3.8/tcp/1"],  # the tail's /24: one operator as far as we can tell
+            "other": ["/ip4/5.6.7.9/tcp/1"],
+            "trusted": ["/ip4/1.2.3.9/tcp/1"],  # trusted whatever its address
+        }
+    )
+    asyncio.run(witnesses.refresh(p2p))
+    assert not witnesses.independent("sybil", ["tail"])
+    assert witnesses.independent("other", ["tail"]) and witnesses.independent("trusted", ["tail"])
+    assert not witnesses.independent("stranger", ["tail"])  # no connection: no known address
+    records = [SimpleNamespace(peer_id=p) for p in ("other", "sybil", "trusted", "stranger")]
+    assert [r.peer_id for r in witnesses.choose(records, ["tail"])] == ["trusted", "other"]
+
+
+def test_trusted_peers_are_checked():
+    assert trusted_set(None, ["a"]) == {"a"} and trusted_set(["b"], ["a"]) == {"b"} and trusted_set([]) == set()
+    for bad in ("Qm...", [1], [""]):
+        with pytest.raises(ValueError, match="trusted_peers must be a list of peer ids"):
+            trusted_set(bad)
+    with pytest.raises(ValueError, match="trusted_peers"):
+        GenerationOptions(trusted_peers="Qm").checked()
+    with pytest.raises(ValueError, match="audit must be one of"):
+        GenerationOptions(audit="strict").checked()
+    assert check_audit_policy("required") == "required"
+
+
+def test_every_token_is_counted_once_by_how_it_was_confirmed():
+    stats = GenerationStats(new_tokens=6)
+    history = [1, 2, 10, 11, 12, 13, 14, 15]  # a prompt of 2, six new tokens
+    count(stats, history, 2, audited=[1, 2, 10, 11, 12, 99], trusted_confirmed={2, 3}, trusted_tail={7})
+    # 10, 11: a trusted shadow; 12: an untrusted one; 13 (audited as 99: not confirmed), 14: none; 15: trusted tail
+    assert (stats.tokens_confirmed_trusted, stats.tokens_confirmed_untrusted, stats.tokens_unconfirmed) == (3, 1, 2)
+    count(stats, history, 2, audited=None, trusted_confirmed=(), trusted_tail=())
+    assert stats.tokens_unconfirmed == 6 and stats.tokens_confirmed_untrusted == 0
+
+
+def test_unconfirmed_tokens_warn_or_raise():
+    stats = GenerationStats(new_tokens=5, tokens_unconfirmed=2, disputed_peers=["x", "y"])
+    with pytest.warns(UnconfirmedTokensWarning, match="2 of 5 generated tokens are unconfirmed: a dispute"):
+        report(stats, "warn")
+    with pytest.raises(UnconfirmedTokensError, match='2 of 5 .*audit="required"') as raised:
+        report(stats, "required")
+    assert raised.value.stats is stats
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        report(GenerationStats(new_tokens=5, tokens_confirmed_untrusted=5), "required")  # all confirmed: silent
+
+
+def test_the_gateway_reports_how_the_tokens_were_confirmed():
+    from swarm.api.responses import speculation_headers, speculation_stats
+
+    rows = [
+        GenerationStats(laps=2, tokens_confirmed_trusted=3, tokens_unconfirmed=1),
+        GenerationStats(laps=1, tokens_confirmed_untrusted=2, tokens_unconfirmed=4),
+    ]
+    stats = speculation_stats(rows)
+    assert (stats["tokens_confirmed_trusted"], stats["tokens_confirmed_untrusted"], stats["tokens_unconfirmed"]) == (
+        3,
+        2,
+        5,
+    )
+    assert speculation_headers(rows)["x-specswarm-tokens-unconfirmed"] == "5"
+
+
+def test_a_spot_check_substitute_on_the_checked_servers_machine_is_replaced_or_skipped():
+    from client._spot_checks import AuditResult, SpotChecker
+    from protocol.messages import Hop
+
+    class Swarm:
+        request_timeout = 1.0
+        records: dict = {}
+        p2p = FakeP2P(
+            {
+                "hop": ["/ip4/1.2.3.7/tcp/1"],
+                "sybil": ["/ip4/1.2.3.8/tcp/1"],
+                "other": ["/ip4/5.6.7.9/tcp/1"],
+            }
+        )
+
+        async def unresponsive(self, route, timeout=3.0):
+            return []
+
+    checker = SpotChecker(Swarm(), 1.0, 10)
+    assert asyncio.run(checker._independent("hop", "sybil", ["other"])) == ("other", [])
+    assert asyncio.run(checker._independent("hop", "sybil", [])) == (None, [])
+    result = asyncio.run(checker._compare([Hop("hop", 0, 3)], 0, "sybil", [], [1, 2], AuditResult("failed")))
+    assert result.verdict == "skipped" and "another machine group" in result.detail
+
+
+def test_the_gateway_passes_trusted_peers_to_every_model(monkeypatch):
+    from client import AutoDistributedModelForCausalLM
+    from swarm.api import __main__ as gateway
+
+    assert gateway.build_parser().parse_args([]).trusted_peers == []
+    seen = {}
+
+    def fake_from_pretrained(name, **kwargs):
+        seen[name] = kwargs["trusted_peers"]
+        raise ValueError("stop here")  # the gateway reports it and exits 2, serving nothing
+
+    monkeypatch.setattr(AutoDistributedModelForCausalLM, "from_pretrained", fake_from_pretrained)
+    monkeypatch.setattr(gateway, "setup_logging", lambda level: None)  # leave the test process's logging alone
+    monkeypatch.setattr(gateway.lifeline, "install", lambda: None)
+    assert (
+        gateway.main(["--model", "m", "--initial-peers", "/ip4/127.0.0.1/tcp/1", "--trusted-peers", "QmA", "QmB"]) == 2
+    )
+    assert seen == {"m": ["QmA", "QmB"]}
