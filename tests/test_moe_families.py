@@ -1,0 +1,232 @@
+"""Mixtures of experts through the generic adapter (server/adapters/llama.py): Mixtral, Qwen2-MoE,
+Qwen3-MoE, DeepSeek-V3 (latent attention, shared experts, a dense first block) and GLM-4-MoE, each
+a tiny random checkpoint in the hub's layout (one tensor per expert, written by transformers'
+save_pretrained), equal local transformers.
+
+Span level (float32; logits within 1e-4, only the grouping of positions differs): two spans over
+a prefill, a decode and a rollback; a batched pass against each member alone; the memory plan's
+block and cache bytes against what a loaded span holds. Over real servers: greedy and seeded
+sampling, without speculation and with suffix drafting, token-equal to transformers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from server.adapters import GENERIC_FAMILIES, adapter_class, load_span
+from server.adapters.expert_weights import map_keys
+from server.memory import model_sizes
+from server.quantization import Quant, resident_bytes
+from server.weights import Checkpoint
+from tests.checkpoints import MOE_FAMILIES, build_tiny_moe
+from tests.conftest import SERVER_ARGS, single_torch_thread
+from tests.test_batching import _alone_and_together
+from tests.test_exactness import PROMPT, reference_sample
+
+pytestmark = pytest.mark.timeout(900)
+FAMILIES = list(MOE_FAMILIES)
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    with single_torch_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def family_paths(tmp_path_factory):
+    made: dict[str, Path] = {}
+
+    def get(model_type: str) -> Path:
+        if model_type not in made:
+            made[model_type] = build_tiny_moe(tmp_path_factory.mktemp("moe") / model_type, model_type)
+        return made[model_type]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def references(family_paths):
+    made = {}
+
+    def get(model_type: str):
+        if model_type not in made:
+            made[model_type] = AutoModelForCausalLM.from_pretrained(
+                family_paths(model_type), dtype=torch.float32
+            ).eval()
+        return made[model_type]
+
+    return get
+
+
+def _spans(path: Path, bounds: list[tuple[int, int]], quant: Quant = Quant.NONE):
+    config = AutoConfig.from_pretrained(path)
+    return [load_span(config, Checkpoint(str(path)), a, b, torch.float32, "cpu", quant) for a, b in bounds]
+
+
+def _run(spans, caches, ids: torch.Tensor, start_pos: int) -> torch.Tensor:
+    for span, cache in zip(spans, caches):
+        span.trim_cache(cache, start_pos)
+    hidden = spans[0].embed(ids)
+    for span, cache in zip(spans, caches):
+        hidden = span.forward(hidden, ids, start_pos, cache, range(span.start, span.end))
+    return spans[-1].logits(hidden)
+
+
+def test_all_families_are_served_by_the_generic_adapter():
+    assert set(FAMILIES) <= set(GENERIC_FAMILIES)
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_checkpoint_is_in_the_hub_layout(family_paths, model_type):
+    """save_pretrained writes one tensor per expert (transformers' reverse conversion), so the
+    spans below load what the hub ships, not the fused modules."""
+    keys = Checkpoint(str(family_paths(model_type))).weight_map()
+    assert not any("gate_up_proj" in key for key in keys)
+    expert = "block_sparse_moe.experts.3.w1.weight" if model_type == "mixtral" else "mlp.experts.3.gate_proj.weight"
+    assert f"model.layers.1.{expert}" in keys
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_spans_equal_transformers_through_decode_and_rollback(family_paths, references, model_type):
+    path, reference = family_paths(model_type), references(model_type)
+    spans = _spans(path, [(0, 1), (1, 3), (3, 4)])  # splits a dense first block from the sparse ones
+    caches = [span.new_cache() for span in spans]
+    ids = torch.randint(0, 2000, (1, 14), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        expected = reference(ids).logits[0]
+    torch.testing.assert_close(_run(spans, caches, ids[:, :9], 0), expected[:9], rtol=0, atol=ATOL)
+    wrong = torch.tensor([[5, 6, 7]])  # drafts that get rejected: computed, then trimmed away
+    _run(spans, caches, wrong, 9)
+    assert spans[1].cache_length(caches[1]) == 12
+    torch.testing.assert_close(_run(spans, caches, ids[:, 9:12], 9), expected[9:12], rtol=0, atol=ATOL)
+    torch.testing.assert_close(_run(spans, caches, ids[:, 12:], 12), expected[12:], rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_a_batched_pass_gives_each_member_what_it_gets_alone(family_paths, model_type):
+    """Each session's own routing: members computed together (packed, or one after another for
+    DeepSeek-V3's latent attention) get their own activations and caches, a tree included."""
+    (span,) = _spans(family_paths(model_type), [(0, 4)])
+    assert span.packs_sessions == (model_type != "deepseek_v3") and span.supports_trees
+    alone, members, outputs = _alone_and_together(span, seed=11)
+    for (expected, cache), got, member in zip(alone, outputs, members):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        assert span.cache_length(member.cache) == span.cache_length(cache)
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_memory_plan_counts_the_experts_and_the_cache(family_paths, references, model_type):
+    """The plan's block bytes are the largest loaded block (an MoE block, fused experts included);
+    its cache bytes per token are what a span's cache grows by (DeepSeek-V3: the latent and the
+    rotary key, not heads x head_dim)."""
+    path, reference = family_paths(model_type), references(model_type)
+    config = AutoConfig.from_pretrained(path)
+    sizes = model_sizes(config, torch.float32)
+    assert sizes.block_bytes == max(resident_bytes(layer) for layer in reference.model.layers)
+    (span,) = _spans(path, [(1, 3)])
+    cache = span.new_cache()
+    hidden = torch.randn(1, 10, config.hidden_size)
+    span.forward(hidden, torch.zeros(1, 10, dtype=torch.long), 0, cache, range(1, 3))
+    held = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if layer.is_initialized)
+    assert held == 10 * span.cache_bytes_per_token() == 10 * 2 * sizes.cache_bytes_per_token
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "deepseek_v3"])
+def test_quantized_experts_are_refused_by_name(family_paths, model_type):
+    with pytest.raises(ValueError, match=f"model type '{model_type}'.*--quant int8.*experts"):
+        _spans(family_paths(model_type), [(0, 2)], Quant.INT8)
+
+
+def test_an_unsupported_family_is_refused_naming_it_and_the_supported_ones():
+    from transformers import GptOssConfig
+
+    with pytest.raises(ValueError, match=r"model type 'gpt_oss' is not supported yet; supported: \[.*'mixtral'"):
+        adapter_class(GptOssConfig())
+
+
+def test_an_expert_missing_from_the_checkpoint_is_named(family_paths):
+    keys = [k for k in Checkpoint(str(family_paths("qwen3_moe"))).weight_map() if ".experts.2.up_proj" not in k]
+    with pytest.raises(
+        KeyError, match="lacks 1 expert tensor.s. of model.layers.0.mlp.experts.gate_up_proj, e.g. source.expert .1, 2."
+    ):
+        sources = map_keys("qwen3_moe", keys, ["model.layers.0.mlp.experts.gate_up_proj"])
+        sources["model.layers.0.mlp.experts.gate_up_proj"].parts()
+
+
+# ---- over real servers -------------------------------------------------------------------------
+
+SWARM_SPANS = {
+    "mixtral": [(0, 2), (2, 4)],
+    "qwen2_moe": [(0, 1), (1, 3), (3, 4)],
+    "qwen3_moe": [(0, 3), (3, 4)],
+    "deepseek_v3": [(0, 1), (1, 4)],
+    "glm4_moe": [(0, 2), (2, 4)],
+}
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def served(request, family_paths, references, artifacts_dir):
+    from swarm import AutoDistributedModelForCausalLM
+    from swarm.local import LocalSwarm
+
+    model_type = request.param
+    path = family_paths(model_type)
+    swarm = LocalSwarm(
+        str(path),
+        spans=SWARM_SPANS[model_type],
+        server_args=SERVER_ARGS,
+        log_dir=str(artifacts_dir / f"moe-{model_type}"),
+    )
+    with swarm:
+        model = AutoDistributedModelForCausalLM.from_pretrained(str(path), initial_peers=swarm.initial_peers)
+        try:
+            yield model_type, model, references(model_type)
+        finally:
+            model.shutdown()
+
+
+def test_swarm_generation_equals_transformers(served, monkeypatch):
+    """Greedy and seeded sampling, with no speculation, suffix drafting (chains and token trees)
+    and scripted drafts wrong at chosen offsets (so the servers verify and roll back), token for
+    token against local transformers."""
+    from protocol.messages import SamplingParams
+    from tests.test_exactness import ScriptedDrafter
+
+    model_type, model, reference = served
+    prompt = torch.tensor([PROMPT[0] + PROMPT[0][1:6]])  # a repeat, so suffix drafting has something to draft
+    expected = reference.generate(prompt, max_new_tokens=20, do_sample=False)
+    for extra in (dict(speculation=None), dict(speculation="suffix"), dict(speculation="suffix", draft_tree=True)):
+        output = model.generate(prompt, max_new_tokens=20, **extra)
+        assert output.tolist() == expected.tolist(), (model_type, extra)
+    sampling = dict(do_sample=True, temperature=0.8, top_p=0.9, seed=1234)
+    truth = reference_sample(reference, prompt[0].tolist(), 16, SamplingParams(**sampling))
+    for speculation in (None, "suffix"):
+        output = model.generate(prompt, max_new_tokens=16, speculation=speculation, **sampling)
+        assert output[0, prompt.shape[1] :].tolist() == truth, (model_type, speculation)
+    for kwargs, want in (({}, expected[0, prompt.shape[1] :].tolist()), (sampling, truth)):
+        drafter = ScriptedDrafter(want, prompt.shape[1], wrong_at={1, 6, 7, 12}, length=4)
+        monkeypatch.setattr("client.model.make_drafter", lambda *a, drafter=drafter, **k: drafter)
+        output = model.generate(prompt, max_new_tokens=len(want), num_draft_tokens=4, **kwargs)
+        assert output[0, prompt.shape[1] :].tolist() == want, (model_type, kwargs)
+        stats = model.last_generation_stats
+        assert 0 < stats.accepted < stats.drafted and stats.laps < len(want)  # accepted, and rolled back
+
+
+def test_concurrent_sessions_batched_on_the_servers_each_equal_transformers(served):
+    """Eight sessions in one generate call, whose runs reach the servers together (the batched pass
+    itself is checked span-level above; each session routes its own tokens to its own experts): each
+    equals transformers alone."""
+    from tests.test_batching import _padded, greedy_truth, prompts
+
+    model_type, model, reference = served
+    rows = prompts(8, seed=3)
+    ids, mask = _padded(rows)
+    output = model.generate(ids, attention_mask=mask, max_new_tokens=10, speculation="suffix")
+    got = [output[i, ids.shape[1] :].tolist() for i in range(len(rows))]
+    assert got == [greedy_truth(reference, row, 10) for row in rows], model_type
