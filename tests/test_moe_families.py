@@ -19,8 +19,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from server.adapters import GENERIC_FAMILIES, adapter_class, load_span
 from server.adapters.expert_weights import map_keys
+from server.adapters.fused_experts import QuantizedExperts, quantize_loaded_experts
 from server.memory import model_sizes
-from server.quantization import Quant, resident_bytes
+from server.quantization import Quant, quantize_loaded, resident_bytes
 from server.weights import Checkpoint
 from tests.checkpoints import MOE_FAMILIES, build_tiny_moe
 from tests.conftest import SERVER_ARGS, single_torch_thread
@@ -137,10 +138,34 @@ def test_memory_plan_counts_the_experts_and_the_cache(family_paths, references, 
     assert held == 10 * span.cache_bytes_per_token() == 10 * 2 * sizes.cache_bytes_per_token
 
 
-@pytest.mark.parametrize("model_type", ["mixtral", "deepseek_v3"])
-def test_quantized_experts_are_refused_by_name(family_paths, model_type):
-    with pytest.raises(ValueError, match=f"model type '{model_type}'.*--quant int8.*experts"):
-        _spans(family_paths(model_type), [(0, 2)], Quant.INT8)
+def quantized_reference(path: Path, quant: Quant):
+    """transformers' float model with its fused experts and linears quantized by the servers' own
+    recipe (transformers' bitsandbytes path leaves fused experts in float)."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    quantize_loaded_experts(model.model.layers, quant, torch.float32)
+    quantize_loaded(model.model.layers, quant, torch.float32)
+    return model
+
+
+@pytest.mark.parametrize("quant", [Quant.INT8, Quant.NF4], ids=["int8", "nf4"])
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_quantized_spans_equal_the_same_quantization_in_one_process(family_paths, model_type, quant):
+    """int8/NF4 spans, experts included (one bitsandbytes linear per expert and projection, each
+    quantized as it is read), equal one process quantized alike; the plan's block bytes are what a
+    loaded quantized block holds."""
+    path = family_paths(model_type)
+    reference = quantized_reference(path, quant)
+    spans = _spans(path, [(0, 2), (2, 4)], quant)
+    assert any(isinstance(m, QuantizedExperts) for m in spans[1].layers.modules())
+    caches = [span.new_cache() for span in spans]
+    ids = torch.randint(0, 2000, (1, 12), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        expected = reference(ids).logits[0]
+    got = torch.cat([_run(spans, caches, ids[:, :8], 0), _run(spans, caches, ids[:, 8:], 8)])
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-3)
+    assert got.argmax(-1).tolist() == expected.argmax(-1).tolist()
+    sizes = model_sizes(AutoConfig.from_pretrained(path), torch.float32, quant)
+    assert sizes.block_bytes == max(resident_bytes(layer) for span in spans for layer in span.layers)
 
 
 def test_an_unsupported_family_is_refused_naming_it_and_the_supported_ones():
@@ -230,3 +255,30 @@ def test_concurrent_sessions_batched_on_the_servers_each_equal_transformers(serv
     output = model.generate(ids, attention_mask=mask, max_new_tokens=10, speculation="suffix")
     got = [output[i, ids.shape[1] :].tolist() for i in range(len(rows))]
     assert got == [greedy_truth(reference, row, 10) for row in rows], model_type
+
+
+@pytest.mark.parametrize("model_type, quant", [("mixtral", Quant.NF4), ("deepseek_v3", Quant.INT8)])
+def test_quantized_swarm_equals_the_same_quantization_in_one_process(family_paths, artifacts_dir, model_type, quant):
+    """Servers started with ``--quant``: greedy generation, with and without suffix drafting, equals
+    one process quantized by the same recipe."""
+    from swarm import AutoDistributedModelForCausalLM
+    from swarm.local import LocalSwarm
+
+    path = family_paths(model_type)
+    reference = quantized_reference(path, quant)
+    prompt = torch.tensor(PROMPT)
+    expected = reference.generate(prompt, max_new_tokens=16, do_sample=False)
+    swarm = LocalSwarm(
+        str(path),
+        spans=[(0, 2), (2, 4)],
+        server_args=[*SERVER_ARGS, "--quant", quant.value],
+        log_dir=str(artifacts_dir / f"moe-{model_type}-{quant.value}"),
+    )
+    with swarm:
+        model = AutoDistributedModelForCausalLM.from_pretrained(str(path), initial_peers=swarm.initial_peers)
+        try:
+            for speculation in (None, "suffix"):
+                output = model.generate(prompt, max_new_tokens=16, speculation=speculation)
+                assert output.tolist() == expected.tolist(), speculation
+        finally:
+            model.shutdown()

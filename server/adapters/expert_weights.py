@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Optional
+from typing import Container, Iterable, Iterator, Optional
 
 import torch
 
 from server.weights import Checkpoint
+
+EXPERTS_PER_READ = 16
 
 
 @dataclass(frozen=True)
@@ -135,19 +137,42 @@ def map_keys(model_type: str, checkpoint_keys: Iterable[str], targets: Iterable[
 
 
 def iter_tensors(
-    checkpoint: Checkpoint, sources: Iterable[Source], dtype: torch.dtype, desc: str = "Loading"
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """(target, tensor) for every source: plain keys streamed one at a time, each fused parameter
-    assembled from its experts' tensors as transformers' merge does it."""
+    checkpoint: Checkpoint,
+    sources: Iterable[Source],
+    dtype: torch.dtype,
+    desc: str = "Loading",
+    per_expert: Container[str] = (),
+) -> Iterator[tuple[str, Optional[int], torch.Tensor]]:
+    """(target, expert, tensor) for every source: plain keys streamed one at a time (expert None),
+    each fused parameter assembled from its experts' tensors as transformers' merge does it, or,
+    for targets in ``per_expert`` (a quantized span's experts), one expert's slice at a time."""
     sources = list(sources)
     plain = {s.key: s.target for s in sources if s.key}
     for key, tensor in checkpoint.iter_read(list(plain), dtype, desc=desc):
-        yield plain[key], tensor
+        yield plain[key], None, tensor
     for source in sources:
         if source.merge is None:
+            continue
+        if source.target in per_expert:
+            for expert, tensor in iter_experts(checkpoint, source, dtype):
+                yield source.target, expert, tensor
             continue
         parts = source.parts()
         tensors = checkpoint.read([k for keys in parts for k in keys], dtype, progress=False)
         stacked = [torch.stack([tensors.pop(k) for k in keys]) for keys in parts]
         dim = source.merge.concat_dim
-        yield source.target, stacked[0] if dim is None else torch.cat(stacked, dim=dim)
+        yield source.target, None, stacked[0] if dim is None else torch.cat(stacked, dim=dim)
+
+
+def iter_experts(checkpoint: Checkpoint, source: Source, dtype: torch.dtype) -> Iterator[tuple[int, torch.Tensor]]:
+    """(expert, its slice of the fused parameter), a few experts read at a time, so a quantized
+    span never holds a layer's experts in float."""
+    assert source.merge is not None
+    parts = source.parts()
+    dim = (source.merge.concat_dim or 1) - 1  # the stacked tensors' dim without the expert axis
+    count = len(parts[0])
+    for begin in range(0, count, EXPERTS_PER_READ):
+        experts = range(begin, min(count, begin + EXPERTS_PER_READ))
+        tensors = checkpoint.read([keys[e] for keys in parts for e in experts], dtype, progress=False)
+        for e in experts:
+            yield e, torch.cat([tensors.pop(keys[e]) for keys in parts], dim=dim)

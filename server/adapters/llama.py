@@ -8,8 +8,9 @@ Checkpoint names are mapped to the modules' by transformers' conversion table, p
 fused as transformers fuses them (server/adapters/expert_weights.py). DeepSeek-V3's latent
 attention caches its compressed latent and rotary key in the same cache (one head each), so
 rollback and trees work as for the others; its attention has no q/k/v projections to pack, so a
-batch's members run one after another through it (``packs_sessions``). Routed experts stay fused
-in ``--dtype``: ``--quant int8|nf4`` is refused for families that have them.
+batch's members run one after another through it (``packs_sessions``). Routed experts are fused
+in ``--dtype``, or split into one int8/NF4 linear per expert and projection under ``--quant``
+(server/adapters/fused_experts.py).
 
 Sliding-window layers (Mistral's ``sliding_window``, Qwen2's ``layer_types``): the span's cache
 keeps every position of every layer (plain ``DynamicLayer``s, which trim and gather exactly, so
@@ -31,7 +32,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, PretrainedConfig
 from transformers.cache_utils import DynamicLayer
 
 from protocol import trees
-from server.adapters import expert_weights, llama_batch, packing
+from server.adapters import expert_weights, fused_experts, llama_batch, packing
 from server.adapters.base import BatchMember, Cache, SpanAdapter
 from server.quantization import Quant, assign_tensor, checkpoint_names
 from server.weights import Checkpoint
@@ -61,19 +62,15 @@ class LlamaFamilyAdapter(SpanAdapter):
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(self.config, dtype=dtype)
         self.layers = torch.nn.ModuleList(skeleton.model.layers[start:end])
-        if self.quant != Quant.NONE and any(p.ndim == 3 for p in self.layers.parameters()):
-            raise ValueError(
-                f"model type {config.model_type!r}: --quant {self.quant.value} does not quantize its fused "
-                "experts yet; serve it with --quant none"
-            )
-        self.quantize_skeleton(self.layers, self.quant, dtype)
         for local_idx, layer in enumerate(self.layers):
             layer.self_attn.layer_idx = local_idx  # the session cache holds this span only
         self.rotary_emb = type(skeleton.model.rotary_emb)(config=self.config)
         self.embed_tokens = skeleton.model.embed_tokens if self.is_head else None
         self.norm = skeleton.model.norm if self.is_tail else None
         self.lm_head = skeleton.lm_head if self.is_tail else None
-        self._load(checkpoint)
+        wanted = self._wanted(checkpoint)  # names of the float modules, before quantization splits experts
+        self.quantize_skeleton(self.layers, self.quant, dtype)
+        self._load(checkpoint, wanted)
         # each layer's sliding window (None: full attention), for its masks
         self.windows = _layer_windows(self.config)[start:end]
         # trees need caches whose entries sit at their positions (new_cache keeps them all)
@@ -84,11 +81,8 @@ class LlamaFamilyAdapter(SpanAdapter):
         )
         self.supports_trees = all(type(layer) is DynamicLayer for layer in self.new_cache().layers)
 
-    def _load(self, checkpoint: Checkpoint) -> None:
-        """Fill the meta modules with this span's tensors only, one tensor (or one fused expert
-        parameter) at a time, each quantized as it arrives when the span is quantized. Checkpoint
-        names are mapped to the modules' by transformers' conversion table
-        (server/adapters/expert_weights.py): per-expert tensors become fused expert parameters."""
+    def _wanted(self, checkpoint: Checkpoint) -> dict[str, list[tuple[torch.nn.Module, str]]]:
+        """transformers' name of every tensor this span holds -> the (module, name) pairs it fills."""
         wanted: dict[str, list[tuple[torch.nn.Module, str]]] = {}
         for local_idx, layer in enumerate(self.layers):
             prefix = f"model.layers.{self.start + local_idx}."
@@ -102,11 +96,31 @@ class LlamaFamilyAdapter(SpanAdapter):
             wanted.setdefault("model.embed_tokens.weight" if tied else "lm_head.weight", []).append(
                 (self.lm_head, "weight")
             )
+        return wanted
+
+    def _load(self, checkpoint: Checkpoint, wanted: dict[str, list[tuple[torch.nn.Module, str]]]) -> None:
+        """Fill the meta modules with this span's tensors only, one tensor (or one fused expert
+        parameter; one expert where the span is quantized) at a time, each quantized as it arrives.
+        Checkpoint names are mapped to the modules' by transformers' conversion table
+        (server/adapters/expert_weights.py): per-expert tensors become fused expert parameters."""
         sources = expert_weights.map_keys(self.config.model_type, checkpoint.weight_map(), wanted)
+        split = {  # fused expert parameters whose module a quantized skeleton split into linears
+            target
+            for target, holders in wanted.items()
+            if isinstance(holders[0][0].get_submodule(holders[0][1].rpartition(".")[0]), fused_experts.QuantizedExperts)
+        }
         desc = f"Loading blocks {self.start}:{self.end}"
-        for target, tensor in expert_weights.iter_tensors(checkpoint, sources.values(), self.dtype, desc=desc):
+        for target, expert, tensor in expert_weights.iter_tensors(
+            checkpoint, sources.values(), self.dtype, desc=desc, per_expert=split
+        ):
             for module, name in wanted[target]:
-                assign_tensor(module, name, tensor, self.device)
+                if expert is None:
+                    assign_tensor(module, name, tensor, self.device)
+                    continue
+                experts_name, _, param = name.rpartition(".")
+                experts = module.get_submodule(experts_name)
+                linears = experts.gate_up if param == "gate_up_proj" else experts.down
+                assign_tensor(linears[expert], "weight", tensor, self.device)
         for module in self._modules():
             module.to(self.device).eval().requires_grad_(False)
         meta = [n for m in self._modules() for n, t in m.named_parameters() if t.is_meta]
@@ -218,6 +232,12 @@ class LlamaFamilyAdapter(SpanAdapter):
     @torch.inference_mode()
     def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.norm(hidden.to(self.device, self.dtype))[0].float()
+
+    stacked_linears = (fused_experts.FusedExperts,)
+
+    @staticmethod
+    def quantize_skeleton(layers: torch.nn.Module, quant: Quant, dtype: torch.dtype) -> None:
+        fused_experts.quantize_skeleton(layers, quant, dtype)
 
     def cache_bytes_per_token(self) -> int:
         return self.span_cache_bytes_per_token(self.config, self.start, self.end, self.dtype)
