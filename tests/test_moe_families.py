@@ -282,3 +282,91 @@ def test_quantized_swarm_equals_the_same_quantization_in_one_process(family_path
                 assert output.tolist() == expected.tolist(), speculation
         finally:
             model.shutdown()
+
+
+def fp8_like_the_hub(src: Path, dst: Path, block: int = 16) -> None:
+    """A copy of a tiny DeepSeek-V3 in its hub's FP8 form: every linear whose shape is whole
+    [block, block] tiles (routed and shared experts, q_b, o_proj ...) as FP8 e4m3 with a
+    ``.weight_scale_inv`` companion (one float32 scale per tile), the config's
+    ``quantization_config`` as the hub ships it (with the tiny block size)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    out = {}
+    for key, tensor in load_file(src / "model.safetensors").items():
+        rows, cols = tensor.shape if tensor.ndim == 2 else (0, 0)
+        if ".layers." in key and key.endswith("proj.weight") and rows and rows % block == 0 and cols % block == 0:
+            tiles = tensor.float().reshape(rows // block, block, cols // block, block)
+            scale = tiles.abs().amax(dim=(1, 3)) / 448.0
+            out[key] = (tiles / scale[:, None, :, None]).to(torch.float8_e4m3fn).reshape(rows, cols)
+            out[key + "_scale_inv"] = scale
+        else:
+            out[key] = tensor
+    save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "weight_block_size": [block, block],
+    }
+    (dst / "config.json").write_text(json.dumps(config))
+
+
+def test_deepseek_v3_fp8_checkpoint_loads_dequantized_as_transformers_does(family_paths, references, tmp_path):
+    """DeepSeek-V3's hub weights are FP8 blocks with ``weight_scale_inv``: a span dequantizes them
+    as transformers does on a machine without FP8 kernels, experts included."""
+    path = tmp_path / "fp8"
+    fp8_like_the_hub(family_paths("deepseek_v3"), path)
+    keys = Checkpoint(str(path)).weight_map()
+    assert "model.layers.1.mlp.experts.0.gate_proj.weight_scale_inv" in keys
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    spans = _spans(path, [(0, 2), (2, 4)])
+    mine = {
+        f"model.layers.{span.start + i}.{n}": t
+        for span in spans
+        for i, layer in enumerate(span.layers)
+        for n, t in layer.state_dict().items()
+    }
+    theirs = {n: t for n, t in reference.state_dict().items() if n.startswith("model.layers.")}
+    assert mine.keys() == theirs.keys()
+    for name, tensor in theirs.items():
+        assert torch.equal(mine[name], tensor), name
+    experts = "model.layers.1.mlp.experts.gate_up_proj"  # FP8-rounded: near the float weights, not equal
+    original = references("deepseek_v3").state_dict()[experts]
+    assert not torch.equal(mine[experts], original)
+    torch.testing.assert_close(mine[experts], original, rtol=0.07, atol=1e-3)
+    ids = torch.randint(0, 2000, (1, 10), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = reference(ids).logits[0]
+    torch.testing.assert_close(_run(spans, [s.new_cache() for s in spans], ids, 0), expected, rtol=0, atol=ATOL)
+
+
+SHIPPED = {"mixtral-8x22b": "mixtral", "qwen3-235b-a22b": "qwen3_moe", "deepseek-v3": "deepseek_v3"}
+
+
+@pytest.mark.parametrize("alias", list(SHIPPED))
+def test_shipped_configs_plan_the_published_shapes_offline(alias):
+    """The aliases' published configs ship with the package (--plan-only answers offline); an nf4
+    block holds at least its routed experts as one NF4 linear per expert and projection."""
+    from protocol.models import ALIASES, shipped_config_dir
+    from server.quantization import estimate_linear_bytes
+
+    assert "/" in ALIASES[alias]
+    config = AutoConfig.from_pretrained(shipped_config_dir(alias))
+    assert config.model_type == SHIPPED[alias]
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    experts = experts or config.n_routed_experts
+    inner = config.intermediate_size if config.model_type == "mixtral" else config.moe_intermediate_size
+    hidden = config.hidden_size
+    routed = experts * (
+        estimate_linear_bytes(2 * inner, hidden, Quant.NF4, torch.bfloat16)
+        + estimate_linear_bytes(hidden, inner, Quant.NF4, torch.bfloat16)
+    )
+    sizes = model_sizes(config, torch.bfloat16, Quant.NF4)
+    assert routed < sizes.block_bytes < 1.25 * routed
+    if config.model_type == "deepseek_v3":  # the latent (512) and rotary key (64) per token, bfloat16
+        assert sizes.cache_bytes_per_token == (512 + 64) * 2

@@ -14,6 +14,9 @@ with ``MergeModulelist(dim=0)`` (stack the experts) and, for several sources, ``
 the modules are read as they are. Any other operation is refused naming the model type, rather
 than loaded wrong.
 
+A weight with a ``.weight_scale_inv`` companion (DeepSeek-V3's FP8 hub checkpoints) is dequantized
+as transformers does on a device without FP8 kernels (SCALE_SUFFIX below).
+
 Only the span's keys are read (server/weights.py ``Checkpoint``); a fused parameter is assembled
 from its experts' tensors and handed over whole, so the peak extra memory while loading is one
 fused parameter.
@@ -30,6 +33,10 @@ import torch
 from server.weights import Checkpoint
 
 EXPERTS_PER_READ = 16
+# FP8 checkpoints (DeepSeek-V3's hub weights): a weight with a ``.weight_scale_inv`` companion holds FP8 e4m3
+# values in [128, 128] blocks, each scaled by one float; read as transformers does on a device without FP8
+# kernels (``dequantize=True``: its own Fp8Dequantize routine), into --dtype or then int8/NF4 under --quant
+SCALE_SUFFIX = "_scale_inv"
 
 
 @dataclass(frozen=True)
@@ -52,6 +59,7 @@ class Source:
     key: Optional[str] = None
     merge: Optional[Merge] = None
     found: dict[tuple[int, int], str] = field(default_factory=dict)
+    scales: dict[str, str] = field(default_factory=dict)  # weight key -> its FP8 block scales' key
 
     def keys(self) -> list[str]:
         return [self.key] if self.key else list(self.found.values())
@@ -115,11 +123,15 @@ def map_keys(model_type: str, checkpoint_keys: Iterable[str], targets: Iterable[
     target the checkpoint cannot make is an error naming a few of them."""
     wanted = set(targets)
     renamings, merges = conversions(model_type)
+    keys = list(checkpoint_keys)
+    scales = {key.removesuffix(SCALE_SUFFIX): key for key in keys if key.endswith(SCALE_SUFFIX)}
     sources: dict[str, Source] = {}
-    for key in checkpoint_keys:
+    for key in keys:
+        if key.endswith(SCALE_SUFFIX):
+            continue
         name = renamed(key, renamings)
         if name in wanted:
-            sources[name] = Source(name, key=key)
+            sources[name] = Source(name, key=key, scales={key: scales[key]} if key in scales else {})
             continue
         for merge in merges:
             for i, pattern in enumerate(merge.sources):
@@ -128,6 +140,8 @@ def map_keys(model_type: str, checkpoint_keys: Iterable[str], targets: Iterable[
                 if target in wanted:
                     source = sources.setdefault(target, Source(target, merge=merge))
                     source.found[(i, int(match["expert"]))] = key
+                    if key in scales:
+                        source.scales[key] = scales[key]
     missing = sorted(wanted - set(sources))
     if missing:
         raise KeyError(
@@ -145,12 +159,15 @@ def iter_tensors(
 ) -> Iterator[tuple[str, Optional[int], torch.Tensor]]:
     """(target, expert, tensor) for every source: plain keys streamed one at a time (expert None),
     each fused parameter assembled from its experts' tensors as transformers' merge does it, or,
-    for targets in ``per_expert`` (a quantized span's experts), one expert's slice at a time."""
+    for targets in ``per_expert`` (a quantized span's experts), one expert's slice at a time. FP8
+    weights are dequantized with their scales."""
     sources = list(sources)
-    plain = {s.key: s.target for s in sources if s.key}
+    plain = {s.key: s.target for s in sources if s.key and not s.scales}
     for key, tensor in checkpoint.iter_read(list(plain), dtype, desc=desc):
         yield plain[key], None, tensor
     for source in sources:
+        if source.key and source.scales:
+            yield source.target, None, _read(checkpoint, [source.key], source.scales, dtype)[source.key]
         if source.merge is None:
             continue
         if source.target in per_expert:
@@ -158,7 +175,7 @@ def iter_tensors(
                 yield source.target, expert, tensor
             continue
         parts = source.parts()
-        tensors = checkpoint.read([k for keys in parts for k in keys], dtype, progress=False)
+        tensors = _read(checkpoint, [k for keys in parts for k in keys], source.scales, dtype)
         stacked = [torch.stack([tensors.pop(k) for k in keys]) for keys in parts]
         dim = source.merge.concat_dim
         yield source.target, None, stacked[0] if dim is None else torch.cat(stacked, dim=dim)
@@ -173,6 +190,21 @@ def iter_experts(checkpoint: Checkpoint, source: Source, dtype: torch.dtype) -> 
     count = len(parts[0])
     for begin in range(0, count, EXPERTS_PER_READ):
         experts = range(begin, min(count, begin + EXPERTS_PER_READ))
-        tensors = checkpoint.read([keys[e] for keys in parts for e in experts], dtype, progress=False)
+        tensors = _read(checkpoint, [keys[e] for keys in parts for e in experts], source.scales, dtype)
         for e in experts:
             yield e, torch.cat([tensors.pop(keys[e]) for keys in parts], dim=dim)
+
+
+def _read(
+    checkpoint: Checkpoint, keys: list[str], scales: dict[str, str], dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """``keys`` in ``dtype``; those with FP8 scales read in float32 and dequantized first."""
+    scaled = [k for k in keys if k in scales]
+    tensors = checkpoint.read([k for k in keys if k not in scales], dtype, progress=False)
+    if scaled:
+        from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+        raw = checkpoint.read(scaled + [scales[k] for k in scaled], torch.float32, progress=False)
+        for key in scaled:
+            tensors[key] = Fp8Dequantize(None)._dequantize_one(raw[key], raw[scales[key]], torch.float32).to(dtype)
+    return tensors
