@@ -217,16 +217,23 @@ def served(request, family_paths, references, artifacts_dir):
 
 
 def test_swarm_generation_equals_transformers(served, monkeypatch):
-    """Greedy and seeded sampling, with no speculation, suffix drafting (chains and token trees)
-    and scripted drafts wrong at chosen offsets (so the servers verify and roll back), token for
-    token against local transformers."""
+    """Greedy and seeded sampling, with no speculation, suffix and n-gram drafting (chains, token
+    trees, async speculation) and scripted drafts wrong at chosen offsets (so the servers verify
+    and roll back), token for token against local transformers."""
     from protocol.messages import SamplingParams
     from tests.test_exactness import ScriptedDrafter
 
     model_type, model, reference = served
     prompt = torch.tensor([PROMPT[0] + PROMPT[0][1:6]])  # a repeat, so suffix drafting has something to draft
     expected = reference.generate(prompt, max_new_tokens=20, do_sample=False)
-    for extra in (dict(speculation=None), dict(speculation="suffix"), dict(speculation="suffix", draft_tree=True)):
+    modes = (
+        dict(speculation=None),
+        dict(speculation="suffix"),
+        dict(speculation="ngram"),
+        dict(speculation="suffix", draft_tree=True),
+        dict(speculation="suffix", async_speculation=True),
+    )
+    for extra in modes:
         output = model.generate(prompt, max_new_tokens=20, **extra)
         assert output.tolist() == expected.tolist(), (model_type, extra)
     sampling = dict(do_sample=True, temperature=0.8, top_p=0.9, seed=1234)
