@@ -199,13 +199,15 @@ SWARM_SPANS = {
 def served(request, family_paths, references, artifacts_dir):
     from swarm import AutoDistributedModelForCausalLM
     from swarm.local import LocalSwarm
+    from tests.checkpoints import build_random_drafter
 
     model_type = request.param
     path = family_paths(model_type)
+    drafter = build_random_drafter(path, path.parent / f"{model_type}-eagle.safetensors")
     swarm = LocalSwarm(
         str(path),
         spans=SWARM_SPANS[model_type],
-        server_args=SERVER_ARGS,
+        server_args=[*SERVER_ARGS, "--drafter", str(drafter), "--drafter-tokens", "4"],
         log_dir=str(artifacts_dir / f"moe-{model_type}"),
     )
     with swarm:
@@ -218,8 +220,8 @@ def served(request, family_paths, references, artifacts_dir):
 
 def test_swarm_generation_equals_transformers(served, monkeypatch):
     """Greedy and seeded sampling, with no speculation, suffix and n-gram drafting (chains, token
-    trees, async speculation) and scripted drafts wrong at chosen offsets (so the servers verify
-    and roll back), token for token against local transformers."""
+    trees, async speculation), the tail's random EAGLE head, and scripted drafts wrong at chosen
+    offsets (so the servers verify and roll back), token for token against local transformers."""
     from protocol.messages import SamplingParams
     from tests.test_exactness import ScriptedDrafter
 
@@ -232,10 +234,14 @@ def test_swarm_generation_equals_transformers(served, monkeypatch):
         dict(speculation="ngram"),
         dict(speculation="suffix", draft_tree=True),
         dict(speculation="suffix", async_speculation=True),
+        dict(speculation="tail"),
+        dict(speculation="suffix+tail"),
     )
     for extra in modes:
         output = model.generate(prompt, max_new_tokens=20, **extra)
         assert output.tolist() == expected.tolist(), (model_type, extra)
+        if extra["speculation"] == "tail":  # the tail's EAGLE head (a decoder layer of the family's own class) drafted
+            assert model.last_generation_stats.drafted > 0
     sampling = dict(do_sample=True, temperature=0.8, top_p=0.9, seed=1234)
     truth = reference_sample(reference, prompt[0].tolist(), 16, SamplingParams(**sampling))
     for speculation in (None, "suffix"):
