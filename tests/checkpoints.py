@@ -181,3 +181,32 @@ def build_tiny_moe(path: Path, model_type: str, num_layers: int = 4, seed: int =
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def build_tiny_deepseek_v3_with_mtp(path: Path, seed: int = 0) -> Path:
+    """A tiny random DeepSeek-V3 (4 blocks) whose checkpoint also holds one MTP layer as the hub's
+    do (``model.layers.4.{enorm,hnorm,eh_proj,shared_head.norm,shared_head.head,embed_tokens}`` and
+    a decoder layer; server/adapters/deepseek_v3_mtp.py): a 5-block model saved by save_pretrained,
+    its config then saying 4 blocks and ``num_nextn_predict_layers`` 1."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    build_tiny_moe(path, "deepseek_v3", num_layers=5, seed=seed)
+    tensors = load_file(path / "model.safetensors")
+    hidden = tensors["model.norm.weight"].shape[0]
+    generator = torch.Generator().manual_seed(seed + 1)
+    extras = {
+        "enorm.weight": 1 + 0.1 * torch.randn(hidden, generator=generator),
+        "hnorm.weight": 1 + 0.1 * torch.randn(hidden, generator=generator),
+        "eh_proj.weight": 0.2 * torch.randn(hidden, 2 * hidden, generator=generator),
+        "shared_head.norm.weight": 1 + 0.1 * torch.randn(hidden, generator=generator),
+        "shared_head.head.weight": tensors["lm_head.weight"].clone(),
+        "embed_tokens.weight": tensors["model.embed_tokens.weight"].clone(),
+    }
+    tensors.update({f"model.layers.4.{name}": t for name, t in extras.items()})
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["num_hidden_layers"], config["num_nextn_predict_layers"] = 4, 1
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path

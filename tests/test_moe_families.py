@@ -383,3 +383,72 @@ def test_shipped_configs_plan_the_published_shapes_offline(alias):
     assert routed < sizes.block_bytes < 1.25 * routed
     if config.model_type == "deepseek_v3":  # the latent (512) and rotary key (64) per token, bfloat16
         assert sizes.cache_bytes_per_token == (512 + 64) * 2
+
+
+# ---- DeepSeek-V3's MTP layer as the tail's drafter (server/adapters/deepseek_v3_mtp.py) ------------
+
+
+@pytest.fixture(scope="module")
+def v3_mtp_path(tmp_path_factory):
+    from tests.checkpoints import build_tiny_deepseek_v3_with_mtp
+
+    return build_tiny_deepseek_v3_with_mtp(tmp_path_factory.mktemp("v3mtp") / "deepseek_v3_mtp")
+
+
+@pytest.mark.parametrize("quant", [Quant.NONE, Quant.NF4], ids=["float", "nf4"])
+def test_v3_mtp_drafts_after_a_rollback_equal_a_fresh_start(v3_mtp_path, quant):
+    """The MTP layer's cache follows the committed text: drafts after a run whose drafts were
+    rejected equal those of a drafter that saw only the committed text, in one run."""
+    from server.adapters.deepseek_v3_mtp import MTPDrafter, build_mtp_drafter, mtp_bytes
+
+    config = AutoConfig.from_pretrained(v3_mtp_path)
+    (span,) = _spans(v3_mtp_path, [(0, 4)], quant)
+    drafter = build_mtp_drafter(span, config, Checkpoint(str(v3_mtp_path)), max_drafts=4)
+    assert isinstance(drafter, MTPDrafter)
+    if quant == Quant.NONE:
+        assert resident_bytes(drafter.net) + drafter.embed_weight.nbytes == mtp_bytes(config, torch.float32, quant)
+    ids = torch.randint(0, 2000, (1, 12), generator=torch.Generator().manual_seed(5)).tolist()[0]
+
+    def hidden(cache, tokens: list[int], start: int) -> torch.Tensor:
+        span.trim_cache(cache, start)
+        x = span.embed(torch.tensor([tokens]))
+        return span.forward(x, torch.tensor([tokens]), start, cache, range(0, 4))
+
+    cache, state = span.new_cache(), drafter.new_session()
+    drafter.draft(state, hidden(cache, ids[:9], 0), ids[:9], 0, 9, ids[9], 4)
+    wrong = [ids[9], 7, 8]  # the run's drafts 7, 8 rejected: only ids[9] is committed, ids[10] follows
+    after_rollback = drafter.draft(state, hidden(cache, wrong, 9), wrong, 9, 1, ids[10], 4)
+    fresh_cache, fresh = span.new_cache(), drafter.new_session()
+    expected = drafter.draft(fresh, hidden(fresh_cache, ids[:10], 0), ids[:10], 0, 10, ids[10], 4)
+    assert after_rollback == expected and len(expected) == 4
+
+
+def test_v3_mtp_tail_drafts_leave_the_output_unchanged(v3_mtp_path, artifacts_dir):
+    """Servers started with the default ``--drafter auto`` draft with the checkpoint's MTP layer:
+    greedy and seeded sampling equal transformers, and the tail drafted."""
+    from protocol.messages import SamplingParams
+    from swarm import AutoDistributedModelForCausalLM
+    from swarm.local import LocalSwarm
+
+    reference = AutoModelForCausalLM.from_pretrained(v3_mtp_path, dtype=torch.float32).eval()
+    prompt = torch.tensor(PROMPT)
+    expected = reference.generate(prompt, max_new_tokens=16, do_sample=False)
+    sampling = dict(do_sample=True, temperature=0.8, top_p=0.9, seed=1234)
+    truth = reference_sample(reference, PROMPT[0], 16, SamplingParams(**sampling))
+    swarm = LocalSwarm(
+        str(v3_mtp_path),
+        spans=[(0, 2), (2, 4)],
+        server_args=[*SERVER_ARGS, "--drafter-tokens", "3"],
+        log_dir=str(artifacts_dir / "moe-deepseek-v3-mtp"),
+    )
+    with swarm:
+        model = AutoDistributedModelForCausalLM.from_pretrained(str(v3_mtp_path), initial_peers=swarm.initial_peers)
+        try:
+            for speculation in ("tail", "suffix+tail"):
+                output = model.generate(prompt, max_new_tokens=16, speculation=speculation)
+                assert output.tolist() == expected.tolist(), speculation
+                assert model.last_generation_stats.drafted > 0
+                output = model.generate(prompt, max_new_tokens=16, speculation=speculation, **sampling)
+                assert output[0, prompt.shape[1] :].tolist() == truth, speculation
+        finally:
+            model.shutdown()
