@@ -206,7 +206,7 @@ def served(request, family_paths, references, artifacts_dir):
     drafter = build_random_drafter(path, path.parent / f"{model_type}-eagle.safetensors")
     swarm = LocalSwarm(
         str(path),
-        spans=SWARM_SPANS[model_type],
+        spans=[*SWARM_SPANS[model_type], SWARM_SPANS[model_type][0]],  # a second head: spot-checks' substitute
         server_args=[*SERVER_ARGS, "--drafter", str(drafter), "--drafter-tokens", "4"],
         log_dir=str(artifacts_dir / f"moe-{model_type}"),
     )
@@ -452,3 +452,18 @@ def test_v3_mtp_tail_drafts_leave_the_output_unchanged(v3_mtp_path, artifacts_di
                 assert output[0, prompt.shape[1] :].tolist() == truth, speculation
         finally:
             model.shutdown()
+
+
+def test_spot_checks_find_honest_servers_agree(served):
+    """Every lap's activations audited on the second head server (spot_check_rate=1.0): MoE blocks
+    recomputed elsewhere agree within the audit's tolerance, so nobody is excluded, and the output
+    is still transformers'."""
+    model_type, model, reference = served
+    prompt = torch.tensor(PROMPT)
+    expected = reference.generate(prompt, max_new_tokens=8, do_sample=False)
+    output = model.generate(prompt, max_new_tokens=8, speculation=None, spot_check_rate=1.0)
+    assert output.tolist() == expected.tolist(), model_type
+    stats = model.last_generation_stats
+    assert stats.spot_checks > 0, stats.spot_check_events
+    assert stats.liars_excluded == [] and stats.tokens_retracted == 0
+    assert stats.spot_checks_undecided == 0 and stats.spot_checks_failed == 0
