@@ -206,12 +206,15 @@ def served(request, family_paths, references, artifacts_dir):
     drafter = build_random_drafter(path, path.parent / f"{model_type}-eagle.safetensors")
     swarm = LocalSwarm(
         str(path),
-        spans=[*SWARM_SPANS[model_type], SWARM_SPANS[model_type][0]],  # a second head: spot-checks' substitute
+        # a second head and a second tail: the substitutes of spot-checks and verdict audits
+        spans=[*SWARM_SPANS[model_type], SWARM_SPANS[model_type][0], SWARM_SPANS[model_type][-1]],
         server_args=[*SERVER_ARGS, "--drafter", str(drafter), "--drafter-tokens", "4"],
         log_dir=str(artifacts_dir / f"moe-{model_type}"),
     )
     with swarm:
-        model = AutoDistributedModelForCausalLM.from_pretrained(str(path), initial_peers=swarm.initial_peers)
+        model = AutoDistributedModelForCausalLM.from_pretrained(
+            str(path), initial_peers=swarm.initial_peers, verdict_audit_every=4
+        )
         try:
             yield model_type, model, references(model_type)
         finally:
@@ -454,10 +457,10 @@ def test_v3_mtp_tail_drafts_leave_the_output_unchanged(v3_mtp_path, artifacts_di
             model.shutdown()
 
 
-def test_spot_checks_find_honest_servers_agree(served):
-    """Every lap's activations audited on the second head server (spot_check_rate=1.0): MoE blocks
-    recomputed elsewhere agree within the audit's tolerance, so nobody is excluded, and the output
-    is still transformers'."""
+def test_spot_checks_and_verdict_audits_find_honest_servers_agree(served):
+    """Every lap's activations audited on the second head server (spot_check_rate=1.0) and a
+    verdict audit every 4 tokens on the second tail: MoE blocks recomputed elsewhere agree within
+    the audits' tolerance, so nobody is excluded, and the output is still transformers'."""
     model_type, model, reference = served
     prompt = torch.tensor(PROMPT)
     expected = reference.generate(prompt, max_new_tokens=8, do_sample=False)
@@ -467,3 +470,4 @@ def test_spot_checks_find_honest_servers_agree(served):
     assert stats.spot_checks > 0, stats.spot_check_events
     assert stats.liars_excluded == [] and stats.tokens_retracted == 0
     assert stats.spot_checks_undecided == 0 and stats.spot_checks_failed == 0
+    assert stats.verdict_audits > 0 and stats.verdict_audits_failed == 0 and stats.verdict_audits_undecided == 0
