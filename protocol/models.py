@@ -29,13 +29,17 @@ ALIASES: dict[str, str | None] = {
     SMOLLM2_ALIAS: None,
     "deepseek-v4-pro": "deepseek-ai/DeepSeek-V4-Pro",
     "deepseek-v4-flash": "deepseek-ai/DeepSeek-V4-Flash",
+    # one real checkpoint per mixture-of-experts family of the generic adapter (docs/families.md)
+    "mixtral-8x22b": "mistralai/Mixtral-8x22B-v0.1",
+    "qwen3-235b-a22b": "Qwen/Qwen3-235B-A22B",
+    "deepseek-v3": "deepseek-ai/DeepSeek-V3",
 }
 
 
 # aliases whose published config.json ships with the package (protocol/configs/<alias>/), so that
 # ``python -m swarm.server --model ALIAS --plan-only`` answers offline; a server that loads weights
 # reads the hub's own config instead
-SHIPPED_CONFIGS = ("deepseek-v4-pro",)
+SHIPPED_CONFIGS = ("deepseek-v4-pro", "mixtral-8x22b", "qwen3-235b-a22b", "deepseek-v3")
 
 
 def shipped_config_dir(alias: str) -> Path | None:

@@ -29,7 +29,8 @@ def attach_drafter(
     """``--drafter``: give a tail span its tail drafter (server/tail_drafter.py). ``auto`` picks the
     drafter committed for this model (matched by config fingerprint) and drafts nothing without one;
     ``none`` never drafts; a path loads that drafter file, and a file that does not fit is an error.
-    A DeepSeek-V4 tail drafts with its checkpoint's own MTP module instead (server/adapters/deepseek_v4_mtp.py)."""
+    A DeepSeek-V4 tail drafts with its checkpoint's own MTP module instead (server/adapters/deepseek_v4_mtp.py),
+    a DeepSeek-V3 tail under ``auto`` with its MTP layer where the checkpoint has one (deepseek_v3_mtp.py)."""
     from server.tail_drafter import build_tail_drafter
 
     span.drafter = None
@@ -42,6 +43,13 @@ def attach_drafter(
             span, model_config, checkpoint, config.drafter, max_drafts=config.drafter_tokens
         )
         return
+    if model_config.model_type == "deepseek_v3" and config.drafter == "auto":
+        from server.adapters.deepseek_v3_mtp import build_mtp_drafter
+
+        span.drafter = build_mtp_drafter(span, model_config, checkpoint, max_drafts=config.drafter_tokens)
+        if span.drafter is not None:
+            logger.info(f"Tail drafter: the checkpoint's MTP layer (up to {config.drafter_tokens} ids per run)")
+            return
     path = drafter_file(config, model_config)
     if path is None:
         logger.info("Tail drafter: none (no committed drafter for this model)")
@@ -98,6 +106,11 @@ def drafter_bytes(
         from server.adapters.deepseek_v4_mtp import mtp_bytes
 
         return mtp_bytes(model_config, checkpoint, dtype, quant) if config.drafter == "auto" else 0
+    if model_config.model_type == "deepseek_v3" and config.drafter == "auto":
+        from server.adapters.deepseek_v3_mtp import has_mtp, mtp_bytes
+
+        if has_mtp(model_config, checkpoint):
+            return mtp_bytes(model_config, dtype, quant)
     from safetensors import SafetensorError
 
     from server.tail_drafter import drafter_file_bytes

@@ -11,10 +11,22 @@ from server.adapters.base import SpanAdapter, SpanCancelled
 from server.quantization import Quant
 from server.weights import Checkpoint
 
+GENERIC_FAMILIES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "deepseek_v3",
+    "glm4_moe",
+)
 # model_type -> "module:class"; imported on first use, because importing transformers' DeepSeek-V4
 # modeling code costs a Llama server 2-4 s of CPU at start on these machines
 ADAPTERS: dict[str, str] = {
-    **{model_type: "server.adapters.llama:LlamaFamilyAdapter" for model_type in ("llama", "mistral", "qwen2", "qwen3")},
+    # families whose layers take transformers' standard cache: the generic adapter (docs/families.md)
+    **{model_type: "server.adapters.llama:LlamaFamilyAdapter" for model_type in GENERIC_FAMILIES},
     "deepseek_v4": "server.adapters.deepseek_v4:DeepseekV4Adapter",
 }
 

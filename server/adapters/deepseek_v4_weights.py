@@ -11,7 +11,8 @@ prefix; both are accepted. Two of transformers' conversions are structural and d
 
 * routed experts: per-expert ``experts.{e}.w1/w3/w2`` become the fused
   ``experts.gate_up_proj`` ([E, 2I, H]: all w1 then all w3 along dim 1) and ``experts.down_proj``
-  ([E, H, I]);
+  ([E, H, I]), found by transformers' merges as for every family (server/adapters/expert_weights.py);
+  read here expert by expert with their FP4/FP8 scales;
 * quantized weights: a weight with a companion ``.scale`` (DeepSeek's name) or
   ``.weight_scale_inv`` is dequantized with transformers' own ``Fp8Dequantize`` routine, which
   reads the block size from the scale grid: FP8 e4m3 linears with [128, 128] blocks, FP4 e2m1
@@ -33,13 +34,13 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional
 
 import torch
 
+from server.adapters.expert_weights import Merge, conversions
 from server.weights import Checkpoint
 
 if TYPE_CHECKING:
     from transformers.core_model_loading import WeightRenaming
 
 _LAYER_KEY = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
-_EXPERT = re.compile(r"^(?P<prefix>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>w[123])\.weight$")
 EXPERTS_PER_READ = 16
 
 
@@ -50,14 +51,15 @@ class TensorSource:
     target: str
     kind: str = "plain"  # "plain", "gate_up" (cat(stack(w1), stack(w3)), dim 1) or "down" (stack(w2))
     parts: list[tuple[str, Optional[str]]] = field(default_factory=list)
-    experts: dict[tuple[str, int], tuple[str, Optional[str]]] = field(default_factory=dict)
+    experts: dict[tuple[int, int], tuple[str, Optional[str]]] = field(default_factory=dict)  # (source, expert)
 
     def finish(self) -> None:
-        """Order the per-expert parts: gate_up = w1 of every expert, then w3 of every expert."""
+        """Order the per-expert parts by transformers' merge: gate_up = w1 of every expert, then w3
+        of every expert (its sources 0 and 1); down = w2 of every expert."""
         if self.kind == "plain":
             return
         count = 1 + max(expert for _, expert in self.experts)
-        projections = ("w1", "w3") if self.kind == "gate_up" else ("w2",)
+        projections = (0, 1) if self.kind == "gate_up" else (0,)
         missing = [(p, e) for p in projections for e in range(count) if (p, e) not in self.experts]
         if missing:
             raise KeyError(f"checkpoint lacks expert tensors {missing[:4]} for {self.target}")
@@ -65,10 +67,7 @@ class TensorSource:
 
 
 def _renamings() -> list[WeightRenaming]:
-    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-    from transformers.core_model_loading import WeightConverter
-
-    return [t for t in get_checkpoint_conversion_mapping("deepseek_v4") or [] if not isinstance(t, WeightConverter)]
+    return conversions("deepseek_v4")[0]
 
 
 def transformers_name(key: str, renamings: Iterable[WeightRenaming]) -> str:
@@ -77,6 +76,17 @@ def transformers_name(key: str, renamings: Iterable[WeightRenaming]) -> str:
     for renaming in renamings:
         name, _ = renaming.rename_source_key(name)
     return name if name.startswith("lm_head.") else "model." + name
+
+
+def _expert_part(name: str, merges: Iterable[Merge]) -> Optional[tuple[str, Merge, int, int]]:
+    """(fused target, its merge, source index, expert number) of a per-expert tensor, by
+    transformers' conversion table (server/adapters/expert_weights.py), else None."""
+    for merge in merges:
+        for index, pattern in enumerate(merge.sources):
+            match = pattern.search(name)
+            if match:
+                return name[: match.start()] + merge.target, merge, index, int(match["expert"])
+    return None
 
 
 def _scale_keys(keys: set[str]) -> dict[str, str]:
@@ -96,7 +106,7 @@ def map_span(
     """Find the checkpoint tensors of every parameter in ``targets`` (transformers names)."""
     keys = set(weight_map)
     scales = _scale_keys(keys)
-    renamings = _renamings()
+    renamings, merges = conversions("deepseek_v4")
     sources: dict[str, TensorSource] = {}
     for key in keys:
         if key in scales.values():
@@ -105,13 +115,13 @@ def map_span(
         if (layer is None and not (head or tail)) or (layer is not None and int(layer.group(1)) not in layers):
             continue
         name = transformers_name(key, renamings)
-        expert = _EXPERT.match(name)
+        expert = _expert_part(name, merges)
         if expert:
-            kind = "down" if expert["proj"] == "w2" else "gate_up"
-            target = f"{expert['prefix']}.{'down_proj' if kind == 'down' else 'gate_up_proj'}"
+            target, merge, index, number = expert
             if target in targets:
+                kind = "gate_up" if len(merge.sources) == 2 else "down"
                 source = sources.setdefault(target, TensorSource(target, kind))
-                source.experts[(expert["proj"], int(expert["expert"]))] = (key, scales.get(key))
+                source.experts[(index, number)] = (key, scales.get(key))
         elif name in targets:
             sources[name] = TensorSource(name, parts=[(key, scales.get(key))])
     for source in sources.values():

@@ -1,7 +1,16 @@
-"""Llama-family adapter: Llama 2/3, SmolLM2, Mistral, Qwen2/3 and other models whose
-transformers implementation is ``model.model.{embed_tokens, layers, norm, rotary_emb}`` plus
-``lm_head``, with decoder layers called as ``layer(hidden, attention_mask, position_ids, cache,
-position_embeddings)``.
+"""The generic adapter: Llama 2/3, SmolLM2, Mistral, Qwen2/3 and the mixtures of experts
+Mixtral, Qwen2/3-MoE, DeepSeek-V3 and GLM-4-MoE: every family whose transformers implementation
+is ``model.model.{embed_tokens, layers, norm, rotary_emb}`` plus ``lm_head``, with decoder layers
+called as ``layer(hidden, attention_mask, position_ids, cache, position_embeddings)`` that keep
+their state in transformers' standard ``DynamicCache`` (docs/families.md).
+
+Checkpoint names are mapped to the modules' by transformers' conversion table, per-expert tensors
+fused as transformers fuses them (server/adapters/expert_weights.py). DeepSeek-V3's latent
+attention caches its compressed latent and rotary key in the same cache (one head each), so
+rollback and trees work as for the others; its attention has no q/k/v projections to pack, so a
+batch's members run one after another through it (``packs_sessions``). Routed experts are fused
+in ``--dtype``, or split into one int8/NF4 linear per expert and projection under ``--quant``
+(server/adapters/fused_experts.py).
 
 Sliding-window layers (Mistral's ``sliding_window``, Qwen2's ``layer_types``): the span's cache
 keeps every position of every layer (plain ``DynamicLayer``s, which trim and gather exactly, so
@@ -23,7 +32,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, PretrainedConfig
 from transformers.cache_utils import DynamicLayer
 
 from protocol import trees
-from server.adapters import llama_batch, packing
+from server.adapters import expert_weights, fused_experts, llama_batch, packing
 from server.adapters.base import BatchMember, Cache, SpanAdapter
 from server.quantization import Quant, assign_tensor, checkpoint_names
 from server.weights import Checkpoint
@@ -53,22 +62,27 @@ class LlamaFamilyAdapter(SpanAdapter):
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(self.config, dtype=dtype)
         self.layers = torch.nn.ModuleList(skeleton.model.layers[start:end])
-        self.quantize_skeleton(self.layers, self.quant, dtype)
         for local_idx, layer in enumerate(self.layers):
             layer.self_attn.layer_idx = local_idx  # the session cache holds this span only
         self.rotary_emb = type(skeleton.model.rotary_emb)(config=self.config)
         self.embed_tokens = skeleton.model.embed_tokens if self.is_head else None
         self.norm = skeleton.model.norm if self.is_tail else None
         self.lm_head = skeleton.lm_head if self.is_tail else None
-        self._load(checkpoint)
+        wanted = self._wanted(checkpoint)  # names of the float modules, before quantization splits experts
+        self.quantize_skeleton(self.layers, self.quant, dtype)
+        self._load(checkpoint, wanted)
         # each layer's sliding window (None: full attention), for its masks
         self.windows = _layer_windows(self.config)[start:end]
         # trees need caches whose entries sit at their positions (new_cache keeps them all)
+        # packed batching (llama_batch.py) runs q/k/v projections itself; other attentions (DeepSeek-V3's
+        # latent attention) compute a batch's members one after another
+        self.packs_sessions = all(
+            all(hasattr(layer.self_attn, p) for p in ("q_proj", "k_proj", "v_proj")) for layer in self.layers
+        )
         self.supports_trees = all(type(layer) is DynamicLayer for layer in self.new_cache().layers)
 
-    def _load(self, checkpoint: Checkpoint) -> None:
-        """Fill the meta modules with this span's tensors only, one tensor at a time (each
-        quantized as it arrives when the span is quantized)."""
+    def _wanted(self, checkpoint: Checkpoint) -> dict[str, list[tuple[torch.nn.Module, str]]]:
+        """transformers' name of every tensor this span holds -> the (module, name) pairs it fills."""
         wanted: dict[str, list[tuple[torch.nn.Module, str]]] = {}
         for local_idx, layer in enumerate(self.layers):
             prefix = f"model.layers.{self.start + local_idx}."
@@ -82,10 +96,31 @@ class LlamaFamilyAdapter(SpanAdapter):
             wanted.setdefault("model.embed_tokens.weight" if tied else "lm_head.weight", []).append(
                 (self.lm_head, "weight")
             )
+        return wanted
+
+    def _load(self, checkpoint: Checkpoint, wanted: dict[str, list[tuple[torch.nn.Module, str]]]) -> None:
+        """Fill the meta modules with this span's tensors only, one tensor (or one fused expert
+        parameter; one expert where the span is quantized) at a time, each quantized as it arrives.
+        Checkpoint names are mapped to the modules' by transformers' conversion table
+        (server/adapters/expert_weights.py): per-expert tensors become fused expert parameters."""
+        sources = expert_weights.map_keys(self.config.model_type, checkpoint.weight_map(), wanted)
+        split = {  # fused expert parameters whose module a quantized skeleton split into linears
+            target
+            for target, holders in wanted.items()
+            if isinstance(holders[0][0].get_submodule(holders[0][1].rpartition(".")[0]), fused_experts.QuantizedExperts)
+        }
         desc = f"Loading blocks {self.start}:{self.end}"
-        for key, tensor in checkpoint.iter_read(list(wanted), self.dtype, desc=desc):
-            for module, name in wanted[key]:
-                assign_tensor(module, name, tensor, self.device)
+        for target, expert, tensor in expert_weights.iter_tensors(
+            checkpoint, sources.values(), self.dtype, desc=desc, per_expert=split
+        ):
+            for module, name in wanted[target]:
+                if expert is None:
+                    assign_tensor(module, name, tensor, self.device)
+                    continue
+                experts_name, _, param = name.rpartition(".")
+                experts = module.get_submodule(experts_name)
+                linears = experts.gate_up if param == "gate_up_proj" else experts.down
+                assign_tensor(linears[expert], "weight", tensor, self.device)
         for module in self._modules():
             module.to(self.device).eval().requires_grad_(False)
         meta = [n for m in self._modules() for n, t in m.named_parameters() if t.is_meta]
@@ -172,7 +207,7 @@ class LlamaFamilyAdapter(SpanAdapter):
     ) -> list[Optional[torch.Tensor]]:
         """Every member's positions packed into one pass (server/adapters/llama_batch.py); a batch
         of one takes :meth:`forward`."""
-        if len(members) < 2:
+        if len(members) < 2 or not self.packs_sessions:
             return super().forward_batch(members, blocks, between_blocks)
         packed, hidden = packing.pack(
             members,
@@ -198,11 +233,19 @@ class LlamaFamilyAdapter(SpanAdapter):
     def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.norm(hidden.to(self.device, self.dtype))[0].float()
 
+    stacked_linears = (fused_experts.FusedExperts,)
+
+    @staticmethod
+    def quantize_skeleton(layers: torch.nn.Module, quant: Quant, dtype: torch.dtype) -> None:
+        fused_experts.quantize_skeleton(layers, quant, dtype)
+
     def cache_bytes_per_token(self) -> int:
         return self.span_cache_bytes_per_token(self.config, self.start, self.end, self.dtype)
 
     @staticmethod
     def span_cache_bytes_per_token(config: PretrainedConfig, start: int, end: int, dtype: torch.dtype) -> int:
+        if getattr(config, "kv_lora_rank", None):  # latent attention (DeepSeek-V3) caches the compressed latent
+            return (config.kv_lora_rank + config.qk_rope_head_dim) * (end - start) * torch.finfo(dtype).bits // 8
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         return 2 * kv_heads * head_dim * (end - start) * torch.finfo(dtype).bits // 8

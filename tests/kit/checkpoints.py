@@ -105,6 +105,113 @@ def add_random_mtp(src: Path, dst: Path, attention: str = "compressed_sparse_att
     return dst
 
 
+# model_type -> config keywords of a tiny random mixture of experts: 4 blocks, 4 routed experts (2 per token),
+# and what makes each family itself (shared experts, dense first layers, latent attention)
+MOE_FAMILIES: dict[str, dict] = {
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+        mlp_only_layers=[0],  # block 0 dense, the rest sparse with a gated shared expert
+        qkv_bias=True,
+    ),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16),
+    "deepseek_v3": dict(
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        first_k_dense_replace=1,  # block 0 dense
+        n_group=2,
+        topk_group=1,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+        num_key_value_heads=4,
+    ),
+    "glm4_moe": dict(
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=2,
+        topk_group=1,
+        head_dim=16,
+        partial_rotary_factor=0.5,
+        use_qk_norm=True,
+        attention_bias=True,
+    ),
+}
+
+
+def build_tiny_moe(path: Path, model_type: str, num_layers: int = 4, seed: int = 0) -> Path:
+    """A tiny random mixture of experts of ``model_type`` (MOE_FAMILIES) with SmolLM2's tokenizer,
+    saved by transformers' save_pretrained, which writes the hub's layout (one tensor per expert and
+    projection, Mixtral's ``block_sparse_moe.experts.N.w1``), not the fused modules."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_smollm2_checkpoint())
+    settings = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    config = AutoConfig.for_model(model_type, **{**settings, **MOE_FAMILIES[model_type]})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # weights far from the init default, so logits and routing are far from uniform
+        for name, param in model.named_parameters():
+            if param.ndim >= 2:
+                param.normal_(0, 0.2)
+            elif name.endswith("e_score_correction_bias"):
+                param.normal_(0, 0.5)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def build_tiny_deepseek_v3_with_mtp(path: Path, seed: int = 0) -> Path:
+    """A tiny random DeepSeek-V3 (4 blocks) whose checkpoint also holds one MTP layer as the hub's
+    do (``model.layers.4.{enorm,hnorm,eh_proj,shared_head.norm,shared_head.head,embed_tokens}`` and
+    a decoder layer; server/adapters/deepseek_v3_mtp.py): a 5-block model saved by save_pretrained,
+    its config then saying 4 blocks and ``num_nextn_predict_layers`` 1."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    build_tiny_moe(path, "deepseek_v3", num_layers=5, seed=seed)
+    tensors = load_file(path / "model.safetensors")
+    hidden = tensors["model.norm.weight"].shape[0]
+    generator = torch.Generator().manual_seed(seed + 1)
+    extras = {
+        "enorm.weight": 1 + 0.1 * torch.randn(hidden, generator=generator),
+        "hnorm.weight": 1 + 0.1 * torch.randn(hidden, generator=generator),
+        "eh_proj.weight": 0.2 * torch.randn(hidden, 2 * hidden, generator=generator),
+        "shared_head.norm.weight": 1 + 0.1 * torch.randn(hidden, generator=generator),
+        "shared_head.head.weight": tensors["lm_head.weight"].clone(),
+        "embed_tokens.weight": tensors["model.embed_tokens.weight"].clone(),
+    }
+    tensors.update({f"model.layers.4.{name}": t for name, t in extras.items()})
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["num_hidden_layers"], config["num_nextn_predict_layers"] = 4, 1
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
 # DeepSeek-V4 attention kinds (transformers' layer_types)
 HCA, CSA, SWA = "heavily_compressed_attention", "compressed_sparse_attention", "sliding_attention"
 
