@@ -154,6 +154,14 @@ class SwarmClient:
         assert last_error is not None
         raise last_error
 
+    async def plan_route(self) -> list[Hop]:
+        """A route over every block for a training step (docs/design.md, "Fine-tuning"): no session opens
+        and no cache is reserved. The caller gives it back with ``router.release``."""
+        try:
+            return await self._plan(0)
+        except NoRouteError as e:
+            raise RoutingError(f"{self.model}: {e}", e.missing_blocks) from None
+
     async def _plan(self, max_length: int, also_exclude: Collection[str] = ()):
         loop = asyncio.get_running_loop()
         servers = await loop.run_in_executor(None, fetch_servers, self.dht, self.model, self.num_blocks)

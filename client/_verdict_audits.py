@@ -306,3 +306,11 @@ class Audits:
         for audit in (self.spot, self.verdicts):
             if audit is not None:
                 await audit.cancel()
+
+
+def make_audits(swarm, vocab_size: int, spot_check_rate: float, verdict_audit_every: int) -> Optional[Audits]:
+    """A generation's audits: spot-checks at this rate and verdict audits at this period (None when
+    both are off, so the decoder skips them)."""
+    spot = SpotChecker(swarm, spot_check_rate, vocab_size) if spot_check_rate else None
+    verdicts = VerdictAuditor(swarm, vocab_size, verdict_audit_every) if verdict_audit_every else None
+    return Audits(spot, verdicts) if spot or verdicts else None

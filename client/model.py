@@ -29,12 +29,13 @@ from client._forward import forward_row
 from client._generation import GenerationStats, SessionState, SpeculativeDecoder
 from client._masks import causal_lm_loss, checked_ids, checked_mask, kept_columns, kept_width, unpadded
 from client._options import GenerationOptions
-from client._spot_checks import DEFAULT_SPOT_CHECK_RATE, SpotChecker, check_rate
+from client._prompts import check_tuning, new_prompts, prompt_tuned_loss
+from client._spot_checks import DEFAULT_SPOT_CHECK_RATE, check_rate
 from client._stats import merged_stats
 from client._swarm import SwarmClient
 from client._token_stream import GeneratedChunk, stream_laps
 from client._trees import TreeSizer
-from client._verdict_audits import DEFAULT_AUDIT_EVERY, Audits, VerdictAuditor
+from client._verdict_audits import DEFAULT_AUDIT_EVERY, make_audits
 from client.draft_model import ModelDrafter
 from client.drafting import SuffixStore, make_drafter
 from client.warm_corpus import load_warm_corpus
@@ -45,12 +46,16 @@ from protocol.models import config_fingerprint, resolve_model, weights_revision
 logger = logging.getLogger(__name__)
 
 
-class AutoDistributedModel:
+class AutoDistributedModel(torch.nn.Module):
     """A transformers-style causal LM whose blocks run in the swarm: ``from_pretrained``,
     ``generate``, ``forward`` and their asyncio twins, with transformers' argument names, so code
-    written for a local model runs against the swarm unchanged."""
+    written for a local model runs against the swarm unchanged. A ``torch.nn.Module`` whose only
+    parameters are what trains on the client (the prompts of ``tuning_mode="ptune"``)."""
 
     def __init__(self, config: PretrainedConfig, tokenizer: Any, swarm: SwarmClient):
+        super().__init__()
+        self.tuning_mode: Optional[str] = None  # "ptune": prompt_embeddings train (client/_prompts.py)
+        self.prompt_embeddings: Optional[torch.nn.Embedding] = None
         self.config, self.tokenizer, self.swarm = config, tokenizer, swarm
         self.last_generation_stats: Optional[GenerationStats] = None
         self.last_batch_stats: list[GenerationStats] = []  # one per row of the last generate()
@@ -76,6 +81,8 @@ class AutoDistributedModel:
         spot_check_rate: float = DEFAULT_SPOT_CHECK_RATE,
         warm_draft_store: bool = False,
         verdict_audit_every: int = DEFAULT_AUDIT_EVERY,
+        tuning_mode: Optional[str] = None,
+        pre_seq_len: int = 0,
         **kwargs: Any,
     ) -> "AutoDistributedModel":
         """Fetch the config and tokenizer (never weights) and join the swarm as a client.
@@ -93,7 +100,10 @@ class AutoDistributedModel:
         prompts of its kind, where the package has them (client/warm_corpus.py; SmolLM2-135M);
         drafts only, so the output is the same either way. Off by default: on the 2-core CPU
         machine it raised tokens per lap a little and tokens/s not at all (docs/benchmarks.md).
+        ``tuning_mode="ptune"``, ``pre_seq_len=N``: N trainable prompt embeddings before the ids; a
+        forward with ``labels`` trains them through the swarm (docs/fine_tuning.md).
         """
+        tuning_mode = check_tuning(tuning_mode, pre_seq_len)
         check_rate(spot_check_rate)
         initial_peers = resolve_initial_peers(initial_peers).peers
         if not initial_peers:
@@ -115,6 +125,9 @@ class AutoDistributedModel:
         model = cls(config, tokenizer, swarm)
         model.spot_check_rate = float(spot_check_rate)
         model.verdict_audit_every = check_audit_every(verdict_audit_every)
+        if tuning_mode is not None:
+            model.tuning_mode = tuning_mode
+            model.prompt_embeddings = new_prompts(pre_seq_len, config.hidden_size, config.initializer_range)
         if warm_draft_store:
             model.warm_corpus = load_warm_corpus(config)
             model.reset_draft_store()
@@ -294,6 +307,9 @@ class AutoDistributedModel:
             logger.warning(f"forward() ignores unsupported arguments: {sorted(unused)}")
         input_ids = checked_ids(input_ids, self.config.vocab_size)
         mask = checked_mask(input_ids, attention_mask)
+        if self.prompt_embeddings is not None:  # a training step (client/_prompts.py); the loss only
+            loss = prompt_tuned_loss(self.swarm, self.prompt_embeddings.weight, input_ids, mask, labels)
+            return CausalLMOutputWithPast(loss=loss) if return_dict else (loss,)
         width = input_ids.shape[1]
         keep = kept_width(width, logits_to_keep, labels is not None)
         rows = unpadded(input_ids, mask)
@@ -385,19 +401,11 @@ class AutoDistributedModel:
             num_logprobs=options.num_logprobs,
             on_tokens=on_tokens,
             verification=options.verification,
-            audits=self._audits(call.spot_check_rate),
+            audits=make_audits(self.swarm, self.config.vocab_size, call.spot_check_rate, self.verdict_audit_every),
             draft_tree=options.draft_tree,
             tree_sizer=self._tree_sizer,
             loop_runs=options.loop_runs,
         )
-
-    def _audits(self, spot_check_rate: float) -> Optional[Audits]:
-        """A generation's audits: spot-checks at this rate and verdict audits at the model's period
-        (None when both are off, so the decoder skips them)."""
-        vocab, every = self.config.vocab_size, self.verdict_audit_every
-        spot = SpotChecker(self.swarm, spot_check_rate, vocab) if spot_check_rate else None
-        verdicts = VerdictAuditor(self.swarm, vocab, every) if every else None
-        return Audits(spot, verdicts) if spot or verdicts else None
 
     @property
     def context_length(self) -> int:
@@ -407,6 +415,8 @@ class AutoDistributedModel:
     def _check_input(self, input_ids: Optional[torch.Tensor]) -> torch.Tensor:
         """``generate``'s ids, checked: inside an inference session, one row, or none to continue
         the session's own history."""
+        if self.prompt_embeddings is not None:
+            raise NotImplementedError("generating with tuned prompts is not built yet (docs/fine_tuning.md)")
         if input_ids is None:
             if self._session is None or not self._session.history:
                 raise ValueError("input_ids is required (outside an inference session that already has tokens)")

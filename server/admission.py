@@ -14,11 +14,11 @@ from __future__ import annotations
 import hashlib
 import hmac
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Optional
+from typing import Iterable, Mapping, Optional, Union
 
 from protocol import limits
 from protocol.errors import ErrorCode, ProtocolError
-from protocol.messages import DraftOffer, Hop, OpenSession, Step, Subscribe
+from protocol.messages import DraftOffer, Hop, OpenSession, Step, Subscribe, TrainForward
 from protocol.records import ServerInfo, ServerState
 from server.session import ServerSession, check_token_ids
 
@@ -60,6 +60,14 @@ def check_route(message: OpenSession, peer_id: str, held: HeldBlocks, accepting:
         raise ProtocolError(ErrorCode.SHUTTING_DOWN, "this server is shutting down")
 
 
+def check_hop(route: list[Hop], index: int, peer_id: str, held: HeldBlocks) -> None:
+    """Hop ``index`` of ``route`` is this server, over blocks it holds, in a whole and contiguous route
+    (a training step's route: server/train_checks.py)."""
+    if not 0 <= index < len(route) or route[index].peer_id != peer_id:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"hop {index} of the route is not this server ({peer_id})")
+    _check_hop(route, index, held)
+
+
 def _check_hop(route: list[Hop], index: int, held: HeldBlocks) -> None:
     """This server's hop asks for blocks it holds, and the route runs whole and contiguous."""
     hop = route[index]
@@ -73,7 +81,7 @@ def _check_hop(route: list[Hop], index: int, held: HeldBlocks) -> None:
         raise ProtocolError(ErrorCode.BAD_REQUEST, "the route's hops are not contiguous")
 
 
-def check_upstream(message: OpenSession, upstream_peer: str) -> None:
+def check_upstream(message: Union[OpenSession, TrainForward], upstream_peer: str) -> None:
     """Past the head, the stream must come from the route's previous hop (libp2p authenticates
     the peer id), so no peer can enter a chain in the middle or dodge the per-client cap."""
     if message.hop_index > 0:

@@ -62,6 +62,7 @@ from server.replies import report, send_quietly
 from server.results import TailResults
 from server.session import QueuedRun, QueuedTrim, ServerSession, TailReply
 from server.subscribe import Subscriptions
+from server.training import TrainingHandler
 from server.unread import UnreadLedger
 
 logger = logging.getLogger(__name__)
@@ -100,6 +101,7 @@ class SessionHandler:
         gather_window: float = DEFAULT_GATHER_WINDOW,
         max_session_tokens: Optional[int] = None,  # None: limits.default_max_session_tokens of the budget
         max_unread_bytes: int = limits.DEFAULT_MAX_UNREAD_MIB << 20,
+        max_train_bytes: int = limits.DEFAULT_MAX_TRAIN_MIB << 20,
     ):
         self.p2p, self.span, self.budget = p2p, span, budget
         self.peer_id = p2p.peer_id.to_base58()
@@ -135,6 +137,10 @@ class SessionHandler:
         )
         self.accepting = True
         self.stats = dict.fromkeys(STATS, 0)
+        # training steps (server/training.py), on the same compute thread as the sessions' runs
+        self.training = TrainingHandler(
+            p2p, span, self._executor, max_positions_per_step=max_positions_per_step, max_kept_bytes=max_train_bytes
+        )
 
     @property
     def sessions(self) -> dict[str, ServerSession]:
@@ -166,6 +172,7 @@ class SessionHandler:
         await serve(
             self.p2p, PING_PROTOCOL, self._serve_ping, max_frame_bytes=limits.CONTROL_FRAME_BYTES, max_tensor_elements=0
         )
+        await self.training.start()
         # bitsandbytes takes seconds to import: not on the first run's path
         asyncio.get_running_loop().run_in_executor(None, codecs.preload, self.compression)
         self._reaper = asyncio.create_task(self._reap_idle_sessions())

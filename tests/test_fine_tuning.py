@@ -1,0 +1,249 @@
+"""Prompt tuning through the swarm (docs/design.md, "Fine-tuning"; docs/fine_tuning.md): the backward lap.
+
+Three servers of the tiny random Llama (blocks 0:2, 2:4, 4:6) run in this process, so a test can look at
+what they keep. The swarm's loss and prompt gradients are compared with local transformers given
+``inputs_embeds = cat(prompts, embed(ids))`` and the forward pass's own loss (client._masks.causal_lm_loss)
+over the ids' logits; a few Adam steps through the swarm follow the same steps done locally. Tolerances
+(float32): losses 1e-5 relative, gradients 1e-4 of their largest entry; after Adam steps, 1e-4 of the loss.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from client import _loop
+from client._masks import causal_lm_loss
+from protocol import limits
+from protocol.dht import make_dht
+from protocol.errors import ErrorCode, ProtocolError
+from protocol.messages import ErrorReply, Hop, TrainBackward, TrainForward
+from protocol.streams import TRAIN_PROTOCOL, MessageStream
+from server.training import KeptInputs
+
+SPANS = [(0, 2), (2, 4), (4, 6)]
+MAX_POSITIONS = 64
+PRE_SEQ_LEN = 4
+
+
+@pytest.fixture(scope="module")
+def tuning_swarm(tiny_llama_path):
+    """Three in-process servers and their DHT's peers; everything stops after the module."""
+    from server.span_server import ServerConfig, SpanServer
+
+    bootstrap = make_dht(host="127.0.0.1")
+    peers = [str(m) for m in bootstrap.get_visible_maddrs()]
+
+    async def start():
+        common = dict(
+            model=str(tiny_llama_path),
+            initial_peers=peers,
+            host="127.0.0.1",
+            reachability="public",
+            update_period=2.0,
+            torch_threads=1,
+            max_positions_per_step=MAX_POSITIONS,
+        )
+        return [await SpanServer.create(ServerConfig(blocks=blocks, **common)) for blocks in SPANS]
+
+    servers = _loop.run(start(), timeout=240)
+    yield servers, peers
+    for server in servers:
+        _loop.run(server.shutdown(), timeout=60)
+    bootstrap.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tuned(tuning_swarm, tiny_llama_path):
+    from swarm import AutoDistributedModelForCausalLM
+
+    _, peers = tuning_swarm
+    model = AutoDistributedModelForCausalLM.from_pretrained(
+        str(tiny_llama_path), initial_peers=peers, tuning_mode="ptune", pre_seq_len=PRE_SEQ_LEN
+    )
+    yield model
+    model.shutdown()
+
+
+def local_loss(reference, prompts: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor):
+    """transformers with inputs_embeds = cat(prompts, embed(ids)) per row (its padding removed), the ids'
+    logits put back in the padded batch, and the forward pass's causal-LM loss over them."""
+    logits = torch.zeros(*input_ids.shape, reference.config.vocab_size)
+    for i in range(input_ids.shape[0]):
+        keep = mask[i].bool()
+        embeds = torch.cat([prompts, reference.model.embed_tokens(input_ids[i][keep])]).unsqueeze(0)
+        row_logits = reference(inputs_embeds=embeds).logits[0, prompts.shape[0] :]
+        logits = logits.index_put((torch.tensor([i]), keep.nonzero().flatten()), row_logits)
+    return causal_lm_loss(logits, labels, mask)
+
+
+def close_grads(ours: torch.Tensor, theirs: torch.Tensor, rel: float = 1e-4) -> bool:
+    return float((ours - theirs).abs().max()) <= rel * float(theirs.abs().max()) + 1e-7
+
+
+def test_tuning_arguments_are_consumed_and_checked(tuning_swarm, tiny_llama_path):
+    from swarm import AutoDistributedModelForCausalLM
+
+    _, peers = tuning_swarm
+    for bad, match in [
+        (dict(tuning_mode="bogus", pre_seq_len=4), "unknown tuning_mode 'bogus'"),
+        (dict(tuning_mode="deep_ptune", pre_seq_len=4), "not supported yet"),
+        (dict(tuning_mode="ptune", pre_seq_len=0), "pre_seq_len must be an int in 1..256"),
+        (dict(tuning_mode="ptune", pre_seq_len=limits.MAX_PROMPT_POSITIONS + 1), "pre_seq_len must be"),
+        (dict(pre_seq_len=4), "needs a tuning_mode"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            AutoDistributedModelForCausalLM.from_pretrained(str(tiny_llama_path), initial_peers=peers, **bad)
+
+
+def test_the_model_is_a_module_whose_only_parameters_are_the_prompts(tuned):
+    assert isinstance(tuned, torch.nn.Module)
+    params = dict(tuned.named_parameters())
+    assert list(params) == ["prompt_embeddings.weight"]
+    assert params["prompt_embeddings.weight"].requires_grad
+    assert tuple(params["prompt_embeddings.weight"].shape) == (PRE_SEQ_LEN, tuned.config.hidden_size)
+    assert "tuning_mode" not in tuned.config.to_dict() and "pre_seq_len" not in tuned.config.to_dict()
+    state = tuned.state_dict()
+    assert list(state) == ["prompt_embeddings.weight"]
+    tuned.load_state_dict(state)
+
+
+def test_prompt_gradients_equal_local_transformers(tuned, tiny_reference, tuning_swarm):
+    torch.manual_seed(3)
+    input_ids = torch.randint(0, tuned.config.vocab_size, (2, 10))
+    mask = torch.ones_like(input_ids)
+    mask[1, :3] = 0  # left padding on the second row
+    labels = input_ids.clone()
+    labels[0, 5] = -100
+    tuned.zero_grad()
+    loss = tuned(input_ids, attention_mask=mask, labels=labels).loss
+    loss.backward()
+    ours = tuned.prompt_embeddings.weight.grad.clone()
+
+    prompts = tuned.prompt_embeddings.weight.detach().clone().requires_grad_(True)
+    expected = local_loss(tiny_reference, prompts, input_ids, mask, labels)
+    expected.backward()
+    assert abs(float(loss) - float(expected)) <= 1e-5 * abs(float(expected))
+    assert float(ours.abs().max()) > 0
+    assert close_grads(ours, prompts.grad), (ours - prompts.grad).abs().max()
+    for server in tuning_swarm[0]:
+        assert len(server.handler.training.kept) == 0  # every kept input was freed after its backward
+
+
+def test_adam_steps_lower_the_loss_as_local_training_does(tuned, tiny_reference):
+    torch.manual_seed(5)
+    start = torch.randn(PRE_SEQ_LEN, tuned.config.hidden_size) * 0.02
+    input_ids = torch.randint(0, tuned.config.vocab_size, (2, 8))
+    with torch.no_grad():
+        tuned.prompt_embeddings.weight.copy_(start)
+    optimizer = torch.optim.Adam([p for p in tuned.parameters() if p.requires_grad], lr=0.05)
+    local = start.clone().requires_grad_(True)
+    local_optimizer = torch.optim.Adam([local], lr=0.05)
+    mask = torch.ones_like(input_ids)
+    swarm_losses, local_losses = [], []
+    for _ in range(4):
+        optimizer.zero_grad()
+        loss = tuned(input_ids, labels=input_ids).loss
+        loss.backward()
+        optimizer.step()
+        swarm_losses.append(float(loss))
+        local_optimizer.zero_grad()
+        expected = local_loss(tiny_reference, local, input_ids, mask, input_ids)
+        expected.backward()
+        local_optimizer.step()
+        local_losses.append(float(expected))
+    assert swarm_losses[-1] < swarm_losses[0]
+    for ours, theirs in zip(swarm_losses, local_losses):
+        assert abs(ours - theirs) <= 1e-4 * abs(theirs), (swarm_losses, local_losses)
+    assert close_grads(tuned.prompt_embeddings.weight.detach(), local.detach(), rel=1e-4)
+
+
+# ---- bad input: a named error, and the server goes on serving ----
+
+
+def raw_exchange(model, peer_id: str, message, tensors, max_frame_bytes: int = 1 << 20):
+    async def go():
+        from hivemind.p2p import PeerID
+
+        stream = await MessageStream.open(
+            model.swarm.p2p, PeerID.from_base58(peer_id), TRAIN_PROTOCOL, max_frame_bytes=max_frame_bytes
+        )
+        try:
+            await stream.send(message, tensors)
+            return await stream.receive()
+        finally:
+            stream.close()
+
+    return _loop.run(go(), timeout=60).message
+
+
+def declare_frame(model, peer_id: str, length: int):
+    """Only a frame header declaring ``length`` bytes; the server's answer."""
+    from hivemind.p2p import P2P, PeerID
+
+    async def go():
+        stream = await MessageStream.open(model.swarm.p2p, PeerID.from_base58(peer_id), TRAIN_PROTOCOL)
+        try:
+            stream.writer.write(P2P.MESSAGE_MARKER + length.to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER))
+            await stream.writer.drain()
+            return await stream.receive()
+        finally:
+            stream.close()
+
+    return _loop.run(go(), timeout=60).message
+
+
+def route_of(servers) -> list[Hop]:
+    return [Hop(s.handler.peer_id, start, end) for s, (start, end) in zip(servers, SPANS)]
+
+
+def forward_message(route, hop_index=0, num_prompts=PRE_SEQ_LEN, ids=(1, 2, 3)) -> TrainForward:
+    ids = list(ids)
+    return TrainForward(
+        step_id="bad1", route=route, hop_index=hop_index, num_prompts=num_prompts, token_ids=ids, targets=ids
+    )
+
+
+def test_bad_training_requests_get_named_errors_and_the_server_keeps_serving(tuned, tuning_swarm):
+    servers, _ = tuning_swarm
+    route, head, hidden = route_of(servers), servers[0].handler.peer_id, tuned.config.hidden_size
+    zeros = torch.zeros(PRE_SEQ_LEN, hidden)
+    cases = [
+        (forward_message(route), [torch.zeros(PRE_SEQ_LEN + 1, hidden)], ErrorCode.BAD_REQUEST, "must have shape"),
+        (forward_message(route), [zeros.half()], ErrorCode.BAD_REQUEST, "must be float32"),
+        (forward_message(route), [zeros * float("nan")], ErrorCode.BAD_REQUEST, "not finite"),
+        (forward_message(route), [], ErrorCode.BAD_REQUEST, "expected one tensor"),
+        (forward_message(route, num_prompts=limits.MAX_PROMPT_POSITIONS + 1), [zeros], ErrorCode.BAD_REQUEST, "0..256"),
+        (forward_message(route, ids=range(MAX_POSITIONS)), [zeros], ErrorCode.STEP_TOO_LARGE, "exceeds"),
+        (forward_message(route, ids=[10**7]), [zeros], ErrorCode.TOKEN_OUT_OF_VOCAB, "vocabulary"),
+        (TrainBackward(step_id="nope", loss_sum=0.0, num_targets=0), [], ErrorCode.UNKNOWN_SESSION, "'nope'"),
+    ]
+    for message, tensors, code, text in cases:
+        reply = raw_exchange(tuned, head, message, tensors)
+        assert isinstance(reply, ErrorReply) and reply.code == code and text in reply.message, (code, reply)
+    # oversize: a frame above what max_positions_per_step positions need is refused before it is read
+    training = servers[0].handler.training
+    assert training.max_frame_bytes == limits.train_frame_bytes((hidden,), MAX_POSITIONS)
+    reply = declare_frame(tuned, head, training.max_frame_bytes + 1)
+    assert isinstance(reply, ErrorReply) and reply.code == ErrorCode.FRAME_TOO_LARGE, reply
+    # past the head, only the route's previous hop may send a row
+    reply = raw_exchange(tuned, servers[1].handler.peer_id, forward_message(route, 1), [torch.zeros(7, hidden)])
+    assert isinstance(reply, ErrorReply) and reply.code == ErrorCode.UNAUTHORIZED
+    loss = tuned(torch.tensor([[5, 6, 7, 8]]), labels=torch.tensor([[5, 6, 7, 8]])).loss
+    assert torch.isfinite(loss)
+
+
+def test_kept_inputs_are_bounded_in_bytes_and_time():
+    kept = KeptInputs(max_bytes=1000, timeout=60.0)
+    kept.keep("a", torch.zeros(200))  # 800 bytes
+    with pytest.raises(ProtocolError, match="no room to keep"):
+        kept.keep("b", torch.zeros(100))
+    assert kept.take("a").numel() == 200 and len(kept) == 0
+    with pytest.raises(ProtocolError, match="no input of training step 'a'"):
+        kept.take("a")
+    stale = KeptInputs(max_bytes=1000, timeout=-1.0)  # every input is already past its time
+    stale.keep("c", torch.zeros(10))
+    assert "c" not in stale
+    with pytest.raises(ProtocolError) as refused:
+        stale.take("c")
+    assert refused.value.code == ErrorCode.UNKNOWN_SESSION
