@@ -123,7 +123,7 @@ def test_prompt_gradients_equal_local_transformers(tuned, tiny_reference, tuning
     prompts = tuned.prompt_embeddings.weight.detach().clone().requires_grad_(True)
     expected = local_loss(tiny_reference, prompts, input_ids, mask, labels)
     expected.backward()
-    assert abs(float(loss) - float(expected)) <= 1e-5 * abs(float(expected))
+    assert abs(loss.item() - expected.item()) <= 1e-5 * abs(expected.item())
     assert float(ours.abs().max()) > 0
     assert close_grads(ours, prompts.grad), (ours - prompts.grad).abs().max()
     for server in tuning_swarm[0]:
@@ -146,12 +146,12 @@ def test_adam_steps_lower_the_loss_as_local_training_does(tuned, tiny_reference)
         loss = tuned(input_ids, labels=input_ids).loss
         loss.backward()
         optimizer.step()
-        swarm_losses.append(float(loss))
+        swarm_losses.append(loss.item())
         local_optimizer.zero_grad()
         expected = local_loss(tiny_reference, local, input_ids, mask, input_ids)
         expected.backward()
         local_optimizer.step()
-        local_losses.append(float(expected))
+        local_losses.append(expected.item())
     assert swarm_losses[-1] < swarm_losses[0]
     for ours, theirs in zip(swarm_losses, local_losses):
         assert abs(ours - theirs) <= 1e-4 * abs(theirs), (swarm_losses, local_losses)
