@@ -247,3 +247,38 @@ def test_kept_inputs_are_bounded_in_bytes_and_time():
     with pytest.raises(ProtocolError) as refused:
         stale.take("c")
     assert refused.value.code == ErrorCode.UNKNOWN_SESSION
+
+
+def test_a_server_lost_mid_step_fails_the_step_and_the_client_runs_it_again(
+    tuned, tiny_reference, tuning_swarm, caplog
+):
+    """The middle server drops its stream once mid-step (as a dying server's stream ends): the head frees
+    its kept input and reports downstream_failed, and the client runs the whole step again, with the
+    gradients of a step that never failed."""
+    servers, _ = tuning_swarm
+    middle = servers[1].handler.training
+    real_step, dropped = middle._step, []
+
+    async def die_once(message, tensors, upstream):
+        if not dropped:
+            dropped.append(message.step_id)
+            upstream.close()  # the stream ends without a reply
+            raise ConnectionError("server lost")
+        return await real_step(message, tensors, upstream)
+
+    middle._step = die_once
+    try:
+        input_ids = torch.tensor([[11, 12, 13, 14, 15, 16]])
+        tuned.zero_grad()
+        with caplog.at_level("WARNING", logger="client._training"):
+            loss = tuned(input_ids, labels=input_ids).loss
+        loss.backward()
+    finally:
+        middle._step = real_step
+    assert dropped and any("running it again on a new route" in r.message for r in caplog.records)
+    assert all(len(server.handler.training.kept) == 0 for server in servers)
+    prompts = tuned.prompt_embeddings.weight.detach().clone().requires_grad_(True)
+    expected = local_loss(tiny_reference, prompts, input_ids, torch.ones_like(input_ids), input_ids)
+    expected.backward()
+    assert abs(loss.item() - expected.item()) <= 1e-5 * abs(expected.item())
+    assert close_grads(tuned.prompt_embeddings.weight.grad, prompts.grad)
