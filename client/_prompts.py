@@ -18,6 +18,9 @@ from client._swarm import SwarmClient
 from client._training import TrainRow, batch_loss, train_rows
 from protocol.limits import MAX_PROMPT_POSITIONS
 
+# the id a session holds at each prompt position: the head computes those positions from the prompts
+# instead (OpenSession.num_prompts), so the id is never embedded; only the client's history holds it
+PLACEHOLDER_ID = 0
 TUNING_MODES = ("ptune",)  # "deep_ptune" (a prefix per block) is not built yet
 
 
@@ -70,3 +73,16 @@ def prompt_tuned_loss(
     rows = train_rows_of(input_ids, labels, mask)
     results, _ = _loop.run(train_rows(swarm, prompts.detach(), rows, swarm.request_timeout))
     return batch_loss(prompts, results)
+
+
+def share_prompts(swarm: SwarmClient, prompts: Optional[torch.nn.Embedding], repetition_penalty: float) -> list[int]:
+    """Before a generation: give the swarm client the prompts' current values (every session it opens
+    sends them to its head, audits' and failover replays' alike), and return the placeholder ids that
+    stand for them at the front of each sequence (none without prompts)."""
+    if prompts is None:
+        swarm.prompts = None
+        return []
+    if repetition_penalty != 1.0:  # the tail would count the placeholders as tokens seen
+        raise ValueError("repetition_penalty is not supported with tuned prompts yet")
+    swarm.prompts = prompts.weight.detach().float().cpu().clone()
+    return [PLACEHOLDER_ID] * prompts.num_embeddings

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Collection, Optional, Sequence
 
 import hivemind
+import torch
 from hivemind.p2p import P2P
 
 from client._remote_session import RemoteSession
@@ -111,6 +112,9 @@ class SwarmClient:
         self._publishing: Optional[asyncio.Future] = None
         self._closing = False
         self._stale = False  # the reports changed while a store was in flight
+        # a prompt-tuned model's prompts [P, hidden] float32, sent to the head of every session this
+        # client opens (generation, audits, replays alike); None: no prompts (client/_prompts.py)
+        self.prompts: Optional[torch.Tensor] = None
 
     @classmethod
     async def connect(cls, initial_peers: list[str], model: str, num_blocks: int, **kwargs) -> "SwarmClient":
@@ -136,7 +140,7 @@ class SwarmClient:
                     e.missing_blocks,
                 )
                 continue
-            session = RemoteSession(self.p2p, route, max_length, timeout=self.request_timeout)
+            session = RemoteSession(self.p2p, route, max_length, timeout=self.request_timeout, prompts=self.prompts)
             session.max_positions_per_step = self.route_step_limit(route)
             try:
                 await session.open()

@@ -142,7 +142,13 @@ class VerdictAuditor(BackgroundAudit):
         self.rng.shuffle(found)
         for attempt, candidate in enumerate(found[:MAX_SHADOW_TRIES]):
             shadow_route = substituted(route, len(route) - 1, candidate.peer_id)
-            shadow = RemoteSession(self.swarm.p2p, shadow_route, self.max_length, timeout=self.swarm.request_timeout)
+            shadow = RemoteSession(
+                self.swarm.p2p,
+                shadow_route,
+                self.max_length,
+                timeout=self.swarm.request_timeout,
+                prompts=self.swarm.prompts,
+            )
             try:
                 await shadow.open()
             except ServerError as e:  # e.g. a stale record of a server that is gone: blame by evidence, try another
@@ -234,7 +240,8 @@ class VerdictAuditor(BackgroundAudit):
 
     async def _third_opinion(self, route: list[Hop], ids: list[int], t: int, stats) -> int:
         """The token a fresh session on ``route`` chooses at position t after ids[:t]."""
-        session = RemoteSession(self.swarm.p2p, route, t + 1, timeout=self.swarm.request_timeout)
+        swarm = self.swarm
+        session = RemoteSession(swarm.p2p, route, t + 1, timeout=swarm.request_timeout, prompts=swarm.prompts)
         try:
             await session.open()
             limit, position, run_id = self.swarm.route_step_limit(route), 0, 0

@@ -29,7 +29,7 @@ from client._forward import forward_row
 from client._generation import GenerationStats, SessionState, SpeculativeDecoder
 from client._masks import causal_lm_loss, checked_ids, checked_mask, kept_columns, kept_width, unpadded
 from client._options import GenerationOptions
-from client._prompts import check_tuning, new_prompts, prompt_tuned_loss
+from client._prompts import check_tuning, new_prompts, prompt_tuned_loss, share_prompts
 from client._spot_checks import DEFAULT_SPOT_CHECK_RATE, check_rate
 from client._stats import merged_stats
 from client._swarm import SwarmClient
@@ -49,13 +49,11 @@ logger = logging.getLogger(__name__)
 class AutoDistributedModel(torch.nn.Module):
     """A transformers-style causal LM whose blocks run in the swarm: ``from_pretrained``,
     ``generate``, ``forward`` and their asyncio twins, with transformers' argument names, so code
-    written for a local model runs against the swarm unchanged. A ``torch.nn.Module`` whose only
-    parameters are what trains on the client (the prompts of ``tuning_mode="ptune"``)."""
+    written for a local model runs against the swarm unchanged; a ``torch.nn.Module`` (client/_prompts.py)."""
 
     def __init__(self, config: PretrainedConfig, tokenizer: Any, swarm: SwarmClient):
         super().__init__()
-        self.tuning_mode: Optional[str] = None  # "ptune": prompt_embeddings train (client/_prompts.py)
-        self.prompt_embeddings: Optional[torch.nn.Embedding] = None
+        self.tuning_mode, self.prompt_embeddings = None, None  # "ptune" and its trainable prompts
         self.config, self.tokenizer, self.swarm = config, tokenizer, swarm
         self.last_generation_stats: Optional[GenerationStats] = None
         self.last_batch_stats: list[GenerationStats] = []  # one per row of the last generate()
@@ -100,8 +98,7 @@ class AutoDistributedModel(torch.nn.Module):
         prompts of its kind, where the package has them (client/warm_corpus.py; SmolLM2-135M);
         drafts only, so the output is the same either way. Off by default: on the 2-core CPU
         machine it raised tokens per lap a little and tokens/s not at all (docs/benchmarks.md).
-        ``tuning_mode="ptune"``, ``pre_seq_len=N``: N trainable prompt embeddings before the ids; a
-        forward with ``labels`` trains them through the swarm (docs/fine_tuning.md).
+        ``tuning_mode="ptune"``, ``pre_seq_len=N``: N trainable prompts before the ids (docs/fine_tuning.md).
         """
         tuning_mode = check_tuning(tuning_mode, pre_seq_len)
         check_rate(spot_check_rate)
@@ -223,11 +220,12 @@ class AutoDistributedModel(torch.nn.Module):
         if max_length is not None:
             options = dataclasses.replace(options, max_new_tokens=max_length - input_ids.shape[1])
         call = plan_call(options, self.config, self.tokenizer, self.spot_check_rate)
+        prefix = share_prompts(self.swarm, self.prompt_embeddings, call.sampling.repetition_penalty)
         if streamer is not None and input_ids.shape[0] > 1:
             raise ValueError("a streamer takes one sequence (as in transformers): pass input_ids of batch size 1")
         eos = call.eos
         pad_id = self.config.pad_token_id if self.config.pad_token_id is not None else (eos[0] if eos else 0)
-        rows = unpadded(input_ids, checked_mask(input_ids, attention_mask))
+        rows = [prefix + row for row in unpadded(input_ids, checked_mask(input_ids, attention_mask))]
         if len(rows) == 1:
             new_rows = [self._generate_row(rows[0], call, streamer)]
             self.last_batch_stats = [self.last_generation_stats]
@@ -247,7 +245,7 @@ class AutoDistributedModel(torch.nn.Module):
         own_session = self._session is None
         state = self._session or one_call_session(row, call, self.context_length)
         if streamer is not None:
-            streamer.put(torch.tensor(row))
+            streamer.put(torch.tensor(row[self.num_prompts :]))
         on_tokens = (lambda new: streamer.put(torch.tensor(new))) if streamer is not None else None
         decoder = self._make_decoder(state, call, on_tokens)
         self.last_generation_stats = decoder.stats  # live while generating (route, failovers, ...)
@@ -367,6 +365,7 @@ class AutoDistributedModel(torch.nn.Module):
             raise TypeError(f"agenerate_stream() got unexpected keyword arguments: {sorted(unknown)}")
         row = self._check_input(torch.as_tensor([list(input_ids)]))[0].tolist()
         call = plan_call(options, self.config, self.tokenizer, self.spot_check_rate)
+        row = share_prompts(self.swarm, self.prompt_embeddings, call.sampling.repetition_penalty) + row
         state = one_call_session(row, call, self.context_length)
         make_decoder, close = functools.partial(self._make_decoder, state, call), functools.partial(self._close, state)
         laps = stream_laps(make_decoder, row, options.max_new_tokens, bool(options.num_logprobs), close)
@@ -408,6 +407,10 @@ class AutoDistributedModel(torch.nn.Module):
         )
 
     @property
+    def num_prompts(self) -> int:  # tuned prompt positions before every sequence's ids
+        return 0 if self.prompt_embeddings is None else self.prompt_embeddings.num_embeddings
+
+    @property
     def context_length(self) -> int:
         """The most positions (prompt + new tokens) one sequence may hold."""
         return context_limit(self.config)
@@ -415,21 +418,18 @@ class AutoDistributedModel(torch.nn.Module):
     def _check_input(self, input_ids: Optional[torch.Tensor]) -> torch.Tensor:
         """``generate``'s ids, checked: inside an inference session, one row, or none to continue
         the session's own history."""
-        if self.prompt_embeddings is not None:
-            raise NotImplementedError("generating with tuned prompts is not built yet (docs/fine_tuning.md)")
         if input_ids is None:
-            if self._session is None or not self._session.history:
+            if self._session is None or len(self._session.history) <= self.num_prompts:
                 raise ValueError("input_ids is required (outside an inference session that already has tokens)")
-            input_ids = torch.tensor([self._session.history])
+            input_ids = torch.tensor([self._session.history[self.num_prompts :]])
         input_ids = checked_ids(input_ids, self.config.vocab_size)
         if self._session is not None and input_ids.shape[0] != 1:
             raise ValueError("an inference session holds one sequence; pass input_ids with batch size 1")
         return input_ids
 
     def reset_draft_store(self, warm: bool = True) -> None:
-        """Forget earlier outputs the suffix drafter learned from (benchmarks compare modes fairly);
-        the new store starts with the model's warm corpus (client/warm_corpus.py; empty unless
-        ``from_pretrained(warm_draft_store=True)`` loaded it) unless ``warm`` is False."""
+        """Forget what the suffix drafter learned (benchmarks compare modes fairly); the new store starts
+        with the warm corpus (client/warm_corpus.py; ``warm_draft_store=True``) unless ``warm`` is False."""
         self._suffix_store = SuffixStore()
         for sequence in self.warm_corpus if warm else ():
             self._suffix_store.add(sequence)

@@ -67,6 +67,10 @@ class OpenSession(msgspec.Struct, tag="open", kw_only=True, array_like=True):
     # sha256 (hex) of a secret only the client knows: the tail sends results only to a Subscribe
     # that carries the secret, so route servers, which see this hash, cannot subscribe themselves
     secret_hash: str = ""
+    # prompt tuning (docs/fine_tuning.md): the head computes the session's first ``num_prompts`` positions
+    # from the prompt embeddings sent with this message (one tensor ``[num_prompts, hidden]`` float32,
+    # to the head only) instead of embedding their ids; 0: none
+    num_prompts: int = 0
 
 
 class Step(msgspec.Struct, tag="step", kw_only=True, array_like=True, omit_defaults=True):

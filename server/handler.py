@@ -28,7 +28,7 @@ import asyncio
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import msgspec
 import torch
@@ -215,7 +215,7 @@ class SessionHandler:
                     if isinstance(message, OpenSession):
                         if session is not None:
                             raise ProtocolError(ErrorCode.SESSION_EXISTS, "this stream already has a session")
-                        session, downstream = await self._open(message, upstream)
+                        session, downstream = await self._open(message, upstream, received.tensors)
                     elif isinstance(message, CloseSession):
                         return
                     else:
@@ -270,10 +270,11 @@ class SessionHandler:
     # ---- opening a session --------------------------------------------------------------------
 
     async def _open(
-        self, message: OpenSession, upstream: MessageStream
+        self, message: OpenSession, upstream: MessageStream, tensors: Sequence[torch.Tensor] = ()
     ) -> tuple[ServerSession, Optional[MessageStream]]:
         """Admit a session (server/admission.py), reserve its cache, open it on the next hop, start its worker."""
         owner = self._admit(message, upstream.peer_id.to_base58())
+        prompts = admission.check_prompts(message, tensors, self.span.hidden_shape, self.max_positions_per_step)
         if not self.budget.reserve(message.session_id, message.max_length, owner):
             raise ProtocolError(
                 ErrorCode.BUSY,
@@ -284,7 +285,7 @@ class SessionHandler:
             message.session_id, message.max_length, message.route, message.hop_index, self.span.new_cache()
         )
         session.upstream = upstream
-        session.secret_hash = message.secret_hash
+        session.secret_hash, session.prompts = message.secret_hash, prompts
         downstream = await self._chain(session, upstream)
         self.open_sessions.add(session)
         session.worker = asyncio.create_task(self._run_session(session, downstream))

@@ -16,7 +16,7 @@ import torch
 from protocol import limits
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.messages import TrainForward
-from server.admission import HeldBlocks, check_hop, check_upstream
+from server.admission import HeldBlocks, check_hop, check_tensors, check_upstream
 from server.session import check_token_ids
 
 IGNORE_INDEX = -100  # a target the loss skips (transformers' ignore_index)
@@ -58,23 +58,3 @@ def check_train_forward(
     rows = prompts if head else prompts + length
     what = "the prompts" if head else "the previous span's output"
     check_tensors(tensors, rows, hidden_size, what, optional=head and prompts == 0)
-
-
-def check_tensors(
-    tensors: Sequence[torch.Tensor], rows: int, hidden_size: int, what: str, optional: bool = False
-) -> None:
-    """Exactly one float32 tensor ``[rows, hidden_size]`` of finite values (none at all when ``optional``
-    and ``rows`` is 0)."""
-    if optional and not tensors:
-        return
-    if len(tensors) != 1:
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"expected one tensor ({what}), got {len(tensors)}")
-    tensor = tensors[0]
-    if tuple(tensor.shape) != (rows, hidden_size):
-        raise ProtocolError(
-            ErrorCode.BAD_REQUEST, f"{what} must have shape {(rows, hidden_size)}, got {tuple(tensor.shape)}"
-        )
-    if tensor.dtype != torch.float32:
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"{what} must be float32, got {tensor.dtype}")
-    if not bool(torch.isfinite(tensor).all()):
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"{what} hold values that are not finite")

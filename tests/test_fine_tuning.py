@@ -282,3 +282,37 @@ def test_a_server_lost_mid_step_fails_the_step_and_the_client_runs_it_again(
     expected.backward()
     assert abs(loss.item() - expected.item()) <= 1e-5 * abs(expected.item())
     assert close_grads(tuned.prompt_embeddings.weight.grad, prompts.grad)
+
+
+def local_prompted_greedy(reference, prompts: torch.Tensor, ids: list[int], max_new_tokens: int, eos: int) -> list[int]:
+    """transformers, greedy, with inputs_embeds = cat(prompts, embed(ids so far)) at every step."""
+    new: list[int] = []
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            embeds = torch.cat([prompts, reference.model.embed_tokens(torch.tensor(ids + new))]).unsqueeze(0)
+            new.append(int(reference(inputs_embeds=embeds).logits[0, -1].argmax()))
+            if new[-1] == eos:
+                break
+    return new
+
+
+@pytest.mark.parametrize("speculation", [None, "suffix"])
+def test_generate_with_tuned_prompts_equals_local_transformers(tuned, tiny_reference, speculation):
+    torch.manual_seed(11)
+    with torch.no_grad():
+        tuned.prompt_embeddings.weight.normal_(0, 0.5)  # far from zero: the prompts change the output
+    prompts = tuned.prompt_embeddings.weight.detach().clone()
+    ids = [5, 9, 14, 9, 5, 9, 14]
+    eos = tuned.config.eos_token_id
+    expected = local_prompted_greedy(tiny_reference, prompts, ids, 12, eos)
+    without = local_prompted_greedy(tiny_reference, prompts[:0], ids, 12, eos)
+    assert expected != without
+    out = tuned.generate(torch.tensor([ids]), max_new_tokens=12, speculation=speculation)
+    assert out[0].tolist() == ids + expected
+    # an inference session continues the same sequence, the prompts still in front
+    with tuned.inference_session(max_length=64):
+        first = tuned.generate(torch.tensor([ids]), max_new_tokens=5, speculation=speculation)
+        more = tuned.generate(first, max_new_tokens=7, speculation=speculation)
+    assert more[0].tolist() == (ids + expected)[: len(ids) + 12]
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        tuned.generate(torch.tensor([ids]), max_new_tokens=2, repetition_penalty=1.2)
