@@ -161,13 +161,11 @@ def test_adam_steps_lower_the_loss_as_local_training_does(tuned, tiny_reference)
 # ---- bad input: a named error, and the server goes on serving ----
 
 
-def raw_exchange(model, peer_id: str, message, tensors, max_frame_bytes: int = 1 << 20):
+def raw_exchange(model, peer_id: str, message, tensors, protocol: str = TRAIN_PROTOCOL):
     async def go():
         from hivemind.p2p import PeerID
 
-        stream = await MessageStream.open(
-            model.swarm.p2p, PeerID.from_base58(peer_id), TRAIN_PROTOCOL, max_frame_bytes=max_frame_bytes
-        )
+        stream = await MessageStream.open(model.swarm.p2p, PeerID.from_base58(peer_id), protocol)
         try:
             await stream.send(message, tensors)
             return await stream.receive()
@@ -316,3 +314,36 @@ def test_generate_with_tuned_prompts_equals_local_transformers(tuned, tiny_refer
     assert more[0].tolist() == (ids + expected)[: len(ids) + 12]
     with pytest.raises(ValueError, match="repetition_penalty"):
         tuned.generate(torch.tensor([ids]), max_new_tokens=2, repetition_penalty=1.2)
+
+
+def test_an_open_session_with_bad_prompts_is_refused_by_name(tuned, tuning_swarm):
+    import hashlib
+
+    from protocol.messages import OpenSession
+    from protocol.streams import SESSION_PROTOCOL
+
+    servers, _ = tuning_swarm
+    route, head, hidden = route_of(servers), servers[0].handler.peer_id, tuned.config.hidden_size
+    secret_hash = hashlib.sha256(b"s").hexdigest()
+
+    def opening(session_id: str, num_prompts: int, tensors):
+        message = OpenSession(
+            session_id=session_id,
+            max_length=32,
+            route=route,
+            hop_index=0,
+            secret_hash=secret_hash,
+            num_prompts=num_prompts,
+        )
+        return raw_exchange(tuned, head, message, tensors, protocol=SESSION_PROTOCOL)
+
+    for session_id, count, tensors, text in [
+        ("p1", 4, [torch.zeros(5, hidden)], "must have shape (4, 64)"),
+        ("p2", 4, [torch.zeros(4, hidden).half()], "must be float32"),
+        ("p3", 33, [torch.zeros(33, hidden)], "num_prompts must be in 0..32"),
+        ("p4", 0, [torch.zeros(4, hidden)], "only to the head, with num_prompts"),
+    ]:
+        reply = opening(session_id, count, tensors)
+        assert isinstance(reply, ErrorReply) and reply.code == ErrorCode.BAD_REQUEST and text in reply.message, reply
+    assert all(not s.handler.sessions for s in servers)  # nothing was opened, nothing reserved
+    assert all(s.handler.budget.free_tokens == s.handler.budget.total_tokens for s in servers)
