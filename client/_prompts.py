@@ -64,12 +64,10 @@ def prompt_tuned_loss(
     prompts: torch.Tensor,
     input_ids: torch.Tensor,
     mask: torch.Tensor,
-    labels: Optional[torch.Tensor],
+    labels: torch.Tensor,
 ) -> torch.Tensor:
     """A training step through the swarm (client/_training.py): the batch's loss, differentiable in
     ``prompts`` ``[pre_seq_len, hidden]`` (``loss.backward()`` fills their ``.grad``)."""
-    if labels is None:
-        raise NotImplementedError("a prompt-tuned model's forward needs labels (logits with prompts: not built yet)")
     rows = train_rows_of(input_ids, labels, mask)
     results, _ = _loop.run(train_rows(swarm, prompts.detach(), rows, swarm.request_timeout))
     return batch_loss(prompts, results)

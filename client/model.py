@@ -299,18 +299,18 @@ class AutoDistributedModel(torch.nn.Module):
         each next token; -100 is ignored, and so is any target predicted from a masked position):
         ``exp(loss)`` is the perplexity. ``output_hidden_states=True`` sets ``hidden_states`` to a
         1-tuple: the final hidden state (after the final norm: transformers' ``hidden_states[-1]``)
-        at the positions ``logits`` covers; the other layers' states never leave the servers.
-        """
+        at the positions ``logits`` covers. Tuned prompts precede every row; ``labels`` with grad
+        enabled run a training step instead (the loss only: docs/fine_tuning.md)."""
         if unused:
             logger.warning(f"forward() ignores unsupported arguments: {sorted(unused)}")
         input_ids = checked_ids(input_ids, self.config.vocab_size)
         mask = checked_mask(input_ids, attention_mask)
-        if self.prompt_embeddings is not None:  # a training step (client/_prompts.py); the loss only
+        if self.prompt_embeddings is not None and labels is not None and torch.is_grad_enabled():
             loss = prompt_tuned_loss(self.swarm, self.prompt_embeddings.weight, input_ids, mask, labels)
-            return CausalLMOutputWithPast(loss=loss) if return_dict else (loss,)
+            return CausalLMOutputWithPast(loss=loss) if return_dict else (loss,)  # a training step: no logits
         width = input_ids.shape[1]
         keep = kept_width(width, logits_to_keep, labels is not None)
-        rows = unpadded(input_ids, mask)
+        rows = [share_prompts(self.swarm, self.prompt_embeddings, 1.0) + row for row in unpadded(input_ids, mask)]
         if max(map(len, rows)) > self.context_length:
             raise ValueError(f"a row has {max(map(len, rows))} tokens; the model's context is {self.context_length}")
         logits, hidden = self._forward_rows(rows, kept_columns(mask, width - keep), keep, output_hidden_states)

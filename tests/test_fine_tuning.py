@@ -347,3 +347,25 @@ def test_an_open_session_with_bad_prompts_is_refused_by_name(tuned, tuning_swarm
         assert isinstance(reply, ErrorReply) and reply.code == ErrorCode.BAD_REQUEST and text in reply.message, reply
     assert all(not s.handler.sessions for s in servers)  # nothing was opened, nothing reserved
     assert all(s.handler.budget.free_tokens == s.handler.budget.total_tokens for s in servers)
+
+
+def test_forward_without_grad_gives_the_logits_and_loss_after_the_prompts(tuned, tiny_reference):
+    """No labels, or labels under torch.no_grad(): a forward lap whose sessions carry the prompts, the ids'
+    logits as local transformers gives them after cat(prompts, embed(ids)), and the training step's loss."""
+    torch.manual_seed(13)
+    input_ids = torch.randint(0, tuned.config.vocab_size, (2, 7))
+    mask = torch.ones_like(input_ids)
+    mask[0, :2] = 0
+    prompts = tuned.prompt_embeddings.weight.detach().clone()
+    logits = tuned(input_ids, attention_mask=mask).logits
+    with torch.no_grad():
+        for i in range(2):
+            keep = mask[i].bool()
+            embeds = torch.cat([prompts, tiny_reference.model.embed_tokens(input_ids[i][keep])]).unsqueeze(0)
+            expected = tiny_reference(inputs_embeds=embeds).logits[0, PRE_SEQ_LEN:]
+            assert torch.allclose(logits[i][keep], expected, atol=1e-4, rtol=1e-4)
+            assert not logits[i][~keep].any()
+        evaluated = tuned(input_ids, attention_mask=mask, labels=input_ids).loss
+    trained = tuned(input_ids, attention_mask=mask, labels=input_ids).loss
+    assert evaluated.grad_fn is None and trained.grad_fn is not None
+    assert abs(evaluated.item() - trained.item()) <= 1e-5 * abs(trained.item())
