@@ -62,6 +62,7 @@ DEFAULT_GATHER_WINDOW = 0.005
 # of kept span inputs a server holds for steps whose backward has not come back (--max-train-mib), and how
 # long it waits for that backward before it frees the input and fails the step
 MAX_PROMPT_POSITIONS = 256
+MAX_TRAIN_STEPS_IN_FLIGHT = 64  # training rows a server computes or waits on at once (more: busy)
 DEFAULT_MAX_TRAIN_MIB = 256
 TRAIN_STEP_TIMEOUT = 120.0
 

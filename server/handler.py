@@ -181,7 +181,7 @@ class SessionHandler:
     async def drain(self, grace: float) -> None:
         """Stop taking sessions, give open ones ``grace`` seconds to finish, then close them:
         their clients see the stream end and move the session elsewhere."""
-        self.accepting = False
+        self.accepting = self.training.accepting = False
         deadline = time.monotonic() + grace
         while self.sessions and time.monotonic() < deadline:
             await asyncio.sleep(0.1)

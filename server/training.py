@@ -114,6 +114,8 @@ class TrainingHandler:
         self.max_tensor_elements = limits.step_tensor_elements(span.hidden_shape, max_positions_per_step)
         self.held = HeldBlocks(span.start, span.end, span.num_blocks)
         self.stats = {"train_steps": 0, "train_refused": 0}
+        self.in_flight, self.max_in_flight = 0, limits.MAX_TRAIN_STEPS_IN_FLIGHT
+        self.accepting = True  # False while the server drains (SessionHandler.drain)
 
     async def start(self) -> None:
         await serve(
@@ -134,7 +136,7 @@ class TrainingHandler:
             message = received.message
             step_id = getattr(message, "step_id", "")
             if isinstance(message, TrainForward):
-                grad, loss_sum, num_targets = await self._step(message, received.tensors, upstream)
+                grad, loss_sum, num_targets = await self._admitted_step(message, received.tensors, upstream)
                 reply = TrainBackward(step_id=step_id, loss_sum=loss_sum, num_targets=num_targets)
                 await send_quietly(upstream, reply, [grad])
                 self.stats["train_steps"] += 1
@@ -151,6 +153,21 @@ class TrainingHandler:
         except Exception as e:
             logger.exception(f"Training step {step_id!r} failed")
             await report(upstream, step_id, ProtocolError(ErrorCode.INTERNAL, repr(e)), None, self.peer_id)
+
+    async def _admitted_step(
+        self, message: TrainForward, tensors: list[torch.Tensor], upstream: MessageStream
+    ) -> tuple[torch.Tensor, float, int]:
+        """A step, if this server takes one now: not while it drains, and at most ``max_in_flight`` at once
+        (each holds its frame, and its compute waits for the span's one compute thread)."""
+        if not self.accepting:
+            raise ProtocolError(ErrorCode.SHUTTING_DOWN, "this server is shutting down")
+        if self.in_flight >= self.max_in_flight:
+            raise ProtocolError(ErrorCode.BUSY, f"{self.in_flight} training steps are in flight here already")
+        self.in_flight += 1
+        try:
+            return await self._step(message, tensors, upstream)
+        finally:
+            self.in_flight -= 1
 
     def _stray_backward(self, message: TrainBackward) -> None:
         """A TrainBackward sent as a request: never valid (it comes back on the forward's own stream)."""

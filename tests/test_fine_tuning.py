@@ -369,3 +369,18 @@ def test_forward_without_grad_gives_the_logits_and_loss_after_the_prompts(tuned,
     trained = tuned(input_ids, attention_mask=mask, labels=input_ids).loss
     assert evaluated.grad_fn is None and trained.grad_fn is not None
     assert abs(evaluated.item() - trained.item()) <= 1e-5 * abs(trained.item())
+
+
+def test_training_steps_past_the_in_flight_cap_are_refused_busy(tuned, tuning_swarm):
+    servers, _ = tuning_swarm
+    training = servers[0].handler.training
+    assert training.max_in_flight == limits.MAX_TRAIN_STEPS_IN_FLIGHT
+    message, prompts = forward_message(route_of(servers)), [torch.zeros(PRE_SEQ_LEN, tuned.config.hidden_size)]
+    training.max_in_flight = 0  # as if every slot were taken
+    try:
+        reply = raw_exchange(tuned, training.peer_id, message, prompts)
+    finally:
+        training.max_in_flight = limits.MAX_TRAIN_STEPS_IN_FLIGHT
+    assert isinstance(reply, ErrorReply) and reply.code == ErrorCode.BUSY and "in flight" in reply.message
+    reply = raw_exchange(tuned, training.peer_id, message, prompts)  # a slot is free again: computed
+    assert isinstance(reply, TrainBackward) and reply.num_targets == 3 and training.in_flight == 0
