@@ -384,3 +384,29 @@ def test_training_steps_past_the_in_flight_cap_are_refused_busy(tuned, tuning_sw
     assert isinstance(reply, ErrorReply) and reply.code == ErrorCode.BUSY and "in flight" in reply.message
     reply = raw_exchange(tuned, training.peer_id, message, prompts)  # a slot is free again: computed
     assert isinstance(reply, TrainBackward) and reply.num_targets == 3 and training.in_flight == 0
+
+
+def test_spans_without_a_backward_refuse_a_training_step_in_one_line():
+    """Quantized Llama spans and DeepSeek-V4 spans refuse (bad_request) before computing anything."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from server.adapters.deepseek_v4 import DeepseekV4Adapter
+    from server.adapters.llama import LlamaFamilyAdapter
+    from server.quantization import Quant
+    from server.training import TrainingHandler
+
+    quantized = LlamaFamilyAdapter.__new__(LlamaFamilyAdapter)
+    quantized.quant = Quant.INT8
+    assert quantized.backward_refusal() == "a int8 span does not support backward (training); serve it unquantized"
+    deepseek = DeepseekV4Adapter.__new__(DeepseekV4Adapter)
+    assert deepseek.backward_refusal() == "DeepseekV4Adapter spans do not support backward (training) yet"
+
+    span = SimpleNamespace(start=0, end=6, num_blocks=6, hidden_shape=(64,), vocab_size=100)
+    span.backward_refusal = quantized.backward_refusal
+    handler = TrainingHandler(SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: "me")), span, None)
+    route = [Hop("me", 0, 6)]
+    with pytest.raises(ProtocolError) as refused:
+        asyncio.run(handler._admitted_step(forward_message(route), [torch.zeros(PRE_SEQ_LEN, 64)], None))
+    assert refused.value.code == ErrorCode.BAD_REQUEST and "int8" in refused.value.message
+    assert handler.in_flight == 0 and len(handler.kept) == 0
