@@ -25,6 +25,7 @@ import secrets
 from typing import Optional, Sequence
 
 import msgspec
+import torch
 from hivemind.p2p import P2P, PeerID
 
 from client.errors import RouteFault, ServerError, ServerRejected, ServerTimeout
@@ -64,8 +65,19 @@ class _Outputs:
 
 
 class RemoteSession:
-    def __init__(self, p2p: P2P, route: Sequence[Hop], max_length: int, *, timeout: float = 60.0):
+    def __init__(
+        self,
+        p2p: P2P,
+        route: Sequence[Hop],
+        max_length: int,
+        *,
+        timeout: float = 60.0,
+        prompts: Optional[torch.Tensor] = None,
+    ):
+        """``prompts``: tuned prompt embeddings ``[P, hidden]`` the head computes the first P positions
+        from (docs/fine_tuning.md); the session's ids there are placeholders."""
         self.p2p, self.route, self.max_length, self.timeout = p2p, list(route), max_length, timeout
+        self.prompts = prompts
         self.session_id = secrets.token_hex(8)
         self.secret = secrets.token_hex(16)  # proves to the tail that a Subscribe comes from this client
         self.ignored_messages = 0  # messages dropped because they may not come from where they came
@@ -114,7 +126,9 @@ class RemoteSession:
                     route=hops,
                     hop_index=0,
                     secret_hash=secret_hash,
-                )
+                    num_prompts=0 if self.prompts is None else self.prompts.shape[0],
+                ),
+                [] if self.prompts is None else [self.prompts],
             )
             reply = await asyncio.wait_for(self._head.receive(), self.timeout)
         except asyncio.TimeoutError:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Collection, Optional, Sequence
 
 import hivemind
+import torch
 from hivemind.p2p import P2P
 
 from client._remote_session import RemoteSession
@@ -111,6 +112,9 @@ class SwarmClient:
         self._publishing: Optional[asyncio.Future] = None
         self._closing = False
         self._stale = False  # the reports changed while a store was in flight
+        # a prompt-tuned model's prompts [P, hidden] float32, sent to the head of every session this
+        # client opens (generation, audits, replays alike); None: no prompts (client/_prompts.py)
+        self.prompts: Optional[torch.Tensor] = None
 
     @classmethod
     async def connect(cls, initial_peers: list[str], model: str, num_blocks: int, **kwargs) -> "SwarmClient":
@@ -138,7 +142,7 @@ class SwarmClient:
                     e.missing_blocks,
                 )
                 continue
-            session = RemoteSession(self.p2p, route, max_length, timeout=self.request_timeout)
+            session = RemoteSession(self.p2p, route, max_length, timeout=self.request_timeout, prompts=self.prompts)
             session.max_positions_per_step = self.route_step_limit(route)
             try:
                 await session.open()
@@ -155,6 +159,14 @@ class SwarmClient:
                 last_error = refusal = e
         assert last_error is not None
         raise last_error
+
+    async def plan_route(self) -> list[Hop]:
+        """A route over every block for a training step (docs/design.md, "Fine-tuning"): no session opens
+        and no cache is reserved. The caller gives it back with ``router.release``."""
+        try:
+            return await self._plan(0)
+        except NoRouteError as e:
+            raise RoutingError(f"{self.model}: {e}", e.missing_blocks) from None
 
     async def _plan(self, max_length: int, also_exclude: Collection[str] = (), avoid: Collection[str] = ()):
         loop = asyncio.get_running_loop()

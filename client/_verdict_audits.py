@@ -167,7 +167,13 @@ class VerdictAuditor(BackgroundAudit):
         found = self.witnesses.choose(found, [hop.peer_id for hop in route])  # independent ones, trusted first
         for attempt, candidate in enumerate(found[:MAX_SHADOW_TRIES]):
             shadow_route = substituted(route, len(route) - 1, candidate.peer_id)
-            shadow = RemoteSession(self.swarm.p2p, shadow_route, self.max_length, timeout=self.swarm.request_timeout)
+            shadow = RemoteSession(
+                self.swarm.p2p,
+                shadow_route,
+                self.max_length,
+                timeout=self.swarm.request_timeout,
+                prompts=self.swarm.prompts,
+            )
             try:
                 await shadow.open()
             except ServerError as e:  # e.g. a stale record of a server that is gone: blame by evidence, try another
@@ -280,7 +286,8 @@ class VerdictAuditor(BackgroundAudit):
 
     async def _third_opinion(self, route: list[Hop], ids: list[int], t: int, stats) -> int:
         """The token a fresh session on ``route`` chooses at position t after ids[:t]."""
-        session = RemoteSession(self.swarm.p2p, route, t + 1, timeout=self.swarm.request_timeout)
+        swarm = self.swarm
+        session = RemoteSession(swarm.p2p, route, t + 1, timeout=swarm.request_timeout, prompts=swarm.prompts)
         try:
             await session.open()
             limit, position, run_id = self.swarm.route_step_limit(route), 0, 0
@@ -359,3 +366,15 @@ class Audits:
         for audit in (self.spot, self.verdicts):
             if audit is not None:
                 await audit.cancel()
+
+
+def make_audits(
+    swarm, vocab_size: int, spot_check_rate: float, verdict_audit_every: int, trusted: frozenset[str] = frozenset()
+) -> Optional[Audits]:
+    """A generation's audits: spot-checks at this rate and verdict audits at this period (None when
+    both are off, so the decoder skips them); ``trusted`` peers settle the disputes strangers cannot."""
+    witnesses = Witnesses(trusted)
+    spot = SpotChecker(swarm, spot_check_rate, vocab_size, witnesses=witnesses) if spot_check_rate else None
+    every = verdict_audit_every
+    verdicts = VerdictAuditor(swarm, vocab_size, every, witnesses=witnesses) if every else None
+    return Audits(spot, verdicts) if spot or verdicts else None

@@ -29,13 +29,14 @@ from client._forward import forward_row
 from client._generation import GenerationStats, SessionState, SpeculativeDecoder
 from client._masks import causal_lm_loss, checked_ids, checked_mask, kept_columns, kept_width, unpadded
 from client._options import GenerationOptions
-from client._spot_checks import DEFAULT_SPOT_CHECK_RATE, SpotChecker, check_rate
+from client._prompts import check_tuning, new_prompts, prompt_tuned_loss, share_prompts
+from client._spot_checks import DEFAULT_SPOT_CHECK_RATE, check_rate
 from client._stats import merged_stats
 from client._swarm import SwarmClient
 from client._token_stream import GeneratedChunk, stream_laps
 from client._trees import TreeSizer
-from client._verdict_audits import DEFAULT_AUDIT_EVERY, Audits, VerdictAuditor
-from client._witnesses import Witnesses, trusted_set
+from client._verdict_audits import DEFAULT_AUDIT_EVERY, make_audits
+from client._witnesses import trusted_set
 from client.draft_model import ModelDrafter
 from client.drafting import SuffixStore, make_drafter
 from client.warm_corpus import load_warm_corpus
@@ -46,12 +47,14 @@ from protocol.models import config_fingerprint, resolve_model, weights_revision
 logger = logging.getLogger(__name__)
 
 
-class AutoDistributedModel:
+class AutoDistributedModel(torch.nn.Module):
     """A transformers-style causal LM whose blocks run in the swarm: ``from_pretrained``,
     ``generate``, ``forward`` and their asyncio twins, with transformers' argument names, so code
-    written for a local model runs against the swarm unchanged."""
+    written for a local model runs against the swarm unchanged; a ``torch.nn.Module`` (client/_prompts.py)."""
 
     def __init__(self, config: PretrainedConfig, tokenizer: Any, swarm: SwarmClient):
+        super().__init__()
+        self.tuning_mode, self.prompt_embeddings = None, None  # "ptune" and its trainable prompts
         self.config, self.tokenizer, self.swarm = config, tokenizer, swarm
         self.last_generation_stats: Optional[GenerationStats] = None
         self.last_batch_stats: list[GenerationStats] = []  # one per row of the last generate()
@@ -79,6 +82,8 @@ class AutoDistributedModel:
         warm_draft_store: bool = False,
         verdict_audit_every: int = DEFAULT_AUDIT_EVERY,
         trusted_peers: Sequence[str] = (),
+        tuning_mode: Optional[str] = None,
+        pre_seq_len: int = 0,
         **kwargs: Any,
     ) -> "AutoDistributedModel":
         """Fetch the config and tokenizer (never weights) and join the swarm as a client.
@@ -97,7 +102,9 @@ class AutoDistributedModel:
         prompts of its kind, where the package has them (client/warm_corpus.py; SmolLM2-135M);
         drafts only, so the output is the same either way. Off by default: on the 2-core CPU
         machine it raised tokens per lap a little and tokens/s not at all (docs/benchmarks.md).
+        ``tuning_mode="ptune"``, ``pre_seq_len=N``: N trainable prompts before the ids (docs/fine_tuning.md).
         """
+        tuning_mode = check_tuning(tuning_mode, pre_seq_len)
         check_rate(spot_check_rate)
         initial_peers = resolve_initial_peers(initial_peers).peers
         if not initial_peers:
@@ -120,6 +127,9 @@ class AutoDistributedModel:
         model.spot_check_rate = float(spot_check_rate)
         model.verdict_audit_every = check_audit_every(verdict_audit_every)
         model.trusted_peers = trusted_set(trusted_peers)
+        if tuning_mode is not None:
+            model.tuning_mode = tuning_mode
+            model.prompt_embeddings = new_prompts(pre_seq_len, config.hidden_size, config.initializer_range)
         if warm_draft_store:
             model.warm_corpus = load_warm_corpus(config)
             model.reset_draft_store()
@@ -215,11 +225,12 @@ class AutoDistributedModel:
         if max_length is not None:
             options = dataclasses.replace(options, max_new_tokens=max_length - input_ids.shape[1])
         call = plan_call(options, self.config, self.tokenizer, self.spot_check_rate)
+        prefix = share_prompts(self.swarm, self.prompt_embeddings, call.sampling.repetition_penalty)
         if streamer is not None and input_ids.shape[0] > 1:
             raise ValueError("a streamer takes one sequence (as in transformers): pass input_ids of batch size 1")
         eos = call.eos
         pad_id = self.config.pad_token_id if self.config.pad_token_id is not None else (eos[0] if eos else 0)
-        rows = unpadded(input_ids, checked_mask(input_ids, attention_mask))
+        rows = [prefix + row for row in unpadded(input_ids, checked_mask(input_ids, attention_mask))]
         if len(rows) == 1:
             new_rows = [self._generate_row(rows[0], call, streamer)]
             self.last_batch_stats = [self.last_generation_stats]
@@ -239,7 +250,7 @@ class AutoDistributedModel:
         own_session = self._session is None
         state = self._session or one_call_session(row, call, self.context_length)
         if streamer is not None:
-            streamer.put(torch.tensor(row))
+            streamer.put(torch.tensor(row[self.num_prompts :]))
         on_tokens = (lambda new: streamer.put(torch.tensor(new))) if streamer is not None else None
         decoder = self._make_decoder(state, call, on_tokens)
         self.last_generation_stats = decoder.stats  # live while generating (route, failovers, ...)
@@ -293,15 +304,18 @@ class AutoDistributedModel:
         each next token; -100 is ignored, and so is any target predicted from a masked position):
         ``exp(loss)`` is the perplexity. ``output_hidden_states=True`` sets ``hidden_states`` to a
         1-tuple: the final hidden state (after the final norm: transformers' ``hidden_states[-1]``)
-        at the positions ``logits`` covers; the other layers' states never leave the servers.
-        """
+        at the positions ``logits`` covers. Tuned prompts precede every row; ``labels`` with grad
+        enabled run a training step instead (the loss only: docs/fine_tuning.md)."""
         if unused:
             logger.warning(f"forward() ignores unsupported arguments: {sorted(unused)}")
         input_ids = checked_ids(input_ids, self.config.vocab_size)
         mask = checked_mask(input_ids, attention_mask)
+        if self.prompt_embeddings is not None and labels is not None and torch.is_grad_enabled():
+            loss = prompt_tuned_loss(self.swarm, self.prompt_embeddings.weight, input_ids, mask, labels)
+            return CausalLMOutputWithPast(loss=loss) if return_dict else (loss,)  # a training step: no logits
         width = input_ids.shape[1]
         keep = kept_width(width, logits_to_keep, labels is not None)
-        rows = unpadded(input_ids, mask)
+        rows = [share_prompts(self.swarm, self.prompt_embeddings, 1.0) + row for row in unpadded(input_ids, mask)]
         if max(map(len, rows)) > self.context_length:
             raise ValueError(f"a row has {max(map(len, rows))} tokens; the model's context is {self.context_length}")
         logits, hidden = self._forward_rows(rows, kept_columns(mask, width - keep), keep, output_hidden_states)
@@ -356,6 +370,7 @@ class AutoDistributedModel:
             raise TypeError(f"agenerate_stream() got unexpected keyword arguments: {sorted(unknown)}")
         row = self._check_input(torch.as_tensor([list(input_ids)]))[0].tolist()
         call = plan_call(options, self.config, self.tokenizer, self.spot_check_rate)
+        row = share_prompts(self.swarm, self.prompt_embeddings, call.sampling.repetition_penalty) + row
         state = one_call_session(row, call, self.context_length)
         make_decoder, close = functools.partial(self._make_decoder, state, call), functools.partial(self._close, state)
         laps = stream_laps(make_decoder, row, options.max_new_tokens, bool(options.num_logprobs), close)
@@ -391,7 +406,9 @@ class AutoDistributedModel:
             num_logprobs=options.num_logprobs,
             on_tokens=on_tokens,
             verification=options.verification,
-            audits=self._audits(call.spot_check_rate, trusted),
+            audits=make_audits(
+                self.swarm, self.config.vocab_size, call.spot_check_rate, self.verdict_audit_every, trusted
+            ),
             trusted_peers=trusted,
             audit=options.audit,
             draft_tree=options.draft_tree,
@@ -399,14 +416,9 @@ class AutoDistributedModel:
             loop_runs=options.loop_runs,
         )
 
-    def _audits(self, spot_check_rate: float, trusted: frozenset[str]) -> Optional[Audits]:
-        """A generation's audits: spot-checks at this rate and verdict audits at the model's period
-        (None when both are off, so the decoder skips them)."""
-        vocab, every = self.config.vocab_size, self.verdict_audit_every
-        witnesses = Witnesses(trusted)
-        spot = SpotChecker(self.swarm, spot_check_rate, vocab, witnesses=witnesses) if spot_check_rate else None
-        verdicts = VerdictAuditor(self.swarm, vocab, every, witnesses=witnesses) if every else None
-        return Audits(spot, verdicts) if spot or verdicts else None
+    @property
+    def num_prompts(self) -> int:  # tuned prompt positions before every sequence's ids
+        return 0 if self.prompt_embeddings is None else self.prompt_embeddings.num_embeddings
 
     @property
     def context_length(self) -> int:
@@ -417,18 +429,17 @@ class AutoDistributedModel:
         """``generate``'s ids, checked: inside an inference session, one row, or none to continue
         the session's own history."""
         if input_ids is None:
-            if self._session is None or not self._session.history:
+            if self._session is None or len(self._session.history) <= self.num_prompts:
                 raise ValueError("input_ids is required (outside an inference session that already has tokens)")
-            input_ids = torch.tensor([self._session.history])
+            input_ids = torch.tensor([self._session.history[self.num_prompts :]])
         input_ids = checked_ids(input_ids, self.config.vocab_size)
         if self._session is not None and input_ids.shape[0] != 1:
             raise ValueError("an inference session holds one sequence; pass input_ids with batch size 1")
         return input_ids
 
     def reset_draft_store(self, warm: bool = True) -> None:
-        """Forget earlier outputs the suffix drafter learned from (benchmarks compare modes fairly);
-        the new store starts with the model's warm corpus (client/warm_corpus.py; empty unless
-        ``from_pretrained(warm_draft_store=True)`` loaded it) unless ``warm`` is False."""
+        """Forget what the suffix drafter learned (benchmarks compare modes fairly); the new store starts
+        with the warm corpus (client/warm_corpus.py; ``warm_draft_store=True``) unless ``warm`` is False."""
         self._suffix_store = SuffixStore()
         for sequence in self.warm_corpus if warm else ():
             self._suffix_store.add(sequence)

@@ -58,6 +58,14 @@ SUBSCRIBE_TIMEOUT = 60.0
 # sessions a median 1.14x the tokens/s of no window, 0.99-1.36x, and shorter laps in every cell)
 DEFAULT_GATHER_WINDOW = 0.005
 
+# Training steps (docs/design.md, "Fine-tuning"): prompt positions a row may carry before its ids, the bytes
+# of kept span inputs a server holds for steps whose backward has not come back (--max-train-mib), and how
+# long it waits for that backward before it frees the input and fails the step
+MAX_PROMPT_POSITIONS = 256
+MAX_TRAIN_STEPS_IN_FLIGHT = 64  # training rows a server computes or waits on at once (more: busy)
+DEFAULT_MAX_TRAIN_MIB = 256
+TRAIN_STEP_TIMEOUT = 120.0
+
 
 def default_max_session_tokens(cache_tokens: int) -> int:
     """A fair share of a server's cache budget for one session: a quarter, but at least
@@ -76,3 +84,9 @@ def session_frame_bytes(hidden_shape: Sequence[int], max_positions: int) -> int:
     activations (up to 10 bytes of MessagePack per id)."""
     activations = ACTIVATION_BYTES_PER_ELEMENT * step_tensor_elements(hidden_shape, max_positions)
     return activations + 10 * max_positions + FRAME_MARGIN_BYTES
+
+
+def train_frame_bytes(hidden_shape: Sequence[int], max_positions: int) -> int:
+    """The largest frame on the training protocol: a TrainForward of ``max_positions`` positions with
+    its activations (or a TrainBackward with their gradient), ids and targets up to 10 bytes each."""
+    return session_frame_bytes(hidden_shape, max_positions) + 10 * max_positions

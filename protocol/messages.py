@@ -67,6 +67,10 @@ class OpenSession(msgspec.Struct, tag="open", kw_only=True, array_like=True):
     # sha256 (hex) of a secret only the client knows: the tail sends results only to a Subscribe
     # that carries the secret, so route servers, which see this hash, cannot subscribe themselves
     secret_hash: str = ""
+    # prompt tuning (docs/fine_tuning.md): the head computes the session's first ``num_prompts`` positions
+    # from the prompt embeddings sent with this message (one tensor ``[num_prompts, hidden]`` float32,
+    # to the head only) instead of embedding their ids; 0: none
+    num_prompts: int = 0
 
 
 class Step(msgspec.Struct, tag="step", kw_only=True, array_like=True, omit_defaults=True):
@@ -220,6 +224,31 @@ class RunOutputs(msgspec.Struct, tag="outputs", kw_only=True, array_like=True):
     offset: int
 
 
+class TrainForward(msgspec.Struct, tag="train", kw_only=True, array_like=True):
+    """One row of a training step, client -> head -> ... -> tail on the training protocol (docs/design.md,
+    "Fine-tuning"). The head's input is ``num_prompts`` prompt embeddings (its one tensor, ``[num_prompts,
+    hidden]`` float32) followed by the embeddings of ``token_ids``; past the head the tensor is the previous
+    span's output ``[num_prompts + len(token_ids), hidden]``. ``targets``: per id, the token its logits are
+    scored against (-100: none); the tail's loss is the sum of their cross-entropies."""
+
+    step_id: SessionId
+    route: list[Hop]
+    hop_index: int
+    num_prompts: int
+    token_ids: list[int]
+    targets: list[int]
+
+
+class TrainBackward(msgspec.Struct, tag="backward", kw_only=True, array_like=True):
+    """The reply to a TrainForward on its stream, tail -> ... -> head -> client: the gradient of the
+    receiver's span output (``[positions, hidden]`` float32; to the client only the prompts' rows), with
+    the tail's loss (sum of the row's target cross-entropies) and how many targets it counted."""
+
+    step_id: SessionId
+    loss_sum: float
+    num_targets: int
+
+
 class ErrorReply(msgspec.Struct, tag="error", kw_only=True, array_like=True):
     session_id: SessionId
     code: ErrorCode
@@ -250,6 +279,8 @@ Message = Union[
     SessionOpened,
     StepResult,
     RunOutputs,
+    TrainForward,
+    TrainBackward,
     ErrorReply,
     Ping,
     Pong,

@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 SESSION_PROTOCOL = "/specswarm/session/1"
 RESULTS_PROTOCOL = "/specswarm/results/1"
 PING_PROTOCOL = "/specswarm/ping/1"
+TRAIN_PROTOCOL = "/specswarm/train/1"  # training steps, one per stream (server/training.py)
 # Defaults for a stream opened without limits of its own: a peer may not make us allocate more than
 # this for one frame, nor decode a tensor to more values than an uncompressed 16-bit frame could
 # carry. Servers and clients pass tighter, per-protocol limits derived from the model

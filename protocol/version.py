@@ -1,6 +1,6 @@
 """The wire protocol's version. Peers that speak another version are refused with a clear error."""
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 # 2: Step.sampling is optional (None = greedy): a greedy run sends nil (1 byte) instead of the parameters.
 # 3: new activation codecs blockwise8/blockwise4 on the wire (protocol/compression.py).
 #    Also Step.return_logits/return_hidden and the RunOutputs message (forward passes: logits and
@@ -34,3 +34,7 @@ PROTOCOL_VERSION = 6
 #    Every message's session_id is at most 64 characters (longer: malformed).
 #    Records carry max_positions_per_step (8..65536; clients chunk prefill to the smallest on their
 #    route instead of failing with step_too_large); routers skip servers of another protocol_version.
+# 7: fine-tuning (docs/design.md, "Fine-tuning"): the training protocol /specswarm/train/1 with messages
+#    TrainForward (tag train) and TrainBackward (tag backward); OpenSession.num_prompts (tuned prompts the
+#    head computes a session's first positions from). A v6 server would ignore num_prompts and compute
+#    those positions from placeholder ids, so routes never mix the two versions.

@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Optional
+from typing import Iterable, Mapping, Optional, Sequence, Union
+
+import torch
 
 from protocol import limits
 from protocol.errors import ErrorCode, ProtocolError
-from protocol.messages import DraftOffer, Hop, OpenSession, Step, Subscribe
+from protocol.messages import DraftOffer, Hop, OpenSession, Step, Subscribe, TrainForward
 from protocol.records import ServerInfo, ServerState
 from server.session import ServerSession, check_token_ids
 
@@ -60,6 +63,14 @@ def check_route(message: OpenSession, peer_id: str, held: HeldBlocks, accepting:
         raise ProtocolError(ErrorCode.SHUTTING_DOWN, "this server is shutting down")
 
 
+def check_hop(route: list[Hop], index: int, peer_id: str, held: HeldBlocks) -> None:
+    """Hop ``index`` of ``route`` is this server, over blocks it holds, in a whole and contiguous route
+    (a training step's route: server/train_checks.py)."""
+    if not 0 <= index < len(route) or route[index].peer_id != peer_id:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"hop {index} of the route is not this server ({peer_id})")
+    _check_hop(route, index, held)
+
+
 def _check_hop(route: list[Hop], index: int, held: HeldBlocks) -> None:
     """This server's hop asks for blocks it holds, and the route runs whole and contiguous."""
     hop = route[index]
@@ -73,7 +84,7 @@ def _check_hop(route: list[Hop], index: int, held: HeldBlocks) -> None:
         raise ProtocolError(ErrorCode.BAD_REQUEST, "the route's hops are not contiguous")
 
 
-def check_upstream(message: OpenSession, upstream_peer: str) -> None:
+def check_upstream(message: Union[OpenSession, TrainForward], upstream_peer: str) -> None:
     """Past the head, the stream must come from the route's previous hop (libp2p authenticates
     the peer id), so no peer can enter a chain in the middle or dodge the per-client cap."""
     if message.hop_index > 0:
@@ -225,3 +236,44 @@ def check_subscriber(session: ServerSession, subscribe: Subscribe) -> Optional[s
 def is_sha256_hex(text: str) -> bool:
     """A sha256 digest as lowercase hex: what an OpenSession's secret_hash must be."""
     return len(text) == 64 and all(c in "0123456789abcdef" for c in text)
+
+
+def check_prompts(
+    message: OpenSession, tensors: Sequence[torch.Tensor], hidden_shape: Sequence[int], max_positions: int
+) -> Optional[torch.Tensor]:
+    """The prompt embeddings an OpenSession brings the head (docs/fine_tuning.md), checked: at most
+    MAX_PROMPT_POSITIONS (and a Step's positions), within max_length, one float32 ``[num_prompts, hidden]``
+    tensor of finite values; none past the head or without num_prompts."""
+    count = message.num_prompts
+    if count == 0 or message.hop_index > 0:
+        if tensors:
+            why = "an OpenSession carries a tensor only to the head, with num_prompts"
+            raise ProtocolError(ErrorCode.BAD_REQUEST, why)
+        return None
+    bound = min(limits.MAX_PROMPT_POSITIONS, max_positions, message.max_length)
+    if not 0 < count <= bound:
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST, f"num_prompts must be in 0..{bound} (and within max_length), got {count}"
+        )
+    check_tensors(tensors, count, math.prod(hidden_shape), "the prompt embeddings")
+    return tensors[0]
+
+
+def check_tensors(
+    tensors: Sequence[torch.Tensor], rows: int, hidden_size: int, what: str, optional: bool = False
+) -> None:
+    """Exactly one float32 tensor ``[rows, hidden_size]`` of finite values (none at all when ``optional``
+    and ``rows`` is 0)."""
+    if optional and not tensors:
+        return
+    if len(tensors) != 1:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"expected one tensor ({what}), got {len(tensors)}")
+    tensor = tensors[0]
+    if tuple(tensor.shape) != (rows, hidden_size):
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST, f"{what} must have shape {(rows, hidden_size)}, got {tuple(tensor.shape)}"
+        )
+    if tensor.dtype != torch.float32:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"{what} must be float32, got {tensor.dtype}")
+    if not bool(torch.isfinite(tensor).all()):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"{what} hold values that are not finite")

@@ -38,8 +38,20 @@ def begin_run(span: SpanAdapter, session: ServerSession, run: QueuedRun) -> torc
         session.compact(span, *gather)
     session.trim(span, step.start_pos)
     if session.hop_index == 0:
-        return span.embed(torch.tensor([step.token_ids], dtype=torch.long))
+        return _with_prompts(span.embed(torch.tensor([step.token_ids], dtype=torch.long)), session, step.start_pos)
     return run.hidden
+
+
+def _with_prompts(embedded: torch.Tensor, session: ServerSession, start_pos: int) -> torch.Tensor:
+    """The head's input for positions start_pos..: where they fall among the session's prompt positions,
+    the prompt embeddings replace the embeddings of their (placeholder) ids (docs/fine_tuning.md)."""
+    prompts = session.prompts
+    if prompts is None or start_pos >= prompts.shape[0]:
+        return embedded
+    count = min(prompts.shape[0] - start_pos, embedded.shape[1])
+    embedded = embedded.clone()
+    embedded[0, :count] = prompts[start_pos : start_pos + count].to(embedded.device, embedded.dtype)
+    return embedded
 
 
 def first_logits_row(step: Step) -> int:

@@ -28,7 +28,7 @@ import asyncio
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import msgspec
 import torch
@@ -62,6 +62,7 @@ from server.replies import report, send_quietly
 from server.results import TailResults
 from server.session import QueuedRun, QueuedTrim, ServerSession, TailReply
 from server.subscribe import Subscriptions
+from server.training import TrainingHandler
 from server.unread import UnreadLedger
 
 logger = logging.getLogger(__name__)
@@ -100,6 +101,7 @@ class SessionHandler:
         gather_window: float = DEFAULT_GATHER_WINDOW,
         max_session_tokens: Optional[int] = None,  # None: limits.default_max_session_tokens of the budget
         max_unread_bytes: int = limits.DEFAULT_MAX_UNREAD_MIB << 20,
+        max_train_bytes: int = limits.DEFAULT_MAX_TRAIN_MIB << 20,
     ):
         self.p2p, self.span, self.budget = p2p, span, budget
         self.peer_id = p2p.peer_id.to_base58()
@@ -135,6 +137,10 @@ class SessionHandler:
         )
         self.accepting = True
         self.stats = dict.fromkeys(STATS, 0)
+        # training steps (server/training.py), on the same compute thread as the sessions' runs
+        self.training = TrainingHandler(
+            p2p, span, self._executor, max_positions_per_step=max_positions_per_step, max_kept_bytes=max_train_bytes
+        )
 
     @property
     def sessions(self) -> dict[str, ServerSession]:
@@ -166,6 +172,7 @@ class SessionHandler:
         await serve(
             self.p2p, PING_PROTOCOL, self._serve_ping, max_frame_bytes=limits.CONTROL_FRAME_BYTES, max_tensor_elements=0
         )
+        await self.training.start()
         # bitsandbytes takes seconds to import: not on the first run's path
         asyncio.get_running_loop().run_in_executor(None, codecs.preload, self.compression)
         self._reaper = asyncio.create_task(self._reap_idle_sessions())
@@ -174,7 +181,7 @@ class SessionHandler:
     async def drain(self, grace: float) -> None:
         """Stop taking sessions, give open ones ``grace`` seconds to finish, then close them:
         their clients see the stream end and move the session elsewhere."""
-        self.accepting = False
+        self.accepting = self.training.accepting = False
         deadline = time.monotonic() + grace
         while self.sessions and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
@@ -208,7 +215,7 @@ class SessionHandler:
                     if isinstance(message, OpenSession):
                         if session is not None:
                             raise ProtocolError(ErrorCode.SESSION_EXISTS, "this stream already has a session")
-                        session, downstream = await self._open(message, upstream)
+                        session, downstream = await self._open(message, upstream, received.tensors)
                     elif isinstance(message, CloseSession):
                         return
                     else:
@@ -263,10 +270,11 @@ class SessionHandler:
     # ---- opening a session --------------------------------------------------------------------
 
     async def _open(
-        self, message: OpenSession, upstream: MessageStream
+        self, message: OpenSession, upstream: MessageStream, tensors: Sequence[torch.Tensor] = ()
     ) -> tuple[ServerSession, Optional[MessageStream]]:
         """Admit a session (server/admission.py), reserve its cache, open it on the next hop, start its worker."""
         owner = self._admit(message, upstream.peer_id.to_base58())
+        prompts = admission.check_prompts(message, tensors, self.span.hidden_shape, self.max_positions_per_step)
         if not self.budget.reserve(message.session_id, message.max_length, owner):
             raise ProtocolError(
                 ErrorCode.BUSY,
@@ -277,7 +285,7 @@ class SessionHandler:
             message.session_id, message.max_length, message.route, message.hop_index, self.span.new_cache()
         )
         session.upstream = upstream
-        session.secret_hash = message.secret_hash
+        session.secret_hash, session.prompts = message.secret_hash, prompts
         downstream = await self._chain(session, upstream)
         self.open_sessions.add(session)
         session.worker = asyncio.create_task(self._run_session(session, downstream))

@@ -13,6 +13,7 @@ from protocol.limits import (
     DEFAULT_MAX_POSITIONS_PER_STEP,
     DEFAULT_MAX_SESSIONS,
     DEFAULT_MAX_SESSIONS_PER_PEER,
+    DEFAULT_MAX_TRAIN_MIB,
     DEFAULT_MAX_UNREAD_MIB,
 )
 from server.batching import DEFAULT_GATHER_WINDOW
@@ -48,6 +49,7 @@ class ServerConfig:
     max_sessions_per_peer: int = DEFAULT_MAX_SESSIONS_PER_PEER  # open sessions per upstream peer at most
     max_session_tokens: Optional[int] = None  # one session's max_length at most; None: a fair share of the budget
     max_unread_mib: int = DEFAULT_MAX_UNREAD_MIB  # results held for clients that have not read them (server/unread.py)
+    max_train_mib: int = DEFAULT_MAX_TRAIN_MIB  # span inputs kept for training steps in flight (server/training.py)
     reachability: str = "auto"  # auto: ask initial peers to dial back; public; private (always through a relay)
     drafter: str = "auto"  # the tail's drafter: auto (the committed drafter for this model, if any), none, or a file
     drafter_tokens: int = DEFAULT_TAIL_DRAFTS  # ids the tail drafts per run at most

@@ -90,6 +90,7 @@ class ServerSession:
     head_stream: Optional[object] = None
     offer: Optional[object] = None  # the head: the client's latest DraftOffer
     tail_started: set[int] = field(default_factory=set)  # the tail: runs it started at the head, not yet verified
+    prompts: Optional[object] = None  # the head: embeddings of the first positions (OpenSession.num_prompts)
 
     @property
     def hop(self) -> Hop:

@@ -367,6 +367,7 @@ async def _start_handler(
         gather_window=config.gather_window,
         max_session_tokens=config.max_session_tokens,
         max_unread_bytes=config.max_unread_mib << 20,
+        max_train_bytes=config.max_train_mib << 20,
     )
     handler.batches.enabled = config.batching
     servers = await loop.run_in_executor(None, fetch_same_model, joined.dht, claim.template, total)

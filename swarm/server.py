@@ -14,6 +14,7 @@ from protocol.limits import (
     DEFAULT_MAX_POSITIONS_PER_STEP,
     DEFAULT_MAX_SESSIONS,
     DEFAULT_MAX_SESSIONS_PER_PEER,
+    DEFAULT_MAX_TRAIN_MIB,
     DEFAULT_MAX_UNREAD_MIB,
 )
 from protocol.version import PROTOCOL_VERSION
@@ -161,6 +162,13 @@ def build_parser() -> argparse.ArgumentParser:
         "one session at most a quarter of it",
     )
     p.add_argument(
+        "--max-train-mib",
+        type=int,
+        default=DEFAULT_MAX_TRAIN_MIB,
+        help="MiB of span inputs kept for training steps whose backward has not come back (default "
+        "%(default)s); a step that does not fit is refused busy (docs/fine_tuning.md)",
+    )
+    p.add_argument(
         "--drafter",
         default="auto",
         metavar="auto|none|PATH",
@@ -210,6 +218,7 @@ def server_config(args: argparse.Namespace):
         max_sessions_per_peer=args.max_sessions_per_peer,
         max_session_tokens=args.max_session_tokens,
         max_unread_mib=args.max_unread_mib,
+        max_train_mib=args.max_train_mib,
         max_batch_positions=args.max_batch_positions,
         gather_window=args.gather_window_ms / 1000,
         batching=not args.no_batching,

@@ -134,6 +134,19 @@ class SpanAdapter(abc.ABC):
         (after the final norm; transformers' ``hidden_states[-1]``). Tail only; for forward passes."""
         raise NotImplementedError(f"{type(self).__name__} does not return final hidden states")
 
+    def backward_refusal(self) -> str:
+        """Why this span cannot take part in a training step (docs/design.md, "Fine-tuning"); "" when it can."""
+        return f"{type(self).__name__} spans do not support backward (training) yet"
+
+    def train_span(self, hidden: torch.Tensor, blocks: range) -> torch.Tensor:
+        """[1, S, *hidden_shape] -> the output of ``blocks`` over positions 0..S-1, without a cache, under
+        the caller's grad mode (so autograd reaches ``hidden``; the weights stay frozen)."""
+        raise NotImplementedError(self.backward_refusal())
+
+    def train_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[1, S, *hidden_shape] final activations -> [S, vocab] float32 logits, under the caller's grad mode."""
+        raise NotImplementedError(self.backward_refusal())
+
     def cache_bytes_per_token(self) -> int:
         """KV bytes one position costs across this span; used for the cache budget."""
         return self.span_cache_bytes_per_token(self.config, self.start, self.end, self.dtype)

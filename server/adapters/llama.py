@@ -239,6 +239,30 @@ class LlamaFamilyAdapter(SpanAdapter):
     def quantize_skeleton(layers: torch.nn.Module, quant: Quant, dtype: torch.dtype) -> None:
         fused_experts.quantize_skeleton(layers, quant, dtype)
 
+    def backward_refusal(self) -> str:
+        if self.quant != Quant.NONE:
+            return f"a {self.quant.value} span does not support backward (training); serve it unquantized"
+        return ""
+
+    def train_span(self, hidden: torch.Tensor, blocks: range) -> torch.Tensor:
+        """Blocks over a whole row at once, no cache: the training lap's forward and its recompute."""
+        hidden = hidden.to(self.device, self.dtype)
+        position_ids, masks = self._positions_and_masks(0, hidden.shape[1], None)
+        position_embeddings = self.rotary_emb(hidden, position_ids=position_ids)
+        for block in blocks:
+            hidden = self.layers[block - self.start](
+                hidden,
+                attention_mask=masks[self.windows[block - self.start]],
+                position_ids=position_ids,
+                cache=None,
+                use_cache=False,
+                position_embeddings=position_embeddings,
+            )
+        return hidden
+
+    def train_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden.to(self.device, self.dtype)))[0].float()
+
     def cache_bytes_per_token(self) -> int:
         return self.span_cache_bytes_per_token(self.config, self.start, self.end, self.dtype)
 

@@ -1,0 +1,60 @@
+"""What a server admits on the training protocol, as pure checks (docs/design.md, "Fine-tuning").
+
+A TrainForward comes from a stranger: it must name this server at the right hop of a sane route, come
+from the route's previous hop (past the head), stay within the positions and prompt bounds, hold ids
+and targets inside the vocabulary, and carry exactly the tensor its hop needs (shape and dtype). The
+gradient a next hop sends back is checked the same way. Each check raises a ProtocolError naming what
+was wrong before anything is computed or kept.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from protocol import limits
+from protocol.errors import ErrorCode, ProtocolError
+from protocol.messages import TrainForward
+from server.admission import HeldBlocks, check_hop, check_tensors, check_upstream
+from server.session import check_token_ids
+
+IGNORE_INDEX = -100  # a target the loss skips (transformers' ignore_index)
+
+
+def check_train_forward(
+    message: TrainForward,
+    tensors: Sequence[torch.Tensor],
+    peer_id: str,
+    upstream_peer: str,
+    held: HeldBlocks,
+    hidden_size: int,
+    vocab_size: int,
+    max_positions: int,
+) -> None:
+    """A training row this server may compute: the route, the sender, the bounds, ids, targets, tensor."""
+    check_hop(message.route, message.hop_index, peer_id, held)
+    check_upstream(message, upstream_peer)
+    prompts, length = message.num_prompts, len(message.token_ids)
+    if not 0 <= prompts <= limits.MAX_PROMPT_POSITIONS:
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST, f"num_prompts must be in 0..{limits.MAX_PROMPT_POSITIONS}, got {prompts}"
+        )
+    if length == 0:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "a training row needs at least one token id")
+    if len(message.targets) != length:
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST, f"{len(message.targets)} targets for {length} token ids: one target per id"
+        )
+    if prompts + length > max_positions:
+        raise ProtocolError(
+            ErrorCode.STEP_TOO_LARGE,
+            f"a training row of {prompts} prompts + {length} ids exceeds this server's {max_positions} positions",
+        )
+    check_token_ids(message.token_ids, vocab_size)
+    if any(not (0 <= t < vocab_size or t == IGNORE_INDEX) for t in message.targets):
+        raise ProtocolError(ErrorCode.TOKEN_OUT_OF_VOCAB, f"targets must be in [0, {vocab_size}) or {IGNORE_INDEX}")
+    head = message.hop_index == 0
+    rows = prompts if head else prompts + length
+    what = "the prompts" if head else "the previous span's output"
+    check_tensors(tensors, rows, hidden_size, what, optional=head and prompts == 0)
