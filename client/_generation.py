@@ -24,6 +24,8 @@ import time
 from collections import deque
 from typing import Callable, Optional, Sequence
 
+import msgspec
+
 from client._runs import Run, SessionState
 from client._stats import GenerationStats
 from client._swarm import SwarmClient
@@ -118,6 +120,9 @@ class SpeculativeDecoder:
     def _begin(self, prompt: Sequence[int]) -> None:
         """Start on ``prompt``: what the caches keep of it, the drafter's context, the audits."""
         self.state.start_from(list(prompt))
+        if self.sampling.constraint is not None:  # it applies to the tokens after this prompt
+            start = msgspec.structs.replace(self.sampling.constraint, start=len(prompt))
+            self.sampling = msgspec.structs.replace(self.sampling, constraint=start)
         if self.drafter is not None:
             self.drafter.reset(self.state.history)
         self._prompt_len = len(prompt)

@@ -44,6 +44,12 @@ class GenerationOptions:
     spot_check_rate: Optional[float] = None  # None: from_pretrained's
     draft_tree: bool = False
     loop_runs: Optional[bool] = None  # None: on wherever it applies
+    # structured outputs (docs/api.md, "Structured outputs"): at most one of these, vLLM's names
+    guided_json: Any = None  # a JSON schema (dict or JSON text)
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[Sequence[str]] = None
+    guided_grammar: Optional[str] = None  # EBNF (xgrammar's dialect)
+    response_format: Optional[dict] = None  # OpenAI's: {"type": "json_object"} or {"type": "json_schema", ...}
 
     @classmethod
     def split(cls, kwargs: dict[str, Any]) -> tuple["GenerationOptions", dict[str, Any]]:

@@ -27,7 +27,27 @@ from protocol.version import PROTOCOL_VERSION
 MAX_SESSION_ID_CHARS = 64
 SessionId = Annotated[str, msgspec.Meta(max_length=MAX_SESSION_ID_CHARS)]
 
-_SAMPLING_KEYS = dict(do_sample="d", temperature="t", top_k="k", top_p="p", min_p="m", repetition_penalty="r", seed="s")
+_SAMPLING_KEYS = dict(
+    do_sample="d", temperature="t", top_k="k", top_p="p", min_p="m", repetition_penalty="r", seed="s", constraint="c"
+)
+
+# A constraint's text (a JSON schema, a regex, an EBNF grammar) is at most this many characters: it
+# travels once per session (with the sampling parameters) and the tail compiles it, so it is bounded
+# like every other field a peer sends (a 16 KiB JSON schema is a large one: OpenAI caps a schema's
+# properties at 5000 characters of names and enums together)
+MAX_CONSTRAINT_CHARS = 16384
+CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "grammar")
+
+
+class Constraint(msgspec.Struct, frozen=True, array_like=True):
+    """What the tail's choices must match (docs/design.md, "Constraints at the tail"): ``kind`` one of
+    CONSTRAINT_KINDS, ``spec`` its text (a JSON schema, a regex, an EBNF grammar in xgrammar's dialect;
+    empty for json_object), ``start`` the absolute position of the first constrained token (the
+    prompt's length: the tokens before it are not matched). Compiled by protocol/constraints.py."""
+
+    kind: Annotated[str, msgspec.Meta(max_length=16)]
+    spec: Annotated[str, msgspec.Meta(max_length=MAX_CONSTRAINT_CHARS)] = ""
+    start: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, rename=_SAMPLING_KEYS):
@@ -43,6 +63,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     seed: int = 0
+    constraint: Optional[Constraint] = None  # structured output: the tail masks its choices with it
 
 
 GREEDY = SamplingParams()

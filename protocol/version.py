@@ -1,6 +1,6 @@
 """The wire protocol's version. Peers that speak another version are refused with a clear error."""
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 # 2: Step.sampling is optional (None = greedy): a greedy run sends nil (1 byte) instead of the parameters.
 # 3: new activation codecs blockwise8/blockwise4 on the wire (protocol/compression.py).
 #    Also Step.return_logits/return_hidden and the RunOutputs message (forward passes: logits and
@@ -34,3 +34,6 @@ PROTOCOL_VERSION = 6
 #    Every message's session_id is at most 64 characters (longer: malformed).
 #    Records carry max_positions_per_step (8..65536; clients chunk prefill to the smallest on their
 #    route instead of failing with step_too_large); routers skip servers of another protocol_version.
+# 7: structured outputs: SamplingParams.constraint (key "c": kind, spec, start), a JSON schema, regex or
+#    grammar the tail masks its choices with (docs/design.md, "Constraints at the tail"); a v6 tail
+#    would ignore the key and choose unconstrained, hence the new version.
