@@ -15,6 +15,8 @@ from typing import Any, NamedTuple, Optional, TypeVar, Union
 
 import msgspec
 
+from client._calls import compiler_for
+from protocol.constraints import constraint_from_options, constraint_from_response_format
 from protocol.messages import MAX_TOP_LOGPROBS, SamplingParams
 from protocol.sampling import validate_sampling
 from swarm.api.engine import CHAT_ROLES, GenerationParams, ServedModel, check_prompt_ids
@@ -69,6 +71,10 @@ class _Request(msgspec.Struct, kw_only=True):
     min_p: Optional[float] = None
     repetition_penalty: Optional[float] = None
     ignore_eos: Optional[bool] = False
+    guided_json: Any = None  # vLLM's guided decoding: a JSON schema (object or JSON text)
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
     speculation: Optional[str] = None
     num_draft_tokens: Optional[int] = None
 
@@ -225,6 +231,7 @@ def _choices(
         raise bad_request(message, "n" if n > 1 else prompt_param, code="too_many_choices")
     echo = bool(getattr(req, "echo", False))
     base = _common(req)
+    base.sampling.update(_constraint(req, served))
     choices = []
     for index, prompt in enumerate(prompts):
         limit = _max_tokens(len(prompt.ids), max_tokens, served, prompt_param, echo)
@@ -257,13 +264,36 @@ def _common(req: _Request) -> GenerationParams:
         raise bad_request(
             "logit_bias is not supported: the tail decides every token by the model's own distribution", "logit_bias"
         )
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise bad_request("only response_format {'type': 'text'} is supported (no JSON mode)", "response_format")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options needs stream: true", "stream_options")
     return GenerationParams(
         prompt_ids=[], max_tokens=0, stop=_stops(req.stop), ignore_eos=bool(req.ignore_eos), sampling=_sampling(req)
     )
+
+
+GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+def _constraint(req: _Request, served: ServedModel) -> dict[str, Any]:
+    """response_format or one of vLLM's guided_* extras -> generate()'s arguments, compiled here once
+    so that a schema, regex or grammar the library refuses is a 400 naming the parameter."""
+    given = [name for name in GUIDED if getattr(req, name) is not None]
+    if req.response_format is not None and req.response_format.get("type", "text") != "text":
+        given.insert(0, "response_format")
+    if len(given) > 1:
+        raise bad_request(f"give one constraint at a time, got {' and '.join(given)}", given[1])
+    if not given:
+        return {}
+    param = given[0]
+    try:
+        if param == "response_format":
+            constraint = constraint_from_response_format(req.response_format)
+        else:
+            constraint = constraint_from_options(**{param: getattr(req, param)})
+        compiler_for(served.tokenizer, served.vocab_size).compile(constraint)
+    except ValueError as e:
+        raise bad_request(f"{param}: {e}", param) from None
+    return {param: getattr(req, param)}
 
 
 def _max_tokens(

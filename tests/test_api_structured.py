@@ -1,0 +1,96 @@
+"""Structured outputs through the gateway with the official openai client: response_format
+json_object / json_schema and vLLM's guided_* extras on chat and completions, exact against
+generate() with the same constraint; bad constraints are 400s naming the parameter."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from tests.test_api import KEY, MESSAGES, MODEL, PROMPT, gateway, no_route_model  # noqa: F401 (fixtures)
+
+pytestmark = pytest.mark.slow
+
+COLOUR = {
+    "type": "object",
+    "properties": {
+        "colour": {"enum": ["red", "orange", "yellow", "green", "blue"]},
+        "count": {"type": "integer", "minimum": 0, "maximum": 9},
+        "bright": {"type": "boolean"},
+    },
+    "required": ["colour", "count", "bright"],
+    "additionalProperties": False,
+}
+SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "colour", "schema": COLOUR, "strict": True}}
+
+
+@pytest.fixture
+def client(gateway) -> openai.OpenAI:  # noqa: F811
+    return openai.OpenAI(base_url=gateway.url, api_key=KEY, max_retries=0, timeout=240)
+
+
+def test_json_schema_chat_validates_and_repeats_at_temperature_0(client, smol_model):
+    replies = [
+        client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=40, temperature=0, response_format=SCHEMA_FORMAT
+        )
+        for _ in range(2)
+    ]
+    texts = [r.choices[0].message.content for r in replies]
+    jsonschema.validate(json.loads(texts[0]), COLOUR)
+    assert texts[0] == texts[1] and replies[0].choices[0].finish_reason == "stop"
+    prompt = smol_model.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, return_dict=True)
+    ids = prompt["input_ids"]
+    out = smol_model.generate([ids], max_new_tokens=40, guided_json=COLOUR)
+    assert smol_model.tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True) == texts[0]
+
+
+def test_streamed_json_object_equals_non_streamed(client):
+    kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0.7, seed=5)
+    kwargs["response_format"] = {"type": "json_object"}
+    whole = client.chat.completions.create(**kwargs).choices[0].message.content
+    chunks = client.chat.completions.create(stream=True, **kwargs)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == whole and whole.lstrip().startswith("{")
+
+
+def test_guided_extras_on_completions(client):
+    choice = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, extra_body={"guided_choice": ["red", "blue green"]}
+    )
+    assert choice.choices[0].text in ("red", "blue green") and choice.choices[0].finish_reason == "stop"
+    regex = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, extra_body={"guided_regex": r" [a-z]+, [a-z]+\."}
+    )
+    assert regex.choices[0].text.endswith(".") and regex.choices[0].text.count(",") == 1
+    schema = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0, extra_body={"guided_json": COLOUR}
+    )
+    jsonschema.validate(json.loads(schema.choices[0].text), COLOUR)
+
+
+def test_bad_constraints_are_400s_naming_the_parameter(client):
+    bad = [
+        ("response_format", dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": 3}})),
+        (
+            "response_format",
+            dict(
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nope"}}}},
+                }
+            ),
+        ),
+        ("guided_regex", dict(extra_body={"guided_regex": "[unclosed"})),
+        ("guided_choice", dict(extra_body={"guided_choice": []})),
+        ("guided_grammar", dict(extra_body={"guided_grammar": "root ::= missing"})),
+        ("guided_regex", dict(response_format={"type": "json_object"}, extra_body={"guided_regex": "a"})),
+    ]
+    for param, kwargs in bad:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, **kwargs)
+        assert e.value.param == param, (param, e.value.message)
+    assert "does not compile" in str(e.value.message) or "one constraint" in str(e.value.message)
