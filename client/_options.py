@@ -50,6 +50,7 @@ class GenerationOptions:
     guided_choice: Optional[Sequence[str]] = None
     guided_grammar: Optional[str] = None  # EBNF (xgrammar's dialect)
     response_format: Optional[dict] = None  # OpenAI's: {"type": "json_object"} or {"type": "json_schema", ...}
+    grammar_drafts: bool = True  # under a constraint, draft the tokens it forces ahead of speculation's drafts
 
     @classmethod
     def split(cls, kwargs: dict[str, Any]) -> tuple["GenerationOptions", dict[str, Any]]:

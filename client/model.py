@@ -37,6 +37,7 @@ from client._trees import TreeSizer
 from client._verdict_audits import DEFAULT_AUDIT_EVERY, Audits, VerdictAuditor
 from client.draft_model import ModelDrafter
 from client.drafting import SuffixStore, make_drafter
+from client.drafting.grammar import with_grammar_drafts
 from client.warm_corpus import load_warm_corpus
 from protocol.config import no_initial_peers_message, resolve_initial_peers
 from protocol.limits import DEFAULT_MAX_POSITIONS_PER_STEP
@@ -374,6 +375,8 @@ class AutoDistributedModel:
                 store=self._suffix_store,
                 eos_token_ids=call.eos,
             )
+            if options.grammar_drafts:
+                drafter = with_grammar_drafts(drafter, call.sampling.constraint, self.tokenizer, self.config.vocab_size)
         return SpeculativeDecoder(
             self.swarm,
             state,

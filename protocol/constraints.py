@@ -194,24 +194,37 @@ class Guide:
         return scores
 
     def forced(self, context: Sequence[int], limit: int) -> list[int]:
-        """Up to ``limit`` ids after ``context`` that the constraint leaves no choice about (each the
-        only id its mask allows), then xgrammar's tokenization of the text it forces after them
-        (``find_jump_forward_tokens``: likely, not certain, drafts). The matcher is left at ``context``."""
+        """Up to ``limit`` drafts after ``context`` from the constraint alone: each id its mask leaves
+        no choice about (the tail must choose it), and where there is a choice but the text is forced,
+        xgrammar's tokenization of that text (``find_jump_forward_tokens``: likely, not certain, ids),
+        for as long as either goes on. The matcher is left at ``context``."""
         if limit <= 0 or len(context) < self.start or not self._follow(context[self.start :]):
             return []
         drafts: list[int] = []
         while len(drafts) < limit and not self._matcher.is_terminated():
             self._matcher.fill_next_token_bitmask(self._bitmask, 0)
             only = _only_allowed(self._bitmask, self.vocab_size)
-            if only is None:
+            step = [only] if only is not None else self._matcher.find_jump_forward_tokens()[: limit - len(drafts)]
+            if not step or not all(self._matcher.accept_token(t) for t in step):
                 break
-            self._matcher.accept_token(only)
-            self._accepted.append(only)
-            drafts.append(only)
-        if len(drafts) < limit and not self._matcher.is_terminated():
-            drafts += self._matcher.find_jump_forward_tokens()[: limit - len(drafts)]
+            self._accepted += step
+            drafts += step
         self._follow(context[self.start :])  # back to where the caller is
         return drafts
+
+    def valid_prefix(self, context: Sequence[int], tokens: Sequence[int]) -> int:
+        """How many of ``tokens`` (after ``context``) the constraint allows in a row; the matcher is
+        left at ``context``."""
+        if len(context) < self.start or not self._follow(context[self.start :]):
+            return len(tokens)
+        count = 0
+        for token in tokens:
+            if self._matcher.is_terminated() or not self._matcher.accept_token(int(token)):
+                break
+            self._accepted.append(int(token))
+            count += 1
+        self._follow(context[self.start :])
+        return count
 
 
 def _only_allowed(bitmask: torch.Tensor, vocab_size: int) -> Optional[int]:

@@ -189,3 +189,45 @@ def test_constraint_travels_bounded_and_in_the_digest():
     )
     with pytest.raises(Exception, match="malformed"):
         decode(encode(huge))
+
+
+LONG_KEYS = {
+    "type": "object",
+    "properties": {
+        "the_full_name_of_the_person": {"type": "string", "maxLength": 6},
+        "the_city_where_the_person_lives": {"enum": ["Paris", "Oslo"]},
+        "the_age_of_the_person_in_years": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
+    "required": ["the_full_name_of_the_person", "the_city_where_the_person_lives", "the_age_of_the_person_in_years"],
+    "additionalProperties": False,
+}
+
+
+def test_forced_tokens_are_what_the_constraint_leaves_no_choice_about(tiny_model):
+    """A one-choice grammar forces (a prefix of) its text, and EOS once it is complete; the guide is
+    left where it was."""
+    tokenizer, eos = tiny_model.tokenizer, tiny_model.config.eos_token_id
+    compiler = compiler_for(tokenizer, tiny_model.config.vocab_size)
+    guide = compiler.guide(msgspec.structs.replace(constraint_from_options(guided_choice=["maybe not"]), start=3))
+    forced = guide.forced([1, 2, 3], 10)
+    assert forced and "maybe not".startswith(tokenizer.decode(forced))
+    assert guide.forced([1, 2, 3], 10) == forced  # nothing was left accepted
+    whole = tokenizer.encode("maybe not", add_special_tokens=False)
+    assert guide.forced([1, 2, 3, *whole], 10) == [eos]  # the only id after a complete answer
+    assert guide.valid_prefix([1, 2, 3], whole + [eos, 5]) == len(whole) + 1
+    assert guide.valid_prefix([1, 2, 3], [eos]) == 0
+
+
+def test_grammar_drafts_save_laps_and_never_change_the_output(tiny_model, tiny_reference):
+    kwargs, prompt = dict(guided_json=LONG_KEYS), prompt_ids(tiny_model)
+    expected = transformers_greedy(tiny_reference, tiny_model, kwargs, prompt, 100)
+    laps = {}
+    for grammar_drafts in (False, True):
+        with pinned(tiny_model, ROUTES["two servers"]):
+            out = tiny_model.generate(
+                torch.tensor([prompt]), max_new_tokens=100, grammar_drafts=grammar_drafts, loop_runs=False, **kwargs
+            )
+        assert out[0, len(prompt) :].tolist() == expected, grammar_drafts
+        laps[grammar_drafts] = tiny_model.last_generation_stats.laps
+    assert json.loads(tiny_model.tokenizer.decode(expected[:-1])).keys() == LONG_KEYS["properties"].keys()
+    assert laps[True] < laps[False] / 2, laps
