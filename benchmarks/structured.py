@@ -144,10 +144,11 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--out", default="benchmarks/results/structured.json")
     args = p.parse_args()
+    commit = _commit()  # the checkout the run starts from (edits made while it runs are not measured)
     rows = run(args)
     table = summary(rows)
     free = table[0]["tokens_per_lap"]
-    print(f"\n{args.prompts} prompts, {args.delay:.0f} ms per hop, {args.servers} servers, commit {_commit()}")
+    print(f"\n{args.prompts} prompts, {args.delay:.0f} ms per hop, {args.servers} servers, commit {commit}")
     print("| mode | tokens/lap | vs free text | tokens/s | ended (EOS) |\n|---|---|---|---|---|")
     for r in table:
         print(
@@ -155,7 +156,7 @@ def main() -> None:
             f"{r['tokens_per_s']:.1f} | {r['ended']}/{r['runs']} |"
         )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(dict(commit=_commit(), args=vars(args), rows=rows, summary=table), indent=1))
+    Path(args.out).write_text(json.dumps(dict(commit=commit, args=vars(args), rows=rows, summary=table), indent=1))
 
 
 if __name__ == "__main__":

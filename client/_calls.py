@@ -23,7 +23,7 @@ from client._spot_checks import check_rate
 from client.draft_model import check_draft_model
 from protocol.constraints import ConstraintCompiler, constraint_from_options, constraint_from_response_format
 from protocol.limits import MAX_TREE_NODES
-from protocol.messages import Constraint, SamplingParams
+from protocol.messages import MAX_LOGIT_BIAS, Constraint, SamplingParams
 from protocol.sampling import validate_sampling
 
 DEFAULT_MAX_LENGTH = 2048  # positions a sequence may hold when the config does not say
@@ -56,6 +56,7 @@ def plan_call(
         options.repetition_penalty,
         options.seed,
     )
+    sampling = with_output_rules(sampling, options, config.vocab_size)
     if options.draft_model is not None:
         check_draft_model(options.draft_model, config.vocab_size)
     constraint = call_constraint(options, tokenizer, config.vocab_size)
@@ -68,8 +69,29 @@ def plan_call(
     return Call(options, sampling, eos, corpus, rate)
 
 
+def with_output_rules(sampling: SamplingParams, options: GenerationOptions, vocab_size: int) -> SamplingParams:
+    """The sampling parameters with the call's presence/frequency penalties and logit bias, checked."""
+    bias = options.logit_bias or {}
+    if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias must be a dict of at most {MAX_LOGIT_BIAS} token ids to biases")
+    try:
+        bias = {int(t): float(b) for t, b in bias.items()}
+    except (TypeError, ValueError):
+        raise ValueError("logit_bias maps token ids (ints) to biases (numbers)") from None
+    if any(not 0 <= t < vocab_size for t in bias):
+        raise ValueError(f"logit_bias names a token id outside the vocabulary [0, {vocab_size})")
+    sampling = msgspec.structs.replace(
+        sampling,
+        presence_penalty=float(options.presence_penalty),
+        frequency_penalty=float(options.frequency_penalty),
+        logit_bias=bias,
+    )
+    validate_sampling(sampling)
+    return sampling
+
+
 def call_constraint(options: GenerationOptions, tokenizer: Any, vocab_size: int) -> Optional[Constraint]:
-    """The call's constraint (``start`` 0: the decoder sets it to the prompt's length), compiled here once
+    """The call's constraint (the decoder sets ``output_start`` to the prompt's length), compiled here once
     so that one the library refuses is a ValueError before any server is asked."""
     from_format = constraint_from_response_format(options.response_format)
     constraint = constraint_from_options(

@@ -24,8 +24,6 @@ import time
 from collections import deque
 from typing import Callable, Optional, Sequence
 
-import msgspec
-
 from client._runs import Run, SessionState
 from client._stats import GenerationStats
 from client._swarm import SwarmClient
@@ -36,6 +34,7 @@ from client.drafting import Drafter
 from client.errors import GenerationError, ServerError
 from client.modes import NextRun, VerdictAction, choose_mode
 from protocol.messages import GREEDY, SamplingParams, Step, StepResult, TokenLogprobs
+from protocol.sampling import with_output_start
 
 logger = logging.getLogger(__name__)
 
@@ -120,9 +119,7 @@ class SpeculativeDecoder:
     def _begin(self, prompt: Sequence[int]) -> None:
         """Start on ``prompt``: what the caches keep of it, the drafter's context, the audits."""
         self.state.start_from(list(prompt))
-        if self.sampling.constraint is not None:  # it applies to the tokens after this prompt
-            start = msgspec.structs.replace(self.sampling.constraint, start=len(prompt))
-            self.sampling = msgspec.structs.replace(self.sampling, constraint=start)
+        self.sampling = with_output_start(self.sampling, len(prompt))  # a constraint, penalties: after the prompt
         if self.drafter is not None:
             self.drafter.reset(self.state.history)
         self._prompt_len = len(prompt)

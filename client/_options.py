@@ -50,6 +50,10 @@ class GenerationOptions:
     guided_choice: Optional[Sequence[str]] = None
     guided_grammar: Optional[str] = None  # EBNF (xgrammar's dialect)
     response_format: Optional[dict] = None  # OpenAI's: {"type": "json_object"} or {"type": "json_schema", ...}
+    # OpenAI's penalties over the generated tokens, and logit_bias {token id: bias in [-100, 100]}
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Optional[dict] = None
     grammar_drafts: bool = True  # under a constraint, draft the tokens it forces ahead of speculation's drafts
 
     @classmethod

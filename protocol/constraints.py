@@ -3,7 +3,7 @@
 A :class:`~protocol.messages.Constraint` (JSON schema, any JSON object, regex, EBNF grammar) is part
 of the sampling rule (docs/design.md, "Constraints at the tail"): the token at absolute position t
 is chosen from the logits masked by the constraint's state after the tokens at positions
-``start .. t-1``. That state is a pure function of those tokens, so a :class:`Guide` keeps one
+``output_start .. t-1``. That state is a pure function of those tokens, so a :class:`Guide` keeps one
 xgrammar ``GrammarMatcher`` and, before each mask, brings it to the context it is asked about: it
 rolls back to the longest prefix it shares with what it has accepted and accepts the rest. The
 protocol's one rollback (trim to ``start_pos``), a rejected draft, a tree's other branch and a
@@ -47,8 +47,8 @@ def constraint_from_options(
     guided_grammar: Optional[str] = None,
     json_object: bool = False,
 ) -> Optional[Constraint]:
-    """vLLM's guided-decoding arguments -> one Constraint (``start`` still 0: the caller sets it to the
-    prompt's length); None when none is given. Raises ValueError for two at once or a malformed one."""
+    """vLLM's guided-decoding arguments -> one Constraint; None when none is given. Raises ValueError
+    for two at once or a malformed one."""
     given = [
         n
         for n, v in (
@@ -141,17 +141,18 @@ class ConstraintCompiler:
         except Exception as e:  # xgrammar raises RuntimeError, ValueError and its own errors
             raise ValueError(f"the {kind} constraint does not compile: {str(e).strip()[:500]}") from None
 
-    def guide(self, constraint: Constraint) -> "Guide":
-        return Guide(self.compile(constraint), constraint, self.vocab_size)
+    def guide(self, constraint: Constraint, start: int) -> "Guide":
+        """A Guide matching the tokens from absolute position ``start`` (the output's first) on."""
+        return Guide(self.compile(constraint), constraint, start, self.vocab_size)
 
 
 class Guide:
     """One session's matcher, kept by position: :meth:`apply` masks the scores that choose the
     token after ``context`` (every id at positions < t), whatever contexts it was asked about before."""
 
-    def __init__(self, compiled: Any, constraint: Constraint, vocab_size: int):
+    def __init__(self, compiled: Any, constraint: Constraint, start: int, vocab_size: int):
         xgr = _xgrammar()
-        self.constraint, self.start, self.vocab_size = constraint, constraint.start, vocab_size
+        self.constraint, self.start, self.vocab_size = constraint, start, vocab_size
         self._matcher = xgr.GrammarMatcher(compiled)
         self._accepted: list[int] = []  # the ids the matcher holds, from position start on
         self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)

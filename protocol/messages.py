@@ -28,7 +28,18 @@ MAX_SESSION_ID_CHARS = 64
 SessionId = Annotated[str, msgspec.Meta(max_length=MAX_SESSION_ID_CHARS)]
 
 _SAMPLING_KEYS = dict(
-    do_sample="d", temperature="t", top_k="k", top_p="p", min_p="m", repetition_penalty="r", seed="s", constraint="c"
+    do_sample="d",
+    temperature="t",
+    top_k="k",
+    top_p="p",
+    min_p="m",
+    repetition_penalty="r",
+    seed="s",
+    constraint="c",
+    output_start="o",
+    presence_penalty="e",
+    frequency_penalty="f",
+    logit_bias="b",
 )
 
 # A constraint's text (a JSON schema, a regex, an EBNF grammar) is at most this many characters: it
@@ -37,17 +48,17 @@ _SAMPLING_KEYS = dict(
 # properties at 5000 characters of names and enums together)
 MAX_CONSTRAINT_CHARS = 16384
 CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "grammar")
+MAX_LOGIT_BIAS = 300  # biased ids per request (OpenAI's limit)
 
 
 class Constraint(msgspec.Struct, frozen=True, array_like=True):
     """What the tail's choices must match (docs/design.md, "Constraints at the tail"): ``kind`` one of
     CONSTRAINT_KINDS, ``spec`` its text (a JSON schema, a regex, an EBNF grammar in xgrammar's dialect;
-    empty for json_object), ``start`` the absolute position of the first constrained token (the
-    prompt's length: the tokens before it are not matched). Compiled by protocol/constraints.py."""
+    empty for json_object). It matches the tokens from ``SamplingParams.output_start`` on.
+    Compiled by protocol/constraints.py."""
 
     kind: Annotated[str, msgspec.Meta(max_length=16)]
     spec: Annotated[str, msgspec.Meta(max_length=MAX_CONSTRAINT_CHARS)] = ""
-    start: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, rename=_SAMPLING_KEYS):
@@ -64,6 +75,12 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     repetition_penalty: float = 1.0
     seed: int = 0
     constraint: Optional[Constraint] = None  # structured output: the tail masks its choices with it
+    # the absolute position of the first generated token (the prompt's length): the constraint and
+    # the presence/frequency penalties apply to the tokens from here on (the prompt is not matched or counted)
+    output_start: Annotated[int, msgspec.Meta(ge=0)] = 0
+    presence_penalty: float = 0.0  # OpenAI's: minus this from an id's logit once it occurs in the output
+    frequency_penalty: float = 0.0  # OpenAI's: minus this times the id's count in the output
+    logit_bias: Annotated[dict[int, float], msgspec.Meta(max_length=MAX_LOGIT_BIAS)] = {}  # id -> added to its logit
 
 
 GREEDY = SamplingParams()

@@ -19,12 +19,14 @@ import hashlib
 import math
 from typing import Optional, Sequence
 
+import msgspec
 import torch
 from transformers.generation.logits_process import (
     LogitsProcessor,
     LogitsProcessorList,
     MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -39,7 +41,7 @@ MAX_CORRECTION_TOP_K = 64  # the most ids (and 16-bit probabilities) a rejection
 def validate_sampling(params: SamplingParams) -> None:
     """Raise ValueError naming the first parameter outside its range. Written as ``not (in range)``
     so that NaN, which fails every comparison, is refused too (the fuzzer sent one)."""
-    for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
         if not math.isfinite(getattr(params, name)):
             raise ValueError(f"{name} must be a finite number, got {getattr(params, name)}")
     if params.do_sample and not params.temperature > 0:
@@ -52,6 +54,20 @@ def validate_sampling(params: SamplingParams) -> None:
         raise ValueError(f"min_p must be in [0, 1], got {params.min_p}")
     if not params.repetition_penalty > 0:
         raise ValueError(f"repetition_penalty must be > 0, got {params.repetition_penalty}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not -2 <= getattr(params, name) <= 2:
+            raise ValueError(f"{name} must be in [-2, 2], got {getattr(params, name)}")
+    for token, bias in params.logit_bias.items():
+        if token < 0 or not -100 <= bias <= 100:  # also refuses NaN
+            raise ValueError(f"logit_bias maps token ids >= 0 to biases in [-100, 100], got {token}: {bias}")
+
+
+def with_output_start(params: SamplingParams, start: int) -> SamplingParams:
+    """``params`` with ``output_start`` at ``start`` (the prompt's length) when they hold a rule over
+    the output alone (a constraint, presence or frequency penalties); as they are otherwise."""
+    if params.constraint is None and params.presence_penalty == 0 and params.frequency_penalty == 0:
+        return params
+    return msgspec.structs.replace(params, output_start=start)
 
 
 def _processors(params: SamplingParams, guide: Optional[Guide] = None) -> LogitsProcessorList:
@@ -59,8 +75,12 @@ def _processors(params: SamplingParams, guide: Optional[Guide] = None) -> Logits
     custom processor there (``logits_processor=[xgrammar's]``), which ``generate`` places after the
     penalties and before the sampling warpers (temperature, top-k, top-p, min-p)."""
     procs = LogitsProcessorList()
+    if params.logit_bias:  # generate()'s sequence_bias of one-id sequences: first, as generate places it
+        procs.append(SequenceBiasLogitsProcessor([[[t], b] for t, b in sorted(params.logit_bias.items())]))
     if params.repetition_penalty != 1.0:
         procs.append(RepetitionPenaltyLogitsProcessor(params.repetition_penalty))
+    if params.presence_penalty or params.frequency_penalty:
+        procs.append(OutputPenalties(params.presence_penalty, params.frequency_penalty, params.output_start))
     if params.constraint is not None:
         if guide is None:
             raise ValueError("sampling under a constraint needs its Guide (protocol/constraints.py)")
@@ -75,6 +95,20 @@ def _processors(params: SamplingParams, guide: Optional[Guide] = None) -> Logits
         if params.min_p > 0.0:
             procs.append(MinPLogitsWarper(params.min_p))
     return procs
+
+
+class OutputPenalties(LogitsProcessor):
+    """OpenAI's presence and frequency penalties (vLLM's reading: over the generated tokens only, the
+    ids at positions >= ``start``): logit[j] -= frequency * count[j] + presence * (count[j] > 0).
+    transformers has no processor for them; this one is the rule, on the tail and in tests alike."""
+
+    def __init__(self, presence: float, frequency: float, start: int):
+        self.presence, self.frequency, self.start = presence, frequency, start
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        output = input_ids[0, self.start :]
+        counts = torch.bincount(output, minlength=scores.shape[-1])[: scores.shape[-1]].to(scores.dtype)
+        return scores - (self.frequency * counts + self.presence * (counts > 0).to(scores.dtype))[None]
 
 
 class _GuideMask(LogitsProcessor):

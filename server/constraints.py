@@ -42,24 +42,25 @@ class TailConstraints:
                 self._compiler = ConstraintCompiler(tokenizer, self.vocab_size)
             return self._compiler
 
-    def guide(self, constraint: Constraint) -> Guide:
-        """A fresh Guide for ``constraint``; ProtocolError (bad_request) naming what does not compile."""
+    def guide(self, constraint: Constraint, start: int) -> Guide:
+        """A fresh Guide for ``constraint`` from position ``start``; ProtocolError (bad_request) naming
+        what does not compile."""
         compiler = self._load()
         try:
-            return compiler.guide(constraint)
+            return compiler.guide(constraint, start)
         except ValueError as e:
             raise ProtocolError(ErrorCode.BAD_REQUEST, str(e)) from None
 
 
 def session_guide(
-    constraints: Optional[TailConstraints], current: Optional[Guide], constraint: Optional[Constraint]
+    constraints: Optional[TailConstraints], current: Optional[Guide], constraint: Optional[Constraint], start: int
 ) -> Optional[Guide]:
     """The Guide a session's next run verifies with: the current one while the constraint is the same
     (its matcher follows the history by position), a new one when it changed, None without one."""
     if constraint is None:
         return None
-    if current is not None and current.constraint == constraint:
+    if current is not None and current.constraint == constraint and current.start == start:
         return current
     if constraints is None:
         raise ProtocolError(ErrorCode.BAD_REQUEST, "this server cannot enforce constraints (it loaded no tokenizer)")
-    return constraints.guide(constraint)
+    return constraints.guide(constraint, start)

@@ -149,10 +149,13 @@ class ServerSession:
             validate_sampling(step.sampling_params)
         except ValueError as e:
             raise ProtocolError(ErrorCode.BAD_REQUEST, str(e)) from None
+        if any(token >= span.vocab_size for token in step.sampling_params.logit_bias):
+            message = f"logit_bias names a token id >= the vocabulary size {span.vocab_size}"
+            raise ProtocolError(ErrorCode.BAD_REQUEST, message)
         constraint = step.sampling_params.constraint
         if self.next_hop is None and (constraint is not None or self.guide is not None):
             # the tail: the constraint compiles, or the run is refused naming why
-            self.guide = session_guide(span.constraints, self.guide, constraint)
+            self.guide = session_guide(span.constraints, self.guide, constraint, step.sampling_params.output_start)
         if step.draft_q is not None:
             self._check_draft_q(step)
         if not 0 <= step.loop_runs <= self.max_length:

@@ -313,7 +313,7 @@ def test_what_evaluation_and_load_tools_send(gateway, client, smol_model):
     status, body = post_raw(f"{root}/tokenize", json.dumps({"model": MODEL, "prompt": text}).encode(), key=None)
     assert status == 401
     refused = [
-        ("logit_bias", dict(logit_bias={"42": 5})),
+        ("logit_bias", dict(logit_bias={"42": 500})),  # biases are in [-100, 100]
         ("response_format", dict(extra_body={"response_format": {"type": "xml"}})),  # json_* are served
         ("stream_options", dict(stream_options={"include_usage": True})),
         ("max_tokens", dict(max_tokens=0)),  # 0 only with echo

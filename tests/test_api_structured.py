@@ -94,3 +94,26 @@ def test_bad_constraints_are_400s_naming_the_parameter(client):
             client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, **kwargs)
         assert e.value.param == param, (param, e.value.message)
     assert "does not compile" in str(e.value.message) or "one constraint" in str(e.value.message)
+
+
+def test_penalties_and_logit_bias_equal_generate(client, smol_model):
+    prompt = smol_model.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, return_dict=True)
+    ids = prompt["input_ids"]
+    plain = smol_model.generate([ids], max_new_tokens=16)[0, len(ids) :].tolist()
+    rules = dict(presence_penalty=1.0, frequency_penalty=0.5, logit_bias={plain[0]: -100.0})
+    expected = smol_model.generate([ids], max_new_tokens=16, **rules)[0, len(ids) :].tolist()
+    assert expected[0] != plain[0]
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=16,
+        temperature=0,
+        presence_penalty=1.0,
+        frequency_penalty=0.5,
+        logit_bias={str(plain[0]): -100},
+    )
+    assert reply.choices[0].message.content == smol_model.tokenizer.decode(expected, skip_special_tokens=True)
+    for param, kwargs in [("presence_penalty", dict(presence_penalty=3)), ("logit_bias", dict(logit_bias={"1": 101}))]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, **kwargs)
+        assert e.value.param == param, (param, e.value.message)

@@ -171,9 +171,10 @@ def test_constraint_travels_bounded_and_in_the_digest():
     from protocol.digest import step_digest
     from protocol.messages import SamplingParams, Step, decode, encode
 
-    c = Constraint("json_schema", json.dumps(PERSON), start=7)
-    step = Step(session_id="s", run_id=0, start_pos=0, token_ids=[1], sampling=SamplingParams(constraint=c))
-    assert decode(encode(step)).sampling.constraint == c
+    c = Constraint("json_schema", json.dumps(PERSON))
+    sampling = SamplingParams(constraint=c, output_start=7)
+    step = Step(session_id="s", run_id=0, start_pos=0, token_ids=[1], sampling=sampling)
+    assert decode(encode(step)).sampling == sampling
     other = SamplingParams(constraint=msgspec.structs.replace(c, spec="{}"))
     digests = {
         step_digest("k", run_id=0, start_pos=0, token_ids=[1], n_draft=0, sampling=s)
@@ -208,7 +209,7 @@ def test_forced_tokens_are_what_the_constraint_leaves_no_choice_about(tiny_model
     left where it was."""
     tokenizer, eos = tiny_model.tokenizer, tiny_model.config.eos_token_id
     compiler = compiler_for(tokenizer, tiny_model.config.vocab_size)
-    guide = compiler.guide(msgspec.structs.replace(constraint_from_options(guided_choice=["maybe not"]), start=3))
+    guide = compiler.guide(constraint_from_options(guided_choice=["maybe not"]), 3)
     forced = guide.forced([1, 2, 3], 10)
     assert forced and "maybe not".startswith(tokenizer.decode(forced))
     assert guide.forced([1, 2, 3], 10) == forced  # nothing was left accepted

@@ -16,8 +16,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Optional
 
-import msgspec
-
 from client.drafting.base import Drafter
 from protocol.constraints import Guide
 from protocol.messages import Constraint
@@ -75,8 +73,7 @@ class GrammarDrafts(Drafter):
     # the stream
     def reset(self, context: Sequence[int]) -> None:
         self._context = list(context)
-        constraint = msgspec.structs.replace(self._constraint, start=len(context))
-        self._guide = Guide(self._compiled, constraint, self._vocab)
+        self._guide = Guide(self._compiled, self._constraint, len(context), self._vocab)
         if self.inner is not None:
             self.inner.reset(context)
 

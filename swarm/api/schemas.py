@@ -17,7 +17,7 @@ import msgspec
 
 from client._calls import compiler_for
 from protocol.constraints import constraint_from_options, constraint_from_response_format
-from protocol.messages import MAX_TOP_LOGPROBS, SamplingParams
+from protocol.messages import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams
 from protocol.sampling import validate_sampling
 from swarm.api.engine import CHAT_ROLES, GenerationParams, ServedModel, check_prompt_ids
 from swarm.api.errors import APIError, bad_request
@@ -232,6 +232,8 @@ def _choices(
     echo = bool(getattr(req, "echo", False))
     base = _common(req)
     base.sampling.update(_constraint(req, served))
+    if any(not token < served.vocab_size for token in base.sampling["logit_bias"]):
+        raise bad_request(f"logit_bias names a token id outside the vocabulary [0, {served.vocab_size})", "logit_bias")
     choices = []
     for index, prompt in enumerate(prompts):
         limit = _max_tokens(len(prompt.ids), max_tokens, served, prompt_param, echo)
@@ -257,13 +259,6 @@ def _choices(
 
 def _common(req: _Request) -> GenerationParams:
     """What every choice of the request shares (prompt and length are set per choice)."""
-    if req.presence_penalty or req.frequency_penalty:
-        param = "presence_penalty" if req.presence_penalty else "frequency_penalty"
-        raise bad_request(f"{param} is not supported; repetition_penalty (an extension) is", param)
-    if req.logit_bias:
-        raise bad_request(
-            "logit_bias is not supported: the tail decides every token by the model's own distribution", "logit_bias"
-        )
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options needs stream: true", "stream_options")
     return GenerationParams(
@@ -364,6 +359,9 @@ def _sampling(req: _Request) -> dict[str, Any]:
         "top_k": max(req.top_k or 0, 0),
         "min_p": req.min_p or 0.0,
         "repetition_penalty": req.repetition_penalty or 1.0,
+        "presence_penalty": req.presence_penalty or 0.0,
+        "frequency_penalty": req.frequency_penalty or 0.0,
+        "logit_bias": _logit_bias(req.logit_bias),
         "seed": req.seed,
     }
     try:
@@ -377,6 +375,18 @@ def _sampling(req: _Request) -> dict[str, Any]:
     if req.prediction is not None:
         sampling["draft_corpus"] = [_prediction_text(req.prediction)]
     return sampling
+
+
+def _logit_bias(bias: Optional[dict[str, float]]) -> dict[int, float]:
+    """OpenAI's logit_bias (token ids as JSON keys) -> ids to biases; the range check is validate_sampling's."""
+    if not bias:
+        return {}
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise bad_request(f"logit_bias holds at most {MAX_LOGIT_BIAS} token ids", "logit_bias")
+    try:
+        return {int(token): float(value) for token, value in bias.items()}
+    except ValueError:
+        raise bad_request("logit_bias keys must be token ids", "logit_bias") from None
 
 
 def _prediction_text(prediction: Prediction) -> str:
