@@ -34,6 +34,7 @@ PROTOCOL_VERSION = 7
 #    Every message's session_id is at most 64 characters (longer: malformed).
 #    Records carry max_positions_per_step (8..65536; clients chunk prefill to the smallest on their
 #    route instead of failing with step_too_large); routers skip servers of another protocol_version.
-# 7: structured outputs: SamplingParams.constraint (key "c": kind, spec, start), a JSON schema, regex or
-#    grammar the tail masks its choices with (docs/design.md, "Constraints at the tail"); a v6 tail
-#    would ignore the key and choose unconstrained, hence the new version.
+# 7: structured outputs and output rules: SamplingParams.constraint (key "c": kind, spec), a JSON schema,
+#    regex or grammar the tail masks its choices with (docs/design.md, "Constraints at the tail"),
+#    output_start ("o": where the output begins), presence_penalty ("e"), frequency_penalty ("f") and
+#    logit_bias ("b"); a v6 tail would ignore the keys and choose without them, hence the new version.
