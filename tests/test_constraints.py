@@ -232,3 +232,17 @@ def test_grammar_drafts_save_laps_and_never_change_the_output(tiny_model, tiny_r
         laps[grammar_drafts] = tiny_model.last_generation_stats.laps
     assert json.loads(tiny_model.tokenizer.decode(expected[:-1])).keys() == LONG_KEYS["properties"].keys()
     assert laps[True] < laps[False] / 2, laps
+
+
+def test_smollm2_json_schema_equals_transformers(smol_model, smol_reference):
+    """The real model and tokenizer: a chat asking for a record, constrained to LONG_KEYS, greedy with
+    the default speculation (suffix + grammar drafts, looped runs), equals transformers + xgrammar."""
+    messages = [{"role": "user", "content": "Extract the record as JSON: Ana, from Paris, is 31 years old."}]
+    prompt = smol_model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
+    prompt = prompt["input_ids"]
+    kwargs = dict(guided_json=LONG_KEYS)
+    expected = transformers_greedy(smol_reference, smol_model, kwargs, prompt, 120)
+    out = smol_model.generate([prompt], max_new_tokens=120, **kwargs)[0, len(prompt) :].tolist()
+    assert out == expected
+    record = json.loads(smol_model.tokenizer.decode(expected[:-1]))
+    assert record.keys() == LONG_KEYS["properties"].keys() and expected[-1] == smol_model.config.eos_token_id
