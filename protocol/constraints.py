@@ -175,22 +175,20 @@ class Guide:
             held.append(int(token))
         return not self._matcher.is_terminated()
 
-    def allowed(self, context: Sequence[int]) -> Optional[torch.Tensor]:
-        """[vocab] bool: the ids the constraint allows at position len(context); None where it does not
-        apply (before ``start``, or after the grammar ended)."""
-        if len(context) < self.start or not self._follow(context[self.start :]):
-            return None
-        self._matcher.fill_next_token_bitmask(self._bitmask, 0)
-        ones = torch.zeros(1, self.vocab_size)
-        _xgrammar().apply_token_bitmask_inplace(ones, self._bitmask)
-        return ones[0] == 0
-
     def apply(self, scores: torch.Tensor, context: Sequence[int]) -> torch.Tensor:
         """Mask [1, vocab] scores in place (-inf where the constraint forbids), as xgrammar's
-        transformers processor does; returns them."""
+        transformers processor does; returns them. A dead end (the mask allows no id at all: a
+        grammar the vocabulary cannot spell) allows the stop tokens instead, so the generation ends
+        there with EOS rather than failing on a row of -inf (xgrammar's processor would choose id 0
+        greedily and fail to sample)."""
         if len(context) < self.start or not self._follow(context[self.start :]):
             return scores
         self._matcher.fill_next_token_bitmask(self._bitmask, 0)
+        if not bool(self._bitmask.any()):
+            keep = scores[:, list(self._matcher.stop_token_ids)].clone()
+            scores.fill_(float("-inf"))
+            scores[:, list(self._matcher.stop_token_ids)] = keep
+            return scores
         _xgrammar().apply_token_bitmask_inplace(scores, self._bitmask)
         return scores
 

@@ -246,3 +246,25 @@ def test_smollm2_json_schema_equals_transformers(smol_model, smol_reference):
     assert out == expected
     record = json.loads(smol_model.tokenizer.decode(expected[:-1]))
     assert record.keys() == LONG_KEYS["properties"].keys() and expected[-1] == smol_model.config.eos_token_id
+
+
+def test_a_dead_end_allows_only_the_stop_token(tiny_model):
+    """Where the mask allows nothing (a grammar the vocabulary cannot spell), the stop token is the
+    only choice: the generation ends with EOS instead of failing on a row of -inf."""
+    compiler = compiler_for(tiny_model.tokenizer, tiny_model.config.vocab_size)
+    guide = compiler.guide(constraint_from_options(guided_regex="[a-z]+"), 2)
+
+    class DeadEnd:  # the real matcher, whose masks allow nothing
+        def __init__(self, matcher):
+            self.matcher = matcher
+
+        def __getattr__(self, name):
+            return getattr(self.matcher, name)
+
+        def fill_next_token_bitmask(self, bitmask, index):
+            bitmask.zero_()
+
+    guide._matcher = DeadEnd(guide._matcher)
+    scores = guide.apply(torch.randn(1, tiny_model.config.vocab_size), [1, 2])
+    eos = tiny_model.config.eos_token_id
+    assert torch.isfinite(scores).nonzero()[:, 1].tolist() == [eos]
