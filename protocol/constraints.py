@@ -204,10 +204,15 @@ class Guide:
             self._matcher.fill_next_token_bitmask(self._bitmask, 0)
             only = _only_allowed(self._bitmask, self.vocab_size)
             step = [only] if only is not None else self._matcher.find_jump_forward_tokens()[: limit - len(drafts)]
-            if not step or not all(self._matcher.accept_token(t) for t in step):
+            taken = 0
+            for token in step:  # one by one, so that what the matcher holds is always what _accepted says
+                if not self._matcher.accept_token(token):
+                    break
+                self._accepted.append(token)
+                drafts.append(token)
+                taken += 1
+            if taken < len(step) or not step:
                 break
-            self._accepted += step
-            drafts += step
         self._follow(context[self.start :])  # back to where the caller is
         return drafts
 
