@@ -229,7 +229,10 @@ def test_grammar_drafts_save_laps_and_never_change_the_output(tiny_model, tiny_r
                 torch.tensor([prompt]), max_new_tokens=100, grammar_drafts=grammar_drafts, loop_runs=False, **kwargs
             )
         assert out[0, len(prompt) :].tolist() == expected, grammar_drafts
-        laps[grammar_drafts] = tiny_model.last_generation_stats.laps
+        stats = tiny_model.last_generation_stats
+        laps[grammar_drafts] = stats.laps
+        # verdict audits re-verified the output on another tail under the same constraint, and it agreed
+        assert stats.verdict_audits > 0 and stats.verdict_audits_failed == 0 and not stats.liars_excluded
     assert json.loads(tiny_model.tokenizer.decode(expected[:-1])).keys() == LONG_KEYS["properties"].keys()
     assert laps[True] < laps[False] / 2, laps
 
