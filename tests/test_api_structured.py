@@ -117,3 +117,80 @@ def test_penalties_and_logit_bias_equal_generate(client, smol_model):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, **kwargs)
         assert e.value.param == param, (param, e.value.message)
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]}, "unit": {"enum": ["C", "F"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]},
+    },
+}
+ASK = [{"role": "user", "content": "What is the weather in Oslo?"}]
+
+
+def test_named_and_required_tool_calls_validate_and_stream_the_same(client):
+    for choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
+        reply = client.chat.completions.create(
+            model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice=choice, max_tokens=40, temperature=0
+        )
+        message, finish = reply.choices[0].message, reply.choices[0].finish_reason
+        assert finish == "tool_calls" and message.content is None and len(message.tool_calls) == 1
+        call = message.tool_calls[0]
+        tool = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
+        jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+        if choice != "required":
+            assert call.function.name == "get_weather"
+        chunks = list(
+            client.chat.completions.create(
+                model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice=choice, max_tokens=40, temperature=0,
+                stream=True,
+            )
+        )  # fmt: skip
+        deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+        assert [(d.function.name, d.function.arguments) for d in deltas] == [
+            (call.function.name, call.function.arguments)
+        ]
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+
+
+def test_a_two_turn_tool_conversation(client):
+    first = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=40, temperature=0
+    )
+    call = first.choices[0].message.tool_calls[0]
+    turn = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 3, "sky": "snow"}'},
+    ]
+    second = client.chat.completions.create(
+        model=MODEL, messages=turn, tools=[WEATHER], tool_choice="none", max_tokens=24, temperature=0
+    )
+    assert second.choices[0].message.content and not second.choices[0].message.tool_calls
+
+
+def test_bad_tools_are_400s_naming_the_field(client):
+    nameless = {"type": "function", "function": {"parameters": {"type": "object"}}}
+    bad = [
+        ("tools", dict(tools=[nameless], tool_choice="required")),
+        ("tool_choice", dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}})),
+        ("tool_choice", dict(tools=[WEATHER], tool_choice="auto")),
+        ("tool_choice", dict(tools=[WEATHER])),  # OpenAI's default with tools is auto
+    ]
+    for param, kwargs in bad:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, **kwargs)
+        assert e.value.param == param, (param, e.value.message)

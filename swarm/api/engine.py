@@ -38,6 +38,7 @@ class GenerationParams:
     prompt_index: int = 0  # which of the request's prompts (several choices may share one)
     echo: Optional[str] = None  # the prompt's text, returned before the completion (completions' echo)
     prompt_logprobs: int = -1  # with echo: score the prompt's tokens, with this many alternatives; -1: no
+    tool_call: bool = False  # the reply is a tool call (swarm/api/tools.py): chat returns it as tool_calls
 
 
 @dataclass

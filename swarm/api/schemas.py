@@ -21,6 +21,7 @@ from protocol.messages import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams
 from protocol.sampling import validate_sampling
 from swarm.api.engine import CHAT_ROLES, GenerationParams, ServedModel, check_prompt_ids
 from swarm.api.errors import APIError, bad_request
+from swarm.api.tools import call_schema, call_text, checked_tools, tools_prompt
 
 MAX_STOPS = 16
 SPECULATION_MODES = {"suffix", "ngram", "tail", "suffix+tail", "ngram+tail", "none"}
@@ -35,6 +36,8 @@ class ContentPart(msgspec.Struct):
 class ChatMessage(msgspec.Struct):
     role: str
     content: Union[str, list[ContentPart], None] = None
+    tool_calls: Optional[list[Any]] = None  # an assistant turn's calls (swarm/api/tools.py)
+    tool_call_id: Optional[str] = None  # a tool turn: the call it answers
 
 
 class StreamOptions(msgspec.Struct):
@@ -127,13 +130,11 @@ def _param_of(message: str) -> Optional[str]:
 
 def chat_params(req: ChatRequest, served: ServedModel, max_choices: int) -> tuple[list[GenerationParams], int]:
     """One validated generation per choice, and how many top log-probs to show per token (-1: none)."""
-    if req.tools:
-        raise bad_request("tools are not supported by this gateway", "tools")
     if req.functions or req.function_call not in (None, "none"):
         param = "functions" if req.functions else "function_call"
         raise bad_request("functions are not supported by this gateway", param)
-    if req.tool_choice not in (None, "none"):
-        raise bad_request("tool_choice is not supported by this gateway (it has no tools)", "tool_choice")
+    if req.tool_choice not in (None, "none") and not req.tools:
+        raise bad_request("tool_choice needs tools", "tool_choice")
     if req.modalities not in (None, ["text"]):
         raise bad_request("only text output is supported (modalities ['text'])", "modalities")
     if req.audio is not None:
@@ -142,10 +143,26 @@ def chat_params(req: ChatRequest, served: ServedModel, max_choices: int) -> tupl
         raise bad_request(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}", "top_logprobs")
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-    prompt_ids = served.chat_prompt(chat_messages(req.messages))
+    messages, schema = chat_messages(req.messages), None
+    if req.tools:
+        tools = checked_tools(req.tools)
+        schema = call_schema(tools, req.tool_choice)
+        if schema is not None and (req.response_format or any(getattr(req, n) is not None for n in GUIDED)):
+            raise bad_request("a tool call and another constraint do not go together", "tool_choice")
+        messages = [{"role": "system", "content": tools_prompt(tools)}] + messages
+    prompt_ids = served.chat_prompt(messages)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     shown = (req.top_logprobs or 0) if req.logprobs else -1
-    return _choices(req, served, [Prompt(prompt_ids, None)], max_tokens, "messages", shown, max_choices), shown
+    choices = _choices(req, served, [Prompt(prompt_ids, None)], max_tokens, "messages", shown, max_choices)
+    if schema is not None:  # compiled once here; a tool's parameters that do not compile are a 400 naming tools
+        try:
+            compiler_for(served.tokenizer, served.vocab_size).compile(constraint_from_options(guided_json=schema))
+        except ValueError as e:
+            raise bad_request(f"tools: {e}", "tools") from None
+        choices = [
+            dataclasses.replace(c, sampling={**c.sampling, "guided_json": schema}, tool_call=True) for c in choices
+        ]
+    return choices, shown
 
 
 def completion_params(
@@ -183,6 +200,8 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
             content = "".join(part.text for part in m.content)
         else:
             content = m.content or ""
+        if m.tool_calls:
+            content = (content + "\n" if content else "") + call_text(m.tool_calls)
         out.append({"role": role, "content": content})
     return out
 
