@@ -187,10 +187,27 @@ def test_bad_tools_are_400s_naming_the_field(client):
     bad = [
         ("tools", dict(tools=[nameless], tool_choice="required")),
         ("tool_choice", dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}})),
-        ("tool_choice", dict(tools=[WEATHER], tool_choice="auto")),
-        ("tool_choice", dict(tools=[WEATHER])),  # OpenAI's default with tools is auto
     ]
     for param, kwargs in bad:
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, **kwargs)
         assert e.value.param == param, (param, e.value.message)
+
+
+def test_auto_tool_choice_gives_a_call_or_text_and_streams_the_same(client):
+    """ "auto" (also OpenAI's default with tools) leaves the reply free: a reply that is exactly a call
+    of a listed tool comes back as tool_calls, any other as text; streamed or not, the same."""
+    kwargs = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], max_tokens=48, temperature=0)
+    for choice in ({}, {"tool_choice": "auto"}):
+        reply = client.chat.completions.create(**kwargs, **choice).choices[0]
+        chunks = [c for c in client.chat.completions.create(**kwargs, **choice, stream=True) if c.choices]
+        if reply.message.tool_calls:
+            assert reply.finish_reason == "tool_calls" and reply.message.tool_calls[0].function.name in (
+                "get_weather",
+                "get_time",
+            )
+            streamed = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+            assert streamed[0].function.arguments == reply.message.tool_calls[0].function.arguments
+        else:
+            assert reply.message.content == "".join(c.choices[0].delta.content or "" for c in chunks)
+        assert chunks[-1].choices[0].finish_reason == reply.finish_reason

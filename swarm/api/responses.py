@@ -87,6 +87,8 @@ class ChatFormat(_Format):
     def __init__(self, served: ServedModel, generations: list[TextGeneration], shown_logprobs: int):
         super().__init__(served, generations, shown_logprobs)
         self.call_texts: dict[int, str] = {}  # streamed tool calls: their text until the choice ends
+        self.texts: set[int] = set()  # "auto" choices known to be text: streamed from then on
+        self.released: dict[int, str] = {}  # an "auto" choice's held text, sent with its next chunk
 
     def opening_chunk(self, index: int) -> dict[str, Any]:
         opening = {"role": "assistant", "content": ""}
@@ -94,16 +96,24 @@ class ChatFormat(_Format):
         return self._envelope(self.chunk_object, [choice])
 
     def wants_chunk(self, index: int, delta: Delta) -> bool:
-        """A tool call is sent whole in the choice's last chunk: its text is kept until then."""
-        if self.generations[index].params.tool_call:
-            self.call_texts[index] = self.call_texts.get(index, "") + delta.text
+        """A tool call is sent whole in the choice's last chunk: its text is kept until then (with
+        "auto", while the text so far may still be a call: empty, or from a leading "{")."""
+        mode = self.generations[index].params.tool_call
+        if not mode or index in self.texts:
+            return super().wants_chunk(index, delta)
+        held = self.call_texts.get(index, "") + delta.text
+        if mode == "forced" or not held.strip() or held.lstrip().startswith("{"):
+            self.call_texts[index] = held
             return False
-        return super().wants_chunk(index, delta)
+        self.texts.add(index)
+        self.released[index] = held
+        self.call_texts.pop(index, None)
+        return True
 
     def chunk(self, index: int, delta: Delta) -> dict[str, Any]:
         choice = {
             "index": index,
-            "delta": {"content": delta.text},
+            "delta": {"content": self.released.pop(index, delta.text)},
             "logprobs": self._logprobs(delta.logprobs),
             "finish_reason": None,
         }
@@ -112,8 +122,8 @@ class ChatFormat(_Format):
     def closing_chunk(self, index: int) -> dict[str, Any]:
         generation = self.generations[index]
         delta, finish = {}, generation.finish_reason
-        if generation.params.tool_call:
-            message, finish = self._message(index, self.call_texts.get(index, ""))
+        if index in self.call_texts:  # a held call (or held text that turned out not to be one)
+            message, finish = self._message(index, self.call_texts[index])
             calls = message.get("tool_calls")
             delta = {"tool_calls": [{"index": 0, **calls[0]}]} if calls else {"content": message["content"]}
         choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
@@ -122,7 +132,8 @@ class ChatFormat(_Format):
     def _message(self, index: int, text: str) -> tuple[dict[str, Any], Optional[str]]:
         """The assistant message and finish reason: a complete tool call becomes ``tool_calls``."""
         generation = self.generations[index]
-        calls = tool_calls(text) if generation.params.tool_call and generation.finish_reason == "stop" else None
+        params = generation.params
+        calls = tool_calls(text, params.tool_names) if params.tool_call and generation.finish_reason == "stop" else None
         if calls:
             return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
         return {"role": "assistant", "content": text}, generation.finish_reason

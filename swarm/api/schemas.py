@@ -159,9 +159,10 @@ def chat_params(req: ChatRequest, served: ServedModel, max_choices: int) -> tupl
             compiler_for(served.tokenizer, served.vocab_size).compile(constraint_from_options(guided_json=schema))
         except ValueError as e:
             raise bad_request(f"tools: {e}", "tools") from None
-        choices = [
-            dataclasses.replace(c, sampling={**c.sampling, "guided_json": schema}, tool_call=True) for c in choices
-        ]
+        choices = [dataclasses.replace(c, sampling={**c.sampling, "guided_json": schema}) for c in choices]
+    if req.tools and req.tool_choice != "none":
+        mode = "forced" if schema is not None else "auto"
+        choices = [dataclasses.replace(c, tool_call=mode, tool_names=tuple(tools)) for c in choices]
     return choices, shown
 
 

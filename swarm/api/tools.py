@@ -7,9 +7,10 @@ parses and its arguments always validate; the reply becomes ``message.tool_calls
 ``tool_calls`` delta in the choice's last chunk) with ``finish_reason: "tool_calls"``. The tools are
 described to the model in a system message (the same format), and earlier calls and their results
 (``role: "tool"`` messages) are rendered as that JSON and as the tool's text. ``"none"`` answers in
-text; ``"auto"`` (OpenAI's default with tools) is refused by name: it needs the model to choose
-between text and a call, which a constraint alone does not decide. Templates' own tool formats are
-not used yet (SmolLM2's template has none).
+text; ``"auto"`` (OpenAI's default with tools) leaves the reply free: one that is exactly a call of a
+listed tool becomes ``tool_calls``, any other is text (streamed as it comes, except while it may
+still be a call: from a leading "{" to the end). Templates' own tool formats are not used yet
+(SmolLM2's template has none).
 """
 
 from __future__ import annotations
@@ -38,13 +39,10 @@ def checked_tools(tools: list[Any]) -> dict[str, dict]:
 
 
 def call_schema(tools: dict[str, dict], tool_choice: Any) -> Optional[dict]:
-    """The JSON schema a reply must match for ``tool_choice``; None for "none". 400s name the field."""
-    if tool_choice == "none":
+    """The JSON schema a reply must match for ``tool_choice``; None for "none" and "auto" (OpenAI's
+    default with tools), which leave the reply free. 400s name the field."""
+    if tool_choice in ("none", None, "auto"):
         return None
-    if tool_choice in (None, "auto"):
-        raise bad_request(
-            'tool_choice "auto" is not supported: use "required", a named function, or "none"', "tool_choice"
-        )
     if tool_choice == "required":
         names = list(tools)
     elif isinstance(tool_choice, dict) and isinstance(tool_choice.get("function"), dict):
@@ -89,13 +87,14 @@ def call_text(tool_calls: list[Any]) -> str:
     return "\n".join(json.dumps(c) for c in calls)
 
 
-def tool_calls(text: str) -> Optional[list[dict]]:
-    """The reply as OpenAI's ``tool_calls``; None when it is not one complete call (cut by max_tokens)."""
+def tool_calls(text: str, names: tuple[str, ...]) -> Optional[list[dict]]:
+    """The reply as OpenAI's ``tool_calls``; None when it is not one complete call of a tool in
+    ``names`` (cut by max_tokens, or, with "auto", a text answer)."""
     try:
         call = json.loads(text)
     except ValueError:
         return None
-    if not isinstance(call, dict) or "name" not in call or "arguments" not in call:
+    if not isinstance(call, dict) or call.get("name") not in names or not isinstance(call.get("arguments"), dict):
         return None
     arguments = json.dumps(call["arguments"])
     function = {"name": call["name"], "arguments": arguments}
