@@ -9,9 +9,11 @@ is the same for every row.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
+import msgspec
 import torch
 from transformers import PretrainedConfig
 
@@ -19,8 +21,9 @@ from client._options import GenerationOptions
 from client._runs import SessionState
 from client._spot_checks import check_rate
 from client.draft_model import check_draft_model
+from protocol.constraints import ConstraintCompiler, constraint_from_options, constraint_from_response_format
 from protocol.limits import MAX_TREE_NODES
-from protocol.messages import SamplingParams
+from protocol.messages import MAX_LOGIT_BIAS, Constraint, SamplingParams
 from protocol.sampling import validate_sampling
 
 DEFAULT_MAX_LENGTH = 2048  # positions a sequence may hold when the config does not say
@@ -31,7 +34,7 @@ class Call:
     """One generate() or agenerate_stream() call's checked arguments and what they imply."""
 
     options: GenerationOptions  # with loop_runs decided
-    sampling: SamplingParams  # with the call's seed
+    sampling: SamplingParams  # with the call's seed and constraint (its start set by the decoder)
     eos: list[int]
     corpus: list[list[int]]  # draft_corpus as token ids
     spot_check_rate: float
@@ -53,11 +56,59 @@ def plan_call(
         options.repetition_penalty,
         options.seed,
     )
+    sampling = with_output_rules(sampling, options, config.vocab_size)
     if options.draft_model is not None:
         check_draft_model(options.draft_model, config.vocab_size)
+    constraint = call_constraint(options, tokenizer, config.vocab_size)
+    if constraint is not None:
+        if options.draft_model is not None:
+            raise ValueError("a constraint (guided_*, response_format) does not go with draft_model yet")
+        sampling = msgspec.structs.replace(sampling, constraint=constraint)
     options = options.checked()
     eos, corpus = eos_ids(options.eos_token_id, config), corpus_ids(options.draft_corpus, tokenizer)
     return Call(options, sampling, eos, corpus, rate)
+
+
+def with_output_rules(sampling: SamplingParams, options: GenerationOptions, vocab_size: int) -> SamplingParams:
+    """The sampling parameters with the call's presence/frequency penalties and logit bias, checked."""
+    bias = options.logit_bias or {}
+    if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias must be a dict of at most {MAX_LOGIT_BIAS} token ids to biases")
+    try:
+        bias = {int(t): float(b) for t, b in bias.items()}
+    except (TypeError, ValueError):
+        raise ValueError("logit_bias maps token ids (ints) to biases (numbers)") from None
+    if any(not 0 <= t < vocab_size for t in bias):
+        raise ValueError(f"logit_bias names a token id outside the vocabulary [0, {vocab_size})")
+    sampling = msgspec.structs.replace(
+        sampling,
+        presence_penalty=float(options.presence_penalty),
+        frequency_penalty=float(options.frequency_penalty),
+        logit_bias=bias,
+    )
+    validate_sampling(sampling)
+    return sampling
+
+
+def call_constraint(options: GenerationOptions, tokenizer: Any, vocab_size: int) -> Optional[Constraint]:
+    """The call's constraint (the decoder sets ``output_start`` to the prompt's length), compiled here once
+    so that one the library refuses is a ValueError before any server is asked."""
+    from_format = constraint_from_response_format(options.response_format)
+    constraint = constraint_from_options(
+        options.guided_json, options.guided_regex, options.guided_choice, options.guided_grammar
+    )
+    if from_format is not None and constraint is not None:
+        raise ValueError("give response_format or a guided_* argument, not both")
+    constraint = constraint or from_format
+    if constraint is not None:
+        compiler_for(tokenizer, vocab_size).compile(constraint)
+    return constraint
+
+
+@functools.lru_cache(maxsize=4)
+def compiler_for(tokenizer: Any, vocab_size: int) -> ConstraintCompiler:
+    """One compiler per tokenizer (building its vocabulary table takes a tenth of a second)."""
+    return ConstraintCompiler(tokenizer, vocab_size)
 
 
 def check_audit_every(verdict_audit_every: int) -> int:

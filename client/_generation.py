@@ -36,6 +36,7 @@ from client.drafting import Drafter
 from client.errors import GenerationError, ServerError
 from client.modes import NextRun, VerdictAction, choose_mode
 from protocol.messages import GREEDY, SamplingParams, Step, StepResult, TokenLogprobs
+from protocol.sampling import with_output_start
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +134,7 @@ class SpeculativeDecoder(Reverification):
     def _begin(self, prompt: Sequence[int]) -> None:
         """Start on ``prompt``: what the caches keep of it, the drafter's context, the audits."""
         self.state.start_from(list(prompt))
+        self.sampling = with_output_start(self.sampling, len(prompt))  # a constraint, penalties: after the prompt
         if self.drafter is not None:
             self.drafter.reset(self.state.history)
         self._prompt_len = len(prompt)

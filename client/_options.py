@@ -48,6 +48,17 @@ class GenerationOptions:
     loop_runs: Optional[bool] = None  # None: on wherever it applies
     trusted_peers: Optional[Sequence[str]] = None  # None: from_pretrained's (docs/reliability.md, "Witnesses")
     audit: str = "warn"  # unconfirmed tokens: "warn" flags them, "required" raises (client/_confirmation.py)
+    # structured outputs (docs/api.md, "Structured outputs"): at most one of these, vLLM's names
+    guided_json: Any = None  # a JSON schema (dict or JSON text)
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[Sequence[str]] = None
+    guided_grammar: Optional[str] = None  # EBNF (xgrammar's dialect)
+    response_format: Optional[dict] = None  # OpenAI's: {"type": "json_object"} or {"type": "json_schema", ...}
+    # OpenAI's penalties over the generated tokens, and logit_bias {token id: bias in [-100, 100]}
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Optional[dict] = None
+    grammar_drafts: bool = True  # under a constraint, draft the tokens it forces ahead of speculation's drafts
 
     @classmethod
     def split(cls, kwargs: dict[str, Any]) -> tuple["GenerationOptions", dict[str, Any]]:

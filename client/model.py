@@ -39,6 +39,7 @@ from client._verdict_audits import DEFAULT_AUDIT_EVERY, make_audits
 from client._witnesses import trusted_set
 from client.draft_model import ModelDrafter
 from client.drafting import SuffixStore, make_drafter
+from client.drafting.grammar import with_grammar_drafts
 from client.warm_corpus import load_warm_corpus
 from protocol.config import no_initial_peers_message, resolve_initial_peers
 from protocol.limits import DEFAULT_MAX_POSITIONS_PER_STEP
@@ -395,6 +396,8 @@ class AutoDistributedModel(torch.nn.Module):
                 store=self._suffix_store,
                 eos_token_ids=call.eos,
             )
+            if options.grammar_drafts:
+                drafter = with_grammar_drafts(drafter, call.sampling.constraint, self.tokenizer, self.config.vocab_size)
         return SpeculativeDecoder(
             self.swarm,
             state,

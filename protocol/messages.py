@@ -27,7 +27,38 @@ from protocol.version import PROTOCOL_VERSION
 MAX_SESSION_ID_CHARS = 64
 SessionId = Annotated[str, msgspec.Meta(max_length=MAX_SESSION_ID_CHARS)]
 
-_SAMPLING_KEYS = dict(do_sample="d", temperature="t", top_k="k", top_p="p", min_p="m", repetition_penalty="r", seed="s")
+_SAMPLING_KEYS = dict(
+    do_sample="d",
+    temperature="t",
+    top_k="k",
+    top_p="p",
+    min_p="m",
+    repetition_penalty="r",
+    seed="s",
+    constraint="c",
+    output_start="o",
+    presence_penalty="e",
+    frequency_penalty="f",
+    logit_bias="b",
+)
+
+# A constraint's text (a JSON schema, a regex, an EBNF grammar) is at most this many characters: it
+# travels once per session (with the sampling parameters) and the tail compiles it, so it is bounded
+# like every other field a peer sends (a 16 KiB JSON schema is a large one: OpenAI caps a schema's
+# properties at 5000 characters of names and enums together)
+MAX_CONSTRAINT_CHARS = 16384
+CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "grammar")
+MAX_LOGIT_BIAS = 300  # biased ids per request (OpenAI's limit)
+
+
+class Constraint(msgspec.Struct, frozen=True, array_like=True):
+    """What the tail's choices must match (docs/design.md, "Constraints at the tail"): ``kind`` one of
+    CONSTRAINT_KINDS, ``spec`` its text (a JSON schema, a regex, an EBNF grammar in xgrammar's dialect;
+    empty for json_object). It matches the tokens from ``SamplingParams.output_start`` on.
+    Compiled by protocol/constraints.py."""
+
+    kind: Annotated[str, msgspec.Meta(max_length=16)]
+    spec: Annotated[str, msgspec.Meta(max_length=MAX_CONSTRAINT_CHARS)] = ""
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, rename=_SAMPLING_KEYS):
@@ -43,6 +74,13 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     seed: int = 0
+    constraint: Optional[Constraint] = None  # structured output: the tail masks its choices with it
+    # the absolute position of the first generated token (the prompt's length): the constraint and
+    # the presence/frequency penalties apply to the tokens from here on (the prompt is not matched or counted)
+    output_start: Annotated[int, msgspec.Meta(ge=0)] = 0
+    presence_penalty: float = 0.0  # OpenAI's: minus this from an id's logit once it occurs in the output
+    frequency_penalty: float = 0.0  # OpenAI's: minus this times the id's count in the output
+    logit_bias: Annotated[dict[int, float], msgspec.Meta(max_length=MAX_LOGIT_BIAS)] = {}  # id -> added to its logit
 
 
 GREEDY = SamplingParams()

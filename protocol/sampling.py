@@ -19,16 +19,20 @@ import hashlib
 import math
 from typing import Optional, Sequence
 
+import msgspec
 import torch
 from transformers.generation.logits_process import (
+    LogitsProcessor,
     LogitsProcessorList,
     MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
 
+from protocol.constraints import Guide
 from protocol.messages import SamplingParams, TokenLogprobs
 
 MAX_CORRECTION_TOP_K = 64  # the most ids (and 16-bit probabilities) a rejection sends down
@@ -37,7 +41,7 @@ MAX_CORRECTION_TOP_K = 64  # the most ids (and 16-bit probabilities) a rejection
 def validate_sampling(params: SamplingParams) -> None:
     """Raise ValueError naming the first parameter outside its range. Written as ``not (in range)``
     so that NaN, which fails every comparison, is refused too (the fuzzer sent one)."""
-    for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
         if not math.isfinite(getattr(params, name)):
             raise ValueError(f"{name} must be a finite number, got {getattr(params, name)}")
     if params.do_sample and not params.temperature > 0:
@@ -50,13 +54,37 @@ def validate_sampling(params: SamplingParams) -> None:
         raise ValueError(f"min_p must be in [0, 1], got {params.min_p}")
     if not params.repetition_penalty > 0:
         raise ValueError(f"repetition_penalty must be > 0, got {params.repetition_penalty}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not -2 <= getattr(params, name) <= 2:
+            raise ValueError(f"{name} must be in [-2, 2], got {getattr(params, name)}")
+    for token, bias in params.logit_bias.items():
+        if token < 0 or not -100 <= bias <= 100:  # also refuses NaN
+            raise ValueError(f"logit_bias maps token ids >= 0 to biases in [-100, 100], got {token}: {bias}")
 
 
-def _processors(params: SamplingParams) -> LogitsProcessorList:
-    """transformers' own processors, in the order ``generate`` applies them."""
+def with_output_start(params: SamplingParams, start: int) -> SamplingParams:
+    """``params`` with ``output_start`` at ``start`` (the prompt's length) when they hold a rule over
+    the output alone (a constraint, presence or frequency penalties); as they are otherwise."""
+    if params.constraint is None and params.presence_penalty == 0 and params.frequency_penalty == 0:
+        return params
+    return msgspec.structs.replace(params, output_start=start)
+
+
+def _processors(params: SamplingParams, guide: Optional[Guide] = None) -> LogitsProcessorList:
+    """transformers' own processors, in the order ``generate`` applies them: a constraint's mask is a
+    custom processor there (``logits_processor=[xgrammar's]``), which ``generate`` places after the
+    penalties and before the sampling warpers (temperature, top-k, top-p, min-p)."""
     procs = LogitsProcessorList()
+    if params.logit_bias:  # generate()'s sequence_bias of one-id sequences: first, as generate places it
+        procs.append(SequenceBiasLogitsProcessor([[[t], b] for t, b in sorted(params.logit_bias.items())]))
     if params.repetition_penalty != 1.0:
         procs.append(RepetitionPenaltyLogitsProcessor(params.repetition_penalty))
+    if params.presence_penalty or params.frequency_penalty:
+        procs.append(OutputPenalties(params.presence_penalty, params.frequency_penalty, params.output_start))
+    if params.constraint is not None:
+        if guide is None:
+            raise ValueError("sampling under a constraint needs its Guide (protocol/constraints.py)")
+        procs.append(_GuideMask(guide))
     if params.do_sample:
         if params.temperature != 1.0:
             procs.append(TemperatureLogitsWarper(params.temperature))
@@ -67,6 +95,30 @@ def _processors(params: SamplingParams) -> LogitsProcessorList:
         if params.min_p > 0.0:
             procs.append(MinPLogitsWarper(params.min_p))
     return procs
+
+
+class OutputPenalties(LogitsProcessor):
+    """OpenAI's presence and frequency penalties (vLLM's reading: over the generated tokens only, the
+    ids at positions >= ``start``): logit[j] -= frequency * count[j] + presence * (count[j] > 0).
+    transformers has no processor for them; this one is the rule, on the tail and in tests alike."""
+
+    def __init__(self, presence: float, frequency: float, start: int):
+        self.presence, self.frequency, self.start = presence, frequency, start
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        output = input_ids[0, self.start :]
+        counts = torch.bincount(output, minlength=scores.shape[-1])[: scores.shape[-1]].to(scores.dtype)
+        return scores - (self.frequency * counts + self.presence * (counts > 0).to(scores.dtype))[None]
+
+
+class _GuideMask(LogitsProcessor):
+    """A Guide as a transformers processor: -inf where the constraint forbids the next id."""
+
+    def __init__(self, guide: Guide):
+        self.guide = guide
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        return self.guide.apply(scores, input_ids[0].tolist())
 
 
 def position_seed(seed: int, position: int, stream: str = "") -> int:
@@ -81,22 +133,28 @@ def position_generator(seed: int, position: int, stream: str = "") -> torch.Gene
     return torch.Generator().manual_seed(position_seed(seed, position, stream))
 
 
-def processed_scores(logits: torch.Tensor, context: Sequence[int], params: SamplingParams) -> torch.Tensor:
+def processed_scores(
+    logits: torch.Tensor, context: Sequence[int], params: SamplingParams, guide: Optional[Guide] = None
+) -> torch.Tensor:
     """[vocab] scores after the sampling parameters' processing (-inf where filtered out);
-    their softmax is the distribution sampling draws from, their argmax the greedy choice."""
+    their softmax is the distribution sampling draws from, their argmax the greedy choice.
+    ``guide``: the session's matcher for ``params.constraint`` (required when there is one)."""
     scores = logits.detach().float().cpu().unsqueeze(0)  # [1, V]
-    procs = _processors(params)
+    procs = _processors(params, guide)
     if procs:
         scores = procs(torch.tensor([list(context)], dtype=torch.long), scores)
     return scores[0]
 
 
-def choose_token(logits: torch.Tensor, context: Sequence[int], position: int, params: SamplingParams) -> int:
+def choose_token(
+    logits: torch.Tensor, context: Sequence[int], position: int, params: SamplingParams, guide: Optional[Guide] = None
+) -> int:
     """The target's token for absolute ``position``.
 
-    logits: [vocab], the model's output at position - 1; context: the ids at positions < position.
+    logits: [vocab], the model's output at position - 1; context: the ids at positions < position;
+    guide: the matcher of ``params.constraint``, if any (it masks by ``context``, wherever it was before).
     """
-    scores = processed_scores(logits, context, params)
+    scores = processed_scores(logits, context, params, guide)
     if not params.do_sample:
         return int(scores.argmax())
     probs = torch.softmax(scores, dim=-1)
@@ -117,6 +175,7 @@ def verify(
     n_draft: int,
     params: SamplingParams,
     num_logprobs: int = 0,
+    guide: Optional[Guide] = None,
 ) -> tuple[int, int, list[TokenLogprobs]]:
     """Accept the longest prefix of drafts that equals the target's own choices.
 
@@ -132,7 +191,7 @@ def verify(
     while True:
         row = first_draft - 1 + accepted
         position = start_pos + row + 1
-        y = choose_token(logits[row], history[:position], position, params)
+        y = choose_token(logits[row], history[:position], position, params, guide)
         chosen_rows.append((row, y))
         if accepted == n_draft or history[position] != y:
             break
@@ -149,6 +208,7 @@ def verify_tree(
     parents: Sequence[int],
     params: SamplingParams,
     num_logprobs: int = 0,
+    guide: Optional[Guide] = None,
 ) -> tuple[list[int], int, list[TokenLogprobs]]:
     """Walk a tree of drafts (protocol/trees.py) with the rule :func:`verify` applies to a chain.
 
@@ -172,7 +232,7 @@ def verify_tree(
     row, chosen_rows = committed - 1, []
     while True:
         position = start_pos + committed + len(path)
-        y = choose_token(logits[row], context, position, params)
+        y = choose_token(logits[row], context, position, params, guide)
         chosen_rows.append((row, y))
         node = children.get(path[-1] if path else -1, {}).get(y)
         if node is None:
@@ -236,6 +296,7 @@ def verify_rejection(
     params: SamplingParams,
     draft_q: Sequence[float],
     num_logprobs: int = 0,
+    guide: Optional[Guide] = None,
 ) -> tuple[int, int, Optional[tuple[list[int], list[float]]], list[TokenLogprobs]]:
     """The tail's side of the rejection exchange; arguments as :func:`verify`, plus ``draft_q``:
     q(x) of each draft. Draft i (at position t) is accepted when u * q(x) < p(x), u ~ U[0, 1) from
@@ -252,7 +313,7 @@ def verify_rejection(
     for i in range(n_draft + 1):
         row = first_draft - 1 + i
         position = start_pos + row + 1
-        scores = processed_scores(logits[row], history[:position], params)
+        scores = processed_scores(logits[row], history[:position], params, guide)
         probs = torch.softmax(scores, dim=-1)
         if i == n_draft:  # every draft accepted: the bonus token, by the usual rule
             generator = position_generator(params.seed, position)

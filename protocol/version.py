@@ -38,3 +38,7 @@ PROTOCOL_VERSION = 7
 #    TrainForward (tag train) and TrainBackward (tag backward); OpenSession.num_prompts (tuned prompts the
 #    head computes a session's first positions from). A v6 server would ignore num_prompts and compute
 #    those positions from placeholder ids, so routes never mix the two versions.
+#    Also in 7: structured outputs and output rules: SamplingParams.constraint (key "c": kind, spec), a JSON schema,
+#    regex or grammar the tail masks its choices with (docs/design.md, "Constraints at the tail"),
+#    output_start ("o": where the output begins), presence_penalty ("e"), frequency_penalty ("f") and
+#    logit_bias ("b"); a v6 tail would ignore the keys and choose without them, hence a new version.

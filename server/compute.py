@@ -77,7 +77,10 @@ def finish_run(
     if first_row is not None:
         logits.seed(first_logits_row(step), first_row[None])
     outputs = _outputs(span, session, step, hidden, logits) if step.return_logits else None
-    result = _verdict(session, step, logits)
+    try:
+        result = _verdict(session, step, logits)
+    except ValueError as e:  # a committed id the session's constraint forbids (protocol/constraints.py)
+        raise ProtocolError(ErrorCode.BAD_REQUEST, str(e)) from None
     result.step_digest = digest_of(step, step.sampling_params, session.secret)  # what this verdict is about
     if step.tail_drafts and span.drafter is not None:
         result.drafts = _tail_drafts(span, session, step, hidden, result)
@@ -108,7 +111,14 @@ def _verdict(session: ServerSession, step: Step, logits: "LazyLogits") -> StepRe
     params, correction = step.sampling_params, None
     if step.parents:  # a tree (never with draft_q: refused on arrival)
         path, next_token, logprobs = verify_tree(
-            logits, session.history, step.start_pos, step.token_ids, step.parents, params, step.top_logprobs
+            logits,
+            session.history,
+            step.start_pos,
+            step.token_ids,
+            step.parents,
+            params,
+            step.top_logprobs,
+            session.guide,
         )
         return StepResult(
             session_id=session.session_id,
@@ -121,11 +131,11 @@ def _verdict(session: ServerSession, step: Step, logits: "LazyLogits") -> StepRe
     if step.draft_q is not None:  # checked on arrival (ServerSession.check_step)
         q = check_draft_q(step.draft_q, step.n_draft)
         accepted, next_token, correction, logprobs = verify_rejection(
-            logits, session.history, step.start_pos, step.n_draft, params, q, step.top_logprobs
+            logits, session.history, step.start_pos, step.n_draft, params, q, step.top_logprobs, session.guide
         )
     else:
         accepted, next_token, logprobs = verify(
-            logits, session.history, step.start_pos, step.n_draft, params, step.top_logprobs
+            logits, session.history, step.start_pos, step.n_draft, params, step.top_logprobs, session.guide
         )
     return StepResult(
         session_id=session.session_id,

@@ -17,11 +17,13 @@ from typing import Iterable, Optional
 import torch
 
 from protocol import trees
+from protocol.constraints import Guide
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.limits import MAX_TREE_NODES
 from protocol.messages import GREEDY, MAX_TOP_LOGPROBS, Hop, RunOutputs, SamplingParams, Step, StepResult
 from protocol.sampling import check_draft_q, validate_sampling
 from server.adapters import SpanAdapter
+from server.constraints import session_guide
 from server.tail_drafter import MAX_TAIL_DRAFTS
 
 
@@ -80,6 +82,7 @@ class ServerSession:
     secret: str = ""  # the client's secret, from its Subscribe: keys the digest of each verdict (protocol/digest.py)
     drafter_state: Optional[object] = None  # the tail's drafter cache (server.tail_drafter.DrafterSession)
     sampling: SamplingParams = GREEDY  # as of the last Step that carried parameters (a Step without: as before)
+    guide: Optional[Guide] = None  # the tail: the matcher of sampling.constraint, kept by position
     tree: Optional[TreeLayout] = None  # the last accepted run's tree, if it was one
     # run id -> (base, nodes): before computing that run, gather a previous tree's accepted path into a chain
     gathers: dict[int, tuple[int, list[int]]] = field(default_factory=dict)
@@ -147,6 +150,13 @@ class ServerSession:
             validate_sampling(step.sampling_params)
         except ValueError as e:
             raise ProtocolError(ErrorCode.BAD_REQUEST, str(e)) from None
+        if any(token >= span.vocab_size for token in step.sampling_params.logit_bias):
+            message = f"logit_bias names a token id >= the vocabulary size {span.vocab_size}"
+            raise ProtocolError(ErrorCode.BAD_REQUEST, message)
+        constraint = step.sampling_params.constraint
+        if self.next_hop is None and (constraint is not None or self.guide is not None):
+            # the tail: the constraint compiles, or the run is refused naming why
+            self.guide = session_guide(span.constraints, self.guide, constraint, step.sampling_params.output_start)
         if step.draft_q is not None:
             self._check_draft_q(step)
         if not 0 <= step.loop_runs <= self.max_length:

@@ -29,6 +29,7 @@ from protocol.models import ResolvedModel, config_fingerprint, hub_commit, resol
 from protocol.records import ServerInfo, ServerState
 from server.adapters import SpanAdapter, load_span
 from server.cache_budget import CacheBudget
+from server.constraints import TailConstraints
 from server.drafter_attach import attach_drafter_if_it_fits, drafter_bytes
 from server.handler import SessionHandler
 from server.joining import claim_span, keep_announcing, leave
@@ -340,6 +341,8 @@ async def _load_span(config: ServerConfig, model: _Model, claimed: ServerInfo) -
     await loop.run_in_executor(
         None, attach_drafter_if_it_fits, span, config, model.config, model.checkpoint, model.plan
     )
+    if span.is_tail:  # the tokenizer loads on the first constrained session
+        span.constraints = TailConstraints(model.checkpoint.source, model.checkpoint.revision, span.vocab_size)
     logger.info(
         f"Blocks {start}:{end} hold {resident_bytes(span.layers) / 2**20:.1f} MiB of weights "
         f"({model.quant.quant.value})"

@@ -47,6 +47,7 @@ class SpanAdapter(abc.ABC):
     hidden_shape: tuple[int, ...]  # shape of one position's activations between stages
     vocab_size: int
     drafter: Any = None  # a server.tail_drafter.EagleDrafter at a tail that drafts, else None
+    constraints: Any = None  # a server.constraints.TailConstraints at a tail (structured outputs), else None
     # whether forward() takes a tree of drafts (``tree=``) and gather_cache() works (docs/protocol.md,
     # "Token trees"); families whose caches roll back exactly only for chains keep this False
     supports_trees: bool = False

@@ -272,7 +272,7 @@ class Gateway:
                     index, delta = item
                     if delta is None:  # this choice is done
                         await _send(response, fmt.closing_chunk(index), usage)
-                    elif fmt.wants_chunk(delta):
+                    elif fmt.wants_chunk(index, delta):
                         await _send(response, fmt.chunk(index, delta), usage)
                     item = await anext(stream, None)
         except ConnectionResetError:

@@ -38,6 +38,10 @@ class GenerationParams:
     prompt_index: int = 0  # which of the request's prompts (several choices may share one)
     echo: Optional[str] = None  # the prompt's text, returned before the completion (completions' echo)
     prompt_logprobs: int = -1  # with echo: score the prompt's tokens, with this many alternatives; -1: no
+    # tool calls (swarm/api/tools.py): "forced" (the reply is a constrained call), "auto" (a reply that
+    # is one call of ``tool_names`` becomes tool_calls, any other is text), "" (no tools)
+    tool_call: str = ""
+    tool_names: tuple[str, ...] = ()
 
 
 @dataclass

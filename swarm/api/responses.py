@@ -16,6 +16,7 @@ from typing import Any, Optional, Sequence
 from client import GenerationStats
 from protocol.messages import TokenLogprobs
 from swarm.api.engine import Delta, ServedModel, TextGeneration
+from swarm.api.tools import tool_calls
 
 STAT_COUNTS = ("laps", "drafted", "accepted", "failovers")
 # how the returned tokens were confirmed (docs/reliability.md, "Disputes and witnesses")
@@ -70,7 +71,7 @@ class _Format:
         prompt, completion = sum(prompts.values()), sum(g.completion_tokens for g in self.generations)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
-    def wants_chunk(self, delta: Delta) -> bool:
+    def wants_chunk(self, index: int, delta: Delta) -> bool:
         return bool(delta.text) or (self.shown >= 0 and bool(delta.token_ids))
 
     def usage_chunk(self) -> dict[str, Any]:
@@ -86,15 +87,36 @@ class ChatFormat(_Format):
     object_name = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
+    def __init__(self, served: ServedModel, generations: list[TextGeneration], shown_logprobs: int):
+        super().__init__(served, generations, shown_logprobs)
+        self.call_texts: dict[int, str] = {}  # streamed tool calls: their text until the choice ends
+        self.texts: set[int] = set()  # "auto" choices known to be text: streamed from then on
+        self.released: dict[int, str] = {}  # an "auto" choice's held text, sent with its next chunk
+
     def opening_chunk(self, index: int) -> dict[str, Any]:
         opening = {"role": "assistant", "content": ""}
         choice = {"index": index, "delta": opening, "logprobs": None, "finish_reason": None}
         return self._envelope(self.chunk_object, [choice])
 
+    def wants_chunk(self, index: int, delta: Delta) -> bool:
+        """A tool call is sent whole in the choice's last chunk: its text is kept until then (with
+        "auto", while the text so far may still be a call: empty, or from a leading "{")."""
+        mode = self.generations[index].params.tool_call
+        if not mode or index in self.texts:
+            return super().wants_chunk(index, delta)
+        held = self.call_texts.get(index, "") + delta.text
+        if mode == "forced" or not held.strip() or held.lstrip().startswith("{"):
+            self.call_texts[index] = held
+            return False
+        self.texts.add(index)
+        self.released[index] = held
+        self.call_texts.pop(index, None)
+        return True
+
     def chunk(self, index: int, delta: Delta) -> dict[str, Any]:
         choice = {
             "index": index,
-            "delta": {"content": delta.text},
+            "delta": {"content": self.released.pop(index, delta.text)},
             "logprobs": self._logprobs(delta.logprobs),
             "finish_reason": None,
         }
@@ -102,15 +124,28 @@ class ChatFormat(_Format):
 
     def closing_chunk(self, index: int) -> dict[str, Any]:
         generation = self.generations[index]
-        choice = {"index": index, "delta": {}, "logprobs": None, "finish_reason": generation.finish_reason}
+        delta, finish = {}, generation.finish_reason
+        if index in self.call_texts:  # a held call (or held text that turned out not to be one)
+            message, finish = self._message(index, self.call_texts[index])
+            calls = message.get("tool_calls")
+            delta = {"tool_calls": [{"index": 0, **calls[0]}]} if calls else {"content": message["content"]}
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
         return self._envelope(self.chunk_object, [choice], specswarm=speculation_stats([generation.stats]))
+
+    def _message(self, index: int, text: str) -> tuple[dict[str, Any], Optional[str]]:
+        """The assistant message and finish reason: a complete tool call becomes ``tool_calls``."""
+        generation = self.generations[index]
+        params = generation.params
+        calls = tool_calls(text, params.tool_names) if params.tool_call and generation.finish_reason == "stop" else None
+        if calls:
+            return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+        return {"role": "assistant", "content": text}, generation.finish_reason
 
     def response(self, deltas: list[list[Delta]]) -> dict[str, Any]:
         choices = []
         for index, (generation, own) in enumerate(zip(self.generations, deltas)):
-            message = {"role": "assistant", "content": "".join(d.text for d in own)}
+            message, finish = self._message(index, "".join(d.text for d in own))
             logprobs = self._logprobs([lp for d in own for lp in d.logprobs])
-            finish = generation.finish_reason
             choices.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish})
         return self._envelope(self.object_name, choices, usage=self.usage(), specswarm=speculation_stats(self.stats()))
 

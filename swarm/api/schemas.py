@@ -15,10 +15,13 @@ from typing import Any, NamedTuple, Optional, TypeVar, Union
 
 import msgspec
 
-from protocol.messages import MAX_TOP_LOGPROBS, SamplingParams
+from client._calls import compiler_for
+from protocol.constraints import constraint_from_options, constraint_from_response_format
+from protocol.messages import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams
 from protocol.sampling import validate_sampling
 from swarm.api.engine import CHAT_ROLES, GenerationParams, ServedModel, check_prompt_ids
 from swarm.api.errors import APIError, bad_request
+from swarm.api.tools import call_schema, call_text, checked_tools, tools_prompt
 
 MAX_STOPS = 16
 SPECULATION_MODES = {"suffix", "ngram", "tail", "suffix+tail", "ngram+tail", "none"}
@@ -33,6 +36,8 @@ class ContentPart(msgspec.Struct):
 class ChatMessage(msgspec.Struct):
     role: str
     content: Union[str, list[ContentPart], None] = None
+    tool_calls: Optional[list[Any]] = None  # an assistant turn's calls (swarm/api/tools.py)
+    tool_call_id: Optional[str] = None  # a tool turn: the call it answers
 
 
 class StreamOptions(msgspec.Struct):
@@ -69,6 +74,10 @@ class _Request(msgspec.Struct, kw_only=True):
     min_p: Optional[float] = None
     repetition_penalty: Optional[float] = None
     ignore_eos: Optional[bool] = False
+    guided_json: Any = None  # vLLM's guided decoding: a JSON schema (object or JSON text)
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
     speculation: Optional[str] = None
     num_draft_tokens: Optional[int] = None
 
@@ -121,13 +130,11 @@ def _param_of(message: str) -> Optional[str]:
 
 def chat_params(req: ChatRequest, served: ServedModel, max_choices: int) -> tuple[list[GenerationParams], int]:
     """One validated generation per choice, and how many top log-probs to show per token (-1: none)."""
-    if req.tools:
-        raise bad_request("tools are not supported by this gateway", "tools")
     if req.functions or req.function_call not in (None, "none"):
         param = "functions" if req.functions else "function_call"
         raise bad_request("functions are not supported by this gateway", param)
-    if req.tool_choice not in (None, "none"):
-        raise bad_request("tool_choice is not supported by this gateway (it has no tools)", "tool_choice")
+    if req.tool_choice not in (None, "none") and not req.tools:
+        raise bad_request("tool_choice needs tools", "tool_choice")
     if req.modalities not in (None, ["text"]):
         raise bad_request("only text output is supported (modalities ['text'])", "modalities")
     if req.audio is not None:
@@ -136,10 +143,27 @@ def chat_params(req: ChatRequest, served: ServedModel, max_choices: int) -> tupl
         raise bad_request(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}", "top_logprobs")
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-    prompt_ids = served.chat_prompt(chat_messages(req.messages))
+    messages, schema = chat_messages(req.messages), None
+    if req.tools:
+        tools = checked_tools(req.tools)
+        schema = call_schema(tools, req.tool_choice)
+        if schema is not None and (req.response_format or any(getattr(req, n) is not None for n in GUIDED)):
+            raise bad_request("a tool call and another constraint do not go together", "tool_choice")
+        messages = [{"role": "system", "content": tools_prompt(tools)}] + messages
+    prompt_ids = served.chat_prompt(messages)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     shown = (req.top_logprobs or 0) if req.logprobs else -1
-    return _choices(req, served, [Prompt(prompt_ids, None)], max_tokens, "messages", shown, max_choices), shown
+    choices = _choices(req, served, [Prompt(prompt_ids, None)], max_tokens, "messages", shown, max_choices)
+    if schema is not None:  # compiled once here; a tool's parameters that do not compile are a 400 naming tools
+        try:
+            compiler_for(served.tokenizer, served.vocab_size).compile(constraint_from_options(guided_json=schema))
+        except ValueError as e:
+            raise bad_request(f"tools: {e}", "tools") from None
+        choices = [dataclasses.replace(c, sampling={**c.sampling, "guided_json": schema}) for c in choices]
+    if req.tools and req.tool_choice != "none":
+        mode = "forced" if schema is not None else "auto"
+        choices = [dataclasses.replace(c, tool_call=mode, tool_names=tuple(tools)) for c in choices]
+    return choices, shown
 
 
 def completion_params(
@@ -177,6 +201,8 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
             content = "".join(part.text for part in m.content)
         else:
             content = m.content or ""
+        if m.tool_calls:
+            content = (content + "\n" if content else "") + call_text(m.tool_calls)
         out.append({"role": role, "content": content})
     return out
 
@@ -225,6 +251,9 @@ def _choices(
         raise bad_request(message, "n" if n > 1 else prompt_param, code="too_many_choices")
     echo = bool(getattr(req, "echo", False))
     base = _common(req)
+    base.sampling.update(_constraint(req, served))
+    if any(not token < served.vocab_size for token in base.sampling["logit_bias"]):
+        raise bad_request(f"logit_bias names a token id outside the vocabulary [0, {served.vocab_size})", "logit_bias")
     choices = []
     for index, prompt in enumerate(prompts):
         limit = _max_tokens(len(prompt.ids), max_tokens, served, prompt_param, echo)
@@ -250,20 +279,36 @@ def _choices(
 
 def _common(req: _Request) -> GenerationParams:
     """What every choice of the request shares (prompt and length are set per choice)."""
-    if req.presence_penalty or req.frequency_penalty:
-        param = "presence_penalty" if req.presence_penalty else "frequency_penalty"
-        raise bad_request(f"{param} is not supported; repetition_penalty (an extension) is", param)
-    if req.logit_bias:
-        raise bad_request(
-            "logit_bias is not supported: the tail decides every token by the model's own distribution", "logit_bias"
-        )
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise bad_request("only response_format {'type': 'text'} is supported (no JSON mode)", "response_format")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options needs stream: true", "stream_options")
     return GenerationParams(
         prompt_ids=[], max_tokens=0, stop=_stops(req.stop), ignore_eos=bool(req.ignore_eos), sampling=_sampling(req)
     )
+
+
+GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+def _constraint(req: _Request, served: ServedModel) -> dict[str, Any]:
+    """response_format or one of vLLM's guided_* extras -> generate()'s arguments, compiled here once
+    so that a schema, regex or grammar the library refuses is a 400 naming the parameter."""
+    given = [name for name in GUIDED if getattr(req, name) is not None]
+    if req.response_format is not None and req.response_format.get("type", "text") != "text":
+        given.insert(0, "response_format")
+    if len(given) > 1:
+        raise bad_request(f"give one constraint at a time, got {' and '.join(given)}", given[1])
+    if not given:
+        return {}
+    param = given[0]
+    try:
+        if param == "response_format":
+            constraint = constraint_from_response_format(req.response_format)
+        else:
+            constraint = constraint_from_options(**{param: getattr(req, param)})
+        compiler_for(served.tokenizer, served.vocab_size).compile(constraint)
+    except ValueError as e:
+        raise bad_request(f"{param}: {e}", param) from None
+    return {param: getattr(req, param)}
 
 
 def _max_tokens(
@@ -334,6 +379,9 @@ def _sampling(req: _Request) -> dict[str, Any]:
         "top_k": max(req.top_k or 0, 0),
         "min_p": req.min_p or 0.0,
         "repetition_penalty": req.repetition_penalty or 1.0,
+        "presence_penalty": req.presence_penalty or 0.0,
+        "frequency_penalty": req.frequency_penalty or 0.0,
+        "logit_bias": _logit_bias(req.logit_bias),
         "seed": req.seed,
     }
     try:
@@ -347,6 +395,18 @@ def _sampling(req: _Request) -> dict[str, Any]:
     if req.prediction is not None:
         sampling["draft_corpus"] = [_prediction_text(req.prediction)]
     return sampling
+
+
+def _logit_bias(bias: Optional[dict[str, float]]) -> dict[int, float]:
+    """OpenAI's logit_bias (token ids as JSON keys) -> ids to biases; the range check is validate_sampling's."""
+    if not bias:
+        return {}
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise bad_request(f"logit_bias holds at most {MAX_LOGIT_BIAS} token ids", "logit_bias")
+    try:
+        return {int(token): float(value) for token, value in bias.items()}
+    except ValueError:
+        raise bad_request("logit_bias keys must be token ids", "logit_bias") from None
 
 
 def _prediction_text(prediction: Prediction) -> str:

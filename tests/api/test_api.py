@@ -305,8 +305,8 @@ def test_what_evaluation_and_load_tools_send(gateway, client, smol_model):
     status, body = post_raw(f"{root}/tokenize", json.dumps({"model": MODEL, "prompt": text}).encode(), key=None)
     assert status == 401
     refused = [
-        ("logit_bias", dict(logit_bias={"42": 5})),
-        ("response_format", dict(extra_body={"response_format": {"type": "json_object"}})),
+        ("logit_bias", dict(logit_bias={"42": 500})),  # biases are in [-100, 100]
+        ("response_format", dict(extra_body={"response_format": {"type": "xml"}})),  # json_* are served
         ("stream_options", dict(stream_options={"include_usage": True})),
         ("max_tokens", dict(max_tokens=0)),  # 0 only with echo
         ("best_of", dict(best_of=3)),
@@ -316,7 +316,7 @@ def test_what_evaluation_and_load_tools_send(gateway, client, smol_model):
             client.completions.create(model=MODEL, prompt=PROMPT, **kwargs)
         assert e.value.param == param, param
     for param, kwargs in [
-        ("response_format", dict(response_format={"type": "json_object"})),
+        ("guided_regex", dict(extra_body={"guided_regex": "(unclosed"})),
         ("tool_choice", dict(tool_choice="required")),
     ]:
         with pytest.raises(openai.BadRequestError) as e:

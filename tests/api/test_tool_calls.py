@@ -1,0 +1,82 @@
+"""The gateway's tool-call responses without a swarm: what "auto" and forced calls hold back while
+streaming, and what they return (swarm/api/responses.py, swarm/api/tools.py)."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from client import GenerationStats
+from swarm.api.engine import Delta, GenerationParams
+from swarm.api.errors import APIError
+from swarm.api.responses import ChatFormat
+from swarm.api.tools import call_schema, checked_tools
+
+NAMES = ("get_time", "get_weather")
+
+
+def stream(mode: str, pieces: list[str], finish: str = "stop"):
+    """The chunks ChatFormat sends for one choice whose deltas carry ``pieces``, and its response."""
+    params = GenerationParams(prompt_ids=[1], max_tokens=8, tool_call=mode, tool_names=NAMES)
+    generation = SimpleNamespace(params=params, finish_reason=finish, stats=GenerationStats(), completion_tokens=3)
+    fmt = ChatFormat(SimpleNamespace(name="m"), [generation], -1)
+    deltas = [Delta(text=p, token_ids=[1], logprobs=[None]) for p in pieces]
+    chunks = [fmt.chunk(0, d)["choices"][0]["delta"] for d in deltas if fmt.wants_chunk(0, d)]
+    chunks.append(fmt.closing_chunk(0)["choices"][0])
+    whole = ChatFormat(SimpleNamespace(name="m"), [generation], -1).response([deltas])["choices"][0]
+    return chunks, whole
+
+
+CALL = ['{"name": "get_time", ', '"arguments": {"zone": "UTC"}}']
+
+
+@pytest.mark.parametrize("mode", ["auto", "forced"])
+def test_a_call_is_held_and_sent_whole(mode):
+    chunks, whole = stream(mode, CALL)
+    assert len(chunks) == 1 and chunks[0]["finish_reason"] == "tool_calls"
+    (call,) = chunks[0]["delta"]["tool_calls"]
+    assert call["function"] == {"name": "get_time", "arguments": json.dumps({"zone": "UTC"})} and call["index"] == 0
+    assert whole["finish_reason"] == "tool_calls" and whole["message"]["content"] is None
+    assert whole["message"]["tool_calls"][0]["function"] == call["function"]
+
+
+def test_auto_text_streams_once_it_cannot_be_a_call():
+    chunks, whole = stream("auto", [" ", "It is ", "noon."])
+    assert [c.get("content") for c in chunks[:-1]] == [" It is ", "noon."]  # the held space goes with the first
+    assert chunks[-1]["delta"] == {} and chunks[-1]["finish_reason"] == "stop"
+    assert whole["message"] == {"role": "assistant", "content": " It is noon."}
+
+
+def test_auto_json_that_is_no_call_of_a_listed_tool_is_text():
+    for pieces in (['{"name": "rm_rf", "arguments": {}}'], ['{"a": 1', "}"], ["{not json"]):
+        chunks, whole = stream("auto", pieces)
+        assert chunks == [
+            {"index": 0, "delta": {"content": "".join(pieces)}, "logprobs": None, "finish_reason": "stop"}
+        ]
+        assert whole["message"]["content"] == "".join(pieces) and whole["finish_reason"] == "stop"
+
+
+def test_a_call_cut_by_max_tokens_is_text_with_finish_reason_length():
+    chunks, whole = stream("forced", CALL[:1], finish="length")
+    assert chunks[-1]["finish_reason"] == "length" and chunks[-1]["delta"] == {"content": CALL[0]}
+    assert whole["finish_reason"] == "length" and whole["message"]["content"] == CALL[0]
+
+
+def test_call_schemas_and_bad_tools():
+    tools = checked_tools([{"type": "function", "function": {"name": n}} for n in NAMES])
+    assert call_schema(tools, "none") is None and call_schema(tools, "auto") is None
+    assert len(call_schema(tools, "required")["anyOf"]) == 2
+    named = call_schema(tools, {"type": "function", "function": {"name": "get_time"}})
+    assert named["properties"]["name"] == {"const": "get_time"}
+    one = [{"type": "function", "function": {"name": "a"}}]
+    for tools_arg, choice, param in [
+        ([{"type": "function", "function": {}}], "required", "tools"),
+        ([{"type": "code"}], "required", "tools"),
+        (one, {"type": "function", "function": {"name": "b"}}, "tool_choice"),
+        (one, "sometimes", "tool_choice"),
+    ]:
+        with pytest.raises(APIError) as e:
+            call_schema(checked_tools(tools_arg), choice)
+        assert e.value.param == param
