@@ -25,6 +25,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from client import _loop
 from client._calls import DEFAULT_MAX_LENGTH, Call, check_audit_every, context_limit, one_call_session, plan_call
+from client._drafter_choice import call_drafter
 from client._forward import forward_row
 from client._generation import GenerationStats, SessionState, SpeculativeDecoder
 from client._masks import causal_lm_loss, checked_ids, checked_mask, kept_columns, kept_width, unpadded
@@ -37,9 +38,7 @@ from client._token_stream import GeneratedChunk, stream_laps
 from client._trees import TreeSizer
 from client._verdict_audits import DEFAULT_AUDIT_EVERY, make_audits
 from client._witnesses import trusted_set
-from client.draft_model import ModelDrafter
-from client.drafting import SuffixStore, make_drafter
-from client.drafting.grammar import with_grammar_drafts
+from client.drafting import SuffixStore
 from client.warm_corpus import load_warm_corpus
 from protocol.config import no_initial_peers_message, resolve_initial_peers
 from protocol.limits import DEFAULT_MAX_POSITIONS_PER_STEP
@@ -385,19 +384,7 @@ class AutoDistributedModel(torch.nn.Module):
         """The one place generate() and agenerate_stream() build their decoder and drafter."""
         options = call.options
         trusted = trusted_set(options.trusted_peers, self.trusted_peers)
-        if options.draft_model is not None:  # one ModelDrafter (own KV cache) per stream; the model is shared
-            sample = options.verification == "rejection"
-            drafter = ModelDrafter(options.draft_model, call.sampling, options.num_draft_tokens, sample=sample)
-        else:
-            drafter = make_drafter(
-                options.speculation,
-                num_draft_tokens=options.num_draft_tokens,
-                corpus=call.corpus,
-                store=self._suffix_store,
-                eos_token_ids=call.eos,
-            )
-            if options.grammar_drafts:
-                drafter = with_grammar_drafts(drafter, call.sampling.constraint, self.tokenizer, self.config.vocab_size)
+        drafter = call_drafter(call, self._suffix_store, self.tokenizer, self.config.vocab_size)
         return SpeculativeDecoder(
             self.swarm,
             state,
