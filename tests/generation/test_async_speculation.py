@@ -51,7 +51,7 @@ def assert_servers_hold_only(servers, committed_cached: int) -> None:
 
 def generate_with(model, monkeypatch, truth, wrong_at, inflight=3, **kwargs):
     drafter = ScriptedDrafter(truth, len(PROMPT[0]), wrong_at, length=3)
-    monkeypatch.setattr("client.model.make_drafter", lambda *a, **k: drafter)
+    monkeypatch.setattr("client._drafter_choice.make_drafter", lambda *a, **k: drafter)
     return model.generate(
         torch.tensor(PROMPT),
         max_new_tokens=18,
@@ -179,7 +179,7 @@ def test_agenerate_stream_honours_async_speculation(inproc_swarm, monkeypatch):
     plain = model.generate(torch.tensor(PROMPT), max_new_tokens=18, speculation=None)
     truth = plain[0, len(PROMPT[0]) :].tolist()
     monkeypatch.setattr(
-        "client.model.make_drafter", lambda *a, **k: ScriptedDrafter(truth, len(PROMPT[0]), {5, 13}, length=3)
+        "client._drafter_choice.make_drafter", lambda *a, **k: ScriptedDrafter(truth, len(PROMPT[0]), {5, 13}, length=3)
     )
 
     async def collect():
@@ -217,7 +217,7 @@ def test_outcome_hedges_are_used_and_never_change_the_output(inproc_swarm, monke
         (ScriptedDrafter, set(range(40))),
     ):
         drafter = cls(truth, len(PROMPT[0]), wrong_at, length=3)
-        monkeypatch.setattr("client.model.make_drafter", lambda *a, **k: drafter)
+        monkeypatch.setattr("client._drafter_choice.make_drafter", lambda *a, **k: drafter)
         # runs sent by the client (with looped runs the hedges become offers: tests/generation/test_looped_runs.py)
         output = model.generate(
             torch.tensor(PROMPT),

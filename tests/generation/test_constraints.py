@@ -98,7 +98,7 @@ def test_wrong_drafts_roll_the_constraint_back(tiny_model, tiny_reference, monke
     else:
         expected = transformers_greedy(tiny_reference, tiny_model, kwargs, prompt, 16)
     drafter = ScriptedDrafter(expected, len(prompt), set(range(2, 16, 4)) | set(range(3, 16, 4)), length=4)
-    monkeypatch.setattr("client.model.make_drafter", lambda *a, **k: drafter)
+    monkeypatch.setattr("client._drafter_choice.make_drafter", lambda *a, **k: drafter)
     with pinned(tiny_model, ROUTES["two servers"]):
         output = tiny_model.generate(
             torch.tensor([prompt]), max_new_tokens=16, num_draft_tokens=4, loop_runs=loop_runs, **kwargs, **sample

@@ -52,7 +52,7 @@ def test_supplied_drafts_never_change_the_output(tiny_model, tiny_reference, mon
         "half right": set(range(2, 16, 4)) | set(range(3, 16, 4)),
     }[case]
     drafter = ScriptedDrafter(truth, len(PROMPT[0]), wrong_at, length=4)
-    monkeypatch.setattr("client.model.make_drafter", lambda *a, **k: drafter)
+    monkeypatch.setattr("client._drafter_choice.make_drafter", lambda *a, **k: drafter)
     with pinned(tiny_model, ROUTES["three servers, uneven"]):
         output = tiny_model.generate(
             torch.tensor(PROMPT), max_new_tokens=16, num_draft_tokens=4, loop_runs=loop_runs, **kwargs

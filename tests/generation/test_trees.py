@@ -327,7 +327,7 @@ def test_trees_give_the_output_of_no_speculation(tiny_model, tiny_reference, mon
         truth = plain[0, len(PROMPT[0]) :].tolist()
         wrong_at, right = TREE_CASES[case]
         drafter = ScriptedTreeDrafter(truth, len(PROMPT[0]), wrong_at, 4, right)
-        monkeypatch.setattr("client.model.make_drafter", lambda *a, **k: drafter)
+        monkeypatch.setattr("client._drafter_choice.make_drafter", lambda *a, **k: drafter)
         with full_trees(monkeypatch):
             output = tiny_model.generate(
                 torch.tensor(PROMPT), max_new_tokens=16, num_draft_tokens=4, draft_tree=True, **kwargs
@@ -351,7 +351,7 @@ def test_deep_and_wide_trees(tiny_model, monkeypatch):
         plain = tiny_model.generate(torch.tensor(PROMPT), max_new_tokens=20, speculation=None)
         truth = plain[0, len(PROMPT[0]) :].tolist()
         drafter = ScriptedTreeDrafter(truth, len(PROMPT[0]), set(range(0, 40, 3)), 8, set(range(0, 40, 3)), width=4)
-        monkeypatch.setattr("client.model.make_drafter", lambda *a, **k: drafter)
+        monkeypatch.setattr("client._drafter_choice.make_drafter", lambda *a, **k: drafter)
         with full_trees(monkeypatch):
             output = tiny_model.generate(torch.tensor(PROMPT), max_new_tokens=20, num_draft_tokens=8, draft_tree=True)
     assert output.tolist() == plain.tolist()
@@ -381,7 +381,7 @@ def test_trees_in_batches_sessions_and_streams(tiny_model, monkeypatch):
         with full_trees(monkeypatch):
             # an inference session: the second call's first Step keeps the first call's last tree path
             monkeypatch.setattr(
-                "client.model.make_drafter",
+                "client._drafter_choice.make_drafter",
                 lambda *a, **k: ScriptedTreeDrafter(truth, len(PROMPT[0]), {2, 9}, 3, {2, 9}),
             )
             with tiny_model.inference_session(max_length=160):
@@ -389,7 +389,7 @@ def test_trees_in_batches_sessions_and_streams(tiny_model, monkeypatch):
                 second = tiny_model.generate(first, max_new_tokens=12, num_draft_tokens=3, draft_tree=True)
             assert second.tolist() == whole.tolist()
             # a padded batch: each row its own tree session
-            monkeypatch.setattr("client.model.make_drafter", lambda *a, **k: SuffixDrafter(4))
+            monkeypatch.setattr("client._drafter_choice.make_drafter", lambda *a, **k: SuffixDrafter(4))
             batch = torch.tensor([[0, 0, 0] + other[0], PROMPT[0]])
             mask = torch.tensor([[0, 0, 0] + [1] * len(other[0]), [1] * len(PROMPT[0])])
             out = tiny_model.generate(batch, attention_mask=mask, max_new_tokens=12, draft_tree=True)
@@ -635,7 +635,8 @@ def test_a_refused_tree_run_leaves_the_client_session_usable(tree_servers, monke
     plain = model.generate(torch.tensor(PROMPT), max_new_tokens=16, speculation=None)
     truth = plain[0, len(PROMPT[0]) :].tolist()
     monkeypatch.setattr(
-        "client.model.make_drafter", lambda *a, **k: ScriptedTreeDrafter(truth, len(PROMPT[0]), {1, 3}, 3, {1, 3})
+        "client._drafter_choice.make_drafter",
+        lambda *a, **k: ScriptedTreeDrafter(truth, len(PROMPT[0]), {1, 3}, 3, {1, 3}),
     )
     import client.modes.tree as tree_mode
 
@@ -684,7 +685,7 @@ def test_trees_survive_failover_and_chunked_prefill(tree_servers, monkeypatch, s
     plain = model.generate(prompt, max_new_tokens=24, speculation=None, **kwargs)
     truth = plain[0, prompt.shape[1] :].tolist()
     drafter = ScriptedTreeDrafter(truth, prompt.shape[1], {2, 7, 8, 15}, 4, {2, 7, 15})
-    monkeypatch.setattr("client.model.make_drafter", lambda *a, **k: drafter)
+    monkeypatch.setattr("client._drafter_choice.make_drafter", lambda *a, **k: drafter)
     monkeypatch.setattr(model.swarm, "max_positions_per_step", 12)  # the client chunks, trees stay within 12
     with full_trees(monkeypatch):
         with model.inference_session(max_length=160) as session:

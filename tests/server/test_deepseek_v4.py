@@ -388,7 +388,7 @@ def test_swarm_with_rejected_drafts_equals_plain_and_transformers(v4_model, v4_r
         expected = v4_reference.generate(torch.tensor(PROMPT), max_new_tokens=24, do_sample=False)
         assert plain.tolist() == expected.tolist()
     drafter = ScriptedDrafter(truth, len(PROMPT[0]), wrong_at={1, 6, 11, 12, 16, 21}, length=5)
-    monkeypatch.setattr("client.model.make_drafter", lambda *a, **k: drafter)
+    monkeypatch.setattr("client._drafter_choice.make_drafter", lambda *a, **k: drafter)
     # async: 4 drafts and the drafter's fifth id as the guess that sends the next run early
     speculation = (
         dict(async_speculation=True, max_inflight_runs=3, num_draft_tokens=4)

@@ -253,7 +253,7 @@ def test_swarm_generation_equals_transformers(served, monkeypatch):
         assert output[0, prompt.shape[1] :].tolist() == truth, (model_type, speculation)
     for kwargs, want in (({}, expected[0, prompt.shape[1] :].tolist()), (sampling, truth)):
         drafter = ScriptedDrafter(want, prompt.shape[1], wrong_at={1, 6, 7, 12}, length=4)
-        monkeypatch.setattr("client.model.make_drafter", lambda *a, drafter=drafter, **k: drafter)
+        monkeypatch.setattr("client._drafter_choice.make_drafter", lambda *a, drafter=drafter, **k: drafter)
         output = model.generate(prompt, max_new_tokens=len(want), num_draft_tokens=4, **kwargs)
         assert output[0, prompt.shape[1] :].tolist() == want, (model_type, kwargs)
         stats = model.last_generation_stats
