@@ -11,6 +11,7 @@ one for type checking only, counts as much as one at the top.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -156,3 +157,19 @@ def test_the_walker_sees_every_kind_of_import(tmp_path, source, expected):
     module = tmp_path / "m.py"
     module.write_text(source)
     assert imported_packages(module) == expected
+
+
+def drawn_edges(dot: str) -> set[tuple[str, str]]:
+    """The `a -> b;` edges of a dot file."""
+    return set(re.findall(r"^\s*(\w+)\s*->\s*(\w+)\s*;", dot, flags=re.MULTILINE))
+
+
+def test_the_import_drawing_is_the_code():
+    """docs/imports.svg is rendered from docs/imports.dot; its edges must be the imports the code has."""
+    actual = set()
+    for package in OURS:
+        for path in (ROOT / package).rglob("*.py"):
+            actual |= {(package, target) for _, target in imported_packages(path) if target != package}
+    drawn = drawn_edges((ROOT / "docs" / "imports.dot").read_text())
+    assert drawn == actual, f"drawn but not imported: {drawn - actual}; imported but not drawn: {actual - drawn}"
+    assert "<svg" in (ROOT / "docs" / "imports.svg").read_text()
