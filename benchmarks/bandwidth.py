@@ -55,7 +55,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from tests.kit import netns
+from tests.kit import netns, netns_links
 
 MODEL = "smollm2-135m"
 INTERNAL_ARGS = ("initial_peers", "testbed", "client", "proxy", "target", "servers", "delay_ms")
@@ -163,7 +163,7 @@ def client_main(args: argparse.Namespace) -> int:
     began = time.perf_counter()
     wait_for_servers(args.initial_peers, args.servers, READY_TIMEOUT_S)
     ready_s = time.perf_counter() - began
-    counters = lambda: netns.read_counters_spec(args.testbed)  # noqa: E731
+    counters = lambda: netns_links.read_counters_spec(args.testbed)  # noqa: E731
     model = AutoDistributedModelForCausalLM.from_pretrained(MODEL, initial_peers=args.initial_peers)
     tokenizer = model.tokenizer
     prompt, prompt_source = long_prompt(tokenizer, args.prompt_tokens)
@@ -188,7 +188,7 @@ def client_main(args: argparse.Namespace) -> int:
 
     def prefill(rate: float) -> dict:
         before = counters()
-        with netns.CounterSampler(args.testbed) as sampler:  # when each link was busy, every 5 ms
+        with netns_links.CounterSampler(args.testbed) as sampler:  # when each link was busy, every 5 ms
             t0 = time.perf_counter()
             model.generate(prompt_ids, max_new_tokens=1, speculation=None)
             seconds = time.perf_counter() - t0
@@ -240,7 +240,7 @@ def client_main(args: argparse.Namespace) -> int:
     prefills, decodes = [], []
     for repeat in range(max(args.repeats, args.prompt_repeats)):
         for rate in args.rates if repeat % 2 == 0 else args.rates[::-1]:
-            netns.shape_spec(args.testbed, rate)
+            netns_links.shape_spec(args.testbed, rate)
             if repeat < args.prompt_repeats:
                 prefills.append(prefill(rate))
             if repeat < args.repeats:

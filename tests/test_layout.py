@@ -173,3 +173,28 @@ def test_the_import_drawing_is_the_code():
     drawn = drawn_edges((ROOT / "docs" / "imports.dot").read_text())
     assert drawn == actual, f"drawn but not imported: {drawn - actual}; imported but not drawn: {actual - drawn}"
     assert "<svg" in (ROOT / "docs" / "imports.svg").read_text()
+
+
+MAX_LINES = 450  # one job per file: hivemind's and Petals' files sit well under it (issue 34)
+
+
+def long_files(root: Path) -> list[str]:
+    folders = [root / package for package in OURS] + [root / "tests" / "kit"]
+    return [
+        f"{path.relative_to(root)}: {n} lines"
+        for folder in folders
+        for path in sorted(folder.rglob("*.py"))
+        if (n := len(path.read_text().splitlines())) > MAX_LINES
+    ]
+
+
+def test_no_file_is_over_the_line_limit():
+    wrong = long_files(ROOT)
+    assert not wrong, f"files over {MAX_LINES} lines (split them by job):\n" + "\n".join(wrong)
+
+
+def test_the_line_limit_sees_a_long_file(tmp_path):
+    (tmp_path / "server").mkdir()
+    (tmp_path / "server" / "long.py").write_text("x = 1\n" * (MAX_LINES + 1))
+    (tmp_path / "server" / "short.py").write_text("x = 1\n" * MAX_LINES)
+    assert long_files(tmp_path) == [f"server/long.py: {MAX_LINES + 1} lines"]

@@ -21,8 +21,8 @@ packet between two hosts passes the sender's uplink and the receiver's downlink.
 kernels; netem does not (delay comes from ``swarm/delay_proxy.py`` in user space instead).
 
 Measuring: :meth:`Testbed.counters` gives the bytes each host has sent and received (its bridge
-port's counters); :class:`CounterSampler` samples them every few milliseconds, to tell when a link
-was busy. :meth:`Testbed.spec` hands both, and re-shaping (:func:`shape_spec`), to another process.
+port's counters); :class:`tests.kit.netns_links.CounterSampler` samples them every few milliseconds, to tell when a link
+was busy. :meth:`Testbed.spec` hands both, and re-shaping (``netns_links.shape_spec``), to another process.
 
 ``run()`` starts a process inside a host's namespace (``ip netns exec``, in a new session);
 ``close()`` (also on ``with`` exit, at interpreter exit, and after a failed start) SIGKILLs every
@@ -50,8 +50,8 @@ from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
 from swarm import lifeline
+from tests.kit.netns_links import FAMILY, _cmd, _ip, _shape_link, read_counters
 
-FAMILY = "ssbed"  # every testbed's namespaces start with this, then the creating process's pid
 SWITCH = "sw"
 DEFAULT_SUBNET = "10.77.0.0/24"
 DEFAULT_LAN = "192.168.77.0/24"
@@ -81,17 +81,6 @@ class Host:
     ip: str
     port: str  # the host's port on the bridge, in the switch namespace
     rate_mbit: Optional[float] = None
-
-
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return _cmd(["ip", *args], check=check)
-
-
-def _cmd(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
-    done = subprocess.run(list(argv), capture_output=True, text=True)
-    if check and done.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv)} failed ({done.returncode}): {done.stderr.strip()}")
-    return done
 
 
 def list_namespaces() -> list[str]:
@@ -170,14 +159,6 @@ def cleanup_stale() -> list[str]:
             stale.append(ns)
     _delete_namespaces(stale)
     return stale
-
-
-def tbf_args(rate_mbit: float, latency_ms: float = 100.0) -> list[str]:
-    """tbf parameters for a link of ``rate_mbit``: a bucket of 5 ms of traffic (at least 32 KiB;
-    tbf splits GSO packets bigger than the bucket) and a queue of ``latency_ms`` at that rate,
-    like a modem's buffer."""
-    burst = max(32 * 1024, int(rate_mbit * 1e6 / 8 * 0.005))
-    return ["rate", f"{rate_mbit:g}mbit", "burst", str(burst), "latency", f"{latency_ms:g}ms"]
 
 
 class Testbed:
@@ -323,7 +304,7 @@ class Testbed:
 
     def spec(self) -> str:
         """A JSON string with which another process (as root) reads :meth:`counters` and re-shapes
-        the links: :func:`read_counters_spec`, :func:`shape_spec`."""
+        the links: ``netns_links.read_counters_spec``, ``netns_links.shape_spec``."""
         links = [[h.ns, "eth0"] for h in self.hosts.values()] + [[self.switch, h.port] for h in self.hosts.values()]
         return json.dumps(
             {
@@ -364,106 +345,6 @@ class Testbed:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def read_counters(switch_ns: str, ports: dict[str, str]) -> dict[str, dict[str, int]]:
-    """{host: {"sent": bytes, "received": bytes}} from the bridge ports' counters (a port's rx is
-    what its host sent). Works from any namespace as root."""
-    done = _ip("-n", switch_ns, "-s", "-j", "link", "show", check=True)
-    out = {}
-    for link in json.loads(done.stdout):
-        name = ports.get(link.get("ifname", ""))
-        if name is not None:
-            stats = link["stats64"]
-            out[name] = {"sent": stats["rx"]["bytes"], "received": stats["tx"]["bytes"]}
-    return out
-
-
-def read_counters_spec(spec: str) -> dict[str, dict[str, int]]:
-    parsed = json.loads(spec)
-    return read_counters(parsed["switch"], parsed["ports"])
-
-
-def shape_spec(spec: str, rate_mbit: Optional[float]) -> None:
-    """Shape every host's link of the testbed described by ``spec`` (:meth:`Testbed.spec`)."""
-    parsed = json.loads(spec)
-    for ns, dev in parsed["links"]:
-        if not ns.startswith(FAMILY):
-            raise ValueError(f"{ns} is not a testbed namespace")
-        _shape_link(ns, dev, rate_mbit, parsed["latency_ms"])
-
-
-def _shape_link(ns: str, dev: str, rate_mbit: Optional[float], latency_ms: float) -> None:
-    if rate_mbit:
-        _cmd(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", *tbf_args(rate_mbit, latency_ms)])
-    else:
-        _cmd(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], check=False)
-
-
-# Runs in the switch namespace (whose /sys shows its own links): every ``interval`` s one line
-# "monotonic_time rx_bytes..." for the given ports, until stdin closes; CLOCK_MONOTONIC is the
-# same in every namespace, so the times compare with the caller's time.monotonic().
-_SAMPLER = r"""
-import select, sys, time
-interval, ports = float(sys.argv[1]), sys.argv[2:]
-files = [open(f"/sys/class/net/{p}/statistics/rx_bytes", "rb", buffering=0) for p in ports]
-rows = []
-while True:
-    row = [time.monotonic()]
-    for f in files:
-        f.seek(0)
-        row.append(int(f.read()))
-    rows.append(row)
-    if select.select([sys.stdin], [], [], interval)[0]:
-        break
-print("\n".join(" ".join(map(str, row)) for row in rows), flush=True)
-"""
-
-
-class CounterSampler:
-    """Samples the bytes every host has sent, every ``interval`` seconds, from another process
-    (as root): ``with CounterSampler(spec) as sampler: ...``, then ``sampler.samples`` is
-    {host: [(monotonic time, bytes sent so far), ...]} and :meth:`busy_seconds` tells how long each
-    host was sending."""
-
-    def __init__(self, spec: str, interval: float = 0.005):
-        parsed = json.loads(spec)
-        if not parsed["switch"].startswith(FAMILY):
-            raise ValueError(f"{parsed['switch']} is not a testbed namespace")
-        self.hosts = list(parsed["ports"].values())
-        self._argv = [
-            "ip",
-            "netns",
-            "exec",
-            parsed["switch"],
-            sys.executable,
-            "-c",
-            _SAMPLER,
-            str(interval),
-            *parsed["ports"],
-        ]
-        self.samples: dict[str, list[tuple[float, int]]] = {}
-        self._process: Optional[subprocess.Popen] = None
-
-    def __enter__(self) -> "CounterSampler":
-        self._process = subprocess.Popen(self._argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        out, _ = self._process.communicate(input="", timeout=30)
-        rows = [line.split() for line in out.splitlines() if line.strip()]
-        self.samples = {h: [(float(r[0]), int(r[1 + i])) for r in rows] for i, h in enumerate(self.hosts)}
-
-    def busy_seconds(self, host: str, rate_mbit: float, fraction: float = 0.25) -> float:
-        """Seconds during which ``host`` sent faster than ``fraction`` of ``rate_mbit``: the time
-        its link was busy carrying a transfer, apart from idle chatter."""
-        threshold = fraction * rate_mbit * 1e6 / 8  # bytes/s
-        busy = 0.0
-        samples = self.samples.get(host, [])
-        for (t0, b0), (t1, b1) in zip(samples, samples[1:]):
-            if t1 > t0 and (b1 - b0) / (t1 - t0) > threshold:
-                busy += t1 - t0
-        return busy
 
 
 def main(argv: Optional[list[str]] = None) -> int:
