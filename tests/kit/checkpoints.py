@@ -149,8 +149,19 @@ MOE_FAMILIES: dict[str, dict] = {
 }
 
 
+# model_type -> config keywords of a tiny random dense model of a Llama-like family served by the same
+# adapter: what makes each family itself (sliding windows short enough for a test to cross, q/k/v bias,
+# q/k norms)
+DENSE_FAMILIES: dict[str, dict] = {
+    "mistral": dict(sliding_window=8, head_dim=16),
+    "qwen2": dict(use_sliding_window=True, sliding_window=8, max_window_layers=2),  # blocks 2-3 slide
+    "qwen3": dict(head_dim=16),
+}
+
+
 def build_tiny_moe(path: Path, model_type: str, num_layers: int = 4, seed: int = 0) -> Path:
-    """A tiny random mixture of experts of ``model_type`` (MOE_FAMILIES) with SmolLM2's tokenizer,
+    """A tiny random mixture of experts of ``model_type`` (MOE_FAMILIES; or a dense model of
+    DENSE_FAMILIES) with SmolLM2's tokenizer,
     saved by transformers' save_pretrained, which writes the hub's layout (one tensor per expert and
     projection, Mixtral's ``block_sparse_moe.experts.N.w1``), not the fused modules."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -169,7 +180,8 @@ def build_tiny_moe(path: Path, model_type: str, num_layers: int = 4, seed: int =
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    config = AutoConfig.for_model(model_type, **{**settings, **MOE_FAMILIES[model_type]})
+    family = MOE_FAMILIES.get(model_type) or DENSE_FAMILIES[model_type]
+    config = AutoConfig.for_model(model_type, **{**settings, **family})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # weights far from the init default, so logits and routing are far from uniform
