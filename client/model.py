@@ -30,7 +30,7 @@ from client._forward import forward_row
 from client._generation import GenerationStats, SessionState, SpeculativeDecoder
 from client._masks import causal_lm_loss, checked_ids, checked_mask, kept_columns, kept_width, unpadded
 from client._options import GenerationOptions
-from client._prompts import check_tuning, new_prompts, prompt_tuned_loss, share_prompts
+from client._prompts import attach_prompts, check_tuning, deep_tensor, prompt_tuned_loss, share_prompts
 from client._spot_checks import DEFAULT_SPOT_CHECK_RATE, check_rate
 from client._stats import merged_stats
 from client._swarm import SwarmClient
@@ -55,6 +55,7 @@ class AutoDistributedModel(torch.nn.Module):
     def __init__(self, config: PretrainedConfig, tokenizer: Any, swarm: SwarmClient):
         super().__init__()
         self.tuning_mode, self.prompt_embeddings = None, None  # "ptune" and its trainable prompts
+        self.intermediate_prompt_embeddings = None  # deep_ptune: a prefix per block (client/_prompts.py)
         self.config, self.tokenizer, self.swarm = config, tokenizer, swarm
         self.last_generation_stats: Optional[GenerationStats] = None
         self.last_batch_stats: list[GenerationStats] = []  # one per row of the last generate()
@@ -102,7 +103,8 @@ class AutoDistributedModel(torch.nn.Module):
         prompts of its kind, where the package has them (client/warm_corpus.py; SmolLM2-135M);
         drafts only, so the output is the same either way. Off by default: on the 2-core CPU
         machine it raised tokens per lap a little and tokens/s not at all (docs/benchmarks.md).
-        ``tuning_mode="ptune"``, ``pre_seq_len=N``: N trainable prompts before the ids (docs/fine_tuning.md).
+        ``tuning_mode="ptune"``, ``pre_seq_len=N``: N trainable prompts before the ids; ``"deep_ptune"``:
+        also N per block, added to the prompt positions at each block's input (docs/fine_tuning.md).
         """
         tuning_mode = check_tuning(tuning_mode, pre_seq_len)
         check_rate(spot_check_rate)
@@ -127,9 +129,7 @@ class AutoDistributedModel(torch.nn.Module):
         model.spot_check_rate = float(spot_check_rate)
         model.verdict_audit_every = check_audit_every(verdict_audit_every)
         model.trusted_peers = trusted_set(trusted_peers)
-        if tuning_mode is not None:
-            model.tuning_mode = tuning_mode
-            model.prompt_embeddings = new_prompts(pre_seq_len, config.hidden_size, config.initializer_range)
+        attach_prompts(model, tuning_mode, pre_seq_len, config)
         if warm_draft_store:
             model.warm_corpus = load_warm_corpus(config)
             model.reset_draft_store()
@@ -311,7 +311,8 @@ class AutoDistributedModel(torch.nn.Module):
         input_ids = checked_ids(input_ids, self.config.vocab_size)
         mask = checked_mask(input_ids, attention_mask)
         if self.prompt_embeddings is not None and labels is not None and torch.is_grad_enabled():
-            loss = prompt_tuned_loss(self.swarm, self.prompt_embeddings.weight, input_ids, mask, labels)
+            deep = deep_tensor(self.intermediate_prompt_embeddings, self.config.num_hidden_layers)
+            loss = prompt_tuned_loss(self.swarm, self.prompt_embeddings.weight, input_ids, mask, labels, deep)
             return CausalLMOutputWithPast(loss=loss) if return_dict else (loss,)  # a training step: no logits
         width = input_ids.shape[1]
         keep = kept_width(width, logits_to_keep, labels is not None)

@@ -275,12 +275,18 @@ class TrainForward(msgspec.Struct, tag="train", kw_only=True, array_like=True):
     num_prompts: int
     token_ids: list[int]
     targets: list[int]
+    # deep prompt tuning (v8; docs/fine_tuning.md): a second tensor ``[num_blocks - hop.start, num_prompts,
+    # hidden]`` float32, the prompts each block from the receiver's first to the model's last adds to the
+    # prompt positions of its input; each hop uses its span's rows and sends the rest on
+    deep_prompts: bool = False
 
 
 class TrainBackward(msgspec.Struct, tag="backward", kw_only=True, array_like=True):
     """The reply to a TrainForward on its stream, tail -> ... -> head -> client: the gradient of the
     receiver's span output (``[positions, hidden]`` float32; to the client only the prompts' rows), with
-    the tail's loss (sum of the row's target cross-entropies) and how many targets it counted."""
+    the tail's loss (sum of the row's target cross-entropies) and how many targets it counted. With
+    ``TrainForward.deep_prompts`` a second tensor: the gradient of the deep prompts the receiver sent
+    (``[num_blocks - hop.start, num_prompts, hidden]``; the client gets all ``num_blocks`` of them)."""
 
     step_id: SessionId
     loss_sum: float

@@ -57,4 +57,42 @@ def check_train_forward(
     head = message.hop_index == 0
     rows = prompts if head else prompts + length
     what = "the prompts" if head else "the previous span's output"
+    if message.deep_prompts:
+        check_deep_prompts(tensors[1:], message, held.num_blocks, hidden_size)
+        tensors = tensors[:1]
     check_tensors(tensors, rows, hidden_size, what, optional=head and prompts == 0)
+
+
+def check_deep_prompts(tensors: Sequence[torch.Tensor], message: TrainForward, num_blocks: int, hidden: int) -> None:
+    """The deep prompts a TrainForward with ``deep_prompts`` carries after its first tensor: one float32
+    ``[num_blocks - hop.start, num_prompts, hidden]`` tensor of finite values, within MAX_DEEP_PROMPT_ELEMENTS."""
+    start, prompts = message.route[message.hop_index].start, message.num_prompts
+    if prompts == 0:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "deep prompts need num_prompts >= 1")
+    expected = (num_blocks - start, prompts, hidden)
+    if (num_blocks - start) * prompts * hidden > limits.MAX_DEEP_PROMPT_ELEMENTS:
+        raise ProtocolError(
+            ErrorCode.STEP_TOO_LARGE,
+            f"deep prompts {expected} exceed {limits.MAX_DEEP_PROMPT_ELEMENTS} values (MAX_DEEP_PROMPT_ELEMENTS)",
+        )
+    if len(tensors) != 1:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"expected one tensor of deep prompts, got {len(tensors)}")
+    deep = tensors[0]
+    if tuple(deep.shape) != expected:
+        got = tuple(deep.shape)
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"the deep prompts must have shape {expected}, got {got}")
+    if deep.dtype != torch.float32:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"the deep prompts must be float32, got {deep.dtype}")
+    if not bool(torch.isfinite(deep).all()):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "the deep prompts hold values that are not finite")
+
+
+def check_gradient(tensors: Sequence[torch.Tensor], shape: tuple[int, ...], what: str) -> None:
+    """Exactly one float32 tensor of ``shape`` and finite values (a gradient a next hop sent back)."""
+    if len(tensors) != 1:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"expected one tensor ({what}), got {len(tensors)}")
+    if tuple(tensors[0].shape) != shape or tensors[0].dtype != torch.float32:
+        got = f"{tuple(tensors[0].shape)} {tensors[0].dtype}"
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"{what} must be float32 of shape {shape}, got {got}")
+    if not bool(torch.isfinite(tensors[0]).all()):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"{what} holds values that are not finite")
