@@ -14,6 +14,7 @@ from typing import Any, Optional
 import torch
 
 from client import _loop
+from client._remote_session import SessionPrompts
 from client._swarm import SwarmClient
 from client._training import TrainRow, batch_loss, train_rows
 from protocol.limits import MAX_PROMPT_POSITIONS
@@ -89,30 +90,37 @@ def train_rows_of(input_ids: torch.Tensor, labels: torch.Tensor, mask: torch.Ten
 
 
 def prompt_tuned_loss(
-    swarm: SwarmClient,
-    prompts: torch.Tensor,
-    input_ids: torch.Tensor,
-    mask: torch.Tensor,
-    labels: torch.Tensor,
-    deep: Optional[torch.Tensor] = None,
+    swarm: SwarmClient, model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor
 ) -> torch.Tensor:
-    """A training step through the swarm (client/_training.py): the batch's loss, differentiable in
-    ``prompts`` ``[pre_seq_len, hidden]`` and ``deep`` ``[num_blocks, pre_seq_len, hidden]`` (deep_ptune)
-    (``loss.backward()`` fills their ``.grad``)."""
+    """A training step through the swarm (client/_training.py): the batch's loss, differentiable in the
+    model's prompts ``[pre_seq_len, hidden]`` and deep prompts ``[num_blocks, pre_seq_len, hidden]``
+    (deep_ptune) (``loss.backward()`` fills their ``.grad``)."""
+    prompts = model.prompt_embeddings.weight
+    deep = deep_tensor(model.intermediate_prompt_embeddings, model.config.num_hidden_layers)
     rows = train_rows_of(input_ids, labels, mask)
     detached = None if deep is None else deep.detach()
     results, _ = _loop.run(train_rows(swarm, prompts.detach(), rows, swarm.request_timeout, detached))
     return batch_loss(prompts, results, deep)
 
 
-def share_prompts(swarm: SwarmClient, prompts: Optional[torch.nn.Embedding], repetition_penalty: float) -> list[int]:
+def share_prompts(swarm: SwarmClient, model: torch.nn.Module, repetition_penalty: float) -> list[int]:
     """Before a generation: give the swarm client the prompts' current values (every session it opens
-    sends them to its head, audits' and failover replays' alike), and return the placeholder ids that
-    stand for them at the front of each sequence (none without prompts)."""
+    sends them to its head, audits' and failover replays' alike, with the deep prompts of deep_ptune), and
+    return the placeholder ids that stand for them at the front of each sequence (none without prompts)."""
+    prompts = model.prompt_embeddings
     if prompts is None:
         swarm.prompts = None
         return []
     if repetition_penalty != 1.0:  # the tail would count the placeholders as tokens seen
         raise ValueError("repetition_penalty is not supported with tuned prompts yet")
-    swarm.prompts = prompts.weight.detach().float().cpu().clone()
+    deep = deep_tensor(model.intermediate_prompt_embeddings, model.config.num_hidden_layers)
+    if deep is not None:
+        limit = swarm.max_positions_per_step
+        if deep.shape[0] * deep.shape[1] > limit:
+            raise ValueError(
+                f"deep prompts of {deep.shape[1]} positions x {deep.shape[0]} blocks exceed one step's {limit} "
+                "positions, the most a session's opening carries: use a smaller pre_seq_len to generate"
+            )
+        deep = deep.detach().float().cpu().contiguous()
+    swarm.prompts = SessionPrompts(prompts.weight.detach().float().cpu().clone(), deep)
     return [PLACEHOLDER_ID] * prompts.num_embeddings

@@ -109,6 +109,10 @@ class OpenSession(msgspec.Struct, tag="open", kw_only=True, array_like=True):
     # from the prompt embeddings sent with this message (one tensor ``[num_prompts, hidden]`` float32,
     # to the head only) instead of embedding their ids; 0: none
     num_prompts: int = 0
+    # deep prompt tuning (v8): the message's last tensor is ``[num_blocks - hop.start, num_prompts, hidden]``
+    # float32, the prompts each block from the receiver's first on adds to the prompt positions of its input;
+    # each server keeps its span's rows and relays the rest (server/deep_prompts.py)
+    deep_prompts: bool = False
 
 
 class Step(msgspec.Struct, tag="step", kw_only=True, array_like=True, omit_defaults=True):

@@ -18,6 +18,7 @@ from protocol import limits
 from protocol.errors import ErrorCode
 from protocol.messages import ErrorReply, TrainForward
 from tests.training.test_fine_tuning import (  # noqa: F401 - the module's swarm fixture
+    MAX_POSITIONS,
     PRE_SEQ_LEN,
     close_grads,
     local_loss,
@@ -158,3 +159,78 @@ def test_deep_ptune_arguments_are_checked(tuning_swarm, tiny_llama_path):  # noq
             AutoDistributedModelForCausalLM.from_pretrained(
                 str(tiny_llama_path), initial_peers=peers, tuning_mode="deep_ptune", pre_seq_len=pre_seq_len
             )
+
+
+def local_deep_greedy(reference, prompts, deep_prompts, ids: list[int], max_new_tokens: int, eos: int) -> list[int]:
+    """transformers, greedy, with inputs_embeds = cat(prompts, embed(ids so far)) and the deep hooks."""
+    new: list[int] = []
+    with torch.no_grad(), deep_hooks(reference, deep_prompts):
+        for _ in range(max_new_tokens):
+            embeds = torch.cat([prompts, reference.model.embed_tokens(torch.tensor(ids + new))]).unsqueeze(0)
+            new.append(int(reference(inputs_embeds=embeds).logits[0, -1].argmax()))
+            if new[-1] == eos:
+                break
+    return new
+
+
+@pytest.mark.parametrize("speculation", [None, "suffix"])
+def test_generate_with_deep_prompts_equals_local_transformers(deep, tiny_reference, speculation):
+    randomize(deep, 31)
+    prompts, deep_prompts = deep.prompt_embeddings.weight.detach().clone(), deep_of(deep).detach().clone()
+    ids, eos = [5, 9, 14, 9, 5, 9, 14], deep.config.eos_token_id
+    expected = local_deep_greedy(tiny_reference, prompts, deep_prompts, ids, 12, eos)
+    assert expected != local_deep_greedy(tiny_reference, prompts, deep_prompts * 0, ids, 12, eos)
+    out = deep.generate(torch.tensor([ids]), max_new_tokens=12, speculation=speculation)
+    assert out[0].tolist() == ids + expected
+    with deep.inference_session(max_length=64):  # the session keeps its deep prompts across calls
+        first = deep.generate(torch.tensor([ids]), max_new_tokens=5, speculation=speculation)
+        more = deep.generate(first, max_new_tokens=7, speculation=speculation)
+    assert more[0].tolist() == (ids + expected)[: len(ids) + 12]
+
+
+def test_forward_without_grad_adds_the_deep_prompts(deep, tiny_reference):
+    randomize(deep, 37)
+    torch.manual_seed(2)
+    input_ids = torch.randint(0, deep.config.vocab_size, (1, 6))
+    prompts, deep_prompts = deep.prompt_embeddings.weight.detach().clone(), deep_of(deep).detach().clone()
+    logits = deep(input_ids).logits
+    with torch.no_grad(), deep_hooks(tiny_reference, deep_prompts):
+        embeds = torch.cat([prompts, tiny_reference.model.embed_tokens(input_ids[0])]).unsqueeze(0)
+        expected = tiny_reference(inputs_embeds=embeds).logits[0, PRE_SEQ_LEN:]
+    assert torch.allclose(logits[0], expected, atol=1e-4, rtol=1e-4)
+
+
+def test_a_session_with_bad_deep_prompts_is_refused_by_name(deep, tuning_swarm):  # noqa: F811
+    import hashlib
+
+    from protocol.messages import OpenSession
+    from protocol.streams import SESSION_PROTOCOL
+
+    servers, _ = tuning_swarm
+    route, head = route_of(servers), servers[0].handler.peer_id
+    layers, hidden = deep.config.num_hidden_layers, deep.config.hidden_size
+    prompts = torch.zeros(PRE_SEQ_LEN, hidden)
+
+    def opening(session_id: str, num_prompts: int, tensors):
+        message = OpenSession(
+            session_id=session_id,
+            max_length=32,
+            route=route,
+            hop_index=0,
+            secret_hash=hashlib.sha256(b"s").hexdigest(),
+            num_prompts=num_prompts,
+            deep_prompts=True,
+        )
+        return raw_exchange(deep, head, message, tensors, protocol=SESSION_PROTOCOL)
+
+    big = MAX_POSITIONS // layers + 1  # blocks x prompts above one step's positions
+    for session_id, count, tensors, code, text in [
+        ("d1", 4, [prompts, torch.zeros(layers, 3, hidden)], ErrorCode.BAD_REQUEST, "must have shape (6, 4, 64)"),
+        ("d2", 4, [prompts, torch.zeros(layers, 4, hidden).half()], ErrorCode.BAD_REQUEST, "must be float32"),
+        ("d3", 4, [], ErrorCode.BAD_REQUEST, "expected a tensor of deep prompts"),
+        ("d4", big, [torch.zeros(big, hidden)] * 2, ErrorCode.STEP_TOO_LARGE, "blocks x num_prompts"),
+    ]:
+        reply = opening(session_id, count, tensors)
+        assert isinstance(reply, ErrorReply) and reply.code == code and text in reply.message, reply
+    assert all(not s.handler.sessions for s in servers)
+    assert all(s.handler.budget.free_tokens == s.handler.budget.total_tokens for s in servers)
