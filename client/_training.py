@@ -41,12 +41,14 @@ class RowGrad:
     num_targets: int
     grad: torch.Tensor  # [num_prompts, hidden] float32: d loss_sum / d prompts
     deep_grad: Optional[torch.Tensor] = None  # [num_blocks, num_prompts, hidden]: d loss_sum / d deep prompts
+    scored: Optional[torch.Tensor] = None  # classification: [hidden], the final hidden state the tail scored
 
 
 @dataclass
 class TrainRow:
     token_ids: list[int]  # the row without padding
     targets: list[int]  # per id, the token its logits are scored against; -100: none
+    label: Optional[float] = None  # classification: the row's class (or value, regression); targets all -100
 
 
 async def train_rows(
@@ -55,10 +57,12 @@ async def train_rows(
     rows: Sequence[TrainRow],
     timeout: float,
     deep: Optional[torch.Tensor] = None,
+    score: Optional[torch.Tensor] = None,
 ) -> tuple[list[RowGrad], list[Hop]]:
     """Every row's loss sum and prompt gradient on one route (all rows at once), and that route;
     a retryable failure runs the whole step again on a new route, at most MAX_FAILOVERS times.
-    ``deep`` ``[num_blocks, num_prompts, hidden]``: deep prompts (each row's RowGrad.deep_grad is theirs)."""
+    ``deep`` ``[num_blocks, num_prompts, hidden]``: deep prompts (each row's RowGrad.deep_grad is theirs).
+    ``score`` ``[num_labels, hidden]``: classification weights the tail scores each row's last position with."""
     failovers = 0
     while True:
         route = await swarm.plan_route()
@@ -70,7 +74,7 @@ async def train_rows(
                         f"a training row of {prompts.shape[0]} prompts + {len(row.token_ids)} ids exceeds the "
                         f"route's {limit} positions per step (long rows are not chunked yet)"
                     )
-            coros = [train_row(swarm, route, prompts, row, timeout, deep) for row in rows]
+            coros = [train_row(swarm, route, prompts, row, timeout, deep, score) for row in rows]
             return await _loop.all_or_none(coros), route
         except ServerError as e:
             if not e.retryable or failovers >= MAX_FAILOVERS:
@@ -91,6 +95,7 @@ async def train_row(
     row: TrainRow,
     timeout: float,
     deep: Optional[torch.Tensor] = None,
+    score: Optional[torch.Tensor] = None,
 ) -> RowGrad:
     """One row's lap: TrainForward to the head, its TrainBackward (or ErrorReply) back."""
     head = route[0].peer_id
@@ -102,10 +107,14 @@ async def train_row(
         token_ids=row.token_ids,
         targets=row.targets,
         deep_prompts=deep is not None,
+        num_labels=0 if score is None else score.shape[0],
+        label=0.0 if row.label is None else float(row.label),
     )
     tensors = [prompts.detach().float().cpu().contiguous()] if prompts.shape[0] else []
     if deep is not None:
         tensors.append(deep.detach().float().cpu().contiguous())
+    if score is not None:
+        tensors.append(score.detach().float().cpu().contiguous())
     hidden = prompts.shape[1]
     relay.remember(head, route[0].addrs)
     stream = None
@@ -129,9 +138,7 @@ async def train_row(
     return _row_grad(received, message, head, hidden, None if deep is None else tuple(deep.shape))
 
 
-def _row_grad(
-    received, message: TrainForward, head: str, hidden: int, deep_shape: Optional[tuple[int, ...]]
-) -> RowGrad:
+def _row_grad(received, message: TrainForward, head: str, hidden: int, deep_shape: Optional[tuple]) -> RowGrad:
     """The head's reply, checked: an ErrorReply raised as the error it names, a gradient of the prompts' shape."""
     reply = received.message if received is not None else None
     if isinstance(reply, ErrorReply):
@@ -142,16 +149,18 @@ def _row_grad(
     expected = (message.num_prompts, hidden)
     grads = received.tensors
     grad = grads[0].float() if grads else torch.zeros(expected)
-    wanted = [expected] + ([deep_shape] if deep_shape else [])
+    wanted = [expected] + ([deep_shape] if deep_shape else []) + ([(1, hidden)] if message.num_labels else [])
     shapes = [tuple(t.shape) for t in grads]
     if shapes[1:] != wanted[1:] or len(grads) > len(wanted) or tuple(grad.shape) != expected or reply.num_targets < 0:
         raise ServerError(f"the head sent prompt gradients {shapes}; expected {wanted}", head, ErrorCode.INTERNAL)
-    return RowGrad(reply.loss_sum, reply.num_targets, grad, grads[1].float() if deep_shape else None)
+    scored = grads[-1][0].float() if message.num_labels else None
+    return RowGrad(reply.loss_sum, reply.num_targets, grad, grads[1].float() if deep_shape else None, scored)
 
 
 class SwarmLoss(torch.autograd.Function):
     """The batch's mean loss as a function of the prompts (and deep prompts), with the gradients the swarm
-    computed: ``backward`` scales them by the upstream gradient (the loss is a scalar, so that is exact)."""
+    computed: ``backward`` scales them by the upstream gradient (the loss is a scalar, so that is exact);
+    a ``loss`` that is itself differentiable (classification's, in ``score``) gets the upstream gradient."""
 
     @staticmethod
     def forward(ctx, prompts: torch.Tensor, deep: torch.Tensor, loss: torch.Tensor, grad, deep_grad) -> torch.Tensor:
@@ -161,7 +170,7 @@ class SwarmLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         grad, deep_grad = ctx.saved_tensors
-        return grad_output * grad, grad_output * deep_grad, None, None, None
+        return grad_output * grad, grad_output * deep_grad, grad_output, None, None
 
 
 def batch_loss(prompts: torch.Tensor, results: Sequence[RowGrad], deep: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -68,6 +68,7 @@ TRAIN_STEP_TIMEOUT = 120.0
 # deep prompt tuning: the most values of deep prompts (blocks x prompts x hidden) one message carries
 # (32 MiB of float32; SmolLM2-135M's 30 blocks x 256 prompts x 576 are 4.4 M)
 MAX_DEEP_PROMPT_ELEMENTS = 1 << 23
+MAX_NUM_LABELS = 1024  # sequence classification: the most classes a score head may have
 
 
 def default_max_session_tokens(cache_tokens: int) -> int:

@@ -283,6 +283,12 @@ class TrainForward(msgspec.Struct, tag="train", kw_only=True, array_like=True):
     # hidden]`` float32, the prompts each block from the receiver's first to the model's last adds to the
     # prompt positions of its input; each hop uses its span's rows and sends the rest on
     deep_prompts: bool = False
+    # sequence classification (v8): the tail scores the final (normed) hidden state of the row's last
+    # position with the ``[num_labels, hidden]`` float32 weights of the message's last tensor (relayed hop by
+    # hop) against ``label`` (a class index; a real value when num_labels is 1: regression) instead of the LM
+    # head against ``targets`` (then all -100); 0: the causal LM loss
+    num_labels: int = 0
+    label: float = 0.0
 
 
 class TrainBackward(msgspec.Struct, tag="backward", kw_only=True, array_like=True):
@@ -290,7 +296,8 @@ class TrainBackward(msgspec.Struct, tag="backward", kw_only=True, array_like=Tru
     receiver's span output (``[positions, hidden]`` float32; to the client only the prompts' rows), with
     the tail's loss (sum of the row's target cross-entropies) and how many targets it counted. With
     ``TrainForward.deep_prompts`` a second tensor: the gradient of the deep prompts the receiver sent
-    (``[num_blocks - hop.start, num_prompts, hidden]``; the client gets all ``num_blocks`` of them)."""
+    (``[num_blocks - hop.start, num_prompts, hidden]``; the client gets all ``num_blocks`` of them). With
+    ``TrainForward.num_labels`` a last tensor: the final hidden state the tail scored, ``[1, hidden]``."""
 
     step_id: SessionId
     loss_sum: float

@@ -21,7 +21,8 @@ import asyncio
 import logging
 import time
 from concurrent.futures import Executor
-from typing import Optional
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import msgspec
 import torch
@@ -34,11 +35,32 @@ from protocol.streams import TRAIN_PROTOCOL, MessageStream, serve
 from server.adapters import SpanAdapter
 from server.admission import HeldBlocks
 from server.replies import report, send_quietly
-from server.train_checks import IGNORE_INDEX, check_gradient, check_tensors, check_train_forward
+from server.train_checks import IGNORE_INDEX, check_gradient, check_tensors, check_train_forward, split_train_tensors
 
 logger = logging.getLogger(__name__)
 
 OPEN_TIMEOUT = 30.0  # seconds to open the stream to the next hop
+
+
+@dataclass
+class Backward:
+    """What one hop's backward computed: the gradients of its input and of its deep prompts, and at the
+    tail the row's loss sum, its target count and the hidden state it scored (classification)."""
+
+    grad: Optional[torch.Tensor] = None
+    deep_grad: Optional[torch.Tensor] = None
+    loss_sum: float = 0.0
+    num_targets: int = 0
+    scored: Optional[torch.Tensor] = None  # [1, hidden]
+
+    def upstream(self, deep: bool, downstream: Optional[list[torch.Tensor]]) -> list[torch.Tensor]:
+        """The TrainBackward's tensors: the input's gradient, the deep prompts' gradients of this span and
+        of every block after it (``downstream``: what the next hop sent), and the scored hidden state."""
+        tensors = [self.grad]
+        if deep:
+            tensors.append(self.deep_grad if downstream is None else torch.cat([self.deep_grad, downstream[1]]))
+        scored = self.scored if downstream is None else (downstream[-1] if len(downstream) > 1 + deep else None)
+        return tensors + ([scored] if scored is not None else [])
 
 
 class KeptInputs:
@@ -204,33 +226,30 @@ class TrainingHandler:
             self.span.vocab_size,
             self.max_positions_per_step,
         )
-        kept = tensors[0] if tensors else torch.zeros(0, hidden_size)
+        inputs, deep_all, score = split_train_tensors(message, tensors)
+        kept = inputs[0] if inputs else torch.zeros(0, hidden_size)
         hop = message.route[message.hop_index]
         deep = deep_rest = None  # this span's deep prompts, and those of the blocks after it
-        if message.deep_prompts:
-            deep, deep_rest = tensors[1][: hop.end - hop.start], tensors[1][hop.end - hop.start :]
+        if deep_all:
+            deep, deep_rest = deep_all[0][: hop.end - hop.start], deep_all[0][hop.end - hop.start :]
         loop = asyncio.get_running_loop()
         # 2) the tail: loss and gradient at once
         if hop.end == self.span.num_blocks:
-            grad, deep_grad, loss_sum, num_targets = await loop.run_in_executor(
-                self.executor, self._backward, message, kept, None, deep
-            )
-            return [grad] + ([deep_grad] if deep is not None else []), loss_sum, num_targets
+            done = await loop.run_in_executor(self.executor, self._backward, message, kept, None, deep, score)
+            return done.upstream(deep is not None, None), done.loss_sum, done.num_targets
         # 2) any other hop: forward, keep the input, wait for the next hop's gradient
         self.kept.keep(message.step_id, kept, *([deep] if deep is not None else []))
         try:
             output = await loop.run_in_executor(self.executor, self._forward, message, kept, deep)
-            reply, grads_out = await self._downstream(message, output, deep_rest)
+            reply, grads_out = await self._downstream(message, output, deep_rest, score)
             kept, *deep_kept = self.kept.take_all(message.step_id)
             # 3) recompute with autograd and backpropagate
-            grad, deep_grad, _, _ = await loop.run_in_executor(
+            done = await loop.run_in_executor(
                 self.executor, self._backward, message, kept, grads_out[0], deep_kept[0] if deep_kept else None
             )
         finally:
             self.kept.drop(message.step_id)
-        if deep is None:
-            return [grad], reply.loss_sum, reply.num_targets
-        return [grad, torch.cat([deep_grad, grads_out[1]])], reply.loss_sum, reply.num_targets
+        return done.upstream(deep is not None, grads_out), reply.loss_sum, reply.num_targets
 
     def _span_input(self, message: TrainForward, kept: torch.Tensor) -> torch.Tensor:
         """[1, positions, hidden]: at the head prompts ++ embed(ids), elsewhere the tensor received."""
@@ -254,28 +273,46 @@ class TrainingHandler:
         kept: torch.Tensor,
         grad_out: Optional[torch.Tensor],
         deep: Optional[torch.Tensor] = None,
-    ) -> tuple[torch.Tensor, Optional[torch.Tensor], float, int]:
+        score: Sequence[torch.Tensor] = (),
+    ) -> "Backward":
         """Recompute the span from its input (and deep prompts) with autograd; backpropagate ``grad_out``
-        (None at the tail: the loss sum's own gradient). The gradients of the input (the prompts' rows at
-        the head) and of this span's deep prompts (None without them)."""
+        (None at the tail: the loss sum's own gradient, from the LM head or the ``score`` weights). The
+        gradients of the input (the prompts' rows at the head) and of this span's deep prompts."""
         hop, span = message.route[message.hop_index], self.span
+        done = Backward()
         with torch.enable_grad():
             leaf = kept.to(span.device, span.dtype).detach().requires_grad_(True)
             deep_leaf = None if deep is None else deep.to(span.device, span.dtype).detach().requires_grad_(True)
             output = span.train_span(self._span_input(message, leaf), range(hop.start, hop.end), deep_leaf)
-            loss_sum, num_targets = 0.0, 0
             if grad_out is None:
-                loss, num_targets = self._loss_sum(message, output)
-                loss_sum = float(loss.detach())
-                if num_targets:
+                if score:
+                    loss, done.num_targets, done.scored = self._score_loss(message, output, score[0])
+                else:
+                    loss, done.num_targets = self._loss_sum(message, output)
+                done.loss_sum = float(loss.detach())
+                if done.num_targets:
                     loss.backward()
             else:
                 torch.autograd.backward(output, grad_out.to(output.device, output.dtype).unsqueeze(0))
-        grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-        deep_grad = None
+        done.grad = (leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)).float().cpu()
         if deep_leaf is not None:
-            deep_grad = (deep_leaf.grad if deep_leaf.grad is not None else torch.zeros_like(deep_leaf)).float().cpu()
-        return grad.float().cpu(), deep_grad, loss_sum, num_targets
+            deep_grad = deep_leaf.grad if deep_leaf.grad is not None else torch.zeros_like(deep_leaf)
+            done.deep_grad = deep_grad.float().cpu()
+        return done
+
+    def _score_loss(
+        self, message: TrainForward, output: torch.Tensor, score: torch.Tensor
+    ) -> tuple[torch.Tensor, int, torch.Tensor]:
+        """Sequence classification: the final (normed) hidden state of the row's last position, scored with
+        the client's weights; cross-entropy against the class ``label``, or the squared error of the one
+        value (regression), as transformers' LlamaForSequenceClassification (one row: its sum is its mean)."""
+        last = self.span.train_final_hidden(output[:, -1:])[0].float()  # [1, hidden]
+        logits = last @ score.to(last.device).t()  # [1, num_labels]
+        if message.num_labels == 1:
+            loss = (logits[0, 0] - message.label) ** 2
+        else:
+            loss = torch.nn.functional.cross_entropy(logits, torch.tensor([int(message.label)], device=last.device))
+        return loss, 1, last.detach().cpu()
 
     def _loss_sum(self, message: TrainForward, output: torch.Tensor) -> tuple[torch.Tensor, int]:
         """The sum of the row's target cross-entropies over the ids' positions (prompts dropped)."""
@@ -285,7 +322,11 @@ class TrainingHandler:
         return loss, int((targets != IGNORE_INDEX).sum())
 
     async def _downstream(
-        self, message: TrainForward, output: torch.Tensor, deep_rest: Optional[torch.Tensor]
+        self,
+        message: TrainForward,
+        output: torch.Tensor,
+        deep_rest: Optional[torch.Tensor],
+        score: Sequence[torch.Tensor] = (),
     ) -> tuple[TrainBackward, list[torch.Tensor]]:
         """Send the row (and the deep prompts of the blocks after this span) on to the next hop and wait
         for its TrainBackward (an ErrorReply is relayed): the gradients it sent, checked."""
@@ -303,7 +344,7 @@ class TrainingHandler:
                 ),
                 OPEN_TIMEOUT,
             )
-            tensors = [output] + ([deep_rest.contiguous()] if deep_rest is not None else [])
+            tensors = [output] + ([deep_rest.contiguous()] if deep_rest is not None else []) + list(score)
             await stream.send(msgspec.structs.replace(message, hop_index=message.hop_index + 1), tensors)
             received = await asyncio.wait_for(stream.receive(), self.step_timeout)
         except Exception as e:
@@ -328,10 +369,14 @@ class TrainingHandler:
         grads = received.tensors
         try:
             check_tensors(grads[:1], output.shape[0], output.shape[1], "the next hop's gradient")
+            expected = 1 + (deep_rest is not None) + bool(score)
+            if len(grads) != expected:
+                why = f"the next hop sent {len(grads)} tensors; expected {expected}"
+                raise ProtocolError(ErrorCode.BAD_REQUEST, why)
             if deep_rest is not None:
-                check_gradient(grads[1:], tuple(deep_rest.shape), "the next hop's deep prompt gradient")
-            elif len(grads) != 1:
-                raise ProtocolError(ErrorCode.BAD_REQUEST, f"the next hop sent {len(grads)} gradients; expected 1")
+                check_gradient(grads[1:2], tuple(deep_rest.shape), "the next hop's deep prompt gradient")
+            if score:
+                check_gradient(grads[-1:], (1, output.shape[1]), "the scored hidden state")
         except ProtocolError as e:
             raise ProtocolError(ErrorCode.DOWNSTREAM_FAILED, e.message, peer_id=next_hop.peer_id) from None
         return reply, grads

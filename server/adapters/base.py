@@ -158,6 +158,11 @@ class SpanAdapter(abc.ABC):
         """[1, S, *hidden_shape] final activations -> [S, vocab] float32 logits, under the caller's grad mode."""
         raise NotImplementedError(self.backward_refusal())
 
+    def train_final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[1, S, *hidden_shape] final activations -> [1, S, hidden] after the final norm, under the caller's
+        grad mode (what a sequence classification head scores)."""
+        raise NotImplementedError(self.backward_refusal())
+
     def cache_bytes_per_token(self) -> int:
         """KV bytes one position costs across this span; used for the cache budget."""
         return self.span_cache_bytes_per_token(self.config, self.start, self.end, self.dtype)

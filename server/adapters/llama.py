@@ -266,6 +266,9 @@ class LlamaFamilyAdapter(SpanAdapter):
     def train_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(hidden.to(self.device, self.dtype)))[0].float()
 
+    def train_final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.norm(hidden.to(self.device, self.dtype))
+
     def cache_bytes_per_token(self) -> int:
         return self.span_cache_bytes_per_token(self.config, self.start, self.end, self.dtype)
 
