@@ -1,6 +1,7 @@
 """The researcher's library: a transformers-style model whose blocks run in the swarm."""
 
 from client._stats import GenerationStats
+from client.classification import AutoDistributedModelForSequenceClassification
 from client.errors import (
     GenerationError,
     RouteFault,
@@ -17,6 +18,7 @@ from client.model import AutoDistributedModel, AutoDistributedModelForCausalLM
 __all__ = [
     "AutoDistributedModel",
     "AutoDistributedModelForCausalLM",
+    "AutoDistributedModelForSequenceClassification",
     "GenerationError",
     "GenerationStats",
     "RouteFault",

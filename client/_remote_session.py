@@ -22,6 +22,7 @@ import asyncio
 import hashlib
 import logging
 import secrets
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import msgspec
@@ -64,6 +65,19 @@ class _Outputs:
         self.message, self.tensors = message, tensors
 
 
+@dataclass(frozen=True)
+class SessionPrompts:
+    """What a tuned model's sessions carry to their head (docs/fine_tuning.md): the prompts ``[P, hidden]``
+    and, with deep_ptune, every block's deep prompts ``[num_blocks, P, hidden]``, all float32."""
+
+    prompts: torch.Tensor
+    deep: Optional[torch.Tensor] = None
+
+    def tensors(self, first_block: int) -> list[torch.Tensor]:
+        """The OpenSession's tensors for a route starting at ``first_block`` (the deep prompts from there on)."""
+        return [self.prompts] + ([self.deep[first_block:].contiguous()] if self.deep is not None else [])
+
+
 class RemoteSession:
     def __init__(
         self,
@@ -72,10 +86,10 @@ class RemoteSession:
         max_length: int,
         *,
         timeout: float = 60.0,
-        prompts: Optional[torch.Tensor] = None,
+        prompts: Optional["SessionPrompts"] = None,
     ):
         """``prompts``: tuned prompt embeddings ``[P, hidden]`` the head computes the first P positions
-        from (docs/fine_tuning.md); the session's ids there are placeholders."""
+        from, and deep prompts (docs/fine_tuning.md); the session's ids there are placeholders."""
         self.p2p, self.route, self.max_length, self.timeout = p2p, list(route), max_length, timeout
         self.prompts = prompts
         self.session_id = secrets.token_hex(8)
@@ -126,9 +140,10 @@ class RemoteSession:
                     route=hops,
                     hop_index=0,
                     secret_hash=secret_hash,
-                    num_prompts=0 if self.prompts is None else self.prompts.shape[0],
+                    num_prompts=0 if self.prompts is None else self.prompts.prompts.shape[0],
+                    deep_prompts=self.prompts is not None and self.prompts.deep is not None,
                 ),
-                [] if self.prompts is None else [self.prompts],
+                [] if self.prompts is None else self.prompts.tensors(self.route[0].start),
             )
             reply = await asyncio.wait_for(self._head.receive(), self.timeout)
         except asyncio.TimeoutError:

@@ -17,10 +17,9 @@ from dataclasses import dataclass, field
 from typing import Collection, Optional, Sequence
 
 import hivemind
-import torch
 from hivemind.p2p import P2P
 
-from client._remote_session import RemoteSession
+from client._remote_session import RemoteSession, SessionPrompts
 from client._throughput import ThroughputMeter
 from client.errors import RouteFault, RoutingError, ServerError
 from protocol.dht import make_dht
@@ -112,9 +111,9 @@ class SwarmClient:
         self._publishing: Optional[asyncio.Future] = None
         self._closing = False
         self._stale = False  # the reports changed while a store was in flight
-        # a prompt-tuned model's prompts [P, hidden] float32, sent to the head of every session this
-        # client opens (generation, audits, replays alike); None: no prompts (client/_prompts.py)
-        self.prompts: Optional[torch.Tensor] = None
+        # a prompt-tuned model's prompts [P, hidden] (and deep prompts) float32, sent to the head of every
+        # session this client opens (generation, audits, replays alike); None: no prompts (client/_prompts.py)
+        self.prompts: Optional[SessionPrompts] = None
 
     @classmethod
     async def connect(cls, initial_peers: list[str], model: str, num_blocks: int, **kwargs) -> "SwarmClient":

@@ -16,7 +16,7 @@ import asyncio
 import logging
 import secrets
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 from hivemind.p2p import PeerID
@@ -40,19 +40,29 @@ class RowGrad:
     loss_sum: float  # the sum of the row's target cross-entropies
     num_targets: int
     grad: torch.Tensor  # [num_prompts, hidden] float32: d loss_sum / d prompts
+    deep_grad: Optional[torch.Tensor] = None  # [num_blocks, num_prompts, hidden]: d loss_sum / d deep prompts
+    scored: Optional[torch.Tensor] = None  # classification: [hidden], the final hidden state the tail scored
 
 
 @dataclass
 class TrainRow:
     token_ids: list[int]  # the row without padding
     targets: list[int]  # per id, the token its logits are scored against; -100: none
+    label: Optional[float] = None  # classification: the row's class (or value, regression); targets all -100
 
 
 async def train_rows(
-    swarm: SwarmClient, prompts: torch.Tensor, rows: Sequence[TrainRow], timeout: float
+    swarm: SwarmClient,
+    prompts: torch.Tensor,
+    rows: Sequence[TrainRow],
+    timeout: float,
+    deep: Optional[torch.Tensor] = None,
+    score: Optional[torch.Tensor] = None,
 ) -> tuple[list[RowGrad], list[Hop]]:
     """Every row's loss sum and prompt gradient on one route (all rows at once), and that route;
-    a retryable failure runs the whole step again on a new route, at most MAX_FAILOVERS times."""
+    a retryable failure runs the whole step again on a new route, at most MAX_FAILOVERS times.
+    ``deep`` ``[num_blocks, num_prompts, hidden]``: deep prompts (each row's RowGrad.deep_grad is theirs).
+    ``score`` ``[num_labels, hidden]``: classification weights the tail scores each row's last position with."""
     failovers = 0
     while True:
         route = await swarm.plan_route()
@@ -64,7 +74,7 @@ async def train_rows(
                         f"a training row of {prompts.shape[0]} prompts + {len(row.token_ids)} ids exceeds the "
                         f"route's {limit} positions per step (long rows are not chunked yet)"
                     )
-            coros = [train_row(swarm, route, prompts, row, timeout) for row in rows]
+            coros = [train_row(swarm, route, prompts, row, timeout, deep, score) for row in rows]
             return await _loop.all_or_none(coros), route
         except ServerError as e:
             if not e.retryable or failovers >= MAX_FAILOVERS:
@@ -79,7 +89,13 @@ async def train_rows(
 
 
 async def train_row(
-    swarm: SwarmClient, route: list[Hop], prompts: torch.Tensor, row: TrainRow, timeout: float
+    swarm: SwarmClient,
+    route: list[Hop],
+    prompts: torch.Tensor,
+    row: TrainRow,
+    timeout: float,
+    deep: Optional[torch.Tensor] = None,
+    score: Optional[torch.Tensor] = None,
 ) -> RowGrad:
     """One row's lap: TrainForward to the head, its TrainBackward (or ErrorReply) back."""
     head = route[0].peer_id
@@ -90,8 +106,15 @@ async def train_row(
         num_prompts=prompts.shape[0],
         token_ids=row.token_ids,
         targets=row.targets,
+        deep_prompts=deep is not None,
+        num_labels=0 if score is None else score.shape[0],
+        label=0.0 if row.label is None else float(row.label),
     )
     tensors = [prompts.detach().float().cpu().contiguous()] if prompts.shape[0] else []
+    if deep is not None:
+        tensors.append(deep.detach().float().cpu().contiguous())
+    if score is not None:
+        tensors.append(score.detach().float().cpu().contiguous())
     hidden = prompts.shape[1]
     relay.remember(head, route[0].addrs)
     stream = None
@@ -101,7 +124,7 @@ async def train_row(
             PeerID.from_base58(head),
             TRAIN_PROTOCOL,
             max_frame_bytes=limits.train_frame_bytes((hidden,), max(1, prompts.shape[0])),
-            max_tensor_elements=max(1, prompts.shape[0]) * hidden,
+            max_tensor_elements=max(1, prompts.shape[0]) * hidden if deep is None else deep.numel(),
         )
         await stream.send(message, tensors)
         received = await asyncio.wait_for(stream.receive(), timeout)
@@ -112,10 +135,10 @@ async def train_row(
     finally:
         if stream is not None:
             stream.close()
-    return _row_grad(received, message, head, hidden)
+    return _row_grad(received, message, head, hidden, None if deep is None else tuple(deep.shape))
 
 
-def _row_grad(received, message: TrainForward, head: str, hidden: int) -> RowGrad:
+def _row_grad(received, message: TrainForward, head: str, hidden: int, deep_shape: Optional[tuple]) -> RowGrad:
     """The head's reply, checked: an ErrorReply raised as the error it names, a gradient of the prompts' shape."""
     reply = received.message if received is not None else None
     if isinstance(reply, ErrorReply):
@@ -126,31 +149,39 @@ def _row_grad(received, message: TrainForward, head: str, hidden: int) -> RowGra
     expected = (message.num_prompts, hidden)
     grads = received.tensors
     grad = grads[0].float() if grads else torch.zeros(expected)
-    if len(grads) > 1 or tuple(grad.shape) != expected or reply.num_targets < 0:
-        shapes = [tuple(t.shape) for t in grads]
-        raise ServerError(f"the head sent prompt gradients {shapes}; expected {expected}", head, ErrorCode.INTERNAL)
-    return RowGrad(reply.loss_sum, reply.num_targets, grad)
+    wanted = [expected] + ([deep_shape] if deep_shape else []) + ([(1, hidden)] if message.num_labels else [])
+    shapes = [tuple(t.shape) for t in grads]
+    if shapes[1:] != wanted[1:] or len(grads) > len(wanted) or tuple(grad.shape) != expected or reply.num_targets < 0:
+        raise ServerError(f"the head sent prompt gradients {shapes}; expected {wanted}", head, ErrorCode.INTERNAL)
+    scored = grads[-1][0].float() if message.num_labels else None
+    return RowGrad(reply.loss_sum, reply.num_targets, grad, grads[1].float() if deep_shape else None, scored)
 
 
 class SwarmLoss(torch.autograd.Function):
-    """The batch's mean loss as a function of the prompts, with the gradient the swarm computed:
-    ``backward`` scales it by the upstream gradient (the loss is a scalar, so that is exact)."""
+    """The batch's mean loss as a function of the prompts (and deep prompts), with the gradients the swarm
+    computed: ``backward`` scales them by the upstream gradient (the loss is a scalar, so that is exact);
+    a ``loss`` that is itself differentiable (classification's, in ``score``) gets the upstream gradient."""
 
     @staticmethod
-    def forward(ctx, prompts: torch.Tensor, loss: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(grad)
+    def forward(ctx, prompts: torch.Tensor, deep: torch.Tensor, loss: torch.Tensor, grad, deep_grad) -> torch.Tensor:
+        ctx.save_for_backward(grad, deep_grad)
         return loss.clone()
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        (grad,) = ctx.saved_tensors
-        return grad_output * grad, None, None
+        grad, deep_grad = ctx.saved_tensors
+        return grad_output * grad, grad_output * deep_grad, grad_output, None, None
 
 
-def batch_loss(prompts: torch.Tensor, results: Sequence[RowGrad]) -> torch.Tensor:
-    """transformers' mean over the batch's targets (NaN when none counts), differentiable in ``prompts``."""
+def batch_loss(prompts: torch.Tensor, results: Sequence[RowGrad], deep: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """transformers' mean over the batch's targets (NaN when none counts), differentiable in ``prompts``
+    (and ``deep``)."""
     count = sum(r.num_targets for r in results)
     total = sum(r.loss_sum for r in results)
     loss = torch.tensor(total / count if count else float("nan"), dtype=torch.float32)
     grad = sum((r.grad for r in results), torch.zeros_like(prompts, dtype=torch.float32)) / max(count, 1)
-    return SwarmLoss.apply(prompts, loss, grad.to(prompts.dtype))
+    if deep is None:
+        deep, deep_grad = torch.zeros(0), torch.zeros(0)
+    else:
+        deep_grad = sum((r.deep_grad for r in results), torch.zeros_like(deep, dtype=torch.float32)) / max(count, 1)
+    return SwarmLoss.apply(prompts, deep, loss, grad.to(prompts.dtype), deep_grad.to(deep.dtype))

@@ -19,7 +19,7 @@ import time
 from typing import Any, AsyncIterator, Callable, Iterator, Optional, Sequence, Union
 
 import torch
-from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
+from transformers import AutoTokenizer, PretrainedConfig
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -30,7 +30,8 @@ from client._forward import forward_row
 from client._generation import GenerationStats, SessionState, SpeculativeDecoder
 from client._masks import causal_lm_loss, checked_ids, checked_mask, kept_columns, kept_width, unpadded
 from client._options import GenerationOptions
-from client._prompts import check_tuning, new_prompts, prompt_tuned_loss, share_prompts
+from client._pretrained import load_config
+from client._prompts import attach_prompts, check_tuning, prompt_tuned_loss, share_prompts
 from client._spot_checks import DEFAULT_SPOT_CHECK_RATE, check_rate
 from client._stats import merged_stats
 from client._swarm import SwarmClient
@@ -54,7 +55,8 @@ class AutoDistributedModel(torch.nn.Module):
 
     def __init__(self, config: PretrainedConfig, tokenizer: Any, swarm: SwarmClient):
         super().__init__()
-        self.tuning_mode, self.prompt_embeddings = None, None  # "ptune" and its trainable prompts
+        # "ptune"/"deep_ptune" and its trainable prompts: before the ids, and per block (client/_prompts.py)
+        self.tuning_mode, self.prompt_embeddings, self.intermediate_prompt_embeddings = None, None, None
         self.config, self.tokenizer, self.swarm = config, tokenizer, swarm
         self.last_generation_stats: Optional[GenerationStats] = None
         self.last_batch_stats: list[GenerationStats] = []  # one per row of the last generate()
@@ -102,7 +104,7 @@ class AutoDistributedModel(torch.nn.Module):
         prompts of its kind, where the package has them (client/warm_corpus.py; SmolLM2-135M);
         drafts only, so the output is the same either way. Off by default: on the 2-core CPU
         machine it raised tokens per lap a little and tokens/s not at all (docs/benchmarks.md).
-        ``tuning_mode="ptune"``, ``pre_seq_len=N``: N trainable prompts before the ids (docs/fine_tuning.md).
+        ``tuning_mode="ptune"`` / ``"deep_ptune"``, ``pre_seq_len=N``: trainable prompts (docs/fine_tuning.md).
         """
         tuning_mode = check_tuning(tuning_mode, pre_seq_len)
         check_rate(spot_check_rate)
@@ -110,7 +112,7 @@ class AutoDistributedModel(torch.nn.Module):
         if not initial_peers:
             raise ValueError(no_initial_peers_message("connect to", 'initial_peers=["MADDR", ...]'))
         model = resolve_model(model_name_or_path)
-        config = AutoConfig.from_pretrained(model.source, **kwargs)
+        config = load_config(model.source, kwargs)  # unknown keywords: a TypeError naming them
         tokenizer = AutoTokenizer.from_pretrained(model.source, **kwargs)
         swarm = _loop.run(
             SwarmClient.connect(
@@ -127,9 +129,7 @@ class AutoDistributedModel(torch.nn.Module):
         model.spot_check_rate = float(spot_check_rate)
         model.verdict_audit_every = check_audit_every(verdict_audit_every)
         model.trusted_peers = trusted_set(trusted_peers)
-        if tuning_mode is not None:
-            model.tuning_mode = tuning_mode
-            model.prompt_embeddings = new_prompts(pre_seq_len, config.hidden_size, config.initializer_range)
+        attach_prompts(model, tuning_mode, pre_seq_len, config)
         if warm_draft_store:
             model.warm_corpus = load_warm_corpus(config)
             model.reset_draft_store()
@@ -225,7 +225,7 @@ class AutoDistributedModel(torch.nn.Module):
         if max_length is not None:
             options = dataclasses.replace(options, max_new_tokens=max_length - input_ids.shape[1])
         call = plan_call(options, self.config, self.tokenizer, self.spot_check_rate)
-        prefix = share_prompts(self.swarm, self.prompt_embeddings, call.sampling.repetition_penalty)
+        prefix = share_prompts(self.swarm, self, call.sampling.repetition_penalty)
         if streamer is not None and input_ids.shape[0] > 1:
             raise ValueError("a streamer takes one sequence (as in transformers): pass input_ids of batch size 1")
         eos = call.eos
@@ -311,11 +311,11 @@ class AutoDistributedModel(torch.nn.Module):
         input_ids = checked_ids(input_ids, self.config.vocab_size)
         mask = checked_mask(input_ids, attention_mask)
         if self.prompt_embeddings is not None and labels is not None and torch.is_grad_enabled():
-            loss = prompt_tuned_loss(self.swarm, self.prompt_embeddings.weight, input_ids, mask, labels)
+            loss = prompt_tuned_loss(self.swarm, self, input_ids, mask, labels)
             return CausalLMOutputWithPast(loss=loss) if return_dict else (loss,)  # a training step: no logits
         width = input_ids.shape[1]
         keep = kept_width(width, logits_to_keep, labels is not None)
-        rows = [share_prompts(self.swarm, self.prompt_embeddings, 1.0) + row for row in unpadded(input_ids, mask)]
+        rows = [share_prompts(self.swarm, self, 1.0) + row for row in unpadded(input_ids, mask)]
         if max(map(len, rows)) > self.context_length:
             raise ValueError(f"a row has {max(map(len, rows))} tokens; the model's context is {self.context_length}")
         logits, hidden = self._forward_rows(rows, kept_columns(mask, width - keep), keep, output_hidden_states)
@@ -370,7 +370,7 @@ class AutoDistributedModel(torch.nn.Module):
             raise TypeError(f"agenerate_stream() got unexpected keyword arguments: {sorted(unknown)}")
         row = self._check_input(torch.as_tensor([list(input_ids)]))[0].tolist()
         call = plan_call(options, self.config, self.tokenizer, self.spot_check_rate)
-        row = share_prompts(self.swarm, self.prompt_embeddings, call.sampling.repetition_penalty) + row
+        row = share_prompts(self.swarm, self, call.sampling.repetition_penalty) + row
         state = one_call_session(row, call, self.context_length)
         make_decoder, close = functools.partial(self._make_decoder, state, call), functools.partial(self._close, state)
         laps = stream_laps(make_decoder, row, options.max_new_tokens, bool(options.num_logprobs), close)

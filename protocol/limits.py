@@ -65,6 +65,10 @@ MAX_PROMPT_POSITIONS = 256
 MAX_TRAIN_STEPS_IN_FLIGHT = 64  # training rows a server computes or waits on at once (more: busy)
 DEFAULT_MAX_TRAIN_MIB = 256
 TRAIN_STEP_TIMEOUT = 120.0
+# deep prompt tuning: the most values of deep prompts (blocks x prompts x hidden) one message carries
+# (32 MiB of float32; SmolLM2-135M's 30 blocks x 256 prompts x 576 are 4.4 M)
+MAX_DEEP_PROMPT_ELEMENTS = 1 << 23
+MAX_NUM_LABELS = 1024  # sequence classification: the most classes a score head may have
 
 
 def default_max_session_tokens(cache_tokens: int) -> int:
@@ -89,4 +93,5 @@ def session_frame_bytes(hidden_shape: Sequence[int], max_positions: int) -> int:
 def train_frame_bytes(hidden_shape: Sequence[int], max_positions: int) -> int:
     """The largest frame on the training protocol: a TrainForward of ``max_positions`` positions with
     its activations (or a TrainBackward with their gradient), ids and targets up to 10 bytes each."""
-    return session_frame_bytes(hidden_shape, max_positions) + 10 * max_positions
+    deep = ACTIVATION_BYTES_PER_ELEMENT * MAX_DEEP_PROMPT_ELEMENTS  # a deep prompt tuning step's second tensor
+    return session_frame_bytes(hidden_shape, max_positions) + 10 * max_positions + deep

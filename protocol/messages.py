@@ -109,6 +109,10 @@ class OpenSession(msgspec.Struct, tag="open", kw_only=True, array_like=True):
     # from the prompt embeddings sent with this message (one tensor ``[num_prompts, hidden]`` float32,
     # to the head only) instead of embedding their ids; 0: none
     num_prompts: int = 0
+    # deep prompt tuning (v8): the message's last tensor is ``[num_blocks - hop.start, num_prompts, hidden]``
+    # float32, the prompts each block from the receiver's first on adds to the prompt positions of its input;
+    # each server keeps its span's rows and relays the rest (server/deep_prompts.py)
+    deep_prompts: bool = False
 
 
 class Step(msgspec.Struct, tag="step", kw_only=True, array_like=True, omit_defaults=True):
@@ -275,12 +279,25 @@ class TrainForward(msgspec.Struct, tag="train", kw_only=True, array_like=True):
     num_prompts: int
     token_ids: list[int]
     targets: list[int]
+    # deep prompt tuning (v8; docs/fine_tuning.md): a second tensor ``[num_blocks - hop.start, num_prompts,
+    # hidden]`` float32, the prompts each block from the receiver's first to the model's last adds to the
+    # prompt positions of its input; each hop uses its span's rows and sends the rest on
+    deep_prompts: bool = False
+    # sequence classification (v8): the tail scores the final (normed) hidden state of the row's last
+    # position with the ``[num_labels, hidden]`` float32 weights of the message's last tensor (relayed hop by
+    # hop) against ``label`` (a class index; a real value when num_labels is 1: regression) instead of the LM
+    # head against ``targets`` (then all -100); 0: the causal LM loss
+    num_labels: int = 0
+    label: float = 0.0
 
 
 class TrainBackward(msgspec.Struct, tag="backward", kw_only=True, array_like=True):
     """The reply to a TrainForward on its stream, tail -> ... -> head -> client: the gradient of the
     receiver's span output (``[positions, hidden]`` float32; to the client only the prompts' rows), with
-    the tail's loss (sum of the row's target cross-entropies) and how many targets it counted."""
+    the tail's loss (sum of the row's target cross-entropies) and how many targets it counted. With
+    ``TrainForward.deep_prompts`` a second tensor: the gradient of the deep prompts the receiver sent
+    (``[num_blocks - hop.start, num_prompts, hidden]``; the client gets all ``num_blocks`` of them). With
+    ``TrainForward.num_labels`` a last tensor: the final hidden state the tail scored, ``[1, hidden]``."""
 
     step_id: SessionId
     loss_sum: float

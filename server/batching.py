@@ -29,6 +29,7 @@ from typing import Callable, Optional
 import torch
 
 from protocol.limits import DEFAULT_GATHER_WINDOW
+from server import deep_prompts
 from server.adapters import SpanAdapter, SpanCancelled
 from server.adapters.base import BatchMember
 from server.compute import begin_run, finish_run, first_logits_row
@@ -235,7 +236,8 @@ class BatchScheduler:
             members.append(self._member(job, take))
             moving.append(i)
         self._count(batch)
-        results = self.span.forward_batch(members, batch[0][0].session.blocks) if members else []
+        sessions, blocks = [batch[i][0].session for i in moving], batch[0][0].session.blocks
+        results = deep_prompts.forward_batch(self.span, members, sessions, blocks) if members else []
         finishing = []
         for i, result in zip(moving, results):
             job, take = batch[i]

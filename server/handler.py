@@ -51,7 +51,7 @@ from protocol.messages import (
 )
 from protocol.records import ServerInfo
 from protocol.streams import PING_PROTOCOL, RESULTS_PROTOCOL, SESSION_PROTOCOL, MessageStream, serve
-from server import admission, next_hop
+from server import admission, deep_prompts, next_hop
 from server.adapters import SpanAdapter
 from server.batching import DEFAULT_GATHER_WINDOW, DEFAULT_MAX_BATCH_POSITIONS, BatchScheduler
 from server.cache_budget import CacheBudget
@@ -273,6 +273,9 @@ class SessionHandler(SessionWorker):
     ) -> tuple[ServerSession, Optional[MessageStream]]:
         """Admit a session (server/admission.py), reserve its cache, open it on the next hop, start its worker."""
         owner = self._admit(message, upstream.peer_id.to_base58())
+        tensors, deep = deep_prompts.split_open(
+            message, tensors, self.span.hidden_shape, self.max_positions_per_step, self.span.num_blocks
+        )
         prompts = admission.check_prompts(message, tensors, self.span.hidden_shape, self.max_positions_per_step)
         if not self.budget.reserve(message.session_id, message.max_length, owner):
             raise ProtocolError(
@@ -285,6 +288,7 @@ class SessionHandler(SessionWorker):
         )
         session.upstream = upstream
         session.secret_hash, session.prompts = message.secret_hash, prompts
+        deep_prompts.keep(session, deep)
         downstream = await self._chain(session, upstream)
         self.open_sessions.add(session)
         session.worker = asyncio.create_task(self._run_session(session, downstream))

@@ -46,7 +46,10 @@ async def open_downstream(p2p: P2P, session: ServerSession) -> MessageStream:
                 route=session.route,
                 hop_index=session.hop_index + 1,
                 secret_hash=session.secret_hash,
-            )
+                num_prompts=0 if session.deep_rest is None else session.deep_rest.shape[1],
+                deep_prompts=session.deep_rest is not None,
+            ),
+            [] if session.deep_rest is None else [session.deep_rest.contiguous()],
         )
         reply = await asyncio.wait_for(stream.receive(), OPEN_TIMEOUT)
     except (asyncio.TimeoutError, OSError, Exception) as e:

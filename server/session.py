@@ -94,6 +94,8 @@ class ServerSession:
     offer: Optional[object] = None  # the head: the client's latest DraftOffer
     tail_started: set[int] = field(default_factory=set)  # the tail: runs it started at the head, not yet verified
     prompts: Optional[object] = None  # the head: embeddings of the first positions (OpenSession.num_prompts)
+    deep_prompts: Optional[object] = None  # deep_ptune: [span blocks, P, hidden] added at each block's input
+    deep_rest: Optional[object] = None  # the deep prompts of the blocks after this span, for the next hop
 
     @property
     def hop(self) -> Hop:

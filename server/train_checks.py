@@ -9,6 +9,7 @@ was wrong before anything is computed or kept.
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -57,4 +58,72 @@ def check_train_forward(
     head = message.hop_index == 0
     rows = prompts if head else prompts + length
     what = "the prompts" if head else "the previous span's output"
+    tensors, deep, score = split_train_tensors(message, tensors)
+    if message.deep_prompts:
+        check_deep_prompts(deep, message, held.num_blocks, hidden_size)
+    if message.num_labels:
+        check_score(score, message, hidden_size)
     check_tensors(tensors, rows, hidden_size, what, optional=head and prompts == 0)
+
+
+def split_train_tensors(
+    message: TrainForward, tensors: Sequence[torch.Tensor]
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """A TrainForward's tensors in their three parts, in this order: the input (none at a head without
+    prompts), the deep prompts (with ``deep_prompts``) and the score weights (with ``num_labels``); any
+    tensor beyond them is left with the input (whose check then names it)."""
+    count = 0 if message.hop_index == 0 and message.num_prompts == 0 else 1
+    inputs, rest = list(tensors[:count]), list(tensors[count:])
+    deep = rest[:1] if message.deep_prompts else []
+    rest = rest[len(deep) :]
+    score = rest[:1] if message.num_labels else []
+    return inputs + rest[len(score) :], deep, score
+
+
+def check_score(tensors: Sequence[torch.Tensor], message: TrainForward, hidden_size: int) -> None:
+    """A classification row: 1..MAX_NUM_LABELS labels, a label in range (a class index, or any finite value
+    for regression), targets all ignored, and one float32 ``[num_labels, hidden]`` score weight."""
+    count = message.num_labels
+    if not 0 < count <= limits.MAX_NUM_LABELS:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"num_labels must be in 1..{limits.MAX_NUM_LABELS}, got {count}")
+    label = message.label
+    if not math.isfinite(label) or (count > 1 and (label != int(label) or not 0 <= label < count)):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"label must be a class index in [0, {count}), got {label}")
+    if any(t != IGNORE_INDEX for t in message.targets):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"a classification row's targets must all be {IGNORE_INDEX}")
+    check_gradient(tensors, (count, hidden_size), "the score weights")
+
+
+def check_deep_prompts(tensors: Sequence[torch.Tensor], message: TrainForward, num_blocks: int, hidden: int) -> None:
+    """The deep prompts a TrainForward with ``deep_prompts`` carries after its first tensor: one float32
+    ``[num_blocks - hop.start, num_prompts, hidden]`` tensor of finite values, within MAX_DEEP_PROMPT_ELEMENTS."""
+    start, prompts = message.route[message.hop_index].start, message.num_prompts
+    if prompts == 0:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "deep prompts need num_prompts >= 1")
+    expected = (num_blocks - start, prompts, hidden)
+    if (num_blocks - start) * prompts * hidden > limits.MAX_DEEP_PROMPT_ELEMENTS:
+        raise ProtocolError(
+            ErrorCode.STEP_TOO_LARGE,
+            f"deep prompts {expected} exceed {limits.MAX_DEEP_PROMPT_ELEMENTS} values (MAX_DEEP_PROMPT_ELEMENTS)",
+        )
+    if len(tensors) != 1:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"expected one tensor of deep prompts, got {len(tensors)}")
+    deep = tensors[0]
+    if tuple(deep.shape) != expected:
+        got = tuple(deep.shape)
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"the deep prompts must have shape {expected}, got {got}")
+    if deep.dtype != torch.float32:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"the deep prompts must be float32, got {deep.dtype}")
+    if not bool(torch.isfinite(deep).all()):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "the deep prompts hold values that are not finite")
+
+
+def check_gradient(tensors: Sequence[torch.Tensor], shape: tuple[int, ...], what: str) -> None:
+    """Exactly one float32 tensor of ``shape`` and finite values (a gradient a next hop sent back)."""
+    if len(tensors) != 1:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"expected one tensor ({what}), got {len(tensors)}")
+    if tuple(tensors[0].shape) != shape or tensors[0].dtype != torch.float32:
+        got = f"{tuple(tensors[0].shape)} {tensors[0].dtype}"
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"{what} must be float32 of shape {shape}, got {got}")
+    if not bool(torch.isfinite(tensors[0]).all()):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"{what} holds values that are not finite")

@@ -21,7 +21,8 @@ import asyncio
 import logging
 import time
 from concurrent.futures import Executor
-from typing import Optional
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import msgspec
 import torch
@@ -34,11 +35,32 @@ from protocol.streams import TRAIN_PROTOCOL, MessageStream, serve
 from server.adapters import SpanAdapter
 from server.admission import HeldBlocks
 from server.replies import report, send_quietly
-from server.train_checks import IGNORE_INDEX, check_tensors, check_train_forward
+from server.train_checks import IGNORE_INDEX, check_gradient, check_tensors, check_train_forward, split_train_tensors
 
 logger = logging.getLogger(__name__)
 
 OPEN_TIMEOUT = 30.0  # seconds to open the stream to the next hop
+
+
+@dataclass
+class Backward:
+    """What one hop's backward computed: the gradients of its input and of its deep prompts, and at the
+    tail the row's loss sum, its target count and the hidden state it scored (classification)."""
+
+    grad: Optional[torch.Tensor] = None
+    deep_grad: Optional[torch.Tensor] = None
+    loss_sum: float = 0.0
+    num_targets: int = 0
+    scored: Optional[torch.Tensor] = None  # [1, hidden]
+
+    def upstream(self, deep: bool, downstream: Optional[list[torch.Tensor]]) -> list[torch.Tensor]:
+        """The TrainBackward's tensors: the input's gradient, the deep prompts' gradients of this span and
+        of every block after it (``downstream``: what the next hop sent), and the scored hidden state."""
+        tensors = [self.grad]
+        if deep:
+            tensors.append(self.deep_grad if downstream is None else torch.cat([self.deep_grad, downstream[1]]))
+        scored = self.scored if downstream is None else (downstream[-1] if len(downstream) > 1 + deep else None)
+        return tensors + ([scored] if scored is not None else [])
 
 
 class KeptInputs:
@@ -47,11 +69,11 @@ class KeptInputs:
 
     def __init__(self, max_bytes: int, timeout: float):
         self.max_bytes, self.timeout = max_bytes, timeout
-        self._held: dict[str, tuple[torch.Tensor, float]] = {}
+        self._held: dict[str, tuple[tuple[torch.Tensor, ...], float]] = {}
 
     @property
     def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t, _ in self._held.values())
+        return sum(t.numel() * t.element_size() for kept, _ in self._held.values() for t in kept)
 
     def __contains__(self, step_id: str) -> bool:
         self._expire()
@@ -60,21 +82,26 @@ class KeptInputs:
     def __len__(self) -> int:
         return len(self._held)
 
-    def keep(self, step_id: str, tensor: torch.Tensor) -> None:
+    def keep(self, step_id: str, tensor: torch.Tensor, *more: torch.Tensor) -> None:
+        """Keep ``tensor`` (and ``more``: a deep prompt tuning step's own deep prompts) for ``step_id``."""
         self._expire()
         if step_id in self._held:
             raise ProtocolError(ErrorCode.SESSION_EXISTS, f"training step {step_id!r} is already in flight here")
-        size = tensor.numel() * tensor.element_size()
+        size = sum(t.numel() * t.element_size() for t in (tensor, *more))
         if self.bytes + size > self.max_bytes:
             raise ProtocolError(
                 ErrorCode.BUSY,
                 f"no room to keep a training step's input ({size} bytes): {self.bytes} of {self.max_bytes} "
                 "bytes are held for other steps",
             )
-        self._held[step_id] = (tensor, time.monotonic() + self.timeout)
+        self._held[step_id] = ((tensor, *more), time.monotonic() + self.timeout)
 
     def take(self, step_id: str) -> torch.Tensor:
         """The input kept for ``step_id``, freed here; unknown (expired) steps are a named error."""
+        return self.take_all(step_id)[0]
+
+    def take_all(self, step_id: str) -> tuple[torch.Tensor, ...]:
+        """Every tensor kept for ``step_id`` (:meth:`keep`'s order), freed here."""
         self._expire()
         if step_id not in self._held:
             raise ProtocolError(
@@ -111,7 +138,8 @@ class TrainingHandler:
         self.max_positions_per_step, self.step_timeout = max_positions_per_step, step_timeout
         self.kept = KeptInputs(max_kept_bytes, step_timeout)
         self.max_frame_bytes = limits.train_frame_bytes(span.hidden_shape, max_positions_per_step)
-        self.max_tensor_elements = limits.step_tensor_elements(span.hidden_shape, max_positions_per_step)
+        steps = limits.step_tensor_elements(span.hidden_shape, max_positions_per_step)
+        self.max_tensor_elements = max(steps, limits.MAX_DEEP_PROMPT_ELEMENTS)  # activations, or deep prompts
         self.held = HeldBlocks(span.start, span.end, span.num_blocks)
         self.stats = {"train_steps": 0, "train_refused": 0}
         self.in_flight, self.max_in_flight = 0, limits.MAX_TRAIN_STEPS_IN_FLIGHT
@@ -136,9 +164,9 @@ class TrainingHandler:
             message = received.message
             step_id = getattr(message, "step_id", "")
             if isinstance(message, TrainForward):
-                grad, loss_sum, num_targets = await self._admitted_step(message, received.tensors, upstream)
+                grads, loss_sum, num_targets = await self._admitted_step(message, received.tensors, upstream)
                 reply = TrainBackward(step_id=step_id, loss_sum=loss_sum, num_targets=num_targets)
-                await send_quietly(upstream, reply, [grad])
+                await send_quietly(upstream, reply, grads)
                 self.stats["train_steps"] += 1
             elif isinstance(message, TrainBackward):
                 self._stray_backward(message)
@@ -156,7 +184,7 @@ class TrainingHandler:
 
     async def _admitted_step(
         self, message: TrainForward, tensors: list[torch.Tensor], upstream: MessageStream
-    ) -> tuple[torch.Tensor, float, int]:
+    ) -> tuple[list[torch.Tensor], float, int]:
         """A step, if this server takes one now: not while it drains, and at most ``max_in_flight`` at once
         (each holds its frame, and its compute waits for the span's one compute thread)."""
         if not self.accepting:
@@ -180,8 +208,9 @@ class TrainingHandler:
 
     async def _step(
         self, message: TrainForward, tensors: list[torch.Tensor], upstream: MessageStream
-    ) -> tuple[torch.Tensor, float, int]:
-        """The gradient to send upstream, the row's loss sum and its target count."""
+    ) -> tuple[list[torch.Tensor], float, int]:
+        """The gradients to send upstream (the input's; with deep prompts, theirs from this span's first
+        block to the model's last), the row's loss sum and its target count."""
         # 1) check
         refusal = self.span.backward_refusal()
         if refusal:
@@ -197,22 +226,30 @@ class TrainingHandler:
             self.span.vocab_size,
             self.max_positions_per_step,
         )
-        kept = tensors[0] if tensors else torch.zeros(0, hidden_size)
+        inputs, deep_all, score = split_train_tensors(message, tensors)
+        kept = inputs[0] if inputs else torch.zeros(0, hidden_size)
+        hop = message.route[message.hop_index]
+        deep = deep_rest = None  # this span's deep prompts, and those of the blocks after it
+        if deep_all:
+            deep, deep_rest = deep_all[0][: hop.end - hop.start], deep_all[0][hop.end - hop.start :]
         loop = asyncio.get_running_loop()
         # 2) the tail: loss and gradient at once
-        if message.route[message.hop_index].end == self.span.num_blocks:
-            return await loop.run_in_executor(self.executor, self._backward, message, kept, None)
+        if hop.end == self.span.num_blocks:
+            done = await loop.run_in_executor(self.executor, self._backward, message, kept, None, deep, score)
+            return done.upstream(deep is not None, None), done.loss_sum, done.num_targets
         # 2) any other hop: forward, keep the input, wait for the next hop's gradient
-        self.kept.keep(message.step_id, kept)
+        self.kept.keep(message.step_id, kept, *([deep] if deep is not None else []))
         try:
-            output = await loop.run_in_executor(self.executor, self._forward, message, kept)
-            reply, grad_out = await self._downstream(message, output)
-            kept = self.kept.take(message.step_id)
+            output = await loop.run_in_executor(self.executor, self._forward, message, kept, deep)
+            reply, grads_out = await self._downstream(message, output, deep_rest, score)
+            kept, *deep_kept = self.kept.take_all(message.step_id)
             # 3) recompute with autograd and backpropagate
-            grad, _, _ = await loop.run_in_executor(self.executor, self._backward, message, kept, grad_out)
+            done = await loop.run_in_executor(
+                self.executor, self._backward, message, kept, grads_out[0], deep_kept[0] if deep_kept else None
+            )
         finally:
             self.kept.drop(message.step_id)
-        return grad, reply.loss_sum, reply.num_targets
+        return done.upstream(deep is not None, grads_out), reply.loss_sum, reply.num_targets
 
     def _span_input(self, message: TrainForward, kept: torch.Tensor) -> torch.Tensor:
         """[1, positions, hidden]: at the head prompts ++ embed(ids), elsewhere the tensor received."""
@@ -224,31 +261,58 @@ class TrainingHandler:
             embedded = span.embed_tokens(torch.tensor(message.token_ids, device=span.device))
         return torch.cat([kept, embedded]).unsqueeze(0)
 
-    def _forward(self, message: TrainForward, kept: torch.Tensor) -> torch.Tensor:
+    def _forward(self, message: TrainForward, kept: torch.Tensor, deep: Optional[torch.Tensor]) -> torch.Tensor:
         hop = message.route[message.hop_index]
         with torch.no_grad():
-            output = self.span.train_span(self._span_input(message, kept), range(hop.start, hop.end))
+            output = self.span.train_span(self._span_input(message, kept), range(hop.start, hop.end), deep)
         return output[0].float()
 
     def _backward(
-        self, message: TrainForward, kept: torch.Tensor, grad_out: Optional[torch.Tensor]
-    ) -> tuple[torch.Tensor, float, int]:
-        """Recompute the span from its input with autograd; backpropagate ``grad_out`` (None at the tail:
-        the loss sum's own gradient). The gradient of the input (the prompts' rows at the head)."""
+        self,
+        message: TrainForward,
+        kept: torch.Tensor,
+        grad_out: Optional[torch.Tensor],
+        deep: Optional[torch.Tensor] = None,
+        score: Sequence[torch.Tensor] = (),
+    ) -> "Backward":
+        """Recompute the span from its input (and deep prompts) with autograd; backpropagate ``grad_out``
+        (None at the tail: the loss sum's own gradient, from the LM head or the ``score`` weights). The
+        gradients of the input (the prompts' rows at the head) and of this span's deep prompts."""
         hop, span = message.route[message.hop_index], self.span
+        done = Backward()
         with torch.enable_grad():
             leaf = kept.to(span.device, span.dtype).detach().requires_grad_(True)
-            output = span.train_span(self._span_input(message, leaf), range(hop.start, hop.end))
-            loss_sum, num_targets = 0.0, 0
+            deep_leaf = None if deep is None else deep.to(span.device, span.dtype).detach().requires_grad_(True)
+            output = span.train_span(self._span_input(message, leaf), range(hop.start, hop.end), deep_leaf)
             if grad_out is None:
-                loss, num_targets = self._loss_sum(message, output)
-                loss_sum = float(loss.detach())
-                if num_targets:
+                if score:
+                    loss, done.num_targets, done.scored = self._score_loss(message, output, score[0])
+                else:
+                    loss, done.num_targets = self._loss_sum(message, output)
+                done.loss_sum = float(loss.detach())
+                if done.num_targets:
                     loss.backward()
             else:
                 torch.autograd.backward(output, grad_out.to(output.device, output.dtype).unsqueeze(0))
-        grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-        return grad.float().cpu(), loss_sum, num_targets
+        done.grad = (leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)).float().cpu()
+        if deep_leaf is not None:
+            deep_grad = deep_leaf.grad if deep_leaf.grad is not None else torch.zeros_like(deep_leaf)
+            done.deep_grad = deep_grad.float().cpu()
+        return done
+
+    def _score_loss(
+        self, message: TrainForward, output: torch.Tensor, score: torch.Tensor
+    ) -> tuple[torch.Tensor, int, torch.Tensor]:
+        """Sequence classification: the final (normed) hidden state of the row's last position, scored with
+        the client's weights; cross-entropy against the class ``label``, or the squared error of the one
+        value (regression), as transformers' LlamaForSequenceClassification (one row: its sum is its mean)."""
+        last = self.span.train_final_hidden(output[:, -1:])[0].float()  # [1, hidden]
+        logits = last @ score.to(last.device).t()  # [1, num_labels]
+        if message.num_labels == 1:
+            loss = (logits[0, 0] - message.label) ** 2
+        else:
+            loss = torch.nn.functional.cross_entropy(logits, torch.tensor([int(message.label)], device=last.device))
+        return loss, 1, last.detach().cpu()
 
     def _loss_sum(self, message: TrainForward, output: torch.Tensor) -> tuple[torch.Tensor, int]:
         """The sum of the row's target cross-entropies over the ids' positions (prompts dropped)."""
@@ -257,8 +321,15 @@ class TrainingHandler:
         loss = torch.nn.functional.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
         return loss, int((targets != IGNORE_INDEX).sum())
 
-    async def _downstream(self, message: TrainForward, output: torch.Tensor) -> tuple[TrainBackward, torch.Tensor]:
-        """Send the row on to the next hop and wait for its TrainBackward (an ErrorReply is relayed)."""
+    async def _downstream(
+        self,
+        message: TrainForward,
+        output: torch.Tensor,
+        deep_rest: Optional[torch.Tensor],
+        score: Sequence[torch.Tensor] = (),
+    ) -> tuple[TrainBackward, list[torch.Tensor]]:
+        """Send the row (and the deep prompts of the blocks after this span) on to the next hop and wait
+        for its TrainBackward (an ErrorReply is relayed): the gradients it sent, checked."""
         next_hop = message.route[message.hop_index + 1]
         relay.remember(next_hop.peer_id, next_hop.addrs)
         stream: Optional[MessageStream] = None
@@ -273,7 +344,8 @@ class TrainingHandler:
                 ),
                 OPEN_TIMEOUT,
             )
-            await stream.send(msgspec.structs.replace(message, hop_index=message.hop_index + 1), [output])
+            tensors = [output] + ([deep_rest.contiguous()] if deep_rest is not None else []) + list(score)
+            await stream.send(msgspec.structs.replace(message, hop_index=message.hop_index + 1), tensors)
             received = await asyncio.wait_for(stream.receive(), self.step_timeout)
         except Exception as e:
             raise ProtocolError(
@@ -294,8 +366,17 @@ class TrainingHandler:
                 f"next server {next_hop.peer_id} answered training step {message.step_id!r} with {what}",
                 peer_id=next_hop.peer_id,
             )
+        grads = received.tensors
         try:
-            check_tensors(received.tensors, output.shape[0], output.shape[1], "the next hop's gradient")
+            check_tensors(grads[:1], output.shape[0], output.shape[1], "the next hop's gradient")
+            expected = 1 + (deep_rest is not None) + bool(score)
+            if len(grads) != expected:
+                why = f"the next hop sent {len(grads)} tensors; expected {expected}"
+                raise ProtocolError(ErrorCode.BAD_REQUEST, why)
+            if deep_rest is not None:
+                check_gradient(grads[1:2], tuple(deep_rest.shape), "the next hop's deep prompt gradient")
+            if score:
+                check_gradient(grads[-1:], (1, output.shape[1]), "the scored hidden state")
         except ProtocolError as e:
             raise ProtocolError(ErrorCode.DOWNSTREAM_FAILED, e.message, peer_id=next_hop.peer_id) from None
-        return reply, received.tensors[0]
+        return reply, grads

@@ -37,6 +37,14 @@ class BatchMember:
     cancelled: Callable[[], bool] = lambda: False
 
 
+def add_deep_prompts(hidden: torch.Tensor, prompts: torch.Tensor) -> torch.Tensor:
+    """``hidden`` [1, S, ...] with ``prompts`` [P, ...] added to its first min(P, S) positions (a new tensor:
+    autograd reaches both; the positions past P are untouched)."""
+    count = min(prompts.shape[0], hidden.shape[1])
+    added = hidden[:, :count] + prompts[:count].to(hidden.device, hidden.dtype).unsqueeze(0)
+    return torch.cat([added, hidden[:, count:]], dim=1)
+
+
 class SpanAdapter(abc.ABC):
     """Modules of blocks [start, end) of one model, plus embeddings at the head and the final
     norm and LM head at the tail."""
@@ -139,13 +147,20 @@ class SpanAdapter(abc.ABC):
         """Why this span cannot take part in a training step (docs/design.md, "Fine-tuning"); "" when it can."""
         return f"{type(self).__name__} spans do not support backward (training) yet"
 
-    def train_span(self, hidden: torch.Tensor, blocks: range) -> torch.Tensor:
+    def train_span(self, hidden: torch.Tensor, blocks: range, deep: Optional[torch.Tensor] = None) -> torch.Tensor:
         """[1, S, *hidden_shape] -> the output of ``blocks`` over positions 0..S-1, without a cache, under
-        the caller's grad mode (so autograd reaches ``hidden``; the weights stay frozen)."""
+        the caller's grad mode (so autograd reaches ``hidden``; the weights stay frozen). ``deep``
+        ``[len(blocks), P, *hidden_shape]``: deep prompts, added to the first P positions at each block's
+        input (:func:`add_deep_prompts`; Petals' deep_ptune)."""
         raise NotImplementedError(self.backward_refusal())
 
     def train_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[1, S, *hidden_shape] final activations -> [S, vocab] float32 logits, under the caller's grad mode."""
+        raise NotImplementedError(self.backward_refusal())
+
+    def train_final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[1, S, *hidden_shape] final activations -> [1, S, hidden] after the final norm, under the caller's
+        grad mode (what a sequence classification head scores)."""
         raise NotImplementedError(self.backward_refusal())
 
     def cache_bytes_per_token(self) -> int:

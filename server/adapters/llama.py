@@ -33,7 +33,7 @@ from transformers.cache_utils import DynamicLayer
 
 from protocol import trees
 from server.adapters import expert_weights, fused_experts, llama_batch, packing
-from server.adapters.base import BatchMember, Cache, SpanAdapter
+from server.adapters.base import BatchMember, Cache, SpanAdapter, add_deep_prompts
 from server.quantization import Quant, assign_tensor, checkpoint_names
 from server.weights import Checkpoint
 
@@ -244,12 +244,15 @@ class LlamaFamilyAdapter(SpanAdapter):
             return f"a {self.quant.value} span does not support backward (training); serve it unquantized"
         return ""
 
-    def train_span(self, hidden: torch.Tensor, blocks: range) -> torch.Tensor:
-        """Blocks over a whole row at once, no cache: the training lap's forward and its recompute."""
+    def train_span(self, hidden: torch.Tensor, blocks: range, deep: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Blocks over a whole row at once, no cache: the training lap's forward and its recompute.
+        ``deep`` ``[len(blocks), P, hidden]``: added to the first P positions at each block's input."""
         hidden = hidden.to(self.device, self.dtype)
         position_ids, masks = self._positions_and_masks(0, hidden.shape[1], None)
         position_embeddings = self.rotary_emb(hidden, position_ids=position_ids)
-        for block in blocks:
+        for i, block in enumerate(blocks):
+            if deep is not None:
+                hidden = add_deep_prompts(hidden, deep[i])
             hidden = self.layers[block - self.start](
                 hidden,
                 attention_mask=masks[self.windows[block - self.start]],
@@ -262,6 +265,9 @@ class LlamaFamilyAdapter(SpanAdapter):
 
     def train_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(hidden.to(self.device, self.dtype)))[0].float()
+
+    def train_final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.norm(hidden.to(self.device, self.dtype))
 
     def cache_bytes_per_token(self) -> int:
         return self.span_cache_bytes_per_token(self.config, self.start, self.end, self.dtype)

@@ -87,7 +87,6 @@ def test_tuning_arguments_are_consumed_and_checked(tuning_swarm, tiny_llama_path
     _, peers = tuning_swarm
     for bad, match in [
         (dict(tuning_mode="bogus", pre_seq_len=4), "unknown tuning_mode 'bogus'"),
-        (dict(tuning_mode="deep_ptune", pre_seq_len=4), "not supported yet"),
         (dict(tuning_mode="ptune", pre_seq_len=0), "pre_seq_len must be an int in 1..256"),
         (dict(tuning_mode="ptune", pre_seq_len=limits.MAX_PROMPT_POSITIONS + 1), "pre_seq_len must be"),
         (dict(pre_seq_len=4), "needs a tuning_mode"),
