@@ -116,6 +116,7 @@ async def train_row(
     if score is not None:
         tensors.append(score.detach().float().cpu().contiguous())
     hidden = prompts.shape[1]
+    deep_values = 0 if deep is None else deep.numel()  # their gradients come back in the reply
     relay.remember(head, route[0].addrs)
     stream = None
     try:
@@ -123,7 +124,7 @@ async def train_row(
             swarm.p2p,
             PeerID.from_base58(head),
             TRAIN_PROTOCOL,
-            max_frame_bytes=limits.train_frame_bytes((hidden,), max(1, prompts.shape[0])),
+            max_frame_bytes=limits.train_frame_bytes((hidden,), max(1, prompts.shape[0]), deep_values),
             max_tensor_elements=max(1, prompts.shape[0]) * hidden if deep is None else deep.numel(),
         )
         await stream.send(message, tensors)

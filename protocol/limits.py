@@ -90,8 +90,19 @@ def session_frame_bytes(hidden_shape: Sequence[int], max_positions: int) -> int:
     return activations + 10 * max_positions + FRAME_MARGIN_BYTES
 
 
-def train_frame_bytes(hidden_shape: Sequence[int], max_positions: int) -> int:
+def deep_prompt_elements(blocks_from_here: int, hidden_size: int) -> int:
+    """The most deep-prompt values a server whose span starts ``blocks_from_here`` blocks before the
+    model's end may be sent: its blocks and every later one, MAX_PROMPT_POSITIONS each, within
+    MAX_DEEP_PROMPT_ELEMENTS. Sized by the span, not the global cap, so a stranger's training frames
+    on a small server stay small (64 of them may be in flight)."""
+    return min(MAX_DEEP_PROMPT_ELEMENTS, max(0, blocks_from_here) * MAX_PROMPT_POSITIONS * hidden_size)
+
+
+def train_frame_bytes(hidden_shape: Sequence[int], max_positions: int, deep_elements: int = 0) -> int:
     """The largest frame on the training protocol: a TrainForward of ``max_positions`` positions with
-    its activations (or a TrainBackward with their gradient), ids and targets up to 10 bytes each."""
-    deep = ACTIVATION_BYTES_PER_ELEMENT * MAX_DEEP_PROMPT_ELEMENTS  # a deep prompt tuning step's second tensor
-    return session_frame_bytes(hidden_shape, max_positions) + 10 * max_positions + deep
+    its activations (or a TrainBackward with their gradient), ids and targets up to 10 bytes each,
+    ``deep_elements`` values of deep prompts (deep_prompt_elements) and a classification row's score
+    weights."""
+    deep = ACTIVATION_BYTES_PER_ELEMENT * deep_elements  # a deep prompt tuning step's second tensor
+    score = ACTIVATION_BYTES_PER_ELEMENT * MAX_NUM_LABELS * hidden_shape[-1]  # a classification row's score weights
+    return session_frame_bytes(hidden_shape, max_positions) + 10 * max_positions + deep + score

@@ -96,15 +96,16 @@ def check_score(tensors: Sequence[torch.Tensor], message: TrainForward, hidden_s
 
 def check_deep_prompts(tensors: Sequence[torch.Tensor], message: TrainForward, num_blocks: int, hidden: int) -> None:
     """The deep prompts a TrainForward with ``deep_prompts`` carries after its first tensor: one float32
-    ``[num_blocks - hop.start, num_prompts, hidden]`` tensor of finite values, within MAX_DEEP_PROMPT_ELEMENTS."""
+    ``[num_blocks - hop.start, num_prompts, hidden]`` tensor of finite values, within limits.deep_prompt_elements."""
     start, prompts = message.route[message.hop_index].start, message.num_prompts
     if prompts == 0:
         raise ProtocolError(ErrorCode.BAD_REQUEST, "deep prompts need num_prompts >= 1")
     expected = (num_blocks - start, prompts, hidden)
-    if (num_blocks - start) * prompts * hidden > limits.MAX_DEEP_PROMPT_ELEMENTS:
+    most = limits.deep_prompt_elements(num_blocks - start, hidden)
+    if (num_blocks - start) * prompts * hidden > most:
         raise ProtocolError(
             ErrorCode.STEP_TOO_LARGE,
-            f"deep prompts {expected} exceed {limits.MAX_DEEP_PROMPT_ELEMENTS} values (MAX_DEEP_PROMPT_ELEMENTS)",
+            f"deep prompts {expected} exceed the {most} values this span takes (limits.deep_prompt_elements)",
         )
     if len(tensors) != 1:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"expected one tensor of deep prompts, got {len(tensors)}")

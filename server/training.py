@@ -137,9 +137,11 @@ class TrainingHandler:
         self.peer_id = p2p.peer_id.to_base58()
         self.max_positions_per_step, self.step_timeout = max_positions_per_step, step_timeout
         self.kept = KeptInputs(max_kept_bytes, step_timeout)
-        self.max_frame_bytes = limits.train_frame_bytes(span.hidden_shape, max_positions_per_step)
+        deep = limits.deep_prompt_elements(span.num_blocks - span.start, span.hidden_shape[-1])
+        self.max_frame_bytes = limits.train_frame_bytes(span.hidden_shape, max_positions_per_step, deep)
         steps = limits.step_tensor_elements(span.hidden_shape, max_positions_per_step)
-        self.max_tensor_elements = max(steps, limits.MAX_DEEP_PROMPT_ELEMENTS)  # activations, or deep prompts
+        score = limits.MAX_NUM_LABELS * span.hidden_shape[-1]
+        self.max_tensor_elements = max(steps, deep, score)  # activations, deep prompts, or score weights
         self.held = HeldBlocks(span.start, span.end, span.num_blocks)
         self.stats = {"train_steps": 0, "train_refused": 0}
         self.in_flight, self.max_in_flight = 0, limits.MAX_TRAIN_STEPS_IN_FLIGHT

@@ -178,7 +178,7 @@ def test_bad_classification_input_is_refused_by_name(tuning_swarm, tiny_llama_pa
             (row(label=3.0), [score], "label must be a class index in [0, 3)"),
             (row(label=0.5), [score], "label must be a class index"),
             (row(targets=(5, -100)), [score], "targets must all be -100"),
-            (row(num_labels=5000), [torch.zeros(5000, hidden)], "num_labels must be in 1..1024"),
+            (row(num_labels=5000), [score], "num_labels must be in 1..1024"),
         ]:
             reply = raw_exchange(model, head, message, tensors)
             assert isinstance(reply, ErrorReply) and reply.code == ErrorCode.BAD_REQUEST, reply
