@@ -25,6 +25,8 @@ import contextlib
 import json
 import time
 import types
+import urllib.error
+import urllib.request
 import warnings
 
 import pytest
@@ -312,3 +314,35 @@ def test_the_adaptive_liar_that_lies_only_in_live_laps_lies_in_audits_too(
             assert out[:confirmed] == greedy_reference[:confirmed]
     finally:
         stop(sybil_swarm, processes)
+
+
+def _post(url: str, body: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(
+        url, method="POST", headers={"Content-Type": "application/json"}, data=json.dumps(body).encode()
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_the_gateway_refuses_unconfirmed_tokens_under_audit_required(sybil_swarm, tiny_llama_path, greedy_reference):
+    """Only T serves blocks 4:6 (U hidden, no sybil running): nobody can confirm T's tokens. The
+    gateway's reply counts them unconfirmed; with ``"audit": "required"`` it is a 502 naming why."""
+    from swarm.api import Gateway, GatewayConfig
+    from tests.api.test_api import GatewayThread
+
+    with client(sybil_swarm, tiny_llama_path, route("T"), hidden=["U"]) as model:
+        with GatewayThread(Gateway({"tiny": model}, GatewayConfig())) as served:
+            body = {"model": "tiny", "prompt": PROMPT[0], "max_tokens": 8, "temperature": 0}
+            status, reply = _post(f"{served.url}/completions", body)
+            assert status == 200, reply
+            assert reply["specswarm"]["tokens_unconfirmed"] == 8 and reply["usage"]["completion_tokens"] == 8
+            status, reply = _post(f"{served.url}/completions", {**body, "audit": "required"})
+            assert status == 502, reply
+            assert reply["error"]["code"] == "tokens_unconfirmed", reply
+            assert "8 of 8 generated tokens are unconfirmed" in reply["error"]["message"]
+            assert "no independent second server" in reply["error"]["message"]
+            status, reply = _post(f"{served.url}/completions", {**body, "audit": "sometimes"})
+            assert status == 400 and reply["error"]["param"] == "audit", reply
