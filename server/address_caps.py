@@ -11,7 +11,9 @@ multiaddr), never from anything the peer sends. Loopback is exempt by default: a
 test), which a stranger cannot start; ``--cap-loopback`` counts it as one address too (the tests set
 it). A private address counts as itself (a LAN or a container network: one address per machine
 there too). A relayed connection shows the relay's address, so clients behind one relay share its
-share; where no address is known the per-peer caps alone apply.
+share; where no address is known the per-peer caps alone apply. Subscribes waiting at the tail for
+their sessions are capped per address the same way (server/subscribe.py); unread results are not
+(they are bounded per session and per server: server/unread.py).
 """
 
 from __future__ import annotations
@@ -66,6 +68,10 @@ class AddressCaps:
                 return address
         return None
 
+    def most_sessions(self, max_sessions: int) -> int:
+        """Sessions (and pending Subscribes) one address may hold of ``max_sessions``."""
+        return max(1, int(self.share * max_sessions))
+
     def check(
         self, address: Optional[str], held: tuple[int, int], max_length: int, max_sessions: int, total_tokens: int
     ) -> None:
@@ -73,7 +79,7 @@ class AddressCaps:
         if address is None:
             return
         sessions, tokens = held
-        most_sessions = max(1, int(self.share * max_sessions))
+        most_sessions = self.most_sessions(max_sessions)
         if sessions >= most_sessions:
             raise ProtocolError(
                 ErrorCode.BUSY,

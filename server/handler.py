@@ -422,4 +422,6 @@ class SessionHandler(SessionWorker):
 
     async def _serve_results(self, client: MessageStream) -> None:
         """One client's results stream (tail only): server/subscribe.py, under this server's session caps."""
-        await self.subscriptions.serve(client, self.max_sessions, self.max_sessions_per_peer)
+        address = await self.address_caps.key_of(self.p2p, client.peer_id.to_base58())
+        most = self.address_caps.most_sessions(self.max_sessions)
+        await self.subscriptions.serve(client, self.max_sessions, self.max_sessions_per_peer, address, most)

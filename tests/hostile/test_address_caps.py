@@ -15,11 +15,12 @@ import asyncio
 import types
 
 import pytest
-from hivemind.p2p import P2P
+from hivemind.p2p import P2P, PeerID
 
 from client import _loop
 from protocol.errors import ErrorCode, ProtocolError
-from protocol.messages import ErrorReply, SessionOpened
+from protocol.messages import ErrorReply, SessionOpened, Subscribe
+from protocol.streams import RESULTS_PROTOCOL, MessageStream
 from server.address_caps import AddressCaps, is_loopback, source_address
 from server.cache_budget import CacheBudget
 from tests.kit.raw_sessions import RawSession
@@ -119,3 +120,45 @@ def test_fifty_peer_ids_on_one_address_hold_one_share(capped_swarm):
     assert len(refused) == STRANGER_IDS - len(opened)
     assert all(r.code == ErrorCode.BUSY and "address 127.0.0.1 already holds 4" in r.message for r in refused), refused
     assert isinstance(honest_reply, SessionOpened), honest_reply
+
+
+def test_pending_subscribes_are_capped_per_address(capped_swarm):
+    """Subscribes for sessions that never open wait at the tail; one address may have 4 waiting
+    (its share of 16), whatever its peer ids: the others get busy naming the address at once, while
+    a Subscribe from 127.0.0.2 still waits."""
+    _, servers = capped_swarm
+    tail = servers[-1]
+    maddrs = [str(m) for m in tail.dht.get_visible_maddrs()]
+
+    async def first_reply(session: RawSession):
+        try:
+            return (await asyncio.wait_for(session.tail.receive(), 5)).message
+        except asyncio.TimeoutError:
+            return None  # still waiting for its session
+
+    async def scenario():
+        strangers = [await _peer("127.0.0.1", maddrs) for _ in range(10)]
+        honest = await _peer("127.0.0.2", maddrs)
+        sessions = [RawSession(p2p, servers) for p2p in [*strangers, honest]]
+        try:
+            for session in sessions:
+                session.tail = await MessageStream.open(
+                    session.p2p, PeerID.from_base58(session.route[-1].peer_id), RESULTS_PROTOCOL
+                )
+                await session.tail.send(Subscribe(session_id=session.session_id, secret=session.secret))
+                await asyncio.sleep(0.05)  # in order: the first four wait
+            return await asyncio.gather(*(first_reply(s) for s in sessions))
+        finally:
+            for session in sessions:
+                session.close()
+            for p2p in [*strangers, honest]:
+                await p2p.shutdown()
+
+    *stranger_replies, honest_reply = _loop.run(scenario(), timeout=300)
+    waiting = [r for r in stranger_replies if r is None]
+    refused = [r for r in stranger_replies if isinstance(r, ErrorReply)]
+    assert len(waiting) == int(SHARE * MAX_SESSIONS) and len(refused) == 10 - len(waiting), stranger_replies
+    assert all(
+        r.code == ErrorCode.BUSY and "address 127.0.0.1 already has 4 Subscribes waiting" in r.message for r in refused
+    )
+    assert honest_reply is None  # waiting, not refused
