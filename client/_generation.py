@@ -25,6 +25,7 @@ from collections import deque
 from typing import Callable, Optional, Sequence
 
 from client import _confirmation
+from client._audit_shape import LiveShape
 from client._reverify import Reverification
 from client._runs import Run, SessionState
 from client._stats import GenerationStats
@@ -139,7 +140,8 @@ class SpeculativeDecoder(Reverification):
             self.drafter.reset(self.state.history)
         self._prompt_len = len(prompt)
         if self.audits is not None:
-            self.audits.begin(prompt, self.state.max_length, self.sampling, self.verification)
+            live = LiveShape(self.num_draft_tokens)
+            self.audits.begin(prompt, self.state.max_length, self.sampling, self.verification, live)
         if self.state.remote is not None:  # an inference session's route from an earlier call
             self._route_peers.update(hop.peer_id for hop in self.state.remote.route)
 
@@ -243,6 +245,8 @@ class SpeculativeDecoder(Reverification):
         result = await self._verdict(front)
         tail_drafts = result.drafts if result.correction_ids is None else []  # after the tail's own next token
         front = self.mode.check_verdict(front, result)
+        if self.audits is not None and not front.tree:
+            self.audits.saw_lap(len(front.drafts))  # audit Steps carry as many (client/_audit_shape.py)
         self._time_lap(front)
         if result.correction_ids is not None:
             result = self.mode.corrected(front, result)

@@ -204,6 +204,7 @@ class SpotChecker(BackgroundAudit):
         self.witnesses = witnesses or Witnesses()
         self.avoid: set[str] = set()  # the generation's disputed servers (the decoder shares its own set)
         self.handled: set[str] = set()  # those of them the generation has already re-verified without
+        self.max_length = 0  # the generation's session max_length (its audit sessions copy it); 0: len(ids)
 
     def maybe_start(self, route: Sequence[Hop], ids: Sequence[int], stats, lap: int) -> None:
         """After a verdict: with probability ``rate``, audit the next hop that has a substitute."""
@@ -322,7 +323,8 @@ class SpotChecker(BackgroundAudit):
         """One fresh session on ``route``: prefill ``ids`` (chunked as the client chunks), the
         float32 logits of the last position."""
         swarm = self.swarm
-        session = RemoteSession(swarm.p2p, route, len(ids), timeout=swarm.request_timeout, prompts=swarm.prompts)
+        length = max(self.max_length, len(ids))  # as long as the generation's own session: not len(ids), a tell
+        session = RemoteSession(swarm.p2p, route, length, timeout=swarm.request_timeout, prompts=swarm.prompts)
         try:
             await session.open()
             result.positions += len(ids) * len(route)

@@ -37,6 +37,7 @@ import logging
 import random
 from typing import Optional, Sequence
 
+from client._audit_shape import LiveShape
 from client._remote_session import RemoteSession
 from client._spot_checks import AuditResult, BackgroundAudit, SpotChecker, alternatives, substituted
 from client._witnesses import Witnesses
@@ -46,7 +47,7 @@ from protocol.messages import GREEDY, Hop, SamplingParams, Step, StepResult
 logger = logging.getLogger(__name__)
 
 MAX_SHADOW_TRIES = 3  # substitutes tried for the shadow's tail when one cannot be reached
-DEFAULT_AUDIT_EVERY = 16  # committed tokens per shadow Step (more: fewer audit laps, later catches)
+DEFAULT_AUDIT_EVERY = 16  # committed tokens per audit (more: fewer audit laps, later catches)
 
 
 class VerdictAuditor(BackgroundAudit):
@@ -72,13 +73,24 @@ class VerdictAuditor(BackgroundAudit):
         self.handled: set[str] = set()  # those of them the generation has already re-verified without
         self.enabled = True  # off for rejection sampling (the module's docstring says why)
         self.max_length, self.sampling = 0, GREEDY
+        self.live = LiveShape()  # what this generation's live laps look like (client/_audit_shape.py)
         self._shadow: Optional[RemoteSession] = None
         self._held = 0  # positions the shadow's caches hold (of ``audited``)
         self._next_run = 0
         self._given_up = 0  # history length an audit ended at without a verdict: not retried at the end
 
-    def begin(self, prompt: Sequence[int], max_length: int, sampling: SamplingParams, verification: str) -> None:
+    def begin(
+        self,
+        prompt: Sequence[int],
+        max_length: int,
+        sampling: SamplingParams,
+        verification: str,
+        live: Optional[LiveShape] = None,
+    ) -> None:
+        """A new generation: its prompt, and what its live laps look like (``max_length`` of its
+        session, ``live``: drafts per lap and loop_runs), which every audit Step copies."""
         self.audited, self.max_length, self.sampling = list(prompt), max_length, sampling
+        self.live = live or LiveShape()
         self.trusted_confirmed = set()
         self._given_up = 0
         self.enabled = verification == "match"
@@ -133,15 +145,21 @@ class VerdictAuditor(BackgroundAudit):
             await self._step(position, ids[position : position + count], 0, stats)
             position += count
         self._held, position = position, start
-        while position < len(ids):  # the committed tokens as drafts after the last confirmed one
-            drafts = ids[position : position + limit - 1]
-            result = await self._step(position - 1, [ids[position - 1], *drafts], len(drafts), stats)
-            if result.accepted < len(drafts):
+        while position < len(ids):  # the committed tokens after the last confirmed one, in live-sized Steps
+            # a Step of k drafts confirms k + 1 tokens, as a live lap commits them: the drafts and the next token
+            k = self.live.draft_count(self.rng, min(limit - 1, len(ids) - position))
+            drafts = ids[position : position + k]
+            result = await self._step(position - 1, [ids[position - 1], *drafts], k, stats)
+            if result.accepted < k:
                 await self._dispute(route, ids, position + result.accepted, result.next_token, stats)
                 return
+            checked = k + (position + k < len(ids))  # the next token too, unless every id was a draft
+            if checked > k and result.next_token != ids[position + k]:
+                await self._dispute(route, ids, position + k, result.next_token, stats)
+                return
             if self.witnesses.is_trusted(self._shadow.tail_peer):
-                self.trusted_confirmed.update(range(position, position + len(drafts)))
-            position += len(drafts)
+                self.trusted_confirmed.update(range(position, position + checked))
+            position += checked
             self._held, self.audited = position, ids[:position]
 
     async def _ensure_shadow(self, route: list[Hop], length: int) -> bool:
@@ -187,20 +205,27 @@ class VerdictAuditor(BackgroundAudit):
         return False
 
     async def _step(self, start: int, token_ids: list[int], n_draft: int, stats) -> StepResult:
-        run_id, self._next_run = self._next_run, self._next_run + 1
-        sampling = None if self.sampling == GREEDY else self.sampling
-        await self._shadow.send_step(
-            Step(
-                session_id=self._shadow.session_id,
-                run_id=run_id,
-                start_pos=start,
-                token_ids=token_ids,
-                n_draft=n_draft,
-                sampling=sampling,
-            )
-        )
+        run_id = self._next_run
         stats.verdict_audit_positions += len(token_ids) * len(self._shadow.route)
-        return await self._shadow.next_result(run_id)
+        result, self._next_run = await self._live_step(self._shadow, run_id, start, token_ids, n_draft)
+        return result
+
+    async def _live_step(
+        self, session: RemoteSession, run_id: int, start: int, token_ids: list[int], n_draft: int
+    ) -> tuple[StepResult, int]:
+        """Send one Step shaped as a live lap (client/_audit_shape.py) and wait for its verdict;
+        returns it and the session's next run id. Not ``loop_runs``: the tail would start runs of
+        its own choosing after the audit's, racing its next Step (docs/reliability.md says so)."""
+        step = Step(
+            session_id=session.session_id,
+            run_id=run_id,
+            start_pos=start,
+            token_ids=token_ids,
+            n_draft=n_draft,
+            sampling=None if self.sampling == GREEDY else self.sampling,
+        )
+        await session.send_step(step)
+        return await session.next_result(run_id), run_id + 1
 
     async def _dispute(self, route: list[Hop], ids: list[int], t: int, shadow_token: int, stats) -> None:
         """The route's tail committed ids[t]; the shadow's tail chose ``shadow_token``. Settled only
@@ -262,6 +287,7 @@ class VerdictAuditor(BackgroundAudit):
         that must not convict an honest tail. A hop without a second server of its blocks and
         precision cannot be checked and counts as clean; a hop the spot-check convicts is convicted."""
         checker = SpotChecker(self.swarm, 1.0, self.vocab_size, rng=self.rng, witnesses=self.witnesses)
+        checker.max_length = self.max_length
         for index in range(len(route) - 1):
             found = alternatives(route, index, self.swarm.records, self._excluded(), len(ids))
             if not found:
@@ -287,33 +313,19 @@ class VerdictAuditor(BackgroundAudit):
     async def _third_opinion(self, route: list[Hop], ids: list[int], t: int, stats) -> int:
         """The token a fresh session on ``route`` chooses at position t after ids[:t]."""
         swarm = self.swarm
-        session = RemoteSession(swarm.p2p, route, t + 1, timeout=swarm.request_timeout, prompts=swarm.prompts)
+        # the generation's max_length, not t + 1: a session that ends at the disputed position is an audit's tell
+        session = RemoteSession(
+            swarm.p2p, route, self.max_length or t + 1, timeout=swarm.request_timeout, prompts=swarm.prompts
+        )
         try:
             await session.open()
             limit, position, run_id = self.swarm.route_step_limit(route), 0, 0
             while position < t - 1:
                 count = min(limit, t - 1 - position)
-                step = Step(
-                    session_id=session.session_id,
-                    run_id=run_id,
-                    start_pos=position,
-                    token_ids=ids[position : position + count],
-                    sampling=None if self.sampling == GREEDY else self.sampling,
-                )
-                await session.send_step(step)
-                await session.next_result(run_id)
+                _, run_id = await self._live_step(session, run_id, position, ids[position : position + count], 0)
                 stats.verdict_audit_positions += count * len(route)
-                position, run_id = position + count, run_id + 1
-            step = Step(
-                session_id=session.session_id,
-                run_id=run_id,
-                start_pos=t - 1,
-                token_ids=[ids[t - 1], ids[t]],
-                n_draft=1,
-                sampling=None if self.sampling == GREEDY else self.sampling,
-            )
-            await session.send_step(step)
-            result = await session.next_result(run_id)
+                position += count
+            result, _ = await self._live_step(session, run_id, t - 1, [ids[t - 1], ids[t]], 1)
             stats.verdict_audit_positions += 2 * len(route)
             return ids[t] if result.accepted == 1 else result.next_token
         finally:
@@ -340,9 +352,23 @@ class Audits:
         """Whether neither audit has been in flight since ``since`` (perf_counter)."""
         return all(audit is None or audit.quiet_since(since) for audit in (self.spot, self.verdicts))
 
-    def begin(self, prompt: Sequence[int], max_length: int, sampling: SamplingParams, verification: str) -> None:
+    def begin(
+        self,
+        prompt: Sequence[int],
+        max_length: int,
+        sampling: SamplingParams,
+        verification: str,
+        live: Optional[LiveShape] = None,
+    ) -> None:
+        if self.spot is not None:
+            self.spot.max_length = max_length  # its sessions are as long as the generation's
         if self.verdicts is not None:
-            self.verdicts.begin(prompt, max_length, sampling, verification)
+            self.verdicts.begin(prompt, max_length, sampling, verification, live)
+
+    def saw_lap(self, drafts: int) -> None:
+        """A live lap's verdict arrived; it carried ``drafts`` drafts (audit Steps copy the counts)."""
+        if self.verdicts is not None:
+            self.verdicts.live.saw_lap(drafts)
 
     def maybe_start(self, route, ids, stats, lap: int, final: bool = False) -> None:
         if self.spot is not None and not final:

@@ -31,6 +31,7 @@ from protocol.records import (
     block_key,
     reports_key,
 )
+from protocol.validation import precision_problem
 
 logger = logging.getLogger(__name__)
 
@@ -194,11 +195,16 @@ def _valid_report(report: Any) -> bool:
 
 def _parse(subkey: Any, value: Any, model: str, num_blocks: int) -> ServerInfo | None:
     """A record that does not validate (fields out of bounds, a span outside the model's
-    ``num_blocks``), or that claims another peer id, is ignored (and logged)."""
+    ``num_blocks``, a precision this project does not serve), or that claims another peer id, is
+    ignored (and logged with the reason)."""
     try:
         info = ServerInfo.from_dict(value, num_blocks)
     except (msgspec.ValidationError, TypeError) as e:
         logger.debug(f"Ignoring malformed record from {str(subkey)[:64]}: {str(e)[:200]}")
+        return None
+    problem = precision_problem(info.dtype, info.quantization)
+    if problem is not None:  # a precision nobody else announces: never audited (protocol.validation)
+        logger.debug(f"Ignoring record from {str(subkey)[:64]}: {problem}")
         return None
     if info.peer_id != subkey or info.model != model:
         logger.debug(f"Ignoring record under subkey {str(subkey)[:64]} that claims peer {info.peer_id}")

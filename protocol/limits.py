@@ -26,6 +26,7 @@ CONTROL_FRAME_BYTES = 64 * 1024  # frames that carry no tensors: Subscribe, Ping
 # caps on what one peer may hold open at a server (clear ``busy`` / ``queue_full`` errors past them)
 DEFAULT_MAX_SESSIONS = 256  # open sessions per server
 DEFAULT_MAX_SESSIONS_PER_PEER = 64  # open sessions per upstream peer (a client, or the previous server)
+DEFAULT_MAX_SHARE_PER_ADDRESS = 0.5  # of a server's slots and cache per client address (server/address_caps.py)
 MAX_TREE_NODES = 64  # drafts in one tree run (Step.parents); a Step's positions stay under max_positions_per_step too
 MAX_OFFER_OPTIONS = 16  # verdicts a DraftOffer may prepare drafts for (the client's hedges: MAX_HEDGES)
 MAX_OFFER_DRAFTS = 32  # drafts per option; a looped run's positions stay under max_positions_per_step too

@@ -25,7 +25,11 @@ Readers should still take the server's identity from the subkey, not from fields
 
 Size: every value, protected or not (the registry too), is refused above ``MAX_RECORD_BYTES``, so
 no peer stores, and no reader accepts, a megabyte of names or pings (an honest record is under
-2 KiB). What the fields may hold is checked by readers (``protocol.records``).
+2 KiB). What the fields may hold is checked by readers (``protocol.records``), and which precisions a
+record may announce here (:func:`precision_problem`): ``dtype`` one of :data:`SERVED_DTYPES`,
+``quantization`` one of :data:`SERVED_QUANTIZATIONS`. A server that announced a precision nobody
+else has would never be audited (audits compare servers of one precision only), so
+``protocol.dht_records`` drops such a record, with the reason in its log.
 """
 
 from __future__ import annotations
@@ -44,11 +48,32 @@ from protocol.records import MODELS_KEY
 
 logger = get_logger(__name__)
 
-__all__ = ["MAX_RECORD_BYTES", "PeerIdSignatureValidator", "UNPROTECTED_KEYS"]
+__all__ = [
+    "MAX_RECORD_BYTES",
+    "PeerIdSignatureValidator",
+    "SERVED_DTYPES",
+    "SERVED_QUANTIZATIONS",
+    "UNPROTECTED_KEYS",
+    "precision_problem",
+]
 
 UNPROTECTED_KEYS: tuple[str, ...] = (MODELS_KEY,)
 MAX_RECORD_BYTES = 64 * 1024  # one subkey's value as stored (signed), protected or not
 DOMAIN = b"specswarm.peer-record.v1"  # keeps these signatures from meaning anything elsewhere
+
+# What a server of this project can announce (swarm.server --dtype, server.quantization.Quant; None
+# in a record reads as "none"). Anything else is a record no server of this project writes.
+SERVED_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+SERVED_QUANTIZATIONS: tuple[str, ...] = ("none", "int8", "nf4")
+
+
+def precision_problem(dtype: object, quantization: object) -> Optional[str]:
+    """Why a record's precision is not one this project serves, or None when it is."""
+    if dtype not in SERVED_DTYPES:
+        return f"dtype {str(dtype)[:64]!r} is not one of {SERVED_DTYPES}"
+    if quantization is not None and quantization not in SERVED_QUANTIZATIONS:
+        return f"quantization {str(quantization)[:64]!r} is not one of {SERVED_QUANTIZATIONS}"
+    return None
 
 
 class PeerIdSignatureValidator(RecordValidatorBase):

@@ -53,6 +53,7 @@ from protocol.records import ServerInfo
 from protocol.streams import PING_PROTOCOL, RESULTS_PROTOCOL, SESSION_PROTOCOL, MessageStream, serve
 from server import admission, deep_prompts, next_hop
 from server.adapters import SpanAdapter
+from server.address_caps import AddressCaps
 from server.batching import DEFAULT_GATHER_WINDOW, DEFAULT_MAX_BATCH_POSITIONS, BatchScheduler
 from server.cache_budget import CacheBudget
 from server.open_sessions import OpenSessions
@@ -101,6 +102,7 @@ class SessionHandler(SessionWorker):
         max_session_tokens: Optional[int] = None,  # None: limits.default_max_session_tokens of the budget
         max_unread_bytes: int = limits.DEFAULT_MAX_UNREAD_MIB << 20,
         max_train_bytes: int = limits.DEFAULT_MAX_TRAIN_MIB << 20,
+        address_caps: Optional[AddressCaps] = None,  # the share one source address may hold
     ):
         self.p2p, self.span, self.budget = p2p, span, budget
         self.peer_id = p2p.peer_id.to_base58()
@@ -108,6 +110,7 @@ class SessionHandler(SessionWorker):
         self.compression = compression
         self.max_positions_per_step = max_positions_per_step
         self.max_sessions, self.max_sessions_per_peer = max_sessions, max_sessions_per_peer
+        self.address_caps = address_caps or AddressCaps()
         self.max_session_tokens = max_session_tokens or limits.default_max_session_tokens(budget.total_tokens)
         if not 0 < self.max_session_tokens <= budget.total_tokens:
             raise ValueError(
@@ -272,12 +275,14 @@ class SessionHandler(SessionWorker):
         self, message: OpenSession, upstream: MessageStream, tensors: Sequence[torch.Tensor] = ()
     ) -> tuple[ServerSession, Optional[MessageStream]]:
         """Admit a session (server/admission.py), reserve its cache, open it on the next hop, start its worker."""
-        owner = self._admit(message, upstream.peer_id.to_base58())
+        address = await self.address_caps.key_of(self.p2p, upstream.peer_id.to_base58())
+        owner = self._admit(message, upstream.peer_id.to_base58(), address)
+        address = address if owner is not None else None  # a forwarding server carries many machines' sessions
         tensors, deep = deep_prompts.split_open(
             message, tensors, self.span.hidden_shape, self.max_positions_per_step, self.span.num_blocks
         )
         prompts = admission.check_prompts(message, tensors, self.span.hidden_shape, self.max_positions_per_step)
-        if not self.budget.reserve(message.session_id, message.max_length, owner):
+        if not self.budget.reserve(message.session_id, message.max_length, owner, address):
             raise ProtocolError(
                 ErrorCode.BUSY,
                 f"no cache room for max_length={message.max_length}: {self.budget.free_tokens} of "
@@ -301,7 +306,7 @@ class SessionHandler(SessionWorker):
         await send_quietly(upstream, SessionOpened(session_id=session.session_id))
         return session, downstream
 
-    def _admit(self, message: OpenSession, upstream_peer: str) -> Optional[str]:
+    def _admit(self, message: OpenSession, upstream_peer: str, address: Optional[str] = None) -> Optional[str]:
         """Refuse a session this server may not open; else whom it counts against (admission.cap_owner)."""
         span = self.span
         admission.check_route(
@@ -319,6 +324,9 @@ class SessionHandler(SessionWorker):
         )
         owner_holds = self.budget.held_by(owner) if owner is not None else (0, 0)
         admission.check_session_caps(message, owner, self.open_sessions.held(), owner_holds, caps)
+        if owner is not None and address is not None:  # one machine's peer ids together (server/address_caps.py)
+            held = self.budget.held_by_address(address)
+            self.address_caps.check(address, held, message.max_length, self.max_sessions, self.budget.total_tokens)
         return owner
 
     async def _chain(self, session: ServerSession, upstream: MessageStream) -> Optional[MessageStream]:
@@ -418,4 +426,6 @@ class SessionHandler(SessionWorker):
 
     async def _serve_results(self, client: MessageStream) -> None:
         """One client's results stream (tail only): server/subscribe.py, under this server's session caps."""
-        await self.subscriptions.serve(client, self.max_sessions, self.max_sessions_per_peer)
+        address = await self.address_caps.key_of(self.p2p, client.peer_id.to_base58())
+        most = self.address_caps.most_sessions(self.max_sessions)
+        await self.subscriptions.serve(client, self.max_sessions, self.max_sessions_per_peer, address, most)

@@ -13,6 +13,7 @@ from protocol.limits import (
     DEFAULT_MAX_POSITIONS_PER_STEP,
     DEFAULT_MAX_SESSIONS,
     DEFAULT_MAX_SESSIONS_PER_PEER,
+    DEFAULT_MAX_SHARE_PER_ADDRESS,
     DEFAULT_MAX_TRAIN_MIB,
     DEFAULT_MAX_UNREAD_MIB,
 )
@@ -47,6 +48,8 @@ class ServerConfig:
     max_positions_per_step: int = DEFAULT_MAX_POSITIONS_PER_STEP  # a Step's positions; frames sized by it
     max_sessions: int = DEFAULT_MAX_SESSIONS  # open sessions at most
     max_sessions_per_peer: int = DEFAULT_MAX_SESSIONS_PER_PEER  # open sessions per upstream peer at most
+    max_share_per_address: float = DEFAULT_MAX_SHARE_PER_ADDRESS  # of slots and cache, per source address
+    cap_loopback: bool = False  # count loopback clients per address too (server/address_caps.py)
     max_session_tokens: Optional[int] = None  # one session's max_length at most; None: a fair share of the budget
     max_unread_mib: int = DEFAULT_MAX_UNREAD_MIB  # results held for clients that have not read them (server/unread.py)
     max_train_mib: int = DEFAULT_MAX_TRAIN_MIB  # span inputs kept for training steps in flight (server/training.py)

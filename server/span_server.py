@@ -28,6 +28,7 @@ from protocol.limits import MAX_POSITIONS_PER_STEP, MIN_POSITIONS_PER_STEP
 from protocol.models import ResolvedModel, config_fingerprint, hub_commit, resolve_model, weights_revision
 from protocol.records import ServerInfo, ServerState
 from server.adapters import SpanAdapter, load_span
+from server.address_caps import AddressCaps
 from server.cache_budget import CacheBudget
 from server.constraints import TailConstraints
 from server.drafter_attach import attach_drafter_if_it_fits, drafter_bytes
@@ -371,6 +372,7 @@ async def _start_handler(
         max_session_tokens=config.max_session_tokens,
         max_unread_bytes=config.max_unread_mib << 20,
         max_train_bytes=config.max_train_mib << 20,
+        address_caps=AddressCaps(config.max_share_per_address, config.cap_loopback),
     )
     handler.batches.enabled = config.batching
     servers = await loop.run_in_executor(None, fetch_same_model, joined.dht, claim.template, total)

@@ -3,9 +3,10 @@
 The client opens this stream before it opens the session through the head, so its first message, a
 Subscribe carrying the secret whose sha256 the session was opened with, may arrive before the session
 does: it then waits, bounded, for the session to open here. At most max_sessions Subscribes wait at
-once (max_sessions_per_peer per peer), each at most ``timeout`` seconds, so waiting Subscribes cannot
-pile up. Once authorised (server/admission.py, ``check_subscriber``), the session's results go out in
-order until the client or the session goes away.
+once (max_sessions_per_peer per peer, and the address share of max_sessions per source address:
+server/address_caps.py), each at most ``timeout`` seconds, so waiting Subscribes cannot pile up.
+Once authorised (server/admission.py, ``check_subscriber``), the session's results go out in order
+until the client or the session goes away.
 """
 
 from __future__ import annotations
@@ -35,11 +36,23 @@ class Subscriptions:
         self.open_sessions, self.peer_id = open_sessions, peer_id
         self.timeout = limits.SUBSCRIBE_TIMEOUT
         self.pending: dict[str, int] = {}  # peer id -> its Subscribes waiting for their session
+        self.pending_by_address: dict[str, int] = {}  # source address -> its peers' Subscribes waiting
 
-    async def serve(self, client: MessageStream, max_sessions: int, max_per_peer: int) -> None:
-        """One client's results stream: a Subscribe, within the pending caps, then its results."""
+    async def serve(
+        self,
+        client: MessageStream,
+        max_sessions: int,
+        max_per_peer: int,
+        address: Optional[str] = None,
+        max_per_address: int = 0,
+    ) -> None:
+        """One client's results stream: a Subscribe, within the pending caps, then its results.
+        ``address``: the source address the caps count it under (None: per peer only)."""
         peer = client.peer_id.to_base58()
         refusal = subscribe_slot_refusal(peer, self.pending, max_sessions, max_per_peer)
+        waiting = self.pending_by_address.get(address, 0) if address is not None else 0
+        if refusal is None and address is not None and waiting >= max_per_address:
+            refusal = f"address {address} already has {waiting} Subscribes waiting here (at most {max_per_address})"
         if refusal is not None:
             logger.info(f"Refused a Subscribe from {peer}: {refusal}")
             await send_quietly(
@@ -47,12 +60,18 @@ class Subscriptions:
             )
             return
         self.pending[peer] = self.pending.get(peer, 0) + 1
+        if address is not None:
+            self.pending_by_address[address] = waiting + 1
         try:
             subscribed = await self._subscribed_session(client)
         finally:
             left = self.pending.pop(peer) - 1
             if left:
                 self.pending[peer] = left
+            if address is not None:
+                self.pending_by_address[address] -= 1
+                if not self.pending_by_address[address]:
+                    del self.pending_by_address[address]
         if subscribed is not None:
             await self._send_results(client, *subscribed)
 

@@ -14,6 +14,7 @@ from protocol.limits import (
     DEFAULT_MAX_POSITIONS_PER_STEP,
     DEFAULT_MAX_SESSIONS,
     DEFAULT_MAX_SESSIONS_PER_PEER,
+    DEFAULT_MAX_SHARE_PER_ADDRESS,
     DEFAULT_MAX_TRAIN_MIB,
     DEFAULT_MAX_UNREAD_MIB,
 )
@@ -141,6 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-sessions", type=int, default=DEFAULT_MAX_SESSIONS, help="open sessions at most")
     p.add_argument(
+        "--max-share-per-address",
+        type=float,
+        default=DEFAULT_MAX_SHARE_PER_ADDRESS,
+        help="share of the session slots and of the cache one client source address may hold, whatever its peer ids",
+    )
+    p.add_argument("--cap-loopback", action="store_true", help="cap loopback clients per address too (default: exempt)")
+    p.add_argument(
         "--max-sessions-per-peer",
         type=int,
         default=DEFAULT_MAX_SESSIONS_PER_PEER,
@@ -216,6 +224,8 @@ def server_config(args: argparse.Namespace):
         max_positions_per_step=args.max_positions_per_step,
         max_sessions=args.max_sessions,
         max_sessions_per_peer=args.max_sessions_per_peer,
+        max_share_per_address=args.max_share_per_address,
+        cap_loopback=args.cap_loopback,
         max_session_tokens=args.max_session_tokens,
         max_unread_mib=args.max_unread_mib,
         max_train_mib=args.max_train_mib,

@@ -18,6 +18,7 @@ import logging
 from typing import Any, Optional
 
 from client import GenerationError, RoutingError, ServerError, ServerTimeout
+from client.errors import UnconfirmedTokensError
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,9 @@ def from_exception(error: BaseException, model: str = "") -> APIError:
         return APIError(503, _no_route_message(routing, model), "no_route_error", code="no_route")
     if isinstance(error, TimeoutError) or _in_chain(error, ServerTimeout) is not None:
         return APIError(504, f"the swarm did not answer in time: {error}", "timeout_error", code="timeout")
+    unconfirmed = _in_chain(error, UnconfirmedTokensError)
+    if unconfirmed is not None:  # the request asked for audit="required"
+        return APIError(502, f"audit='required': {unconfirmed}", "swarm_error", code="tokens_unconfirmed")
     if isinstance(error, RetractedError):
         return APIError(502, str(error), "swarm_error", code="tokens_retracted")
     if isinstance(error, (GenerationError, ServerError)):

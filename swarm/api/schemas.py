@@ -16,6 +16,7 @@ from typing import Any, NamedTuple, Optional, TypeVar, Union
 import msgspec
 
 from client._calls import compiler_for
+from client._confirmation import AUDIT_POLICIES
 from protocol.constraints import constraint_from_options, constraint_from_response_format
 from protocol.messages import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams
 from protocol.sampling import validate_sampling
@@ -80,6 +81,8 @@ class _Request(msgspec.Struct, kw_only=True):
     guided_grammar: Optional[str] = None
     speculation: Optional[str] = None
     num_draft_tokens: Optional[int] = None
+    # "required": unconfirmed tokens are an error, not a reply (docs/api.md; client/_confirmation.py)
+    audit: Optional[str] = None
 
     @property
     def include_usage(self) -> bool:
@@ -364,6 +367,11 @@ def _sampling(req: _Request) -> dict[str, Any]:
             f"speculation must be one of {sorted(SPECULATION_MODES)}",
         ),
         (
+            req.audit is None or req.audit in AUDIT_POLICIES,
+            "audit",
+            f"audit must be one of {list(AUDIT_POLICIES)}",
+        ),
+        (
             req.num_draft_tokens is None or 1 <= req.num_draft_tokens <= 64,
             "num_draft_tokens",
             "num_draft_tokens must be in [1, 64]",
@@ -392,6 +400,8 @@ def _sampling(req: _Request) -> dict[str, Any]:
         sampling["speculation"] = None if req.speculation.lower() == "none" else req.speculation.lower()
     if req.num_draft_tokens is not None:
         sampling["num_draft_tokens"] = req.num_draft_tokens
+    if req.audit is not None:
+        sampling["audit"] = req.audit
     if req.prediction is not None:
         sampling["draft_corpus"] = [_prediction_text(req.prediction)]
     return sampling

@@ -456,3 +456,25 @@ def test_hostile_records_leave_clients_router_dashboard_and_servers_working(
     shown = [round(g / 2**20, 1) for g in growth.values()]
     print(f"\nhostile records: RSS growth (MiB), servers then the test process and its reader DHT: {shown}")
     assert max(growth.values()) < 200 * 2**20, f"resident memory grew: {growth}"
+
+
+@pytest.mark.parametrize(
+    "changes, reason",
+    [
+        ({"dtype": "float64"}, "dtype 'float64' is not one of"),
+        ({"dtype": "bfloat16-exact"}, "dtype 'bfloat16-exact' is not one of"),
+        ({"quantization": "int4"}, "quantization 'int4' is not one of"),
+        ({"quantization": ""}, "quantization '' is not one of"),
+    ],
+)
+def test_a_record_of_a_precision_nobody_serves_is_dropped_with_the_reason(caplog, changes, reason):
+    """A unique precision would opt its server out of every audit (audits compare one precision)."""
+    with caplog.at_level(logging.DEBUG, logger="protocol.dht_records"):
+        assert _parse("peer", honest(**changes), MODEL, BLOCKS) is None
+    assert any(reason in r.message and "Ignoring record from peer" in r.message for r in caplog.records)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("quantization", [None, "none", "int8", "nf4"])
+def test_every_precision_a_server_announces_passes(dtype, quantization):
+    assert _parse("peer", honest(dtype=dtype, quantization=quantization), MODEL, BLOCKS) is not None

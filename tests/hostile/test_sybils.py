@@ -2,9 +2,11 @@
 
 Live: a tiny-model swarm H (blocks 0:2), M (2:4) and tails T, U (4:6), honest, and two sybil tails
 S1, S2 (4:6) run through tests/kit/faulty_server.py:
-- framing (``--frame``): honest in live-looking laps, on audit-looking Steps they reject the first
-  draft and name the second choice, so each confirms the other against T. No honest server may be
-  convicted or reported; the output equals local transformers.
+- framing (``--frame``): honest in live-looking laps, on audit-looking Steps they would reject the
+  first draft and name the second choice, so each confirms the other against T. Audits are shaped
+  like live laps, so no Step looks like an audit to them: no dispute, nobody convicted or reported;
+  the output equals local transformers. What a tail sees of live and audit Steps is recorded and
+  compared (``--record-steps``), and the adaptive liar (``--lie-when-live``) lies to audits too.
 - colluding (``--lie-in-verdicts 1 --lie-after 32``): the same lie in every verdict past position
   32. With T trusted the output equals local transformers; with nobody trusted, and the two sybils
   on one machine as far as the client can tell, the lied tokens are flagged unconfirmed (and
@@ -18,17 +20,25 @@ on one public /24 by patching ``machine_group``, as two sybils of one operator w
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
 import time
+import types
+import urllib.error
+import urllib.request
 import warnings
 
 import pytest
 import torch
 
-from client import _witnesses
+from client import _verdict_audits, _witnesses
+from client._audit_shape import LiveShape
 from client._swarm import ExclusionList
 from client.errors import UnconfirmedTokensError, UnconfirmedTokensWarning
+from protocol.messages import Hop, StepResult
 from swarm.local import LocalSwarm, kill_group
+from tests.kit import faults
 from tests.kit.faulty_server import faulty
 from tests.kit.reference import PROMPT
 from tests.kit.routes import PreferredRoutes
@@ -106,37 +116,29 @@ def _run(coro):
 
 
 def test_two_framing_sybils_convict_nobody_and_the_output_stays_exact(sybil_swarm, tiny_llama_path, greedy_reference):
+    """S1 and S2 frame whoever they audit on any Step that looks like an audit's. Audits are shaped
+    like live laps (test_audits_look_like_live_laps_to_the_tail), so they never find one: no
+    dispute, nobody convicted or reported, every token confirmed by an independent shadow."""
     processes = start(sybil_swarm, "--frame")
     try:
         with client(sybil_swarm, tiny_llama_path, route("T"), route("S1"), route("S2"), hidden=["U"]) as model:
             for attempt in range(2):
-                with warnings.catch_warnings(record=True) as caught:
-                    warnings.simplefilter("always")
-                    out = generate(model)
+                out = generate(model, audit="required")
                 stats = model.last_generation_stats
                 print(f"\nframing {attempt}: {stats.spot_check_events}; route {stats.route}")
                 assert out == greedy_reference, stats.spot_check_events
                 assert stats.liars_excluded == [] and not model.swarm.liars
-                assert model.peers["T"] in stats.disputed_peers, stats.spot_check_events  # framed, not convicted
+                assert stats.disputed_peers == [], stats.spot_check_events  # no Step looked like an audit
                 _run(model.swarm.flush_reports())
                 assert not model.swarm.reports  # nothing reported in the DHT
                 assert model.peers["T"] not in model.swarm.excluded.current()
-                # after the dispute the generation re-verified on the other sybil's route (honest in
-                # live-looking laps, re-verifications included); nobody independent was
-                # left to confirm what S2 committed, and the caller is told
-                sybils = {model.peers["S1"], model.peers["S2"]}
-                assert stats.route[-1][0] in sybils - set(stats.disputed_peers)
-                assert stats.tokens_unconfirmed > 0
-                total = stats.tokens_confirmed_trusted + stats.tokens_confirmed_untrusted + stats.tokens_unconfirmed
-                assert total == len(out)
-                assert any(issubclass(w.category, UnconfirmedTokensWarning) for w in caught)
-            with pytest.raises(UnconfirmedTokensError, match=r"\d+ of 40 generated tokens are unconfirmed"):
-                generate(model, audit="required")
-            # with T trusted, the framer that disputes it is refuted by T itself and convicted
-            out = generate(model, trusted_peers=[model.peers["T"]])
+                assert stats.verdict_audits >= 2 and stats.tokens_unconfirmed == 0
+                assert stats.tokens_confirmed_untrusted == len(out)  # T's tokens, re-verified by S1 or S2
+            # with T trusted: the same, every token confirmed by T itself
+            out = generate(model, trusted_peers=[model.peers["T"]], audit="required")
             stats = model.last_generation_stats
             assert out == greedy_reference
-            assert set(stats.liars_excluded) <= {model.peers["S1"], model.peers["S2"]} and stats.liars_excluded
+            assert stats.liars_excluded == [] and stats.disputed_peers == []
             assert stats.tokens_confirmed_trusted == len(out) and stats.tokens_unconfirmed == 0
     finally:
         stop(sybil_swarm, processes)
@@ -175,7 +177,9 @@ def test_colluding_liars_are_refuted_by_a_trusted_tail_or_flagged(
             out = generate(model, trusted_peers=[model.peers["T"]], audit="required")
             stats = model.last_generation_stats
             assert out == greedy_reference, stats.spot_check_events
-            assert stats.liars_excluded == [model.peers["L1"]]
+            # L1 refuted; L2 too where the generation moved on to it (both lie past 32, to T's shadow too)
+            assert model.peers["L1"] in stats.liars_excluded
+            assert set(stats.liars_excluded) <= {model.peers["L1"], model.peers["L2"]}
             assert stats.tokens_confirmed_trusted == len(out)
     finally:
         stop(sybil_swarm, processes)
@@ -206,3 +210,139 @@ def test_rejection_sampling_on_honest_tails_convicts_nobody(sybil_swarm, tiny_ll
                 assert any(issubclass(w.category, UnconfirmedTokensWarning) for w in caught)
     finally:
         stop(sybil_swarm, processes)
+
+
+def _features(path) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_audits_look_like_live_laps_to_the_tail(sybil_swarm, tiny_llama_path, greedy_reference, tmp_path):
+    """R records what it sees of every Step it verifies (tests/kit/faults.py ``record_verdicts``):
+    first as the live route's tail (T shadows it), then as T's shadow and spot-check substitute
+    (U is hidden, so R is the only other tail). Every audit Step passes the frame fault's detector
+    as a live lap, with live-sized drafts and the live session's max_length."""
+    log = tmp_path / "steps.jsonl"
+    processes = start(sybil_swarm, "--record-steps", str(log), names=("R",))
+    try:
+        with client(sybil_swarm, tiny_llama_path, route("R"), hidden=["U", "T"]) as model:
+            assert generate(model) == greedy_reference  # no other tail: no shadow
+        live = _features(log)
+        log.unlink()
+        with client(sybil_swarm, tiny_llama_path, route("T"), hidden=["U"]) as model:
+            out = model.generate(torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS, spot_check_rate=1.0)
+            assert out[0, len(PROMPT[0]) :].tolist() == greedy_reference
+            stats = model.last_generation_stats
+            assert stats.verdict_audits >= 2 and stats.spot_checks >= 1, stats.spot_check_events
+            assert stats.liars_excluded == [] and stats.disputed_peers == []
+        audits = _features(log)
+        shadow = [f for f in audits if not f["return_logits"]]  # spot-checks ask for the last logits
+        assert live and shadow, (live, audits)
+        print(f"\nlive: {live}\naudits: {audits}")
+        assert not any(f["looks_like_an_audit"] for f in live + audits)
+        # shadow Steps carry draft counts the live laps carried (client/_audit_shape.py), never more
+        assert {f["n_draft"] for f in shadow} <= {f["n_draft"] for f in live} | {0}
+        assert max(f["n_draft"] for f in audits) <= 8  # num_draft_tokens, the default
+        assert {f["max_length"] for f in audits} == {f["max_length"] for f in live}
+        # not yet alike: live laps ask for loop_runs, audits do not (client/_audit_shape.py says why)
+        assert any(f["loop_runs"] for f in live) and not any(f["loop_runs"] for f in audits)
+    finally:
+        stop(sybil_swarm, processes)
+
+
+def test_a_third_opinion_looks_like_a_live_lap(monkeypatch):
+    """The third opinion's session is as long as the generation's (not the disputed position + 1),
+    and its one Step with a draft passes the frame fault's detector."""
+    sent: list[tuple[int, object]] = []
+
+    class Recording:
+        def __init__(self, p2p, route, max_length, **kwargs):
+            self.max_length, self.session_id = max_length, "s"
+
+        async def open(self):
+            pass
+
+        async def send_step(self, step):
+            sent.append((self.max_length, step))
+
+        async def next_result(self, run_id):
+            return StepResult(session_id="s", run_id=run_id, accepted=1, next_token=0)
+
+        async def cancel(self, run_id):
+            pass
+
+        async def close(self):
+            pass
+
+    monkeypatch.setattr(_verdict_audits, "RemoteSession", Recording)
+    swarm = types.SimpleNamespace(p2p=None, request_timeout=1.0, prompts=None, route_step_limit=lambda route: 16)
+    auditor = _verdict_audits.VerdictAuditor(swarm, vocab_size=100)
+    ids = list(range(1, 41))
+    auditor.begin(ids[:11], 60, _verdict_audits.GREEDY, "match", LiveShape(8))
+    stats = types.SimpleNamespace(verdict_audit_positions=0)
+    token = asyncio.run(auditor._third_opinion([Hop(peer_id="x", start=0, end=2)], ids, 39, stats))
+    assert token == ids[39]
+    assert sent and all(length == 60 for length, _ in sent)  # the generation's, not t + 1
+    for length, step in sent:
+        assert not faults.looks_like_an_audit(types.SimpleNamespace(max_length=length), step), step
+
+
+def test_the_adaptive_liar_that_lies_only_in_live_laps_lies_in_audits_too(
+    sybil_swarm, tiny_llama_path, greedy_reference
+):
+    """L lies in every verdict from position 32 on that does not look like an audit. Audits look
+    like live laps, so it lies to its shadow as well: with T trusted it is convicted at its first
+    lie, and the output equals local transformers; with nobody trusted it is flagged (disputed) and
+    every token it could have lied in is among the unconfirmed ones."""
+    processes = start(sybil_swarm, "--lie-in-verdicts", "1", "--lie-after", "32", "--lie-when-live", names=("L",))
+    try:
+        with client(sybil_swarm, tiny_llama_path, route("L"), route("T"), hidden=["U"]) as model:
+            out = generate(model, trusted_peers=[model.peers["T"]])
+            stats = model.last_generation_stats
+            print(f"\nadaptive, T trusted: {stats.spot_check_events}")
+            assert out == greedy_reference, stats.spot_check_events
+            assert stats.liars_excluded == [model.peers["L"]]
+            assert any("position 32:" in e and "refuted" in e for e in stats.spot_check_events)
+        with client(sybil_swarm, tiny_llama_path, route("L"), route("T"), hidden=["U"]) as model:
+            with warnings.catch_warnings(record=True):
+                warnings.simplefilter("always")
+                out = generate(model)
+            stats = model.last_generation_stats
+            print(f"\nadaptive, nobody trusted: {stats.spot_check_events}")
+            assert stats.liars_excluded == [] and model.peers["L"] in stats.disputed_peers
+            confirmed = len(out) - stats.tokens_unconfirmed
+            assert out[:confirmed] == greedy_reference[:confirmed]
+    finally:
+        stop(sybil_swarm, processes)
+
+
+def _post(url: str, body: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(
+        url, method="POST", headers={"Content-Type": "application/json"}, data=json.dumps(body).encode()
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_the_gateway_refuses_unconfirmed_tokens_under_audit_required(sybil_swarm, tiny_llama_path, greedy_reference):
+    """Only T serves blocks 4:6 (U hidden, no sybil running): nobody can confirm T's tokens. The
+    gateway's reply counts them unconfirmed; with ``"audit": "required"`` it is a 502 naming why."""
+    from swarm.api import Gateway, GatewayConfig
+    from tests.api.test_api import GatewayThread
+
+    with client(sybil_swarm, tiny_llama_path, route("T"), hidden=["U"]) as model:
+        with GatewayThread(Gateway({"tiny": model}, GatewayConfig())) as served:
+            body = {"model": "tiny", "prompt": PROMPT[0], "max_tokens": 8, "temperature": 0}
+            status, reply = _post(f"{served.url}/completions", body)
+            assert status == 200, reply
+            assert reply["specswarm"]["tokens_unconfirmed"] == 8 and reply["usage"]["completion_tokens"] == 8
+            status, reply = _post(f"{served.url}/completions", {**body, "audit": "required"})
+            assert status == 502, reply
+            assert reply["error"]["code"] == "tokens_unconfirmed", reply
+            assert "8 of 8 generated tokens are unconfirmed" in reply["error"]["message"]
+            assert "no independent second server" in reply["error"]["message"]
+            status, reply = _post(f"{served.url}/completions", {**body, "audit": "sometimes"})
+            assert status == 400 and reply["error"]["param"] == "audit", reply

@@ -178,7 +178,11 @@ def test_a_hostile_middle_costs_one_failover_and_changes_nothing(
     honest_swarm, tiny_llama_path, greedy_reference, fault, events
 ):
     timeout = 8.0 if "--black-hole" in fault else 60.0
-    model, process = with_faulty_middle(honest_swarm, tiny_llama_path, *fault, request_timeout=timeout)
+    # the rewriter counts every Step it forwards; audit Steps look like live laps (one per token here,
+    # docs/reliability.md "Audits look like live laps"), so with audits on its rewrites may all land on
+    # the shadow (a failed audit, nobody blamed) and none on the live session this test is about
+    audits = {"verdict_audit_every": 0} if "--rewrite-steps" in fault else {}
+    model, process = with_faulty_middle(honest_swarm, tiny_llama_path, *fault, request_timeout=timeout, **audits)
     try:
         kwargs = {"speculation": None} if "--rewrite-steps" in fault else {}  # one lap per token: 20+ Steps
         out = model.generate(torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS, spot_check_rate=0.0, **kwargs)

@@ -23,9 +23,14 @@ server stays honest, so each test sees exactly the one lie it is about.
   positions.
 - ``inflate_claims(factor)``: the server announces ``factor`` x the throughput it measures.
 - ``frame()``: a sybil tail that is honest on every Step shaped like a live lap and, on a Step that
-  looks like an audit's (more than ``LIVE_DRAFTS`` drafts, as a shadow Step carries, or one that
-  ends at its session's last position, as a third opinion does), rejects the first draft and names
-  the model's second choice there: two such tails confirm each other against an honest one.
+  looks like an audit's (:func:`looks_like_an_audit`: more than ``LIVE_DRAFTS`` drafts, as shadow
+  Steps carried before audits were shaped like live laps, or one that ends at its session's last
+  position, as a third opinion's did), rejects the first draft and names the model's second choice
+  there: two such tails would confirm each other against an honest one.
+- ``lie_in_verdicts(..., live_only=True)``: the adaptive liar, lying only where
+  :func:`looks_like_an_audit` says no audit looks.
+- ``record_verdicts(path)``: honest; appends what this tail can see of every Step it verifies
+  (:func:`step_features`) to ``path``, one JSON line each, for the tests that compare audits with live laps.
 """
 
 from __future__ import annotations
@@ -200,11 +205,14 @@ def black_hole(handler) -> Counter:
 VERDICT_LIES = ("second", "random")
 
 
-def lie_in_verdicts(rate: float, kind: str = "second", seed: int = 0, after: int = 0, short: int = 0) -> Counter:
+def lie_in_verdicts(
+    rate: float, kind: str = "second", seed: int = 0, after: int = 0, short: int = 0, live_only: bool = False
+) -> Counter:
     """From now on this process's tails lie in ``rate`` of their verdicts (``server.compute._verdict``
     patched): the next token becomes the second choice of the logits at its position, or a random id.
     ``after``: only when that token's position is at least this; ``short``: only on Steps of at most
-    this many positions (a generation's decode laps, never a long audit Step or a prefill)."""
+    this many positions (a generation's decode laps, never a long audit Step or a prefill);
+    ``live_only``: only on Steps :func:`looks_like_an_audit` takes for live laps (the adaptive liar)."""
     import random
 
     from server import compute as compute_module
@@ -219,6 +227,8 @@ def lie_in_verdicts(rate: float, kind: str = "second", seed: int = 0, after: int
         if step.start_pos + row + 1 < after or (short and len(step.token_ids) > short):
             return result
         if step.parents or step.draft_q is not None or rng.random() >= rate:
+            return result
+        if live_only and looks_like_an_audit(session, step):
             return result
         count.due()
         if kind == "second":
@@ -257,8 +267,10 @@ LIVE_DRAFTS = 8  # the most drafts a live lap carries with the client's defaults
 
 
 def looks_like_an_audit(session, step) -> bool:
-    """What a hostile tail can see of a Step: shadow Steps carry more drafts than a live lap; a
-    third opinion's Step ends at its session's last position."""
+    """The frame fault's detector, from what a hostile tail can see of a Step: more drafts than a
+    live lap carries (shadow Steps before they were cut to live size), or drafts in a Step that ends
+    at its session's last position (a third opinion's session used to end at the disputed position).
+    tests/hostile/test_sybils.py asserts it is False on every audit Step the client sends."""
     return step.n_draft > LIVE_DRAFTS or (
         step.n_draft > 0 and step.start_pos + len(step.token_ids) == session.max_length
     )
@@ -287,3 +299,35 @@ def frame() -> Counter:
 
     compute_module._verdict = framing_verdict
     return count
+
+
+def step_features(session, step) -> dict:
+    """What a tail can see of a Step that could tell an audit from a live lap."""
+    return {
+        "session": session.session_id,
+        "max_length": session.max_length,
+        "start_pos": step.start_pos,
+        "positions": len(step.token_ids),
+        "n_draft": step.n_draft,
+        "loop_runs": step.loop_runs,
+        "return_logits": step.return_logits,
+        "ends_session": step.start_pos + len(step.token_ids) == session.max_length,
+        "looks_like_an_audit": looks_like_an_audit(session, step),
+    }
+
+
+def record_verdicts(path: str) -> None:
+    """From now on this process's tails append :func:`step_features` of every Step they verify to
+    ``path`` (one JSON line each); every verdict stays honest."""
+    import json
+
+    from server import compute as compute_module
+
+    verdict = compute_module._verdict
+
+    def recording_verdict(session, step, logits):
+        with open(path, "a") as f:
+            f.write(json.dumps(step_features(session, step)) + "\n")
+        return verdict(session, step, logits)
+
+    compute_module._verdict = recording_verdict

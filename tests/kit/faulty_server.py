@@ -36,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--frame", action="store_true", help="honest in live laps, name a wrong token in audit-looking Steps"
     )
+    p.add_argument("--lie-when-live", action="store_true", help="lie only on Steps that do not look like audits")
+    p.add_argument("--record-steps", default="", metavar="PATH", help="append what the tail sees of each Step")
     p.add_argument("--claim-factor", type=float, default=0.0, metavar="X", help="announce X x the measured throughput")
     return p
 
@@ -69,7 +71,11 @@ def patch(args: argparse.Namespace) -> None:
     span_server.load_span, span_server.SessionHandler = faulty_load_span, FaultyHandler
     moves.load_span = faulty_load_span  # a span loaded by a move is as faulty as the first
     if args.lie_in_verdicts:
-        faults.lie_in_verdicts(args.lie_in_verdicts, args.lie, after=args.lie_after, short=args.lie_short)
+        faults.lie_in_verdicts(
+            args.lie_in_verdicts, args.lie, after=args.lie_after, short=args.lie_short, live_only=args.lie_when_live
+        )
+    if args.record_steps:
+        faults.record_verdicts(args.record_steps)
     if args.frame:
         faults.frame()
     if args.claim_factor:

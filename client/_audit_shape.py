@@ -1,0 +1,33 @@
+"""What a generation's live laps look like to a tail, which every audit Step copies
+(docs/reliability.md, "Audits look like live laps").
+
+A tail that can tell an audit's Step from a live lap's can lie only where no audit looks, or frame
+only where audits look (tests/kit/faults.py ``frame``). So the verdict audits and third opinions
+send Steps with what a tail sees of a live lap: as many drafts as a live lap of the same generation
+carried (drawn from the counts its own laps carried, never more than ``num_draft_tokens``), a next
+token confirmed per Step as a live lap commits one, and the generation's session ``max_length``
+(client/_verdict_audits.py). Not yet ``loop_runs``: live laps ask the tail to start the next run
+itself, and an audit that did so would race the tail's runs with its own next Step; a tail can
+tell an audit by ``loop_runs == 0`` where live laps loop (docs/reliability.md).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+
+@dataclass
+class LiveShape:
+    num_draft_tokens: int = 8  # the most drafts a live lap carries (generate(num_draft_tokens=...))
+    drafts: list[int] = field(default_factory=list)  # drafts each live lap carried, in order
+
+    def saw_lap(self, drafts: int) -> None:
+        """A live lap's verdict arrived; it carried ``drafts`` drafts."""
+        self.drafts.append(drafts)
+
+    def draft_count(self, rng: random.Random, cap: int) -> int:
+        """Drafts for the next audit Step: a live lap's count (uniform over the laps so far; the
+        most a lap may carry before the first), at most ``cap``."""
+        count = rng.choice(self.drafts) if self.drafts else self.num_draft_tokens
+        return max(0, min(count, self.num_draft_tokens, cap))

@@ -1,0 +1,95 @@
+"""Caps per machine, not per peer id (docs/reliability.md, "Caps per machine"): a peer id costs
+nothing, so a stranger with 50 of them would pass every per-peer cap 50 times. A session a client
+opens at this server (the route's head, or any hop whose upstream is not an announced server of the
+previous blocks: admission.cap_owner) also counts against the *source address* this server's
+libp2p daemon observes on the connection, and one address holds at most ``share`` of this server's
+session slots and of its cache budget.
+
+The address is read from this server's own daemon (``list_peers``: the connection's remote
+multiaddr), never from anything the peer sends. Loopback is exempt by default: a connection from
+127.0.0.0/8 or ::1 comes from a process on this machine (the operator's own gateway or clients, every
+test), which a stranger cannot start; ``--cap-loopback`` counts it as one address too (the tests set
+it). A private address counts as itself (a LAN or a container network: one address per machine
+there too). A relayed connection shows the relay's address, so clients behind one relay share its
+share; where no address is known the per-peer caps alone apply. Subscribes waiting at the tail for
+their sessions are capped per address the same way (server/subscribe.py); unread results are not
+(they are bounded per session and per server: server/unread.py).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+from typing import Iterable, Optional
+
+from protocol.errors import ErrorCode, ProtocolError
+from protocol.limits import DEFAULT_MAX_SHARE_PER_ADDRESS
+
+logger = logging.getLogger(__name__)
+
+
+def source_address(addrs: Iterable[object]) -> Optional[str]:
+    """The IP of the first connection multiaddr that names one (a relayed one: the relay's)."""
+    for addr in addrs:
+        parts = str(addr).split("/")
+        for key in ("ip4", "ip6"):
+            if key in parts and parts.index(key) + 1 < len(parts):
+                return parts[parts.index(key) + 1]
+    return None
+
+
+def is_loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
+class AddressCaps:
+    """The share one source address may hold, and the address a peer's connection comes from."""
+
+    def __init__(self, share: float = DEFAULT_MAX_SHARE_PER_ADDRESS, cap_loopback: bool = False):
+        if not 0.0 < share <= 1.0:
+            raise ValueError(f"--max-share-per-address must be in (0, 1], got {share}")
+        self.share, self.cap_loopback = share, cap_loopback
+
+    async def key_of(self, p2p, peer_id: str) -> Optional[str]:
+        """The address ``peer_id`` is connected from, as the caps count it (None: not capped by address)."""
+        try:
+            peers = await p2p.list_peers()
+        except Exception as e:  # the daemon is this server's own: without it, per-peer caps only
+            logger.warning(f"Could not list this server's connections: {e!r}")
+            return None
+        for info in peers:
+            if info.peer_id.to_base58() == peer_id:
+                address = source_address(info.addrs)
+                if address is None or (is_loopback(address) and not self.cap_loopback):
+                    return None
+                return address
+        return None
+
+    def most_sessions(self, max_sessions: int) -> int:
+        """Sessions (and pending Subscribes) one address may hold of ``max_sessions``."""
+        return max(1, int(self.share * max_sessions))
+
+    def check(
+        self, address: Optional[str], held: tuple[int, int], max_length: int, max_sessions: int, total_tokens: int
+    ) -> None:
+        """Refuse a session that would take ``address`` past its share; ``held``: its (sessions, tokens)."""
+        if address is None:
+            return
+        sessions, tokens = held
+        most_sessions = self.most_sessions(max_sessions)
+        if sessions >= most_sessions:
+            raise ProtocolError(
+                ErrorCode.BUSY,
+                f"address {address} already holds {sessions} of this server's {max_sessions} session slots "
+                f"(at most {most_sessions} per address, --max-share-per-address {self.share:g}), whatever its peer ids",
+            )
+        most_tokens = int(self.share * total_tokens)
+        if tokens + max_length > most_tokens:
+            raise ProtocolError(
+                ErrorCode.BUSY,
+                f"address {address} already reserves {tokens} cache tokens here: {max_length} more exceed its "
+                f"share of {most_tokens} of {total_tokens} (--max-share-per-address {self.share:g})",
+            )
