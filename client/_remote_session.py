@@ -73,11 +73,12 @@ class RemoteSession:
         *,
         timeout: float = 60.0,
         prompts: Optional[torch.Tensor] = None,
+        adapter: str = "",
     ):
         """``prompts``: tuned prompt embeddings ``[P, hidden]`` the head computes the first P positions
         from (docs/fine_tuning.md); the session's ids there are placeholders."""
         self.p2p, self.route, self.max_length, self.timeout = p2p, list(route), max_length, timeout
-        self.prompts = prompts
+        self.prompts, self.adapter = prompts, adapter  # adapter: the LoRA adapter every hop applies ("": none)
         self.session_id = secrets.token_hex(8)
         self.secret = secrets.token_hex(16)  # proves to the tail that a Subscribe comes from this client
         self.ignored_messages = 0  # messages dropped because they may not come from where they came
@@ -127,6 +128,7 @@ class RemoteSession:
                     hop_index=0,
                     secret_hash=secret_hash,
                     num_prompts=0 if self.prompts is None else self.prompts.shape[0],
+                    active_adapter=self.adapter,
                 ),
                 [] if self.prompts is None else [self.prompts],
             )

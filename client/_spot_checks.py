@@ -322,7 +322,14 @@ class SpotChecker(BackgroundAudit):
         """One fresh session on ``route``: prefill ``ids`` (chunked as the client chunks), the
         float32 logits of the last position."""
         swarm = self.swarm
-        session = RemoteSession(swarm.p2p, route, len(ids), timeout=swarm.request_timeout, prompts=swarm.prompts)
+        session = RemoteSession(
+            swarm.p2p,
+            route,
+            len(ids),
+            timeout=swarm.request_timeout,
+            prompts=swarm.prompts,
+            adapter=swarm.active_adapter,
+        )
         try:
             await session.open()
             result.positions += len(ids) * len(route)

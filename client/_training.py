@@ -90,6 +90,7 @@ async def train_row(
         num_prompts=prompts.shape[0],
         token_ids=row.token_ids,
         targets=row.targets,
+        active_adapter=swarm.active_adapter,
     )
     tensors = [prompts.detach().float().cpu().contiguous()] if prompts.shape[0] else []
     hidden = prompts.shape[1]

@@ -173,6 +173,7 @@ class VerdictAuditor(BackgroundAudit):
                 self.max_length,
                 timeout=self.swarm.request_timeout,
                 prompts=self.swarm.prompts,
+                adapter=self.swarm.active_adapter,
             )
             try:
                 await shadow.open()
@@ -287,7 +288,9 @@ class VerdictAuditor(BackgroundAudit):
     async def _third_opinion(self, route: list[Hop], ids: list[int], t: int, stats) -> int:
         """The token a fresh session on ``route`` chooses at position t after ids[:t]."""
         swarm = self.swarm
-        session = RemoteSession(swarm.p2p, route, t + 1, timeout=swarm.request_timeout, prompts=swarm.prompts)
+        session = RemoteSession(
+            swarm.p2p, route, t + 1, timeout=swarm.request_timeout, prompts=swarm.prompts, adapter=swarm.active_adapter
+        )
         try:
             await session.open()
             limit, position, run_id = self.swarm.route_step_limit(route), 0, 0

@@ -109,6 +109,9 @@ class OpenSession(msgspec.Struct, tag="open", kw_only=True, array_like=True):
     # from the prompt embeddings sent with this message (one tensor ``[num_prompts, hidden]`` float32,
     # to the head only) instead of embedding their ids; 0: none
     num_prompts: int = 0
+    # a LoRA adapter (a name the server announces in ServerInfo.adapters) every hop applies to this session's
+    # blocks; "": none. An adapter a hop does not serve is refused (unknown_adapter)
+    active_adapter: Annotated[str, msgspec.Meta(max_length=256)] = ""
 
 
 class Step(msgspec.Struct, tag="step", kw_only=True, array_like=True, omit_defaults=True):
@@ -275,6 +278,7 @@ class TrainForward(msgspec.Struct, tag="train", kw_only=True, array_like=True):
     num_prompts: int
     token_ids: list[int]
     targets: list[int]
+    active_adapter: Annotated[str, msgspec.Meta(max_length=256)] = ""  # as OpenSession.active_adapter
 
 
 class TrainBackward(msgspec.Struct, tag="backward", kw_only=True, array_like=True):

@@ -1,6 +1,6 @@
 """The wire protocol's version. Peers that speak another version are refused with a clear error."""
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 # 2: Step.sampling is optional (None = greedy): a greedy run sends nil (1 byte) instead of the parameters.
 # 3: new activation codecs blockwise8/blockwise4 on the wire (protocol/compression.py).
 #    Also Step.return_logits/return_hidden and the RunOutputs message (forward passes: logits and
@@ -42,3 +42,6 @@ PROTOCOL_VERSION = 7
 #    regex or grammar the tail masks its choices with (docs/design.md, "Constraints at the tail"),
 #    output_start ("o": where the output begins), presence_penalty ("e"), frequency_penalty ("f") and
 #    logit_bias ("b"); a v6 tail would ignore the keys and choose without them, hence a new version.
+# 8: LoRA adapters on servers (docs/fine_tuning.md, "LoRA adapters"): ServerInfo.adapters (the names a server
+#    serves), OpenSession.active_adapter and TrainForward.active_adapter (the adapter every hop applies), error
+#    code unknown_adapter. A v7 server would ignore active_adapter and answer without the adapter.

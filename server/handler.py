@@ -55,6 +55,7 @@ from server import admission, next_hop
 from server.adapters import SpanAdapter
 from server.batching import DEFAULT_GATHER_WINDOW, DEFAULT_MAX_BATCH_POSITIONS, BatchScheduler
 from server.cache_budget import CacheBudget
+from server.lora import check_adapter
 from server.open_sessions import OpenSessions
 from server.replies import report, send_quietly
 from server.results import TailResults
@@ -274,6 +275,7 @@ class SessionHandler(SessionWorker):
         """Admit a session (server/admission.py), reserve its cache, open it on the next hop, start its worker."""
         owner = self._admit(message, upstream.peer_id.to_base58())
         prompts = admission.check_prompts(message, tensors, self.span.hidden_shape, self.max_positions_per_step)
+        adapter = check_adapter(message.active_adapter, self.span.lora)
         if not self.budget.reserve(message.session_id, message.max_length, owner):
             raise ProtocolError(
                 ErrorCode.BUSY,
@@ -284,7 +286,7 @@ class SessionHandler(SessionWorker):
             message.session_id, message.max_length, message.route, message.hop_index, self.span.new_cache()
         )
         session.upstream = upstream
-        session.secret_hash, session.prompts = message.secret_hash, prompts
+        session.secret_hash, session.prompts, session.adapter = message.secret_hash, prompts, adapter
         downstream = await self._chain(session, upstream)
         self.open_sessions.add(session)
         session.worker = asyncio.create_task(self._run_session(session, downstream))

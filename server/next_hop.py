@@ -46,6 +46,7 @@ async def open_downstream(p2p: P2P, session: ServerSession) -> MessageStream:
                 route=session.route,
                 hop_index=session.hop_index + 1,
                 secret_hash=session.secret_hash,
+                active_adapter=session.adapter,
             )
         )
         reply = await asyncio.wait_for(stream.receive(), OPEN_TIMEOUT)

@@ -94,6 +94,7 @@ class ServerSession:
     offer: Optional[object] = None  # the head: the client's latest DraftOffer
     tail_started: set[int] = field(default_factory=set)  # the tail: runs it started at the head, not yet verified
     prompts: Optional[object] = None  # the head: embeddings of the first positions (OpenSession.num_prompts)
+    adapter: str = ""  # the LoRA adapter its runs apply (OpenSession.active_adapter; server/lora.py); "": none
 
     @property
     def hop(self) -> Hop:

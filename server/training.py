@@ -18,6 +18,7 @@ No session is opened and no cache is touched: inference goes on beside training 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from concurrent.futures import Executor
@@ -33,6 +34,7 @@ from protocol.messages import ErrorReply, TrainBackward, TrainForward
 from protocol.streams import TRAIN_PROTOCOL, MessageStream, serve
 from server.adapters import SpanAdapter
 from server.admission import HeldBlocks
+from server.lora import check_adapter
 from server.replies import report, send_quietly
 from server.train_checks import IGNORE_INDEX, check_tensors, check_train_forward
 
@@ -197,6 +199,7 @@ class TrainingHandler:
             self.span.vocab_size,
             self.max_positions_per_step,
         )
+        check_adapter(message.active_adapter, self.span.lora)
         kept = tensors[0] if tensors else torch.zeros(0, hidden_size)
         loop = asyncio.get_running_loop()
         # 2) the tail: loss and gradient at once
@@ -226,7 +229,7 @@ class TrainingHandler:
 
     def _forward(self, message: TrainForward, kept: torch.Tensor) -> torch.Tensor:
         hop = message.route[message.hop_index]
-        with torch.no_grad():
+        with torch.no_grad(), self._adapter(message):
             output = self.span.train_span(self._span_input(message, kept), range(hop.start, hop.end))
         return output[0].float()
 
@@ -236,7 +239,7 @@ class TrainingHandler:
         """Recompute the span from its input with autograd; backpropagate ``grad_out`` (None at the tail:
         the loss sum's own gradient). The gradient of the input (the prompts' rows at the head)."""
         hop, span = message.route[message.hop_index], self.span
-        with torch.enable_grad():
+        with torch.enable_grad(), self._adapter(message):
             leaf = kept.to(span.device, span.dtype).detach().requires_grad_(True)
             output = span.train_span(self._span_input(message, leaf), range(hop.start, hop.end))
             loss_sum, num_targets = 0.0, 0
@@ -249,6 +252,11 @@ class TrainingHandler:
                 torch.autograd.backward(output, grad_out.to(output.device, output.dtype).unsqueeze(0))
         grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
         return grad.float().cpu(), loss_sum, num_targets
+
+    def _adapter(self, message: TrainForward) -> contextlib.AbstractContextManager:
+        """The LoRA adapter the row asks for, applied to its blocks (server/lora.py; checked on arrival)."""
+        lora = self.span.lora
+        return lora.using(message.active_adapter) if lora is not None else contextlib.nullcontext()
 
     def _loss_sum(self, message: TrainForward, output: torch.Tensor) -> tuple[torch.Tensor, int]:
         """The sum of the row's target cross-entropies over the ids' positions (prompts dropped)."""
