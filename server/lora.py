@@ -27,11 +27,12 @@ from typing import Iterator, Optional, Sequence
 import torch
 from safetensors import safe_open
 
+from protocol.records import MAX_ADAPTERS  # adapters one server announces at most
+
 logger = logging.getLogger(__name__)
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-MAX_ADAPTERS = 16  # adapters one server announces at most (records bound the list: protocol/records.py)
 _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(.+)\.lora_([AB])\.weight$")
 # PEFT options whose effect this module does not compute: (config field, the value that means "off")
 _UNSUPPORTED = (
@@ -80,7 +81,7 @@ def open_adapter(path: str, num_blocks: int, revision: Optional[str] = None) -> 
     try:
         config = LoraConfig.from_pretrained(folder)
     except Exception as e:  # noqa: BLE001 - missing file, JSON error, not a LoRA config
-        raise AdapterError(f"adapter {name!r}: cannot read {CONFIG_FILE} in {folder}: {e}") from None
+        raise AdapterError(f"adapter {name!r}: cannot read {CONFIG_FILE} in {folder}: {_first_line(e)}") from None
     if str(getattr(config, "peft_type", "")) not in ("LORA", "PeftType.LORA"):
         raise AdapterError(f"adapter {name!r} is a {config.peft_type} adapter; servers load LoRA adapters only")
     for option, off in _UNSUPPORTED:
@@ -112,10 +113,25 @@ def _download(repo_id: str, revision: Optional[str]) -> str:
     """A hub adapter's two files, through huggingface_hub's cache (the one file holds every block's pairs)."""
     from huggingface_hub import snapshot_download
 
+    from server.model_source import hub_reachable
+
+    if repo_id.startswith(("/", ".", "~")) or os.path.exists(repo_id):
+        raise AdapterError(f"adapter {repo_id!r}: no such folder")
+    if not hub_reachable():
+        raise AdapterError(f"adapter {repo_id!r} is not a local folder, and the Hugging Face hub is unreachable")
     try:
         return snapshot_download(repo_id, revision=revision, allow_patterns=[CONFIG_FILE, WEIGHTS_FILE])
     except Exception as e:  # noqa: BLE001 - offline, no such repo, no access
-        raise AdapterError(f"adapter {repo_id!r} is neither a local folder nor a hub repo this server can read: {e}")
+        why = _first_line(e)
+        raise AdapterError(
+            f"adapter {repo_id!r} is neither a local folder nor a hub repo this server can read: {why}"
+        ) from None
+
+
+def _first_line(error: Exception) -> str:
+    """An exception as one line (a server refuses an adapter with one line)."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def open_adapters(paths: Sequence[str], num_blocks: int) -> list[AdapterSource]:

@@ -364,6 +364,8 @@ def test_adapters_made_for_another_model_are_refused(tiny_llama_path, tmp_path):
         attach_to_span(span, open_adapters([str(narrow)], 6))
     with pytest.raises(AdapterError, match="adapter 'deep-lora' adapts layer 7, but this model has 6 layers"):
         open_adapters([str(deep)], 6)
+    with pytest.raises(AdapterError, match="no such folder"):
+        open_adapters([str(tmp_path / "missing-lora")], 6)
     dora = tmp_path / "dora-lora"
     make_adapter(tiny_llama_path, dora, use_dora=True)
     with pytest.raises(AdapterError, match="adapter 'dora-lora' sets use_dora=True"):
@@ -395,3 +397,21 @@ def test_the_cli_refuses_an_adapter_of_another_model_in_one_line(tiny_llama_path
     assert done.returncode == 2
     errors = [line for line in done.stderr.splitlines() if "ERROR" in line]
     assert len(errors) == 1 and "adapter 'narrow-lora' adapts layer 6, but this model has 6 layers" in errors[0]
+
+
+def test_a_span_loaded_by_a_move_gets_the_adapters_again(lora_swarm, tiny_llama_path, adapter_dir):
+    """server/moves.py loads the new blocks and attaches the --adapters' pairs of those blocks."""
+    from transformers import AutoConfig
+
+    from server.adapters import load_span
+    from server.weights import Checkpoint
+
+    server = lora_swarm[0]["A"]
+    span = load_span(
+        AutoConfig.from_pretrained(tiny_llama_path), Checkpoint(str(tiny_llama_path)), 1, 4, torch.float32, "cpu"
+    )
+    server._attach_adapters(span)
+    assert span.lora.names == (ADAPTER,)
+    per_layer = server.span.lora.bytes / 3  # the adapter adapts every layer alike
+    assert span.lora.bytes == per_layer * 3
+    assert type(span.layers[0].self_attn.q_proj).__name__ == "LoraLinear"
