@@ -2,12 +2,12 @@
 
 A PEFT LoRA adapter is made locally on the tiny random Llama (``LoraConfig(init_lora_weights=False)`` on the
 attention's q/v/o and the MLP's gate/down projections, so it changes the outputs) and saved with
-``save_pretrained``. Three servers run in this process: A (blocks 0:3) and B (3:6) serve the adapter, C
-(0:6) does not. With ``active_adapter`` the client must route over A and B only and equal local
-``PeftModel`` token for token (greedy and seeded sampling, every speculation mode's Step path), its logits,
-loss and prompt gradients within float32 rounding (1e-4 relative); without it, the base model. Adapters
-made for another model are refused with one line naming them; an unknown adapter name is a named error
-and the server goes on serving.
+``save_pretrained``. Three servers are started with the CLI (``python -m swarm.server``): A (blocks 0:3) and B
+(3:6) with ``--adapters``, C (0:6) without. With ``active_adapter`` the client must route over A and B only and
+equal local ``PeftModel`` token for token (greedy and seeded sampling, every speculation mode's Step path), its
+logits, loss and prompt gradients within float32 rounding (1e-4 relative); without it, the base model. Adapters
+made for another model are refused with one line naming them; an unknown adapter name is a named error and the
+server goes on serving.
 """
 
 from __future__ import annotations
@@ -26,12 +26,14 @@ from client._remote_session import RemoteSession
 from client._training import TrainRow, train_row
 from client.errors import RoutingError, ServerError
 from protocol.dht import make_dht
+from protocol.dht_records import fetch_servers
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.messages import Hop, OpenSession, SamplingParams
 from protocol.records import ServerInfo
 from protocol.route_errors import NoRouteError
 from protocol.routing import with_adapter
 from tests.kit.reference import PROMPT, reference_sample
+from tests.kit.swarms import SERVER_ARGS
 
 ADAPTER = "tiny-lora"  # the adapter's folder name: what servers announce and clients ask for
 TARGETS = ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]
@@ -78,34 +80,21 @@ def peft_reference(tiny_llama_path, adapter_dir):
 
 
 @pytest.fixture(scope="module")
-def lora_swarm(tiny_llama_path, adapter_dir):
-    """Servers A, B (with the adapter) and C (without) in this process; peers; everything stops after."""
-    from server.span_server import ServerConfig, SpanServer
+def lora_swarm(tiny_llama_path, adapter_dir, artifacts_dir):
+    """Servers A, B (``--adapters``) and C (none) started with the CLI; {name: record}, peers."""
+    from swarm.local import LocalSwarm
 
-    bootstrap = make_dht(host="127.0.0.1")
-    peers = [str(m) for m in bootstrap.get_visible_maddrs()]
-
-    async def start():
-        common = dict(
-            model=str(tiny_llama_path),
-            initial_peers=peers,
-            host="127.0.0.1",
-            reachability="public",
-            update_period=2.0,
-            torch_threads=1,
-        )
-        servers = {}
+    swarm = LocalSwarm(str(tiny_llama_path), spans=[], server_args=SERVER_ARGS, log_dir=str(artifacts_dir / "lora"))
+    with swarm:
         for name, (blocks, with_lora) in SPANS.items():
-            adapters = (str(adapter_dir),) if with_lora else ()
-            config = ServerConfig(blocks=blocks, public_name=name, adapters=adapters, **common)
-            servers[name] = await SpanServer.create(config)
-        return servers
-
-    servers = _loop.run(start(), timeout=300)
-    yield servers, peers
-    for server in servers.values():
-        _loop.run(server.shutdown(), timeout=60)
-    bootstrap.shutdown()
+            swarm.start_server(*blocks, name=name, extra=["--adapters", str(adapter_dir)] if with_lora else [])
+        swarm.wait_ready()
+        dht = make_dht(initial_peers=swarm.initial_peers, client_mode=True)
+        try:
+            records = {info.public_name: info for info in fetch_servers(dht, swarm.dht_name, 6)}
+        finally:
+            dht.shutdown()
+        yield records, swarm.initial_peers
 
 
 def distributed(tiny_llama_path, peers, **options):
@@ -129,32 +118,49 @@ def plain(lora_swarm, tiny_llama_path):
 
 
 def route_names(model, servers) -> set[str]:
-    by_peer = {s.info.peer_id: name for name, s in servers.items()}
+    by_peer = {s.peer_id: name for name, s in servers.items()}
     return {by_peer[peer_id] for peer_id, _, _ in model.last_generation_stats.route}
 
 
-def test_servers_announce_their_adapters(lora_swarm):
-    servers, _ = lora_swarm
-    assert [servers[n].info.adapters for n in "ABC"] == [[ADAPTER], [ADAPTER], []]
-    for name in "AB":
-        assert servers[name].span.lora.bytes > 0  # the pairs of its own blocks only
-    assert servers["A"].span.lora.bytes + servers["B"].span.lora.bytes == sum(
-        t.numel() * 4 for t in _adapter_tensors(servers["A"])
-    )
+def test_servers_announce_their_adapters_and_the_dashboard_lists_them(lora_swarm):
     from swarm.dashboard.state import ServerEntry
     from swarm.dashboard.views import server_view
 
-    info = servers["A"].current_info()
-    assert server_view(ServerEntry(info, info.state, 0.0), None, 6, 0.0)["adapters"] == [ADAPTER]
+    servers, _ = lora_swarm
+    assert [servers[n].adapters for n in "ABC"] == [[ADAPTER], [ADAPTER], []]
+    view = server_view(ServerEntry(servers["A"], servers["A"].state, 0.0), None, 6, 0.0)
+    assert view["adapters"] == [ADAPTER]
 
 
-def _adapter_tensors(server):
+def test_a_span_holds_the_pairs_of_its_own_blocks_only(tiny_llama_path, adapter_dir):
     from safetensors.torch import load_file
 
-    from server.lora import WEIGHTS_FILE
+    from server.lora import WEIGHTS_FILE, attach_to_span, open_adapters
 
-    folder = server.config.adapters[0]
-    return list(load_file(f"{folder}/{WEIGHTS_FILE}").values())
+    pairs = load_file(f"{adapter_dir}/{WEIGHTS_FILE}")
+    held = []
+    for start, end in [(0, 2), (2, 6)]:
+        span = tiny_span(tiny_llama_path, start, end)
+        attach_to_span(span, open_adapters([str(adapter_dir)], 6))
+        assert span.lora.names == (ADAPTER,)
+        ours = sum(
+            t.numel() * 4 for k, t in pairs.items() if int(k.split(".layers.")[1].split(".")[0]) in range(start, end)
+        )
+        assert span.lora.bytes == ours > 0
+        held.append(span.lora.bytes)
+        assert type(span.layers[0].self_attn.q_proj).__name__ == "LoraLinear"
+        assert type(span.layers[0].self_attn.k_proj).__name__ == "Linear"  # not a target: left alone
+    assert sum(held) == sum(t.numel() * 4 for t in pairs.values())
+
+
+def tiny_span(tiny_llama_path, start: int, end: int):
+    from transformers import AutoConfig
+
+    from server.adapters import load_span
+    from server.weights import Checkpoint
+
+    config = AutoConfig.from_pretrained(tiny_llama_path)
+    return load_span(config, Checkpoint(str(tiny_llama_path)), start, end, torch.float32, "cpu")
 
 
 @pytest.mark.parametrize("speculation", [None, "suffix"])
@@ -188,7 +194,7 @@ def test_concurrent_sessions_with_and_without_the_adapter_get_their_own(
 ):
     """Both through A and B at once: each pass holds runs of one adapter only (server/batching.py)."""
     servers = lora_swarm[0]
-    plain.swarm.excluded.ban(servers["C"].info.peer_id)  # this client too routes over A and B
+    plain.swarm.excluded.ban(servers["C"].peer_id)  # this client too routes over A and B
     prompt = PROMPT[0]
 
     async def collect(model):
@@ -252,8 +258,6 @@ def test_prompt_gradients_with_the_adapter_equal_local_peft(lora_swarm, tiny_lla
     assert abs(loss.item() - expected.item()) <= 1e-4 * abs(expected.item())
     assert float(ours.abs().max()) > 0
     assert float((ours - prompts.grad).abs().max()) <= 1e-4 * float(prompts.grad.abs().max())
-    for server in lora_swarm[0].values():
-        assert len(server.handler.training.kept) == 0
 
 
 def peft_loss(reference, prompts, input_ids, mask, labels):
@@ -304,7 +308,7 @@ def test_a_client_asking_for_an_adapter_nobody_serves_gets_a_routing_error(lora_
 def test_unknown_adapter_is_a_named_error_and_the_server_keeps_serving(plain, lora_swarm, tiny_reference):
     servers = lora_swarm[0]
     swarm = plain.swarm
-    route = [Hop(servers["A"].info.peer_id, 0, 3), Hop(servers["B"].info.peer_id, 3, 6)]
+    route = [Hop(servers["A"].peer_id, 0, 3), Hop(servers["B"].peer_id, 3, 6)]
 
     async def open_with(adapter: str, hops):
         session = RemoteSession(swarm.p2p, hops, 32, timeout=30, adapter=adapter)
@@ -317,13 +321,13 @@ def test_unknown_adapter_is_a_named_error_and_the_server_keeps_serving(plain, lo
         _loop.run(open_with("nope", route))
     assert caught.value.code == ErrorCode.UNKNOWN_ADAPTER
     with pytest.raises(ServerError, match=f"unknown adapter '{ADAPTER}': it serves no adapters"):
-        _loop.run(open_with(ADAPTER, [Hop(servers["C"].info.peer_id, 0, 6)]))
+        _loop.run(open_with(ADAPTER, [Hop(servers["C"].peer_id, 0, 6)]))
 
     async def train_with(adapter: str):
         swarm.active_adapter = adapter
         try:
             row = TrainRow(token_ids=PROMPT[0], targets=PROMPT[0][1:] + [-100])
-            return await train_row(swarm, [Hop(servers["C"].info.peer_id, 0, 6)], torch.zeros(0, 64), row, 30)
+            return await train_row(swarm, [Hop(servers["C"].peer_id, 0, 6)], torch.zeros(0, 64), row, 30)
         finally:
             swarm.active_adapter = ""
 
@@ -345,19 +349,13 @@ def test_check_adapter_is_a_protocol_error():
 
 
 def test_adapters_made_for_another_model_are_refused(tiny_llama_path, tmp_path):
-    from transformers import AutoConfig
-
-    from server.adapters import load_span
     from server.lora import AdapterError, attach_to_span, open_adapters
-    from server.weights import Checkpoint
 
     narrow = tmp_path / "narrow-lora"  # hidden size 32: every pair has other shapes
     make_adapter(make_llama(tmp_path / "narrow", hidden_size=32, intermediate_size=64), narrow)
     deep = tmp_path / "deep-lora"  # the same shapes, but 8 layers
     make_adapter(make_llama(tmp_path / "deep", num_hidden_layers=8), deep)
-    span = load_span(
-        AutoConfig.from_pretrained(tiny_llama_path), Checkpoint(str(tiny_llama_path)), 0, 2, torch.float32, "cpu"
-    )
+    span = tiny_span(tiny_llama_path, 0, 2)
     with pytest.raises(
         AdapterError, match=r"adapter 'narrow-lora': layers\.0\.\S+ has lora_A \(4, \d+\) .*another base model"
     ):
@@ -399,19 +397,11 @@ def test_the_cli_refuses_an_adapter_of_another_model_in_one_line(tiny_llama_path
     assert len(errors) == 1 and "adapter 'narrow-lora' adapts layer 6, but this model has 6 layers" in errors[0]
 
 
-def test_a_span_loaded_by_a_move_gets_the_adapters_again(lora_swarm, tiny_llama_path, adapter_dir):
-    """server/moves.py loads the new blocks and attaches the --adapters' pairs of those blocks."""
-    from transformers import AutoConfig
+def test_a_span_loaded_by_a_move_gets_the_adapters_again(tiny_llama_path, adapter_dir):
+    """server/moves.py attaches the --adapters' pairs of the new blocks to the span it loads."""
+    from server.moves import SpanMoves
 
-    from server.adapters import load_span
-    from server.weights import Checkpoint
-
-    server = lora_swarm[0]["A"]
-    span = load_span(
-        AutoConfig.from_pretrained(tiny_llama_path), Checkpoint(str(tiny_llama_path)), 1, 4, torch.float32, "cpu"
-    )
-    server._attach_adapters(span)
+    span = tiny_span(tiny_llama_path, 1, 4)
+    SpanMoves._attach_adapters(SimpleNamespace(config=SimpleNamespace(adapters=(str(adapter_dir),))), span)
     assert span.lora.names == (ADAPTER,)
-    per_layer = server.span.lora.bytes / 3  # the adapter adapts every layer alike
-    assert span.lora.bytes == per_layer * 3
     assert type(span.layers[0].self_attn.q_proj).__name__ == "LoraLinear"
