@@ -163,11 +163,19 @@ def tiny_span(tiny_llama_path, start: int, end: int):
     return load_span(config, Checkpoint(str(tiny_llama_path)), start, end, torch.float32, "cpu")
 
 
-@pytest.mark.parametrize("speculation", [None, "suffix"])
-def test_greedy_generation_with_the_adapter_equals_local_peft(adapted, peft_reference, lora_swarm, speculation):
+MODES = {  # the Step path of each speculation mode: chains, looped runs (the default), trees, runs in flight
+    "none": dict(speculation=None),
+    "suffix": dict(speculation="suffix", draft_corpus=[PROMPT[0] * 2]),
+    "tree": dict(speculation="suffix", draft_tree=True, draft_corpus=[PROMPT[0] * 2]),
+    "async": dict(speculation="suffix", async_speculation=True, draft_corpus=[PROMPT[0] * 2]),
+}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_greedy_generation_with_the_adapter_equals_local_peft(adapted, peft_reference, lora_swarm, mode):
     prompt = torch.tensor(PROMPT)
     expected = peft_reference.generate(prompt, max_new_tokens=16, do_sample=False)
-    output = adapted.generate(prompt, max_new_tokens=16, speculation=speculation)
+    output = adapted.generate(prompt, max_new_tokens=16, **MODES[mode])
     assert output.tolist() == expected.tolist()
     assert route_names(adapted, lora_swarm[0]) == {"A", "B"}  # never C, which lacks the adapter
 
