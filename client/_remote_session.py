@@ -87,11 +87,12 @@ class RemoteSession:
         *,
         timeout: float = 60.0,
         prompts: Optional["SessionPrompts"] = None,
+        adapter: str = "",
     ):
         """``prompts``: tuned prompt embeddings ``[P, hidden]`` the head computes the first P positions
         from, and deep prompts (docs/fine_tuning.md); the session's ids there are placeholders."""
         self.p2p, self.route, self.max_length, self.timeout = p2p, list(route), max_length, timeout
-        self.prompts = prompts
+        self.prompts, self.adapter = prompts, adapter  # adapter: the LoRA adapter every hop applies ("": none)
         self.session_id = secrets.token_hex(8)
         self.secret = secrets.token_hex(16)  # proves to the tail that a Subscribe comes from this client
         self.ignored_messages = 0  # messages dropped because they may not come from where they came
@@ -142,6 +143,7 @@ class RemoteSession:
                     secret_hash=secret_hash,
                     num_prompts=0 if self.prompts is None else self.prompts.prompts.shape[0],
                     deep_prompts=self.prompts is not None and self.prompts.deep is not None,
+                    active_adapter=self.adapter,
                 ),
                 [] if self.prompts is None else self.prompts.tensors(self.route[0].start),
             )

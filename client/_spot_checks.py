@@ -324,7 +324,9 @@ class SpotChecker(BackgroundAudit):
         float32 logits of the last position."""
         swarm = self.swarm
         length = max(self.max_length, len(ids))  # as long as the generation's own session: not len(ids), a tell
-        session = RemoteSession(swarm.p2p, route, length, timeout=swarm.request_timeout, prompts=swarm.prompts)
+        session = RemoteSession(
+            swarm.p2p, route, length, timeout=swarm.request_timeout, prompts=swarm.prompts, adapter=swarm.active_adapter
+        )
         try:
             await session.open()
             result.positions += len(ids) * len(route)

@@ -30,7 +30,7 @@ from protocol.limits import DEFAULT_MAX_POSITIONS_PER_STEP
 from protocol.messages import Hop
 from protocol.records import ServerInfo, ServerState
 from protocol.route_errors import NoRouteError
-from protocol.routing import MaxFlowRouter, RoutePlanner, cap_throughput, same_model
+from protocol.routing import MaxFlowRouter, RoutePlanner, cap_throughput, same_model, with_adapter
 from protocol.streams import ping_many
 
 logger = logging.getLogger(__name__)
@@ -85,6 +85,7 @@ class SwarmClient:
         max_positions_per_step: int = DEFAULT_MAX_POSITIONS_PER_STEP,
         config_fingerprint: str = "",
         revision: str = "",
+        active_adapter: str = "",
     ):
         """``max_positions_per_step``: the most positions one Step carries; longer prompts (and
         failover replays) are sent as several Steps (chunked prefill). Servers refuse a Step
@@ -114,6 +115,9 @@ class SwarmClient:
         # a prompt-tuned model's prompts [P, hidden] (and deep prompts) float32, sent to the head of every
         # session this client opens (generation, audits, replays alike); None: no prompts (client/_prompts.py)
         self.prompts: Optional[SessionPrompts] = None
+        # a LoRA adapter (docs/fine_tuning.md) every session and training step applies: routes use only
+        # servers that announce it, and every hop is asked to apply it; "": none
+        self.active_adapter = active_adapter
 
     @classmethod
     async def connect(cls, initial_peers: list[str], model: str, num_blocks: int, **kwargs) -> "SwarmClient":
@@ -141,7 +145,14 @@ class SwarmClient:
                     e.missing_blocks,
                 )
                 continue
-            session = RemoteSession(self.p2p, route, max_length, timeout=self.request_timeout, prompts=self.prompts)
+            session = RemoteSession(
+                self.p2p,
+                route,
+                max_length,
+                timeout=self.request_timeout,
+                prompts=self.prompts,
+                adapter=self.active_adapter,
+            )
             session.max_positions_per_step = self.route_step_limit(route)
             try:
                 await session.open()
@@ -172,6 +183,7 @@ class SwarmClient:
         servers = await loop.run_in_executor(None, fetch_servers, self.dht, self.model, self.num_blocks)
         if self.config_fingerprint:
             servers = same_model(servers, self.config_fingerprint, self.revision)
+        servers = with_adapter(servers, self.active_adapter, self.num_blocks)  # spot-checks' substitutes too
         logger.debug(f"Routing over {[(s.public_name or s.peer_id[:8], s.span, s.state.value) for s in servers]}")
         rtts = await self._client_rtts(servers)
         self._records = {s.peer_id: s for s in servers}

@@ -109,6 +109,7 @@ async def train_row(
         deep_prompts=deep is not None,
         num_labels=0 if score is None else score.shape[0],
         label=0.0 if row.label is None else float(row.label),
+        active_adapter=swarm.active_adapter,
     )
     tensors = [prompts.detach().float().cpu().contiguous()] if prompts.shape[0] else []
     if deep is not None:

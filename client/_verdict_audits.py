@@ -191,6 +191,7 @@ class VerdictAuditor(BackgroundAudit):
                 self.max_length,
                 timeout=self.swarm.request_timeout,
                 prompts=self.swarm.prompts,
+                adapter=self.swarm.active_adapter,
             )
             try:
                 await shadow.open()
@@ -315,7 +316,12 @@ class VerdictAuditor(BackgroundAudit):
         swarm = self.swarm
         # the generation's max_length, not t + 1: a session that ends at the disputed position is an audit's tell
         session = RemoteSession(
-            swarm.p2p, route, self.max_length or t + 1, timeout=swarm.request_timeout, prompts=swarm.prompts
+            swarm.p2p,
+            route,
+            self.max_length or t + 1,
+            timeout=swarm.request_timeout,
+            prompts=swarm.prompts,
+            adapter=swarm.active_adapter,
         )
         try:
             await session.open()

@@ -86,25 +86,24 @@ class AutoDistributedModel(torch.nn.Module):
         trusted_peers: Sequence[str] = (),
         tuning_mode: Optional[str] = None,
         pre_seq_len: int = 0,
+        active_adapter: Optional[str] = None,
         **kwargs: Any,
     ) -> "AutoDistributedModel":
         """Fetch the config and tokenizer (never weights) and join the swarm as a client.
 
-        Without ``initial_peers``, the machine's configured ones are used (protocol.config:
-        $SPECSWARM_INITIAL_PEERS, then the user's config file), as the server CLI does.
-        ``max_positions_per_step``: the most positions one Step carries; longer prompts are sent
-        as several Steps (chunked prefill), at first and in failover replays.
+        Without ``initial_peers``, the machine's configured ones are used ($SPECSWARM_INITIAL_PEERS, then
+        the user's config file; protocol.config), as the server CLI does. ``max_positions_per_step``: the
+        most positions one Step carries; longer prompts go as several Steps (chunked prefill).
         ``spot_check_rate``: the default of ``generate``'s (audits per verdict; 1/50; 0: none).
         ``verdict_audit_every``: every generated token is re-verified by a second tail on a shadow
         session, in one Step per this many tokens and once more before the output is returned; a
         dispute is settled by a trusted server or the disputed servers are avoided and the tokens
         re-verified (client/_verdict_audits.py; 0 turns the audits off). ``trusted_peers``: peer ids
         of servers you trust to settle disputes and confirm tokens (``generate`` may override it).
-        ``warm_draft_store``: start the suffix drafter's memory with the model's own answers to
-        prompts of its kind, where the package has them (client/warm_corpus.py; SmolLM2-135M);
-        drafts only, so the output is the same either way. Off by default: on the 2-core CPU
-        machine it raised tokens per lap a little and tokens/s not at all (docs/benchmarks.md).
+        ``warm_draft_store``: seed the suffix drafter with the model's own answers (client/warm_corpus.py,
+        SmolLM2-135M); drafts only, same output; off: it did not raise tokens/s here (docs/benchmarks.md).
         ``tuning_mode="ptune"`` / ``"deep_ptune"``, ``pre_seq_len=N``: trainable prompts (docs/fine_tuning.md).
+        ``active_adapter="name"``: a LoRA adapter that servers announce, at every block.
         """
         tuning_mode = check_tuning(tuning_mode, pre_seq_len)
         check_rate(spot_check_rate)
@@ -123,6 +122,7 @@ class AutoDistributedModel(torch.nn.Module):
                 max_positions_per_step=max_positions_per_step,
                 config_fingerprint=config_fingerprint(config),
                 revision=weights_revision(model.source),
+                active_adapter=active_adapter or "",
             )
         )
         model = cls(config, tokenizer, swarm)

@@ -22,6 +22,7 @@ class ErrorCode(str, enum.Enum):
     TOKEN_OUT_OF_VOCAB = "token_out_of_vocab"
     TOO_LONG = "too_long"  # more positions than the session's max_length
     BAD_REQUEST = "bad_request"  # any other invalid field
+    UNKNOWN_ADAPTER = "unknown_adapter"  # a LoRA adapter this server does not serve (--adapters)
     WRONG_BLOCKS = "wrong_blocks"  # the route asks this server for blocks it does not hold
     BUSY = "busy"  # no cache room for the session's max_length
     DOWNSTREAM_FAILED = "downstream_failed"  # the next server could not be reached or failed

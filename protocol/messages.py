@@ -113,6 +113,9 @@ class OpenSession(msgspec.Struct, tag="open", kw_only=True, array_like=True):
     # float32, the prompts each block from the receiver's first on adds to the prompt positions of its input;
     # each server keeps its span's rows and relays the rest (server/deep_prompts.py)
     deep_prompts: bool = False
+    # a LoRA adapter (a name the server announces in ServerInfo.adapters) every hop applies to this session's
+    # blocks; "": none. An adapter a hop does not serve is refused (unknown_adapter)
+    active_adapter: Annotated[str, msgspec.Meta(max_length=256)] = ""
 
 
 class Step(msgspec.Struct, tag="step", kw_only=True, array_like=True, omit_defaults=True):
@@ -289,6 +292,7 @@ class TrainForward(msgspec.Struct, tag="train", kw_only=True, array_like=True):
     # head against ``targets`` (then all -100); 0: the causal LM loss
     num_labels: int = 0
     label: float = 0.0
+    active_adapter: Annotated[str, msgspec.Meta(max_length=256)] = ""  # as OpenSession.active_adapter
 
 
 class TrainBackward(msgspec.Struct, tag="backward", kw_only=True, array_like=True):

@@ -48,6 +48,7 @@ MAX_SHORT_CHARS = 64  # version, dtype, quantization
 MAX_RELAY_ADDRS = 4  # circuit addresses of a server behind NAT (protocol.relay)
 MAX_ADDR_CHARS = 512
 MAX_TIME = 1e11  # unix seconds (year ~5138): keeps started_at finite
+MAX_ADAPTERS = 16  # LoRA adapters one server announces (--adapters)
 
 _Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)]
 _CacheTokens = Annotated[int, msgspec.Meta(ge=0, le=MAX_CACHE_TOKENS)]
@@ -102,6 +103,9 @@ class ServerInfo(msgspec.Struct, frozen=True, kw_only=True):
     # The most positions (OpenSession.max_length) one session may reserve here (--max-session-tokens);
     # 0: not announced (older records), only free_cache_tokens limits it
     max_session_tokens: _CacheTokens = 0
+    # the LoRA adapters this server applies on request (--adapters; OpenSession/TrainForward.active_adapter):
+    # clients that ask for one route only through servers that announce it
+    adapters: Annotated[list[_Name], msgspec.Meta(max_length=MAX_ADAPTERS)] = []
 
     @property
     def session_room(self) -> int:

@@ -4,8 +4,8 @@
 giving each session the lowest-latency path among servers with spare capacity, where a server's
 capacity is its share of the swarm's max-flow (:mod:`protocol.flow`), so sessions are spread in
 proportion to what each server can carry (as Helix's weighted round-robin spreads them over flow
-paths) and the fastest path is not chosen by everyone. :func:`cap_throughput` and
-:func:`same_model` filter the records a client routes over.
+paths) and the fastest path is not chosen by everyone. :func:`cap_throughput`,
+:func:`same_model` and :func:`with_adapter` filter the records a client routes over.
 
 Everything here is pure: callers pass the :class:`ServerInfo` records they read from the DHT. A
 route is a list of the wire's :class:`protocol.messages.Hop` (one server and the blocks
@@ -25,7 +25,7 @@ import msgspec
 from protocol.flow import ROUTABLE, max_flow, uncovered, usable
 from protocol.messages import Hop
 from protocol.records import ServerInfo
-from protocol.route_errors import no_route_error
+from protocol.route_errors import NoRouteError, _ranges, no_route_error
 from protocol.version import PROTOCOL_VERSION
 
 DEFAULT_RTT = 0.05  # seconds, assumed for a link nobody has measured
@@ -310,3 +310,21 @@ def same_model(servers: Sequence[ServerInfo], config_fingerprint: str, revision:
     if revision not in revisions and revisions:
         revision = min(revisions, key=lambda r: (-revisions[r], r))  # the most servers, then a fixed order
     return [s for s in mine if s.revision == revision]
+
+
+def with_adapter(servers: Sequence[ServerInfo], adapter: str, num_blocks: int) -> list[ServerInfo]:
+    """The servers that announce LoRA adapter ``adapter`` (every server when it is ""), so a route applies it
+    at every block; a :class:`NoRouteError` naming the blocks that none of them holds."""
+    if not adapter:
+        return list(servers)
+    serving = [s for s in servers if adapter in s.adapters]
+    missing = uncovered(serving, 0, num_blocks)
+    if missing:
+        model = servers[0].model if servers else "this model"
+        gaps = ", ".join(f"{a}" if b == a + 1 else f"{a}..{b - 1}" for a, b in _ranges(missing))
+        raise NoRouteError(
+            f"no server of {model} that serves adapter {adapter!r} holds blocks {gaps} "
+            f"({len(serving)} of {len(servers)} servers announce it); start one with --adapters",
+            missing,
+        )
+    return serving

@@ -42,3 +42,6 @@ PROTOCOL_VERSION = 8
 #    regex or grammar the tail masks its choices with (docs/design.md, "Constraints at the tail"),
 #    output_start ("o": where the output begins), presence_penalty ("e"), frequency_penalty ("f") and
 #    logit_bias ("b"); a v6 tail would ignore the keys and choose without them, hence a new version.
+# 8: LoRA adapters on servers (docs/fine_tuning.md, "LoRA adapters"): ServerInfo.adapters (the names a server
+#    serves), OpenSession.active_adapter and TrainForward.active_adapter (the adapter every hop applies), error
+#    code unknown_adapter. A v7 server would ignore active_adapter and answer without the adapter.

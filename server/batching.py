@@ -21,6 +21,7 @@ cancelled while waiting or between blocks leaves the batch; the others go on.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -177,8 +178,9 @@ class BatchScheduler:
 
     def _take(self) -> list[tuple[Job, int]]:
         """Jobs for one pass and how many positions of each: in arrival order, all over the same
-        blocks as the first, positions within the cap (the first job is taken even if larger, as
-        one pass of its own, or a chunk of the cap when it is a chain)."""
+        blocks and with the same LoRA adapter as the first (runs of another adapter wait for a pass of
+        their own: adapters never mix inside a pass), positions within the cap (the first job is taken
+        even if larger, as one pass of its own, or a chunk of the cap when it is a chain)."""
         for job in [j for j in self._waiting if j.cancelled]:
             self._waiting.remove(job)
             if job.hidden is not None:  # part way through a chunked run; no pass is running now
@@ -192,10 +194,10 @@ class BatchScheduler:
         if not self.enabled:  # one run per pass, whole, as before batching
             job = self._waiting.pop(0)
             return [(job, job.size - job.done)]
-        batch, room = [], self.max_batch_positions
+        batch, room, first = [], self.max_batch_positions, self._waiting[0].session
         for job in list(self._waiting):
-            if batch and job.session.blocks != batch[0][0].session.blocks:
-                continue
+            if batch and (job.session.blocks, job.session.adapter) != (first.blocks, first.adapter):
+                continue  # a pass computes one range of blocks with one LoRA adapter (server/lora.py)
             left = job.size - job.done
             take = min(left, room) if job.chunkable() else (left if left <= room or not batch else 0)
             if take <= 0:
@@ -237,7 +239,8 @@ class BatchScheduler:
             moving.append(i)
         self._count(batch)
         sessions, blocks = [batch[i][0].session for i in moving], batch[0][0].session.blocks
-        results = deep_prompts.forward_batch(self.span, members, sessions, blocks) if members else []
+        with _adapter(self.span, batch[0][0].session.adapter):
+            results = deep_prompts.forward_batch(self.span, members, sessions, blocks) if members else []
         finishing = []
         for i, result in zip(moving, results):
             job, take = batch[i]
@@ -289,6 +292,11 @@ class BatchScheduler:
         self.stats["chunks"] += sum(1 for job, take in batch if take < job.size)
         self.batch_sizes.append((len(batch), positions))
         del self.batch_sizes[:-1000]
+
+
+def _adapter(span: SpanAdapter, name: str) -> contextlib.AbstractContextManager:
+    """The LoRA adapter ``name`` applied to the pass (server/lora.py); nothing to apply without one."""
+    return span.lora.using(name) if span.lora is not None else contextlib.nullcontext()
 
 
 __all__ = ["BatchScheduler", "DEFAULT_GATHER_WINDOW", "DEFAULT_MAX_BATCH_POSITIONS"]

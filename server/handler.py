@@ -56,6 +56,7 @@ from server.adapters import SpanAdapter
 from server.address_caps import AddressCaps
 from server.batching import DEFAULT_GATHER_WINDOW, DEFAULT_MAX_BATCH_POSITIONS, BatchScheduler
 from server.cache_budget import CacheBudget
+from server.lora import check_adapter
 from server.open_sessions import OpenSessions
 from server.replies import report, send_quietly
 from server.results import TailResults
@@ -282,6 +283,7 @@ class SessionHandler(SessionWorker):
             message, tensors, self.span.hidden_shape, self.max_positions_per_step, self.span.num_blocks
         )
         prompts = admission.check_prompts(message, tensors, self.span.hidden_shape, self.max_positions_per_step)
+        adapter = check_adapter(message.active_adapter, self.span.lora)
         if not self.budget.reserve(message.session_id, message.max_length, owner, address):
             raise ProtocolError(
                 ErrorCode.BUSY,
@@ -292,7 +294,7 @@ class SessionHandler(SessionWorker):
             message.session_id, message.max_length, message.route, message.hop_index, self.span.new_cache()
         )
         session.upstream = upstream
-        session.secret_hash, session.prompts = message.secret_hash, prompts
+        session.secret_hash, session.prompts, session.adapter = message.secret_hash, prompts, adapter
         deep_prompts.keep(session, deep)
         downstream = await self._chain(session, upstream)
         self.open_sessions.add(session)

@@ -16,6 +16,7 @@ one block from a meta-device model) lives beside it.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
@@ -299,12 +300,15 @@ def plan_blocks(
     drafter_bytes: int = 0,
     cache_tokens: int | None = None,
     batch_positions: int | None = None,
+    adapter_bytes: int = 0,
 ) -> MemoryPlan:
     """The memory plan of this server: ``free_bytes`` stands in for the device's free memory when given.
     ``batch_positions`` (--max-batch-positions): the largest batched pass; by default it is what the
-    headroom holds (:func:`batch_positions_that_fit`), and a larger one reserves the rest beside it."""
+    headroom holds (:func:`batch_positions_that_fit`), and a larger one reserves the rest beside it.
+    ``adapter_bytes``: what LoRA adapters add to a block at most (server/lora.py), counted in every block."""
     free = free_device_bytes(device) if free_bytes is None else free_bytes
     sizes = model_sizes(config, dtype, quant)
+    sizes = dataclasses.replace(sizes, block_bytes=sizes.block_bytes + adapter_bytes)
     extra = 0
     if batch_positions is not None:  # the activations of the largest pass beyond the headroom
         extra = max(0, batch_bytes(config, dtype, batch_positions) - int(free * HEADROOM_FRACTION))

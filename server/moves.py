@@ -23,6 +23,7 @@ from protocol.records import ServerInfo, ServerState
 from server.adapters import SpanAdapter, load_span
 from server.drafter_attach import attach_drafter_if_it_fits
 from server.joining import keep_announcing
+from server.lora import attach_to_span, open_adapters
 from server.quantization import Quant
 
 if TYPE_CHECKING:
@@ -148,6 +149,7 @@ class SpanMoves:
                 str(self.span.device),
                 Quant(self.info.quantization),
             )
+            await loop.run_in_executor(None, self._attach_adapters, span)
             await loop.run_in_executor(
                 None, attach_drafter_if_it_fits, span, self.config, self.model_config, self.checkpoint, self.plan
             )
@@ -155,6 +157,10 @@ class SpanMoves:
         finally:
             if refresher is not None:
                 refresher.cancel()
+
+    def _attach_adapters(self, span: SpanAdapter) -> None:
+        """The --adapters' pairs of the new span's blocks (server/lora.py), read again from their files."""
+        attach_to_span(span, open_adapters(self.config.adapters, span.num_blocks))
 
     def _serve(self, span: SpanAdapter, info: ServerInfo) -> None:
         """Serve ``span`` and say so: the record goes out only once the span takes sessions."""
@@ -173,4 +179,4 @@ class FreedSpan:
 
     def __init__(self, span: SpanAdapter):
         self.device, self.dtype, self.num_blocks = span.device, span.dtype, span.num_blocks
-        self.start, self.end, self.drafter = span.start, span.end, None
+        self.start, self.end, self.drafter, self.lora = span.start, span.end, None, None

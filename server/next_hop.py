@@ -48,6 +48,7 @@ async def open_downstream(p2p: P2P, session: ServerSession) -> MessageStream:
                 secret_hash=session.secret_hash,
                 num_prompts=0 if session.deep_rest is None else session.deep_rest.shape[1],
                 deep_prompts=session.deep_rest is not None,
+                active_adapter=session.adapter,
             ),
             [] if session.deep_rest is None else [session.deep_rest.contiguous()],
         )

@@ -15,6 +15,7 @@ import torch
 
 from protocol.models import resolve_model, shipped_config_dir
 from server.drafter_attach import drafter_bytes
+from server.lora import plan_adapters
 from server.memory import MemoryPlan, plan_blocks
 from server.model_source import load_model_config
 from server.placement import check_requested_blocks
@@ -49,6 +50,7 @@ def make_plan(config: ServerConfig) -> tuple[MemoryPlan, str]:
         quant=quant,
         drafter_bytes=drafter,
         cache_tokens=config.cache_tokens,
+        adapter_bytes=plan_adapters(config.adapters, config.model, model_config.num_hidden_layers, dtype)[1],
     )
     return plan, device
 

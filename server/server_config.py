@@ -62,3 +62,4 @@ class ServerConfig:
     gather_window: float = DEFAULT_GATHER_WINDOW  # seconds a ready batch waits for more runs
     batching: bool = True  # False: one run per pass through the span (for comparisons)
     revision: Optional[str] = None  # a hub model's commit, branch or tag; None: the one the swarm serves, else main
+    adapters: tuple[str, ...] = ()  # PEFT LoRA adapters (folders or hub repos) this server serves (server/lora.py)

@@ -96,6 +96,7 @@ class ServerSession:
     prompts: Optional[object] = None  # the head: embeddings of the first positions (OpenSession.num_prompts)
     deep_prompts: Optional[object] = None  # deep_ptune: [span blocks, P, hidden] added at each block's input
     deep_rest: Optional[object] = None  # the deep prompts of the blocks after this span, for the next hop
+    adapter: str = ""  # the LoRA adapter its runs apply (OpenSession.active_adapter; server/lora.py); "": none
 
     @property
     def hop(self) -> Hop:

@@ -34,6 +34,7 @@ from server.constraints import TailConstraints
 from server.drafter_attach import attach_drafter_if_it_fits, drafter_bytes
 from server.handler import SessionHandler
 from server.joining import claim_span, keep_announcing, leave
+from server.lora import AdapterSource, attach_to_span, plan_adapters
 from server.memory import MemoryPlan, batch_positions_that_fit, plan_blocks
 from server.model_source import adopt_swarm_revision, hub_reachable, load_model_config
 from server.moves import SpanMoves
@@ -166,6 +167,7 @@ class _Model:
     plan: MemoryPlan
     device: str
     dtype: torch.dtype
+    adapters: list[AdapterSource]  # --adapters, opened and checked against the model (server/lora.py)
 
 
 @dataclass
@@ -220,14 +222,14 @@ async def _load_model(
         )
         quant = resolve_quant(config.quant, model_config, device, dtype)
         logger.info(quant.describe())
-        plan = _plan_memory(config, model_config, checkpoint, quant, device, dtype)
+        plan, adapters = _plan_memory(config, model_config, checkpoint, quant, device, dtype)
         if joined is None:
             joined = await join()
     except BaseException:
         if joined is not None:
             joined.dht.shutdown()
         raise
-    return joined, _Model(dht_name, model_config, checkpoint, identity_fields, quant, plan, device, dtype)
+    return joined, _Model(dht_name, model_config, checkpoint, identity_fields, quant, plan, device, dtype, adapters)
 
 
 def _join_dht(config: ServerConfig, initial_peers: InitialPeers, identity: object) -> Awaitable[Joined]:
@@ -276,8 +278,9 @@ def _plan_memory(
     quant: QuantChoice,
     device: str,
     dtype: torch.dtype,
-) -> MemoryPlan:
-    """What fits in this machine's memory (server/memory.py); fails if the requested blocks do not."""
+) -> tuple[MemoryPlan, list[AdapterSource]]:
+    """What fits in this machine's memory (server/memory.py), --adapters counted; fails if the asked blocks do not."""
+    adapters, adapter_bytes = plan_adapters(config.adapters, config.model, model_config.num_hidden_layers, dtype)
     plan = plan_blocks(
         model_config,
         dtype,
@@ -288,10 +291,11 @@ def _plan_memory(
         drafter_bytes=drafter_bytes(config, model_config, checkpoint, dtype, quant.quant),
         cache_tokens=config.cache_tokens,
         batch_positions=config.max_batch_positions,
+        adapter_bytes=adapter_bytes,
     )
     logger.info(plan.describe(device))
     check_requested_blocks(config, plan, device)
-    return plan
+    return plan, adapters
 
 
 async def _claim_blocks(config: ServerConfig, joined: Joined, model: _Model) -> _Claim:
@@ -339,6 +343,7 @@ async def _load_span(config: ServerConfig, model: _Model, claimed: ServerInfo) -
     span = await loop.run_in_executor(
         None, load_span, model.config, model.checkpoint, start, end, model.dtype, model.device, model.quant.quant
     )
+    await loop.run_in_executor(None, attach_to_span, span, model.adapters)
     await loop.run_in_executor(
         None, attach_drafter_if_it_fits, span, config, model.config, model.checkpoint, model.plan
     )
@@ -405,6 +410,7 @@ async def _online_info(
         max_positions_per_step=config.max_positions_per_step,
         **model.identity_fields,
         max_session_tokens=handler.max_session_tokens,
+        adapters=list(span.lora.names) if span.lora is not None else [],
     )
 
 

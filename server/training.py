@@ -18,6 +18,7 @@ No session is opened and no cache is touched: inference goes on beside training 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from concurrent.futures import Executor
@@ -34,6 +35,7 @@ from protocol.messages import ErrorReply, TrainBackward, TrainForward
 from protocol.streams import TRAIN_PROTOCOL, MessageStream, serve
 from server.adapters import SpanAdapter
 from server.admission import HeldBlocks
+from server.lora import check_adapter
 from server.replies import report, send_quietly
 from server.train_checks import IGNORE_INDEX, check_gradient, check_tensors, check_train_forward, split_train_tensors
 
@@ -228,6 +230,7 @@ class TrainingHandler:
             self.span.vocab_size,
             self.max_positions_per_step,
         )
+        check_adapter(message.active_adapter, self.span.lora)
         inputs, deep_all, score = split_train_tensors(message, tensors)
         kept = inputs[0] if inputs else torch.zeros(0, hidden_size)
         hop = message.route[message.hop_index]
@@ -265,7 +268,7 @@ class TrainingHandler:
 
     def _forward(self, message: TrainForward, kept: torch.Tensor, deep: Optional[torch.Tensor]) -> torch.Tensor:
         hop = message.route[message.hop_index]
-        with torch.no_grad():
+        with torch.no_grad(), self._adapter(message):
             output = self.span.train_span(self._span_input(message, kept), range(hop.start, hop.end), deep)
         return output[0].float()
 
@@ -282,7 +285,7 @@ class TrainingHandler:
         gradients of the input (the prompts' rows at the head) and of this span's deep prompts."""
         hop, span = message.route[message.hop_index], self.span
         done = Backward()
-        with torch.enable_grad():
+        with torch.enable_grad(), self._adapter(message):
             leaf = kept.to(span.device, span.dtype).detach().requires_grad_(True)
             deep_leaf = None if deep is None else deep.to(span.device, span.dtype).detach().requires_grad_(True)
             output = span.train_span(self._span_input(message, leaf), range(hop.start, hop.end), deep_leaf)
@@ -315,6 +318,11 @@ class TrainingHandler:
         else:
             loss = torch.nn.functional.cross_entropy(logits, torch.tensor([int(message.label)], device=last.device))
         return loss, 1, last.detach().cpu()
+
+    def _adapter(self, message: TrainForward) -> contextlib.AbstractContextManager:
+        """The LoRA adapter the row asks for, applied to its blocks (server/lora.py; checked on arrival)."""
+        lora = self.span.lora
+        return lora.using(message.active_adapter) if lora is not None else contextlib.nullcontext()
 
     def _loss_sum(self, message: TrainForward, output: torch.Tensor) -> tuple[torch.Tensor, int]:
         """The sum of the row's target cross-entropies over the ids' positions (prompts dropped)."""

@@ -191,6 +191,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto: ask the initial peers to dial back and use them as relays if they cannot "
         "(docs/nat.md); public: skip the check; private: always serve through a relay",
     )
+    p.add_argument(
+        "--adapters",
+        nargs="+",
+        default=[],
+        metavar="PATH_OR_REPO",
+        help="PEFT LoRA adapters to serve (local folders or hub repos); clients pick one by its name, "
+        "the folder's name or the repo id (docs/fine_tuning.md)",
+    )
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     return p
 
@@ -236,6 +244,7 @@ def server_config(args: argparse.Namespace):
         drafter=args.drafter,
         drafter_tokens=args.drafter_tokens,
         revision=args.revision,
+        adapters=tuple(args.adapters),
     )
 
 

@@ -56,6 +56,7 @@ class SpanAdapter(abc.ABC):
     vocab_size: int
     drafter: Any = None  # a server.tail_drafter.EagleDrafter at a tail that drafts, else None
     constraints: Any = None  # a server.constraints.TailConstraints at a tail (structured outputs), else None
+    lora: Any = None  # a server.lora.ServerAdapters when the server serves LoRA adapters (--adapters), else None
     # whether forward() takes a tree of drafts (``tree=``) and gather_cache() works (docs/protocol.md,
     # "Token trees"); families whose caches roll back exactly only for chains keep this False
     supports_trees: bool = False

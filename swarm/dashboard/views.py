@@ -127,6 +127,7 @@ def server_view(
         "throughput": info.throughput,
         "dtype": info.dtype,
         "quantization": info.quantization,
+        "adapters": list(info.adapters),  # LoRA adapters it serves (--adapters)
         "cache_tokens": info.cache_tokens,
         "free_cache_tokens": info.free_cache_tokens,
         "open_sessions": info.open_sessions,

@@ -505,7 +505,7 @@ def test_page_shows_a_dht_failure_as_a_banner_and_names_as_text(browser):
     hostile = "<img src=x onerror=alert(1)>"
     dashboard = Dashboard(reader=None)
     for event in (
-        polled(time.time(), ("m", 2, [server("A", 0, 2, public_name=hostile)])),
+        polled(time.time(), ("m", 2, [server("A", 0, 2, public_name=hostile, adapters=["tiny-lora", hostile])])),
         PollFailed(time.time(), "DHT timed out after 30 s"),
     ):
         dashboard.feed(event)
@@ -522,6 +522,9 @@ def test_page_shows_a_dht_failure_as_a_banner_and_names_as_text(browser):
             facts = await page.evaluate(PAGE_FACTS)
             facts["banner_text"] = await page.evaluate("document.getElementById('banner').textContent")
             facts["images"] = await page.evaluate("document.querySelectorAll('img').length")
+            facts["adapters"] = await page.evaluate(
+                "document.querySelector('td[data-col=\"dtype\"] .adapters').textContent"
+            )
             return facts, list(page.errors)
         finally:
             await page.close()
@@ -531,3 +534,4 @@ def test_page_shows_a_dht_failure_as_a_banner_and_names_as_text(browser):
     assert errors == [], f"the page logged errors: {errors}"
     assert facts["banner"] and "DHT timed out after 30 s" in facts["banner_text"]
     assert facts["models"]["m"]["names"] == [hostile] and facts["images"] == 0
+    assert facts["adapters"] == f"LoRA: tiny-lora, {hostile}"  # the server's LoRA adapters, listed as text

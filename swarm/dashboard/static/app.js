@@ -133,7 +133,7 @@ function pings(server) {
 // 12 columns, so that a 1280-pixel page shows every one without scrolling sideways
 const SERVER_COLUMNS = [
   ["Peer", "peer"], ["Name", "name"], ["Span", "span"], ["State", "state"], ["Uptime · availability", "availability"],
-  ["Throughput", "throughput", "num"], ["dtype · quant.", "dtype"], ["Cache left", "cache", "num"],
+  ["Throughput", "throughput", "num"], ["dtype · quant. · LoRA", "dtype"], ["Cache left", "cache", "num"],
   ["Sessions", "sessions", "num"], ["Network", "network"], ["Pings to next", "pings"],
   ["Laps · tok/lap · cancels", "laps", "num"],
 ];
@@ -144,6 +144,12 @@ function disputed(sv) {
   const title = `${sv.disputed_by} client${sv.disputed_by === 1 ? "" : "s"} reported that this server's outputs lost a ` +
     "spot-check (they disagreed with two other servers of the same blocks). Anyone can report: a signal, not proof.";
   return [" ", h("span", { class: "dispute", "data-disputed-by": sv.disputed_by, title }, `disputed by ${sv.disputed_by}`)];
+}
+
+// the LoRA adapters a server serves (--adapters; clients pick one with active_adapter), listed by name
+function adapters(sv) {
+  const names = sv.adapters || [];
+  return names.length ? [h("div", { class: "adapters", title: "LoRA adapters (--adapters)" }, "LoRA: " + names.join(", "))] : [];
 }
 
 function serverRow(sv) {
@@ -159,7 +165,7 @@ function serverRow(sv) {
       ...(sv.compatible === false ? [" ", h("span", { class: "incompatible", title: "routers skip it" }, `protocol v${sv.protocol_version}`)] : [])]),
     cell("availability", [duration(sv.uptime_seconds), " ", timeline(sv.uptime_timeline), " ", pct(sv.availability)]),
     cell("throughput", num(sv.throughput) + " tok/s"),
-    cell("dtype", sv.quantization ? `${sv.dtype} · ${sv.quantization}` : sv.dtype),
+    cell("dtype", [sv.quantization ? `${sv.dtype} · ${sv.quantization}` : sv.dtype, ...adapters(sv)]),
     cell("cache", `${compact(sv.free_cache_tokens)} / ${compact(sv.cache_tokens)}`, `${int(sv.free_cache_tokens)} of ${int(sv.cache_tokens)} tokens free`),
     cell("sessions", int(sv.open_sessions)),
     cell("network", network, sv.probe_error || ""),
