@@ -92,10 +92,11 @@ def session_frame_bytes(hidden_shape: Sequence[int], max_positions: int) -> int:
 
 
 def deep_prompt_elements(blocks_from_here: int, hidden_size: int) -> int:
-    """The most deep-prompt values a server whose span starts ``blocks_from_here`` blocks before the
-    model's end may be sent: its blocks and every later one, MAX_PROMPT_POSITIONS each, within
-    MAX_DEEP_PROMPT_ELEMENTS. Sized by the span, not the global cap, so a stranger's training frames
-    on a small server stay small (64 of them may be in flight)."""
+    """The most deep-prompt values one training message may carry to a hop ``blocks_from_here`` blocks
+    before the model's end: those blocks, MAX_PROMPT_POSITIONS each, within MAX_DEEP_PROMPT_ELEMENTS.
+    Sized by the model (a server's frames use its whole depth, so they hold after a move; a message is
+    checked against its hop's own blocks), not a flat cap, so a small model's frames stay small
+    (MAX_TRAIN_STEPS_IN_FLIGHT of them may be in flight)."""
     return min(MAX_DEEP_PROMPT_ELEMENTS, max(0, blocks_from_here) * MAX_PROMPT_POSITIONS * hidden_size)
 
 

@@ -165,8 +165,9 @@ class SpanMoves:
     def _serve(self, span: SpanAdapter, info: ServerInfo) -> None:
         """Serve ``span`` and say so: the record goes out only once the span takes sessions."""
         self.span = self.handler.span = self.handler.batches.span = span
+        self.handler.training.use_span(span)
         self.info = info
-        self.handler.accepting = True
+        self.handler.accepting = self.handler.training.accepting = True
         self._announce()
 
     def _publish(self, info: ServerInfo) -> None:

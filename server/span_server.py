@@ -349,10 +349,8 @@ async def _load_span(config: ServerConfig, model: _Model, claimed: ServerInfo) -
     )
     if span.is_tail:  # the tokenizer loads on the first constrained session
         span.constraints = TailConstraints(model.checkpoint.source, model.checkpoint.revision, span.vocab_size)
-    logger.info(
-        f"Blocks {start}:{end} hold {resident_bytes(span.layers) / 2**20:.1f} MiB of weights "
-        f"({model.quant.quant.value})"
-    )
+    weights_mib = resident_bytes(span.layers) / 2**20
+    logger.info(f"Blocks {start}:{end} hold {weights_mib:.1f} MiB of weights ({model.quant.quant.value})")
     return span
 
 

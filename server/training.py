@@ -139,7 +139,8 @@ class TrainingHandler:
         self.peer_id = p2p.peer_id.to_base58()
         self.max_positions_per_step, self.step_timeout = max_positions_per_step, step_timeout
         self.kept = KeptInputs(max_kept_bytes, step_timeout)
-        deep = limits.deep_prompt_elements(span.num_blocks - span.start, span.hidden_shape[-1])
+        # frames sized for the model's first block on, so they hold wherever a move takes this server
+        deep = limits.deep_prompt_elements(span.num_blocks, span.hidden_shape[-1])
         self.max_frame_bytes = limits.train_frame_bytes(span.hidden_shape, max_positions_per_step, deep)
         steps = limits.step_tensor_elements(span.hidden_shape, max_positions_per_step)
         score = limits.MAX_NUM_LABELS * span.hidden_shape[-1]
@@ -148,6 +149,10 @@ class TrainingHandler:
         self.stats = {"train_steps": 0, "train_refused": 0}
         self.in_flight, self.max_in_flight = 0, limits.MAX_TRAIN_STEPS_IN_FLIGHT
         self.accepting = True  # False while the server drains (SessionHandler.drain)
+
+    def use_span(self, span: SpanAdapter) -> None:
+        """The span a move loaded (server/moves.py): training steps run through its blocks from now on."""
+        self.span, self.held = span, HeldBlocks(span.start, span.end, span.num_blocks)
 
     async def start(self) -> None:
         await serve(

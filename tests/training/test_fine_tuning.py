@@ -220,7 +220,7 @@ def test_bad_training_requests_get_named_errors_and_the_server_keeps_serving(tun
         assert isinstance(reply, ErrorReply) and reply.code == code and text in reply.message, (code, reply)
     # oversize: a frame above what max_positions_per_step positions need is refused before it is read
     training = servers[0].handler.training
-    deep = limits.deep_prompt_elements(training.span.num_blocks - training.span.start, hidden)
+    deep = limits.deep_prompt_elements(training.span.num_blocks, hidden)
     assert training.max_frame_bytes == limits.train_frame_bytes((hidden,), MAX_POSITIONS, deep)
     reply = declare_frame(tuned, head, training.max_frame_bytes + 1)
     assert isinstance(reply, ErrorReply) and reply.code == ErrorCode.FRAME_TOO_LARGE, reply
