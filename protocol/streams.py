@@ -60,6 +60,7 @@ class MessageStream:
         max_tensor_elements: int = MAX_TENSOR_ELEMENTS,
     ):
         self.reader, self.writer, self.peer_id = reader, writer, peer_id
+        self.remote_addr: Optional[object] = None  # the connection's remote multiaddr (streams we serve)
         self.max_frame_bytes, self.max_tensor_elements = max_frame_bytes, max_tensor_elements
         self._send_lock = asyncio.Lock()
         self._broken = False  # framing lost (a refused frame was not read): the stream is over
@@ -159,6 +160,7 @@ async def serve(
         stream = MessageStream(
             reader, writer, info.peer_id, max_frame_bytes=max_frame_bytes, max_tensor_elements=max_tensor_elements
         )
+        stream.remote_addr = info.addr  # as our own daemon saw the connection: nothing the peer sent
         try:
             await handler(stream)
         except asyncio.CancelledError:

@@ -1,19 +1,20 @@
 """Caps per machine, not per peer id (docs/reliability.md, "Caps per machine"): a peer id costs
 nothing, so a stranger with 50 of them would pass every per-peer cap 50 times. A session a client
 opens at this server (the route's head, or any hop whose upstream is not an announced server of the
-previous blocks: admission.cap_owner) also counts against the *source address* this server's
-libp2p daemon observes on the connection, and one address holds at most ``share`` of this server's
-session slots and of its cache budget.
+previous blocks: admission.cap_owner) also counts against the *source address* this server's libp2p
+daemon observes on the connection, and one address holds at most ``share`` of this server's session
+slots and of its cache budget.
 
-The address is read from this server's own daemon (``list_peers``: the connection's remote
-multiaddr), never from anything the peer sends. Loopback is exempt by default: a connection from
-127.0.0.0/8 or ::1 comes from a process on this machine (the operator's own gateway or clients, every
-test), which a stranger cannot start; ``--cap-loopback`` counts it as one address too (the tests set
-it). A private address counts as itself (a LAN or a container network: one address per machine
-there too). A relayed connection shows the relay's address, so clients behind one relay share its
-share; where no address is known the per-peer caps alone apply. Subscribes waiting at the tail for
-their sessions are capped per address the same way (server/subscribe.py); unread results are not
-(they are bounded per session and per server: server/unread.py).
+The address is the connection's remote multiaddr that this server's own daemon reports with each
+stream it hands over (protocol/streams.py), never anything the peer sends. Loopback is exempt by
+default: a connection from 127.0.0.0/8 or ::1 comes from a process on this machine (the operator's
+own gateway or clients, every test), which a stranger cannot start; ``--cap-loopback`` counts it as
+one address too (the tests set it). A private address counts as itself (a LAN or a container
+network: one address per machine there too). A relayed connection shows the relay's address, so
+clients behind one relay share its share; where no address is known the per-peer caps alone apply.
+Subscribes waiting at the tail for their sessions are capped per address the same way
+(server/subscribe.py); unread results are not (they are bounded per session and per server:
+server/unread.py).
 """
 
 from __future__ import annotations
@@ -53,20 +54,14 @@ class AddressCaps:
             raise ValueError(f"--max-share-per-address must be in (0, 1], got {share}")
         self.share, self.cap_loopback = share, cap_loopback
 
-    async def key_of(self, p2p, peer_id: str) -> Optional[str]:
-        """The address ``peer_id`` is connected from, as the caps count it (None: not capped by address)."""
-        try:
-            peers = await p2p.list_peers()
-        except Exception as e:  # the daemon is this server's own: without it, per-peer caps only
-            logger.warning(f"Could not list this server's connections: {e!r}")
+    def key_of(self, stream: object) -> Optional[str]:
+        """The address a stream we serve comes from, as the caps count it (None: not capped by address).
+        It is the remote multiaddr our own daemon reports with the stream (protocol/streams.py serve): no
+        daemon call per session, and nothing the peer sent."""
+        address = source_address([getattr(stream, "remote_addr", None) or ""])
+        if address is None or (is_loopback(address) and not self.cap_loopback):
             return None
-        for info in peers:
-            if info.peer_id.to_base58() == peer_id:
-                address = source_address(info.addrs)
-                if address is None or (is_loopback(address) and not self.cap_loopback):
-                    return None
-                return address
-        return None
+        return address
 
     def most_sessions(self, max_sessions: int) -> int:
         """Sessions (and pending Subscribes) one address may hold of ``max_sessions``."""

@@ -276,7 +276,7 @@ class SessionHandler(SessionWorker):
         self, message: OpenSession, upstream: MessageStream, tensors: Sequence[torch.Tensor] = ()
     ) -> tuple[ServerSession, Optional[MessageStream]]:
         """Admit a session (server/admission.py), reserve its cache, open it on the next hop, start its worker."""
-        address = await self.address_caps.key_of(self.p2p, upstream.peer_id.to_base58())
+        address = self.address_caps.key_of(upstream)
         owner = self._admit(message, upstream.peer_id.to_base58(), address)
         address = address if owner is not None else None  # a forwarding server carries many machines' sessions
         tensors, deep = deep_prompts.split_open(
@@ -428,6 +428,6 @@ class SessionHandler(SessionWorker):
 
     async def _serve_results(self, client: MessageStream) -> None:
         """One client's results stream (tail only): server/subscribe.py, under this server's session caps."""
-        address = await self.address_caps.key_of(self.p2p, client.peer_id.to_base58())
+        address = self.address_caps.key_of(client)
         most = self.address_caps.most_sessions(self.max_sessions)
         await self.subscriptions.serve(client, self.max_sessions, self.max_sessions_per_peer, address, most)

@@ -60,15 +60,14 @@ def test_one_address_holds_at_most_its_share_whatever_its_peer_ids():
 
 
 def test_loopback_is_exempt_unless_capped():
-    peer = types.SimpleNamespace(peer_id=types.SimpleNamespace(to_base58=lambda: "Qm1"), addrs=["/ip4/127.0.0.1/tcp/9"])
-
-    class Daemon:
-        async def list_peers(self):
-            return [peer]
-
-    assert asyncio.run(AddressCaps().key_of(Daemon(), "Qm1")) is None
-    assert asyncio.run(AddressCaps(cap_loopback=True).key_of(Daemon(), "Qm1")) == "127.0.0.1"
-    assert asyncio.run(AddressCaps(cap_loopback=True).key_of(Daemon(), "Qm2")) is None  # not connected
+    """The address comes from the stream our daemon handed over (``remote_addr``), relayed or not."""
+    stream = types.SimpleNamespace(remote_addr="/ip4/127.0.0.1/tcp/9")
+    assert AddressCaps().key_of(stream) is None
+    assert AddressCaps(cap_loopback=True).key_of(stream) == "127.0.0.1"
+    assert AddressCaps().key_of(types.SimpleNamespace(remote_addr="/ip4/203.0.113.7/tcp/9")) == "203.0.113.7"
+    relayed = "/ip4/198.51.100.1/tcp/4001/p2p/QmRelay/p2p-circuit"
+    assert AddressCaps().key_of(types.SimpleNamespace(remote_addr=relayed)) == "198.51.100.1"
+    assert AddressCaps(cap_loopback=True).key_of(types.SimpleNamespace(remote_addr=None)) is None  # not known
 
 
 @pytest.fixture(scope="module")
@@ -100,11 +99,8 @@ def test_fifty_peer_ids_on_one_address_hold_one_share(capped_swarm):
             mine = RawSession(honest, servers)
             sessions.append(mine)
             reply = await mine.open(max_length=64)
-            # what the head's own daemon observes: two source addresses, not 51 peers
-            seen = [
-                await head.handler.address_caps.key_of(head.handler.p2p, p.peer_id.to_base58())
-                for p in (strangers[0], strangers[-1], honest)
-            ]
+            # what the head counted from the addresses its daemon observed: two addresses, not 51 peers
+            seen = {address: head.handler.budget.held_by_address(address) for address in ("127.0.0.1", "127.0.0.2")}
             return replies, reply, seen
         finally:
             for session in sessions:
@@ -113,7 +109,7 @@ def test_fifty_peer_ids_on_one_address_hold_one_share(capped_swarm):
                 await p2p.shutdown()
 
     replies, honest_reply, seen = _loop.run(scenario(), timeout=600)
-    assert seen == ["127.0.0.1", "127.0.0.1", "127.0.0.2"]
+    assert seen == {"127.0.0.1": (4, 4 * 64), "127.0.0.2": (1, 64)}, seen  # 50 peer ids, one share
     opened = [r for r in replies if isinstance(r, SessionOpened)]
     refused = [r for r in replies if isinstance(r, ErrorReply)]
     assert len(opened) == int(SHARE * MAX_SESSIONS), replies

@@ -275,7 +275,9 @@ def test_a_third_opinion_looks_like_a_live_lap(monkeypatch):
             pass
 
     monkeypatch.setattr(_verdict_audits, "RemoteSession", Recording)
-    swarm = types.SimpleNamespace(p2p=None, request_timeout=1.0, prompts=None, route_step_limit=lambda route: 16)
+    swarm = types.SimpleNamespace(
+        p2p=None, request_timeout=1.0, prompts=None, active_adapter="", route_step_limit=lambda route: 16
+    )
     auditor = _verdict_audits.VerdictAuditor(swarm, vocab_size=100)
     ids = list(range(1, 41))
     auditor.begin(ids[:11], 60, _verdict_audits.GREEDY, "match", LiveShape(8))
