@@ -25,6 +25,7 @@ from protocol.sampling import check_draft_q, validate_sampling
 from server.adapters import SpanAdapter
 from server.constraints import session_guide
 from server.tail_drafter import MAX_TAIL_DRAFTS
+from server.verify_rows import RowPlan
 
 
 @dataclass
@@ -94,6 +95,7 @@ class ServerSession:
     offer: Optional[object] = None  # the head: the client's latest DraftOffer
     tail_started: set[int] = field(default_factory=set)  # the tail: runs it started at the head, not yet verified
     prompts: Optional[object] = None  # the head: embeddings of the first positions (OpenSession.num_prompts)
+    row_plan: RowPlan = field(default_factory=RowPlan)  # the tail: logits rows per verification's first call
 
     @property
     def hop(self) -> Hop:
