@@ -326,6 +326,8 @@ class SpeculativeDecoder(Reverification):
         self.stats.laps_timed += 1
         seconds = self.verdict_at - run.sent_at
         self.swarm.observe_lap(self.state.remote.route, seconds, len(run.token_ids), looped=run.looped)
+        if self.drafter is not None and not run.tree:  # a tree's lap is its sizer's (client/_trees.py)
+            self.drafter.observe_lap(len(run.token_ids), seconds)
 
     def _track_looped(self, run: Optional[Run]) -> None:
         """A run the tail started at the head: in flight now, though the client sent nothing."""

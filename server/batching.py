@@ -33,7 +33,7 @@ from protocol.limits import DEFAULT_GATHER_WINDOW
 from server import deep_prompts
 from server.adapters import SpanAdapter, SpanCancelled
 from server.adapters.base import BatchMember
-from server.compute import begin_run, finish_run, first_logits_row
+from server.compute import begin_run, finish_run, first_logits_row, planned_rows
 from server.memory import DEFAULT_MAX_BATCH_POSITIONS
 from server.session import QueuedRun, ServerSession
 
@@ -268,14 +268,20 @@ class BatchScheduler:
 
     def _finish(self, batch: list[tuple[Job, int]], finishing: list[int], outcomes: list[Outcome]) -> None:
         """Finish the runs whose last positions this pass computed: at the tail, the LM head's
-        first row of each in one call (every verdict reads it), then each run's verdict."""
+        planned first rows of each (every verdict reads its first; server/verify_rows.py) in one
+        call, then each run's verdict."""
         hiddens = {i: torch.cat(batch[i][0].outputs, dim=1) for i in finishing}
         first_rows: dict[int, torch.Tensor] = {}
         tails = [i for i in finishing if batch[i][0].session.next_hop is None]
         if len(tails) > 1:
-            rows = [hiddens[i][:, first_logits_row(batch[i][0].run.step)] for i in tails]
-            logits = self.span.logits(torch.stack(rows, dim=1))  # [len(tails), V]
-            first_rows = dict(zip(tails, logits))
+            spans = {}
+            for i in tails:
+                job = batch[i][0]
+                first = first_logits_row(job.run.step)
+                spans[i] = (first, min(first + planned_rows(job.session, job.run.step), hiddens[i].shape[1]))
+            rows = [hiddens[i][:, a:b] for i, (a, b) in spans.items()]
+            logits = self.span.logits(torch.cat(rows, dim=1))  # [rows of every tail run, V]
+            first_rows = dict(zip(tails, logits.split([b - a for a, b in spans.values()])))
         for i in finishing:
             job = batch[i][0]
             try:

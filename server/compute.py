@@ -60,28 +60,38 @@ def first_logits_row(step: Step) -> int:
     return len(step.token_ids) - step.n_draft - 1
 
 
+def planned_rows(session: ServerSession, step: Step) -> int:
+    """How many rows from :func:`first_logits_row` the first LM-head call computes: the rows the
+    verification walk will probably read, from the session's measured acceptance
+    (server/verify_rows.py). A tree's walk reads one path, row by row: one."""
+    return 1 if step.parents else session.row_plan.rows(step.n_draft)
+
+
 def finish_run(
     span: SpanAdapter,
     session: ServerSession,
     run: QueuedRun,
     hidden: torch.Tensor,
-    first_row: Optional[torch.Tensor] = None,
+    first_rows: Optional[torch.Tensor] = None,
 ) -> torch.Tensor | StepResult | TailReply:
     """After the blocks: a middle server's output activations, or the tail's verdict (and outputs).
-    ``first_row``: the logits of :func:`first_logits_row`, when the caller computed them already."""
+    ``first_rows``: the logits of the :func:`planned_rows` rows from :func:`first_logits_row`, when
+    the caller computed them already (a batch computes those of all its members in one call)."""
     step = run.step
     session.history.extend(step.token_ids)
     if session.next_hop is not None:
         return hidden
-    logits = LazyLogits(span, hidden, contiguous=not step.parents)
-    if first_row is not None:
-        logits.seed(first_logits_row(step), first_row[None])
+    logits = LazyLogits(span, hidden, contiguous=not step.parents, first_call=planned_rows(session, step))
+    if first_rows is not None:
+        logits.seed(first_logits_row(step), first_rows)
     outputs = _outputs(span, session, step, hidden, logits) if step.return_logits else None
     try:
         result = _verdict(session, step, logits)
     except ValueError as e:  # a committed id the session's constraint forbids (protocol/constraints.py)
         raise ProtocolError(ErrorCode.BAD_REQUEST, str(e)) from None
     result.step_digest = digest_of(step, step.sampling_params, session.secret)  # what this verdict is about
+    if not step.parents:
+        session.row_plan.observe(step.n_draft, result.accepted)
     if step.tail_drafts and span.drafter is not None:
         result.drafts = _tail_drafts(span, session, step, hidden, result)
     return result if outputs is None else TailReply(outputs, result)
@@ -175,16 +185,18 @@ class LazyLogits:
 
     Verification walks rows in order and stops at the first mismatch, which on most laps is the
     first row it reads; a prefill reads only its last row. The LM head is the tail's largest
-    matrix (on SmolLM2, 49152 x 576: about 10 ms per row on one CPU core, two or three rows two or
-    three times that), so the first row read is computed alone and, if the walk goes on, every
-    row after it in one call. Row r of the result is what ``span.logits(hidden)[r]`` would be,
+    matrix (on SmolLM2, 49152 x 576, read whole by every call), so the first call computes the
+    ``first_call`` rows from the first row read (the rows the walk will probably read,
+    server/verify_rows.py) and, if the walk goes on past them, every row after them in a second
+    call. Row r of the result is what ``span.logits(hidden)[r]`` would be,
     up to the floating-point rounding that computing rows together may add (docs/design.md).
     """
 
-    def __init__(self, span: SpanAdapter, hidden: torch.Tensor, contiguous: bool = True):
+    def __init__(self, span: SpanAdapter, hidden: torch.Tensor, contiguous: bool = True, first_call: int = 1):
         self._span, self._hidden = span, hidden  # hidden: [1, S, *hidden_shape]
         self._rows: dict[int, torch.Tensor] = {}
         self._contiguous = contiguous  # False (a tree): the walk reads rows along one path, one at a time
+        self._first_call = max(1, first_call)  # rows the first call computes, from the first row read
 
     def __len__(self) -> int:
         return self._hidden.shape[1]
@@ -198,7 +210,10 @@ class LazyLogits:
         if not 0 <= row < len(self):
             raise IndexError(f"logits row {row} of {len(self)}")
         if row not in self._rows:
-            end = row + 1 if not self._rows or not self._contiguous else len(self)
+            if not self._contiguous:
+                end = row + 1
+            else:
+                end = min(row + self._first_call, len(self)) if not self._rows else len(self)
             block = self._span.logits(self._hidden[:, row:end])  # [end - row, V]
             for offset in range(end - row):
                 self._rows.setdefault(row + offset, block[offset])

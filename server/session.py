@@ -25,6 +25,7 @@ from protocol.sampling import check_draft_q, validate_sampling
 from server.adapters import SpanAdapter
 from server.constraints import session_guide
 from server.tail_drafter import MAX_TAIL_DRAFTS
+from server.verify_rows import RowPlan
 
 
 @dataclass
@@ -97,6 +98,7 @@ class ServerSession:
     deep_prompts: Optional[object] = None  # deep_ptune: [span blocks, P, hidden] added at each block's input
     deep_rest: Optional[object] = None  # the deep prompts of the blocks after this span, for the next hop
     adapter: str = ""  # the LoRA adapter its runs apply (OpenSession.active_adapter; server/lora.py); "": none
+    row_plan: RowPlan = field(default_factory=RowPlan)  # the tail: logits rows per verification's first call
 
     @property
     def hop(self) -> Hop:

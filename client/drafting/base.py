@@ -11,6 +11,8 @@ import abc
 from collections.abc import Sequence
 from typing import Any
 
+from client.drafting.cost_model import ChainCosts
+
 
 class Drafter(abc.ABC):
     """One stream's draft source. The client calls, per stream:
@@ -99,6 +101,10 @@ class Drafter(abc.ABC):
     def observe(self, drafted: int, accepted: int) -> None:
         """Feedback after a lap: `accepted` of the `drafted` ids were kept (bonus not counted)."""
 
+    def observe_lap(self, positions: int, seconds: float) -> None:
+        """A lap of ``positions`` positions (committed ids and drafts) took ``seconds``, from sending
+        to its verdict: what the draft cost model fits (client/drafting/cost_model.py). Default: unused."""
+
     @abc.abstractmethod
     def finish(self) -> None:
         """The stream ended (its tokens may now serve later streams)."""
@@ -114,6 +120,10 @@ class _AdaptiveDrafter(Drafter):
     the full cap. Laps that say nothing about the cap are ignored: one that drafted nothing,
     and one whose draft, shorter than the cap, was accepted whole (the drafter's own
     evidence ended it, not the cap, and nothing was rejected).
+
+    Once lap times of different sizes are measured, the cap is also at most what the cost model
+    chooses (client/drafting/cost_model.py): the count with the most expected tokens per lap time,
+    which may be 0 (a lap without drafts) where drafts do not pay. Drafts only change speed.
     """
 
     DECAY = 0.5
@@ -124,14 +134,19 @@ class _AdaptiveDrafter(Drafter):
             raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
         self.num_draft_tokens = num_draft_tokens
         self._ema = float(num_draft_tokens)
+        self.costs = ChainCosts()
 
     @property
     def draft_cap(self) -> int:
-        """The current adaptive limit on the draft length, in [1, num_draft_tokens]."""
+        """The current adaptive limit on the draft length, in [0, num_draft_tokens]."""
         return self._cap(self._ema)
 
     def observe(self, drafted: int, accepted: int) -> None:
         self._ema = self._ema_after(drafted, accepted)
+        self.costs.observe(drafted, accepted)
+
+    def observe_lap(self, positions: int, seconds: float) -> None:
+        self.costs.observe_lap(positions, seconds)
 
     def cap_after(self, drafted: int, accepted: int) -> int:
         return self._cap(self._ema_after(drafted, accepted))
@@ -143,7 +158,9 @@ class _AdaptiveDrafter(Drafter):
         return self._ema + self.DECAY * (accepted - self._ema)
 
     def _cap(self, ema: float) -> int:
-        return max(1, min(self.num_draft_tokens, int(self.GROWTH * ema) + 1))
+        cap = max(1, min(self.num_draft_tokens, int(self.GROWTH * ema) + 1))
+        priced = self.costs.cap(self.num_draft_tokens)
+        return cap if priced is None else min(cap, priced)
 
     def _restart_ema(self) -> None:
         self._ema = float(self.num_draft_tokens)

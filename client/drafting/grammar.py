@@ -101,6 +101,10 @@ class GrammarDrafts(Drafter):
         self.forced_drafted += self._last_forced
         return drafts
 
+    def observe_lap(self, positions: int, seconds: float) -> None:
+        if self.inner is not None:
+            self.inner.observe_lap(positions, seconds)
+
     def observe(self, drafted: int, accepted: int) -> None:
         """The inner drafter learns from its own part of the last draft only (forced ids are the grammar's)."""
         if self.inner is not None:

@@ -122,6 +122,10 @@ class TailDrafts(Drafter):
     def cap_after(self, drafted: int, accepted: int) -> int:
         return self.inner.cap_after(drafted, accepted) if self.inner is not None else self.tail_tokens
 
+    def observe_lap(self, positions: int, seconds: float) -> None:
+        if self.inner is not None:
+            self.inner.observe_lap(positions, seconds)
+
     def observe(self, drafted: int, accepted: int) -> None:
         if self.inner is not None and self._last_source == "retrieval":
             self.inner.observe(drafted, accepted)

@@ -8,6 +8,7 @@ import torch
 from protocol.messages import GREEDY, SamplingParams
 from protocol.sampling import verify
 from server.compute import LazyLogits
+from server.verify_rows import ALL_ROWS, RowPlan
 
 
 class CountingLMHead:
@@ -68,3 +69,44 @@ def test_rows_after_the_first_are_computed_in_one_call():
     assert lm_head.calls == [1, 3]
     with pytest.raises(IndexError):
         rows[6]
+
+
+def _lap(lm_head: CountingLMHead, plan: RowPlan, n_draft: int, accepted: int, seed: int) -> list[int]:
+    """One verification of ``n_draft`` drafts, the first ``accepted`` of them right, with the first
+    call sized by ``plan``; the plan then observes the verdict. Returns the LM-head calls' row counts."""
+    hidden = torch.randn(1, n_draft + 1, 8, generator=torch.Generator().manual_seed(seed))
+    choices = lm_head.logits(hidden).argmax(-1).tolist()
+    drafts = [c if i < accepted else (c + 1) % 16 for i, c in enumerate(choices[:n_draft])]
+    lm_head.calls.clear()
+    rows = LazyLogits(lm_head, hidden, first_call=plan.rows(n_draft))
+    got, next_token, _ = verify(rows, [3, 5, 9] + drafts, 2, n_draft, GREEDY)
+    assert (got, next_token) == (accepted, choices[accepted])
+    plan.observe(n_draft, got)
+    return list(lm_head.calls)
+
+
+def test_the_first_call_grows_with_measured_acceptance_and_shrinks_when_drafts_fail():
+    lm_head, plan = CountingLMHead(), RowPlan()
+    # four drafts per lap, all accepted: the walk reads 5 rows. The plan starts from a neutral
+    # prior (acceptance 0.5: the first four rows, then a second call for the fifth) and as the
+    # average rises (0.75, ...) the first call takes all five rows: one call per verification
+    calls = [_lap(lm_head, plan, 4, 4, seed) for seed in range(5)]
+    assert calls == [[4, 1], [5], [5], [5], [5]]
+    # then every draft rejected: the walk reads one row; the plan shrinks back to one
+    calls = [_lap(lm_head, plan, 4, 0, seed) for seed in range(10, 16)]
+    assert calls == [[5], [4], [2], [2], [1], [1]] and plan.rows(4) == 1
+    # a prefill (no drafts) says nothing and costs one row
+    assert _lap(lm_head, plan, 0, 0, 99) == [1] and plan.rows(4) == 1
+
+
+@pytest.mark.parametrize("forced, expected_calls", [(1, [1, 5]), (ALL_ROWS, [6]), (3, [3, 3])])
+def test_a_forced_row_count_gives_the_same_rows(monkeypatch, forced, expected_calls):
+    monkeypatch.setattr(RowPlan, "FORCED", forced)
+    lm_head = CountingLMHead()
+    hidden = torch.randn(1, 6, 8)
+    full = lm_head.logits(hidden)
+    lm_head.calls.clear()
+    rows = LazyLogits(lm_head, hidden, first_call=RowPlan(rate=0.9).rows(5))
+    for r in range(6):
+        assert torch.allclose(rows[r], full[r], atol=1e-5)
+    assert lm_head.calls == expected_calls

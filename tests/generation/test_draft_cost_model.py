@@ -1,0 +1,101 @@
+"""The chain cost model (client/drafting/cost_model.py): drafts per lap from measured acceptance and
+lap times; a lap with drafts is never slower in expectation than one without; it only changes speed."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from client.drafting import SuffixDrafter
+from client.drafting.cost_model import ChainCosts, draft_count
+from tests.kit.reference import PROMPT
+
+HOPS = 3
+COMPUTE_S, PER_POSITION_S = 0.004, 0.002  # a lap's fixed compute, and each position's, on 3 servers
+
+
+def _rate(acceptance, fixed, per_position, k, committed=1):
+    expected, reach = 1.0, 1.0
+    for j in range(k):
+        reach *= acceptance[min(j, len(acceptance) - 1)]
+        expected += reach
+    return expected / (fixed + per_position * (committed + k))
+
+
+def test_more_drafts_pay_as_the_link_grows_and_never_fewer():
+    acceptance = [0.6, 0.5, 0.4, 0.3]
+    counts = [
+        draft_count(acceptance, COMPUTE_S + 2 * HOPS * delay_ms / 1000, PER_POSITION_S, 8)
+        for delay_ms in range(0, 101, 5)
+    ]
+    assert counts == sorted(counts)  # monotone in link delay
+    at_0 = draft_count(acceptance, COMPUTE_S, PER_POSITION_S, 8)
+    at_50 = draft_count(acceptance, COMPUTE_S + 2 * HOPS * 0.050, PER_POSITION_S, 8)
+    assert at_50 > at_0
+    assert draft_count([0.95], COMPUTE_S + 2 * HOPS * 0.050, PER_POSITION_S, 8) == 8  # predictable text, long link
+
+
+def test_no_drafts_when_they_never_land_on_a_free_link():
+    assert draft_count([0.01] * 8, 0.0, PER_POSITION_S, 8) == 0
+    assert draft_count([], 0.2, PER_POSITION_S, 8) == 0  # nothing ever accepted: a draft buys nothing
+    assert draft_count([0.9] * 8, 0.2, 0.0, 8) == 8  # free positions: every draft that may land pays
+
+
+def test_the_chosen_count_is_never_slower_in_expectation_than_none():
+    rng = random.Random(3)
+    for _ in range(500):
+        acceptance = [rng.random() for _ in range(rng.randint(1, 8))]
+        fixed, per_position = rng.uniform(0, 0.3), rng.uniform(0, 0.05)
+        k = draft_count(acceptance, fixed, per_position, 8)
+        best = max(_rate(acceptance, fixed, per_position, j) for j in range(9))
+        assert _rate(acceptance, fixed, per_position, k) == pytest.approx(best)
+        assert _rate(acceptance, fixed, per_position, k) >= _rate(acceptance, fixed, per_position, 0)
+
+
+def test_bad_costs_are_refused():
+    with pytest.raises(ValueError, match="lap costs must be >= 0"):
+        draft_count([0.5], -0.1, 0.01, 4)
+
+
+def test_costs_are_fitted_from_laps_and_acceptance_by_depth():
+    costs = ChainCosts()
+    costs.observe_lap(3, 0.13)
+    assert costs.cap(8) is None  # one lap size: the slope is unmeasured, the drafter drafts as before
+    for positions in [1, 5, 2, 9, 4, 1, 6]:
+        costs.observe_lap(positions, 0.1 + 0.01 * positions)
+    assert costs.fitted
+    assert costs.fixed_s == pytest.approx(0.1, abs=1e-3) and costs.per_position_s == pytest.approx(0.01, abs=1e-3)
+    costs.observe_lap(500, 9.0)  # a prefill stays out of the fit
+    assert costs.per_position_s == pytest.approx(0.01, abs=1e-3)
+    for _ in range(30):
+        costs.observe(4, 1)  # the first draft always lands, the second never
+    first, second = costs.acceptance()[:2]
+    assert first > 0.95 and second < 0.05
+    assert costs.cap(8) == 1
+
+
+def test_a_drafter_on_a_free_link_with_failing_drafts_stops_drafting_and_probes():
+    drafter = SuffixDrafter(num_draft_tokens=8)
+    drafter.reset([1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2])
+    for positions in [1, 5, 2, 9, 4, 1, 6]:
+        drafter.observe_lap(positions, 0.001 + 0.01 * positions)  # compute-bound: positions cost, the link nothing
+    for _ in range(20):
+        drafter.observe(3, 0)
+    assert drafter.draft_cap == 0 and drafter.propose(8) == []
+    for _ in range(ChainCosts.PROBE_EVERY):
+        drafter.observe(0, 0)  # laps without drafts
+    assert drafter.draft_cap == 1  # a probe keeps acceptance measured
+
+
+@pytest.mark.parametrize("cap", [0, 1, None])
+def test_the_priced_cap_never_changes_tokens(limits_swarm, tiny_reference, monkeypatch, cap):
+    model, _, _ = limits_swarm
+    prompt = [PROMPT[0][:6] * 2]  # repetitive: the suffix drafter drafts
+    expected = tiny_reference.generate(torch.tensor(prompt), max_new_tokens=12, do_sample=False)
+    monkeypatch.setattr(ChainCosts, "cap", lambda self, max_drafts: cap)
+    output = model.generate(torch.tensor(prompt), max_new_tokens=12, speculation="suffix", num_draft_tokens=4)
+    assert output.tolist() == expected.tolist()
+    if cap == 0:
+        assert model.last_generation_stats.drafted == 0
