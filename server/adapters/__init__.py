@@ -21,6 +21,7 @@ GENERIC_FAMILIES = (
     "qwen3_moe",
     "deepseek_v3",
     "glm4_moe",
+    "gpt_oss",
 )
 # model_type -> "module:class"; imported on first use, because importing transformers' DeepSeek-V4
 # modeling code costs a Llama server 2-4 s of CPU at start on these machines

@@ -49,8 +49,16 @@ class LlamaFamilyAdapter(SpanAdapter):
         device: str | torch.device = "cpu",
         quant: Quant = Quant.NONE,
     ):
+        quantized = getattr(config, "quantization_config", None)
+        method = quantized.get("quant_method") if isinstance(quantized, dict) else getattr(quantized, "quant_method", 0)
+        if method == "mxfp4":
+            raise ValueError(
+                "MXFP4 checkpoints (gpt-oss as published) are not read yet: serve a bfloat16 copy of the weights"
+            )
         self.config = copy.deepcopy(config)
-        self.config._attn_implementation = "sdpa"
+        # gpt_oss's attention sinks live only in its eager attention, which adds the mask to the scores
+        self.additive_masks = config.model_type == "gpt_oss"
+        self.config._attn_implementation = "eager" if self.additive_masks else "sdpa"
         self.num_blocks = config.num_hidden_layers
         if not 0 <= start < end <= self.num_blocks:
             raise ValueError(f"blocks {start}:{end} are outside the model's 0:{self.num_blocks}")
@@ -76,7 +84,7 @@ class LlamaFamilyAdapter(SpanAdapter):
         # trees need caches whose entries sit at their positions (new_cache keeps them all)
         # packed batching (llama_batch.py) runs q/k/v projections itself; other attentions (DeepSeek-V3's
         # latent attention) compute a batch's members one after another
-        self.packs_sessions = all(
+        self.packs_sessions = not self.additive_masks and all(
             all(hasattr(layer.self_attn, p) for p in ("q_proj", "k_proj", "v_proj")) for layer in self.layers
         )
         self.supports_trees = all(type(layer) is DynamicLayer for layer in self.new_cache().layers)
@@ -199,6 +207,8 @@ class LlamaFamilyAdapter(SpanAdapter):
                 None,
             )
         masks = {window: _mask(start_pos, position_ids, window, tree_mask) for window in set(self.windows)}
+        if self.additive_masks:
+            masks = {w: None if m is None else _additive(m, self.dtype) for w, m in masks.items()}
         return position_ids, masks
 
     @torch.inference_mode()
@@ -313,6 +323,12 @@ def _mask(
     if num_new == 1 and bool(allowed.all()):
         return None
     return allowed[None, None]
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask as eager attention adds it to the scores: 0 where allowed, the dtype's minimum elsewhere."""
+    zero = torch.zeros((), dtype=dtype, device=allowed.device)
+    return torch.where(allowed, zero, torch.finfo(dtype).min)
 
 
 def _causal_mask(start_pos: int, num_new: int, device: torch.device) -> torch.Tensor | None:

@@ -146,6 +146,15 @@ MOE_FAMILIES: dict[str, dict] = {
         use_qk_norm=True,
         attention_bias=True,
     ),
+    # attention sinks, alternating sliding (a window of 8, so the tests cross it) and full layers, experts with
+    # biases and gate/up interleaved, a router with a bias
+    "gpt_oss": dict(
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        head_dim=16,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+    ),
 }
 
 

@@ -89,6 +89,9 @@ def test_checkpoint_is_in_the_hub_layout(family_paths, model_type):
     """save_pretrained writes one tensor per expert (transformers' reverse conversion), so the
     spans below load what the hub ships, not the fused modules."""
     keys = Checkpoint(str(family_paths(model_type))).weight_map()
+    if model_type == "gpt_oss":  # its hub layout is the fused experts themselves, with biases
+        assert {"model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.gate_up_proj_bias"} <= set(keys)
+        return
     assert not any("gate_up_proj" in key for key in keys)
     expert = "block_sparse_moe.experts.3.w1.weight" if model_type == "mixtral" else "mlp.experts.3.gate_proj.weight"
     assert f"model.layers.1.{expert}" in keys
@@ -115,7 +118,7 @@ def test_a_batched_pass_gives_each_member_what_it_gets_alone(family_paths, model
     """Each session's own routing: members computed together (packed, or one after another for
     DeepSeek-V3's latent attention) get their own activations and caches, a tree included."""
     (span,) = _spans(family_paths(model_type), [(0, 4)])
-    assert span.packs_sessions == (model_type != "deepseek_v3") and span.supports_trees
+    assert span.packs_sessions == (model_type not in ("deepseek_v3", "gpt_oss")) and span.supports_trees
     alone, members, outputs = _alone_and_together(span, seed=11)
     for (expected, cache), got, member in zip(alone, outputs, members):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
@@ -157,7 +160,9 @@ def test_quantized_spans_equal_the_same_quantization_in_one_process(family_paths
     path = family_paths(model_type)
     reference = quantized_reference(path, quant)
     spans = _spans(path, [(0, 2), (2, 4)], quant)
-    assert any(isinstance(m, QuantizedExperts) for m in spans[1].layers.modules())
+    # gpt_oss's experts (gate/up interleaved, with biases and a clamp) stay in float; its attention is quantized
+    quantized_experts = any(isinstance(m, QuantizedExperts) for m in spans[1].layers.modules())
+    assert quantized_experts == (model_type != "gpt_oss")
     caches = [span.new_cache() for span in spans]
     ids = torch.randint(0, 2000, (1, 12), generator=torch.Generator().manual_seed(9))
     with torch.no_grad():
@@ -170,10 +175,17 @@ def test_quantized_spans_equal_the_same_quantization_in_one_process(family_paths
 
 
 def test_an_unsupported_family_is_refused_naming_it_and_the_supported_ones():
-    from transformers import GptOssConfig
+    from transformers import FalconConfig
 
-    with pytest.raises(ValueError, match=r"model type 'gpt_oss' is not supported yet; supported: \[.*'mixtral'"):
-        adapter_class(GptOssConfig())
+    with pytest.raises(ValueError, match=r"model type 'falcon' is not supported yet; supported: \[.*'gpt_oss'"):
+        adapter_class(FalconConfig())
+
+
+def test_an_mxfp4_checkpoint_is_refused_by_name(family_paths):
+    config = AutoConfig.from_pretrained(family_paths("gpt_oss"))
+    config.quantization_config = {"quant_method": "mxfp4"}
+    with pytest.raises(ValueError, match="MXFP4 checkpoints"):
+        load_span(config, Checkpoint(str(family_paths("gpt_oss"))), 0, 2, torch.float32, "cpu", Quant.NONE)
 
 
 def test_an_expert_missing_from_the_checkpoint_is_named(family_paths):
@@ -193,6 +205,7 @@ SWARM_SPANS = {
     "qwen3_moe": [(0, 3), (3, 4)],
     "deepseek_v3": [(0, 1), (1, 4)],
     "glm4_moe": [(0, 2), (2, 4)],
+    "gpt_oss": [(0, 2), (2, 4)],
 }
 
 
@@ -204,12 +217,15 @@ def served(request, family_paths, references, artifacts_dir):
 
     model_type = request.param
     path = family_paths(model_type)
-    drafter = build_random_drafter(path, path.parent / f"{model_type}-eagle.safetensors")
+    drafting = []  # gpt_oss has no EAGLE tail drafter yet (server/tail_drafter.py refuses it by name)
+    if model_type != "gpt_oss":
+        drafter = build_random_drafter(path, path.parent / f"{model_type}-eagle.safetensors")
+        drafting = ["--drafter", str(drafter), "--drafter-tokens", "4"]
     swarm = LocalSwarm(
         str(path),
         # a second head and a second tail: the substitutes of spot-checks and verdict audits
         spans=[*SWARM_SPANS[model_type], SWARM_SPANS[model_type][0], SWARM_SPANS[model_type][-1]],
-        server_args=[*SERVER_ARGS, "--drafter", str(drafter), "--drafter-tokens", "4"],
+        server_args=[*SERVER_ARGS, *drafting],
         log_dir=str(artifacts_dir / f"moe-{model_type}"),
     )
     with swarm:
@@ -242,6 +258,8 @@ def test_swarm_generation_equals_transformers(served, monkeypatch):
         dict(speculation="suffix+tail"),
     )
     for extra in modes:
+        if model_type == "gpt_oss" and "tail" in str(extra["speculation"]):
+            continue  # no tail drafter for gpt_oss yet
         output = model.generate(prompt, max_new_tokens=20, **extra)
         assert output.tolist() == expected.tolist(), (model_type, extra)
         if extra["speculation"] == "tail":  # the tail's EAGLE head (a decoder layer of the family's own class) drafted
