@@ -145,3 +145,30 @@ def smol_tokenizer():
     from tests.kit.checkpoints import ensure_smollm2_checkpoint
 
     return AutoTokenizer.from_pretrained(ensure_smollm2_checkpoint())
+
+
+def test_a_hermes_template_gets_the_tools_and_earlier_calls_through_itself(smol_tokenizer):
+    import msgspec
+
+    from swarm.api.engine import ServedModel
+    from swarm.api.schemas import ChatRequest, chat_params
+
+    smol_tokenizer.chat_template = HERMES_TEMPLATE
+    config = SimpleNamespace(eos_token_id=2, vocab_size=len(smol_tokenizer), context_length=2048)
+    model = SimpleNamespace(tokenizer=smol_tokenizer, config=config, context_length=2048)
+    served = ServedModel("m", model)
+    tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in NAMES]
+    call = {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}
+    messages = [
+        {"role": "user", "content": "time?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "noon"},
+    ]
+    body = {"model": "m", "messages": messages, "tools": tools, "tool_choice": "required", "max_tokens": 8}
+    (choice,), _ = chat_params(msgspec.convert(body, ChatRequest), served, 4)
+    prompt = smol_tokenizer.decode(choice.prompt_ids)
+    assert "<tools>" in prompt and '"name": "get_weather"' in prompt
+    assert '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>' in prompt
+    assert "<|im_start|>tool\nnoon" in prompt
+    assert choice.tool_format == "hermes" and choice.parallel_tool_calls
+    assert choice.sampling["guided_grammar"].startswith('root ::= tool_call_one ("\\n" tool_call_one)*')
