@@ -172,10 +172,13 @@ def chat_params(req: ChatRequest, served: ServedModel, max_choices: int) -> tupl
     choices = _choices(req, served, [Prompt(prompt_ids, None)], max_tokens, "messages", shown, max_choices)
     if schema is not None:  # compiled once here; a tool's parameters that do not compile are a 400 naming tools
         try:
-            if fmt is JSON_FORMAT and not parallel:  # one bare call: the JSON schema itself
+            # a forced reply holds several calls only when parallel_tool_calls is given true: under a
+            # grammar that allows more, a small model (SmolLM2) writes calls until max_tokens
+            several = req.parallel_tool_calls is True
+            if fmt is JSON_FORMAT and not several:  # one bare call: the JSON schema itself
                 constraint = {"guided_json": schema}
             else:  # the template's wrapping, or several calls: a grammar around the schema's
-                constraint = {"guided_grammar": call_grammar(schema, fmt, parallel)}
+                constraint = {"guided_grammar": call_grammar(schema, fmt, several)}
             compiler_for(served.tokenizer, served.vocab_size).compile(constraint_from_options(**constraint))
         except ValueError as e:
             raise bad_request(f"tools: {e}", "tools") from None
