@@ -112,6 +112,10 @@ class ConstraintCompiler:
         self._compiler = xgr.GrammarCompiler(self.tokenizer_info)
         self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
 
+    def is_compiled(self, constraint: Constraint) -> bool:
+        """Whether ``constraint`` is in the cache (compiling it again costs nothing)."""
+        return (constraint.kind, constraint.spec) in self._compiled
+
     def compile(self, constraint: Constraint) -> Any:
         """The xgrammar CompiledGrammar; ValueError naming what the library refused."""
         key = (constraint.kind, constraint.spec)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections import deque
 from typing import Optional
 
 from protocol.constraints import ConstraintCompiler, Guide
@@ -18,14 +20,45 @@ from protocol.messages import Constraint
 
 logger = logging.getLogger(__name__)
 
+COMPILE_BUDGET = 16  # constraints compiled anew (cache misses) per window; cached ones are free
+COMPILE_WINDOW_S = 60.0
+
 
 class TailConstraints:
     """Compiles constraints for a tail span; the tokenizer loads on first use (most sessions carry none)."""
 
-    def __init__(self, source: str, revision: Optional[str], vocab_size: int):
+    def __init__(
+        self,
+        source: str,
+        revision: Optional[str],
+        vocab_size: int,
+        budget: int = COMPILE_BUDGET,
+        window_s: float = COMPILE_WINDOW_S,
+        clock=time.monotonic,
+    ):
         self.source, self.revision, self.vocab_size = source, revision, vocab_size
         self._compiler: Optional[ConstraintCompiler] = None
         self._lock = threading.Lock()
+        # compiling a large schema takes CPU seconds: a stranger sending many distinct ones must not
+        # starve the server, so fresh compiles are rationed (sessions reusing a cached one never wait)
+        self.budget, self.window_s, self._clock = budget, window_s, clock
+        self._fresh: deque[float] = deque()
+
+    def _spend(self, compiler: ConstraintCompiler, constraint: Constraint) -> None:
+        """Counts a cache-missing compile; ProtocolError (busy) naming the budget past it."""
+        if compiler.is_compiled(constraint):
+            return
+        with self._lock:
+            now = self._clock()
+            while self._fresh and now - self._fresh[0] >= self.window_s:
+                self._fresh.popleft()
+            if len(self._fresh) >= self.budget:
+                raise ProtocolError(
+                    ErrorCode.BUSY,
+                    f"constraint compile budget spent: {self.budget} new constraints per {self.window_s:g} s "
+                    "on this tail; reuse a constraint or retry later",
+                )
+            self._fresh.append(now)
 
     def _load(self) -> ConstraintCompiler:
         with self._lock:
@@ -46,6 +79,7 @@ class TailConstraints:
         """A fresh Guide for ``constraint`` from position ``start``; ProtocolError (bad_request) naming
         what does not compile."""
         compiler = self._load()
+        self._spend(compiler, constraint)
         try:
             return compiler.guide(constraint, start)
         except ValueError as e:

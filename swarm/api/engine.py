@@ -42,6 +42,8 @@ class GenerationParams:
     # is one call of ``tool_names`` becomes tool_calls, any other is text), "" (no tools)
     tool_call: str = ""
     tool_names: tuple[str, ...] = ()
+    tool_format: str = "json"  # how calls are written: a key of swarm.api.tools.FORMATS
+    parallel_tool_calls: bool = True  # OpenAI's parallel_tool_calls: false allows at most one call
 
 
 @dataclass
@@ -78,13 +80,16 @@ class ServedModel:
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    def chat_prompt(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        """The conversation formatted by the model's own chat template, ready for the reply."""
+    def chat_prompt(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: Optional[list[Any]] = None
+    ) -> list[int]:
+        """The conversation formatted by the model's own chat template, ready for the reply (``tools``:
+        given to a template that renders them itself, swarm/api/tools.py)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise bad_request(f"model {self.name!r} has no chat template; use /v1/completions", "messages")
         try:
             encoded = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=True
+                messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=True, tools=tools
             )
         except Exception as e:  # jinja raises on conversations the template rejects
             raise bad_request(f"the chat template of {self.name!r} rejected the messages: {e}", "messages") from None

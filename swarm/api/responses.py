@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence
 from client import GenerationStats
 from protocol.messages import TokenLogprobs
 from swarm.api.engine import Delta, ServedModel, TextGeneration
-from swarm.api.tools import tool_calls
+from swarm.api.tools import FORMATS, may_be_call, tool_calls
 
 STAT_COUNTS = ("laps", "drafted", "accepted", "failovers")
 # how the returned tokens were confirmed (docs/reliability.md, "Disputes and witnesses")
@@ -105,7 +105,7 @@ class ChatFormat(_Format):
         if not mode or index in self.texts:
             return super().wants_chunk(index, delta)
         held = self.call_texts.get(index, "") + delta.text
-        if mode == "forced" or not held.strip() or held.lstrip().startswith("{"):
+        if mode == "forced" or may_be_call(held, FORMATS[self.generations[index].params.tool_format]):
             self.call_texts[index] = held
             return False
         self.texts.add(index)
@@ -128,7 +128,8 @@ class ChatFormat(_Format):
         if index in self.call_texts:  # a held call (or held text that turned out not to be one)
             message, finish = self._message(index, self.call_texts[index])
             calls = message.get("tool_calls")
-            delta = {"tool_calls": [{"index": 0, **calls[0]}]} if calls else {"content": message["content"]}
+            delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]} if calls else {}
+            delta = delta or {"content": message["content"]}
         choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
         return self._envelope(self.chunk_object, [choice], specswarm=speculation_stats([generation.stats]))
 
@@ -136,7 +137,9 @@ class ChatFormat(_Format):
         """The assistant message and finish reason: a complete tool call becomes ``tool_calls``."""
         generation = self.generations[index]
         params = generation.params
-        calls = tool_calls(text, params.tool_names) if params.tool_call and generation.finish_reason == "stop" else None
+        fmt = FORMATS[params.tool_format]
+        ended = params.tool_call and generation.finish_reason == "stop"
+        calls = tool_calls(text, params.tool_names, fmt, params.parallel_tool_calls) if ended else None
         if calls:
             return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
         return {"role": "assistant", "content": text}, generation.finish_reason

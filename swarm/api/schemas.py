@@ -22,7 +22,16 @@ from protocol.messages import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams
 from protocol.sampling import validate_sampling
 from swarm.api.engine import CHAT_ROLES, GenerationParams, ServedModel, check_prompt_ids
 from swarm.api.errors import APIError, bad_request
-from swarm.api.tools import call_schema, call_text, checked_tools, tools_prompt
+from swarm.api.tools import (
+    JSON_FORMAT,
+    call_grammar,
+    call_schema,
+    call_text,
+    checked_tools,
+    template_messages,
+    template_tool_format,
+    tools_prompt,
+)
 
 MAX_STOPS = 16
 SPECULATION_MODES = {"suffix", "ngram", "tail", "suffix+tail", "ngram+tail", "none"}
@@ -100,6 +109,7 @@ class ChatRequest(_Request, kw_only=True):
     top_logprobs: Optional[int] = None
     tools: Optional[list[Any]] = None
     tool_choice: Any = None
+    parallel_tool_calls: Optional[bool] = None  # OpenAI's: default true; false allows at most one call
     functions: Optional[list[Any]] = None
     function_call: Any = None
     modalities: Optional[list[str]] = None
@@ -146,26 +156,40 @@ def chat_params(req: ChatRequest, served: ServedModel, max_choices: int) -> tupl
         raise bad_request(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}", "top_logprobs")
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-    messages, schema = chat_messages(req.messages), None
+    fmt = template_tool_format(served.tokenizer) if req.tools else JSON_FORMAT
+    messages, schema, template_tools = chat_messages(req.messages, structured_calls=fmt is not JSON_FORMAT), None, None
+    parallel = req.parallel_tool_calls is not False
     if req.tools:
         tools = checked_tools(req.tools)
         schema = call_schema(tools, req.tool_choice)
         if schema is not None and (req.response_format or any(getattr(req, n) is not None for n in GUIDED)):
             raise bad_request("a tool call and another constraint do not go together", "tool_choice")
-        messages = [{"role": "system", "content": tools_prompt(tools)}] + messages
-    prompt_ids = served.chat_prompt(messages)
+        if fmt is JSON_FORMAT:
+            messages = [{"role": "system", "content": tools_prompt(tools)}] + messages
+        else:  # the template presents the tools in its own way
+            template_tools = [{"type": "function", "function": {"name": n, **t}} for n, t in tools.items()]
+            messages = template_messages(messages)
+    prompt_ids = served.chat_prompt(messages, tools=template_tools)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     shown = (req.top_logprobs or 0) if req.logprobs else -1
     choices = _choices(req, served, [Prompt(prompt_ids, None)], max_tokens, "messages", shown, max_choices)
     if schema is not None:  # compiled once here; a tool's parameters that do not compile are a 400 naming tools
         try:
-            compiler_for(served.tokenizer, served.vocab_size).compile(constraint_from_options(guided_json=schema))
+            # a forced reply holds several calls only when parallel_tool_calls is given true: under a
+            # grammar that allows more, a small model (SmolLM2) writes calls until max_tokens
+            several = req.parallel_tool_calls is True
+            if fmt is JSON_FORMAT and not several:  # one bare call: the JSON schema itself
+                constraint = {"guided_json": schema}
+            else:  # the template's wrapping, or several calls: a grammar around the schema's
+                constraint = {"guided_grammar": call_grammar(schema, fmt, several)}
+            compiler_for(served.tokenizer, served.vocab_size).compile(constraint_from_options(**constraint))
         except ValueError as e:
             raise bad_request(f"tools: {e}", "tools") from None
-        choices = [dataclasses.replace(c, sampling={**c.sampling, "guided_json": schema}) for c in choices]
+        choices = [dataclasses.replace(c, sampling={**c.sampling, **constraint}) for c in choices]
     if req.tools and req.tool_choice != "none":
         mode = "forced" if schema is not None else "auto"
-        choices = [dataclasses.replace(c, tool_call=mode, tool_names=tuple(tools)) for c in choices]
+        named = dict(tool_call=mode, tool_names=tuple(tools), tool_format=fmt.name, parallel_tool_calls=parallel)
+        choices = [dataclasses.replace(c, **named) for c in choices]
     return choices, shown
 
 
@@ -190,7 +214,9 @@ class Prompt(NamedTuple):
     text: Optional[str]  # as the request gave it (None: given as ids); what echo returns
 
 
-def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+def chat_messages(messages: list[ChatMessage], structured_calls: bool = False) -> list[dict[str, Any]]:
+    """The messages as the chat template takes them; assistant tool calls as text in the documented
+    format, or (``structured_calls``, for a template that renders tools) kept as ``tool_calls``."""
     if not messages:
         raise bad_request("messages must not be empty", "messages")
     out = []
@@ -204,6 +230,9 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
             content = "".join(part.text for part in m.content)
         else:
             content = m.content or ""
+        if m.tool_calls and structured_calls:
+            out.append({"role": role, "content": content, "tool_calls": m.tool_calls})
+            continue
         if m.tool_calls:
             content = (content + "\n" if content else "") + call_text(m.tool_calls)
         out.append({"role": role, "content": content})

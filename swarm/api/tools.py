@@ -9,14 +9,21 @@ described to the model in a system message (the same format), and earlier calls 
 (``role: "tool"`` messages) are rendered as that JSON and as the tool's text. ``"none"`` answers in
 text; ``"auto"`` (OpenAI's default with tools) leaves the reply free: one that is exactly a call of a
 listed tool becomes ``tool_calls``, any other is text (streamed as it comes, except while it may
-still be a call: from a leading "{" to the end). Templates' own tool formats are not used yet
-(SmolLM2's template has none).
+still be a call: from a leading "{" to the end).
+
+A chat template that renders ``tools`` itself in the Hermes/Qwen way (its text mentions ``<tool_call>``)
+gets them through the template, and its calls are ``<tool_call>\n{...}\n</tool_call>`` (the format its
+models were trained on): the grammar and the parser follow it (:class:`ToolFormat`). Templates without
+tool support (SmolLM2's) keep the documented format. ``parallel_tool_calls`` (OpenAI's, default true)
+lets a reply hold several calls, one per line; false allows at most one.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import secrets
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from swarm.api.errors import bad_request
@@ -87,15 +94,112 @@ def call_text(tool_calls: list[Any]) -> str:
     return "\n".join(json.dumps(c) for c in calls)
 
 
-def tool_calls(text: str, names: tuple[str, ...]) -> Optional[list[dict]]:
-    """The reply as OpenAI's ``tool_calls``; None when it is not one complete call of a tool in
-    ``names`` (cut by max_tokens, or, with "auto", a text answer)."""
+@dataclass(frozen=True)
+class ToolFormat:
+    """How one call is written: ``open + JSON + close``; several calls are joined by a newline."""
+
+    name: str
+    open: str
+    close: str
+
+
+JSON_FORMAT = ToolFormat("json", "", "")  # the gateway's documented format
+HERMES_FORMAT = ToolFormat("hermes", "<tool_call>\n", "\n</tool_call>")  # Hermes, Qwen 2/2.5/3
+FORMATS = {f.name: f for f in (JSON_FORMAT, HERMES_FORMAT)}
+PROBE_TOOL = "specswarm_probe_tool"
+
+
+def template_tool_format(tokenizer: Any) -> ToolFormat:
+    """The format of the tokenizer's chat template: Hermes when it renders ``tools`` and mentions
+    ``<tool_call>``, else the documented JSON format (a template that ignores tools, or another style)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not template or "<tool_call>" not in str(template):
+        return JSON_FORMAT
+    probe = [{"type": "function", "function": {"name": PROBE_TOOL, "parameters": {"type": "object"}}}]
     try:
-        call = json.loads(text)
-    except ValueError:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tools=probe, tokenize=False)
+    except Exception:  # a template that fails on tools cannot present them
+        return JSON_FORMAT
+    return HERMES_FORMAT if PROBE_TOOL in text else JSON_FORMAT
+
+
+def call_grammar(schema: dict, fmt: ToolFormat, parallel: bool) -> str:
+    """An EBNF grammar (xgrammar's dialect) for one call matching ``schema`` in ``fmt``, or, with
+    ``parallel``, one or more calls joined by newlines. The call's JSON has no free whitespace (no
+    newline inside), so a line holds exactly one call."""
+    xgrammar = __import__("xgrammar")
+    try:
+        body = str(xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True))
+    except Exception as e:  # xgrammar's own errors on a schema it refuses
+        raise ValueError(f"the tool parameters do not compile: {str(e).strip()[:500]}") from None
+    body = re.sub(r"\broot\b", "tool_call_json", body)
+    call = " ".join(part for part in (json.dumps(fmt.open) if fmt.open else "", "tool_call_json") if part)
+    call += f" {json.dumps(fmt.close)}" if fmt.close else ""
+    more = ' ("\\n" tool_call_one)*' if parallel else ""
+    return f"root ::= tool_call_one{more}\ntool_call_one ::= {call}\n{body}"
+
+
+def call_texts(text: str, fmt: ToolFormat) -> Optional[list[str]]:
+    """The JSON text of each call in ``text`` (calls joined by newlines); None when the text is not
+    made only of calls in ``fmt``."""
+    if fmt.name == "json":
+        lines = [line for line in text.strip().split("\n") if line.strip()]
+        return lines or None
+    pattern = re.escape(fmt.open.strip()) + r"\s*(.*?)\s*" + re.escape(fmt.close.strip())
+    found = list(re.finditer(pattern, text, re.S))
+    if not found or re.sub(pattern, "", text, flags=re.S).strip():
         return None
-    if not isinstance(call, dict) or call.get("name") not in names or not isinstance(call.get("arguments"), dict):
+    return [m.group(1) for m in found]
+
+
+def may_be_call(text: str, fmt: ToolFormat) -> bool:
+    """Whether "auto" text so far may still turn out to be a call (streamed text is held while so)."""
+    head = text.lstrip()
+    if fmt.name == "json":
+        return not head or head.startswith("{")
+    opening = fmt.open.strip()
+    return opening.startswith(head) or head.startswith(opening)
+
+
+def tool_calls(
+    text: str, names: tuple[str, ...], fmt: ToolFormat = JSON_FORMAT, parallel: bool = True
+) -> Optional[list[dict]]:
+    """The reply as OpenAI's ``tool_calls`` (distinct ids); None when it is not made only of complete
+    calls of tools in ``names`` (cut by max_tokens, or, with "auto", a text answer), or holds
+    several calls while ``parallel`` is false."""
+    texts = call_texts(text, fmt)
+    if texts is None or (len(texts) > 1 and not parallel):
         return None
-    arguments = json.dumps(call["arguments"])
-    function = {"name": call["name"], "arguments": arguments}
-    return [{"id": f"call_{secrets.token_hex(12)}", "type": "function", "function": function}]
+    calls = []
+    for one in texts:
+        try:
+            call = json.loads(one)
+        except ValueError:
+            return None
+        if not isinstance(call, dict) or call.get("name") not in names or not isinstance(call.get("arguments"), dict):
+            return None
+        function = {"name": call["name"], "arguments": json.dumps(call["arguments"])}
+        calls.append({"id": f"call_{secrets.token_hex(12)}", "type": "function", "function": function})
+    return calls
+
+
+def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages for a template that renders tools: assistant ``tool_calls`` with their arguments as
+    objects (what Hermes-style templates serialise), tool results as ``role: "tool"``."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls")
+        if calls:
+            structured = []
+            for call in calls:
+                function = (call or {}).get("function") or {}
+                try:
+                    arguments = json.loads(function.get("arguments") or "{}")
+                except ValueError:
+                    raise bad_request("an assistant message's tool_calls arguments are not JSON", "messages") from None
+                structured.append(
+                    {"type": "function", "function": {"name": function.get("name"), "arguments": arguments}}
+                )
+            m = {**m, "tool_calls": structured}
+        out.append(m)
+    return out

@@ -12,14 +12,16 @@ from client import GenerationStats
 from swarm.api.engine import Delta, GenerationParams
 from swarm.api.errors import APIError
 from swarm.api.responses import ChatFormat
-from swarm.api.tools import call_schema, checked_tools
+from swarm.api.tools import HERMES_FORMAT, JSON_FORMAT, call_grammar, call_schema, checked_tools, template_tool_format
 
 NAMES = ("get_time", "get_weather")
 
 
-def stream(mode: str, pieces: list[str], finish: str = "stop"):
+def stream(mode: str, pieces: list[str], finish: str = "stop", fmt: str = "json", parallel: bool = True):
     """The chunks ChatFormat sends for one choice whose deltas carry ``pieces``, and its response."""
-    params = GenerationParams(prompt_ids=[1], max_tokens=8, tool_call=mode, tool_names=NAMES)
+    params = GenerationParams(
+        prompt_ids=[1], max_tokens=8, tool_call=mode, tool_names=NAMES, tool_format=fmt, parallel_tool_calls=parallel
+    )
     generation = SimpleNamespace(params=params, finish_reason=finish, stats=GenerationStats(), completion_tokens=3)
     fmt = ChatFormat(SimpleNamespace(name="m"), [generation], -1)
     deltas = [Delta(text=p, token_ids=[1], logprobs=[None]) for p in pieces]
@@ -80,3 +82,93 @@ def test_call_schemas_and_bad_tools():
         with pytest.raises(APIError) as e:
             call_schema(checked_tools(tools_arg), choice)
         assert e.value.param == param
+
+
+TWO = ['{"name": "get_time", "arguments": {"zone": "UTC"}}\n', '{"name": "get_weather", "arguments": {}}']
+HERMES_TWO = ["<tool_call>\n" + TWO[0].strip() + "\n</tool_call>\n", "<tool_call>\n" + TWO[1] + "\n</tool_call>"]
+
+
+@pytest.mark.parametrize("fmt,pieces", [("json", TWO), ("hermes", HERMES_TWO)])
+def test_parallel_calls_have_distinct_ids_streamed_too(fmt, pieces):
+    chunks, whole = stream("auto", pieces, fmt=fmt)
+    calls = chunks[-1]["delta"]["tool_calls"]
+    assert [c["index"] for c in calls] == [0, 1] and chunks[-1]["finish_reason"] == "tool_calls"
+    assert [c["function"]["name"] for c in calls] == ["get_time", "get_weather"]
+    assert len({c["id"] for c in calls}) == 2 and len(chunks) == 1
+    assert [c["function"] for c in whole["message"]["tool_calls"]] == [c["function"] for c in calls]
+
+
+def test_two_calls_without_parallel_tool_calls_are_text():
+    chunks, whole = stream("auto", TWO, parallel=False)
+    assert whole["finish_reason"] == "stop" and whole["message"]["content"] == "".join(TWO)
+    assert chunks[-1]["delta"] == {"content": "".join(TWO)}
+
+
+def test_hermes_text_answer_streams_once_it_cannot_be_a_call():
+    chunks, whole = stream("auto", ["<tool", "s are fun"], fmt="hermes")
+    assert whole["message"]["content"] == "<tools are fun"
+    assert "".join(c.get("content") or c.get("delta", {}).get("content", "") for c in chunks) == "<tools are fun"
+
+
+HERMES_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>\n"
+    "Call a function as <tool_call>\\n{...}\\n</tool_call><|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content or '' }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>\n{{ c.function | tojson }}\n</tool_call>{% endfor %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_the_template_decides_the_format_and_the_grammar_follows_it(smol_tokenizer):
+    import xgrammar
+
+    assert template_tool_format(smol_tokenizer) is JSON_FORMAT  # SmolLM2's template ignores tools
+    smol_tokenizer.chat_template = HERMES_TEMPLATE
+    assert template_tool_format(smol_tokenizer) is HERMES_FORMAT
+    schema = call_schema(checked_tools([{"type": "function", "function": {"name": n}} for n in NAMES]), "required")
+    accepts = xgrammar.testing._is_grammar_accept_string
+    for fmt, parallel, text, ok in [
+        (HERMES_FORMAT, True, "".join(HERMES_TWO), True),
+        (HERMES_FORMAT, False, "".join(HERMES_TWO), False),
+        (HERMES_FORMAT, False, HERMES_TWO[1], True),
+        (HERMES_FORMAT, True, TWO[1], False),
+        (JSON_FORMAT, True, "".join(TWO), True),
+        (JSON_FORMAT, True, '{"name": "rm", "arguments": {}}', False),
+    ]:
+        assert accepts(call_grammar(schema, fmt, parallel), text) is ok, (fmt.name, parallel, text)
+
+
+@pytest.fixture
+def smol_tokenizer():
+    from transformers import AutoTokenizer
+
+    from tests.kit.checkpoints import ensure_smollm2_checkpoint
+
+    return AutoTokenizer.from_pretrained(ensure_smollm2_checkpoint())
+
+
+def test_a_hermes_template_gets_the_tools_and_earlier_calls_through_itself(smol_tokenizer):
+    import msgspec
+
+    from swarm.api.engine import ServedModel
+    from swarm.api.schemas import ChatRequest, chat_params
+
+    smol_tokenizer.chat_template = HERMES_TEMPLATE
+    config = SimpleNamespace(eos_token_id=2, vocab_size=len(smol_tokenizer), context_length=2048)
+    model = SimpleNamespace(tokenizer=smol_tokenizer, config=config, context_length=2048)
+    served = ServedModel("m", model)
+    tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in NAMES]
+    call = {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}
+    messages = [
+        {"role": "user", "content": "time?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "noon"},
+    ]
+    body = {"model": "m", "messages": messages, "tools": tools, "tool_choice": "required", "max_tokens": 8}
+    (choice,), _ = chat_params(msgspec.convert(body, ChatRequest), served, 4)
+    prompt = smol_tokenizer.decode(choice.prompt_ids)
+    assert "<tools>" in prompt and '"name": "get_weather"' in prompt
+    assert '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>' in prompt
+    assert "<|im_start|>tool\nnoon" in prompt
+    assert choice.tool_format == "hermes" and choice.parallel_tool_calls
+    assert choice.sampling["guided_grammar"].startswith('root ::= tool_call_one\ntool_call_one ::= "<tool_call>')
