@@ -218,6 +218,7 @@ class TinySpan:
     """What the handler reads of a span before any run is computed."""
 
     start, end, num_blocks, hidden_shape, vocab_size = 0, 12, 12, (8,), 100
+    lora = None  # serves no LoRA adapter (server/lora.py)
 
     def new_cache(self) -> object:
         return object()
