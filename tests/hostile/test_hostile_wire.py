@@ -360,7 +360,7 @@ def test_gateway_caps_a_request_without_max_tokens():
             def decode(ids, skip_special_tokens=True):
                 return "hi"
 
-        def chat_prompt(self, messages):
+        def chat_prompt(self, messages, add_generation_prompt=True, tools=None):
             return [1, 2, 3]
 
     request = ChatRequest(model="m", messages=[ChatMessage(role="user", content="hi")])
