@@ -128,7 +128,8 @@ def test_pending_subscribes_are_capped_per_address(capped_swarm):
 
     async def first_reply(session: RawSession):
         try:
-            return (await asyncio.wait_for(session.tail.receive(), 5)).message
+            # long enough for a refusal from a tail slowed by a loaded machine to arrive
+            return (await asyncio.wait_for(session.tail.receive(), 15)).message
         except asyncio.TimeoutError:
             return None  # still waiting for its session
 

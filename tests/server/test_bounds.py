@@ -284,7 +284,7 @@ def test_streams_that_hold_nothing_are_closed_and_pending_subscribes_are_bounded
     with (
         attributes(head, sessionless_timeout=0.5),
         attributes(tail, max_sessions_per_peer=2),
-        attributes(tail.subscriptions, timeout=4.0),  # the extra Subscribe must arrive while two wait
+        attributes(tail.subscriptions, timeout=8.0),  # the extra Subscribe must arrive while two wait (loaded: 8 s)
     ):
         reply, end = _loop.run(idle(p2p), timeout=60)
         assert isinstance(reply, ErrorReply) and reply.code == ErrorCode.BAD_REQUEST
