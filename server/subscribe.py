@@ -58,6 +58,7 @@ class Subscriptions:
             await send_quietly(
                 client, ErrorReply(session_id="", code=ErrorCode.BUSY, message=refusal, peer_id=self.peer_id)
             )
+            await _linger(client)
             return
         self.pending[peer] = self.pending.get(peer, 0) + 1
         if address is not None:
@@ -160,3 +161,12 @@ def _forget(closed: "asyncio.Task") -> None:
     closed.cancel()
     if closed.done() and not closed.cancelled():
         closed.exception()  # a malformed frame after Subscribe: retrieved, nothing to report
+
+
+async def _linger(client: MessageStream, seconds: float = 1.0) -> None:
+    """Keep a refused stream open until the client closes it (at most ``seconds``), so the refusal is
+    read before the close: a close right after the write lost it now and then on a loaded machine."""
+    try:
+        await asyncio.wait_for(client.receive(), seconds)
+    except Exception:  # noqa: BLE001 - timeout, or a frame we refuse: the stream closes either way
+        pass
