@@ -20,6 +20,7 @@ from protocol.messages import OpenSession
 from server.adapters import SpanAdapter, SpanCancelled
 from server.adapters.base import BatchMember
 from server.session import ServerSession
+from server.train_checks import check_deep_tensor
 
 
 def split_open(
@@ -44,13 +45,7 @@ def split_open(
     if not tensors:
         raise ProtocolError(ErrorCode.BAD_REQUEST, "expected a tensor of deep prompts, got none")
     deep = tensors.pop()
-    if tuple(deep.shape) != expected:
-        got = tuple(deep.shape)
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"the deep prompts must have shape {expected}, got {got}")
-    if deep.dtype != torch.float32:
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"the deep prompts must be float32, got {deep.dtype}")
-    if not bool(torch.isfinite(deep).all()):
-        raise ProtocolError(ErrorCode.BAD_REQUEST, "the deep prompts hold values that are not finite")
+    check_deep_tensor(deep, expected)
     return tensors, deep
 
 

@@ -109,7 +109,11 @@ def check_deep_prompts(tensors: Sequence[torch.Tensor], message: TrainForward, n
         )
     if len(tensors) != 1:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"expected one tensor of deep prompts, got {len(tensors)}")
-    deep = tensors[0]
+    check_deep_tensor(tensors[0], expected)
+
+
+def check_deep_tensor(deep: torch.Tensor, expected: tuple[int, ...]) -> None:
+    """A deep-prompt tensor's shape, dtype and values, as training and sessions (server/deep_prompts.py) take it."""
     if tuple(deep.shape) != expected:
         got = tuple(deep.shape)
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"the deep prompts must have shape {expected}, got {got}")
