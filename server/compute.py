@@ -92,16 +92,19 @@ def finish_run(
     result.step_digest = digest_of(step, step.sampling_params, session.secret)  # what this verdict is about
     if not step.parents:
         session.row_plan.observe(step.n_draft, result.accepted)
-    if step.tail_drafts and span.drafter is not None:
-        result.drafts = _tail_drafts(span, session, step, hidden, result)
+    source: Optional[torch.Tensor] = hidden  # what the drafter reads
+    if span.taps is not None:  # an EAGLE-3 drafter reads the run's low/mid/high features (server/feature_taps.py)
+        source = span.taps.take(session.cache, step.start_pos, hidden.shape[1])  # taken every run: none pile up
+    if step.tail_drafts and span.drafter is not None and source is not None:  # None: a pass that kept no features
+        result.drafts = _tail_drafts(span, session, step, source, result)
     return result if outputs is None else TailReply(outputs, result)
 
 
 def _tail_drafts(
     span: SpanAdapter, session: ServerSession, step: Step, hidden: torch.Tensor, result: StepResult
 ) -> list[int]:
-    """The tail's drafter over the final activations of the positions this verdict commits
-    (server/tail_drafter.py); the session keeps the drafter's own cache."""
+    """The tail's drafter over the final activations (an EAGLE-3 drafter: the tapped features) of the
+    positions this verdict commits (server/tail_drafter.py); the session keeps the drafter's own cache."""
     if session.drafter_state is None:
         session.drafter_state = span.drafter.new_session()
     committed = len(step.token_ids) - step.n_draft + result.accepted

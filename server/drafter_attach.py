@@ -9,7 +9,7 @@ proposes ids from the final hidden states the tail already has. The memory plan 
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from transformers import PretrainedConfig
@@ -20,6 +20,9 @@ from server.quantization import Quant
 from server.server_config import ServerConfig
 from server.weights import Checkpoint
 
+if TYPE_CHECKING:
+    from server.eagle3_checkpoint import Eagle3Checkpoint
+
 logger = logging.getLogger(__name__)
 
 
@@ -28,12 +31,13 @@ def attach_drafter(
 ) -> None:
     """``--drafter``: give a tail span its tail drafter (server/tail_drafter.py). ``auto`` picks the
     drafter committed for this model (matched by config fingerprint) and drafts nothing without one;
-    ``none`` never drafts; a path loads that drafter file, and a file that does not fit is an error.
+    ``none`` never drafts; a path loads that drafter file, and a file that does not fit is an error; a
+    folder (or hub repo id) of an EAGLE-3 head in its published layout loads that head (server/eagle3_drafter.py).
     A DeepSeek-V4 tail drafts with its checkpoint's own MTP module instead (server/adapters/deepseek_v4_mtp.py),
     a DeepSeek-V3 tail under ``auto`` with its MTP layer where the checkpoint has one (deepseek_v3_mtp.py)."""
     from server.tail_drafter import build_tail_drafter
 
-    span.drafter = None
+    span.drafter, span.taps = None, None
     if config.drafter == "none" or not span.is_tail:
         return
     if model_config.model_type == "deepseek_v4":
@@ -50,12 +54,40 @@ def attach_drafter(
         if span.drafter is not None:
             logger.info(f"Tail drafter: the checkpoint's MTP layer (up to {config.drafter_tokens} ids per run)")
             return
+    eagle3 = eagle3_checkpoint(config, model_config)
+    if eagle3 is not None:
+        from server.eagle3_drafter import build_eagle3_drafter
+
+        span.drafter = build_eagle3_drafter(span, eagle3, checkpoint, _eos_ids(model_config), config.drafter_tokens)
+        logger.info(
+            f"Tail drafter: EAGLE-3 head {eagle3.path} (features at layer boundaries {list(eagle3.boundaries)}, "
+            f"from this span's {span.start}:{span.end}; up to {config.drafter_tokens} ids per run)"
+        )
+        return
     path = drafter_file(config, model_config)
     if path is None:
         logger.info("Tail drafter: none (no committed drafter for this model)")
         return
     span.drafter = build_tail_drafter(span, model_config, checkpoint, path, max_drafts=config.drafter_tokens)
     logger.info(f"Tail drafter: {path} (up to {config.drafter_tokens} ids per run)")
+
+
+def eagle3_checkpoint(config: ServerConfig, model_config: PretrainedConfig) -> Optional["Eagle3Checkpoint"]:
+    """The EAGLE-3 head ``--drafter`` names (a folder in the published layout, or a hub repo id), read
+    and checked against this model (server/eagle3_checkpoint.py); None when it names something else."""
+    from protocol.models import ALIASES
+    from server.eagle3_checkpoint import is_eagle3, read_eagle3, resolve
+
+    if config.drafter in ("auto", "none") or not is_eagle3(config.drafter):
+        return None
+    drafter_file(config, model_config)  # Llama-family models only: refused with the same line
+    names = (config.model, ALIASES.get(config.model) or "", getattr(model_config, "_name_or_path", "") or "")
+    return read_eagle3(resolve(config.drafter), model_config, names)
+
+
+def _eos_ids(model_config: PretrainedConfig) -> tuple[int, ...]:
+    eos = model_config.eos_token_id
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
 
 
 def drafter_file(config: ServerConfig, model_config: PretrainedConfig) -> Optional[str]:
@@ -115,15 +147,20 @@ def drafter_bytes(
 
     from server.tail_drafter import drafter_file_bytes
 
+    tied = (
+        bool(getattr(model_config, "tie_word_embeddings", False))
+        if checkpoint is None
+        else "lm_head.weight" not in checkpoint.weight_map()
+    )
+    eagle3 = eagle3_checkpoint(config, model_config)  # a head for another model is refused here, at start
+    if eagle3 is not None:
+        from server.eagle3_drafter import eagle3_bytes
+
+        return eagle3_bytes(eagle3, dtype, tied)
     path = drafter_file(config, model_config)
     if path is None:
         return 0
     try:
-        tied = (
-            bool(getattr(model_config, "tie_word_embeddings", False))
-            if checkpoint is None
-            else "lm_head.weight" not in checkpoint.weight_map()
-        )
         return drafter_file_bytes(path, model_config, dtype, tied=tied)
     except (OSError, SafetensorError):  # missing or no safetensors file: attach_drafter names it
         return 0

@@ -179,9 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--drafter",
         default="auto",
-        metavar="auto|none|PATH",
-        help="the tail's drafter: auto (the drafter shipped for this model, if any), none, or a drafter "
-        "file (.safetensors, from python -m server.drafter_train)",
+        metavar="auto|none|PATH_OR_REPO",
+        help="the tail's drafter: auto (the drafter shipped for this model, if any), none, a drafter "
+        "file (.safetensors, from python -m server.drafter_train), or an EAGLE-3 head in its published "
+        "layout (a folder or hub repo id; docs/speculation.md)",
     )
     p.add_argument("--drafter-tokens", type=int, default=1, help="ids the tail drafter drafts per run at most")
     p.add_argument(

@@ -55,6 +55,7 @@ class SpanAdapter(abc.ABC):
     hidden_shape: tuple[int, ...]  # shape of one position's activations between stages
     vocab_size: int
     drafter: Any = None  # a server.tail_drafter.EagleDrafter at a tail that drafts, else None
+    taps: Any = None  # a server.feature_taps.FeatureTaps when the tail's drafter reads inner blocks' outputs
     constraints: Any = None  # a server.constraints.TailConstraints at a tail (structured outputs), else None
     lora: Any = None  # a server.lora.ServerAdapters when the server serves LoRA adapters (--adapters), else None
     # whether forward() takes a tree of drafts (``tree=``) and gather_cache() works (docs/protocol.md,

@@ -182,6 +182,9 @@ class LlamaFamilyAdapter(SpanAdapter):
         hidden = hidden.to(self.device, self.dtype)
         position_ids, masks = self._positions_and_masks(start_pos, hidden.shape[1], tree)
         position_embeddings = self.rotary_emb(hidden, position_ids=position_ids)
+        taps = self.taps if self.taps is not None and blocks.stop == self.end else None
+        wanted = taps.wanted(blocks) if taps is not None else frozenset()
+        kept = {blocks.start: hidden} if blocks.start in wanted else {}
         for block in blocks:
             check_cancelled()
             hidden = self.layers[block - self.start](
@@ -192,6 +195,10 @@ class LlamaFamilyAdapter(SpanAdapter):
                 use_cache=True,
                 position_embeddings=position_embeddings,
             )
+            if block + 1 in wanted:
+                kept[block + 1] = hidden
+        if taps is not None:  # the features an EAGLE-3 tail drafter reads (server/feature_taps.py)
+            taps.record(cache, start_pos, kept, blocks)
         return hidden
 
     def _positions_and_masks(
@@ -217,7 +224,8 @@ class LlamaFamilyAdapter(SpanAdapter):
     ) -> list[Optional[torch.Tensor]]:
         """Every member's positions packed into one pass (server/adapters/llama_batch.py); a batch
         of one takes :meth:`forward`."""
-        if len(members) < 2 or not self.packs_sessions:
+        if len(members) < 2 or not self.packs_sessions or self.taps is not None:
+            # a tail whose drafter reads intermediate features (self.taps) runs its members one by one
             return super().forward_batch(members, blocks, between_blocks)
         packed, hidden = packing.pack(
             members,
