@@ -25,6 +25,7 @@ def call_drafter(call: Call, store: SuffixStore, tokenizer: Any, vocab_size: int
         corpus=call.corpus,
         store=store,
         eos_token_ids=call.eos,
+        lap_costs=options.draft_lap_costs,
     )
     if options.grammar_drafts:
         drafter = with_grammar_drafts(drafter, call.sampling.constraint, tokenizer, vocab_size)

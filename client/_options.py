@@ -16,6 +16,7 @@ from typing import Any, Optional, Sequence, Union
 from client._confirmation import check_audit_policy
 from client._witnesses import trusted_set
 from client.drafting import DRAFTER_KINDS
+from client.drafting.cost_model import check_lap_costs
 
 VERIFICATION_RULES = ("match", "rejection")
 RENAMED_ARGUMENTS = {"head_start": "loop_runs"}  # refused by name: generate() only warns about other unknown ones
@@ -37,6 +38,7 @@ class GenerationOptions:
     eos_token_id: Union[int, Sequence[int], None] = None  # None: the model config's
     speculation: Optional[str] = "suffix"  # "suffix", "ngram", "tail", "suffix+tail", "ngram+tail" or None
     num_draft_tokens: int = 8
+    draft_lap_costs: Optional[tuple[float, float]] = None  # (fixed_s, per_position_s): the cost model's fixed prices
     async_speculation: bool = False
     max_inflight_runs: int = 3  # with async_speculation only
     draft_corpus: Sequence[Union[str, Sequence[int]]] = ()
@@ -85,6 +87,8 @@ class GenerationOptions:
         if self.speculation is not None and self.speculation not in DRAFTER_KINDS:
             raise ValueError(f"speculation must be one of {DRAFTER_KINDS} or None, got {self.speculation!r}")
         check_audit_policy(self.audit)
+        if self.draft_lap_costs is not None:
+            check_lap_costs(self.draft_lap_costs)
         trusted_set(self.trusted_peers)
         loop_runs = check_decoding(
             self.verification, self.draft_tree, self.inflight, self.loop_runs, self.draft_model is not None

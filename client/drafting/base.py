@@ -148,6 +148,10 @@ class _AdaptiveDrafter(Drafter):
     def observe_lap(self, positions: int, seconds: float) -> None:
         self.costs.observe_lap(positions, seconds)
 
+    def price_laps(self, lap_costs: tuple[float, float]) -> None:
+        """Price laps at fixed costs instead of measured lap times (ChainCosts: deterministic Step shapes)."""
+        self.costs = ChainCosts(lap_costs)
+
     def cap_after(self, drafted: int, accepted: int) -> int:
         return self._cap(self._ema_after(drafted, accepted))
 

@@ -41,6 +41,17 @@ def draft_count(
     return best_k
 
 
+def check_lap_costs(lap_costs: object) -> tuple[float, float]:
+    """``(fixed_s, per_position_s)``, both finite and >= 0, or a ValueError naming what is wrong."""
+    try:
+        fixed_s, per_position_s = (float(x) for x in lap_costs)  # type: ignore[union-attr]
+    except (TypeError, ValueError):
+        raise ValueError(f"draft_lap_costs must be (fixed_s, per_position_s), got {lap_costs!r}") from None
+    if not (0 <= fixed_s < float("inf") and 0 <= per_position_s < float("inf")):
+        raise ValueError(f"draft_lap_costs must be finite and >= 0, got {lap_costs!r}")
+    return fixed_s, per_position_s
+
+
 class ChainCosts:
     """The measurements ``draft_count`` takes, for one drafter: lap time against positions sent
     (decayed least squares, as client/_trees.py's TreeSizer fits trees), and acceptance per depth.
@@ -48,6 +59,12 @@ class ChainCosts:
     Until laps of different sizes have been measured (``fitted``), it makes no choice (``cap`` is
     None) and the drafter drafts as it did without it. A count of 0 is probed with one draft every
     PROBE_EVERY laps, so acceptance stays measured when the text turns predictable.
+
+    ``lap_costs=(fixed_s, per_position_s)`` prices every lap at those costs instead of fitting the
+    measured wall-clock times (``generate(draft_lap_costs=...)``): the count then follows from the
+    verdicts alone, so the same verdicts give the same Step shapes run after run, which tests that
+    compare Step shapes need. ``(1.0, 0.0)``: positions cost nothing, so the cost model never cuts
+    a draft and the drafter's adaptive length alone decides.
     """
 
     DECAY = 0.9
@@ -57,17 +74,21 @@ class ChainCosts:
     MAX_DEPTH = 32
     PROBE_EVERY = 4
 
-    def __init__(self) -> None:
+    def __init__(self, lap_costs: tuple[float, float] | None = None) -> None:
         self._w = self._n = self._t = self._nn = self._nt = 0.0
         self.fixed_s, self.per_position_s = 0.0, 0.0
         self.fitted = False
+        self.priced = lap_costs is not None  # fixed lap costs: measured lap times are not fitted
+        if lap_costs is not None:
+            self.fixed_s, self.per_position_s = check_lap_costs(lap_costs)
+            self.fitted = True
         self._reached = [0.0] * self.MAX_DEPTH  # decayed laps whose draft reached depth d + 1
         self._accepted = [0.0] * self.MAX_DEPTH  # ... and whose draft d + 1 was accepted
         self._laps_without = 0  # laps since the last one that carried drafts
 
     def observe_lap(self, positions: int, seconds: float) -> None:
         """A timed lap of ``positions`` positions (committed ids and drafts)."""
-        if positions <= 0 or not seconds > 0 or positions > self.FIT_MAX_POSITIONS:
+        if self.priced or positions <= 0 or not seconds > 0 or positions > self.FIT_MAX_POSITIONS:
             return
         d = self.DECAY
         self._w, self._n, self._t = d * self._w + 1, d * self._n + positions, d * self._t + seconds
@@ -106,4 +127,4 @@ class ChainCosts:
         return count
 
 
-__all__ = ["ChainCosts", "draft_count"]
+__all__ = ["ChainCosts", "check_lap_costs", "draft_count"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from client.drafting.base import Drafter
+from client.drafting.base import Drafter, _AdaptiveDrafter
 from client.drafting.ngram import NgramDrafter
 from client.drafting.suffix import SuffixDrafter
 from client.drafting.suffix_store import SuffixStore
@@ -20,12 +20,28 @@ def make_drafter(
     corpus: Sequence[Sequence[int]] = (),
     store: SuffixStore | None = None,
     eos_token_ids: Sequence[int] = (),
+    lap_costs: tuple[float, float] | None = None,
 ) -> Drafter | None:
     """The drafter for `kind` ("suffix", "ngram"), or None for kind None (no speculation).
 
     `store` is shared across a client's streams (suffix only; a private one when None);
-    `corpus` holds token id sequences the user knows are relevant to this stream.
+    `corpus` holds token id sequences the user knows are relevant to this stream;
+    `lap_costs` (fixed_s, per_position_s) fixes the draft cost model's lap prices (cost_model.ChainCosts).
     """
+    drafter = _make_drafter(kind, num_draft_tokens, corpus, store, eos_token_ids, lap_costs)
+    if lap_costs is not None and isinstance(drafter, _AdaptiveDrafter):
+        drafter.price_laps(lap_costs)
+    return drafter
+
+
+def _make_drafter(
+    kind: str | None,
+    num_draft_tokens: int,
+    corpus: Sequence[Sequence[int]],
+    store: SuffixStore | None,
+    eos_token_ids: Sequence[int],
+    lap_costs: tuple[float, float] | None,
+) -> Drafter | None:
     if kind is None:
         return None
     if kind == "tail" or kind.endswith("+tail"):  # the tail's drafts, alone or with retrieval
@@ -38,6 +54,7 @@ def make_drafter(
                 corpus=corpus,
                 store=store,
                 eos_token_ids=eos_token_ids,
+                lap_costs=lap_costs,
             )
         )
         return TailDrafts(inner)

@@ -13,7 +13,6 @@ import pytest
 from client._generation import SessionState, SpeculativeDecoder
 from client.drafting import SuffixDrafter, SuffixStore
 from client.drafting.base import _AdaptiveDrafter
-from client.drafting.cost_model import ChainCosts
 from protocol.messages import GREEDY
 from tests.kit.drafters import ScriptedDrafter
 from tests.kit.oracle import OracleSwarm
@@ -42,9 +41,11 @@ class RecordingDrafter(SuffixDrafter):
         super().observe(drafted, accepted)
 
 
-def decode(prompt, answer, inflight: int, front_drafts=None, num_draft_tokens: int = 6):
+def decode(prompt, answer, inflight: int, front_drafts=None, num_draft_tokens: int = 6, lap_costs=None):
     swarm = OracleSwarm(prompt + answer, EOS)
     drafter = RecordingDrafter(num_draft_tokens, store=SuffixStore(), eos_token_ids=[EOS])
+    if lap_costs is not None:  # the draft cost model at fixed prices: Step shapes from the verdicts alone
+        drafter.price_laps(lap_costs)
     decoder = SpeculativeDecoder(
         swarm,
         SessionState(max_length=len(prompt) + len(answer) + num_draft_tokens + 1),
@@ -97,13 +98,14 @@ class AlwaysWrongDrafter(_AdaptiveDrafter):
 
 
 @pytest.mark.parametrize("inflight, front_drafts", [(1, None), (3, None), (3, 0), (2, 1)])
-def test_a_split_proposal_teaches_the_adaptive_length_as_a_whole(inflight, front_drafts, monkeypatch):
+def test_a_split_proposal_teaches_the_adaptive_length_as_a_whole(inflight, front_drafts):
     """A split front run carries fewer drafts than were proposed; its refutation must still count
     against the whole proposal, or the draft length would never shrink. The adaptive length alone:
-    the draft cost model (which prices the oracle's near-zero, noisy lap times) is off."""
-    monkeypatch.setattr(ChainCosts, "cap", lambda self, max_drafts: None)
+    the draft cost model prices positions at nothing (it would price the oracle's near-zero, noisy lap
+    times), so it never cuts a draft."""
     prompt, answer = stream(5, length=40)
     drafter = AlwaysWrongDrafter(6)
+    drafter.price_laps((1.0, 0.0))
     decoder = SpeculativeDecoder(
         OracleSwarm(prompt + answer, EOS),
         SessionState(max_length=100),
@@ -117,12 +119,11 @@ def test_a_split_proposal_teaches_the_adaptive_length_as_a_whole(inflight, front
     assert drafter.draft_cap == 1
 
 
-def test_front_drafts_are_ignored_without_a_window(monkeypatch):
-    # the same Steps in both runs: the draft cost model, which fits wall-clock lap times, is off
-    monkeypatch.setattr(ChainCosts, "cap", lambda self, max_drafts: None)
+def test_front_drafts_are_ignored_without_a_window():
+    # the same Steps in both runs: the draft cost model prices laps at fixed costs, not wall-clock times
     prompt, answer = stream(2)
-    _, sync_stats, sync_session, _ = decode(prompt, answer, 1)
-    _, split_stats, split_session, _ = decode(prompt, answer, 1, front_drafts=0)
+    _, sync_stats, sync_session, _ = decode(prompt, answer, 1, lap_costs=(0.05, 0.002))
+    _, split_stats, split_session, _ = decode(prompt, answer, 1, front_drafts=0, lap_costs=(0.05, 0.002))
     assert [s.token_ids for s in sync_session.steps.values()] == [s.token_ids for s in split_session.steps.values()]
     assert sync_stats.laps == split_stats.laps
 

@@ -89,6 +89,59 @@ def test_a_drafter_on_a_free_link_with_failing_drafts_stops_drafting_and_probes(
     assert drafter.draft_cap == 1  # a probe keeps acceptance measured
 
 
+def test_fixed_lap_costs_give_the_same_caps_whatever_the_lap_times():
+    """draft_lap_costs: the cap follows from the verdicts alone, so two streams with the same verdicts
+    and different (noisy) lap times draft the same counts, lap after lap."""
+    rng = random.Random(7)
+    verdicts = [(4, rng.choice([0, 0, 1, 2, 4])) for _ in range(40)]
+    caps = []
+    for _ in range(2):
+        drafter = SuffixDrafter(num_draft_tokens=8)
+        drafter.price_laps((0.05, 0.004))
+        seen = []
+        for drafted, accepted in verdicts:
+            drafter.observe_lap(1 + drafted, rng.uniform(0.001, 0.5))  # ignored: the prices are fixed
+            drafter.observe(drafted, accepted)
+            seen.append(drafter.draft_cap)
+        caps.append(seen)
+    assert caps[0] == caps[1] and len(set(caps[0])) > 1  # the same counts, and they do change with the verdicts
+    assert drafter.costs.fixed_s == 0.05 and drafter.costs.per_position_s == 0.004
+    free = SuffixDrafter(num_draft_tokens=8)
+    free.price_laps((1.0, 0.0))  # positions cost nothing: the adaptive length alone decides
+    for _ in range(20):
+        free.observe(8, 0)
+    assert free.draft_cap == 1 and free.costs.cap(8) == 8  # the cost model cuts nothing
+
+
+def test_bad_lap_costs_are_refused_by_name():
+    from client._options import GenerationOptions
+    from client.drafting import make_drafter
+
+    for bad in [(-0.1, 0.0), (0.1, float("nan")), "fast", (1.0,)]:
+        with pytest.raises(ValueError, match="draft_lap_costs must be"):
+            GenerationOptions(draft_lap_costs=bad).checked()
+    tail = make_drafter("suffix+tail", lap_costs=(0.05, 0.002))
+    assert tail.inner.costs.priced and tail.inner.costs.fixed_s == 0.05  # the retrieval drafter inside is priced
+
+
+def test_fixed_lap_costs_repeat_step_shapes_over_servers(limits_swarm, tiny_reference):
+    """The same generate() twice with draft_lap_costs: the same laps and drafts (the suffix store reset
+    between them), and transformers' tokens."""
+    model, _, _ = limits_swarm
+    prompt = [PROMPT[0][:6] * 2]
+    expected = tiny_reference.generate(torch.tensor(prompt), max_new_tokens=16, do_sample=False)
+    shapes = []
+    for _ in range(2):
+        model.reset_draft_store()
+        output = model.generate(
+            torch.tensor(prompt), max_new_tokens=16, num_draft_tokens=4, draft_lap_costs=(0.05, 0.01), loop_runs=False
+        )
+        assert output.tolist() == expected.tolist()
+        stats = model.last_generation_stats
+        shapes.append((stats.laps, stats.drafted, stats.accepted))
+    assert shapes[0] == shapes[1]
+
+
 @pytest.mark.parametrize("cap", [0, 1, None])
 def test_the_priced_cap_never_changes_tokens(limits_swarm, tiny_reference, monkeypatch, cap):
     model, _, _ = limits_swarm
