@@ -115,7 +115,7 @@ def attach_drafter_if_it_fits(
     """:func:`attach_drafter`, unless the memory plan leaves a tail of this length no room for the
     drafter: then the span serves without one (coverage first, drafting is only speed)."""
     if span.is_tail and plan is not None and config.drafter != "none" and not plan.fits(span.start, span.end):
-        span.drafter = None
+        span.drafter, span.taps = None, None
         logger.info(f"Tail drafter: none (blocks {span.start}:{span.end} leave no memory for it, by the memory plan)")
         return
     attach_drafter(span, config, model_config, checkpoint)

@@ -224,8 +224,7 @@ class LlamaFamilyAdapter(SpanAdapter):
     ) -> list[Optional[torch.Tensor]]:
         """Every member's positions packed into one pass (server/adapters/llama_batch.py); a batch
         of one takes :meth:`forward`."""
-        if len(members) < 2 or not self.packs_sessions or self.taps is not None:
-            # a tail whose drafter reads intermediate features (self.taps) runs its members one by one
+        if len(members) < 2 or not self.packs_sessions:
             return super().forward_batch(members, blocks, between_blocks)
         packed, hidden = packing.pack(
             members,
@@ -234,14 +233,27 @@ class LlamaFamilyAdapter(SpanAdapter):
             lambda m: self._positions_and_masks(m.start_pos, m.hidden.shape[1], m.tree),
         )
 
+        taps = self.taps if self.taps is not None and blocks.stop == self.end else None
+        wanted = taps.wanted(blocks) if taps is not None else frozenset()
+        kept = {blocks.start: (packed, hidden)} if blocks.start in wanted else {}  # boundary -> packed rows
+
         def block(
             number: int, hidden: torch.Tensor, packed: packing.Packed, cos_sin: tuple[torch.Tensor, torch.Tensor]
         ) -> torch.Tensor:
             local = number - self.start
-            return llama_batch.decoder_layer(self.layers[local], hidden, packed, cos_sin, self.windows[local])
+            hidden = llama_batch.decoder_layer(self.layers[local], hidden, packed, cos_sin, self.windows[local])
+            if number + 1 in wanted:
+                kept[number + 1] = (packed, hidden)
+            return hidden
 
         rotary = lambda packed, hidden: self.rotary_emb(hidden, position_ids=packed.position_ids)  # noqa: E731
-        return packing.run_blocks(packed, hidden, blocks, between_blocks, rotary, block)
+        outputs = packing.run_blocks(packed, hidden, blocks, between_blocks, rotary, block)
+        if taps is not None:  # each member's features for an EAGLE-3 tail drafter (server/feature_taps.py)
+            for member, output in zip(members, outputs):
+                if output is not None:
+                    rows = {j: packing.member_rows(p, h, member) for j, (p, h) in kept.items()}
+                    taps.record(member.cache, member.start_pos, rows, blocks)
+        return outputs
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

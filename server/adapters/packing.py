@@ -50,6 +50,13 @@ def pack(
     return Packed(list(members), bounds, masks, torch.cat(positions, dim=1)), hidden
 
 
+def member_rows(packed: Packed, hidden: torch.Tensor, member: BatchMember) -> torch.Tensor:
+    """``member``'s rows [1, S, ...] of a packed row ``hidden`` laid out as ``packed``."""
+    index = next(i for i, m in enumerate(packed.members) if m is member)
+    a, b = packed.bounds[index]
+    return hidden[:, a:b]
+
+
 def drop(packed: Packed, hidden: torch.Tensor, keep: list[int]) -> tuple[Packed, torch.Tensor]:
     """The batch without the members not in ``keep`` (indices into packed.members): their rows
     leave the packed row; returns the new packing and hidden rows."""

@@ -65,6 +65,25 @@ def test_taps_are_the_hidden_states_vllm_counts(tiny_llama_path, tiny_reference,
     torch.testing.assert_close(features, expected, rtol=1e-5, atol=1e-5)  # float32, same blocks in a pass
 
 
+def test_a_packed_batch_taps_each_members_features(tiny_llama_path, eagle3_head):
+    """Two sessions through the tail in one packed pass keep the features each keeps alone (up to the
+    rounding of rows computed together, float32), and a cancelled member keeps none."""
+    from server.adapters.base import BatchMember
+
+    span = _tail(tiny_llama_path, eagle3_head)
+    blocks = range(span.start, span.end)
+    alone = [_run(span, span.new_cache(), ids, 0) for ids in (TEXT[:7], TEXT[7:])]
+    members = [
+        BatchMember(span.embed(torch.tensor([ids])), torch.tensor([ids]), 0, span.new_cache())
+        for ids in (TEXT[:7], TEXT[7:], TEXT[3:9])
+    ]
+    members[2].cancelled = lambda: True
+    outputs = span.forward_batch(members, blocks)
+    assert outputs[2] is None and span.taps.take(members[2].cache, 0, 6) is None
+    for member, expected in zip(members[:2], alone):
+        torch.testing.assert_close(span.taps.take(member.cache, 0, expected.shape[1]), expected, rtol=1e-4, atol=1e-5)
+
+
 def test_drafts_are_target_ids_through_d2t(tiny_llama_path, eagle3_head, tiny_config):
     """Every draft is a target id of the head's draft vocabulary (draft id + d2t), and the drafts of a
     run equal the head's argmax over the whole committed text in one uncached pass."""
