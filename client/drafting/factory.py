@@ -28,8 +28,8 @@ def make_drafter(
     `corpus` holds token id sequences the user knows are relevant to this stream;
     `lap_costs` (fixed_s, per_position_s) fixes the draft cost model's lap prices (cost_model.ChainCosts).
     """
-    drafter = _make_drafter(kind, num_draft_tokens, corpus, store, eos_token_ids, lap_costs)
-    if lap_costs is not None and isinstance(drafter, _AdaptiveDrafter):
+    drafter = _make_drafter(kind, num_draft_tokens, corpus, store, eos_token_ids)
+    if lap_costs is not None and isinstance(drafter, (_AdaptiveDrafter, TailDrafts)):
         drafter.price_laps(lap_costs)
     return drafter
 
@@ -40,7 +40,6 @@ def _make_drafter(
     corpus: Sequence[Sequence[int]],
     store: SuffixStore | None,
     eos_token_ids: Sequence[int],
-    lap_costs: tuple[float, float] | None,
 ) -> Drafter | None:
     if kind is None:
         return None
@@ -54,7 +53,6 @@ def _make_drafter(
                 corpus=corpus,
                 store=store,
                 eos_token_ids=eos_token_ids,
-                lap_costs=lap_costs,
             )
         )
         return TailDrafts(inner)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from client.drafting.base import Drafter
+from client.drafting.base import Drafter, _AdaptiveDrafter
+from client.drafting.cost_model import ChainCosts
 
 
 class TailDrafts(Drafter):
@@ -18,6 +19,10 @@ class TailDrafts(Drafter):
     exact rule accepts a draft iff it equals the target's own token, so the committed text says
     how many a proposal would have had accepted). Where the chosen one proposes nothing, the other.
     `inner` None: tail drafts only.
+
+    The tail's drafts are priced as a retrieval drafter's are (client/drafting/cost_model.py): their
+    own acceptance by depth, measured on the laps that carried them, and the lap times; once those
+    are fitted, a lap carries at most the count that maximizes expected tokens per lap time of them.
     """
 
     SOURCES = ("tail", "retrieval")
@@ -37,6 +42,7 @@ class TailDrafts(Drafter):
         # per source: proposals measured, ids proposed, ids that matched the committed text
         self.sources = {source: [0, 0, 0] for source in self.SOURCES}
         self.chosen = {source: 0 for source in self.SOURCES}  # laps whose run carried that source's drafts
+        self.costs = ChainCosts()  # the tail's drafts' acceptance by depth, and the lap times
 
     def reset(self, context: Sequence[int]) -> None:
         self._context = list(context)
@@ -82,13 +88,21 @@ class TailDrafts(Drafter):
             return []
         return ids[len(context) - position :]
 
+    def price_laps(self, lap_costs: tuple[float, float]) -> None:
+        """Price laps at fixed costs (ChainCosts), here and in the retrieval drafter inside."""
+        self.costs = ChainCosts(lap_costs)
+        if isinstance(self.inner, _AdaptiveDrafter):
+            self.inner.price_laps(lap_costs)
+
     def draft(self, max_tokens: int, after: Sequence[int] = ()) -> list[int]:
-        tail = self._tail_after(after)[:max_tokens]
+        offered = self._tail_after(after)[:max_tokens]
+        priced = self.costs.cap(len(offered)) if offered else None
+        tail = offered if priced is None else offered[:priced]  # what the lap carries of the tail's ids
         retrieval = self.inner.draft(max_tokens, after) if self.inner is not None else []
-        if not after:  # a lap's own proposal: measure both, whichever is sent
+        if not after:  # a lap's own proposal: measure both (the tail's as offered), whichever is sent
             position = len(self._context)
             self._pending += [
-                (position, source, ids) for source, ids in (("tail", tail), ("retrieval", retrieval)) if ids
+                (position, source, ids) for source, ids in (("tail", offered), ("retrieval", retrieval)) if ids
             ]
             self.fresh = False
         source = "tail" if self._score["tail"] >= self._score["retrieval"] else "retrieval"
@@ -123,10 +137,13 @@ class TailDrafts(Drafter):
         return self.inner.cap_after(drafted, accepted) if self.inner is not None else self.tail_tokens
 
     def observe_lap(self, positions: int, seconds: float) -> None:
+        self.costs.observe_lap(positions, seconds)
         if self.inner is not None:
             self.inner.observe_lap(positions, seconds)
 
     def observe(self, drafted: int, accepted: int) -> None:
+        if self._last_source == "tail" or drafted == 0:
+            self.costs.observe(drafted, accepted)
         if self.inner is not None and self._last_source == "retrieval":
             self.inner.observe(drafted, accepted)
 

@@ -121,7 +121,32 @@ def test_bad_lap_costs_are_refused_by_name():
         with pytest.raises(ValueError, match="draft_lap_costs must be"):
             GenerationOptions(draft_lap_costs=bad).checked()
     tail = make_drafter("suffix+tail", lap_costs=(0.05, 0.002))
-    assert tail.inner.costs.priced and tail.inner.costs.fixed_s == 0.05  # the retrieval drafter inside is priced
+    assert tail.costs.priced and tail.inner.costs.priced and tail.inner.costs.fixed_s == 0.05  # both sources
+
+
+def test_the_tail_drafts_are_priced_too():
+    """The tail's drafts (TailDrafts) go through the cost model as retrieval's do: where they pay they
+    are sent whole; once they never land on a compute-bound link, a lap carries none but a probe."""
+    from client.drafting import TailDrafts
+
+    for prices, pays in [((0.1, 0.001), True), ((0.001, 0.01), False)]:
+        drafter = TailDrafts(None)
+        drafter.price_laps(prices)
+        drafter.reset([1, 2, 3])
+        sent = []
+        for _ in range(24):
+            drafter.offer(len(drafter._context), [7, 8, 9, 10])
+            sent.append(drafter.draft(4))
+            drafter.observe(len(sent[-1]), 0)
+            drafter.extend([5])  # the target's token: the tail's first draft was wrong
+        assert drafter.sources["tail"][:2] == [24, 96]  # measured as offered, whatever was sent
+        lengths = [len(ids) for ids in sent]
+        if pays:  # the link costs a hundred positions: a draft stays worth a try, fewer as they keep failing
+            assert sent[0] == [7, 8, 9, 10]  # unmeasured acceptance (the prior, 0.5 per depth): all four
+            assert min(lengths) >= 1 and lengths == sorted(lengths, reverse=True) and lengths[-1] < 4
+        else:  # a position costs ten links: none (even at the prior's 0.5) but a probe every few laps
+            assert lengths[0] == 0
+            assert 1 <= sum(lengths[-8:]) <= 2
 
 
 def test_fixed_lap_costs_repeat_step_shapes_over_servers(limits_swarm, tiny_reference):

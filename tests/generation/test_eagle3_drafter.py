@@ -125,6 +125,23 @@ def test_eagle3_cache_rolls_back_exactly(tiny_llama_path, eagle3_head):
         assert drafts == fresh_drafts(history, next_token), (start_pos, ids)
 
 
+def test_the_memory_plan_counts_the_head_and_the_embeddings_it_reads(tiny_llama_path, tiny_config, eagle3_head):
+    """What drafter_bytes keeps room for is what the loaded drafter holds: the head's tensors, d2t and
+    (the tiny model does not tie them) the target's embeddings, read at the tail; within the rotary
+    embedding's few frequencies."""
+    from server.drafter_attach import drafter_bytes
+    from server.quantization import Quant, resident_bytes
+    from server.server_config import ServerConfig
+    from server.weights import Checkpoint
+
+    drafter = _tail(tiny_llama_path, eagle3_head).drafter
+    loaded = resident_bytes(drafter.net) + drafter.embed_weight.numel() * 4 + drafter.d2t.numel() * 8
+    config = ServerConfig(model=str(tiny_llama_path), drafter=str(eagle3_head))
+    planned = drafter_bytes(config, tiny_config, Checkpoint(str(tiny_llama_path)), torch.float32, Quant.NONE)
+    assert drafter.embed_weight.shape == (tiny_config.vocab_size, tiny_config.hidden_size)
+    assert 0 <= loaded - planned <= 4 * tiny_config.hidden_size  # the rotary frequencies are computed, not stored
+
+
 def _refusal(tiny_llama_path, head) -> str:
     """What a server started with ``--drafter head`` says; it must refuse to start, without a traceback."""
     args = ["--model", str(tiny_llama_path), "--new-swarm", "--host", "127.0.0.1", "--drafter", str(head)]

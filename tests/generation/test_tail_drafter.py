@@ -181,8 +181,8 @@ def test_tail_drafts_out_of_range_are_refused(tiny_llama_path, tiny_drafter_path
 def test_tail_drafts_leave_greedy_output_unchanged(tiny_drafter_model, tiny_reference, speculation):
     expected = tiny_reference.generate(torch.tensor(PROMPT), max_new_tokens=24, do_sample=False)
     tiny_drafter_model.reset_draft_store()
-    output = tiny_drafter_model.generate(
-        torch.tensor(PROMPT), max_new_tokens=24, speculation=speculation, loop_runs=False
+    output = tiny_drafter_model.generate(  # laps priced so that no draft is cut: every lap may carry them
+        torch.tensor(PROMPT), max_new_tokens=24, speculation=speculation, loop_runs=False, draft_lap_costs=(1.0, 0.0)
     )
     assert output.tolist() == expected.tolist()  # runs from the client: the tail's ids merged per lap
     stats = tiny_drafter_model.last_generation_stats
@@ -223,7 +223,9 @@ def test_smollm2_trained_tail_drafts_are_accepted(smol_model, smol_reference):
         messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
     )["input_ids"]
     expected = smol_reference.generate(ids, max_new_tokens=48, do_sample=False)
-    output = smol_model.generate(ids, max_new_tokens=48, speculation="tail", loop_runs=False)
+    output = smol_model.generate(  # laps priced so that the cost model cuts no draft (it prices them elsewhere)
+        ids, max_new_tokens=48, speculation="tail", loop_runs=False, draft_lap_costs=(1.0, 0.0)
+    )
     assert output.tolist() == expected.tolist()
     stats = smol_model.last_generation_stats
     assert stats.drafter_choices["tail"] >= 10  # tail drafts only: every accepted draft is the tail drafter's

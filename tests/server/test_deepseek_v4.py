@@ -670,6 +670,7 @@ def test_mtp_tail_drafts_leave_the_output_unchanged(v4_mtp_model, v4_mtp_plain, 
     """The tail's MTP drafts reach the client every lap, ride in the next runs, are verified, and
     the output is that of no speculation (and of transformers)."""
     kwargs = dict(do_sample=True, temperature=0.8, top_p=0.9, seed=1234) if sampling else {}
+    kwargs.update(draft_lap_costs=(1.0, 0.0))  # the cost model cuts no draft: the random MTP's ids ride every lap
     if mode == "async":  # runs sent behind unverified ones: cancels, and MTP caches meeting gaps
         kwargs.update(async_speculation=True, max_inflight_runs=3, num_draft_tokens=4)
     plain = v4_mtp_plain(sampling)
