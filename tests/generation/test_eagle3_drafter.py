@@ -104,6 +104,60 @@ def test_drafts_are_target_ids_through_d2t(tiny_llama_path, eagle3_head, tiny_co
     assert drafts[0] == index + int(drafter.d2t[index])
 
 
+def _published_formula(weights: dict, features: torch.Tensor, embeds: torch.Tensor, heads: int, kv_heads: int):
+    """EAGLE-3's head over one sequence from the raw published tensors, written out as vLLM's
+    llama_eagle3.py computes it (fc; [input_layernorm(embeds), hidden_norm(h)] into attention with the
+    feature as residual; post_attention_layernorm, MLP; the pre-norm output), with Llama's rotary
+    embedding (theta 10000): an oracle independent of the transformers modules the drafter uses."""
+
+    def rms(x, w):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w
+
+    def rotate(x, cos, sin):
+        half = x.shape[-1] // 2
+        return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+    n, w = features.shape[0], weights
+    h = features @ w["fc.weight"].T  # [n, H]
+    x = torch.cat([rms(embeds, w["midlayer.input_layernorm.weight"]), rms(h, w["midlayer.hidden_norm.weight"])], -1)
+    dim = h.shape[-1] // heads
+    q = (x @ w["midlayer.self_attn.q_proj.weight"].T).view(n, heads, dim).transpose(0, 1)
+    k = (x @ w["midlayer.self_attn.k_proj.weight"].T).view(n, kv_heads, dim).transpose(0, 1)
+    v = (x @ w["midlayer.self_attn.v_proj.weight"].T).view(n, kv_heads, dim).transpose(0, 1)
+    freqs = torch.arange(n)[:, None] / 10000 ** (torch.arange(0, dim, 2) / dim)
+    cos, sin = torch.cat([freqs, freqs], -1).cos(), torch.cat([freqs, freqs], -1).sin()
+    q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+    k, v = k.repeat_interleave(heads // kv_heads, 0), v.repeat_interleave(heads // kv_heads, 0)
+    scores = (q @ k.transpose(1, 2)) / dim**0.5 + torch.full((n, n), float("-inf")).triu(1)
+    attended = (scores.softmax(-1) @ v).transpose(0, 1).reshape(n, -1) @ w["midlayer.self_attn.o_proj.weight"].T
+    h = h + attended
+    m = rms(h, w["midlayer.post_attention_layernorm.weight"])
+    gate, up = m @ w["midlayer.mlp.gate_proj.weight"].T, m @ w["midlayer.mlp.up_proj.weight"].T
+    pre = h + (torch.nn.functional.silu(gate) * up) @ w["midlayer.mlp.down_proj.weight"].T
+    return pre, rms(pre, w["norm.weight"]) @ w["lm_head.weight"].T
+
+
+def test_the_head_computes_the_published_formula(tiny_llama_path, eagle3_head):
+    """The drafter's head (transformers' layer, q/k/v widened) over the tapped features equals the
+    formula written out from the raw tensors, and its first draft is that formula's argmax through d2t."""
+    from safetensors.torch import load_file
+
+    weights = load_file(str(eagle3_head / "model.safetensors"))
+    span = _tail(tiny_llama_path, eagle3_head)
+    drafter = span.drafter
+    features = _run(span, span.new_cache(), TEXT, 0)
+    after = TEXT[1:] + [42]
+    embeds = drafter.embed_weight[torch.tensor(after)]
+    pre, logits = _published_formula(weights, features[0], embeds, heads=4, kv_heads=2)
+    with torch.no_grad():
+        mask = torch.ones(len(TEXT), len(TEXT), dtype=torch.bool).tril()[None, None]
+        out = drafter.net(drafter.net.fc(features), embeds[None], torch.arange(len(TEXT))[None], None, mask)
+    torch.testing.assert_close(out[0], pre, rtol=1e-4, atol=1e-4)  # float32, same sums in another order
+    index = int(logits[-1].argmax())
+    drafts = drafter.draft(drafter.new_session(), features, TEXT, 0, len(TEXT), 42, 1)
+    assert drafts == [index + int(weights["d2t"][index])]
+
+
 def test_eagle3_cache_rolls_back_exactly(tiny_llama_path, eagle3_head):
     """Drafts after runs with rejected drafts and rollbacks equal a fresh head's over the same
     committed text in one pass: the head's cache keeps exactly the committed positions."""
