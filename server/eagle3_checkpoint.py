@@ -25,6 +25,7 @@ import torch
 from transformers import LlamaConfig, PretrainedConfig
 
 EAGLE3_ARCHITECTURES = frozenset({"LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM"})
+NOT_DECODER_FIELDS = frozenset({"architectures", "auto_map", "model_type", "speculators_config"})
 TARGET_NAME_KEYS = ("target_model", "target_model_name_or_path", "base_model_name_or_path", "base_model")
 
 
@@ -64,14 +65,14 @@ def resolve(spec: str) -> Path:
 def read_eagle3(path: Path, model_config: PretrainedConfig, model_names: tuple[str, ...]) -> Eagle3Checkpoint:
     """The checked contents of the drafter folder ``path`` for the model of ``model_config`` (named
     ``model_names``: the --model argument, its hub repo, its folder); a ValueError naming what is wrong."""
-    raw = _read_config(path)
+    raw = _flattened(path, _read_config(path))
     if not _is_eagle3_config(raw):
         raise ValueError(f"EAGLE-3 drafter {path}: config.json names no EAGLE-3 architecture or draft_vocab_size")
     check_fingerprint(path, raw, model_config, model_names)
     if int(raw.get("num_hidden_layers", 1)) != 1:
         layers = raw["num_hidden_layers"]
         raise ValueError(f"EAGLE-3 drafter {path}: num_hidden_layers is {layers}, only 1 is supported")
-    fields = {k: v for k, v in raw.items() if k not in ("architectures", "auto_map", "model_type")}
+    fields = {k: v for k, v in raw.items() if k not in NOT_DECODER_FIELDS}
     config = LlamaConfig(**fields)
     config.num_hidden_layers = 1
     config._attn_implementation = "sdpa"
@@ -127,7 +128,29 @@ def _read_config(path: Path) -> dict[str, Any]:
 
 
 def _is_eagle3_config(raw: dict[str, Any]) -> bool:
-    return bool(EAGLE3_ARCHITECTURES & set(raw.get("architectures") or ())) or "draft_vocab_size" in raw
+    return (
+        bool(EAGLE3_ARCHITECTURES & set(raw.get("architectures") or ()))
+        or "draft_vocab_size" in raw
+        or raw.get("speculators_model_type") == "eagle3"
+    )
+
+
+def _flattened(path: Path, raw: dict[str, Any]) -> dict[str, Any]:
+    """A speculators-format config (``speculators_model_type: eagle3``, the decoder's fields under
+    ``transformer_layer_config``, as RedHat's converted heads ship) as one LlamaForCausalLMEagle3-style
+    dict, the way vLLM's speculators adapter reads it (``transformers_utils/configs/speculators/algos.py``:
+    ``norm_before_residual`` defaults to true there); other configs as they are."""
+    if raw.get("speculators_model_type") != "eagle3" or not isinstance(raw.get("transformer_layer_config"), dict):
+        return raw
+    if raw.get("norm_before_fc"):
+        raise ValueError(f"EAGLE-3 drafter {path}: norm_before_fc heads are not supported")
+    flat = dict(raw["transformer_layer_config"])
+    for key in ("draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids", "speculators_config"):
+        if raw.get(key) is not None:
+            flat[key] = raw[key]
+    flat["norm_before_residual"] = bool(raw.get("norm_before_residual", True))
+    flat["speculators_model_type"] = "eagle3"
+    return flat
 
 
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -146,7 +169,8 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
             raise ValueError("no model.safetensors or pytorch_model.bin")
     except Exception as e:  # noqa: BLE001 - an unreadable file is one line at start
         raise ValueError(f"EAGLE-3 drafter {path}: cannot read its weights ({e})") from None
-    return {name.removeprefix("model."): t for name, t in tensors.items()}
+    # speculators' heads name the decoder layer ``layers.0``, EAGLE's ``midlayer`` (vLLM maps both)
+    return {name.removeprefix("model.").replace("layers.0.", "midlayer.", 1): t for name, t in tensors.items()}
 
 
 def _check_vocab_maps(

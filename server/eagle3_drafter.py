@@ -43,6 +43,9 @@ class Eagle3Module(torch.nn.Module):
     def __init__(self, config: LlamaConfig, target_hidden: int):
         super().__init__()
         self.config = copy.deepcopy(config)
+        # the residual around attention: the feature (EAGLE-3's heads), or the feature after hidden_norm
+        # (``norm_before_residual``, speculators' heads; vLLM's _norm_before_residual)
+        self.norm_before_residual = bool(getattr(config, "norm_before_residual", False))
         hidden = config.hidden_size
         self.fc = torch.nn.Linear(3 * target_hidden, hidden, bias=False)
         self.midlayer = LlamaDecoderLayer(self.config, layer_idx=0)
@@ -68,10 +71,11 @@ class Eagle3Module(torch.nn.Module):
     ) -> torch.Tensor:
         """The layer's output before ``norm`` [B, S, H]: the next step's feature."""
         layer = self.midlayer
-        x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(features)], dim=-1)
+        normed = layer.hidden_norm(features)
+        x = torch.cat([layer.input_layernorm(embeds), normed], dim=-1)
         position_embeddings = self.rotary_emb(features, position_ids=position_ids)
         attended, _ = layer.self_attn(x, position_embeddings=position_embeddings, attention_mask=mask, cache=cache)
-        hidden = features + attended
+        hidden = (normed if self.norm_before_residual else features) + attended
         return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
 
 

@@ -104,11 +104,14 @@ def test_drafts_are_target_ids_through_d2t(tiny_llama_path, eagle3_head, tiny_co
     assert drafts[0] == index + int(drafter.d2t[index])
 
 
-def _published_formula(weights: dict, features: torch.Tensor, embeds: torch.Tensor, heads: int, kv_heads: int):
+def _published_formula(
+    weights: dict, features: torch.Tensor, embeds: torch.Tensor, heads: int, kv_heads: int, norm_first: bool = False
+):
     """EAGLE-3's head over one sequence from the raw published tensors, written out as vLLM's
     llama_eagle3.py computes it (fc; [input_layernorm(embeds), hidden_norm(h)] into attention with the
     feature as residual; post_attention_layernorm, MLP; the pre-norm output), with Llama's rotary
-    embedding (theta 10000): an oracle independent of the transformers modules the drafter uses."""
+    embedding (theta 10000): an oracle independent of the transformers modules the drafter uses.
+    ``norm_first``: speculators' norm_before_residual (the residual is the feature after hidden_norm)."""
 
     def rms(x, w):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w
@@ -119,7 +122,8 @@ def _published_formula(weights: dict, features: torch.Tensor, embeds: torch.Tens
 
     n, w = features.shape[0], weights
     h = features @ w["fc.weight"].T  # [n, H]
-    x = torch.cat([rms(embeds, w["midlayer.input_layernorm.weight"]), rms(h, w["midlayer.hidden_norm.weight"])], -1)
+    normed = rms(h, w["midlayer.hidden_norm.weight"])
+    x = torch.cat([rms(embeds, w["midlayer.input_layernorm.weight"]), normed], -1)
     dim = h.shape[-1] // heads
     q = (x @ w["midlayer.self_attn.q_proj.weight"].T).view(n, heads, dim).transpose(0, 1)
     k = (x @ w["midlayer.self_attn.k_proj.weight"].T).view(n, kv_heads, dim).transpose(0, 1)
@@ -130,25 +134,29 @@ def _published_formula(weights: dict, features: torch.Tensor, embeds: torch.Tens
     k, v = k.repeat_interleave(heads // kv_heads, 0), v.repeat_interleave(heads // kv_heads, 0)
     scores = (q @ k.transpose(1, 2)) / dim**0.5 + torch.full((n, n), float("-inf")).triu(1)
     attended = (scores.softmax(-1) @ v).transpose(0, 1).reshape(n, -1) @ w["midlayer.self_attn.o_proj.weight"].T
-    h = h + attended
+    h = (normed if norm_first else h) + attended
     m = rms(h, w["midlayer.post_attention_layernorm.weight"])
     gate, up = m @ w["midlayer.mlp.gate_proj.weight"].T, m @ w["midlayer.mlp.up_proj.weight"].T
     pre = h + (torch.nn.functional.silu(gate) * up) @ w["midlayer.mlp.down_proj.weight"].T
     return pre, rms(pre, w["norm.weight"]) @ w["lm_head.weight"].T
 
 
-def test_the_head_computes_the_published_formula(tiny_llama_path, eagle3_head):
+@pytest.mark.parametrize("speculators", [False, True], ids=["eagle", "speculators"])
+def test_the_head_computes_the_published_formula(tiny_llama_path, tiny_config, tmp_path, speculators):
     """The drafter's head (transformers' layer, q/k/v widened) over the tapped features equals the
-    formula written out from the raw tensors, and its first draft is that formula's argmax through d2t."""
+    formula written out from the raw tensors, and its first draft is that formula's argmax through d2t;
+    for EAGLE's layout and for speculators' (its config nested, ``layers.0``, norm_before_residual)."""
     from safetensors.torch import load_file
 
-    weights = load_file(str(eagle3_head / "model.safetensors"))
-    span = _tail(tiny_llama_path, eagle3_head)
+    head = write_head(tmp_path / "tiny-llama" / "head", tiny_config, speculators=speculators)
+    weights = {n.replace("layers.0.", "midlayer."): t for n, t in load_file(str(head / "model.safetensors")).items()}
+    span = _tail(tiny_llama_path, head)
     drafter = span.drafter
+    assert drafter.net.norm_before_residual == speculators
     features = _run(span, span.new_cache(), TEXT, 0)
     after = TEXT[1:] + [42]
     embeds = drafter.embed_weight[torch.tensor(after)]
-    pre, logits = _published_formula(weights, features[0], embeds, heads=4, kv_heads=2)
+    pre, logits = _published_formula(weights, features[0], embeds, heads=4, kv_heads=2, norm_first=speculators)
     with torch.no_grad():
         mask = torch.ones(len(TEXT), len(TEXT), dtype=torch.bool).tril()[None, None]
         out = drafter.net(drafter.net.fc(features), embeds[None], torch.arange(len(TEXT))[None], None, mask)
@@ -231,6 +239,9 @@ def test_a_head_naming_another_target_is_refused(tiny_llama_path, tiny_config, t
         eagle3_checkpoint(ServerConfig(model=str(tiny_llama_path), drafter=str(named)), tiny_config)
     ours = write_head(tmp_path / "ours", tiny_config, target_model="someone/tiny-llama")
     assert eagle3_checkpoint(ServerConfig(model=str(tiny_llama_path), drafter=str(ours)), tiny_config) is not None
+    verifier = write_head(tmp_path / "Llama-3.1-8B-Instruct" / "head", tiny_config, speculators=True)
+    with pytest.raises(ValueError, match="trained for another model: Llama-3.1-8B-Instruct"):  # speculators' verifier
+        eagle3_checkpoint(ServerConfig(model=str(tiny_llama_path), drafter=str(verifier)), tiny_config)
 
 
 @pytest.mark.parametrize(

@@ -78,10 +78,13 @@ def write_head(
     seed: int = 0,
     drop: tuple[str, ...] = (),
     replace: Optional[dict[str, torch.Tensor]] = None,
+    speculators: bool = False,
     **config_changes: Any,
 ) -> Path:
     """A head folder at ``path`` for ``target``; ``drop`` leaves tensors out and ``replace`` swaps some
-    (malformed heads), ``config_changes`` edit config.json (heads for other models)."""
+    (malformed heads), ``config_changes`` edit config.json (heads for other models). ``speculators``:
+    in the speculators format instead (the decoder's fields under ``transformer_layer_config``, its
+    layer named ``layers.0``, norm_before_residual by default), as vLLM's speculators adapter reads it."""
     from safetensors.torch import save_file
 
     config = head_config(target, **config_changes)
@@ -89,6 +92,16 @@ def write_head(
     tensors.update(replace or {})
     for name in drop:
         del tensors[name]
+    if speculators:
+        tensors = {name.replace("midlayer.", "layers.0."): t for name, t in tensors.items()}
+        outer = {k: config.pop(k) for k in ("draft_vocab_size", "target_hidden_size") if k in config}
+        config = {
+            "architectures": ["Eagle3Speculator"],
+            "speculators_model_type": "eagle3",
+            "transformer_layer_config": config,
+            "speculators_config": {"algorithm": "eagle3", "verifier": {"name_or_path": path.parent.name}},
+            **outer,
+        }
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config, indent=2))
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
