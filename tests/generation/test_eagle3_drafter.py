@@ -316,3 +316,32 @@ def test_eagle3_drafts_leave_seeded_sampling_unchanged(eagle3_model, tiny_refere
     )
     assert output[0, len(PROMPT[0]) :].tolist() == expected
     assert eagle3_model.last_generation_stats.drafter_sources["tail"][0] >= 15
+
+
+def test_concurrent_sessions_batch_at_an_eagle3_tail(tiny_llama_path, tiny_reference, eagle3_head):
+    """Six sessions at once (a padded batch) through in-process servers whose tail drafts with the
+    head: every row equals transformers' greedy output, the tail batched runs together (packed, the
+    features tapped per member) and its drafter drafted."""
+    from tests.kit.swarms import start_inprocess
+
+    generator = torch.Generator().manual_seed(3)
+    rows = [torch.randint(10, 2000, (4 + i,), generator=generator).tolist() for i in range(6)]
+    width = max(map(len, rows))
+    ids = torch.tensor([[0] * (width - len(row)) + row for row in rows])
+    mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in rows])
+    expected = []
+    with torch.no_grad():
+        for row in rows:
+            out = tiny_reference.generate(torch.tensor([row]), max_new_tokens=10, do_sample=False)
+            expected.append(out[0, len(row) :].tolist())
+    swarm = start_inprocess(tiny_llama_path, drafter=str(eagle3_head), drafter_tokens=4)
+    try:
+        tail = swarm.servers[-1]
+        assert type(tail.span.drafter).__name__ == "Eagle3Drafter" and tail.span.taps is not None
+        output = swarm.model.generate(ids, attention_mask=mask, max_new_tokens=10, speculation="tail")
+        assert [output[i, width : width + 10].tolist() for i in range(6)] == expected
+        stats = tail.handler.batches.stats
+        assert stats["batched_runs"] > stats["batches"]  # runs rode in a batch beside another
+        assert tail.span.drafter.stats["drafts"] > 0
+    finally:
+        swarm.stop()
