@@ -72,9 +72,12 @@ def attach_drafter(
     logger.info(f"Tail drafter: {path} (up to {config.drafter_tokens} ids per run)")
 
 
-def eagle3_checkpoint(config: ServerConfig, model_config: PretrainedConfig) -> Optional["Eagle3Checkpoint"]:
+def eagle3_checkpoint(
+    config: ServerConfig, model_config: PretrainedConfig, values: bool = True
+) -> Optional["Eagle3Checkpoint"]:
     """The EAGLE-3 head ``--drafter`` names (a folder in the published layout, or a hub repo id), read
-    and checked against this model (server/eagle3_checkpoint.py); None when it names something else."""
+    and checked against this model (server/eagle3_checkpoint.py); None when it names something else.
+    ``values`` False: its weights' shapes only (the memory plan)."""
     from protocol.models import ALIASES
     from server.eagle3_checkpoint import is_eagle3, read_eagle3, resolve
 
@@ -82,7 +85,7 @@ def eagle3_checkpoint(config: ServerConfig, model_config: PretrainedConfig) -> O
         return None
     drafter_file(config, model_config)  # Llama-family models only: refused with the same line
     names = (config.model, ALIASES.get(config.model) or "", getattr(model_config, "_name_or_path", "") or "")
-    return read_eagle3(resolve(config.drafter), model_config, names)
+    return read_eagle3(resolve(config.drafter), model_config, names, values)
 
 
 def _eos_ids(model_config: PretrainedConfig) -> tuple[int, ...]:
@@ -152,7 +155,7 @@ def drafter_bytes(
         if checkpoint is None
         else "lm_head.weight" not in checkpoint.weight_map()
     )
-    eagle3 = eagle3_checkpoint(config, model_config)  # a head for another model is refused here, at start
+    eagle3 = eagle3_checkpoint(config, model_config, values=False)  # a head for another model is refused at start
     if eagle3 is not None:
         from server.eagle3_drafter import eagle3_bytes
 

@@ -62,9 +62,12 @@ def resolve(spec: str) -> Path:
         raise ValueError(f"--drafter {spec}: no such folder, and not a hub repo that could be read ({e})") from None
 
 
-def read_eagle3(path: Path, model_config: PretrainedConfig, model_names: tuple[str, ...]) -> Eagle3Checkpoint:
+def read_eagle3(
+    path: Path, model_config: PretrainedConfig, model_names: tuple[str, ...], values: bool = True
+) -> Eagle3Checkpoint:
     """The checked contents of the drafter folder ``path`` for the model of ``model_config`` (named
-    ``model_names``: the --model argument, its hub repo, its folder); a ValueError naming what is wrong."""
+    ``model_names``: the --model argument, its hub repo, its folder); a ValueError naming what is wrong.
+    ``values`` False: the weights as meta tensors of their shapes (for the memory plan)."""
     raw = _flattened(path, _read_config(path))
     if not _is_eagle3_config(raw):
         raise ValueError(f"EAGLE-3 drafter {path}: config.json names no EAGLE-3 architecture or draft_vocab_size")
@@ -77,7 +80,7 @@ def read_eagle3(path: Path, model_config: PretrainedConfig, model_names: tuple[s
     config.num_hidden_layers = 1
     config._attn_implementation = "sdpa"
     config.draft_vocab_size = int(raw.get("draft_vocab_size") or raw["vocab_size"])
-    tensors = _read_tensors(path)
+    tensors = _read_tensors(path, values)
     d2t = tensors.pop("d2t", None)
     t2d = tensors.pop("t2d", None)
     _check_vocab_maps(path, config.draft_vocab_size, int(raw["vocab_size"]), d2t, t2d)
@@ -153,16 +156,22 @@ def _flattened(path: Path, raw: dict[str, Any]) -> dict[str, Any]:
     return flat
 
 
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the folder's weights, names without a leading ``model.``."""
+def _read_tensors(path: Path, values: bool = True) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder's weights, names without a leading ``model.``. ``values`` False:
+    safetensors weights as meta tensors of their shapes (the memory plan needs no more), the
+    vocabulary maps read whole (they are checked)."""
     files = sorted(path.glob("*.safetensors"))
     tensors: dict[str, torch.Tensor] = {}
     try:
         if files:
-            from safetensors.torch import load_file
+            from safetensors import safe_open
 
             for file in files:
-                tensors.update(load_file(str(file)))
+                with safe_open(str(file), "pt") as f:
+                    for name in f.keys():
+                        wanted = values or name.endswith(("d2t", "t2d"))
+                        shape = None if wanted else f.get_slice(name).get_shape()
+                        tensors[name] = f.get_tensor(name) if wanted else torch.empty(shape, device="meta")
         elif (path / "pytorch_model.bin").exists():
             tensors = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
         else:
