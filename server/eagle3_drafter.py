@@ -158,7 +158,7 @@ def build_eagle3_drafter(
                 f"({checkpoint.config.hidden_size}) other than the target's ({checkpoint.target_hidden})"
             )
         embed = target_embeddings(span, model_checkpoint)
-    span.taps = FeatureTaps(checkpoint.boundaries, span.start)
+    span.taps = FeatureTaps(checkpoint.boundaries)
     return Eagle3Drafter(net, embed, checkpoint.d2t, max_drafts, eos_token_ids)
 
 

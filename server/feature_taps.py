@@ -24,9 +24,8 @@ class FeatureTaps:
     """The activations at ``boundaries`` of the runs being computed, kept per session cache (a weak
     key: a cache dropped with its session drops its features) until the verdict takes them."""
 
-    def __init__(self, boundaries: tuple[int, ...], span_start: int):
+    def __init__(self, boundaries: tuple[int, ...]):
         self.boundaries = tuple(boundaries)
-        self.span_start = span_start
         # cache -> chunks of one run: (start_pos, [1, n, len(boundaries) * H])
         self._pending: weakref.WeakKeyDictionary[Any, list[tuple[int, torch.Tensor]]] = weakref.WeakKeyDictionary()
 
