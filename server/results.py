@@ -10,6 +10,7 @@ Each session closed here is told why (queue_full) on its upstream stream.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from protocol import limits
@@ -18,6 +19,8 @@ from server.open_sessions import OpenSessions
 from server.replies import report
 from server.session import ServerSession
 from server.unread import largest, size_of
+
+CLOSE_AFTER_REPORT_SECONDS = 1.0
 
 
 class TailResults:
@@ -69,4 +72,7 @@ class TailResults:
         """Close a session whose client leaves its results unread, telling it why upstream."""
         await report(session.upstream, session.session_id, ProtocolError(ErrorCode.QUEUE_FULL, why), None, self.peer_id)
         self.open_sessions.close(session, reason="results unread")
-        session.upstream.close()
+        # the upstream stream closes a second later, so the previous hop reads the refusal before the
+        # end of the stream: a close right after the write lost it now and then on a loaded machine,
+        # and the hop then reported the session as dropped (as server/subscribe.py _linger does)
+        asyncio.get_running_loop().call_later(CLOSE_AFTER_REPORT_SECONDS, session.upstream.close)
