@@ -3,8 +3,9 @@
 A request whose ``tool_choice`` is ``"required"`` or names a function gets its reply constrained
 (docs/design.md, "Constraints at the tail") to one call in the gateway's documented JSON format,
 ``{"name": <a tool's name>, "arguments": <an object valid for its parameters>}``, so the call always
-parses and its arguments always validate; the reply becomes ``message.tool_calls`` (and, streamed, one
-``tool_calls`` delta in the choice's last chunk) with ``finish_reason: "tool_calls"``. The tools are
+parses and its arguments always validate; the reply becomes ``message.tool_calls`` (streamed, each call
+in one ``tool_calls`` delta as soon as it is complete: :func:`leading_calls`) with ``finish_reason:
+"tool_calls"``. The tools are
 described to the model in a system message (the same format), and earlier calls and their results
 (``role: "tool"`` messages) are rendered as that JSON and as the tool's text. ``"none"`` answers in
 text; ``"auto"`` (OpenAI's default with tools) leaves the reply free: one that is exactly a call of a
@@ -184,18 +185,41 @@ def tool_calls(
     texts = call_texts(text, fmt)
     if texts is None or (len(texts) > 1 and not (parallel and fmt.parallel)):
         return None
-    calls = []
-    for one in texts:
-        try:
-            call = json.loads(one)
-        except ValueError:
-            return None
-        arguments = call.get(fmt.arguments_key) if isinstance(call, dict) else None
-        if not isinstance(call, dict) or call.get("name") not in names or not isinstance(arguments, dict):
-            return None
-        function = {"name": call["name"], "arguments": json.dumps(arguments)}
-        calls.append({"id": f"call_{secrets.token_hex(12)}", "type": "function", "function": function})
-    return calls
+    calls = [parse_call(one, names, fmt) for one in texts]
+    return None if None in calls else calls  # type: ignore[return-value]
+
+
+def parse_call(text: str, names: tuple[str, ...], fmt: ToolFormat) -> Optional[dict]:
+    """One call's JSON text as an OpenAI tool call (a fresh id); None unless it names a listed tool
+    and its arguments (under the format's key) are an object."""
+    try:
+        call = json.loads(text)
+    except ValueError:
+        return None
+    arguments = call.get(fmt.arguments_key) if isinstance(call, dict) else None
+    if not isinstance(call, dict) or call.get("name") not in names or not isinstance(arguments, dict):
+        return None
+    function = {"name": call["name"], "arguments": json.dumps(arguments)}
+    return {"id": f"call_{secrets.token_hex(12)}", "type": "function", "function": function}
+
+
+def leading_calls(text: str, names: tuple[str, ...], fmt: ToolFormat) -> tuple[list[dict], int]:
+    """The calls at the start of ``text`` that are complete whatever follows, and the characters they
+    take with their separators: a line of the JSON formats once its newline has come (a call's JSON
+    has no newline inside), a Hermes call once its closing tag has. A streamed reply sends each as
+    soon as it is complete (swarm/api/responses.py); the first text that is no such call ends them."""
+    calls: list[dict] = []
+    used = 0
+    if not fmt.open:
+        while (end := text.find("\n", used)) >= 0 and (call := parse_call(text[used:end], names, fmt)) is not None:
+            calls.append(call)
+            used = end + 1
+        return calls, used
+    pattern = re.compile(r"\s*" + re.escape(fmt.open.strip()) + r"\s*(.*?)\s*" + re.escape(fmt.close.strip()), re.S)
+    while (found := pattern.match(text, used)) is not None and (call := parse_call(found.group(1), names, fmt)):
+        calls.append(call)
+        used = found.end()
+    return calls, used
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -96,14 +96,37 @@ TWO = ['{"name": "get_time", "arguments": {"zone": "UTC"}}\n', '{"name": "get_we
 HERMES_TWO = ["<tool_call>\n" + TWO[0].strip() + "\n</tool_call>\n", "<tool_call>\n" + TWO[1] + "\n</tool_call>"]
 
 
+@pytest.mark.parametrize("mode", ["auto", "forced"])
 @pytest.mark.parametrize("fmt,pieces", [("json", TWO), ("hermes", HERMES_TWO)])
-def test_parallel_calls_have_distinct_ids_streamed_too(fmt, pieces):
-    chunks, whole = stream("auto", pieces, fmt=fmt)
-    calls = chunks[-1]["delta"]["tool_calls"]
+def test_parallel_calls_are_each_sent_once_complete_with_distinct_ids(fmt, pieces, mode):
+    """The first call goes out with the delta that completes it (its newline, its closing tag), not
+    with the choice's last chunk; the calls streamed equal the whole response's."""
+    chunks, whole = stream(mode, pieces, fmt=fmt)
+    deltas = chunks[:-1] + [chunks[-1]["delta"]]  # stream() gives the last chunk's whole choice
+    assert len(deltas) >= 2 and list(deltas[0]) == ["tool_calls"] and deltas[0]["tool_calls"][0]["index"] == 0
+    calls = [c for d in deltas for c in d.get("tool_calls", [])]
     assert [c["index"] for c in calls] == [0, 1] and chunks[-1]["finish_reason"] == "tool_calls"
     assert [c["function"]["name"] for c in calls] == ["get_time", "get_weather"]
-    assert len({c["id"] for c in calls}) == 2 and len(chunks) == 1
+    assert len({c["id"] for c in calls}) == 2 and not any("content" in d for d in deltas)
     assert [c["function"] for c in whole["message"]["tool_calls"]] == [c["function"] for c in calls]
+    assert whole["finish_reason"] == "tool_calls" and whole["message"]["content"] is None
+
+
+def test_a_call_then_text_sends_the_call_then_the_text():
+    """ "auto": a complete call, then prose: the call is sent when complete, the prose as content after
+    it; the whole response holds both, finish_reason "tool_calls"."""
+    chunks, whole = stream("auto", [TWO[0], "That is ", "all."])
+    deltas = chunks[:-1] + [chunks[-1]["delta"]]
+    assert [c["function"]["name"] for c in deltas[0]["tool_calls"]] == ["get_time"]
+    assert "".join(d.get("content") or "" for d in deltas) == "That is all."
+    assert chunks[-1]["finish_reason"] == "tool_calls"
+    assert whole["message"]["content"] == "That is all." and len(whole["message"]["tool_calls"]) == 1
+    assert whole["finish_reason"] == "tool_calls"
+    # cut by max_tokens after one complete call: that call, the rest as text, finish_reason "length"
+    chunks, whole = stream("forced", [TWO[0], CALL[0]], finish="length")
+    assert chunks[0]["tool_calls"][0]["function"]["name"] == "get_time"
+    assert chunks[-1]["delta"] == {"content": CALL[0]} and chunks[-1]["finish_reason"] == "length"
+    assert whole["message"]["content"] == CALL[0] and whole["finish_reason"] == "length"
 
 
 def test_two_calls_without_parallel_tool_calls_are_text():
