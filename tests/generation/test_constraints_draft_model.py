@@ -25,6 +25,7 @@ from tests.generation.test_constraints import (
     transformers_greedy,
 )
 from tests.kit.routes import ROUTES, pinned
+from tests.kit.threads import single_torch_thread
 
 
 @pytest.fixture(scope="module")
@@ -170,3 +171,52 @@ def test_model_drafter_drafts_forced_ids_first_then_its_masked_choice(tiny_model
     assert all(0 < q <= 1 for q in drafter.last_q)
     with pytest.raises(ValueError, match="ConstraintCompiler"):
         ModelDrafter(draft_model, sampled, 8, sample=True)
+
+
+def test_constrained_rejection_exchange_matches_the_masked_target_over_2000_seeds(
+    tiny_model, tiny_reference, draft_model
+):
+    """In process, as client and tail compute it: ModelDrafter samples 2 drafts from its masked q, the
+    tail's verify_rejection (under its own Guide) accepts or corrects, the client draws the correction
+    from p - q. The first token follows the masked target p exactly (chi-square, p > 1e-3), and every
+    token is one the constraint allows."""
+    from protocol.sampling import check_draft_q, pack_f16, sample_correction, unpack_f16, verify_rejection
+    from tests.generation.test_rejection_sampling import FALSE_ALARM, Rows, chi_square_p, counts_of
+
+    compiler = compiler_for(tiny_model.tokenizer, tiny_model.config.vocab_size)
+    constraint = constraint_from_options(guided_regex="[a-z]+ [a-z]+")
+    prompt = prompt_ids(tiny_model)
+    target = Rows(tiny_reference)
+
+    def params_for(seed):
+        return SamplingParams(do_sample=True, top_k=8, seed=seed, constraint=constraint, output_start=len(prompt))
+
+    mask = compiler.guide(constraint, len(prompt))
+    expected_p = torch.softmax(processed_scores(target(prompt), prompt, params_for(0), mask), -1)
+    support = {int(t): float(expected_p[t]) for t in expected_p.nonzero().flatten()}
+    assert len(support) > 1  # a real choice, not a forced token
+    check = compiler.guide(constraint, len(prompt))
+    firsts, corrected = [], 0
+    with single_torch_thread():
+        for seed in range(2000):
+            params = params_for(seed)
+            drafter = ModelDrafter(draft_model, params, 2, sample=True, compiler=compiler)
+            drafter.reset(prompt)
+            drafts = drafter.draft(2)
+            start_pos, history = len(prompt) - 1, prompt + drafts
+            rows = [target(history[: i + 1]) for i in range(start_pos, len(history))]
+            wire_q = check_draft_q(pack_f16(drafter.last_q), len(drafts))
+            tail_guide = compiler.guide(constraint, len(prompt))
+            accepted, token, correction, _ = verify_rejection(
+                rows, history, start_pos, len(drafts), params, wire_q, guide=tail_guide
+            )
+            if correction is not None:
+                ids, top_p = correction[0], unpack_f16(pack_f16(correction[1]))
+                position = len(prompt) + accepted
+                token = sample_correction(ids, top_p, drafter.last_dists[accepted], params.seed, position)
+                corrected += 1
+            committed = drafts[:accepted] + [token]
+            assert check.valid_prefix(prompt, committed) == len(committed)
+            firsts.append(committed[0])
+    assert chi_square_p(counts_of(firsts), support, 2000) > FALSE_ALARM
+    assert 0 < corrected < 2000
