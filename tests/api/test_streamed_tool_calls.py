@@ -93,3 +93,46 @@ def test_each_streamed_call_arrives_once_complete(scripted, tool_choice):
         (1, "get_weather", {"city": "Oslo"}),
     ]
     assert calls[0].id != calls[1].id and finish == "tool_calls"
+
+
+def test_a_llama3_template_through_the_openai_client(smol_tokenizer):
+    """A Llama-3.1-style template: the scripted model answers in its shape ({"name", "parameters"}),
+    the openai client gets tool_calls (streamed and not), and the next turn's tool result reaches the
+    model through the template as an ipython turn."""
+    from tests.api.test_tool_calls import LLAMA3_CALL, LLAMA3_TEMPLATE
+
+    smol_tokenizer.chat_template = LLAMA3_TEMPLATE
+    model = ScriptedModel(smol_tokenizer, [LLAMA3_CALL])
+    prompts = []
+    replay = model.agenerate_stream
+
+    def recording(prompt_ids, *args, **kwargs):
+        prompts.append(smol_tokenizer.decode(prompt_ids))
+        return replay(prompt_ids, *args, **kwargs)
+
+    model.agenerate_stream = recording
+    with GatewayThread(Gateway({MODEL: model}, GatewayConfig(api_keys=frozenset({KEY})))) as served:
+        client = openai.OpenAI(base_url=served.url, api_key=KEY, max_retries=0, timeout=240)
+        ask = [{"role": "user", "content": "time?"}]
+        kwargs = dict(model=MODEL, tools=[TIME, WEATHER], tool_choice="required", max_tokens=40)
+        reply = client.chat.completions.create(messages=ask, **kwargs).choices[0]
+        assert reply.finish_reason == "tool_calls" and reply.message.content is None
+        (call,) = reply.message.tool_calls
+        assert call.function.name == "get_time" and json.loads(call.function.arguments) == {"zone": "UTC"}
+        streamed = [
+            d for c in client.chat.completions.create(messages=ask, stream=True, **kwargs) if c.choices
+            for d in c.choices[0].delta.tool_calls or []
+        ]  # fmt: skip
+        assert [(d.function.name, json.loads(d.function.arguments)) for d in streamed] == [
+            ("get_time", {"zone": "UTC"})
+        ]
+        turn = ask + [
+            {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+            {"role": "tool", "tool_call_id": call.id, "content": "noon"},
+        ]
+        client.chat.completions.create(messages=turn, **{**kwargs, "tool_choice": "auto"})
+    assert "Respond in the format" in prompts[0] and '"name": "get_weather"' in prompts[0]
+    assert (
+        LLAMA3_CALL + "<|eot_id|>" in prompts[-1]
+        and "<|start_header_id|>ipython<|end_header_id|>\n\nnoon" in prompts[-1]
+    )
