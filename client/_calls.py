@@ -61,8 +61,6 @@ def plan_call(
         check_draft_model(options.draft_model, config.vocab_size)
     constraint = call_constraint(options, tokenizer, config.vocab_size)
     if constraint is not None:
-        if options.draft_model is not None:
-            raise ValueError("a constraint (guided_*, response_format) does not go with draft_model yet")
         sampling = msgspec.structs.replace(sampling, constraint=constraint)
     options = options.checked()
     eos, corpus = eos_ids(options.eos_token_id, config), corpus_ids(options.draft_corpus, tokenizer)

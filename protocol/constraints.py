@@ -196,17 +196,20 @@ class Guide:
         _xgrammar().apply_token_bitmask_inplace(scores, self._bitmask)
         return scores
 
-    def forced(self, context: Sequence[int], limit: int) -> list[int]:
+    def forced(self, context: Sequence[int], limit: int, certain: bool = False) -> list[int]:
         """Up to ``limit`` drafts after ``context`` from the constraint alone: each id its mask leaves
         no choice about (the tail must choose it), and where there is a choice but the text is forced,
         xgrammar's tokenization of that text (``find_jump_forward_tokens``: likely, not certain, ids),
-        for as long as either goes on. The matcher is left at ``context``."""
+        for as long as either goes on; ``certain``: the first kind only (a draft model knows the
+        model's own tokenization of forced text better). The matcher is left at ``context``."""
         if limit <= 0 or len(context) < self.start or not self._follow(context[self.start :]):
             return []
         drafts: list[int] = []
         while len(drafts) < limit and not self._matcher.is_terminated():
             self._matcher.fill_next_token_bitmask(self._bitmask, 0)
             only = _only_allowed(self._bitmask, self.vocab_size)
+            if only is None and certain:
+                break
             step = [only] if only is not None else self._matcher.find_jump_forward_tokens()[: limit - len(drafts)]
             taken = 0
             for token in step:  # one by one, so that what the matcher holds is always what _accepted says

@@ -35,11 +35,16 @@ class ErrorCode(str, enum.Enum):
     # Subscribe without the session's secret; OpenSession past the head not from the previous hop
     UNAUTHORIZED = "unauthorized"
     QUEUE_FULL = "queue_full"  # too many runs queued (or results unread) in one session
+    # v9: the tail's ration of fresh constraint compiles, per requesting peer and source address, is spent
+    COMPILE_BUDGET = "compile_budget"
 
 
 # Errors the client may cure by routing around the reporting server (failover); the others are
-# the caller's fault and are raised to the user as they are.
-RETRYABLE_CODES = frozenset({ErrorCode.BUSY, ErrorCode.DOWNSTREAM_FAILED, ErrorCode.SHUTTING_DOWN, ErrorCode.INTERNAL})
+# the caller's fault and are raised to the user as they are. A spent compile budget is one tail's:
+# another tail has its own.
+RETRYABLE_CODES = frozenset(
+    {ErrorCode.BUSY, ErrorCode.DOWNSTREAM_FAILED, ErrorCode.SHUTTING_DOWN, ErrorCode.INTERNAL, ErrorCode.COMPILE_BUDGET}
+)
 
 
 class ProtocolError(Exception):

@@ -1,6 +1,6 @@
 """The wire protocol's version. Peers that speak another version are refused with a clear error."""
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 # 2: Step.sampling is optional (None = greedy): a greedy run sends nil (1 byte) instead of the parameters.
 # 3: new activation codecs blockwise8/blockwise4 on the wire (protocol/compression.py).
 #    Also Step.return_logits/return_hidden and the RunOutputs message (forward passes: logits and
@@ -45,3 +45,5 @@ PROTOCOL_VERSION = 8
 # 8: LoRA adapters on servers (docs/fine_tuning.md, "LoRA adapters"): ServerInfo.adapters (the names a server
 #    serves), OpenSession.active_adapter and TrainForward.active_adapter (the adapter every hop applies), error
 #    code unknown_adapter. A v7 server would ignore active_adapter and answer without the adapter.
+# 9: error code compile_budget: the tail's ration of fresh constraint compiles, kept per requesting peer and
+#    source address (server/compile_budget.py), is spent (was: busy, one ration per tail).

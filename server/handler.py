@@ -56,6 +56,7 @@ from server.adapters import SpanAdapter
 from server.address_caps import AddressCaps
 from server.batching import DEFAULT_GATHER_WINDOW, DEFAULT_MAX_BATCH_POSITIONS, BatchScheduler
 from server.cache_budget import CacheBudget
+from server.compile_budget import Requester
 from server.lora import check_adapter
 from server.open_sessions import OpenSessions
 from server.replies import report, send_quietly
@@ -295,6 +296,7 @@ class SessionHandler(SessionWorker):
         )
         session.upstream = upstream
         session.secret_hash, session.prompts, session.adapter = message.secret_hash, prompts, adapter
+        session.requester = Requester(upstream.peer_id.to_base58(), address)  # until its client subscribes
         deep_prompts.keep(session, deep)
         downstream = await self._chain(session, upstream)
         self.open_sessions.add(session)

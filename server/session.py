@@ -23,6 +23,7 @@ from protocol.limits import MAX_TREE_NODES
 from protocol.messages import GREEDY, MAX_TOP_LOGPROBS, Hop, RunOutputs, SamplingParams, Step, StepResult
 from protocol.sampling import check_draft_q, validate_sampling
 from server.adapters import SpanAdapter
+from server.compile_budget import Requester
 from server.constraints import session_guide
 from server.tail_drafter import MAX_TAIL_DRAFTS
 from server.verify_rows import RowPlan
@@ -84,6 +85,7 @@ class ServerSession:
     drafter_state: Optional[object] = None  # the tail's drafter cache (server.tail_drafter.DrafterSession)
     sampling: SamplingParams = GREEDY  # as of the last Step that carried parameters (a Step without: as before)
     guide: Optional[Guide] = None  # the tail: the matcher of sampling.constraint, kept by position
+    requester: Optional[Requester] = None  # whose compile budget its constraints spend (server/compile_budget.py)
     tree: Optional[TreeLayout] = None  # the last accepted run's tree, if it was one
     # run id -> (base, nodes): before computing that run, gather a previous tree's accepted path into a chain
     gathers: dict[int, tuple[int, list[int]]] = field(default_factory=dict)
@@ -161,7 +163,8 @@ class ServerSession:
         constraint = step.sampling_params.constraint
         if self.next_hop is None and (constraint is not None or self.guide is not None):
             # the tail: the constraint compiles, or the run is refused naming why
-            self.guide = session_guide(span.constraints, self.guide, constraint, step.sampling_params.output_start)
+            start = step.sampling_params.output_start
+            self.guide = session_guide(span.constraints, self.guide, constraint, start, self.requester)
         if step.draft_q is not None:
             self._check_draft_q(step)
         if not 0 <= step.loop_runs <= self.max_length:

@@ -20,6 +20,7 @@ from protocol.errors import ErrorCode, ProtocolError
 from protocol.messages import ErrorReply, Subscribe
 from protocol.streams import MessageStream
 from server.admission import check_subscriber, subscribe_slot_refusal
+from server.compile_budget import Requester
 from server.open_sessions import OpenSessions
 from server.replies import send_quietly
 from server.session import ServerSession
@@ -64,7 +65,7 @@ class Subscriptions:
         if address is not None:
             self.pending_by_address[address] = waiting + 1
         try:
-            subscribed = await self._subscribed_session(client)
+            subscribed = await self._subscribed_session(client, address)
         finally:
             left = self.pending.pop(peer) - 1
             if left:
@@ -76,9 +77,11 @@ class Subscriptions:
         if subscribed is not None:
             await self._send_results(client, *subscribed)
 
-    async def _subscribed_session(self, client: MessageStream) -> Optional[Subscribed]:
+    async def _subscribed_session(self, client: MessageStream, address: Optional[str] = None) -> Optional[Subscribed]:
         """(session, its Subscribe, the task that ends when the client goes away) once a valid
-        Subscribe names a session open here; None (the client told why) otherwise."""
+        Subscribe names a session open here; None (the client told why) otherwise. The subscriber
+        (it holds the session's secret: the client) becomes the session's requester, whose budget
+        its constraint compiles spend (server/compile_budget.py), from wherever its route came in."""
         subscribe = await self._first_subscribe(client)
         if subscribe is None:
             return None
@@ -95,6 +98,7 @@ class Subscriptions:
                 )
                 await send_quietly(client, error)
                 return _forget(closed)
+            session.requester = Requester(client.peer_id.to_base58(), address)
         except BaseException:
             _forget(closed)
             raise

@@ -5,7 +5,8 @@
 400 invalid_request_error   malformed JSON, a bad or unsupported parameter, prompt too long
 401 authentication_error    missing or wrong API key
 404 not_found_error         unknown model or path
-429 rate_limit_error        the API key already has its limit of requests in flight
+429 rate_limit_error        the API key already has its limit of requests in flight; or (code
+                            compile_budget) the tails' ration of new constraints for this gateway is spent
 502 swarm_error             a server failed and failover gave up, or a server refused the request
 503 no_route_error          no chain of servers covers the model (the missing blocks are named)
 504 timeout_error           no answer from the swarm in time (the gateway's deadline or a server's)
@@ -19,6 +20,7 @@ from typing import Any, Optional
 
 from client import GenerationError, RoutingError, ServerError, ServerTimeout
 from client.errors import UnconfirmedTokensError
+from protocol.errors import ErrorCode
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +58,10 @@ def from_exception(error: BaseException, model: str = "") -> APIError:
     unconfirmed = _in_chain(error, UnconfirmedTokensError)
     if unconfirmed is not None:  # the request asked for audit="required"
         return APIError(502, f"audit='required': {unconfirmed}", "swarm_error", code="tokens_unconfirmed")
+    refused = _in_chain(error, ServerError)
+    if refused is not None and refused.code == ErrorCode.COMPILE_BUDGET:
+        message = f"too many new constraints (response_format, guided_*, tool schemas) in a short time: {refused}"
+        return APIError(429, message, "rate_limit_error", code="compile_budget")
     if isinstance(error, RetractedError):
         return APIError(502, str(error), "swarm_error", code="tokens_retracted")
     if isinstance(error, (GenerationError, ServerError)):

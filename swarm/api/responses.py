@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence
 from client import GenerationStats
 from protocol.messages import TokenLogprobs
 from swarm.api.engine import Delta, ServedModel, TextGeneration
-from swarm.api.tools import FORMATS, may_be_call, tool_calls
+from swarm.api.tools import FORMATS, leading_calls, may_be_call, tool_calls
 
 STAT_COUNTS = ("laps", "drafted", "accepted", "failovers")
 # how the returned tokens were confirmed (docs/reliability.md, "Disputes and witnesses")
@@ -89,9 +89,11 @@ class ChatFormat(_Format):
 
     def __init__(self, served: ServedModel, generations: list[TextGeneration], shown_logprobs: int):
         super().__init__(served, generations, shown_logprobs)
-        self.call_texts: dict[int, str] = {}  # streamed tool calls: their text until the choice ends
+        self.call_texts: dict[int, str] = {}  # streamed tool calls: their text not yet sent
         self.texts: set[int] = set()  # "auto" choices known to be text: streamed from then on
         self.released: dict[int, str] = {}  # an "auto" choice's held text, sent with its next chunk
+        self.ready_calls: dict[int, list[dict[str, Any]]] = {}  # complete calls, sent with the next chunk
+        self.sent_calls: dict[int, int] = {}  # calls of each choice sent so far (the next call's index)
 
     def opening_chunk(self, index: int) -> dict[str, Any]:
         opening = {"role": "assistant", "content": ""}
@@ -99,49 +101,71 @@ class ChatFormat(_Format):
         return self._envelope(self.chunk_object, [choice])
 
     def wants_chunk(self, index: int, delta: Delta) -> bool:
-        """A tool call is sent whole in the choice's last chunk: its text is kept until then (with
-        "auto", while the text so far may still be a call: empty, or from a leading "{")."""
-        mode = self.generations[index].params.tool_call
-        if not mode or index in self.texts:
+        """A tool call's text is held until the call is complete: then it is sent (where a reply may
+        hold several, each as soon as it is complete; else whole in the choice's last chunk). With
+        "auto", text is held while it may still be a call (empty, or from a leading "{")."""
+        params = self.generations[index].params
+        if not params.tool_call or index in self.texts:
             return super().wants_chunk(index, delta)
-        held = self.call_texts.get(index, "") + delta.text
-        if mode == "forced" or may_be_call(held, FORMATS[self.generations[index].params.tool_format]):
+        held, fmt = self.call_texts.get(index, "") + delta.text, FORMATS[params.tool_format]
+        if params.parallel_tool_calls and fmt.parallel:
+            calls, used = leading_calls(held, params.tool_names, fmt)
+            if calls:
+                first = self.sent_calls.get(index, 0)
+                self.ready_calls[index] = [{"index": first + i, **c} for i, c in enumerate(calls)]
+                self.sent_calls[index], held = first + len(calls), held[used:]
+        if params.tool_call == "forced" or may_be_call(held, fmt):
             self.call_texts[index] = held
-            return False
+            return index in self.ready_calls
         self.texts.add(index)
         self.released[index] = held
         self.call_texts.pop(index, None)
         return True
 
     def chunk(self, index: int, delta: Delta) -> dict[str, Any]:
-        choice = {
-            "index": index,
-            "delta": {"content": self.released.pop(index, delta.text)},
-            "logprobs": self._logprobs(delta.logprobs),
-            "finish_reason": None,
-        }
+        calls = self.ready_calls.pop(index, None)
+        streamed_text = index in self.texts or not self.generations[index].params.tool_call
+        body: dict[str, Any] = {"tool_calls": calls} if calls else {}
+        if streamed_text:
+            body["content"] = self.released.pop(index, delta.text)
+        logprobs = self._logprobs(delta.logprobs) if streamed_text else None
+        choice = {"index": index, "delta": body, "logprobs": logprobs, "finish_reason": None}
         return self._envelope(self.chunk_object, [choice])
 
     def closing_chunk(self, index: int) -> dict[str, Any]:
         generation = self.generations[index]
-        delta, finish = {}, generation.finish_reason
-        if index in self.call_texts:  # a held call (or held text that turned out not to be one)
-            message, finish = self._message(index, self.call_texts[index])
+        sent = self.sent_calls.get(index, 0)
+        delta, finish = {}, self._finish(index, sent > 0)
+        if index in self.call_texts:  # what is held: a call, held text that turned out not to be one, or nothing
+            message, finish = self._message(index, self.call_texts[index], sent)
             calls = message.get("tool_calls")
-            delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]} if calls else {}
-            delta = delta or {"content": message["content"]}
+            delta = {"tool_calls": [{"index": sent + i, **c} for i, c in enumerate(calls)]} if calls else {}
+            if message["content"]:
+                delta["content"] = message["content"]
         choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
         return self._envelope(self.chunk_object, [choice], specswarm=speculation_stats([generation.stats]))
 
-    def _message(self, index: int, text: str) -> tuple[dict[str, Any], Optional[str]]:
-        """The assistant message and finish reason: a complete tool call becomes ``tool_calls``."""
+    def _finish(self, index: int, calls: bool) -> Optional[str]:
+        """A reply that ended by itself with calls in it finishes with "tool_calls"."""
+        reason = self.generations[index].finish_reason
+        return "tool_calls" if calls and reason == "stop" else reason
+
+    def _message(self, index: int, text: str, sent: int = 0) -> tuple[dict[str, Any], Optional[str]]:
+        """The assistant message and finish reason: complete tool calls become ``tool_calls`` (where a
+        reply may hold several, the complete ones before any other text, that text the content);
+        ``sent``: calls of this choice already streamed before ``text``."""
         generation = self.generations[index]
         params = generation.params
         fmt = FORMATS[params.tool_format]
-        ended = params.tool_call and generation.finish_reason == "stop"
-        calls = tool_calls(text, params.tool_names, fmt, params.parallel_tool_calls) if ended else None
-        if calls:
-            return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+        several = params.tool_call and params.parallel_tool_calls and fmt.parallel
+        calls, used = leading_calls(text, params.tool_names, fmt) if several else ([], 0)
+        rest = text[used:]
+        ended = params.tool_call and generation.finish_reason == "stop" and rest.strip()
+        last = tool_calls(rest, params.tool_names, fmt, params.parallel_tool_calls) if ended else None
+        calls += last or []
+        if calls or sent:
+            content = rest if last is None and rest.strip() else None
+            return {"role": "assistant", "content": content, "tool_calls": calls}, self._finish(index, True)
         return {"role": "assistant", "content": text}, generation.finish_reason
 
     def response(self, deltas: list[list[Delta]]) -> dict[str, Any]:

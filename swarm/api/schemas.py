@@ -153,10 +153,10 @@ def chat_params(req: ChatRequest, served: ServedModel, max_choices: int) -> tupl
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     fmt = template_tool_format(served.tokenizer) if req.tools else JSON_FORMAT
     messages, schema, template_tools = chat_messages(req.messages, structured_calls=fmt is not JSON_FORMAT), None, None
-    parallel = req.parallel_tool_calls is not False
+    parallel = req.parallel_tool_calls is not False and fmt.parallel
     if req.tools:
         tools = checked_tools(req.tools)
-        schema = call_schema(tools, req.tool_choice)
+        schema = call_schema(tools, req.tool_choice, fmt.arguments_key)
         if schema is not None and (req.response_format or any(getattr(req, n) is not None for n in GUIDED)):
             raise bad_request("a tool call and another constraint do not go together", "tool_choice")
         if fmt is JSON_FORMAT:
@@ -172,8 +172,8 @@ def chat_params(req: ChatRequest, served: ServedModel, max_choices: int) -> tupl
         try:
             # a forced reply holds several calls only when parallel_tool_calls is given true: under a
             # grammar that allows more, a small model (SmolLM2) writes calls until max_tokens
-            several = req.parallel_tool_calls is True
-            if fmt is JSON_FORMAT and not several:  # one bare call: the JSON schema itself
+            several = req.parallel_tool_calls is True and fmt.parallel
+            if not fmt.open and not several:  # one bare call: the JSON schema itself
                 constraint = {"guided_json": schema}
             else:  # the template's wrapping, or several calls: a grammar around the schema's
                 constraint = {"guided_grammar": call_grammar(schema, fmt, several)}

@@ -3,8 +3,9 @@
 A request whose ``tool_choice`` is ``"required"`` or names a function gets its reply constrained
 (docs/design.md, "Constraints at the tail") to one call in the gateway's documented JSON format,
 ``{"name": <a tool's name>, "arguments": <an object valid for its parameters>}``, so the call always
-parses and its arguments always validate; the reply becomes ``message.tool_calls`` (and, streamed, one
-``tool_calls`` delta in the choice's last chunk) with ``finish_reason: "tool_calls"``. The tools are
+parses and its arguments always validate; the reply becomes ``message.tool_calls`` (streamed, each call
+in one ``tool_calls`` delta as soon as it is complete: :func:`leading_calls`) with ``finish_reason:
+"tool_calls"``. The tools are
 described to the model in a system message (the same format), and earlier calls and their results
 (``role: "tool"`` messages) are rendered as that JSON and as the tool's text. ``"none"`` answers in
 text; ``"auto"`` (OpenAI's default with tools) leaves the reply free: one that is exactly a call of a
@@ -13,9 +14,12 @@ still be a call: from a leading "{" to the end).
 
 A chat template that renders ``tools`` itself in the Hermes/Qwen way (its text mentions ``<tool_call>``)
 gets them through the template, and its calls are ``<tool_call>\n{...}\n</tool_call>`` (the format its
-models were trained on): the grammar and the parser follow it (:class:`ToolFormat`). Templates without
-tool support (SmolLM2's) keep the documented format. ``parallel_tool_calls`` (OpenAI's, default true)
-lets a reply hold several calls, one per line; false allows at most one.
+models were trained on): the grammar and the parser follow it (:class:`ToolFormat`). One that renders
+them the Llama 3.1 way (the tools as JSON in the prompt, a call a bare ``{"name": ..., "parameters":
+{...}}``: its text mentions ``"parameters"`` and no ``<tool_call>``) gets its calls in that shape, one
+per reply (the Llama 3.1 template renders one call per assistant turn). Templates without tool support
+(SmolLM2's) keep the documented format. ``parallel_tool_calls`` (OpenAI's, default true) lets a reply
+hold several calls, one per line; false allows at most one.
 """
 
 from __future__ import annotations
@@ -45,9 +49,10 @@ def checked_tools(tools: list[Any]) -> dict[str, dict]:
     return found
 
 
-def call_schema(tools: dict[str, dict], tool_choice: Any) -> Optional[dict]:
-    """The JSON schema a reply must match for ``tool_choice``; None for "none" and "auto" (OpenAI's
-    default with tools), which leave the reply free. 400s name the field."""
+def call_schema(tools: dict[str, dict], tool_choice: Any, arguments_key: str = "arguments") -> Optional[dict]:
+    """The JSON schema a reply must match for ``tool_choice`` (the arguments under ``arguments_key``:
+    the format's, :class:`ToolFormat`); None for "none" and "auto" (OpenAI's default with tools), which
+    leave the reply free. 400s name the field."""
     if tool_choice in ("none", None, "auto"):
         return None
     if tool_choice == "required":
@@ -62,8 +67,8 @@ def call_schema(tools: dict[str, dict], tool_choice: Any) -> Optional[dict]:
     options = [
         {
             "type": "object",
-            "properties": {"name": {"const": n}, "arguments": tools[n]["parameters"]},
-            "required": ["name", "arguments"],
+            "properties": {"name": {"const": n}, arguments_key: tools[n]["parameters"]},
+            "required": ["name", arguments_key],
             "additionalProperties": False,
         }
         for n in names
@@ -96,31 +101,41 @@ def call_text(tool_calls: list[Any]) -> str:
 
 @dataclass(frozen=True)
 class ToolFormat:
-    """How one call is written: ``open + JSON + close``; several calls are joined by a newline."""
+    """How one call is written: ``open + JSON + close``, its arguments under ``arguments_key``; several
+    calls are joined by a newline, where ``parallel`` (the format can hold several in one reply)."""
 
     name: str
     open: str
     close: str
+    arguments_key: str = "arguments"
+    parallel: bool = True
 
 
 JSON_FORMAT = ToolFormat("json", "", "")  # the gateway's documented format
 HERMES_FORMAT = ToolFormat("hermes", "<tool_call>\n", "\n</tool_call>")  # Hermes, Qwen 2/2.5/3
-FORMATS = {f.name: f for f in (JSON_FORMAT, HERMES_FORMAT)}
+LLAMA3_FORMAT = ToolFormat("llama3", "", "", arguments_key="parameters", parallel=False)  # Llama 3.1/3.2/3.3
+FORMATS = {f.name: f for f in (JSON_FORMAT, HERMES_FORMAT, LLAMA3_FORMAT)}
 PROBE_TOOL = "specswarm_probe_tool"
 
 
 def template_tool_format(tokenizer: Any) -> ToolFormat:
-    """The format of the tokenizer's chat template: Hermes when it renders ``tools`` and mentions
-    ``<tool_call>``, else the documented JSON format (a template that ignores tools, or another style)."""
-    template = getattr(tokenizer, "chat_template", None)
-    if not template or "<tool_call>" not in str(template):
+    """The format of the tokenizer's chat template, when it renders ``tools`` (a probe tool's name shows
+    in its text): Hermes when it mentions ``<tool_call>``, Llama 3.1's when it mentions
+    ``"parameters"`` (its instruction: respond in the format {"name": ..., "parameters": ...}); else
+    the documented JSON format (a template that ignores tools, or another style)."""
+    template = str(getattr(tokenizer, "chat_template", None) or "")
+    if "<tool_call>" in template:
+        candidate = HERMES_FORMAT
+    elif '"parameters"' in template:
+        candidate = LLAMA3_FORMAT
+    else:
         return JSON_FORMAT
     probe = [{"type": "function", "function": {"name": PROBE_TOOL, "parameters": {"type": "object"}}}]
     try:
         text = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tools=probe, tokenize=False)
     except Exception:  # a template that fails on tools cannot present them
         return JSON_FORMAT
-    return HERMES_FORMAT if PROBE_TOOL in text else JSON_FORMAT
+    return candidate if PROBE_TOOL in text else JSON_FORMAT
 
 
 def call_grammar(schema: dict, fmt: ToolFormat, parallel: bool) -> str:
@@ -142,7 +157,7 @@ def call_grammar(schema: dict, fmt: ToolFormat, parallel: bool) -> str:
 def call_texts(text: str, fmt: ToolFormat) -> Optional[list[str]]:
     """The JSON text of each call in ``text`` (calls joined by newlines); None when the text is not
     made only of calls in ``fmt``."""
-    if fmt.name == "json":
+    if not fmt.open:
         lines = [line for line in text.strip().split("\n") if line.strip()]
         return lines or None
     pattern = re.escape(fmt.open.strip()) + r"\s*(.*?)\s*" + re.escape(fmt.close.strip())
@@ -155,7 +170,7 @@ def call_texts(text: str, fmt: ToolFormat) -> Optional[list[str]]:
 def may_be_call(text: str, fmt: ToolFormat) -> bool:
     """Whether "auto" text so far may still turn out to be a call (streamed text is held while so)."""
     head = text.lstrip()
-    if fmt.name == "json":
+    if not fmt.open:
         return not head or head.startswith("{")
     opening = fmt.open.strip()
     return opening.startswith(head) or head.startswith(opening)
@@ -168,19 +183,43 @@ def tool_calls(
     calls of tools in ``names`` (cut by max_tokens, or, with "auto", a text answer), or holds
     several calls while ``parallel`` is false."""
     texts = call_texts(text, fmt)
-    if texts is None or (len(texts) > 1 and not parallel):
+    if texts is None or (len(texts) > 1 and not (parallel and fmt.parallel)):
         return None
-    calls = []
-    for one in texts:
-        try:
-            call = json.loads(one)
-        except ValueError:
-            return None
-        if not isinstance(call, dict) or call.get("name") not in names or not isinstance(call.get("arguments"), dict):
-            return None
-        function = {"name": call["name"], "arguments": json.dumps(call["arguments"])}
-        calls.append({"id": f"call_{secrets.token_hex(12)}", "type": "function", "function": function})
-    return calls
+    calls = [parse_call(one, names, fmt) for one in texts]
+    return None if None in calls else calls  # type: ignore[return-value]
+
+
+def parse_call(text: str, names: tuple[str, ...], fmt: ToolFormat) -> Optional[dict]:
+    """One call's JSON text as an OpenAI tool call (a fresh id); None unless it names a listed tool
+    and its arguments (under the format's key) are an object."""
+    try:
+        call = json.loads(text)
+    except ValueError:
+        return None
+    arguments = call.get(fmt.arguments_key) if isinstance(call, dict) else None
+    if not isinstance(call, dict) or call.get("name") not in names or not isinstance(arguments, dict):
+        return None
+    function = {"name": call["name"], "arguments": json.dumps(arguments)}
+    return {"id": f"call_{secrets.token_hex(12)}", "type": "function", "function": function}
+
+
+def leading_calls(text: str, names: tuple[str, ...], fmt: ToolFormat) -> tuple[list[dict], int]:
+    """The calls at the start of ``text`` that are complete whatever follows, and the characters they
+    take with their separators: a line of the JSON formats once its newline has come (a call's JSON
+    has no newline inside), a Hermes call once its closing tag has. A streamed reply sends each as
+    soon as it is complete (swarm/api/responses.py); the first text that is no such call ends them."""
+    calls: list[dict] = []
+    used = 0
+    if not fmt.open:
+        while (end := text.find("\n", used)) >= 0 and (call := parse_call(text[used:end], names, fmt)) is not None:
+            calls.append(call)
+            used = end + 1
+        return calls, used
+    pattern = re.compile(r"\s*" + re.escape(fmt.open.strip()) + r"\s*(.*?)\s*" + re.escape(fmt.close.strip()), re.S)
+    while (found := pattern.match(text, used)) is not None and (call := parse_call(found.group(1), names, fmt)):
+        calls.append(call)
+        used = found.end()
+    return calls, used
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

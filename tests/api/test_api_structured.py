@@ -215,8 +215,8 @@ def test_auto_tool_choice_gives_a_call_or_text_and_streams_the_same(client):
 
 def test_parallel_tool_calls_true_gives_valid_calls_with_distinct_ids(client):
     """parallel_tool_calls: true lets a forced reply hold several calls (one per line); each validates,
-    ids differ, and the stream carries the same calls. max_tokens is large enough for a few calls; a
-    reply cut by it is text with finish_reason "length" (then only the text is checked)."""
+    ids differ, and the stream carries the same calls, each sent once complete. A reply cut by
+    max_tokens keeps its complete calls as tool_calls and the cut one as text (finish_reason "length")."""
     kwargs = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required", temperature=0)
     reply = client.chat.completions.create(**kwargs, parallel_tool_calls=True, max_tokens=120).choices[0]
     chunks = [
@@ -224,18 +224,18 @@ def test_parallel_tool_calls_true_gives_valid_calls_with_distinct_ids(client):
         for c in client.chat.completions.create(**kwargs, parallel_tool_calls=True, max_tokens=120, stream=True)
         if c.choices
     ]
-    if reply.finish_reason == "tool_calls":
-        calls = reply.message.tool_calls
-        assert len({c.id for c in calls}) == len(calls) >= 1
-        for call in calls:
-            tool = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
-            jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
-        streamed = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
-        assert [(d.index, d.function.arguments) for d in streamed] == [
-            (i, c.function.arguments) for i, c in enumerate(calls)
-        ]
+    calls = reply.message.tool_calls or []
+    assert len({c.id for c in calls}) == len(calls) >= 1
+    for call in calls:
+        tool = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
+        jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+    streamed = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+    assert [(d.index, d.function.arguments) for d in streamed] == [
+        (i, c.function.arguments) for i, c in enumerate(calls)
+    ]
+    if reply.finish_reason == "length":
+        assert reply.message.content.startswith('{"name": ')  # the call max_tokens cut
     else:
-        assert reply.finish_reason == "length" and reply.message.content.count('{"name": ') >= 2
-    assert chunks[-1].choices[0].finish_reason == reply.finish_reason
+        assert reply.finish_reason == "tool_calls" and reply.message.content is None
     one = client.chat.completions.create(**kwargs, parallel_tool_calls=False, max_tokens=40).choices[0]
     assert one.finish_reason == "tool_calls" and len(one.message.tool_calls) == 1

@@ -12,7 +12,15 @@ from client import GenerationStats
 from swarm.api.engine import Delta, GenerationParams
 from swarm.api.errors import APIError
 from swarm.api.responses import ChatFormat
-from swarm.api.tools import HERMES_FORMAT, JSON_FORMAT, call_grammar, call_schema, checked_tools, template_tool_format
+from swarm.api.tools import (
+    HERMES_FORMAT,
+    JSON_FORMAT,
+    LLAMA3_FORMAT,
+    call_grammar,
+    call_schema,
+    checked_tools,
+    template_tool_format,
+)
 
 NAMES = ("get_time", "get_weather")
 
@@ -88,14 +96,37 @@ TWO = ['{"name": "get_time", "arguments": {"zone": "UTC"}}\n', '{"name": "get_we
 HERMES_TWO = ["<tool_call>\n" + TWO[0].strip() + "\n</tool_call>\n", "<tool_call>\n" + TWO[1] + "\n</tool_call>"]
 
 
+@pytest.mark.parametrize("mode", ["auto", "forced"])
 @pytest.mark.parametrize("fmt,pieces", [("json", TWO), ("hermes", HERMES_TWO)])
-def test_parallel_calls_have_distinct_ids_streamed_too(fmt, pieces):
-    chunks, whole = stream("auto", pieces, fmt=fmt)
-    calls = chunks[-1]["delta"]["tool_calls"]
+def test_parallel_calls_are_each_sent_once_complete_with_distinct_ids(fmt, pieces, mode):
+    """The first call goes out with the delta that completes it (its newline, its closing tag), not
+    with the choice's last chunk; the calls streamed equal the whole response's."""
+    chunks, whole = stream(mode, pieces, fmt=fmt)
+    deltas = chunks[:-1] + [chunks[-1]["delta"]]  # stream() gives the last chunk's whole choice
+    assert len(deltas) >= 2 and list(deltas[0]) == ["tool_calls"] and deltas[0]["tool_calls"][0]["index"] == 0
+    calls = [c for d in deltas for c in d.get("tool_calls", [])]
     assert [c["index"] for c in calls] == [0, 1] and chunks[-1]["finish_reason"] == "tool_calls"
     assert [c["function"]["name"] for c in calls] == ["get_time", "get_weather"]
-    assert len({c["id"] for c in calls}) == 2 and len(chunks) == 1
+    assert len({c["id"] for c in calls}) == 2 and not any("content" in d for d in deltas)
     assert [c["function"] for c in whole["message"]["tool_calls"]] == [c["function"] for c in calls]
+    assert whole["finish_reason"] == "tool_calls" and whole["message"]["content"] is None
+
+
+def test_a_call_then_text_sends_the_call_then_the_text():
+    """ "auto": a complete call, then prose: the call is sent when complete, the prose as content after
+    it; the whole response holds both, finish_reason "tool_calls"."""
+    chunks, whole = stream("auto", [TWO[0], "That is ", "all."])
+    deltas = chunks[:-1] + [chunks[-1]["delta"]]
+    assert [c["function"]["name"] for c in deltas[0]["tool_calls"]] == ["get_time"]
+    assert "".join(d.get("content") or "" for d in deltas) == "That is all."
+    assert chunks[-1]["finish_reason"] == "tool_calls"
+    assert whole["message"]["content"] == "That is all." and len(whole["message"]["tool_calls"]) == 1
+    assert whole["finish_reason"] == "tool_calls"
+    # cut by max_tokens after one complete call: that call, the rest as text, finish_reason "length"
+    chunks, whole = stream("forced", [TWO[0], CALL[0]], finish="length")
+    assert chunks[0]["tool_calls"][0]["function"]["name"] == "get_time"
+    assert chunks[-1]["delta"] == {"content": CALL[0]} and chunks[-1]["finish_reason"] == "length"
+    assert whole["message"]["content"] == CALL[0] and whole["finish_reason"] == "length"
 
 
 def test_two_calls_without_parallel_tool_calls_are_text():
@@ -172,3 +203,95 @@ def test_a_hermes_template_gets_the_tools_and_earlier_calls_through_itself(smol_
     assert "<|im_start|>tool\nnoon" in prompt
     assert choice.tool_format == "hermes" and choice.parallel_tool_calls
     assert choice.sampling["guided_grammar"].startswith('root ::= tool_call_one\ntool_call_one ::= "<tool_call>')
+
+
+# A Llama-3.1-style template, cut down from Meta's: the tools as JSON in the first user message with the
+# instruction to reply {"name": ..., "parameters": ...}, one call per assistant turn, results as ipython.
+LLAMA3_TEMPLATE = (
+    "{{- bos_token }}<|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December 2023<|eot_id|>"
+    "{%- set first = namespace(done=false) %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'user' and tools and not first.done %}{%- set first.done = true %}"
+    "<|start_header_id|>user<|end_header_id|>\n\n"
+    "Given the following functions, please respond with a JSON for a function call with its proper arguments "
+    "that best answers the given prompt.\n\n"
+    '{{- \'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.\' }}'
+    "Do not use variables.\n\n{% for t in tools %}{{ t | tojson(indent=4) }}\n\n{% endfor %}{{ m.content }}<|eot_id|>"
+    "{%- elif m.tool_calls %}"
+    "{%- if m.tool_calls | length != 1 %}{{ raise_exception('This template only supports single tool-calls') }}"
+    "{%- endif %}{%- set call = m.tool_calls[0].function %}"
+    '<|start_header_id|>assistant<|end_header_id|>\n\n{{ \'{"name": "\' + call.name + \'", "parameters": \' }}'
+    "{{- call.arguments | tojson }}}<|eot_id|>"
+    "{%- elif m.role == 'tool' or m.role == 'ipython' %}"
+    "<|start_header_id|>ipython<|end_header_id|>\n\n{{ m.content }}<|eot_id|>"
+    "{%- else %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n{{ m.content }}<|eot_id|>{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{%- endif %}"
+)
+LLAMA3_CALL = '{"name": "get_time", "parameters": {"zone": "UTC"}}'
+
+
+def llama3_chat(smol_tokenizer, tool_choice, parallel=None):
+    import msgspec
+
+    from swarm.api.engine import ServedModel
+    from swarm.api.schemas import ChatRequest, chat_params
+
+    smol_tokenizer.chat_template = LLAMA3_TEMPLATE
+    config = SimpleNamespace(eos_token_id=2, vocab_size=len(smol_tokenizer), context_length=2048)
+    served = ServedModel("m", SimpleNamespace(tokenizer=smol_tokenizer, config=config, context_length=2048))
+    tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in NAMES]
+    call = {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}
+    messages = [
+        {"role": "user", "content": "time?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "noon"},
+    ]
+    body = {"model": "m", "messages": messages, "tools": tools, "tool_choice": tool_choice, "max_tokens": 8}
+    if parallel is not None:
+        body["parallel_tool_calls"] = parallel
+    (choice,), _ = chat_params(msgspec.convert(body, ChatRequest), served, 4)
+    return choice
+
+
+@pytest.mark.parametrize("parallel", [None, True])
+def test_a_llama3_template_gets_the_tools_and_its_call_shape(smol_tokenizer, parallel):
+    """Tools, the earlier call and its result through the template; the forced reply is one bare
+    {"name", "parameters"} object (the template holds one call per turn, so even with
+    parallel_tool_calls true), which validates and parses into tool_calls."""
+    import xgrammar
+
+    choice = llama3_chat(smol_tokenizer, "required", parallel)
+    prompt = smol_tokenizer.decode(choice.prompt_ids)
+    assert '"name": "get_weather"' in prompt and "Respond in the format" in prompt
+    earlier = '{"name": "get_time", "parameters": {"zone": "UTC"}}'
+    assert "<|start_header_id|>assistant<|end_header_id|>\n\n" + earlier + "<|eot_id|>" in prompt
+    assert "<|start_header_id|>ipython<|end_header_id|>\n\nnoon" in prompt
+    assert "You can call these functions" not in prompt  # no system message of the documented format
+    assert choice.tool_format == "llama3" and not choice.parallel_tool_calls
+    schema = choice.sampling["guided_json"]
+    assert [o["required"] for o in schema["anyOf"]] == [["name", "parameters"]] * 2
+    compiled = xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+    accepts = xgrammar.testing._is_grammar_accept_string
+    assert accepts(compiled, LLAMA3_CALL)
+    assert not accepts(compiled, CALL[0] + CALL[1])  # "arguments": the documented format's key
+    assert not accepts(compiled, LLAMA3_CALL + "\n" + LLAMA3_CALL)
+
+
+def test_llama3_replies_parse_into_tool_calls(smol_tokenizer):
+    assert template_tool_format(smol_tokenizer) is JSON_FORMAT
+    smol_tokenizer.chat_template = LLAMA3_TEMPLATE
+    assert template_tool_format(smol_tokenizer) is LLAMA3_FORMAT
+    for mode in ("auto", "forced"):
+        chunks, whole = stream(mode, [LLAMA3_CALL[:20], LLAMA3_CALL[20:]], fmt="llama3")
+        (call,) = chunks[-1]["delta"]["tool_calls"]
+        assert call["function"] == {"name": "get_time", "arguments": json.dumps({"zone": "UTC"})}
+        assert (
+            whole["finish_reason"] == "tool_calls" and whole["message"]["tool_calls"][0]["function"] == call["function"]
+        )
+    # the documented format's key is text here, and so are two calls (one call per reply)
+    for pieces in ([CALL[0] + CALL[1]], [LLAMA3_CALL + "\n", LLAMA3_CALL]):
+        _, whole = stream("auto", pieces, fmt="llama3")
+        assert whole["finish_reason"] == "stop" and whole["message"]["content"] == "".join(pieces)
+    assert llama3_chat(smol_tokenizer, "auto").tool_format == "llama3"
+    named = llama3_chat(smol_tokenizer, {"type": "function", "function": {"name": "get_weather"}})
+    assert named.sampling["guided_json"]["properties"]["name"] == {"const": "get_weather"}

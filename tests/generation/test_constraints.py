@@ -134,6 +134,28 @@ def test_constrained_tree_drafts_equal_transformers(tiny_model, tiny_reference):
     assert output[0, len(prompt) :].tolist() == expected
 
 
+def test_constrained_sampled_tree_drafts_equal_the_reference(tiny_model, tiny_reference):
+    """Seeded sampling with token trees: each node's choice is the tail's (seed, position) draw under
+    the mask along that node's path, so the output is the reference sampler's."""
+    kwargs, prompt = CONSTRAINTS["json schema"], prompt_ids(tiny_model)
+    expected = reference_sample(tiny_reference, tiny_model, kwargs, prompt, 20, 0.8, 0.9, 99)
+    with pinned(tiny_model, ROUTES["two servers"]):
+        output = tiny_model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=20,
+            do_sample=True,
+            temperature=0.8,
+            top_p=0.9,
+            seed=99,
+            draft_tree=True,
+            draft_corpus=[prompt + expected],  # paths the tree can take
+            **kwargs,
+        )
+    assert output[0, len(prompt) :].tolist() == expected
+    stats = tiny_model.last_generation_stats
+    assert stats.tree_laps > 0 and stats.tree_accepted > 0, stats
+
+
 def test_bad_constraints_are_value_errors_before_any_server(tiny_model):
     prompt = torch.tensor([prompt_ids(tiny_model)])
     bad = {
