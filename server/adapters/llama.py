@@ -5,7 +5,8 @@ called as ``layer(hidden, attention_mask, position_ids, cache, position_embeddin
 their state in transformers' standard ``DynamicCache`` (docs/families.md).
 
 Checkpoint names are mapped to the modules' by transformers' conversion table, per-expert tensors
-fused as transformers fuses them (server/adapters/expert_weights.py). DeepSeek-V3's latent
+fused as transformers fuses them, FP8 and gpt-oss's MXFP4 experts dequantized with transformers'
+own functions (server/adapters/expert_weights.py). DeepSeek-V3's latent
 attention caches its compressed latent and rotary key in the same cache (one head each), so
 rollback and trees work as for the others; its attention has no q/k/v projections to pack, so a
 batch's members run one after another through it (``packs_sessions``). Routed experts are fused
@@ -49,12 +50,6 @@ class LlamaFamilyAdapter(SpanAdapter):
         device: str | torch.device = "cpu",
         quant: Quant = Quant.NONE,
     ):
-        quantized = getattr(config, "quantization_config", None)
-        method = quantized.get("quant_method") if isinstance(quantized, dict) else getattr(quantized, "quant_method", 0)
-        if method == "mxfp4":
-            raise ValueError(
-                "MXFP4 checkpoints (gpt-oss as published) are not read yet: serve a bfloat16 copy of the weights"
-            )
         self.config = copy.deepcopy(config)
         # gpt_oss's attention sinks live only in its eager attention, which adds the mask to the scores
         self.additive_masks = config.model_type == "gpt_oss"

@@ -181,13 +181,6 @@ def test_an_unsupported_family_is_refused_naming_it_and_the_supported_ones():
         adapter_class(FalconConfig())
 
 
-def test_an_mxfp4_checkpoint_is_refused_by_name(family_paths):
-    config = AutoConfig.from_pretrained(family_paths("gpt_oss"))
-    config.quantization_config = {"quant_method": "mxfp4"}
-    with pytest.raises(ValueError, match="MXFP4 checkpoints"):
-        load_span(config, Checkpoint(str(family_paths("gpt_oss"))), 0, 2, torch.float32, "cpu", Quant.NONE)
-
-
 def test_an_expert_missing_from_the_checkpoint_is_named(family_paths):
     keys = [k for k in Checkpoint(str(family_paths("qwen3_moe"))).weight_map() if ".experts.2.up_proj" not in k]
     with pytest.raises(
