@@ -373,13 +373,20 @@ def test_deepseek_v3_fp8_checkpoint_loads_dequantized_as_transformers_does(famil
     torch.testing.assert_close(_run(spans, [s.new_cache() for s in spans], ids, 0), expected, rtol=0, atol=ATOL)
 
 
-SHIPPED = {"mixtral-8x22b": "mixtral", "qwen3-235b-a22b": "qwen3_moe", "deepseek-v3": "deepseek_v3"}
+SHIPPED = {
+    "mixtral-8x22b": "mixtral",
+    "qwen3-235b-a22b": "qwen3_moe",
+    "deepseek-v3": "deepseek_v3",
+    "gpt-oss-20b": "gpt_oss",
+    "gpt-oss-120b": "gpt_oss",
+}
 
 
 @pytest.mark.parametrize("alias", list(SHIPPED))
 def test_shipped_configs_plan_the_published_shapes_offline(alias):
     """The aliases' published configs ship with the package (--plan-only answers offline); an nf4
-    block holds at least its routed experts as one NF4 linear per expert and projection."""
+    block holds at least its routed experts as one NF4 linear per expert and projection (gpt-oss's:
+    MXFP4 as published, held dequantized in bfloat16, with their biases)."""
     from protocol.models import ALIASES, shipped_config_dir
     from server.quantization import estimate_linear_bytes
 
@@ -388,12 +395,16 @@ def test_shipped_configs_plan_the_published_shapes_offline(alias):
     assert config.model_type == SHIPPED[alias]
     experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
     experts = experts or config.n_routed_experts
-    inner = config.intermediate_size if config.model_type == "mixtral" else config.moe_intermediate_size
+    inner = config.intermediate_size if config.model_type in ("mixtral", "gpt_oss") else config.moe_intermediate_size
     hidden = config.hidden_size
     routed = experts * (
         estimate_linear_bytes(2 * inner, hidden, Quant.NF4, torch.bfloat16)
         + estimate_linear_bytes(hidden, inner, Quant.NF4, torch.bfloat16)
     )
+    if config.model_type == "gpt_oss":
+        assert config.quantization_config["quant_method"] == "mxfp4"
+        assert config.layer_types == ["sliding_attention", "full_attention"] * (config.num_hidden_layers // 2)
+        routed = experts * 2 * (3 * inner * hidden + 2 * inner + hidden)
     sizes = model_sizes(config, torch.bfloat16, Quant.NF4)
     assert routed < sizes.block_bytes < 1.25 * routed
     if config.model_type == "deepseek_v3":  # the latent (512) and rotary key (64) per token, bfloat16
