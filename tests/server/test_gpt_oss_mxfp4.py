@@ -19,18 +19,11 @@ from server.memory import model_sizes
 from server.quantization import Quant, resident_bytes
 from server.weights import Checkpoint
 from tests.kit.checkpoints import build_tiny_moe
+from tests.kit.families import cli_swarm_model
 from tests.kit.mxfp4 import mxfp4_like_the_hub, pack_mxfp4
 from tests.kit.reference import PROMPT, reference_sample
-from tests.kit.swarms import SERVER_ARGS
-from tests.kit.threads import single_torch_thread
 
-pytestmark = pytest.mark.timeout(900)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    with single_torch_thread():
-        yield
+pytestmark = [pytest.mark.timeout(900), pytest.mark.usefixtures("one_torch_thread")]
 
 
 @pytest.fixture(scope="module")
@@ -129,24 +122,15 @@ def test_cli_servers_of_the_mxfp4_checkpoint_equal_transformers(paths, reference
     """Two servers started with the CLI on the MXFP4 folder: greedy generation with and without
     suffix drafting and seeded sampling, token for token against transformers' dequantizing load."""
     from protocol.messages import SamplingParams
-    from swarm import AutoDistributedModelForCausalLM
-    from swarm.local import LocalSwarm
 
     path = paths[1]
     prompt = torch.tensor([PROMPT[0] + PROMPT[0][1:6]])
     expected = reference.generate(prompt, max_new_tokens=16, do_sample=False)
     sampling = dict(do_sample=True, temperature=0.8, top_p=0.9, seed=1234)
     truth = reference_sample(reference, prompt[0].tolist(), 12, SamplingParams(**sampling))
-    swarm = LocalSwarm(
-        str(path), spans=[(0, 2), (2, 4)], server_args=list(SERVER_ARGS), log_dir=str(artifacts_dir / "gpt-oss-mxfp4")
-    )
-    with swarm:
-        model = AutoDistributedModelForCausalLM.from_pretrained(str(path), initial_peers=swarm.initial_peers)
-        try:
-            for speculation in (None, "suffix"):
-                output = model.generate(prompt, max_new_tokens=16, speculation=speculation)
-                assert output.tolist() == expected.tolist(), speculation
-            output = model.generate(prompt, max_new_tokens=12, speculation="suffix", **sampling)
-            assert output[0, prompt.shape[1] :].tolist() == truth
-        finally:
-            model.shutdown()
+    with cli_swarm_model(path, [(0, 2), (2, 4)], artifacts_dir / "gpt-oss-mxfp4") as model:
+        for speculation in (None, "suffix"):
+            output = model.generate(prompt, max_new_tokens=16, speculation=speculation)
+            assert output.tolist() == expected.tolist(), speculation
+        output = model.generate(prompt, max_new_tokens=12, speculation="suffix", **sampling)
+        assert output[0, prompt.shape[1] :].tolist() == truth

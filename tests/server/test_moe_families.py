@@ -19,51 +19,18 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from server.adapters import GENERIC_FAMILIES, adapter_class, load_span
 from server.adapters.expert_weights import map_keys
-from server.adapters.fused_experts import QuantizedExperts, quantize_loaded_experts
+from server.adapters.fused_experts import QuantizedExperts
 from server.memory import model_sizes
-from server.quantization import Quant, quantize_loaded, resident_bytes
+from server.quantization import Quant, resident_bytes
 from server.weights import Checkpoint
-from tests.kit.checkpoints import MOE_FAMILIES, build_tiny_moe
+from tests.kit.checkpoints import MOE_FAMILIES
+from tests.kit.families import cli_swarm_model, quantized_reference
 from tests.kit.reference import PROMPT, reference_sample
-from tests.kit.swarms import SERVER_ARGS
-from tests.kit.threads import single_torch_thread
 from tests.server.test_batching import _alone_and_together
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.usefixtures("one_torch_thread")]
 FAMILIES = list(MOE_FAMILIES)
 ATOL = 1e-4
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    with single_torch_thread():
-        yield
-
-
-@pytest.fixture(scope="module")
-def family_paths(tmp_path_factory):
-    made: dict[str, Path] = {}
-
-    def get(model_type: str) -> Path:
-        if model_type not in made:
-            made[model_type] = build_tiny_moe(tmp_path_factory.mktemp("moe") / model_type, model_type)
-        return made[model_type]
-
-    return get
-
-
-@pytest.fixture(scope="module")
-def references(family_paths):
-    made = {}
-
-    def get(model_type: str):
-        if model_type not in made:
-            made[model_type] = AutoModelForCausalLM.from_pretrained(
-                family_paths(model_type), dtype=torch.float32
-            ).eval()
-        return made[model_type]
-
-    return get
 
 
 def _spans(path: Path, bounds: list[tuple[int, int]], quant: Quant = Quant.NONE):
@@ -142,15 +109,6 @@ def test_memory_plan_counts_the_experts_and_the_cache(family_paths, references, 
     assert held == 10 * span.cache_bytes_per_token() == 10 * 2 * sizes.cache_bytes_per_token
 
 
-def quantized_reference(path: Path, quant: Quant):
-    """transformers' float model with its fused experts and linears quantized by the servers' own
-    recipe (transformers' bitsandbytes path leaves fused experts in float)."""
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    quantize_loaded_experts(model.model.layers, quant, torch.float32)
-    quantize_loaded(model.model.layers, quant, torch.float32)
-    return model
-
-
 @pytest.mark.parametrize("quant", [Quant.INT8, Quant.NF4], ids=["int8", "nf4"])
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_quantized_spans_equal_the_same_quantization_in_one_process(family_paths, model_type, quant):
@@ -204,8 +162,6 @@ SWARM_SPANS = {
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def served(request, family_paths, references, artifacts_dir):
-    from swarm import AutoDistributedModelForCausalLM
-    from swarm.local import LocalSwarm
     from tests.kit.checkpoints import build_random_drafter
 
     model_type = request.param
@@ -214,21 +170,11 @@ def served(request, family_paths, references, artifacts_dir):
     if model_type != "gpt_oss":
         drafter = build_random_drafter(path, path.parent / f"{model_type}-eagle.safetensors")
         drafting = ["--drafter", str(drafter), "--drafter-tokens", "4"]
-    swarm = LocalSwarm(
-        str(path),
-        # a second head and a second tail: the substitutes of spot-checks and verdict audits
-        spans=[*SWARM_SPANS[model_type], SWARM_SPANS[model_type][0], SWARM_SPANS[model_type][-1]],
-        server_args=[*SERVER_ARGS, *drafting],
-        log_dir=str(artifacts_dir / f"moe-{model_type}"),
-    )
-    with swarm:
-        model = AutoDistributedModelForCausalLM.from_pretrained(
-            str(path), initial_peers=swarm.initial_peers, verdict_audit_every=4
-        )
-        try:
-            yield model_type, model, references(model_type)
-        finally:
-            model.shutdown()
+    # a second head and a second tail: the substitutes of spot-checks and verdict audits
+    spans = [*SWARM_SPANS[model_type], SWARM_SPANS[model_type][0], SWARM_SPANS[model_type][-1]]
+    log_dir = artifacts_dir / f"moe-{model_type}"
+    with cli_swarm_model(path, spans, log_dir, drafting, verdict_audit_every=4) as model:
+        yield model_type, model, references(model_type)
 
 
 def test_swarm_generation_equals_transformers(served, monkeypatch):
@@ -289,27 +235,16 @@ def test_concurrent_sessions_batched_on_the_servers_each_equal_transformers(serv
 def test_quantized_swarm_equals_the_same_quantization_in_one_process(family_paths, artifacts_dir, model_type, quant):
     """Servers started with ``--quant``: greedy generation, with and without suffix drafting, equals
     one process quantized by the same recipe."""
-    from swarm import AutoDistributedModelForCausalLM
-    from swarm.local import LocalSwarm
 
     path = family_paths(model_type)
     reference = quantized_reference(path, quant)
     prompt = torch.tensor(PROMPT)
     expected = reference.generate(prompt, max_new_tokens=16, do_sample=False)
-    swarm = LocalSwarm(
-        str(path),
-        spans=[(0, 2), (2, 4)],
-        server_args=[*SERVER_ARGS, "--quant", quant.value],
-        log_dir=str(artifacts_dir / f"moe-{model_type}-{quant.value}"),
-    )
-    with swarm:
-        model = AutoDistributedModelForCausalLM.from_pretrained(str(path), initial_peers=swarm.initial_peers)
-        try:
-            for speculation in (None, "suffix"):
-                output = model.generate(prompt, max_new_tokens=16, speculation=speculation)
-                assert output.tolist() == expected.tolist(), speculation
-        finally:
-            model.shutdown()
+    log_dir = artifacts_dir / f"moe-{model_type}-{quant.value}"
+    with cli_swarm_model(path, [(0, 2), (2, 4)], log_dir, ["--quant", quant.value]) as model:
+        for speculation in (None, "suffix"):
+            output = model.generate(prompt, max_new_tokens=16, speculation=speculation)
+            assert output.tolist() == expected.tolist(), speculation
 
 
 def fp8_like_the_hub(src: Path, dst: Path, block: int = 16) -> None:
@@ -453,31 +388,20 @@ def test_v3_mtp_tail_drafts_leave_the_output_unchanged(v3_mtp_path, artifacts_di
     """Servers started with the default ``--drafter auto`` draft with the checkpoint's MTP layer:
     greedy and seeded sampling equal transformers, and the tail drafted."""
     from protocol.messages import SamplingParams
-    from swarm import AutoDistributedModelForCausalLM
-    from swarm.local import LocalSwarm
 
     reference = AutoModelForCausalLM.from_pretrained(v3_mtp_path, dtype=torch.float32).eval()
     prompt = torch.tensor(PROMPT)
     expected = reference.generate(prompt, max_new_tokens=16, do_sample=False)
     sampling = dict(do_sample=True, temperature=0.8, top_p=0.9, seed=1234)
     truth = reference_sample(reference, PROMPT[0], 16, SamplingParams(**sampling))
-    swarm = LocalSwarm(
-        str(v3_mtp_path),
-        spans=[(0, 2), (2, 4)],
-        server_args=[*SERVER_ARGS, "--drafter-tokens", "3"],
-        log_dir=str(artifacts_dir / "moe-deepseek-v3-mtp"),
-    )
-    with swarm:
-        model = AutoDistributedModelForCausalLM.from_pretrained(str(v3_mtp_path), initial_peers=swarm.initial_peers)
-        try:
-            for speculation in ("tail", "suffix+tail"):
-                output = model.generate(prompt, max_new_tokens=16, speculation=speculation)
-                assert output.tolist() == expected.tolist(), speculation
-                assert model.last_generation_stats.drafted > 0
-                output = model.generate(prompt, max_new_tokens=16, speculation=speculation, **sampling)
-                assert output[0, prompt.shape[1] :].tolist() == truth, speculation
-        finally:
-            model.shutdown()
+    log_dir = artifacts_dir / "moe-deepseek-v3-mtp"
+    with cli_swarm_model(v3_mtp_path, [(0, 2), (2, 4)], log_dir, ["--drafter-tokens", "3"]) as model:
+        for speculation in ("tail", "suffix+tail"):
+            output = model.generate(prompt, max_new_tokens=16, speculation=speculation)
+            assert output.tolist() == expected.tolist(), speculation
+            assert model.last_generation_stats.drafted > 0
+            output = model.generate(prompt, max_new_tokens=16, speculation=speculation, **sampling)
+            assert output[0, prompt.shape[1] :].tolist() == truth, speculation
 
 
 def test_spot_checks_and_verdict_audits_find_honest_servers_agree(served):
