@@ -33,7 +33,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, PretrainedConfig
 from transformers.cache_utils import DynamicLayer
 
 from protocol import trees
-from server.adapters import expert_weights, fused_experts, llama_batch, packing
+from server.adapters import expert_weights, fused_experts, gpt_oss_experts, llama_batch, packing
 from server.adapters.base import BatchMember, Cache, SpanAdapter, add_deep_prompts
 from server.quantization import Quant, assign_tensor, checkpoint_names
 from server.weights import Checkpoint
@@ -117,13 +117,15 @@ class LlamaFamilyAdapter(SpanAdapter):
             checkpoint, sources.values(), self.dtype, desc=desc, per_expert=split
         ):
             for module, name in wanted[target]:
-                if expert is None:
+                owner_name, _, param = name.rpartition(".")
+                owner = module.get_submodule(owner_name) if owner_name else module
+                if isinstance(owner, gpt_oss_experts.QuantizedGptOssExperts):  # split into per-expert linears
+                    owner.assign(param, tensor, self.device)
+                elif expert is None:
                     assign_tensor(module, name, tensor, self.device)
-                    continue
-                experts_name, _, param = name.rpartition(".")
-                experts = module.get_submodule(experts_name)
-                linears = experts.gate_up if param == "gate_up_proj" else experts.down
-                assign_tensor(linears[expert], "weight", tensor, self.device)
+                else:  # one expert's slice of a fused parameter whose module was split into linears
+                    linears = owner.gate_up if param == "gate_up_proj" else owner.down
+                    assign_tensor(linears[expert], "weight", tensor, self.device)
         for module in self._modules():
             module.to(self.device).eval().requires_grad_(False)
         meta = [n for m in self._modules() for n, t in m.named_parameters() if t.is_meta]
@@ -238,7 +240,7 @@ class LlamaFamilyAdapter(SpanAdapter):
     def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.norm(hidden.to(self.device, self.dtype))[0].float()
 
-    stacked_linears = (fused_experts.FusedExperts,)
+    stacked_linears = (fused_experts.FusedExperts, gpt_oss_experts.GptOssStackedExperts)
 
     @staticmethod
     def quantize_skeleton(layers: torch.nn.Module, quant: Quant, dtype: torch.dtype) -> None:

@@ -128,9 +128,77 @@ def test_cli_servers_of_the_mxfp4_checkpoint_equal_transformers(paths, reference
     expected = reference.generate(prompt, max_new_tokens=16, do_sample=False)
     sampling = dict(do_sample=True, temperature=0.8, top_p=0.9, seed=1234)
     truth = reference_sample(reference, prompt[0].tolist(), 12, SamplingParams(**sampling))
-    with cli_swarm_model(path, [(0, 2), (2, 4)], artifacts_dir / "gpt-oss-mxfp4") as model:
+    # --quant none: the default for an MXFP4 checkpoint is nf4 (test_an_mxfp4_checkpoint_defaults_to_nf4)
+    with cli_swarm_model(path, [(0, 2), (2, 4)], artifacts_dir / "gpt-oss-mxfp4", ["--quant", "none"]) as model:
         for speculation in (None, "suffix"):
             output = model.generate(prompt, max_new_tokens=16, speculation=speculation)
             assert output.tolist() == expected.tolist(), speculation
         output = model.generate(prompt, max_new_tokens=12, speculation="suffix", **sampling)
         assert output[0, prompt.shape[1] :].tolist() == truth
+
+
+def quantized_mxfp4_reference(path: Path, quant: Quant):
+    """transformers' dequantizing load of the MXFP4 folder, its experts and linears then quantized
+    by the servers' recipe (tests/kit/families.py ``quantized_reference``, from MXFP4)."""
+    from server.adapters.fused_experts import quantize_loaded_experts
+    from server.quantization import quantize_loaded
+
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, quantization_config=Mxfp4Config(dequantize=True)
+    ).eval()
+    quantize_loaded_experts(model.model.layers, quant, torch.float32)
+    quantize_loaded(model.model.layers, quant, torch.float32)
+    return model
+
+
+@pytest.mark.parametrize("quant", [Quant.INT8, Quant.NF4], ids=["int8", "nf4"])
+def test_quantized_spans_of_the_mxfp4_checkpoint_equal_the_same_recipe_in_one_process(paths, quant):
+    """``--quant`` on the MXFP4 checkpoint: each expert dequantized then re-quantized to one int8/NF4
+    linear per expert and projection (server/adapters/gpt_oss_experts.py), equal to transformers'
+    dequantizing load quantized alike, and the plan's block is what a loaded block holds."""
+    from server.adapters.gpt_oss_experts import QuantizedGptOssExperts
+
+    path = paths[1]
+    config = AutoConfig.from_pretrained(path)
+    spans = [load_span(config, Checkpoint(str(path)), a, b, torch.float32, "cpu", quant) for a, b in [(0, 2), (2, 4)]]
+    assert sum(isinstance(m, QuantizedGptOssExperts) for span in spans for m in span.layers.modules()) == 4
+    reference = quantized_mxfp4_reference(path, quant)
+    ids = torch.randint(0, 2000, (1, 12), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        expected = reference(ids).logits[0]
+    caches = [span.new_cache() for span in spans]
+    hidden = spans[0].embed(ids)
+    for span, cache in zip(spans, caches):
+        hidden = span.forward(hidden, ids, 0, cache, range(span.start, span.end))
+    torch.testing.assert_close(spans[-1].logits(hidden), expected, rtol=0, atol=1e-3)
+    sizes = model_sizes(config, torch.float32, quant)
+    assert sizes.block_bytes == max(resident_bytes(layer) for span in spans for layer in span.layers)
+    assert sizes.block_bytes < model_sizes(config, torch.float32).block_bytes / 2
+
+
+def test_nf4_cli_servers_of_the_mxfp4_checkpoint_equal_the_same_recipe_in_one_process(paths, artifacts_dir):
+    """What a gpt-oss-120b volunteer runs: ``--quant nf4`` on the published MXFP4 layout, greedy with
+    and without suffix drafting, token for token against one process quantized by the same recipe."""
+    path = paths[1]
+    reference = quantized_mxfp4_reference(path, Quant.NF4)
+    prompt = torch.tensor(PROMPT)
+    expected = reference.generate(prompt, max_new_tokens=16, do_sample=False)
+    with cli_swarm_model(path, [(0, 2), (2, 4)], artifacts_dir / "gpt-oss-mxfp4-nf4", ["--quant", "nf4"]) as model:
+        for speculation in (None, "suffix"):
+            output = model.generate(prompt, max_new_tokens=16, speculation=speculation)
+            assert output.tolist() == expected.tolist(), speculation
+
+
+def test_an_mxfp4_checkpoint_defaults_to_nf4(paths):
+    """Without ``--quant``, a gpt-oss checkpoint as published gets nf4 (as few bits per weight as its
+    MXFP4 experts: re-quantized, not lossless), not its experts in bfloat16; a float copy keeps float."""
+    from protocol.models import shipped_config_dir
+    from server.quantization import default_quant
+
+    for config in (
+        AutoConfig.from_pretrained(paths[1]),
+        AutoConfig.from_pretrained(shipped_config_dir("gpt-oss-120b")),
+    ):
+        choice = default_quant(config)
+        assert choice.quant == Quant.NF4 and "MXFP4" in choice.reason
+    assert default_quant(AutoConfig.from_pretrained(paths[0])).quant == Quant.NONE

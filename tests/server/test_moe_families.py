@@ -20,6 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from server.adapters import GENERIC_FAMILIES, adapter_class, load_span
 from server.adapters.expert_weights import map_keys
 from server.adapters.fused_experts import QuantizedExperts
+from server.adapters.gpt_oss_experts import QuantizedGptOssExperts
 from server.memory import model_sizes
 from server.quantization import Quant, resident_bytes
 from server.weights import Checkpoint
@@ -118,9 +119,10 @@ def test_quantized_spans_equal_the_same_quantization_in_one_process(family_paths
     path = family_paths(model_type)
     reference = quantized_reference(path, quant)
     spans = _spans(path, [(0, 2), (2, 4)], quant)
-    # gpt_oss's experts (gate/up interleaved, with biases and a clamp) stay in float; its attention is quantized
-    quantized_experts = any(isinstance(m, QuantizedExperts) for m in spans[1].layers.modules())
-    assert quantized_experts == (model_type != "gpt_oss")
+    # gpt_oss's experts (transposed, with biases, gate/up interleaved and clamped) have a split of their own
+    kind = QuantizedGptOssExperts if model_type == "gpt_oss" else QuantizedExperts
+    assert sum(isinstance(m, kind) for m in spans[1].layers.modules()) == 2
+    assert not any(isinstance(m, torch.nn.Parameter) and m.ndim == 3 for m in spans[1].layers.parameters())
     caches = [span.new_cache() for span in spans]
     ids = torch.randint(0, 2000, (1, 12), generator=torch.Generator().manual_seed(9))
     with torch.no_grad():
@@ -320,8 +322,8 @@ SHIPPED = {
 @pytest.mark.parametrize("alias", list(SHIPPED))
 def test_shipped_configs_plan_the_published_shapes_offline(alias):
     """The aliases' published configs ship with the package (--plan-only answers offline); an nf4
-    block holds at least its routed experts as one NF4 linear per expert and projection (gpt-oss's:
-    MXFP4 as published, held dequantized in bfloat16, with their biases)."""
+    block holds at least its routed experts as one NF4 linear per expert and projection (gpt-oss's,
+    MXFP4 as published, with their biases in bfloat16)."""
     from protocol.models import ALIASES, shipped_config_dir
     from server.quantization import estimate_linear_bytes
 
@@ -339,7 +341,7 @@ def test_shipped_configs_plan_the_published_shapes_offline(alias):
     if config.model_type == "gpt_oss":
         assert config.quantization_config["quant_method"] == "mxfp4"
         assert config.layer_types == ["sliding_attention", "full_attention"] * (config.num_hidden_layers // 2)
-        routed = experts * 2 * (3 * inner * hidden + 2 * inner + hidden)
+        routed += experts * 2 * (2 * inner + hidden)
     sizes = model_sizes(config, torch.bfloat16, Quant.NF4)
     assert routed < sizes.block_bytes < 1.25 * routed
     if config.model_type == "deepseek_v3":  # the latent (512) and rotary key (64) per token, bfloat16
