@@ -11,7 +11,7 @@ attention caches its compressed latent and rotary key in the same cache (one hea
 rollback and trees work as for the others; its attention has no q/k/v projections to pack, so a
 batch's members run one after another through it (``packs_sessions``). Routed experts are fused
 in ``--dtype``, or split into one int8/NF4 linear per expert and projection under ``--quant``
-(server/adapters/fused_experts.py).
+(server/adapters/fused_experts.py; gpt-oss's biased experts: gpt_oss_experts.py).
 
 Sliding-window layers (Mistral's ``sliding_window``, Qwen2's ``layer_types``): the span's cache
 keeps every position of every layer (plain ``DynamicLayer``s, which trim and gather exactly, so
