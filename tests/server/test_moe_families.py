@@ -168,10 +168,8 @@ def served(request, family_paths, references, artifacts_dir):
 
     model_type = request.param
     path = family_paths(model_type)
-    drafting = []  # gpt_oss has no EAGLE tail drafter yet (server/tail_drafter.py refuses it by name)
-    if model_type != "gpt_oss":
-        drafter = build_random_drafter(path, path.parent / f"{model_type}-eagle.safetensors")
-        drafting = ["--drafter", str(drafter), "--drafter-tokens", "4"]
+    drafter = build_random_drafter(path, path.parent / f"{model_type}-eagle.safetensors")
+    drafting = ["--drafter", str(drafter), "--drafter-tokens", "4"]
     # a second head and a second tail: the substitutes of spot-checks and verdict audits
     spans = [*SWARM_SPANS[model_type], SWARM_SPANS[model_type][0], SWARM_SPANS[model_type][-1]]
     log_dir = artifacts_dir / f"moe-{model_type}"
@@ -199,8 +197,6 @@ def test_swarm_generation_equals_transformers(served, monkeypatch):
         dict(speculation="suffix+tail"),
     )
     for extra in modes:
-        if model_type == "gpt_oss" and "tail" in str(extra["speculation"]):
-            continue  # no tail drafter for gpt_oss yet
         output = model.generate(prompt, max_new_tokens=20, **extra)
         assert output.tolist() == expected.tolist(), (model_type, extra)
         if extra["speculation"] == "tail":  # the tail's EAGLE head (a decoder layer of the family's own class) drafted
@@ -420,3 +416,24 @@ def test_spot_checks_and_verdict_audits_find_honest_servers_agree(served):
     assert stats.liars_excluded == [] and stats.tokens_retracted == 0
     assert stats.spot_checks_undecided == 0 and stats.spot_checks_failed == 0
     assert stats.verdict_audits > 0 and stats.verdict_audits_failed == 0 and stats.verdict_audits_undecided == 0
+
+
+def test_a_gpt_oss_eagle_head_attends_through_sinks_in_pieces_as_in_one_pass(family_paths, tmp_path):
+    """gpt_oss's EAGLE head is one of its own decoder layers under eager attention (its sinks), fed
+    additive masks: a chain computed in two pieces over its cache equals the chain in one pass."""
+    from server.adapters.llama import _causal_mask
+    from server.tail_drafter import load_drafter
+    from tests.kit.checkpoints import build_random_drafter
+
+    path = family_paths("gpt_oss")
+    net, _ = load_drafter(build_random_drafter(path, tmp_path / "eagle.safetensors"), AutoConfig.from_pretrained(path))
+    assert net.additive_masks and hasattr(net.layer.self_attn, "sinks")
+    generator = torch.Generator().manual_seed(2)
+    features, embeds = torch.randn(1, 6, 64, generator=generator), torch.randn(1, 6, 64, generator=generator)
+    cpu = torch.device("cpu")
+    with torch.no_grad():
+        whole = net(features, embeds, torch.arange(6)[None], None, _causal_mask(0, 6, cpu))
+        cache = net.new_cache()
+        first = net(features[:, :4], embeds[:, :4], torch.arange(4)[None], cache, _causal_mask(0, 4, cpu))
+        second = net(features[:, 4:], embeds[:, 4:], torch.arange(4, 6)[None], cache, _causal_mask(4, 2, cpu))
+    torch.testing.assert_close(torch.cat([first, second], dim=1), whole, rtol=0, atol=1e-5)
