@@ -19,8 +19,9 @@ pytestmark = [pytest.mark.timeout(900), pytest.mark.usefixtures("one_torch_threa
 SPANS = [(0, 2), (2, 4)]
 
 
-# mixtral packs a pass's members into one row; deepseek_v3 (latent attention) runs them one after another
-@pytest.mark.parametrize("model_type", ["mixtral", "deepseek_v3"])
+# mixtral packs a pass's members into one row; deepseek_v3 (latent attention) and gpt_oss (eager sinks) run them
+# one after another
+@pytest.mark.parametrize("model_type", ["mixtral", "deepseek_v3", "gpt_oss"])
 def test_eight_sessions_share_batched_passes_and_each_equals_itself_alone(family_paths, references, model_type):
     """Eight sessions in one generate call reach the servers together: every server computes some
     of its passes for several of them at once (its scheduler's own record of each pass), and each
