@@ -174,7 +174,10 @@ def iter_tensors(
     for key, tensor in checkpoint.iter_read(list(plain), dtype, desc=desc):
         yield plain[key], None, tensor
     for source in sources:
-        if source.key and source.mxfp4_scales:
+        if source.key and source.mxfp4_scales and source.target in per_expert:
+            for expert, tensor in mxfp4_experts.iter_dequantized(checkpoint, source.key, source.mxfp4_scales, dtype):
+                yield source.target, expert, tensor
+        elif source.key and source.mxfp4_scales:
             yield source.target, None, mxfp4_experts.dequantize(checkpoint, source.key, source.mxfp4_scales, dtype)
         if source.key and source.scales:
             yield source.target, None, _read(checkpoint, [source.key], source.scales, dtype)[source.key]

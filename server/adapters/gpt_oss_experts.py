@@ -13,6 +13,8 @@ linear and transformers' own ``_apply_gate``. The memory plan counts them the sa
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from server.quantization import Quant, assign_tensor, replace_linears
@@ -54,17 +56,19 @@ class QuantizedGptOssExperts(torch.nn.Module):
         self.gate_up = replace_linears(torch.nn.ModuleList(gate_up), quant, compute_dtype)
         self.down = replace_linears(torch.nn.ModuleList(down), quant, compute_dtype)
 
-    def assign(self, param: str, tensor: torch.Tensor, device: torch.device) -> None:
-        """Fill every expert's linear from one of transformers' fused parameters (``param`` in
-        PARAMETERS), each quantized as it is assigned."""
+    def assign(self, param: str, tensor: torch.Tensor, device: torch.device, expert: Optional[int] = None) -> None:
+        """Fill the experts' linears from one of transformers' fused parameters (``param`` in
+        PARAMETERS), each quantized as it is assigned; with ``expert``, ``tensor`` is that expert's
+        slice only (an MXFP4 checkpoint's experts arrive one by one)."""
         if param not in PARAMETERS:
             raise KeyError(f"gpt-oss experts have no parameter {param!r}")
         linears = self.gate_up if param.startswith("gate_up") else self.down
-        for e in range(self.num_experts):
+        slices = enumerate(tensor) if expert is None else [(expert, tensor)]
+        for e, part in slices:
             if param.endswith("_bias"):
-                assign_tensor(linears[e], "bias", tensor[e], device)
+                assign_tensor(linears[e], "bias", part, device)
             else:
-                assign_tensor(linears[e], "weight", tensor[e].t().contiguous(), device)
+                assign_tensor(linears[e], "weight", part.t().contiguous(), device)
 
     def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
         """transformers' own gate (clamp, interleaved gate/up, sigmoid), with this module's alpha and limit."""

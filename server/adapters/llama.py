@@ -107,10 +107,11 @@ class LlamaFamilyAdapter(SpanAdapter):
         Checkpoint names are mapped to the modules' by transformers' conversion table
         (server/adapters/expert_weights.py): per-expert tensors become fused expert parameters."""
         sources = expert_weights.map_keys(self.config.model_type, checkpoint.weight_map(), wanted)
+        split_kinds = (fused_experts.QuantizedExperts, gpt_oss_experts.QuantizedGptOssExperts)
         split = {  # fused expert parameters whose module a quantized skeleton split into linears
             target
             for target, holders in wanted.items()
-            if isinstance(holders[0][0].get_submodule(holders[0][1].rpartition(".")[0]), fused_experts.QuantizedExperts)
+            if isinstance(holders[0][0].get_submodule(holders[0][1].rpartition(".")[0]), split_kinds)
         }
         desc = f"Loading blocks {self.start}:{self.end}"
         for target, expert, tensor in expert_weights.iter_tensors(
@@ -120,7 +121,7 @@ class LlamaFamilyAdapter(SpanAdapter):
                 owner_name, _, param = name.rpartition(".")
                 owner = module.get_submodule(owner_name) if owner_name else module
                 if isinstance(owner, gpt_oss_experts.QuantizedGptOssExperts):  # split into per-expert linears
-                    owner.assign(param, tensor, self.device)
+                    owner.assign(param, tensor, self.device, expert)
                 elif expert is None:
                     assign_tensor(module, name, tensor, self.device)
                 else:  # one expert's slice of a fused parameter whose module was split into linears

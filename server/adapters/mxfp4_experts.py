@@ -9,12 +9,13 @@ kernels hub), and a span must equal transformers' CPU reference; the experts are
 ``--dtype``, which is what the memory plan counts (the meta model it measures has float experts).
 Only the span's layers are read, a few experts at a time (transformers' function takes any
 leading expert axis), so the host's peak beyond the fused parameter is those experts' temporaries,
-not a whole layer's.
+not a whole layer's; a quantized span takes them expert by expert and never holds the fused
+parameter in float (server/adapters/gpt_oss_experts.py).
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Iterable, Iterator, Optional
 
 import torch
 
@@ -40,8 +41,11 @@ def scales_key(blocks_key: str, keys: Iterable[str]) -> str:
     return key
 
 
-def dequantize(checkpoint: Checkpoint, blocks_key: str, scales_key: str, dtype: torch.dtype) -> torch.Tensor:
-    """The fused parameter ([E, in, out], as ``GptOssExperts`` holds it) of one MXFP4 pair, in ``dtype``."""
+def iter_dequantized(
+    checkpoint: Checkpoint, blocks_key: str, scales_key: str, dtype: torch.dtype
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """(expert, its slice [in, out] of the fused parameter) of one MXFP4 pair, in ``dtype``,
+    EXPERTS_PER_DEQUANTIZE experts dequantized at a time (a quantized span assigns each as it comes)."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     raw = checkpoint.read([blocks_key, scales_key], torch.float32, progress=False)  # uint8 stays uint8
@@ -51,10 +55,12 @@ def dequantize(checkpoint: Checkpoint, blocks_key: str, scales_key: str, dtype: 
             f"{blocks_key}: MXFP4 blocks {tuple(blocks.shape)} {blocks.dtype} and scales {tuple(scales.shape)} "
             f"{scales.dtype} do not match (uint8, blocks [..., G, 16] over scales [..., G])"
         )
-    parts = [
-        convert_moe_packed_tensors(
-            blocks[e : e + EXPERTS_PER_DEQUANTIZE], scales[e : e + EXPERTS_PER_DEQUANTIZE], dtype=dtype
-        )
-        for e in range(0, blocks.shape[0], EXPERTS_PER_DEQUANTIZE)
-    ]
-    return torch.cat(parts) if len(parts) > 1 else parts[0]
+    for begin in range(0, blocks.shape[0], EXPERTS_PER_DEQUANTIZE):
+        end = begin + EXPERTS_PER_DEQUANTIZE
+        part = convert_moe_packed_tensors(blocks[begin:end], scales[begin:end], dtype=dtype)
+        yield from zip(range(begin, begin + part.shape[0]), part)
+
+
+def dequantize(checkpoint: Checkpoint, blocks_key: str, scales_key: str, dtype: torch.dtype) -> torch.Tensor:
+    """The fused parameter ([E, in, out], as ``GptOssExperts`` holds it) of one MXFP4 pair, in ``dtype``."""
+    return torch.stack([expert for _, expert in iter_dequantized(checkpoint, blocks_key, scales_key, dtype)])
