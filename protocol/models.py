@@ -33,13 +33,15 @@ ALIASES: dict[str, str | None] = {
     "mixtral-8x22b": "mistralai/Mixtral-8x22B-v0.1",
     "qwen3-235b-a22b": "Qwen/Qwen3-235B-A22B",
     "deepseek-v3": "deepseek-ai/DeepSeek-V3",
+    "gpt-oss-20b": "openai/gpt-oss-20b",
+    "gpt-oss-120b": "openai/gpt-oss-120b",
 }
 
 
 # aliases whose published config.json ships with the package (protocol/configs/<alias>/), so that
 # ``python -m swarm.server --model ALIAS --plan-only`` answers offline; a server that loads weights
 # reads the hub's own config instead
-SHIPPED_CONFIGS = ("deepseek-v4-pro", "mixtral-8x22b", "qwen3-235b-a22b", "deepseek-v3")
+SHIPPED_CONFIGS = ("deepseek-v4-pro", "mixtral-8x22b", "qwen3-235b-a22b", "deepseek-v3", "gpt-oss-20b", "gpt-oss-120b")
 
 
 def shipped_config_dir(alias: str) -> Path | None:

@@ -17,8 +17,8 @@ docs' per-block table use.
 The default (:func:`default_quant`): the smallest mode that does not go below the precision
 the checkpoint itself ships for the bulk of its block weights. A bfloat16 Llama keeps its
 weights (``none``); DeepSeek-V4's hub checkpoints ship their routed experts, nearly all of a
-block, in FP4, so ``nf4`` loses nothing they have and fits four times as many blocks as
-bfloat16.
+block, in FP4 (gpt-oss's in MXFP4), so ``nf4`` loses nothing they have and fits four times as
+many blocks as bfloat16.
 """
 
 from __future__ import annotations
@@ -225,9 +225,13 @@ def estimate_module_bytes(
             total += estimate_linear_bytes(child.out_features, child.in_features, quant, dtype)
             linear_weights.add(id(child.weight))
         elif isinstance(child, stacked_linears):
+            # a kind with ``in_out`` holds [E, in, out] (gpt-oss's experts), the others [E, out, in]
+            in_out = any(getattr(kind, "in_out", False) and isinstance(child, kind) for kind in stacked_linears)
             for param in child.parameters(recurse=False):
                 if param.ndim == 3:
                     experts, out_features, in_features = param.shape
+                    if in_out:
+                        out_features, in_features = in_features, out_features
                     total += experts * estimate_linear_bytes(out_features, in_features, quant, dtype)
                     linear_weights.add(id(param))
     for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
@@ -276,6 +280,8 @@ def checkpoint_weight_bits(config: PretrainedConfig) -> tuple[int, str]:
     method = str(qconfig.get("quant_method", "")).lower()
     if config.model_type == "deepseek_v4" and method:
         return 4, "the checkpoint ships its routed experts, most of every block, in FP4"
+    if method == "mxfp4":  # gpt-oss as published
+        return 4, "the checkpoint ships its routed experts, most of every block, in MXFP4"
     if method in ("fp8", "fbgemm_fp8", "compressed-tensors"):
         return 8, f"the checkpoint ships {method} weights"
     dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "bfloat16"

@@ -47,13 +47,14 @@ COMMITTED_DRAFTERS = Path(__file__).resolve().parent / "drafters"  # drafters sh
 
 
 def _drafter_config(config: PretrainedConfig) -> PretrainedConfig:
-    if config.model_type == "gpt_oss":  # its layer attends through eager sinks with additive masks
-        raise ValueError("an EAGLE tail drafter for gpt_oss is not supported yet (serve it without --drafter)")
     cfg = copy.deepcopy(config)
     cfg.num_hidden_layers = 1
     cfg._attn_implementation = "sdpa"
     if getattr(cfg, "layer_types", None):
         cfg.layer_types = cfg.layer_types[:1]
+    if config.model_type == "gpt_oss":  # attention sinks live only in its eager attention (additive masks)
+        cfg._attn_implementation = "eager"
+        cfg.layer_types = ["full_attention"]  # the head sees every position its mask allows
     return cfg
 
 
@@ -70,6 +71,7 @@ class EagleModule(torch.nn.Module):
         self.fc = torch.nn.Linear(2 * hidden, hidden, bias=False)
         self.layer = layer_cls(self.config, layer_idx=0)
         self.rotary_emb = rope_cls(config=self.config)
+        self.additive_masks = self.config._attn_implementation == "eager"  # gpt_oss: eager adds the mask
 
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self.config)
@@ -84,6 +86,10 @@ class EagleModule(torch.nn.Module):
     ) -> torch.Tensor:
         x = self.fc(torch.cat([features, embeds], dim=-1))
         position_embeddings = self.rotary_emb(x, position_ids=position_ids)
+        if self.additive_masks and mask is not None:
+            from server.adapters.llama import _additive
+
+            mask = _additive(mask, x.dtype)
         return self.layer(
             x,
             attention_mask=mask,

@@ -15,7 +15,9 @@ the modules are read as they are. Any other operation is refused naming the mode
 than loaded wrong.
 
 A weight with a ``.weight_scale_inv`` companion (DeepSeek-V3's FP8 hub checkpoints) is dequantized
-as transformers does on a device without FP8 kernels (SCALE_SUFFIX below).
+as transformers does on a device without FP8 kernels (SCALE_SUFFIX below). gpt-oss's MXFP4 experts
+(``experts.gate_up_proj_blocks`` with ``_scales``) are dequantized by transformers' own function
+(server/adapters/mxfp4_experts.py).
 
 Only the span's keys are read (server/weights.py ``Checkpoint``); a fused parameter is assembled
 from its experts' tensors and handed over whole, so the peak extra memory while loading is one
@@ -30,6 +32,7 @@ from typing import Container, Iterable, Iterator, Optional
 
 import torch
 
+from server.adapters import mxfp4_experts
 from server.weights import Checkpoint
 
 EXPERTS_PER_READ = 16
@@ -60,6 +63,7 @@ class Source:
     merge: Optional[Merge] = None
     found: dict[tuple[int, int], str] = field(default_factory=dict)
     scales: dict[str, str] = field(default_factory=dict)  # weight key -> its FP8 block scales' key
+    mxfp4_scales: Optional[str] = None  # ``key`` holds MXFP4 blocks (gpt-oss's experts); their scales' key
 
     def keys(self) -> list[str]:
         return [self.key] if self.key else list(self.found.values())
@@ -133,6 +137,10 @@ def map_keys(model_type: str, checkpoint_keys: Iterable[str], targets: Iterable[
         if name in wanted:
             sources[name] = Source(name, key=key, scales={key: scales[key]} if key in scales else {})
             continue
+        packed = mxfp4_experts.packed_target(name, wanted)
+        if packed:
+            sources[packed] = Source(packed, key=key, mxfp4_scales=mxfp4_experts.scales_key(key, keys))
+            continue
         for merge in merges:
             for i, pattern in enumerate(merge.sources):
                 match = pattern.search(name)
@@ -162,10 +170,15 @@ def iter_tensors(
     for targets in ``per_expert`` (a quantized span's experts), one expert's slice at a time. FP8
     weights are dequantized with their scales."""
     sources = list(sources)
-    plain = {s.key: s.target for s in sources if s.key and not s.scales}
+    plain = {s.key: s.target for s in sources if s.key and not s.scales and not s.mxfp4_scales}
     for key, tensor in checkpoint.iter_read(list(plain), dtype, desc=desc):
         yield plain[key], None, tensor
     for source in sources:
+        if source.key and source.mxfp4_scales and source.target in per_expert:
+            for expert, tensor in mxfp4_experts.iter_dequantized(checkpoint, source.key, source.mxfp4_scales, dtype):
+                yield source.target, expert, tensor
+        elif source.key and source.mxfp4_scales:
+            yield source.target, None, mxfp4_experts.dequantize(checkpoint, source.key, source.mxfp4_scales, dtype)
         if source.key and source.scales:
             yield source.target, None, _read(checkpoint, [source.key], source.scales, dtype)[source.key]
         if source.merge is None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from server.adapters import gpt_oss_experts
 from server.quantization import Quant, assign_tensor, replace_linears
 
 
@@ -76,13 +77,16 @@ class QuantizedExperts(torch.nn.Module):
 
 
 def quantize_skeleton(layers: torch.nn.Module, quant: Quant, compute_dtype: torch.dtype) -> None:
-    """Swap every fused experts module under ``layers`` for a :class:`QuantizedExperts` (meta) and
-    every plain linear for its bitsandbytes counterpart."""
+    """Swap every fused experts module under ``layers`` for a :class:`QuantizedExperts` (meta; gpt-oss's
+    for a ``QuantizedGptOssExperts``: server/adapters/gpt_oss_experts.py) and every plain linear for
+    its bitsandbytes counterpart."""
     if quant == Quant.NONE:
         return
     for name, module in list(layers.named_modules()):
         if is_fused_experts(module):
             layers.set_submodule(name, QuantizedExperts(module, quant, compute_dtype))
+        elif gpt_oss_experts.is_gpt_oss_experts(module):
+            layers.set_submodule(name, gpt_oss_experts.QuantizedGptOssExperts(module, quant, compute_dtype))
     replace_linears(layers, quant, compute_dtype)
 
 
@@ -92,6 +96,8 @@ def quantize_loaded_experts(
     """Quantize the fused experts of already loaded float layers in place (for single-process
     references: the same modules and the same per-expert quantization as a loaded span)."""
     for name, module in list(layers.named_modules()):
+        if gpt_oss_experts.is_gpt_oss_experts(module):
+            layers.set_submodule(name, gpt_oss_experts.quantize_experts(module, quant, compute_dtype, device))
         if is_fused_experts(module):
             new = QuantizedExperts(module, quant, compute_dtype)
             for e in range(new.num_experts):

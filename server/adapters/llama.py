@@ -5,12 +5,13 @@ called as ``layer(hidden, attention_mask, position_ids, cache, position_embeddin
 their state in transformers' standard ``DynamicCache`` (docs/families.md).
 
 Checkpoint names are mapped to the modules' by transformers' conversion table, per-expert tensors
-fused as transformers fuses them (server/adapters/expert_weights.py). DeepSeek-V3's latent
+fused as transformers fuses them, FP8 and gpt-oss's MXFP4 experts dequantized with transformers'
+own functions (server/adapters/expert_weights.py). DeepSeek-V3's latent
 attention caches its compressed latent and rotary key in the same cache (one head each), so
 rollback and trees work as for the others; its attention has no q/k/v projections to pack, so a
 batch's members run one after another through it (``packs_sessions``). Routed experts are fused
 in ``--dtype``, or split into one int8/NF4 linear per expert and projection under ``--quant``
-(server/adapters/fused_experts.py).
+(server/adapters/fused_experts.py; gpt-oss's biased experts: gpt_oss_experts.py).
 
 Sliding-window layers (Mistral's ``sliding_window``, Qwen2's ``layer_types``): the span's cache
 keeps every position of every layer (plain ``DynamicLayer``s, which trim and gather exactly, so
@@ -32,7 +33,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, PretrainedConfig
 from transformers.cache_utils import DynamicLayer
 
 from protocol import trees
-from server.adapters import expert_weights, fused_experts, llama_batch, packing
+from server.adapters import expert_weights, fused_experts, gpt_oss_experts, llama_batch, packing
 from server.adapters.base import BatchMember, Cache, SpanAdapter, add_deep_prompts
 from server.quantization import Quant, assign_tensor, checkpoint_names
 from server.weights import Checkpoint
@@ -49,12 +50,6 @@ class LlamaFamilyAdapter(SpanAdapter):
         device: str | torch.device = "cpu",
         quant: Quant = Quant.NONE,
     ):
-        quantized = getattr(config, "quantization_config", None)
-        method = quantized.get("quant_method") if isinstance(quantized, dict) else getattr(quantized, "quant_method", 0)
-        if method == "mxfp4":
-            raise ValueError(
-                "MXFP4 checkpoints (gpt-oss as published) are not read yet: serve a bfloat16 copy of the weights"
-            )
         self.config = copy.deepcopy(config)
         # gpt_oss's attention sinks live only in its eager attention, which adds the mask to the scores
         self.additive_masks = config.model_type == "gpt_oss"
@@ -112,23 +107,26 @@ class LlamaFamilyAdapter(SpanAdapter):
         Checkpoint names are mapped to the modules' by transformers' conversion table
         (server/adapters/expert_weights.py): per-expert tensors become fused expert parameters."""
         sources = expert_weights.map_keys(self.config.model_type, checkpoint.weight_map(), wanted)
+        split_kinds = (fused_experts.QuantizedExperts, gpt_oss_experts.QuantizedGptOssExperts)
         split = {  # fused expert parameters whose module a quantized skeleton split into linears
             target
             for target, holders in wanted.items()
-            if isinstance(holders[0][0].get_submodule(holders[0][1].rpartition(".")[0]), fused_experts.QuantizedExperts)
+            if isinstance(holders[0][0].get_submodule(holders[0][1].rpartition(".")[0]), split_kinds)
         }
         desc = f"Loading blocks {self.start}:{self.end}"
         for target, expert, tensor in expert_weights.iter_tensors(
             checkpoint, sources.values(), self.dtype, desc=desc, per_expert=split
         ):
             for module, name in wanted[target]:
-                if expert is None:
+                owner_name, _, param = name.rpartition(".")
+                owner = module.get_submodule(owner_name) if owner_name else module
+                if isinstance(owner, gpt_oss_experts.QuantizedGptOssExperts):  # split into per-expert linears
+                    owner.assign(param, tensor, self.device, expert)
+                elif expert is None:
                     assign_tensor(module, name, tensor, self.device)
-                    continue
-                experts_name, _, param = name.rpartition(".")
-                experts = module.get_submodule(experts_name)
-                linears = experts.gate_up if param == "gate_up_proj" else experts.down
-                assign_tensor(linears[expert], "weight", tensor, self.device)
+                else:  # one expert's slice of a fused parameter whose module was split into linears
+                    linears = owner.gate_up if param == "gate_up_proj" else owner.down
+                    assign_tensor(linears[expert], "weight", tensor, self.device)
         for module in self._modules():
             module.to(self.device).eval().requires_grad_(False)
         meta = [n for m in self._modules() for n, t in m.named_parameters() if t.is_meta]
@@ -263,7 +261,7 @@ class LlamaFamilyAdapter(SpanAdapter):
     def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.norm(hidden.to(self.device, self.dtype))[0].float()
 
-    stacked_linears = (fused_experts.FusedExperts,)
+    stacked_linears = (fused_experts.FusedExperts, gpt_oss_experts.GptOssStackedExperts)
 
     @staticmethod
     def quantize_skeleton(layers: torch.nn.Module, quant: Quant, dtype: torch.dtype) -> None:

@@ -10,6 +10,8 @@ Benchmarks import from here and nowhere else in tests/; tests never import bench
 - routes.py: pinned and preferred routes; reference.py: prompts and the reference sampler
 - drafters.py: a scripted drafter; raw_sessions.py: sessions spoken by hand on the wire
 - checkpoints.py, deepseek_quant.py: tiny random checkpoints, DeepSeek's quantized layout
+- families.py: the family tests' fixtures (tiny checkpoints per family, references), the servers'
+  quantization recipe in one process, a client over CLI servers; mxfp4.py: gpt-oss's MXFP4 layout
 - faults.py, faulty_server.py: liars and slow servers (``python -m tests.kit.faulty_server``)
 - oracle.py: an oracle target for the decoder; streams.py: a fake message stream
 - browser.py: headless Chromium; netns.py: the network-namespace testbed

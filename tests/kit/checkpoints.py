@@ -48,6 +48,12 @@ def build_random_drafter(checkpoint: Path, path: Path, seed: int = 0) -> Path:
     config = AutoConfig.from_pretrained(checkpoint)
     torch.manual_seed(seed)
     head = EagleModule(config)
+    with torch.no_grad():  # transformers leaves fused experts (torch.empty) to its init: give them values
+        for name, param in head.named_parameters():
+            if ".experts." in name and param.ndim >= 2:
+                param.normal_(0, 0.02)
+            elif ".experts." in name:  # biases (gpt_oss)
+                param.zero_()
     save_drafter(head, path, config, dtype=torch.float32)
     return path
 

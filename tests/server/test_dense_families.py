@@ -8,60 +8,28 @@ nf4 weights against one process quantized by the same recipe.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from protocol.messages import SamplingParams
 from server.quantization import Quant
-from tests.kit.checkpoints import DENSE_FAMILIES, build_tiny_moe
+from tests.kit.checkpoints import DENSE_FAMILIES
+from tests.kit.families import cli_swarm_model, quantized_reference
 from tests.kit.reference import PROMPT, reference_sample
-from tests.kit.swarms import SERVER_ARGS
-from tests.kit.threads import single_torch_thread
 from tests.server.test_batching import _padded, greedy_truth, prompts
-from tests.server.test_moe_families import quantized_reference
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.usefixtures("one_torch_thread")]
 FAMILIES = list(DENSE_FAMILIES)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    with single_torch_thread():
-        yield
-
-
-@pytest.fixture(scope="module")
-def family_paths(tmp_path_factory):
-    made: dict[str, Path] = {}
-
-    def get(model_type: str) -> Path:
-        if model_type not in made:
-            made[model_type] = build_tiny_moe(tmp_path_factory.mktemp("dense") / model_type, model_type)
-        return made[model_type]
-
-    return get
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def served(request, family_paths, artifacts_dir):
-    from swarm import AutoDistributedModelForCausalLM
-    from swarm.local import LocalSwarm
-
     model_type = request.param
     path = family_paths(model_type)
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    swarm = LocalSwarm(
-        str(path), spans=[(0, 2), (2, 4)], server_args=list(SERVER_ARGS), log_dir=str(artifacts_dir / model_type)
-    )
-    with swarm:
-        model = AutoDistributedModelForCausalLM.from_pretrained(str(path), initial_peers=swarm.initial_peers)
-        try:
-            yield model_type, model, reference
-        finally:
-            model.shutdown()
+    with cli_swarm_model(path, [(0, 2), (2, 4)], artifacts_dir / model_type) as model:
+        yield model_type, model, reference
 
 
 def test_the_tiny_checkpoints_cross_their_windows(family_paths):
@@ -110,24 +78,11 @@ def test_padded_concurrent_sessions_each_equal_transformers(served):
 def test_nf4_swarm_equals_the_same_quantization_in_one_process(family_paths, artifacts_dir, model_type):
     """Qwen2 carries q/k/v biases and sliding layers: nf4 linears keep both exact against one
     process quantized by the servers' recipe."""
-    from swarm import AutoDistributedModelForCausalLM
-    from swarm.local import LocalSwarm
-
     path = family_paths(model_type)
     reference = quantized_reference(path, Quant.NF4)
     prompt = torch.tensor(PROMPT)
     expected = reference.generate(prompt, max_new_tokens=16, do_sample=False)
-    swarm = LocalSwarm(
-        str(path),
-        spans=[(0, 2), (2, 4)],
-        server_args=[*SERVER_ARGS, "--quant", "nf4"],
-        log_dir=str(artifacts_dir / f"{model_type}-nf4"),
-    )
-    with swarm:
-        model = AutoDistributedModelForCausalLM.from_pretrained(str(path), initial_peers=swarm.initial_peers)
-        try:
-            for speculation in (None, "suffix"):
-                output = model.generate(prompt, max_new_tokens=16, speculation=speculation)
-                assert output.tolist() == expected.tolist(), speculation
-        finally:
-            model.shutdown()
+    with cli_swarm_model(path, [(0, 2), (2, 4)], artifacts_dir / f"{model_type}-nf4", ["--quant", "nf4"]) as model:
+        for speculation in (None, "suffix"):
+            output = model.generate(prompt, max_new_tokens=16, speculation=speculation)
+            assert output.tolist() == expected.tolist(), speculation

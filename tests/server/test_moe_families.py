@@ -19,51 +19,19 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from server.adapters import GENERIC_FAMILIES, adapter_class, load_span
 from server.adapters.expert_weights import map_keys
-from server.adapters.fused_experts import QuantizedExperts, quantize_loaded_experts
+from server.adapters.fused_experts import QuantizedExperts
+from server.adapters.gpt_oss_experts import QuantizedGptOssExperts
 from server.memory import model_sizes
-from server.quantization import Quant, quantize_loaded, resident_bytes
+from server.quantization import Quant, resident_bytes
 from server.weights import Checkpoint
-from tests.kit.checkpoints import MOE_FAMILIES, build_tiny_moe
+from tests.kit.checkpoints import MOE_FAMILIES
+from tests.kit.families import cli_swarm_model, quantized_reference
 from tests.kit.reference import PROMPT, reference_sample
-from tests.kit.swarms import SERVER_ARGS
-from tests.kit.threads import single_torch_thread
 from tests.server.test_batching import _alone_and_together
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.usefixtures("one_torch_thread")]
 FAMILIES = list(MOE_FAMILIES)
 ATOL = 1e-4
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    with single_torch_thread():
-        yield
-
-
-@pytest.fixture(scope="module")
-def family_paths(tmp_path_factory):
-    made: dict[str, Path] = {}
-
-    def get(model_type: str) -> Path:
-        if model_type not in made:
-            made[model_type] = build_tiny_moe(tmp_path_factory.mktemp("moe") / model_type, model_type)
-        return made[model_type]
-
-    return get
-
-
-@pytest.fixture(scope="module")
-def references(family_paths):
-    made = {}
-
-    def get(model_type: str):
-        if model_type not in made:
-            made[model_type] = AutoModelForCausalLM.from_pretrained(
-                family_paths(model_type), dtype=torch.float32
-            ).eval()
-        return made[model_type]
-
-    return get
 
 
 def _spans(path: Path, bounds: list[tuple[int, int]], quant: Quant = Quant.NONE):
@@ -142,15 +110,6 @@ def test_memory_plan_counts_the_experts_and_the_cache(family_paths, references, 
     assert held == 10 * span.cache_bytes_per_token() == 10 * 2 * sizes.cache_bytes_per_token
 
 
-def quantized_reference(path: Path, quant: Quant):
-    """transformers' float model with its fused experts and linears quantized by the servers' own
-    recipe (transformers' bitsandbytes path leaves fused experts in float)."""
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    quantize_loaded_experts(model.model.layers, quant, torch.float32)
-    quantize_loaded(model.model.layers, quant, torch.float32)
-    return model
-
-
 @pytest.mark.parametrize("quant", [Quant.INT8, Quant.NF4], ids=["int8", "nf4"])
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_quantized_spans_equal_the_same_quantization_in_one_process(family_paths, model_type, quant):
@@ -160,9 +119,10 @@ def test_quantized_spans_equal_the_same_quantization_in_one_process(family_paths
     path = family_paths(model_type)
     reference = quantized_reference(path, quant)
     spans = _spans(path, [(0, 2), (2, 4)], quant)
-    # gpt_oss's experts (gate/up interleaved, with biases and a clamp) stay in float; its attention is quantized
-    quantized_experts = any(isinstance(m, QuantizedExperts) for m in spans[1].layers.modules())
-    assert quantized_experts == (model_type != "gpt_oss")
+    # gpt_oss's experts (transposed, with biases, gate/up interleaved and clamped) have a split of their own
+    kind = QuantizedGptOssExperts if model_type == "gpt_oss" else QuantizedExperts
+    assert sum(isinstance(m, kind) for m in spans[1].layers.modules()) == 2
+    assert not any(isinstance(m, torch.nn.Parameter) and m.ndim == 3 for m in spans[1].layers.parameters())
     caches = [span.new_cache() for span in spans]
     ids = torch.randint(0, 2000, (1, 12), generator=torch.Generator().manual_seed(9))
     with torch.no_grad():
@@ -179,13 +139,6 @@ def test_an_unsupported_family_is_refused_naming_it_and_the_supported_ones():
 
     with pytest.raises(ValueError, match=r"model type 'falcon' is not supported yet; supported: \[.*'gpt_oss'"):
         adapter_class(FalconConfig())
-
-
-def test_an_mxfp4_checkpoint_is_refused_by_name(family_paths):
-    config = AutoConfig.from_pretrained(family_paths("gpt_oss"))
-    config.quantization_config = {"quant_method": "mxfp4"}
-    with pytest.raises(ValueError, match="MXFP4 checkpoints"):
-        load_span(config, Checkpoint(str(family_paths("gpt_oss"))), 0, 2, torch.float32, "cpu", Quant.NONE)
 
 
 def test_an_expert_missing_from_the_checkpoint_is_named(family_paths):
@@ -211,31 +164,17 @@ SWARM_SPANS = {
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def served(request, family_paths, references, artifacts_dir):
-    from swarm import AutoDistributedModelForCausalLM
-    from swarm.local import LocalSwarm
     from tests.kit.checkpoints import build_random_drafter
 
     model_type = request.param
     path = family_paths(model_type)
-    drafting = []  # gpt_oss has no EAGLE tail drafter yet (server/tail_drafter.py refuses it by name)
-    if model_type != "gpt_oss":
-        drafter = build_random_drafter(path, path.parent / f"{model_type}-eagle.safetensors")
-        drafting = ["--drafter", str(drafter), "--drafter-tokens", "4"]
-    swarm = LocalSwarm(
-        str(path),
-        # a second head and a second tail: the substitutes of spot-checks and verdict audits
-        spans=[*SWARM_SPANS[model_type], SWARM_SPANS[model_type][0], SWARM_SPANS[model_type][-1]],
-        server_args=[*SERVER_ARGS, *drafting],
-        log_dir=str(artifacts_dir / f"moe-{model_type}"),
-    )
-    with swarm:
-        model = AutoDistributedModelForCausalLM.from_pretrained(
-            str(path), initial_peers=swarm.initial_peers, verdict_audit_every=4
-        )
-        try:
-            yield model_type, model, references(model_type)
-        finally:
-            model.shutdown()
+    drafter = build_random_drafter(path, path.parent / f"{model_type}-eagle.safetensors")
+    drafting = ["--drafter", str(drafter), "--drafter-tokens", "4"]
+    # a second head and a second tail: the substitutes of spot-checks and verdict audits
+    spans = [*SWARM_SPANS[model_type], SWARM_SPANS[model_type][0], SWARM_SPANS[model_type][-1]]
+    log_dir = artifacts_dir / f"moe-{model_type}"
+    with cli_swarm_model(path, spans, log_dir, drafting, verdict_audit_every=4) as model:
+        yield model_type, model, references(model_type)
 
 
 def test_swarm_generation_equals_transformers(served, monkeypatch):
@@ -258,8 +197,6 @@ def test_swarm_generation_equals_transformers(served, monkeypatch):
         dict(speculation="suffix+tail", draft_lap_costs=(1.0, 0.0)),
     )
     for extra in modes:
-        if model_type == "gpt_oss" and "tail" in str(extra["speculation"]):
-            continue  # no tail drafter for gpt_oss yet
         output = model.generate(prompt, max_new_tokens=20, **extra)
         assert output.tolist() == expected.tolist(), (model_type, extra)
         if extra["speculation"] == "tail":  # the tail's EAGLE head (a decoder layer of the family's own class) drafted
@@ -296,27 +233,16 @@ def test_concurrent_sessions_batched_on_the_servers_each_equal_transformers(serv
 def test_quantized_swarm_equals_the_same_quantization_in_one_process(family_paths, artifacts_dir, model_type, quant):
     """Servers started with ``--quant``: greedy generation, with and without suffix drafting, equals
     one process quantized by the same recipe."""
-    from swarm import AutoDistributedModelForCausalLM
-    from swarm.local import LocalSwarm
 
     path = family_paths(model_type)
     reference = quantized_reference(path, quant)
     prompt = torch.tensor(PROMPT)
     expected = reference.generate(prompt, max_new_tokens=16, do_sample=False)
-    swarm = LocalSwarm(
-        str(path),
-        spans=[(0, 2), (2, 4)],
-        server_args=[*SERVER_ARGS, "--quant", quant.value],
-        log_dir=str(artifacts_dir / f"moe-{model_type}-{quant.value}"),
-    )
-    with swarm:
-        model = AutoDistributedModelForCausalLM.from_pretrained(str(path), initial_peers=swarm.initial_peers)
-        try:
-            for speculation in (None, "suffix"):
-                output = model.generate(prompt, max_new_tokens=16, speculation=speculation)
-                assert output.tolist() == expected.tolist(), speculation
-        finally:
-            model.shutdown()
+    log_dir = artifacts_dir / f"moe-{model_type}-{quant.value}"
+    with cli_swarm_model(path, [(0, 2), (2, 4)], log_dir, ["--quant", quant.value]) as model:
+        for speculation in (None, "suffix"):
+            output = model.generate(prompt, max_new_tokens=16, speculation=speculation)
+            assert output.tolist() == expected.tolist(), speculation
 
 
 def fp8_like_the_hub(src: Path, dst: Path, block: int = 16) -> None:
@@ -380,13 +306,20 @@ def test_deepseek_v3_fp8_checkpoint_loads_dequantized_as_transformers_does(famil
     torch.testing.assert_close(_run(spans, [s.new_cache() for s in spans], ids, 0), expected, rtol=0, atol=ATOL)
 
 
-SHIPPED = {"mixtral-8x22b": "mixtral", "qwen3-235b-a22b": "qwen3_moe", "deepseek-v3": "deepseek_v3"}
+SHIPPED = {
+    "mixtral-8x22b": "mixtral",
+    "qwen3-235b-a22b": "qwen3_moe",
+    "deepseek-v3": "deepseek_v3",
+    "gpt-oss-20b": "gpt_oss",
+    "gpt-oss-120b": "gpt_oss",
+}
 
 
 @pytest.mark.parametrize("alias", list(SHIPPED))
 def test_shipped_configs_plan_the_published_shapes_offline(alias):
     """The aliases' published configs ship with the package (--plan-only answers offline); an nf4
-    block holds at least its routed experts as one NF4 linear per expert and projection."""
+    block holds at least its routed experts as one NF4 linear per expert and projection (gpt-oss's,
+    MXFP4 as published, with their biases in bfloat16)."""
     from protocol.models import ALIASES, shipped_config_dir
     from server.quantization import estimate_linear_bytes
 
@@ -395,12 +328,16 @@ def test_shipped_configs_plan_the_published_shapes_offline(alias):
     assert config.model_type == SHIPPED[alias]
     experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
     experts = experts or config.n_routed_experts
-    inner = config.intermediate_size if config.model_type == "mixtral" else config.moe_intermediate_size
+    inner = config.intermediate_size if config.model_type in ("mixtral", "gpt_oss") else config.moe_intermediate_size
     hidden = config.hidden_size
     routed = experts * (
         estimate_linear_bytes(2 * inner, hidden, Quant.NF4, torch.bfloat16)
         + estimate_linear_bytes(hidden, inner, Quant.NF4, torch.bfloat16)
     )
+    if config.model_type == "gpt_oss":
+        assert config.quantization_config["quant_method"] == "mxfp4"
+        assert config.layer_types == ["sliding_attention", "full_attention"] * (config.num_hidden_layers // 2)
+        routed += experts * 2 * (2 * inner + hidden)
     sizes = model_sizes(config, torch.bfloat16, Quant.NF4)
     assert routed < sizes.block_bytes < 1.25 * routed
     if config.model_type == "deepseek_v3":  # the latent (512) and rotary key (64) per token, bfloat16
@@ -449,32 +386,21 @@ def test_v3_mtp_tail_drafts_leave_the_output_unchanged(v3_mtp_path, artifacts_di
     """Servers started with the default ``--drafter auto`` draft with the checkpoint's MTP layer:
     greedy and seeded sampling equal transformers, and the tail drafted."""
     from protocol.messages import SamplingParams
-    from swarm import AutoDistributedModelForCausalLM
-    from swarm.local import LocalSwarm
 
     reference = AutoModelForCausalLM.from_pretrained(v3_mtp_path, dtype=torch.float32).eval()
     prompt = torch.tensor(PROMPT)
     expected = reference.generate(prompt, max_new_tokens=16, do_sample=False)
     sampling = dict(do_sample=True, temperature=0.8, top_p=0.9, seed=1234)
     truth = reference_sample(reference, PROMPT[0], 16, SamplingParams(**sampling))
-    swarm = LocalSwarm(
-        str(v3_mtp_path),
-        spans=[(0, 2), (2, 4)],
-        server_args=[*SERVER_ARGS, "--drafter-tokens", "3"],
-        log_dir=str(artifacts_dir / "moe-deepseek-v3-mtp"),
-    )
-    with swarm:
-        model = AutoDistributedModelForCausalLM.from_pretrained(str(v3_mtp_path), initial_peers=swarm.initial_peers)
-        try:
-            for speculation in ("tail", "suffix+tail"):
-                fixed = dict(draft_lap_costs=(1.0, 0.0))  # the cost model cuts no tail draft
-                output = model.generate(prompt, max_new_tokens=16, speculation=speculation, **fixed)
-                assert output.tolist() == expected.tolist(), speculation
-                assert model.last_generation_stats.drafted > 0
-                output = model.generate(prompt, max_new_tokens=16, speculation=speculation, **sampling)
-                assert output[0, prompt.shape[1] :].tolist() == truth, speculation
-        finally:
-            model.shutdown()
+    log_dir = artifacts_dir / "moe-deepseek-v3-mtp"
+    with cli_swarm_model(v3_mtp_path, [(0, 2), (2, 4)], log_dir, ["--drafter-tokens", "3"]) as model:
+        for speculation in ("tail", "suffix+tail"):
+            fixed = dict(draft_lap_costs=(1.0, 0.0))  # the cost model cuts no tail draft
+            output = model.generate(prompt, max_new_tokens=16, speculation=speculation, **fixed)
+            assert output.tolist() == expected.tolist(), speculation
+            assert model.last_generation_stats.drafted > 0
+            output = model.generate(prompt, max_new_tokens=16, speculation=speculation, **sampling)
+            assert output[0, prompt.shape[1] :].tolist() == truth, speculation
 
 
 def test_spot_checks_and_verdict_audits_find_honest_servers_agree(served):
@@ -491,3 +417,24 @@ def test_spot_checks_and_verdict_audits_find_honest_servers_agree(served):
     assert stats.liars_excluded == [] and stats.tokens_retracted == 0
     assert stats.spot_checks_undecided == 0 and stats.spot_checks_failed == 0
     assert stats.verdict_audits > 0 and stats.verdict_audits_failed == 0 and stats.verdict_audits_undecided == 0
+
+
+def test_a_gpt_oss_eagle_head_attends_through_sinks_in_pieces_as_in_one_pass(family_paths, tmp_path):
+    """gpt_oss's EAGLE head is one of its own decoder layers under eager attention (its sinks), fed
+    additive masks: a chain computed in two pieces over its cache equals the chain in one pass."""
+    from server.adapters.llama import _causal_mask
+    from server.tail_drafter import load_drafter
+    from tests.kit.checkpoints import build_random_drafter
+
+    path = family_paths("gpt_oss")
+    net, _ = load_drafter(build_random_drafter(path, tmp_path / "eagle.safetensors"), AutoConfig.from_pretrained(path))
+    assert net.additive_masks and hasattr(net.layer.self_attn, "sinks")
+    generator = torch.Generator().manual_seed(2)
+    features, embeds = torch.randn(1, 6, 64, generator=generator), torch.randn(1, 6, 64, generator=generator)
+    cpu = torch.device("cpu")
+    with torch.no_grad():
+        whole = net(features, embeds, torch.arange(6)[None], None, _causal_mask(0, 6, cpu))
+        cache = net.new_cache()
+        first = net(features[:, :4], embeds[:, :4], torch.arange(4)[None], cache, _causal_mask(0, 4, cpu))
+        second = net(features[:, 4:], embeds[:, 4:], torch.arange(4, 6)[None], cache, _causal_mask(4, 2, cpu))
+    torch.testing.assert_close(torch.cat([first, second], dim=1), whole, rtol=0, atol=1e-5)
