@@ -113,7 +113,8 @@ class TextGeneration:
             scored: list[Optional[TokenLogprobs]] = []
             if params.prompt_logprobs >= 0:
                 async with served.forward_slots:
-                    scored = await prompt_logprobs(served.model, params.prompt_ids, params.prompt_logprobs)
+                    audit = params.sampling.get("audit", "warn")
+                    scored = await prompt_logprobs(served.model, params.prompt_ids, params.prompt_logprobs, audit)
             yield Delta(params.echo, list(params.prompt_ids), scored, echo=True)
         if params.max_tokens == 0:  # echo alone: scoring a text, nothing to generate
             self.finish_reason = "length"

@@ -1,0 +1,136 @@
+"""Forward passes audited on a second route (issue 35; docs/reliability.md, "Forward passes and log-probs").
+
+Live: a tiny-model swarm of two heads H, G (blocks 0:3) and two tails T, U (3:6), honest, and a
+tail L (3:6) run through tests/kit/faulty_server.py with ``--lie-in-outputs``: the logits it returns
+carry +3 on each row's second choice (its verdicts stay honest). Every client audits every pass
+(``output_audit_rate=1.0``) and prefers routes through L while it runs.
+
+- honest: every pass confirmed by an independent route, no dispute; logits equal local transformers;
+- L, nobody trusted: the dispute is narrowed to the tail hop, L and the audit's tail are avoided, the
+  pass recomputed on H + the third tail: logits equal local transformers, flagged unconfirmed (a
+  warning), and ``audit="required"`` raises; nobody convicted;
+- L, with G, T and U trusted: the trusted route settles it, L alone is convicted;
+- through the gateway: ``echo`` log-probs equal local transformers', and "required" is a 502.
+
+Every server listens on 127.0.0.1, which the client treats as the user's own machine, one group per
+peer id (client/_witnesses.py), so each is independent of the others.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from client._output_audits import OutputAuditor
+from client.errors import UnconfirmedOutputsError, UnconfirmedOutputsWarning
+from swarm.api.prompt_logprobs import score_tokens
+from swarm.local import LocalSwarm
+from tests.hostile.test_sybils import _post, client, stop
+from tests.kit.faulty_server import faulty
+from tests.kit.reference import PROMPT
+from tests.kit.swarms import SERVER_ARGS
+
+HONEST = {"H": (0, 3), "G": (0, 3), "T": (3, 6), "U": (3, 6)}
+LIAR_SHIFT = "3"
+
+
+def start_liar(swarm, name: str) -> list:
+    """A tail of blocks 3:6 whose returned logits lie (its verdicts stay honest). Each test names its
+    own: a convicted one is reported in the DHT, and later clients route around its name's peer id."""
+    return [swarm.start_server(3, 6, name=name, launcher=faulty("--lie-in-outputs", LIAR_SHIFT))]
+
+
+def route(head: str, tail: str) -> list[tuple[str, int, int]]:
+    return [(head, 0, 3), (tail, 3, 6)]
+
+
+@pytest.fixture(scope="module")
+def pair_swarm(tiny_llama_path, artifacts_dir):
+    with LocalSwarm(
+        str(tiny_llama_path),
+        spans=list(HONEST.values()),
+        names=list(HONEST),
+        server_args=SERVER_ARGS,
+        log_dir=str(artifacts_dir / "output-audit-swarm"),
+    ) as swarm:
+        yield swarm
+
+
+@pytest.fixture(scope="module")
+def reference_logits(tiny_reference):
+    with torch.no_grad():
+        return tiny_reference(torch.tensor(PROMPT)).logits[0]
+
+
+def audited(model, trusted=()) -> OutputAuditor:
+    """Every forward pass of ``model`` audited, with these servers (by name) trusted."""
+    model.output_audits = OutputAuditor(model.swarm, 1.0, [model.peers[name] for name in trusted])
+    return model.output_audits
+
+
+def test_honest_passes_are_confirmed_and_never_disputed(pair_swarm, tiny_llama_path, reference_logits):
+    with client(pair_swarm, tiny_llama_path, route("H", "T"), route("G", "U")) as model:
+        audits = audited(model)
+        for _ in range(3):
+            logits = model(torch.tensor(PROMPT), audit="required").logits[0]
+            torch.testing.assert_close(logits, reference_logits, rtol=1e-4, atol=1e-4)
+        stats = audits.stats
+        assert stats.passes == stats.audited == stats.confirmed_untrusted == 3, stats.events
+        assert stats.disputes == 0 and stats.unconfirmed == 0 and stats.convicted == [] and stats.events == []
+
+
+def test_a_logit_liar_is_flagged_and_recomputed_elsewhere_or_convicted_by_trusted_servers(
+    pair_swarm, tiny_llama_path, reference_logits
+):
+    processes = start_liar(pair_swarm, "L")
+    try:
+        routes = (route("H", "L"), route("G", "T"), route("H", "U"))
+        with client(pair_swarm, tiny_llama_path, *routes) as model:
+            audits = audited(model)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                logits = model(torch.tensor(PROMPT)).logits[0]
+            print(f"\nlogit liar, nobody trusted: {audits.stats.events}")
+            torch.testing.assert_close(logits, reference_logits, rtol=1e-4, atol=1e-4)  # recomputed on H + T or U
+            assert any(issubclass(w.category, UnconfirmedOutputsWarning) for w in caught)
+            stats = audits.stats
+            assert stats.disputes == 1 and stats.unconfirmed == 1 and stats.convicted == []
+            assert model.peers["L"] in stats.disputed_peers and len(stats.disputed_peers) == 2  # L and one tail
+            assert not {model.peers["H"], model.peers["G"]} & set(stats.disputed_peers)  # narrowed to the tail hop
+            assert not model.swarm.liars
+            with pytest.raises(UnconfirmedOutputsError, match="unconfirmed"):
+                model(torch.tensor(PROMPT), audit="required")
+            # G, T and U trusted: the audit route is trusted, the narrowing convicts L alone
+            audits = audited(model, trusted=("G", "T", "U"))
+            logits = model(torch.tensor(PROMPT), audit="required").logits[0]
+            torch.testing.assert_close(logits, reference_logits, rtol=1e-4, atol=1e-4)
+            print(f"logit liar, G T U trusted: {audits.stats.events}")
+            assert audits.stats.convicted == [model.peers["L"]] and audits.stats.confirmed_trusted == 1
+            assert model.swarm.liars == {model.peers["L"]}
+    finally:
+        stop(pair_swarm, processes)
+
+
+def test_echo_logprobs_with_a_liar_among_the_tails_equal_the_honest_ones(pair_swarm, tiny_llama_path, reference_logits):
+    from swarm.api import Gateway, GatewayConfig
+    from tests.api.test_api import GatewayThread
+
+    processes = start_liar(pair_swarm, "L2")
+    try:
+        with client(pair_swarm, tiny_llama_path, route("H", "L2"), route("G", "T"), route("H", "U")) as model:
+            audited(model)
+            honest = score_tokens(reference_logits[:-1], PROMPT[0][1:], 3)
+            with GatewayThread(Gateway({"tiny": model}, GatewayConfig())) as served:
+                body = {"model": "tiny", "prompt": PROMPT[0], "max_tokens": 0, "echo": True, "logprobs": 3}
+                status, reply = _post(f"{served.url}/completions", body)
+                assert status == 200, reply
+                scored = reply["choices"][0]["logprobs"]["token_logprobs"]
+                assert scored[0] is None and len(scored) == len(PROMPT[0])
+                assert scored[1:] == pytest.approx([entry.logprob for entry in honest], abs=1e-4)
+                status, reply = _post(f"{served.url}/completions", {**body, "audit": "required"})
+                assert status == 502 and reply["error"]["code"] == "tokens_unconfirmed", reply
+                assert "forward pass" in reply["error"]["message"]
+    finally:
+        stop(pair_swarm, processes)
