@@ -6,7 +6,8 @@ all honest and of one dtype. The same ids go through both routes as separate ses
 in one Step, B in Steps of 16 positions, and B's pass runs beside two other sessions of other lengths
 (so its server batches them). Prints ``relative_difference`` (client/_spot_checks.py) of the two
 routes' logits for every position, the largest of several prompts: the figure the output audits'
-tolerance must stay above.
+tolerance must stay above; and the largest absolute difference of the top-20 log-probs (log-softmax) of a
+position, which verdicts return with ``num_logprobs``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+
+import torch
 
 from client import _loop
 from client._forward import prefill_outputs
@@ -57,7 +60,7 @@ def main() -> None:
             by = servers_by_name(model, n)
             route_a = [Hop(by["A"].peer_id, 0, n)]
             route_b = [Hop(by[name].peer_id, s, e) for name, (s, e) in zip(names[1:], thirds)]
-            rng, worst = random.Random(0), 0.0
+            rng, worst, worst_lp = random.Random(0), 0.0, 0.0
             vocab = model.config.vocab_size
             for k in range(args.prompts):
                 ids = [rng.randrange(vocab) for _ in range(args.length)]
@@ -73,9 +76,18 @@ def main() -> None:
                 a, b = _loop.run(both())
                 rows = [relative_difference(a[i], b[i]) for i in range(len(ids))]
                 worst = max(worst, max(rows))
+                la, lb = torch.log_softmax(a.float(), -1), torch.log_softmax(b.float(), -1)
+                top = la.topk(20, dim=-1).indices  # the log-probs a verdict returns (top-K, K <= 20)
+                lp = float((la.gather(1, top) - lb.gather(1, top)).abs().max())
+                worst_lp = max(worst_lp, lp)
                 median = sorted(rows)[len(rows) // 2]
-                print(f"prompt {k}: max {max(rows):.3g}, median {median:.3g} over {len(ids)} positions")
-            print(f"{args.dtype}: largest relative difference {worst:.3g}")
+                print(
+                    f"prompt {k}: max {max(rows):.3g}, median {median:.3g} over {len(ids)} positions; "
+                    f"top-20 log-probs {lp:.3g}"
+                )
+            print(
+                f"{args.dtype}: largest relative difference {worst:.3g}; of a top-20 log-prob {worst_lp:.3g} (absolute)"
+            )
         finally:
             model.shutdown()
 

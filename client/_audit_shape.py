@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 class LiveShape:
     num_draft_tokens: int = 8  # the most drafts a live lap carries (generate(num_draft_tokens=...))
     drafts: list[int] = field(default_factory=list)  # drafts each live lap carried, in order
+    num_logprobs: int = 0  # top log-probs each live Step asks for (audit Steps ask for as many)
+    logprobs: list = field(default_factory=list)  # the live verdicts' log-probs, one per generated token
 
     def saw_lap(self, drafts: int) -> None:
         """A live lap's verdict arrived; it carried ``drafts`` drafts."""

@@ -140,7 +140,7 @@ class SpeculativeDecoder(Reverification):
             self.drafter.reset(self.state.history)
         self._prompt_len = len(prompt)
         if self.audits is not None:
-            live = LiveShape(self.num_draft_tokens)
+            live = LiveShape(self.num_draft_tokens, num_logprobs=self.num_logprobs, logprobs=self.logprobs)
             self.audits.begin(prompt, self.state.max_length, self.sampling, self.verification, live)
         if self.state.remote is not None:  # an inference session's route from an earlier call
             self._route_peers.update(hop.peer_id for hop in self.state.remote.route)

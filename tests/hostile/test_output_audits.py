@@ -134,3 +134,56 @@ def test_echo_logprobs_with_a_liar_among_the_tails_equal_the_honest_ones(pair_sw
                 assert "forward pass" in reply["error"]["message"]
     finally:
         stop(pair_swarm, processes)
+
+
+NEW_TOKENS = 24
+
+
+def honest_logprobs(tiny_reference, tokens: list[int], k: int) -> list[tuple[int, float, list[int]]]:
+    """(token, its log-prob, the top-k ids) at each generated position, from local transformers."""
+    ids = torch.tensor([PROMPT[0] + tokens])
+    with torch.no_grad():
+        rows = torch.log_softmax(tiny_reference(ids).logits[0].float(), dim=-1)[len(PROMPT[0]) - 1 : -1]
+    return [(t, float(row[t]), row.topk(k).indices.tolist()) for t, row in zip(tokens, rows)]
+
+
+def generate_with_logprobs(model, **kwargs) -> tuple[list[int], list]:
+    out = model.generate(torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS, num_logprobs=3, spot_check_rate=0.0, **kwargs)
+    return out[0, len(PROMPT[0]) :].tolist(), model.last_logprobs
+
+
+def assert_honest(entries, tokens, tiny_reference) -> None:
+    expected = honest_logprobs(tiny_reference, tokens, 3)
+    assert len(entries) == len(tokens)
+    for entry, (token, logprob, top) in zip(entries, expected):
+        assert entry.token_id == token and entry.top_ids == top
+        assert entry.logprob == pytest.approx(logprob, abs=1e-4)
+
+
+def test_verdict_logprobs_are_audited_by_the_shadow(pair_swarm, tiny_llama_path, tiny_reference):
+    """A tail whose verdicts' log-probs carry +0.5 (its tokens honest): the shadow, asking for the
+    same top-K, disputes it; nobody trusted: avoided, re-verified elsewhere, the log-probs returned
+    are honest; T and U trusted: convicted. Honest tails never dispute over log-probs."""
+    routes = (route("H", "T"), route("G", "U"))
+    with client(pair_swarm, tiny_llama_path, *routes) as model:
+        tokens, entries = generate_with_logprobs(model, audit="required")
+        stats = model.last_generation_stats
+        assert stats.verdict_audits >= 1 and stats.disputed_peers == [] and stats.liars_excluded == []
+        assert_honest(entries, tokens, tiny_reference)
+    processes = [pair_swarm.start_server(3, 6, name="LP", launcher=faulty("--lie-in-logprobs", "0.5"))]
+    try:
+        with client(pair_swarm, tiny_llama_path, route("H", "LP"), route("G", "T"), route("H", "U")) as model:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the re-verified tokens may be left without a second tail
+                tokens, entries = generate_with_logprobs(model)
+            stats = model.last_generation_stats
+            print(f"\nlog-prob liar, nobody trusted: {stats.spot_check_events}")
+            assert model.peers["LP"] in stats.disputed_peers and stats.liars_excluded == []
+            assert_honest(entries, tokens, tiny_reference)
+            tokens, entries = generate_with_logprobs(model, trusted_peers=[model.peers["T"], model.peers["U"]])
+            stats = model.last_generation_stats
+            print(f"log-prob liar, T U trusted: {stats.spot_check_events}")
+            assert stats.liars_excluded == [model.peers["LP"]]
+            assert_honest(entries, tokens, tiny_reference)
+    finally:
+        stop(pair_swarm, processes)
