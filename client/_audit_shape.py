@@ -6,7 +6,10 @@ only where audits look (tests/kit/faults.py ``frame``). So the verdict audits an
 send Steps with what a tail sees of a live lap: as many drafts as a live lap of the same generation
 carried (drawn from the counts its own laps carried, never more than ``num_draft_tokens``), a next
 token confirmed per Step as a live lap commits one, and the generation's session ``max_length``
-(client/_verdict_audits.py). Not yet ``loop_runs``: live laps ask the tail to start the next run
+(client/_verdict_audits.py). Live laps ask for at least ``LIVE_TOP_LOGPROBS`` top log-prob per
+committed token (a few bytes each), so that spot-checks verify through an ordinary verdict and
+compare its log-probs, never asking for the returned logits no live lap asks for
+(client/_spot_checks.py). Not yet ``loop_runs``: live laps ask the tail to start the next run
 itself, and an audit that did so would race the tail's runs with its own next Step; a tail can
 tell an audit by ``loop_runs == 0`` where live laps loop (docs/reliability.md).
 """
@@ -15,6 +18,8 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+
+LIVE_TOP_LOGPROBS = 1  # the fewest top log-probs a live Step asks for (num_logprobs may ask more)
 
 
 @dataclass

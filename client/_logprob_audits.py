@@ -50,6 +50,24 @@ def entries_agree(a: TokenLogprobs, b: TokenLogprobs, tol: float) -> bool:
     return True
 
 
+def verdict_difference(a, b, tol: float) -> float:
+    """How far two verdicts on the same Step (StepResults) are apart: infinite when they accept
+    other counts, name other next tokens, carry other numbers of log-prob entries or entries that do
+    not agree within ``tol`` (:func:`entries_agree`); else the largest difference of a log-prob both
+    name (spot-checks compare two routes' verdicts with this: client/_spot_checks.py)."""
+    inf = float("inf")
+    if a.accepted != b.accepted or a.next_token != b.next_token or len(a.logprobs or ()) != len(b.logprobs or ()):
+        return inf
+    worst = 0.0
+    for x, y in zip(a.logprobs or (), b.logprobs or ()):
+        if not entries_agree(x, y, tol):
+            return inf
+        theirs = dict(zip(y.top_ids, y.top_logprobs))
+        shared = [abs(v - theirs[i]) for i, v in zip(x.top_ids, x.top_logprobs) if i in theirs]
+        worst = max(worst, abs(x.logprob - y.logprob), *shared)
+    return worst
+
+
 def first_disagreement(
     live: Sequence[TokenLogprobs], offset: int, shadow: Optional[Sequence[TokenLogprobs]], count: int, tol: float
 ) -> Optional[tuple[int, str]]:

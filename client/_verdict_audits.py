@@ -301,7 +301,7 @@ class VerdictAuditor(BackgroundAudit):
         that must not convict an honest tail. A hop without a second server of its blocks and
         precision cannot be checked and counts as clean; a hop the spot-check convicts is convicted."""
         checker = SpotChecker(self.swarm, 1.0, self.vocab_size, rng=self.rng, witnesses=self.witnesses)
-        checker.max_length = self.max_length
+        checker.max_length, checker.sampling, checker.live = self.max_length, self.sampling, self.live
         for index in range(len(route) - 1):
             found = alternatives(route, index, self.swarm.records, self._excluded(), len(ids))
             if not found:
@@ -379,8 +379,9 @@ class Audits:
         verification: str,
         live: Optional[LiveShape] = None,
     ) -> None:
-        if self.spot is not None:
-            self.spot.max_length = max_length  # its sessions are as long as the generation's
+        if self.spot is not None:  # its sessions are as long as the generation's, its Steps shaped as its laps
+            self.spot.max_length, self.spot.sampling = max_length, sampling
+            self.spot.live = live or self.spot.live
         if self.verdicts is not None:
             self.verdicts.begin(prompt, max_length, sampling, verification, live)
 

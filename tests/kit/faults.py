@@ -272,11 +272,15 @@ LIVE_DRAFTS = 8  # the most drafts a live lap carries with the client's defaults
 
 def looks_like_an_audit(session, step) -> bool:
     """The frame fault's detector, from what a hostile tail can see of a Step: more drafts than a
-    live lap carries (shadow Steps before they were cut to live size), or drafts in a Step that ends
-    at its session's last position (a third opinion's session used to end at the disputed position).
+    live lap carries (shadow Steps before they were cut to live size), drafts in a Step that ends at
+    its session's last position (a third opinion's session used to end at the disputed position), or
+    returned logits (spot-checks asked for the last position's; forward passes do, and their verdicts
+    decide nothing).
     tests/hostile/test_sybils.py asserts it is False on every audit Step the client sends."""
-    return step.n_draft > LIVE_DRAFTS or (
-        step.n_draft > 0 and step.start_pos + len(step.token_ids) == session.max_length
+    return (
+        step.n_draft > LIVE_DRAFTS
+        or (step.n_draft > 0 and step.start_pos + len(step.token_ids) == session.max_length)
+        or step.return_logits > 0  # a generation's live laps never ask for returned logits; spot-checks used to
     )
 
 
@@ -356,6 +360,7 @@ def step_features(session, step) -> dict:
         "n_draft": step.n_draft,
         "loop_runs": step.loop_runs,
         "return_logits": step.return_logits,
+        "top_logprobs": step.top_logprobs,
         "ends_session": step.start_pos + len(step.token_ids) == session.max_length,
         "looks_like_an_audit": looks_like_an_audit(session, step),
     }
