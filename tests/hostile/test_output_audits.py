@@ -23,8 +23,11 @@ import warnings
 import pytest
 import torch
 
-from client._output_audits import OutputAuditor
+from client._logprob_audits import entries_agree, logprob_tolerance, verdict_difference
+from client._output_audits import OutputAuditor, check_output_audit_rate, output_tolerance
 from client.errors import UnconfirmedOutputsError, UnconfirmedOutputsWarning
+from protocol.messages import Hop, StepResult, TokenLogprobs
+from protocol.records import ServerInfo
 from swarm.api.prompt_logprobs import score_tokens
 from swarm.local import LocalSwarm
 from tests.hostile.test_sybils import _post, client, stop
@@ -44,6 +47,36 @@ def start_liar(swarm, name: str) -> list:
 
 def route(head: str, tail: str) -> list[tuple[str, int, int]]:
     return [(head, 0, 3), (tail, 3, 6)]
+
+
+def test_rates_and_bounds():
+    assert check_output_audit_rate(0.1) == 0.1 and check_output_audit_rate(1) == 1.0
+    for bad in (-0.1, 1.5, True, "0.1"):
+        with pytest.raises(ValueError, match="output_audit_rate"):
+            check_output_audit_rate(bad)
+
+    def info(peer, dtype="float32", quant="none"):
+        return ServerInfo(peer_id=peer, model="m", start_block=0, end_block=6, dtype=dtype, quantization=quant)
+
+    records = {"a": info("a"), "b": info("b", "bfloat16"), "q": info("q", quant="int8")}
+    hops = [Hop("a", 0, 3), Hop("b", 3, 6)]
+    assert output_tolerance(hops[:1], records) == 1e-3 and output_tolerance(hops, records) == 0.08
+    assert output_tolerance([Hop("q", 0, 6)], records) == output_tolerance([Hop("gone", 0, 6)], records) == 0.15
+    assert logprob_tolerance([records["a"]]) == 1e-3 and logprob_tolerance([records["a"], records["b"]]) == 0.64
+    assert logprob_tolerance([None]) == 1.0
+
+
+def test_log_prob_entries_agree_within_the_bound_and_near_ties_may_swap():
+    honest = TokenLogprobs(7, -0.5, [7, 3, 9], [-0.5, -1.2, -3.0])
+    assert entries_agree(honest, TokenLogprobs(7, -0.5004, [7, 3, 9], [-0.5004, -1.2, -3.0]), 1e-3)
+    assert not entries_agree(honest, TokenLogprobs(7, 0.0, [7, 3, 9], [0.0, -0.7, -2.5]), 1e-3)  # shifted
+    assert not entries_agree(honest, TokenLogprobs(8, -0.5, [7, 3, 9], [-0.5, -1.2, -3.0]), 1e-3)  # another token
+    assert entries_agree(honest, TokenLogprobs(7, -0.5, [7, 3, 4], [-0.5, -1.2, -3.0]), 1e-3)  # a tie at the K-th
+    assert not entries_agree(honest, TokenLogprobs(7, -0.5, [7, 4, 9], [-0.5, -1.2, -3.0]), 1e-3)  # 3 vanished
+    a = StepResult(session_id="s", run_id=0, accepted=2, next_token=5, logprobs=[honest])
+    assert verdict_difference(a, a, 1e-3) == 0.0
+    other = StepResult(session_id="s", run_id=0, accepted=1, next_token=5, logprobs=[honest])
+    assert verdict_difference(a, other, 1e-3) == float("inf")
 
 
 @pytest.fixture(scope="module")
