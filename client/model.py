@@ -27,7 +27,7 @@ from client import _loop
 from client._calls import DEFAULT_MAX_LENGTH, Call, check_audit_every, context_limit, one_call_session, plan_call
 from client._confirmation import check_audit_policy
 from client._drafter_choice import call_drafter
-from client._forward import forward_batch, forward_row
+from client._forward import RowOutputs, forward_batch, forward_row
 from client._generation import GenerationStats, SessionState, SpeculativeDecoder
 from client._masks import causal_lm_loss, checked_ids, checked_mask, kept_columns, kept_width, unpadded
 from client._options import GenerationOptions
@@ -343,13 +343,16 @@ class AutoDistributedModel(torch.nn.Module):
         of every position, from one prefill session (chunked like any long prompt, with failover).
         Usable from any event loop (the swarm I/O stays on the client's loop thread); cancelling the
         awaiting task cancels the pass, which closes its session. ``audit``: as ``forward``'s."""
+        return (await self.aforward_outputs(input_ids, audit)).logits
+
+    async def aforward_outputs(self, input_ids: Sequence[int], audit: str = "warn") -> RowOutputs:
+        """``aforward_logits``, with the route and how its audit confirmed the logits (``.confirmed``)."""
         row = checked_ids(torch.as_tensor([list(input_ids)]), self.config.vocab_size)[0].tolist()
         if len(row) > self.context_length:
             raise ValueError(f"the sequence has {len(row)} tokens; the model's context is {self.context_length}")
         sizes = dict(vocab_size=self.config.vocab_size, hidden_size=self.config.hidden_size)
         audits = dict(auditor=self.output_audits, audit=check_audit_policy(audit))
-        coro = forward_row(self.swarm, row, len(row), **sizes, **audits)
-        return (await _loop.arun(coro)).logits
+        return await _loop.arun(forward_row(self.swarm, row, len(row), **sizes, **audits))
 
     async def agenerate_stream(self, input_ids: Sequence[int], **kwargs: Any) -> AsyncIterator[GeneratedChunk]:
         """The asyncio twin of ``generate`` for one sequence of ids: yields each lap's tokens as soon

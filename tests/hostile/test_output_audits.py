@@ -66,6 +66,16 @@ def test_rates_and_bounds():
     assert logprob_tolerance([None]) == 1.0
 
 
+def test_a_response_reports_its_weakest_prompt_confirmation():
+    from types import SimpleNamespace as ns
+
+    from swarm.api.responses import with_prompt_confirmation
+
+    assert with_prompt_confirmation({}, [ns(prompt_confirmed="")]) == {}  # nothing scored: no field
+    scored = [ns(prompt_confirmed="trusted"), ns(prompt_confirmed="untrusted"), ns(prompt_confirmed="")]
+    assert with_prompt_confirmation({"laps": 0}, scored) == {"laps": 0, "prompt_logprobs": "untrusted"}
+
+
 def test_log_prob_entries_agree_within_the_bound_and_near_ties_may_swap():
     honest = TokenLogprobs(7, -0.5, [7, 3, 9], [-0.5, -1.2, -3.0])
     assert entries_agree(honest, TokenLogprobs(7, -0.5004, [7, 3, 9], [-0.5004, -1.2, -3.0]), 1e-3)
@@ -162,6 +172,7 @@ def test_echo_logprobs_with_a_liar_among_the_tails_equal_the_honest_ones(pair_sw
                 scored = reply["choices"][0]["logprobs"]["token_logprobs"]
                 assert scored[0] is None and len(scored) == len(PROMPT[0])
                 assert scored[1:] == pytest.approx([entry.logprob for entry in honest], abs=1e-4)
+                assert reply["specswarm"]["prompt_logprobs"] == "unconfirmed", reply["specswarm"]  # the liar's pass
                 status, reply = _post(f"{served.url}/completions", {**body, "audit": "required"})
                 assert status == 502 and reply["error"]["code"] == "tokens_unconfirmed", reply
                 assert "forward pass" in reply["error"]["message"]
