@@ -18,7 +18,9 @@ is a dispute, settled by the verdicts' evidence rule:
   the same narrowing (the audit route with one hop of the live route's at a time) finds the hops
   whose two servers disagree, those servers are avoided, the pass is recomputed on a third route
   with other servers at those hops, and its result is returned flagged as unconfirmed (a warning;
-  ``audit="required"`` raises).
+  ``audit="required"`` raises). The model's later passes route around those servers where the
+  swarm allows (``avoid``, as suspects are: never excluded, never reported), and audits do not use
+  them; k sybils that frame an honest server get it avoided by this model, nothing more.
 
 The audit sessions are ordinary prefill sessions as a forward pass sends them.
 """
@@ -104,6 +106,7 @@ class OutputAuditor:
         self.witnesses = Witnesses(trusted)
         self.rng = rng or random.Random()
         self.stats = OutputAuditStats()
+        self.avoid: set[str] = set()  # servers of unsettled disputes: later passes route around them (never excluded)
 
     async def check(
         self, row: list[int], route: list[Hop], logits: torch.Tensor, hidden: Optional[torch.Tensor], shape, audit: str
@@ -169,6 +172,7 @@ class OutputAuditor:
         suspects = await self._localize(live, second, row, shape, tol)
         disputed = {hop.peer_id for i in suspects for hop in (route[i], other[i]) if not trusted(hop.peer_id)}
         self.stats.disputed_peers.extend(p for p in sorted(disputed) if p not in self.stats.disputed_peers)
+        self.avoid |= disputed
         what += f"; hops {suspects} disputed, no trusted server to settle it"
         third = await self._substitute(route, len(row), exclude=disputed, independent_of=[], only=set(suspects))
         if any(hop.peer_id in disputed for hop in third):
@@ -208,7 +212,7 @@ class OutputAuditor:
         blocks and precision (not excluded, independent of ``independent_of``; trusted first); a hop
         without one stays."""
         records, trusted = self.swarm.records, self.witnesses.is_trusted
-        excluded = self.swarm.excluded.current() | exclude
+        excluded = self.swarm.excluded.current() | exclude | self.avoid
         pools = {
             i: alternatives(route, i, records, excluded, length)
             for i, hop in enumerate(route)

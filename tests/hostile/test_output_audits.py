@@ -142,7 +142,13 @@ def test_a_logit_liar_is_flagged_and_recomputed_elsewhere_or_convicted_by_truste
             assert stats.disputes == 1 and stats.unconfirmed == 1 and stats.convicted == []
             assert model.peers["L"] in stats.disputed_peers and len(stats.disputed_peers) == 2  # L and one tail
             assert not {model.peers["H"], model.peers["G"]} & set(stats.disputed_peers)  # narrowed to the tail hop
-            assert not model.swarm.liars
+            assert not model.swarm.liars and audits.avoid == set(stats.disputed_peers)
+            # the model's later passes route around both disputed tails: no new dispute, the logits exact
+            logits = model(torch.tensor(PROMPT)).logits[0]
+            torch.testing.assert_close(logits, reference_logits, rtol=1e-4, atol=1e-4)
+            assert stats.disputes == 1 and stats.passes == 2
+            # a fresh auditor, L on the route again: audit="required" refuses the unsettled dispute
+            audits = audited(model)
             with pytest.raises(UnconfirmedOutputsError, match="unconfirmed"):
                 model(torch.tensor(PROMPT), audit="required")
             # G, T and U trusted: the audit route is trusted, the narrowing convicts L alone
