@@ -237,3 +237,49 @@ def test_verdict_logprobs_are_audited_by_the_shadow(pair_swarm, tiny_llama_path,
             assert_honest(entries, tokens, tiny_reference)
     finally:
         stop(pair_swarm, processes)
+
+
+@pytest.mark.timeout(900)
+def test_lm_eval_multiple_choice_through_the_gateway_is_unchanged_by_a_logit_liar(
+    pair_swarm, tiny_llama_path, monkeypatch
+):
+    """lm-evaluation-harness's ``multiple_choice`` task (each choice scored by an echo + logprobs
+    request) through the gateway, with a logit liar on the preferred route and every pass audited:
+    the same log-likelihoods (within 1e-4) and accuracy as the ``hf`` backend on the local model."""
+    lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is a dev dependency: pip install -e '.[dev]'")
+    from swarm.api import Gateway, GatewayConfig
+    from tests.api.test_api import GatewayThread
+    from tests.api.test_eval_harness import local_tasks, responses
+    from tests.kit.threads import single_torch_thread
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("OPENAI_API_KEY", "unused")
+    path, tasks = str(tiny_llama_path), [t for t in local_tasks() if t["task"] == "swarm_choice"]
+
+    def evaluate(model: str, model_args: dict) -> dict:
+        return lm_eval.simple_evaluate(
+            model=model, model_args=model_args, tasks=tasks, log_samples=True, bootstrap_iters=0, random_seed=0
+        )
+
+    with single_torch_thread():
+        local = evaluate("hf", {"pretrained": path, "dtype": "float32", "device": "cpu"})
+    processes = start_liar(pair_swarm, "L3")
+    try:
+        with client(pair_swarm, tiny_llama_path, route("H", "L3"), route("G", "T"), route("H", "U")) as model:
+            audits = audited(model)
+            with GatewayThread(Gateway({path: model}, GatewayConfig())) as served:  # served under the path's name
+                args = {"model": path, "base_url": f"{served.url}/completions", "tokenizer_backend": "huggingface"}
+                args.update(tokenizer=path, num_concurrent=1, max_retries=1)
+                remote = evaluate("local-completions", args)
+            print(f"\nlm-eval with a logit liar: {audits.stats.passes} passes, {audits.stats.events[:2]}")
+            assert audits.stats.disputes >= 1 and model.peers["L3"] in audits.stats.disputed_peers
+    finally:
+        stop(pair_swarm, processes)
+    got, want = responses(remote, "swarm_choice"), responses(local, "swarm_choice")
+    assert len(got) == len(want) > 0
+    for doc_got, doc_want in zip(got, want):
+        for g, w in zip(doc_got, doc_want):
+            g, w = (g[0], w[0]) if isinstance(g[0], (list, tuple)) else (g, w)
+            assert abs(g[0] - w[0]) <= 1e-4 and g[1] == w[1], (g, w)
+    for metric in ("acc,none", "acc_norm,none"):
+        assert remote["results"]["swarm_choice"][metric] == local["results"]["swarm_choice"][metric]
