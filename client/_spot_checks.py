@@ -47,7 +47,10 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_SPOT_CHECK_RATE = 1 / 50  # audits per verdict
 
-# max|x - y| / max(1, max|x|) of two servers' logits under which they agree. Both servers of a
+# max|x - y| / max(1, max|x|) of two servers' logits under which they agree: what spot-checks compared
+# before they went through verdicts (they now compare log-probs: client/_logprob_audits.py), kept for
+# callers that compare one row of logits; over many positions honest bfloat16 exceeds 3e-2
+# (client/_output_audits.py OUTPUT_TOLERANCES has the measured bounds for whole passes). Both servers of a
 # comparison have the same dtype and quantization, so an honest difference comes only from the order
 # of floating-point operations (other kernels, batch shapes, hardware): ~1e-6 relative in float32,
 # a few bf16 ulps (2^-8 = 0.4%) through a deep stack in 16-bit; quantized kernels (LLM.int8's outlier
