@@ -66,6 +66,32 @@ def test_rates_and_bounds():
     assert logprob_tolerance([None]) == 1.0
 
 
+def test_passes_are_audited_at_the_stated_rate_and_every_one_under_required(monkeypatch):
+    """The default rate (0.1) draws about one pass in ten; audit="required" audits every pass; a
+    route of trusted servers only is confirmed as it is, unaudited."""
+    import asyncio
+    import random
+    from types import SimpleNamespace as ns
+
+    auditor = OutputAuditor(ns(), rng=random.Random(0), trusted=["t"])
+    assert auditor.rate == 0.1
+
+    async def confirmed(row, shape, live):
+        return live, "untrusted", ""
+
+    monkeypatch.setattr(auditor, "_audit", confirmed)
+    route, logits = [Hop("a", 0, 6)], torch.zeros(1, 4)
+
+    def check(audit: str, hops=route) -> str:
+        return asyncio.run(auditor.check([1], hops, logits, None, (1, 4, 0, False), audit))[1]
+
+    drawn = [check("warn") for _ in range(2000)]
+    assert 150 <= drawn.count("untrusted") <= 250 and drawn.count("unaudited") == 2000 - drawn.count("untrusted")
+    assert all(check("required") == "untrusted" for _ in range(20))
+    assert check("required", [Hop("t", 0, 6)]) == "trusted"
+    assert auditor.stats.audited == drawn.count("untrusted") + 20
+
+
 def test_a_response_reports_its_weakest_prompt_confirmation():
     from types import SimpleNamespace as ns
 
