@@ -10,6 +10,8 @@ from client.errors import (
     ServerRejected,
     ServerTimeout,
     SwarmError,
+    UnconfirmedOutputsError,
+    UnconfirmedOutputsWarning,
     UnconfirmedTokensError,
     UnconfirmedTokensWarning,
 )
@@ -27,6 +29,8 @@ __all__ = [
     "ServerRejected",
     "ServerTimeout",
     "SwarmError",
+    "UnconfirmedOutputsError",
+    "UnconfirmedOutputsWarning",
     "UnconfirmedTokensError",
     "UnconfirmedTokensWarning",
 ]

@@ -6,7 +6,10 @@ only where audits look (tests/kit/faults.py ``frame``). So the verdict audits an
 send Steps with what a tail sees of a live lap: as many drafts as a live lap of the same generation
 carried (drawn from the counts its own laps carried, never more than ``num_draft_tokens``), a next
 token confirmed per Step as a live lap commits one, and the generation's session ``max_length``
-(client/_verdict_audits.py). Not yet ``loop_runs``: live laps ask the tail to start the next run
+(client/_verdict_audits.py). Live laps ask for at least ``LIVE_TOP_LOGPROBS`` top log-prob per
+committed token (a few bytes each), so that spot-checks verify through an ordinary verdict and
+compare its log-probs, never asking for the returned logits no live lap asks for
+(client/_spot_checks.py). Not yet ``loop_runs``: live laps ask the tail to start the next run
 itself, and an audit that did so would race the tail's runs with its own next Step; a tail can
 tell an audit by ``loop_runs == 0`` where live laps loop (docs/reliability.md).
 """
@@ -16,11 +19,15 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+LIVE_TOP_LOGPROBS = 1  # the fewest top log-probs a live Step asks for (num_logprobs may ask more)
+
 
 @dataclass
 class LiveShape:
     num_draft_tokens: int = 8  # the most drafts a live lap carries (generate(num_draft_tokens=...))
     drafts: list[int] = field(default_factory=list)  # drafts each live lap carried, in order
+    num_logprobs: int = 0  # top log-probs each live Step asks for (audit Steps ask for as many)
+    logprobs: list = field(default_factory=list)  # the live verdicts' log-probs, one per generated token
 
     def saw_lap(self, drafts: int) -> None:
         """A live lap's verdict arrived; it carried ``drafts`` drafts."""

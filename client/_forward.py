@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 
+from client._loop import all_or_none
 from client._remote_session import RemoteSession
 from client._swarm import SwarmClient
 from client.errors import GenerationError, ServerError
@@ -31,6 +32,7 @@ class RowOutputs:
     hidden: Optional[torch.Tensor]  # [num_outputs, hidden] float32, when asked for
     route: list[tuple[str, int, int]]
     failovers: int = 0
+    confirmed: str = "unaudited"  # "trusted", "untrusted", "unaudited" or "unconfirmed" (client/_output_audits.py)
 
 
 async def forward_row(
@@ -42,19 +44,23 @@ async def forward_row(
     hidden_size: int,
     return_hidden: bool = False,
     max_failovers: int = 5,
+    auditor=None,
+    audit: str = "warn",
 ) -> RowOutputs:
-    """Logits (and final hidden states) of the last ``num_outputs`` positions of ``row``."""
+    """Logits (and final hidden states) of the last ``num_outputs`` positions of ``row``; with an
+    ``auditor`` (client/_output_audits.py), checked on a second route at its rate (always under
+    ``audit="required"``) after the live session is closed."""
     if not 1 <= num_outputs <= len(row):
         raise ValueError(f"num_outputs must be in [1, {len(row)}], got {num_outputs}")
     failovers = 0
     while True:
-        remote = await swarm.open_session(len(row))
+        remote = await swarm.open_session(len(row), avoid=auditor.avoid if auditor is not None else ())
         try:
             logits, hidden = await prefill_outputs(
                 remote, row, num_outputs, remote.max_positions_per_step, vocab_size, hidden_size, return_hidden
             )
-            route = [(hop.peer_id, hop.start, hop.end) for hop in remote.route]
-            return RowOutputs(logits, hidden, route, failovers)
+            hops = list(remote.route)
+            break
         except ServerError as e:
             if not e.retryable or failovers >= max_failovers:
                 raise GenerationError(f"the forward pass failed after {failovers} failovers: {e}") from e
@@ -63,6 +69,37 @@ async def forward_row(
             await swarm.blame(remote.route, e)
         finally:
             await swarm.close_session(remote)
+    confirmed = "unaudited"
+    if auditor is not None:
+        shape = (num_outputs, vocab_size, hidden_size, return_hidden)
+        (hops, logits, hidden), confirmed = await auditor.check(row, hops, logits, hidden, shape, audit)
+    route = [(hop.peer_id, hop.start, hop.end) for hop in hops]
+    return RowOutputs(logits, hidden, route, failovers, confirmed)
+
+
+async def forward_batch(
+    swarm: SwarmClient,
+    config,
+    rows: list[list[int]],
+    kept: list[torch.Tensor],
+    keep: int,
+    return_hidden: bool,
+    **audits,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """One prefill session per row with a kept column, all at once; the logits (and final hidden
+    states) put back in the padded batch's last ``keep`` columns (``model.forward``). ``audits``:
+    :func:`forward_row`'s ``auditor`` and ``audit``."""
+    wanted = [i for i in range(len(rows)) if len(kept[i])]
+    vocab, hidden_size = config.vocab_size, config.hidden_size
+    sizes = dict(vocab_size=vocab, hidden_size=hidden_size, return_hidden=return_hidden)
+    results = await all_or_none([forward_row(swarm, rows[i], len(kept[i]), **sizes, **audits) for i in wanted])
+    logits = torch.zeros(len(rows), keep, vocab)
+    hidden = torch.zeros(len(rows), keep, hidden_size) if return_hidden else None
+    for i, result in zip(wanted, results):
+        logits[i, kept[i]] = result.logits
+        if hidden is not None:
+            hidden[i, kept[i]] = result.hidden
+    return logits, hidden
 
 
 async def prefill_outputs(

@@ -25,7 +25,7 @@ from collections import deque
 from typing import Callable, Optional, Sequence
 
 from client import _confirmation
-from client._audit_shape import LiveShape
+from client._audit_shape import LIVE_TOP_LOGPROBS, LiveShape
 from client._reverify import Reverification
 from client._runs import Run, SessionState
 from client._stats import GenerationStats
@@ -140,7 +140,8 @@ class SpeculativeDecoder(Reverification):
             self.drafter.reset(self.state.history)
         self._prompt_len = len(prompt)
         if self.audits is not None:
-            live = LiveShape(self.num_draft_tokens)
+            asked = max(self.num_logprobs, LIVE_TOP_LOGPROBS)
+            live = LiveShape(self.num_draft_tokens, num_logprobs=asked, logprobs=self.logprobs)
             self.audits.begin(prompt, self.state.max_length, self.sampling, self.verification, live)
         if self.state.remote is not None:  # an inference session's route from an earlier call
             self._route_peers.update(hop.peer_id for hop in self.state.remote.route)
@@ -279,7 +280,7 @@ class SpeculativeDecoder(Reverification):
             token_ids=run.token_ids,
             n_draft=len(run.drafts),
             sampling=None if self.sampling == GREEDY else self.sampling,
-            top_logprobs=self.num_logprobs,
+            top_logprobs=max(self.num_logprobs, LIVE_TOP_LOGPROBS),  # the audits' evidence (client/_audit_shape.py)
             tail_drafts=self.drafter.tail_tokens if self.drafter is not None else 0,
             **self.mode.step_fields(run),
         )
@@ -395,7 +396,7 @@ class SpeculativeDecoder(Reverification):
         self.stats.drafted += len(run.drafts)
         self.stats.accepted += result.accepted
         self.stats.accepted_lengths[result.accepted] += 1
-        if result.logprobs:
+        if result.logprobs and self.num_logprobs:  # the caller's (live laps always ask for LIVE_TOP_LOGPROBS)
             self.logprobs += result.logprobs[: len(new)]
         return new
 

@@ -3,17 +3,20 @@
 The client never sees intermediate activations, and a hop's output depends on its cache of every
 earlier position, so a hop is checked by replaying the committed ids on two fresh sessions: one on
 the generation's route (R_orig), one on the same route with that hop's blocks [a, b) computed by
-another server of the same dtype and quantization (R_alt). Both prefill the ids and return the
-float32 logits of the last position; they differ only in the substituted hop, so logits that
-disagree beyond a dtype-aware tolerance (:func:`tolerance`) mean that one of the two servers lies.
+another server of the same dtype and quantization (R_alt). Both verify the ids as a live lap would
+(client/_audit_shape.py): the context as prefill, the last few committed tokens as drafts (as many
+as a live lap of the generation carried), with the generation's sampling, ``max_length`` and top
+log-probs; they differ only in the substituted hop, so verdicts that differ (accepted count, next
+token) or whose log-probs disagree beyond a dtype-aware bound (client/_logprob_audits.py) mean
+that one of the two servers lies. No Step asks for returned logits (no live lap does).
 A server the user trusts (``trusted_peers``; client/_witnesses.py) then decides: one of the two, or
 a trusted third of the same blocks and precision (R_C, :func:`minority`); the server it refutes is
 excluded for the rest of the client's life and reported in the DHT. A stranger's vote settles
 nothing (one operator can run both the substitute and the third), so without a trusted judge the
 two servers are only avoided for the rest of the generation (``avoid``), which re-verifies its
 tokens on a route without them. The audit
-sessions are ordinary sessions (OpenSession, Step with ``return_logits``): nothing tells a server
-that it is being audited.
+sessions are ordinary sessions (OpenSession, Steps shaped as live laps): nothing in a Step tells a
+hop that it is being audited (timing aside).
 
 One audit at a time per generation, as an asyncio task beside the laps (it never delays a lap),
 bounded by a timeout; an audit that fails (a server dies, times out) is no verdict on anyone.
@@ -33,17 +36,21 @@ from typing import Collection, Mapping, Optional, Sequence
 import msgspec
 import torch
 
-from client._forward import prefill_outputs
+from client._audit_shape import LiveShape
+from client._logprob_audits import logprob_tolerance, verdict_difference
 from client._remote_session import RemoteSession
 from client._witnesses import Witnesses
-from protocol.messages import Hop
+from protocol.messages import GREEDY, Hop, Step, StepResult
 from protocol.records import ServerInfo, ServerState
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_SPOT_CHECK_RATE = 1 / 50  # audits per verdict
 
-# max|x - y| / max(1, max|x|) of two servers' logits under which they agree. Both servers of a
+# max|x - y| / max(1, max|x|) of two servers' logits under which they agree: what spot-checks compared
+# before they went through verdicts (they now compare log-probs: client/_logprob_audits.py), kept for
+# callers that compare one row of logits; over many positions honest bfloat16 exceeds 3e-2
+# (client/_output_audits.py OUTPUT_TOLERANCES has the measured bounds for whole passes). Both servers of a
 # comparison have the same dtype and quantization, so an honest difference comes only from the order
 # of floating-point operations (other kernels, batch shapes, hardware): ~1e-6 relative in float32,
 # a few bf16 ulps (2^-8 = 0.4%) through a deep stack in 16-bit; quantized kernels (LLM.int8's outlier
@@ -205,6 +212,7 @@ class SpotChecker(BackgroundAudit):
         self.avoid: set[str] = set()  # the generation's disputed servers (the decoder shares its own set)
         self.handled: set[str] = set()  # those of them the generation has already re-verified without
         self.max_length = 0  # the generation's session max_length (its audit sessions copy it); 0: len(ids)
+        self.live, self.sampling = LiveShape(), GREEDY  # the generation's laps and sampling (Steps copy them)
 
     def maybe_start(self, route: Sequence[Hop], ids: Sequence[int], stats, lap: int) -> None:
         """After a verdict: with probability ``rate``, audit the next hop that has a substitute."""
@@ -283,17 +291,19 @@ class SpotChecker(BackgroundAudit):
         if alt is None:
             result.verdict, result.detail = "skipped", "no substitute on another machine group than the hop"
             return result
-        tol = route_tolerance(route, self.swarm.records)
+        records = self.swarm.records
+        tol = logprob_tolerance([records.get(p) for p in (*(hop.peer_id for hop in route), alt)])
         orig_route, alt_route = route, substituted(route, index, alt)
+        drafts = self.live.draft_count(self.rng, min(self.swarm.route_step_limit(route) - 1, len(ids) - 1))
         orig, other = await _both(
-            self._final_logits(orig_route, ids, result), self._final_logits(alt_route, ids, result)
+            self._verdict(orig_route, ids, drafts, result), self._verdict(alt_route, ids, drafts, result)
         )
-        difference = relative_difference(orig, other)
-        if difference < tol:
-            result.verdict, result.detail = "agree", f"difference {difference:.2g} < {tol:g}"
+        difference = verdict_difference(orig, other, tol)
+        if difference <= tol:
+            result.verdict, result.detail = "agree", f"log-prob difference {difference:.2g} <= {tol:g}"
             return result
         accused = (route[index].peer_id, alt)
-        detail = f"difference {difference:.3g} >= {tol:g}"
+        detail = f"verdicts differ ({_said(orig)} vs {_said(other)}; bound {tol:g})"
         trusted = self.witnesses.is_trusted
         thirds = [t for t in thirds if trusted(t)]  # a stranger's vote settles nothing
         if trusted(accused[0]) != trusted(accused[1]):
@@ -305,12 +315,10 @@ class SpotChecker(BackgroundAudit):
             return result
         else:
             third = self.rng.choice(thirds)
-            decider = await self._final_logits(substituted(route, index, third), ids, result)
-            loser = minority(False, agree(orig, decider, tol), agree(other, decider, tol))
-            detail += (
-                f"; trusted third {third}: {relative_difference(orig, decider):.3g} from the route's, "
-                f"{relative_difference(other, decider):.3g} from the substitute's"
-            )
+            decider = await self._verdict(substituted(route, index, third), ids, drafts, result)
+            with_orig, with_alt = verdict_difference(orig, decider, tol), verdict_difference(other, decider, tol)
+            loser = minority(False, with_orig <= tol, with_alt <= tol)
+            detail += f"; trusted third {third}: {with_orig:.3g} from the route's, {with_alt:.3g} from the substitute's"
         if loser is None:
             result.disputed = accused
             result.verdict, result.detail = "undecided", detail
@@ -319,9 +327,10 @@ class SpotChecker(BackgroundAudit):
             result.detail = f"{detail}; {result.liar} is in the minority"
         return result
 
-    async def _final_logits(self, route: list[Hop], ids: list[int], result: AuditResult) -> torch.Tensor:
-        """One fresh session on ``route``: prefill ``ids`` (chunked as the client chunks), the
-        float32 logits of the last position."""
+    async def _verdict(self, route: list[Hop], ids: list[int], drafts: int, result: AuditResult) -> StepResult:
+        """One fresh session on ``route`` verifying ``ids`` as a live lap would: the context in
+        prefill Steps of the route's step limit, then the last Step with the last ``drafts`` ids as
+        drafts; its verdict, with the generation's top log-probs."""
         swarm = self.swarm
         length = max(self.max_length, len(ids))  # as long as the generation's own session: not len(ids), a tell
         session = RemoteSession(
@@ -330,10 +339,31 @@ class SpotChecker(BackgroundAudit):
         try:
             await session.open()
             result.positions += len(ids) * len(route)
-            logits, _ = await prefill_outputs(session, ids, 1, swarm.route_step_limit(route), self.vocab_size, 0)
-            return logits[0]
+            limit, run_id = swarm.route_step_limit(route), 0
+            last = max(0, len(ids) - limit)  # the last Step: ids[last:], its last ``drafts`` ids as drafts
+            for start in [*range(0, last, limit), last]:
+                end = min(start + limit, last) if start < last else len(ids)
+                step = Step(
+                    session_id=session.session_id,
+                    run_id=run_id,
+                    start_pos=start,
+                    token_ids=list(ids[start:end]),
+                    n_draft=drafts if end == len(ids) else 0,
+                    sampling=None if self.sampling == GREEDY else self.sampling,
+                    top_logprobs=self.live.num_logprobs,
+                )
+                await session.send_step(step)
+                verdict = await session.next_result(run_id)
+                run_id += 1
+            return verdict
         finally:
             await session.close()
+
+
+def _said(verdict: StepResult) -> str:
+    """A verdict in short, for the audit's detail."""
+    first = verdict.logprobs[0].logprob if verdict.logprobs else float("nan")
+    return f"{verdict.accepted} accepted, next {verdict.next_token}, first log-prob {first:.4g}"
 
 
 async def _both(first, second) -> list:

@@ -38,6 +38,7 @@ import random
 from typing import Optional, Sequence
 
 from client._audit_shape import LiveShape
+from client._logprob_audits import first_disagreement, logprob_tolerance
 from client._remote_session import RemoteSession
 from client._spot_checks import AuditResult, BackgroundAudit, SpotChecker, alternatives, substituted
 from client._witnesses import Witnesses
@@ -90,6 +91,7 @@ class VerdictAuditor(BackgroundAudit):
         """A new generation: its prompt, and what its live laps look like (``max_length`` of its
         session, ``live``: drafts per lap and loop_runs), which every audit Step copies."""
         self.audited, self.max_length, self.sampling = list(prompt), max_length, sampling
+        self._prompt_len = len(prompt)  # the live log-probs start after it
         self.live = live or LiveShape()
         self.trusted_confirmed = set()
         self._given_up = 0
@@ -156,6 +158,11 @@ class VerdictAuditor(BackgroundAudit):
             checked = k + (position + k < len(ids))  # the next token too, unless every id was a draft
             if checked > k and result.next_token != ids[position + k]:
                 await self._dispute(route, ids, position + k, result.next_token, stats)
+                return
+            tol = logprob_tolerance([self.swarm.records.get(h.peer_id) for h in [*route, self._shadow.route[-1]]])
+            lied = first_disagreement(self.live.logprobs, position - self._prompt_len, result.logprobs, checked, tol)
+            if lied is not None:  # the same tokens, other log-probs
+                await self._dispute(route, ids, position + lied[0], None, stats, lied[1])
                 return
             if self.witnesses.is_trusted(self._shadow.tail_peer):
                 self.trusted_confirmed.update(range(position, position + checked))
@@ -224,22 +231,28 @@ class VerdictAuditor(BackgroundAudit):
             token_ids=token_ids,
             n_draft=n_draft,
             sampling=None if self.sampling == GREEDY else self.sampling,
+            top_logprobs=self.live.num_logprobs,  # as the live laps ask (their log-probs are compared)
         )
         await session.send_step(step)
         return await session.next_result(run_id), run_id + 1
 
-    async def _dispute(self, route: list[Hop], ids: list[int], t: int, shadow_token: int, stats) -> None:
-        """The route's tail committed ids[t]; the shadow's tail chose ``shadow_token``. Settled only
-        by a trusted server (the shadow, the tail, or a trusted third): the one it refutes is
-        convicted. Otherwise nobody is: both are avoided for the rest of the generation, whose
-        tokens from t on are re-verified on a route without them."""
+    async def _dispute(
+        self, route: list[Hop], ids: list[int], t: int, shadow_token: Optional[int], stats, logprobs: str = ""
+    ) -> None:
+        """The route's tail committed ids[t]; the shadow's tail chose ``shadow_token`` (None: the
+        same token, but the two tails' log-probs at t disagree, as ``logprobs`` says). Settled only
+        by a trusted server (the shadow, the tail, or, for a token, a trusted third): the one it
+        refutes is convicted. Otherwise nobody is: both are avoided for the rest of the generation,
+        whose tokens from t on are re-verified on a route without them."""
         tail, alt = route[-1].peer_id, self._shadow.tail_peer
         what = f"position {t}: the route's tail {tail} committed {ids[t]}, {alt} chose {shadow_token}"
+        if shadow_token is None:
+            what = f"position {t}: {logprobs} (the route's tail {tail}, the shadow's {alt})"
         trusted = self.witnesses.is_trusted
         liar, judge = None, None
         if trusted(alt) != trusted(tail):
             liar, judge = (tail, alt) if trusted(alt) else (alt, tail)
-        elif not trusted(alt):
+        elif not trusted(alt) and shadow_token is not None:  # no trusted third for log-probs (not built)
             judges = [
                 s
                 for s in alternatives(route, len(route) - 1, self.swarm.records, self._excluded() | {alt}, t + 1)
@@ -288,7 +301,7 @@ class VerdictAuditor(BackgroundAudit):
         that must not convict an honest tail. A hop without a second server of its blocks and
         precision cannot be checked and counts as clean; a hop the spot-check convicts is convicted."""
         checker = SpotChecker(self.swarm, 1.0, self.vocab_size, rng=self.rng, witnesses=self.witnesses)
-        checker.max_length = self.max_length
+        checker.max_length, checker.sampling, checker.live = self.max_length, self.sampling, self.live
         for index in range(len(route) - 1):
             found = alternatives(route, index, self.swarm.records, self._excluded(), len(ids))
             if not found:
@@ -366,8 +379,9 @@ class Audits:
         verification: str,
         live: Optional[LiveShape] = None,
     ) -> None:
-        if self.spot is not None:
-            self.spot.max_length = max_length  # its sessions are as long as the generation's
+        if self.spot is not None:  # its sessions are as long as the generation's, its Steps shaped as its laps
+            self.spot.max_length, self.spot.sampling = max_length, sampling
+            self.spot.live = live or self.spot.live
         if self.verdicts is not None:
             self.verdicts.begin(prompt, max_length, sampling, verification, live)
 

@@ -81,3 +81,12 @@ class UnconfirmedTokensError(SwarmError):
 
 class UnconfirmedTokensWarning(UserWarning):
     """A generation returned tokens that no independent or trusted second tail confirmed."""
+
+
+class UnconfirmedOutputsError(UnconfirmedTokensError):
+    """``audit="required"``: a forward pass's logits (or prompt log-probs) were not confirmed by an
+    independent or trusted second route (docs/reliability.md, "Forward passes and log-probs")."""
+
+
+class UnconfirmedOutputsWarning(UnconfirmedTokensWarning):
+    """A forward pass returned logits that its audit could not confirm (client/_output_audits.py)."""

@@ -25,11 +25,13 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from client import _loop
 from client._calls import DEFAULT_MAX_LENGTH, Call, check_audit_every, context_limit, one_call_session, plan_call
+from client._confirmation import check_audit_policy
 from client._drafter_choice import call_drafter
-from client._forward import forward_row
+from client._forward import RowOutputs, forward_batch, forward_row
 from client._generation import GenerationStats, SessionState, SpeculativeDecoder
 from client._masks import causal_lm_loss, checked_ids, checked_mask, kept_columns, kept_width, unpadded
 from client._options import GenerationOptions
+from client._output_audits import DEFAULT_OUTPUT_AUDIT_RATE, OutputAuditor
 from client._pretrained import load_config
 from client._prompts import attach_prompts, check_tuning, prompt_tuned_loss, share_prompts
 from client._spot_checks import DEFAULT_SPOT_CHECK_RATE, check_rate
@@ -64,6 +66,7 @@ class AutoDistributedModel(torch.nn.Module):
         self.spot_check_rate = DEFAULT_SPOT_CHECK_RATE  # generate()'s default; from_pretrained sets it
         self.verdict_audit_every = DEFAULT_AUDIT_EVERY  # tokens per verdict audit; 0: none; from_pretrained sets it
         self.trusted_peers: frozenset[str] = frozenset()  # from_pretrained's; generate(trusted_peers=) overrides
+        self.output_audits = OutputAuditor(swarm, 0.0)  # forward passes' audits; from_pretrained sets the rate
         self._session: Optional[SessionState] = None
         self.warm_corpus: list[list[int]] = []  # the model's own answers a new suffix store starts with
         self._suffix_store = SuffixStore()
@@ -84,6 +87,7 @@ class AutoDistributedModel(torch.nn.Module):
         warm_draft_store: bool = False,
         verdict_audit_every: int = DEFAULT_AUDIT_EVERY,
         trusted_peers: Sequence[str] = (),
+        output_audit_rate: float = DEFAULT_OUTPUT_AUDIT_RATE,
         tuning_mode: Optional[str] = None,
         pre_seq_len: int = 0,
         active_adapter: Optional[str] = None,
@@ -100,6 +104,8 @@ class AutoDistributedModel(torch.nn.Module):
         dispute is settled by a trusted server or the disputed servers are avoided and the tokens
         re-verified (client/_verdict_audits.py; 0 turns the audits off). ``trusted_peers``: peer ids
         of servers you trust to settle disputes and confirm tokens (``generate`` may override it).
+        ``output_audit_rate``: forward passes (logits, ``echo`` log-probs) re-computed on an independent route (0.1;
+        every pass under ``forward(audit="required")``; client/_output_audits.py).
         ``warm_draft_store``: seed the suffix drafter with the model's own answers (client/warm_corpus.py,
         SmolLM2-135M); drafts only, same output; off: it did not raise tokens/s here (docs/benchmarks.md).
         ``tuning_mode="ptune"`` / ``"deep_ptune"``, ``pre_seq_len=N``: trainable prompts (docs/fine_tuning.md).
@@ -129,6 +135,7 @@ class AutoDistributedModel(torch.nn.Module):
         model.spot_check_rate = float(spot_check_rate)
         model.verdict_audit_every = check_audit_every(verdict_audit_every)
         model.trusted_peers = trusted_set(trusted_peers)
+        model.output_audits = OutputAuditor(swarm, output_audit_rate, model.trusted_peers)
         attach_prompts(model, tuning_mode, pre_seq_len, config)
         if warm_draft_store:
             model.warm_corpus = load_warm_corpus(config)
@@ -292,6 +299,7 @@ class AutoDistributedModel(torch.nn.Module):
         logits_to_keep: int = 0,
         output_hidden_states: bool = False,
         return_dict: bool = True,
+        audit: str = "warn",
         **unused: Any,
     ) -> CausalLMOutputWithPast:
         """transformers-style forward pass (also ``model(input_ids, ...)``): ``logits`` ``[batch,
@@ -305,7 +313,8 @@ class AutoDistributedModel(torch.nn.Module):
         ``exp(loss)`` is the perplexity. ``output_hidden_states=True`` sets ``hidden_states`` to a
         1-tuple: the final hidden state (after the final norm: transformers' ``hidden_states[-1]``)
         at the positions ``logits`` covers. Tuned prompts precede every row; ``labels`` with grad
-        enabled run a training step instead (the loss only: docs/fine_tuning.md)."""
+        enabled run a training step instead (the loss only: docs/fine_tuning.md). ``audit``: as generate's, for
+        the forward passes' audits (client/_output_audits.py): "required" audits every row and raises if unconfirmed."""
         if unused:
             logger.warning(f"forward() ignores unsupported arguments: {sorted(unused)}")
         input_ids = checked_ids(input_ids, self.config.vocab_size)
@@ -318,7 +327,10 @@ class AutoDistributedModel(torch.nn.Module):
         rows = [share_prompts(self.swarm, self, 1.0) + row for row in unpadded(input_ids, mask)]
         if max(map(len, rows)) > self.context_length:
             raise ValueError(f"a row has {max(map(len, rows))} tokens; the model's context is {self.context_length}")
-        logits, hidden = self._forward_rows(rows, kept_columns(mask, width - keep), keep, output_hidden_states)
+        kept = kept_columns(mask, width - keep)
+        audits = dict(auditor=self.output_audits, audit=check_audit_policy(audit))
+        coro = forward_batch(self.swarm, self.config, rows, kept, keep, output_hidden_states, **audits)
+        logits, hidden = _loop.run(coro)
         loss = causal_lm_loss(logits, torch.as_tensor(labels), mask) if labels is not None else None
         states = (hidden,) if hidden is not None else None
         output = CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=states)
@@ -326,35 +338,21 @@ class AutoDistributedModel(torch.nn.Module):
 
     __call__ = forward
 
-    def _forward_rows(
-        self, rows: list[list[int]], kept: list[torch.Tensor], keep: int, output_hidden_states: bool
-    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """One prefill session per row with a kept column, all at once on the client loop; the
-        logits (and final hidden states) put back in the padded batch's last ``keep`` columns."""
-        wanted = [i for i in range(len(rows)) if len(kept[i])]
-        vocab, hidden_size = self.config.vocab_size, self.config.hidden_size
-        wanted_outputs = dict(vocab_size=vocab, hidden_size=hidden_size, return_hidden=output_hidden_states)
-        passes = [forward_row(self.swarm, rows[i], len(kept[i]), **wanted_outputs) for i in wanted]
-        results = _loop.run(_loop.all_or_none(passes))
-        logits = torch.zeros(len(rows), keep, vocab)
-        hidden = torch.zeros(len(rows), keep, hidden_size) if output_hidden_states else None
-        for i, result in zip(wanted, results):
-            logits[i, kept[i]] = result.logits
-            if hidden is not None:
-                hidden[i, kept[i]] = result.hidden
-        return logits, hidden
-
-    async def aforward_logits(self, input_ids: Sequence[int]) -> torch.Tensor:
+    async def aforward_logits(self, input_ids: Sequence[int], audit: str = "warn") -> torch.Tensor:
         """The asyncio twin of ``forward`` for one sequence of ids: float32 logits ``[length, vocab]``
         of every position, from one prefill session (chunked like any long prompt, with failover).
         Usable from any event loop (the swarm I/O stays on the client's loop thread); cancelling the
-        awaiting task cancels the pass, which closes its session."""
+        awaiting task cancels the pass, which closes its session. ``audit``: as ``forward``'s."""
+        return (await self.aforward_outputs(input_ids, audit)).logits
+
+    async def aforward_outputs(self, input_ids: Sequence[int], audit: str = "warn") -> RowOutputs:
+        """``aforward_logits``, with the route and how its audit confirmed the logits (``.confirmed``)."""
         row = checked_ids(torch.as_tensor([list(input_ids)]), self.config.vocab_size)[0].tolist()
         if len(row) > self.context_length:
             raise ValueError(f"the sequence has {len(row)} tokens; the model's context is {self.context_length}")
-        config = self.config
-        coro = forward_row(self.swarm, row, len(row), vocab_size=config.vocab_size, hidden_size=config.hidden_size)
-        return (await _loop.arun(coro)).logits
+        sizes = dict(vocab_size=self.config.vocab_size, hidden_size=self.config.hidden_size)
+        audits = dict(auditor=self.output_audits, audit=check_audit_policy(audit))
+        return await _loop.arun(forward_row(self.swarm, row, len(row), **sizes, **audits))
 
     async def agenerate_stream(self, input_ids: Sequence[int], **kwargs: Any) -> AsyncIterator[GeneratedChunk]:
         """The asyncio twin of ``generate`` for one sequence of ids: yields each lap's tokens as soon

@@ -6,15 +6,18 @@ daemon observes on the connection, and one address holds at most ``share`` of th
 slots and of its cache budget.
 
 The address is the connection's remote multiaddr that this server's own daemon reports with each
-stream it hands over (protocol/streams.py), never anything the peer sends. Loopback is exempt by
-default: a connection from 127.0.0.0/8 or ::1 comes from a process on this machine (the operator's
-own gateway or clients, every test), which a stranger cannot start; ``--cap-loopback`` counts it as
-one address too (the tests set it). A private address counts as itself (a LAN or a container
-network: one address per machine there too). A relayed connection shows the relay's address, so
-clients behind one relay share its share; where no address is known the per-peer caps alone apply.
-Subscribes waiting at the tail for their sessions are capped per address the same way
-(server/subscribe.py); unread results are not (they are bounded per session and per server:
-server/unread.py).
+stream it hands over (protocol/streams.py), never anything the peer sends. A public address counts
+by its prefix, /24 for IPv4 and /48 for IPv6 (:func:`address_group`): one operator rents addresses
+by the block, so 50 addresses of one /24 hold one share, as the client's witnesses group them
+(client/_witnesses.py). Loopback is exempt by default: a connection from 127.0.0.0/8 or ::1 comes
+from a process on this machine (the operator's own gateway or clients, every test), which a stranger
+cannot start; ``--cap-loopback`` counts it by /24 as a public address (the tests set it, and give
+their "machines" addresses of different /24s of 127.0.0.0/8). A private address counts as itself
+(a LAN or a container network: one address per machine there, and no stranger outside the network
+has one). A relayed connection shows the relay's address, so clients behind one relay share its
+share; where no address is known the per-peer caps alone apply. Subscribes waiting at the tail for
+their sessions (server/subscribe.py) and the tail's unread results (server/results.py) are capped
+per address group the same way.
 """
 
 from __future__ import annotations
@@ -39,6 +42,28 @@ def source_address(addrs: Iterable[object]) -> Optional[str]:
     return None
 
 
+# private and link-local networks (RFC 1918, RFC 3927, RFC 4193, RFC 4291): a LAN's or a container
+# network's own addresses, one machine each. Not Python's ``is_private``, which also holds the
+# documentation ranges (203.0.113.0/24, 2001:db8::/32) that stand for public addresses in tests.
+LOCAL_NETWORKS = tuple(
+    ipaddress.ip_network(n)
+    for n in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "169.254.0.0/16", "fc00::/7", "fe80::/10")
+)
+
+
+def address_group(address: str) -> str:
+    """What the caps count ``address`` under: its /24 (IPv4) or /48 (IPv6) network, written as a
+    prefix; a private or link-local address (or a name that is no IP) as itself."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return address
+    if any(ip in network for network in LOCAL_NETWORKS if network.version == ip.version):
+        return address
+    prefix = 24 if ip.version == 4 else 48
+    return str(ipaddress.ip_network(f"{ip}/{prefix}", strict=False))
+
+
 def is_loopback(address: str) -> bool:
     try:
         return ipaddress.ip_address(address).is_loopback
@@ -61,7 +86,11 @@ class AddressCaps:
         address = source_address([getattr(stream, "remote_addr", None) or ""])
         if address is None or (is_loopback(address) and not self.cap_loopback):
             return None
-        return address
+        return address_group(address)
+
+    def most_unread(self, max_unread_bytes: int) -> int:
+        """Unread result bytes one address may hold at the tail, of the server's ``max_unread_bytes``."""
+        return max(1, int(self.share * max_unread_bytes))
 
     def most_sessions(self, max_sessions: int) -> int:
         """Sessions (and pending Subscribes) one address may hold of ``max_sessions``."""

@@ -128,7 +128,7 @@ class SessionHandler(SessionWorker):
         self.max_frame_bytes = limits.session_frame_bytes(span.hidden_shape, max_positions_per_step)
         self.max_tensor_elements = limits.step_tensor_elements(span.hidden_shape, max_positions_per_step)
         self.open_sessions = OpenSessions(budget, max_unread_bytes)
-        self.results = TailResults(self.open_sessions, self.peer_id, max_unread_bytes)  # the tail's, unread
+        self.results = TailResults(self.open_sessions, self.peer_id, max_unread_bytes, self.address_caps)
         self.subscriptions = Subscriptions(self.open_sessions, self.peer_id)  # the tail's results streams
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="span-compute")
         # every session's runs go through the span together (server/batching.py)
@@ -299,7 +299,7 @@ class SessionHandler(SessionWorker):
         session.requester = Requester(upstream.peer_id.to_base58(), address)  # until its client subscribes
         deep_prompts.keep(session, deep)
         downstream = await self._chain(session, upstream)
-        self.open_sessions.add(session)
+        self.open_sessions.add(session, address)  # a tail's unread results count against the opener's address
         session.worker = asyncio.create_task(self._run_session(session, downstream))
         self.stats["sessions_opened"] += 1
         logger.info(

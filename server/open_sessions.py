@@ -35,11 +35,12 @@ class OpenSessions:
         """Sessions open or opening: what max_sessions caps."""
         return len(self.sessions) + len(self.opening)
 
-    def add(self, session: ServerSession) -> None:
-        """A session is open: the tail gets a results queue; a Subscribe waiting for it wakes."""
+    def add(self, session: ServerSession, address: Optional[str] = None) -> None:
+        """A session is open: the tail gets a results queue (counted against ``address`` until a
+        client subscribes: server/unread.py); a Subscribe waiting for it wakes."""
         self.sessions[session.session_id] = session
         if session.next_hop is None:
-            self.results[session.session_id] = ResultQueue(self.unread)
+            self.results[session.session_id] = ResultQueue(self.unread, address)
         self._opened.set()
         self._opened = asyncio.Event()
 

@@ -4,21 +4,23 @@ A run's verdict (and a forward pass's outputs before it) goes into its session's
 which the client's results stream reads (server/subscribe.py). server/unread.py says why each bound
 is what it is: more than MAX_UNREAD_RESULTS messages unread closes the session; over its byte share
 the session waits for its client to read (its worker computes nothing meanwhile) and closes after
-``wait`` seconds; over the server's byte budget, the session holding the most unread bytes closes.
+``wait`` seconds; over the server's byte budget, the session holding the most unread bytes closes;
+over one address group's share of that budget, that address's largest holder closes.
 Each session closed here is told why (queue_full) on its upstream stream.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, Optional
 
 from protocol import limits
 from protocol.errors import ErrorCode, ProtocolError
+from server.address_caps import AddressCaps
 from server.open_sessions import OpenSessions
 from server.replies import report
 from server.session import ServerSession
-from server.unread import largest, size_of
+from server.unread import held_by_address, largest, size_of
 
 CLOSE_AFTER_REPORT_SECONDS = 1.0
 
@@ -26,10 +28,13 @@ CLOSE_AFTER_REPORT_SECONDS = 1.0
 class TailResults:
     """Posts a session's results to its queue, closing sessions that leave too much unread."""
 
-    def __init__(self, open_sessions: OpenSessions, peer_id: str, max_unread_bytes: int):
+    def __init__(
+        self, open_sessions: OpenSessions, peer_id: str, max_unread_bytes: int, caps: Optional[AddressCaps] = None
+    ):
         self.open_sessions, self.peer_id = open_sessions, peer_id
         self.max_session_bytes = max_unread_bytes // limits.UNREAD_SESSION_SHARE
         self.wait = limits.UNREAD_WAIT_SECONDS
+        self.max_address_bytes = (caps or AddressCaps()).most_unread(max_unread_bytes)  # one address group's
 
     async def post(self, session: ServerSession, item: Any) -> None:
         """Queue ``item`` (a message, or a (RunOutputs, tensors) pair) for the session's client."""
@@ -49,9 +54,25 @@ class TailResults:
                 f"(a session may hold {cap} bytes unread): closing the session",
             )
             return
+        await self._address_room(session, queue.address, size)
         await self._make_room(session, size)
         if not session.closed:
             queue.post(item, size)
+
+    async def _address_room(self, session: ServerSession, address: Optional[str], size: int) -> None:
+        """Over the address group's share of the unread budget: close that address's sessions holding
+        the most unread bytes until ``size`` more fit (this session among them)."""
+        queues = self.open_sessions.results
+        while address is not None and not session.closed:
+            held = held_by_address(queues, address)
+            hog = largest(queues, address)
+            if held + size <= self.max_address_bytes or hog is None or hog not in self.open_sessions.sessions:
+                return
+            await self.close_unread(
+                self.open_sessions.sessions[hog],
+                f"address {address} holds {held} bytes of unread results here, {queues[hog].bytes} of them for "
+                f"this session: more than its share of {self.max_address_bytes} (--max-share-per-address)",
+            )
 
     async def _make_room(self, session: ServerSession, size: int) -> None:
         """Over the server's unread budget: close the sessions holding the most unread bytes until

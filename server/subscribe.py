@@ -75,7 +75,7 @@ class Subscriptions:
                 if not self.pending_by_address[address]:
                     del self.pending_by_address[address]
         if subscribed is not None:
-            await self._send_results(client, *subscribed)
+            await self._send_results(client, *subscribed, address)
 
     async def _subscribed_session(self, client: MessageStream, address: Optional[str] = None) -> Optional[Subscribed]:
         """(session, its Subscribe, the task that ends when the client goes away) once a valid
@@ -122,14 +122,22 @@ class Subscriptions:
         return first.message
 
     async def _send_results(
-        self, client: MessageStream, session: ServerSession, subscribe: Subscribe, closed: "asyncio.Task"
+        self,
+        client: MessageStream,
+        session: ServerSession,
+        subscribe: Subscribe,
+        closed: "asyncio.Task",
+        address: Optional[str] = None,
     ) -> None:
-        """The session's results, in order, to its client, until either goes away."""
+        """The session's results, in order, to its client, until either goes away; what it leaves
+        unread counts against its ``address`` from now on (server/unread.py)."""
         try:
             session.subscribed, session.secret = True, subscribe.secret
             queue = self.open_sessions.results.get(session.session_id)
             if queue is None:
                 return  # the session closed meanwhile
+            if address is not None:
+                queue.address = address
             while True:
                 getter = asyncio.create_task(queue.get())
                 done, _ = await asyncio.wait(

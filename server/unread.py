@@ -15,6 +15,12 @@ What happens past a bound (docs/reliability.md, "Resource bounds"):
 - the server's total over ``--max-unread-mib``: the session holding the most unread bytes is closed
   (``queue_full``), so many sessions cannot add up, and an honest client that reads its results
   (holding next to nothing) is never the one closed.
+- one address group's total over its share (``--max-share-per-address`` of ``--max-unread-mib``;
+  server/address_caps.py): that address's session holding the most unread bytes is closed, so
+  one machine's many peer ids cannot take the server's budget from the others. A queue counts
+  against the address its client subscribed from, or else the address that opened the session
+  here (a one-hop route); a session opened through another server with no subscriber counts
+  against none (the per-session and server bounds still hold).
 A session with nothing unread may always queue one message, whatever its size (one frame of a
 forward pass never fails here): the server's total stays under max(budget, one frame).
 """
@@ -55,9 +61,10 @@ class UnreadLedger:
 class ResultQueue(asyncio.Queue):
     """One session's unread results (an asyncio.Queue of messages, None ending it) with their bytes."""
 
-    def __init__(self, ledger: UnreadLedger):
+    def __init__(self, ledger: UnreadLedger, address: Optional[str] = None):
         super().__init__()
         self.ledger = ledger
+        self.address = address  # the address group its bytes count against (server/address_caps.py); None: none
         self.bytes = 0
         self._read = asyncio.Event()  # set whenever the client takes a result
 
@@ -96,7 +103,13 @@ class ResultQueue(asyncio.Queue):
         return True
 
 
-def largest(queues: dict[str, ResultQueue]) -> Optional[str]:
-    """The session holding the most unread bytes, if any holds some."""
-    session_id = max(queues, key=lambda s: queues[s].bytes, default=None)
-    return session_id if session_id is not None and queues[session_id].bytes > 0 else None
+def largest(queues: dict[str, ResultQueue], address: Optional[str] = None) -> Optional[str]:
+    """The session holding the most unread bytes (of those counted against ``address``, if given), if any holds some."""
+    mine = queues if address is None else {s: q for s, q in queues.items() if q.address == address}
+    session_id = max(mine, key=lambda s: mine[s].bytes, default=None)
+    return session_id if session_id is not None and mine[session_id].bytes > 0 else None
+
+
+def held_by_address(queues: dict[str, ResultQueue], address: str) -> int:
+    """Unread bytes of the sessions counted against ``address``."""
+    return sum(q.bytes for q in queues.values() if q.address == address)

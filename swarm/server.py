@@ -145,7 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-share-per-address",
         type=float,
         default=DEFAULT_MAX_SHARE_PER_ADDRESS,
-        help="share of the session slots and of the cache one client source address may hold, whatever its peer ids",
+        help="share of the session slots, cache, pending Subscribes and unread results one client source address "
+        "group (/24, /48) may hold, whatever its peer ids",
     )
     p.add_argument("--cap-loopback", action="store_true", help="cap loopback clients per address too (default: exempt)")
     p.add_argument(

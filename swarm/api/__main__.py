@@ -70,6 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PEER_ID",
         help="servers you trust to settle disputes and confirm tokens (docs/reliability.md, 'Witnesses')",
     )
+    p.add_argument(
+        "--output-audit-rate",
+        type=float,
+        default=0.1,  # client._output_audits.DEFAULT_OUTPUT_AUDIT_RATE
+        metavar="R",
+        help="share of forward passes (echo log-probs) re-computed on an independent route (docs/reliability.md)",
+    )
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -134,6 +141,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 initial_peers=args.initial_peers or None,
                 request_timeout=args.swarm_timeout,
                 trusted_peers=args.trusted_peers,
+                output_audit_rate=args.output_audit_rate,
             )
         asyncio.run(serve(args, models))
     except (ValueError, OSError, RuntimeError) as e:

@@ -106,6 +106,7 @@ class TextGeneration:
         self.finish_reason: Optional[str] = None
         self.completion_tokens = 0
         self.stats = GenerationStats()
+        self.prompt_confirmed = ""  # how the echo log-probs' pass was confirmed (client/_output_audits.py); "": none
 
     async def deltas(self) -> AsyncIterator[Delta]:
         params, served = self.params, self.served
@@ -113,7 +114,10 @@ class TextGeneration:
             scored: list[Optional[TokenLogprobs]] = []
             if params.prompt_logprobs >= 0:
                 async with served.forward_slots:
-                    scored = await prompt_logprobs(served.model, params.prompt_ids, params.prompt_logprobs)
+                    audit = params.sampling.get("audit", "warn")
+                    scored, self.prompt_confirmed = await prompt_logprobs(
+                        served.model, params.prompt_ids, params.prompt_logprobs, audit
+                    )
             yield Delta(params.echo, list(params.prompt_ids), scored, echo=True)
         if params.max_tokens == 0:  # echo alone: scoring a text, nothing to generate
             self.finish_reason = "length"

@@ -23,12 +23,17 @@ MAX_CONCURRENT_FORWARDS = 4  # prompt-logprob passes in flight per gateway: each
 SLICE_ROWS = 256  # positions reduced at once: bounds the log-softmax's extra memory
 
 
-async def prompt_logprobs(model: Any, prompt_ids: list[int], top_n: int) -> list[Optional[TokenLogprobs]]:
+async def prompt_logprobs(
+    model: Any, prompt_ids: list[int], top_n: int, audit: str = "warn"
+) -> tuple[list[Optional[TokenLogprobs]], str]:
     """One entry per prompt token: ``None`` for the first, then each token's log-prob given the
-    tokens before it, with the ``top_n`` likeliest alternatives at that position."""
-    logits = await model.aforward_logits(prompt_ids)  # [length, vocab] float32
-    scored = await asyncio.to_thread(score_tokens, logits[:-1], prompt_ids[1:], top_n)
-    return [None, *scored]
+    tokens before it, with the ``top_n`` likeliest alternatives at that position; and how the pass's
+    audit confirmed them ("trusted", "untrusted", "unaudited" or "unconfirmed"). ``audit``: the
+    request's; "required" audits the pass on a second route and refuses unconfirmed logits
+    (client/_output_audits.py)."""
+    outputs = await model.aforward_outputs(prompt_ids, audit=audit)  # logits [length, vocab] float32
+    scored = await asyncio.to_thread(score_tokens, outputs.logits[:-1], prompt_ids[1:], top_n)
+    return [None, *scored], outputs.confirmed
 
 
 def score_tokens(logits: torch.Tensor, targets: list[int], top_n: int) -> list[TokenLogprobs]:

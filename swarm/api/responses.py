@@ -37,6 +37,18 @@ def speculation_stats(stats: Sequence[GenerationStats]) -> dict[str, Any]:
     }
 
 
+# how a pass's log-probs were confirmed, weakest first (client/_output_audits.py); a response reports its weakest
+PROMPT_CONFIRMATION = ("unconfirmed", "unaudited", "untrusted", "trusted")
+
+
+def with_prompt_confirmation(specswarm: dict[str, Any], generations: Sequence[Any]) -> dict[str, Any]:
+    """``specswarm`` plus ``prompt_logprobs``: how the echo log-probs were confirmed, when some were scored."""
+    found = [g.prompt_confirmed for g in generations if g.prompt_confirmed]
+    if found:
+        specswarm["prompt_logprobs"] = min(found, key=PROMPT_CONFIRMATION.index)
+    return specswarm
+
+
 def speculation_headers(stats: Sequence[GenerationStats]) -> dict[str, str]:
     return {f"x-specswarm-{key.replace('_', '-')}": str(value) for key, value in speculation_stats(stats).items()}
 
@@ -207,14 +219,16 @@ class CompletionFormat(_Format):
     def closing_chunk(self, index: int) -> dict[str, Any]:
         generation = self.generations[index]
         choice = {"index": index, "text": "", "logprobs": None, "finish_reason": generation.finish_reason}
-        return self._envelope(self.chunk_object, [choice], specswarm=speculation_stats([generation.stats]))
+        specswarm = with_prompt_confirmation(speculation_stats([generation.stats]), [generation])
+        return self._envelope(self.chunk_object, [choice], specswarm=specswarm)
 
     def response(self, deltas: list[list[Delta]]) -> dict[str, Any]:
         choices = []
         for index, (generation, own) in enumerate(zip(self.generations, deltas)):
             text, logprobs, finish = "".join(d.text for d in own), self._logprobs(index, own), generation.finish_reason
             choices.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish})
-        return self._envelope(self.object_name, choices, usage=self.usage(), specswarm=speculation_stats(self.stats()))
+        specswarm = with_prompt_confirmation(speculation_stats(self.stats()), self.generations)
+        return self._envelope(self.object_name, choices, usage=self.usage(), specswarm=specswarm)
 
     def _logprobs(self, index: int, deltas: list[Delta]) -> Optional[dict[str, Any]]:
         if self.shown < 0:

@@ -221,7 +221,8 @@ def test_audits_look_like_live_laps_to_the_tail(sybil_swarm, tiny_llama_path, gr
     """R records what it sees of every Step it verifies (tests/kit/faults.py ``record_verdicts``):
     first as the live route's tail (T shadows it), then as T's shadow and spot-check substitute
     (U is hidden, so R is the only other tail). Every audit Step passes the frame fault's detector
-    as a live lap, with live-sized drafts and the live session's max_length."""
+    as a live lap, with live-sized drafts, the live session's max_length and top log-probs, and no
+    returned logits (spot-checks verify through verdicts)."""
     log = tmp_path / "steps.jsonl"
     processes = start(sybil_swarm, "--record-steps", str(log), names=("R",))
     try:
@@ -236,12 +237,14 @@ def test_audits_look_like_live_laps_to_the_tail(sybil_swarm, tiny_llama_path, gr
             assert stats.verdict_audits >= 2 and stats.spot_checks >= 1, stats.spot_check_events
             assert stats.liars_excluded == [] and stats.disputed_peers == []
         audits = _features(log)
-        shadow = [f for f in audits if not f["return_logits"]]  # spot-checks ask for the last logits
-        assert live and shadow, (live, audits)
+        assert live and audits, (live, audits)
         print(f"\nlive: {live}\naudits: {audits}")
         assert not any(f["looks_like_an_audit"] for f in live + audits)
-        # shadow Steps carry draft counts the live laps carried (client/_audit_shape.py), never more
-        assert {f["n_draft"] for f in shadow} <= {f["n_draft"] for f in live} | {0}
+        # no Step asks for returned logits: spot-checks verify through verdicts, as the shadow does
+        assert not any(f["return_logits"] for f in live + audits)
+        assert {f["top_logprobs"] for f in audits} == {f["top_logprobs"] for f in live} == {1}
+        # shadow and spot-check Steps carry draft counts the live laps carried (client/_audit_shape.py)
+        assert {f["n_draft"] for f in audits} <= {f["n_draft"] for f in live} | {0}
         assert max(f["n_draft"] for f in audits) <= 8  # num_draft_tokens, the default
         assert {f["max_length"] for f in audits} == {f["max_length"] for f in live}
         # not yet alike: live laps ask for loop_runs, audits do not (client/_audit_shape.py says why)

@@ -145,7 +145,7 @@ def test_the_gateway_passes_trusted_peers_to_every_model(monkeypatch):
     seen = {}
 
     def fake_from_pretrained(name, **kwargs):
-        seen[name] = kwargs["trusted_peers"]
+        seen[name] = kwargs["trusted_peers"], kwargs["output_audit_rate"]
         raise ValueError("stop here")  # the gateway reports it and exits 2, serving nothing
 
     monkeypatch.setattr(AutoDistributedModelForCausalLM, "from_pretrained", fake_from_pretrained)
@@ -154,4 +154,6 @@ def test_the_gateway_passes_trusted_peers_to_every_model(monkeypatch):
     assert (
         gateway.main(["--model", "m", "--initial-peers", "/ip4/127.0.0.1/tcp/1", "--trusted-peers", "QmA", "QmB"]) == 2
     )
-    assert seen == {"m": ["QmA", "QmB"]}
+    assert seen == {"m": (["QmA", "QmB"], 0.1)}  # the output audits' default rate
+    args = ["--model", "m", "--initial-peers", "/ip4/127.0.0.1/tcp/1", "--output-audit-rate", "1"]
+    assert gateway.main(args) == 2 and seen["m"] == ([], 1.0)

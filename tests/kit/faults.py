@@ -29,6 +29,10 @@ server stays honest, so each test sees exactly the one lie it is about.
   there: two such tails would confirm each other against an honest one.
 - ``lie_in_verdicts(..., live_only=True)``: the adaptive liar, lying only where
   :func:`looks_like_an_audit` says no audit looks.
+- ``lie_in_outputs(shift)``: a tail whose forward-pass outputs (``return_logits``: ``model(ids).logits``,
+  the gateway's ``echo`` log-probs) carry ``shift`` added to each row's second choice; its verdicts stay honest.
+- ``lie_in_logprobs(shift)``: a tail whose verdicts' top-K log-probs carry ``shift`` added to every
+  value (the chosen token's too); its tokens stay honest.
 - ``record_verdicts(path)``: honest; appends what this tail can see of every Step it verifies
   (:func:`step_features`) to ``path``, one JSON line each, for the tests that compare audits with live laps.
 """
@@ -268,11 +272,15 @@ LIVE_DRAFTS = 8  # the most drafts a live lap carries with the client's defaults
 
 def looks_like_an_audit(session, step) -> bool:
     """The frame fault's detector, from what a hostile tail can see of a Step: more drafts than a
-    live lap carries (shadow Steps before they were cut to live size), or drafts in a Step that ends
-    at its session's last position (a third opinion's session used to end at the disputed position).
+    live lap carries (shadow Steps before they were cut to live size), drafts in a Step that ends at
+    its session's last position (a third opinion's session used to end at the disputed position), or
+    returned logits (spot-checks asked for the last position's; forward passes do, and their verdicts
+    decide nothing).
     tests/hostile/test_sybils.py asserts it is False on every audit Step the client sends."""
-    return step.n_draft > LIVE_DRAFTS or (
-        step.n_draft > 0 and step.start_pos + len(step.token_ids) == session.max_length
+    return (
+        step.n_draft > LIVE_DRAFTS
+        or (step.n_draft > 0 and step.start_pos + len(step.token_ids) == session.max_length)
+        or step.return_logits > 0  # a generation's live laps never ask for returned logits; spot-checks used to
     )
 
 
@@ -301,6 +309,47 @@ def frame() -> Counter:
     return count
 
 
+def lie_in_outputs(shift: float) -> Counter:
+    """From now on this process's tails add ``shift`` to the second choice of every row of logits they
+    return (``server.compute._outputs`` patched; a copy: the verdict reads the honest rows)."""
+    from server import compute as compute_module
+
+    count, outputs = Counter(1), compute_module._outputs
+
+    def lying_outputs(*args, **kwargs):
+        messages = outputs(*args, **kwargs)
+        for i, (message, tensors) in enumerate(messages):
+            logits = tensors[0].clone()
+            second = logits.float().topk(2, dim=-1).indices[:, 1]
+            logits[torch.arange(len(logits)), second] += shift
+            messages[i] = (message, [logits, *tensors[1:]])
+            count.due()
+        logger.warning(f"Fault injection: forward outputs shifted by {shift:g} at the second choice")
+        return messages
+
+    compute_module._outputs = lying_outputs
+    return count
+
+
+def lie_in_logprobs(shift: float) -> Counter:
+    """From now on this process's tails add ``shift`` to every log-prob their verdicts return
+    (``server.compute._verdict`` patched); the tokens stay honest."""
+    from server import compute as compute_module
+
+    count, verdict = Counter(1), compute_module._verdict
+
+    def lying_verdict(session, step, logits):
+        result = verdict(session, step, logits)
+        for entry in result.logprobs or ():
+            entry.logprob += shift
+            entry.top_logprobs = [value + shift for value in entry.top_logprobs]
+            count.due()
+        return result
+
+    compute_module._verdict = lying_verdict
+    return count
+
+
 def step_features(session, step) -> dict:
     """What a tail can see of a Step that could tell an audit from a live lap."""
     return {
@@ -311,6 +360,7 @@ def step_features(session, step) -> dict:
         "n_draft": step.n_draft,
         "loop_runs": step.loop_runs,
         "return_logits": step.return_logits,
+        "top_logprobs": step.top_logprobs,
         "ends_session": step.start_pos + len(step.token_ids) == session.max_length,
         "looks_like_an_audit": looks_like_an_audit(session, step),
     }

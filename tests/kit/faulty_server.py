@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--frame", action="store_true", help="honest in live laps, name a wrong token in audit-looking Steps"
     )
     p.add_argument("--lie-when-live", action="store_true", help="lie only on Steps that do not look like audits")
+    p.add_argument("--lie-in-outputs", type=float, default=0.0, metavar="SHIFT", help="shift returned logits")
+    p.add_argument("--lie-in-logprobs", type=float, default=0.0, metavar="SHIFT", help="shift verdicts' log-probs")
     p.add_argument("--record-steps", default="", metavar="PATH", help="append what the tail sees of each Step")
     p.add_argument("--claim-factor", type=float, default=0.0, metavar="X", help="announce X x the measured throughput")
     return p
@@ -76,6 +78,10 @@ def patch(args: argparse.Namespace) -> None:
         )
     if args.record_steps:
         faults.record_verdicts(args.record_steps)
+    if args.lie_in_outputs:
+        faults.lie_in_outputs(args.lie_in_outputs)
+    if args.lie_in_logprobs:
+        faults.lie_in_logprobs(args.lie_in_logprobs)
     if args.frame:
         faults.frame()
     if args.claim_factor:

@@ -1,0 +1,279 @@
+"""Audits of forward passes: logits (``model(ids).logits``, the gateway's ``echo`` log-probs)
+re-computed on an independent route (docs/reliability.md, "Forward passes and log-probs").
+
+A forward pass returns numbers the client cannot check by itself: any hop may have computed them
+wrongly, so ``output_audit_rate`` of the passes (``from_pretrained``; every pass under
+``audit="required"``) go a second time through a route whose every untrusted hop is replaced by a
+server that could not be its operator (client/_witnesses.py), trusted servers first. The two
+passes' logits agree within :data:`OUTPUT_TOLERANCES` (float32 1e-3, 16-bit 0.08 of
+``max(1, max|logit|)``; benchmarks/forward_spread.py measures the honest spread under it), or there
+is a dispute, settled by the verdicts' evidence rule:
+
+- a route of trusted servers only (the audit route, or one built from trusted servers of the same
+  blocks and precision) is the reference; a route that disagrees with it and differs from it in one
+  hop convicts that hop's server; one that differs in several is narrowed by one pass per suspect
+  hop (the reference with that hop alone substituted back), so only a server whose own computation
+  moved the logits is convicted, never one framed by a hop it shared;
+- without such a route nobody is convicted (a vote among strangers is one operator's vote, k times):
+  the same narrowing (the audit route with one hop of the live route's at a time) finds the hops
+  whose two servers disagree, those servers are avoided, the pass is recomputed on a third route
+  with other servers at those hops, and its result is returned flagged as unconfirmed (a warning;
+  ``audit="required"`` raises). The model's later passes route around those servers where the
+  swarm allows (``avoid``, as suspects are: never excluded, never reported), and audits do not use
+  them; k sybils that frame an honest server get it avoided by this model, nothing more.
+
+The audit sessions are ordinary prefill sessions as a forward pass sends them.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import warnings
+from dataclasses import dataclass, field
+from typing import Collection, Mapping, Optional, Sequence
+
+import torch
+
+from client._forward import prefill_outputs
+from client._remote_session import RemoteSession
+from client._spot_checks import alternatives, relative_difference
+from client._witnesses import Witnesses
+from client.errors import UnconfirmedOutputsError, UnconfirmedOutputsWarning
+from protocol.messages import Hop
+from protocol.records import ServerInfo
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_OUTPUT_AUDIT_RATE = 0.1  # forward passes audited (every one under audit="required")
+
+# relative_difference of two honest routes' logits over every position of a pass, under which they
+# agree (benchmarks/forward_spread.py, SmolLM2-135M on the CPU, a 1-server route against a 3-server
+# one prefilling in 16-position Steps beside two other sessions: float32 0 exactly, bfloat16 at most
+# 0.035, median 0.01). Spot-checks compare one position; a pass compares hundreds, so 16-bit gets
+# twice the largest measured spread. A lie under the bound moves no logit by more than 8% of the
+# row's largest: it can reorder near-ties, not make a 1% token the likeliest.
+OUTPUT_TOLERANCES = {"float32": 1e-3, "bfloat16": 0.08, "float16": 0.08}
+OUTPUT_TOLERANCE_OTHER = 0.15  # quantized weights (int8, nf4) or a dtype the table does not know
+
+
+def check_output_audit_rate(rate: float) -> float:
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.0 <= rate <= 1.0:
+        raise ValueError(f"output_audit_rate must be a number in [0, 1] (0: no audits), got {rate!r}")
+    return float(rate)
+
+
+def output_tolerance(hops: Sequence[Hop], records: Mapping[str, ServerInfo]) -> float:
+    """The loosest :data:`OUTPUT_TOLERANCES` of the servers of ``hops`` (an unknown record: the loosest)."""
+    found = [records.get(hop.peer_id) for hop in hops]
+    return max(
+        OUTPUT_TOLERANCES.get(r.dtype, OUTPUT_TOLERANCE_OTHER)
+        if r is not None and (r.quantization or "none") == "none"
+        else OUTPUT_TOLERANCE_OTHER
+        for r in found
+    )
+
+
+@dataclass
+class OutputAuditStats:
+    """A model's forward-pass audits, counted over its life (``model.output_audit_stats``)."""
+
+    passes: int = 0
+    audited: int = 0
+    confirmed_trusted: int = 0  # by a route of trusted servers
+    confirmed_untrusted: int = 0  # by an independent route of strangers
+    unconfirmed: int = 0  # audited, but no independent route, a failed audit or an unsettled dispute
+    disputes: int = 0
+    convicted: list[str] = field(default_factory=list)
+    disputed_peers: list[str] = field(default_factory=list)
+    events: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Pass:
+    """One pass's outputs: logits [num_outputs, vocab] float32 and final hidden states (or None)."""
+
+    route: list[Hop]
+    logits: torch.Tensor
+    hidden: Optional[torch.Tensor]
+
+
+class OutputAuditor:
+    """Draws which forward passes to audit and settles what the audit finds."""
+
+    def __init__(self, swarm, rate: float = DEFAULT_OUTPUT_AUDIT_RATE, trusted: Collection[str] = (), rng=None):
+        self.swarm, self.rate = swarm, check_output_audit_rate(rate)
+        self.witnesses = Witnesses(trusted)
+        self.rng = rng or random.Random()
+        self.stats = OutputAuditStats()
+        self.avoid: set[str] = set()  # servers of unsettled disputes: later passes route around them (never excluded)
+
+    async def check(
+        self, row: list[int], route: list[Hop], logits: torch.Tensor, hidden: Optional[torch.Tensor], shape, audit: str
+    ) -> tuple[tuple[list[Hop], torch.Tensor, Optional[torch.Tensor]], str]:
+        """The outputs to return for ``row`` (route, logits, hidden) and how they were confirmed:
+        ``"trusted"``, ``"untrusted"``, ``"unaudited"`` (not drawn) or ``"unconfirmed"`` (flagged;
+        raised under ``audit="required"``, which audits every pass). ``shape``: (num_outputs,
+        vocab_size, hidden_size, return_hidden) of the pass."""
+        live, untouched = Pass(route, logits, hidden), (route, logits, hidden)
+        self.stats.passes += 1
+        if all(self.witnesses.is_trusted(hop.peer_id) for hop in route):
+            self.stats.confirmed_trusted += 1
+            return untouched, "trusted"
+        if audit != "required" and (self.rate <= 0 or self.rng.random() >= self.rate):
+            return untouched, "unaudited"
+        self.stats.audited += 1
+        try:
+            result, how, why = await self._audit(row, shape, live)
+        except Exception as e:  # a server died or refused: no verdict on anyone
+            result, how, why = live, "unconfirmed", f"the audit failed: {e!r}"
+        if how == "trusted":
+            self.stats.confirmed_trusted += 1
+        elif how == "untrusted":
+            self.stats.confirmed_untrusted += 1
+        else:
+            self.stats.unconfirmed += 1
+            self.stats.events.append(why)
+            message = f"a forward pass's logits are unconfirmed: {why}"
+            if audit == "required":
+                raise UnconfirmedOutputsError(message + ' (audit="required" refuses to return them)', self.stats)
+            warnings.warn(message, UnconfirmedOutputsWarning, stacklevel=2)
+        return (result.route, result.logits, result.hidden), how
+
+    async def _audit(self, row: list[int], shape: tuple, live: Pass) -> tuple[Pass, str, str]:
+        route, trusted = live.route, self.witnesses.is_trusted
+        strangers = [hop.peer_id for hop in route if not trusted(hop.peer_id)]
+        other = await self._substitute(route, len(row), exclude=set(), independent_of=strangers)
+        if other == route:
+            return live, "unconfirmed", "no independent server of the route's blocks and precision"
+        second = await self._pass(other, row, shape)
+        tol = output_tolerance([*route, *other], self.swarm.records)
+        difference = relative_difference(live.logits, second.logits)
+        covered = all(trusted(a.peer_id) or a.peer_id != b.peer_id for a, b in zip(route, other))
+        if difference < tol:
+            if all(trusted(hop.peer_id) for hop in other):
+                return live, "trusted", ""
+            if covered:
+                return live, "untrusted", ""
+            return live, "unconfirmed", "a hop without an independent second server was not checked"
+        self.stats.disputes += 1
+        what = f"routes {_names(route)} and {_names(other)} differ by {difference:.3g} >= {tol:g}"
+        self.stats.events.append(what)
+        logger.warning(f"Forward-pass audit: {what}")
+        reference = other if all(trusted(hop.peer_id) for hop in other) else self._trusted_route(route, other)
+        if reference is not None:
+            truth = second if reference == other else await self._pass(reference, row, shape)
+            for losing in (live, second):
+                if losing.route != reference and relative_difference(losing.logits, truth.logits) >= tol:
+                    for i in await self._localize(losing, truth, row, shape, tol):
+                        if not trusted(losing.route[i].peer_id):
+                            self._convict(losing.route[i].peer_id)
+            return truth, "trusted", ""
+        suspects = await self._localize(live, second, row, shape, tol)
+        disputed = {hop.peer_id for i in suspects for hop in (route[i], other[i]) if not trusted(hop.peer_id)}
+        self.stats.disputed_peers.extend(p for p in sorted(disputed) if p not in self.stats.disputed_peers)
+        self.avoid |= disputed
+        what += f"; hops {suspects} disputed, no trusted server to settle it"
+        third = await self._substitute(route, len(row), exclude=disputed, independent_of=[], only=set(suspects))
+        if any(hop.peer_id in disputed for hop in third):
+            return live, "unconfirmed", f"{what}, and no third server of their blocks"
+        return await self._pass(third, row, shape), "unconfirmed", f"{what}; recomputed on {_names(third)}"
+
+    async def _localize(self, x: Pass, y: Pass, row: list[int], shape: tuple, tol: float) -> list[int]:
+        """The hops whose servers disagree, of two routes whose logits do: each hop where they
+        differ, substituted alone from ``x`` into ``y``, moves ``y``'s logits (one pass per hop; none
+        where they differ in one hop). All of them where no single hop does (a liar that lies at
+        random). Against a trusted ``y``, a hop found here is its ``x`` server's own computation."""
+        differing = [i for i, (a, b) in enumerate(zip(x.route, y.route)) if a.peer_id != b.peer_id]
+        if len(differing) == 1:
+            return differing
+        found = []
+        for i in differing:
+            mixed = [x.route[j] if j == i else hop for j, hop in enumerate(y.route)]
+            if relative_difference((await self._pass(mixed, row, shape)).logits, y.logits) >= tol:
+                found.append(i)
+        return found or differing
+
+    def _convict(self, liar: str) -> None:
+        self.stats.convicted.append(liar)
+        self.stats.events.append(f"{liar} convicted: its blocks alone moved the logits of a trusted route")
+        logger.warning(f"Forward-pass audit: {liar} convicted by a route of trusted servers")
+        self.swarm.convict(liar)
+
+    async def _substitute(
+        self,
+        route: list[Hop],
+        length: int,
+        exclude: set[str],
+        independent_of: Sequence[str],
+        only: Optional[set[int]] = None,
+    ) -> list[Hop]:
+        """``route`` with every untrusted hop (of ``only``, if given) computed by another server of its
+        blocks and precision (not excluded, independent of ``independent_of``; trusted first); a hop
+        without one stays."""
+        records, trusted = self.swarm.records, self.witnesses.is_trusted
+        excluded = self.swarm.excluded.current() | exclude | self.avoid
+        pools = {
+            i: alternatives(route, i, records, excluded, length)
+            for i, hop in enumerate(route)
+            if not trusted(hop.peer_id) and (only is None or i in only)
+        }
+        candidates, dead = [info for pool in pools.values() for info in pool], set()
+        if candidates:  # ping them so that this client holds connections, whose addresses it reads
+            dead = set(await self.swarm.unresponsive([Hop(peer_id=c.peer_id, start=0, end=0) for c in candidates]))
+            await self.witnesses.refresh(self.swarm.p2p)
+        out, used = list(route), {hop.peer_id for hop in route}
+        for i, pool in pools.items():
+            pool = [c for c in pool if c.peer_id not in dead and c.peer_id not in used]
+            self.rng.shuffle(pool)
+            if independent_of:
+                pool = self.witnesses.choose(pool, independent_of)
+            else:
+                pool.sort(key=lambda c: not trusted(c.peer_id))
+            if pool:
+                out[i] = Hop(peer_id=pool[0].peer_id, start=route[i].start, end=route[i].end)
+                used.add(pool[0].peer_id)
+        return out
+
+    def _trusted_route(self, route: list[Hop], other: list[Hop]) -> Optional[list[Hop]]:
+        """A route over the same hops with a trusted server at each (the route's or the audit
+        route's where one is, else a trusted alternative); None where a hop has none."""
+        records, trusted = self.swarm.records, self.witnesses.is_trusted
+        out = []
+        for i, (a, b) in enumerate(zip(route, other)):
+            found = [h.peer_id for h in (a, b) if trusted(h.peer_id)]
+            found += [
+                s.peer_id
+                for s in alternatives(route, i, records, self.swarm.excluded.current(), 0)
+                if trusted(s.peer_id)
+            ]
+            if not found:
+                return None
+            out.append(Hop(peer_id=found[0], start=a.start, end=a.end))
+        return out
+
+    async def _pass(self, route: list[Hop], row: list[int], shape: tuple) -> Pass:
+        """One fresh prefill session on ``route``, chunked as forward passes are."""
+        num_outputs, vocab_size, hidden_size, return_hidden = shape
+        swarm = self.swarm
+        session = RemoteSession(
+            swarm.p2p,
+            route,
+            len(row),
+            timeout=swarm.request_timeout,
+            prompts=swarm.prompts,
+            adapter=swarm.active_adapter,
+        )
+        try:
+            await session.open()
+            limit = swarm.route_step_limit(route)
+            logits, hidden = await prefill_outputs(
+                session, row, num_outputs, limit, vocab_size, hidden_size, return_hidden
+            )
+            return Pass(route, logits, hidden)
+        finally:
+            await session.close()
+
+
+def _names(route: Sequence[Hop]) -> str:
+    return "[" + ", ".join(f"{hop.peer_id[-6:]}[{hop.start}:{hop.end})" for hop in route) + "]"

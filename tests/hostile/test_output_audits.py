@@ -1,0 +1,311 @@
+"""Forward passes audited on a second route (issue 35; docs/reliability.md, "Forward passes and log-probs").
+
+Live: a tiny-model swarm of two heads H, G (blocks 0:3) and two tails T, U (3:6), honest, and a
+tail L (3:6) run through tests/kit/faulty_server.py with ``--lie-in-outputs``: the logits it returns
+carry +3 on each row's second choice (its verdicts stay honest). Every client audits every pass
+(``output_audit_rate=1.0``) and prefers routes through L while it runs.
+
+- honest: every pass confirmed by an independent route, no dispute; logits equal local transformers;
+- L, nobody trusted: the dispute is narrowed to the tail hop, L and the audit's tail are avoided, the
+  pass recomputed on H + the third tail: logits equal local transformers, flagged unconfirmed (a
+  warning), and ``audit="required"`` raises; nobody convicted;
+- L, with G, T and U trusted: the trusted route settles it, L alone is convicted;
+- through the gateway: ``echo`` log-probs equal local transformers', and "required" is a 502.
+
+Every server listens on 127.0.0.1, which the client treats as the user's own machine, one group per
+peer id (client/_witnesses.py), so each is independent of the others.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from client._logprob_audits import entries_agree, logprob_tolerance, verdict_difference
+from client._output_audits import OutputAuditor, check_output_audit_rate, output_tolerance
+from client.errors import UnconfirmedOutputsError, UnconfirmedOutputsWarning
+from protocol.messages import Hop, StepResult, TokenLogprobs
+from protocol.records import ServerInfo
+from swarm.api.prompt_logprobs import score_tokens
+from swarm.local import LocalSwarm
+from tests.hostile.test_sybils import _post, client, stop
+from tests.kit.faulty_server import faulty
+from tests.kit.reference import PROMPT
+from tests.kit.swarms import SERVER_ARGS
+
+HONEST = {"H": (0, 3), "G": (0, 3), "T": (3, 6), "U": (3, 6)}
+LIAR_SHIFT = "3"
+
+
+def start_liar(swarm, name: str) -> list:
+    """A tail of blocks 3:6 whose returned logits lie (its verdicts stay honest). Each test names its
+    own: a convicted one is reported in the DHT, and later clients route around its name's peer id."""
+    return [swarm.start_server(3, 6, name=name, launcher=faulty("--lie-in-outputs", LIAR_SHIFT))]
+
+
+def route(head: str, tail: str) -> list[tuple[str, int, int]]:
+    return [(head, 0, 3), (tail, 3, 6)]
+
+
+def test_rates_and_bounds():
+    assert check_output_audit_rate(0.1) == 0.1 and check_output_audit_rate(1) == 1.0
+    for bad in (-0.1, 1.5, True, "0.1"):
+        with pytest.raises(ValueError, match="output_audit_rate"):
+            check_output_audit_rate(bad)
+
+    def info(peer, dtype="float32", quant="none"):
+        return ServerInfo(peer_id=peer, model="m", start_block=0, end_block=6, dtype=dtype, quantization=quant)
+
+    records = {"a": info("a"), "b": info("b", "bfloat16"), "q": info("q", quant="int8")}
+    hops = [Hop("a", 0, 3), Hop("b", 3, 6)]
+    assert output_tolerance(hops[:1], records) == 1e-3 and output_tolerance(hops, records) == 0.08
+    assert output_tolerance([Hop("q", 0, 6)], records) == output_tolerance([Hop("gone", 0, 6)], records) == 0.15
+    assert logprob_tolerance([records["a"]]) == 1e-3 and logprob_tolerance([records["a"], records["b"]]) == 0.64
+    assert logprob_tolerance([None]) == 1.0
+
+
+def test_passes_are_audited_at_the_stated_rate_and_every_one_under_required(monkeypatch):
+    """The default rate (0.1) draws about one pass in ten; audit="required" audits every pass; a
+    route of trusted servers only is confirmed as it is, unaudited."""
+    import asyncio
+    import random
+    from types import SimpleNamespace as ns
+
+    auditor = OutputAuditor(ns(), rng=random.Random(0), trusted=["t"])
+    assert auditor.rate == 0.1
+
+    async def confirmed(row, shape, live):
+        return live, "untrusted", ""
+
+    monkeypatch.setattr(auditor, "_audit", confirmed)
+    route, logits = [Hop("a", 0, 6)], torch.zeros(1, 4)
+
+    def check(audit: str, hops=route) -> str:
+        return asyncio.run(auditor.check([1], hops, logits, None, (1, 4, 0, False), audit))[1]
+
+    drawn = [check("warn") for _ in range(2000)]
+    assert 150 <= drawn.count("untrusted") <= 250 and drawn.count("unaudited") == 2000 - drawn.count("untrusted")
+    assert all(check("required") == "untrusted" for _ in range(20))
+    assert check("required", [Hop("t", 0, 6)]) == "trusted"
+    assert auditor.stats.audited == drawn.count("untrusted") + 20
+
+
+def test_a_response_reports_its_weakest_prompt_confirmation():
+    from types import SimpleNamespace as ns
+
+    from swarm.api.responses import with_prompt_confirmation
+
+    assert with_prompt_confirmation({}, [ns(prompt_confirmed="")]) == {}  # nothing scored: no field
+    scored = [ns(prompt_confirmed="trusted"), ns(prompt_confirmed="untrusted"), ns(prompt_confirmed="")]
+    assert with_prompt_confirmation({"laps": 0}, scored) == {"laps": 0, "prompt_logprobs": "untrusted"}
+
+
+def test_log_prob_entries_agree_within_the_bound_and_near_ties_may_swap():
+    honest = TokenLogprobs(7, -0.5, [7, 3, 9], [-0.5, -1.2, -3.0])
+    assert entries_agree(honest, TokenLogprobs(7, -0.5004, [7, 3, 9], [-0.5004, -1.2, -3.0]), 1e-3)
+    assert not entries_agree(honest, TokenLogprobs(7, 0.0, [7, 3, 9], [0.0, -0.7, -2.5]), 1e-3)  # shifted
+    assert not entries_agree(honest, TokenLogprobs(8, -0.5, [7, 3, 9], [-0.5, -1.2, -3.0]), 1e-3)  # another token
+    assert entries_agree(honest, TokenLogprobs(7, -0.5, [7, 3, 4], [-0.5, -1.2, -3.0]), 1e-3)  # a tie at the K-th
+    assert not entries_agree(honest, TokenLogprobs(7, -0.5, [7, 4, 9], [-0.5, -1.2, -3.0]), 1e-3)  # 3 vanished
+    a = StepResult(session_id="s", run_id=0, accepted=2, next_token=5, logprobs=[honest])
+    assert verdict_difference(a, a, 1e-3) == 0.0
+    other = StepResult(session_id="s", run_id=0, accepted=1, next_token=5, logprobs=[honest])
+    assert verdict_difference(a, other, 1e-3) == float("inf")
+
+
+@pytest.fixture(scope="module")
+def pair_swarm(tiny_llama_path, artifacts_dir):
+    with LocalSwarm(
+        str(tiny_llama_path),
+        spans=list(HONEST.values()),
+        names=list(HONEST),
+        server_args=SERVER_ARGS,
+        log_dir=str(artifacts_dir / "output-audit-swarm"),
+    ) as swarm:
+        yield swarm
+
+
+@pytest.fixture(scope="module")
+def reference_logits(tiny_reference):
+    with torch.no_grad():
+        return tiny_reference(torch.tensor(PROMPT)).logits[0]
+
+
+def audited(model, trusted=()) -> OutputAuditor:
+    """Every forward pass of ``model`` audited, with these servers (by name) trusted."""
+    model.output_audits = OutputAuditor(model.swarm, 1.0, [model.peers[name] for name in trusted])
+    return model.output_audits
+
+
+def test_honest_passes_are_confirmed_and_never_disputed(pair_swarm, tiny_llama_path, reference_logits):
+    with client(pair_swarm, tiny_llama_path, route("H", "T"), route("G", "U")) as model:
+        audits = audited(model)
+        for _ in range(3):
+            logits = model(torch.tensor(PROMPT), audit="required").logits[0]
+            torch.testing.assert_close(logits, reference_logits, rtol=1e-4, atol=1e-4)
+        stats = audits.stats
+        assert stats.passes == stats.audited == stats.confirmed_untrusted == 3, stats.events
+        assert stats.disputes == 0 and stats.unconfirmed == 0 and stats.convicted == [] and stats.events == []
+
+
+def test_a_logit_liar_is_flagged_and_recomputed_elsewhere_or_convicted_by_trusted_servers(
+    pair_swarm, tiny_llama_path, reference_logits
+):
+    processes = start_liar(pair_swarm, "L")
+    try:
+        routes = (route("H", "L"), route("G", "T"), route("H", "U"))
+        with client(pair_swarm, tiny_llama_path, *routes) as model:
+            audits = audited(model)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                logits = model(torch.tensor(PROMPT)).logits[0]
+            print(f"\nlogit liar, nobody trusted: {audits.stats.events}")
+            torch.testing.assert_close(logits, reference_logits, rtol=1e-4, atol=1e-4)  # recomputed on H + T or U
+            assert any(issubclass(w.category, UnconfirmedOutputsWarning) for w in caught)
+            stats = audits.stats
+            assert stats.disputes == 1 and stats.unconfirmed == 1 and stats.convicted == []
+            assert model.peers["L"] in stats.disputed_peers and len(stats.disputed_peers) == 2  # L and one tail
+            assert not {model.peers["H"], model.peers["G"]} & set(stats.disputed_peers)  # narrowed to the tail hop
+            assert not model.swarm.liars and audits.avoid == set(stats.disputed_peers)
+            # the model's later passes route around both disputed tails: no new dispute, the logits exact
+            logits = model(torch.tensor(PROMPT)).logits[0]
+            torch.testing.assert_close(logits, reference_logits, rtol=1e-4, atol=1e-4)
+            assert stats.disputes == 1 and stats.passes == 2
+            # a fresh auditor, L on the route again: audit="required" refuses the unsettled dispute
+            audits = audited(model)
+            with pytest.raises(UnconfirmedOutputsError, match="unconfirmed"):
+                model(torch.tensor(PROMPT), audit="required")
+            # G, T and U trusted: the audit route is trusted, the narrowing convicts L alone
+            audits = audited(model, trusted=("G", "T", "U"))
+            logits = model(torch.tensor(PROMPT), audit="required").logits[0]
+            torch.testing.assert_close(logits, reference_logits, rtol=1e-4, atol=1e-4)
+            print(f"logit liar, G T U trusted: {audits.stats.events}")
+            assert audits.stats.convicted == [model.peers["L"]] and audits.stats.confirmed_trusted == 1
+            assert model.swarm.liars == {model.peers["L"]}
+    finally:
+        stop(pair_swarm, processes)
+
+
+def test_echo_logprobs_with_a_liar_among_the_tails_equal_the_honest_ones(pair_swarm, tiny_llama_path, reference_logits):
+    from swarm.api import Gateway, GatewayConfig
+    from tests.api.test_api import GatewayThread
+
+    processes = start_liar(pair_swarm, "L2")
+    try:
+        with client(pair_swarm, tiny_llama_path, route("H", "L2"), route("G", "T"), route("H", "U")) as model:
+            audited(model)
+            honest = score_tokens(reference_logits[:-1], PROMPT[0][1:], 3)
+            with GatewayThread(Gateway({"tiny": model}, GatewayConfig())) as served:
+                body = {"model": "tiny", "prompt": PROMPT[0], "max_tokens": 0, "echo": True, "logprobs": 3}
+                status, reply = _post(f"{served.url}/completions", body)
+                assert status == 200, reply
+                scored = reply["choices"][0]["logprobs"]["token_logprobs"]
+                assert scored[0] is None and len(scored) == len(PROMPT[0])
+                assert scored[1:] == pytest.approx([entry.logprob for entry in honest], abs=1e-4)
+                assert reply["specswarm"]["prompt_logprobs"] == "unconfirmed", reply["specswarm"]  # the liar's pass
+                status, reply = _post(f"{served.url}/completions", {**body, "audit": "required"})
+                assert status == 502 and reply["error"]["code"] == "tokens_unconfirmed", reply
+                assert "forward pass" in reply["error"]["message"]
+    finally:
+        stop(pair_swarm, processes)
+
+
+NEW_TOKENS = 24
+
+
+def honest_logprobs(tiny_reference, tokens: list[int], k: int) -> list[tuple[int, float, list[int]]]:
+    """(token, its log-prob, the top-k ids) at each generated position, from local transformers."""
+    ids = torch.tensor([PROMPT[0] + tokens])
+    with torch.no_grad():
+        rows = torch.log_softmax(tiny_reference(ids).logits[0].float(), dim=-1)[len(PROMPT[0]) - 1 : -1]
+    return [(t, float(row[t]), row.topk(k).indices.tolist()) for t, row in zip(tokens, rows)]
+
+
+def generate_with_logprobs(model, **kwargs) -> tuple[list[int], list]:
+    out = model.generate(torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS, num_logprobs=3, spot_check_rate=0.0, **kwargs)
+    return out[0, len(PROMPT[0]) :].tolist(), model.last_logprobs
+
+
+def assert_honest(entries, tokens, tiny_reference) -> None:
+    expected = honest_logprobs(tiny_reference, tokens, 3)
+    assert len(entries) == len(tokens)
+    for entry, (token, logprob, top) in zip(entries, expected):
+        assert entry.token_id == token and entry.top_ids == top
+        assert entry.logprob == pytest.approx(logprob, abs=1e-4)
+
+
+def test_verdict_logprobs_are_audited_by_the_shadow(pair_swarm, tiny_llama_path, tiny_reference):
+    """A tail whose verdicts' log-probs carry +0.5 (its tokens honest): the shadow, asking for the
+    same top-K, disputes it; nobody trusted: avoided, re-verified elsewhere, the log-probs returned
+    are honest; T and U trusted: convicted. Honest tails never dispute over log-probs."""
+    routes = (route("H", "T"), route("G", "U"))
+    with client(pair_swarm, tiny_llama_path, *routes) as model:
+        tokens, entries = generate_with_logprobs(model, audit="required")
+        stats = model.last_generation_stats
+        assert stats.verdict_audits >= 1 and stats.disputed_peers == [] and stats.liars_excluded == []
+        assert_honest(entries, tokens, tiny_reference)
+    processes = [pair_swarm.start_server(3, 6, name="LP", launcher=faulty("--lie-in-logprobs", "0.5"))]
+    try:
+        with client(pair_swarm, tiny_llama_path, route("H", "LP"), route("G", "T"), route("H", "U")) as model:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the re-verified tokens may be left without a second tail
+                tokens, entries = generate_with_logprobs(model)
+            stats = model.last_generation_stats
+            print(f"\nlog-prob liar, nobody trusted: {stats.spot_check_events}")
+            assert model.peers["LP"] in stats.disputed_peers and stats.liars_excluded == []
+            assert_honest(entries, tokens, tiny_reference)
+            tokens, entries = generate_with_logprobs(model, trusted_peers=[model.peers["T"], model.peers["U"]])
+            stats = model.last_generation_stats
+            print(f"log-prob liar, T U trusted: {stats.spot_check_events}")
+            assert stats.liars_excluded == [model.peers["LP"]]
+            assert_honest(entries, tokens, tiny_reference)
+    finally:
+        stop(pair_swarm, processes)
+
+
+@pytest.mark.timeout(900)
+def test_lm_eval_multiple_choice_through_the_gateway_is_unchanged_by_a_logit_liar(
+    pair_swarm, tiny_llama_path, monkeypatch
+):
+    """lm-evaluation-harness's ``multiple_choice`` task (each choice scored by an echo + logprobs
+    request) through the gateway, with a logit liar on the preferred route and every pass audited:
+    the same log-likelihoods (within 1e-4) and accuracy as the ``hf`` backend on the local model."""
+    lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is a dev dependency: pip install -e '.[dev]'")
+    from swarm.api import Gateway, GatewayConfig
+    from tests.api.test_api import GatewayThread
+    from tests.api.test_eval_harness import local_tasks, responses
+    from tests.kit.threads import single_torch_thread
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("OPENAI_API_KEY", "unused")
+    path, tasks = str(tiny_llama_path), [t for t in local_tasks() if t["task"] == "swarm_choice"]
+
+    def evaluate(model: str, model_args: dict) -> dict:
+        return lm_eval.simple_evaluate(
+            model=model, model_args=model_args, tasks=tasks, log_samples=True, bootstrap_iters=0, random_seed=0
+        )
+
+    with single_torch_thread():
+        local = evaluate("hf", {"pretrained": path, "dtype": "float32", "device": "cpu"})
+    processes = start_liar(pair_swarm, "L3")
+    try:
+        with client(pair_swarm, tiny_llama_path, route("H", "L3"), route("G", "T"), route("H", "U")) as model:
+            audits = audited(model)
+            with GatewayThread(Gateway({path: model}, GatewayConfig())) as served:  # served under the path's name
+                args = {"model": path, "base_url": f"{served.url}/completions", "tokenizer_backend": "huggingface"}
+                args.update(tokenizer=path, num_concurrent=1, max_retries=1)
+                remote = evaluate("local-completions", args)
+            print(f"\nlm-eval with a logit liar: {audits.stats.passes} passes, {audits.stats.events[:2]}")
+            assert audits.stats.disputes >= 1 and model.peers["L3"] in audits.stats.disputed_peers
+    finally:
+        stop(pair_swarm, processes)
+    got, want = responses(remote, "swarm_choice"), responses(local, "swarm_choice")
+    assert len(got) == len(want) > 0
+    for doc_got, doc_want in zip(got, want):
+        for g, w in zip(doc_got, doc_want):
+            g, w = (g[0], w[0]) if isinstance(g[0], (list, tuple)) else (g, w)
+            assert abs(g[0] - w[0]) <= 1e-4 and g[1] == w[1], (g, w)
+    for metric in ("acc,none", "acc_norm,none"):
+        assert remote["results"]["swarm_choice"][metric] == local["results"]["swarm_choice"][metric]
