@@ -99,12 +99,12 @@ def test_a_live_tail_counts_compiles_against_the_client_not_the_forwarding_serve
     b = AutoDistributedModelForCausalLM.from_pretrained(str(tiny_llama_path), initial_peers=budget_swarm.peers)
     try:
         run(b, "[d-f]{4}")  # its own budget, though its runs reach the tail through the same head
-        # loopback counted as an address: both clients come from 127.0.0.1, one budget between them
+        # loopback counted as an address group (its /24): both clients come from 127.0.0.1, one budget between them
         tail.span.constraints.budget = CompileBudget(per_requester=2, total=100, window_s=600)
         tail.handler.address_caps.cap_loopback = True
         run(a, "[p-r]{4}")
         run(a, "[s-u]{4}")
-        with pytest.raises(GenerationError, match="for address 127.0.0.1"):
+        with pytest.raises(GenerationError, match="for address 127.0.0.0/24"):
             run(b, "[v-x]{4}")  # B's 2nd fresh compile, but the address's 3rd
     finally:
         tail.handler.address_caps.cap_loopback = False
