@@ -249,6 +249,7 @@ class SpeculativeDecoder(Reverification):
         if self.audits is not None and not front.tree:
             self.audits.saw_lap(len(front.drafts))  # audit Steps carry as many (client/_audit_shape.py)
         self._time_lap(front, result.tail_costs)
+        self.stats.add_tail_costs(len(front.token_ids), result.tail_costs)
         if result.correction_ids is not None:
             result = self.mode.corrected(front, result)
             self.stats.corrections += 1

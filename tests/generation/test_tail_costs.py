@@ -51,6 +51,9 @@ def test_every_verdict_reports_the_tails_costs_and_tokens_are_unchanged(own_swar
     assert sum(us for result in verdicts for us in result.tail_costs.head_us) > 0
     assert model.last_generation_stats.drafted > 0
     assert any(rows > 1 for result in verdicts for rows in result.tail_costs.head_rows)  # drafts' rows read together
+    stats = model.last_generation_stats  # the laps' reports, summed for the caller
+    assert 0 < stats.tail_head_calls <= sum(len(result.tail_costs.head_us) for result in verdicts)
+    assert stats.tail_blocks_time > 0 and stats.tail_head_rows >= stats.tail_head_calls and stats.tail_positions > 0
 
 
 def test_the_field_is_optional_and_typed_on_the_wire():
