@@ -38,6 +38,7 @@ from client.errors import GenerationError, ServerError
 from client.modes import NextRun, VerdictAction, choose_mode
 from protocol.messages import GREEDY, SamplingParams, Step, StepResult, TokenLogprobs
 from protocol.sampling import with_output_start
+from protocol.tail_costs import TailCosts
 
 logger = logging.getLogger(__name__)
 
@@ -248,7 +249,8 @@ class SpeculativeDecoder(Reverification):
         front = self.mode.check_verdict(front, result)
         if self.audits is not None and not front.tree:
             self.audits.saw_lap(len(front.drafts))  # audit Steps carry as many (client/_audit_shape.py)
-        self._time_lap(front)
+        self._time_lap(front, result.tail_costs)
+        self.stats.add_tail_costs(len(front.token_ids), result.tail_costs)
         if result.correction_ids is not None:
             result = self.mode.corrected(front, result)
             self.stats.corrections += 1
@@ -315,7 +317,7 @@ class SpeculativeDecoder(Reverification):
             self.stats.offers_sent += 1
         self.stats.hedge_time += time.perf_counter() - hedging
 
-    def _time_lap(self, run: Run) -> None:
+    def _time_lap(self, run: Run, tail: Optional[TailCosts] = None) -> None:
         """Time ``run``'s lap for the throughput meter (client/_throughput.py), in every mode, if it
         had the route to itself (``lap_is_timed``). A lap is ``run.sent_at`` to its verdict: for a
         run the client sent, from sending it; for a looped run, from the previous verdict's arrival
@@ -328,7 +330,7 @@ class SpeculativeDecoder(Reverification):
         seconds = self.verdict_at - run.sent_at
         self.swarm.observe_lap(self.state.remote.route, seconds, len(run.token_ids), looped=run.looped)
         if self.drafter is not None and not run.tree:  # a tree's lap is its sizer's (client/_trees.py)
-            self.drafter.observe_lap(len(run.token_ids), seconds)
+            self.drafter.observe_lap(len(run.token_ids), seconds, tail)
 
     def _track_looped(self, run: Optional[Run]) -> None:
         """A run the tail started at the head: in flight now, though the client sent nothing."""

@@ -49,6 +49,7 @@ from protocol.messages import (
     Subscribe,
 )
 from protocol.streams import RESULTS_PROTOCOL, SESSION_PROTOCOL, MessageStream
+from protocol.tail_costs import check_tail_costs
 
 logger = logging.getLogger(__name__)
 
@@ -277,6 +278,12 @@ class RemoteSession:
     def _check_verdict(self, result: StepResult) -> None:
         """The verdict must be about the Step this client sent (or, for a run the tail looped to
         the head, the one the previous verdict announced, with the drafts this verdict names)."""
+        if result.tail_costs is not None:  # data from a peer: nonsense is refused by name
+            try:
+                check_tail_costs(result.tail_costs, self.max_positions_per_step)
+            except ValueError as e:
+                message = f"the verdict on run {result.run_id}: {e}"
+                raise ServerError(message, self.tail_peer, ErrorCode.MALFORMED) from None
         sent = self._sent.get(result.run_id)
         if sent is not None:
             expected, start, committed = sent

@@ -6,7 +6,9 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Optional, Sequence
+
+from protocol.tail_costs import TailCosts
 
 
 @dataclass
@@ -75,6 +77,22 @@ class GenerationStats:
     tokens_confirmed_trusted: int = 0
     tokens_confirmed_untrusted: int = 0
     tokens_unconfirmed: int = 0
+    # what the verdicts' tails reported their verification cost (StepResult.tail_costs; verdicts
+    # without a report add nothing): seconds of blocks over the runs' positions, and LM-head calls
+    tail_positions: int = 0  # positions of the runs whose verdicts reported
+    tail_blocks_time: float = 0.0
+    tail_head_calls: int = 0
+    tail_head_rows: int = 0
+    tail_head_time: float = 0.0
+
+    def add_tail_costs(self, positions: int, costs: Optional[TailCosts]) -> None:
+        """Count one verdict's report of what its verification cost the tail."""
+        if costs is not None:
+            self.tail_positions += positions
+            self.tail_blocks_time += costs.blocks_us * 1e-6
+            self.tail_head_calls += len(costs.head_us)
+            self.tail_head_rows += sum(costs.head_rows)
+            self.tail_head_time += sum(costs.head_us) * 1e-6
 
     @property
     def accepted_per_lap(self) -> float:

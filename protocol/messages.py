@@ -20,6 +20,7 @@ from typing import Annotated, Any, Optional, Union
 import msgspec
 
 from protocol.errors import ErrorCode, ProtocolError
+from protocol.tail_costs import TailCosts
 from protocol.version import PROTOCOL_VERSION
 
 # A session id is the opener's random token (the client draws 16 hex digits): longer ones are
@@ -232,6 +233,8 @@ class StepResult(msgspec.Struct, tag="result", kw_only=True, array_like=True, om
     # on the verdict of a tree run (a Step with parents): the accepted path, draft indices from the
     # root down (``accepted`` is its length). Empty for a chain
     path: list[int] = []
+    # v9: what verifying this run cost the tail (TailCosts); None from a tail that does not measure
+    tail_costs: Optional[TailCosts] = None
 
 
 class LoopedRun(msgspec.Struct, tag="loop", kw_only=True, array_like=True, omit_defaults=True):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -36,6 +37,7 @@ from server.adapters.base import BatchMember
 from server.compute import begin_run, finish_run, first_logits_row, planned_rows
 from server.memory import DEFAULT_MAX_BATCH_POSITIONS
 from server.session import QueuedRun, ServerSession
+from server.tail_costs import CostMeter
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +54,7 @@ class Job:
     hidden: Optional[torch.Tensor] = None  # the run's input activations, once begun
     done: int = 0  # positions computed so far (a chunked run)
     outputs: list[torch.Tensor] = field(default_factory=list)  # output activations of the chunks computed
+    blocks_s: float = 0.0  # the span's blocks' time on this run so far (its share of each pass)
 
     @property
     def size(self) -> int:
@@ -239,8 +242,14 @@ class BatchScheduler:
             moving.append(i)
         self._count(batch)
         sessions, blocks = [batch[i][0].session for i in moving], batch[0][0].session.blocks
+        started = time.perf_counter()
         with _adapter(self.span, batch[0][0].session.adapter):
             results = deep_prompts.forward_batch(self.span, members, sessions, blocks) if members else []
+        if any(r is not None and r.is_cuda for r in results):
+            torch.cuda.synchronize()  # the pass's time is its work's, not its launch's
+        per_position = (time.perf_counter() - started) / max(1, sum(batch[i][1] for i in moving))
+        for i in moving:  # the pass's time, shared by positions (server/tail_costs.py)
+            batch[i][0].blocks_s += per_position * batch[i][1]
         finishing = []
         for i, result in zip(moving, results):
             job, take = batch[i]
@@ -272,6 +281,7 @@ class BatchScheduler:
         call, then each run's verdict."""
         hiddens = {i: torch.cat(batch[i][0].outputs, dim=1) for i in finishing}
         first_rows: dict[int, torch.Tensor] = {}
+        meters = {i: CostMeter(batch[i][0].blocks_s) for i in finishing}
         tails = [i for i in finishing if batch[i][0].session.next_hop is None]
         if len(tails) > 1:
             spans = {}
@@ -280,12 +290,18 @@ class BatchScheduler:
                 first = first_logits_row(job.run.step)
                 spans[i] = (first, min(first + planned_rows(job.session, job.run.step), hiddens[i].shape[1]))
             rows = [hiddens[i][:, a:b] for i, (a, b) in spans.items()]
-            logits = self.span.logits(torch.cat(rows, dim=1))  # [rows of every tail run, V]
+            whole = CostMeter()
+            logits = whole.logits(self.span, torch.cat(rows, dim=1))  # [rows of every tail run, V]
+            for i, (a, b) in spans.items():  # each run's share of the call, by its rows
+                total_rows, seconds = whole.calls[0]
+                meters[i].call(b - a, seconds * (b - a) / total_rows, whole.calls[0])
             first_rows = dict(zip(tails, logits.split([b - a for a, b in spans.values()])))
         for i in finishing:
             job = batch[i][0]
             try:
-                outcomes[i].output = finish_run(self.span, job.session, job.run, hiddens[i], first_rows.get(i))
+                outcomes[i].output = finish_run(
+                    self.span, job.session, job.run, hiddens[i], first_rows.get(i), meters[i]
+                )
             except Exception as e:  # noqa: BLE001 - reported to the run's session
                 outcomes[i].error = e
 

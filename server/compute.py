@@ -19,6 +19,7 @@ from protocol.messages import OUTPUTS_FRAME_BYTES, RunOutputs, Step, StepResult
 from protocol.sampling import check_draft_q, pack_f16, verify, verify_rejection, verify_tree
 from server.adapters import SpanAdapter
 from server.session import QueuedRun, ServerSession, TailReply
+from server.tail_costs import CostMeter
 
 
 def begin_run(span: SpanAdapter, session: ServerSession, run: QueuedRun) -> torch.Tensor:
@@ -73,18 +74,22 @@ def finish_run(
     run: QueuedRun,
     hidden: torch.Tensor,
     first_rows: Optional[torch.Tensor] = None,
+    meter: Optional[CostMeter] = None,
 ) -> torch.Tensor | StepResult | TailReply:
     """After the blocks: a middle server's output activations, or the tail's verdict (and outputs).
     ``first_rows``: the logits of the :func:`planned_rows` rows from :func:`first_logits_row`, when
-    the caller computed them already (a batch computes those of all its members in one call)."""
+    the caller computed them already (a batch computes those of all its members in one call).
+    ``meter``: the run's costs measured so far (the blocks, a batch's first call); the tail adds its
+    own LM-head calls and reports them in the verdict (server/tail_costs.py)."""
     step = run.step
     session.history.extend(step.token_ids)
     if session.next_hop is not None:
         return hidden
-    logits = LazyLogits(span, hidden, contiguous=not step.parents, first_call=planned_rows(session, step))
+    meter = meter if meter is not None else CostMeter()
+    logits = LazyLogits(span, hidden, not step.parents, planned_rows(session, step), meter)
     if first_rows is not None:
         logits.seed(first_logits_row(step), first_rows)
-    outputs = _outputs(span, session, step, hidden, logits) if step.return_logits else None
+    outputs = _outputs(span, session, step, hidden, logits, meter) if step.return_logits else None
     try:
         result = _verdict(session, step, logits)
     except ValueError as e:  # a committed id the session's constraint forbids (protocol/constraints.py)
@@ -92,6 +97,9 @@ def finish_run(
     result.step_digest = digest_of(step, step.sampling_params, session.secret)  # what this verdict is about
     if not step.parents:
         session.row_plan.observe(step.n_draft, result.accepted)
+    for rows, seconds in meter.whole_calls:
+        session.row_plan.observe_call(rows, seconds)
+    result.tail_costs = meter.report()  # the tail's drafter is priced by the client's lap times
     source: Optional[torch.Tensor] = hidden  # what the drafter reads
     if span.taps is not None:  # an EAGLE-3 drafter reads the run's low/mid/high features (server/feature_taps.py)
         source = span.taps.take(session.cache, step.start_pos, hidden.shape[1])  # taken every run: none pile up
@@ -162,7 +170,12 @@ def _verdict(session: ServerSession, step: Step, logits: "LazyLogits") -> StepRe
 
 
 def _outputs(
-    span: SpanAdapter, session: ServerSession, step: Step, hidden: torch.Tensor, logits: "LazyLogits"
+    span: SpanAdapter,
+    session: ServerSession,
+    step: Step,
+    hidden: torch.Tensor,
+    logits: "LazyLogits",
+    meter: CostMeter,
 ) -> list[tuple[RunOutputs, list[torch.Tensor]]]:
     """The logits (and final hidden states) of the run's last ``return_logits`` positions, cut into
     messages of at most OUTPUTS_FRAME_BYTES of tensors each; the rows also serve verification."""
@@ -172,7 +185,7 @@ def _outputs(
     messages = []
     for offset in range(0, step.return_logits, rows_per_message):
         part = hidden[:, first + offset : first + min(offset + rows_per_message, step.return_logits)]
-        tensors = [span.logits(part)]
+        tensors = [meter.logits(span, part)]
         logits.seed(first + offset, tensors[0])
         if step.return_hidden:
             try:
@@ -195,11 +208,19 @@ class LazyLogits:
     up to the floating-point rounding that computing rows together may add (docs/design.md).
     """
 
-    def __init__(self, span: SpanAdapter, hidden: torch.Tensor, contiguous: bool = True, first_call: int = 1):
+    def __init__(
+        self,
+        span: SpanAdapter,
+        hidden: torch.Tensor,
+        contiguous: bool = True,
+        first_call: int = 1,
+        meter: Optional[CostMeter] = None,
+    ):
         self._span, self._hidden = span, hidden  # hidden: [1, S, *hidden_shape]
         self._rows: dict[int, torch.Tensor] = {}
         self._contiguous = contiguous  # False (a tree): the walk reads rows along one path, one at a time
         self._first_call = max(1, first_call)  # rows the first call computes, from the first row read
+        self._meter = meter  # times each call (server/tail_costs.py)
 
     def __len__(self) -> int:
         return self._hidden.shape[1]
@@ -217,7 +238,8 @@ class LazyLogits:
                 end = row + 1
             else:
                 end = min(row + self._first_call, len(self)) if not self._rows else len(self)
-            block = self._span.logits(self._hidden[:, row:end])  # [end - row, V]
+            part = self._hidden[:, row:end]
+            block = self._meter.logits(self._span, part) if self._meter else self._span.logits(part)  # [end - row, V]
             for offset in range(end - row):
                 self._rows.setdefault(row + offset, block[offset])
         return self._rows[row]

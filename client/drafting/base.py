@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Optional
 
 from client.drafting.cost_model import ChainCosts
+from protocol.tail_costs import TailCosts
 
 
 class Drafter(abc.ABC):
@@ -101,9 +102,10 @@ class Drafter(abc.ABC):
     def observe(self, drafted: int, accepted: int) -> None:
         """Feedback after a lap: `accepted` of the `drafted` ids were kept (bonus not counted)."""
 
-    def observe_lap(self, positions: int, seconds: float) -> None:
+    def observe_lap(self, positions: int, seconds: float, tail: Optional[TailCosts] = None) -> None:
         """A lap of ``positions`` positions (committed ids and drafts) took ``seconds``, from sending
-        to its verdict: what the draft cost model fits (client/drafting/cost_model.py). Default: unused."""
+        to its verdict, of which the tail reports ``tail`` (None: no report): what the draft cost
+        model fits (client/drafting/cost_model.py). Default: unused."""
 
     @abc.abstractmethod
     def finish(self) -> None:
@@ -145,8 +147,8 @@ class _AdaptiveDrafter(Drafter):
         self._ema = self._ema_after(drafted, accepted)
         self.costs.observe(drafted, accepted)
 
-    def observe_lap(self, positions: int, seconds: float) -> None:
-        self.costs.observe_lap(positions, seconds)
+    def observe_lap(self, positions: int, seconds: float, tail: Optional[TailCosts] = None) -> None:
+        self.costs.observe_lap(positions, seconds, tail)
 
     def price_laps(self, lap_costs: tuple[float, float]) -> None:
         """Price laps at fixed costs instead of measured lap times (ChainCosts: deterministic Step shapes)."""

@@ -1,17 +1,54 @@
 """How many drafts a chain run should carry: the count that maximizes expected tokens per lap time.
 
 A lap with k drafts yields 1 + sum_{j<=k} P(the first j drafts are all accepted) tokens and takes
-T(k) = fixed + per_position x (committed + k): ``fixed`` is the network (every hop's latency) and
-each run's overheads, ``per_position`` what one more position costs the servers (every hop's
-blocks, the tail's verification row and its share of the LM head). Both are fitted from the lap
-times the client measures; acceptance is measured per draft depth. The count is chosen from 0 (a
-lap without drafts) up, so a lap with drafts is never slower in expectation than one without: on a
-free link with drafts that never land it is 0, and the longer the link, the more drafts pay.
+T(k) = fixed + per_position x (committed + k). The lap has two parts, measured apart (:class:`LapCosts`):
+the tail's verification, which the tail times and reports in its verdict (``StepResult.tail_costs``,
+server/tail_costs.py): its blocks per position, and each LM-head call with the rows it read, fitted
+as one call's cost plus a cost per row; and the rest, the network (every hop's latency, the hops
+before the tail and each run's overheads): the lap's wall-clock time less the tail's report, fitted
+against the positions sent. So a slow tail prices each draft higher, and a slow link makes the fixed
+part, which drafts share, larger: the choice of k answers each. Without reports (an older tail) the
+whole lap time is fitted as the network's. Acceptance is measured per draft depth. The count is chosen
+from 0 (a lap without drafts) up, so a lap with drafts is never slower in expectation than one without.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Optional
+
+from protocol.tail_costs import TailCosts
+
+
+@dataclass(frozen=True)
+class LapCosts:
+    """A lap's time, by where it is spent (seconds). ``network_s``: the lap's fixed part outside the
+    tail (latency, the hops before it, overheads); ``network_per_position_s``: one more position there
+    (the hops before the tail, the wire); ``tail_call_s``: the tail's LM-head call before its rows (a
+    memory-bound tail reads the whole matrix whatever the rows); ``tail_per_position_s``: one more
+    position at the tail (its blocks, and one more row of the LM head)."""
+
+    network_s: float
+    network_per_position_s: float = 0.0
+    tail_call_s: float = 0.0
+    tail_per_position_s: float = 0.0
+
+    def lap_s(self, positions: int) -> float:
+        """The expected time of a lap of ``positions`` positions (committed ids and drafts)."""
+        return self.network_s + self.tail_call_s + (self.network_per_position_s + self.tail_per_position_s) * positions
+
+
+def split_draft_count(acceptance: Sequence[float], costs: LapCosts, max_drafts: int, committed: int = 1) -> int:
+    """:func:`draft_count` for a lap priced by its parts: the fixed part is the network's and one
+    LM-head call's, each position costs the network's and the tail's per-position prices."""
+    return draft_count(
+        acceptance,
+        costs.network_s + costs.tail_call_s,
+        costs.network_per_position_s + costs.tail_per_position_s,
+        max_drafts,
+        committed,
+    )
 
 
 def draft_count(
@@ -76,6 +113,10 @@ class ChainCosts:
 
     def __init__(self, lap_costs: tuple[float, float] | None = None) -> None:
         self._w = self._n = self._t = self._nn = self._nt = 0.0
+        self._calls = [0.0] * 5  # the tail's LM-head calls: decayed weight, rows, s, rows^2, rows x s
+        self._blocks = [0.0, 0.0]  # the tail's blocks: decayed positions, s
+        self.reported = False  # the tail has reported its costs: ``split`` parts them from the network's
+        self.split: Optional[LapCosts] = None  # the fitted lap, by part
         self.fixed_s, self.per_position_s = 0.0, 0.0
         self.fitted = False
         self.priced = lap_costs is not None  # fixed lap costs: measured lap times are not fitted
@@ -86,19 +127,48 @@ class ChainCosts:
         self._accepted = [0.0] * self.MAX_DEPTH  # ... and whose draft d + 1 was accepted
         self._laps_without = 0  # laps since the last one that carried drafts
 
-    def observe_lap(self, positions: int, seconds: float) -> None:
-        """A timed lap of ``positions`` positions (committed ids and drafts)."""
+    def observe_lap(self, positions: int, seconds: float, tail: Optional[TailCosts] = None) -> None:
+        """A timed lap of ``positions`` positions (committed ids and drafts), with the tail's report
+        of its own part (None from a tail that sends none): the network's part is the rest."""
         if self.priced or positions <= 0 or not seconds > 0 or positions > self.FIT_MAX_POSITIONS:
             return
         d = self.DECAY
+        if tail is not None:
+            tail_s = self._observe_tail(positions, tail)
+            seconds = max(0.0, seconds - tail_s)
         self._w, self._n, self._t = d * self._w + 1, d * self._n + positions, d * self._t + seconds
         self._nn, self._nt = d * self._nn + positions * positions, d * self._nt + positions * seconds
         mean_n, mean_t = self._n / self._w, self._t / self._w
         spread = self._nn - self._w * mean_n * mean_n
         if spread > 0.25 * self._w:  # laps of different sizes: the slope is measured
-            self.per_position_s = max(0.0, (self._nt - self._w * mean_n * mean_t) / spread)
-            self.fixed_s = max(0.0, mean_t - self.per_position_s * mean_n)
+            slope = max(0.0, (self._nt - self._w * mean_n * mean_t) / spread)
+            tail = self.tail_costs() if self.reported else (0.0, 0.0)
+            self.split = LapCosts(max(0.0, mean_t - slope * mean_n), slope, *tail)
+            self.fixed_s = self.split.network_s + self.split.tail_call_s
+            self.per_position_s = self.split.network_per_position_s + self.split.tail_per_position_s
             self.fitted = True
+
+    def _observe_tail(self, positions: int, tail: TailCosts) -> float:
+        """Fold the tail's report into its fits; the seconds it reports for this lap."""
+        d = self.DECAY
+        self.reported = True
+        self._blocks = [d * self._blocks[0] + positions, d * self._blocks[1] + tail.blocks_us * 1e-6]
+        for rows, us in zip(tail.head_rows, tail.head_us):
+            s = us * 1e-6
+            self._calls = [d * x + y for x, y in zip(self._calls, (1.0, rows, s, rows * rows, rows * s))]
+        return (tail.blocks_us + sum(tail.head_us)) * 1e-6
+
+    def tail_costs(self) -> tuple[float, float]:
+        """``(tail_call_s, tail_per_position_s)`` from the tail's reports: an LM-head call before its
+        rows, and one more position (the blocks' time per position, plus a row of a call). Until calls
+        of different sizes are timed, a call's whole cost is its fixed part."""
+        w, n, t, nn, nt = self._calls
+        per_row = 0.0
+        if w > 0 and nn - n * n / w > 0.25 * w:  # calls of different sizes: the per-row cost is measured
+            per_row = max(0.0, (nt - n * t / w) / (nn - n * n / w))
+        base = max(0.0, t / w - per_row * n / w) if w > 0 else 0.0
+        blocks = self._blocks[1] / self._blocks[0] if self._blocks[0] > 0 else 0.0
+        return base, blocks + per_row
 
     def observe(self, drafted: int, accepted: int) -> None:
         """A verdict: ``accepted`` of ``drafted`` drafts kept (the first ``accepted`` of them)."""
@@ -127,4 +197,4 @@ class ChainCosts:
         return count
 
 
-__all__ = ["ChainCosts", "check_lap_costs", "draft_count"]
+__all__ = ["ChainCosts", "LapCosts", "check_lap_costs", "draft_count", "split_draft_count"]

@@ -19,6 +19,7 @@ from typing import Any, Optional
 from client.drafting.base import Drafter
 from protocol.constraints import Guide
 from protocol.messages import Constraint
+from protocol.tail_costs import TailCosts
 
 
 class GrammarDrafts(Drafter):
@@ -101,9 +102,9 @@ class GrammarDrafts(Drafter):
         self.forced_drafted += self._last_forced
         return drafts
 
-    def observe_lap(self, positions: int, seconds: float) -> None:
+    def observe_lap(self, positions: int, seconds: float, tail: Optional[TailCosts] = None) -> None:
         if self.inner is not None:
-            self.inner.observe_lap(positions, seconds)
+            self.inner.observe_lap(positions, seconds, tail)
 
     def observe(self, drafted: int, accepted: int) -> None:
         """The inner drafter learns from its own part of the last draft only (forced ids are the grammar's)."""

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Optional
 
 from client.drafting.base import Drafter, _AdaptiveDrafter
 from client.drafting.cost_model import ChainCosts
+from protocol.tail_costs import TailCosts
 
 
 class TailDrafts(Drafter):
@@ -136,10 +138,10 @@ class TailDrafts(Drafter):
     def cap_after(self, drafted: int, accepted: int) -> int:
         return self.inner.cap_after(drafted, accepted) if self.inner is not None else self.tail_tokens
 
-    def observe_lap(self, positions: int, seconds: float) -> None:
-        self.costs.observe_lap(positions, seconds)
+    def observe_lap(self, positions: int, seconds: float, tail: Optional[TailCosts] = None) -> None:
+        self.costs.observe_lap(positions, seconds, tail)
         if self.inner is not None:
-            self.inner.observe_lap(positions, seconds)
+            self.inner.observe_lap(positions, seconds, tail)
 
     def observe(self, drafted: int, accepted: int) -> None:
         if self._last_source == "tail" or drafted == 0:

@@ -6,7 +6,8 @@ drafter's next token after its drafts). A run sent into an empty window carries 
 the front verdict never waits for the drafts' compute: where the first draft is wrong, the lap is
 as short as a lap without speculation. The oldest run always starts from committed tokens, so
 every lap commits at least one token; a verdict that refutes what later runs assumed cancels them
-(the lap loop does, with one ID-only message).
+(the lap loop does, with one ID-only message). Where the drafter's cap is 0 (the cost model finds
+that no draft pays), no guess is made either: a guess is a draft that rides in the run behind.
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ class WindowMode(ChainMode):
         if drafter is None or room <= 0:
             return [], 0, False
         num_drafts = min(room, drafter.draft_cap)
+        if num_drafts == 0:  # the cost model says no draft pays: nor does a guess, a draft in the run behind
+            return [], 0, False
         size = self.proposal_size(num_drafts)
         # a verdict's tail drafts (TailDrafts) postdate every hedge: the drafter chooses afresh
         hedged = None if self.view.inflight or drafter.fresh else self.hedges.take(self.view.state.history)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from client.drafting import SuffixDrafter
-from client.drafting.cost_model import ChainCosts, draft_count
+from client.drafting.cost_model import ChainCosts, LapCosts, draft_count, split_draft_count
 from tests.kit.reference import PROMPT
 
 HOPS = 3
@@ -177,3 +177,134 @@ def test_the_priced_cap_never_changes_tokens(limits_swarm, tiny_reference, monke
     assert output.tolist() == expected.tolist()
     if cap == 0:
         assert model.last_generation_stats.drafted == 0
+
+
+# ---- the lap by its parts: the network's time and the tail's reported costs ----------------------
+
+LINK_S = 2 * HOPS * 0.025  # 25 ms per hop, there and back
+
+
+def _split_rate(acceptance, costs, k, committed=1):
+    return _rate(
+        acceptance,
+        costs.network_s + costs.tail_call_s,
+        costs.network_per_position_s + costs.tail_per_position_s,
+        k,
+        committed,
+    )
+
+
+def test_a_slower_tail_per_draft_gives_fewer_drafts_at_the_same_link():
+    acceptance = [0.7, 0.6, 0.5, 0.4]
+    counts = [
+        split_draft_count(acceptance, LapCosts(LINK_S, 0.001, 0.016, tail_ms / 1000), 8)
+        for tail_ms in (1, 5, 10, 20, 40, 80, 160, 1000)
+    ]
+    assert counts == sorted(counts, reverse=True) and counts[0] > counts[-1]  # never more, and fewer in the end
+    assert counts[-1] == 0  # a draft costing the tail several links' time: not worth sending
+
+
+def test_more_link_delay_gives_more_drafts_at_the_same_tail_cost():
+    acceptance = [0.7, 0.6, 0.5, 0.4]
+    counts = [
+        split_draft_count(acceptance, LapCosts(2 * HOPS * delay_ms / 1000, 0.001, 0.016, 0.010), 8)
+        for delay_ms in (0, 10, 25, 50, 100)
+    ]
+    assert counts == sorted(counts) and counts[-1] > counts[0]
+
+
+def test_the_split_count_is_never_slower_in_expectation_than_none():
+    rng = random.Random(5)
+    for _ in range(500):
+        acceptance = [rng.random() for _ in range(rng.randint(1, 8))]
+        costs = LapCosts(rng.uniform(0, 0.3), rng.uniform(0, 0.01), rng.uniform(0, 0.03), rng.uniform(0, 0.05))
+        k = split_draft_count(acceptance, costs, 8)
+        assert _split_rate(acceptance, costs, k) >= _split_rate(acceptance, costs, 0)
+        assert _split_rate(acceptance, costs, k) == pytest.approx(
+            max(_split_rate(acceptance, costs, j) for j in range(9))
+        )
+        assert costs.lap_s(1 + k) == pytest.approx(
+            costs.network_s + costs.tail_call_s + (costs.network_per_position_s + costs.tail_per_position_s) * (1 + k)
+        )
+
+
+def test_the_tails_reports_are_fitted_apart_from_the_network():
+    """Laps whose time is network + the tail's report: the fit recovers each part, and the same lap
+    times with a slower tail report leave the network's part as it was."""
+    from protocol.tail_costs import TailCosts
+
+    def fitted(tail_per_position_s: float) -> ChainCosts:
+        costs = ChainCosts()
+        for positions in [1, 5, 2, 9, 4, 1, 6, 3]:
+            rows = min(positions, 3)
+            call_s = 0.016 + 0.0005 * rows  # one LM-head call reading `rows` rows
+            blocks_s = tail_per_position_s * positions
+            network_s = 0.150 + 0.002 * positions
+            report = TailCosts(round(blocks_s * 1e6), [round(call_s * 1e6)], [rows])
+            costs.observe_lap(positions, network_s + blocks_s + call_s, report)
+        return costs
+
+    fast, slow = fitted(0.004), fitted(0.040)
+    for costs, tail_per_position_s in ((fast, 0.004), (slow, 0.040)):
+        split = costs.split
+        assert costs.reported and split is not None
+        assert split.network_s == pytest.approx(0.150, abs=1e-3)
+        assert split.network_per_position_s == pytest.approx(0.002, abs=1e-4)
+        assert split.tail_call_s == pytest.approx(0.016, abs=1e-4)
+        assert split.tail_per_position_s == pytest.approx(tail_per_position_s + 0.0005, abs=1e-4)
+        assert costs.fixed_s == pytest.approx(split.network_s + split.tail_call_s)
+    for accepted in [4, 3, 2, 1, 0] * 6:  # acceptance falling with depth, the same for both
+        fast.observe(4, accepted)
+        slow.observe(4, accepted)
+    assert fast.cap(8) > slow.cap(8)  # the same link, a slower tail: fewer drafts
+
+
+def test_async_mode_with_a_cap_of_0_sends_no_guess(limits_swarm, tiny_reference, monkeypatch):
+    """A cap of 0 (priced laps where no draft pays, no probes): no Step carries a draft, and no run is
+    sent behind one in flight with a guessed token; the tokens are transformers'. Priced so that
+    drafts pay, the same generate() does send runs behind runs in flight (what the check would catch)."""
+    from client._remote_session import RemoteSession
+
+    model, _, _ = limits_swarm
+    prompt = [PROMPT[0][:6] * 2]  # repetitive: the suffix drafter has drafts to offer
+    expected = tiny_reference.generate(torch.tensor(prompt), max_new_tokens=12, do_sample=False)
+    events: list[tuple[str, int]] = []
+    send, result = RemoteSession.send_step, RemoteSession.next_result
+
+    async def recorded_send(self, step):
+        events.append(("send", step.n_draft))
+        return await send(self, step)
+
+    async def recorded_result(self, *args, **kwargs):
+        verdict = await result(self, *args, **kwargs)
+        events.append(("verdict", verdict.run_id))
+        return verdict
+
+    monkeypatch.setattr(RemoteSession, "send_step", recorded_send)
+    monkeypatch.setattr(RemoteSession, "next_result", recorded_result)
+    monkeypatch.setattr(ChainCosts, "PROBE_EVERY", 10**6)
+
+    def run(lap_costs):
+        events.clear()
+        model.reset_draft_store()
+        output = model.generate(
+            torch.tensor(prompt),
+            max_new_tokens=12,
+            speculation="suffix",
+            num_draft_tokens=4,
+            async_speculation=True,
+            max_inflight_runs=3,
+            draft_lap_costs=lap_costs,
+        )
+        assert output.tolist() == expected.tolist()
+        in_flight, most = 0, 0
+        for kind, _ in events:
+            in_flight += 1 if kind == "send" else -1
+            most = max(most, in_flight)
+        return [n for kind, n in events if kind == "send"], most
+
+    drafts, most = run((0.0, 1.0))  # a position costs a second, the link nothing: no draft pays
+    assert drafts and all(n == 0 for n in drafts) and model.last_generation_stats.drafted == 0
+    assert most == 1  # each run waits for the verdict before it: nothing guessed
+    _, most = run((1.0, 0.0))  # positions free: drafts and guesses pay
+    assert most > 1
