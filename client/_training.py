@@ -15,7 +15,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
@@ -45,6 +46,16 @@ class RowGrad:
 
 
 @dataclass
+class TrainingStats:
+    """The last training step (``model.last_training_stats``): the route that computed it, the failovers
+    before it (each ran the whole step again on a new route) and its seconds, failovers included."""
+
+    route: list[Hop] = field(default_factory=list)
+    failovers: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
 class TrainRow:
     token_ids: list[int]  # the row without padding
     targets: list[int]  # per id, the token its logits are scored against; -100: none
@@ -58,12 +69,12 @@ async def train_rows(
     timeout: float,
     deep: Optional[torch.Tensor] = None,
     score: Optional[torch.Tensor] = None,
-) -> tuple[list[RowGrad], list[Hop]]:
-    """Every row's loss sum and prompt gradient on one route (all rows at once), and that route;
+) -> tuple[list[RowGrad], TrainingStats]:
+    """Every row's loss sum and prompt gradient on one route (all rows at once), and the step's stats;
     a retryable failure runs the whole step again on a new route, at most MAX_FAILOVERS times.
     ``deep`` ``[num_blocks, num_prompts, hidden]``: deep prompts (each row's RowGrad.deep_grad is theirs).
     ``score`` ``[num_labels, hidden]``: classification weights the tail scores each row's last position with."""
-    failovers = 0
+    failovers, began = 0, time.perf_counter()
     while True:
         route = await swarm.plan_route()
         try:
@@ -75,7 +86,8 @@ async def train_rows(
                         f"route's {limit} positions per step (long rows are not chunked yet)"
                     )
             coros = [train_row(swarm, route, prompts, row, timeout, deep, score) for row in rows]
-            return await _loop.all_or_none(coros), route
+            results = await _loop.all_or_none(coros)
+            return results, TrainingStats(list(route), failovers, time.perf_counter() - began)
         except ServerError as e:
             if not e.retryable or failovers >= MAX_FAILOVERS:
                 if e.retryable:
@@ -131,7 +143,9 @@ async def train_row(
         await stream.send(message, tensors)
         received = await asyncio.wait_for(stream.receive(), timeout)
     except asyncio.TimeoutError:
-        raise ServerTimeout(f"no answer to a training step within {timeout:.0f} s", head, ErrorCode.DOWNSTREAM_FAILED)
+        # any hop may be the silent one (a frozen middle keeps the head waiting): no peer named, so failover
+        # pings the route and excludes the hops that do not answer (SwarmClient.blame)
+        raise ServerTimeout(f"no answer to a training step within {timeout:.0f} s", "", ErrorCode.DOWNSTREAM_FAILED)
     except Exception as e:  # the dial, the send, or a frame we refused
         raise ServerError(f"could not reach the server: {e!r}", head, ErrorCode.DOWNSTREAM_FAILED) from None
     finally:

@@ -38,6 +38,7 @@ class AutoDistributedModelForSequenceClassification(AutoDistributedModel):
         self.score = torch.nn.Linear(config.hidden_size, config.num_labels, bias=False)
         with torch.no_grad():
             self.score.weight.normal_(0.0, config.initializer_range)
+        self.last_training_stats = None  # client._training.TrainingStats of the last training step
 
     def forward(
         self,
@@ -94,7 +95,7 @@ class AutoDistributedModelForSequenceClassification(AutoDistributedModel):
             None if deep is None else deep.detach(),
             self.score.weight.detach(),
         )
-        results, _ = _loop.run(step)
+        results, self.last_training_stats = _loop.run(step)
         logits = self.score(torch.stack([r.scored for r in results]))
         loss = ForSequenceClassificationLoss(labels, logits, self.config)
         return logits, _with_swarm_grads(loss, prompts, deep, results)
