@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 
+from client import _loop
 from client._remote_session import RemoteSession
 from client._swarm import SwarmClient
 from client.errors import GenerationError, ServerError
@@ -131,3 +132,28 @@ def _assemble(frames, num_outputs, vocab_size, hidden_size, return_hidden, tail_
         message = f"the tail sent {expected_offset} of {num_outputs} rows of outputs"
         raise ServerError(message, tail_peer, ErrorCode.INTERNAL)
     return torch.cat(logits), (torch.cat(hidden) if return_hidden else None)
+
+
+def forward_rows(
+    swarm: SwarmClient,
+    rows: list[list[int]],
+    kept: list[torch.Tensor],
+    keep: int,
+    *,
+    vocab_size: int,
+    hidden_size: int,
+    return_hidden: bool = False,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """A batch's forward pass (``model.forward``): one prefill session per row with a kept column, all at
+    once on the client loop; the logits (and final hidden states) put back in the padded batch's last
+    ``keep`` columns (``kept[i]``: row i's columns there)."""
+    wanted = [i for i in range(len(rows)) if len(kept[i])]
+    outputs = dict(vocab_size=vocab_size, hidden_size=hidden_size, return_hidden=return_hidden)
+    results = _loop.run(_loop.all_or_none([forward_row(swarm, rows[i], len(kept[i]), **outputs) for i in wanted]))
+    logits = torch.zeros(len(rows), keep, vocab_size)
+    hidden = torch.zeros(len(rows), keep, hidden_size) if return_hidden else None
+    for i, result in zip(wanted, results):
+        logits[i, kept[i]] = result.logits
+        if hidden is not None:
+            hidden[i, kept[i]] = result.hidden
+    return logits, hidden

@@ -20,6 +20,7 @@ from transformers.loss.loss_utils import ForSequenceClassificationLoss
 from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 
 from client import _loop
+from client._adapters import per_call_adapter
 from client._forward import forward_row
 from client._masks import checked_ids, checked_mask, unpadded
 from client._prompts import deep_tensor, share_prompts
@@ -40,6 +41,7 @@ class AutoDistributedModelForSequenceClassification(AutoDistributedModel):
             self.score.weight.normal_(0.0, config.initializer_range)
         self.last_training_stats = None  # client._training.TrainingStats of the last training step
 
+    @per_call_adapter
     def forward(
         self,
         input_ids: torch.Tensor,

@@ -24,9 +24,10 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from client import _loop
+from client._adapters import call_adapter, checked_adapter, per_call_adapter
 from client._calls import DEFAULT_MAX_LENGTH, Call, check_audit_every, context_limit, one_call_session, plan_call
 from client._drafter_choice import call_drafter
-from client._forward import forward_row
+from client._forward import forward_row, forward_rows
 from client._generation import GenerationStats, SessionState, SpeculativeDecoder
 from client._masks import causal_lm_loss, checked_ids, checked_mask, kept_columns, kept_width, unpadded
 from client._options import GenerationOptions
@@ -136,22 +137,27 @@ class AutoDistributedModel(torch.nn.Module):
         return model
 
     @contextlib.contextmanager
-    def inference_session(self, max_length: int = DEFAULT_MAX_LENGTH) -> Iterator[SessionState]:
+    def inference_session(
+        self, max_length: int = DEFAULT_MAX_LENGTH, active_adapter: Optional[str] = None
+    ) -> Iterator[SessionState]:
         """Keep the servers' caches across several ``generate`` calls, as in Petals.
 
         Each call passes the whole conversation so far (as with transformers); the servers
-        reuse the cache of the longest prefix they already hold.
+        reuse the cache of the longest prefix they already hold. ``active_adapter``: the LoRA adapter
+        of every call in the session instead of the model's ("": none; client/_adapters.py).
         """
         if self._session is not None:
             raise RuntimeError("an inference session is already open on this model")
-        self._session = SessionState(max_length=max_length)
+        self._session = SessionState(max_length=max_length, adapter=checked_adapter(active_adapter))
         try:
-            yield self._session
+            with call_adapter(active_adapter):
+                yield self._session
         finally:
             session, self._session = self._session, None
             if session.remote is not None:
                 _loop.run(self.swarm.close_session(session.remote))
 
+    @per_call_adapter
     def generate(
         self,
         input_ids: Optional[torch.Tensor] = None,
@@ -217,6 +223,7 @@ class AutoDistributedModel(torch.nn.Module):
         tokens a ``streamer`` was given, never the returned ids. ``trusted_peers`` (default
         ``from_pretrained``'s) and ``audit`` ("warn": unconfirmed tokens give an
         UnconfirmedTokensWarning; "required": UnconfirmedTokensError) in docs/api.md.
+        ``active_adapter``: this call's LoRA adapter instead of the model's ("": none; docs/fine_tuning.md).
         """
         options, unused = GenerationOptions.split(kwargs)
         if unused:
@@ -283,6 +290,7 @@ class AutoDistributedModel(torch.nn.Module):
             self.last_generation_stats = merged_stats(self.last_batch_stats, time.perf_counter() - began)
             self.last_logprobs = [decoder.logprobs for decoder in decoders]
 
+    @per_call_adapter
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -305,7 +313,8 @@ class AutoDistributedModel(torch.nn.Module):
         ``exp(loss)`` is the perplexity. ``output_hidden_states=True`` sets ``hidden_states`` to a
         1-tuple: the final hidden state (after the final norm: transformers' ``hidden_states[-1]``)
         at the positions ``logits`` covers. Tuned prompts precede every row; ``labels`` with grad
-        enabled run a training step instead (the loss only: docs/fine_tuning.md)."""
+        enabled run a training step instead (the loss only: docs/fine_tuning.md). ``active_adapter``: this
+        call's LoRA adapter instead of the model's."""
         if unused:
             logger.warning(f"forward() ignores unsupported arguments: {sorted(unused)}")
         input_ids = checked_ids(input_ids, self.config.vocab_size)
@@ -318,31 +327,15 @@ class AutoDistributedModel(torch.nn.Module):
         rows = [share_prompts(self.swarm, self, 1.0) + row for row in unpadded(input_ids, mask)]
         if max(map(len, rows)) > self.context_length:
             raise ValueError(f"a row has {max(map(len, rows))} tokens; the model's context is {self.context_length}")
-        logits, hidden = self._forward_rows(rows, kept_columns(mask, width - keep), keep, output_hidden_states)
+        outputs = dict(vocab_size=self.config.vocab_size, hidden_size=self.config.hidden_size)
+        kept = kept_columns(mask, width - keep)
+        logits, hidden = forward_rows(self.swarm, rows, kept, keep, return_hidden=output_hidden_states, **outputs)
         loss = causal_lm_loss(logits, torch.as_tensor(labels), mask) if labels is not None else None
         states = (hidden,) if hidden is not None else None
         output = CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=states)
         return output if return_dict else output.to_tuple()
 
     __call__ = forward
-
-    def _forward_rows(
-        self, rows: list[list[int]], kept: list[torch.Tensor], keep: int, output_hidden_states: bool
-    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """One prefill session per row with a kept column, all at once on the client loop; the
-        logits (and final hidden states) put back in the padded batch's last ``keep`` columns."""
-        wanted = [i for i in range(len(rows)) if len(kept[i])]
-        vocab, hidden_size = self.config.vocab_size, self.config.hidden_size
-        wanted_outputs = dict(vocab_size=vocab, hidden_size=hidden_size, return_hidden=output_hidden_states)
-        passes = [forward_row(self.swarm, rows[i], len(kept[i]), **wanted_outputs) for i in wanted]
-        results = _loop.run(_loop.all_or_none(passes))
-        logits = torch.zeros(len(rows), keep, vocab)
-        hidden = torch.zeros(len(rows), keep, hidden_size) if output_hidden_states else None
-        for i, result in zip(wanted, results):
-            logits[i, kept[i]] = result.logits
-            if hidden is not None:
-                hidden[i, kept[i]] = result.hidden
-        return logits, hidden
 
     async def aforward_logits(self, input_ids: Sequence[int]) -> torch.Tensor:
         """The asyncio twin of ``forward`` for one sequence of ids: float32 logits ``[length, vocab]``
@@ -365,6 +358,7 @@ class AutoDistributedModel(torch.nn.Module):
         early (``aclose()``, or cancelling the task iterating it) stops the decoder and returns only
         after the session is closed on every server.
         """
+        adapter = checked_adapter(kwargs.pop("active_adapter", None))  # this stream's LoRA adapter, if not the model's
         options, unknown = GenerationOptions.split(kwargs)
         if unknown:
             raise TypeError(f"agenerate_stream() got unexpected keyword arguments: {sorted(unknown)}")
@@ -373,7 +367,7 @@ class AutoDistributedModel(torch.nn.Module):
         row = share_prompts(self.swarm, self, call.sampling.repetition_penalty) + row
         state = one_call_session(row, call, self.context_length)
         make_decoder, close = functools.partial(self._make_decoder, state, call), functools.partial(self._close, state)
-        laps = stream_laps(make_decoder, row, options.max_new_tokens, bool(options.num_logprobs), close)
+        laps = stream_laps(make_decoder, row, options.max_new_tokens, bool(options.num_logprobs), close, adapter)
         async with contextlib.aclosing(laps) as chunks:
             async for chunk in chunks:
                 yield chunk
