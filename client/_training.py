@@ -60,6 +60,7 @@ class TrainRow:
     token_ids: list[int]  # the row without padding
     targets: list[int]  # per id, the token its logits are scored against; -100: none
     label: Optional[float] = None  # classification: the row's class (or value, regression); targets all -100
+    multi_labels: Optional[list[float]] = None  # multi-label classification: one target in [0, 1] per label
 
 
 async def train_rows(
@@ -122,6 +123,7 @@ async def train_row(
         num_labels=0 if score is None else score.shape[0],
         label=0.0 if row.label is None else float(row.label),
         active_adapter=swarm.active_adapter,
+        multi_labels=row.multi_labels or [],
     )
     tensors = [prompts.detach().float().cpu().contiguous()] if prompts.shape[0] else []
     if deep is not None:

@@ -1,6 +1,6 @@
 """The wire protocol's version. Peers that speak another version are refused with a clear error."""
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 # 2: Step.sampling is optional (None = greedy): a greedy run sends nil (1 byte) instead of the parameters.
 # 3: new activation codecs blockwise8/blockwise4 on the wire (protocol/compression.py).
 #    Also Step.return_logits/return_hidden and the RunOutputs message (forward passes: logits and
@@ -45,3 +45,6 @@ PROTOCOL_VERSION = 8
 # 8: LoRA adapters on servers (docs/fine_tuning.md, "LoRA adapters"): ServerInfo.adapters (the names a server
 #    serves), OpenSession.active_adapter and TrainForward.active_adapter (the adapter every hop applies), error
 #    code unknown_adapter. A v7 server would ignore active_adapter and answer without the adapter.
+# 9: multi-label sequence classification: TrainForward.multi_labels (a trailing field: one target in [0, 1]
+#    per label; the tail's loss is their mean BCE-with-logits, as transformers' multi_label_classification).
+#    A v8 tail would ignore it and score the row as single-label.

@@ -296,7 +296,10 @@ class TrainingHandler:
         value (regression), as transformers' LlamaForSequenceClassification (one row: its sum is its mean)."""
         last = self.span.train_final_hidden(output[:, -1:])[0].float()  # [1, hidden]
         logits = last @ score.to(last.device).t()  # [1, num_labels]
-        if message.num_labels == 1:
+        if message.multi_labels:  # mean BCE-with-logits over the labels (transformers: over batch x labels)
+            targets = torch.tensor(message.multi_labels, device=last.device)
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(logits[0], targets)
+        elif message.num_labels == 1:
             loss = (logits[0, 0] - message.label) ** 2
         else:
             loss = torch.nn.functional.cross_entropy(logits, torch.tensor([int(message.label)], device=last.device))
