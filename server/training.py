@@ -67,6 +67,17 @@ class Backward:
         return tensors + ([scored] if scored is not None else [])
 
 
+async def linger(upstream: MessageStream, seconds: float = 1.0) -> None:
+    """Keep a stream whose reply was just written open until the peer closes it (at most ``seconds``), so
+    the reply is read before the close: a close right after the write was now and then read as a bare end of
+    stream on a loaded machine (as server/subscribe.py found for refusals; seen here as a hop reporting
+    "answered training step ... with the end of the stream" in benchmarks/fine_tuning.py)."""
+    try:
+        await asyncio.wait_for(upstream.receive(), seconds)
+    except Exception:  # noqa: BLE001 - the timeout, or the peer's close: the stream closes either way
+        pass
+
+
 class TrainingHandler:
     """Serves the training protocol over a span, computing on the span's compute thread (``executor``)."""
 
@@ -144,6 +155,7 @@ class TrainingHandler:
                 reply = TrainBackward(step_id=step_id, loss_sum=loss_sum, num_targets=num_targets)
                 await send_quietly(upstream, reply, grads)
                 self.stats["train_steps"] += 1
+                await linger(upstream)
             elif isinstance(message, TrainBackward):
                 self._stray_backward(message)
             else:
@@ -154,9 +166,11 @@ class TrainingHandler:
         except ProtocolError as e:
             self.stats["train_refused"] += 1
             await report(upstream, step_id, e, None, self.peer_id)
+            await linger(upstream)
         except Exception as e:
             logger.exception(f"Training step {step_id!r} failed")
             await report(upstream, step_id, ProtocolError(ErrorCode.INTERNAL, repr(e)), None, self.peer_id)
+            await linger(upstream)
 
     async def _admitted_step(
         self, message: TrainForward, tensors: list[torch.Tensor], upstream: MessageStream

@@ -26,7 +26,7 @@ def test_the_persona_example_trains_a_prompt_that_generate_uses(
     capsys,
 ):
     code = example_block()
-    settings = 'MODEL, PEERS, STEPS = "smollm2-135m", ["/ip4/127.0.0.1/tcp/.../p2p/Qm..."], 30\n'
+    settings = 'MODEL, PEERS, STEPS = "smollm2-135m", ["/ip4/127.0.0.1/tcp/.../p2p/Qm..."], 60\n'
     assert settings in code  # the line a reader edits, and the one this test replaces
     code = code.replace(settings, f"MODEL, PEERS, STEPS = {str(tiny_llama_path)!r}, {tuning_swarm[1]!r}, 4\n")
     assert "pre_seq_len=16" in code  # 4 here: the test swarm's steps hold 64 positions, the rows are about 50 ids
