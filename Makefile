@@ -3,7 +3,7 @@ PYTHON ?= python3
 PIP = $(PYTHON) -m pip
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup browser systemd-analyze netns-tools demo test bench-wan bench-ceiling bench-drafter bench-failover bench-load bench-chaos bench-codecs bench-bandwidth bench-batch bench-quant train-drafter warm-corpus bench-drafter-cost bench-dssd bench-trees bench-spot-checks bench-lies bench-step-bytes bench-gateway bench-scale bench-dht-scale bench-dashboard-scale bench-churn bench-structured
+.PHONY: setup browser systemd-analyze netns-tools demo test bench-wan bench-ceiling bench-drafter bench-failover bench-load bench-chaos bench-codecs bench-bandwidth bench-batch bench-quant train-drafter warm-corpus bench-drafter-cost bench-dssd bench-trees bench-spot-checks bench-lies bench-step-bytes bench-gateway bench-scale bench-dht-scale bench-dashboard-scale bench-churn bench-structured bench-fine-tuning
 
 # Keeps a torch that is already installed (a GPU user's own build); otherwise installs the torch
 # wheel pip's index serves: the CPU build on these machines (local wheels), but on Linux x86-64
@@ -47,6 +47,10 @@ bench-wan: setup
 # JSON-schema extraction: grammar drafts on/off and free text, 25 ms per hop (docs/benchmarks.md "Structured outputs")
 bench-structured: setup
 	$(PYTHON) -m benchmarks.structured
+
+# a prompt-tuning step (batch 4 x 64) through a 3-server SmolLM2 swarm at 0 and 25 ms per hop vs locally (docs/fine_tuning.md "Figures")
+bench-fine-tuning: setup
+	$(PYTHON) -m benchmarks.fine_tuning
 
 # token trees against chains and no speculation, side by side at 25 ms per hop (docs/benchmarks.md "Token trees")
 bench-trees: setup

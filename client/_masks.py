@@ -72,3 +72,16 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tenso
         raise ValueError(f"labels have shape {tuple(labels.shape)}; input_ids has {tuple(mask.shape)}")
     targets = torch.nn.functional.pad(labels.long(), (0, 1), value=-100)[:, 1:].masked_fill(mask == 0, -100)
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+
+
+def session_input(session: Any, num_prompts: int, input_ids: Optional[torch.Tensor], vocab_size: int) -> torch.Tensor:
+    """``generate``'s ids, checked: inside an inference session (``session``, a SessionState or None),
+    one row, or none to continue the session's own history (after its ``num_prompts`` tuned prompts)."""
+    if input_ids is None:
+        if session is None or len(session.history) <= num_prompts:
+            raise ValueError("input_ids is required (outside an inference session that already has tokens)")
+        input_ids = torch.tensor([session.history[num_prompts:]])
+    input_ids = checked_ids(input_ids, vocab_size)
+    if session is not None and input_ids.shape[0] != 1:
+        raise ValueError("an inference session holds one sequence; pass input_ids with batch size 1")
+    return input_ids

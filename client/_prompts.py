@@ -44,6 +44,7 @@ def attach_prompts(model: torch.nn.Module, tuning_mode: Optional[str], pre_seq_l
     if tuning_mode is None:
         return
     model.tuning_mode = tuning_mode
+    model.last_training_stats = None  # client._training.TrainingStats of the last training step
     model.prompt_embeddings = new_prompts(pre_seq_len, config.hidden_size, config.initializer_range)
     if tuning_mode == "deep_ptune":
         blocks = config.num_hidden_layers
@@ -99,7 +100,9 @@ def prompt_tuned_loss(
     deep = deep_tensor(model.intermediate_prompt_embeddings, model.config.num_hidden_layers)
     rows = train_rows_of(input_ids, labels, mask)
     detached = None if deep is None else deep.detach()
-    results, _ = _loop.run(train_rows(swarm, prompts.detach(), rows, swarm.request_timeout, detached))
+    results, model.last_training_stats = _loop.run(
+        train_rows(swarm, prompts.detach(), rows, swarm.request_timeout, detached)
+    )
     return batch_loss(prompts, results, deep)
 
 

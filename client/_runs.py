@@ -29,6 +29,7 @@ class SessionState:
     next_run_id: int = 0
     # a tree run's accepted path, held by the servers in run order until a Step keeps it
     tree_pending: Optional[PendingPath] = None
+    adapter: Optional[str] = None  # inference_session(active_adapter=): every call's LoRA adapter (None: the model's)
 
     def start_from(self, prompt: list[int]) -> None:
         """Keep the servers' cache for the longest common prefix with what they already hold."""

@@ -19,6 +19,7 @@ from typing import Collection, Optional, Sequence
 import hivemind
 from hivemind.p2p import P2P
 
+from client import _adapters
 from client._remote_session import RemoteSession, SessionPrompts
 from client._throughput import ThroughputMeter
 from client.errors import RouteFault, RoutingError, ServerError
@@ -116,8 +117,18 @@ class SwarmClient:
         # session this client opens (generation, audits, replays alike); None: no prompts (client/_prompts.py)
         self.prompts: Optional[SessionPrompts] = None
         # a LoRA adapter (docs/fine_tuning.md) every session and training step applies: routes use only
-        # servers that announce it, and every hop is asked to apply it; "": none
-        self.active_adapter = active_adapter
+        # servers that announce it, and every hop is asked to apply it; "": none. A call may override it
+        # (client/_adapters.py): ``active_adapter`` is the call's
+        self.default_adapter = active_adapter
+
+    @property
+    def active_adapter(self) -> str:
+        """The LoRA adapter of the call running now (client/_adapters.py), else the model's ("": none)."""
+        return _adapters.current(self.default_adapter)
+
+    @active_adapter.setter
+    def active_adapter(self, adapter: str) -> None:
+        self.default_adapter = adapter
 
     @classmethod
     async def connect(cls, initial_peers: list[str], model: str, num_blocks: int, **kwargs) -> "SwarmClient":

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import AsyncIterator, Awaitable, Callable
+from typing import AsyncIterator, Awaitable, Callable, Optional
 
+from client._adapters import with_adapter
 from client._generation import GenerationStats, SpeculativeDecoder
 from client._loop import Relay
 from protocol.messages import TokenLogprobs
@@ -37,10 +38,12 @@ def stream_laps(
     max_new_tokens: int,
     with_logprobs: bool,
     close: Callable[[], Awaitable[None]],
+    adapter: Optional[str] = None,
 ) -> AsyncIterator[GeneratedChunk]:
     """Decode ``row`` on the client loop and yield each lap's tokens on the caller's loop (call it
     there). ``make_decoder(on_tokens)`` builds the decoder; ``close()`` closes its session, always,
-    before the stream ends (also when the reader stops early: close the stream with ``aclose()``)."""
+    before the stream ends (also when the reader stops early: close the stream with ``aclose()``).
+    ``adapter``: the stream's LoRA adapter (client/_adapters.py), set in the task that decodes."""
     laps: Relay[GeneratedChunk] = Relay()
     retracted = [0]  # tokens_retracted already reported
 
@@ -50,4 +53,5 @@ def stream_laps(
         laps.post(GeneratedChunk(new, logprobs, decoder.stats, gone))
 
     decoder = make_decoder(on_tokens)
-    return laps.stream(functools.partial(decoder.generate, row, max_new_tokens), close)
+    work = functools.partial(decoder.generate, row, max_new_tokens)
+    return laps.stream(functools.partial(with_adapter, adapter, work), close)

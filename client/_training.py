@@ -15,7 +15,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
@@ -45,10 +46,21 @@ class RowGrad:
 
 
 @dataclass
+class TrainingStats:
+    """The last training step (``model.last_training_stats``): the route that computed it, the failovers
+    before it (each ran the whole step again on a new route) and its seconds, failovers included."""
+
+    route: list[Hop] = field(default_factory=list)
+    failovers: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
 class TrainRow:
     token_ids: list[int]  # the row without padding
     targets: list[int]  # per id, the token its logits are scored against; -100: none
     label: Optional[float] = None  # classification: the row's class (or value, regression); targets all -100
+    multi_labels: Optional[list[float]] = None  # multi-label classification: one target in [0, 1] per label
 
 
 async def train_rows(
@@ -58,12 +70,12 @@ async def train_rows(
     timeout: float,
     deep: Optional[torch.Tensor] = None,
     score: Optional[torch.Tensor] = None,
-) -> tuple[list[RowGrad], list[Hop]]:
-    """Every row's loss sum and prompt gradient on one route (all rows at once), and that route;
+) -> tuple[list[RowGrad], TrainingStats]:
+    """Every row's loss sum and prompt gradient on one route (all rows at once), and the step's stats;
     a retryable failure runs the whole step again on a new route, at most MAX_FAILOVERS times.
     ``deep`` ``[num_blocks, num_prompts, hidden]``: deep prompts (each row's RowGrad.deep_grad is theirs).
     ``score`` ``[num_labels, hidden]``: classification weights the tail scores each row's last position with."""
-    failovers = 0
+    failovers, began = 0, time.perf_counter()
     while True:
         route = await swarm.plan_route()
         try:
@@ -75,7 +87,8 @@ async def train_rows(
                         f"route's {limit} positions per step (long rows are not chunked yet)"
                     )
             coros = [train_row(swarm, route, prompts, row, timeout, deep, score) for row in rows]
-            return await _loop.all_or_none(coros), route
+            results = await _loop.all_or_none(coros)
+            return results, TrainingStats(list(route), failovers, time.perf_counter() - began)
         except ServerError as e:
             if not e.retryable or failovers >= MAX_FAILOVERS:
                 if e.retryable:
@@ -110,6 +123,7 @@ async def train_row(
         num_labels=0 if score is None else score.shape[0],
         label=0.0 if row.label is None else float(row.label),
         active_adapter=swarm.active_adapter,
+        multi_labels=row.multi_labels or [],
     )
     tensors = [prompts.detach().float().cpu().contiguous()] if prompts.shape[0] else []
     if deep is not None:
@@ -131,7 +145,9 @@ async def train_row(
         await stream.send(message, tensors)
         received = await asyncio.wait_for(stream.receive(), timeout)
     except asyncio.TimeoutError:
-        raise ServerTimeout(f"no answer to a training step within {timeout:.0f} s", head, ErrorCode.DOWNSTREAM_FAILED)
+        # any hop may be the silent one (a frozen middle keeps the head waiting): no peer named, so failover
+        # pings the route and excludes the hops that do not answer (SwarmClient.blame)
+        raise ServerTimeout(f"no answer to a training step within {timeout:.0f} s", "", ErrorCode.DOWNSTREAM_FAILED)
     except Exception as e:  # the dial, the send, or a frame we refused
         raise ServerError(f"could not reach the server: {e!r}", head, ErrorCode.DOWNSTREAM_FAILED) from None
     finally:

@@ -20,6 +20,7 @@ from transformers.loss.loss_utils import ForSequenceClassificationLoss
 from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 
 from client import _loop
+from client._adapters import per_call_adapter
 from client._forward import forward_row
 from client._masks import checked_ids, checked_mask, unpadded
 from client._prompts import deep_tensor, share_prompts
@@ -38,7 +39,9 @@ class AutoDistributedModelForSequenceClassification(AutoDistributedModel):
         self.score = torch.nn.Linear(config.hidden_size, config.num_labels, bias=False)
         with torch.no_grad():
             self.score.weight.normal_(0.0, config.initializer_range)
+        self.last_training_stats = None  # client._training.TrainingStats of the last training step
 
+    @per_call_adapter
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -49,8 +52,9 @@ class AutoDistributedModelForSequenceClassification(AutoDistributedModel):
         **unused: Any,
     ) -> SequenceClassifierOutputWithPast:
         """``logits`` ``[batch, num_labels]``; ``loss`` for ``labels`` as transformers computes it (class
-        indices: cross-entropy; ``num_labels=1``: mean squared error). Multi-label (float labels with
-        ``num_labels > 1``) is not supported through the swarm yet: a ValueError."""
+        indices: cross-entropy; ``num_labels=1``: mean squared error; float labels ``[batch, num_labels]`` in
+        [0, 1] with ``num_labels > 1``, or ``problem_type="multi_label_classification"``: the mean
+        binary cross-entropy with logits over every row and label)."""
         if unused:
             raise TypeError(f"forward() got unexpected keyword arguments: {sorted(unused)}")
         input_ids = checked_ids(input_ids, self.config.vocab_size)
@@ -67,10 +71,31 @@ class AutoDistributedModelForSequenceClassification(AutoDistributedModel):
 
     __call__ = forward
 
+    def _problem_type(self, labels: torch.Tensor) -> str:
+        """The config's ``problem_type``, or the one transformers' loss infers from the labels (and then sets)."""
+        if self.config.problem_type is not None:
+            return self.config.problem_type
+        if self.config.num_labels == 1:
+            return "regression"
+        return (
+            "single_label_classification" if labels.dtype in (torch.long, torch.int) else "multi_label_classification"
+        )
+
     def _checked_labels(self, labels: Any, batch: int) -> torch.Tensor:
         labels, count = torch.as_tensor(labels), self.config.num_labels
+        problem = self._problem_type(labels)
+        if problem == "multi_label_classification":
+            if count < 2 or tuple(labels.shape) != (batch, count) or not labels.is_floating_point():
+                raise ValueError(
+                    f"multi-label labels are floats of shape ({batch}, {count}), got {tuple(labels.shape)}"
+                )
+            if not bool(((labels >= 0) & (labels <= 1)).all()):
+                raise ValueError("multi-label labels must be in [0, 1] (one target per label)")
+            return labels.float()
+        if problem == "regression" and count > 1:
+            raise ValueError("regression with num_labels > 1 is not supported through the swarm")
         if count > 1 and labels.dtype not in (torch.long, torch.int):
-            raise ValueError("float labels with num_labels > 1 (multi-label) are not supported through the swarm")
+            raise ValueError(f"labels of a {problem} are class indices (long), got {labels.dtype}")
         if tuple(labels.shape) not in ((batch,), (batch, 1)):
             raise ValueError(f"labels have shape {tuple(labels.shape)}; expected ({batch},): one per row")
         if count > 1 and not bool(((labels >= 0) & (labels < count)).all()):
@@ -83,7 +108,11 @@ class AutoDistributedModelForSequenceClassification(AutoDistributedModel):
         """One lap per row: the logits (differentiable in ``score``) and the loss, differentiable in ``score``
         and the prompts (their gradients computed by the servers)."""
         hidden = self.config.hidden_size
-        rows = [TrainRow(ids, [-100] * len(ids), float(label)) for ids, label in zip(unpadded(input_ids, mask), labels)]
+        multi = labels.ndim == 2  # multi-label: one target in [0, 1] per label
+        rows = [
+            TrainRow(ids, [-100] * len(ids), 0.0 if multi else float(label), label.tolist() if multi else None)
+            for ids, label in zip(unpadded(input_ids, mask), labels)
+        ]
         prompts = self.prompt_embeddings.weight if self.prompt_embeddings is not None else torch.zeros(0, hidden)
         deep = deep_tensor(self.intermediate_prompt_embeddings, self.config.num_hidden_layers)
         step = train_rows(
@@ -94,7 +123,7 @@ class AutoDistributedModelForSequenceClassification(AutoDistributedModel):
             None if deep is None else deep.detach(),
             self.score.weight.detach(),
         )
-        results, _ = _loop.run(step)
+        results, self.last_training_stats = _loop.run(step)
         logits = self.score(torch.stack([r.scored for r in results]))
         loss = ForSequenceClassificationLoss(labels, logits, self.config)
         return logits, _with_swarm_grads(loss, prompts, deep, results)

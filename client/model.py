@@ -24,12 +24,13 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from client import _loop
+from client._adapters import call_adapter, checked_adapter, per_call_adapter
 from client._calls import DEFAULT_MAX_LENGTH, Call, check_audit_every, context_limit, one_call_session, plan_call
 from client._confirmation import check_audit_policy
 from client._drafter_choice import call_drafter
 from client._forward import RowOutputs, forward_batch, forward_row
 from client._generation import GenerationStats, SessionState, SpeculativeDecoder
-from client._masks import causal_lm_loss, checked_ids, checked_mask, kept_columns, kept_width, unpadded
+from client._masks import causal_lm_loss, checked_ids, checked_mask, kept_columns, kept_width, session_input, unpadded
 from client._options import GenerationOptions
 from client._output_audits import DEFAULT_OUTPUT_AUDIT_RATE, OutputAuditor
 from client._pretrained import load_config
@@ -143,22 +144,27 @@ class AutoDistributedModel(torch.nn.Module):
         return model
 
     @contextlib.contextmanager
-    def inference_session(self, max_length: int = DEFAULT_MAX_LENGTH) -> Iterator[SessionState]:
+    def inference_session(
+        self, max_length: int = DEFAULT_MAX_LENGTH, active_adapter: Optional[str] = None
+    ) -> Iterator[SessionState]:
         """Keep the servers' caches across several ``generate`` calls, as in Petals.
 
         Each call passes the whole conversation so far (as with transformers); the servers
-        reuse the cache of the longest prefix they already hold.
+        reuse the cache of the longest prefix they already hold. ``active_adapter``: the LoRA adapter
+        of every call in the session instead of the model's ("": none; client/_adapters.py).
         """
         if self._session is not None:
             raise RuntimeError("an inference session is already open on this model")
-        self._session = SessionState(max_length=max_length)
+        self._session = SessionState(max_length=max_length, adapter=checked_adapter(active_adapter))
         try:
-            yield self._session
+            with call_adapter(active_adapter):
+                yield self._session
         finally:
             session, self._session = self._session, None
             if session.remote is not None:
                 _loop.run(self.swarm.close_session(session.remote))
 
+    @per_call_adapter
     def generate(
         self,
         input_ids: Optional[torch.Tensor] = None,
@@ -224,11 +230,12 @@ class AutoDistributedModel(torch.nn.Module):
         tokens a ``streamer`` was given, never the returned ids. ``trusted_peers`` (default
         ``from_pretrained``'s) and ``audit`` ("warn": unconfirmed tokens give an
         UnconfirmedTokensWarning; "required": UnconfirmedTokensError) in docs/api.md.
+        ``active_adapter``: this call's LoRA adapter instead of the model's ("": none; docs/fine_tuning.md).
         """
         options, unused = GenerationOptions.split(kwargs)
         if unused:
             logger.warning(f"generate() ignores unsupported arguments: {sorted(unused)}")
-        input_ids = self._check_input(input_ids)
+        input_ids = session_input(self._session, self.num_prompts, input_ids, self.config.vocab_size)
         if max_length is not None:
             options = dataclasses.replace(options, max_new_tokens=max_length - input_ids.shape[1])
         call = plan_call(options, self.config, self.tokenizer, self.spot_check_rate)
@@ -290,6 +297,7 @@ class AutoDistributedModel(torch.nn.Module):
             self.last_generation_stats = merged_stats(self.last_batch_stats, time.perf_counter() - began)
             self.last_logprobs = [decoder.logprobs for decoder in decoders]
 
+    @per_call_adapter
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -314,7 +322,8 @@ class AutoDistributedModel(torch.nn.Module):
         1-tuple: the final hidden state (after the final norm: transformers' ``hidden_states[-1]``)
         at the positions ``logits`` covers. Tuned prompts precede every row; ``labels`` with grad
         enabled run a training step instead (the loss only: docs/fine_tuning.md). ``audit``: as generate's, for
-        the forward passes' audits (client/_output_audits.py): "required" audits every row and raises if unconfirmed."""
+        the forward passes' audits (client/_output_audits.py): "required" audits every row and raises if unconfirmed.
+        ``active_adapter``: this call's LoRA adapter instead of the model's."""
         if unused:
             logger.warning(f"forward() ignores unsupported arguments: {sorted(unused)}")
         input_ids = checked_ids(input_ids, self.config.vocab_size)
@@ -363,15 +372,18 @@ class AutoDistributedModel(torch.nn.Module):
         early (``aclose()``, or cancelling the task iterating it) stops the decoder and returns only
         after the session is closed on every server.
         """
+        adapter = checked_adapter(kwargs.pop("active_adapter", None))  # this stream's LoRA adapter, if not the model's
         options, unknown = GenerationOptions.split(kwargs)
         if unknown:
             raise TypeError(f"agenerate_stream() got unexpected keyword arguments: {sorted(unknown)}")
-        row = self._check_input(torch.as_tensor([list(input_ids)]))[0].tolist()
+        row = session_input(
+            self._session, self.num_prompts, torch.as_tensor([list(input_ids)]), self.config.vocab_size
+        )[0].tolist()
         call = plan_call(options, self.config, self.tokenizer, self.spot_check_rate)
         row = share_prompts(self.swarm, self, call.sampling.repetition_penalty) + row
         state = one_call_session(row, call, self.context_length)
         make_decoder, close = functools.partial(self._make_decoder, state, call), functools.partial(self._close, state)
-        laps = stream_laps(make_decoder, row, options.max_new_tokens, bool(options.num_logprobs), close)
+        laps = stream_laps(make_decoder, row, options.max_new_tokens, bool(options.num_logprobs), close, adapter)
         async with contextlib.aclosing(laps) as chunks:
             async for chunk in chunks:
                 yield chunk
@@ -412,18 +424,6 @@ class AutoDistributedModel(torch.nn.Module):
     def context_length(self) -> int:
         """The most positions (prompt + new tokens) one sequence may hold."""
         return context_limit(self.config)
-
-    def _check_input(self, input_ids: Optional[torch.Tensor]) -> torch.Tensor:
-        """``generate``'s ids, checked: inside an inference session, one row, or none to continue
-        the session's own history."""
-        if input_ids is None:
-            if self._session is None or len(self._session.history) <= self.num_prompts:
-                raise ValueError("input_ids is required (outside an inference session that already has tokens)")
-            input_ids = torch.tensor([self._session.history[self.num_prompts :]])
-        input_ids = checked_ids(input_ids, self.config.vocab_size)
-        if self._session is not None and input_ids.shape[0] != 1:
-            raise ValueError("an inference session holds one sequence; pass input_ids with batch size 1")
-        return input_ids
 
     def reset_draft_store(self, warm: bool = True) -> None:
         """Forget what the suffix drafter learned (benchmarks compare modes fairly); the new store starts

@@ -21,6 +21,7 @@ import msgspec
 
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.tail_costs import TailCosts
+from protocol.limits import MAX_NUM_LABELS
 from protocol.version import PROTOCOL_VERSION
 
 # A session id is the opener's random token (the client draws 16 hex digits): longer ones are
@@ -296,6 +297,9 @@ class TrainForward(msgspec.Struct, tag="train", kw_only=True, array_like=True):
     num_labels: int = 0
     label: float = 0.0
     active_adapter: Annotated[str, msgspec.Meta(max_length=256)] = ""  # as OpenSession.active_adapter
+    # multi-label classification (v9): one target in [0, 1] per label (num_labels of them; ``label`` unused);
+    # the tail's loss is their mean binary cross-entropy with logits (transformers' multi_label_classification)
+    multi_labels: Annotated[list[float], msgspec.Meta(max_length=MAX_NUM_LABELS)] = []
 
 
 class TrainBackward(msgspec.Struct, tag="backward", kw_only=True, array_like=True):

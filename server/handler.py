@@ -104,6 +104,7 @@ class SessionHandler(SessionWorker):
         max_session_tokens: Optional[int] = None,  # None: limits.default_max_session_tokens of the budget
         max_unread_bytes: int = limits.DEFAULT_MAX_UNREAD_MIB << 20,
         max_train_bytes: int = limits.DEFAULT_MAX_TRAIN_MIB << 20,
+        max_backward_bytes: int = 0,  # one training row's backward activations; 0: what the step limit allows
         address_caps: Optional[AddressCaps] = None,  # the share one source address may hold
     ):
         self.p2p, self.span, self.budget = p2p, span, budget
@@ -143,7 +144,13 @@ class SessionHandler(SessionWorker):
         self.stats = dict.fromkeys(STATS, 0)
         # training steps (server/training.py), on the same compute thread as the sessions' runs
         self.training = TrainingHandler(
-            p2p, span, self._executor, max_positions_per_step=max_positions_per_step, max_kept_bytes=max_train_bytes
+            p2p,
+            span,
+            self._executor,
+            max_positions_per_step=max_positions_per_step,
+            max_kept_bytes=max_train_bytes,
+            max_backward_bytes=max_backward_bytes,
+            known_servers=lambda: self.known_servers,
         )
 
     @property

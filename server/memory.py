@@ -59,6 +59,12 @@ class MemoryPlan:
     drafter_bytes: int = 0  # the tail's drafter (DeepSeek-V4's MTP block, a tail drafter), beyond its blocks
     cache_tokens: Optional[int] = None  # --cache-tokens, when the volunteer set the budget
     batch_bytes: int = 0  # activations of the largest batched pass beyond what the headroom holds
+    # training steps (server/train_budget.py): the span inputs kept for backwards in flight (--max-train-mib),
+    # and the activations of the largest backward recompute, per block of the span and at the tail
+    train_kept_bytes: int = 0
+    backward_block_bytes: int = 0
+    backward_tail_bytes: int = 0
+    backward_bytes: int = 0  # --max-backward-mib: a flat budget instead of the two above (0: theirs)
 
     @property
     def bytes_per_block(self) -> int:
@@ -67,6 +73,19 @@ class MemoryPlan:
     @property
     def headroom_bytes(self) -> int:
         return int(self.free_bytes * HEADROOM_FRACTION) + self.batch_bytes
+
+    def backward_budget(self, num_blocks: int, tail: bool) -> int:
+        """Activation bytes of the largest backward a span of ``num_blocks`` takes (recompute included)."""
+        if self.backward_bytes:
+            return self.backward_bytes
+        return num_blocks * self.backward_block_bytes + (self.backward_tail_bytes if tail else 0)
+
+    def train_bytes(self, num_blocks: int, tail: bool) -> int:
+        """What training steps add to the headroom: the kept inputs, and the largest backward's activations
+        beyond what the headroom and the batched pass's reserve hold. A batched pass and a backward run on
+        the span's one compute thread, never at once, so they share that memory."""
+        shared = int(self.free_bytes * HEADROOM_FRACTION) + self.batch_bytes
+        return self.train_kept_bytes + max(0, self.backward_budget(num_blocks, tail) - shared)
 
     def cache_bytes(self, num_blocks: int) -> int:
         """Memory kept for the KV cache of a span of ``num_blocks``."""
@@ -99,6 +118,7 @@ class MemoryPlan:
             + self.ends_bytes(head, tail, drafter)
             + self.cache_bytes(num_blocks)
             + self.headroom_bytes
+            + self.train_bytes(num_blocks, tail)
         )
 
     def most_blocks(self, head: bool = False, tail: bool = False, drafter: bool = True) -> int:
@@ -147,7 +167,9 @@ class MemoryPlan:
             return (end - start) * self.sizes.block_bytes + self.ends_bytes(start == 0, tail, tail)
 
         longest = max(old[1] - old[0], new[1] - new[0])
-        return weights(*old) + weights(*new) + self.cache_bytes(longest) + self.headroom_bytes <= self.free_bytes
+        train = self.train_bytes(longest, self.total_blocks in (old[1], new[1]))
+        reserved = self.cache_bytes(longest) + self.headroom_bytes + train
+        return weights(*old) + weights(*new) + reserved <= self.free_bytes
 
     def describe(self, device: str) -> str:
         """The plan in one line, with what is reserved and why."""
@@ -158,6 +180,12 @@ class MemoryPlan:
             f"cache budget of {self.cache_budget_tokens(n)} tokens, {self.headroom_bytes / GiB:.2f} GiB headroom "
             "for activations"
         )
+        if self.train_kept_bytes or self.backward_block_bytes or self.backward_bytes:
+            text += (
+                f", {self.train_bytes(n, False) / GiB:.2f} GiB more for training steps (inputs kept for backwards: "
+                f"{self.train_kept_bytes / GiB:.2f} GiB; the largest backward's activations: "
+                f"{self.backward_budget(n, False) / GiB:.2f} GiB, shared with the headroom)"
+            )
         head, tail = self.head_blocks, self.tail_blocks
         text += (
             f"; a span at the head also holds the embeddings ({self.sizes.embed_bytes / GiB:.2f} GiB): "
@@ -187,6 +215,8 @@ class MemoryPlan:
             )
         parts.append(f"{self.cache_bytes(n) / GiB:.2f} GiB of cache ({self.cache_budget_tokens(n)} tokens)")
         parts.append(f"{self.headroom_bytes / GiB:.2f} GiB headroom")
+        if self.train_bytes(n, tail):
+            parts.append(f"{self.train_bytes(n, tail) / GiB:.2f} GiB for training steps")
         needed = self.needed_bytes(n, head, tail, drafter=False)
         most = self.most_blocks(head, tail, drafter=False)
         return (
@@ -278,6 +308,32 @@ def activation_bytes_per_position(config: PretrainedConfig, dtype: torch.dtype) 
     return (torch.finfo(dtype).bits // 8) * (width * 2 * hidden + 4 * hidden + 3 * inner) + 4 * config.vocab_size
 
 
+def backward_bytes(config: PretrainedConfig, dtype: torch.dtype, positions: int, blocks: int, tail: bool) -> int:
+    """Activation bytes of one training row's backward through ``blocks`` blocks: its recompute with autograd
+    keeps, per block and position, the block's input and its norms' outputs, q, k, v (before and after
+    rotary), the attention output, the MLP's gate, up, activation and product (in ``dtype``), and the
+    attention probabilities (heads x positions per position, twice: eager attention keeps them before and
+    after the softmax); at the tail the float32 logits, their log-softmax and gradient (3 x vocab per
+    position). A server computes one row at a time (one compute thread), so this is its backward's peak;
+    the no-grad forward before it keeps nothing. An estimate from the shapes (tests/training/test_train_budget.py
+    measures it against the tensors autograd saves)."""
+    size = torch.finfo(dtype).bits // 8
+    hidden, inner = config.hidden_size, getattr(config, "intermediate_size", None) or 4 * config.hidden_size
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    kv = (getattr(config, "num_key_value_heads", None) or heads) * head_dim
+    per_position = size * (5 * hidden + 2 * heads * head_dim + 4 * kv + 4 * inner + 2 * heads * positions)
+    return blocks * positions * per_position + (3 * 4 * config.vocab_size * positions if tail else 0)
+
+
+def trains(config: PretrainedConfig, quant: Quant) -> bool:
+    """Whether spans of this model take training steps at all (else the plan keeps no room for them)."""
+    from server.adapters import adapter_class
+    from server.adapters.base import SpanAdapter
+
+    return quant == Quant.NONE and adapter_class(config).backward_refusal is not SpanAdapter.backward_refusal
+
+
 def batch_bytes(config: PretrainedConfig, dtype: torch.dtype, positions: int = DEFAULT_MAX_BATCH_POSITIONS) -> int:
     """What the memory plan reserves for the largest batched pass of ``positions`` positions."""
     return positions * activation_bytes_per_position(config, dtype)
@@ -301,15 +357,29 @@ def plan_blocks(
     cache_tokens: int | None = None,
     batch_positions: int | None = None,
     adapter_bytes: int = 0,
+    training: Optional[tuple[int, int, int]] = None,
 ) -> MemoryPlan:
     """The memory plan of this server: ``free_bytes`` stands in for the device's free memory when given.
     ``batch_positions`` (--max-batch-positions): the largest batched pass; by default it is what the
     headroom holds (:func:`batch_positions_that_fit`), and a larger one reserves the rest beside it.
-    ``adapter_bytes``: what LoRA adapters add to a block at most (server/lora.py), counted in every block."""
+    ``adapter_bytes``: what LoRA adapters add to a block at most (server/lora.py), counted in every block.
+    ``training``: (--max-train-mib, --max-positions-per-step, --max-backward-mib): the kept inputs and the
+    largest backward counted (:meth:`MemoryPlan.train_bytes`); none for spans that refuse training."""
     free = free_device_bytes(device) if free_bytes is None else free_bytes
     sizes = model_sizes(config, dtype, quant)
     sizes = dataclasses.replace(sizes, block_bytes=sizes.block_bytes + adapter_bytes)
     extra = 0
     if batch_positions is not None:  # the activations of the largest pass beyond the headroom
         extra = max(0, batch_bytes(config, dtype, batch_positions) - int(free * HEADROOM_FRACTION))
-    return MemoryPlan(total_blocks, free, sizes, quant.value, drafter_bytes, cache_tokens, extra)
+    plan = MemoryPlan(total_blocks, free, sizes, quant.value, drafter_bytes, cache_tokens, extra)
+    if training is None or not trains(config, quant):
+        return plan
+    kept_mib, positions, backward_mib = training
+    tail_only = backward_bytes(config, dtype, positions, 0, True)
+    return dataclasses.replace(
+        plan,
+        train_kept_bytes=kept_mib << 20,
+        backward_block_bytes=backward_bytes(config, dtype, positions, 1, False),
+        backward_tail_bytes=tail_only,
+        backward_bytes=backward_mib << 20,
+    )

@@ -51,6 +51,7 @@ def make_plan(config: ServerConfig) -> tuple[MemoryPlan, str]:
         drafter_bytes=drafter,
         cache_tokens=config.cache_tokens,
         adapter_bytes=plan_adapters(config.adapters, config.model, model_config.num_hidden_layers, dtype)[1],
+        training=config.train_plan(),
     )
     return plan, device
 

@@ -53,6 +53,7 @@ class ServerConfig:
     max_session_tokens: Optional[int] = None  # one session's max_length at most; None: a fair share of the budget
     max_unread_mib: int = DEFAULT_MAX_UNREAD_MIB  # results held for clients that have not read them (server/unread.py)
     max_train_mib: int = DEFAULT_MAX_TRAIN_MIB  # span inputs kept for training steps in flight (server/training.py)
+    max_backward_mib: int = 0  # one training row's backward activations at most; 0: a row of max_positions_per_step
     reachability: str = "auto"  # auto: ask initial peers to dial back; public; private (always through a relay)
     drafter: str = "auto"  # the tail's drafter: auto (the committed drafter for this model, if any), none, or a file
     drafter_tokens: int = DEFAULT_TAIL_DRAFTS  # ids the tail drafts per run at most
@@ -63,3 +64,11 @@ class ServerConfig:
     batching: bool = True  # False: one run per pass through the span (for comparisons)
     revision: Optional[str] = None  # a hub model's commit, branch or tag; None: the one the swarm serves, else main
     adapters: tuple[str, ...] = ()  # PEFT LoRA adapters (folders or hub repos) this server serves (server/lora.py)
+
+    def train_plan(self) -> tuple[int, int, int]:
+        """What the memory plan counts for training steps (server/memory.py ``plan_blocks``)."""
+        return self.max_train_mib, self.max_positions_per_step, self.max_backward_mib
+
+    def train_limits(self) -> dict[str, int]:
+        """The training bounds of the session handler (server/train_budget.py), in bytes."""
+        return dict(max_train_bytes=self.max_train_mib << 20, max_backward_bytes=self.max_backward_mib << 20)

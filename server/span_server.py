@@ -1,8 +1,7 @@
 """A volunteer server: load a span, join the DHT, announce, serve sessions, leave cleanly.
 
-``server = await SpanServer.create(config)`` returns a server that is already serving and
-announced; ``await server.shutdown()`` marks it offline in the DHT, closes its sessions and
-leaves. The CLI (``python -m swarm.server``) is a thin layer over this.
+``server = await SpanServer.create(config)`` returns a server that is already serving and announced; ``await
+server.shutdown()`` marks it offline in the DHT, closes its sessions and leaves. The CLI is a thin layer over this.
 """
 
 from __future__ import annotations
@@ -292,6 +291,7 @@ def _plan_memory(
         cache_tokens=config.cache_tokens,
         batch_positions=config.max_batch_positions,
         adapter_bytes=adapter_bytes,
+        training=config.train_plan(),
     )
     logger.info(plan.describe(device))
     check_requested_blocks(config, plan, device)
@@ -374,7 +374,7 @@ async def _start_handler(
         gather_window=config.gather_window,
         max_session_tokens=config.max_session_tokens,
         max_unread_bytes=config.max_unread_mib << 20,
-        max_train_bytes=config.max_train_mib << 20,
+        **config.train_limits(),
         address_caps=AddressCaps(config.max_share_per_address, config.cap_loopback),
     )
     handler.batches.enabled = config.batching

@@ -63,6 +63,8 @@ def check_train_forward(
         check_deep_prompts(deep, message, held.num_blocks, hidden_size)
     if message.num_labels:
         check_score(score, message, hidden_size)
+    elif message.multi_labels:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "multi_labels without num_labels: not a classification row")
     check_tensors(tensors, rows, hidden_size, what, optional=head and prompts == 0)
 
 
@@ -86,8 +88,13 @@ def check_score(tensors: Sequence[torch.Tensor], message: TrainForward, hidden_s
     count = message.num_labels
     if not 0 < count <= limits.MAX_NUM_LABELS:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"num_labels must be in 1..{limits.MAX_NUM_LABELS}, got {count}")
-    label = message.label
-    if not math.isfinite(label) or (count > 1 and (label != int(label) or not 0 <= label < count)):
+    label, multi = message.label, message.multi_labels
+    if multi:
+        if len(multi) != count or count < 2 or not all(math.isfinite(t) and 0.0 <= t <= 1.0 for t in multi):
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST, f"multi_labels must be {count} targets in [0, 1] (num_labels >= 2), got {multi}"
+            )
+    elif not math.isfinite(label) or (count > 1 and (label != int(label) or not 0 <= label < count)):
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"label must be a class index in [0, {count}), got {label}")
     if any(t != IGNORE_INDEX for t in message.targets):
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"a classification row's targets must all be {IGNORE_INDEX}")

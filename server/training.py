@@ -20,10 +20,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import msgspec
 import torch
@@ -32,11 +31,14 @@ from hivemind.p2p import P2P, PeerID
 from protocol import limits, relay
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.messages import ErrorReply, TrainBackward, TrainForward
+from protocol.records import ServerInfo
 from protocol.streams import TRAIN_PROTOCOL, MessageStream, serve
 from server.adapters import SpanAdapter
-from server.admission import HeldBlocks
+from server.admission import HeldBlocks, cap_owner
 from server.lora import check_adapter
+from server.memory import backward_bytes
 from server.replies import report, send_quietly
+from server.train_budget import KeptInputs, RowsInFlight, check_backward
 from server.train_checks import IGNORE_INDEX, check_gradient, check_tensors, check_train_forward, split_train_tensors
 
 logger = logging.getLogger(__name__)
@@ -65,61 +67,15 @@ class Backward:
         return tensors + ([scored] if scored is not None else [])
 
 
-class KeptInputs:
-    """Span inputs kept between a step's forward and its backward, by step id: at most ``max_bytes`` in
-    all (a step that does not fit is refused ``busy``), each for at most ``timeout`` seconds."""
-
-    def __init__(self, max_bytes: int, timeout: float):
-        self.max_bytes, self.timeout = max_bytes, timeout
-        self._held: dict[str, tuple[tuple[torch.Tensor, ...], float]] = {}
-
-    @property
-    def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for kept, _ in self._held.values() for t in kept)
-
-    def __contains__(self, step_id: str) -> bool:
-        self._expire()
-        return step_id in self._held
-
-    def __len__(self) -> int:
-        return len(self._held)
-
-    def keep(self, step_id: str, tensor: torch.Tensor, *more: torch.Tensor) -> None:
-        """Keep ``tensor`` (and ``more``: a deep prompt tuning step's own deep prompts) for ``step_id``."""
-        self._expire()
-        if step_id in self._held:
-            raise ProtocolError(ErrorCode.SESSION_EXISTS, f"training step {step_id!r} is already in flight here")
-        size = sum(t.numel() * t.element_size() for t in (tensor, *more))
-        if self.bytes + size > self.max_bytes:
-            raise ProtocolError(
-                ErrorCode.BUSY,
-                f"no room to keep a training step's input ({size} bytes): {self.bytes} of {self.max_bytes} "
-                "bytes are held for other steps",
-            )
-        self._held[step_id] = ((tensor, *more), time.monotonic() + self.timeout)
-
-    def take(self, step_id: str) -> torch.Tensor:
-        """The input kept for ``step_id``, freed here; unknown (expired) steps are a named error."""
-        return self.take_all(step_id)[0]
-
-    def take_all(self, step_id: str) -> tuple[torch.Tensor, ...]:
-        """Every tensor kept for ``step_id`` (:meth:`keep`'s order), freed here."""
-        self._expire()
-        if step_id not in self._held:
-            raise ProtocolError(
-                ErrorCode.UNKNOWN_SESSION,
-                f"no input of training step {step_id!r} is held here (its backward came after "
-                f"{self.timeout:.0f} s, or it never ran)",
-            )
-        return self._held.pop(step_id)[0]
-
-    def drop(self, step_id: str) -> None:
-        self._held.pop(step_id, None)
-
-    def _expire(self) -> None:
-        now = time.monotonic()
-        for step_id in [s for s, (_, deadline) in self._held.items() if deadline < now]:
-            del self._held[step_id]
+async def linger(upstream: MessageStream, seconds: float = 1.0) -> None:
+    """Keep a stream whose reply was just written open until the peer closes it (at most ``seconds``), so
+    the reply is read before the close: a close right after the write was now and then read as a bare end of
+    stream on a loaded machine (as server/subscribe.py found for refusals; seen here as a hop reporting
+    "answered training step ... with the end of the stream" in benchmarks/fine_tuning.py)."""
+    try:
+        await asyncio.wait_for(upstream.receive(), seconds)
+    except Exception:  # noqa: BLE001 - the timeout, or the peer's close: the stream closes either way
+        pass
 
 
 class TrainingHandler:
@@ -134,6 +90,8 @@ class TrainingHandler:
         max_positions_per_step: int = limits.DEFAULT_MAX_POSITIONS_PER_STEP,
         max_kept_bytes: int = limits.DEFAULT_MAX_TRAIN_MIB << 20,
         step_timeout: float = limits.TRAIN_STEP_TIMEOUT,
+        max_backward_bytes: int = 0,  # one row's backward activations at most; 0: a row of max_positions_per_step's
+        known_servers: Callable[[], Mapping[str, ServerInfo]] = dict,  # announced servers: upstream servers vs clients
     ):
         self.p2p, self.span, self.executor = p2p, span, executor
         self.peer_id = p2p.peer_id.to_base58()
@@ -147,8 +105,28 @@ class TrainingHandler:
         self.max_tensor_elements = max(steps, deep, score)  # activations, deep prompts, or score weights
         self.held = HeldBlocks(span.start, span.end, span.num_blocks)
         self.stats = {"train_steps": 0, "train_refused": 0}
-        self.in_flight, self.max_in_flight = 0, limits.MAX_TRAIN_STEPS_IN_FLIGHT
+        self.rows = RowsInFlight(limits.MAX_TRAIN_STEPS_IN_FLIGHT)  # in all and per peer (server/train_budget.py)
+        self.max_backward_bytes, self.known_servers = max_backward_bytes, known_servers
         self.accepting = True  # False while the server drains (SessionHandler.drain)
+
+    @property
+    def in_flight(self) -> int:
+        return self.rows.total
+
+    @property
+    def max_in_flight(self) -> int:
+        return self.rows.limit
+
+    @max_in_flight.setter
+    def max_in_flight(self, limit: int) -> None:
+        self.rows.limit = limit
+
+    @property
+    def backward_budget(self) -> int:
+        """Activation bytes one row's backward may need here (server/train_budget.py)."""
+        span = self.span
+        blocks, positions = span.end - span.start, self.max_positions_per_step
+        return self.max_backward_bytes or backward_bytes(span.config, span.dtype, positions, blocks, span.is_tail)
 
     def use_span(self, span: SpanAdapter) -> None:
         """The span a move loaded (server/moves.py): training steps run through its blocks from now on."""
@@ -177,6 +155,7 @@ class TrainingHandler:
                 reply = TrainBackward(step_id=step_id, loss_sum=loss_sum, num_targets=num_targets)
                 await send_quietly(upstream, reply, grads)
                 self.stats["train_steps"] += 1
+                await linger(upstream)
             elif isinstance(message, TrainBackward):
                 self._stray_backward(message)
             else:
@@ -187,24 +166,32 @@ class TrainingHandler:
         except ProtocolError as e:
             self.stats["train_refused"] += 1
             await report(upstream, step_id, e, None, self.peer_id)
+            await linger(upstream)
         except Exception as e:
             logger.exception(f"Training step {step_id!r} failed")
             await report(upstream, step_id, ProtocolError(ErrorCode.INTERNAL, repr(e)), None, self.peer_id)
+            await linger(upstream)
 
     async def _admitted_step(
         self, message: TrainForward, tensors: list[torch.Tensor], upstream: MessageStream
     ) -> tuple[list[torch.Tensor], float, int]:
         """A step, if this server takes one now: not while it drains, and at most ``max_in_flight`` at once
-        (each holds its frame, and its compute waits for the span's one compute thread)."""
+        (each holds its frame, and its compute waits for the span's one compute thread), half of them for
+        one client (server/train_budget.py)."""
         if not self.accepting:
             raise ProtocolError(ErrorCode.SHUTTING_DOWN, "this server is shutting down")
-        if self.in_flight >= self.max_in_flight:
-            raise ProtocolError(ErrorCode.BUSY, f"{self.in_flight} training steps are in flight here already")
-        self.in_flight += 1
-        try:
+        with self.rows.admitted(self._owner(message, upstream)):
             return await self._step(message, tensors, upstream)
-        finally:
-            self.in_flight -= 1
+
+    def _owner(self, message: TrainForward, upstream: Optional[MessageStream]) -> Optional[str]:
+        """Whom a row counts against in the per-peer shares: its upstream peer (a client), or None for a
+        server forwarding it (announced ONLINE for the route's previous hop: server/admission.py cap_owner)."""
+        if upstream is None:
+            return None
+        upstream_peer = upstream.peer_id.to_base58()
+        if 0 < message.hop_index < len(message.route):
+            return cap_owner(message, upstream_peer, self.known_servers())
+        return upstream_peer
 
     def _stray_backward(self, message: TrainBackward) -> None:
         """A TrainBackward sent as a request: never valid (it comes back on the forward's own stream)."""
@@ -236,9 +223,12 @@ class TrainingHandler:
             self.max_positions_per_step,
         )
         check_adapter(message.active_adapter, self.span.lora)
+        hop, span = message.route[message.hop_index], self.span
+        positions, tail = message.num_prompts + len(message.token_ids), hop.end == span.num_blocks
+        needed = backward_bytes(span.config, span.dtype, positions, hop.end - hop.start, tail)
+        check_backward(needed, self.backward_budget, positions, hop.end - hop.start, tail)
         inputs, deep_all, score = split_train_tensors(message, tensors)
         kept = inputs[0] if inputs else torch.zeros(0, hidden_size)
-        hop = message.route[message.hop_index]
         deep = deep_rest = None  # this span's deep prompts, and those of the blocks after it
         if deep_all:
             deep, deep_rest = deep_all[0][: hop.end - hop.start], deep_all[0][hop.end - hop.start :]
@@ -248,7 +238,9 @@ class TrainingHandler:
             done = await loop.run_in_executor(self.executor, self._backward, message, kept, None, deep, score)
             return done.upstream(deep is not None, None), done.loss_sum, done.num_targets
         # 2) any other hop: forward, keep the input, wait for the next hop's gradient
-        self.kept.keep(message.step_id, kept, *([deep] if deep is not None else []))
+        self.kept.keep(
+            message.step_id, kept, *([deep] if deep is not None else []), owner=self._owner(message, upstream)
+        )
         try:
             output = await loop.run_in_executor(self.executor, self._forward, message, kept, deep)
             reply, grads_out = await self._downstream(message, output, deep_rest, score)
@@ -318,7 +310,10 @@ class TrainingHandler:
         value (regression), as transformers' LlamaForSequenceClassification (one row: its sum is its mean)."""
         last = self.span.train_final_hidden(output[:, -1:])[0].float()  # [1, hidden]
         logits = last @ score.to(last.device).t()  # [1, num_labels]
-        if message.num_labels == 1:
+        if message.multi_labels:  # mean BCE-with-logits over the labels (transformers: over batch x labels)
+            targets = torch.tensor(message.multi_labels, device=last.device)
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(logits[0], targets)
+        elif message.num_labels == 1:
             loss = (logits[0, 0] - message.label) ** 2
         else:
             loss = torch.nn.functional.cross_entropy(logits, torch.tensor([int(message.label)], device=last.device))

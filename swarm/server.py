@@ -178,6 +178,13 @@ def build_parser() -> argparse.ArgumentParser:
         "%(default)s); a step that does not fit is refused busy (docs/fine_tuning.md)",
     )
     p.add_argument(
+        "--max-backward-mib",
+        type=int,
+        default=0,
+        help="MiB of activations one training row's backward may need here (counted in the memory plan); a "
+        "larger row is refused busy. Default 0: what a row of --max-positions-per-step positions needs",
+    )
+    p.add_argument(
         "--drafter",
         default="auto",
         metavar="auto|none|PATH_OR_REPO",
@@ -239,6 +246,7 @@ def server_config(args: argparse.Namespace):
         max_session_tokens=args.max_session_tokens,
         max_unread_mib=args.max_unread_mib,
         max_train_mib=args.max_train_mib,
+        max_backward_mib=args.max_backward_mib,
         max_batch_positions=args.max_batch_positions,
         gather_window=args.gather_window_ms / 1000,
         batching=not args.no_batching,

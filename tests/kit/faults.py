@@ -11,6 +11,9 @@ server stays honest, so each test sees exactly the one lie it is about.
   only a comparison of outputs (client/_spot_checks.py) can catch it.
 - ``slow_blocks(span)``: sleeps before each block (``.seconds``, changeable while it serves), so
   runs pile up and cancels catch them queued or mid-computation.
+- ``slow_training(span, seconds, marker)``: each training recompute (the backward's, grad enabled)
+  first touches ``marker`` (so a test sees the backward started) and sleeps ``seconds``: a fault sent
+  then lands mid-backward.
 - ``rewrite_steps(handler, every)``: a middle hop that rewrites one Step in ``every`` before
   computing and forwarding it (alternately its last draft and its committed id).
 - ``accuse(handler, every, code)``: one Step in ``every`` is dropped and an ErrorReply naming the
@@ -133,6 +136,26 @@ def slow_blocks(span, seconds: float = 0.0) -> SlowBlocks:
         span._test_slow_blocks = control
     control.seconds = seconds
     return control
+
+
+def slow_training(span, seconds: float, marker: str = "") -> None:
+    """Before each grad-enabled ``train_span`` (a training step's backward recompute), touch ``marker``
+    (if given) and sleep ``seconds``: a test that waits for the marker then faults a server mid-backward."""
+    import pathlib
+    import time
+
+    train_span = span.train_span
+
+    @functools.wraps(train_span)
+    def slow_train_span(*args, **kwargs):
+        if torch.is_grad_enabled():
+            if marker:
+                pathlib.Path(marker).touch()
+            time.sleep(seconds)
+        return train_span(*args, **kwargs)
+
+    span.train_span = slow_train_span
+    logger.warning(f"Fault injection: each training backward here waits {seconds:.1f} s first")
 
 
 @dataclass

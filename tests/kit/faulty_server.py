@@ -24,6 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tests.kit.faulty_server")
     p.add_argument("--corrupt", choices=faults.CORRUPTIONS, help="the span's activations are wrong")
     p.add_argument("--block-delay-ms", type=float, default=0.0, help="sleep before each block")
+    p.add_argument("--train-delay-ms", type=float, default=0.0, help="sleep before each training backward")
+    p.add_argument("--train-marker", default="", metavar="PATH", help="touch PATH when a training backward starts")
     p.add_argument("--rewrite-steps", type=int, default=0, metavar="N", help="rewrite one forwarded Step in N")
     p.add_argument("--accuse", type=int, default=0, metavar="N", help="drop one Step in N, blaming the tail")
     p.add_argument("--accuse-code", default=ErrorCode.DOWNSTREAM_FAILED.value, choices=[c.value for c in ErrorCode])
@@ -56,6 +58,8 @@ def patch(args: argparse.Namespace) -> None:
             faults.corrupt_outputs(span, args.corrupt)
         if args.block_delay_ms:
             faults.slow_blocks(span, args.block_delay_ms / 1000)
+        if args.train_delay_ms or args.train_marker:
+            faults.slow_training(span, args.train_delay_ms / 1000, args.train_marker)
         return span
 
     class FaultyHandler(handler_class):

@@ -146,6 +146,51 @@ def test_untuned_classifier_pools_the_last_token_as_transformers_does_and_regres
         model.shutdown()
 
 
+def multi(message: TrainForward, labels: list[float]) -> TrainForward:
+    import msgspec
+
+    return msgspec.structs.replace(message, multi_labels=labels)
+
+
+def test_multi_label_classification_equals_local_transformers(
+    tuning_swarm,  # noqa: F811
+    tiny_llama_path,
+    local_classifier,
+):
+    """Float labels [batch, num_labels] (transformers' multi_label_classification): the mean binary cross-entropy
+    with logits over every row and label; logits, loss and the score's and prompts' gradients as locally."""
+    model = classifier(tiny_llama_path, tuning_swarm[1], num_labels=NUM_LABELS, tuning_mode="ptune", pre_seq_len=2)
+    try:
+        reference = local_classifier(NUM_LABELS)
+        with torch.no_grad():
+            model.prompt_embeddings.weight.normal_(0, 0.5)
+            reference.score.weight.copy_(model.score.weight)
+        input_ids, mask = padded_batch(model.config.vocab_size, model.config.pad_token_id, 11)
+        labels = torch.tensor([[1.0, 0.0, 1.0], [0.0, 0.0, 1.0], [0.25, 1.0, 0.0]])
+        out = model(input_ids, attention_mask=mask, labels=labels)
+        out.loss.backward()
+        assert model.config.problem_type == "multi_label_classification"  # as transformers' loss sets it
+
+        prompts = model.prompt_embeddings.weight.detach().clone().requires_grad_(True)
+        expected_logits = local_logits(reference, prompts, input_ids, mask)
+        reference.config.problem_type = None  # transformers' own loss picks multi-label from float labels
+        from transformers.loss.loss_utils import ForSequenceClassificationLoss
+
+        expected = ForSequenceClassificationLoss(labels, expected_logits, reference.config)
+        assert reference.config.problem_type == "multi_label_classification"
+        expected.backward()
+        assert torch.allclose(out.logits, expected_logits, rtol=1e-4, atol=1e-6)
+        assert abs(out.loss.item() - expected.item()) <= 1e-4 * abs(expected.item())
+        assert float(model.prompt_embeddings.weight.grad.abs().max()) > 0
+        assert close_grads(model.score.weight.grad, reference.score.weight.grad)
+        assert close_grads(model.prompt_embeddings.weight.grad, prompts.grad)
+        with torch.no_grad():  # evaluation: a forward pass, the same loss
+            evaluated = model(input_ids, attention_mask=mask, labels=labels)
+        assert abs(evaluated.loss.item() - expected.item()) <= 1e-4 * abs(expected.item())
+    finally:
+        model.shutdown()
+
+
 def test_bad_classification_input_is_refused_by_name(tuning_swarm, tiny_llama_path):  # noqa: F811
     servers, peers = tuning_swarm
     model = classifier(tiny_llama_path, peers, num_labels=NUM_LABELS)
@@ -153,8 +198,10 @@ def test_bad_classification_input_is_refused_by_name(tuning_swarm, tiny_llama_pa
         ids = torch.tensor([[5, 6, 7]])
         with pytest.raises(ValueError, match=r"class indices in \[0, 3\)"):
             model(ids, labels=torch.tensor([3]))
-        with pytest.raises(ValueError, match="multi-label"):
-            model(ids, labels=torch.tensor([[0.0, 1.0, 0.0]]))
+        with pytest.raises(ValueError, match=r"multi-label labels are floats of shape \(1, 3\), got \(1, 2\)"):
+            model(ids, labels=torch.tensor([[0.0, 1.0]]))
+        with pytest.raises(ValueError, match=r"multi-label labels must be in \[0, 1\]"):
+            model(ids, labels=torch.tensor([[0.0, 2.0, 0.0]]))
         with pytest.raises(ValueError, match="one per row"):
             model(ids, labels=torch.tensor([0, 1]))
         route, head, hidden = route_of(servers), servers[0].handler.peer_id, model.config.hidden_size
@@ -179,6 +226,9 @@ def test_bad_classification_input_is_refused_by_name(tuning_swarm, tiny_llama_pa
             (row(label=0.5), [score], "label must be a class index"),
             (row(targets=(5, -100)), [score], "targets must all be -100"),
             (row(num_labels=5000), [score], "num_labels must be in 1..1024"),
+            (multi(row(), [0.0, 1.0]), [score], "multi_labels must be 3 targets in [0, 1]"),
+            (multi(row(), [0.0, 1.5, 0.0]), [score], "multi_labels must be 3 targets in [0, 1]"),
+            (multi(row(num_labels=0), [1.0]), [], "multi_labels without num_labels"),
         ]:
             reply = raw_exchange(model, head, message, tensors)
             assert isinstance(reply, ErrorReply) and reply.code == ErrorCode.BAD_REQUEST, reply

@@ -413,3 +413,83 @@ def test_a_span_loaded_by_a_move_gets_the_adapters_again(tiny_llama_path, adapte
     SpanMoves._attach_adapters(SimpleNamespace(config=SimpleNamespace(adapters=(str(adapter_dir),))), span)
     assert span.lora.names == (ADAPTER,)
     assert type(span.layers[0].self_attn.q_proj).__name__ == "LoraLinear"
+
+
+# ---- active_adapter per call (client/_adapters.py) ----
+
+
+def test_generate_with_active_adapter_overrides_the_models_for_that_call(
+    plain, adapted, peft_reference, tiny_reference, lora_swarm
+):
+    prompt = torch.tensor(PROMPT)
+    with_lora = peft_reference.generate(prompt, max_new_tokens=12, do_sample=False).tolist()
+    base = tiny_reference.generate(prompt, max_new_tokens=12, do_sample=False).tolist()
+    for mode in ("none", "suffix"):
+        assert plain.generate(prompt, max_new_tokens=12, active_adapter=ADAPTER, **MODES[mode]).tolist() == with_lora
+        assert route_names(plain, lora_swarm[0]) == {"A", "B"}  # only servers that announce it
+        assert plain.generate(prompt, max_new_tokens=12, **MODES[mode]).tolist() == base  # the model's again
+    assert adapted.generate(prompt, max_new_tokens=12, speculation=None, active_adapter="").tolist() == base
+    assert plain.swarm.active_adapter == "" and adapted.swarm.active_adapter == ADAPTER  # nothing left behind
+    with pytest.raises(RoutingError, match="serves adapter 'missing' holds blocks 0..5") as caught:
+        plain.generate(prompt, max_new_tokens=4, active_adapter="missing")
+    assert caught.value.missing_blocks == list(range(6))
+    with pytest.raises(ValueError, match="active_adapter must be an adapter's name"):
+        plain.generate(prompt, max_new_tokens=4, active_adapter=3)
+
+
+def test_an_inference_session_keeps_its_adapter(plain, peft_reference):
+    prompt = PROMPT[0]
+    expected = peft_reference.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False)[0].tolist()
+    with plain.inference_session(max_length=64, active_adapter=ADAPTER) as session:
+        first = plain.generate(torch.tensor([prompt]), max_new_tokens=5, speculation=None)
+        second = plain.generate(first, max_new_tokens=5, speculation=None, active_adapter=ADAPTER)
+        assert session.remote.adapter == ADAPTER
+        with pytest.raises(ValueError, match="inside an inference session opened with active_adapter='tiny-lora'"):
+            plain.generate(second, max_new_tokens=2, active_adapter="")
+    assert second[0].tolist() == expected
+    assert plain.swarm.active_adapter == ""
+
+
+def test_streams_at_once_each_get_their_own_adapter(plain, lora_swarm, tiny_reference, peft_reference):
+    plain.swarm.excluded.ban(lora_swarm[0]["C"].peer_id)  # every stream through A and B, passes shared
+    prompt = PROMPT[0]
+
+    async def collect(**options):
+        tokens = []
+        async for chunk in plain.agenerate_stream(prompt, max_new_tokens=10, speculation=None, **options):
+            tokens = tokens[: len(tokens) - chunk.retracted] + chunk.token_ids
+        return tokens
+
+    async def all_three():
+        return await asyncio.gather(collect(active_adapter=ADAPTER), collect(), collect(active_adapter=ADAPTER))
+
+    with_lora, without, again = asyncio.run(all_three())
+    expected = peft_reference.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False)[0, len(prompt) :]
+    base = tiny_reference.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False)[0, len(prompt) :]
+    assert with_lora == again == expected.tolist() and without == base.tolist()
+
+
+def test_forward_and_a_training_step_with_active_adapter_equal_local_peft(lora_swarm, tiny_llama_path, peft_reference):
+    model = distributed(tiny_llama_path, lora_swarm[1], tuning_mode="ptune", pre_seq_len=PRE_SEQ_LEN)
+    try:
+        torch.manual_seed(6)
+        input_ids = torch.randint(0, model.config.vocab_size, (2, 8))
+        mask = torch.ones_like(input_ids)
+        labels = input_ids.clone()
+        prompts = model.prompt_embeddings.weight.detach().clone().requires_grad_(True)
+        with torch.no_grad():
+            logits = model(input_ids, active_adapter=ADAPTER).logits
+            embeds = torch.cat([prompts.detach(), peft_reference.get_input_embeddings()(input_ids[0])]).unsqueeze(0)
+            expected_logits = peft_reference(inputs_embeds=embeds).logits[0, PRE_SEQ_LEN:]
+        assert float((logits[0] - expected_logits).abs().max()) <= 1e-4 * float(expected_logits.abs().max())
+        loss = model(input_ids, attention_mask=mask, labels=labels, active_adapter=ADAPTER).loss
+        loss.backward()
+        ours = model.prompt_embeddings.weight.grad.clone()
+        route = {hop.peer_id for hop in model.last_training_stats.route}
+        assert route == {lora_swarm[0][n].peer_id for n in "AB"}
+    finally:
+        model.shutdown()
+    expected = peft_loss(peft_reference, prompts, input_ids, mask, labels)
+    expected.backward()
+    assert abs(loss.item() - expected.item()) <= 1e-4 * abs(expected.item())
+    assert float((ours - prompts.grad).abs().max()) <= 1e-4 * float(prompts.grad.abs().max())

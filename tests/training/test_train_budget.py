@@ -1,0 +1,182 @@
+"""Training steps in the memory plan and under a budget (server/memory.py backward_bytes, server/train_budget.py).
+
+The backward's activation estimate is checked against what autograd saves on a real span of the tiny Llama;
+the plan is checked to count it (and the kept inputs) and to leave it out where spans refuse training; two
+in-process servers (blocks 0:3, 3:6) refuse a stranger's rows past the backward budget and past its share of
+the kept inputs, naming the bound, while an honest client's training step and generation go on exactly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from protocol.errors import ErrorCode, ProtocolError
+from server.memory import HEADROOM_FRACTION, backward_bytes, plan_blocks
+from server.quantization import Quant
+from server.train_budget import KeptInputs, RowsInFlight
+from tests.kit import faults
+from tests.kit.reference import PROMPT, greedy_reference
+from tests.kit.swarms import start_inprocess
+from tests.training.test_fine_tuning import close_grads, local_loss
+
+MiB = 1 << 20
+PRE_SEQ_LEN = 4
+
+
+@pytest.fixture(scope="module")
+def tiny_config(tiny_llama_path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(tiny_llama_path)
+
+
+def saved_activation_bytes(span, run) -> int:
+    """Bytes of the tensors autograd saves while ``run()`` builds its graph, the span's weights left out."""
+    weights = {p.untyped_storage().data_ptr() for m in (span.layers, span.norm, span.lm_head) for p in m.parameters()}
+    seen: dict[tuple[int, int], int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in weights:
+            seen[(t.data_ptr(), t.numel())] = t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("positions", [8, 64])
+@pytest.mark.parametrize("blocks, tail", [(3, False), (6, True)], ids=["middle", "tail"])
+def test_the_backward_estimate_covers_what_autograd_keeps(tiny_llama_path, tiny_config, positions, blocks, tail):
+    from server.adapters import load_span
+    from server.weights import Checkpoint
+
+    span = load_span(tiny_config, Checkpoint(str(tiny_llama_path)), 0, 6, torch.float32, "cpu")
+
+    def run() -> None:
+        hidden = torch.randn(1, positions, tiny_config.hidden_size, requires_grad=True)
+        out = span.train_span(hidden, range(blocks))
+        if tail:
+            targets = torch.zeros(positions, dtype=torch.long)
+            torch.nn.functional.cross_entropy(span.train_logits(out), targets, reduction="sum")
+
+    measured = saved_activation_bytes(span, run)
+    estimate = backward_bytes(tiny_config, torch.float32, positions, blocks, tail)
+    # the estimate is the peak: what is saved, and the gradients computed beside it (a bound, not a twin)
+    assert measured <= estimate <= 3 * measured, (measured, estimate)
+
+
+def test_the_plan_counts_kept_inputs_and_the_largest_backward(tiny_config):
+    free = 250 * MiB
+    base = plan_blocks(tiny_config, torch.float32, "cpu", 6, free_bytes=free)
+    trained = plan_blocks(tiny_config, torch.float32, "cpu", 6, free_bytes=free, training=(16, 512, 0))
+    headroom = int(free * HEADROOM_FRACTION)
+    for blocks in range(1, 6):
+        for tail in (False, True):
+            backward = backward_bytes(tiny_config, torch.float32, 512, blocks, tail)
+            extra = trained.needed_bytes(blocks, tail=tail) - base.needed_bytes(blocks, tail=tail)
+            assert extra == 16 * MiB + max(0, backward - headroom), (blocks, tail)
+    # 512 positions of float32 logits at the tail (3 x 49,152 x 4 bytes each) do not fit in 250 MiB
+    assert base.tail_blocks == 5 and trained.tail_blocks == 0 and trained.most_blocks() == 4
+    assert "more for training steps" in trained.describe("cpu")
+    # --max-backward-mib: a flat budget instead, which fits
+    capped = plan_blocks(tiny_config, torch.float32, "cpu", 6, free_bytes=free, training=(16, 512, 64))
+    assert capped.backward_budget(5, True) == 64 * MiB and capped.tail_blocks == 5
+    # spans that refuse training (quantized) keep no room for it
+    int8 = plan_blocks(tiny_config, torch.float32, "cpu", 6, free_bytes=free, quant=Quant.INT8, training=(16, 512, 0))
+    assert int8.train_bytes(5, True) == 0
+
+
+def test_kept_inputs_and_rows_are_shared_per_peer():
+    kept = KeptInputs(max_bytes=1000, timeout=60.0)
+    kept.keep("a1", torch.zeros(100), owner="stranger")  # 400 bytes
+    with pytest.raises(ProtocolError, match="peer stranger already keeps 400 bytes.*its share of 500") as refused:
+        kept.keep("a2", torch.zeros(50), owner="stranger")
+    assert refused.value.code == ErrorCode.BUSY
+    kept.keep("b1", torch.zeros(100), owner="honest")  # another peer has its own half
+    kept.keep("s1", torch.zeros(50), owner=None)  # a forwarding server: the server-wide bound only
+    with pytest.raises(ProtocolError, match="no room to keep"):
+        kept.keep("s2", torch.zeros(10), owner=None)
+    kept.take("a1")
+    assert kept.held_by("stranger") == 0 and kept.held_by("honest") == 400
+
+    rows = RowsInFlight(limit=4)
+    with rows.admitted("stranger"), rows.admitted("stranger"):
+        with pytest.raises(ProtocolError, match="peer stranger already has 2 training steps in flight"):
+            with rows.admitted("stranger"):
+                pass
+        with rows.admitted("honest"), rows.admitted(None):
+            with pytest.raises(ProtocolError, match="4 training steps are in flight"):
+                with rows.admitted("other"):
+                    pass
+    assert rows.total == 0 and rows.held_by("stranger") == 0
+
+
+@pytest.fixture(scope="module")
+def budget_swarm(tiny_llama_path):
+    options = dict(tuning_mode="ptune", pre_seq_len=PRE_SEQ_LEN)
+    swarm = start_inprocess(tiny_llama_path, client_options=options, max_positions_per_step=64)
+    from swarm import AutoDistributedModelForCausalLM
+
+    stranger = AutoDistributedModelForCausalLM.from_pretrained(
+        str(tiny_llama_path), initial_peers=swarm.peers, **options
+    )
+    yield swarm, stranger
+    stranger.shutdown()
+    swarm.stop()
+
+
+def train_step(model, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    model.zero_grad()
+    loss = model(input_ids, labels=input_ids).loss
+    loss.backward()
+    return loss.detach(), model.prompt_embeddings.weight.grad.clone()
+
+
+def test_a_strangers_rows_past_the_budget_are_refused_while_others_train_and_generate(
+    budget_swarm, tiny_reference, tiny_config
+):
+    from client.errors import GenerationError
+
+    swarm, stranger = budget_swarm
+    honest, (head, tail) = swarm.model, swarm.servers
+    torch.manual_seed(4)
+    short, long, pair = (torch.randint(0, tiny_config.vocab_size, shape) for shape in [(1, 8), (1, 48), (2, 8)])
+    # the tail's backward budget holds a row of 8 ids (+ 4 prompts), not one of 48
+    tail.handler.training.max_backward_bytes = backward_bytes(tiny_config, torch.float32, PRE_SEQ_LEN + 20, 3, True)
+    # the head keeps each row's prompts (4 x 64 float32: 1 KiB) until its backward: two rows fit in all, one per peer
+    head.handler.training.kept.max_bytes = 2048
+    faults.slow_training(tail.handler.span, 0.5)  # so both rows of a step are in flight at the head at once
+    try:
+        with pytest.raises(GenerationError, match=r"a backward of 52 positions through 3 blocks and the LM head needs"):
+            train_step(stranger, long)
+        assert tail.handler.training.stats["train_refused"] >= 1  # the tail refused it; the head relayed it
+        with pytest.raises(
+            GenerationError, match=r"already keeps 1024 bytes of training inputs here: .* share of 1024"
+        ):
+            train_step(stranger, pair)
+
+        loss, grad = train_step(honest, short)  # an honest client's row: exact, as locally
+        prompts = honest.prompt_embeddings.weight.detach().clone().requires_grad_(True)
+        expected = local_loss(tiny_reference, prompts, short, torch.ones_like(short), short)
+        expected.backward()
+        assert abs(loss.item() - expected.item()) <= 1e-5 * abs(expected.item())
+        assert close_grads(grad, prompts.grad)
+        plain = plain_generation(honest)
+        assert plain == greedy_reference(tiny_reference, PROMPT, 8), "sessions go on beside refused training"
+    finally:
+        del tail.handler.span.train_span  # the span's own method again
+        tail.handler.training.max_backward_bytes = 0  # the default: what max_positions_per_step positions need
+        head.handler.training.kept.max_bytes = 256 * MiB
+    for server in swarm.servers:
+        assert len(server.handler.training.kept) == 0 and server.handler.training.in_flight == 0
+
+
+def plain_generation(model) -> list[list[int]]:
+    """Greedy PROMPT and its continuation through the swarm without the tuned prompts (the sessions path)."""
+    prompts, model.prompt_embeddings = model.prompt_embeddings, None
+    try:
+        return model.generate(torch.tensor(PROMPT), max_new_tokens=8).tolist()
+    finally:
+        model.prompt_embeddings = prompts
