@@ -20,8 +20,8 @@ from typing import Annotated, Any, Optional, Union
 import msgspec
 
 from protocol.errors import ErrorCode, ProtocolError
-from protocol.tail_costs import TailCosts
 from protocol.limits import MAX_NUM_LABELS
+from protocol.tail_costs import TailCosts
 from protocol.version import PROTOCOL_VERSION
 
 # A session id is the opener's random token (the client draws 16 hex digits): longer ones are
