@@ -89,6 +89,66 @@ def check_lap_costs(lap_costs: object) -> tuple[float, float]:
     return fixed_s, per_position_s
 
 
+class DecayedLine:
+    """A decayed least-squares fit of y against x (older points weigh ``decay`` less per point):
+    the running sums that ChainCosts and client/_trees.py's TreeSizer fit lap time against positions with."""
+
+    def __init__(self, decay: float) -> None:
+        self.decay = decay
+        self.w = self.x = self.y = self.xx = self.xy = 0.0
+
+    def add(self, x: float, y: float) -> None:
+        d = self.decay
+        self.w, self.x, self.y = d * self.w + 1, d * self.x + x, d * self.y + y
+        self.xx, self.xy = d * self.xx + x * x, d * self.xy + x * y
+
+    def mean_x(self) -> float:
+        return self.x / self.w if self.w > 0 else 0.0
+
+    def mean_y(self) -> float:
+        return self.y / self.w if self.w > 0 else 0.0
+
+    def spread(self) -> float:
+        """The weighted sum of squared deviations of x (0: every x alike, no slope measurable)."""
+        return self.xx - self.w * self.mean_x() ** 2
+
+    def covariance(self) -> float:
+        return self.xy - self.w * self.mean_x() * self.mean_y()
+
+
+class TailFit:
+    """The tail's reported costs (``StepResult.tail_costs``), fitted: its blocks' time per position,
+    and each LM-head call as one call's cost plus a cost per row. Shared by ChainCosts and TreeSizer,
+    which both take the tail's part out of a lap's wall-clock time and price it apart."""
+
+    def __init__(self, decay: float) -> None:
+        self.decay = decay
+        self.calls = DecayedLine(decay)  # LM-head calls: seconds against rows
+        self._blocks = [0.0, 0.0]  # the tail's blocks: decayed positions, s
+        self.reported = False
+
+    def observe(self, positions: int, tail: TailCosts) -> float:
+        """Fold one verdict's report into the fits; the seconds it reports for this lap."""
+        d = self.decay
+        self.reported = True
+        self._blocks = [d * self._blocks[0] + positions, d * self._blocks[1] + tail.blocks_us * 1e-6]
+        for rows, us in zip(tail.head_rows, tail.head_us):
+            self.calls.add(rows, us * 1e-6)
+        return (tail.blocks_us + sum(tail.head_us)) * 1e-6
+
+    def costs(self) -> tuple[float, float]:
+        """``(tail_call_s, tail_per_position_s)``: an LM-head call before its rows, and one more
+        position (the blocks' time per position, plus a row of a call); ``(0, 0)`` before any report.
+        Until calls of different sizes are timed, a call's whole cost is its fixed part."""
+        calls = self.calls
+        per_row = 0.0
+        if calls.w > 0 and calls.spread() > 0.25 * calls.w:  # calls of different sizes: the per-row cost is measured
+            per_row = max(0.0, calls.covariance() / calls.spread())
+        base = max(0.0, calls.mean_y() - per_row * calls.mean_x())
+        blocks = self._blocks[1] / self._blocks[0] if self._blocks[0] > 0 else 0.0
+        return base, blocks + per_row
+
+
 class ChainCosts:
     """The measurements ``draft_count`` takes, for one drafter: lap time against positions sent
     (decayed least squares, as client/_trees.py's TreeSizer fits trees), and acceptance per depth.
@@ -112,10 +172,8 @@ class ChainCosts:
     PROBE_EVERY = 4
 
     def __init__(self, lap_costs: tuple[float, float] | None = None) -> None:
-        self._w = self._n = self._t = self._nn = self._nt = 0.0
-        self._calls = [0.0] * 5  # the tail's LM-head calls: decayed weight, rows, s, rows^2, rows x s
-        self._blocks = [0.0, 0.0]  # the tail's blocks: decayed positions, s
-        self.reported = False  # the tail has reported its costs: ``split`` parts them from the network's
+        self._line = DecayedLine(self.DECAY)  # the network's part of each lap against its positions
+        self._tail = TailFit(self.DECAY)  # the tail's reports
         self.split: Optional[LapCosts] = None  # the fitted lap, by part
         self.fixed_s, self.per_position_s = 0.0, 0.0
         self.fitted = False
@@ -127,48 +185,30 @@ class ChainCosts:
         self._accepted = [0.0] * self.MAX_DEPTH  # ... and whose draft d + 1 was accepted
         self._laps_without = 0  # laps since the last one that carried drafts
 
+    @property
+    def reported(self) -> bool:
+        """The tail has reported its costs: ``split`` parts them from the network's."""
+        return self._tail.reported
+
     def observe_lap(self, positions: int, seconds: float, tail: Optional[TailCosts] = None) -> None:
         """A timed lap of ``positions`` positions (committed ids and drafts), with the tail's report
         of its own part (None from a tail that sends none): the network's part is the rest."""
         if self.priced or positions <= 0 or not seconds > 0 or positions > self.FIT_MAX_POSITIONS:
             return
-        d = self.DECAY
         if tail is not None:
-            tail_s = self._observe_tail(positions, tail)
-            seconds = max(0.0, seconds - tail_s)
-        self._w, self._n, self._t = d * self._w + 1, d * self._n + positions, d * self._t + seconds
-        self._nn, self._nt = d * self._nn + positions * positions, d * self._nt + positions * seconds
-        mean_n, mean_t = self._n / self._w, self._t / self._w
-        spread = self._nn - self._w * mean_n * mean_n
-        if spread > 0.25 * self._w:  # laps of different sizes: the slope is measured
-            slope = max(0.0, (self._nt - self._w * mean_n * mean_t) / spread)
-            tail = self.tail_costs() if self.reported else (0.0, 0.0)
-            self.split = LapCosts(max(0.0, mean_t - slope * mean_n), slope, *tail)
+            seconds = max(0.0, seconds - self._tail.observe(positions, tail))
+        line = self._line
+        line.add(positions, seconds)
+        if line.spread() > 0.25 * line.w:  # laps of different sizes: the slope is measured
+            slope = max(0.0, line.covariance() / line.spread())
+            self.split = LapCosts(max(0.0, line.mean_y() - slope * line.mean_x()), slope, *self.tail_costs())
             self.fixed_s = self.split.network_s + self.split.tail_call_s
             self.per_position_s = self.split.network_per_position_s + self.split.tail_per_position_s
             self.fitted = True
 
-    def _observe_tail(self, positions: int, tail: TailCosts) -> float:
-        """Fold the tail's report into its fits; the seconds it reports for this lap."""
-        d = self.DECAY
-        self.reported = True
-        self._blocks = [d * self._blocks[0] + positions, d * self._blocks[1] + tail.blocks_us * 1e-6]
-        for rows, us in zip(tail.head_rows, tail.head_us):
-            s = us * 1e-6
-            self._calls = [d * x + y for x, y in zip(self._calls, (1.0, rows, s, rows * rows, rows * s))]
-        return (tail.blocks_us + sum(tail.head_us)) * 1e-6
-
     def tail_costs(self) -> tuple[float, float]:
-        """``(tail_call_s, tail_per_position_s)`` from the tail's reports: an LM-head call before its
-        rows, and one more position (the blocks' time per position, plus a row of a call). Until calls
-        of different sizes are timed, a call's whole cost is its fixed part."""
-        w, n, t, nn, nt = self._calls
-        per_row = 0.0
-        if w > 0 and nn - n * n / w > 0.25 * w:  # calls of different sizes: the per-row cost is measured
-            per_row = max(0.0, (nt - n * t / w) / (nn - n * n / w))
-        base = max(0.0, t / w - per_row * n / w) if w > 0 else 0.0
-        blocks = self._blocks[1] / self._blocks[0] if self._blocks[0] > 0 else 0.0
-        return base, blocks + per_row
+        """``(tail_call_s, tail_per_position_s)`` from the tail's reports (:class:`TailFit`)."""
+        return self._tail.costs()
 
     def observe(self, drafted: int, accepted: int) -> None:
         """A verdict: ``accepted`` of ``drafted`` drafts kept (the first ``accepted`` of them)."""
@@ -197,4 +237,4 @@ class ChainCosts:
         return count
 
 
-__all__ = ["ChainCosts", "LapCosts", "check_lap_costs", "draft_count", "split_draft_count"]
+__all__ = ["ChainCosts", "DecayedLine", "LapCosts", "TailFit", "check_lap_costs", "draft_count", "split_draft_count"]
