@@ -8,7 +8,10 @@ as one call's cost plus a cost per row; and the rest, the network (every hop's l
 before the tail and each run's overheads): the lap's wall-clock time less the tail's report, fitted
 against the positions sent. So a slow tail prices each draft higher, and a slow link makes the fixed
 part, which drafts share, larger: the choice of k answers each. Without reports (an older tail) the
-whole lap time is fitted as the network's. Acceptance is measured per draft depth. The count is chosen
+whole lap time is fitted as the network's. A verification whose walk reads past the rows of the tail's
+first LM-head call (server/verify_rows.py plans them) needs a second call: the laps that reported one say
+how many rows the first computes, and a lap of that many drafts or more is priced a call more with the
+chance that all of them are accepted. Acceptance is measured per draft depth. The count is chosen
 from 0 (a lap without drafts) up, so a lap with drafts is never slower in expectation than one without.
 """
 
@@ -24,15 +27,18 @@ from protocol.tail_costs import TailCosts
 @dataclass(frozen=True)
 class LapCosts:
     """A lap's time, by where it is spent (seconds). ``network_s``: the lap's fixed part outside the
-    tail (latency, the hops before it, overheads); ``network_per_position_s``: one more position there
-    (the hops before the tail, the wire); ``tail_call_s``: the tail's LM-head call before its rows (a
-    memory-bound tail reads the whole matrix whatever the rows); ``tail_per_position_s``: one more
-    position at the tail (its blocks, and one more row of the LM head)."""
+        tail (latency, the hops before it, overheads); ``network_per_position_s``: one more position there
+        (the hops before the tail, the wire); ``tail_call_s``: the tail's LM-head call before its rows (a
+        memory-bound tail reads the whole matrix whatever the rows); ``tail_per_position_s``: one more
+        position at the tail (its blocks, and one more row of the LM head); ``first_call_rows``: the rows
+    the tail's first LM-head call computes (server/verify_rows.py plans them), so a verification that
+    accepts that many drafts or more costs a second call (``tail_call_s`` more); 0: not priced."""
 
     network_s: float
     network_per_position_s: float = 0.0
     tail_call_s: float = 0.0
     tail_per_position_s: float = 0.0
+    first_call_rows: int = 0  # rows the tail's first LM-head call computes (0: a second call is not priced)
 
     def lap_s(self, positions: int) -> float:
         """The expected time of a lap of ``positions`` positions (committed ids and drafts)."""
@@ -48,23 +54,38 @@ def split_draft_count(acceptance: Sequence[float], costs: LapCosts, max_drafts: 
         costs.network_per_position_s + costs.tail_per_position_s,
         max_drafts,
         committed,
+        second_call_s=costs.tail_call_s,
+        first_call_rows=costs.first_call_rows,
     )
 
 
 def draft_count(
-    acceptance: Sequence[float], fixed_s: float, per_position_s: float, max_drafts: int, committed: int = 1
+    acceptance: Sequence[float],
+    fixed_s: float,
+    per_position_s: float,
+    max_drafts: int,
+    committed: int = 1,
+    second_call_s: float = 0.0,
+    first_call_rows: int = 0,
 ) -> int:
     """The number of drafts in [0, max_drafts] with the most expected tokens per second.
 
     ``acceptance[d]``: the probability that draft d + 1 is accepted given that the d before it
     were (depths past the end of the sequence take its last value; an empty sequence means 0).
-    Ties go to fewer drafts: a draft must pay for itself strictly.
+    Ties go to fewer drafts: a draft must pay for itself strictly. ``second_call_s``: what the
+    tail's second LM-head call costs, which a lap of k >= ``first_call_rows`` drafts (> 0) needs when
+    its walk reads past the first call's rows: when its first ``first_call_rows`` drafts are all
+    accepted (the walk reads accepted + 1 rows).
     """
-    if fixed_s < 0 or per_position_s < 0:
-        raise ValueError(f"lap costs must be >= 0, got fixed {fixed_s} s and per position {per_position_s} s")
+    if fixed_s < 0 or per_position_s < 0 or second_call_s < 0:
+        raise ValueError(
+            f"lap costs must be >= 0, got fixed {fixed_s} s, per position {per_position_s} s"
+            f" and second call {second_call_s} s"
+        )
+    second_call_p = 0.0  # P(the first first_call_rows drafts are all accepted), once k reaches that
 
     def lap(k: int) -> float:
-        return max(1e-9, fixed_s + per_position_s * (committed + k))
+        return max(1e-9, fixed_s + per_position_s * (committed + k) + second_call_s * second_call_p)
 
     best_k, best_rate = 0, 1.0 / lap(0)
     expected, reach = 1.0, 1.0
@@ -72,6 +93,8 @@ def draft_count(
         p = acceptance[min(k, len(acceptance)) - 1] if acceptance else 0.0
         reach *= min(1.0, max(0.0, p))
         expected += reach
+        if k == first_call_rows:
+            second_call_p = reach
         rate = expected / lap(k)
         if rate > best_rate * (1 + 1e-9):
             best_k, best_rate = k, rate
@@ -125,6 +148,7 @@ class TailFit:
         self.decay = decay
         self.calls = DecayedLine(decay)  # LM-head calls: seconds against rows
         self._blocks = [0.0, 0.0]  # the tail's blocks: decayed positions, s
+        self._first_rows = [0.0, 0.0]  # laps with a second LM-head call: decayed weight, the first call's rows
         self.reported = False
 
     def observe(self, positions: int, tail: TailCosts) -> float:
@@ -134,6 +158,8 @@ class TailFit:
         self._blocks = [d * self._blocks[0] + positions, d * self._blocks[1] + tail.blocks_us * 1e-6]
         for rows, us in zip(tail.head_rows, tail.head_us):
             self.calls.add(rows, us * 1e-6)
+        if len(tail.head_rows) > 1:  # the walk read past the first call: its row count was the tail's plan
+            self._first_rows = [d * self._first_rows[0] + 1, d * self._first_rows[1] + tail.head_rows[0]]
         return (tail.blocks_us + sum(tail.head_us)) * 1e-6
 
     def costs(self) -> tuple[float, float]:
@@ -147,6 +173,13 @@ class TailFit:
         base = max(0.0, calls.mean_y() - per_row * calls.mean_x())
         blocks = self._blocks[1] / self._blocks[0] if self._blocks[0] > 0 else 0.0
         return base, blocks + per_row
+
+    def first_call_rows(self) -> int:
+        """The rows the tail's first LM-head call computes, as the laps that needed a second call
+        reported them (server/verify_rows.py plans them from the session's acceptance); 0 before
+        any second call was reported (then none is priced)."""
+        w, rows = self._first_rows
+        return max(1, round(rows / w)) if w > 0 else 0
 
 
 class ChainCosts:
@@ -201,7 +234,8 @@ class ChainCosts:
         line.add(positions, seconds)
         if line.spread() > 0.25 * line.w:  # laps of different sizes: the slope is measured
             slope = max(0.0, line.covariance() / line.spread())
-            self.split = LapCosts(max(0.0, line.mean_y() - slope * line.mean_x()), slope, *self.tail_costs())
+            network_s = max(0.0, line.mean_y() - slope * line.mean_x())
+            self.split = LapCosts(network_s, slope, *self.tail_costs(), self._tail.first_call_rows())
             self.fixed_s = self.split.network_s + self.split.tail_call_s
             self.per_position_s = self.split.network_per_position_s + self.split.tail_per_position_s
             self.fitted = True
@@ -231,7 +265,11 @@ class ChainCosts:
         """The draft count the measurements choose, or None while the lap time is unmeasured."""
         if not self.fitted:
             return None
-        count = draft_count(self.acceptance(), self.fixed_s, self.per_position_s, max_drafts)
+        split = self.split if not self.priced else None
+        second_call_s, first_rows = (split.tail_call_s, split.first_call_rows) if split is not None else (0.0, 0)
+        count = draft_count(
+            self.acceptance(), self.fixed_s, self.per_position_s, max_drafts, 1, second_call_s, first_rows
+        )
         if count == 0 and self._laps_without >= self.PROBE_EVERY:
             return 1
         return count
