@@ -5,7 +5,8 @@ A tree run verifies several guesses at once (docs/protocol.md, "Token trees"): t
 alternatives. The servers compute every node in one pass; only the accepted path stays in their
 caches. A node costs server compute, so a tree is worth its size only where the lap is dominated by
 the network: ``TreeSizer`` fits lap time = fixed + per_position x positions over the laps it has
-measured (runs of different sizes: the prompt's prefill, chains, trees) and keeps the prefix of the
+measured (runs of different sizes: the prompt's prefill, chains, trees; the tail's reported part
+priced apart) and keeps the prefix of the
 tree (in the order it was built, best first) that maximizes expected tokens per second, as
 Sequoia and SpecExec size their trees, with the network's share of the lap in the fixed part.
 """
@@ -17,6 +18,8 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from client.drafting import Drafter
+from client.drafting.cost_model import DecayedLine, TailFit, check_lap_costs
+from protocol.tail_costs import TailCosts
 
 TREE_WIDTH = 3  # alternatives asked of the drafter per node
 UNRANKED_PROB = 0.5  # the estimate for a chain token the drafter's ranking does not list
@@ -138,6 +141,14 @@ class TreeSizer:
     (1 + calibrated expected accepted drafts) / T(committed + n): on a network-bound lap (fixed >>
     per_position) nearly every node pays for itself and the tree grows; on a compute-bound one only
     the likeliest survive. One sizer serves all of a model's generations (it learns across calls).
+
+    With the tail's reports (``StepResult.tail_costs``), as the chain's cost model
+    (client/drafting/cost_model.py) does: the fit above is of the lap less the tail's reported part
+    (the network's: latency, the hops before the tail), and the tail's part is priced from its reports
+    (one LM-head call plus a price per position, :class:`TailFit`), so a slow tail makes nodes dear
+    and a slow link makes the fixed part, which nodes share, larger. ``lap_costs=(fixed_s,
+    per_position_s)`` (``generate(draft_lap_costs=...)``) prices every lap at those costs instead:
+    the size then follows from the verdicts alone.
     """
 
     DECAY = 0.9
@@ -150,32 +161,45 @@ class TreeSizer:
     PRIOR_CALIBRATION = 0.5  # per depth, until laps say otherwise (worth one lap's evidence)
     MAX_DEPTH = 64
 
-    def __init__(self) -> None:
-        self._w = self._n = self._t = self._nn = self._nt = 0.0
+    def __init__(self, lap_costs: Optional[tuple[float, float]] = None) -> None:
+        self._line = DecayedLine(self.DECAY)  # the network's part of each lap against its positions
+        self._tail = TailFit(self.DECAY)  # the tail's reports of its part
         # per depth (index 1 ..): decayed sums of the scores sent there and of the laps that accepted that deep
         self._predicted = [0.0] * (self.MAX_DEPTH + 1)
         self._reached = [0.0] * (self.MAX_DEPTH + 1)
         self.fixed, self.per_position = self.PRIOR_FIXED, self.PRIOR_PER_POSITION
         self._prior_slope, self._prior_positions = self.PRIOR_PER_POSITION, 0
         self.fitted = False  # laps of different sizes measured
+        self.priced = lap_costs is not None  # fixed lap costs (generate(draft_lap_costs=...)): laps are not fitted
+        if lap_costs is not None:
+            self.fixed, self.per_position = check_lap_costs(lap_costs)
+            self.fitted = True
 
-    def observe_lap(self, positions: int, seconds: float) -> None:
-        if positions <= 0 or not seconds > 0:
+    def observe_lap(self, positions: int, seconds: float, tail: Optional[TailCosts] = None) -> None:
+        """A lap of ``positions`` positions and ``seconds`` wall-clock, with the tail's report of its
+        own part (None from a tail that sends none): the fit is of the rest, the network's."""
+        if self.priced or positions <= 0 or not seconds > 0:
             return
+        if tail is not None:  # a prefill's report prices no tree position, so stays out of the tail's fit
+            small = positions <= self.FIT_MAX_POSITIONS
+            tail_s = self._tail.observe(positions, tail) if small else (tail.blocks_us + sum(tail.head_us)) * 1e-6
+            seconds = max(0.0, seconds - tail_s)
         if positions > self._prior_positions:
             self._prior_slope, self._prior_positions = seconds / positions, positions
         if positions > self.FIT_MAX_POSITIONS:
             return
-        d = self.DECAY
-        self._w, self._n, self._t = d * self._w + 1, d * self._n + positions, d * self._t + seconds
-        self._nn, self._nt = d * self._nn + positions * positions, d * self._nt + positions * seconds
-        mean_n, mean_t = self._n / self._w, self._t / self._w
-        spread = self._nn - self._w * mean_n * mean_n  # weighted sum of squared deviations
-        covariance = self._nt - self._w * mean_n * mean_t
-        slope = (covariance + self.PRIOR_WEIGHT * self._prior_slope) / (spread + self.PRIOR_WEIGHT)
+        line = self._line
+        line.add(positions, seconds)
+        spread = line.spread()
+        slope = (line.covariance() + self.PRIOR_WEIGHT * self._prior_slope) / (spread + self.PRIOR_WEIGHT)
         self.per_position = max(self.MIN_PER_POSITION, slope)
-        self.fixed = max(0.0, mean_t - self.per_position * mean_n)
-        self.fitted = self.fitted or spread > 0.25 * self._w
+        self.fixed = max(0.0, line.mean_y() - self.per_position * line.mean_x())
+        self.fitted = self.fitted or spread > 0.25 * line.w
+
+    def tail_costs(self) -> tuple[float, float]:
+        """``(tail_call_s, tail_per_position_s)`` from the tail's reports; ``(0, 0)`` without any
+        (then the wall-clock fit holds the tail's part too) or with fixed lap costs."""
+        return (0.0, 0.0) if self.priced else self._tail.costs()
 
     def observe_acceptance(self, tree: DraftTree, accepted: int) -> None:
         """A verdict on a sent tree (or chain): its accepted path was ``accepted`` nodes deep."""
@@ -207,7 +231,9 @@ class TreeSizer:
         return best_n
 
     def lap_time(self, positions: int) -> float:
-        return max(1e-6, self.fixed + self.per_position * positions)
+        """The network's part (fitted) plus the tail's (one LM-head call and a price per position)."""
+        tail_call, tail_per_position = self.tail_costs()
+        return max(1e-6, self.fixed + tail_call + (self.per_position + tail_per_position) * positions)
 
 
 @dataclass

@@ -412,7 +412,7 @@ class AutoDistributedModel(torch.nn.Module):
             trusted_peers=trusted,
             audit=options.audit,
             draft_tree=options.draft_tree,
-            tree_sizer=self._tree_sizer,
+            tree_sizer=self._tree_sizer if options.draft_lap_costs is None else TreeSizer(options.draft_lap_costs),
             loop_runs=options.loop_runs,
         )
 

@@ -8,7 +8,10 @@ as one call's cost plus a cost per row; and the rest, the network (every hop's l
 before the tail and each run's overheads): the lap's wall-clock time less the tail's report, fitted
 against the positions sent. So a slow tail prices each draft higher, and a slow link makes the fixed
 part, which drafts share, larger: the choice of k answers each. Without reports (an older tail) the
-whole lap time is fitted as the network's. Acceptance is measured per draft depth. The count is chosen
+whole lap time is fitted as the network's. A verification whose walk reads past the rows of the tail's
+first LM-head call (server/verify_rows.py plans them) needs a second call: the laps that reported one say
+how many rows the first computes, and a lap of that many drafts or more is priced a call more with the
+chance that all of them are accepted. Acceptance is measured per draft depth. The count is chosen
 from 0 (a lap without drafts) up, so a lap with drafts is never slower in expectation than one without.
 """
 
@@ -24,15 +27,18 @@ from protocol.tail_costs import TailCosts
 @dataclass(frozen=True)
 class LapCosts:
     """A lap's time, by where it is spent (seconds). ``network_s``: the lap's fixed part outside the
-    tail (latency, the hops before it, overheads); ``network_per_position_s``: one more position there
-    (the hops before the tail, the wire); ``tail_call_s``: the tail's LM-head call before its rows (a
-    memory-bound tail reads the whole matrix whatever the rows); ``tail_per_position_s``: one more
-    position at the tail (its blocks, and one more row of the LM head)."""
+        tail (latency, the hops before it, overheads); ``network_per_position_s``: one more position there
+        (the hops before the tail, the wire); ``tail_call_s``: the tail's LM-head call before its rows (a
+        memory-bound tail reads the whole matrix whatever the rows); ``tail_per_position_s``: one more
+        position at the tail (its blocks, and one more row of the LM head); ``first_call_rows``: the rows
+    the tail's first LM-head call computes (server/verify_rows.py plans them), so a verification that
+    accepts that many drafts or more costs a second call (``tail_call_s`` more); 0: not priced."""
 
     network_s: float
     network_per_position_s: float = 0.0
     tail_call_s: float = 0.0
     tail_per_position_s: float = 0.0
+    first_call_rows: int = 0  # rows the tail's first LM-head call computes (0: a second call is not priced)
 
     def lap_s(self, positions: int) -> float:
         """The expected time of a lap of ``positions`` positions (committed ids and drafts)."""
@@ -48,23 +54,38 @@ def split_draft_count(acceptance: Sequence[float], costs: LapCosts, max_drafts: 
         costs.network_per_position_s + costs.tail_per_position_s,
         max_drafts,
         committed,
+        second_call_s=costs.tail_call_s,
+        first_call_rows=costs.first_call_rows,
     )
 
 
 def draft_count(
-    acceptance: Sequence[float], fixed_s: float, per_position_s: float, max_drafts: int, committed: int = 1
+    acceptance: Sequence[float],
+    fixed_s: float,
+    per_position_s: float,
+    max_drafts: int,
+    committed: int = 1,
+    second_call_s: float = 0.0,
+    first_call_rows: int = 0,
 ) -> int:
     """The number of drafts in [0, max_drafts] with the most expected tokens per second.
 
     ``acceptance[d]``: the probability that draft d + 1 is accepted given that the d before it
     were (depths past the end of the sequence take its last value; an empty sequence means 0).
-    Ties go to fewer drafts: a draft must pay for itself strictly.
+    Ties go to fewer drafts: a draft must pay for itself strictly. ``second_call_s``: what the
+    tail's second LM-head call costs, which a lap of k >= ``first_call_rows`` drafts (> 0) needs when
+    its walk reads past the first call's rows: when its first ``first_call_rows`` drafts are all
+    accepted (the walk reads accepted + 1 rows).
     """
-    if fixed_s < 0 or per_position_s < 0:
-        raise ValueError(f"lap costs must be >= 0, got fixed {fixed_s} s and per position {per_position_s} s")
+    if fixed_s < 0 or per_position_s < 0 or second_call_s < 0:
+        raise ValueError(
+            f"lap costs must be >= 0, got fixed {fixed_s} s, per position {per_position_s} s"
+            f" and second call {second_call_s} s"
+        )
+    second_call_p = 0.0  # P(the first first_call_rows drafts are all accepted), once k reaches that
 
     def lap(k: int) -> float:
-        return max(1e-9, fixed_s + per_position_s * (committed + k))
+        return max(1e-9, fixed_s + per_position_s * (committed + k) + second_call_s * second_call_p)
 
     best_k, best_rate = 0, 1.0 / lap(0)
     expected, reach = 1.0, 1.0
@@ -72,6 +93,8 @@ def draft_count(
         p = acceptance[min(k, len(acceptance)) - 1] if acceptance else 0.0
         reach *= min(1.0, max(0.0, p))
         expected += reach
+        if k == first_call_rows:
+            second_call_p = reach
         rate = expected / lap(k)
         if rate > best_rate * (1 + 1e-9):
             best_k, best_rate = k, rate
@@ -87,6 +110,76 @@ def check_lap_costs(lap_costs: object) -> tuple[float, float]:
     if not (0 <= fixed_s < float("inf") and 0 <= per_position_s < float("inf")):
         raise ValueError(f"draft_lap_costs must be finite and >= 0, got {lap_costs!r}")
     return fixed_s, per_position_s
+
+
+class DecayedLine:
+    """A decayed least-squares fit of y against x (older points weigh ``decay`` less per point):
+    the running sums that ChainCosts and client/_trees.py's TreeSizer fit lap time against positions with."""
+
+    def __init__(self, decay: float) -> None:
+        self.decay = decay
+        self.w = self.x = self.y = self.xx = self.xy = 0.0
+
+    def add(self, x: float, y: float) -> None:
+        d = self.decay
+        self.w, self.x, self.y = d * self.w + 1, d * self.x + x, d * self.y + y
+        self.xx, self.xy = d * self.xx + x * x, d * self.xy + x * y
+
+    def mean_x(self) -> float:
+        return self.x / self.w if self.w > 0 else 0.0
+
+    def mean_y(self) -> float:
+        return self.y / self.w if self.w > 0 else 0.0
+
+    def spread(self) -> float:
+        """The weighted sum of squared deviations of x (0: every x alike, no slope measurable)."""
+        return self.xx - self.w * self.mean_x() ** 2
+
+    def covariance(self) -> float:
+        return self.xy - self.w * self.mean_x() * self.mean_y()
+
+
+class TailFit:
+    """The tail's reported costs (``StepResult.tail_costs``), fitted: its blocks' time per position,
+    and each LM-head call as one call's cost plus a cost per row. Shared by ChainCosts and TreeSizer,
+    which both take the tail's part out of a lap's wall-clock time and price it apart."""
+
+    def __init__(self, decay: float) -> None:
+        self.decay = decay
+        self.calls = DecayedLine(decay)  # LM-head calls: seconds against rows
+        self._blocks = [0.0, 0.0]  # the tail's blocks: decayed positions, s
+        self._first_rows = [0.0, 0.0]  # laps with a second LM-head call: decayed weight, the first call's rows
+        self.reported = False
+
+    def observe(self, positions: int, tail: TailCosts) -> float:
+        """Fold one verdict's report into the fits; the seconds it reports for this lap."""
+        d = self.decay
+        self.reported = True
+        self._blocks = [d * self._blocks[0] + positions, d * self._blocks[1] + tail.blocks_us * 1e-6]
+        for rows, us in zip(tail.head_rows, tail.head_us):
+            self.calls.add(rows, us * 1e-6)
+        if len(tail.head_rows) > 1:  # the walk read past the first call: its row count was the tail's plan
+            self._first_rows = [d * self._first_rows[0] + 1, d * self._first_rows[1] + tail.head_rows[0]]
+        return (tail.blocks_us + sum(tail.head_us)) * 1e-6
+
+    def costs(self) -> tuple[float, float]:
+        """``(tail_call_s, tail_per_position_s)``: an LM-head call before its rows, and one more
+        position (the blocks' time per position, plus a row of a call); ``(0, 0)`` before any report.
+        Until calls of different sizes are timed, a call's whole cost is its fixed part."""
+        calls = self.calls
+        per_row = 0.0
+        if calls.w > 0 and calls.spread() > 0.25 * calls.w:  # calls of different sizes: the per-row cost is measured
+            per_row = max(0.0, calls.covariance() / calls.spread())
+        base = max(0.0, calls.mean_y() - per_row * calls.mean_x())
+        blocks = self._blocks[1] / self._blocks[0] if self._blocks[0] > 0 else 0.0
+        return base, blocks + per_row
+
+    def first_call_rows(self) -> int:
+        """The rows the tail's first LM-head call computes, as the laps that needed a second call
+        reported them (server/verify_rows.py plans them from the session's acceptance); 0 before
+        any second call was reported (then none is priced)."""
+        w, rows = self._first_rows
+        return max(1, round(rows / w)) if w > 0 else 0
 
 
 class ChainCosts:
@@ -112,10 +205,8 @@ class ChainCosts:
     PROBE_EVERY = 4
 
     def __init__(self, lap_costs: tuple[float, float] | None = None) -> None:
-        self._w = self._n = self._t = self._nn = self._nt = 0.0
-        self._calls = [0.0] * 5  # the tail's LM-head calls: decayed weight, rows, s, rows^2, rows x s
-        self._blocks = [0.0, 0.0]  # the tail's blocks: decayed positions, s
-        self.reported = False  # the tail has reported its costs: ``split`` parts them from the network's
+        self._line = DecayedLine(self.DECAY)  # the network's part of each lap against its positions
+        self._tail = TailFit(self.DECAY)  # the tail's reports
         self.split: Optional[LapCosts] = None  # the fitted lap, by part
         self.fixed_s, self.per_position_s = 0.0, 0.0
         self.fitted = False
@@ -127,48 +218,31 @@ class ChainCosts:
         self._accepted = [0.0] * self.MAX_DEPTH  # ... and whose draft d + 1 was accepted
         self._laps_without = 0  # laps since the last one that carried drafts
 
+    @property
+    def reported(self) -> bool:
+        """The tail has reported its costs: ``split`` parts them from the network's."""
+        return self._tail.reported
+
     def observe_lap(self, positions: int, seconds: float, tail: Optional[TailCosts] = None) -> None:
         """A timed lap of ``positions`` positions (committed ids and drafts), with the tail's report
         of its own part (None from a tail that sends none): the network's part is the rest."""
         if self.priced or positions <= 0 or not seconds > 0 or positions > self.FIT_MAX_POSITIONS:
             return
-        d = self.DECAY
         if tail is not None:
-            tail_s = self._observe_tail(positions, tail)
-            seconds = max(0.0, seconds - tail_s)
-        self._w, self._n, self._t = d * self._w + 1, d * self._n + positions, d * self._t + seconds
-        self._nn, self._nt = d * self._nn + positions * positions, d * self._nt + positions * seconds
-        mean_n, mean_t = self._n / self._w, self._t / self._w
-        spread = self._nn - self._w * mean_n * mean_n
-        if spread > 0.25 * self._w:  # laps of different sizes: the slope is measured
-            slope = max(0.0, (self._nt - self._w * mean_n * mean_t) / spread)
-            tail = self.tail_costs() if self.reported else (0.0, 0.0)
-            self.split = LapCosts(max(0.0, mean_t - slope * mean_n), slope, *tail)
+            seconds = max(0.0, seconds - self._tail.observe(positions, tail))
+        line = self._line
+        line.add(positions, seconds)
+        if line.spread() > 0.25 * line.w:  # laps of different sizes: the slope is measured
+            slope = max(0.0, line.covariance() / line.spread())
+            network_s = max(0.0, line.mean_y() - slope * line.mean_x())
+            self.split = LapCosts(network_s, slope, *self.tail_costs(), self._tail.first_call_rows())
             self.fixed_s = self.split.network_s + self.split.tail_call_s
             self.per_position_s = self.split.network_per_position_s + self.split.tail_per_position_s
             self.fitted = True
 
-    def _observe_tail(self, positions: int, tail: TailCosts) -> float:
-        """Fold the tail's report into its fits; the seconds it reports for this lap."""
-        d = self.DECAY
-        self.reported = True
-        self._blocks = [d * self._blocks[0] + positions, d * self._blocks[1] + tail.blocks_us * 1e-6]
-        for rows, us in zip(tail.head_rows, tail.head_us):
-            s = us * 1e-6
-            self._calls = [d * x + y for x, y in zip(self._calls, (1.0, rows, s, rows * rows, rows * s))]
-        return (tail.blocks_us + sum(tail.head_us)) * 1e-6
-
     def tail_costs(self) -> tuple[float, float]:
-        """``(tail_call_s, tail_per_position_s)`` from the tail's reports: an LM-head call before its
-        rows, and one more position (the blocks' time per position, plus a row of a call). Until calls
-        of different sizes are timed, a call's whole cost is its fixed part."""
-        w, n, t, nn, nt = self._calls
-        per_row = 0.0
-        if w > 0 and nn - n * n / w > 0.25 * w:  # calls of different sizes: the per-row cost is measured
-            per_row = max(0.0, (nt - n * t / w) / (nn - n * n / w))
-        base = max(0.0, t / w - per_row * n / w) if w > 0 else 0.0
-        blocks = self._blocks[1] / self._blocks[0] if self._blocks[0] > 0 else 0.0
-        return base, blocks + per_row
+        """``(tail_call_s, tail_per_position_s)`` from the tail's reports (:class:`TailFit`)."""
+        return self._tail.costs()
 
     def observe(self, drafted: int, accepted: int) -> None:
         """A verdict: ``accepted`` of ``drafted`` drafts kept (the first ``accepted`` of them)."""
@@ -191,10 +265,14 @@ class ChainCosts:
         """The draft count the measurements choose, or None while the lap time is unmeasured."""
         if not self.fitted:
             return None
-        count = draft_count(self.acceptance(), self.fixed_s, self.per_position_s, max_drafts)
+        split = self.split if not self.priced else None
+        second_call_s, first_rows = (split.tail_call_s, split.first_call_rows) if split is not None else (0.0, 0)
+        count = draft_count(
+            self.acceptance(), self.fixed_s, self.per_position_s, max_drafts, 1, second_call_s, first_rows
+        )
         if count == 0 and self._laps_without >= self.PROBE_EVERY:
             return 1
         return count
 
 
-__all__ = ["ChainCosts", "LapCosts", "check_lap_costs", "draft_count", "split_draft_count"]
+__all__ = ["ChainCosts", "DecayedLine", "LapCosts", "TailFit", "check_lap_costs", "draft_count", "split_draft_count"]

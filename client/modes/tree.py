@@ -63,7 +63,7 @@ class TreeMode(Mode):
 
     def check_verdict(self, run: Run, result: StepResult) -> Run:
         """The lap's time and the tree's acceptance feed the cost model that sizes the next tree."""
-        self.sizer.observe_lap(len(run.token_ids), self.view.verdict_at - run.sent_at)
+        self.sizer.observe_lap(len(run.token_ids), self.view.verdict_at - run.sent_at, result.tail_costs)
         if run.drafts and run.shape is not None:
             self.sizer.observe_acceptance(run.shape, result.accepted)
         return run

@@ -308,3 +308,72 @@ def test_async_mode_with_a_cap_of_0_sends_no_guess(limits_swarm, tiny_reference,
     assert most == 1  # each run waits for the verdict before it: nothing guessed
     _, most = run((1.0, 0.0))  # positions free: drafts and guesses pay
     assert most > 1
+
+
+# ---- the tail's second LM-head call (a walk reading past the first call's rows) -------------------
+
+
+def test_a_second_lm_head_call_is_priced_with_its_chance():
+    """A lap of k >= first_call_rows drafts costs a second call when the first first_call_rows drafts
+    are all accepted: an expensive second call keeps the count below the first call's rows, a free one
+    changes nothing, and the count stays the best in expectation with the call priced."""
+    acceptance = [0.9] * 8
+    assert draft_count(acceptance, 0.05, 0.001, 8) == 8
+    assert draft_count(acceptance, 0.05, 0.001, 8, second_call_s=1.0, first_call_rows=2) == 1
+    assert draft_count(acceptance, 0.05, 0.001, 8, second_call_s=0.0, first_call_rows=2) == 8
+    assert draft_count([0.1] * 8, 0.05, 0.001, 8, second_call_s=0.016, first_call_rows=1) == draft_count(
+        [0.1] * 8, 0.05, 0.001, 8
+    )  # a second call that rarely happens costs too little to change the count here
+
+    def rate(acc, fixed, per_position, k, second_s, rows):
+        reach, expected = 1.0, 1.0
+        for j in range(k):
+            reach *= acc[min(j, len(acc) - 1)]
+            expected += reach
+        p_second = 1.0
+        for j in range(rows):
+            p_second *= acc[min(j, len(acc) - 1)]
+        return expected / (fixed + per_position * (1 + k) + (second_s * p_second if 0 < rows <= k else 0.0))
+
+    rng = random.Random(9)
+    for _ in range(300):
+        acc = [rng.random() for _ in range(rng.randint(1, 8))]
+        fixed, per_position, second_s, rows = (
+            rng.uniform(0, 0.3),
+            rng.uniform(0, 0.01),
+            rng.uniform(0, 0.1),
+            rng.randint(0, 5),
+        )
+        k = draft_count(acc, fixed, per_position, 8, second_call_s=second_s, first_call_rows=rows)
+        assert rate(acc, fixed, per_position, k, second_s, rows) == pytest.approx(
+            max(rate(acc, fixed, per_position, j, second_s, rows) for j in range(9))
+        )
+    with pytest.raises(ValueError, match="second call"):
+        draft_count(acceptance, 0.05, 0.001, 8, second_call_s=-1.0)
+
+
+def test_the_tails_second_calls_are_learned_from_its_reports():
+    """Reports with a second LM-head call tell the first call's rows (2 here); the cap then prices
+    that call: on a near-free link a 16 ms call more keeps the chain below the first call's rows,
+    on a 50 ms link the link dominates and the count is what it was."""
+    from protocol.tail_costs import TailCosts
+
+    def fitted(second_calls: bool, link_s: float) -> ChainCosts:
+        costs = ChainCosts()
+        for positions in [1, 5, 2, 9, 4, 1, 6, 3] * 2:
+            first = min(positions, 2)
+            rows = [first, positions - first] if second_calls and positions > first else [first]
+            report = TailCosts(1000 * positions, [16_000 + 100 * r for r in rows], rows)
+            tail_s = (1000 * positions + sum(report.head_us)) * 1e-6
+            costs.observe_lap(positions, link_s + 0.001 * positions + tail_s, report)
+        for _ in range(5):
+            for accepted in (0, 1, 0, 2, 0, 1, 0, 3):  # about half accepted at each depth
+                costs.observe(8, accepted)
+        return costs
+
+    for link_s, without, priced in ((0.005, 3, 1), (0.05, 3, 3)):
+        one_call, two_calls = fitted(False, link_s), fitted(True, link_s)
+        assert one_call.split is not None and one_call.split.first_call_rows == 0
+        assert two_calls.split is not None and two_calls.split.first_call_rows == 2
+        assert one_call.cap(8) == without and two_calls.cap(8) == priced, link_s
+        assert two_calls.cap(8) == split_draft_count(two_calls.acceptance(), two_calls.split, 8)

@@ -35,6 +35,7 @@ from protocol.messages import (
 )
 from protocol.sampling import choose_token, pack_f16, verify, verify_tree
 from protocol.streams import RESULTS_PROTOCOL, SESSION_PROTOCOL, MessageStream
+from protocol.tail_costs import TailCosts
 from server.adapters import load_span
 from server.weights import Checkpoint
 from tests.kit.drafters import ScriptedDrafter
@@ -273,6 +274,61 @@ def test_tree_sizer_does_not_take_noise_for_free_nodes():
     assert sizer.per_position > 0.002
 
 
+# ---- the tree's size from the tail's reported costs (issue 39) ------------------------------------
+
+CALL_S, ROW_S = 0.016, 0.0001  # a memory-bound tail's LM-head call and one more row
+
+
+def sized_by_parts(link_s: float, tail_per_node_s: float) -> tuple[TreeSizer, int]:
+    """A sizer fed laps of ``link_s`` of network (every hop's latency, 1 ms a position before the
+    tail) and a tail that reports ``tail_per_node_s`` of blocks per position and one LM-head call:
+    the sizer and the size it chooses for a tree whose scores the verdicts confirm."""
+    sizer = TreeSizer()
+    for positions in (300, 1, 5, 12, 3, 30, 2, 8) * 3:
+        head_s = CALL_S + ROW_S * positions
+        tail = TailCosts(round(tail_per_node_s * positions * 1e6), [round(head_s * 1e6)], [positions])
+        sizer.observe_lap(positions, link_s + 0.001 * positions + tail_per_node_s * positions + head_s, tail)
+    for _ in range(5):
+        sizer.observe_acceptance(DraftTree([1, 2], [-1, -1], [0.6, 0.4], [1, 1]), accepted=1)
+    scores = [0.9, 0.6, 0.3, 0.2, 0.15, 0.1, 0.08, 0.05, 0.04, 0.03] + [0.02] * 20
+    return sizer, sizer.choose(DraftTree(list(range(30)), [-1] * 30, scores, [1] * 30), committed=1)
+
+
+def test_tree_sizer_prices_the_tails_report_apart_from_the_network():
+    sizer, _ = sized_by_parts(0.15, 0.004)
+    assert sizer.fitted and sizer.fixed == pytest.approx(0.15, rel=0.1)  # the network's part alone
+    assert sizer.per_position == pytest.approx(0.001, rel=0.3)
+    call_s, per_position_s = sizer.tail_costs()
+    assert call_s == pytest.approx(CALL_S, rel=0.01) and per_position_s == pytest.approx(0.004 + ROW_S, rel=0.01)
+    assert sizer.lap_time(10) == pytest.approx(0.15 + CALL_S + 10 * (0.001 + 0.004 + ROW_S), rel=0.1)
+    assert TreeSizer().tail_costs() == (0.0, 0.0)  # no report: the wall-clock fit holds the tail's part
+
+
+def test_a_slower_tail_per_node_gives_smaller_trees_at_the_same_link():
+    sizes = [sized_by_parts(0.15, tail_ms / 1000)[1] for tail_ms in (0.5, 4, 20, 80)]
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] > 2 * sizes[-1] >= 2, sizes
+
+
+def test_more_link_delay_gives_larger_trees_at_the_same_tail_cost():
+    sizes = [sized_by_parts(link_ms / 1000, 0.01)[1] for link_ms in (5, 50, 150, 600)]
+    assert sizes == sorted(sizes) and sizes[-1] > 2 * sizes[0] >= 2, sizes
+
+
+def test_fixed_lap_costs_size_trees_from_the_verdicts_alone():
+    """``TreeSizer(lap_costs)`` (generate(draft_lap_costs=...)): measured laps change nothing; (1.0, 0.0)
+    makes positions free, so every node with a chance is sent."""
+    tree = DraftTree(list(range(12)), [-1] * 12, [0.5 / (i + 1) for i in range(12)], [1] * 12)
+    priced, free = TreeSizer((0.05, 0.01)), TreeSizer((1.0, 0.0))
+    before = priced.choose(tree, committed=1)
+    for positions, seconds in ((1, 9.0), (30, 0.001), (5, 3.0)):
+        priced.observe_lap(positions, seconds, TailCosts(1000, [16000], [1]))
+    assert priced.choose(tree, committed=1) == before and 0 < before < len(tree)
+    assert priced.tail_costs() == (0.0, 0.0) and (priced.fixed, priced.per_position) == (0.05, 0.01)
+    assert free.choose(tree, committed=1) == len(tree)
+    with pytest.raises(ValueError, match="draft_lap_costs must be"):
+        TreeSizer((0.05, -1.0))
+
+
 def test_pending_path_names_only_what_is_not_a_run_order_chain():
     assert PendingPath(0, 20, [0, 1, 2]).tree_path_for(23) is None  # the chain in run order: implicit
     assert PendingPath(0, 20, [0, 3, 4]).tree_path_for(23) == [0, 3, 4]
@@ -370,6 +426,24 @@ def test_suffix_trees_with_the_cost_model_match_no_speculation(tiny_model, sampl
     assert tree.tolist() == plain.tolist()
     stats = tiny_model.last_generation_stats
     assert stats.tree_laps == stats.laps and stats.tree_nodes > 0
+
+
+def test_fixed_lap_costs_repeat_tree_shapes(tiny_model, tiny_reference):
+    """generate(draft_lap_costs=...) fixes the tree sizer's costs too: the same call twice sends the
+    same trees (the suffix store reset between them), with transformers' tokens."""
+    prompt = torch.tensor([PROMPT[0] * 3])
+    expected = tiny_reference.generate(prompt, max_new_tokens=24, do_sample=False)
+    shapes = []
+    with pinned(tiny_model, ROUTES["two servers"]):
+        for _ in range(2):
+            tiny_model.reset_draft_store()
+            output = tiny_model.generate(
+                prompt, max_new_tokens=24, speculation="suffix", draft_tree=True, draft_lap_costs=(0.05, 0.002)
+            )
+            assert output.tolist() == expected.tolist()
+            stats = tiny_model.last_generation_stats
+            shapes.append((stats.laps, stats.tree_nodes, dict(stats.tree_sizes), stats.tree_accepted))
+    assert shapes[0] == shapes[1] and shapes[0][1] > 0, shapes
 
 
 def test_trees_in_batches_sessions_and_streams(tiny_model, monkeypatch):
