@@ -159,10 +159,12 @@ class VerdictAuditor(BackgroundAudit):
         ones, and the run past the last committed token cancelled. The first Step carries
         ids[first:position] (the context the shadow lacks) before its drafts."""
         shadow, run_id, looped = self._shadow, self._next_run, False
+        horizon = run_id  # the last run the tail may start itself: later audits send run ids after it
         drafts = self._drafts(ids, position, limit - (position - first) + 1)
         while position < len(ids):
             if not looped:  # the client sends the run (the first, or after a verdict that did not loop)
                 loops = self.live.loop_runs_at(position)
+                horizon = run_id + loops  # a fast tail may run ahead of a Cancel: never reuse its run ids
                 context = ids[first:position]
                 await self._send(
                     shadow, run_id, position - len(context), [*context, *drafts], len(drafts), loops, stats
@@ -184,7 +186,7 @@ class VerdictAuditor(BackgroundAudit):
             for i, token in enumerate(chosen):
                 if token != ids[position + i]:  # the shadow's tail chose another token than the committed one
                     await shadow.cancel(run_id + 1)
-                    self._next_run = run_id + 2
+                    self._next_run = max(run_id, horizon) + 1
                     await self._dispute(route, ids, position + i, token, stats)
                     return
             tol = logprob_tolerance([self.swarm.records.get(h.peer_id) for h in [*route, shadow.route[-1]]])
@@ -193,7 +195,7 @@ class VerdictAuditor(BackgroundAudit):
             )
             if lied is not None:  # the same tokens, other log-probs
                 await shadow.cancel(run_id + 1)
-                self._next_run = run_id + 2
+                self._next_run = max(run_id, horizon) + 1
                 await self._dispute(route, ids, position + lied[0], None, stats, lied[1])
                 return
             if self.witnesses.is_trusted(shadow.tail_peer):
@@ -208,8 +210,7 @@ class VerdictAuditor(BackgroundAudit):
             )
         if looped:  # the tail started a run past the committed tokens: drop it, as a live lap drops a refuted one
             await shadow.cancel(run_id)
-            run_id += 1
-        self._next_run = run_id
+        self._next_run = max(run_id - 1, horizon) + 1
 
     def _drafts(self, ids: list[int], position: int, limit: int) -> list[int]:
         """A live lap's count of committed tokens from ``position`` on, as the drafts of a run."""
