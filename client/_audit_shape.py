@@ -9,9 +9,11 @@ token confirmed per Step as a live lap commits one, and the generation's session
 (client/_verdict_audits.py). Live laps ask for at least ``LIVE_TOP_LOGPROBS`` top log-prob per
 committed token (a few bytes each), so that spot-checks verify through an ordinary verdict and
 compare its log-probs, never asking for the returned logits no live lap asks for
-(client/_spot_checks.py). Not yet ``loop_runs``: live laps ask the tail to start the next run
-itself, and an audit that did so would race the tail's runs with its own next Step; a tail can
-tell an audit by ``loop_runs == 0`` where live laps loop (docs/reliability.md).
+(client/_spot_checks.py). And ``loop_runs``: where the live laps ask the tail to start each next run
+itself, the shadow's Steps ask for as many looped runs as a live lap at the same position would
+(:meth:`LiveShape.loop_runs_at`), and consume the runs the tail starts as the live client does: it
+offers the committed tokens as the next run's drafts (DraftOffer), compares each looped verdict's
+tokens with the committed ones, and cancels the looped run past the last committed token (Cancel).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class LiveShape:
     drafts: list[int] = field(default_factory=list)  # drafts each live lap carried, in order
     num_logprobs: int = 0  # top log-probs each live Step asks for (audit Steps ask for as many)
     logprobs: list = field(default_factory=list)  # the live verdicts' log-probs, one per generated token
+    loop_end: int = 0  # live laps loop: a lap from history length h asks for loop_end - h - 1 runs (0: no loops)
 
     def saw_lap(self, drafts: int) -> None:
         """A live lap's verdict arrived; it carried ``drafts`` drafts."""
@@ -38,3 +41,8 @@ class LiveShape:
         most a lap may carry before the first), at most ``cap``."""
         count = rng.choice(self.drafts) if self.drafts else self.num_draft_tokens
         return max(0, min(count, self.num_draft_tokens, cap))
+
+    def loop_runs_at(self, history: int) -> int:
+        """``loop_runs`` of a live lap sent from history length ``history`` (LoopedMode.step_fields:
+        the tokens the generation may still commit, less one), 0 where the live laps do not loop."""
+        return max(0, self.loop_end - history - 1) if self.loop_end else 0

@@ -26,16 +26,16 @@ from typing import Callable, Optional, Sequence
 
 from client import _confirmation
 from client._audit_shape import LIVE_TOP_LOGPROBS, LiveShape
+from client._audits import Audits
 from client._reverify import Reverification
 from client._runs import Run, SessionState
 from client._stats import GenerationStats
 from client._swarm import SwarmClient
 from client._throughput import lap_is_timed
 from client._trees import TreeSizer
-from client._verdict_audits import Audits
 from client.drafting import Drafter
 from client.errors import GenerationError, ServerError
-from client.modes import NextRun, VerdictAction, choose_mode
+from client.modes import LoopedMode, NextRun, VerdictAction, choose_mode
 from protocol.messages import GREEDY, SamplingParams, Step, StepResult, TokenLogprobs
 from protocol.sampling import with_output_start
 from protocol.tail_costs import TailCosts
@@ -114,7 +114,7 @@ class SpeculativeDecoder(Reverification):
     async def generate(self, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
         """Generate after ``prompt`` (the whole context); returns the new tokens only."""
         began = time.perf_counter()
-        self._begin(prompt)
+        self._begin(prompt, max_new_tokens)
         try:
             while True:
                 await self._react_to_liars()
@@ -133,7 +133,7 @@ class SpeculativeDecoder(Reverification):
         _confirmation.report(self.stats, self.audit_policy)
         return generated
 
-    def _begin(self, prompt: Sequence[int]) -> None:
+    def _begin(self, prompt: Sequence[int], max_new_tokens: int = 0) -> None:
         """Start on ``prompt``: what the caches keep of it, the drafter's context, the audits."""
         self.state.start_from(list(prompt))
         self.sampling = with_output_start(self.sampling, len(prompt))  # a constraint, penalties: after the prompt
@@ -143,6 +143,8 @@ class SpeculativeDecoder(Reverification):
         if self.audits is not None:
             asked = max(self.num_logprobs, LIVE_TOP_LOGPROBS)
             live = LiveShape(self.num_draft_tokens, num_logprobs=asked, logprobs=self.logprobs)
+            if isinstance(self.mode, LoopedMode):  # the shadow's Steps loop as the live laps do
+                live.loop_end = len(prompt) + max_new_tokens
             self.audits.begin(prompt, self.state.max_length, self.sampling, self.verification, live)
         if self.state.remote is not None:  # an inference session's route from an earlier call
             self._route_peers.update(hop.peer_id for hop in self.state.remote.route)

@@ -351,6 +351,8 @@ class SpotChecker(BackgroundAudit):
                     n_draft=drafts if end == len(ids) else 0,
                     sampling=None if self.sampling == GREEDY else self.sampling,
                     top_logprobs=self.live.num_logprobs,
+                    # as a live lap from there asks; closing the session drops the run the tail starts
+                    loop_runs=self.live.loop_runs_at(len(ids) - drafts) if end == len(ids) else 0,
                 )
                 await session.send_step(step)
                 verdict = await session.next_result(run_id)

@@ -9,8 +9,9 @@ advances it with the tokens committed since the last audit, sent as drafts after
 one: an honest shadow tail accepts exactly the tokens the exact rule chooses (greedy, or seeded
 sampling, whose draws are fixed by (seed, position)). The shadow prefills the context once per
 generation; after that an audit costs one position per generated token on each of the shadow
-route's servers, whatever the context, in one Step per ``every`` tokens. Its Steps are ordinary
-chain Steps with drafts, as any generation sends.
+route's servers, whatever the context. Its Steps are shaped as the generation's live laps
+(client/_audit_shape.py): live-sized drafts and, where the live laps loop, ``loop_runs``, the runs
+the tail starts itself consumed as the live client consumes them (``_confirm``).
 
 A shadow counts only if it could not be the same operator as the route's servers
 (client/_witnesses.py: trusted, or on another machine group); trusted shadows are preferred.
@@ -43,7 +44,7 @@ from client._remote_session import RemoteSession
 from client._spot_checks import AuditResult, BackgroundAudit, SpotChecker, alternatives, substituted
 from client._witnesses import Witnesses
 from client.errors import ServerError
-from protocol.messages import GREEDY, Hop, SamplingParams, Step, StepResult
+from protocol.messages import GREEDY, DraftOffer, Hop, SamplingParams, Step, StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -142,32 +143,78 @@ class VerdictAuditor(BackgroundAudit):
         limit = self.swarm.route_step_limit(self._shadow.route)
         start = len(self.audited)  # the first position not yet confirmed
         position = min(self._held, start - 1)
-        while position < start - 1:  # the context the shadow lacks (its first audit: the prompt)
-            count = min(limit, start - 1 - position)
+        keep = max(1, limit - 1)  # the context the first lap carries before its drafts, as a live one does
+        while start - position > keep:  # the context the shadow lacks (its first audit: the prompt)
+            count = min(limit, start - position - keep)
             await self._step(position, ids[position : position + count], 0, stats)
             position += count
-        self._held, position = position, start
-        while position < len(ids):  # the committed tokens after the last confirmed one, in live-sized Steps
-            # a Step of k drafts confirms k + 1 tokens, as a live lap commits them: the drafts and the next token
-            k = self.live.draft_count(self.rng, min(limit - 1, len(ids) - position))
-            drafts = ids[position : position + k]
-            result = await self._step(position - 1, [ids[position - 1], *drafts], k, stats)
-            if result.accepted < k:
-                await self._dispute(route, ids, position + result.accepted, result.next_token, stats)
-                return
-            checked = k + (position + k < len(ids))  # the next token too, unless every id was a draft
-            if checked > k and result.next_token != ids[position + k]:
-                await self._dispute(route, ids, position + k, result.next_token, stats)
-                return
-            tol = logprob_tolerance([self.swarm.records.get(h.peer_id) for h in [*route, self._shadow.route[-1]]])
-            lied = first_disagreement(self.live.logprobs, position - self._prompt_len, result.logprobs, checked, tol)
+        self._held = position
+        await self._confirm(route, ids, start, limit, stats, position)
+
+    async def _confirm(self, route: list[Hop], ids: list[int], position: int, limit: int, stats, first: int) -> None:
+        """Confirm ids[position:] in Steps shaped as live laps: live-sized drafts, a Step of k drafts
+        confirming k + 1 tokens, and ``loop_runs`` as the live laps ask. A run the tail starts itself
+        is consumed as the live client consumes it: the committed tokens offered as its drafts
+        (DraftOffer), its verdict's tokens (whatever drafts it carried) compared with the committed
+        ones, and the run past the last committed token cancelled. The first Step carries
+        ids[first:position] (the context the shadow lacks) before its drafts."""
+        shadow, run_id, looped = self._shadow, self._next_run, False
+        horizon = run_id  # the last run the tail may start itself: later audits send run ids after it
+        drafts = self._drafts(ids, position, limit - (position - first) + 1)
+        while position < len(ids):
+            if not looped:  # the client sends the run (the first, or after a verdict that did not loop)
+                loops = self.live.loop_runs_at(position)
+                horizon = run_id + loops  # a fast tail may run ahead of a Cancel: never reuse its run ids
+                context = ids[first:position]
+                await self._send(
+                    shadow, run_id, position - len(context), [*context, *drafts], len(drafts), loops, stats
+                )
+            if self.live.loop_end:  # the drafts for the run the tail may start after this one
+                after = position + len(drafts) + 1
+                offered = self._drafts(ids, after, limit)
+                if after <= len(ids) and offered:
+                    option = (len(drafts), ids[after - 1], offered)
+                    await shadow.offer(DraftOffer(session_id=shadow.session_id, run_id=run_id, options=[option]))
+            result = await shadow.next_result(run_id)
+            if result.run_id != run_id:
+                raise ServerError(f"the shadow's verdict on run {result.run_id}, not {run_id}", shadow.tail_peer)
+            carried = list(result.run_drafts) if looped and result.run_drafts is not None else drafts
+            stats.verdict_audit_positions += (len(carried) + 1) * len(shadow.route) if looped else 0
+            if not 0 <= result.accepted <= len(carried):
+                raise ServerError(f"the shadow's verdict on run {run_id} accepts {result.accepted}", shadow.tail_peer)
+            chosen = [*carried[: result.accepted], result.next_token][: len(ids) - position]
+            for i, token in enumerate(chosen):
+                if token != ids[position + i]:  # the shadow's tail chose another token than the committed one
+                    await shadow.cancel(run_id + 1)
+                    self._next_run = max(run_id, horizon) + 1
+                    await self._dispute(route, ids, position + i, token, stats)
+                    return
+            tol = logprob_tolerance([self.swarm.records.get(h.peer_id) for h in [*route, shadow.route[-1]]])
+            lied = first_disagreement(
+                self.live.logprobs, position - self._prompt_len, result.logprobs, len(chosen), tol
+            )
             if lied is not None:  # the same tokens, other log-probs
+                await shadow.cancel(run_id + 1)
+                self._next_run = max(run_id, horizon) + 1
                 await self._dispute(route, ids, position + lied[0], None, stats, lied[1])
                 return
-            if self.witnesses.is_trusted(self._shadow.tail_peer):
-                self.trusted_confirmed.update(range(position, position + checked))
-            position += checked
+            if self.witnesses.is_trusted(shadow.tail_peer):
+                self.trusted_confirmed.update(range(position, position + len(chosen)))
+            position += len(chosen)
+            first = position - 1  # a later Step carries the last confirmed token before its drafts
             self._held, self.audited = position, ids[:position]
+            looped, run_id = bool(result.looped), run_id + 1
+            # the run the tail started carries the offer's drafts if the head had it in time
+            drafts = (
+                offered if looped and self.live.loop_end and after <= len(ids) else self._drafts(ids, position, limit)
+            )
+        if looped:  # the tail started a run past the committed tokens: drop it, as a live lap drops a refuted one
+            await shadow.cancel(run_id)
+        self._next_run = max(run_id - 1, horizon) + 1
+
+    def _drafts(self, ids: list[int], position: int, limit: int) -> list[int]:
+        """A live lap's count of committed tokens from ``position`` on, as the drafts of a run."""
+        return ids[position : position + self.live.draft_count(self.rng, min(limit - 1, len(ids) - position))]
 
     async def _ensure_shadow(self, route: list[Hop], length: int) -> bool:
         """A shadow session on ``route`` with another server as its tail (kept across audits while
@@ -218,13 +265,13 @@ class VerdictAuditor(BackgroundAudit):
         result, self._next_run = await self._live_step(self._shadow, run_id, start, token_ids, n_draft)
         return result
 
-    async def _live_step(
-        self, session: RemoteSession, run_id: int, start: int, token_ids: list[int], n_draft: int
-    ) -> tuple[StepResult, int]:
-        """Send one Step shaped as a live lap (client/_audit_shape.py) and wait for its verdict;
-        returns it and the session's next run id. Not ``loop_runs``: the tail would start runs of
-        its own choosing after the audit's, racing its next Step (docs/reliability.md says so)."""
-        step = Step(
+    async def _send(self, session, run_id: int, start: int, token_ids: list[int], n_draft: int, loops: int, stats):
+        stats.verdict_audit_positions += len(token_ids) * len(session.route)
+        await session.send_step(self._shaped(session, run_id, start, token_ids, n_draft, loops))
+
+    def _shaped(self, session, run_id: int, start: int, token_ids: list[int], n_draft: int, loops: int = 0) -> Step:
+        """A Step shaped as a live lap (client/_audit_shape.py)."""
+        return Step(
             session_id=session.session_id,
             run_id=run_id,
             start_pos=start,
@@ -232,7 +279,15 @@ class VerdictAuditor(BackgroundAudit):
             n_draft=n_draft,
             sampling=None if self.sampling == GREEDY else self.sampling,
             top_logprobs=self.live.num_logprobs,  # as the live laps ask (their log-probs are compared)
+            loop_runs=loops,
         )
+
+    async def _live_step(
+        self, session: RemoteSession, run_id: int, start: int, token_ids: list[int], n_draft: int, loops: int = 0
+    ) -> tuple[StepResult, int]:
+        """Send one Step shaped as a live lap (``loops``: its loop_runs; a run the tail then starts
+        is dropped by the caller) and wait for its verdict; returns it and the session's next run id."""
+        step = self._shaped(session, run_id, start, token_ids, n_draft, loops)
         await session.send_step(step)
         return await session.next_result(run_id), run_id + 1
 
@@ -344,7 +399,9 @@ class VerdictAuditor(BackgroundAudit):
                 _, run_id = await self._live_step(session, run_id, position, ids[position : position + count], 0)
                 stats.verdict_audit_positions += count * len(route)
                 position += count
-            result, _ = await self._live_step(session, run_id, t - 1, [ids[t - 1], ids[t]], 1)
+            # loop_runs as a live lap there asks (closing the session drops the run the tail starts)
+            loops = self.live.loop_runs_at(t)
+            result, _ = await self._live_step(session, run_id, t - 1, [ids[t - 1], ids[t]], 1, loops)
             stats.verdict_audit_positions += 2 * len(route)
             return ids[t] if result.accepted == 1 else result.next_token
         finally:
@@ -354,73 +411,3 @@ class VerdictAuditor(BackgroundAudit):
         shadow, self._shadow, self._held = self._shadow, None, 0
         if shadow is not None:
             await shadow.close()
-
-
-class Audits:
-    """A generation's audits: spot-checks of activations and audits of verdicts, either optional,
-    behind the one interface the decoder calls after each verdict and before it returns."""
-
-    def __init__(self, spot: Optional[SpotChecker], verdicts: Optional[VerdictAuditor]):
-        self.spot, self.verdicts = spot, verdicts
-
-    @property
-    def task(self) -> Optional[asyncio.Task]:
-        return (self.spot and self.spot.task) or (self.verdicts and self.verdicts.task) or None
-
-    def quiet_since(self, since: float) -> bool:
-        """Whether neither audit has been in flight since ``since`` (perf_counter)."""
-        return all(audit is None or audit.quiet_since(since) for audit in (self.spot, self.verdicts))
-
-    def begin(
-        self,
-        prompt: Sequence[int],
-        max_length: int,
-        sampling: SamplingParams,
-        verification: str,
-        live: Optional[LiveShape] = None,
-    ) -> None:
-        if self.spot is not None:  # its sessions are as long as the generation's, its Steps shaped as its laps
-            self.spot.max_length, self.spot.sampling = max_length, sampling
-            self.spot.live = live or self.spot.live
-        if self.verdicts is not None:
-            self.verdicts.begin(prompt, max_length, sampling, verification, live)
-
-    def saw_lap(self, drafts: int) -> None:
-        """A live lap's verdict arrived; it carried ``drafts`` drafts (audit Steps copy the counts)."""
-        if self.verdicts is not None:
-            self.verdicts.live.saw_lap(drafts)
-
-    def maybe_start(self, route, ids, stats, lap: int, final: bool = False) -> None:
-        if self.spot is not None and not final:
-            self.spot.maybe_start(route, ids, stats, lap)
-        if self.verdicts is not None:
-            self.verdicts.maybe_start(route, ids, stats, final=final)
-
-    def share_avoid(self, avoid: set[str], handled: set[str]) -> None:
-        """The generation's ``avoid`` set (both audits add the servers of unsettled disputes to it),
-        and the servers the generation has already re-verified without (``handled``)."""
-        for audit in (self.spot, self.verdicts):
-            if audit is not None:
-                audit.avoid, audit.handled = avoid, handled
-
-    async def settle(self) -> None:
-        for audit in (self.spot, self.verdicts):
-            if audit is not None:
-                await audit.settle()
-
-    async def cancel(self) -> None:
-        for audit in (self.spot, self.verdicts):
-            if audit is not None:
-                await audit.cancel()
-
-
-def make_audits(
-    swarm, vocab_size: int, spot_check_rate: float, verdict_audit_every: int, trusted: frozenset[str] = frozenset()
-) -> Optional[Audits]:
-    """A generation's audits: spot-checks at this rate and verdict audits at this period (None when
-    both are off, so the decoder skips them); ``trusted`` peers settle the disputes strangers cannot."""
-    witnesses = Witnesses(trusted)
-    spot = SpotChecker(swarm, spot_check_rate, vocab_size, witnesses=witnesses) if spot_check_rate else None
-    every = verdict_audit_every
-    verdicts = VerdictAuditor(swarm, vocab_size, every, witnesses=witnesses) if every else None
-    return Audits(spot, verdicts) if spot or verdicts else None

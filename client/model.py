@@ -25,6 +25,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from client import _loop
 from client._adapters import call_adapter, checked_adapter, per_call_adapter
+from client._audits import make_audits
 from client._calls import DEFAULT_MAX_LENGTH, Call, check_audit_every, context_limit, one_call_session, plan_call
 from client._confirmation import check_audit_policy
 from client._drafter_choice import call_drafter
@@ -40,7 +41,7 @@ from client._stats import merged_stats
 from client._swarm import SwarmClient
 from client._token_stream import GeneratedChunk, stream_laps
 from client._trees import TreeSizer
-from client._verdict_audits import DEFAULT_AUDIT_EVERY, make_audits
+from client._verdict_audits import DEFAULT_AUDIT_EVERY
 from client._witnesses import trusted_set
 from client.drafting import SuffixStore
 from client.warm_corpus import load_warm_corpus

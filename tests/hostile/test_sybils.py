@@ -247,8 +247,13 @@ def test_audits_look_like_live_laps_to_the_tail(sybil_swarm, tiny_llama_path, gr
         assert {f["n_draft"] for f in audits} <= {f["n_draft"] for f in live} | {0}
         assert max(f["n_draft"] for f in audits) <= 8  # num_draft_tokens, the default
         assert {f["max_length"] for f in audits} == {f["max_length"] for f in live}
-        # not yet alike: live laps ask for loop_runs, audits do not (client/_audit_shape.py says why)
-        assert any(f["loop_runs"] for f in live) and not any(f["loop_runs"] for f in audits)
+        # live and audit laps alike ask for loop_runs (the detector counts a lap without as an audit), as
+        # does a session's first Step (the context, and the first lap's drafts), except at the
+        # generation's last tokens (history + num_draft_tokens + 2 >= max_length), where live laps stop looping
+        laps = [f for f in live + audits if f["positions"] - f["n_draft"] == 1 or f["start_pos"] == 0]
+        assert any(f["loop_runs"] for f in live) and any(f["loop_runs"] for f in audits)
+        near_end = [f["start_pos"] + f["positions"] - f["n_draft"] + 10 >= f["max_length"] for f in laps]
+        assert all(f["loop_runs"] or end for f, end in zip(laps, near_end)), laps
     finally:
         stop(sybil_swarm, processes)
 
@@ -283,7 +288,7 @@ def test_a_third_opinion_looks_like_a_live_lap(monkeypatch):
     )
     auditor = _verdict_audits.VerdictAuditor(swarm, vocab_size=100)
     ids = list(range(1, 41))
-    auditor.begin(ids[:11], 60, _verdict_audits.GREEDY, "match", LiveShape(8))
+    auditor.begin(ids[:11], 60, _verdict_audits.GREEDY, "match", LiveShape(8, loop_end=51))  # live laps loop
     stats = types.SimpleNamespace(verdict_audit_positions=0)
     token = asyncio.run(auditor._third_opinion([Hop(peer_id="x", start=0, end=2)], ids, 39, stats))
     assert token == ids[39]

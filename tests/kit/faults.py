@@ -298,12 +298,20 @@ def looks_like_an_audit(session, step) -> bool:
     live lap carries (shadow Steps before they were cut to live size), drafts in a Step that ends at
     its session's last position (a third opinion's session used to end at the disputed position), or
     returned logits (spot-checks asked for the last position's; forward passes do, and their verdicts
-    decide nothing).
+    decide nothing), or a lap that asks for no ``loop_runs`` before the generation's last tokens
+    (audits used not to loop; a generation with ``loop_runs=False`` looks like one too).
     tests/hostile/test_sybils.py asserts it is False on every audit Step the client sends."""
     return (
         step.n_draft > LIVE_DRAFTS
         or (step.n_draft > 0 and step.start_pos + len(step.token_ids) == session.max_length)
         or step.return_logits > 0  # a generation's live laps never ask for returned logits; spot-checks used to
+        # a lap (one committed id) that asks for no looped run far from its session's end: live laps
+        # loop until their last tokens (loop_runs, on by default); audits used not to
+        or (
+            len(step.token_ids) - step.n_draft == 1
+            and step.loop_runs == 0
+            and step.start_pos + LIVE_DRAFTS + 3 < session.max_length
+        )
     )
 
 

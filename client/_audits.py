@@ -1,0 +1,84 @@
+"""A generation's audits behind one interface: spot-checks of activations (client/_spot_checks.py)
+and audits of verdicts (client/_verdict_audits.py), either optional, which the decoder calls after
+each verdict and before it returns (docs/reliability.md)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Optional, Sequence
+
+from client._audit_shape import LiveShape
+from client._spot_checks import SpotChecker
+from client._verdict_audits import VerdictAuditor
+from client._witnesses import Witnesses
+from protocol.messages import SamplingParams
+
+
+class Audits:
+    """A generation's audits: spot-checks of activations and audits of verdicts, either optional,
+    behind the one interface the decoder calls after each verdict and before it returns."""
+
+    def __init__(self, spot: Optional[SpotChecker], verdicts: Optional[VerdictAuditor]):
+        self.spot, self.verdicts = spot, verdicts
+
+    @property
+    def task(self) -> Optional[asyncio.Task]:
+        return (self.spot and self.spot.task) or (self.verdicts and self.verdicts.task) or None
+
+    def quiet_since(self, since: float) -> bool:
+        """Whether neither audit has been in flight since ``since`` (perf_counter)."""
+        return all(audit is None or audit.quiet_since(since) for audit in (self.spot, self.verdicts))
+
+    def begin(
+        self,
+        prompt: Sequence[int],
+        max_length: int,
+        sampling: SamplingParams,
+        verification: str,
+        live: Optional[LiveShape] = None,
+    ) -> None:
+        if self.spot is not None:  # its sessions are as long as the generation's, its Steps shaped as its laps
+            self.spot.max_length, self.spot.sampling = max_length, sampling
+            self.spot.live = live or self.spot.live
+        if self.verdicts is not None:
+            self.verdicts.begin(prompt, max_length, sampling, verification, live)
+
+    def saw_lap(self, drafts: int) -> None:
+        """A live lap's verdict arrived; it carried ``drafts`` drafts (audit Steps copy the counts)."""
+        if self.verdicts is not None:
+            self.verdicts.live.saw_lap(drafts)
+
+    def maybe_start(self, route, ids, stats, lap: int, final: bool = False) -> None:
+        if self.spot is not None and not final:
+            self.spot.maybe_start(route, ids, stats, lap)
+        if self.verdicts is not None:
+            self.verdicts.maybe_start(route, ids, stats, final=final)
+
+    def share_avoid(self, avoid: set[str], handled: set[str]) -> None:
+        """The generation's ``avoid`` set (both audits add the servers of unsettled disputes to it),
+        and the servers the generation has already re-verified without (``handled``)."""
+        for audit in (self.spot, self.verdicts):
+            if audit is not None:
+                audit.avoid, audit.handled = avoid, handled
+
+    async def settle(self) -> None:
+        for audit in (self.spot, self.verdicts):
+            if audit is not None:
+                await audit.settle()
+
+    async def cancel(self) -> None:
+        for audit in (self.spot, self.verdicts):
+            if audit is not None:
+                await audit.cancel()
+
+
+def make_audits(
+    swarm, vocab_size: int, spot_check_rate: float, verdict_audit_every: int, trusted: frozenset[str] = frozenset()
+) -> Optional[Audits]:
+    """A generation's audits: spot-checks at this rate and verdict audits at this period (None when
+    both are off, so the decoder skips them); ``trusted`` peers settle the disputes strangers cannot."""
+    witnesses = Witnesses(trusted)
+    spot = SpotChecker(swarm, spot_check_rate, vocab_size, witnesses=witnesses) if spot_check_rate else None
+    every = verdict_audit_every
+    verdicts = VerdictAuditor(swarm, vocab_size, every, witnesses=witnesses) if every else None
+    return Audits(spot, verdicts) if spot or verdicts else None
