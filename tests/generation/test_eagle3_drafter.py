@@ -10,11 +10,9 @@ import torch
 
 from protocol.messages import SamplingParams
 from swarm import warm_start
-from swarm.local import LocalSwarm
 from tests.kit.eagle3_heads import draft_vocab_ids, write_head
-from tests.kit.last_use import last_use
 from tests.kit.reference import PROMPT, reference_sample
-from tests.kit.swarms import SERVER_ARGS
+from tests.kit.swarms import tail_drafter_swarm
 
 TEXT = [1, 504, 3458, 282, 4649, 314, 253, 1345, 30, 657, 506, 88, 901, 77, 5, 4102, 33, 250, 61, 7000]
 
@@ -279,15 +277,7 @@ def test_a_malformed_head_is_refused_by_the_server(tiny_llama_path, tiny_config,
 @pytest.fixture(scope="session")
 def eagle3_model(request, tiny_llama_path, eagle3_head, artifacts_dir):
     """Two servers of the tiny model (0:3, 3:6); the tail drafts with the tiny EAGLE-3 head."""
-    from swarm import AutoDistributedModelForCausalLM
-
-    args = [*SERVER_ARGS, "--drafter", str(eagle3_head), "--drafter-tokens", "4"]
-    with LocalSwarm(
-        str(tiny_llama_path), spans=[(0, 3), (3, 6)], server_args=args, log_dir=str(artifacts_dir / "eagle3-swarm")
-    ) as swarm:
-        model = AutoDistributedModelForCausalLM.from_pretrained(str(tiny_llama_path), initial_peers=swarm.initial_peers)
-        with last_use.until_last_use(request, lambda: (model.shutdown(), swarm.stop())):
-            yield model
+    yield from tail_drafter_swarm(request, tiny_llama_path, eagle3_head, artifacts_dir / "eagle3-swarm")
 
 
 def test_eagle3_drafts_leave_greedy_output_unchanged(eagle3_model, tiny_reference):

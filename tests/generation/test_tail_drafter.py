@@ -9,11 +9,9 @@ import torch
 from client.drafting import Drafter, TailDrafts
 from protocol.errors import ProtocolError
 from protocol.messages import Hop, SamplingParams, Step
-from swarm.local import LocalSwarm
 from tests.kit.checkpoints import build_random_drafter
-from tests.kit.last_use import last_use
 from tests.kit.reference import PROMPT, reference_sample
-from tests.kit.swarms import SERVER_ARGS
+from tests.kit.swarms import tail_drafter_swarm
 
 
 @pytest.fixture(scope="session")
@@ -24,15 +22,7 @@ def tiny_drafter_path(tiny_llama_path, tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_drafter_model(request, tiny_llama_path, tiny_drafter_path, artifacts_dir):
     """Two servers of the tiny model (0:3, 3:6); the tail drafts with a random head."""
-    from swarm import AutoDistributedModelForCausalLM
-
-    args = [*SERVER_ARGS, "--drafter", str(tiny_drafter_path), "--drafter-tokens", "4"]
-    with LocalSwarm(
-        str(tiny_llama_path), spans=[(0, 3), (3, 6)], server_args=args, log_dir=str(artifacts_dir / "tiny-head-swarm")
-    ) as swarm:
-        model = AutoDistributedModelForCausalLM.from_pretrained(str(tiny_llama_path), initial_peers=swarm.initial_peers)
-        with last_use.until_last_use(request, lambda: (model.shutdown(), swarm.stop())):
-            yield model
+    yield from tail_drafter_swarm(request, tiny_llama_path, tiny_drafter_path, artifacts_dir / "tiny-head-swarm")
 
 
 def _tail_span(tiny_llama_path, tiny_drafter_path):

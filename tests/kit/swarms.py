@@ -99,3 +99,18 @@ def wait_until_no_sessions(servers, timeout: float = 20.0) -> None:
     assert _loop.run(wait(), timeout=timeout + 10), [list(s.handler.sessions) for s in servers]
     for s in servers:
         assert s.handler.budget.free_tokens == s.handler.budget.total_tokens
+
+
+def tail_drafter_swarm(request, model_path, drafter_path, log_dir) -> Iterator:
+    """A client over two servers of the tiny model (0:3, 3:6) whose tail drafts with the head at
+    ``drafter_path`` (``--drafter``: the committed EAGLE layout or a published EAGLE-3 one); for a
+    session fixture to ``yield from``, stopped after the fixture's last use."""
+    from swarm import AutoDistributedModelForCausalLM
+    from swarm.local import LocalSwarm
+    from tests.kit.last_use import last_use
+
+    args = [*SERVER_ARGS, "--drafter", str(drafter_path), "--drafter-tokens", "4"]
+    with LocalSwarm(str(model_path), spans=[(0, 3), (3, 6)], server_args=args, log_dir=str(log_dir)) as swarm:
+        model = AutoDistributedModelForCausalLM.from_pretrained(str(model_path), initial_peers=swarm.initial_peers)
+        with last_use.until_last_use(request, lambda: (model.shutdown(), swarm.stop())):
+            yield model
