@@ -63,14 +63,17 @@ def verify_signature(public_key_bytes: bytes, data: bytes, signature: bytes) -> 
 class Identity:
     """The libp2p RSA private key at ``path``; signs with RSA-PSS/SHA-256 like hivemind's keys."""
 
-    def __init__(self, path: str, raw: bytes):
+    def __init__(self, path: str, raw: bytes, fresh: bool = False):
+        """``fresh``: this process generated the key just now, so no other peer can hold it and the
+        DHT may skip hivemind's check that the identity is free (a second libp2p daemon that dials
+        the initial peers: about a second of every server's and client's start)."""
         pb = crypto_pb2.PrivateKey.FromString(raw)
         if pb.key_type != crypto_pb2.KeyType.RSA:
             raise ValueError(f"{path}: only RSA identities are supported (got key type {pb.key_type})")
         key = serialization.load_der_private_key(pb.data, password=None)
         if not isinstance(key, rsa.RSAPrivateKey):
             raise ValueError(f"{path}: key data is not an RSA private key")
-        self.path, self._raw, self._key = path, raw, key
+        self.path, self._raw, self._key, self.fresh = path, raw, key, fresh
         spki = key.public_key().public_bytes(
             serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
         )
@@ -85,7 +88,7 @@ class Identity:
         return self._key.sign(data, _PADDING, _HASH)
 
     def __reduce__(self):  # the cryptography key object itself does not pickle
-        return Identity, (self.path, self._raw)
+        return Identity, (self.path, self._raw, self.fresh)
 
     def __repr__(self) -> str:
         return f"Identity(peer_id={self.peer_id.to_base58()}, path={self.path!r})"
@@ -97,6 +100,7 @@ def load_or_create_identity(path: Optional[str]) -> Identity:
     With ``path=None`` a fresh identity is written to a temporary file that is deleted when the
     process exits; pass ``identity.path`` to ``hivemind.DHT(identity_path=...)`` while it lives.
     """
+    fresh = path is None or not os.path.isfile(path)
     if path is None:
         fd, path = tempfile.mkstemp(prefix="specswarm-identity-", suffix=".key")  # 0o600, ours alone
         os.close(fd)
@@ -105,7 +109,7 @@ def load_or_create_identity(path: Optional[str]) -> Identity:
     elif not os.path.isfile(path):
         P2P.generate_identity(path)
     with open(path, "rb") as f:
-        return Identity(path, f.read())
+        return Identity(path, f.read(), fresh)
 
 
 def _remove_quietly(path: str) -> None:
