@@ -43,18 +43,14 @@ def test_the_tiny_checkpoints_cross_their_windows(family_paths):
 
 
 def test_swarm_generation_equals_transformers(served):
-    """Greedy with no speculation, suffix and n-gram chains, token trees and async speculation;
+    """Greedy with no speculation, suffix chains and token trees (qwen2 also n-gram chains and async speculation);
     seeded sampling with and without drafts: token for token against local transformers."""
     model_type, model, reference = served
     prompt = torch.tensor([PROMPT[0] + PROMPT[0][1:6]])  # a repeat, so suffix drafting has something to draft
     expected = reference.generate(prompt, max_new_tokens=20, do_sample=False)
-    modes = (
-        dict(speculation=None),
-        dict(speculation="suffix"),
-        dict(speculation="ngram"),
-        dict(speculation="suffix", draft_tree=True),
-        dict(speculation="suffix", async_speculation=True),
-    )
+    modes = [dict(speculation=None), dict(speculation="suffix"), dict(speculation="suffix", draft_tree=True)]
+    if model_type == "qwen2":  # the client's other modes send the same Steps whatever the family
+        modes += [dict(speculation="ngram"), dict(speculation="suffix", async_speculation=True)]
     for extra in modes:
         output = model.generate(prompt, max_new_tokens=20, **extra)
         assert output.tolist() == expected.tolist(), (model_type, extra)
