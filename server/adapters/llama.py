@@ -123,7 +123,7 @@ class LlamaFamilyAdapter(SpanAdapter):
         rest = [source for target, source in sources.items() if not self.keeps_float32(target)]
         tensors = itertools.chain(
             expert_weights.iter_tensors(checkpoint, rest, self.dtype, desc=desc, per_expert=split),
-            expert_weights.iter_tensors(checkpoint, kept, torch.float32, desc=desc, per_expert=split),
+            expert_weights.iter_tensors(checkpoint, kept, torch.float32, desc=desc, per_expert=split) if kept else (),
         )
         for target, expert, tensor in tensors:
             for module, name in wanted[target]:
