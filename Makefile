@@ -3,7 +3,7 @@ PYTHON ?= python3
 PIP = $(PYTHON) -m pip
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup browser systemd-analyze netns-tools demo test bench-wan bench-ceiling bench-drafter bench-failover bench-load bench-chaos bench-codecs bench-bandwidth bench-batch bench-quant train-drafter warm-corpus bench-drafter-cost bench-dssd bench-trees bench-spot-checks bench-lies bench-step-bytes bench-gateway bench-scale bench-dht-scale bench-dashboard-scale bench-churn bench-structured bench-fine-tuning
+.PHONY: setup browser systemd-analyze netns-tools demo test bench-wan bench-ceiling bench-drafter bench-failover bench-load bench-chaos bench-codecs bench-bandwidth bench-batch bench-quant train-drafter warm-corpus bench-drafter-cost bench-dssd bench-trees bench-spot-checks bench-lies bench-step-bytes bench-gateway bench-scale bench-dht-scale bench-dashboard-scale bench-churn bench-structured bench-fine-tuning gpu-check
 
 # Keeps a torch that is already installed (a GPU user's own build); otherwise installs the torch
 # wheel pip's index serves: the CPU build on these machines (local wheels), but on Linux x86-64
@@ -109,6 +109,11 @@ bench-batch: setup
 # bytes per block (meta-device estimate and loaded) and tokens/s for --quant none|int8|nf4 on SmolLM2
 bench-quant: setup
 	$(PYTHON) -m benchmarks.quant
+
+# every served family's span against transformers on CUDA (bf16, nf4/int8, one row's backward): a table in
+# minutes on a GPU, or on CPU with ARGS=--device cpu (docs/benchmarks.md, "GPU check"); nothing depends on it
+gpu-check:
+	$(PYTHON) -m benchmarks.gpu_check $(ARGS)
 
 # the tail's drafter for smollm2-135m, trained offline on this machine's CPU (at most an hour on
 # 2 cores; one torch thread, niced): writes server/drafters/smollm2-135m.safetensors

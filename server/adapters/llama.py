@@ -26,6 +26,8 @@ span's tensors; nothing here reimplements attention.
 from __future__ import annotations
 
 import copy
+import itertools
+import re
 from typing import Callable, Optional
 
 import torch
@@ -72,6 +74,7 @@ class LlamaFamilyAdapter(SpanAdapter):
         self.norm = skeleton.model.norm if self.is_tail else None
         self.lm_head = skeleton.lm_head if self.is_tail else None
         wanted = self._wanted(checkpoint)  # names of the float modules, before quantization splits experts
+        self.keeps_float32 = _keeps_float32(type(skeleton), dtype)
         self.quantize_skeleton(self.layers, self.quant, dtype)
         self._load(checkpoint, wanted)
         # each layer's sliding window (None: full attention), for its masks
@@ -114,9 +117,15 @@ class LlamaFamilyAdapter(SpanAdapter):
             if isinstance(holders[0][0].get_submodule(holders[0][1].rpartition(".")[0]), split_kinds)
         }
         desc = f"Loading blocks {self.start}:{self.end}"
-        for target, expert, tensor in expert_weights.iter_tensors(
-            checkpoint, sources.values(), self.dtype, desc=desc, per_expert=split
-        ):
+        # what transformers keeps in float32 whatever the dtype (DeepSeek-V3's and GLM-4-MoE's router weight and
+        # score correction bias) is read in float32, so routing sees the values transformers' does
+        kept = [source for target, source in sources.items() if self.keeps_float32(target)]
+        rest = [source for target, source in sources.items() if not self.keeps_float32(target)]
+        tensors = itertools.chain(
+            expert_weights.iter_tensors(checkpoint, rest, self.dtype, desc=desc, per_expert=split),
+            expert_weights.iter_tensors(checkpoint, kept, torch.float32, desc=desc, per_expert=split) if kept else (),
+        )
+        for target, expert, tensor in tensors:
             for module, name in wanted[target]:
                 owner_name, _, param = name.rpartition(".")
                 owner = module.get_submodule(owner_name) if owner_name else module
@@ -307,6 +316,20 @@ class LlamaFamilyAdapter(SpanAdapter):
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         return 2 * kv_heads * head_dim * (end - start) * torch.finfo(dtype).bits // 8
+
+
+def _keeps_float32(model_class: type, dtype: torch.dtype) -> Callable[[str], bool]:
+    """transformers' rule for ``model_class``: parameter names matching its ``_keep_in_fp32_modules_strict``
+    stay float32 in bfloat16/float16 (and ``_keep_in_fp32_modules`` in float16); the rest take ``dtype``."""
+    patterns: list[str] = []
+    if dtype in (torch.float16, torch.bfloat16):
+        patterns += getattr(model_class, "_keep_in_fp32_modules_strict", None) or []
+    if dtype == torch.float16:
+        patterns += getattr(model_class, "_keep_in_fp32_modules", None) or []
+    if not patterns:
+        return lambda name: False
+    keep = re.compile("|".join(p.replace("*", ".*") for p in patterns))
+    return lambda name: keep.search(name) is not None
 
 
 def _layer_windows(config: PretrainedConfig) -> list[Optional[int]]:

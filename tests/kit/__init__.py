@@ -13,6 +13,7 @@ Benchmarks import from here and nowhere else in tests/; tests never import bench
 - families.py: the family tests' fixtures (tiny checkpoints per family, references), the servers'
   quantization recipe in one process, a client over CLI servers; mxfp4.py: gpt-oss's MXFP4 layout
 - faults.py, faulty_server.py: liars and slow servers (``python -m tests.kit.faulty_server``)
+- batch_rows.py: the batching tests' prompts, members of a batched pass alone and together, greedy truth
 - oracle.py: an oracle target for the decoder; streams.py: a fake message stream
 - browser.py: headless Chromium; netns.py: the network-namespace testbed
 - synthetic_swarm.py, dht_swarm.py, route_yardstick.py: swarms of records, DHT peers, and the

@@ -11,11 +11,21 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from protocol.models import ensure_smollm2_checkpoint
 
 
-def build_tiny_llama(path: Path, num_layers: int = 6, seed: int = 0) -> Path:
-    """A 6-block Llama with SmolLM2's tokenizer (so chat templates and decoding work)."""
+def _vocab(vocab_size: int | None) -> tuple[object | None, dict]:
+    """SmolLM2's tokenizer and the config's vocabulary keywords; with ``vocab_size``, no tokenizer
+    (for machines without the embedded model: benchmarks/gpu_check.py) and no special ids."""
+    if vocab_size is not None:
+        return None, dict(vocab_size=vocab_size)
     tokenizer = AutoTokenizer.from_pretrained(ensure_smollm2_checkpoint())
+    ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    return tokenizer, dict(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, **ids)
+
+
+def build_tiny_llama(path: Path, num_layers: int = 6, seed: int = 0, vocab_size: int | None = None) -> Path:
+    """A 6-block Llama with SmolLM2's tokenizer (so chat templates and decoding work); with
+    ``vocab_size``, no tokenizer."""
+    tokenizer, vocab = _vocab(vocab_size)
     config = LlamaConfig(
-        vocab_size=len(tokenizer),
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=num_layers,
@@ -23,9 +33,7 @@ def build_tiny_llama(path: Path, num_layers: int = 6, seed: int = 0) -> Path:
         num_key_value_heads=2,
         max_position_embeddings=1024,
         tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        **vocab,
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
@@ -34,7 +42,8 @@ def build_tiny_llama(path: Path, num_layers: int = 6, seed: int = 0) -> Path:
             if param.ndim == 2:
                 param.normal_(0, 0.2)
     model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
     return path
 
 
@@ -174,16 +183,18 @@ DENSE_FAMILIES: dict[str, dict] = {
 }
 
 
-def build_tiny_moe(path: Path, model_type: str, num_layers: int = 4, seed: int = 0) -> Path:
+def build_tiny_moe(
+    path: Path, model_type: str, num_layers: int = 4, seed: int = 0, vocab_size: int | None = None
+) -> Path:
     """A tiny random mixture of experts of ``model_type`` (MOE_FAMILIES; or a dense model of
     DENSE_FAMILIES) with SmolLM2's tokenizer,
     saved by transformers' save_pretrained, which writes the hub's layout (one tensor per expert and
-    projection, Mixtral's ``block_sparse_moe.experts.N.w1``), not the fused modules."""
+    projection, Mixtral's ``block_sparse_moe.experts.N.w1``), not the fused modules. With
+    ``vocab_size``, no tokenizer."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    tokenizer = AutoTokenizer.from_pretrained(ensure_smollm2_checkpoint())
+    tokenizer, vocab = _vocab(vocab_size)
     settings = dict(
-        vocab_size=len(tokenizer),
         hidden_size=64,
         intermediate_size=96,
         num_hidden_layers=num_layers,
@@ -191,9 +202,7 @@ def build_tiny_moe(path: Path, model_type: str, num_layers: int = 4, seed: int =
         num_key_value_heads=2,
         max_position_embeddings=1024,
         tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        **vocab,
     )
     family = MOE_FAMILIES.get(model_type) or DENSE_FAMILIES[model_type]
     config = AutoConfig.for_model(model_type, **{**settings, **family})
@@ -206,7 +215,8 @@ def build_tiny_moe(path: Path, model_type: str, num_layers: int = 4, seed: int =
             elif name.endswith("e_score_correction_bias"):
                 param.normal_(0, 0.5)
     model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
     return path
 
 
@@ -243,13 +253,13 @@ def build_tiny_deepseek_v3_with_mtp(path: Path, seed: int = 0) -> Path:
 HCA, CSA, SWA = "heavily_compressed_attention", "compressed_sparse_attention", "sliding_attention"
 
 
-def build_tiny_deepseek_v4(path: Path, seed: int = 0) -> Path:
-    """A 6-block random DeepSeek-V4 with SmolLM2's tokenizer, saved by save_pretrained."""
+def build_tiny_deepseek_v4(path: Path, seed: int = 0, vocab_size: int | None = None) -> Path:
+    """A 6-block random DeepSeek-V4 with SmolLM2's tokenizer, saved by save_pretrained; with
+    ``vocab_size``, no tokenizer."""
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
-    tokenizer = AutoTokenizer.from_pretrained(ensure_smollm2_checkpoint())
+    tokenizer, vocab = _vocab(vocab_size)
     config = DeepseekV4Config(
-        vocab_size=len(tokenizer),
         hidden_size=32,
         moe_intermediate_size=32,
         num_hidden_layers=6,
@@ -271,9 +281,7 @@ def build_tiny_deepseek_v4(path: Path, seed: int = 0) -> Path:
         index_head_dim=16,
         index_topk=2,
         max_position_embeddings=1024,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        **vocab,
     )
     torch.manual_seed(seed)
     model = DeepseekV4ForCausalLM(config)
@@ -288,5 +296,6 @@ def build_tiny_deepseek_v4(path: Path, seed: int = 0) -> Path:
                 table = torch.rand(config.vocab_size, config.n_routed_experts).argsort(dim=-1)
                 layer.mlp.gate.tid2eid.copy_(table[:, : config.num_experts_per_tok])
     model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
     return path

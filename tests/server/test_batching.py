@@ -25,6 +25,7 @@ from server.batching import BatchScheduler
 from server.quantization import Quant
 from server.session import QueuedRun, ServerSession
 from server.weights import Checkpoint
+from tests.kit.batch_rows import MEMBERS, alone_and_together, filled_cache, greedy_truth, padded, prompts, span_blocks
 from tests.kit.reference import reference_sample
 from tests.kit.swarms import inprocess_servers
 from tests.kit.threads import single_torch_thread
@@ -44,51 +45,7 @@ def whole_span(tiny_llama_path):
     return _whole_span(tiny_llama_path)
 
 
-def prompts(count: int, seed: int = 5) -> list[list[int]]:
-    """Distinct prompts of different lengths (3 to 18 ids), some repeating themselves so that
-    retrieval drafting has something to draft."""
-    generator = torch.Generator().manual_seed(seed)
-    rows = []
-    for i in range(count):
-        row = torch.randint(10, 2000, (3 + i % 8,), generator=generator).tolist()
-        rows.append(row + row[: i % 11] if i % 2 else row)
-    return rows
-
-
 # ---- the adapter's batched pass -----------------------------------------------------------------
-
-
-def _filled_cache(span, length: int, seed: int):
-    cache = span.new_cache()
-    if length:
-        ids = torch.randint(0, 1000, (1, length), generator=torch.Generator().manual_seed(seed))
-        span.forward(span.embed(ids), ids, 0, cache, span_blocks(span))
-    return cache
-
-
-def span_blocks(span) -> range:
-    return range(span.start, span.end)
-
-
-# (cached positions, new positions, tree parents or None): decode steps, a prefill, drafts, a tree
-MEMBERS = [(5, 1, None), (0, 7, None), (3, 4, [-1, 0, 0]), (9, 3, None), (2, 1, None), (12, 5, [-1, 0, 1, 0])]
-
-
-def _alone_and_together(span, seed: int, members_spec=MEMBERS):
-    """Each of ``members_spec`` through ``span`` alone ((output, cache) pairs), the same members
-    (on twin caches) and their outputs from one batched pass."""
-    alone, members = [], []
-    with single_torch_thread():
-        for i, (length, num_new, tree) in enumerate(members_spec):
-            cache = _filled_cache(span, length, seed=i)
-            twin = copy.deepcopy(cache)
-            ids = torch.randint(0, 1000, (1, num_new), generator=torch.Generator().manual_seed(seed + i))
-            hidden = span.embed(ids)
-            extra = {"tree": tree} if tree else {}
-            alone.append((span.forward(hidden, ids, length, cache, span_blocks(span), **extra), cache))
-            members.append(BatchMember(hidden, ids, length, twin, tree))
-        outputs = span.forward_batch(members, span_blocks(span))
-    return alone, members, outputs
 
 
 @pytest.mark.parametrize("quant", ["none", "int8", "nf4"])
@@ -96,7 +53,7 @@ def test_a_batched_pass_gives_each_member_its_own_activations_and_cache(tiny_lla
     """Quantized spans batch too: their linears take the packed row like any other."""
     if quant != "none":
         whole_span = _whole_span(tiny_llama_path, Quant(quant))
-    alone, members, outputs = _alone_and_together(whole_span, seed=100)
+    alone, members, outputs = alone_and_together(whole_span, seed=100)
     _assert_each_member_got_its_own(whole_span, alone, outputs, members)
 
 
@@ -122,7 +79,7 @@ def test_a_quantized_deepseek_v4_pass_gives_each_member_its_own_activations_and_
     (the compressor's and indexer's state is part of what the next lap reads)."""
     span = _whole_span(tiny_v4_path, Quant(quant))
     assert any(isinstance(m, (bnb.nn.Linear8bitLt, bnb.nn.Linear4bit)) for m in span.layers.modules())
-    alone, members, outputs = _alone_and_together(span, seed=300, members_spec=V4_MEMBERS)
+    alone, members, outputs = alone_and_together(span, seed=300, members_spec=V4_MEMBERS)
     _assert_each_member_got_its_own(span, alone, outputs, members)
     for member, (_, cache) in zip(members, alone):  # the next lap reads the whole cache state
         torch.testing.assert_close(_cache_tensors(member.cache), _cache_tensors(cache), rtol=1e-4, atol=1e-4)
@@ -145,7 +102,7 @@ def test_a_member_cancelled_between_blocks_leaves_without_disturbing_the_others(
     members, alone = [], []
     with single_torch_thread():
         for i, (length, num_new, tree) in enumerate(MEMBERS[:4]):
-            cache = _filled_cache(whole_span, length, seed=i)
+            cache = filled_cache(whole_span, length, seed=i)
             twin = copy.deepcopy(cache)
             ids = torch.randint(0, 1000, (1, num_new), generator=torch.Generator().manual_seed(200 + i))
             hidden = whole_span.embed(ids)
@@ -194,7 +151,7 @@ def test_sliding_window_spans_batch_a_pass_like_full_attention(sliding):
     equal its pass alone, with members past the window, a prefill longer than it and a tree."""
     span, _ = sliding
     assert span.windows == [None, None, 6, 6, 6, 6] and span.supports_trees
-    alone, members, outputs = _alone_and_together(span, seed=300)
+    alone, members, outputs = alone_and_together(span, seed=300)
     for (expected, cache), got, member in zip(alone, outputs, members):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
         for mine, theirs in zip(member.cache.layers, cache.layers):
@@ -212,13 +169,6 @@ def test_sliding_window_sessions_through_the_scheduler_equal_transformers(slidin
 
 
 # ---- the scheduler over real sessions -------------------------------------------------------------
-
-
-def greedy_truth(reference, row: list[int], tokens: int) -> list[int]:
-    ids = torch.tensor([row])
-    with torch.no_grad(), single_torch_thread():
-        out = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, do_sample=False)
-    return out[0, len(row) :].tolist()
 
 
 async def _decode(
@@ -415,13 +365,6 @@ def batching_swarm(tiny_llama_path):
     yield from inprocess_servers(tiny_llama_path)
 
 
-def _padded(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(map(len, rows))
-    ids = torch.tensor([[0] * (width - len(row)) + row for row in rows])
-    mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in rows])
-    return ids, mask
-
-
 MODES = {
     "greedy, no speculation": dict(speculation=None),
     "greedy, suffix drafts": dict(speculation="suffix"),
@@ -447,7 +390,7 @@ def test_sixteen_concurrent_sessions_each_equal_transformers_and_themselves_alon
     before = [
         server.handler.batches.stats["batched_runs"] - server.handler.batches.stats["batches"] for server in servers
     ]
-    ids, mask = _padded(rows)
+    ids, mask = padded(rows)
     output = model.generate(ids, attention_mask=mask, max_new_tokens=TOKENS, **kwargs)
     got = [output[i, ids.shape[1] : ids.shape[1] + TOKENS].tolist() for i in range(SESSIONS)]
     assert got == expected

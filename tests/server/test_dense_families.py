@@ -14,10 +14,10 @@ from transformers import AutoModelForCausalLM
 
 from protocol.messages import SamplingParams
 from server.quantization import Quant
+from tests.kit.batch_rows import greedy_truth, padded, prompts
 from tests.kit.checkpoints import DENSE_FAMILIES
 from tests.kit.families import cli_swarm_model, quantized_reference
 from tests.kit.reference import PROMPT, reference_sample
-from tests.server.test_batching import _padded, greedy_truth, prompts
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.usefixtures("one_torch_thread")]
 FAMILIES = list(DENSE_FAMILIES)
@@ -64,7 +64,7 @@ def test_swarm_generation_equals_transformers(served):
 def test_padded_concurrent_sessions_each_equal_transformers(served):
     model_type, model, reference = served
     rows = prompts(4, seed=9)
-    ids, mask = _padded(rows)
+    ids, mask = padded(rows)
     output = model.generate(ids, attention_mask=mask, max_new_tokens=12, speculation="suffix")
     got = [output[i, ids.shape[1] :].tolist() for i in range(len(rows))]
     assert got == [greedy_truth(reference, row, 12) for row in rows], model_type

@@ -24,10 +24,10 @@ from server.adapters.gpt_oss_experts import QuantizedGptOssExperts
 from server.memory import model_sizes
 from server.quantization import Quant, resident_bytes
 from server.weights import Checkpoint
+from tests.kit.batch_rows import alone_and_together
 from tests.kit.checkpoints import MOE_FAMILIES
 from tests.kit.families import cli_swarm_model, quantized_reference
 from tests.kit.reference import PROMPT, reference_sample
-from tests.server.test_batching import _alone_and_together
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.usefixtures("one_torch_thread")]
 FAMILIES = list(MOE_FAMILIES)
@@ -87,7 +87,7 @@ def test_a_batched_pass_gives_each_member_what_it_gets_alone(family_paths, model
     DeepSeek-V3's latent attention) get their own activations and caches, a tree included."""
     (span,) = _spans(family_paths(model_type), [(0, 4)])
     assert span.packs_sessions == (model_type not in ("deepseek_v3", "gpt_oss")) and span.supports_trees
-    alone, members, outputs = _alone_and_together(span, seed=11)
+    alone, members, outputs = alone_and_together(span, seed=11)
     for (expected, cache), got, member in zip(alone, outputs, members):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
         assert span.cache_length(member.cache) == span.cache_length(cache)
@@ -229,11 +229,11 @@ def test_concurrent_sessions_batched_on_the_servers_each_equal_transformers(serv
     """Eight sessions in one generate call, whose runs reach the servers together (the batched pass
     itself is checked span-level above; each session routes its own tokens to its own experts): each
     equals transformers alone."""
-    from tests.server.test_batching import _padded, greedy_truth, prompts
+    from tests.kit.batch_rows import greedy_truth, padded, prompts
 
     model_type, model, reference = served
     rows = prompts(8, seed=3)
-    ids, mask = _padded(rows)
+    ids, mask = padded(rows)
     output = model.generate(ids, attention_mask=mask, max_new_tokens=10, speculation="suffix")
     got = [output[i, ids.shape[1] :].tolist() for i in range(len(rows))]
     assert got == [greedy_truth(reference, row, 10) for row in rows], model_type

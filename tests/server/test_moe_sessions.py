@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.kit.batch_rows import greedy_truth, padded, prompts
 from tests.kit.families import cli_swarm_model
 from tests.kit.reference import PROMPT
 from tests.kit.swarms import start_inprocess
-from tests.server.test_batching import _padded, greedy_truth, prompts
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.usefixtures("one_torch_thread")]
 SPANS = [(0, 2), (2, 4)]
@@ -30,7 +30,7 @@ def test_eight_sessions_share_batched_passes_and_each_equals_itself_alone(family
     swarm = start_inprocess(path, spans=SPANS)
     try:
         rows = prompts(8, seed=3)
-        ids, mask = _padded(rows)
+        ids, mask = padded(rows)
         before = [len(server.handler.batches.batch_sizes) for server in swarm.servers]
         output = swarm.model.generate(ids, attention_mask=mask, max_new_tokens=8, speculation=None)
         for server, first in zip(swarm.servers, before):
