@@ -100,6 +100,30 @@ def test_the_gateway_names_a_spent_compile_budget():
     assert "compile budget spent" in api.message
 
 
+def test_a_compile_budget_counts_only_from_the_tails_own_stream():
+    """The tail sends a spent budget on the results stream the client opened to it, which no other hop
+    writes to: first-hand there (that tail avoided a while, no one else blamed). The same code relayed
+    up the head stream is some hop's forgery: a route fault with no budget in it, which the gateway does
+    not report as a 429 asking the user to reuse constraints."""
+    from client._remote_session import _error_from
+    from client.errors import RouteFault, ServerRejected
+    from protocol.messages import ErrorReply
+
+    reply = ErrorReply(session_id="s", code=ErrorCode.COMPILE_BUDGET, message="budget spent", run_id=3, peer_id="QmT")
+    own = _error_from(reply, "QmHead", tail="QmTail")
+    assert isinstance(own, ServerRejected) and not own.hearsay and own.retryable
+    assert own.peer_id == "QmTail" and own.code == ErrorCode.COMPILE_BUDGET  # the stream's peer, not the claim
+    assert from_exception(GenerationError("failed after 2 failovers")).status == 502
+    relayed = _error_from(reply, "QmHead")
+    assert isinstance(relayed, RouteFault) and relayed.hearsay and relayed.retryable
+    assert relayed.code == ErrorCode.DOWNSTREAM_FAILED and "a hop forged it" in str(relayed)
+    try:
+        raise GenerationError("generation failed after 0 failovers") from relayed
+    except GenerationError as wrapped:
+        api = from_exception(wrapped)
+    assert api.status == 502 and api.code == "swarm_failed"
+
+
 @pytest.fixture(scope="module")
 def budget_swarm(tiny_llama_path):
     # a small --compile-budget-per-peer, through ServerConfig to the tail it starts (server/span_server.py)
@@ -130,9 +154,14 @@ def test_a_live_tail_counts_compiles_against_the_client_not_the_forwarding_serve
     with pytest.raises(GenerationError) as e:
         run(a, "[d-f]{4}")
     assert "compile_budget" in str(e.value) and "constraint compile budget spent" in str(e.value)
-    assert f"2 new constraints per 60 s for peer {a.swarm.p2p.peer_id.to_base58()}" in str(
-        e.value
-    )  # the client's, not the head's
+    client_peer = a.swarm.p2p.peer_id.to_base58()
+    assert f"2 new constraints per 60 s for peer {client_peer}" in str(e.value)  # the client's, not the head's
+    # first-hand, on the tail's own results stream: the tail alone is avoided a while, the honest head unblamed
+    cause = e.value.__cause__
+    assert isinstance(cause, ServerError) and not cause.hearsay and cause.peer_id == tail.handler.peer_id
+    head = budget_swarm.servers[0].handler.peer_id
+    assert tail.handler.peer_id in a.swarm.suspects.current() and head not in a.swarm.suspects.current()
+    assert not {head, tail.handler.peer_id} & a.swarm.excluded.current()
     run(a, "[0-9]{4}")  # cached: free
     b = AutoDistributedModelForCausalLM.from_pretrained(str(tiny_llama_path), initial_peers=budget_swarm.peers)
     try:
