@@ -214,6 +214,9 @@ class Prompt(NamedTuple):
     text: Optional[str]  # as the request gave it (None: given as ids); what echo returns
 
 
+ROLE_ALIASES = {"developer": "system", "ipython": "tool"}  # OpenAI's newer name; Llama 3.1's for tool results
+
+
 def chat_messages(messages: list[ChatMessage], structured_calls: bool = False) -> list[dict[str, Any]]:
     """The messages as the chat template takes them; assistant tool calls as text in the documented
     format, or (``structured_calls``, for a template that renders tools) kept as ``tool_calls``."""
@@ -221,7 +224,7 @@ def chat_messages(messages: list[ChatMessage], structured_calls: bool = False) -
         raise bad_request("messages must not be empty", "messages")
     out = []
     for m in messages:
-        role = "system" if m.role == "developer" else m.role
+        role = ROLE_ALIASES.get(m.role, m.role)
         if role not in CHAT_ROLES:
             raise bad_request(f"unknown message role {m.role!r}; use system, user or assistant", "messages")
         if isinstance(m.content, list):

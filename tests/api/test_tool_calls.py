@@ -389,7 +389,7 @@ def test_builtin_tools_go_to_the_template_as_builtin_tools(smol_tokenizer):
     messages = [
         {"role": "user", "content": "weather in Oslo?"},
         {"role": "assistant", "content": None, "tool_calls": [search]},
-        {"role": "tool", "tool_call_id": "c1", "content": "rain"},
+        {"role": "ipython", "tool_call_id": "c1", "content": "rain"},  # Llama 3.1's name for role "tool"
     ]
     body = {"model": "m", "messages": messages, "tools": tools, "tool_choice": "auto", "max_tokens": 8}
     (choice,), _ = chat_params(msgspec.convert(body, ChatRequest), served, 4)
@@ -426,3 +426,14 @@ def test_the_detokenizer_keeps_the_python_tag_where_it_is_a_special_token(smol_t
 
     assert text(("<|python_tag|>",)) == '<|python_tag|>brave_search.call(query="x")'  # <|im_end|> still dropped
     assert text(()) == 'brave_search.call(query="x")'
+
+
+def test_the_ipython_role_is_a_tool_result():
+    import msgspec
+
+    from swarm.api.schemas import ChatMessage, chat_messages
+
+    given = msgspec.convert(
+        [{"role": "ipython", "content": "rain"}, {"role": "developer", "content": "be brief"}], list[ChatMessage]
+    )
+    assert chat_messages(given) == [{"role": "tool", "content": "rain"}, {"role": "system", "content": "be brief"}]
