@@ -44,7 +44,7 @@ bench-drafter: setup
 bench-wan: setup
 	$(PYTHON) -m benchmarks.wan
 
-# JSON-schema extraction: grammar drafts on/off and free text, 25 ms per hop (docs/benchmarks.md "Structured outputs")
+# JSON-schema extraction: grammar drafts on/off, a local draft model and free text, 25 ms per hop (docs/benchmarks.md "Structured outputs")
 bench-structured: setup
 	$(PYTHON) -m benchmarks.structured
 

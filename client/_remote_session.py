@@ -14,6 +14,8 @@ Verdicts are bound to what was verified: each carries a digest of the Step the t
 that secret (protocol/digest.py), and a verdict whose digest differs from the Step this client sent
 raises RouteFault (some hop rewrote the Step; failover avoids the route). Errors that arrive as
 ErrorReply are hearsay (client/errors.py): they make failover check, never exclude by themselves.
+One exception: a tail's spent compile budget (``compile_budget``) comes on its results stream, which
+only the tail writes; the same code relayed up the head stream is a hop's forgery (a route fault).
 """
 
 from __future__ import annotations
@@ -59,6 +61,13 @@ class _StreamLost:
         self.peer_id, self.which = peer_id, which
 
 
+class _Refusal:
+    """An ErrorReply and the stream it came on: ``tail`` (the tail's own) or ``head`` (relayed by any hop)."""
+
+    def __init__(self, reply: ErrorReply, which: str):
+        self.reply, self.which = reply, which
+
+
 class _Outputs:
     """A RunOutputs message and its tensors (the inbox holds bare messages otherwise)."""
 
@@ -100,7 +109,7 @@ class RemoteSession:
         self.sampling_sent = GREEDY  # the session's sampling parameters as the servers know them
         self._head: Optional[MessageStream] = None
         self._tail: Optional[MessageStream] = None
-        self._inbox: asyncio.Queue[Message | _StreamLost | _Outputs] = asyncio.Queue()
+        self._inbox: asyncio.Queue[Message | _StreamLost | _Outputs | _Refusal] = asyncio.Queue()
         self._readers: list[asyncio.Task] = []
         # run id -> (digest, start_pos, committed ids) of each run sent and not yet judged; and the
         # (start_pos, first id) of runs the tail said it looped to the head (their drafts come in
@@ -195,6 +204,8 @@ class RemoteSession:
                 continue
             if isinstance(message, RunOutputs):
                 self._inbox.put_nowait(_Outputs(message, received.tensors))
+            elif isinstance(message, ErrorReply):
+                self._inbox.put_nowait(_Refusal(message, which))
             else:
                 self._inbox.put_nowait(message)
 
@@ -265,10 +276,10 @@ class RemoteSession:
                 raise ServerError(
                     f"the {item.which} server {item.peer_id} closed the session", "", ErrorCode.DOWNSTREAM_FAILED
                 )
-            if isinstance(item, ErrorReply):
-                if item.run_id is not None and item.run_id < min_run_id:
+            if isinstance(item, _Refusal):
+                if item.reply.run_id is not None and item.reply.run_id < min_run_id:
                     continue
-                raise _error_from(item, self.head_peer)
+                raise _error_from(item.reply, self.head_peer, self.tail_peer if item.which == "tail" else None)
             if isinstance(item, _Outputs) and item.message.run_id >= min_run_id and outputs is not None:
                 outputs.append((item.message, item.tensors))
             if isinstance(item, StepResult) and item.run_id >= min_run_id:
@@ -332,14 +343,26 @@ class RemoteSession:
                 stream.close()
 
 
-def _error_from(reply: Optional[Message], head: str) -> ServerError:
+def _error_from(reply: Optional[Message], head: str, tail: Optional[str] = None) -> ServerError:
     """An ErrorReply is hearsay: relayed hop by hop, it may come from any route member and name
     anyone. A refusal of the client's own request is final only when it names the head, which
     checks every Step first; the same refusal from further on (the head accepted what it refuses),
-    and ``unauthorized`` (this client always sends its true secret), are faults of the route."""
+    and ``unauthorized`` (this client always sends its true secret), are faults of the route.
+
+    ``tail``: the reply came on the tail's own results stream (``tail`` its peer id), which no other
+    hop writes to. A spent compile budget counts only from there, first-hand (failover then avoids
+    that tail a while, blaming no one else); relayed up the head stream it is a hop's forgery, a route
+    fault with no budget in it, so neither the client nor the gateway reports a budget nobody spent."""
     if not isinstance(reply, ErrorReply):
         return ServerError(f"unexpected reply {type(reply).__name__}", head, ErrorCode.INTERNAL)
     named, text = reply.peer_id or head, f"[{reply.code.value}] {reply.message[:500]}"
+    if reply.code == ErrorCode.COMPILE_BUDGET:
+        if tail is not None:
+            return ServerRejected(text, tail, reply.code)
+        forged = (
+            f"a compile_budget refusal relayed up the route, not on the tail's own stream: a hop forged it ({text})"
+        )
+        return RouteFault(forged, named, ErrorCode.DOWNSTREAM_FAILED, hearsay=True)
     if reply.code == ErrorCode.UNAUTHORIZED or (reply.code not in RETRYABLE_CODES and named != head):
         return RouteFault(text, named, reply.code, hearsay=True)
     cls = ServerRejected if reply.code not in (ErrorCode.DOWNSTREAM_FAILED, ErrorCode.INTERNAL) else ServerError

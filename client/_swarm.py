@@ -256,7 +256,11 @@ class SwarmClient:
         (a black hole answers pings), which routes avoid for a while where they can. After hearsay
         the hops that did answer become suspects even when another missed its ping: an accused
         server busy for a few seconds must not leave its accuser trusted (seen: the accused tail
-        excluded, then the accuser routed again once that exclusion ended)."""
+        excluded, then the accuser routed again once that exclusion ended). A tail's spent compile budget,
+        on its own results stream, is no fault: that tail alone becomes a suspect (client/_remote_session.py)."""
+        if error.code == ErrorCode.COMPILE_BUDGET and not error.hearsay:  # the tail's own: no fault, its ration
+            self.suspects.add(error.peer_id)  # avoided where another tail serves, for about the budget's window
+            return []
         if error.peer_id and not error.hearsay and not isinstance(error, RouteFault):
             self.exclude(error.peer_id)
             return [error.peer_id]

@@ -22,6 +22,8 @@ what some route member says; the client cannot tell which member wrote it, as re
 hop by hop). Failover excludes a server only on what the client saw itself: its own failed dial
 or send, a stream it opened that broke, a ping it sent unanswered, a malformed verdict on the
 tail's own stream, an audit conviction. Hearsay makes the client check (ping the route) instead.
+A tail's ``compile_budget`` counts only on the tail's own results stream (client/_remote_session.py);
+relayed up the route it is a RouteFault.
 """
 
 from __future__ import annotations

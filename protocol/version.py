@@ -46,7 +46,8 @@ PROTOCOL_VERSION = 9
 #    serves), OpenSession.active_adapter and TrainForward.active_adapter (the adapter every hop applies), error
 #    code unknown_adapter. A v7 server would ignore active_adapter and answer without the adapter.
 # 9: error code compile_budget: the tail's ration of fresh constraint compiles, kept per requesting peer and
-#    source address (server/compile_budget.py), is spent (was: busy, one ration per tail);
+#    source address (server/compile_budget.py), is spent (was: busy, one ration per tail); sent on the client's
+#    results stream only (relayed up the route it is a forgery: a route fault, client/_remote_session.py);
 #    StepResult.tail_costs (protocol/tail_costs.py), what verifying a run cost the tail;
 #    multi-label sequence classification: TrainForward.multi_labels (a trailing field: one target in [0, 1]
 #    per label; the tail's loss is their mean BCE-with-logits, as transformers' multi_label_classification).

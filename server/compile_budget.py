@@ -3,9 +3,10 @@
 Compiling a large JSON schema takes CPU seconds, so a tail counts the compiles that miss its cache.
 One server-wide count would let one stranger sending many distinct schemas spend every other
 client's share; so the count is kept per requesting peer *and* per its source address (a peer id
-costs nothing, an address does: server/address_caps.py), each at most ``per_requester`` per window,
-with a server-wide ``total`` behind them as the backstop against many addresses. Past any of them the
-run is refused with its own error code, ``compile_budget`` (protocol v9), which the client and the
+costs nothing, an address does: server/address_caps.py), at most ``per_peer`` and ``per_address`` per
+window, with a server-wide ``total`` behind them as the backstop against many addresses (the
+server's ``--compile-budget-per-peer``, ``--compile-budget-per-address`` and ``--compile-budget-total``).
+Past any of them the run is refused with its own error code, ``compile_budget`` (protocol v9), which the client and the
 gateway turn into a message naming the budget; sessions reusing a cached constraint never count.
 
 Who requests: the client that holds the session's secret (its Subscribe to the tail's results,
@@ -21,8 +22,9 @@ from typing import Callable, NamedTuple, Optional
 
 from protocol.errors import ErrorCode, ProtocolError
 
-PER_REQUESTER = 16  # fresh compiles per requesting peer, and per its source address, per window
-TOTAL = 64  # fresh compiles per window on this tail, whoever asks
+PER_PEER = 16  # fresh compiles per requesting peer per window (--compile-budget-per-peer)
+PER_ADDRESS = 16  # fresh compiles per source address group per window, any peer ids (--compile-budget-per-address)
+TOTAL = 64  # fresh compiles per window on this tail, whoever asks (--compile-budget-total)
 WINDOW_S = 60.0
 MAX_KEYS = 4096  # requesters remembered at once (stale ones are dropped first)
 
@@ -40,12 +42,17 @@ class CompileBudget:
 
     def __init__(
         self,
-        per_requester: int = PER_REQUESTER,
+        per_peer: int = PER_PEER,
+        per_address: int = PER_ADDRESS,
         total: int = TOTAL,
         window_s: float = WINDOW_S,
         clock: Callable[[], float] = time.monotonic,
     ):
-        self.per_requester, self.total, self.window_s, self._clock = per_requester, total, window_s, clock
+        check_limits(per_peer, per_address, total)
+        if not window_s > 0:
+            raise ValueError(f"the compile budget's window must be positive, got {window_s}")
+        self.per_peer, self.per_address, self.total = per_peer, per_address, total
+        self.window_s, self._clock = window_s, clock
         self._spent: dict[str, deque[float]] = {}
         self._lock = threading.Lock()  # compiles run in the worker's executor threads
 
@@ -61,7 +68,7 @@ class CompileBudget:
             now = self._clock()
             for key in keys:
                 spent = self._fresh(key, now)
-                limit = self.total if key == "*" else self.per_requester
+                limit = self._limit(key)
                 if len(spent) >= limit:
                     whom = "on this tail" if key == "*" else f"for {key}"
                     raise ProtocolError(
@@ -73,6 +80,11 @@ class CompileBudget:
                 self._spent.setdefault(key, deque()).append(now)
             if len(self._spent) > MAX_KEYS:
                 self._forget_stale(now)
+
+    def _limit(self, key: str) -> int:
+        if key == "*":
+            return self.total
+        return self.per_peer if key.startswith("peer ") else self.per_address
 
     def _fresh(self, key: str, now: float) -> deque[float]:
         spent = self._spent.get(key, deque())
@@ -87,3 +99,15 @@ class CompileBudget:
         while len(self._spent) > MAX_KEYS:
             oldest = min((k for k in self._spent if k != "*"), key=lambda k: self._spent[k][-1])
             del self._spent[oldest]
+
+
+def check_limits(per_peer: int, per_address: int, total: int) -> None:
+    """Refuse a budget that cannot work, naming the server flag: each limit a whole number >= 1 (0 would
+    refuse every constraint not already compiled, which no client could tell from a spent budget)."""
+    for flag, value in (
+        ("--compile-budget-per-peer", per_peer),
+        ("--compile-budget-per-address", per_address),
+        ("--compile-budget-total", total),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{flag} must be a whole number >= 1, got {value!r}")

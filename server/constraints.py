@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from protocol.constraints import ConstraintCompiler, Guide
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.messages import Constraint
 from server.compile_budget import CompileBudget, Requester
+
+if TYPE_CHECKING:
+    from server.weights import Checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +33,11 @@ class TailConstraints:
         # compiling a large schema takes CPU seconds: a stranger sending many distinct ones must not
         # starve the server, so fresh compiles are rationed per requester (server/compile_budget.py)
         self.budget = budget or CompileBudget()
+
+    @classmethod
+    def of(cls, checkpoint: "Checkpoint", vocab_size: int, budget: CompileBudget) -> "TailConstraints":
+        """For a tail loaded from ``checkpoint``, rationing fresh compiles by ``budget`` (the server's flags)."""
+        return cls(checkpoint.source, checkpoint.revision, vocab_size, budget)
 
     def _load(self) -> ConstraintCompiler:
         with self._lock:

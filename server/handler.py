@@ -408,7 +408,12 @@ class SessionHandler(SessionWorker):
     async def _report(
         self, upstream: MessageStream, session: Optional[ServerSession], error: ProtocolError, run_id: Optional[int]
     ) -> None:
-        """Refuse a request on the stream it came on, naming this server unless the error names another."""
+        """Refuse a request on the stream it came on, naming this server unless the error names another. A
+        spent compile budget at the tail goes to the client's own results stream instead: the one stream no
+        other hop writes to, so the client believes it only there (a relayed one is forged: docs/reliability.md)."""
+        at_tail = session is not None and session.next_hop is None and run_id is not None
+        if error.code == ErrorCode.COMPILE_BUDGET and at_tail:
+            return await self._report_run(session, error, run_id)
         await report(upstream, session.session_id if session is not None else "", error, run_id, self.peer_id)
 
     def _close(self, session: ServerSession, reason: str) -> None:

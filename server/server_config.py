@@ -18,6 +18,7 @@ from protocol.limits import (
     DEFAULT_MAX_UNREAD_MIB,
 )
 from server.batching import DEFAULT_GATHER_WINDOW
+from server.compile_budget import PER_ADDRESS, PER_PEER, TOTAL, CompileBudget, check_limits
 from server.tail_drafter import DEFAULT_TAIL_DRAFTS
 
 
@@ -64,6 +65,17 @@ class ServerConfig:
     batching: bool = True  # False: one run per pass through the span (for comparisons)
     revision: Optional[str] = None  # a hub model's commit, branch or tag; None: the one the swarm serves, else main
     adapters: tuple[str, ...] = ()  # PEFT LoRA adapters (folders or hub repos) this server serves (server/lora.py)
+    compile_budget_per_peer: int = PER_PEER  # a tail's fresh constraint compiles per minute per requesting peer
+    compile_budget_per_address: int = PER_ADDRESS  # ... per source address group
+    compile_budget_total: int = TOTAL  # ... whoever asks (server/compile_budget.py)
+
+    def __post_init__(self) -> None:
+        # refused at start, by flag name, rather than at the first constrained session
+        check_limits(self.compile_budget_per_peer, self.compile_budget_per_address, self.compile_budget_total)
+
+    def compile_budget(self) -> CompileBudget:
+        """The tail's ration of fresh constraint compiles (server/compile_budget.py)."""
+        return CompileBudget(self.compile_budget_per_peer, self.compile_budget_per_address, self.compile_budget_total)
 
     def train_plan(self) -> tuple[int, int, int]:
         """What the memory plan counts for training steps (server/memory.py ``plan_blocks``)."""

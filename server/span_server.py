@@ -348,7 +348,7 @@ async def _load_span(config: ServerConfig, model: _Model, claimed: ServerInfo) -
         None, attach_drafter_if_it_fits, span, config, model.config, model.checkpoint, model.plan
     )
     if span.is_tail:  # the tokenizer loads on the first constrained session
-        span.constraints = TailConstraints(model.checkpoint.source, model.checkpoint.revision, span.vocab_size)
+        span.constraints = TailConstraints.of(model.checkpoint, span.vocab_size, config.compile_budget())
     weights_mib = resident_bytes(span.layers) / 2**20
     logger.info(f"Blocks {start}:{end} hold {weights_mib:.1f} MiB of weights ({model.quant.quant.value})")
     return span

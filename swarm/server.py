@@ -19,6 +19,9 @@ from protocol.limits import (
     DEFAULT_MAX_UNREAD_MIB,
 )
 from protocol.version import PROTOCOL_VERSION
+from server.compile_budget import PER_ADDRESS as COMPILE_PER_ADDRESS
+from server.compile_budget import PER_PEER as COMPILE_PER_PEER
+from server.compile_budget import TOTAL as COMPILE_TOTAL
 from swarm.cli_utils import parse_blocks, parse_size, setup_logging, stop_event_on_signals
 
 logger = logging.getLogger("swarm.server")
@@ -208,6 +211,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="PEFT LoRA adapters to serve (local folders or hub repos); clients pick one by its name, "
         "the folder's name or the repo id (docs/fine_tuning.md)",
     )
+    p.add_argument(
+        "--compile-budget-per-peer",
+        type=int,
+        default=COMPILE_PER_PEER,
+        help="at a tail: new constraints (JSON schemas, regexes, grammars) one client may have compiled per "
+        "minute; cached ones are free (docs/reliability.md)",
+    )
+    p.add_argument(
+        "--compile-budget-per-address",
+        type=int,
+        default=COMPILE_PER_ADDRESS,
+        help="at a tail: new constraints per minute for one client source address group, whatever its peer ids",
+    )
+    p.add_argument(
+        "--compile-budget-total",
+        type=int,
+        default=COMPILE_TOTAL,
+        help="at a tail: new constraints per minute, whoever asks",
+    )
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     return p
 
@@ -255,6 +277,9 @@ def server_config(args: argparse.Namespace):
         drafter_tokens=args.drafter_tokens,
         revision=args.revision,
         adapters=tuple(args.adapters),
+        compile_budget_per_peer=args.compile_budget_per_peer,
+        compile_budget_per_address=args.compile_budget_per_address,
+        compile_budget_total=args.compile_budget_total,
     )
 
 

@@ -18,6 +18,7 @@ from typing import Any, AsyncIterator, Optional, Sequence
 from client import AutoDistributedModelForCausalLM, GenerationStats
 from protocol.messages import TokenLogprobs
 from swarm.api.errors import RetractedError, bad_request
+from swarm.api.llama_tools import PYTHON_TAG
 from swarm.api.prompt_logprobs import MAX_CONCURRENT_FORWARDS, prompt_logprobs
 from swarm.api.text import IncrementalDetokenizer, StopMatcher
 
@@ -44,6 +45,11 @@ class GenerationParams:
     tool_names: tuple[str, ...] = ()
     tool_format: str = "json"  # how calls are written: a key of swarm.api.tools.FORMATS
     parallel_tool_calls: bool = True  # OpenAI's parallel_tool_calls: false allows at most one call
+
+    @property
+    def kept_tokens(self) -> tuple[str, ...]:
+        """Special tokens kept in the text: a Llama 3.1 call's <|python_tag|> (swarm/api/llama_tools.py)."""
+        return (PYTHON_TAG,) if self.tool_call and self.tool_format == "llama3" else ()
 
 
 @dataclass
@@ -81,15 +87,25 @@ class ServedModel:
         return self.tokenizer.decode([token_id])
 
     def chat_prompt(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: Optional[list[Any]] = None
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Optional[list[Any]] = None,
+        **template_kwargs: Any,
     ) -> list[int]:
         """The conversation formatted by the model's own chat template, ready for the reply (``tools``:
-        given to a template that renders them itself, swarm/api/tools.py)."""
+        given to a template that renders them itself, swarm/api/tools.py; ``template_kwargs``: more of
+        the template's variables, such as Llama 3.1's ``builtin_tools``)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise bad_request(f"model {self.name!r} has no chat template; use /v1/completions", "messages")
         try:
             encoded = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=True, tools=tools
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=True,
+                return_dict=True,
+                tools=tools,
+                **template_kwargs,
             )
         except Exception as e:  # jinja raises on conversations the template rejects
             raise bad_request(f"the chat template of {self.name!r} rejected the messages: {e}", "messages") from None
@@ -122,7 +138,7 @@ class TextGeneration:
         if params.max_tokens == 0:  # echo alone: scoring a text, nothing to generate
             self.finish_reason = "length"
             return
-        detokenizer = IncrementalDetokenizer(served.tokenizer, params.prompt_ids)
+        detokenizer = IncrementalDetokenizer(served.tokenizer, params.prompt_ids, params.kept_tokens)
         stops = StopMatcher(params.stop)
         stream = served.model.agenerate_stream(
             params.prompt_ids,
@@ -146,7 +162,7 @@ class TextGeneration:
                         )
                     keep = max(0, len(tokens) - chunk.retracted)  # re-read the kept tokens from the start
                     tokens, logprobs, restart = tokens[:keep], logprobs[:keep], True
-                    detokenizer = IncrementalDetokenizer(served.tokenizer, params.prompt_ids)
+                    detokenizer = IncrementalDetokenizer(served.tokenizer, params.prompt_ids, params.kept_tokens)
                     stops = StopMatcher(params.stop)
                     replayed = "".join(stops.feed(detokenizer.push(t)) for t in tokens)
                     self.completion_tokens = len(tokens)

@@ -20,9 +20,11 @@ from protocol.constraints import constraint_from_options, constraint_from_respon
 from protocol.messages import MAX_TOP_LOGPROBS
 from swarm.api.engine import CHAT_ROLES, GenerationParams, ServedModel, check_prompt_ids
 from swarm.api.errors import APIError, bad_request
+from swarm.api.llama_tools import split_builtins
 from swarm.api.sampling_fields import INT64, sampling_of, stops_of
 from swarm.api.tools import (
     JSON_FORMAT,
+    LLAMA3_FORMAT,
     call_grammar,
     call_schema,
     call_text,
@@ -153,6 +155,7 @@ def chat_params(req: ChatRequest, served: ServedModel, max_choices: int) -> tupl
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     fmt = template_tool_format(served.tokenizer) if req.tools else JSON_FORMAT
     messages, schema, template_tools = chat_messages(req.messages, structured_calls=fmt is not JSON_FORMAT), None, None
+    template_kwargs: dict[str, Any] = {}
     parallel = req.parallel_tool_calls is not False and fmt.parallel
     if req.tools:
         tools = checked_tools(req.tools)
@@ -161,10 +164,12 @@ def chat_params(req: ChatRequest, served: ServedModel, max_choices: int) -> tupl
             raise bad_request("a tool call and another constraint do not go together", "tool_choice")
         if fmt is JSON_FORMAT:
             messages = [{"role": "system", "content": tools_prompt(tools)}] + messages
-        else:  # the template presents the tools in its own way
-            template_tools = [{"type": "function", "function": {"name": n, **t}} for n, t in tools.items()]
+        else:  # the template presents the tools in its own way (Llama 3.1's built-ins apart: llama_tools.py)
+            custom, builtins = split_builtins(tools, served.tokenizer) if fmt is LLAMA3_FORMAT else (tools, [])
+            template_tools = [{"type": "function", "function": {"name": n, **t}} for n, t in custom.items()] or None
+            template_kwargs = {"builtin_tools": builtins} if builtins else {}
             messages = template_messages(messages)
-    prompt_ids = served.chat_prompt(messages, tools=template_tools)
+    prompt_ids = served.chat_prompt(messages, tools=template_tools, **template_kwargs)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     shown = (req.top_logprobs or 0) if req.logprobs else -1
     choices = _choices(req, served, [Prompt(prompt_ids, None)], max_tokens, "messages", shown, max_choices)
@@ -209,6 +214,9 @@ class Prompt(NamedTuple):
     text: Optional[str]  # as the request gave it (None: given as ids); what echo returns
 
 
+ROLE_ALIASES = {"developer": "system", "ipython": "tool"}  # OpenAI's newer name; Llama 3.1's for tool results
+
+
 def chat_messages(messages: list[ChatMessage], structured_calls: bool = False) -> list[dict[str, Any]]:
     """The messages as the chat template takes them; assistant tool calls as text in the documented
     format, or (``structured_calls``, for a template that renders tools) kept as ``tool_calls``."""
@@ -216,7 +224,7 @@ def chat_messages(messages: list[ChatMessage], structured_calls: bool = False) -
         raise bad_request("messages must not be empty", "messages")
     out = []
     for m in messages:
-        role = "system" if m.role == "developer" else m.role
+        role = ROLE_ALIASES.get(m.role, m.role)
         if role not in CHAT_ROLES:
             raise bad_request(f"unknown message role {m.role!r}; use system, user or assistant", "messages")
         if isinstance(m.content, list):

@@ -20,10 +20,14 @@ class IncrementalDetokenizer:
     nothing until the character is complete.
     """
 
-    def __init__(self, tokenizer: Any, prompt_ids: Sequence[int]):
+    def __init__(self, tokenizer: Any, prompt_ids: Sequence[int], keep: Sequence[str] = ()):
         self.tokenizer = tokenizer
         self.ids = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])
         self.prefix, self.read = 0, len(self.ids)
+        # special tokens whose text stays (skip_special_tokens drops the others): Llama 3.1's
+        # <|python_tag|>, which says what follows is a tool call (swarm/api/llama_tools.py)
+        special = set(getattr(tokenizer, "all_special_tokens", ()))
+        self.kept = {tokenizer.convert_tokens_to_ids(t): t for t in keep if t in special}
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
@@ -40,11 +44,18 @@ class IncrementalDetokenizer:
         return after[len(before) :] if len(after) > len(before) else ""
 
     def _window(self) -> tuple[str, str]:
+        return self._decode(self.ids[self.prefix : self.read]), self._decode(self.ids[self.prefix :])
+
+    def _decode(self, ids: list[int]) -> str:
         decode = self.tokenizer.decode
-        return (
-            decode(self.ids[self.prefix : self.read], skip_special_tokens=True),
-            decode(self.ids[self.prefix :], skip_special_tokens=True),
-        )
+        if not self.kept or not any(i in self.kept for i in ids):
+            return decode(ids, skip_special_tokens=True)
+        text, start = "", 0
+        for at, token in enumerate(ids):
+            if token in self.kept:
+                text += decode(ids[start:at], skip_special_tokens=True) + self.kept[token]
+                start = at + 1
+        return text + decode(ids[start:], skip_special_tokens=True)
 
 
 class StopMatcher:

@@ -18,7 +18,9 @@ models were trained on): the grammar and the parser follow it (:class:`ToolForma
 them the Llama 3.1 way (the tools as JSON in the prompt, a call a bare ``{"name": ..., "parameters":
 {...}}``: its text mentions ``"parameters"`` and no ``<tool_call>``) gets its calls in that shape, one
 per reply (the Llama 3.1 template renders one call per assistant turn). Templates without tool support
-(SmolLM2's) keep the documented format. ``parallel_tool_calls`` (OpenAI's, default true) lets a reply
+(SmolLM2's) keep the documented format. A Llama 3.1 reply may also start with ``<|python_tag|>``: a
+built-in tool's call (``brave_search.call(query="...")``), code for code_interpreter, or a JSON call
+(swarm/api/llama_tools.py). ``parallel_tool_calls`` (OpenAI's, default true) lets a reply
 hold several calls, one per line; false allows at most one.
 """
 
@@ -31,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from swarm.api.errors import bad_request
+from swarm.api.llama_tools import PYTHON_TAG, tagged, tagged_call
 
 
 def checked_tools(tools: list[Any]) -> dict[str, dict]:
@@ -157,6 +160,8 @@ def call_grammar(schema: dict, fmt: ToolFormat, parallel: bool) -> str:
 def call_texts(text: str, fmt: ToolFormat) -> Optional[list[str]]:
     """The JSON text of each call in ``text`` (calls joined by newlines); None when the text is not
     made only of calls in ``fmt``."""
+    if fmt is LLAMA3_FORMAT and tagged(text) is not None:  # the rest of the reply is one call (code spans lines)
+        return [text.strip()]
     if not fmt.open:
         lines = [line for line in text.strip().split("\n") if line.strip()]
         return lines or None
@@ -170,6 +175,8 @@ def call_texts(text: str, fmt: ToolFormat) -> Optional[list[str]]:
 def may_be_call(text: str, fmt: ToolFormat) -> bool:
     """Whether "auto" text so far may still turn out to be a call (streamed text is held while so)."""
     head = text.lstrip()
+    if fmt is LLAMA3_FORMAT and (PYTHON_TAG.startswith(head) or head.startswith(PYTHON_TAG)):
+        return True
     if not fmt.open:
         return not head or head.startswith("{")
     opening = fmt.open.strip()
@@ -191,7 +198,13 @@ def tool_calls(
 
 def parse_call(text: str, names: tuple[str, ...], fmt: ToolFormat) -> Optional[dict]:
     """One call's JSON text as an OpenAI tool call (a fresh id); None unless it names a listed tool
-    and its arguments (under the format's key) are an object."""
+    and its arguments (under the format's key) are an object; in Llama 3.1's format, also a call after
+    ``<|python_tag|>`` (swarm/api/llama_tools.py)."""
+    body = tagged(text) if fmt is LLAMA3_FORMAT else None
+    if body is not None:
+        # after the tag vLLM's llama3_json reads "arguments" as well as the format's "parameters"
+        found = tagged_call(body, names, (fmt.arguments_key, "arguments"))
+        return None if found is None else _openai_call(*found)
     try:
         call = json.loads(text)
     except ValueError:
@@ -199,7 +212,12 @@ def parse_call(text: str, names: tuple[str, ...], fmt: ToolFormat) -> Optional[d
     arguments = call.get(fmt.arguments_key) if isinstance(call, dict) else None
     if not isinstance(call, dict) or call.get("name") not in names or not isinstance(arguments, dict):
         return None
-    function = {"name": call["name"], "arguments": json.dumps(arguments)}
+    return _openai_call(call["name"], arguments)
+
+
+def _openai_call(name: str, arguments: dict) -> dict:
+    """An OpenAI tool call with a fresh id."""
+    function = {"name": name, "arguments": json.dumps(arguments)}
     return {"id": f"call_{secrets.token_hex(12)}", "type": "function", "function": function}
 
 

@@ -136,3 +136,54 @@ def test_a_llama3_template_through_the_openai_client(smol_tokenizer):
         LLAMA3_CALL + "<|eot_id|>" in prompts[-1]
         and "<|start_header_id|>ipython<|end_header_id|>\n\nnoon" in prompts[-1]
     )
+
+
+def test_a_llama3_builtin_call_through_the_openai_client(smol_tokenizer):
+    """Llama 3.1's built-in tools through the real openai client: tools named brave_search and
+    wolfram_alpha go to the template as built-ins; the scripted model replies
+    ``<|python_tag|>brave_search.call(query=...)`` with <|python_tag|> one special token (as in Llama
+    3.1's vocabulary, which skip_special_tokens would drop); the client gets the call (streamed and
+    not), and the next turn renders it after the tag and its result as an ipython turn."""
+    from tests.api.test_tool_calls import LLAMA3_TEMPLATE
+
+    smol_tokenizer.chat_template = LLAMA3_TEMPLATE
+    smol_tokenizer.add_special_tokens({"additional_special_tokens": ["<|python_tag|>"]})
+    reply = '<|python_tag|>brave_search.call(query="weather in Oslo")'
+    model = ScriptedModel(smol_tokenizer, [reply[:20], reply[20:]])
+    model.go_on.set()
+    prompts = []
+    replay = model.agenerate_stream
+
+    def recording(prompt_ids, *args, **kwargs):
+        prompts.append(smol_tokenizer.decode(prompt_ids))
+        return replay(prompt_ids, *args, **kwargs)
+
+    model.agenerate_stream = recording
+    search, wolfram = ({"type": "function", "function": {"name": n}} for n in ("brave_search", "wolfram_alpha"))
+    with GatewayThread(Gateway({MODEL: model}, GatewayConfig(api_keys=frozenset({KEY})))) as served:
+        client = openai.OpenAI(base_url=served.url, api_key=KEY, max_retries=0, timeout=240)
+        ask = [{"role": "user", "content": "weather in Oslo?"}]
+        kwargs = dict(model=MODEL, tools=[search, wolfram, TIME], max_tokens=40)
+        answer = client.chat.completions.create(messages=ask, **kwargs).choices[0]
+        assert answer.finish_reason == "tool_calls" and answer.message.content is None
+        (call,) = answer.message.tool_calls
+        assert call.function.name == "brave_search" and json.loads(call.function.arguments) == {
+            "query": "weather in Oslo"
+        }
+        chunks = [
+            c.choices[0] for c in client.chat.completions.create(messages=ask, stream=True, **kwargs) if c.choices
+        ]
+        streamed = [d for c in chunks for d in c.delta.tool_calls or []]
+        assert [(d.function.name, json.loads(d.function.arguments)) for d in streamed] == [
+            ("brave_search", {"query": "weather in Oslo"})
+        ]
+        assert chunks[-1].finish_reason == "tool_calls" and not any(c.delta.content for c in chunks)
+        turn = ask + [
+            {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+            {"role": "tool", "tool_call_id": call.id, "content": "rain, 9 C"},
+        ]
+        client.chat.completions.create(messages=turn, **kwargs)
+    assert "Environment: ipython\nTools: brave_search, wolfram_alpha" in prompts[0]
+    assert '"name": "get_time"' in prompts[0] and '"name": "brave_search"' not in prompts[0]
+    assert '<|python_tag|>brave_search.call(query="weather in Oslo")<|eom_id|>' in prompts[-1]
+    assert "<|start_header_id|>ipython<|end_header_id|>\n\nrain, 9 C<|eot_id|>" in prompts[-1]

@@ -25,10 +25,10 @@ from swarm.api.tools import (
 NAMES = ("get_time", "get_weather")
 
 
-def stream(mode: str, pieces: list[str], finish: str = "stop", fmt: str = "json", parallel: bool = True):
+def stream(mode: str, pieces: list[str], finish: str = "stop", fmt: str = "json", parallel: bool = True, names=NAMES):
     """The chunks ChatFormat sends for one choice whose deltas carry ``pieces``, and its response."""
     params = GenerationParams(
-        prompt_ids=[1], max_tokens=8, tool_call=mode, tool_names=NAMES, tool_format=fmt, parallel_tool_calls=parallel
+        prompt_ids=[1], max_tokens=8, tool_call=mode, tool_names=names, tool_format=fmt, parallel_tool_calls=parallel
     )
     generation = SimpleNamespace(params=params, finish_reason=finish, stats=GenerationStats(), completion_tokens=3)
     fmt = ChatFormat(SimpleNamespace(name="m"), [generation], -1)
@@ -206,9 +206,14 @@ def test_a_hermes_template_gets_the_tools_and_earlier_calls_through_itself(smol_
 
 
 # A Llama-3.1-style template, cut down from Meta's: the tools as JSON in the first user message with the
-# instruction to reply {"name": ..., "parameters": ...}, one call per assistant turn, results as ipython.
+# instruction to reply {"name": ..., "parameters": ...}, one call per assistant turn, results as ipython;
+# built-in tools (builtin_tools) named in the system message, and their earlier calls written after
+# <|python_tag|> as name.call(arg="value") ending with <|eom_id|>.
 LLAMA3_TEMPLATE = (
-    "{{- bos_token }}<|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December 2023<|eot_id|>"
+    "{{- bos_token }}<|start_header_id|>system<|end_header_id|>\n\n"
+    "{% if builtin_tools is defined %}Environment: ipython\n"
+    "Tools: {{ builtin_tools | reject('equalto', 'code_interpreter') | join(', ') }}\n\n{% endif %}"
+    "Cutting Knowledge Date: December 2023<|eot_id|>"
     "{%- set first = namespace(done=false) %}"
     "{%- for m in messages %}"
     "{%- if m.role == 'user' and tools and not first.done %}{%- set first.done = true %}"
@@ -220,8 +225,12 @@ LLAMA3_TEMPLATE = (
     "{%- elif m.tool_calls %}"
     "{%- if m.tool_calls | length != 1 %}{{ raise_exception('This template only supports single tool-calls') }}"
     "{%- endif %}{%- set call = m.tool_calls[0].function %}"
+    "{%- if builtin_tools is defined and call.name in builtin_tools %}"
+    "<|start_header_id|>assistant<|end_header_id|>\n\n<|python_tag|>{{ call.name }}.call("
+    '{%- for k, v in call.arguments | items %}{{ k }}="{{ v }}"{% if not loop.last %}, {% endif %}{% endfor %})'
+    "<|eom_id|>{%- else %}"
     '<|start_header_id|>assistant<|end_header_id|>\n\n{{ \'{"name": "\' + call.name + \'", "parameters": \' }}'
-    "{{- call.arguments | tojson }}}<|eot_id|>"
+    "{{- call.arguments | tojson }}}<|eot_id|>{%- endif %}"
     "{%- elif m.role == 'tool' or m.role == 'ipython' %}"
     "<|start_header_id|>ipython<|end_header_id|>\n\n{{ m.content }}<|eot_id|>"
     "{%- else %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n{{ m.content }}<|eot_id|>{%- endif %}"
@@ -295,3 +304,136 @@ def test_llama3_replies_parse_into_tool_calls(smol_tokenizer):
     assert llama3_chat(smol_tokenizer, "auto").tool_format == "llama3"
     named = llama3_chat(smol_tokenizer, {"type": "function", "function": {"name": "get_weather"}})
     assert named.sampling["guided_json"]["properties"]["name"] == {"const": "get_weather"}
+
+
+# ---- Llama 3.1's <|python_tag|> replies (swarm/api/llama_tools.py) --------------------------------
+
+BUILTIN_NAMES = ("brave_search", "wolfram_alpha", "code_interpreter", "get_time")
+
+
+@pytest.mark.parametrize(
+    "reply, expected",
+    [
+        ('<|python_tag|>brave_search.call(query="weather in Oslo")', ("brave_search", {"query": "weather in Oslo"})),
+        (
+            "<|python_tag|>wolfram_alpha.call(query='100th decimal of pi')",
+            ("wolfram_alpha", {"query": "100th decimal of pi"}),
+        ),
+        ('<|python_tag|>{"name": "get_time", "parameters": {"zone": "UTC"}}', ("get_time", {"zone": "UTC"})),
+        ('<|python_tag|>{"name": "get_time", "arguments": {"zone": "UTC"}}', ("get_time", {"zone": "UTC"})),
+        (
+            "<|python_tag|>def f(n):\n    return n + 1\nprint(f(1))",
+            ("code_interpreter", {"code": "def f(n):\n    return n + 1\nprint(f(1))"}),
+        ),
+    ],
+    ids=["brave_search", "wolfram_alpha", "json-parameters", "json-arguments", "code"],
+)
+def test_a_python_tag_reply_is_a_tool_call(reply, expected):
+    from swarm.api.tools import tool_calls
+
+    (call,) = tool_calls(reply, BUILTIN_NAMES, LLAMA3_FORMAT, parallel=False)
+    assert (call["function"]["name"], json.loads(call["function"]["arguments"])) == expected
+    assert call["type"] == "function" and call["id"].startswith("call_")
+
+
+@pytest.mark.parametrize(
+    "reply, names",
+    [
+        ('<|python_tag|>rm_rf.call(path="/")', ("brave_search",)),  # not a listed tool
+        ('<|python_tag|>brave_search.call(query=open("x").read())', ("brave_search",)),  # no literal value
+        ('<|python_tag|>brave_search.call("positional")', ("brave_search",)),
+        ("<|python_tag|>print(1)", ("brave_search",)),  # code without code_interpreter among the tools
+        ('<|python_tag|>{"name": "rm_rf", "parameters": {}}', BUILTIN_NAMES),  # a JSON call of no listed tool
+        ("<|python_tag|>", BUILTIN_NAMES),
+        ('brave_search.call(query="x")', BUILTIN_NAMES),  # no tag: text
+    ],
+)
+def test_a_python_tag_reply_that_is_no_call_of_a_listed_tool_is_text(reply, names):
+    from swarm.api.tools import tool_calls
+
+    assert tool_calls(reply, names, LLAMA3_FORMAT, parallel=False) is None
+    chunks, whole = stream("auto", [reply[:9], reply[9:]], fmt="llama3", names=names)
+    assert whole["finish_reason"] == "stop" and whole["message"]["content"] == reply
+
+
+def test_a_python_tag_call_streams_as_one_call():
+    """ "auto": text is held while it may still be <|python_tag|> (the tag comes in pieces), then the
+    call goes out whole with finish_reason "tool_calls"."""
+    from swarm.api.tools import may_be_call
+
+    assert may_be_call("<|py", LLAMA3_FORMAT) and may_be_call(" <|python_tag|>brave", LLAMA3_FORMAT)
+    assert not may_be_call("<|pyx", LLAMA3_FORMAT) and not may_be_call("<|py", JSON_FORMAT)
+    pieces = ["<|py", "thon_tag|>brave_search", '.call(query="Oslo")']
+    chunks, whole = stream("auto", pieces, fmt="llama3", names=BUILTIN_NAMES)
+    assert len(chunks) == 1 and chunks[0]["finish_reason"] == "tool_calls"
+    (call,) = chunks[0]["delta"]["tool_calls"]
+    assert call["function"] == {"name": "brave_search", "arguments": json.dumps({"query": "Oslo"})}
+    assert whole["message"]["tool_calls"][0]["function"] == call["function"] and whole["message"]["content"] is None
+
+
+def test_builtin_tools_go_to_the_template_as_builtin_tools(smol_tokenizer):
+    """Tools named like Llama 3.1's built-ins are the template's builtin_tools (the system message's
+    "Environment: ipython" and "Tools: ..."), the others its custom tools; an earlier built-in call is
+    rendered by the template after <|python_tag|>, its result as an ipython turn."""
+    import msgspec
+
+    from swarm.api.engine import ServedModel
+    from swarm.api.schemas import ChatRequest, chat_params
+
+    smol_tokenizer.chat_template = LLAMA3_TEMPLATE
+    config = SimpleNamespace(eos_token_id=2, vocab_size=len(smol_tokenizer), context_length=2048)
+    served = ServedModel("m", SimpleNamespace(tokenizer=smol_tokenizer, config=config, context_length=2048))
+    names = ("brave_search", "wolfram_alpha", "code_interpreter", "get_time")
+    tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in names]
+    search = {"id": "c1", "type": "function", "function": {"name": "brave_search", "arguments": '{"query": "Oslo"}'}}
+    messages = [
+        {"role": "user", "content": "weather in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [search]},
+        {"role": "ipython", "tool_call_id": "c1", "content": "rain"},  # Llama 3.1's name for role "tool"
+    ]
+    body = {"model": "m", "messages": messages, "tools": tools, "tool_choice": "auto", "max_tokens": 8}
+    (choice,), _ = chat_params(msgspec.convert(body, ChatRequest), served, 4)
+    prompt = smol_tokenizer.decode(choice.prompt_ids)
+    assert "Environment: ipython\nTools: brave_search, wolfram_alpha\n\n" in prompt
+    assert '"name": "get_time"' in prompt and '"name": "brave_search"' not in prompt  # custom tools only
+    assert '<|python_tag|>brave_search.call(query="Oslo")<|eom_id|>' in prompt
+    assert "<|start_header_id|>ipython<|end_header_id|>\n\nrain<|eot_id|>" in prompt
+    assert choice.tool_format == "llama3" and choice.tool_call == "auto" and choice.kept_tokens == ("<|python_tag|>",)
+    # built-ins alone: no custom-tools block at all; without tools the template is as before
+    alone = {**body, "tools": tools[:2]}
+    (choice,), _ = chat_params(msgspec.convert(alone, ChatRequest), served, 4)
+    prompt = smol_tokenizer.decode(choice.prompt_ids)
+    assert "Tools: brave_search, wolfram_alpha" in prompt and "Respond in the format" not in prompt
+    plain = {"model": "m", "messages": messages[:1], "max_tokens": 8}
+    (choice,), _ = chat_params(msgspec.convert(plain, ChatRequest), served, 4)
+    prompt = smol_tokenizer.decode(choice.prompt_ids)
+    assert "Environment: ipython" not in prompt and "system<|end_header_id|>\n\nCutting Knowledge" in prompt
+    assert choice.kept_tokens == ()
+
+
+def test_the_detokenizer_keeps_the_python_tag_where_it_is_a_special_token(smol_tokenizer):
+    """In Llama 3.1's vocabulary <|python_tag|> is a special token, which skip_special_tokens drops: a
+    tool request's text keeps it (only it), so the reply can be read as a call."""
+    from swarm.api.text import IncrementalDetokenizer
+
+    smol_tokenizer.add_special_tokens({"additional_special_tokens": ["<|python_tag|>"]})
+    ids = smol_tokenizer.encode('<|python_tag|>brave_search.call(query="x")<|im_end|>', add_special_tokens=False)
+    assert ids[0] == smol_tokenizer.convert_tokens_to_ids("<|python_tag|>")
+
+    def text(keep):
+        detokenizer = IncrementalDetokenizer(smol_tokenizer, [1, 2], keep)
+        return "".join(detokenizer.push(i) for i in ids) + detokenizer.flush()
+
+    assert text(("<|python_tag|>",)) == '<|python_tag|>brave_search.call(query="x")'  # <|im_end|> still dropped
+    assert text(()) == 'brave_search.call(query="x")'
+
+
+def test_the_ipython_role_is_a_tool_result():
+    import msgspec
+
+    from swarm.api.schemas import ChatMessage, chat_messages
+
+    given = msgspec.convert(
+        [{"role": "ipython", "content": "rain"}, {"role": "developer", "content": "be brief"}], list[ChatMessage]
+    )
+    assert chat_messages(given) == [{"role": "tool", "content": "rain"}, {"role": "system", "content": "be brief"}]

@@ -169,10 +169,19 @@ def with_faulty_middle(swarm, path, *fault: str, request_timeout: float = 60.0, 
         (("--rewrite-steps", "20"), "rewrote"),
         (("--accuse", "3"), "failed"),
         (("--accuse", "3", "--accuse-code", "token_out_of_vocab"), "token_out_of_vocab"),
+        # a forged spent compile budget: only the tail's own results stream carries a real one
+        (("--accuse", "3", "--accuse-code", "compile_budget"), "not on the tail's own stream: a hop forged it"),
         (("--replace-secret-hash",), "unauthorized"),
         (("--black-hole",), "no result within"),
     ],
-    ids=["rewrites-1-in-20", "accuses-the-tail", "non-retryable-code", "replaces-secret-hash", "black-hole"],
+    ids=[
+        "rewrites-1-in-20",
+        "accuses-the-tail",
+        "non-retryable-code",
+        "forges-compile-budget",
+        "replaces-secret-hash",
+        "black-hole",
+    ],
 )
 def test_a_hostile_middle_costs_one_failover_and_changes_nothing(
     honest_swarm, tiny_llama_path, greedy_reference, fault, events
