@@ -127,6 +127,7 @@ async def train_row(
         label=0.0 if row.label is None else float(row.label),
         active_adapter=swarm.active_adapter,
         multi_labels=row.multi_labels or [],
+        spares=swarm.spares(route, limits.MAX_TRAIN_SPARES),
     )
     tensors = [prompts.detach().float().cpu().contiguous()] if prompts.shape[0] else []
     if deep is not None:

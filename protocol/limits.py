@@ -74,6 +74,7 @@ MAX_NUM_LABELS = 1024  # sequence classification: the most classes a score head 
 # positions per row (what each hop keeps for it also counts against --max-train-mib)
 MAX_TRAIN_CHUNKS = 256
 MAX_TRAIN_ROW_POSITIONS = 1 << 16
+MAX_TRAIN_SPARES = 16  # spare servers one training row may name (TrainForward.spares)
 
 
 def default_max_session_tokens(cache_tokens: int) -> int:

@@ -20,7 +20,7 @@ from typing import Annotated, Any, Optional, Union
 import msgspec
 
 from protocol.errors import ErrorCode, ProtocolError
-from protocol.limits import MAX_NUM_LABELS
+from protocol.limits import MAX_NUM_LABELS, MAX_TRAIN_SPARES
 from protocol.tail_costs import TailCosts
 from protocol.version import PROTOCOL_VERSION
 
@@ -309,6 +309,9 @@ class TrainForward(msgspec.Struct, tag="train", kw_only=True, array_like=True):
     num_chunks: int = 1
     chunk_offset: int = 0
     backward_only: bool = False
+    # single-span replacement (v9; server/train_replay.py): servers the client offers as replacements, each for
+    # exactly one hop's blocks; a hop whose next hop fails sends its output again to the first spare of those blocks
+    spares: Annotated[list[Hop], msgspec.Meta(max_length=MAX_TRAIN_SPARES)] = []
 
 
 class TrainBackward(msgspec.Struct, tag="backward", kw_only=True, array_like=True):

@@ -53,3 +53,4 @@ PROTOCOL_VERSION = 9
 #    A v8 tail would ignore it and score the row as single-label.
 #    Rows longer than a step in chunks: TrainForward.chunk_index, num_chunks, chunk_offset, backward_only
 #    (trailing fields; docs/design.md, "Long rows in chunks").
+#    Single-span replacement: TrainForward.spares; ServerInfo.train_forwards (trailing fields).

@@ -179,6 +179,7 @@ class ChunkedSteps:
                 reply, grad_out = await self._next(message, [], len(message.token_ids) + self._prompts(message))
                 loss_sum, num_targets = reply.loss_sum, reply.num_targets
         else:
+            handler.stats["train_forwards"] += 1
             row.ids.append(list(message.token_ids))
             row.targets.append(list(message.targets))
             row.inputs.append(tensors[0] if tensors else torch.zeros(0, span.hidden_shape[0]))
