@@ -219,6 +219,20 @@ class SwarmClient:
                 continue
         return self.router.plan(servers, 0, self.num_blocks, max_length=max_length, exclude=exclude, client_rtts=rtts)
 
+    def spares(self, route: Sequence[Hop], most: int) -> list[Hop]:
+        """Online servers of exactly one later hop's blocks, off the route and not excluded, from the last plan's
+        records: a training row names them so the hop before a failed one can replace it (server/train_replay.py)."""
+        avoid = {hop.peer_id for hop in route} | set(self.excluded.current())
+        found = [
+            Hop(info.peer_id, hop.start, hop.end, list(info.relay_addrs)[:4])
+            for hop in route[1:]
+            for info in self._records.values()
+            if (info.start_block, info.end_block) == (hop.start, hop.end)
+            and info.state == ServerState.ONLINE
+            and info.peer_id not in avoid
+        ]
+        return found[:most]
+
     def route_step_limit(self, route: Sequence[Hop]) -> int:
         """The most positions one Step may carry on ``route``: this client's own limit, lowered to
         the smallest any of its servers announces (bounded below by the record schema)."""

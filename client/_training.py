@@ -6,6 +6,8 @@ the row's ids and its targets; the lap runs forward to the tail, which computes 
 starts the backward, and the head answers with the prompts' gradient. So one round trip per row
 gives both, and ``SwarmLoss`` hands that gradient to autograd when the caller runs ``backward()``.
 
+A row longer than the route's step limit goes in chunks, one lap each (``train_chunked_row``).
+
 Failover is whole-step: a retryable failure anywhere blames the route (``SwarmClient.blame``) and
 runs every row again on a new route; nothing of a failed step stays on any server.
 """
@@ -80,13 +82,14 @@ async def train_rows(
         route = await swarm.plan_route()
         try:
             limit = swarm.route_step_limit(route)
-            for row in rows:
-                if prompts.shape[0] + len(row.token_ids) > limit:
-                    raise ValueError(
-                        f"a training row of {prompts.shape[0]} prompts + {len(row.token_ids)} ids exceeds the "
-                        f"route's {limit} positions per step (long rows are not chunked yet)"
-                    )
-            coros = [train_row(swarm, route, prompts, row, timeout, deep, score) for row in rows]
+            coros = [
+                train_row(swarm, route, prompts, row, timeout, deep, score)
+                if prompts.shape[0] + len(row.token_ids) <= limit
+                else train_chunked_row(
+                    swarm, route, prompts, row, timeout, limit, deep is not None or score is not None
+                )
+                for row in rows
+            ]
             results = await _loop.all_or_none(coros)
             return results, TrainingStats(list(route), failovers, time.perf_counter() - began)
         except ServerError as e:
@@ -124,6 +127,7 @@ async def train_row(
         label=0.0 if row.label is None else float(row.label),
         active_adapter=swarm.active_adapter,
         multi_labels=row.multi_labels or [],
+        spares=swarm.spares(route, limits.MAX_TRAIN_SPARES),
     )
     tensors = [prompts.detach().float().cpu().contiguous()] if prompts.shape[0] else []
     if deep is not None:
@@ -131,7 +135,22 @@ async def train_row(
     if score is not None:
         tensors.append(score.detach().float().cpu().contiguous())
     hidden = prompts.shape[1]
-    deep_values = 0 if deep is None else deep.numel()  # their gradients come back in the reply
+    received = await _exchange(swarm, route, message, tensors, timeout, hidden, 0 if deep is None else deep.numel())
+    return _row_grad(received, message, head, hidden, None if deep is None else tuple(deep.shape))
+
+
+async def _exchange(
+    swarm: SwarmClient,
+    route: list[Hop],
+    message: TrainForward,
+    tensors: list[torch.Tensor],
+    timeout: float,
+    hidden: int,
+    deep_values: int = 0,  # deep prompt values: their gradients come back in the reply
+):
+    """One lap: ``message`` to the head, and what comes back on its stream (None: the end of the stream)."""
+    head = route[0].peer_id
+    rows = max(1, message.num_prompts)
     relay.remember(head, route[0].addrs)
     stream = None
     try:
@@ -139,11 +158,11 @@ async def train_row(
             swarm.p2p,
             PeerID.from_base58(head),
             TRAIN_PROTOCOL,
-            max_frame_bytes=limits.train_frame_bytes((hidden,), max(1, prompts.shape[0]), deep_values),
-            max_tensor_elements=max(1, prompts.shape[0]) * hidden if deep is None else deep.numel(),
+            max_frame_bytes=limits.train_frame_bytes((hidden,), rows, deep_values),
+            max_tensor_elements=max(rows * hidden, deep_values),
         )
         await stream.send(message, tensors)
-        received = await asyncio.wait_for(stream.receive(), timeout)
+        return await asyncio.wait_for(stream.receive(), timeout)
     except asyncio.TimeoutError:
         # any hop may be the silent one (a frozen middle keeps the head waiting): no peer named, so failover
         # pings the route and excludes the hops that do not answer (SwarmClient.blame)
@@ -153,7 +172,87 @@ async def train_row(
     finally:
         if stream is not None:
             stream.close()
-    return _row_grad(received, message, head, hidden, None if deep is None else tuple(deep.shape))
+
+
+def split_row(row: TrainRow, num_prompts: int, limit: int) -> list[tuple[int, list[int], list[int]]]:
+    """A row's chunks of at most ``limit`` positions each, as (offset, ids, targets): the first chunk holds the
+    prompts and ``limit - num_prompts`` ids; ``offset`` counts the row's positions before the chunk."""
+    if num_prompts >= limit:
+        raise ValueError(f"{num_prompts} prompts leave no room for ids in the route's {limit} positions per step")
+    chunks, start = [], 0
+    while start < len(row.token_ids):
+        size = limit - num_prompts if not chunks else limit
+        offset = 0 if not chunks else num_prompts + start
+        chunks.append((offset, row.token_ids[start : start + size], row.targets[start : start + size]))
+        start += size
+    return chunks
+
+
+async def train_chunked_row(
+    swarm: SwarmClient,
+    route: list[Hop],
+    prompts: torch.Tensor,
+    row: TrainRow,
+    timeout: float,
+    limit: int,
+    deep_or_score: bool = False,
+) -> RowGrad:
+    """A row longer than the route's step limit, in chunks (docs/design.md, "Long rows in chunks"): a forward lap
+    per chunk in order (the last one runs its chunk's backward too), then a backward lap per earlier chunk in
+    reverse; every hop keeps the row's chunk inputs and keys/values between the laps. The loss is the chunks'
+    sum, the prompts' gradient comes with chunk 0's backward lap."""
+    if deep_or_score or row.label is not None or row.multi_labels:
+        raise ValueError(
+            f"a training row of {prompts.shape[0]} prompts + {len(row.token_ids)} ids exceeds the route's {limit} "
+            "positions per step, and rows in chunks take neither deep prompts nor classification yet"
+        )
+    pieces, step_id, head = split_row(row, prompts.shape[0], limit), secrets.token_hex(8), route[0].peer_id
+    num_prompts, hidden = prompts.shape
+    grad, loss_sum, num_targets = torch.zeros(num_prompts, hidden), 0.0, 0
+    laps = [(k, False) for k in range(len(pieces))] + [(k, True) for k in reversed(range(len(pieces) - 1))]
+    for index, backward_only in laps:
+        offset, ids, targets = pieces[index]
+        message = TrainForward(
+            step_id=step_id,
+            route=route,
+            hop_index=0,
+            num_prompts=num_prompts,
+            token_ids=ids,
+            targets=targets,
+            active_adapter=swarm.active_adapter,
+            chunk_index=index,
+            num_chunks=len(pieces),
+            chunk_offset=offset,
+            backward_only=backward_only,
+        )
+        first_forward = index == 0 and not backward_only
+        tensors = [prompts.detach().float().cpu().contiguous()] if first_forward and num_prompts else []
+        received = await _exchange(swarm, route, message, tensors, timeout, hidden)
+        forward_only = not backward_only and index < len(pieces) - 1
+        carries_grad = index == 0 and num_prompts > 0 and not forward_only
+        reply, got = _chunk_reply(received, message, head, (num_prompts, hidden) if carries_grad else None)
+        loss_sum, num_targets = loss_sum + reply.loss_sum, num_targets + reply.num_targets
+        grad = got if got is not None else grad
+    return RowGrad(loss_sum, num_targets, grad)
+
+
+def _chunk_reply(received, message: TrainForward, head: str, shape: Optional[tuple[int, int]]):
+    """A chunk lap's reply from the head, checked: the TrainBackward, and the prompts' gradient when ``shape``
+    says one comes (chunk 0's backward), none otherwise."""
+    reply = received.message if received is not None else None
+    if isinstance(reply, ErrorReply):
+        raise _error_from(reply, head)
+    if not isinstance(reply, TrainBackward) or reply.step_id != message.step_id or reply.num_targets < 0:
+        what = type(reply).__name__ if reply is not None else "the end of the stream"
+        raise ServerError(f"the head answered chunk {message.chunk_index} with {what}", head, ErrorCode.INTERNAL)
+    shapes = [tuple(t.shape) for t in received.tensors]
+    if shapes != ([shape] if shape else []):
+        raise ServerError(
+            f"the head sent {shapes} for chunk {message.chunk_index}; expected {[shape] if shape else []}",
+            head,
+            ErrorCode.INTERNAL,
+        )
+    return reply, received.tensors[0].float() if shape else None
 
 
 def _row_grad(received, message: TrainForward, head: str, hidden: int, deep_shape: Optional[tuple]) -> RowGrad:

@@ -70,6 +70,11 @@ TRAIN_STEP_TIMEOUT = 120.0
 # (32 MiB of float32; SmolLM2-135M's 30 blocks x 256 prompts x 576 are 4.4 M)
 MAX_DEEP_PROMPT_ELEMENTS = 1 << 23
 MAX_NUM_LABELS = 1024  # sequence classification: the most classes a score head may have
+# a row longer than a step goes in chunks (docs/design.md, "Long rows in chunks"): at most this many chunks and
+# positions per row (what each hop keeps for it also counts against --max-train-mib)
+MAX_TRAIN_CHUNKS = 256
+MAX_TRAIN_ROW_POSITIONS = 1 << 16
+MAX_TRAIN_SPARES = 16  # spare servers one training row may name (TrainForward.spares)
 
 
 def default_max_session_tokens(cache_tokens: int) -> int:

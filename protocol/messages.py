@@ -20,7 +20,7 @@ from typing import Annotated, Any, Optional, Union
 import msgspec
 
 from protocol.errors import ErrorCode, ProtocolError
-from protocol.limits import MAX_NUM_LABELS
+from protocol.limits import MAX_NUM_LABELS, MAX_TRAIN_SPARES
 from protocol.tail_costs import TailCosts
 from protocol.version import PROTOCOL_VERSION
 
@@ -300,6 +300,18 @@ class TrainForward(msgspec.Struct, tag="train", kw_only=True, array_like=True):
     # multi-label classification (v9): one target in [0, 1] per label (num_labels of them; ``label`` unused);
     # the tail's loss is their mean binary cross-entropy with logits (transformers' multi_label_classification)
     multi_labels: Annotated[list[float], msgspec.Meta(max_length=MAX_NUM_LABELS)] = []
+    # a row longer than the route's step limit, in chunks (v9; docs/design.md, "Long rows in chunks"): one lap
+    # per chunk under the same ``step_id``, forward laps 0..num_chunks-1 in order (each hop keeps the chunk's
+    # input and its keys/values; the last lap also runs that chunk's backward), then backward laps
+    # (``backward_only``, no tensors, the chunk's ids and targets again) num_chunks-2..0. ``chunk_offset``: the
+    # row's positions before this chunk (prompts included); the prompts are in chunk 0 only
+    chunk_index: int = 0
+    num_chunks: int = 1
+    chunk_offset: int = 0
+    backward_only: bool = False
+    # single-span replacement (v9; server/train_replay.py): servers the client offers as replacements, each for
+    # exactly one hop's blocks; a hop whose next hop fails sends its output again to the first spare of those blocks
+    spares: Annotated[list[Hop], msgspec.Meta(max_length=MAX_TRAIN_SPARES)] = []
 
 
 class TrainBackward(msgspec.Struct, tag="backward", kw_only=True, array_like=True):

@@ -106,6 +106,9 @@ class ServerInfo(msgspec.Struct, frozen=True, kw_only=True):
     # the LoRA adapters this server applies on request (--adapters; OpenSession/TrainForward.active_adapter):
     # clients that ask for one route only through servers that announce it
     adapters: Annotated[list[_Name], msgspec.Meta(max_length=MAX_ADAPTERS)] = []
+    # training rows (and chunks of long rows) this server computed forward since start-up; a resend answered
+    # from its earlier reply (single-span replacement, server/train_replay.py) is not one
+    train_forwards: _Count = 0
 
     @property
     def session_room(self) -> int:

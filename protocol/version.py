@@ -52,3 +52,6 @@ PROTOCOL_VERSION = 9
 #    multi-label sequence classification: TrainForward.multi_labels (a trailing field: one target in [0, 1]
 #    per label; the tail's loss is their mean BCE-with-logits, as transformers' multi_label_classification).
 #    A v8 tail would ignore it and score the row as single-label.
+#    Rows longer than a step in chunks: TrainForward.chunk_index, num_chunks, chunk_offset, backward_only
+#    (trailing fields; docs/design.md, "Long rows in chunks").
+#    Single-span replacement: TrainForward.spares; ServerInfo.train_forwards (trailing fields).

@@ -94,15 +94,15 @@ class SpanServer(SpanMoves):
         return server
 
     def current_info(self, state: ServerState = ServerState.ONLINE) -> ServerInfo:
-        stats = self.handler.stats
         return msgspec.structs.replace(
             self.info,
             state=state,
             free_cache_tokens=self.handler.budget.free_tokens,
-            laps_served=stats["runs"],
-            accepted_tokens=stats["accepted_tokens"],
-            cancelled_runs=stats["cancelled_runs"],
+            laps_served=self.handler.stats["runs"],
+            accepted_tokens=self.handler.stats["accepted_tokens"],
+            cancelled_runs=self.handler.stats["cancelled_runs"],
             open_sessions=len(self.handler.sessions),
+            train_forwards=self.handler.training.stats["train_forwards"],
         )
 
     def _announce(self, state: ServerState = ServerState.ONLINE, expiration: Optional[float] = None) -> None:

@@ -47,17 +47,23 @@ def check_train_forward(
         raise ProtocolError(
             ErrorCode.BAD_REQUEST, f"{len(message.targets)} targets for {length} token ids: one target per id"
         )
-    if prompts + length > max_positions:
+    check_chunk(message)
+    here = prompts if message.chunk_index == 0 else 0  # the prompts travel in a row's first chunk only
+    if here + length > max_positions:
         raise ProtocolError(
             ErrorCode.STEP_TOO_LARGE,
-            f"a training row of {prompts} prompts + {length} ids exceeds this server's {max_positions} positions",
+            f"a training row of {here} prompts + {length} ids exceeds this server's {max_positions} positions",
         )
     check_token_ids(message.token_ids, vocab_size)
     if any(not (0 <= t < vocab_size or t == IGNORE_INDEX) for t in message.targets):
         raise ProtocolError(ErrorCode.TOKEN_OUT_OF_VOCAB, f"targets must be in [0, {vocab_size}) or {IGNORE_INDEX}")
     head = message.hop_index == 0
-    rows = prompts if head else prompts + length
+    rows = here if head else here + length
     what = "the prompts" if head else "the previous span's output"
+    if message.backward_only:  # a chunk's backward lap: its forward lap brought (and the hop kept) its input
+        if tensors:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"a backward_only lap carries no tensors, got {len(tensors)}")
+        return
     tensors, deep, score = split_train_tensors(message, tensors)
     if message.deep_prompts:
         check_deep_prompts(deep, message, held.num_blocks, hidden_size)
@@ -65,7 +71,34 @@ def check_train_forward(
         check_score(score, message, hidden_size)
     elif message.multi_labels:
         raise ProtocolError(ErrorCode.BAD_REQUEST, "multi_labels without num_labels: not a classification row")
-    check_tensors(tensors, rows, hidden_size, what, optional=head and prompts == 0)
+    check_tensors(tensors, rows, hidden_size, what, optional=head and here == 0)
+
+
+def check_chunk(message: TrainForward) -> None:
+    """A chunk's place in its row (docs/design.md, "Long rows in chunks"): within the limits, one chunk for
+    deep prompts and classification rows (their chunking is not built), backward laps before the last chunk."""
+    index, count, offset = message.chunk_index, message.num_chunks, message.chunk_offset
+    if not 1 <= count <= limits.MAX_TRAIN_CHUNKS or not 0 <= index < count:
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST,
+            f"chunk {index} of {count}: num_chunks must be in 1..{limits.MAX_TRAIN_CHUNKS} and chunk_index below it",
+        )
+    if not 0 <= offset or offset + len(message.token_ids) > limits.MAX_TRAIN_ROW_POSITIONS:
+        raise ProtocolError(
+            ErrorCode.STEP_TOO_LARGE,
+            f"a chunk at offset {offset} with {len(message.token_ids)} ids passes the "
+            f"{limits.MAX_TRAIN_ROW_POSITIONS} positions a training row may have",
+        )
+    if (index == 0) != (offset == 0):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"chunk {index} cannot start at offset {offset}")
+    if count > 1 and (message.deep_prompts or message.num_labels):
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST, "rows in chunks take neither deep prompts nor classification yet: shorten the row"
+        )
+    if message.backward_only and index >= count - 1:
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST, f"chunk {index} of {count} has no backward_only lap (the last has none)"
+        )
 
 
 def split_train_tensors(
@@ -74,7 +107,8 @@ def split_train_tensors(
     """A TrainForward's tensors in their three parts, in this order: the input (none at a head without
     prompts), the deep prompts (with ``deep_prompts``) and the score weights (with ``num_labels``); any
     tensor beyond them is left with the input (whose check then names it)."""
-    count = 0 if message.hop_index == 0 and message.num_prompts == 0 else 1
+    head_without_prompts = message.hop_index == 0 and (message.num_prompts == 0 or message.chunk_index > 0)
+    count = 0 if head_without_prompts or message.backward_only else 1
     inputs, rest = list(tensors[:count]), list(tensors[count:])
     deep = rest[:1] if message.deep_prompts else []
     rest = rest[len(deep) :]

@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import logging
 from concurrent.futures import Executor
-from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Sequence
 
 import msgspec
@@ -40,31 +39,12 @@ from server.memory import backward_bytes
 from server.replies import report, send_quietly
 from server.train_budget import KeptInputs, RowsInFlight, check_backward
 from server.train_checks import IGNORE_INDEX, check_gradient, check_tensors, check_train_forward, split_train_tensors
+from server.train_chunks import Backward, ChunkedSteps
+from server.train_replay import RepliedRows, replacement, row_digest, with_hop
 
 logger = logging.getLogger(__name__)
 
 OPEN_TIMEOUT = 30.0  # seconds to open the stream to the next hop
-
-
-@dataclass
-class Backward:
-    """What one hop's backward computed: the gradients of its input and of its deep prompts, and at the
-    tail the row's loss sum, its target count and the hidden state it scored (classification)."""
-
-    grad: Optional[torch.Tensor] = None
-    deep_grad: Optional[torch.Tensor] = None
-    loss_sum: float = 0.0
-    num_targets: int = 0
-    scored: Optional[torch.Tensor] = None  # [1, hidden]
-
-    def upstream(self, deep: bool, downstream: Optional[list[torch.Tensor]]) -> list[torch.Tensor]:
-        """The TrainBackward's tensors: the input's gradient, the deep prompts' gradients of this span and
-        of every block after it (``downstream``: what the next hop sent), and the scored hidden state."""
-        tensors = [self.grad]
-        if deep:
-            tensors.append(self.deep_grad if downstream is None else torch.cat([self.deep_grad, downstream[1]]))
-        scored = self.scored if downstream is None else (downstream[-1] if len(downstream) > 1 + deep else None)
-        return tensors + ([scored] if scored is not None else [])
 
 
 async def linger(upstream: MessageStream, seconds: float = 1.0) -> None:
@@ -97,6 +77,8 @@ class TrainingHandler:
         self.peer_id = p2p.peer_id.to_base58()
         self.max_positions_per_step, self.step_timeout = max_positions_per_step, step_timeout
         self.kept = KeptInputs(max_kept_bytes, step_timeout)
+        self.chunks = ChunkedSteps(self)  # rows longer than a step, between their laps (server/train_chunks.py)
+        self.replied = RepliedRows(max_kept_bytes // 4, step_timeout)  # resends (server/train_replay.py)
         # frames sized for the model's first block on, so they hold wherever a move takes this server
         deep = limits.deep_prompt_elements(span.num_blocks, span.hidden_shape[-1])
         self.max_frame_bytes = limits.train_frame_bytes(span.hidden_shape, max_positions_per_step, deep)
@@ -104,7 +86,10 @@ class TrainingHandler:
         score = limits.MAX_NUM_LABELS * span.hidden_shape[-1]
         self.max_tensor_elements = max(steps, deep, score)  # activations, deep prompts, or score weights
         self.held = HeldBlocks(span.start, span.end, span.num_blocks)
-        self.stats = {"train_steps": 0, "train_refused": 0}
+        # train_forwards: rows (and chunks) computed forward here; train_replayed: resends answered from what was
+        # replied; train_replacements: next hops replaced by a spare mid-step
+        self.stats = dict.fromkeys(("train_steps", "train_refused", "train_forwards", "train_replayed"), 0)
+        self.stats["train_replacements"] = 0
         self.rows = RowsInFlight(limits.MAX_TRAIN_STEPS_IN_FLIGHT)  # in all and per peer (server/train_budget.py)
         self.max_backward_bytes, self.known_servers = max_backward_bytes, known_servers
         self.accepting = True  # False while the server drains (SessionHandler.drain)
@@ -224,15 +209,34 @@ class TrainingHandler:
         )
         check_adapter(message.active_adapter, self.span.lora)
         hop, span = message.route[message.hop_index], self.span
-        positions, tail = message.num_prompts + len(message.token_ids), hop.end == span.num_blocks
+        prompts_here = message.num_prompts if message.chunk_index == 0 else 0  # a long row's prompts: chunk 0 only
+        positions, tail = prompts_here + len(message.token_ids), hop.end == span.num_blocks
         needed = backward_bytes(span.config, span.dtype, positions, hop.end - hop.start, tail)
         check_backward(needed, self.backward_budget, positions, hop.end - hop.start, tail)
+        if message.num_chunks > 1:
+            return await self.chunks.lap(message, tensors, self._owner(message, upstream))
+        digest = row_digest(message, tensors)
+        replied = self.replied.get(message.step_id, digest) if message.hop_index > 0 else None
+        if replied is not None:  # the hop before this one was replaced and sent the same row again
+            self.stats["train_replayed"] += 1
+            return replied
+        replied = await self._row(message, tensors, upstream)
+        if message.hop_index > 0:
+            self.replied.put(message.step_id, digest, replied)
+        return replied
+
+    async def _row(
+        self, message: TrainForward, tensors: list[torch.Tensor], upstream: MessageStream
+    ) -> tuple[list[torch.Tensor], float, int]:
+        """A checked row (not in chunks) through this hop: what :meth:`_step` returns."""
+        hop, hidden_size = message.route[message.hop_index], self.span.hidden_shape[0]
         inputs, deep_all, score = split_train_tensors(message, tensors)
         kept = inputs[0] if inputs else torch.zeros(0, hidden_size)
         deep = deep_rest = None  # this span's deep prompts, and those of the blocks after it
         if deep_all:
             deep, deep_rest = deep_all[0][: hop.end - hop.start], deep_all[0][hop.end - hop.start :]
         loop = asyncio.get_running_loop()
+        self.stats["train_forwards"] += 1
         # 2) the tail: loss and gradient at once
         if hop.end == self.span.num_blocks:
             done = await loop.run_in_executor(self.executor, self._backward, message, kept, None, deep, score)
@@ -243,7 +247,7 @@ class TrainingHandler:
         )
         try:
             output = await loop.run_in_executor(self.executor, self._forward, message, kept, deep)
-            reply, grads_out = await self._downstream(message, output, deep_rest, score)
+            reply, grads_out = await self._downstream_or_spare(message, output, deep_rest, score)
             kept, *deep_kept = self.kept.take_all(message.step_id)
             # 3) recompute with autograd and backpropagate
             done = await loop.run_in_executor(
@@ -331,6 +335,25 @@ class TrainingHandler:
         loss = torch.nn.functional.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
         return loss, int((targets != IGNORE_INDEX).sum())
 
+    async def _downstream_or_spare(
+        self,
+        message: TrainForward,
+        output: torch.Tensor,
+        deep_rest: Optional[torch.Tensor],
+        score: Sequence[torch.Tensor],
+    ) -> tuple[TrainBackward, list[torch.Tensor]]:
+        """:meth:`_downstream`; if the next hop itself fails, once more through a spare of its blocks
+        (server/train_replay.py): this hop's output goes again, nothing here is computed again."""
+        try:
+            return await self._downstream(message, output, deep_rest, score)
+        except ProtocolError as e:
+            spare = replacement(message, e)
+            if spare is None:
+                raise
+            logger.warning(f"Training step {message.step_id!r}: {e}; sending it to spare {spare.peer_id} instead")
+            self.stats["train_replacements"] += 1
+            return await self._downstream(with_hop(message, message.hop_index + 1, spare), output, deep_rest, score)
+
     async def _downstream(
         self,
         message: TrainForward,
@@ -340,6 +363,28 @@ class TrainingHandler:
     ) -> tuple[TrainBackward, list[torch.Tensor]]:
         """Send the row (and the deep prompts of the blocks after this span) on to the next hop and wait
         for its TrainBackward (an ErrorReply is relayed): the gradients it sent, checked."""
+        tensors = [output] + ([deep_rest.contiguous()] if deep_rest is not None else []) + list(score)
+        reply, grads = await self._exchange(message, tensors)
+        try:
+            check_tensors(grads[:1], output.shape[0], output.shape[1], "the next hop's gradient")
+            expected = 1 + (deep_rest is not None) + bool(score)
+            if len(grads) != expected:
+                why = f"the next hop sent {len(grads)} tensors; expected {expected}"
+                raise ProtocolError(ErrorCode.BAD_REQUEST, why)
+            if deep_rest is not None:
+                check_gradient(grads[1:2], tuple(deep_rest.shape), "the next hop's deep prompt gradient")
+            if score:
+                check_gradient(grads[-1:], (1, output.shape[1]), "the scored hidden state")
+        except ProtocolError as e:
+            next_peer = message.route[message.hop_index + 1].peer_id
+            raise ProtocolError(ErrorCode.DOWNSTREAM_FAILED, e.message, peer_id=next_peer) from None
+        return reply, grads
+
+    async def _exchange(
+        self, message: TrainForward, tensors: list[torch.Tensor]
+    ) -> tuple[TrainBackward, list[torch.Tensor]]:
+        """``message`` with ``tensors`` to the next hop, and its TrainBackward with the tensors it carries (an
+        ErrorReply is relayed; a failure to reach it, or any other answer, is downstream_failed)."""
         next_hop = message.route[message.hop_index + 1]
         relay.remember(next_hop.peer_id, next_hop.addrs)
         stream: Optional[MessageStream] = None
@@ -354,7 +399,6 @@ class TrainingHandler:
                 ),
                 OPEN_TIMEOUT,
             )
-            tensors = [output] + ([deep_rest.contiguous()] if deep_rest is not None else []) + list(score)
             await stream.send(msgspec.structs.replace(message, hop_index=message.hop_index + 1), tensors)
             received = await asyncio.wait_for(stream.receive(), self.step_timeout)
         except Exception as e:
@@ -376,17 +420,4 @@ class TrainingHandler:
                 f"next server {next_hop.peer_id} answered training step {message.step_id!r} with {what}",
                 peer_id=next_hop.peer_id,
             )
-        grads = received.tensors
-        try:
-            check_tensors(grads[:1], output.shape[0], output.shape[1], "the next hop's gradient")
-            expected = 1 + (deep_rest is not None) + bool(score)
-            if len(grads) != expected:
-                why = f"the next hop sent {len(grads)} tensors; expected {expected}"
-                raise ProtocolError(ErrorCode.BAD_REQUEST, why)
-            if deep_rest is not None:
-                check_gradient(grads[1:2], tuple(deep_rest.shape), "the next hop's deep prompt gradient")
-            if score:
-                check_gradient(grads[-1:], (1, output.shape[1]), "the scored hidden state")
-        except ProtocolError as e:
-            raise ProtocolError(ErrorCode.DOWNSTREAM_FAILED, e.message, peer_id=next_hop.peer_id) from None
-        return reply, grads
+        return reply, received.tensors

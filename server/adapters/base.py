@@ -149,11 +149,14 @@ class SpanAdapter(abc.ABC):
         """Why this span cannot take part in a training step (docs/design.md, "Fine-tuning"); "" when it can."""
         return f"{type(self).__name__} spans do not support backward (training) yet"
 
-    def train_span(self, hidden: torch.Tensor, blocks: range, deep: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def train_span(
+        self, hidden: torch.Tensor, blocks: range, deep: Optional[torch.Tensor] = None, cache=None
+    ) -> torch.Tensor:
         """[1, S, *hidden_shape] -> the output of ``blocks`` over positions 0..S-1, without a cache, under
         the caller's grad mode (so autograd reaches ``hidden``; the weights stay frozen). ``deep``
         ``[len(blocks), P, *hidden_shape]``: deep prompts, added to the first P positions at each block's
-        input (:func:`add_deep_prompts`; Petals' deep_ptune)."""
+        input (:func:`add_deep_prompts`; Petals' deep_ptune). ``cache`` (server/train_chunks.py TrainCache):
+        the positions run after ``cache.offset`` earlier ones whose keys and values it holds (a long row's chunk)."""
         raise NotImplementedError(self.backward_refusal())
 
     def train_logits(self, hidden: torch.Tensor) -> torch.Tensor:

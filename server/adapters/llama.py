@@ -281,11 +281,16 @@ class LlamaFamilyAdapter(SpanAdapter):
             return f"a {self.quant.value} span does not support backward (training); serve it unquantized"
         return ""
 
-    def train_span(self, hidden: torch.Tensor, blocks: range, deep: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def train_span(
+        self, hidden: torch.Tensor, blocks: range, deep: Optional[torch.Tensor] = None, cache=None
+    ) -> torch.Tensor:
         """Blocks over a whole row at once, no cache: the training lap's forward and its recompute.
-        ``deep`` ``[len(blocks), P, hidden]``: added to the first P positions at each block's input."""
+        ``deep`` ``[len(blocks), P, hidden]``: added to the first P positions at each block's input.
+        ``cache`` (server/train_chunks.py TrainCache): a chunk of a long row, after ``cache.offset`` positions
+        whose keys and values it holds."""
         hidden = hidden.to(self.device, self.dtype)
-        position_ids, masks = self._positions_and_masks(0, hidden.shape[1], None)
+        offset = cache.offset if cache is not None else 0
+        position_ids, masks = self._positions_and_masks(offset, hidden.shape[1], None)
         position_embeddings = self.rotary_emb(hidden, position_ids=position_ids)
         for i, block in enumerate(blocks):
             if deep is not None:
@@ -294,8 +299,8 @@ class LlamaFamilyAdapter(SpanAdapter):
                 hidden,
                 attention_mask=masks[self.windows[block - self.start]],
                 position_ids=position_ids,
-                cache=None,
-                use_cache=False,
+                cache=cache,
+                use_cache=cache is not None,
                 position_embeddings=position_embeddings,
             )
         return hidden

@@ -1,0 +1,286 @@
+"""A training row longer than a step, in chunks: what a hop keeps between the row's laps, and how it runs them.
+
+docs/design.md, "Long rows in chunks". A row of ``num_chunks`` chunks is one step id and ``2 * num_chunks - 1``
+laps, each a TrainForward on its own stream from the client through the route:
+  - forward laps 0..n-2: each hop runs the chunk through its blocks without autograd after the keys and values
+    it keeps of the row's earlier chunks, keeps the chunk's input and its keys/values, and sends the output on;
+    the tail keeps them too and answers with an empty TrainBackward;
+  - the last chunk's lap runs forward to the tail, which computes that chunk's loss and its backward, and each
+    hop then recomputes the chunk with autograd from its kept input and the earlier keys/values as leaves: the
+    gradient of its input goes upstream, the gradients of the earlier keys/values are added to what it keeps;
+  - backward laps n-2..0 (``backward_only``, no tensors): each hop first asks the next hop, then recomputes the
+    chunk and backpropagates both the gradient of its output and the gradients later chunks gave its keys and
+    values. After chunk 0's lap the hop frees the row.
+So every gradient is exact (the same sums as one pass over the whole row, in other orders), each lap computes at
+most one step's positions, and what a row holds here counts against --max-train-mib (server/train_budget.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import msgspec
+import torch
+
+from protocol.errors import ErrorCode, ProtocolError
+from protocol.messages import TrainBackward, TrainForward
+from server.admission import check_tensors
+
+
+@dataclass
+class Backward:
+    """What one hop's backward computed: the gradients of its input and of its deep prompts, and at the
+    tail the row's loss sum, its target count and the hidden state it scored (classification)."""
+
+    grad: Optional[torch.Tensor] = None
+    deep_grad: Optional[torch.Tensor] = None
+    loss_sum: float = 0.0
+    num_targets: int = 0
+    scored: Optional[torch.Tensor] = None  # [1, hidden]
+
+    def upstream(self, deep: bool, downstream: Optional[list[torch.Tensor]]) -> list[torch.Tensor]:
+        """The TrainBackward's tensors: the input's gradient, the deep prompts' gradients of this span and
+        of every block after it (``downstream``: what the next hop sent), and the scored hidden state."""
+        tensors = [self.grad]
+        if deep:
+            tensors.append(self.deep_grad if downstream is None else torch.cat([self.deep_grad, downstream[1]]))
+        scored = self.scored if downstream is None else (downstream[-1] if len(downstream) > 1 + deep else None)
+        return tensors + ([scored] if scored is not None else [])
+
+
+class TrainCache:
+    """The cache one chunk's pass runs with, duck-typed as transformers' ``Cache.update`` (the one call a decoder
+    layer makes): each block's keys and values of the ``offset`` earlier positions, before the chunk's own, which
+    it records as the pass makes them (under autograd when the hop recomputes the chunk)."""
+
+    def __init__(self, offset: int, past: dict[int, tuple[torch.Tensor, torch.Tensor]]):
+        self.offset, self.past = offset, past
+        self.new: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
+        self.new[layer_idx] = (key, value)
+        if layer_idx not in self.past:
+            return key, value
+        past_key, past_value = self.past[layer_idx]
+        return torch.cat([past_key, key], dim=-2), torch.cat([past_value, value], dim=-2)
+
+
+@dataclass
+class ChunkedRow:
+    """What a hop keeps of one row between its laps."""
+
+    num_chunks: int
+    owner: Optional[str]
+    ids: list[list[int]] = field(default_factory=list)  # each forwarded chunk's ids and targets
+    targets: list[list[int]] = field(default_factory=list)
+    inputs: list[torch.Tensor] = field(default_factory=list)  # each chunk's input (the head: its prompts, or none)
+    positions: int = 0  # positions forwarded so far (prompts included)
+    keys: dict[int, torch.Tensor] = field(default_factory=dict)  # per block: keys of the forwarded positions
+    values: dict[int, torch.Tensor] = field(default_factory=dict)
+    key_grads: dict[int, torch.Tensor] = field(default_factory=dict)  # their gradients from later chunks
+    value_grads: dict[int, torch.Tensor] = field(default_factory=dict)
+    next_backward: int = -1  # the chunk whose backward lap comes next (-1: still forwarding)
+    busy: bool = False
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [*self.inputs, *self.keys.values(), *self.values.values(), *self.key_grads.values()] + list(
+            self.value_grads.values()
+        )
+
+
+class ChunkedSteps:
+    """The rows in chunks that pass through one training handler's span."""
+
+    def __init__(self, handler: Any):  # server/training.py TrainingHandler (which imports this module)
+        self.handler = handler
+        self.rows: dict[str, ChunkedRow] = {}
+
+    def __len__(self) -> int:
+        self._expire()
+        return len(self.rows)
+
+    async def lap(
+        self, message: TrainForward, tensors: list[torch.Tensor], owner: Optional[str]
+    ) -> tuple[list[torch.Tensor], float, int]:
+        """One lap of a row in chunks: the tensors to send upstream, and the loss sum and target count the tail
+        found for this lap's chunk (0 on forward-only laps). A failure frees the row here."""
+        row = self._row(message, owner)
+        row.busy = True
+        try:
+            return await self._lap(message, tensors, row)
+        except BaseException:
+            self.forget(message.step_id)
+            raise
+        finally:
+            row.busy = False
+
+    def forget(self, step_id: str) -> None:
+        self.rows.pop(step_id, None)
+        self.handler.kept.drop(step_id)
+
+    def _expire(self) -> None:
+        """Rows whose kept tensors expired (server/train_budget.py KeptInputs) are gone."""
+        kept = self.handler.kept
+        for step_id in [s for s, row in self.rows.items() if not row.busy and s not in kept]:
+            self.rows.pop(step_id)
+
+    def _row(self, message: TrainForward, owner: Optional[str]) -> ChunkedRow:
+        """The row this lap belongs to, checked to be the lap that comes next."""
+        self._expire()
+        step_id, index = message.step_id, message.chunk_index
+        row = self.rows.get(step_id)
+        if row is None or row.owner != owner:
+            if index == 0 and not message.backward_only and row is None:
+                row = self.rows[step_id] = ChunkedRow(message.num_chunks, owner)
+                return row
+            raise ProtocolError(
+                ErrorCode.UNKNOWN_SESSION,
+                f"no training step {step_id!r} is held here for chunk {index} (its earlier laps never came here, "
+                f"or it expired after {self.handler.kept.timeout:.0f} s)",
+            )
+        if row.busy:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"a lap of training step {step_id!r} is in flight here already")
+        if message.backward_only:
+            expected = f"the backward lap of chunk {row.next_backward}"
+            ok = index == row.next_backward and row.ids[index] == message.token_ids
+            ok = ok and row.targets[index] == message.targets
+        else:
+            expected = f"chunk {len(row.ids)} at offset {row.positions}"
+            ok = row.next_backward < 0 and index == len(row.ids) and message.chunk_offset == row.positions
+        if not ok or message.num_chunks != row.num_chunks:
+            lap = "backward lap" if message.backward_only else "chunk"
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST,
+                f"training step {step_id!r}: {lap} {index} of {message.num_chunks} at offset {message.chunk_offset} "
+                f"is out of order; expected {expected} of {row.num_chunks}",
+            )
+        return row
+
+    def _keep(self, step_id: str, row: ChunkedRow) -> None:
+        """Count the row's tensors against --max-train-mib (busy past it) and restart its timeout."""
+        kept = self.handler.kept
+        kept.drop(step_id)
+        tensors = row.tensors()
+        kept.keep(step_id, *tensors, owner=row.owner)
+
+    async def _lap(
+        self, message: TrainForward, tensors: list[torch.Tensor], row: ChunkedRow
+    ) -> tuple[list[torch.Tensor], float, int]:
+        handler = self.handler
+        span, hop = handler.span, message.route[message.hop_index]
+        tail, index = hop.end == span.num_blocks, message.chunk_index
+        last = index == message.num_chunks - 1
+        run = asyncio.get_running_loop().run_in_executor
+        grad_out, loss_sum, num_targets = None, 0.0, 0
+        if message.backward_only:
+            if not tail:
+                reply, grad_out = await self._next(message, [], len(message.token_ids) + self._prompts(message))
+                loss_sum, num_targets = reply.loss_sum, reply.num_targets
+        else:
+            handler.stats["train_forwards"] += 1
+            row.ids.append(list(message.token_ids))
+            row.targets.append(list(message.targets))
+            row.inputs.append(tensors[0] if tensors else torch.zeros(0, span.hidden_shape[0]))
+            row.positions += self._prompts(message) + len(message.token_ids)
+            output = None
+            if not (tail and last):
+                output = await run(handler.executor, self._forward, message, row, not last)
+            if not last:
+                if not tail:
+                    await self._next(message, [output], None)
+                self._keep(message.step_id, row)
+                return [], 0.0, 0
+            if not tail:
+                reply, grad_out = await self._next(message, [output], output.shape[0])
+                loss_sum, num_targets = reply.loss_sum, reply.num_targets
+        done = await run(handler.executor, self._backward, message, row, grad_out)
+        if tail:
+            loss_sum, num_targets = done.loss_sum, done.num_targets
+        row.next_backward = index - 1
+        if row.next_backward < 0:
+            self.forget(message.step_id)
+        else:
+            self._keep(message.step_id, row)
+        head_without_prompts = message.hop_index == 0 and not done.grad.shape[0]
+        return ([] if head_without_prompts else [done.grad]), loss_sum, num_targets
+
+    @staticmethod
+    def _prompts(message: TrainForward) -> int:
+        return message.num_prompts if message.chunk_index == 0 else 0
+
+    async def _next(
+        self, message: TrainForward, tensors: list[torch.Tensor], grad_rows: Optional[int]
+    ) -> tuple[TrainBackward, Optional[torch.Tensor]]:
+        """The lap sent on to the next hop; its reply, with the gradient of this hop's output (``grad_rows`` rows;
+        None: a forward-only lap, whose reply carries no tensor), checked."""
+        reply, grads = await self.handler._exchange(message, tensors)
+        try:
+            if grad_rows is None:
+                if grads:
+                    raise ProtocolError(
+                        ErrorCode.BAD_REQUEST, f"a forward-only lap's reply carried {len(grads)} tensors"
+                    )
+                return reply, None
+            check_tensors(grads, grad_rows, self.handler.span.hidden_shape[0], "the next hop's gradient")
+        except ProtocolError as e:
+            next_peer = message.route[message.hop_index + 1].peer_id
+            raise ProtocolError(ErrorCode.DOWNSTREAM_FAILED, e.message, peer_id=next_peer) from None
+        return reply, grads[0]
+
+    def _forward(self, message: TrainForward, row: ChunkedRow, keep: bool) -> torch.Tensor:
+        """The chunk through this hop's blocks after the row's kept keys/values, without autograd; with ``keep``
+        its own keys/values are kept for the chunks after it."""
+        handler, span = self.handler, self.handler.span
+        hop = message.route[message.hop_index]
+        cache = TrainCache(message.chunk_offset, {i: (row.keys[i], row.values[i]) for i in row.keys})
+        with torch.no_grad(), handler._adapter(message):
+            hidden = handler._span_input(message, row.inputs[message.chunk_index])
+            output = span.train_span(hidden, range(hop.start, hop.end), None, cache)
+        if keep:
+            for i, (key, value) in cache.new.items():
+                row.keys[i] = torch.cat([row.keys[i], key], dim=-2) if i in row.keys else key
+                row.values[i] = torch.cat([row.values[i], value], dim=-2) if i in row.values else value
+        return output[0].float()
+
+    def _backward(self, message: TrainForward, row: ChunkedRow, grad_out: Optional[torch.Tensor]) -> Backward:
+        """Recompute the chunk with autograd, the earlier keys/values as leaves; backpropagate the gradient of its
+        output (None at the tail: its loss sum's) and what later chunks gave its own keys/values. The gradient of
+        its input comes back; the earlier keys/values' gradients are added to the row's."""
+        handler, span = self.handler, self.handler.span
+        hop, index, offset = message.route[message.hop_index], message.chunk_index, message.chunk_offset
+        done = Backward()
+        with torch.enable_grad(), handler._adapter(message):
+            leaf = row.inputs[index].to(span.device, span.dtype).detach().requires_grad_(True)
+            past = {
+                i: (row.keys[i][..., :offset, :].detach().requires_grad_(True), row.values[i][..., :offset, :])
+                for i in row.keys
+            }
+            past = {i: (k, v.detach().requires_grad_(True)) for i, (k, v) in past.items()} if offset else {}
+            cache = TrainCache(offset, past)
+            output = span.train_span(handler._span_input(message, leaf), range(hop.start, hop.end), None, cache)
+            roots, grads = [], []
+            if grad_out is None:
+                here = msgspec.structs.replace(message, num_prompts=self._prompts(message))
+                loss, done.num_targets = handler._loss_sum(here, output)
+                done.loss_sum = float(loss.detach())
+                if done.num_targets:
+                    roots, grads = [loss], [torch.ones_like(loss)]
+            else:
+                roots, grads = [output], [grad_out.to(output.device, output.dtype).unsqueeze(0)]
+            if row.key_grads:  # what later chunks' laps gave this chunk's keys and values
+                for i, (key, value) in cache.new.items():
+                    end = offset + key.shape[-2]
+                    roots += [key, value]
+                    grads += [row.key_grads[i][..., offset:end, :], row.value_grads[i][..., offset:end, :]]
+            if roots:
+                torch.autograd.backward(roots, grads)
+        for i, (key, value) in past.items():
+            if i not in row.key_grads:
+                row.key_grads[i], row.value_grads[i] = torch.zeros_like(row.keys[i]), torch.zeros_like(row.values[i])
+            for leaf_kv, store in ((key, row.key_grads[i]), (value, row.value_grads[i])):
+                if leaf_kv.grad is not None:
+                    store[..., :offset, :] += leaf_kv.grad
+        done.grad = (leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)).float().cpu()
+        return done
