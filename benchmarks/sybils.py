@@ -96,9 +96,20 @@ def connect(swarm, excluded: set, routes, names):
     )
     records = wait_online(model, names, time.monotonic() + 600)
     model.swarm.router = PreferredRoutes(*routes)
-    for peer_id in excluded:  # a server convicted in an earlier run stays banned
-        model.swarm.excluded.ban(peer_id)
+    forget(model, excluded)
     return model, {n: records[n].peer_id for n in names}
+
+
+def forget(model, excluded: set) -> None:
+    """What a fresh client would know of the swarm (``--reuse-client``): no exclusion, suspect,
+    report or throughput measurement, but the bans of ``excluded`` (convictions in earlier runs)."""
+    from client._swarm import ExclusionList, ThroughputMeter
+
+    swarm = model.swarm
+    swarm.excluded, swarm.suspects = ExclusionList(), ExclusionList(base_seconds=swarm.suspects.base_seconds)
+    swarm.meter, swarm.reports = ThroughputMeter(), type(swarm.reports)()
+    for peer_id in excluded:  # a server convicted in an earlier run stays banned
+        swarm.excluded.ban(peer_id)
 
 
 def one_run(model, peers, prompt, expected, sampled, seed, generate_kwargs) -> dict:
@@ -156,6 +167,7 @@ def scenario(swarm, title, sybils, flags, prompt, references, args, *, routes_fo
     by fresh clients, stop the sybils."""
     from swarm.local import kill_group
     from tests.kit.faulty_server import faulty
+    from tests.kit.routes import PreferredRoutes
 
     processes = [
         swarm.start_server(15, 30, name=name, launcher=faulty(*flags) if flags else None, extra=["--host", host])
@@ -164,22 +176,31 @@ def scenario(swarm, title, sybils, flags, prompt, references, args, *, routes_fo
     names = ["H", "T", *sybils]
     excluded: set = set()  # convictions, kept across every run of the scenario
     row: dict = {"scenario": title, "flags": flags, "hosts": {**HOSTS, **sybils}, "runs": []}
+    shared = connect(swarm, excluded, routes_for(0), names) if args.reuse_client else None
     try:
         for run in range(args.runs):
             for sampled in (False,) if args.greedy_only else (False, True):
                 seed = 1000 + run
-                model, peers = connect(swarm, excluded, routes_for(run), names)
+                if shared is None:
+                    model, peers = connect(swarm, excluded, routes_for(run), names)
+                else:  # --reuse-client: one client per scenario, forgetting all but the bans between runs
+                    model, peers = shared
+                    model.swarm.router = PreferredRoutes(*routes_for(run))
+                    forget(model, excluded)
                 try:
                     kwargs = dict(generate_kwargs(peers) if generate_kwargs else {})
                     result = one_run(model, peers, prompt, references(seed if sampled else None), sampled, seed, kwargs)
                     result["groups"] = groups(model, peers)
                     excluded |= model.swarm.excluded.banned
                 finally:
-                    model.shutdown()
+                    if shared is None:
+                        model.shutdown()
                 row["runs"].append(result)
                 short = {k: v for k, v in result.items() if k not in ("events", "groups")}
                 print(f"  {title} run {run} {'sampled' if sampled else 'greedy'}: {short}", flush=True)
     finally:
+        if shared is not None:
+            shared[0].shutdown()
         for process in processes:
             kill_group(process)
             swarm.servers.remove(process)
@@ -303,6 +324,12 @@ def main() -> None:
     p.add_argument("--only", nargs="*", help="only the scenarios whose title contains one of these")
     p.add_argument("--greedy-only", action="store_true", help="no seeded-sampling generations")
     p.add_argument("--rejection-runs", type=int, default=20, help="scenario 3's generations (0: skip it)")
+    p.add_argument(
+        "--reuse-client",
+        action="store_true",
+        help="one client per scenario, its exclusions, suspects, reports and meter reset before each run "
+        "(a fresh client's start costs ~1 min on a loaded 2-core machine)",
+    )
     p.add_argument("--out", default="benchmarks/results/sybils.json")
     args = p.parse_args()
     import torch
@@ -337,7 +364,7 @@ def main() -> None:
     log_dir = Path(tempfile.mkdtemp(prefix="sybils-"))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     result: dict = {"commit": commit, "runs": args.runs, "tokens": args.tokens, "prompt_tokens": len(prompt)}
-    result.update(lie_after=LIE_AFTER, log_dir=str(log_dir), scenarios=[], summary={})
+    result.update(lie_after=LIE_AFTER, reuse_client=args.reuse_client, log_dir=str(log_dir), scenarios=[], summary={})
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     began = time.perf_counter()
@@ -366,6 +393,7 @@ def rejection(swarm, prompt, reference, args) -> dict:
     import torch
 
     from swarm.local import kill_group
+    from tests.kit.routes import PreferredRoutes
 
     extra = {"V1": "127.0.21.1", "V2": "127.0.22.1"}
     processes = [swarm.start_server(15, 30, name=n, extra=["--host", h]) for n, h in extra.items()]
@@ -374,10 +402,17 @@ def rejection(swarm, prompt, reference, args) -> dict:
     title = "3. rejection sampling, three honest tails"
     row: dict = {"scenario": title, "flags": [], "hosts": {**HOSTS, **extra}, "runs": []}
     tails = ["T", "V1", "V2"]
+    shared = connect(swarm, excluded, [[("H", 0, 15), ("T", 15, 30)]], names) if args.reuse_client else None
     try:
         for run in range(args.rejection_runs):
             order = tails[run % 3 :] + tails[: run % 3]  # each honest tail live in turn
-            model, peers = connect(swarm, excluded, [[("H", 0, 15), (t, 15, 30)] for t in order], names)
+            routes = [[("H", 0, 15), (t, 15, 30)] for t in order]
+            if shared is None:
+                model, peers = connect(swarm, excluded, routes, names)
+            else:
+                model, peers = shared
+                model.swarm.router = PreferredRoutes(*routes)
+                forget(model, excluded)
             name_of = {p: n for n, p in peers.items()}
             try:
                 began = time.perf_counter()
@@ -417,10 +452,13 @@ def rejection(swarm, prompt, reference, args) -> dict:
                     "seconds": round(time.perf_counter() - began, 2),
                 }
             finally:
-                model.shutdown()
+                if shared is None:
+                    model.shutdown()
             row["runs"].append(result)
             print(f"  {title} run {run}: {result}", flush=True)
     finally:
+        if shared is not None:
+            shared[0].shutdown()
         for process in processes:
             kill_group(process)
             swarm.servers.remove(process)
