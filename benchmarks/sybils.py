@@ -312,7 +312,14 @@ def plan(args) -> list[dict]:
             generate_kwargs=lambda peers: {"trusted_peers": [peers["T"]], "audit": "required"},
         )
     )
-    return [c for c in chosen if not args.only or any(k in c["title"] for k in args.only)]
+    chosen = [c for c in chosen if not args.only or any(k in c["title"] for k in args.only)]
+    for index, c in enumerate(chosen):  # names of their own: a stopped sybil's record outlives it in the DHT
+        rename = {n: f"{n}{chr(ord('a') + index)}" for n in c["sybils"]}
+        c["sybils"] = {rename[n]: host for n, host in c["sybils"].items()}
+        c["routes_for"] = lambda run, f=c["routes_for"], r=rename: [
+            [(r.get(n, n), a, b) for n, a, b in route] for route in f(run)
+        ]
+    return chosen
 
 
 def main() -> None:
