@@ -3,7 +3,7 @@ PYTHON ?= python3
 PIP = $(PYTHON) -m pip
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup browser systemd-analyze netns-tools demo test bench-wan bench-ceiling bench-drafter bench-failover bench-load bench-chaos bench-codecs bench-bandwidth bench-batch bench-quant train-drafter warm-corpus bench-drafter-cost bench-dssd bench-trees bench-spot-checks bench-lies bench-step-bytes bench-gateway bench-scale bench-dht-scale bench-dashboard-scale bench-churn bench-structured bench-fine-tuning gpu-check
+.PHONY: setup browser systemd-analyze netns-tools demo test bench-wan bench-ceiling bench-drafter bench-failover bench-load bench-chaos bench-codecs bench-bandwidth bench-batch bench-quant train-drafter warm-corpus bench-drafter-cost bench-dssd bench-trees bench-spot-checks bench-lies bench-sybils bench-step-bytes bench-gateway bench-scale bench-dht-scale bench-dashboard-scale bench-churn bench-structured bench-fine-tuning gpu-check
 
 # Keeps a torch that is already installed (a GPU user's own build); otherwise installs the torch
 # wheel pip's index serves: the CPU build on these machines (local wheels), but on Linux x86-64
@@ -65,6 +65,10 @@ bench-spot-checks: setup
 RUNS ?= 10
 bench-lies: setup
 	$(PYTHON) -m benchmarks.lying_tails --runs $(RUNS)
+
+# sybil tails beside an honest one (docs/reliability.md "Sybil tails: figures"); RUNS greedy and RUNS seeded per scenario
+bench-sybils: setup
+	$(PYTHON) -m benchmarks.sybils --runs $(RUNS)
 
 # offline (no swarm): the most asynchronous speculation can gain with this drafter; reads bench-wan's lap times
 bench-ceiling: setup
