@@ -11,12 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from client import _loop
 from client._training import TrainRow, split_row
 from protocol import limits
-from protocol.dht import make_dht
 from protocol.errors import ErrorCode
 from protocol.messages import ErrorReply, Hop, TrainBackward, TrainForward
+from tests.kit.swarms import start_inprocess
 from tests.training.test_fine_tuning import close_grads, local_loss, raw_exchange
 
 SPANS = [(0, 2), (2, 4), (4, 6)]
@@ -26,43 +25,25 @@ PRE_SEQ_LEN = 3
 
 @pytest.fixture(scope="module")
 def chunk_swarm(tiny_llama_path):
-    from server.span_server import ServerConfig, SpanServer
-
-    bootstrap = make_dht(host="127.0.0.1")
-    peers = [str(m) for m in bootstrap.get_visible_maddrs()]
-
-    async def start():
-        common = dict(
-            model=str(tiny_llama_path),
-            initial_peers=peers,
-            host="127.0.0.1",
-            reachability="public",
-            update_period=2.0,
-            torch_threads=1,
-            max_positions_per_step=MAX_POSITIONS,
-        )
-        return [await SpanServer.create(ServerConfig(blocks=blocks, **common)) for blocks in SPANS]
-
-    servers = _loop.run(start(), timeout=240)
-    yield servers, peers
-    for server in servers:
-        _loop.run(server.shutdown(), timeout=60)
-    bootstrap.shutdown()
+    """Three in-process servers taking at most MAX_POSITIONS positions per Step, and a prompt-tuning
+    client; (the swarm, its servers)."""
+    swarm = start_inprocess(
+        tiny_llama_path,
+        SPANS,
+        client_options=dict(tuning_mode="ptune", pre_seq_len=PRE_SEQ_LEN),
+        max_positions_per_step=MAX_POSITIONS,
+    )
+    yield swarm, swarm.servers
+    swarm.stop()
 
 
 @pytest.fixture(scope="module")
-def tuned(chunk_swarm, tiny_llama_path):
-    from swarm import AutoDistributedModelForCausalLM
-
-    _, peers = chunk_swarm
-    model = AutoDistributedModelForCausalLM.from_pretrained(
-        str(tiny_llama_path), initial_peers=peers, tuning_mode="ptune", pre_seq_len=PRE_SEQ_LEN
-    )
+def tuned(chunk_swarm):
+    model = chunk_swarm[0].model
     torch.manual_seed(11)
     with torch.no_grad():
         model.prompt_embeddings.weight.copy_(torch.randn(PRE_SEQ_LEN, model.config.hidden_size) * 0.5)
-    yield model
-    model.shutdown()
+    return model
 
 
 def test_split_row_fills_each_chunk_to_the_limit():
@@ -97,7 +78,7 @@ def test_a_row_past_the_step_limit_gives_the_loss_and_gradients_of_local_transfo
     input_ids = torch.randint(0, tuned.config.vocab_size, (1, 21))  # 3 prompts + 21 ids: chunks of 5, 8, 8
     labels = input_ids.clone()
     labels[0, 9] = -100
-    check_against_local(tuned, tiny_reference, chunk_swarm[0], input_ids, torch.ones_like(input_ids), labels)
+    check_against_local(tuned, tiny_reference, chunk_swarm[1], input_ids, torch.ones_like(input_ids), labels)
     assert tuned.last_training_stats.failovers == 0
 
 
@@ -108,7 +89,7 @@ def test_a_padded_batch_of_long_and_short_rows_equals_local_transformers(tuned, 
     mask[1, :19] = 0  # left padding: 4 ids, one chunk
     mask[2, :9] = 0  # 14 ids: two chunks
     labels = input_ids.masked_fill(mask == 0, -100)
-    check_against_local(tuned, tiny_reference, chunk_swarm[0], input_ids, mask, labels)
+    check_against_local(tuned, tiny_reference, chunk_swarm[1], input_ids, mask, labels)
 
 
 def lap(route, index, offset, ids, backward_only=False, step_id="chunky", num_chunks=3) -> TrainForward:
@@ -128,7 +109,7 @@ def lap(route, index, offset, ids, backward_only=False, step_id="chunky", num_ch
 
 
 def test_bad_chunk_laps_get_named_errors_and_the_servers_keep_serving(tuned, chunk_swarm):
-    servers, _ = chunk_swarm
+    _, servers = chunk_swarm
     route = [Hop(s.handler.peer_id, start, end) for s, (start, end) in zip(servers, SPANS)]
     head, prompts = servers[0].handler.peer_id, [torch.zeros(PRE_SEQ_LEN, tuned.config.hidden_size)]
     # the first lap of a row is kept on every hop and answered with an empty TrainBackward
