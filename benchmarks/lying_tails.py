@@ -283,34 +283,11 @@ def main() -> None:
     p.add_argument("--trusted", nargs="*", default=[], help="honest servers the client trusts, by name (T, U)")
     p.add_argument("--out", default="benchmarks/results/lying_tails.json")
     args = p.parse_args()
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from protocol.messages import SamplingParams
-    from protocol.models import ensure_smollm2_checkpoint
+    from benchmarks.smol_reference import smollm2_references
     from swarm.local import LocalSwarm
-    from tests.kit.reference import reference_sample
 
-    path = ensure_smollm2_checkpoint()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    reference = AutoModelForCausalLM.from_pretrained(path, dtype="float32").eval()
-    prompt = tokenizer(PROMPT)["input_ids"]
-    eos = reference.generation_config.eos_token_id
-    eos = {eos} if isinstance(eos, int) else set(eos or [])
-    made: dict = {}
-
-    def references(seed):
-        if seed not in made:
-            if seed is None:
-                with torch.no_grad():
-                    out = reference.generate(torch.tensor([prompt]), max_new_tokens=args.tokens, do_sample=False)
-                made[seed] = out[0, len(prompt) :].tolist()
-            else:
-                params = SamplingParams(do_sample=True, temperature=0.8, top_p=0.9, seed=seed)
-                made[seed] = reference_sample(
-                    reference, prompt, args.tokens, params, eos
-                )  # stops at EOS, as generate()
-        return made[seed]
+    tokenizer, reference, prompt, references = smollm2_references(PROMPT, args.tokens)
 
     log_dir = Path(tempfile.mkdtemp(prefix="lying-tails-"))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()

@@ -112,6 +112,22 @@ def forget(model, excluded: set) -> None:
         swarm.excluded.ban(peer_id)
 
 
+def trust_counts(model, stats, name_of: dict) -> dict:
+    """What one generation did to trust, by server name: convictions, bans and reports so far,
+    disputes, and its tokens by how they were confirmed."""
+    return {
+        "convicted": sorted(name_of.get(p, p) for p in stats.liars_excluded),
+        "banned_so_far": sorted(name_of.get(p, p) for p in model.swarm.excluded.banned),
+        "reported": sorted(name_of.get(p, p) for p in model.swarm.reports),
+        "disputed": sorted({name_of.get(p, p) for p in stats.disputed_peers}),
+        "tokens_confirmed_trusted": stats.tokens_confirmed_trusted,
+        "tokens_confirmed_untrusted": stats.tokens_confirmed_untrusted,
+        "tokens_unconfirmed": stats.tokens_unconfirmed,
+        "new_tokens": stats.new_tokens,
+        "verdict_audits": stats.verdict_audits,
+    }
+
+
 def one_run(model, peers, prompt, expected, sampled, seed, generate_kwargs) -> dict:
     """One generation: what it returned and how the client judged every server."""
     import torch
@@ -142,16 +158,8 @@ def one_run(model, peers, prompt, expected, sampled, seed, generate_kwargs) -> d
         "exact": tokens == expected if tokens is not None else None,
         "raised": raised,
         "flag_warning": flagged,
-        "convicted": sorted(name_of.get(p, p) for p in stats.liars_excluded),
-        "banned_so_far": sorted(name_of.get(p, p) for p in model.swarm.excluded.banned),
-        "reported": sorted(name_of.get(p, p) for p in model.swarm.reports),
-        "disputed": sorted({name_of.get(p, p) for p in stats.disputed_peers}),
-        "tokens_confirmed_trusted": stats.tokens_confirmed_trusted,
-        "tokens_confirmed_untrusted": stats.tokens_confirmed_untrusted,
-        "tokens_unconfirmed": stats.tokens_unconfirmed,
+        **trust_counts(model, stats, name_of),
         "wrong_tokens_not_flagged": wrong_unflagged,
-        "new_tokens": stats.new_tokens,
-        "verdict_audits": stats.verdict_audits,
         "verdict_audits_skipped": stats.verdict_audits_skipped,
         "verdict_audits_undecided": stats.verdict_audits_undecided,
         "route_tail": name_of.get(stats.route[-1][0]) if stats.route else None,
@@ -339,34 +347,14 @@ def main() -> None:
     )
     p.add_argument("--out", default="benchmarks/results/sybils.json")
     args = p.parse_args()
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from client import _witnesses
-    from protocol.messages import SamplingParams
-    from protocol.models import ensure_smollm2_checkpoint
     from swarm.local import LocalSwarm
-    from tests.kit.reference import reference_sample
 
     _witnesses.machine_group = loopback_by_prefix(_witnesses.machine_group)
-    path = ensure_smollm2_checkpoint()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    reference = AutoModelForCausalLM.from_pretrained(path, dtype="float32").eval()
-    prompt = tokenizer(PROMPT)["input_ids"]
-    eos = reference.generation_config.eos_token_id
-    eos = {eos} if isinstance(eos, int) else set(eos or [])
-    made: dict = {}
+    from benchmarks.smol_reference import smollm2_references
 
-    def references(seed):
-        if seed not in made:
-            if seed is None:
-                with torch.no_grad():
-                    out = reference.generate(torch.tensor([prompt]), max_new_tokens=args.tokens, do_sample=False)
-                made[seed] = out[0, len(prompt) :].tolist()
-            else:
-                params = SamplingParams(do_sample=True, temperature=0.8, top_p=0.9, seed=seed)
-                made[seed] = reference_sample(reference, prompt, args.tokens, params, eos)
-        return made[seed]
+    tokenizer, reference, prompt, references = smollm2_references(PROMPT, args.tokens)
 
     log_dir = Path(tempfile.mkdtemp(prefix="sybils-"))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
@@ -445,16 +433,8 @@ def rejection(swarm, prompt, reference, args) -> dict:
                     "raised": None,
                     "completed": out.shape[1] > len(prompt),
                     "flag_warning": bool(caught),
-                    "convicted": sorted(name_of.get(p, p) for p in stats.liars_excluded),
-                    "banned_so_far": sorted(name_of.get(p, p) for p in model.swarm.excluded.banned),
-                    "reported": sorted(name_of.get(p, p) for p in model.swarm.reports),
-                    "disputed": sorted({name_of.get(p, p) for p in stats.disputed_peers}),
-                    "tokens_confirmed_trusted": stats.tokens_confirmed_trusted,
-                    "tokens_confirmed_untrusted": stats.tokens_confirmed_untrusted,
-                    "tokens_unconfirmed": stats.tokens_unconfirmed,
+                    **trust_counts(model, stats, name_of),
                     "wrong_tokens_not_flagged": None,
-                    "new_tokens": stats.new_tokens,
-                    "verdict_audits": stats.verdict_audits,
                     "route_tail": name_of.get(stats.route[-1][0]) if stats.route else None,
                     "seconds": round(time.perf_counter() - began, 2),
                 }
