@@ -32,6 +32,8 @@ from typing import Callable, Optional
 
 import torch
 
+from server.adapters import GENERIC_FAMILIES
+
 MiB = 1 << 20
 VOCAB = 512  # small vocabulary: no tokenizer is needed, and the LM head stays tiny
 
@@ -213,20 +215,8 @@ def train_row(folder: Path, family: str, dtype: torch.dtype, device: str, positi
     )
 
 
-FAMILIES = (
-    "llama",
-    "mistral",
-    "qwen2",
-    "qwen3",
-    "mixtral",
-    "qwen2_moe",
-    "qwen3_moe",
-    "deepseek_v3",
-    "glm4_moe",
-    "gpt_oss",
-    "gpt_oss_mxfp4",
-    "deepseek_v4",
-)
+# every family a server runs (server/adapters GENERIC_FAMILIES), gpt-oss also as published (MXFP4), and DeepSeek-V4
+FAMILIES = (*GENERIC_FAMILIES, "gpt_oss_mxfp4", "deepseek_v4")
 QUANT_FAMILIES = ("llama", "mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss")
 TRAIN_FAMILIES = ("llama", "mixtral", "qwen3_moe")
 
