@@ -41,6 +41,8 @@ import time
 import warnings
 from pathlib import Path
 
+from benchmarks.lying_tails import wait_online
+
 ARGS = ["--torch-threads", "1", "--log-level", "WARNING", "--update-period", "5"]
 PROMPT = "The history of the printing press begins in"
 LIE_AFTER = 32  # the lying sybils lie in every verdict from this position on
@@ -71,18 +73,6 @@ def loopback_by_prefix(original):
         return group
 
     return machine_group
-
-
-def wait_online(model, names, deadline: float) -> dict:
-    from tests.kit.swarms import servers_by_name
-
-    while True:
-        records = servers_by_name(model, 30)
-        if all(n in records and records[n].state == "online" for n in names):
-            return records
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"servers not online: {names}")
-        time.sleep(1.0)
 
 
 def connect(swarm, excluded: set, routes, names):
