@@ -220,7 +220,9 @@ class OutputAuditor:
         }
         candidates, dead = [info for pool in pools.values() for info in pool], set()
         if candidates:  # ping them so that this client holds connections, whose addresses it reads
-            dead = set(await self.swarm.unresponsive([Hop(peer_id=c.peer_id, start=0, end=0) for c in candidates]))
+            dead = set(
+                await self.swarm.unresponsive([Hop(peer_id=c.peer_id, start=0, end=0) for c in candidates], again=6.0)
+            )
             await self.witnesses.refresh(self.swarm.p2p)
         out, used = list(route), {hop.peer_id for hop in route}
         for i, pool in pools.items():

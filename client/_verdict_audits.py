@@ -230,7 +230,9 @@ class VerdictAuditor(BackgroundAudit):
             return True
         found = alternatives(route, len(route) - 1, self.swarm.records, excluded, length)
         if found:  # records outlive their servers by up to 3 update periods: drop those that do not answer
-            dead = set(await self.swarm.unresponsive([Hop(peer_id=info.peer_id, start=0, end=0) for info in found]))
+            dead = set(
+                await self.swarm.unresponsive([Hop(peer_id=info.peer_id, start=0, end=0) for info in found], again=6.0)
+            )
             for peer_id in dead:
                 self.swarm.exclude(peer_id)  # the client's own failed ping: evidence
             found = [info for info in found if info.peer_id not in dead]

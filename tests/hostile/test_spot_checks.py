@@ -294,7 +294,8 @@ def test_noise_liar_is_caught_excluded_and_the_output_is_exact(noise_run, tiny_r
     # the generated tokens were re-verified on the new route; those the noise had changed (often all
     # from the second on, sometimes none: a fresh draw each run) were replaced
     reverified = [int(line.split()[-1]) for line in story(stats, peers) if "re-verify" in line]
-    assert len(reverified) == 1 and 0 <= stats.tokens_retracted <= reverified[0]
+    # one re-verification per conviction (O, convicted after N, costs a second one)
+    assert 1 <= len(reverified) <= len(stats.liars_excluded) and 0 <= stats.tokens_retracted <= sum(reverified)
     assert stats.route[0][0] == peers["A"] and stats.failovers == 0  # left the liar without a failure
     assert stats.spot_checks_failed == 0
 

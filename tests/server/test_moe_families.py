@@ -417,7 +417,12 @@ def test_spot_checks_and_verdict_audits_find_honest_servers_agree(served):
     """Every lap's activations audited on the second head server (spot_check_rate=1.0) and a
     verdict audit every 4 tokens on the second tail: MoE blocks recomputed elsewhere agree within
     the audits' tolerance, so nobody is excluded, and the output is still transformers'."""
+    from client._swarm import ExclusionList
+
     model_type, model, reference = served
+    # what a fresh client knows: an earlier test's exclusion (a missed ping on a loaded machine) of the
+    # second tail would leave this generation no verdict audit to run
+    model.swarm.excluded = ExclusionList()
     prompt = torch.tensor(PROMPT)
     expected = reference.generate(prompt, max_new_tokens=8, do_sample=False)
     output = model.generate(prompt, max_new_tokens=8, speculation=None, spot_check_rate=1.0)
