@@ -66,6 +66,19 @@ def smol_tokenizer():
     return AutoTokenizer.from_pretrained(ensure_smollm2_checkpoint())
 
 
+def recorded_prompts(model, tokenizer) -> list[str]:
+    """The prompts ``model`` is asked to continue, decoded, appended as the gateway sends them."""
+    prompts = []
+    replay = model.agenerate_stream
+
+    def recording(prompt_ids, *args, **kwargs):
+        prompts.append(tokenizer.decode(prompt_ids))
+        return replay(prompt_ids, *args, **kwargs)
+
+    model.agenerate_stream = recording
+    return prompts
+
+
 @pytest.mark.parametrize("tool_choice", ["auto", "required"])
 def test_each_streamed_call_arrives_once_complete(scripted, tool_choice):
     model, client = scripted
@@ -103,14 +116,7 @@ def test_a_llama3_template_through_the_openai_client(smol_tokenizer):
 
     smol_tokenizer.chat_template = LLAMA3_TEMPLATE
     model = ScriptedModel(smol_tokenizer, [LLAMA3_CALL])
-    prompts = []
-    replay = model.agenerate_stream
-
-    def recording(prompt_ids, *args, **kwargs):
-        prompts.append(smol_tokenizer.decode(prompt_ids))
-        return replay(prompt_ids, *args, **kwargs)
-
-    model.agenerate_stream = recording
+    prompts = recorded_prompts(model, smol_tokenizer)
     with GatewayThread(Gateway({MODEL: model}, GatewayConfig(api_keys=frozenset({KEY})))) as served:
         client = openai.OpenAI(base_url=served.url, api_key=KEY, max_retries=0, timeout=240)
         ask = [{"role": "user", "content": "time?"}]
@@ -151,14 +157,7 @@ def test_a_llama3_builtin_call_through_the_openai_client(smol_tokenizer):
     reply = '<|python_tag|>brave_search.call(query="weather in Oslo")'
     model = ScriptedModel(smol_tokenizer, [reply[:20], reply[20:]])
     model.go_on.set()
-    prompts = []
-    replay = model.agenerate_stream
-
-    def recording(prompt_ids, *args, **kwargs):
-        prompts.append(smol_tokenizer.decode(prompt_ids))
-        return replay(prompt_ids, *args, **kwargs)
-
-    model.agenerate_stream = recording
+    prompts = recorded_prompts(model, smol_tokenizer)
     search, wolfram = ({"type": "function", "function": {"name": n}} for n in ("brave_search", "wolfram_alpha"))
     with GatewayThread(Gateway({MODEL: model}, GatewayConfig(api_keys=frozenset({KEY})))) as served:
         client = openai.OpenAI(base_url=served.url, api_key=KEY, max_retries=0, timeout=240)
