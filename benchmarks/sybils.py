@@ -163,7 +163,6 @@ def one_run(model, peers, prompt, expected, sampled, seed, generate_kwargs) -> d
 def scenario(swarm, title, sybils, flags, prompt, references, args, *, routes_for, generate_kwargs=None) -> dict:
     """Start ``sybils`` (name -> host) with ``flags``, run ``--runs`` greedy and seeded generations
     by fresh clients, stop the sybils."""
-    from swarm.local import kill_group
     from tests.kit.faulty_server import faulty
     from tests.kit.routes import PreferredRoutes
 
@@ -197,12 +196,19 @@ def scenario(swarm, title, sybils, flags, prompt, references, args, *, routes_fo
                 short = {k: v for k, v in result.items() if k not in ("events", "groups")}
                 print(f"  {title} run {run} {'sampled' if sampled else 'greedy'}: {short}", flush=True)
     finally:
-        if shared is not None:
-            shared[0].shutdown()
-        for process in processes:
-            kill_group(process)
-            swarm.servers.remove(process)
+        end_scenario(swarm, shared, processes)
     return row
+
+
+def end_scenario(swarm, shared, processes) -> None:
+    """Stop a scenario's shared client (``--reuse-client``) and the servers it started."""
+    from swarm.local import kill_group
+
+    if shared is not None:
+        shared[0].shutdown()
+    for process in processes:
+        kill_group(process)
+        swarm.servers.remove(process)
 
 
 def groups(model, peers) -> dict:
@@ -377,7 +383,6 @@ def rejection(swarm, prompt, reference, args) -> dict:
     """Scenario 3: three honest tails, a local draft model, ``verification="rejection"``."""
     import torch
 
-    from swarm.local import kill_group
     from tests.kit.routes import PreferredRoutes
 
     extra = {"V1": "127.0.21.1", "V2": "127.0.22.1"}
@@ -434,11 +439,7 @@ def rejection(swarm, prompt, reference, args) -> dict:
             row["runs"].append(result)
             print(f"  {title} run {run}: {result}", flush=True)
     finally:
-        if shared is not None:
-            shared[0].shutdown()
-        for process in processes:
-            kill_group(process)
-            swarm.servers.remove(process)
+        end_scenario(swarm, shared, processes)
     return row
 
 
