@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
@@ -273,7 +273,7 @@ def model_sizes(config: PretrainedConfig, dtype: torch.dtype, quant: Quant = Qua
     config = copy.deepcopy(config)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    dtype_of = adapter.dtype_plan(dtype)
+    dtype_of = _held_dtypes(type(model), adapter.dtype_plan(dtype), dtype)
     per_block = 0
     for layer in model.model.layers:
         per_block = max(per_block, estimate_module_bytes(layer, quant, dtype, dtype_of, adapter.stacked_linears))
@@ -288,6 +288,18 @@ def model_sizes(config: PretrainedConfig, dtype: torch.dtype, quant: Quant = Qua
     tail = sum(nbytes(m) for m in extras) + size * lm_head.weight.numel()
     cache = max(adapter.span_cache_bytes_per_token(config, i, i + 1, dtype) for i in range(config.num_hidden_layers))
     return ModelSizes(per_block, nbytes(embeddings), tail, tied, cache)
+
+
+def _held_dtypes(
+    model_class: type, plan: Callable[[str], torch.dtype], dtype: torch.dtype
+) -> Callable[[str], torch.dtype]:
+    """The adapter's plan, plus transformers' own float32 rule for ``model_class`` (DeepSeek-V3's and
+    GLM-4-MoE's routers stay float32 in a bfloat16 span, as :mod:`server.adapters.llama` loads them):
+    a plan that priced them at ``dtype`` would let a server take more blocks than it can hold."""
+    from server.adapters.llama import keeps_float32
+
+    keeps = keeps_float32(model_class, dtype)
+    return lambda name: torch.float32 if keeps(name) else plan(name)
 
 
 def model_bytes(config: PretrainedConfig, dtype: torch.dtype, quant: Quant = Quant.NONE) -> tuple[int, int]:

@@ -74,7 +74,7 @@ class LlamaFamilyAdapter(SpanAdapter):
         self.norm = skeleton.model.norm if self.is_tail else None
         self.lm_head = skeleton.lm_head if self.is_tail else None
         wanted = self._wanted(checkpoint)  # names of the float modules, before quantization splits experts
-        self.keeps_float32 = _keeps_float32(type(skeleton), dtype)
+        self.keeps_float32 = keeps_float32(type(skeleton), dtype)
         self.quantize_skeleton(self.layers, self.quant, dtype)
         self._load(checkpoint, wanted)
         # each layer's sliding window (None: full attention), for its masks
@@ -323,7 +323,7 @@ class LlamaFamilyAdapter(SpanAdapter):
         return 2 * kv_heads * head_dim * (end - start) * torch.finfo(dtype).bits // 8
 
 
-def _keeps_float32(model_class: type, dtype: torch.dtype) -> Callable[[str], bool]:
+def keeps_float32(model_class: type, dtype: torch.dtype) -> Callable[[str], bool]:
     """transformers' rule for ``model_class``: parameter names matching its ``_keep_in_fp32_modules_strict``
     stay float32 in bfloat16/float16 (and ``_keep_in_fp32_modules`` in float16); the rest take ``dtype``."""
     patterns: list[str] = []

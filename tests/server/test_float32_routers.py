@@ -35,3 +35,18 @@ def test_a_bfloat16_span_keeps_the_router_in_float32_and_equals_transformers(fam
         expected = reference(ids).logits[0].float()
         got = span.logits(span.forward(span.embed(ids), ids, 0, span.new_cache(), range(0, span.end)))
     assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "glm4_moe"])
+def test_the_memory_plan_prices_the_float32_routers_at_float32(family_paths, model_type):
+    """The plan's bytes per block equal what a loaded bfloat16 span's largest block holds: a plan
+    that priced the routers at bfloat16 would let a server take more blocks than fit."""
+    from server.memory import model_sizes
+
+    path = family_paths(model_type)
+    config = AutoConfig.from_pretrained(path)
+    span = load_span(config, Checkpoint(str(path)), 0, config.num_hidden_layers, torch.bfloat16, "cpu")
+    held = max(
+        sum(t.numel() * t.element_size() for t in [*layer.parameters(), *layer.buffers()]) for layer in span.layers
+    )
+    assert model_sizes(config, torch.bfloat16).block_bytes == held
