@@ -25,7 +25,8 @@ the span's under ``--quant``.
 from __future__ import annotations
 
 import copy
-from typing import Optional
+import itertools
+from typing import Callable, Optional
 
 import torch
 from transformers import DynamicCache, PretrainedConfig
@@ -107,9 +108,15 @@ def load_mtp(
         split = {t for t, n in targets.items() if n.endswith(("experts.gate_up_proj", "experts.down_proj"))}
     sources = expert_weights.map_keys("deepseek_v3", checkpoint.weight_map(), targets)
     desc = f"Loading the MTP layer {prefix}"
-    for target, expert, tensor in expert_weights.iter_tensors(
-        checkpoint, sources.values(), dtype, desc=desc, per_expert=split
-    ):
+    # its router stays float32, as in the blocks (llama.keeps_float32): routing picks the experts transformers' would
+    keeps = _keeps_float32(dtype)
+    kept = [source for target, source in sources.items() if keeps(target)]
+    rest = [source for target, source in sources.items() if not keeps(target)]
+    tensors = itertools.chain(
+        expert_weights.iter_tensors(checkpoint, rest, dtype, desc=desc, per_expert=split),
+        expert_weights.iter_tensors(checkpoint, kept, torch.float32, desc=desc, per_expert=split) if kept else (),
+    )
+    for target, expert, tensor in tensors:
         name = targets[target]
         if expert is None:
             assign_tensor(mtp, name, tensor, device)
@@ -163,8 +170,19 @@ def mtp_bytes(config: PretrainedConfig, dtype: torch.dtype, quant: Quant) -> int
 
     with torch.device("meta"):
         mtp = DeepseekV3MTP(config)
-    block = estimate_module_bytes(mtp.layer, quant, dtype, None, (fused_experts.FusedExperts,))
+    keeps = _keeps_float32(dtype)
+    dtype_of = lambda name: torch.float32 if keeps("layer." + name) else dtype  # noqa: E731
+    block = estimate_module_bytes(mtp.layer, quant, dtype, dtype_of, (fused_experts.FusedExperts,))
     size = torch.finfo(dtype).bits // 8
     rest = sum(p.numel() for n, p in mtp.named_parameters() if not n.startswith("layer.")) * size
     buffers = sum(b.numel() * b.element_size() for n, b in mtp.named_buffers() if not n.startswith("layer."))  # rotary
     return block + rest + buffers + config.vocab_size * config.hidden_size * size
+
+
+def _keeps_float32(dtype: torch.dtype) -> Callable[[str], bool]:
+    """DeepSeek-V3's float32 rule (its router weight and score correction bias), as its blocks load them."""
+    from transformers import DeepseekV3ForCausalLM
+
+    from server.adapters.llama import keeps_float32
+
+    return keeps_float32(DeepseekV3ForCausalLM, dtype)

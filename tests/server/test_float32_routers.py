@@ -50,3 +50,24 @@ def test_the_memory_plan_prices_the_float32_routers_at_float32(family_paths, mod
         sum(t.numel() * t.element_size() for t in [*layer.parameters(), *layer.buffers()]) for layer in span.layers
     )
     assert model_sizes(config, torch.bfloat16).block_bytes == held
+
+
+def test_a_bfloat16_mtp_drafter_keeps_its_router_in_float32_and_the_plan_prices_it(tmp_path):
+    """DeepSeek-V3's MTP layer is one more of its decoder layers: its router stays float32 as the
+    blocks' do, and ``mtp_bytes`` counts what the loaded drafter holds."""
+    from server.adapters.deepseek_v3_mtp import build_mtp_drafter, mtp_bytes
+    from server.quantization import Quant, resident_bytes
+    from tests.kit.checkpoints import build_tiny_deepseek_v3_with_mtp
+
+    path = build_tiny_deepseek_v3_with_mtp(tmp_path / "deepseek_v3_mtp")
+    config = AutoConfig.from_pretrained(path)
+    span = load_span(config, Checkpoint(str(path)), 0, config.num_hidden_layers, torch.bfloat16, "cpu")
+    drafter = build_mtp_drafter(span, config, Checkpoint(str(path)), max_drafts=2)
+    gate = drafter.net.layer.mlp.gate
+    assert gate.weight.dtype == torch.float32 and gate.e_score_correction_bias.dtype == torch.float32
+    assert drafter.net.layer.self_attn.o_proj.weight.dtype == torch.bfloat16
+    key = f"model.layers.{config.num_hidden_layers}.mlp.gate.weight"
+    saved = Checkpoint(str(path)).read([key], torch.float32, progress=False)[key]
+    assert torch.equal(gate.weight, saved)
+    held = resident_bytes(drafter.net) + drafter.embed_weight.nbytes
+    assert held == mtp_bytes(config, torch.bfloat16, Quant.NONE)
