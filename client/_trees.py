@@ -146,7 +146,9 @@ class TreeSizer:
     (client/drafting/cost_model.py) does: the fit above is of the lap less the tail's reported part
     (the network's: latency, the hops before the tail), and the tail's part is priced from its reports
     (one LM-head call plus a price per position, :class:`TailFit`), so a slow tail makes nodes dear
-    and a slow link makes the fixed part, which nodes share, larger. ``lap_costs=(fixed_s,
+    and a slow link makes the fixed part, which nodes share, larger. A walk that accepts a node costs
+    the tail a second LM-head call (server/compute.py's LazyLogits: the root's row alone, then the
+    rest), priced with the chance that a first-level node is accepted. ``lap_costs=(fixed_s,
     per_position_s)`` (``generate(draft_lap_costs=...)``) prices every lap at those costs instead:
     the size then follows from the verdicts alone.
     """
@@ -223,9 +225,13 @@ class TreeSizer:
             return min(len(tree), tree.chain_len + self.EXPLORE)
         calibration = [self.calibration(depth) for depth in range(self.MAX_DEPTH + 1)]
         best, best_n, expected = 1.0 / self.lap_time(committed), 0, 1.0
+        second_call_s, root_accepts = self.tail_costs()[0], 0.0
         for n, (score, depth) in enumerate(zip(tree.scores, tree.depths), start=1):
-            expected += min(1.0, calibration[min(depth, self.MAX_DEPTH)] * score)
-            rate = expected / self.lap_time(committed + n)
+            p = min(1.0, calibration[min(depth, self.MAX_DEPTH)] * score)
+            expected += p
+            if depth == 1:  # a walk past the root reads the rest of the tree in a second LM-head call
+                root_accepts = min(1.0, root_accepts + p)
+            rate = expected / (self.lap_time(committed + n) + second_call_s * root_accepts)
             if rate > best:
                 best, best_n = rate, n
         return best_n

@@ -204,7 +204,10 @@ class LazyLogits:
     matrix (on SmolLM2, 49152 x 576, read whole by every call), so the first call computes the
     ``first_call`` rows from the first row read (the rows the walk will probably read,
     server/verify_rows.py) and, if the walk goes on past them, every row after them in a second
-    call. Row r of the result is what ``span.logits(hidden)[r]`` would be,
+    call. A tree's walk reads one path: its first call computes the root's row alone (most trees are
+    rejected at the root), and a walk that goes on gets every later row in one second call, so an
+    accepted path of any depth costs two calls, not one per node. Row r of the result is what
+    ``span.logits(hidden)[r]`` would be,
     up to the floating-point rounding that computing rows together may add (docs/design.md).
     """
 
@@ -218,7 +221,7 @@ class LazyLogits:
     ):
         self._span, self._hidden = span, hidden  # hidden: [1, S, *hidden_shape]
         self._rows: dict[int, torch.Tensor] = {}
-        self._contiguous = contiguous  # False (a tree): the walk reads rows along one path, one at a time
+        self._contiguous = contiguous  # False (a tree): the first call computes the root's row alone
         self._first_call = max(1, first_call)  # rows the first call computes, from the first row read
         self._meter = meter  # times each call (server/tail_costs.py)
 
@@ -234,10 +237,10 @@ class LazyLogits:
         if not 0 <= row < len(self):
             raise IndexError(f"logits row {row} of {len(self)}")
         if row not in self._rows:
-            if not self._contiguous:
-                end = row + 1
-            else:
-                end = min(row + self._first_call, len(self)) if not self._rows else len(self)
+            if not self._rows:  # the first call: the planned rows (a tree's walk: its root row alone)
+                end = row + 1 if not self._contiguous else min(row + self._first_call, len(self))
+            else:  # the walk went on: every row after this one in one more call (a tree's nodes follow their parents)
+                end = len(self)
             part = self._hidden[:, row:end]
             block = self._meter.logits(self._span, part) if self._meter else self._span.logits(part)  # [end - row, V]
             for offset in range(end - row):

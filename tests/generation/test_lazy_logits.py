@@ -110,3 +110,40 @@ def test_a_forced_row_count_gives_the_same_rows(monkeypatch, forced, expected_ca
     for r in range(6):
         assert torch.allclose(rows[r], full[r], atol=1e-5)
     assert lm_head.calls == expected_calls
+
+
+def test_a_tree_walk_costs_its_root_row_then_one_call_for_the_rest_with_the_verdict_of_full_logits():
+    """A tree's walk reads one path; past the root its rows come in one more call, whatever the depth."""
+    from protocol.sampling import verify_tree
+
+    lm_head = CountingLMHead()
+    hidden = torch.randn(1, 9, 8, generator=torch.Generator().manual_seed(3))
+    full = lm_head.logits(hidden)
+    choice = full.argmax(-1).tolist()
+    # two committed ids, then 7 nodes: the target's path root -> node 1 -> node 4 -> node 6, beside wrong siblings
+    parents = [-1, -1, 0, 1, 1, 3, 4]
+    token_ids = [5, 6, 0, 0, 0, 0, 0, 0, 0]
+    token_ids[2 + 0] = (choice[1] + 1) % 16  # node 0: a wrong child of the root
+    token_ids[2 + 1] = choice[1]  # node 1: the target's choice at the root
+    token_ids[2 + 2] = choice[2]  # node 2: under the wrong node 0
+    token_ids[2 + 3] = (choice[3] + 1) % 16  # node 3: a wrong child of node 1
+    token_ids[2 + 4] = choice[3]  # node 4: the target's choice after node 1
+    token_ids[2 + 5] = 0
+    token_ids[2 + 6] = choice[6]  # node 6: the target's choice after node 4
+    history = [1, 2, 3] + token_ids
+    expected = verify_tree(full, history, 3, token_ids, parents, GREEDY, num_logprobs=2)
+    assert expected[0] == [1, 4, 6]
+    for contiguous, first_call in ((False, 1), (True, 1)):
+        lm_head.calls.clear()
+        got = verify_tree(
+            LazyLogits(lm_head, hidden, contiguous, first_call), history, 3, token_ids, parents, GREEDY, 2
+        )
+        assert got[:2] == expected[:2]
+        assert [(lp.token_id, lp.top_ids) for lp in got[2]] == [(lp.token_id, lp.top_ids) for lp in expected[2]]
+        if not contiguous:
+            assert lm_head.calls == [1, 9 - 3]  # the root's row (run row 1), then rows 3..8 at once
+    lm_head.calls.clear()
+    wrong = list(token_ids)
+    wrong[2 + 1] = (choice[1] + 2) % 16 if (choice[1] + 2) % 16 != token_ids[2] else (choice[1] + 3) % 16
+    verify_tree(LazyLogits(lm_head, hidden, False), history[:3] + wrong, 3, wrong, parents, GREEDY)
+    assert lm_head.calls == [1]  # rejected at the root: one row

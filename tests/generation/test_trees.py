@@ -314,6 +314,28 @@ def test_more_link_delay_gives_larger_trees_at_the_same_tail_cost():
     assert sizes == sorted(sizes) and sizes[-1] > 2 * sizes[0] >= 2, sizes
 
 
+def test_the_second_lm_head_call_of_an_accepted_walk_is_priced():
+    """A walk past the root costs the tail one more LM-head call (server/compute.py's LazyLogits), in
+    proportion to the chance that a first-level node is accepted: with a free link and a 16 ms call,
+    unlikely first-level siblings of a likely chain cost more in second calls than they bring; on a
+    500 ms link the same siblings pay for themselves."""
+
+    def sized(link_s: float) -> int:
+        sizer = TreeSizer()
+        for positions in (300, 1, 5, 12, 3, 30, 2, 8) * 3:
+            tail = TailCosts(100 * positions, [16000], [1])  # 0.1 ms a position, a 16 ms LM-head call
+            sizer.observe_lap(positions, link_s + 0.0001 * positions + 0.016, tail)
+        for _ in range(30):  # the scores are right: calibration near 1 at depths 1..3
+            sizer.observe_acceptance(DraftTree([1, 2, 3], [-1, 0, 1], [1.0, 1.0, 1.0], [1, 2, 3]), accepted=3)
+        tree = DraftTree(
+            list(range(7)), [-1, 0, 1, -1, -1, -1, -1], [0.9, 0.8, 0.7] + [0.04] * 4, [1, 2, 3, 1, 1, 1, 1]
+        )
+        return sizer.choose(tree, committed=1)
+
+    assert sized(0.0) == 3  # the chain alone
+    assert sized(0.5) == 7
+
+
 def test_fixed_lap_costs_size_trees_from_the_verdicts_alone():
     """``TreeSizer(lap_costs)`` (generate(draft_lap_costs=...)): measured laps change nothing; (1.0, 0.0)
     makes positions free, so every node with a chance is sent."""
