@@ -10,6 +10,7 @@ prompts added; every later run takes the batch's usual path, so decoding costs n
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Optional, Sequence
 
@@ -74,20 +75,35 @@ def add_at(hidden: torch.Tensor, prompts: torch.Tensor, start_pos: int) -> torch
 
 
 def forward_member(span: SpanAdapter, session: ServerSession, member: BatchMember, blocks: range):
-    """``blocks`` over one member, each block's deep prompts added at its input; None if cancelled."""
+    """``blocks`` over one member, each block's deep prompts added at its input; None if cancelled.
+
+    An EAGLE-3 tail's feature taps (server/feature_taps.py) see the pass as one: boundary ``j`` is
+    block ``j - 1``'s output, before block ``j`` adds its prompts (as transformers' ``hidden_states``
+    with Petals' pre-block prompts), so the session's prefill drafts like any other run."""
 
     def check() -> None:
         if member.cancelled():
             raise SpanCancelled()
 
+    taps = span.taps if span.taps is not None and blocks.stop == span.end else None
+    wanted = taps.wanted(blocks) if taps is not None else frozenset()
+    kept: dict[int, torch.Tensor] = {}
     hidden = member.hidden
     try:
-        for block in blocks:
-            hidden = add_at(hidden, session.deep_prompts[block - session.hop.start], member.start_pos)
-            one = range(block, block + 1)
-            hidden = span.forward(hidden, member.token_ids, member.start_pos, member.cache, one, check)
+        with taps.holding(member.cache) if taps is not None else contextlib.nullcontext():
+            for block in blocks:
+                if block in wanted:
+                    kept[block] = hidden
+                hidden = add_at(hidden, session.deep_prompts[block - session.hop.start], member.start_pos)
+                one = range(block, block + 1)
+                hidden = span.forward(hidden, member.token_ids, member.start_pos, member.cache, one, check)
     except SpanCancelled:
         return None
+    if taps is not None:
+        kept[blocks.stop] = hidden
+        taps.record(
+            member.cache, member.start_pos, {j: kept[j].to(hidden.device, hidden.dtype) for j in wanted}, blocks
+        )
     return hidden
 
 

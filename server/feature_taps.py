@@ -14,8 +14,9 @@ span ``[start, end)``, so a boundary before ``start`` is stood in for by the spa
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -28,6 +29,7 @@ class FeatureTaps:
         self.boundaries = tuple(boundaries)
         # cache -> chunks of one run: (start_pos, [1, n, len(boundaries) * H])
         self._pending: weakref.WeakKeyDictionary[Any, list[tuple[int, torch.Tensor]]] = weakref.WeakKeyDictionary()
+        self._held: weakref.WeakSet[Any] = weakref.WeakSet()  # caches whose passes record themselves (:meth:`holding`)
 
     def sources(self, blocks: range) -> dict[int, int]:
         """Each wanted boundary -> the boundary a pass over ``blocks`` reads it from: itself inside the
@@ -41,12 +43,25 @@ class FeatureTaps:
     def record(self, cache: Any, start_pos: int, kept: dict[int, torch.Tensor], blocks: range) -> None:
         """A pass over ``blocks`` for positions start_pos.. of a session kept these boundaries. A chunk
         that does not continue the pending ones (a run cancelled half way) starts the run over."""
+        if cache in self._held:
+            return
         sources = self.sources(blocks)
         features = torch.cat([kept[sources[j]] for j in self.boundaries], dim=-1)
         chunks = self._pending.setdefault(cache, [])
         if chunks and chunks[-1][0] + chunks[-1][1].shape[1] != start_pos:
             chunks.clear()
         chunks.append((start_pos, features))
+
+    @contextlib.contextmanager
+    def holding(self, cache: Any) -> Iterator[None]:
+        """Passes over ``cache`` record nothing meanwhile: a caller that runs a span block by block
+        (server/deep_prompts.py: deep prompts added at each block's input) keeps the boundaries itself and
+        records the whole pass once, as one pass over the span would."""
+        self._held.add(cache)
+        try:
+            yield
+        finally:
+            self._held.discard(cache)
 
     def take(self, cache: Any, start_pos: int, length: int) -> Optional[torch.Tensor]:
         """[1, length, len(boundaries) * H]: the features of positions start_pos.. of the run just

@@ -82,6 +82,32 @@ def test_a_packed_batch_taps_each_members_features(tiny_llama_path, eagle3_head)
         torch.testing.assert_close(span.taps.take(member.cache, 0, expected.shape[1]), expected, rtol=1e-4, atol=1e-5)
 
 
+def test_a_deep_prompt_prefill_taps_the_features_of_its_prompted_pass(tiny_llama_path, tiny_reference, eagle3_head):
+    """A deep-prompt session's prefill runs block by block (server/deep_prompts.py); the tail still taps
+    transformers' hidden_states of the prompted model (boundary j: block j - 1's output, before block j
+    adds its prompts), so that run drafts like any other."""
+    from types import SimpleNamespace
+
+    from server.adapters.base import BatchMember
+    from server.deep_prompts import forward_member
+    from tests.training.test_deep_ptune import deep_hooks
+
+    span = _tail(tiny_llama_path, eagle3_head)
+    prompts = 0.5 * torch.randn(
+        span.end, 4, tiny_reference.config.hidden_size, generator=torch.Generator().manual_seed(2)
+    )
+    session = SimpleNamespace(deep_prompts=prompts, hop=SimpleNamespace(start=0))
+    member = BatchMember(span.embed(torch.tensor([TEXT])), torch.tensor([TEXT]), 0, span.new_cache())
+    out = forward_member(span, session, member, range(span.start, span.end))
+    with deep_hooks(tiny_reference, prompts):
+        reference = tiny_reference(torch.tensor([TEXT]), output_hidden_states=True)
+    states = reference.hidden_states
+    torch.testing.assert_close(span.logits(out), reference.logits[0], rtol=1e-4, atol=1e-4)  # the prompted model
+    features = span.taps.take(member.cache, 0, len(TEXT))
+    expected = torch.cat([states[j] for j in (2, 3, 3)], dim=-1)
+    torch.testing.assert_close(features, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_drafts_are_target_ids_through_d2t(tiny_llama_path, eagle3_head, tiny_config):
     """Every draft is a target id of the head's draft vocabulary (draft id + d2t), and the drafts of a
     run equal the head's argmax over the whole committed text in one uncached pass."""
