@@ -3,7 +3,7 @@ PYTHON ?= python3
 PIP = $(PYTHON) -m pip
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup browser systemd-analyze netns-tools demo test bench-wan bench-ceiling bench-drafter bench-failover bench-load bench-chaos bench-codecs bench-bandwidth bench-batch bench-quant train-drafter warm-corpus bench-drafter-cost bench-dssd bench-trees bench-spot-checks bench-lies bench-sybils bench-step-bytes bench-gateway bench-scale bench-dht-scale bench-dashboard-scale bench-churn bench-structured bench-fine-tuning gpu-check
+.PHONY: setup browser systemd-analyze netns-tools demo test bench-wan bench-wan-heldout bench-ceiling bench-drafter bench-failover bench-load bench-chaos bench-codecs bench-bandwidth bench-batch bench-quant train-drafter warm-corpus bench-drafter-cost bench-dssd bench-trees bench-spot-checks bench-lies bench-sybils bench-step-bytes bench-gateway bench-scale bench-dht-scale bench-dashboard-scale bench-churn bench-structured bench-fine-tuning gpu-check
 
 # Keeps a torch that is already installed (a GPU user's own build); otherwise installs the torch
 # wheel pip's index serves: the CPU build on these machines (local wheels), but on Linux x86-64
@@ -43,6 +43,14 @@ bench-drafter: setup
 
 bench-wan: setup
 	$(PYTHON) -m benchmarks.wan
+
+# held-out request-first prompts (benchmarks/heldout_prompts.py, in no test and no drafter's training data):
+# the default generate() against no speculation and each drafter, 0-100 ms per hop, and the plot in docs/
+bench-wan-heldout: setup
+	$(PIP) install --quiet -e '.[plot]'
+	$(PYTHON) -m benchmarks.wan --workloads "held-out chat" "held-out code" --delays 0 25 50 100 \
+		--modes none default suffix tail suffix+tail --max-new-tokens 64 --out benchmarks/results/wan_heldout.json
+	$(PYTHON) -m benchmarks.wan_plot benchmarks/results/wan_heldout.json docs/wan_heldout.png
 
 # JSON-schema extraction: grammar drafts on/off, a local draft model and free text, 25 ms per hop (docs/benchmarks.md "Structured outputs")
 bench-structured: setup

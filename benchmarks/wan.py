@@ -22,11 +22,13 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from benchmarks.heldout_prompts import HELD_OUT_CHAT, HELD_OUT_CODE
 from swarm.local import LocalSwarm
 from tests.kit.prompts import CODE_EDITING, CODE_FOLLOW_UP, OPEN_CHAT
 
 MODES = {  # loop_runs=False: the client sends every run (as before looped runs existed)
     "none": dict(speculation=None, loop_runs=False),
+    "default": dict(),  # generate() with no speculation argument: what a user gets
     "ngram": dict(speculation="ngram", loop_runs=False),
     "suffix": dict(speculation="suffix", loop_runs=False),
     "suffix+async": dict(speculation="suffix", async_speculation=True, max_inflight_runs=3),
@@ -79,11 +81,24 @@ class Run:
     tree_sizes: dict = None
 
 
-def workloads(first_answers: list[str], limit: int):
-    """(name, conversations) per workload. The second code-editing turn is built from the first
-    turn's answers (identical in every mode), so it is only ready after the first turn ran."""
-    yield "code editing", [[{"role": "user", "content": p}] for p in CODE_EDITING[:limit]]
-    yield "open chat", [[{"role": "user", "content": p}] for p in OPEN_CHAT[:limit]]
+WORKLOADS = ["code editing", "open chat", "code editing, turn 2", "held-out chat", "held-out code"]
+
+
+def workloads(first_answers: list[str], limit: int, names: list[str] = WORKLOADS):
+    """(name, conversations) per workload in ``names``. The second code-editing turn is built from the
+    first turn's answers (identical in every mode), so it is only ready after the first turn ran. The
+    held-out workloads (benchmarks/heldout_prompts.py) are request-first prompts no drafter trained on."""
+    single = {
+        "code editing": CODE_EDITING,
+        "open chat": OPEN_CHAT,
+        "held-out chat": HELD_OUT_CHAT,
+        "held-out code": HELD_OUT_CODE,
+    }
+    for name in names:
+        if name in single:
+            yield name, [[{"role": "user", "content": p}] for p in single[name][:limit]]
+    if "code editing, turn 2" not in names:
+        return
     yield (
         "code editing, turn 2",
         [
@@ -110,7 +125,10 @@ def run_setting(args, delay_ms: float, modes: dict) -> list[Run]:
         warm = tokenizer("Hello", return_tensors="pt")["input_ids"]
         model.generate(warm, max_new_tokens=4, speculation=None)  # connections and caches warm
         first_answers: list[str] = []
-        for workload, conversations in workloads(first_answers, args.prompts):
+        names = list(args.workloads)
+        if "code editing, turn 2" in names and "code editing" not in names:
+            names.insert(0, "code editing")  # turn 2 continues turn 1's answers
+        for workload, conversations in workloads(first_answers, args.prompts, names):
             for index, messages in enumerate(conversations):
                 ids = tokenizer.apply_chat_template(
                     messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
@@ -282,6 +300,7 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=5, help="prompts per workload")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--modes", nargs="+", default=DEFAULT_MODES, choices=list(MODES))
+    p.add_argument("--workloads", nargs="+", default=WORKLOADS, choices=WORKLOADS)
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "wan.json"))
     args = p.parse_args()
     modes = {m: MODES[m] for m in ["none"] + [m for m in args.modes if m != "none"]}
