@@ -85,9 +85,7 @@ async def train_rows(
             coros = [
                 train_row(swarm, route, prompts, row, timeout, deep, score)
                 if prompts.shape[0] + len(row.token_ids) <= limit
-                else train_chunked_row(
-                    swarm, route, prompts, row, timeout, limit, deep is not None or score is not None
-                )
+                else train_chunked_row(swarm, route, prompts, row, timeout, limit, deep, score)
                 for row in rows
             ]
             results = await _loop.all_or_none(coros)
@@ -195,20 +193,19 @@ async def train_chunked_row(
     row: TrainRow,
     timeout: float,
     limit: int,
-    deep_or_score: bool = False,
+    deep: Optional[torch.Tensor] = None,
+    score: Optional[torch.Tensor] = None,
 ) -> RowGrad:
     """A row longer than the route's step limit, in chunks (docs/design.md, "Long rows in chunks"): a forward lap
     per chunk in order (the last one runs its chunk's backward too), then a backward lap per earlier chunk in
     reverse; every hop keeps the row's chunk inputs and keys/values between the laps. The loss is the chunks'
-    sum, the prompts' gradient comes with chunk 0's backward lap."""
-    if deep_or_score or row.label is not None or row.multi_labels:
-        raise ValueError(
-            f"a training row of {prompts.shape[0]} prompts + {len(row.token_ids)} ids exceeds the route's {limit} "
-            "positions per step, and rows in chunks take neither deep prompts nor classification yet"
-        )
+    sum; the prompts' (and deep prompts') gradient comes with chunk 0's backward lap, which the deep prompts
+    (sent with chunk 0's forward lap) sit in; a classification row's score weights go with the last chunk, whose
+    last position the tail scores, and its reply carries the scored hidden state."""
     pieces, step_id, head = split_row(row, prompts.shape[0], limit), secrets.token_hex(8), route[0].peer_id
     num_prompts, hidden = prompts.shape
     grad, loss_sum, num_targets = torch.zeros(num_prompts, hidden), 0.0, 0
+    deep_grad = scored = None
     laps = [(k, False) for k in range(len(pieces))] + [(k, True) for k in reversed(range(len(pieces) - 1))]
     for index, backward_only in laps:
         offset, ids, targets = pieces[index]
@@ -219,40 +216,56 @@ async def train_chunked_row(
             num_prompts=num_prompts,
             token_ids=ids,
             targets=targets,
+            deep_prompts=deep is not None,
+            num_labels=0 if score is None else score.shape[0],
+            label=0.0 if row.label is None else float(row.label),
             active_adapter=swarm.active_adapter,
+            multi_labels=row.multi_labels or [],
             chunk_index=index,
             num_chunks=len(pieces),
             chunk_offset=offset,
             backward_only=backward_only,
         )
-        first_forward = index == 0 and not backward_only
+        first_forward, last = index == 0 and not backward_only, index == len(pieces) - 1
         tensors = [prompts.detach().float().cpu().contiguous()] if first_forward and num_prompts else []
-        received = await _exchange(swarm, route, message, tensors, timeout, hidden)
-        forward_only = not backward_only and index < len(pieces) - 1
-        carries_grad = index == 0 and num_prompts > 0 and not forward_only
-        reply, got = _chunk_reply(received, message, head, (num_prompts, hidden) if carries_grad else None)
+        if first_forward and deep is not None:
+            tensors.append(deep.detach().float().cpu().contiguous())
+        if last and score is not None:
+            tensors.append(score.detach().float().cpu().contiguous())
+        deep_back = index == 0 and backward_only and deep is not None
+        deep_values = deep.numel() if deep_back else 0
+        received = await _exchange(swarm, route, message, tensors, timeout, hidden, deep_values)
+        shapes = []  # what the reply carries: chunk 0's backward the gradients, the last chunk the scored state
+        if index == 0 and backward_only:
+            shapes = ([(num_prompts, hidden)] if num_prompts else []) + ([tuple(deep.shape)] if deep_back else [])
+        elif last and score is not None:
+            shapes = [(1, hidden)]
+        reply, got = _chunk_reply(received, message, head, shapes)
         loss_sum, num_targets = loss_sum + reply.loss_sum, num_targets + reply.num_targets
-        grad = got if got is not None else grad
-    return RowGrad(loss_sum, num_targets, grad)
+        if index == 0 and backward_only:
+            grad = got[0] if num_prompts else grad
+            deep_grad = got[-1] if deep_back else None
+        elif last and score is not None:
+            scored = got[0][0]
+    return RowGrad(loss_sum, num_targets, grad, deep_grad, scored)
 
 
-def _chunk_reply(received, message: TrainForward, head: str, shape: Optional[tuple[int, int]]):
-    """A chunk lap's reply from the head, checked: the TrainBackward, and the prompts' gradient when ``shape``
-    says one comes (chunk 0's backward), none otherwise."""
+def _chunk_reply(received, message: TrainForward, head: str, shapes: list[tuple[int, ...]]):
+    """A chunk lap's reply from the head, checked: the TrainBackward, and its tensors, of ``shapes`` (chunk 0's
+    backward: the prompts' and deep prompts' gradients; the last chunk of a classification row: the scored
+    hidden state; none otherwise)."""
     reply = received.message if received is not None else None
     if isinstance(reply, ErrorReply):
         raise _error_from(reply, head)
     if not isinstance(reply, TrainBackward) or reply.step_id != message.step_id or reply.num_targets < 0:
         what = type(reply).__name__ if reply is not None else "the end of the stream"
         raise ServerError(f"the head answered chunk {message.chunk_index} with {what}", head, ErrorCode.INTERNAL)
-    shapes = [tuple(t.shape) for t in received.tensors]
-    if shapes != ([shape] if shape else []):
+    got = [tuple(t.shape) for t in received.tensors]
+    if got != shapes:
         raise ServerError(
-            f"the head sent {shapes} for chunk {message.chunk_index}; expected {[shape] if shape else []}",
-            head,
-            ErrorCode.INTERNAL,
+            f"the head sent {got} for chunk {message.chunk_index}; expected {shapes}", head, ErrorCode.INTERNAL
         )
-    return reply, received.tensors[0].float() if shape else None
+    return reply, [t.float() for t in received.tensors]
 
 
 def _row_grad(received, message: TrainForward, head: str, hidden: int, deep_shape: Optional[tuple]) -> RowGrad:

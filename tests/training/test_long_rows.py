@@ -3,11 +3,14 @@
 Three in-process servers of the tiny random Llama (blocks 0:2, 2:4, 4:6) take at most MAX_POSITIONS positions per
 step; rows of up to 23 ids after 3 prompts go in 2 to 4 chunks. The loss and the prompts' gradient are compared
 with local transformers over the whole row at once (float32): loss within 1e-5 relative, gradients within 1e-4 of
-their largest entry. Bad laps (out of order, for a step no hop holds, past the limits) get named errors.
+their largest entry. So are deep-prompt-tuned rows (the per-block prompts enter with chunk 0) and classification
+rows (the score weights go with the last chunk, whose last position the tail scores): 3-chunk rows and padded
+batches. Bad laps (out of order, for a step no hop holds, past the limits, changing the row's kind) get named errors.
 """
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 
@@ -16,6 +19,8 @@ from protocol import limits
 from protocol.errors import ErrorCode
 from protocol.messages import ErrorReply, Hop, TrainBackward, TrainForward
 from tests.kit.swarms import start_inprocess
+from tests.training.test_classification import local_logits
+from tests.training.test_deep_ptune import deep_hooks
 from tests.training.test_fine_tuning import close_grads, local_loss, raw_exchange
 
 SPANS = [(0, 2), (2, 4), (4, 6)]
@@ -92,6 +97,114 @@ def test_a_padded_batch_of_long_and_short_rows_equals_local_transformers(tuned, 
     check_against_local(tuned, tiny_reference, chunk_swarm[1], input_ids, mask, labels)
 
 
+def randomized(model, seed: int):
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, 0.5)
+    return model
+
+
+def assert_freed(servers) -> None:
+    for server in servers:
+        assert len(server.handler.training.chunks) == 0 and len(server.handler.training.kept) == 0
+
+
+def forwards(servers) -> int:
+    """Forward laps the head computed so far (one per chunk, one per short row)."""
+    return servers[0].handler.training.stats["train_forwards"]
+
+
+# forward laps: 3 prompts + 21 ids in chunks of 5, 8, 8; the batch's 23 ids in 4 chunks, 4 ids in 1, 14 in 3
+CHUNK_LAPS = {"one 3-chunk row": 3, "padded batch": 4 + 1 + 3}
+
+
+@pytest.mark.parametrize("batch", ["one 3-chunk row", "padded batch"])
+def test_deep_prompt_rows_in_chunks_equal_local_transformers(tiny_llama_path, tiny_reference, chunk_swarm, batch):
+    from swarm import AutoDistributedModelForCausalLM
+
+    swarm, servers = chunk_swarm
+    model = AutoDistributedModelForCausalLM.from_pretrained(
+        str(tiny_llama_path), initial_peers=swarm.peers, tuning_mode="deep_ptune", pre_seq_len=PRE_SEQ_LEN
+    )
+    try:
+        randomized(model, 12)
+        torch.manual_seed(5)
+        input_ids = torch.randint(0, model.config.vocab_size, (1, 21) if batch == "one 3-chunk row" else (3, 23))
+        mask = torch.ones_like(input_ids)
+        if batch == "padded batch":
+            mask[1, :19] = 0  # 4 ids: one chunk
+            mask[2, :9] = 0  # 14 ids: three chunks
+        labels = input_ids.masked_fill(mask == 0, -100)
+        before = forwards(servers)
+        loss = model(input_ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        assert forwards(servers) - before == CHUNK_LAPS[batch]
+        prompts = model.prompt_embeddings.weight.detach().clone().requires_grad_(True)
+        weight = model.intermediate_prompt_embeddings.weight.detach().clone().requires_grad_(True)
+        layers = model.config.num_hidden_layers
+        with deep_hooks(tiny_reference, weight.view(PRE_SEQ_LEN, layers, -1).permute(1, 0, 2)):
+            expected = local_loss(tiny_reference, prompts, input_ids, mask, labels)
+        expected.backward()
+        assert abs(loss.item() - expected.item()) <= 1e-5 * abs(expected.item()), (loss.item(), expected.item())
+        ours = model.intermediate_prompt_embeddings.weight.grad
+        assert float(ours.abs().max()) > 0
+        assert close_grads(model.prompt_embeddings.weight.grad, prompts.grad)
+        assert close_grads(ours, weight.grad), float((ours - weight.grad).abs().max())
+        assert model.last_training_stats.failovers == 0
+        assert_freed(servers)
+    finally:
+        model.shutdown()
+
+
+@pytest.mark.parametrize("batch", ["one 3-chunk row", "padded batch"])
+def test_classification_rows_in_chunks_equal_local_transformers(tiny_llama_path, chunk_swarm, batch):
+    from transformers import AutoModelForSequenceClassification
+
+    from swarm import AutoDistributedModelForSequenceClassification
+
+    swarm, servers = chunk_swarm
+    model = AutoDistributedModelForSequenceClassification.from_pretrained(
+        str(tiny_llama_path), initial_peers=swarm.peers, num_labels=3, tuning_mode="deep_ptune", pre_seq_len=PRE_SEQ_LEN
+    )
+    reference = AutoModelForSequenceClassification.from_pretrained(tiny_llama_path, num_labels=3, dtype="float32")
+    try:
+        randomized(model, 13)
+        with torch.no_grad():
+            reference.score.weight.copy_(model.score.weight)
+        torch.manual_seed(6)
+        pad = model.config.pad_token_id
+        shape = (1, 21) if batch == "one 3-chunk row" else (3, 23)
+        input_ids = torch.randint(0, model.config.vocab_size, shape)
+        input_ids[input_ids == pad] = pad + 1
+        mask = torch.ones_like(input_ids)
+        if batch == "padded batch":
+            mask[1, 4:] = 0  # right padding: 4 ids, one chunk
+            mask[2, :9] = 0  # left padding: 14 ids, three chunks
+        input_ids = input_ids.masked_fill(mask == 0, pad)
+        labels = torch.tensor([2, 0, 1][: shape[0]])
+        before = forwards(servers)
+        out = model(input_ids, attention_mask=mask, labels=labels)
+        out.loss.backward()
+        assert forwards(servers) - before == CHUNK_LAPS[batch]
+        prompts = model.prompt_embeddings.weight.detach().clone().requires_grad_(True)
+        weight = model.intermediate_prompt_embeddings.weight.detach().clone().requires_grad_(True)
+        layers = model.config.num_hidden_layers
+        with deep_hooks(reference, weight.view(PRE_SEQ_LEN, layers, -1).permute(1, 0, 2)):
+            expected_logits = local_logits(reference, prompts, input_ids, mask)
+        expected = torch.nn.functional.cross_entropy(expected_logits, labels)
+        expected.backward()
+        assert torch.allclose(out.logits, expected_logits, rtol=1e-5, atol=1e-6)
+        assert abs(out.loss.item() - expected.item()) <= 1e-5 * abs(expected.item())
+        assert float(model.score.weight.grad.abs().max()) > 0
+        assert close_grads(model.score.weight.grad, reference.score.weight.grad)
+        assert close_grads(model.prompt_embeddings.weight.grad, prompts.grad)
+        assert close_grads(model.intermediate_prompt_embeddings.weight.grad, weight.grad)
+        assert_freed(servers)
+    finally:
+        model.shutdown()
+
+
 def lap(route, index, offset, ids, backward_only=False, step_id="chunky", num_chunks=3) -> TrainForward:
     ids = list(ids)
     return TrainForward(
@@ -116,6 +229,7 @@ def test_bad_chunk_laps_get_named_errors_and_the_servers_keep_serving(tuned, chu
     reply = raw_exchange(tuned, head, lap(route, 0, 0, range(1, 6)), prompts)
     assert isinstance(reply, TrainBackward) and reply.num_targets == 0, reply
     assert all(len(s.handler.training.chunks) == 1 for s in servers)
+    relabeled = msgspec.structs.replace(lap(route, 1, 8, range(8)), deep_prompts=True)  # chunk 0 had none
     cases = [
         (lap(route, 2, 8, range(8)), [], ErrorCode.BAD_REQUEST, "out of order; expected chunk 1 at offset 8"),
         (lap(route, 1, 9, range(8)), [], ErrorCode.BAD_REQUEST, "out of order"),
@@ -127,6 +241,7 @@ def test_bad_chunk_laps_get_named_errors_and_the_servers_keep_serving(tuned, chu
         (lap(route, 1, limits.MAX_TRAIN_ROW_POSITIONS, range(8)), [], ErrorCode.STEP_TOO_LARGE, "a training row"),
         (lap(route, 1, 0, range(8)), [], ErrorCode.BAD_REQUEST, "cannot start at offset 0"),
         (lap(route, 2, 8, range(8), True), [], ErrorCode.BAD_REQUEST, "has no backward_only lap"),
+        (relabeled, [], ErrorCode.BAD_REQUEST, "chunk 1's prompts, deep prompts, labels or adapter differ"),
     ]
     for message, tensors, code, text in cases:
         reply = raw_exchange(tuned, head, message, tensors)
