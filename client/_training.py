@@ -19,7 +19,7 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from hivemind.p2p import PeerID
@@ -32,6 +32,7 @@ from protocol import limits, relay
 from protocol.errors import ErrorCode
 from protocol.messages import ErrorReply, Hop, TrainBackward, TrainForward
 from protocol.streams import TRAIN_PROTOCOL, MessageStream
+from protocol.train_memory import chunk_positions
 
 logger = logging.getLogger(__name__)
 
@@ -72,11 +73,13 @@ async def train_rows(
     timeout: float,
     deep: Optional[torch.Tensor] = None,
     score: Optional[torch.Tensor] = None,
+    config: Any = None,
 ) -> tuple[list[RowGrad], TrainingStats]:
     """Every row's loss sum and prompt gradient on one route (all rows at once), and the step's stats;
     a retryable failure runs the whole step again on a new route, at most MAX_FAILOVERS times.
     ``deep`` ``[num_blocks, num_prompts, hidden]``: deep prompts (each row's RowGrad.deep_grad is theirs).
-    ``score`` ``[num_labels, hidden]``: classification weights the tail scores each row's last position with."""
+    ``score`` ``[num_labels, hidden]``: classification weights the tail scores each row's last position with.
+    ``config``: the model's, which sizes a long row's chunks (:func:`split_row`)."""
     failovers, began = 0, time.perf_counter()
     while True:
         route = await swarm.plan_route()
@@ -85,7 +88,7 @@ async def train_rows(
             coros = [
                 train_row(swarm, route, prompts, row, timeout, deep, score)
                 if prompts.shape[0] + len(row.token_ids) <= limit
-                else train_chunked_row(swarm, route, prompts, row, timeout, limit, deep, score)
+                else train_chunked_row(swarm, route, prompts, row, timeout, limit, deep, score, config)
                 for row in rows
             ]
             results = await _loop.all_or_none(coros)
@@ -172,15 +175,30 @@ async def _exchange(
             stream.close()
 
 
-def split_row(row: TrainRow, num_prompts: int, limit: int) -> list[tuple[int, list[int], list[int]]]:
+def split_row(
+    row: TrainRow, num_prompts: int, limit: int, config: Any = None
+) -> list[tuple[int, list[int], list[int]]]:
     """A row's chunks of at most ``limit`` positions each, as (offset, ids, targets): the first chunk holds the
-    prompts and ``limit - num_prompts`` ids; ``offset`` counts the row's positions before the chunk."""
+    prompts and ``limit - num_prompts`` ids; ``offset`` counts the row's positions before the chunk. With the
+    model's ``config`` each later chunk is as large as its backward allows within what a row of ``limit``
+    positions holds (protocol/train_memory.py ``chunk_positions``: the servers' default backward budget), so
+    chunks shrink as the row's earlier keys/values grow; a row past that, or past limits.MAX_TRAIN_CHUNKS
+    chunks, is a ValueError naming it."""
     if num_prompts >= limit:
         raise ValueError(f"{num_prompts} prompts leave no room for ids in the route's {limit} positions per step")
     chunks, start = [], 0
     while start < len(row.token_ids):
-        size = limit - num_prompts if not chunks else limit
         offset = 0 if not chunks else num_prompts + start
+        size = limit - num_prompts if not chunks else limit
+        if chunks and config is not None:
+            size = chunk_positions(config, offset, limit)
+        if size == 0 or len(chunks) == limits.MAX_TRAIN_CHUNKS:
+            raise ValueError(
+                f"a training row of {num_prompts} prompts + {len(row.token_ids)} ids is too long for the route's "
+                f"{limit} positions per step: its chunk after {offset} positions "
+                + ("has no room in the backward of a step" if size == 0 else f"would be past {len(chunks)} chunks")
+                + " (docs/fine_tuning.md, Limits); shorten the row"
+            )
         chunks.append((offset, row.token_ids[start : start + size], row.targets[start : start + size]))
         start += size
     return chunks
@@ -195,6 +213,7 @@ async def train_chunked_row(
     limit: int,
     deep: Optional[torch.Tensor] = None,
     score: Optional[torch.Tensor] = None,
+    config: Any = None,
 ) -> RowGrad:
     """A row longer than the route's step limit, in chunks (docs/design.md, "Long rows in chunks"): a forward lap
     per chunk in order (the last one runs its chunk's backward too), then a backward lap per earlier chunk in
@@ -202,7 +221,7 @@ async def train_chunked_row(
     sum; the prompts' (and deep prompts') gradient comes with chunk 0's backward lap, which the deep prompts
     (sent with chunk 0's forward lap) sit in; a classification row's score weights go with the last chunk, whose
     last position the tail scores, and its reply carries the scored hidden state."""
-    pieces, step_id, head = split_row(row, prompts.shape[0], limit), secrets.token_hex(8), route[0].peer_id
+    pieces, step_id, head = split_row(row, prompts.shape[0], limit, config), secrets.token_hex(8), route[0].peer_id
     num_prompts, hidden = prompts.shape
     grad, loss_sum, num_targets = torch.zeros(num_prompts, hidden), 0.0, 0
     deep_grad = scored = None

@@ -211,8 +211,9 @@ class TrainingHandler:
         hop, span = message.route[message.hop_index], self.span
         prompts_here = message.num_prompts if message.chunk_index == 0 else 0  # a long row's prompts: chunk 0 only
         positions, tail = prompts_here + len(message.token_ids), hop.end == span.num_blocks
-        needed = backward_bytes(span.config, span.dtype, positions, hop.end - hop.start, tail)
-        check_backward(needed, self.backward_budget, positions, hop.end - hop.start, tail)
+        # a long row's chunk recomputes after its earlier positions' keys/values (server/train_chunks.py): counted
+        needed = backward_bytes(span.config, span.dtype, positions, hop.end - hop.start, tail, message.chunk_offset)
+        check_backward(needed, self.backward_budget, positions, hop.end - hop.start, tail, message.chunk_offset)
         if message.num_chunks > 1:
             return await self.chunks.lap(message, tensors, self._owner(message, upstream))
         digest = row_digest(message, tensors)

@@ -1,11 +1,13 @@
 """Rows longer than the route's step limit go in chunks (docs/design.md, "Long rows in chunks").
 
 Three in-process servers of the tiny random Llama (blocks 0:2, 2:4, 4:6) take at most MAX_POSITIONS positions per
-step; rows of up to 23 ids after 3 prompts go in 2 to 4 chunks. The loss and the prompts' gradient are compared
-with local transformers over the whole row at once (float32): loss within 1e-5 relative, gradients within 1e-4 of
-their largest entry. So are deep-prompt-tuned rows (the per-block prompts enter with chunk 0) and classification
-rows (the score weights go with the last chunk, whose last position the tail scores): 3-chunk rows and padded
-batches. Bad laps (out of order, for a step no hop holds, past the limits, changing the row's kind) get named errors.
+step; rows of up to 23 ids after 3 prompts go in 2 to 5 chunks, the later ones smaller as the row's earlier
+keys/values grow (each chunk's backward holds no more than a row of MAX_POSITIONS: protocol/train_memory.py).
+The loss and the prompts' gradient are compared with local transformers over the whole row at once (float32):
+loss within 1e-5 relative, gradients within 1e-4 of their largest entry. So are deep-prompt-tuned rows (the
+per-block prompts enter with chunk 0) and classification rows (the score weights go with the last chunk, whose
+last position the tail scores): 3-chunk rows and padded batches. Bad laps (out of order, for a step no hop
+holds, past the limits or the backward budget, changing the row's kind) get named errors.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from client._training import TrainRow, split_row
 from protocol import limits
 from protocol.errors import ErrorCode
 from protocol.messages import ErrorReply, Hop, TrainBackward, TrainForward
+from protocol.train_memory import backward_bytes
 from tests.kit.swarms import start_inprocess
 from tests.training.test_classification import local_logits
 from tests.training.test_deep_ptune import deep_hooks
@@ -61,6 +64,28 @@ def test_split_row_fills_each_chunk_to_the_limit():
         split_row(row, 3, 3)
 
 
+def test_later_chunks_shrink_so_each_backward_fits_what_a_step_holds(tiny_llama_path):
+    """With the model's config a chunk after more earlier positions is smaller: each one's backward (its
+    attention reads every earlier key/value) stays within a row of the step limit's, the servers' default
+    budget; a row that no chunk size can finish is refused by name before anything is sent."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(tiny_llama_path)
+    row = TrainRow(list(range(23)), list(range(23)))
+    chunks = split_row(row, PRE_SEQ_LEN, MAX_POSITIONS, config)
+    assert [(offset, len(ids)) for offset, ids, _ in chunks] == [(0, 5), (8, 6), (14, 5), (19, 5), (24, 2)]
+    assert sum((ids for _, ids, _ in chunks), []) == row.token_ids
+    budget = backward_bytes(config, torch.float32, MAX_POSITIONS, 6, True)
+    for offset, ids, _ in chunks:
+        positions = len(ids) + (PRE_SEQ_LEN if offset == 0 else 0)
+        assert backward_bytes(config, torch.float32, positions, 6, True, offset) <= budget
+    block = backward_bytes(config, torch.float32, MAX_POSITIONS, 1, False)
+    for offset, ids, _ in chunks[1:-1]:  # as large as fits (the first: the step's; the last: what is left)
+        assert backward_bytes(config, torch.float32, len(ids) + 1, 1, False, offset) > block
+    with pytest.raises(ValueError, match="its chunk after 60 positions has no room in the backward of a step"):
+        split_row(TrainRow(list(range(80)), list(range(80))), PRE_SEQ_LEN, MAX_POSITIONS, config)
+
+
 def check_against_local(model, reference, servers, input_ids, mask, labels):
     model.zero_grad()
     loss = model(input_ids, attention_mask=mask, labels=labels).loss
@@ -80,7 +105,7 @@ def test_a_row_past_the_step_limit_gives_the_loss_and_gradients_of_local_transfo
     tuned, tiny_reference, chunk_swarm
 ):
     torch.manual_seed(3)
-    input_ids = torch.randint(0, tuned.config.vocab_size, (1, 21))  # 3 prompts + 21 ids: chunks of 5, 8, 8
+    input_ids = torch.randint(0, tuned.config.vocab_size, (1, 21))  # 3 prompts + 21 ids: chunks of 5, 6, 5, 5
     labels = input_ids.clone()
     labels[0, 9] = -100
     check_against_local(tuned, tiny_reference, chunk_swarm[1], input_ids, torch.ones_like(input_ids), labels)
@@ -92,7 +117,7 @@ def test_a_padded_batch_of_long_and_short_rows_equals_local_transformers(tuned, 
     input_ids = torch.randint(0, tuned.config.vocab_size, (3, 23))
     mask = torch.ones_like(input_ids)
     mask[1, :19] = 0  # left padding: 4 ids, one chunk
-    mask[2, :9] = 0  # 14 ids: two chunks
+    mask[2, :9] = 0  # 14 ids: three chunks
     labels = input_ids.masked_fill(mask == 0, -100)
     check_against_local(tuned, tiny_reference, chunk_swarm[1], input_ids, mask, labels)
 
@@ -115,8 +140,9 @@ def forwards(servers) -> int:
     return servers[0].handler.training.stats["train_forwards"]
 
 
-# forward laps: 3 prompts + 21 ids in chunks of 5, 8, 8; the batch's 23 ids in 4 chunks, 4 ids in 1, 14 in 3
-CHUNK_LAPS = {"one 3-chunk row": 3, "padded batch": 4 + 1 + 3}
+# forward laps: 3 prompts + 16 ids in chunks of 5, 6, 5 ids; the batch's 23 ids in 5 chunks, 4 ids in 1, 14 in 3
+CHUNK_LAPS = {"one 3-chunk row": 3, "padded batch": 5 + 1 + 3}
+SHAPES = {"one 3-chunk row": (1, 16), "padded batch": (3, 23)}
 
 
 @pytest.mark.parametrize("batch", ["one 3-chunk row", "padded batch"])
@@ -130,7 +156,7 @@ def test_deep_prompt_rows_in_chunks_equal_local_transformers(tiny_llama_path, ti
     try:
         randomized(model, 12)
         torch.manual_seed(5)
-        input_ids = torch.randint(0, model.config.vocab_size, (1, 21) if batch == "one 3-chunk row" else (3, 23))
+        input_ids = torch.randint(0, model.config.vocab_size, SHAPES[batch])
         mask = torch.ones_like(input_ids)
         if batch == "padded batch":
             mask[1, :19] = 0  # 4 ids: one chunk
@@ -174,7 +200,7 @@ def test_classification_rows_in_chunks_equal_local_transformers(tiny_llama_path,
             reference.score.weight.copy_(model.score.weight)
         torch.manual_seed(6)
         pad = model.config.pad_token_id
-        shape = (1, 21) if batch == "one 3-chunk row" else (3, 23)
+        shape = SHAPES[batch]
         input_ids = torch.randint(0, model.config.vocab_size, shape)
         input_ids[input_ids == pad] = pad + 1
         mask = torch.ones_like(input_ids)
@@ -194,7 +220,8 @@ def test_classification_rows_in_chunks_equal_local_transformers(tiny_llama_path,
             expected_logits = local_logits(reference, prompts, input_ids, mask)
         expected = torch.nn.functional.cross_entropy(expected_logits, labels)
         expected.backward()
-        assert torch.allclose(out.logits, expected_logits, rtol=1e-5, atol=1e-6)
+        # the chunks' attention sums in another order: float32 logits agree to 1e-4 (1.2e-5 of 2.3 seen)
+        assert torch.allclose(out.logits, expected_logits, rtol=1e-4, atol=1e-5)
         assert abs(out.loss.item() - expected.item()) <= 1e-5 * abs(expected.item())
         assert float(model.score.weight.grad.abs().max()) > 0
         assert close_grads(model.score.weight.grad, reference.score.weight.grad)
@@ -229,12 +256,12 @@ def test_bad_chunk_laps_get_named_errors_and_the_servers_keep_serving(tuned, chu
     reply = raw_exchange(tuned, head, lap(route, 0, 0, range(1, 6)), prompts)
     assert isinstance(reply, TrainBackward) and reply.num_targets == 0, reply
     assert all(len(s.handler.training.chunks) == 1 for s in servers)
-    relabeled = msgspec.structs.replace(lap(route, 1, 8, range(8)), deep_prompts=True)  # chunk 0 had none
+    relabeled = msgspec.structs.replace(lap(route, 1, 8, range(6)), deep_prompts=True)  # chunk 0 had none
     cases = [
-        (lap(route, 2, 8, range(8)), [], ErrorCode.BAD_REQUEST, "out of order; expected chunk 1 at offset 8"),
-        (lap(route, 1, 9, range(8)), [], ErrorCode.BAD_REQUEST, "out of order"),
+        (lap(route, 2, 8, range(6)), [], ErrorCode.BAD_REQUEST, "out of order; expected chunk 1 at offset 8"),
+        (lap(route, 1, 9, range(5)), [], ErrorCode.BAD_REQUEST, "out of order"),
         (lap(route, 0, 0, range(5), True), [], ErrorCode.BAD_REQUEST, "out of order; expected the backward lap"),
-        (lap(route, 1, 8, range(8), step_id="nobody"), [], ErrorCode.UNKNOWN_SESSION, "'nobody'"),
+        (lap(route, 1, 8, range(6), step_id="nobody"), [], ErrorCode.UNKNOWN_SESSION, "'nobody'"),
         (lap(route, 0, 0, range(5), True, "nobody"), [], ErrorCode.UNKNOWN_SESSION, "'nobody'"),
         (lap(route, 1, 8, range(9)), [], ErrorCode.STEP_TOO_LARGE, "exceeds this server's 8 positions"),
         (lap(route, 0, 0, range(5), num_chunks=limits.MAX_TRAIN_CHUNKS + 1), prompts, ErrorCode.BAD_REQUEST, "256"),
@@ -242,12 +269,14 @@ def test_bad_chunk_laps_get_named_errors_and_the_servers_keep_serving(tuned, chu
         (lap(route, 1, 0, range(8)), [], ErrorCode.BAD_REQUEST, "cannot start at offset 0"),
         (lap(route, 2, 8, range(8), True), [], ErrorCode.BAD_REQUEST, "has no backward_only lap"),
         (relabeled, [], ErrorCode.BAD_REQUEST, "chunk 1's prompts, deep prompts, labels or adapter differ"),
+        # a full step's chunk after 40 positions: its attention reads them all, past a step's backward budget
+        (lap(route, 1, 40, range(8)), [], ErrorCode.BUSY, "8 positions after 40 earlier positions of its row"),
     ]
     for message, tensors, code, text in cases:
         reply = raw_exchange(tuned, head, message, tensors)
         assert isinstance(reply, ErrorReply) and reply.code == code and text in reply.message, (text, reply)
     # the row's next lap is still the one it expects, and a whole step runs beside it
-    reply = raw_exchange(tuned, head, lap(route, 1, 8, range(8)), [])
+    reply = raw_exchange(tuned, head, lap(route, 1, 8, range(6)), [])  # as large as a chunk after 8 may be
     assert isinstance(reply, TrainBackward), reply
     loss = tuned(torch.tensor([[5, 6, 7, 8]]), labels=torch.tensor([[5, 6, 7, 8]])).loss
     assert torch.isfinite(loss)
