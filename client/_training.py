@@ -9,7 +9,8 @@ gives both, and ``SwarmLoss`` hands that gradient to autograd when the caller ru
 A row longer than the route's step limit goes in chunks, one lap each (``train_chunked_row``).
 
 Failover is whole-step: a retryable failure anywhere blames the route (``SwarmClient.blame``) and
-runs every row again on a new route; nothing of a failed step stays on any server.
+runs every row again on a new route; the rows in chunks of a failed attempt are dropped on its route at once
+(``drop_abandoned``), so nothing of a failed step stays on any server that can be reached.
 """
 
 from __future__ import annotations
@@ -30,13 +31,15 @@ from client._swarm import SwarmClient
 from client.errors import GenerationError, ServerError, ServerTimeout
 from protocol import limits, relay
 from protocol.errors import ErrorCode
-from protocol.messages import ErrorReply, Hop, TrainBackward, TrainForward
+from protocol.messages import ErrorReply, Hop, TrainBackward, TrainDrop, TrainForward
 from protocol.streams import TRAIN_PROTOCOL, MessageStream
 from protocol.train_memory import chunk_positions
 
 logger = logging.getLogger(__name__)
 
 MAX_FAILOVERS = 3
+DROP_TIMEOUT = 5.0  # seconds a hop has to take a drop of abandoned steps before the next hop is tried
+_DROPS: set[asyncio.Future] = set()  # drops under way (the reference keeps each task alive)
 
 
 @dataclass
@@ -83,12 +86,14 @@ async def train_rows(
     failovers, began = 0, time.perf_counter()
     while True:
         route = await swarm.plan_route()
+        started: list[str] = []  # this attempt's rows in chunks: dropped on the route if the attempt fails
+        results = None
         try:
             limit = swarm.route_step_limit(route)
             coros = [
                 train_row(swarm, route, prompts, row, timeout, deep, score)
                 if prompts.shape[0] + len(row.token_ids) <= limit
-                else train_chunked_row(swarm, route, prompts, row, timeout, limit, deep, score, config)
+                else train_chunked_row(swarm, route, prompts, row, timeout, limit, deep, score, config, started)
                 for row in rows
             ]
             results = await _loop.all_or_none(coros)
@@ -102,7 +107,40 @@ async def train_rows(
             logger.warning(f"Training step failed ({e}); running it again on a new route")
             await swarm.blame(route, e)
         finally:
+            if results is None and started:
+                drop_abandoned(swarm, route, started)
             swarm.router.release(route)
+
+
+def drop_abandoned(swarm: SwarmClient, route: list[Hop], step_ids: list[str]) -> None:
+    """Tell the route's hops to forget what they keep of these abandoned rows now (server/train_drops.py) rather
+    than after the step timeout; in the background, so a failover goes on at once (a drop nobody takes changes
+    nothing: the rows expire)."""
+    for start in range(0, len(step_ids), limits.MAX_TRAIN_STEPS_IN_FLIGHT):
+        message = TrainDrop(step_ids=step_ids[start : start + limits.MAX_TRAIN_STEPS_IN_FLIGHT], route=list(route))
+        task = asyncio.ensure_future(_send_drop(swarm, message))
+        _DROPS.add(task)
+        task.add_done_callback(_DROPS.discard)
+
+
+async def _send_drop(swarm: SwarmClient, message: TrainDrop) -> None:
+    """The drop to the route's first hop that answers it (each passes it on to the hops after it)."""
+    for hop in message.route:
+        relay.remember(hop.peer_id, hop.addrs)
+        stream = None
+        try:
+            stream = await asyncio.wait_for(
+                MessageStream.open(swarm.p2p, PeerID.from_base58(hop.peer_id), TRAIN_PROTOCOL), DROP_TIMEOUT
+            )
+            await stream.send(message, [])
+            received = await asyncio.wait_for(stream.receive(), DROP_TIMEOUT)
+            if received is not None and isinstance(received.message, TrainDrop):
+                return
+        except Exception as e:  # noqa: BLE001 - unreachable or silent: the next hop gets it instead
+            logger.info(f"Could not drop abandoned training steps at {hop.peer_id}: {e!r}")
+        finally:
+            if stream is not None:
+                stream.close()
 
 
 async def train_row(
@@ -214,6 +252,7 @@ async def train_chunked_row(
     deep: Optional[torch.Tensor] = None,
     score: Optional[torch.Tensor] = None,
     config: Any = None,
+    started: Optional[list[str]] = None,
 ) -> RowGrad:
     """A row longer than the route's step limit, in chunks (docs/design.md, "Long rows in chunks"): a forward lap
     per chunk in order (the last one runs its chunk's backward too), then a backward lap per earlier chunk in
@@ -222,6 +261,8 @@ async def train_chunked_row(
     (sent with chunk 0's forward lap) sit in; a classification row's score weights go with the last chunk, whose
     last position the tail scores, and its reply carries the scored hidden state."""
     pieces, step_id, head = split_row(row, prompts.shape[0], limit, config), secrets.token_hex(8), route[0].peer_id
+    if started is not None:  # the caller drops the step on the route if it is abandoned
+        started.append(step_id)
     num_prompts, hidden = prompts.shape
     grad, loss_sum, num_targets = torch.zeros(num_prompts, hidden), 0.0, 0
     deep_grad = scored = None

@@ -97,6 +97,10 @@ class KeptInputs:
         self._owners.pop(step_id, None)
         return self._held.pop(step_id)[0]
 
+    def owner_of(self, step_id: str):
+        """Whom the input kept for ``step_id`` counts against (None: a forwarding server); False when none is."""
+        return self._owners[step_id] if step_id in self._held else False
+
     def drop(self, step_id: str) -> None:
         self._held.pop(step_id, None)
         self._owners.pop(step_id, None)

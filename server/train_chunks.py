@@ -32,6 +32,7 @@ from protocol.errors import ErrorCode, ProtocolError
 from protocol.messages import TrainBackward, TrainForward
 from server.admission import check_tensors
 from server.train_checks import check_gradient, split_train_tensors
+from server.train_drops import DroppedSteps
 
 
 @dataclass
@@ -90,6 +91,7 @@ class ChunkedRow:
     value_grads: dict[int, torch.Tensor] = field(default_factory=dict)
     next_backward: int = -1  # the chunk whose backward lap comes next (-1: still forwarding)
     busy: bool = False
+    dropped: bool = False  # its client abandoned the step while a lap was in flight: forgotten when it ends
 
     def tensors(self) -> list[torch.Tensor]:
         deep = [self.deep] if self.deep is not None else []
@@ -116,6 +118,7 @@ class ChunkedSteps:
     def __init__(self, handler: Any):  # server/training.py TrainingHandler (which imports this module)
         self.handler = handler
         self.rows: dict[str, ChunkedRow] = {}
+        self.dropped = DroppedSteps(handler.step_timeout)  # steps their clients abandoned (server/train_drops.py)
 
     def __len__(self) -> int:
         self._expire()
@@ -135,10 +138,25 @@ class ChunkedSteps:
             raise
         finally:
             row.busy = False
+            if row.dropped:
+                self.forget(message.step_id)
 
     def forget(self, step_id: str) -> None:
         self.rows.pop(step_id, None)
         self.handler.kept.drop(step_id)
+
+    def owner_of(self, step_id: str):
+        """The owner of the row held for ``step_id``; False when none is."""
+        row = self.rows.get(step_id)
+        return False if row is None else row.owner
+
+    def drop(self, step_id: str) -> None:
+        """The client abandoned the step (server/train_drops.py): forget its row now, or when its lap ends."""
+        row = self.rows.get(step_id)
+        if row is not None and row.busy:
+            row.dropped = True
+        else:
+            self.forget(step_id)
 
     def _expire(self) -> None:
         """Rows whose kept tensors expired (server/train_budget.py KeptInputs) are gone."""
@@ -150,6 +168,8 @@ class ChunkedSteps:
         """The row this lap belongs to, checked to be the lap that comes next."""
         self._expire()
         step_id, index = message.step_id, message.chunk_index
+        if step_id in self.dropped:
+            raise ProtocolError(ErrorCode.UNKNOWN_SESSION, f"training step {step_id!r} was dropped by its client")
         row = self.rows.get(step_id)
         if row is None or row.owner != owner:
             if index == 0 and not message.backward_only and row is None:

@@ -17,11 +17,13 @@ import pytest
 import torch
 
 from client._training import TrainRow, split_row
+from client.errors import GenerationError
 from protocol import limits
-from protocol.errors import ErrorCode
-from protocol.messages import ErrorReply, Hop, TrainBackward, TrainForward
+from protocol.errors import ErrorCode, ProtocolError
+from protocol.messages import ErrorReply, Hop, TrainBackward, TrainDrop, TrainForward
 from protocol.train_memory import backward_bytes
 from tests.kit.swarms import start_inprocess
+from tests.kit.waiting import wait_until
 from tests.training.test_classification import local_logits
 from tests.training.test_deep_ptune import deep_hooks
 from tests.training.test_fine_tuning import close_grads, local_loss, raw_exchange
@@ -282,3 +284,60 @@ def test_bad_chunk_laps_get_named_errors_and_the_servers_keep_serving(tuned, chu
     assert torch.isfinite(loss)
     for server in servers:
         server.handler.training.chunks.forget("chunky")
+
+
+def test_a_failed_steps_rows_are_dropped_on_every_hop_at_once(tuned, chunk_swarm, monkeypatch):
+    """The middle server fails chunk 1's backward lap of each row, after the tail ran it: the head and the middle
+    forget the failing row (the error passed through them), the tail and every hop of the other row (cancelled)
+    would keep theirs until the 120-s step timeout; the client's TrainDrop after each failed attempt (the step
+    runs again, 3 failovers, on the swarm's one route) frees them all now."""
+    _, servers = chunk_swarm
+    chunks = servers[1].handler.training.chunks
+    real = chunks._backward
+
+    def failing(message, *args):
+        if message.backward_only and message.chunk_index == 1:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "injected failure of chunk 1's backward lap")
+        return real(message, *args)
+
+    monkeypatch.setattr(chunks, "_backward", failing)
+    dropped = sum(s.handler.training.stats["train_dropped"] for s in servers)
+    torch.manual_seed(8)
+    input_ids = torch.randint(0, tuned.config.vocab_size, (2, 21))
+    with pytest.raises(GenerationError, match="failed after 3 failovers: .*injected failure"):
+        tuned(input_ids, labels=input_ids).loss.backward()  # each attempt fails (and is dropped) on the one route
+    assert all(s.handler.training.kept.timeout >= 120 for s in servers)  # expiry is not what frees them
+
+    def freed() -> bool:
+        return all(len(s.handler.training.chunks) == 0 and len(s.handler.training.kept) == 0 for s in servers)
+
+    wait_until(freed, "every hop forgot the failed step's rows", timeout=30)
+    assert sum(s.handler.training.stats["train_dropped"] for s in servers) > dropped  # the drop freed them
+    monkeypatch.undo()
+    loss = tuned(input_ids, labels=input_ids).loss  # the servers go on serving long rows
+    assert torch.isfinite(loss)
+    wait_until(freed, "the good step's rows freed", timeout=30)
+
+
+def test_a_stale_or_foreign_drop_is_harmless(tuned, chunk_swarm):
+    """A drop for steps no hop holds is answered (nothing dropped) and passed on; one for a server off its route
+    is refused by name; a row held for the step goes on if the drop is not for it."""
+    _, servers = chunk_swarm
+    route = [Hop(s.handler.peer_id, start, end) for s, (start, end) in zip(servers, SPANS)]
+    head = servers[0].handler.peer_id
+    reply = raw_exchange(tuned, head, TrainDrop(step_ids=["nobody", "nobody"], route=route), [])
+    assert isinstance(reply, TrainDrop) and reply.step_ids == [], reply
+    reply = raw_exchange(tuned, head, TrainDrop(step_ids=["nobody"], route=route[1:]), [])
+    assert isinstance(reply, ErrorReply) and "is not on the drop's route" in reply.message, reply
+    # a row in chunks held on every hop, then a drop for another step: the row's next lap still runs
+    prompts = [torch.zeros(PRE_SEQ_LEN, tuned.config.hidden_size)]
+    assert isinstance(raw_exchange(tuned, head, lap(route, 0, 0, range(1, 6), step_id="kept"), prompts), TrainBackward)
+    reply = raw_exchange(tuned, head, TrainDrop(step_ids=["other"], route=route), [])
+    assert isinstance(reply, TrainDrop) and reply.step_ids == []
+    assert isinstance(raw_exchange(tuned, head, lap(route, 1, 8, range(6), step_id="kept"), []), TrainBackward)
+    # its own drop frees it on every hop, and a lap after it is refused by name
+    reply = raw_exchange(tuned, head, TrainDrop(step_ids=["kept"], route=route), [])
+    assert isinstance(reply, TrainDrop) and reply.step_ids == ["kept"]
+    wait_until(lambda: all(len(s.handler.training.chunks) == 0 for s in servers), "the row dropped on every hop", 30)
+    reply = raw_exchange(tuned, head, lap(route, 2, 14, range(5), step_id="kept"), [])
+    assert isinstance(reply, ErrorReply) and "was dropped by its client" in reply.message, reply
