@@ -112,6 +112,10 @@ def test_a_row_past_the_step_limit_gives_the_loss_and_gradients_of_local_transfo
     labels[0, 9] = -100
     check_against_local(tuned, tiny_reference, chunk_swarm[1], input_ids, torch.ones_like(input_ids), labels)
     assert tuned.last_training_stats.failovers == 0
+    for server, (start, end) in zip(chunk_swarm[1], SPANS):  # the whole row's backward is past every budget
+        training = server.handler.training
+        whole = backward_bytes(tuned.config, torch.float32, 24, end - start, end == 6)
+        assert whole > 2 * training.backward_budget, (whole, training.backward_budget)
 
 
 def test_a_padded_batch_of_long_and_short_rows_equals_local_transformers(tuned, tiny_reference, chunk_swarm):
