@@ -22,7 +22,7 @@ import asyncio
 import collections
 import logging
 import time
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 from hivemind.p2p import PeerID
 
@@ -59,14 +59,18 @@ class DroppedSteps:
         return deadline is not None
 
 
-async def serve_drop(handler: Any, message: TrainDrop, upstream: MessageStream) -> None:
-    """One TrainDrop (``handler``: server/training.py TrainingHandler): forget, answer, pass it on."""
+async def serve_drop(
+    handler: Any, message: TrainDrop, upstream: MessageStream, linger: Callable[[MessageStream], Awaitable[None]]
+) -> None:
+    """One TrainDrop (``handler``: server/training.py TrainingHandler): forget, answer (``linger``: until the
+    sender has read the answer), pass it on."""
     here = [i for i, hop in enumerate(message.route) if hop.peer_id == handler.peer_id]
     if not here:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"this server ({handler.peer_id}) is not on the drop's route")
     sender = upstream.peer_id.to_base58()
     dropped = [step_id for step_id in dict.fromkeys(message.step_ids) if drop_step(handler, step_id, sender)]
     await send_quietly(upstream, TrainDrop(step_ids=dropped, route=[]), [])
+    await linger(upstream)
     for hop in message.route[here[-1] + 1 :]:
         if await _pass_on(handler, message, hop.peer_id, hop.addrs):
             return

@@ -145,7 +145,7 @@ class TrainingHandler:
                 self.stats["train_steps"] += 1
                 await linger(upstream)
             elif isinstance(message, TrainDrop):
-                await serve_drop(self, message, upstream)
+                await serve_drop(self, message, upstream, linger)
             elif isinstance(message, TrainBackward):
                 self._stray_backward(message)
             else:
