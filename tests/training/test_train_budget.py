@@ -1,4 +1,4 @@
-"""Training steps in the memory plan and under a budget (server/memory.py backward_bytes, server/train_budget.py).
+"""Training steps in the memory plan and under a budget (protocol/train_memory.py, server/train_budget.py).
 
 The backward's activation estimate is checked against what autograd saves on a real span of the tiny Llama;
 the plan is checked to count it (and the kept inputs) and to leave it out where spans refuse training; two
