@@ -101,7 +101,7 @@ def prompt_tuned_loss(
     rows = train_rows_of(input_ids, labels, mask)
     detached = None if deep is None else deep.detach()
     results, model.last_training_stats = _loop.run(
-        train_rows(swarm, prompts.detach(), rows, swarm.request_timeout, detached)
+        train_rows(swarm, prompts.detach(), rows, swarm.request_timeout, detached, config=model.config)
     )
     return batch_loss(prompts, results, deep)
 

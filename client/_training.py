@@ -9,7 +9,8 @@ gives both, and ``SwarmLoss`` hands that gradient to autograd when the caller ru
 A row longer than the route's step limit goes in chunks, one lap each (``train_chunked_row``).
 
 Failover is whole-step: a retryable failure anywhere blames the route (``SwarmClient.blame``) and
-runs every row again on a new route; nothing of a failed step stays on any server.
+runs every row again on a new route; the rows in chunks of a failed attempt are dropped on its route at once
+(``drop_abandoned``), so nothing of a failed step stays on any server that can be reached.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from hivemind.p2p import PeerID
@@ -30,12 +31,15 @@ from client._swarm import SwarmClient
 from client.errors import GenerationError, ServerError, ServerTimeout
 from protocol import limits, relay
 from protocol.errors import ErrorCode
-from protocol.messages import ErrorReply, Hop, TrainBackward, TrainForward
+from protocol.messages import ErrorReply, Hop, TrainBackward, TrainDrop, TrainForward
 from protocol.streams import TRAIN_PROTOCOL, MessageStream
+from protocol.train_memory import chunk_positions
 
 logger = logging.getLogger(__name__)
 
 MAX_FAILOVERS = 3
+DROP_TIMEOUT = 5.0  # seconds a hop has to take a drop of abandoned steps before the next hop is tried
+_DROPS: set[asyncio.Future] = set()  # drops under way (the reference keeps each task alive)
 
 
 @dataclass
@@ -72,22 +76,24 @@ async def train_rows(
     timeout: float,
     deep: Optional[torch.Tensor] = None,
     score: Optional[torch.Tensor] = None,
+    config: Any = None,
 ) -> tuple[list[RowGrad], TrainingStats]:
     """Every row's loss sum and prompt gradient on one route (all rows at once), and the step's stats;
     a retryable failure runs the whole step again on a new route, at most MAX_FAILOVERS times.
     ``deep`` ``[num_blocks, num_prompts, hidden]``: deep prompts (each row's RowGrad.deep_grad is theirs).
-    ``score`` ``[num_labels, hidden]``: classification weights the tail scores each row's last position with."""
+    ``score`` ``[num_labels, hidden]``: classification weights the tail scores each row's last position with.
+    ``config``: the model's, which sizes a long row's chunks (:func:`split_row`)."""
     failovers, began = 0, time.perf_counter()
     while True:
         route = await swarm.plan_route()
+        started: list[str] = []  # this attempt's rows in chunks: dropped on the route if the attempt fails
+        results = None
         try:
             limit = swarm.route_step_limit(route)
             coros = [
                 train_row(swarm, route, prompts, row, timeout, deep, score)
                 if prompts.shape[0] + len(row.token_ids) <= limit
-                else train_chunked_row(
-                    swarm, route, prompts, row, timeout, limit, deep is not None or score is not None
-                )
+                else train_chunked_row(swarm, route, prompts, row, timeout, limit, deep, score, config, started)
                 for row in rows
             ]
             results = await _loop.all_or_none(coros)
@@ -101,7 +107,40 @@ async def train_rows(
             logger.warning(f"Training step failed ({e}); running it again on a new route")
             await swarm.blame(route, e)
         finally:
+            if results is None and started:
+                drop_abandoned(swarm, route, started)
             swarm.router.release(route)
+
+
+def drop_abandoned(swarm: SwarmClient, route: list[Hop], step_ids: list[str]) -> None:
+    """Tell the route's hops to forget what they keep of these abandoned rows now (server/train_drops.py) rather
+    than after the step timeout; in the background, so a failover goes on at once (a drop nobody takes changes
+    nothing: the rows expire)."""
+    for start in range(0, len(step_ids), limits.MAX_TRAIN_STEPS_IN_FLIGHT):
+        message = TrainDrop(step_ids=step_ids[start : start + limits.MAX_TRAIN_STEPS_IN_FLIGHT], route=list(route))
+        task = asyncio.ensure_future(_send_drop(swarm, message))
+        _DROPS.add(task)
+        task.add_done_callback(_DROPS.discard)
+
+
+async def _send_drop(swarm: SwarmClient, message: TrainDrop) -> None:
+    """The drop to the route's first hop that answers it (each passes it on to the hops after it)."""
+    for hop in message.route:
+        relay.remember(hop.peer_id, hop.addrs)
+        stream = None
+        try:
+            stream = await asyncio.wait_for(
+                MessageStream.open(swarm.p2p, PeerID.from_base58(hop.peer_id), TRAIN_PROTOCOL), DROP_TIMEOUT
+            )
+            await stream.send(message, [])
+            received = await asyncio.wait_for(stream.receive(), DROP_TIMEOUT)
+            if received is not None and isinstance(received.message, TrainDrop):
+                return
+        except Exception as e:  # noqa: BLE001 - unreachable or silent: the next hop gets it instead
+            logger.info(f"Could not drop abandoned training steps at {hop.peer_id}: {e!r}")
+        finally:
+            if stream is not None:
+                stream.close()
 
 
 async def train_row(
@@ -174,15 +213,30 @@ async def _exchange(
             stream.close()
 
 
-def split_row(row: TrainRow, num_prompts: int, limit: int) -> list[tuple[int, list[int], list[int]]]:
+def split_row(
+    row: TrainRow, num_prompts: int, limit: int, config: Any = None
+) -> list[tuple[int, list[int], list[int]]]:
     """A row's chunks of at most ``limit`` positions each, as (offset, ids, targets): the first chunk holds the
-    prompts and ``limit - num_prompts`` ids; ``offset`` counts the row's positions before the chunk."""
+    prompts and ``limit - num_prompts`` ids; ``offset`` counts the row's positions before the chunk. With the
+    model's ``config`` each later chunk is as large as its backward allows within what a row of ``limit``
+    positions holds (protocol/train_memory.py ``chunk_positions``: the servers' default backward budget), so
+    chunks shrink as the row's earlier keys/values grow; a row past that, or past limits.MAX_TRAIN_CHUNKS
+    chunks, is a ValueError naming it."""
     if num_prompts >= limit:
         raise ValueError(f"{num_prompts} prompts leave no room for ids in the route's {limit} positions per step")
     chunks, start = [], 0
     while start < len(row.token_ids):
-        size = limit - num_prompts if not chunks else limit
         offset = 0 if not chunks else num_prompts + start
+        size = limit - num_prompts if not chunks else limit
+        if chunks and config is not None:
+            size = chunk_positions(config, offset, limit)
+        if size == 0 or len(chunks) == limits.MAX_TRAIN_CHUNKS:
+            raise ValueError(
+                f"a training row of {num_prompts} prompts + {len(row.token_ids)} ids is too long for the route's "
+                f"{limit} positions per step: its chunk after {offset} positions "
+                + ("has no room in the backward of a step" if size == 0 else f"would be past {len(chunks)} chunks")
+                + " (docs/fine_tuning.md, Limits); shorten the row"
+            )
         chunks.append((offset, row.token_ids[start : start + size], row.targets[start : start + size]))
         start += size
     return chunks
@@ -195,20 +249,23 @@ async def train_chunked_row(
     row: TrainRow,
     timeout: float,
     limit: int,
-    deep_or_score: bool = False,
+    deep: Optional[torch.Tensor] = None,
+    score: Optional[torch.Tensor] = None,
+    config: Any = None,
+    started: Optional[list[str]] = None,
 ) -> RowGrad:
     """A row longer than the route's step limit, in chunks (docs/design.md, "Long rows in chunks"): a forward lap
     per chunk in order (the last one runs its chunk's backward too), then a backward lap per earlier chunk in
     reverse; every hop keeps the row's chunk inputs and keys/values between the laps. The loss is the chunks'
-    sum, the prompts' gradient comes with chunk 0's backward lap."""
-    if deep_or_score or row.label is not None or row.multi_labels:
-        raise ValueError(
-            f"a training row of {prompts.shape[0]} prompts + {len(row.token_ids)} ids exceeds the route's {limit} "
-            "positions per step, and rows in chunks take neither deep prompts nor classification yet"
-        )
-    pieces, step_id, head = split_row(row, prompts.shape[0], limit), secrets.token_hex(8), route[0].peer_id
+    sum; the prompts' (and deep prompts') gradient comes with chunk 0's backward lap, which the deep prompts
+    (sent with chunk 0's forward lap) sit in; a classification row's score weights go with the last chunk, whose
+    last position the tail scores, and its reply carries the scored hidden state."""
+    pieces, step_id, head = split_row(row, prompts.shape[0], limit, config), secrets.token_hex(8), route[0].peer_id
+    if started is not None:  # the caller drops the step on the route if it is abandoned
+        started.append(step_id)
     num_prompts, hidden = prompts.shape
     grad, loss_sum, num_targets = torch.zeros(num_prompts, hidden), 0.0, 0
+    deep_grad = scored = None
     laps = [(k, False) for k in range(len(pieces))] + [(k, True) for k in reversed(range(len(pieces) - 1))]
     for index, backward_only in laps:
         offset, ids, targets = pieces[index]
@@ -219,40 +276,56 @@ async def train_chunked_row(
             num_prompts=num_prompts,
             token_ids=ids,
             targets=targets,
+            deep_prompts=deep is not None,
+            num_labels=0 if score is None else score.shape[0],
+            label=0.0 if row.label is None else float(row.label),
             active_adapter=swarm.active_adapter,
+            multi_labels=row.multi_labels or [],
             chunk_index=index,
             num_chunks=len(pieces),
             chunk_offset=offset,
             backward_only=backward_only,
         )
-        first_forward = index == 0 and not backward_only
+        first_forward, last = index == 0 and not backward_only, index == len(pieces) - 1
         tensors = [prompts.detach().float().cpu().contiguous()] if first_forward and num_prompts else []
-        received = await _exchange(swarm, route, message, tensors, timeout, hidden)
-        forward_only = not backward_only and index < len(pieces) - 1
-        carries_grad = index == 0 and num_prompts > 0 and not forward_only
-        reply, got = _chunk_reply(received, message, head, (num_prompts, hidden) if carries_grad else None)
+        if first_forward and deep is not None:
+            tensors.append(deep.detach().float().cpu().contiguous())
+        if last and score is not None:
+            tensors.append(score.detach().float().cpu().contiguous())
+        deep_back = index == 0 and backward_only and deep is not None
+        deep_values = deep.numel() if deep_back else 0
+        received = await _exchange(swarm, route, message, tensors, timeout, hidden, deep_values)
+        shapes = []  # what the reply carries: chunk 0's backward the gradients, the last chunk the scored state
+        if index == 0 and backward_only:
+            shapes = ([(num_prompts, hidden)] if num_prompts else []) + ([tuple(deep.shape)] if deep_back else [])
+        elif last and score is not None:
+            shapes = [(1, hidden)]
+        reply, got = _chunk_reply(received, message, head, shapes)
         loss_sum, num_targets = loss_sum + reply.loss_sum, num_targets + reply.num_targets
-        grad = got if got is not None else grad
-    return RowGrad(loss_sum, num_targets, grad)
+        if index == 0 and backward_only:
+            grad = got[0] if num_prompts else grad
+            deep_grad = got[-1] if deep_back else None
+        elif last and score is not None:
+            scored = got[0][0]
+    return RowGrad(loss_sum, num_targets, grad, deep_grad, scored)
 
 
-def _chunk_reply(received, message: TrainForward, head: str, shape: Optional[tuple[int, int]]):
-    """A chunk lap's reply from the head, checked: the TrainBackward, and the prompts' gradient when ``shape``
-    says one comes (chunk 0's backward), none otherwise."""
+def _chunk_reply(received, message: TrainForward, head: str, shapes: list[tuple[int, ...]]):
+    """A chunk lap's reply from the head, checked: the TrainBackward, and its tensors, of ``shapes`` (chunk 0's
+    backward: the prompts' and deep prompts' gradients; the last chunk of a classification row: the scored
+    hidden state; none otherwise)."""
     reply = received.message if received is not None else None
     if isinstance(reply, ErrorReply):
         raise _error_from(reply, head)
     if not isinstance(reply, TrainBackward) or reply.step_id != message.step_id or reply.num_targets < 0:
         what = type(reply).__name__ if reply is not None else "the end of the stream"
         raise ServerError(f"the head answered chunk {message.chunk_index} with {what}", head, ErrorCode.INTERNAL)
-    shapes = [tuple(t.shape) for t in received.tensors]
-    if shapes != ([shape] if shape else []):
+    got = [tuple(t.shape) for t in received.tensors]
+    if got != shapes:
         raise ServerError(
-            f"the head sent {shapes} for chunk {message.chunk_index}; expected {[shape] if shape else []}",
-            head,
-            ErrorCode.INTERNAL,
+            f"the head sent {got} for chunk {message.chunk_index}; expected {shapes}", head, ErrorCode.INTERNAL
         )
-    return reply, received.tensors[0].float() if shape else None
+    return reply, [t.float() for t in received.tensors]
 
 
 def _row_grad(received, message: TrainForward, head: str, hidden: int, deep_shape: Optional[tuple]) -> RowGrad:

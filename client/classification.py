@@ -122,6 +122,7 @@ class AutoDistributedModelForSequenceClassification(AutoDistributedModel):
             self.swarm.request_timeout,
             None if deep is None else deep.detach(),
             self.score.weight.detach(),
+            self.config,
         )
         results, self.last_training_stats = _loop.run(step)
         logits = self.score(torch.stack([r.scored for r in results]))

@@ -20,7 +20,7 @@ from typing import Annotated, Any, Optional, Union
 import msgspec
 
 from protocol.errors import ErrorCode, ProtocolError
-from protocol.limits import MAX_NUM_LABELS, MAX_TRAIN_SPARES
+from protocol.limits import MAX_NUM_LABELS, MAX_TRAIN_SPARES, MAX_TRAIN_STEPS_IN_FLIGHT
 from protocol.tail_costs import TailCosts
 from protocol.version import PROTOCOL_VERSION
 
@@ -327,6 +327,11 @@ class TrainBackward(msgspec.Struct, tag="backward", kw_only=True, array_like=Tru
     num_targets: int
 
 
+class TrainDrop(msgspec.Struct, tag="train_drop", kw_only=True, array_like=True):
+    step_ids: Annotated[list[SessionId], msgspec.Meta(max_length=MAX_TRAIN_STEPS_IN_FLIGHT)]  # abandoned steps (v9)
+    route: list[Hop]  # client -> route[0] -> ...: each hop forgets their rows now, tells the next, answers in kind
+
+
 class ErrorReply(msgspec.Struct, tag="error", kw_only=True, array_like=True):
     session_id: SessionId
     code: ErrorCode
@@ -359,6 +364,7 @@ Message = Union[
     RunOutputs,
     TrainForward,
     TrainBackward,
+    TrainDrop,
     ErrorReply,
     Ping,
     Pong,

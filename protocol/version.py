@@ -55,3 +55,5 @@ PROTOCOL_VERSION = 9
 #    Rows longer than a step in chunks: TrainForward.chunk_index, num_chunks, chunk_offset, backward_only
 #    (trailing fields; docs/design.md, "Long rows in chunks").
 #    Single-span replacement: TrainForward.spares; ServerInfo.train_forwards (trailing fields).
+#    Abandoned steps: TrainDrop (step ids and the route), passed hop by hop; deep prompt and classification
+#    rows in chunks (no new field).

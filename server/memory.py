@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
+from protocol.train_memory import backward_bytes
 from server.quantization import Quant, estimate_module_bytes
 
 if TYPE_CHECKING:
@@ -318,24 +319,6 @@ def activation_bytes_per_position(config: PretrainedConfig, dtype: torch.dtype) 
     hidden, inner = config.hidden_size, getattr(config, "intermediate_size", None) or 4 * config.hidden_size
     width = getattr(config, "hc_mult", 1)  # DeepSeek-V4's hyper-connection streams
     return (torch.finfo(dtype).bits // 8) * (width * 2 * hidden + 4 * hidden + 3 * inner) + 4 * config.vocab_size
-
-
-def backward_bytes(config: PretrainedConfig, dtype: torch.dtype, positions: int, blocks: int, tail: bool) -> int:
-    """Activation bytes of one training row's backward through ``blocks`` blocks: its recompute with autograd
-    keeps, per block and position, the block's input and its norms' outputs, q, k, v (before and after
-    rotary), the attention output, the MLP's gate, up, activation and product (in ``dtype``), and the
-    attention probabilities (heads x positions per position, twice: eager attention keeps them before and
-    after the softmax); at the tail the float32 logits, their log-softmax and gradient (3 x vocab per
-    position). A server computes one row at a time (one compute thread), so this is its backward's peak;
-    the no-grad forward before it keeps nothing. An estimate from the shapes (tests/training/test_train_budget.py
-    measures it against the tensors autograd saves)."""
-    size = torch.finfo(dtype).bits // 8
-    hidden, inner = config.hidden_size, getattr(config, "intermediate_size", None) or 4 * config.hidden_size
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
-    kv = (getattr(config, "num_key_value_heads", None) or heads) * head_dim
-    per_position = size * (5 * hidden + 2 * heads * head_dim + 4 * kv + 4 * inner + 2 * heads * positions)
-    return blocks * positions * per_position + (3 * 4 * config.vocab_size * positions if tail else 0)
 
 
 def trains(config: PretrainedConfig, quant: Quant) -> bool:

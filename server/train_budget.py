@@ -7,9 +7,11 @@ Three bounds, each refused ``busy`` with a message naming it while sessions go o
   - training rows in flight (computing, queued for the compute thread, or waiting for their backward):
     MAX_TRAIN_STEPS_IN_FLIGHT in all, 1/PEER_TRAIN_SHARE of them for one such peer;
   - the activations of one row's backward recompute through this server's blocks
-    (server/memory.py ``backward_bytes``), at most the budget the memory plan counted (``--max-backward-mib``;
-    by default what a row of ``--max-positions-per-step`` positions needs, so every row the step limit
-    allows fits). Rows run one at a time on the span's compute thread, so one row's is the peak.
+    (protocol/train_memory.py ``backward_bytes``; a long row's chunk counts the earlier positions its
+    attention reads), at most the budget the memory plan counted (``--max-backward-mib``; by default what a
+    row of ``--max-positions-per-step`` positions needs, so every row the step limit allows fits, and a client
+    sizes a long row's later chunks to fit it too: ``chunk_positions``). Rows run one at a time on the span's
+    compute thread, so one row's is the peak.
 """
 
 from __future__ import annotations
@@ -95,6 +97,10 @@ class KeptInputs:
         self._owners.pop(step_id, None)
         return self._held.pop(step_id)[0]
 
+    def owner_of(self, step_id: str):
+        """Whom the input kept for ``step_id`` counts against (None: a forwarding server); False when none is."""
+        return self._owners[step_id] if step_id in self._held else False
+
     def drop(self, step_id: str) -> None:
         self._held.pop(step_id, None)
         self._owners.pop(step_id, None)
@@ -141,12 +147,14 @@ class RowsInFlight:
                     del self._by_owner[owner]
 
 
-def check_backward(needed: int, budget: int, positions: int, blocks: int, tail: bool) -> None:
-    """A row whose backward would need more activation memory than the plan counted: ``busy``, naming both."""
+def check_backward(needed: int, budget: int, positions: int, blocks: int, tail: bool, offset: int = 0) -> None:
+    """A row (or a long row's chunk after ``offset`` earlier positions) whose backward would need more activation
+    memory than the plan counted: ``busy``, naming both."""
     if needed > budget:
         where = f"{blocks} blocks" + (" and the LM head" if tail else "")
+        after = f" after {offset} earlier positions of its row" if offset else ""
         raise ProtocolError(
             ErrorCode.BUSY,
-            f"a backward of {positions} positions through {where} needs {needed / MiB:.1f} MiB of activations; "
-            f"this server's backward budget is {budget / MiB:.1f} MiB (--max-backward-mib)",
+            f"a backward of {positions} positions{after} through {where} needs {needed / MiB:.1f} MiB of "
+            f"activations; this server's backward budget is {budget / MiB:.1f} MiB (--max-backward-mib)",
         )

@@ -65,18 +65,18 @@ def check_train_forward(
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"a backward_only lap carries no tensors, got {len(tensors)}")
         return
     tensors, deep, score = split_train_tensors(message, tensors)
-    if message.deep_prompts:
+    if message.deep_prompts and message.chunk_index == 0:  # a long row's deep prompts come with its chunk 0
         check_deep_prompts(deep, message, held.num_blocks, hidden_size)
-    if message.num_labels:
-        check_score(score, message, hidden_size)
+    if message.num_labels:  # the score weights come with the row's last chunk
+        check_score(score, message, hidden_size, message.chunk_index == message.num_chunks - 1)
     elif message.multi_labels:
         raise ProtocolError(ErrorCode.BAD_REQUEST, "multi_labels without num_labels: not a classification row")
     check_tensors(tensors, rows, hidden_size, what, optional=head and here == 0)
 
 
 def check_chunk(message: TrainForward) -> None:
-    """A chunk's place in its row (docs/design.md, "Long rows in chunks"): within the limits, one chunk for
-    deep prompts and classification rows (their chunking is not built), backward laps before the last chunk."""
+    """A chunk's place in its row (docs/design.md, "Long rows in chunks"): within the limits, backward laps
+    before the last chunk."""
     index, count, offset = message.chunk_index, message.num_chunks, message.chunk_offset
     if not 1 <= count <= limits.MAX_TRAIN_CHUNKS or not 0 <= index < count:
         raise ProtocolError(
@@ -91,10 +91,6 @@ def check_chunk(message: TrainForward) -> None:
         )
     if (index == 0) != (offset == 0):
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"chunk {index} cannot start at offset {offset}")
-    if count > 1 and (message.deep_prompts or message.num_labels):
-        raise ProtocolError(
-            ErrorCode.BAD_REQUEST, "rows in chunks take neither deep prompts nor classification yet: shorten the row"
-        )
     if message.backward_only and index >= count - 1:
         raise ProtocolError(
             ErrorCode.BAD_REQUEST, f"chunk {index} of {count} has no backward_only lap (the last has none)"
@@ -105,20 +101,22 @@ def split_train_tensors(
     message: TrainForward, tensors: Sequence[torch.Tensor]
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
     """A TrainForward's tensors in their three parts, in this order: the input (none at a head without
-    prompts), the deep prompts (with ``deep_prompts``) and the score weights (with ``num_labels``); any
-    tensor beyond them is left with the input (whose check then names it)."""
+    prompts), the deep prompts (with ``deep_prompts``; a long row's chunk 0 only: they sit at the row's start)
+    and the score weights (with ``num_labels``; a long row's last chunk only: it holds the scored position);
+    any tensor beyond them is left with the input (whose check then names it)."""
     head_without_prompts = message.hop_index == 0 and (message.num_prompts == 0 or message.chunk_index > 0)
     count = 0 if head_without_prompts or message.backward_only else 1
     inputs, rest = list(tensors[:count]), list(tensors[count:])
-    deep = rest[:1] if message.deep_prompts else []
+    deep = rest[:1] if message.deep_prompts and message.chunk_index == 0 else []
     rest = rest[len(deep) :]
-    score = rest[:1] if message.num_labels else []
+    score = rest[:1] if message.num_labels and message.chunk_index == message.num_chunks - 1 else []
     return inputs + rest[len(score) :], deep, score
 
 
-def check_score(tensors: Sequence[torch.Tensor], message: TrainForward, hidden_size: int) -> None:
+def check_score(tensors: Sequence[torch.Tensor], message: TrainForward, hidden_size: int, weights: bool = True) -> None:
     """A classification row: 1..MAX_NUM_LABELS labels, a label in range (a class index, or any finite value
-    for regression), targets all ignored, and one float32 ``[num_labels, hidden]`` score weight."""
+    for regression), targets all ignored, and (``weights``: the lap that scores) one float32
+    ``[num_labels, hidden]`` score weight."""
     count = message.num_labels
     if not 0 < count <= limits.MAX_NUM_LABELS:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"num_labels must be in 1..{limits.MAX_NUM_LABELS}, got {count}")
@@ -132,7 +130,8 @@ def check_score(tensors: Sequence[torch.Tensor], message: TrainForward, hidden_s
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"label must be a class index in [0, {count}), got {label}")
     if any(t != IGNORE_INDEX for t in message.targets):
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"a classification row's targets must all be {IGNORE_INDEX}")
-    check_gradient(tensors, (count, hidden_size), "the score weights")
+    if weights:
+        check_gradient(tensors, (count, hidden_size), "the score weights")
 
 
 def check_deep_prompts(tensors: Sequence[torch.Tensor], message: TrainForward, num_blocks: int, hidden: int) -> None:

@@ -13,13 +13,17 @@ laps, each a TrainForward on its own stream from the client through the route:
     values. After chunk 0's lap the hop frees the row.
 So every gradient is exact (the same sums as one pass over the whole row, in other orders), each lap computes at
 most one step's positions, and what a row holds here counts against --max-train-mib (server/train_budget.py).
+Deep prompts sit at the row's start: chunk 0's forward lap brings them (each hop keeps its span's rows and sends
+the rest on), and chunk 0's backward lap, the last, returns their gradients, which by then hold every later
+chunk's share through the keys/values. A classification row's scored position is its last: the last chunk's lap
+brings the score weights to the tail, which scores that chunk's last position and sends the hidden state back.
 """
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import msgspec
 import torch
@@ -27,6 +31,8 @@ import torch
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.messages import TrainBackward, TrainForward
 from server.admission import check_tensors
+from server.train_checks import check_gradient, split_train_tensors
+from server.train_drops import DroppedSteps
 
 
 @dataclass
@@ -73,6 +79,8 @@ class ChunkedRow:
 
     num_chunks: int
     owner: Optional[str]
+    kind: tuple = ()  # what every lap of the row must repeat: prompts, deep prompts, labels (:func:`row_kind`)
+    deep: Optional[torch.Tensor] = None  # this span's deep prompts (chunk 0's), for chunk 0's backward lap
     ids: list[list[int]] = field(default_factory=list)  # each forwarded chunk's ids and targets
     targets: list[list[int]] = field(default_factory=list)
     inputs: list[torch.Tensor] = field(default_factory=list)  # each chunk's input (the head: its prompts, or none)
@@ -83,11 +91,25 @@ class ChunkedRow:
     value_grads: dict[int, torch.Tensor] = field(default_factory=dict)
     next_backward: int = -1  # the chunk whose backward lap comes next (-1: still forwarding)
     busy: bool = False
+    dropped: bool = False  # its client abandoned the step while a lap was in flight: forgotten when it ends
 
     def tensors(self) -> list[torch.Tensor]:
-        return [*self.inputs, *self.keys.values(), *self.values.values(), *self.key_grads.values()] + list(
+        deep = [self.deep] if self.deep is not None else []
+        return [*self.inputs, *deep, *self.keys.values(), *self.values.values(), *self.key_grads.values()] + list(
             self.value_grads.values()
         )
+
+
+def row_kind(message: TrainForward) -> tuple:
+    """What a row's laps must agree on: its prompts, deep prompts and classification labels."""
+    return (
+        message.num_prompts,
+        message.deep_prompts,
+        message.num_labels,
+        message.label,
+        tuple(message.multi_labels),
+        message.active_adapter,
+    )
 
 
 class ChunkedSteps:
@@ -96,6 +118,7 @@ class ChunkedSteps:
     def __init__(self, handler: Any):  # server/training.py TrainingHandler (which imports this module)
         self.handler = handler
         self.rows: dict[str, ChunkedRow] = {}
+        self.dropped = DroppedSteps(handler.step_timeout)  # steps their clients abandoned (server/train_drops.py)
 
     def __len__(self) -> int:
         self._expire()
@@ -115,10 +138,25 @@ class ChunkedSteps:
             raise
         finally:
             row.busy = False
+            if row.dropped:
+                self.forget(message.step_id)
 
     def forget(self, step_id: str) -> None:
         self.rows.pop(step_id, None)
         self.handler.kept.drop(step_id)
+
+    def owner_of(self, step_id: str):
+        """The owner of the row held for ``step_id``; False when none is."""
+        row = self.rows.get(step_id)
+        return False if row is None else row.owner
+
+    def drop(self, step_id: str) -> None:
+        """The client abandoned the step (server/train_drops.py): forget its row now, or when its lap ends."""
+        row = self.rows.get(step_id)
+        if row is not None and row.busy:
+            row.dropped = True
+        else:
+            self.forget(step_id)
 
     def _expire(self) -> None:
         """Rows whose kept tensors expired (server/train_budget.py KeptInputs) are gone."""
@@ -130,10 +168,12 @@ class ChunkedSteps:
         """The row this lap belongs to, checked to be the lap that comes next."""
         self._expire()
         step_id, index = message.step_id, message.chunk_index
+        if step_id in self.dropped:
+            raise ProtocolError(ErrorCode.UNKNOWN_SESSION, f"training step {step_id!r} was dropped by its client")
         row = self.rows.get(step_id)
         if row is None or row.owner != owner:
             if index == 0 and not message.backward_only and row is None:
-                row = self.rows[step_id] = ChunkedRow(message.num_chunks, owner)
+                row = self.rows[step_id] = ChunkedRow(message.num_chunks, owner, row_kind(message))
                 return row
             raise ProtocolError(
                 ErrorCode.UNKNOWN_SESSION,
@@ -149,6 +189,12 @@ class ChunkedSteps:
         else:
             expected = f"chunk {len(row.ids)} at offset {row.positions}"
             ok = row.next_backward < 0 and index == len(row.ids) and message.chunk_offset == row.positions
+        if ok and row_kind(message) != row.kind:
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST,
+                f"training step {step_id!r}: chunk {index}'s prompts, deep prompts, labels or adapter differ from "
+                "its chunk 0's",
+            )
         if not ok or message.num_chunks != row.num_chunks:
             lap = "backward lap" if message.backward_only else "chunk"
             raise ProtocolError(
@@ -173,48 +219,71 @@ class ChunkedSteps:
         tail, index = hop.end == span.num_blocks, message.chunk_index
         last = index == message.num_chunks - 1
         run = asyncio.get_running_loop().run_in_executor
-        grad_out, loss_sum, num_targets = None, 0.0, 0
+        downstream, loss_sum, num_targets, score = None, 0.0, 0, []
         if message.backward_only:
             if not tail:
-                reply, grad_out = await self._next(message, [], len(message.token_ids) + self._prompts(message))
+                rows = len(message.token_ids) + self._prompts(message)
+                deep_rest = [self._deep_rest_shape(message)] if index == 0 and row.deep is not None else []
+                reply, downstream = await self._next(message, [], rows, deep_rest)
                 loss_sum, num_targets = reply.loss_sum, reply.num_targets
         else:
             handler.stats["train_forwards"] += 1
+            inputs, deep_all, score = split_train_tensors(message, tensors)
             row.ids.append(list(message.token_ids))
             row.targets.append(list(message.targets))
-            row.inputs.append(tensors[0] if tensors else torch.zeros(0, span.hidden_shape[0]))
+            row.inputs.append(inputs[0] if inputs else torch.zeros(0, span.hidden_shape[0]))
             row.positions += self._prompts(message) + len(message.token_ids)
+            extra = []  # what goes on beside the output: the later blocks' deep prompts, the score weights
+            if deep_all:
+                own = hop.end - hop.start
+                row.deep, extra = deep_all[0][:own], [deep_all[0][own:].contiguous()]
+            extra += score
             output = None
             if not (tail and last):
                 output = await run(handler.executor, self._forward, message, row, not last)
             if not last:
                 if not tail:
-                    await self._next(message, [output], None)
+                    await self._next(message, [output, *extra], None)
                 self._keep(message.step_id, row)
                 return [], 0.0, 0
             if not tail:
-                reply, grad_out = await self._next(message, [output], output.shape[0])
+                scored = [(1, span.hidden_shape[0])] if score else []
+                reply, downstream = await self._next(message, [output, *extra], output.shape[0], scored)
                 loss_sum, num_targets = reply.loss_sum, reply.num_targets
-        done = await run(handler.executor, self._backward, message, row, grad_out)
+        grad_out = downstream[0] if downstream is not None else None
+        done = await run(handler.executor, self._backward, message, row, grad_out, score)
         if tail:
             loss_sum, num_targets = done.loss_sum, done.num_targets
+        deep_here = index == 0 and row.deep is not None
         row.next_backward = index - 1
         if row.next_backward < 0:
             self.forget(message.step_id)
         else:
             self._keep(message.step_id, row)
-        head_without_prompts = message.hop_index == 0 and not done.grad.shape[0]
-        return ([] if head_without_prompts else [done.grad]), loss_sum, num_targets
+        upstream = done.upstream(deep_here, downstream)
+        if message.hop_index == 0 and not done.grad.shape[0]:  # the head without prompts in this chunk
+            upstream = upstream[1:]
+        return upstream, loss_sum, num_targets
+
+    def _deep_rest_shape(self, message: TrainForward) -> tuple[int, ...]:
+        """The shape of the deep prompts' gradient the next hop returns: those of the blocks after this span."""
+        span = self.handler.span
+        return (span.num_blocks - message.route[message.hop_index].end, message.num_prompts, span.hidden_shape[0])
 
     @staticmethod
     def _prompts(message: TrainForward) -> int:
         return message.num_prompts if message.chunk_index == 0 else 0
 
     async def _next(
-        self, message: TrainForward, tensors: list[torch.Tensor], grad_rows: Optional[int]
-    ) -> tuple[TrainBackward, Optional[torch.Tensor]]:
+        self,
+        message: TrainForward,
+        tensors: list[torch.Tensor],
+        grad_rows: Optional[int],
+        more: Sequence[tuple[int, ...]] = (),
+    ) -> tuple[TrainBackward, Optional[list[torch.Tensor]]]:
         """The lap sent on to the next hop; its reply, with the gradient of this hop's output (``grad_rows`` rows;
-        None: a forward-only lap, whose reply carries no tensor), checked."""
+        None: a forward-only lap, whose reply carries no tensor) and then one tensor of each shape in ``more``
+        (the later blocks' deep prompt gradients, the scored hidden state), checked."""
         reply, grads = await self.handler._exchange(message, tensors)
         try:
             if grad_rows is None:
@@ -223,11 +292,17 @@ class ChunkedSteps:
                         ErrorCode.BAD_REQUEST, f"a forward-only lap's reply carried {len(grads)} tensors"
                     )
                 return reply, None
-            check_tensors(grads, grad_rows, self.handler.span.hidden_shape[0], "the next hop's gradient")
+            if len(grads) != 1 + len(more):
+                raise ProtocolError(
+                    ErrorCode.BAD_REQUEST, f"the next hop sent {len(grads)} tensors; expected {1 + len(more)}"
+                )
+            check_tensors(grads[:1], grad_rows, self.handler.span.hidden_shape[0], "the next hop's gradient")
+            for tensor, shape in zip(grads[1:], more):
+                check_gradient([tensor], shape, "the next hop's deep prompt gradient or scored hidden state")
         except ProtocolError as e:
             next_peer = message.route[message.hop_index + 1].peer_id
             raise ProtocolError(ErrorCode.DOWNSTREAM_FAILED, e.message, peer_id=next_peer) from None
-        return reply, grads[0]
+        return reply, grads
 
     def _forward(self, message: TrainForward, row: ChunkedRow, keep: bool) -> torch.Tensor:
         """The chunk through this hop's blocks after the row's kept keys/values, without autograd; with ``keep``
@@ -235,33 +310,45 @@ class ChunkedSteps:
         handler, span = self.handler, self.handler.span
         hop = message.route[message.hop_index]
         cache = TrainCache(message.chunk_offset, {i: (row.keys[i], row.values[i]) for i in row.keys})
+        deep = row.deep if message.chunk_index == 0 else None
         with torch.no_grad(), handler._adapter(message):
             hidden = handler._span_input(message, row.inputs[message.chunk_index])
-            output = span.train_span(hidden, range(hop.start, hop.end), None, cache)
+            output = span.train_span(hidden, range(hop.start, hop.end), deep, cache)
         if keep:
             for i, (key, value) in cache.new.items():
                 row.keys[i] = torch.cat([row.keys[i], key], dim=-2) if i in row.keys else key
                 row.values[i] = torch.cat([row.values[i], value], dim=-2) if i in row.values else value
         return output[0].float()
 
-    def _backward(self, message: TrainForward, row: ChunkedRow, grad_out: Optional[torch.Tensor]) -> Backward:
-        """Recompute the chunk with autograd, the earlier keys/values as leaves; backpropagate the gradient of its
-        output (None at the tail: its loss sum's) and what later chunks gave its own keys/values. The gradient of
-        its input comes back; the earlier keys/values' gradients are added to the row's."""
+    def _backward(
+        self, message: TrainForward, row: ChunkedRow, grad_out: Optional[torch.Tensor], score: list[torch.Tensor]
+    ) -> Backward:
+        """Recompute the chunk with autograd, the earlier keys/values as leaves (chunk 0: its deep prompts too);
+        backpropagate the gradient of its output (None at the tail: its loss sum's, or with ``score`` the
+        classification loss of the chunk's last position) and what later chunks gave its own keys/values. The
+        gradients of its input (and deep prompts) come back; the earlier keys/values' are added to the row's."""
         handler, span = self.handler, self.handler.span
         hop, index, offset = message.route[message.hop_index], message.chunk_index, message.chunk_offset
         done = Backward()
         with torch.enable_grad(), handler._adapter(message):
             leaf = row.inputs[index].to(span.device, span.dtype).detach().requires_grad_(True)
+            deep_leaf = None
+            if index == 0 and row.deep is not None:
+                deep_leaf = row.deep.to(span.device, span.dtype).detach().requires_grad_(True)
             past = {
                 i: (row.keys[i][..., :offset, :].detach().requires_grad_(True), row.values[i][..., :offset, :])
                 for i in row.keys
             }
             past = {i: (k, v.detach().requires_grad_(True)) for i, (k, v) in past.items()} if offset else {}
             cache = TrainCache(offset, past)
-            output = span.train_span(handler._span_input(message, leaf), range(hop.start, hop.end), None, cache)
+            output = span.train_span(handler._span_input(message, leaf), range(hop.start, hop.end), deep_leaf, cache)
             roots, grads = [], []
-            if grad_out is None:
+            if grad_out is None and message.num_labels:  # classification: only the last chunk scores
+                if score:
+                    loss, done.num_targets, done.scored = handler._score_loss(message, output, score[0])
+                    done.loss_sum = float(loss.detach())
+                    roots, grads = [loss], [torch.ones_like(loss)]
+            elif grad_out is None:
                 here = msgspec.structs.replace(message, num_prompts=self._prompts(message))
                 loss, done.num_targets = handler._loss_sum(here, output)
                 done.loss_sum = float(loss.detach())
@@ -283,4 +370,7 @@ class ChunkedSteps:
                 if leaf_kv.grad is not None:
                     store[..., :offset, :] += leaf_kv.grad
         done.grad = (leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)).float().cpu()
+        if deep_leaf is not None:
+            deep_grad = deep_leaf.grad if deep_leaf.grad is not None else torch.zeros_like(deep_leaf)
+            done.deep_grad = deep_grad.float().cpu()
         return done

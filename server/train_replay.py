@@ -83,6 +83,11 @@ class RepliedRows:
         while self.bytes > self.max_bytes:
             self._replies.popitem(last=False)
 
+    def drop(self, step_id: str) -> None:
+        """Forget every reply of ``step_id`` (its client abandoned it: server/train_drops.py)."""
+        for key in [k for k in self._replies if k[0] == step_id]:
+            del self._replies[key]
+
     def _expire(self) -> None:
         now = time.monotonic()
         for key in [k for k, (_, deadline) in self._replies.items() if deadline < now]:

@@ -29,7 +29,7 @@ from hivemind.p2p import P2P, PeerID
 
 from protocol import limits, relay
 from protocol.errors import ErrorCode, ProtocolError
-from protocol.messages import ErrorReply, TrainBackward, TrainForward
+from protocol.messages import ErrorReply, TrainBackward, TrainDrop, TrainForward
 from protocol.records import ServerInfo
 from protocol.streams import TRAIN_PROTOCOL, MessageStream, serve
 from server.adapters import SpanAdapter
@@ -40,6 +40,7 @@ from server.replies import report, send_quietly
 from server.train_budget import KeptInputs, RowsInFlight, check_backward
 from server.train_checks import IGNORE_INDEX, check_gradient, check_tensors, check_train_forward, split_train_tensors
 from server.train_chunks import Backward, ChunkedSteps
+from server.train_drops import serve_drop
 from server.train_replay import RepliedRows, replacement, row_digest, with_hop
 
 logger = logging.getLogger(__name__)
@@ -87,9 +88,10 @@ class TrainingHandler:
         self.max_tensor_elements = max(steps, deep, score)  # activations, deep prompts, or score weights
         self.held = HeldBlocks(span.start, span.end, span.num_blocks)
         # train_forwards: rows (and chunks) computed forward here; train_replayed: resends answered from what was
-        # replied; train_replacements: next hops replaced by a spare mid-step
+        # replied; train_replacements: next hops replaced by a spare mid-step; train_dropped: rows forgotten on a
+        # TrainDrop of their abandoned step (server/train_drops.py)
         self.stats = dict.fromkeys(("train_steps", "train_refused", "train_forwards", "train_replayed"), 0)
-        self.stats["train_replacements"] = 0
+        self.stats["train_replacements"] = self.stats["train_dropped"] = 0
         self.rows = RowsInFlight(limits.MAX_TRAIN_STEPS_IN_FLIGHT)  # in all and per peer (server/train_budget.py)
         self.max_backward_bytes, self.known_servers = max_backward_bytes, known_servers
         self.accepting = True  # False while the server drains (SessionHandler.drain)
@@ -127,7 +129,8 @@ class TrainingHandler:
         )
 
     async def _serve(self, upstream: MessageStream) -> None:
-        """One request per stream: a TrainForward, answered with a TrainBackward or an ErrorReply."""
+        """One request per stream: a TrainForward, answered with a TrainBackward or an ErrorReply; or a TrainDrop
+        of abandoned steps (server/train_drops.py), answered in kind."""
         step_id = ""
         try:
             received = await asyncio.wait_for(upstream.receive(), limits.SESSIONLESS_TIMEOUT)
@@ -141,6 +144,8 @@ class TrainingHandler:
                 await send_quietly(upstream, reply, grads)
                 self.stats["train_steps"] += 1
                 await linger(upstream)
+            elif isinstance(message, TrainDrop):
+                await serve_drop(self, message, upstream, linger)
             elif isinstance(message, TrainBackward):
                 self._stray_backward(message)
             else:
@@ -211,8 +216,9 @@ class TrainingHandler:
         hop, span = message.route[message.hop_index], self.span
         prompts_here = message.num_prompts if message.chunk_index == 0 else 0  # a long row's prompts: chunk 0 only
         positions, tail = prompts_here + len(message.token_ids), hop.end == span.num_blocks
-        needed = backward_bytes(span.config, span.dtype, positions, hop.end - hop.start, tail)
-        check_backward(needed, self.backward_budget, positions, hop.end - hop.start, tail)
+        # a long row's chunk recomputes after its earlier positions' keys/values (server/train_chunks.py): counted
+        needed = backward_bytes(span.config, span.dtype, positions, hop.end - hop.start, tail, message.chunk_offset)
+        check_backward(needed, self.backward_budget, positions, hop.end - hop.start, tail, message.chunk_offset)
         if message.num_chunks > 1:
             return await self.chunks.lap(message, tensors, self._owner(message, upstream))
         digest = row_digest(message, tensors)

@@ -1,4 +1,4 @@
-"""Training steps in the memory plan and under a budget (server/memory.py backward_bytes, server/train_budget.py).
+"""Training steps in the memory plan and under a budget (protocol/train_memory.py, server/train_budget.py).
 
 The backward's activation estimate is checked against what autograd saves on a real span of the tiny Llama;
 the plan is checked to count it (and the kept inputs) and to leave it out where spans refuse training; two
@@ -64,6 +64,30 @@ def test_the_backward_estimate_covers_what_autograd_keeps(tiny_llama_path, tiny_
     measured = saved_activation_bytes(span, run)
     estimate = backward_bytes(tiny_config, torch.float32, positions, blocks, tail)
     # the estimate is the peak: what is saved, and the gradients computed beside it (a bound, not a twin)
+    assert measured <= estimate <= 3 * measured, (measured, estimate)
+
+
+@pytest.mark.parametrize("positions, offset", [(8, 8), (8, 256), (64, 256), (1, 256)])
+def test_a_chunks_backward_estimate_covers_the_earlier_keys_and_values(tiny_llama_path, tiny_config, positions, offset):
+    """A long row's chunk recomputes after ``offset`` earlier positions whose keys/values are autograd leaves
+    (server/train_chunks.py): what autograd keeps grows with them, and the estimate grows with it."""
+    from server.adapters import load_span
+    from server.train_chunks import TrainCache
+    from server.weights import Checkpoint
+
+    span = load_span(tiny_config, Checkpoint(str(tiny_llama_path)), 0, 6, torch.float32, "cpu")
+    kv_shape = (1, tiny_config.num_key_value_heads, offset, tiny_config.hidden_size // tiny_config.num_attention_heads)
+
+    def run() -> None:
+        past = {
+            i: (torch.randn(kv_shape, requires_grad=True), torch.randn(kv_shape, requires_grad=True)) for i in range(3)
+        }
+        hidden = torch.randn(1, positions, tiny_config.hidden_size, requires_grad=True)
+        span.train_span(hidden, range(3), None, TrainCache(offset, past))
+
+    measured = saved_activation_bytes(span, run)
+    estimate = backward_bytes(tiny_config, torch.float32, positions, 3, False, offset)
+    assert measured > saved_activation_bytes(span, lambda: span.train_span(torch.randn(1, positions, 64), range(3)))
     assert measured <= estimate <= 3 * measured, (measured, estimate)
 
 
