@@ -15,7 +15,9 @@ and a custom call may follow the tag too (``<|python_tag|>{"name": ..., "paramet
 what vLLM's ``llama3_json`` parser reads). A request's tool named like a built-in one is given to the
 template as a built-in (its ``builtin_tools``, where the template takes them, as Meta's does), and
 each of these replies becomes an OpenAI tool call: the built-ins' keyword arguments as the arguments
-object, code_interpreter's code as ``{"code": ...}`` (llama-stack's mapping).
+object, code_interpreter's code as ``{"code": ...}`` (llama-stack's mapping); several built-in calls
+separated by ``;`` become several tool calls. A forced built-in call is constrained to this shape
+(:func:`builtin_grammar`), and ``<|eom_id|>`` ends the reply as EOS does while built-ins are on.
 """
 
 from __future__ import annotations
@@ -145,9 +147,10 @@ def builtin_grammar(builtins: dict[str, dict], several: bool, end: str) -> str:
     built-in call shape: ``<|python_tag|>`` then ``name.call(k=v, ...)`` for a tool in ``builtins``
     (name -> parameters), the keywords those the parameters require (all their properties when none
     is required; ``query`` when they name none, Meta's brave_search/wolfram_alpha signature) with
-    literal values of each property's type; with ``several``, one or more calls joined by ``"; "``;
-    code_interpreter's call is free code (alone: code cannot be split into calls). ``end``: text the
-    call ends with (``<|eom_id|>``, or "" where the vocabulary has none: then the stop token ends it)."""
+    literal values of each property's type (one of its ``enum`` values where it lists them); with
+    ``several``, one or more calls joined by ``"; "``; code_interpreter's call is free code (alone:
+    code cannot be split into calls). ``end``: text the call ends with (``<|eom_id|>``, or "" where
+    the vocabulary has none: then the stop token ends it)."""
     alternatives, rules = [], []
     for name, parameters in builtins.items():
         if name == "code_interpreter":
@@ -178,7 +181,14 @@ def _argument_rules(parameters: dict) -> list[tuple[str, str]]:
         if not key.isidentifier():
             raise ValueError(f"a built-in tool's argument {key!r} is no Python keyword")
         schema = properties.get(key, {"type": "string"})
-        kind = schema.get("type") if isinstance(schema, dict) else None
+        schema = schema if isinstance(schema, dict) else {}
+        enum = schema.get("enum")
+        if isinstance(enum, list) and enum and all(isinstance(v, (str, int, bool)) for v in enum):
+            # one of the listed values, each as its Python literal (json.dumps of a string is one)
+            literals = [repr(v) if isinstance(v, bool) else json.dumps(v) for v in enum]
+            out.append((key, "(" + " | ".join(json.dumps(literal) for literal in literals) + ")"))
+            continue
+        kind = schema.get("type")
         rule = {"integer": "builtin_int", "number": "builtin_num", "boolean": "builtin_bool"}.get(kind, "builtin_str")
         out.append((key, rule))
     return out

@@ -18,9 +18,10 @@ models were trained on): the grammar and the parser follow it (:class:`ToolForma
 them the Llama 3.1 way (the tools as JSON in the prompt, a call a bare ``{"name": ..., "parameters":
 {...}}``: its text mentions ``"parameters"`` and no ``<tool_call>``) gets its calls in that shape, one
 per reply (the Llama 3.1 template renders one call per assistant turn). Templates without tool support
-(SmolLM2's) keep the documented format. A Llama 3.1 reply may also start with ``<|python_tag|>``: a
-built-in tool's call (``brave_search.call(query="...")``), code for code_interpreter, or a JSON call
-(swarm/api/llama_tools.py). ``parallel_tool_calls`` (OpenAI's, default true) lets a reply
+(SmolLM2's) keep the documented format. A Llama 3.1 reply may also start with ``<|python_tag|>``:
+built-in tools' calls (``brave_search.call(query="...")``, several joined by ``;``), code for
+code_interpreter, or a JSON call (swarm/api/llama_tools.py); a forced built-in call is constrained to
+that shape (:func:`builtin_call_grammar`). ``parallel_tool_calls`` (OpenAI's, default true) lets a reply
 hold several calls, one per line; false allows at most one.
 """
 

@@ -143,6 +143,12 @@ def test_typed_arguments_and_no_eom_without_the_token(llama_tokenizer):
     grammar = xgrammar.Grammar.from_ebnf(builtin_call_grammar(tools, ["wolfram_alpha"], ["wolfram_alpha"], False, ""))
     assert accepts(grammar, '<|python_tag|>wolfram_alpha.call(query="pi", n=-3)')
     assert not accepts(grammar, '<|python_tag|>wolfram_alpha.call(query="pi", n="3")')
+    flags = {"properties": {"city": {"enum": ["Oslo", 'a "b"']}, "fast": {"type": "boolean"}}, "required": ["city"]}
+    grammar = xgrammar.Grammar.from_ebnf(
+        builtin_call_grammar({"brave_search": {"parameters": flags}}, ["brave_search"], ["brave_search"], False, "")
+    )
+    assert accepts(grammar, '<|python_tag|>brave_search.call(city="a \\"b\\"")')  # only the required keyword
+    assert not accepts(grammar, '<|python_tag|>brave_search.call(city="Rome")')
     llama_tokenizer.chat_template = LLAMA3_TEMPLATE
     plain = chat_choice(llama_tokenizer, [TIME], "auto")
     assert plain.stop_token_ids == ()  # no built-in tools: <|eom_id|> is no stop
@@ -225,22 +231,30 @@ def test_forced_builtin_calls_through_the_openai_client(llama_tokenizer):
 # ---- exactness on the tiny swarm -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("end", ["", EOM_ID])
-def test_the_builtin_grammar_on_the_swarm_equals_transformers(tiny_model, tiny_reference, end):
+FREE = {"type": "object"}  # no parameters: brave_search.call(query="<any string>")
+CITIES = {"type": "object", "properties": {"query": {"enum": ["Oslo", "Paris"]}, "days": {"type": "integer"}}}
+
+
+@pytest.mark.parametrize("end, parameters", [("", FREE), (EOM_ID, CITIES)], ids=["free query", "enum, eom"])
+def test_the_builtin_grammar_on_the_swarm_equals_transformers(tiny_model, tiny_reference, end, parameters):
     """The forced built-in grammar is one more constraint at the tail: the swarm's greedy tokens equal
-    local transformers with xgrammar's processor, and a finished reply parses into the forced call."""
+    local transformers with xgrammar's processor. The tiny random model writes a free query until
+    max_tokens; with an enum it finishes, and the reply parses into the forced call."""
     from tests.generation.test_constraints import transformers_greedy
     from tests.kit.routes import ROUTES, pinned
 
-    tools = {"brave_search": {"parameters": {"type": "object"}}, "get_time": {"parameters": {"type": "object"}}}
+    tools = {"brave_search": {"parameters": parameters}, "get_time": {"parameters": FREE}}
     kwargs = dict(guided_grammar=builtin_call_grammar(tools, ["brave_search"], ["brave_search"], False, end))
     prompt = tiny_model.tokenizer("Search the weather:", add_special_tokens=False).input_ids
-    expected = transformers_greedy(tiny_reference, tiny_model, kwargs, prompt, 24)
+    expected = transformers_greedy(tiny_reference, tiny_model, kwargs, prompt, 56)
     with pinned(tiny_model, ROUTES["three servers, uneven"]):
-        output = tiny_model.generate(torch.tensor([prompt]), max_new_tokens=24, **kwargs)
+        output = tiny_model.generate(torch.tensor([prompt]), max_new_tokens=56, **kwargs)
     assert output[0, len(prompt) :].tolist() == expected
     text = tiny_model.tokenizer.decode(expected, skip_special_tokens=True)
     assert text.startswith('<|python_tag|>brave_search.call(query="')
-    if expected[-1] == tiny_model.config.eos_token_id:  # finished: the forced call, whatever the query
+    if parameters is CITIES:
+        assert expected[-1] == tiny_model.config.eos_token_id and text.endswith(")" + EOM_ID)
         (call,) = tool_calls(text, tuple(tools), LLAMA3_FORMAT, True)
-        assert call["function"]["name"] == "brave_search" and "query" in json.loads(call["function"]["arguments"])
+        arguments = json.loads(call["function"]["arguments"])
+        assert call["function"]["name"] == "brave_search" and arguments["query"] in ("Oslo", "Paris")
+        assert isinstance(arguments["days"], int)
