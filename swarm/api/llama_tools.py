@@ -138,8 +138,10 @@ def eom_token_id(tokenizer: Any) -> Optional[int]:
     """``<|eom_id|>``'s id in the tokenizer's vocabulary (Llama 3.1's generation_config lists it among
     its eos ids, besides ``<|eot_id|>``); None for a tokenizer without it. Looked up by name, not by a
     fixed id, so any Llama 3.1 derivative's vocabulary works."""
-    token_id = tokenizer.get_vocab().get(EOM_ID)
-    return int(token_id) if token_id is not None else None
+    token_id = tokenizer.convert_tokens_to_ids(EOM_ID)  # an unknown token: None, or the unknown token's id
+    if not isinstance(token_id, int) or token_id == getattr(tokenizer, "unk_token_id", None):
+        return None
+    return token_id
 
 
 def builtin_grammar(builtins: dict[str, dict], several: bool, end: str) -> str:

@@ -151,6 +151,11 @@ def test_typed_arguments_and_no_eom_without_the_token(llama_tokenizer):
     assert not accepts(grammar, '<|python_tag|>brave_search.call(city="Rome")')
     llama_tokenizer.chat_template = LLAMA3_TEMPLATE
     plain = chat_choice(llama_tokenizer, [TIME], "auto")
+    from transformers import AutoTokenizer
+
+    from tests.kit.checkpoints import ensure_smollm2_checkpoint
+
+    assert eom_token_id(AutoTokenizer.from_pretrained(ensure_smollm2_checkpoint())) is None  # a vocabulary without it
     assert plain.stop_token_ids == ()  # no built-in tools: <|eom_id|> is no stop
     bad = {"type": "function", "function": {"name": "brave_search", "parameters": {"properties": {"a b": {}}}}}
     with pytest.raises(APIError, match="no Python keyword") as raised:
