@@ -45,6 +45,8 @@ class GenerationParams:
     tool_names: tuple[str, ...] = ()
     tool_format: str = "json"  # how calls are written: a key of swarm.api.tools.FORMATS
     parallel_tool_calls: bool = True  # OpenAI's parallel_tool_calls: false allows at most one call
+    # tokens that end the reply as EOS does, besides the model's: Llama 3.1's <|eom_id|> with built-in tools
+    stop_token_ids: tuple[int, ...] = ()
 
     @property
     def kept_tokens(self) -> tuple[str, ...]:
@@ -143,7 +145,7 @@ class TextGeneration:
         stream = served.model.agenerate_stream(
             params.prompt_ids,
             max_new_tokens=params.max_tokens,
-            eos_token_id=[] if params.ignore_eos else None,
+            eos_token_id=self._stop_ids(),
             num_logprobs=params.num_logprobs,
             **params.sampling,
         )
@@ -189,10 +191,20 @@ class TextGeneration:
         if text:
             yield Delta(text, [], [])
 
+    def _stop_ids(self) -> Optional[list[int]]:
+        """agenerate_stream's eos_token_id: none with ignore_eos, the model's (None) unless the request
+        adds stop tokens (``stop_token_ids``), then the model's and those."""
+        if self.params.ignore_eos:
+            return []
+        if not self.params.stop_token_ids:
+            return None
+        return sorted(self.served.eos_token_ids | set(self.params.stop_token_ids))
+
     def _ended_by_eos(self, last_token: Optional[int]) -> bool:
         if self.params.ignore_eos:
             return False
-        return last_token in self.served.eos_token_ids or self.completion_tokens < self.params.max_tokens
+        ended = last_token in self.served.eos_token_ids or last_token in self.params.stop_token_ids
+        return ended or self.completion_tokens < self.params.max_tokens
 
 
 def check_prompt_ids(ids: Sequence[Any], served: ServedModel, param: str) -> list[int]:

@@ -15,19 +15,20 @@ and a custom call may follow the tag too (``<|python_tag|>{"name": ..., "paramet
 what vLLM's ``llama3_json`` parser reads). A request's tool named like a built-in one is given to the
 template as a built-in (its ``builtin_tools``, where the template takes them, as Meta's does), and
 each of these replies becomes an OpenAI tool call: the built-ins' keyword arguments as the arguments
-object, code_interpreter's code as ``{"code": ...}`` (llama-stack's mapping).
+object, code_interpreter's code as ``{"code": ...}`` (llama-stack's mapping); several built-in calls
+separated by ``;`` become several tool calls. A forced built-in call is constrained to this shape
+(:func:`builtin_grammar`), and ``<|eom_id|>`` ends the reply as EOS does while built-ins are on.
 """
 
 from __future__ import annotations
 
 import ast
 import json
-import re
 from typing import Any, Optional
 
 PYTHON_TAG = "<|python_tag|>"
+EOM_ID = "<|eom_id|>"  # ends a built-in call's turn: the executor answers in an ipython turn
 BUILTIN_TOOLS = ("brave_search", "wolfram_alpha", "code_interpreter")
-_CALL = re.compile(r"\s*([A-Za-z_]\w*)\.call\((.*)\)\s*", re.S)
 
 
 def takes_builtin_tools(tokenizer: Any) -> bool:
@@ -45,15 +46,26 @@ def split_builtins(tools: dict[str, dict], tokenizer: Any) -> tuple[dict[str, di
 
 
 def tagged(text: str) -> Optional[str]:
-    """What follows ``<|python_tag|>`` at the start of ``text`` (leading spaces allowed); None without it."""
+    """What follows ``<|python_tag|>`` at the start of ``text`` (leading spaces allowed), without a
+    closing ``<|eom_id|>``; None without the tag."""
     head = text.lstrip()
-    return head[len(PYTHON_TAG) :] if head.startswith(PYTHON_TAG) else None
+    if not head.startswith(PYTHON_TAG):
+        return None
+    body = head[len(PYTHON_TAG) :].rstrip()
+    # <|eom_id|> as text: the forced grammar ends with it, and a model may spell it in pieces
+    return body[: -len(EOM_ID)] if body.endswith(EOM_ID) else body
 
 
-def tagged_call(body: str, names: tuple[str, ...], arguments_keys: tuple[str, ...]) -> Optional[tuple[str, dict]]:
-    """(name, arguments) of the call after the tag, or None when it is no call of a tool in ``names``:
-    a JSON call (``arguments_keys``: where its arguments may be), a built-in's ``name.call(k=v, ...)``
-    with literal values, or any other text as code_interpreter's code when that tool is listed."""
+Calls = list[tuple[str, dict]]  # (name, arguments) of each call
+
+
+def tagged_calls(body: str, names: tuple[str, ...], arguments_keys: tuple[str, ...]) -> Optional[Calls]:
+    """The (name, arguments) of each call after the tag, or None when the body is no call of tools in
+    ``names``: a JSON call (``arguments_keys``: where its arguments may be); one or several built-in
+    calls ``name.call(k=v, ...)`` with literal values, separated by ``;`` (Meta's format allows
+    several); or any other text as code_interpreter's code when that tool is listed. A body with a
+    malformed piece (a ``;``-separated part that is no such call) is not read as calls at all: the
+    whole reply stays text (or is code_interpreter's code), never the well-formed pieces alone."""
     try:
         call = json.loads(body)
     except ValueError:
@@ -61,25 +73,44 @@ def tagged_call(body: str, names: tuple[str, ...], arguments_keys: tuple[str, ..
     if isinstance(call, dict):
         arguments = next((call[k] for k in arguments_keys if k in call), None)
         if call.get("name") in names and isinstance(arguments, dict):
-            return call["name"], arguments
+            return [(call["name"], arguments)]
         return None
-    found = _CALL.fullmatch(body)
-    if found is not None and found.group(1) in names:
-        arguments = _keywords(found.group(2))
-        if arguments is not None:
-            return found.group(1), arguments
+    found = _builtin_calls(body, names)
+    if found is not None:
+        return found
     if "code_interpreter" in names and body.strip():
-        return "code_interpreter", {"code": body.strip()}
+        return [("code_interpreter", {"code": body.strip()})]
     return None
 
 
-def _keywords(text: str) -> Optional[dict[str, Any]]:
-    """``k="v", n=3`` as {"k": "v", "n": 3}; None unless every argument is a keyword with a literal value."""
+def _builtin_calls(body: str, names: tuple[str, ...]) -> Optional[Calls]:
+    """``a.call(k=v); b.call(k=v)`` as [(a, {k: v}), (b, {k: v})]; None unless every ``;``-separated
+    statement is a call of a listed tool with literal keyword arguments (read by ``ast``, never run)."""
     try:
-        expression = ast.parse(f"f({text})", mode="eval").body
+        module = ast.parse(body.strip(), mode="exec")
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return None
-    if not isinstance(expression, ast.Call) or expression.args:
+    calls: list[tuple[str, dict]] = []
+    for statement in module.body:
+        expression = statement.value if isinstance(statement, ast.Expr) else None
+        function = expression.func if isinstance(expression, ast.Call) else None
+        if not (
+            isinstance(function, ast.Attribute)
+            and function.attr == "call"
+            and isinstance(function.value, ast.Name)
+            and function.value.id in names
+        ):
+            return None
+        arguments = _literal_keywords(expression)  # type: ignore[arg-type]
+        if arguments is None:
+            return None
+        calls.append((function.value.id, arguments))
+    return calls or None
+
+
+def _literal_keywords(expression: ast.Call) -> Optional[dict[str, Any]]:
+    """A call's ``k="v", n=3`` as {"k": "v", "n": 3}; None unless every argument is a keyword with a literal value."""
+    if expression.args:
         return None
     arguments: dict[str, Any] = {}
     for keyword in expression.keywords:
@@ -90,3 +121,76 @@ def _keywords(text: str) -> Optional[dict[str, Any]]:
         except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
             return None
     return arguments
+
+
+# a Python string literal in double quotes without a newline (a built-in's argument; ast.literal_eval reads it)
+_RULES = (
+    'builtin_str ::= "\\"" builtin_char* "\\""\n'
+    'builtin_char ::= [^"\\\\\\n] | "\\\\" ["\\\\nt]\n'
+    'builtin_int ::= "-"? [0-9]+\n'
+    'builtin_num ::= "-"? [0-9]+ ("." [0-9]+)?\n'
+    'builtin_bool ::= "True" | "False"\n'
+    "builtin_code ::= [^]+\n"
+)
+
+
+def eom_token_id(tokenizer: Any) -> Optional[int]:
+    """``<|eom_id|>``'s id in the tokenizer's vocabulary (Llama 3.1's generation_config lists it among
+    its eos ids, besides ``<|eot_id|>``); None for a tokenizer without it. Looked up by name, not by a
+    fixed id, so any Llama 3.1 derivative's vocabulary works."""
+    token_id = tokenizer.convert_tokens_to_ids(EOM_ID)  # an unknown token: None, or the unknown token's id
+    if not isinstance(token_id, int) or token_id == getattr(tokenizer, "unk_token_id", None):
+        return None
+    return token_id
+
+
+def builtin_grammar(builtins: dict[str, dict], several: bool, end: str) -> str:
+    """EBNF rules (xgrammar's dialect; the start rule is ``builtin_tagged``) for Llama 3.1's own
+    built-in call shape: ``<|python_tag|>`` then ``name.call(k=v, ...)`` for a tool in ``builtins``
+    (name -> parameters), the keywords those the parameters require (all their properties when none
+    is required; ``query`` when they name none, Meta's brave_search/wolfram_alpha signature) with
+    literal values of each property's type (one of its ``enum`` values where it lists them); with
+    ``several``, one or more calls joined by ``"; "``; code_interpreter's call is free code (alone:
+    code cannot be split into calls). ``end``: text the call ends with (``<|eom_id|>``, or "" where
+    the vocabulary has none: then the stop token ends it)."""
+    alternatives, rules = [], []
+    for name, parameters in builtins.items():
+        if name == "code_interpreter":
+            continue
+        pieces = []
+        for i, (key, value_rule) in enumerate(_argument_rules(parameters)):
+            pieces.append(json.dumps(f"{', ' if i else ''}{key}=") + " " + value_rule)
+        rules.append(f"builtin_{name} ::= {json.dumps(name + '.call(')} {' '.join(pieces)} {json.dumps(')')}")
+        alternatives.append(f"builtin_{name}")
+    bodies = []
+    if alternatives:
+        rules.append("builtin_one ::= " + " | ".join(alternatives))
+        bodies.append('builtin_one ("; " builtin_one)*' if several else "builtin_one")
+    if "code_interpreter" in builtins:
+        bodies.append("builtin_code")
+    tail = f" {json.dumps(end)}" if end else ""
+    tagged_rule = f"builtin_tagged ::= {json.dumps(PYTHON_TAG)} ({' | '.join(bodies)}){tail}"
+    return "\n".join([tagged_rule, *rules, _RULES])
+
+
+def _argument_rules(parameters: dict) -> list[tuple[str, str]]:
+    """(keyword, value rule) for each argument a forced built-in call writes, in the schema's order."""
+    properties = parameters.get("properties") if isinstance(parameters.get("properties"), dict) else {}
+    required = [k for k in parameters.get("required", []) if k in properties] if properties else []
+    keys = required or list(properties) or ["query"]
+    out = []
+    for key in keys:
+        if not key.isidentifier():
+            raise ValueError(f"a built-in tool's argument {key!r} is no Python keyword")
+        schema = properties.get(key, {"type": "string"})
+        schema = schema if isinstance(schema, dict) else {}
+        enum = schema.get("enum")
+        if isinstance(enum, list) and enum and all(isinstance(v, (str, int, bool)) for v in enum):
+            # one of the listed values, each as its Python literal (json.dumps of a string is one)
+            literals = [repr(v) if isinstance(v, bool) else json.dumps(v) for v in enum]
+            out.append((key, "(" + " | ".join(json.dumps(literal) for literal in literals) + ")"))
+            continue
+        kind = schema.get("type")
+        rule = {"integer": "builtin_int", "number": "builtin_num", "boolean": "builtin_bool"}.get(kind, "builtin_str")
+        out.append((key, rule))
+    return out

@@ -20,15 +20,17 @@ from protocol.constraints import constraint_from_options, constraint_from_respon
 from protocol.messages import MAX_TOP_LOGPROBS
 from swarm.api.engine import CHAT_ROLES, GenerationParams, ServedModel, check_prompt_ids
 from swarm.api.errors import APIError, bad_request
-from swarm.api.llama_tools import split_builtins
+from swarm.api.llama_tools import EOM_ID, eom_token_id, split_builtins
 from swarm.api.sampling_fields import INT64, sampling_of, stops_of
 from swarm.api.tools import (
     JSON_FORMAT,
     LLAMA3_FORMAT,
+    builtin_call_grammar,
     call_grammar,
     call_schema,
     call_text,
     checked_tools,
+    forced_names,
     template_messages,
     template_tool_format,
     tools_prompt,
@@ -156,7 +158,8 @@ def chat_params(req: ChatRequest, served: ServedModel, max_choices: int) -> tupl
     fmt = template_tool_format(served.tokenizer) if req.tools else JSON_FORMAT
     messages, schema, template_tools = chat_messages(req.messages, structured_calls=fmt is not JSON_FORMAT), None, None
     template_kwargs: dict[str, Any] = {}
-    parallel = req.parallel_tool_calls is not False and fmt.parallel
+    builtins: list[str] = []  # Llama 3.1's built-in tools among the tools (llama_tools.py)
+    parallel = req.parallel_tool_calls is not False
     if req.tools:
         tools = checked_tools(req.tools)
         schema = call_schema(tools, req.tool_choice, fmt.arguments_key)
@@ -178,7 +181,12 @@ def chat_params(req: ChatRequest, served: ServedModel, max_choices: int) -> tupl
             # a forced reply holds several calls only when parallel_tool_calls is given true: under a
             # grammar that allows more, a small model (SmolLM2) writes calls until max_tokens
             several = req.parallel_tool_calls is True and fmt.parallel
-            if not fmt.open and not several:  # one bare call: the JSON schema itself
+            forced = forced_names(tools, req.tool_choice)
+            if any(n in builtins for n in forced):  # Llama 3.1's own shape, <|python_tag|>name.call(...)
+                end = EOM_ID if eom_token_id(served.tokenizer) is not None else ""
+                grammar = builtin_call_grammar(tools, forced, builtins, req.parallel_tool_calls is True, end)
+                constraint = {"guided_grammar": grammar}
+            elif not fmt.open and not several:  # one bare call: the JSON schema itself
                 constraint = {"guided_json": schema}
             else:  # the template's wrapping, or several calls: a grammar around the schema's
                 constraint = {"guided_grammar": call_grammar(schema, fmt, several)}
@@ -189,6 +197,9 @@ def chat_params(req: ChatRequest, served: ServedModel, max_choices: int) -> tupl
     if req.tools and req.tool_choice != "none":
         mode = "forced" if schema is not None else "auto"
         named = dict(tool_call=mode, tool_names=tuple(tools), tool_format=fmt.name, parallel_tool_calls=parallel)
+        eom = eom_token_id(served.tokenizer) if builtins else None
+        if eom is not None:  # a built-in call's turn ends with <|eom_id|>: a stop token like EOS
+            named["stop_token_ids"] = (eom,)
         choices = [dataclasses.replace(c, **named) for c in choices]
     return choices, shown
 

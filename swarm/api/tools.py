@@ -18,9 +18,10 @@ models were trained on): the grammar and the parser follow it (:class:`ToolForma
 them the Llama 3.1 way (the tools as JSON in the prompt, a call a bare ``{"name": ..., "parameters":
 {...}}``: its text mentions ``"parameters"`` and no ``<tool_call>``) gets its calls in that shape, one
 per reply (the Llama 3.1 template renders one call per assistant turn). Templates without tool support
-(SmolLM2's) keep the documented format. A Llama 3.1 reply may also start with ``<|python_tag|>``: a
-built-in tool's call (``brave_search.call(query="...")``), code for code_interpreter, or a JSON call
-(swarm/api/llama_tools.py). ``parallel_tool_calls`` (OpenAI's, default true) lets a reply
+(SmolLM2's) keep the documented format. A Llama 3.1 reply may also start with ``<|python_tag|>``:
+built-in tools' calls (``brave_search.call(query="...")``, several joined by ``;``), code for
+code_interpreter, or a JSON call (swarm/api/llama_tools.py); a forced built-in call is constrained to
+that shape (:func:`builtin_call_grammar`). ``parallel_tool_calls`` (OpenAI's, default true) lets a reply
 hold several calls, one per line; false allows at most one.
 """
 
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from swarm.api.errors import bad_request
-from swarm.api.llama_tools import PYTHON_TAG, tagged, tagged_call
+from swarm.api.llama_tools import PYTHON_TAG, builtin_grammar, tagged, tagged_calls
 
 
 def checked_tools(tools: list[Any]) -> dict[str, dict]:
@@ -56,17 +57,9 @@ def call_schema(tools: dict[str, dict], tool_choice: Any, arguments_key: str = "
     """The JSON schema a reply must match for ``tool_choice`` (the arguments under ``arguments_key``:
     the format's, :class:`ToolFormat`); None for "none" and "auto" (OpenAI's default with tools), which
     leave the reply free. 400s name the field."""
-    if tool_choice in ("none", None, "auto"):
+    names = forced_names(tools, tool_choice)
+    if not names:
         return None
-    if tool_choice == "required":
-        names = list(tools)
-    elif isinstance(tool_choice, dict) and isinstance(tool_choice.get("function"), dict):
-        name = tool_choice["function"].get("name")
-        if name not in tools:
-            raise bad_request(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
-        names = [name]
-    else:
-        raise bad_request('tool_choice must be "none", "required" or {"type": "function", ...}', "tool_choice")
     options = [
         {
             "type": "object",
@@ -77,6 +70,34 @@ def call_schema(tools: dict[str, dict], tool_choice: Any, arguments_key: str = "
         for n in names
     ]
     return options[0] if len(options) == 1 else {"anyOf": options}
+
+
+def forced_names(tools: dict[str, dict], tool_choice: Any) -> list[str]:
+    """The tools a forced reply may call: all for "required", the one named; none for "none" and
+    "auto". A 400 naming ``tool_choice`` for an unknown name or value."""
+    if tool_choice in ("none", None, "auto"):
+        return []
+    if tool_choice == "required":
+        return list(tools)
+    if isinstance(tool_choice, dict) and isinstance(tool_choice.get("function"), dict):
+        name = tool_choice["function"].get("name")
+        if name not in tools:
+            raise bad_request(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
+        return [name]
+    raise bad_request('tool_choice must be "none", "required" or {"type": "function", ...}', "tool_choice")
+
+
+def builtin_call_grammar(tools: dict[str, dict], names: list[str], builtins: list[str], several: bool, end: str) -> str:
+    """The forced grammar when Llama 3.1 built-ins are among ``names``: a built-in's own shape after
+    ``<|python_tag|>`` (swarm/api/llama_tools.py, ``builtin_grammar``), or, for the custom tools among
+    ``names``, the bare ``{"name", "parameters"}`` object of :data:`LLAMA3_FORMAT`."""
+    rules = builtin_grammar({n: tools[n]["parameters"] for n in names if n in builtins}, several, end)
+    custom = {n: tools[n] for n in names if n not in builtins}
+    if not custom:
+        return "root ::= builtin_tagged\n" + rules
+    schema = call_schema(custom, "required", LLAMA3_FORMAT.arguments_key)
+    custom_rules = call_grammar(schema, LLAMA3_FORMAT, False).replace("root ::=", "custom_root ::=", 1)  # type: ignore[arg-type]
+    return "root ::= builtin_tagged | custom_root\n" + custom_rules + "\n" + rules
 
 
 def tools_prompt(tools: dict[str, dict]) -> str:
@@ -188,7 +209,14 @@ def tool_calls(
 ) -> Optional[list[dict]]:
     """The reply as OpenAI's ``tool_calls`` (distinct ids); None when it is not made only of complete
     calls of tools in ``names`` (cut by max_tokens, or, with "auto", a text answer), or holds
-    several calls while ``parallel`` is false."""
+    several calls while ``parallel`` is false (several: one per line, Hermes blocks, or Llama 3.1's
+    built-in calls after ``<|python_tag|>`` separated by ``;``)."""
+    body = tagged(text) if fmt is LLAMA3_FORMAT else None
+    if body is not None:  # after <|python_tag|>: one call, or several built-in calls separated by ";"
+        found = tagged_calls(body, names, (fmt.arguments_key, "arguments"))
+        if found is None or (len(found) > 1 and not parallel):
+            return None
+        return [_openai_call(*call) for call in found]
     texts = call_texts(text, fmt)
     if texts is None or (len(texts) > 1 and not (parallel and fmt.parallel)):
         return None
@@ -203,8 +231,8 @@ def parse_call(text: str, names: tuple[str, ...], fmt: ToolFormat) -> Optional[d
     body = tagged(text) if fmt is LLAMA3_FORMAT else None
     if body is not None:
         # after the tag vLLM's llama3_json reads "arguments" as well as the format's "parameters"
-        found = tagged_call(body, names, (fmt.arguments_key, "arguments"))
-        return None if found is None else _openai_call(*found)
+        found = tagged_calls(body, names, (fmt.arguments_key, "arguments"))
+        return None if found is None or len(found) != 1 else _openai_call(*found[0])
     try:
         call = json.loads(text)
     except ValueError:
