@@ -207,7 +207,11 @@ class SpeculativeDecoder(Reverification):
                 await self._fail_over(e)
 
     async def _open_session(self) -> None:
-        remote = await self.swarm.open_session(self.state.max_length, avoid=self.avoid)
+        # avoided servers in fallback order (client/_avoidance.py): where the swarm leaves no other, the first of them
+        order = self.audits.avoidance.order(self.avoid) if self.audits is not None else sorted(self.avoid)
+        remote = await self.swarm.open_session(self.state.max_length, avoid=order)
+        # an avoided server the route falls back on was chosen knowingly: no re-verification without it
+        self._handled_liars.update(hop.peer_id for hop in remote.route if hop.peer_id in self.avoid)
         self.state.remote = remote
         self.state.cached = 0  # a new route holds nothing: the next lap replays the history
         self.state.tree_pending = None

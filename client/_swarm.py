@@ -140,7 +140,8 @@ class SwarmClient:
     async def open_session(self, max_length: int, avoid: Collection[str] = ()) -> RemoteSession:
         """A session on a fresh route; retries (bounded) past busy or dead servers and empty swarms.
         ``avoid``: servers a generation saw in an unsettled dispute, routed around where the swarm
-        allows (as suspects are), never excluded."""
+        allows (as suspects are), never excluded; a sequence is a fallback order (the first is allowed
+        first where the swarm leaves no route without them: client/_avoidance.py)."""
         last_error: Exception | None = None
         refusal: Optional[ServerError] = None  # the last server that refused (busy, ...), named if no route is left
         busy: set[str] = set()  # full right now, not broken: skipped by this call only, not by other sessions
@@ -200,7 +201,9 @@ class SwarmClient:
         self._records = {s.peer_id: s for s in servers}
         servers = cap_throughput(servers, self.meter.measured())
         exclude = self.excluded.current() | set(also_exclude)
-        suspects = sorted((self.suspects.current() | set(avoid)) - exclude)
+        ordered = list(avoid) if isinstance(avoid, (list, tuple)) else sorted(avoid)
+        suspects = [p for p in sorted(self.suspects.current()) if p not in exclude and p not in ordered]
+        suspects += [p for p in dict.fromkeys(ordered) if p not in exclude]  # combinations keep this order
         # the route with the fewest suspects: none if the swarm allows, else one, two, ... (the
         # suspects of one fault are one route's servers, a handful; past MAX_SUSPECT_SUBSETS
         # plans, route over all of them)

@@ -21,8 +21,9 @@ shadow itself, the tail itself, or a third trusted server of the tail's blocks (
 verifies the committed token at t). Then the server it refutes is convicted (excluded for good,
 reported in the DHT: ``SwarmClient.convict``). A vote among strangers settles nothing (k sybils agree
 with each other), so without a trusted judge nobody is convicted: both disputing servers join the
-generation's ``avoid`` set, and the generation re-verifies its tokens on a route without them
-(``SpeculativeDecoder._react_to_liars``). Before the output is returned the last tokens are audited
+generation's ``avoid`` set with every server of their machine groups, and the generation re-verifies
+its tokens on a route without them (``SpeculativeDecoder._react_to_liars``; client/_avoidance.py says
+which avoided server it falls back on when none is left). Before the output is returned the last tokens are audited
 too; what the audits confirmed (and by whom) is counted per token (client/_confirmation.py).
 One audit at a time, in the background.
 
@@ -39,6 +40,7 @@ import random
 from typing import Optional, Sequence
 
 from client._audit_shape import LiveShape
+from client._avoidance import Avoidance
 from client._logprob_audits import first_disagreement, logprob_tolerance
 from client._remote_session import RemoteSession
 from client._spot_checks import AuditResult, BackgroundAudit, SpotChecker, alternatives, substituted
@@ -61,6 +63,7 @@ class VerdictAuditor(BackgroundAudit):
         timeout: Optional[float] = None,
         rng: Optional[random.Random] = None,
         witnesses: Optional[Witnesses] = None,
+        avoidance: Optional[Avoidance] = None,
     ):
         if every < 1:
             raise ValueError(f"every must be >= 1, got {every}")
@@ -71,7 +74,8 @@ class VerdictAuditor(BackgroundAudit):
         self.audited: list[int] = []  # the ids whose verdicts a second tail confirmed (the prompt counts)
         self.trusted_confirmed: set[int] = set()  # positions of ``audited`` that a trusted shadow confirmed
         self.witnesses = witnesses or Witnesses()
-        self.avoid: set[str] = set()  # the generation's disputed servers (the decoder shares its own set)
+        self.avoidance = avoidance or Avoidance(self.witnesses)  # who disputed whom, by machine group
+        self.avoid: set[str] = self.avoidance.peers  # the generation's avoided servers (the decoder shares its set)
         self.handled: set[str] = set()  # those of them the generation has already re-verified without
         self.enabled = True  # off for rejection sampling (the module's docstring says why)
         self.max_length, self.sampling = 0, GREEDY
@@ -219,11 +223,12 @@ class VerdictAuditor(BackgroundAudit):
     async def _ensure_shadow(self, route: list[Hop], length: int) -> bool:
         """A shadow session on ``route`` with another server as its tail (kept across audits while
         the route's tail and the shadow's servers stay the same and unexcluded)."""
-        shadow, excluded = self._shadow, self.swarm.excluded.current() | self.avoid
+        shadow, excluded = self._shadow, self.swarm.excluded.current() | self.avoidance.disputants
         if shadow is not None and (
             shadow.route[:-1] != route[:-1]
             or shadow.tail_peer == route[-1].peer_id
             or any(hop.peer_id in excluded for hop in shadow.route)
+            or not self.avoidance.may_witness(shadow.tail_peer, [route[-1].peer_id])
         ):
             await self._drop_shadow()
         if self._shadow is not None:
@@ -239,6 +244,8 @@ class VerdictAuditor(BackgroundAudit):
             await self.witnesses.refresh(self.swarm.p2p)  # the pings opened connections: their addresses
         self.rng.shuffle(found)
         found = self.witnesses.choose(found, [hop.peer_id for hop in route])  # independent ones, trusted first
+        # never a group that already disagreed with the tail's; servers of other disputed groups last
+        found = self.avoidance.witness_order(found, [route[-1].peer_id])
         for attempt, candidate in enumerate(found[:MAX_SHADOW_TRIES]):
             shadow_route = substituted(route, len(route) - 1, candidate.peer_id)
             shadow = RemoteSession(
@@ -336,13 +343,15 @@ class VerdictAuditor(BackgroundAudit):
             self.audited = ids[:t]  # the generation re-verifies from the prompt on a new route
 
     async def _unsettled(self, route: list[Hop], ids: list[int], t: int, what: str, stats) -> None:
-        """No conviction: avoid both disputing servers for this generation; its tokens from t on
-        are re-verified elsewhere (the decoder reacts to a route server in ``avoid``)."""
+        """No conviction: avoid both disputing servers and their machine groups for this generation
+        (client/_avoidance.py); its tokens from t on are re-verified elsewhere (the decoder reacts
+        to a route server in ``avoid``)."""
         tail, alt = route[-1].peer_id, self._shadow.tail_peer
-        self.avoid.update((tail, alt))
+        await self.witnesses.refresh(self.swarm.p2p)  # the group-mates' addresses, as the daemon sees them now
+        self.avoidance.dispute(tail, alt)
         stats.verdict_audits_undecided += 1
         stats.disputed_peers.extend(p for p in (tail, alt) if p not in stats.disputed_peers)
-        stats.spot_check_events.append(f"verdict audit unsettled: {what}; avoiding both, re-verifying")
+        stats.spot_check_events.append(f"verdict audit unsettled: {what}; avoiding both and their groups, re-verifying")
         logger.warning(f"Verdict dispute unsettled ({what}): avoiding both servers for this generation")
         self._given_up = 0
         self.audited = ids[:t]
@@ -376,7 +385,7 @@ class VerdictAuditor(BackgroundAudit):
             if result.verdict == "convicted":
                 stats.liars_excluded.append(result.liar)
                 self.swarm.convict(result.liar)
-            self.avoid.update(result.disputed)
+            self.avoidance.disputed(result.disputed)
             if result.verdict not in ("agree", "skipped"):  # skipped: no independent substitute, as none at all
                 return False
         return True
