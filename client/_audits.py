@@ -50,6 +50,16 @@ class Audits:
         if self.verdicts is not None:
             self.verdicts.live.saw_lap(drafts)
 
+    def saw_run(self, run, accepted: int) -> None:
+        """A live run's verdict arrived (``accepted`` drafts): under rejection sampling its audit
+        replays the run's drafts and q."""
+        if self.verdicts is not None:
+            self.verdicts.rejection.record(run, accepted)
+
+    def forget_runs(self) -> None:
+        if self.verdicts is not None:
+            self.verdicts.rejection.forget()
+
     def maybe_start(self, route, ids, stats, lap: int, final: bool = False) -> None:
         if self.spot is not None and not final:
             self.spot.maybe_start(route, ids, stats, lap)

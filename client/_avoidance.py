@@ -26,7 +26,7 @@ of other disputed groups after the undisputed ones.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Iterable, Sequence
+from typing import Collection, Iterable, Sequence
 
 from client._witnesses import Witnesses
 
@@ -40,37 +40,46 @@ class Avoidance:
         self.disputants: set[str] = set()  # the servers that were themselves a side of a dispute
         self.disputes: Counter[str] = Counter()  # machine group -> unsettled disputes it was a side of
         self.pairs: set[frozenset[str]] = set()  # the pairs of groups that disagreed
+        self.servers: set[str] = set()  # peer ids seen in server records (a group's identities count only those)
 
     def reset(self) -> None:
         """A new generation (the decoder gives it a fresh ``avoid`` set through ``share``)."""
-        self.disputants, self.disputes, self.pairs = set(), Counter(), set()
+        self.disputants, self.disputes, self.pairs, self.servers = set(), Counter(), set(), set()
 
     def group(self, peer_id: str) -> str:
         """The server's machine group as last seen; a server of unknown address is its own group."""
         return self.witnesses.groups.get(peer_id) or f"peer:{peer_id}"
 
     def members(self, group: str) -> int:
-        """How many identities the client has seen on ``group`` (at least 1)."""
-        return max(1, sum(1 for g in self.witnesses.groups.values() if g == group))
+        """How many server identities the client has seen on ``group`` (at least 1): peers without a
+        server record (a DHT bootstrap node, another client on the same machine) do not count."""
+        return max(1, sum(1 for p, g in self.witnesses.groups.items() if g == group and p in self.servers))
 
-    def dispute(self, a: str, b: str) -> set[str]:
+    def dispute(self, a: str, b: str, servers: Collection[str] = ()) -> set[str]:
         """``a`` and ``b`` disagreed and nobody trusted settled it: avoid both and every untrusted
-        server of their machine groups. Returns the servers newly avoided."""
+        server of their machine groups (``servers``: the peer ids of the swarm's server records; none
+        given: every peer the client is connected to counts). Returns the servers newly avoided."""
+        self.servers.update(servers or self.witnesses.groups)
+        self.servers.update((a, b))
         groups = {self.group(a), self.group(b)}
         for g in groups:
             self.disputes[g] += 1
         self.pairs.add(frozenset(groups))
         self.disputants.update((a, b))
-        mates = {p for p, g in self.witnesses.groups.items() if g in groups and not self.witnesses.is_trusted(p)}
+        mates = {
+            p
+            for p, g in self.witnesses.groups.items()
+            if g in groups and p in self.servers and not self.witnesses.is_trusted(p)
+        }
         new = ({a, b} | mates) - self.peers
         self.peers.update(new)
         return new
 
-    def disputed(self, peer_ids: Sequence[str]) -> None:
+    def disputed(self, peer_ids: Sequence[str], servers: Collection[str] = ()) -> None:
         """A spot-check's or an upstream check's unsettled disagreement: two servers are a dispute;
         more (a three-way split) are each avoided, with their groups counted, no pair recorded."""
         if len(peer_ids) == 2:
-            self.dispute(*peer_ids)
+            self.dispute(*peer_ids, servers=servers)
             return
         for p in peer_ids:
             self.disputes[self.group(p)] += 1

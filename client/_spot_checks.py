@@ -264,7 +264,8 @@ class SpotChecker(BackgroundAudit):
                 logger.info(f"Spot-check failed, no verdict: {what}: {result.detail}")
             elif result.verdict == "undecided":
                 stats.spot_checks_undecided += 1
-                self.avoidance.disputed(result.disputed)  # the two and their machine groups (client/_avoidance.py)
+                # the two and their machine groups (client/_avoidance.py)
+                self.avoidance.disputed(result.disputed, servers=self.swarm.records)
                 stats.disputed_peers.extend(p for p in result.disputed if p not in stats.disputed_peers)
                 logger.warning(
                     f"Spot-check undecided: servers {hop.peer_id} and {alt} disagree on blocks "

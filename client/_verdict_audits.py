@@ -27,9 +27,9 @@ which avoided server it falls back on when none is left). Before the output is r
 too; what the audits confirmed (and by whom) is counted per token (client/_confirmation.py).
 One audit at a time, in the background.
 
-Rejection sampling (``verification="rejection"``) is not audited: its committed tokens are drawn by
-the client from the tail's residual distribution, not the seeded choice a shadow reproduces, so a
-token-match shadow would dispute honest tails. Its tokens are returned unconfirmed (and flagged).
+Rejection sampling (``verification="rejection"``): its committed tokens are not the seeded choice a
+token-match shadow reproduces, so the shadow replays the live runs' own drafts, q and seed instead
+(client/_rejection_audits.py).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from typing import Optional, Sequence
 from client._audit_shape import LiveShape
 from client._avoidance import Avoidance
 from client._logprob_audits import first_disagreement, logprob_tolerance
+from client._rejection_audits import RejectionRuns, confirm
 from client._remote_session import RemoteSession
 from client._spot_checks import AuditResult, BackgroundAudit, SpotChecker, alternatives, substituted
 from client._witnesses import Witnesses
@@ -77,7 +78,8 @@ class VerdictAuditor(BackgroundAudit):
         self.avoidance = avoidance or Avoidance(self.witnesses)  # who disputed whom, by machine group
         self.avoid: set[str] = self.avoidance.peers  # the generation's avoided servers (the decoder shares its set)
         self.handled: set[str] = set()  # those of them the generation has already re-verified without
-        self.enabled = True  # off for rejection sampling (the module's docstring says why)
+        self.enabled, self.verification = True, "match"
+        self.rejection = RejectionRuns()  # the live runs' drafts and q, under rejection sampling
         self.max_length, self.sampling = 0, GREEDY
         self.live = LiveShape()  # what this generation's live laps look like (client/_audit_shape.py)
         self._shadow: Optional[RemoteSession] = None
@@ -100,7 +102,8 @@ class VerdictAuditor(BackgroundAudit):
         self.live = live or LiveShape()
         self.trusted_confirmed = set()
         self._given_up = 0
-        self.enabled = verification == "match"
+        self.enabled, self.verification = verification in ("match", "rejection"), verification
+        self.rejection.forget()
 
     def maybe_start(self, route: Sequence[Hop], ids: Sequence[int], stats, final: bool = False) -> None:
         """Audit the tokens committed since the last audit: once ``every`` of them wait, or any
@@ -162,6 +165,8 @@ class VerdictAuditor(BackgroundAudit):
         (DraftOffer), its verdict's tokens (whatever drafts it carried) compared with the committed
         ones, and the run past the last committed token cancelled. The first Step carries
         ids[first:position] (the context the shadow lacks) before its drafts."""
+        if self.verification == "rejection":  # the live runs' own Steps, replayed (client/_rejection_audits.py)
+            return await confirm(self, route, ids, position, limit, stats, first)
         shadow, run_id, looped = self._shadow, self._next_run, False
         horizon = run_id  # the last run the tail may start itself: later audits send run ids after it
         drafts = self._drafts(ids, position, limit - (position - first) + 1)
@@ -316,7 +321,8 @@ class VerdictAuditor(BackgroundAudit):
         liar, judge = None, None
         if trusted(alt) != trusted(tail):
             liar, judge = (tail, alt) if trusted(alt) else (alt, tail)
-        elif not trusted(alt) and shadow_token is not None:  # no trusted third for log-probs (not built)
+        elif not trusted(alt) and shadow_token is not None and self.verification == "match":
+            # no trusted third for log-probs (not built), nor under rejection (a third verifies by token match)
             judges = [
                 s
                 for s in alternatives(route, len(route) - 1, self.swarm.records, self._excluded() | {alt}, t + 1)
@@ -348,11 +354,11 @@ class VerdictAuditor(BackgroundAudit):
         to a route server in ``avoid``)."""
         tail, alt = route[-1].peer_id, self._shadow.tail_peer
         await self.witnesses.refresh(self.swarm.p2p)  # the group-mates' addresses, as the daemon sees them now
-        self.avoidance.dispute(tail, alt)
+        self.avoidance.dispute(tail, alt, servers=self.swarm.records)
         stats.verdict_audits_undecided += 1
         stats.disputed_peers.extend(p for p in (tail, alt) if p not in stats.disputed_peers)
         stats.spot_check_events.append(f"verdict audit unsettled: {what}; avoiding both and their groups, re-verifying")
-        logger.warning(f"Verdict dispute unsettled ({what}): avoiding both servers for this generation")
+        logger.warning(f"Verdict dispute unsettled ({what}): avoiding both and their groups for this generation")
         self._given_up = 0
         self.audited = ids[:t]
         await self._drop_shadow()
@@ -385,7 +391,7 @@ class VerdictAuditor(BackgroundAudit):
             if result.verdict == "convicted":
                 stats.liars_excluded.append(result.liar)
                 self.swarm.convict(result.liar)
-            self.avoidance.disputed(result.disputed)
+            self.avoidance.disputed(result.disputed, servers=self.swarm.records)
             if result.verdict not in ("agree", "skipped"):  # skipped: no independent substitute, as none at all
                 return False
         return True

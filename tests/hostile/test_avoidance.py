@@ -72,6 +72,16 @@ def test_fewer_disputes_first_then_fewer_identities():
     assert set(a.order(a.peers)[:2]) == {"T", "U"}
 
 
+def test_only_server_identities_count_and_are_avoided():
+    """A DHT bootstrap node (or another client) on T's address is no server: it neither joins the
+    avoided set nor makes T's group look as large as the sybils' (seen in benchmarks/sybils.py, where
+    the swarm's bootstrap peer shares 127.0.0.1 with T)."""
+    groups = {**ONE_GROUP, "boot": ONE_GROUP["T"], "boot2": ONE_GROUP["T"]}
+    a = Avoidance(witnesses(groups))
+    assert a.dispute("T", "S1", servers=["T", "S1", "S2", "H"]) == {"T", "S1", "S2"}
+    assert a.order(a.peers) == ["T", "S2", "S1"]
+
+
 def test_trusted_group_mates_are_never_avoided_and_unknown_addresses_are_their_own_group():
     a = Avoidance(witnesses({**ONE_GROUP, "K": "net:203.0.113.0/24"}, trusted={"K"}))
     assert a.dispute("S1", "T") == {"S1", "S2", "T"}  # K shares the sybils' /24 but is trusted
