@@ -8,6 +8,7 @@ import asyncio
 from typing import Optional, Sequence
 
 from client._audit_shape import LiveShape
+from client._avoidance import Avoidance
 from client._spot_checks import SpotChecker
 from client._verdict_audits import VerdictAuditor
 from client._witnesses import Witnesses
@@ -20,6 +21,7 @@ class Audits:
 
     def __init__(self, spot: Optional[SpotChecker], verdicts: Optional[VerdictAuditor]):
         self.spot, self.verdicts = spot, verdicts
+        self.avoidance: Avoidance = (verdicts or spot).avoidance  # make_audits gives both the same one
 
     @property
     def task(self) -> Optional[asyncio.Task]:
@@ -48,6 +50,16 @@ class Audits:
         if self.verdicts is not None:
             self.verdicts.live.saw_lap(drafts)
 
+    def saw_run(self, run, accepted: int) -> None:
+        """A live run's verdict arrived (``accepted`` drafts): under rejection sampling its audit
+        replays the run's drafts and q."""
+        if self.verdicts is not None:
+            self.verdicts.rejection.record(run, accepted)
+
+    def forget_runs(self) -> None:
+        if self.verdicts is not None:
+            self.verdicts.rejection.forget()
+
     def maybe_start(self, route, ids, stats, lap: int, final: bool = False) -> None:
         if self.spot is not None and not final:
             self.spot.maybe_start(route, ids, stats, lap)
@@ -55,8 +67,11 @@ class Audits:
             self.verdicts.maybe_start(route, ids, stats, final=final)
 
     def share_avoid(self, avoid: set[str], handled: set[str]) -> None:
-        """The generation's ``avoid`` set (both audits add the servers of unsettled disputes to it),
-        and the servers the generation has already re-verified without (``handled``)."""
+        """The generation's ``avoid`` set (both audits add the servers of unsettled disputes, and
+        their machine groups, to it: client/_avoidance.py), and the servers the generation has
+        already re-verified without (``handled``)."""
+        self.avoidance.reset()
+        self.avoidance.peers = avoid
         for audit in (self.spot, self.verdicts):
             if audit is not None:
                 audit.avoid, audit.handled = avoid, handled
@@ -78,7 +93,12 @@ def make_audits(
     """A generation's audits: spot-checks at this rate and verdict audits at this period (None when
     both are off, so the decoder skips them); ``trusted`` peers settle the disputes strangers cannot."""
     witnesses = Witnesses(trusted)
-    spot = SpotChecker(swarm, spot_check_rate, vocab_size, witnesses=witnesses) if spot_check_rate else None
+    avoidance = Avoidance(witnesses)  # one per generation's audits: both record disputes in it
+    spot = (
+        SpotChecker(swarm, spot_check_rate, vocab_size, witnesses=witnesses, avoidance=avoidance)
+        if spot_check_rate
+        else None
+    )
     every = verdict_audit_every
-    verdicts = VerdictAuditor(swarm, vocab_size, every, witnesses=witnesses) if every else None
+    verdicts = VerdictAuditor(swarm, vocab_size, every, witnesses=witnesses, avoidance=avoidance) if every else None
     return Audits(spot, verdicts) if spot or verdicts else None

@@ -4,9 +4,9 @@
 A token is *confirmed by a trusted server* when a trusted tail committed it or a trusted shadow
 re-verified it; *confirmed by an untrusted one* when an independent shadow (client/_witnesses.py)
 re-verified it; otherwise *unconfirmed*: the swarm had no independent second tail of the tail's
-blocks and precision, the last audit failed, a dispute was left unsettled, or the generation used
-rejection sampling (client/_verdict_audits.py). Unconfirmed tokens are counted in the stats and
-flagged with an :class:`UnconfirmedTokensWarning`; ``audit="required"`` raises instead.
+blocks and precision, the last audit failed, or a dispute was left unsettled
+(client/_verdict_audits.py). Unconfirmed tokens are counted in the stats and flagged with an
+:class:`UnconfirmedTokensWarning`; ``audit="required"`` raises instead.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def why(stats: GenerationStats) -> str:
         return "a verdict audit failed (a server died, refused or timed out)"
     if stats.verdict_audits_skipped:
         return "no independent second server of the tail's blocks and precision"
-    return "no verdict audit ran (rejection sampling, verdict_audit_every=0, or no second tail)"
+    return "no verdict audit ran (verdict_audit_every=0, or no second tail)"
 
 
 def report(stats: GenerationStats, audit: str) -> None:

@@ -207,7 +207,11 @@ class SpeculativeDecoder(Reverification):
                 await self._fail_over(e)
 
     async def _open_session(self) -> None:
-        remote = await self.swarm.open_session(self.state.max_length, avoid=self.avoid)
+        # avoided servers in fallback order (client/_avoidance.py): where the swarm leaves no other, the first of them
+        order = self.audits.avoidance.order(self.avoid) if self.audits is not None else sorted(self.avoid)
+        remote = await self.swarm.open_session(self.state.max_length, avoid=order)
+        # an avoided server the route falls back on was chosen knowingly: no re-verification without it
+        self._handled_liars.update(hop.peer_id for hop in remote.route if hop.peer_id in self.avoid)
         self.state.remote = remote
         self.state.cached = 0  # a new route holds nothing: the next lap replays the history
         self.state.tree_pending = None
@@ -256,6 +260,8 @@ class SpeculativeDecoder(Reverification):
         if result.correction_ids is not None:
             result = self.mode.corrected(front, result)
             self.stats.corrections += 1
+        if self.audits is not None:
+            self.audits.saw_run(front, result.accepted)  # a rejection run's drafts and q: its audit replays them
         # 4) commit, cancel whatever the verdict refutes, and track a run the tail started
         new = self._commit(front, result, tokens_left)
         self.stats.bytes_up += remote.bytes_sent - sent_before

@@ -44,6 +44,8 @@ class Reverification:
         state.history, state.cached = state.history[: self._prompt_len], 0
         self.logprobs.clear()  # the re-verification's verdicts bring them again
         self.trusted_tail.clear()  # the re-verification's tail commits them again
+        if self.audits is not None:
+            self.audits.forget_runs()  # replayed by token match: no rejection run's record holds
         if self.drafter is not None:
             self.drafter.reset(state.history)
 

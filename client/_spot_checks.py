@@ -37,6 +37,7 @@ import msgspec
 import torch
 
 from client._audit_shape import LiveShape
+from client._avoidance import Avoidance
 from client._logprob_audits import logprob_tolerance, verdict_difference
 from client._remote_session import RemoteSession
 from client._witnesses import Witnesses
@@ -200,6 +201,7 @@ class SpotChecker(BackgroundAudit):
         timeout: Optional[float] = None,
         rng: Optional[random.Random] = None,
         witnesses: Optional[Witnesses] = None,
+        avoidance: Optional[Avoidance] = None,
     ):
         check_rate(rate)
         self.swarm, self.rate, self.vocab_size = swarm, rate, vocab_size
@@ -209,7 +211,8 @@ class SpotChecker(BackgroundAudit):
         self.task: Optional[asyncio.Task] = None
         self.results: list[AuditResult] = []
         self.witnesses = witnesses or Witnesses()
-        self.avoid: set[str] = set()  # the generation's disputed servers (the decoder shares its own set)
+        self.avoidance = avoidance or Avoidance(self.witnesses)  # who disputed whom, by machine group
+        self.avoid: set[str] = self.avoidance.peers  # the generation's avoided servers (the decoder shares its set)
         self.handled: set[str] = set()  # those of them the generation has already re-verified without
         self.max_length = 0  # the generation's session max_length (its audit sessions copy it); 0: len(ids)
         self.live, self.sampling = LiveShape(), GREEDY  # the generation's laps and sampling (Steps copy them)
@@ -261,7 +264,8 @@ class SpotChecker(BackgroundAudit):
                 logger.info(f"Spot-check failed, no verdict: {what}: {result.detail}")
             elif result.verdict == "undecided":
                 stats.spot_checks_undecided += 1
-                self.avoid.update(result.disputed)
+                # the two and their machine groups (client/_avoidance.py)
+                self.avoidance.disputed(result.disputed, servers=self.swarm.records)
                 stats.disputed_peers.extend(p for p in result.disputed if p not in stats.disputed_peers)
                 logger.warning(
                     f"Spot-check undecided: servers {hop.peer_id} and {alt} disagree on blocks "

@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 RTT_TTL = 60.0  # seconds a measured client->server RTT is trusted
 PING_TIMEOUT = 2.0
+SECOND_PING = 6.0  # a hop silent to one ping gets a second this long before it is excluded (a busy machine)
 SUSPECT_SECONDS = 60.0  # a route's servers stay suspects this long after a fault nobody can be blamed for
 MAX_SUSPECT_SUBSETS = 64  # routing plans tried to avoid suspects before routing over them all
 
@@ -140,7 +141,8 @@ class SwarmClient:
     async def open_session(self, max_length: int, avoid: Collection[str] = ()) -> RemoteSession:
         """A session on a fresh route; retries (bounded) past busy or dead servers and empty swarms.
         ``avoid``: servers a generation saw in an unsettled dispute, routed around where the swarm
-        allows (as suspects are), never excluded."""
+        allows (as suspects are), never excluded; a sequence is a fallback order (the first is allowed
+        first where the swarm leaves no route without them: client/_avoidance.py)."""
         last_error: Exception | None = None
         refusal: Optional[ServerError] = None  # the last server that refused (busy, ...), named if no route is left
         busy: set[str] = set()  # full right now, not broken: skipped by this call only, not by other sessions
@@ -200,7 +202,9 @@ class SwarmClient:
         self._records = {s.peer_id: s for s in servers}
         servers = cap_throughput(servers, self.meter.measured())
         exclude = self.excluded.current() | set(also_exclude)
-        suspects = sorted((self.suspects.current() | set(avoid)) - exclude)
+        ordered = list(avoid) if isinstance(avoid, (list, tuple)) else sorted(avoid)
+        suspects = [p for p in sorted(self.suspects.current()) if p not in exclude and p not in ordered]
+        suspects += [p for p in dict.fromkeys(ordered) if p not in exclude]  # combinations keep this order
         # the route with the fewest suspects: none if the swarm allows, else one, two, ... (the
         # suspects of one fault are one route's servers, a handful; past MAX_SUSPECT_SUBSETS
         # plans, route over all of them)
@@ -266,7 +270,8 @@ class SwarmClient:
         What this client saw of one server itself (its dial, its send, a stream it opened, the
         tail's own verdict) excludes that server. Anything else (an ErrorReply, which any hop may
         have written about anyone; a silent timeout; a rewritten Step) is checked by pinging every
-        hop: those that do not answer are excluded, and if all answer, every hop becomes a suspect
+        hop: those that answer neither a ping nor a second one (``SECOND_PING``) are excluded (failover,
+        a training step's route and a shadow's opening all come here), and if all answer, every hop becomes a suspect
         (a black hole answers pings), which routes avoid for a while where they can. After hearsay
         the hops that did answer become suspects even when another missed its ping: an accused
         server busy for a few seconds must not leave its accuser trusted (seen: the accused tail
@@ -278,7 +283,8 @@ class SwarmClient:
         if error.peer_id and not error.hearsay and not isinstance(error, RouteFault):
             self.exclude(error.peer_id)
             return [error.peer_id]
-        dead = await self.unresponsive(route)
+        # twice silent, as audits ask (a loaded machine misses one 3-s ping; one silent once is a suspect below)
+        dead = await self.unresponsive(route, again=SECOND_PING)
         for peer_id in dead:
             self.exclude(peer_id)
         if not dead or error.hearsay:

@@ -21,14 +21,15 @@ shadow itself, the tail itself, or a third trusted server of the tail's blocks (
 verifies the committed token at t). Then the server it refutes is convicted (excluded for good,
 reported in the DHT: ``SwarmClient.convict``). A vote among strangers settles nothing (k sybils agree
 with each other), so without a trusted judge nobody is convicted: both disputing servers join the
-generation's ``avoid`` set, and the generation re-verifies its tokens on a route without them
-(``SpeculativeDecoder._react_to_liars``). Before the output is returned the last tokens are audited
+generation's ``avoid`` set with every server of their machine groups, and the generation re-verifies
+its tokens on a route without them (``SpeculativeDecoder._react_to_liars``; client/_avoidance.py says
+which avoided server it falls back on when none is left). Before the output is returned the last tokens are audited
 too; what the audits confirmed (and by whom) is counted per token (client/_confirmation.py).
 One audit at a time, in the background.
 
-Rejection sampling (``verification="rejection"``) is not audited: its committed tokens are drawn by
-the client from the tail's residual distribution, not the seeded choice a shadow reproduces, so a
-token-match shadow would dispute honest tails. Its tokens are returned unconfirmed (and flagged).
+Rejection sampling (``verification="rejection"``): its committed tokens are not the seeded choice a
+token-match shadow reproduces, so the shadow replays the live runs' own drafts, q and seed instead
+(client/_rejection_audits.py).
 """
 
 from __future__ import annotations
@@ -39,7 +40,9 @@ import random
 from typing import Optional, Sequence
 
 from client._audit_shape import LiveShape
+from client._avoidance import Avoidance
 from client._logprob_audits import first_disagreement, logprob_tolerance
+from client._rejection_audits import RejectionRuns, confirm
 from client._remote_session import RemoteSession
 from client._spot_checks import AuditResult, BackgroundAudit, SpotChecker, alternatives, substituted
 from client._witnesses import Witnesses
@@ -61,6 +64,7 @@ class VerdictAuditor(BackgroundAudit):
         timeout: Optional[float] = None,
         rng: Optional[random.Random] = None,
         witnesses: Optional[Witnesses] = None,
+        avoidance: Optional[Avoidance] = None,
     ):
         if every < 1:
             raise ValueError(f"every must be >= 1, got {every}")
@@ -71,9 +75,11 @@ class VerdictAuditor(BackgroundAudit):
         self.audited: list[int] = []  # the ids whose verdicts a second tail confirmed (the prompt counts)
         self.trusted_confirmed: set[int] = set()  # positions of ``audited`` that a trusted shadow confirmed
         self.witnesses = witnesses or Witnesses()
-        self.avoid: set[str] = set()  # the generation's disputed servers (the decoder shares its own set)
+        self.avoidance = avoidance or Avoidance(self.witnesses)  # who disputed whom, by machine group
+        self.avoid: set[str] = self.avoidance.peers  # the generation's avoided servers (the decoder shares its set)
         self.handled: set[str] = set()  # those of them the generation has already re-verified without
-        self.enabled = True  # off for rejection sampling (the module's docstring says why)
+        self.enabled, self.verification = True, "match"
+        self.rejection = RejectionRuns()  # the live runs' drafts and q, under rejection sampling
         self.max_length, self.sampling = 0, GREEDY
         self.live = LiveShape()  # what this generation's live laps look like (client/_audit_shape.py)
         self._shadow: Optional[RemoteSession] = None
@@ -96,7 +102,8 @@ class VerdictAuditor(BackgroundAudit):
         self.live = live or LiveShape()
         self.trusted_confirmed = set()
         self._given_up = 0
-        self.enabled = verification == "match"
+        self.enabled, self.verification = verification in ("match", "rejection"), verification
+        self.rejection.forget()
 
     def maybe_start(self, route: Sequence[Hop], ids: Sequence[int], stats, final: bool = False) -> None:
         """Audit the tokens committed since the last audit: once ``every`` of them wait, or any
@@ -158,6 +165,8 @@ class VerdictAuditor(BackgroundAudit):
         (DraftOffer), its verdict's tokens (whatever drafts it carried) compared with the committed
         ones, and the run past the last committed token cancelled. The first Step carries
         ids[first:position] (the context the shadow lacks) before its drafts."""
+        if self.verification == "rejection":  # the live runs' own Steps, replayed (client/_rejection_audits.py)
+            return await confirm(self, route, ids, position, limit, stats, first)
         shadow, run_id, looped = self._shadow, self._next_run, False
         horizon = run_id  # the last run the tail may start itself: later audits send run ids after it
         drafts = self._drafts(ids, position, limit - (position - first) + 1)
@@ -219,11 +228,12 @@ class VerdictAuditor(BackgroundAudit):
     async def _ensure_shadow(self, route: list[Hop], length: int) -> bool:
         """A shadow session on ``route`` with another server as its tail (kept across audits while
         the route's tail and the shadow's servers stay the same and unexcluded)."""
-        shadow, excluded = self._shadow, self.swarm.excluded.current() | self.avoid
+        shadow, excluded = self._shadow, self.swarm.excluded.current() | self.avoidance.disputants
         if shadow is not None and (
             shadow.route[:-1] != route[:-1]
             or shadow.tail_peer == route[-1].peer_id
             or any(hop.peer_id in excluded for hop in shadow.route)
+            or not self.avoidance.may_witness(shadow.tail_peer, [route[-1].peer_id])
         ):
             await self._drop_shadow()
         if self._shadow is not None:
@@ -239,6 +249,8 @@ class VerdictAuditor(BackgroundAudit):
             await self.witnesses.refresh(self.swarm.p2p)  # the pings opened connections: their addresses
         self.rng.shuffle(found)
         found = self.witnesses.choose(found, [hop.peer_id for hop in route])  # independent ones, trusted first
+        # never a group that already disagreed with the tail's; servers of other disputed groups last
+        found = self.avoidance.witness_order(found, [route[-1].peer_id])
         for attempt, candidate in enumerate(found[:MAX_SHADOW_TRIES]):
             shadow_route = substituted(route, len(route) - 1, candidate.peer_id)
             shadow = RemoteSession(
@@ -309,7 +321,8 @@ class VerdictAuditor(BackgroundAudit):
         liar, judge = None, None
         if trusted(alt) != trusted(tail):
             liar, judge = (tail, alt) if trusted(alt) else (alt, tail)
-        elif not trusted(alt) and shadow_token is not None:  # no trusted third for log-probs (not built)
+        elif not trusted(alt) and shadow_token is not None and self.verification == "match":
+            # no trusted third for log-probs (not built), nor under rejection (a third verifies by token match)
             judges = [
                 s
                 for s in alternatives(route, len(route) - 1, self.swarm.records, self._excluded() | {alt}, t + 1)
@@ -336,14 +349,16 @@ class VerdictAuditor(BackgroundAudit):
             self.audited = ids[:t]  # the generation re-verifies from the prompt on a new route
 
     async def _unsettled(self, route: list[Hop], ids: list[int], t: int, what: str, stats) -> None:
-        """No conviction: avoid both disputing servers for this generation; its tokens from t on
-        are re-verified elsewhere (the decoder reacts to a route server in ``avoid``)."""
+        """No conviction: avoid both disputing servers and their machine groups for this generation
+        (client/_avoidance.py); its tokens from t on are re-verified elsewhere (the decoder reacts
+        to a route server in ``avoid``)."""
         tail, alt = route[-1].peer_id, self._shadow.tail_peer
-        self.avoid.update((tail, alt))
+        await self.witnesses.refresh(self.swarm.p2p)  # the group-mates' addresses, as the daemon sees them now
+        self.avoidance.dispute(tail, alt, servers=self.swarm.records)
         stats.verdict_audits_undecided += 1
         stats.disputed_peers.extend(p for p in (tail, alt) if p not in stats.disputed_peers)
-        stats.spot_check_events.append(f"verdict audit unsettled: {what}; avoiding both, re-verifying")
-        logger.warning(f"Verdict dispute unsettled ({what}): avoiding both servers for this generation")
+        stats.spot_check_events.append(f"verdict audit unsettled: {what}; avoiding both and their groups, re-verifying")
+        logger.warning(f"Verdict dispute unsettled ({what}): avoiding both and their groups for this generation")
         self._given_up = 0
         self.audited = ids[:t]
         await self._drop_shadow()
@@ -376,7 +391,7 @@ class VerdictAuditor(BackgroundAudit):
             if result.verdict == "convicted":
                 stats.liars_excluded.append(result.liar)
                 self.swarm.convict(result.liar)
-            self.avoid.update(result.disputed)
+            self.avoidance.disputed(result.disputed, servers=self.swarm.records)
             if result.verdict not in ("agree", "skipped"):  # skipped: no independent substitute, as none at all
                 return False
         return True

@@ -9,9 +9,12 @@ S1, S2 (4:6) run through tests/kit/faulty_server.py:
   compared (``--record-steps``), and the adaptive liar (``--lie-when-live``) lies to audits too.
 - colluding (``--lie-in-verdicts 1 --lie-after 32``): the same lie in every verdict past position
   32. With T trusted the output equals local transformers; with nobody trusted, and the two sybils
-  on one machine as far as the client can tell, the lied tokens are flagged unconfirmed (and
-  ``audit="required"`` raises).
-- rejection sampling on the honest tails: nobody convicted, the tokens flagged unconfirmed.
+  on one machine as far as the client can tell, the dispute avoids the sybils' whole machine group
+  (client/_avoidance.py), the generation falls back on T: the output equals local transformers, T is
+  not convicted, and its tokens past the dispute are flagged unconfirmed (``audit="required"`` raises).
+- rejection sampling on the honest tails: the shadow replays the live runs' drafts, q and seed, every
+  token confirmed, nobody disputed; a tail lying in rejection verdicts is disputed, or convicted when
+  T is trusted.
 
 Same-host peers: every server here listens on 127.0.0.1, which the client treats as the user's own
 machine, one group per peer id (client/_witnesses.py says why); the colluding test puts S1 and S2
@@ -158,19 +161,22 @@ def test_colluding_liars_are_refuted_by_a_trusted_tail_or_flagged(
                 lambda addr, peer_id: "net:203.0.113.0/24" if peer_id in one_machine else group(addr, peer_id),
             )
             # nobody trusted: L2 may not witness for L1 (one machine), so T shadows, disputes, and
-            # nobody settles it; the generation moves to L2, whose lies nobody independent confirms
+            # nobody settles it; both machine groups are avoided, which leaves no tail: the generation
+            # falls back on T's group (one identity, L1's has two) and re-verifies there. Nobody
+            # independent that has not disagreed with T is left, so T's tokens are flagged
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 out = generate(model)
             stats = model.last_generation_stats
             print(f"\ncolluding: {stats.spot_check_events}; out {out}")
+            assert out == greedy_reference, stats.spot_check_events
             assert stats.liars_excluded == [] and not model.swarm.liars
+            assert model.peers["T"] not in model.swarm.excluded.current()
+            assert {model.peers["T"], model.peers["L1"]} <= set(stats.disputed_peers)
+            assert stats.route[-1][0] == model.peers["T"]  # the route it ended on
             assert stats.tokens_unconfirmed > 0 and any(
                 issubclass(w.category, UnconfirmedTokensWarning) for w in caught
             )
-            confirmed = len(out) - stats.tokens_unconfirmed
-            assert out[:confirmed] == greedy_reference[:confirmed]  # every lie is among the flagged tokens
-            assert out != greedy_reference  # L2 lied after the dispute: why the tokens are flagged
             with pytest.raises(UnconfirmedTokensError):
                 generate(model, audit="required")
             # T trusted: T shadows L1, refutes it, and the generation re-verifies on T's route
@@ -185,29 +191,70 @@ def test_colluding_liars_are_refuted_by_a_trusted_tail_or_flagged(
         stop(sybil_swarm, processes)
 
 
-def test_rejection_sampling_on_honest_tails_convicts_nobody(sybil_swarm, tiny_llama_path, tiny_reference):
-    """Three honest tails (T, U and S1, S2 are gone); a local draft model with
-    ``verification="rejection"``: its committed tokens are not the seeded choice, so verdict audits
-    do not run (a token-match shadow would dispute honest tails); the tokens are flagged."""
+@pytest.fixture(scope="module")
+def drafter(tiny_llama_path):
+    """A draft model that disagrees with the target now and then (so the rule rejects drafts): the
+    target's weights plus N(0, 0.005) noise, as tests/generation/test_rejection_sampling.py's."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype="float32").eval()
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.ndim == 2:
+                param.add_(torch.randn(param.shape, generator=generator) * 0.005)
+    return model
+
+
+def sample(model, seed: int, **kwargs) -> list[int]:
+    return generate(model, do_sample=True, temperature=0.8, seed=seed, verification="rejection", **kwargs)
+
+
+def test_rejection_sampling_is_audited_and_convicts_no_honest_tail(sybil_swarm, tiny_llama_path, drafter):
+    """Three honest tails (T, U and V); a local draft model with ``verification="rejection"``: the
+    shadow replays the live runs' drafts with their q and seed (client/_rejection_audits.py), so
+    every token is confirmed, nobody is disputed, and the output is the one without audits. Then a
+    tail L that lies in rejection verdicts too (the top-K it sends names the lie) is disputed, and,
+    with T trusted, convicted."""
     processes = start(sybil_swarm, names=("V",))  # a third honest tail
     try:
         with client(sybil_swarm, tiny_llama_path, route("T"), route("U"), route("V")) as model:
+            corrections = 0
             for seed in range(3):
-                with warnings.catch_warnings(record=True) as caught:
+                model.verdict_audit_every = 0
+                with warnings.catch_warnings(record=True):
                     warnings.simplefilter("always")
-                    out = generate(
-                        model,
-                        do_sample=True,
-                        temperature=0.8,
-                        seed=seed,
-                        draft_model=tiny_reference,
-                        verification="rejection",
-                    )
+                    unaudited = sample(model, seed, draft_model=drafter)
+                assert model.last_generation_stats.verdict_audits == 0
+                model.verdict_audit_every = _verdict_audits.DEFAULT_AUDIT_EVERY
+                out = sample(model, seed, draft_model=drafter, audit="required")
                 stats = model.last_generation_stats
-                assert len(out) == NEW_TOKENS
+                print(f"\nrejection {seed}: {stats.spot_check_events}; corrections {stats.corrections}")
+                assert out == unaudited and len(out) == NEW_TOKENS
                 assert stats.liars_excluded == [] and not model.swarm.liars and stats.disputed_peers == []
-                assert stats.verdict_audits == 0 and stats.tokens_unconfirmed == NEW_TOKENS
-                assert any(issubclass(w.category, UnconfirmedTokensWarning) for w in caught)
+                assert stats.verdict_audits >= 2 and stats.tokens_unconfirmed == 0
+                assert stats.tokens_confirmed_untrusted == NEW_TOKENS
+                corrections += stats.corrections
+            assert corrections > 0  # the rule rejected drafts: the shadow drew the same corrections
+    finally:
+        stop(sybil_swarm, processes)
+    lie = ("--lie-in-verdicts", "1", "--lie-after", "32", "--lie-in-rejection")
+    processes = start(sybil_swarm, *lie, names=("L",))
+    try:
+        with client(sybil_swarm, tiny_llama_path, route("L"), route("T"), route("U")) as model:
+            with warnings.catch_warnings(record=True):
+                warnings.simplefilter("always")
+                sample(model, 7, draft_model=drafter)
+            stats = model.last_generation_stats
+            print(f"\nrejection, L lying: {stats.spot_check_events}")
+            assert stats.liars_excluded == [] and model.peers["L"] in stats.disputed_peers
+            assert not {model.peers["T"], model.peers["U"]} & model.swarm.excluded.current()
+            assert stats.route[-1][0] != model.peers["L"]
+            out = sample(model, 7, draft_model=drafter, trusted_peers=[model.peers["T"]])
+            stats = model.last_generation_stats
+            print(f"\nrejection, L lying, T trusted: {stats.spot_check_events}")
+            assert stats.liars_excluded == [model.peers["L"]] and len(out) == NEW_TOKENS
+            assert stats.tokens_unconfirmed == 0 or stats.disputed_peers  # re-verified on T or flagged
     finally:
         stop(sybil_swarm, processes)
 

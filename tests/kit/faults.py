@@ -32,6 +32,9 @@ server stays honest, so each test sees exactly the one lie it is about.
   there: two such tails would confirm each other against an honest one.
 - ``lie_in_verdicts(..., live_only=True)``: the adaptive liar, lying only where
   :func:`looks_like_an_audit` says no audit looks.
+- ``lie_in_verdicts(..., rejection=True)``: lies in rejection-exchange verdicts too (``draft_q``):
+  where the rule rejected a draft, the top-K of p it sends names only the lie (the client then
+  draws it); else the bonus token is the lie.
 - ``lie_in_outputs(shift)``: a tail whose forward-pass outputs (``return_logits``: ``model(ids).logits``,
   the gateway's ``echo`` log-probs) carry ``shift`` added to each row's second choice; its verdicts stay honest.
 - ``lie_in_logprobs(shift)``: a tail whose verdicts' top-K log-probs carry ``shift`` added to every
@@ -233,7 +236,13 @@ VERDICT_LIES = ("second", "random")
 
 
 def lie_in_verdicts(
-    rate: float, kind: str = "second", seed: int = 0, after: int = 0, short: int = 0, live_only: bool = False
+    rate: float,
+    kind: str = "second",
+    seed: int = 0,
+    after: int = 0,
+    short: int = 0,
+    live_only: bool = False,
+    rejection: bool = False,
 ) -> Counter:
     """From now on this process's tails lie in ``rate`` of their verdicts (``server.compute._verdict``
     patched): the next token becomes the second choice of the logits at its position, or a random id.
@@ -242,6 +251,7 @@ def lie_in_verdicts(
     ``live_only``: only on Steps :func:`looks_like_an_audit` takes for live laps (the adaptive liar)."""
     import random
 
+    from protocol.sampling import pack_f16
     from server import compute as compute_module
 
     if kind not in VERDICT_LIES:
@@ -253,7 +263,7 @@ def lie_in_verdicts(
         row = len(step.token_ids) - step.n_draft - 1 + result.accepted
         if step.start_pos + row + 1 < after or (short and len(step.token_ids) > short):
             return result
-        if step.parents or step.draft_q is not None or rng.random() >= rate:
+        if step.parents or (step.draft_q is not None and not rejection) or rng.random() >= rate:
             return result
         if live_only and looks_like_an_audit(session, step):
             return result
@@ -268,6 +278,8 @@ def lie_in_verdicts(
             f"at position {step.start_pos + row + 1}"
         )
         result.next_token = lie
+        if result.correction_ids is not None:  # a rejection: the client draws from this top-K
+            result.correction_ids, result.correction_p = [lie], pack_f16([1.0])
         return result
 
     compute_module._verdict = lying_verdict

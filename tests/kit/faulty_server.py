@@ -39,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--frame", action="store_true", help="honest in live laps, name a wrong token in audit-looking Steps"
     )
     p.add_argument("--lie-when-live", action="store_true", help="lie only on Steps that do not look like audits")
+    p.add_argument("--lie-in-rejection", action="store_true", help="lie in rejection-exchange verdicts too")
     p.add_argument("--lie-in-outputs", type=float, default=0.0, metavar="SHIFT", help="shift returned logits")
     p.add_argument("--lie-in-logprobs", type=float, default=0.0, metavar="SHIFT", help="shift verdicts' log-probs")
     p.add_argument("--record-steps", default="", metavar="PATH", help="append what the tail sees of each Step")
@@ -78,7 +79,12 @@ def patch(args: argparse.Namespace) -> None:
     moves.load_span = faulty_load_span  # a span loaded by a move is as faulty as the first
     if args.lie_in_verdicts:
         faults.lie_in_verdicts(
-            args.lie_in_verdicts, args.lie, after=args.lie_after, short=args.lie_short, live_only=args.lie_when_live
+            args.lie_in_verdicts,
+            args.lie,
+            after=args.lie_after,
+            short=args.lie_short,
+            live_only=args.lie_when_live,
+            rejection=args.lie_in_rejection,
         )
     if args.record_steps:
         faults.record_verdicts(args.record_steps)

@@ -1,0 +1,109 @@
+"""Which servers a generation avoids after unsettled disputes, by machine group, and in which order
+it falls back on them (docs/reliability.md, "Disputes": "Avoiding machine groups").
+
+A dispute nobody trusted settled (a verdict audit's or a spot-check's) convicts nobody: both servers
+are avoided for the rest of the generation, which re-verifies its tokens without them. Avoiding only
+those two is not enough against sybils on one machine: after honest T and sybil S1 disagree, the
+generation went on with S2, S1's group-mate, and nobody independent was left to refute it. So a
+dispute between A and B is a dispute between their *machine groups* (client/_witnesses.py): every
+server of either group is avoided (trusted servers excepted: they are independent of anyone).
+
+Where that leaves no server for some blocks, the route falls back on avoided servers, in this order
+(``fallback_key``): the group that was a side of fewer unsettled disputes first; then the group with
+fewer identities (an honest volunteer is one identity on its machine; sybils are many on one);
+within a group, a server that was not itself a side of a dispute before one that was. With one-group
+sybils S1, S2 and an honest T that disputed S1, the sybils' group has two identities and T's one, so
+the generation verifies on T: the output is T's, and its tokens stay flagged unconfirmed, since no
+independent server is left that has not already disagreed with T. On a swarm where each tail is its
+own group this is the old rule: the two disputants avoided, nobody else.
+
+Witnesses (shadows, thirds, spot-check substitutes) are chosen the same way (``witness_order``): a
+disputant never; a server of a group that already disputed the checked server's group never (their
+disagreement is known, and a second one settles nothing, it only costs a re-verification); servers
+of other disputed groups after the undisputed ones.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Collection, Iterable, Sequence
+
+from client._witnesses import Witnesses
+
+
+class Avoidance:
+    """A generation's unsettled disputes, by machine group: who is avoided, and the fallback order."""
+
+    def __init__(self, witnesses: Witnesses):
+        self.witnesses = witnesses
+        self.peers: set[str] = set()  # every avoided server (the decoder's ``avoid`` set, shared)
+        self.disputants: set[str] = set()  # the servers that were themselves a side of a dispute
+        self.disputes: Counter[str] = Counter()  # machine group -> unsettled disputes it was a side of
+        self.pairs: set[frozenset[str]] = set()  # the pairs of groups that disagreed
+        self.servers: set[str] = set()  # peer ids seen in server records (a group's identities count only those)
+
+    def reset(self) -> None:
+        """A new generation (the decoder gives it a fresh ``avoid`` set through ``share``)."""
+        self.disputants, self.disputes, self.pairs, self.servers = set(), Counter(), set(), set()
+
+    def group(self, peer_id: str) -> str:
+        """The server's machine group as last seen; a server of unknown address is its own group."""
+        return self.witnesses.groups.get(peer_id) or f"peer:{peer_id}"
+
+    def members(self, group: str) -> int:
+        """How many server identities the client has seen on ``group`` (at least 1): peers without a
+        server record (a DHT bootstrap node, another client on the same machine) do not count."""
+        return max(1, sum(1 for p, g in self.witnesses.groups.items() if g == group and p in self.servers))
+
+    def dispute(self, a: str, b: str, servers: Collection[str] = ()) -> set[str]:
+        """``a`` and ``b`` disagreed and nobody trusted settled it: avoid both and every untrusted
+        server of their machine groups (``servers``: the peer ids of the swarm's server records; none
+        given: every peer the client is connected to counts). Returns the servers newly avoided."""
+        self.servers.update(servers or self.witnesses.groups)
+        self.servers.update((a, b))
+        groups = {self.group(a), self.group(b)}
+        for g in groups:
+            self.disputes[g] += 1
+        self.pairs.add(frozenset(groups))
+        self.disputants.update((a, b))
+        mates = {
+            p
+            for p, g in self.witnesses.groups.items()
+            if g in groups and p in self.servers and not self.witnesses.is_trusted(p)
+        }
+        new = ({a, b} | mates) - self.peers
+        self.peers.update(new)
+        return new
+
+    def disputed(self, peer_ids: Sequence[str], servers: Collection[str] = ()) -> None:
+        """A spot-check's or an upstream check's unsettled disagreement: two servers are a dispute;
+        more (a three-way split) are each avoided, with their groups counted, no pair recorded."""
+        if len(peer_ids) == 2:
+            self.dispute(*peer_ids, servers=servers)
+            return
+        for p in peer_ids:
+            self.disputes[self.group(p)] += 1
+            self.disputants.add(p)
+            self.peers.add(p)
+
+    def fallback_key(self, peer_id: str) -> tuple:
+        group = self.group(peer_id)
+        return (self.disputes[group], self.members(group), peer_id in self.disputants, peer_id)
+
+    def order(self, peer_ids: Iterable[str]) -> list[str]:
+        """Avoided servers, the one to fall back on first first (the module's docstring says why)."""
+        return sorted(peer_ids, key=self.fallback_key)
+
+    def may_witness(self, witness: str, checked: Sequence[str]) -> bool:
+        """Whether ``witness`` may check the servers ``checked`` as far as disputes go: not a
+        disputant, and its group never disagreed with one of theirs."""
+        if witness in self.disputants:
+            return False
+        group = self.group(witness)
+        return not any(frozenset((group, self.group(p))) in self.pairs for p in checked if p != witness)
+
+    def witness_order(self, candidates: Sequence, checked: Sequence[str]) -> list:
+        """The candidates (records with ``peer_id``) that may witness for ``checked``: undisputed groups
+        first (stable otherwise, so a caller's trusted-first order survives), then by ``fallback_key``."""
+        fit = [c for c in candidates if self.may_witness(c.peer_id, checked)]
+        return sorted(fit, key=lambda c: (1, *self.fallback_key(c.peer_id)[:2]) if c.peer_id in self.peers else (0,))

@@ -1,0 +1,130 @@
+"""Avoidance by machine group after unsettled disputes (client/_avoidance.py; docs/reliability.md,
+"Avoiding machine groups"), without servers: who is avoided, which avoided server a route falls back
+on, who may witness, and that routing honours the fallback order (the live test with sybils is
+tests/hostile/test_sybils.py::test_colluding_liars_are_refuted_by_a_trusted_tail_or_flagged)."""
+
+from __future__ import annotations
+
+import asyncio
+import types
+
+from client import _swarm
+from client._avoidance import Avoidance
+from client._witnesses import Witnesses, machine_group
+from protocol.messages import Hop
+from protocol.route_errors import NoRouteError
+
+
+def witnesses(groups: dict[str, str], trusted=()) -> Witnesses:
+    w = Witnesses(trusted)
+    w.groups = dict(groups)
+    return w
+
+
+def rec(peer_id: str):
+    return types.SimpleNamespace(peer_id=peer_id)
+
+
+# T honest on its own address; S1, S2 two sybils on one /24; U honest on another
+ONE_GROUP = {"T": "net:198.51.100.0/24", "S1": "net:203.0.113.0/24", "S2": "net:203.0.113.0/24"}
+
+
+def test_a_dispute_avoids_both_machine_groups_and_falls_back_on_the_smaller_one():
+    a = Avoidance(witnesses(ONE_GROUP))
+    assert a.dispute("S1", "T") == {"S1", "S2", "T"}  # S2: S1's group-mate, no independent third
+    # no tail left: T's group (one identity) before the sybils' (two); within it, S2 before S1
+    assert a.order(a.peers) == ["T", "S2", "S1"]
+    assert a.order(["S2", "T"]) == ["T", "S2"]  # the same whichever side was the live tail
+    b = Avoidance(witnesses(ONE_GROUP))
+    b.dispute("T", "S1")
+    assert b.order(b.peers) == ["T", "S2", "S1"]
+
+
+def test_an_honest_swarm_of_one_server_a_group_loses_nothing():
+    """Each tail its own group: a dispute avoids the two disputants only, as before, and the third
+    tail stays a witness for either."""
+    a = Avoidance(witnesses({"T": "net:10.1.0.0/24", "U": "net:10.2.0.0/24", "V": "net:10.3.0.0/24"}))
+    assert a.dispute("T", "U") == {"T", "U"}
+    assert a.peers == {"T", "U"}
+    assert a.may_witness("V", ["T"]) and a.may_witness("V", ["U"])
+    assert not a.may_witness("T", ["V"])  # a disputant never witnesses (as before)
+    # loopback servers (the user's own, swarm.local) are one group each, by peer id
+    local = {p: machine_group("/ip4/127.0.0.1/tcp/1", p) for p in ("T", "U", "V")}
+    b = Avoidance(witnesses(local))
+    assert b.dispute("T", "U") == {"T", "U"} and b.may_witness("V", ["U"])
+
+
+def test_fewer_disputes_first_then_fewer_identities():
+    """A third honest tail U: S2 (the sybils' group, which already disputed T's) may not witness
+    for T, but may for U; when it disputes U too, the sybils' group has two disputes and falls
+    behind both honest ones."""
+    groups = {**ONE_GROUP, "U": "net:192.0.2.0/24"}
+    a = Avoidance(witnesses(groups))
+    a.dispute("T", "S1")
+    assert "U" not in a.peers
+    assert not a.may_witness("S2", ["T"]) and a.may_witness("S2", ["U"])
+    # as a witness for U, S2 (avoided) comes after any undisputed candidate
+    assert [c.peer_id for c in a.witness_order([rec("S2"), rec("V")], ["U"])] == ["V", "S2"]
+    assert [c.peer_id for c in a.witness_order([rec("S2"), rec("T")], ["U"])] == ["S2"]  # T disputed
+    a.dispute("U", "S2")
+    assert a.peers == {"T", "U", "S1", "S2"}
+    assert a.order(a.peers)[-2:] == ["S1", "S2"]  # the group in two disputes last
+    assert set(a.order(a.peers)[:2]) == {"T", "U"}
+
+
+def test_only_server_identities_count_and_are_avoided():
+    """A DHT bootstrap node (or another client) on T's address is no server: it neither joins the
+    avoided set nor makes T's group look as large as the sybils' (seen in benchmarks/sybils.py, where
+    the swarm's bootstrap peer shares 127.0.0.1 with T)."""
+    groups = {**ONE_GROUP, "boot": ONE_GROUP["T"], "boot2": ONE_GROUP["T"]}
+    a = Avoidance(witnesses(groups))
+    assert a.dispute("T", "S1", servers=["T", "S1", "S2", "H"]) == {"T", "S1", "S2"}
+    assert a.order(a.peers) == ["T", "S2", "S1"]
+
+
+def test_trusted_group_mates_are_never_avoided_and_unknown_addresses_are_their_own_group():
+    a = Avoidance(witnesses({**ONE_GROUP, "K": "net:203.0.113.0/24"}, trusted={"K"}))
+    assert a.dispute("S1", "T") == {"S1", "S2", "T"}  # K shares the sybils' /24 but is trusted
+    b = Avoidance(witnesses({}))
+    assert b.dispute("X", "Y") == {"X", "Y"}
+    assert b.group("X") != b.group("Y")
+    b.disputed(["P", "Q", "R"])  # a three-way split: each avoided and a disputant, no pair
+    assert {"P", "Q", "R"} <= b.peers and not b.may_witness("P", ["X"])
+    b.reset()
+    assert not b.disputants and not b.pairs and not b.disputes
+
+
+class TailOrder:
+    """A router over one head H and the tails, in a fixed preference order: the first tail not excluded."""
+
+    def __init__(self, tails):
+        self.tails = tails
+
+    def plan(self, servers, start, end, *, max_length=0, exclude=(), client_rtts=None):
+        for tail in self.tails:
+            if tail not in exclude:
+                return [Hop("H", 0, 2), Hop(tail, 2, 4)]
+        raise NoRouteError("no tail", [(2, 4)])
+
+
+def test_routing_falls_back_on_avoided_servers_in_the_order_given(monkeypatch):
+    """``open_session(avoid=[...])``: a route without them where the swarm has one; else the one
+    allowed first is the first of the sequence (the router alone would take S2)."""
+    monkeypatch.setattr(_swarm, "fetch_servers", lambda dht, model, num_blocks: [])
+    swarm = _swarm.SwarmClient(None, None, "m", 4, router=TailOrder(["S2", "S1", "T", "U"]))
+
+    async def no_rtts(servers):
+        return {}
+
+    swarm._client_rtts = no_rtts
+
+    def tail(avoid):
+        return asyncio.run(swarm._plan(8, (), avoid))[-1].peer_id
+
+    assert tail(["T", "S2", "S1"]) == "U"  # a tail outside every avoided group
+    swarm.router = TailOrder(["S2", "S1", "T"])
+    assert tail(["T", "S2", "S1"]) == "T"
+    assert tail(["S1", "S2", "T"]) == "S1"
+    assert tail({"T", "S2", "S1"}) == "S1"  # a set: sorted by peer id, as before
+    swarm.suspects.add("T")  # a fault's suspect is allowed before the dispute's fallbacks
+    assert tail(["S2", "S1"]) == "T"
