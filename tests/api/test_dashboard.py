@@ -20,7 +20,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from protocol.records import ServerInfo, ServerState
-from swarm import lifeline
+from swarm import lifeline, warm_start
 from swarm.dashboard.events import ModelSnapshot, PeerProbed, PollFailed, SwarmPolled
 from swarm.dashboard.state import Limits, State, apply, fold
 from swarm.dashboard.views import Paging, state_view
@@ -223,19 +223,15 @@ DASHBOARD_ARGS = [
 ]
 
 
-def _popen(args: list[str], log: Path, stdout=None) -> subprocess.Popen:
+def _popen(args: list[str], log: Path, stdout=None) -> warm_start.Started:
+    """``python -m args...`` in its own session, forked from the warm forkserver (swarm/warm_start.py:
+    no 5-10 s of torch and transformers imports per server); stderr to ``log``."""
     log.parent.mkdir(parents=True, exist_ok=True)
-    return subprocess.Popen(
-        [sys.executable, "-m", *args],
-        stdout=stdout,
-        stderr=open(log, "w"),
-        stdin=subprocess.DEVNULL,
-        start_new_session=True,
-        env=lifeline.child_env(),
-    )
+    with open(log, "w") as stderr:
+        return warm_start.start(args[0], args[1:], env=lifeline.child_env(), stdout=stdout, stderr=stderr)
 
 
-def _stop(process: subprocess.Popen) -> None:
+def _stop(process: warm_start.Started) -> None:
     if process.poll() is None:
         process.send_signal(signal.SIGTERM)
     try:
@@ -245,7 +241,7 @@ def _stop(process: subprocess.Popen) -> None:
         process.wait()
 
 
-def _start_gap_server(path: Path, swarm, blocks: str, name: str, log_dir: Path) -> subprocess.Popen:
+def _start_gap_server(path: Path, swarm, blocks: str, name: str, log_dir: Path) -> warm_start.Started:
     args = [
         "swarm.server",
         "--model",

@@ -6,6 +6,7 @@ cancelled runs."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import secrets
 
@@ -30,6 +31,33 @@ def inproc_swarm(tiny_llama_path):
         for server in servers:
             slow_blocks(server.span, SLOW_BLOCK_SECONDS)
         yield model, servers
+
+
+@contextlib.contextmanager
+def full_speed(servers):
+    """The servers' blocks without the test delay for what needs no run caught mid-flight: the
+    plain baselines (one run per token, nothing to cancel) and the hedges (prepared by the client
+    while it waits, whatever the servers' speed). Saves 0.12 s per lap."""
+    for server in servers:
+        slow_blocks(server.span, 0.0)
+    try:
+        yield
+    finally:
+        for server in servers:
+            slow_blocks(server.span, SLOW_BLOCK_SECONDS)
+
+
+@pytest.fixture
+def full_speed_swarm(inproc_swarm):
+    """The module's swarm with its blocks at full speed for one test."""
+    with full_speed(inproc_swarm[1]):
+        yield inproc_swarm
+
+
+def plain_generation(model, servers, **kwargs):
+    """The baseline without speculation, at full speed."""
+    with full_speed(servers):
+        return model.generate(torch.tensor(PROMPT), max_new_tokens=18, speculation=None, **kwargs)
 
 
 def assert_servers_hold_only(servers, committed_cached: int) -> None:
@@ -67,7 +95,7 @@ def generate_with(model, monkeypatch, truth, wrong_at, inflight=3, **kwargs):
 def test_async_output_equals_no_speculation(inproc_swarm, monkeypatch, case, sampling):
     model, servers = inproc_swarm
     kwargs = dict(do_sample=True, temperature=0.8, top_p=0.9, seed=3) if sampling else {}
-    plain = model.generate(torch.tensor(PROMPT), max_new_tokens=18, speculation=None, **kwargs)
+    plain = plain_generation(model, servers, **kwargs)
     truth = plain[0, len(PROMPT[0]) :].tolist()
     wrong_at = {"every guess right": set(), "every guess wrong": set(range(40)), "mixed": {2, 9, 10, 15}}[case]
     with model.inference_session(max_length=64) as session:
@@ -85,8 +113,8 @@ def test_async_output_equals_no_speculation(inproc_swarm, monkeypatch, case, sam
 
 def test_cancels_reach_runs_queued_running_and_computed(inproc_swarm, monkeypatch):
     model, servers = inproc_swarm
+    plain = plain_generation(model, servers)
     before = [dict(server.handler.stats) for server in servers]
-    plain = model.generate(torch.tensor(PROMPT), max_new_tokens=18, speculation=None)
     truth = plain[0, len(PROMPT[0]) :].tolist()
     for wrong_at in ({5, 13}, {1, 4, 7, 8, 12, 16}, {9}):  # deep windows: later runs wait in queues
         assert generate_with(model, monkeypatch, truth, wrong_at, inflight=5).tolist() == plain.tolist()
@@ -176,7 +204,7 @@ def test_client_vanishing_with_runs_in_flight_frees_every_server(inproc_swarm):
 
 def test_agenerate_stream_honours_async_speculation(inproc_swarm, monkeypatch):
     model, servers = inproc_swarm
-    plain = model.generate(torch.tensor(PROMPT), max_new_tokens=18, speculation=None)
+    plain = plain_generation(model, servers)
     truth = plain[0, len(PROMPT[0]) :].tolist()
     monkeypatch.setattr(
         "client._drafter_choice.make_drafter", lambda *a, **k: ScriptedDrafter(truth, len(PROMPT[0]), {5, 13}, length=3)
@@ -206,8 +234,8 @@ class HedgingScriptedDrafter(ScriptedDrafter):
 
 @pytest.mark.parametrize("inflight", [1, 3], ids=["sync", "async"])
 @pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampled"])
-def test_outcome_hedges_are_used_and_never_change_the_output(inproc_swarm, monkeypatch, inflight, sampling):
-    model, servers = inproc_swarm
+def test_outcome_hedges_are_used_and_never_change_the_output(full_speed_swarm, monkeypatch, inflight, sampling):
+    model, servers = full_speed_swarm
     kwargs = dict(do_sample=True, temperature=0.8, top_p=0.9, seed=5) if sampling else {}
     plain = model.generate(torch.tensor(PROMPT), max_new_tokens=18, speculation=None, **kwargs)
     truth = plain[0, len(PROMPT[0]) :].tolist()

@@ -134,9 +134,14 @@ def terminate(process):
     process.send_signal(signal.SIGTERM)
 
 
-@pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampled"])
+# Every fault greedy; seeded sampling once, with SIGKILL: a tail samples position t from a generator
+# keyed by (seed, t) alone (protocol/sampling.py), so after any failover the replacement draws what
+# the victim would have, and how the fault was noticed (reset, timeout, drain) is the greedy cases'.
+# Sampled runs of the other three faults re-checked that path at a server start (~20 s) each.
 @pytest.mark.parametrize(
-    "fault", [kill, freeze, cut_off, terminate], ids=["SIGKILL", "SIGSTOP", "disconnect", "SIGTERM"]
+    "fault, sampling",
+    [(kill, False), (freeze, False), (cut_off, False), (terminate, False), (kill, True)],
+    ids=["SIGKILL-greedy", "SIGSTOP-greedy", "disconnect-greedy", "SIGTERM-greedy", "SIGKILL-sampled"],
 )
 def test_generation_survives_a_middle_server_failure(failover_swarm, middles, fault, sampling):
     swarm, model = failover_swarm

@@ -46,7 +46,9 @@ def test_running_server_moves_to_a_gap(tiny_llama_path, artifacts_dir):
     from protocol.dht_records import fetch_servers
     from swarm.local import kill_group
 
-    args = SERVER_ARGS + ["--balance-period", "3", "--drain-seconds", "1"]
+    # --update-period 2 (after SERVER_ARGS' 5: the last wins): the killed server's record expires 6 s
+    # after its last announcement instead of 15, and the mover sees the gap that much sooner
+    args = SERVER_ARGS + ["--balance-period", "3", "--drain-seconds", "1", "--update-period", "2"]
     with LocalSwarm(
         str(tiny_llama_path),
         spans=[(0, 2), (2, 4), (4, 6)],

@@ -6,8 +6,6 @@ name the budget."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,6 +15,7 @@ from protocol.errors import ErrorCode, ProtocolError
 from protocol.messages import Constraint
 from server.compile_budget import CompileBudget, Requester
 from server.constraints import TailConstraints
+from swarm import warm_start
 from swarm.api.errors import from_exception
 from tests.kit.checkpoints import ensure_smollm2_checkpoint
 from tests.kit.swarms import start_inprocess
@@ -72,7 +71,7 @@ def test_a_bad_compile_budget_flag_is_refused_by_name(flag, value, tmp_path):
 def test_the_server_command_refuses_a_bad_compile_budget_at_start(tmp_path):
     """The real command: exit status 2 and one line naming the flag, before any plan, weights or network."""
     argv = ["--model", str(tmp_path), "--new-swarm", "--plan-only", "--compile-budget-total", "0"]
-    out = subprocess.run([sys.executable, "-m", "swarm.server", *argv], capture_output=True, text=True, timeout=300)
+    out = warm_start.run("swarm.server", argv, timeout=300)  # python -m swarm.server, forked warm
     assert out.returncode == 2, out.stderr
     assert "--compile-budget-total must be a whole number >= 1, got 0" in out.stderr
 

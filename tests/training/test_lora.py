@@ -13,8 +13,6 @@ server goes on serving.
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import msgspec
@@ -32,6 +30,7 @@ from protocol.messages import Hop, OpenSession, SamplingParams
 from protocol.records import ServerInfo
 from protocol.route_errors import NoRouteError
 from protocol.routing import with_adapter
+from swarm import warm_start
 from tests.kit.reference import PROMPT, reference_sample
 from tests.kit.swarms import SERVER_ARGS
 
@@ -399,7 +398,7 @@ def test_the_cli_refuses_an_adapter_of_another_model_in_one_line(tiny_llama_path
     narrow = tmp_path / "narrow-lora"
     make_adapter(make_llama(tmp_path / "narrow", num_hidden_layers=7), narrow)
     args = ["--model", str(tiny_llama_path), "--new-swarm", "--host", "127.0.0.1", "--adapters", str(narrow)]
-    done = subprocess.run([sys.executable, "-m", "swarm.server", *args], capture_output=True, text=True, timeout=300)
+    done = warm_start.run("swarm.server", args, timeout=300)  # python -m swarm.server, forked warm
     assert done.returncode == 2
     errors = [line for line in done.stderr.splitlines() if "ERROR" in line]
     assert len(errors) == 1 and "adapter 'narrow-lora' adapts layer 6, but this model has 6 layers" in errors[0]
@@ -430,8 +429,12 @@ def test_generate_with_active_adapter_overrides_the_models_for_that_call(
         assert plain.generate(prompt, max_new_tokens=12, **MODES[mode]).tolist() == base  # the model's again
     assert adapted.generate(prompt, max_new_tokens=12, speculation=None, active_adapter="").tolist() == base
     assert plain.swarm.active_adapter == "" and adapted.swarm.active_adapter == ADAPTER  # nothing left behind
-    with pytest.raises(RoutingError, match="serves adapter 'missing' holds blocks 0..5") as caught:
-        plain.generate(prompt, max_new_tokens=4, active_adapter="missing")
+    attempts, plain.swarm.max_route_attempts = plain.swarm.max_route_attempts, 1  # no 1+2+4+8 s of retries
+    try:
+        with pytest.raises(RoutingError, match="serves adapter 'missing' holds blocks 0..5") as caught:
+            plain.generate(prompt, max_new_tokens=4, active_adapter="missing")
+    finally:
+        plain.swarm.max_route_attempts = attempts
     assert caught.value.missing_blocks == list(range(6))
     with pytest.raises(ValueError, match="active_adapter must be an adapter's name"):
         plain.generate(prompt, max_new_tokens=4, active_adapter=3)
