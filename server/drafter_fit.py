@@ -103,6 +103,7 @@ class Fit:
         if checkpoint.exists():
             self.opt.load_state_dict(saved["opt"])
         self.resumed = checkpoint.exists()
+        self.feature_seconds = 0.0  # this process's time reading shards and computing their features
 
     def save(self) -> None:
         state = dict(
@@ -133,7 +134,9 @@ class Fit:
                 c.order, c.shard, c.batch = files, 0, 0
             while c.shard < len(c.order):
                 name = c.order[c.shard]
+                began = time.perf_counter()
                 windows = shard_windows(self.model, self.data_dir, name, cfg.chunk)
+                self.feature_seconds += time.perf_counter() - began
                 order = torch.randperm(len(windows.ids), generator=torch.Generator().manual_seed(hash_of(cfg, c, name)))
                 starts = range(0, len(order), cfg.batch)
                 while c.batch < len(starts):
@@ -167,8 +170,10 @@ class Fit:
             self.step += 1
             self.seconds = at_start + time.perf_counter() - began
             bar.update(1)
-            if self.step == 20 and self.planned is None:  # the schedule's length, kept for resumed runs
-                self.planned = int(cfg.train_seconds / (self.seconds / 20))
+            if self.step == 20 and self.planned is None:  # the schedule's length, kept for resumed runs; from
+                # the steps' own time (a shard's first features cost more than its steps)
+                per_step = (time.perf_counter() - began - self.feature_seconds) / 20
+                self.planned = 20 + int(max(0.0, cfg.train_seconds - self.seconds) / per_step)
                 bar.total = self.planned
             if self.step % 25 == 0:
                 agree = " ".join(f"{a:.3f}" for a in top1)
