@@ -127,10 +127,15 @@ bench-quant: setup
 gpu-check:
 	$(PYTHON) -m benchmarks.gpu_check $(ARGS)
 
-# the tail's drafter for smollm2-135m, trained offline on this machine's CPU (at most an hour on
-# 2 cores; one torch thread, niced): writes server/drafters/smollm2-135m.safetensors
+# the tail's drafter for smollm2-135m, trained offline on this machine's CPU, niced: the model's own
+# answers (resumable shards in ~/.cache/specswarm/drafter-data/smollm2-135m; hours at full scale,
+# docs/speculation.md), then training (resumes from its checkpoint; DRAFTER_SECONDS in all), then
+# the held-out figures; writes server/drafters/smollm2-135m.safetensors
+DRAFTER_TOKENS ?= 1200000
+DRAFTER_SECONDS ?= 3600
 train-drafter: setup
-	nice -n 15 $(PYTHON) -m server.drafter_train --model smollm2-135m --threads 1
+	nice -n 19 $(PYTHON) -m server.drafter_data --model smollm2-135m --threads 2 --target-tokens $(DRAFTER_TOKENS)
+	nice -n 15 $(PYTHON) -m server.drafter_train --model smollm2-135m --threads 2 --train-seconds $(DRAFTER_SECONDS)
 
 # rebuild the committed warm draft store of SmolLM2-135M (client/corpora/; about 2 minutes)
 warm-corpus: setup

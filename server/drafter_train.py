@@ -1,33 +1,31 @@
 """Train the EAGLE-style tail drafter of a Llama-family model on this machine's CPU, offline.
 
-``python -m server.drafter_train --model smollm2-135m --out server/drafters/`` (``make train-drafter``)
+``python -m server.drafter_train --model smollm2-135m`` (``make train-drafter`` makes the data first)
 
-Data, all available offline: the model's own greedy answers to chat prompts written here (neither
-the benchmarks' nor any test's), and Python standard library sources and docs under
-``sys.prefix/lib/python3.11``. The target runs over them once; the final hidden states (after the
-final norm) and the target's own next-token choices are kept, and the drafter is fitted to them with
-EAGLE's loss: a smooth-L1 regression of the next feature plus the cross-entropy of the LM head's
-logits over the predicted feature against the target's own choice (what greedy verification
-accepts). The drafter proposes only the ``--draft-vocab`` ids the target chose most often over the data
-(FR-Spec): the LM head rows it multiplies per draft shrink by that factor.
+Data: the shards of ``python -m server.drafter_data`` (the model's own greedy and sampled answers to
+made-up prompts); the target runs over them once per shard (features cached beside the shard,
+server/drafter_features.py). The drafter is fitted with EAGLE's loss under a training-time test
+(server/drafter_ttt.py): several chained draft steps, steps 2..k on the head's own predictions; the
+loop (server/drafter_fit.py) resumes from its checkpoint and stops at ``--train-seconds`` in all. The
+drafter proposes only the ``--draft-vocab`` ids the answers use most (FR-Spec), so the LM head rows
+it multiplies per draft shrink by that factor. At the end it is measured on held-out chat and code
+prompts (server/drafter_eval.py) and written to ``--out``.
 
-Sized to finish within an hour on 2 CPU cores (``nice -n 15``, one torch thread by default).
+``SELF_PROMPTS`` and :func:`own_answers` stay for the warm suffix corpus (swarm/warm_corpus.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import math
 import random
 import sys
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from server.tail_drafter import EagleModule, save_drafter
+from server.tail_drafter import save_drafter
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -156,204 +154,92 @@ def chunks_of(tokenizer: PreTrainedTokenizerBase, texts: list[str], chunk: int) 
     return out
 
 
-def train(
-    model: PreTrainedModel,
-    feats: torch.Tensor,
-    ids: torch.Tensor,
-    labels: torch.Tensor,
-    *,
-    draft_vocab: torch.Tensor,
-    seconds: float,
-    lr: float,
-    batch: int,
-    seed: int = 0,
-) -> EagleModule:
-    """Fit the drafter by EAGLE's loss within ``seconds``. Position t's input is (feature_t, token_{t+1});
-    its output should be feature_{t+1}, whose LM head argmax is the target's choice at t + 1."""
-    torch.manual_seed(seed)
-    config = model.config
-    net = EagleModule(config)
-    with torch.no_grad():  # start from the target's last layer as an identity (its output projections
-        # zeroed: the residual passes the input through), the fc passing the feature through
-        net.layer.load_state_dict(model.model.layers[-1].state_dict())
-        net.layer.self_attn.o_proj.weight.zero_()
-        net.layer.mlp.down_proj.weight.zero_()
-        hidden = config.hidden_size
-        net.fc.weight.zero_()
-        net.fc.weight[:, :hidden].copy_(torch.eye(hidden))
-        net.fc.weight[:, hidden:].normal_(0, 0.02)
-    net.train()
-    norm = model.model.norm
-    rows = model.lm_head.weight[draft_vocab].detach().clone()  # [V', H]
-    to_draft = torch.full((config.vocab_size,), -100, dtype=torch.long)
-    to_draft[draft_vocab] = torch.arange(len(draft_vocab))
-    embed = model.model.embed_tokens.weight.detach()
-    params = [p for p in net.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
-    n, seq = ids.shape
-    from server.adapters.llama import _causal_mask
-
-    mask = _causal_mask(0, seq - 1, torch.device("cpu"))
-    positions = torch.arange(seq - 1).unsqueeze(0)
-    began, step, estimated_steps = time.perf_counter(), 0, None
-    while True:
-        elapsed = time.perf_counter() - began
-        if elapsed > seconds:
-            break
-        if step == 20:
-            estimated_steps = int(seconds / (elapsed / 20))
-        total = estimated_steps or 10**9
-        warm = min(1.0, (step + 1) / 20)
-        scale = warm * (0.5 * (1 + math.cos(math.pi * min(step / total, 1.0))) if estimated_steps else warm)
-        for group in opt.param_groups:
-            group["lr"] = lr * max(scale, 0.02)
-        pick = torch.randint(0, n, (batch,))
-        f = feats[pick].float()  # [B, S, H]
-        x_next = ids[pick][:, 1:]  # token at t + 1
-        f_in = f[:, :-1] + torch.randn_like(f[:, :-1]) * 0.05 * f.std()  # EAGLE: noise on the inputs
-        out = net(f_in, embed[x_next], positions, None, mask)
-        predicted = norm(out)
-        reg = torch.nn.functional.smooth_l1_loss(predicted, f[:, 1:])
-        target = to_draft[labels[pick][:, 1:]]
-        ce = torch.nn.functional.cross_entropy((predicted @ rows.T).flatten(0, 1), target.flatten(), ignore_index=-100)
-        loss = reg + 0.1 * ce
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        if step % 25 == 0:
-            with torch.no_grad():
-                valid = target != -100
-                top1 = ((predicted @ rows.T).argmax(-1) == target)[valid].float().mean().item()
-            logger.info(
-                f"step {step} ({elapsed:.0f}s): loss {loss.item():.3f} reg {reg.item():.3f} ce "
-                f"{ce.item():.3f} top1 {top1:.3f}"
-            )
-        step += 1
-    net.eval()
-    return net
-
-
-@torch.inference_mode()
-def evaluate(
-    net: EagleModule,
-    model: PreTrainedModel,
-    feats: torch.Tensor,
-    ids: torch.Tensor,
-    labels: torch.Tensor,
-    draft_vocab: torch.Tensor,
-    depth: int = 4,
-) -> list[float]:
-    """Fraction of positions whose first k tail drafts all equal the target's choices, k = 1..depth
-    (teacher-forced context, the drafter's own features for the chain): the expected acceptance."""
-    from server.adapters.llama import _causal_mask
-
-    norm, rows, embed = model.model.norm, model.lm_head.weight[draft_vocab], model.model.embed_tokens.weight
-    hits = [0] * depth
-    count = 0
-    for i in range(feats.shape[0]):
-        f, x, y = feats[i : i + 1].float(), ids[i], labels[i]
-        seq = f.shape[1]
-        cache = net.new_cache()
-        half = seq // 2
-        out = net(
-            f[:, :half],
-            embed[x[1 : half + 1]].unsqueeze(0),
-            torch.arange(half).unsqueeze(0),
-            cache,
-            _causal_mask(0, half, torch.device("cpu")),
-        )
-        # the bonus token is x[half]; the drafts should be the target's choices at half, half + 1, ...
-        o = out[:, -1:]
-        pos = half
-        ok = True
-        for k in range(depth):
-            predicted = norm(o)
-            tok = int(draft_vocab[int((predicted[0, -1] @ rows.T).argmax())])
-            if ok and pos < seq and tok == int(y[pos]):
-                hits[k] += 1
-            else:
-                ok = False
-            o = net(predicted, embed[torch.tensor([[tok]])], torch.tensor([[pos]]), cache, None)
-            pos += 1
-        count += 1
-    return [h / max(count, 1) for h in hits]
-
-
 def main(argv: list[str] | None = None) -> int:
+    from server.drafter_data import DEFAULT_DIR
+    from server.drafter_fit import Fit, FitConfig, answer_vocab
+
     p = argparse.ArgumentParser(
         prog="python -m server.drafter_train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--model", default="smollm2-135m", help="alias or local checkpoint folder")
+    p.add_argument("--data", default=None, help=f"data folder of server.drafter_data (default {DEFAULT_DIR}/<model>)")
     p.add_argument(
         "--out",
         default=str(Path(__file__).resolve().parent / "drafters"),
         help="folder for <model>.safetensors (--drafter auto looks there, matching config fingerprints)",
     )
+    p.add_argument("--checkpoint", default=None, help="resume file (default <data>/train/checkpoint.pt)")
+    p.add_argument("--fresh", action="store_true", help="start over: delete the checkpoint first")
+    p.add_argument("--init-from", default=None, help="start from this drafter file (and its draft vocabulary)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    p.add_argument("--stdlib-chars", type=int, default=250_000, help="characters of standard library text")
-    p.add_argument("--answer-tokens", type=int, default=160, help="new tokens per own answer")
-    p.add_argument("--chunk", type=int, default=128, help="positions per training sequence")
+    p.add_argument("--chunk", type=int, default=128, help="positions per training window")
     p.add_argument("--draft-vocab", type=int, default=16384, help="ids the drafter may propose (most frequent first)")
-    p.add_argument("--train-seconds", type=float, default=900.0)
+    p.add_argument("--steps", type=int, default=3, help="draft steps of the training-time test")
+    p.add_argument("--train-seconds", type=float, default=3600.0, help="seconds of training in all (resumes count)")
+    p.add_argument("--max-steps", type=int, default=None, help="optimizer steps (default: planned from the time)")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eval-prompts", type=int, default=24, help="held-out chat and code prompts each to measure on")
+    p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
+    data = Path(args.data) if args.data else DEFAULT_DIR / Path(args.model).name
+    checkpoint = Path(args.checkpoint) if args.checkpoint else data / "train" / "checkpoint.pt"
+    checkpoint.parent.mkdir(parents=True, exist_ok=True)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    log_file = logging.FileHandler(checkpoint.parent / "log.txt")  # on the logger: kept when logging is set up
+    log_file.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    logger.addHandler(log_file)
+    logger.setLevel(logging.INFO)
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from protocol.models import resolve_model
+    from server.drafter_eval import held_out_acceptance
+    from server.tail_drafter import load_drafter
 
     source = resolve_model(args.model).source
     tokenizer = AutoTokenizer.from_pretrained(source)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval().requires_grad_(False)
-    began = time.perf_counter()
-    answers = own_answers(model, tokenizer, SELF_PROMPTS, args.answer_tokens)
-    logger.info(f"own answers: {sum(map(len, answers))} tokens in {time.perf_counter() - began:.0f}s")
-    # the answers as whole sequences cut into chunks (several chunks where long), the stdlib after
-    sequences = [
-        s[i : i + args.chunk] for s in answers for i in range(0, max(1, len(s) - args.chunk + 1), args.chunk // 2)
-    ]
-    sequences = [s for s in sequences if len(s) == args.chunk]
-    sequences += chunks_of(tokenizer, stdlib_texts(args.stdlib_chars, args.seed), args.chunk)
-    random.Random(args.seed).shuffle(sequences)
-    feats, ids, labels = collect(model, sequences, args.chunk)
-    logger.info(f"features: {feats.shape[0]} x {args.chunk} positions in {time.perf_counter() - began:.0f}s")
-    held_out = max(4, feats.shape[0] // 20)
-    counts = torch.bincount(labels[held_out:].flatten(), minlength=model.config.vocab_size)
-    draft_vocab = torch.sort(torch.argsort(counts, descending=True)[: args.draft_vocab]).values
-    coverage = counts[draft_vocab].sum().item() / counts.sum().item()
-    logger.info(f"draft vocabulary: {len(draft_vocab)} ids cover {coverage:.3f} of the target's choices")
-    net = train(
-        model,
-        feats[held_out:],
-        ids[held_out:],
-        labels[held_out:],
-        draft_vocab=draft_vocab,
-        seconds=args.train_seconds,
-        lr=args.lr,
-        batch=args.batch,
-        seed=args.seed,
-    )
-    acceptance = evaluate(net, model, feats[:held_out], ids[:held_out], labels[:held_out], draft_vocab)
-    logger.info(f"held-out: first k drafts all right, k=1..4: {[round(a, 3) for a in acceptance]}")
+    if args.fresh and checkpoint.exists():
+        checkpoint.unlink()
+    if read_manifest_or_none(data) is None:
+        raise SystemExit(f"{data} holds no data: run python -m server.drafter_data --out {data} first")
+    net, draft_vocab = None, None
+    if not checkpoint.exists():
+        if args.init_from:
+            net, draft_vocab = load_drafter(args.init_from, model.config)
+            net.requires_grad_(True)
+        if draft_vocab is None:
+            draft_vocab = answer_vocab(data, args.draft_vocab, model.config.vocab_size)
+    config = FitConfig(
+        steps=args.steps, batch=args.batch, chunk=args.chunk, lr=args.lr, seed=args.seed,
+        max_steps=args.max_steps, train_seconds=args.train_seconds,
+    )  # fmt: skip
+    fit = Fit(model, data, checkpoint, config, net=net, draft_vocab=draft_vocab)
+    logger.info(f"{'resumed at step ' + str(fit.step) if fit.resumed else 'start'}: {vars(args)}")
+    fit.run(progress=not args.no_progress)
+    logger.info(f"trained {fit.step} steps in {fit.seconds:.0f}s")
+    figures = held_out_acceptance(model, tokenizer, fit.net, fit.draft_vocab, data, args.eval_prompts)
+    logger.info(f"held-out acceptance: {figures}")
     out = Path(args.out) / f"{Path(args.model).name}.safetensors"  # --drafter auto matches it by config fingerprint
     save_drafter(
-        net,
+        fit.net,
         out,
         model.config,
-        draft_vocab=draft_vocab,
-        extra={
-            "model": args.model,
-            "positions": str(feats.shape[0] * args.chunk),
-            "held_out_acceptance": str(acceptance),
-            "train_seconds": str(args.train_seconds),
-        },
+        draft_vocab=fit.draft_vocab,
+        extra={"model": args.model, "steps": str(fit.step), "held_out": str(figures), "ttt_steps": str(args.steps)},
     )
-    logger.info(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB) after {time.perf_counter() - began:.0f}s")
+    logger.info(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB)")
+    logger.removeHandler(log_file)
+    log_file.close()
     return 0
+
+
+def read_manifest_or_none(data: Path):
+    from server.drafter_data import read_manifest
+
+    return read_manifest(data) if data.exists() else None
 
 
 if __name__ == "__main__":
