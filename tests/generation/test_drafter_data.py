@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.heldout_prompts import HELD_OUT
 from server.drafter_data import generate, load_shard, read_manifest, shard_rows
 from server.drafter_prompts import foreign_prompts, is_held_out, prompt_bank
 from tests.kit.prompts import CODE_EDITING, OPEN_CHAT
@@ -31,7 +32,7 @@ def test_prompt_bank_is_varied_and_holds_no_test_or_benchmark_prompt():
     exact, prompt_texts = foreign_prompts()
     assert any("rewrite the code above" in t for t in prompt_texts)  # it did read the workloads
     lowered = {" ".join(t.lower().split()) for t in texts}
-    for prompt in CODE_EDITING + OPEN_CHAT:
+    for prompt in CODE_EDITING + OPEN_CHAT + HELD_OUT:  # HELD_OUT: make bench-wan-heldout's prompts
         assert " ".join(prompt.lower().split()) not in lowered
     assert not lowered & exact
     held = [t for t in texts if is_held_out(t)]
