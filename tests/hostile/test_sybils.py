@@ -347,26 +347,28 @@ def test_a_third_opinion_looks_like_a_live_lap(monkeypatch):
 def test_the_adaptive_liar_that_lies_only_in_live_laps_lies_in_audits_too(
     sybil_swarm, tiny_llama_path, greedy_reference
 ):
-    """L lies in every verdict from position 32 on that does not look like an audit. Audits look
+    """A lies in every verdict from position 32 on that does not look like an audit. Audits look
     like live laps, so it lies to its shadow as well: with T trusted it is convicted at its first
     lie, and the output equals local transformers; with nobody trusted it is flagged (disputed) and
     every token it could have lied in is among the unconfirmed ones."""
-    processes = start(sybil_swarm, "--lie-in-verdicts", "1", "--lie-after", "32", "--lie-when-live", names=("L",))
+    processes = start(
+        sybil_swarm, "--lie-in-verdicts", "1", "--lie-after", "32", "--lie-when-live", names=("A",)
+    )  # a name no earlier test used: a killed L's record may linger
     try:
-        with client(sybil_swarm, tiny_llama_path, route("L"), route("T"), hidden=["U"]) as model:
+        with client(sybil_swarm, tiny_llama_path, route("A"), route("T"), hidden=["U"]) as model:
             out = generate(model, trusted_peers=[model.peers["T"]])
             stats = model.last_generation_stats
             print(f"\nadaptive, T trusted: {stats.spot_check_events}")
             assert out == greedy_reference, stats.spot_check_events
-            assert stats.liars_excluded == [model.peers["L"]]
+            assert stats.liars_excluded == [model.peers["A"]]
             assert any("position 32:" in e and "refuted" in e for e in stats.spot_check_events)
-        with client(sybil_swarm, tiny_llama_path, route("L"), route("T"), hidden=["U"]) as model:
+        with client(sybil_swarm, tiny_llama_path, route("A"), route("T"), hidden=["U"]) as model:
             with warnings.catch_warnings(record=True):
                 warnings.simplefilter("always")
                 out = generate(model)
             stats = model.last_generation_stats
             print(f"\nadaptive, nobody trusted: {stats.spot_check_events}")
-            assert stats.liars_excluded == [] and model.peers["L"] in stats.disputed_peers
+            assert stats.liars_excluded == [] and model.peers["A"] in stats.disputed_peers
             confirmed = len(out) - stats.tokens_unconfirmed
             assert out[:confirmed] == greedy_reference[:confirmed]
     finally:

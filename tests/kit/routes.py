@@ -50,7 +50,8 @@ class PreferredRoutes(RoutePlanner):
         self.routes = routes
 
     def plan(self, servers, start, end, *, max_length=0, exclude=(), client_rtts=None) -> list[Hop]:
-        by_name = {s.public_name: s.peer_id for s in servers}
+        by_name = {s.public_name: s.peer_id for s in servers if getattr(s, "state", "online") != "online"}
+        by_name.update({s.public_name: s.peer_id for s in servers if getattr(s, "state", "online") == "online"})
         for route in self.routes:
             hops = [Hop(by_name[name], a, b) for name, a, b in route]
             if not any(hop.peer_id in exclude for hop in hops):

@@ -24,9 +24,14 @@ LIMITS_MAX_POSITIONS = 16  # positions per Step on the limits swarm: prompts abo
 
 
 def servers_by_name(model, num_blocks: int) -> dict[str, ServerInfo]:
-    """The records ``model``'s client reads from the DHT, by the servers' public names."""
+    """The records ``model``'s client reads from the DHT, by the servers' public names. A name a stopped
+    server held earlier in the module (its record not yet expired) yields to an online server's."""
     infos = fetch_servers(model.swarm.dht, model.swarm.model, num_blocks)
-    return {info.public_name: info for info in infos}
+    by_name: dict[str, ServerInfo] = {}
+    for info in infos:
+        if info.public_name not in by_name or getattr(info, "state", None) == "online":
+            by_name[info.public_name] = info
+    return by_name
 
 
 @dataclass
