@@ -44,7 +44,7 @@ bench-drafter: setup
 bench-wan: setup
 	$(PYTHON) -m benchmarks.wan
 
-# held-out request-first prompts (benchmarks/heldout_prompts.py, in no test and no drafter's training data):
+# held-out request-first prompts (tests/kit/heldout_prompts.py, in no test and no drafter's training data):
 # the default generate() against no speculation and each drafter, 0-100 ms per hop, and the plot in docs/
 bench-wan-heldout: setup
 	$(PIP) install --quiet -e '.[plot]'

@@ -22,8 +22,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from benchmarks.heldout_prompts import HELD_OUT_CHAT, HELD_OUT_CODE
 from swarm.local import LocalSwarm
+from tests.kit.heldout_prompts import HELD_OUT_CHAT, HELD_OUT_CODE
 from tests.kit.prompts import CODE_EDITING, CODE_FOLLOW_UP, OPEN_CHAT
 
 MODES = {  # loop_runs=False: the client sends every run (as before looped runs existed)
@@ -87,7 +87,7 @@ WORKLOADS = ["code editing", "open chat", "code editing, turn 2", "held-out chat
 def workloads(first_answers: list[str], limit: int, names: list[str] = WORKLOADS):
     """(name, conversations) per workload in ``names``. The second code-editing turn is built from the
     first turn's answers (identical in every mode), so it is only ready after the first turn ran. The
-    held-out workloads (benchmarks/heldout_prompts.py) are request-first prompts no drafter trained on."""
+    held-out workloads (tests/kit/heldout_prompts.py) are request-first prompts no drafter trained on."""
     single = {
         "code editing": CODE_EDITING,
         "open chat": OPEN_CHAT,

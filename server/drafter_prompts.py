@@ -141,7 +141,8 @@ def foreign_prompts(repo: Path = REPO) -> tuple[set[str], list[str]]:
     for folder in ("tests", "benchmarks"):
         for path in (repo / folder).rglob("*.py"):
             exact.update(_normal(s) for s in _literals(path) if len(s) >= 12)
-    prompt_files = [repo / "tests" / "kit" / "prompts.py", repo / "benchmarks" / "wan.py"]
+    prompt_files = [repo / "tests" / "kit" / "prompts.py", repo / "tests" / "kit" / "heldout_prompts.py"]
+    prompt_files += [repo / "benchmarks" / "wan.py"]
     prompt_files += sorted((repo / "benchmarks").glob("*prompt*"))
     texts: list[str] = []
     for path in prompt_files:

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.heldout_prompts import HELD_OUT
 from server.drafter_data import generate, load_shard, read_manifest, shard_rows
 from server.drafter_prompts import foreign_prompts, is_held_out, prompt_bank
+from tests.kit.heldout_prompts import HELD_OUT
 from tests.kit.prompts import CODE_EDITING, OPEN_CHAT
 from tests.kit.waiting import wait_until
 

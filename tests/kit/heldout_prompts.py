@@ -1,9 +1,9 @@
-"""Held-out workloads for `make bench-wan`: request-first prompts written for measurement only.
+"""Held-out workloads for `make bench-wan-heldout`: request-first prompts written for measurement only.
 
 Issue #39 asks for speculation measured on work nobody tuned for: these prompts appear in no test
 (tests/kit/prompts.py holds the tests' and the older benchmark workloads) and in no drafter training
-data (server/drafter_prompts.py drops any made-up prompt that overlaps a `benchmarks/*prompt*` file's
-strings; tests/generation/test_drafter_data.py checks the bank against them). Code edits
+data (server/drafter_prompts.py drops any made-up prompt that overlaps this file's strings;
+tests/generation/test_drafter_data.py checks the bank against them). Code edits
 put the request first and the code after it, as a user types into a chat box; open chat asks for
 answers that are not in the prompt.
 """
