@@ -9,7 +9,6 @@ import json
 import jsonschema
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from client._calls import compiler_for
 from client.draft_model import ModelDrafter
@@ -24,6 +23,7 @@ from tests.generation.test_constraints import (
     reference_sample,
     transformers_greedy,
 )
+from tests.kit.checkpoints import noisy_copy
 from tests.kit.routes import ROUTES, pinned
 from tests.kit.threads import single_torch_thread
 
@@ -31,13 +31,7 @@ from tests.kit.threads import single_torch_thread
 @pytest.fixture(scope="module")
 def draft_model(tiny_llama_path):
     """The target's weights plus N(0, 0.005) noise: a drafter that agrees often, not always."""
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype="float32").eval()
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.ndim == 2:
-                param.add_(torch.randn(param.shape, generator=generator) * 0.005)
-    return model
+    return noisy_copy(tiny_llama_path)
 
 
 @pytest.mark.parametrize("kind", ["json schema", "regex", "choice"])

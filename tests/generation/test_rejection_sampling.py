@@ -10,7 +10,7 @@ import secrets
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from client.draft_model import ModelDrafter
 from protocol.errors import ErrorCode
@@ -25,6 +25,7 @@ from protocol.sampling import (
     unpack_f16,
     verify_rejection,
 )
+from tests.kit.checkpoints import noisy_copy
 from tests.kit.reference import PROMPT as BATCH
 from tests.kit.routes import pinned
 from tests.kit.threads import single_torch_thread
@@ -45,15 +46,8 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def draft_model(tiny_llama_path):
-    """A tiny random drafter with the target's vocabulary: the target's weights plus N(0, 0.005)
-    noise (random nets this size are chaotic: at 0.02 the top-8 sets no longer overlap)."""
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype="float32").eval()
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.ndim == 2:
-                param.add_(torch.randn(param.shape, generator=generator) * 0.005)
-    return model
+    """A tiny random drafter with the target's vocabulary: the target's weights plus N(0, 0.005) noise."""
+    return noisy_copy(tiny_llama_path)
 
 
 class Rows:

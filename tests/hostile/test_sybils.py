@@ -193,17 +193,10 @@ def test_colluding_liars_are_refuted_by_a_trusted_tail_or_flagged(
 
 @pytest.fixture(scope="module")
 def drafter(tiny_llama_path):
-    """A draft model that disagrees with the target now and then (so the rule rejects drafts): the
-    target's weights plus N(0, 0.005) noise, as tests/generation/test_rejection_sampling.py's."""
-    from transformers import AutoModelForCausalLM
+    """A draft model that disagrees with the target now and then (so the rule rejects drafts)."""
+    from tests.kit.checkpoints import noisy_copy
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype="float32").eval()
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.ndim == 2:
-                param.add_(torch.randn(param.shape, generator=generator) * 0.005)
-    return model
+    return noisy_copy(tiny_llama_path)
 
 
 def sample(model, seed: int, **kwargs) -> list[int]:

@@ -299,3 +299,18 @@ def build_tiny_deepseek_v4(path: Path, seed: int = 0, vocab_size: int | None = N
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
     return path
+
+
+def noisy_copy(path, scale: float = 0.005, seed: int = 1):
+    """The checkpoint at ``path`` with N(0, ``scale``) noise added to its matrices: a draft model that
+    agrees with the target often, not always, so the rejection rule rejects drafts (random nets this
+    size are chaotic: at 0.02 the top-8 sets no longer overlap)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype="float32").eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.ndim == 2:
+                param.add_(torch.randn(param.shape, generator=generator) * scale)
+    return model
