@@ -304,7 +304,7 @@ def main() -> None:
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "wan.json"))
     args = p.parse_args()
     modes = {m: MODES[m] for m in ["none"] + [m for m in args.modes if m != "none"]}
-    began = time.time()
+    began, commit = time.time(), _commit()  # the code as it ran, read before any later checkout or commit
     runs: list[Run] = []
     for delay in args.delays:
         print(f"== {delay:.0f} ms per hop ==", flush=True)
@@ -318,7 +318,7 @@ def main() -> None:
             {
                 "args": vars(args),
                 "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                "commit": _commit(),
+                "commit": commit,
                 "rows": rows,
                 "runs": [asdict(r) for r in runs],
                 "wall_seconds": time.time() - began,
