@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import random
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -69,43 +68,6 @@ SELF_PROMPTS = [
 ]
 
 
-def stdlib_texts(limit_chars: int, seed: int = 0) -> list[str]:
-    """Source files and the docs' topics from the standard library, shuffled, about ``limit_chars``."""
-    root = Path(sys.prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}"
-    files = [
-        p
-        for p in root.rglob("*.py")
-        if "site-packages" not in p.parts
-        and "test" not in p.parts
-        and "tests" not in p.parts
-        and "idlelib" not in p.parts
-    ]
-    random.Random(seed).shuffle(files)
-    docs = root / "pydoc_data" / "topics.py"
-    texts, total = [], 0
-    if docs.exists():  # the language reference's topics, as text
-        namespace: dict = {}
-        exec(compile(docs.read_text(), str(docs), "exec"), namespace)
-        topics = list(namespace.get("topics", {}).values())
-        random.Random(seed).shuffle(topics)
-        for topic in topics:
-            if total > limit_chars // 3:
-                break
-            texts.append(topic)
-            total += len(topic)
-    for path in files:
-        if total > limit_chars:
-            break
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError):
-            continue
-        start = random.Random(str(path)).randrange(max(1, len(text) - 6000))
-        texts.append(text[start : start + 6000])
-        total += min(6000, len(text))
-    return texts
-
-
 @torch.inference_mode()
 def own_answers(
     model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[str], max_new_tokens: int, batch: int = 8
@@ -127,31 +89,6 @@ def own_answers(
             sequences.append(ids)
         logger.info(f"answers: {len(sequences)}/{len(prompts)}")
     return sequences
-
-
-@torch.inference_mode()
-def collect(
-    model: PreTrainedModel, sequences: list[list[int]], chunk: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Features [N, chunk, H] (fp16), token ids [N, chunk] and the target's own next-token choice at
-    each position [N, chunk] (the argmax of its logits there)."""
-    feats, ids, labels = [], [], []
-    for seq in sequences:
-        for start in range(0, len(seq) - chunk + 1, chunk):
-            piece = torch.tensor([seq[start : start + chunk]])
-            hidden = model.model(input_ids=piece).last_hidden_state  # after the final norm
-            feats.append(hidden[0].half())
-            ids.append(piece[0])
-            labels.append(model.lm_head(hidden)[0].argmax(-1))
-    return torch.stack(feats), torch.stack(ids), torch.stack(labels)
-
-
-def chunks_of(tokenizer: PreTrainedTokenizerBase, texts: list[str], chunk: int) -> list[list[int]]:
-    out = []
-    for text in texts:
-        ids = tokenizer(text)["input_ids"]
-        out += [ids[i : i + chunk] for i in range(0, len(ids) - chunk + 1, chunk)]
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:
