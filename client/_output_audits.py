@@ -38,6 +38,7 @@ import torch
 from client._forward import prefill_outputs
 from client._remote_session import RemoteSession
 from client._spot_checks import alternatives, relative_difference
+from client._swarm import SECOND_PING
 from client._witnesses import Witnesses
 from client.errors import UnconfirmedOutputsError, UnconfirmedOutputsWarning
 from protocol.messages import Hop
@@ -220,9 +221,8 @@ class OutputAuditor:
         }
         candidates, dead = [info for pool in pools.values() for info in pool], set()
         if candidates:  # ping them so that this client holds connections, whose addresses it reads
-            dead = set(
-                await self.swarm.unresponsive([Hop(peer_id=c.peer_id, start=0, end=0) for c in candidates], again=6.0)
-            )
+            pings = [Hop(peer_id=c.peer_id, start=0, end=0) for c in candidates]
+            dead = set(await self.swarm.unresponsive(pings, again=SECOND_PING))
             await self.witnesses.refresh(self.swarm.p2p)
         out, used = list(route), {hop.peer_id for hop in route}
         for i, pool in pools.items():

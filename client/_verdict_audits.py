@@ -45,6 +45,7 @@ from client._logprob_audits import first_disagreement, logprob_tolerance
 from client._rejection_audits import RejectionRuns, confirm
 from client._remote_session import RemoteSession
 from client._spot_checks import AuditResult, BackgroundAudit, SpotChecker, alternatives, substituted
+from client._swarm import SECOND_PING
 from client._witnesses import Witnesses
 from client.errors import ServerError
 from protocol.messages import GREEDY, DraftOffer, Hop, SamplingParams, Step, StepResult
@@ -240,9 +241,8 @@ class VerdictAuditor(BackgroundAudit):
             return True
         found = alternatives(route, len(route) - 1, self.swarm.records, excluded, length)
         if found:  # records outlive their servers by up to 3 update periods: drop those that do not answer
-            dead = set(
-                await self.swarm.unresponsive([Hop(peer_id=info.peer_id, start=0, end=0) for info in found], again=6.0)
-            )
+            pings = [Hop(peer_id=info.peer_id, start=0, end=0) for info in found]
+            dead = set(await self.swarm.unresponsive(pings, again=SECOND_PING))
             for peer_id in dead:
                 self.swarm.exclude(peer_id)  # the client's own failed ping: evidence
             found = [info for info in found if info.peer_id not in dead]
