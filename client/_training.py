@@ -33,12 +33,12 @@ from protocol import limits, relay
 from protocol.errors import ErrorCode
 from protocol.messages import ErrorReply, Hop, TrainBackward, TrainDrop, TrainForward
 from protocol.streams import TRAIN_PROTOCOL, MessageStream
+from protocol.train_drops import hand_drop
 from protocol.train_memory import chunk_positions
 
 logger = logging.getLogger(__name__)
 
 MAX_FAILOVERS = 3
-DROP_TIMEOUT = 5.0  # seconds a hop has to take a drop of abandoned steps before the next hop is tried
 _DROPS: set[asyncio.Future] = set()  # drops under way (the reference keeps each task alive)
 
 
@@ -124,23 +124,10 @@ def drop_abandoned(swarm: SwarmClient, route: list[Hop], step_ids: list[str]) ->
 
 
 async def _send_drop(swarm: SwarmClient, message: TrainDrop) -> None:
-    """The drop to the route's first hop that answers it (each passes it on to the hops after it)."""
+    """The drop to the route's first hop that takes it (each passes it on to the hops after it)."""
     for hop in message.route:
-        relay.remember(hop.peer_id, hop.addrs)
-        stream = None
-        try:
-            stream = await asyncio.wait_for(
-                MessageStream.open(swarm.p2p, PeerID.from_base58(hop.peer_id), TRAIN_PROTOCOL), DROP_TIMEOUT
-            )
-            await stream.send(message, [])
-            received = await asyncio.wait_for(stream.receive(), DROP_TIMEOUT)
-            if received is not None and isinstance(received.message, TrainDrop):
-                return
-        except Exception as e:  # noqa: BLE001 - unreachable or silent: the next hop gets it instead
-            logger.info(f"Could not drop abandoned training steps at {hop.peer_id}: {e!r}")
-        finally:
-            if stream is not None:
-                stream.close()
+        if await hand_drop(swarm.p2p, message, hop):
+            return
 
 
 async def train_row(

@@ -18,24 +18,20 @@ or repeated drop is harmless.
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import logging
 import time
 from typing import Any, Awaitable, Callable
 
-from hivemind.p2p import PeerID
-
-from protocol import relay
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.messages import TrainDrop
-from protocol.streams import TRAIN_PROTOCOL, MessageStream
+from protocol.streams import MessageStream
+from protocol.train_drops import hand_drop
 from server.replies import send_quietly
 
 logger = logging.getLogger(__name__)
 
 MAX_DROPPED = 4096  # step ids remembered as dropped (the oldest forgotten first)
-DROP_TIMEOUT = 5.0  # seconds a hop waits for the next one to take a drop before trying the hop after it
 
 
 class DroppedSteps:
@@ -72,7 +68,7 @@ async def serve_drop(
     await send_quietly(upstream, TrainDrop(step_ids=dropped, route=[]), [])
     await linger(upstream)
     for hop in message.route[here[-1] + 1 :]:
-        if await _pass_on(handler, message, hop.peer_id, hop.addrs):
+        if await hand_drop(handler.p2p, message, hop):
             return
 
 
@@ -89,22 +85,3 @@ def drop_step(handler: Any, step_id: str, sender: str) -> bool:
     handler.replied.drop(step_id)
     handler.stats["train_dropped"] += bool(owners)
     return bool(owners)
-
-
-async def _pass_on(handler: Any, message: TrainDrop, peer_id: str, addrs: Any) -> bool:
-    """The drop to one later hop; whether it answered in kind within DROP_TIMEOUT."""
-    relay.remember(peer_id, addrs)
-    stream = None
-    try:
-        stream = await asyncio.wait_for(
-            MessageStream.open(handler.p2p, PeerID.from_base58(peer_id), TRAIN_PROTOCOL), DROP_TIMEOUT
-        )
-        await stream.send(message, [])
-        received = await asyncio.wait_for(stream.receive(), DROP_TIMEOUT)
-        return received is not None and isinstance(received.message, TrainDrop)
-    except Exception as e:  # noqa: BLE001 - unreachable or silent: the hop after it gets the drop instead
-        logger.info(f"Could not pass a training drop on to {peer_id}: {e!r}")
-        return False
-    finally:
-        if stream is not None:
-            stream.close()
