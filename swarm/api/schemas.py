@@ -172,6 +172,7 @@ def chat_params(req: ChatRequest, served: ServedModel, max_choices: int) -> tupl
             template_tools = [{"type": "function", "function": {"name": n, **t}} for n, t in custom.items()] or None
             template_kwargs = {"builtin_tools": builtins} if builtins else {}
             messages = template_messages(messages)
+    eom = eom_token_id(served.tokenizer) if builtins else None  # <|eom_id|>: ends a built-in call's turn
     prompt_ids = served.chat_prompt(messages, tools=template_tools, **template_kwargs)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     shown = (req.top_logprobs or 0) if req.logprobs else -1
@@ -183,7 +184,7 @@ def chat_params(req: ChatRequest, served: ServedModel, max_choices: int) -> tupl
             several = req.parallel_tool_calls is True and fmt.parallel
             forced = forced_names(tools, req.tool_choice)
             if any(n in builtins for n in forced):  # Llama 3.1's own shape, <|python_tag|>name.call(...)
-                end = EOM_ID if eom_token_id(served.tokenizer) is not None else ""
+                end = EOM_ID if eom is not None else ""
                 grammar = builtin_call_grammar(tools, forced, builtins, req.parallel_tool_calls is True, end)
                 constraint = {"guided_grammar": grammar}
             elif not fmt.open and not several:  # one bare call: the JSON schema itself
@@ -197,8 +198,7 @@ def chat_params(req: ChatRequest, served: ServedModel, max_choices: int) -> tupl
     if req.tools and req.tool_choice != "none":
         mode = "forced" if schema is not None else "auto"
         named = dict(tool_call=mode, tool_names=tuple(tools), tool_format=fmt.name, parallel_tool_calls=parallel)
-        eom = eom_token_id(served.tokenizer) if builtins else None
-        if eom is not None:  # a built-in call's turn ends with <|eom_id|>: a stop token like EOS
+        if eom is not None:  # a stop token like EOS
             named["stop_token_ids"] = (eom,)
         choices = [dataclasses.replace(c, **named) for c in choices]
     return choices, shown
