@@ -28,6 +28,9 @@ def test_outputs_are_identical_whatever_rows_the_first_call_computes(
     calls: list[int] = []
     logits = tail.logits
     monkeypatch.setattr(tail, "logits", lambda hidden: calls.append(hidden.shape[1]) or logits(hidden))
+    # the plan from its prior and the measured acceptance alone: the call-time fit reads this machine's
+    # clock, and on a loaded one it can price an extra row at a whole call and plan one row (tested apart)
+    monkeypatch.setattr(RowPlan, "observe_call", lambda self, rows, seconds: None)
     counts = {}
     for forced in (1, ALL_ROWS, None):
         monkeypatch.setattr(RowPlan, "FORCED", forced)
