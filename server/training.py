@@ -115,6 +115,12 @@ class TrainingHandler:
         blocks, positions = span.end - span.start, self.max_positions_per_step
         return self.max_backward_bytes or backward_bytes(span.config, span.dtype, positions, blocks, span.is_tail)
 
+    @property
+    def announced_backward_budget(self) -> int:
+        """What the records announce (``ServerInfo.max_backward_bytes``), so that clients size a long row's chunks
+        to fit it: the budget, or 0 where the span refuses training anyway."""
+        return 0 if self.span.backward_refusal() else self.backward_budget
+
     def use_span(self, span: SpanAdapter) -> None:
         """The span a move loaded (server/moves.py): training steps run through its blocks from now on."""
         self.span, self.held = span, HeldBlocks(span.start, span.end, span.num_blocks)
@@ -216,9 +222,11 @@ class TrainingHandler:
         hop, span = message.route[message.hop_index], self.span
         prompts_here = message.num_prompts if message.chunk_index == 0 else 0  # a long row's prompts: chunk 0 only
         positions, tail = prompts_here + len(message.token_ids), hop.end == span.num_blocks
-        # a long row's chunk recomputes after its earlier positions' keys/values (server/train_chunks.py): counted
-        needed = backward_bytes(span.config, span.dtype, positions, hop.end - hop.start, tail, message.chunk_offset)
-        check_backward(needed, self.backward_budget, positions, hop.end - hop.start, tail, message.chunk_offset)
+        # a long row's chunk recomputes after its earlier positions' keys/values (server/train_chunks.py): counted;
+        # a classification row's tail scores one position with the score head, it computes no logits
+        logits = tail and not message.num_labels
+        needed = backward_bytes(span.config, span.dtype, positions, hop.end - hop.start, logits, message.chunk_offset)
+        check_backward(needed, self.backward_budget, positions, hop.end - hop.start, logits, message.chunk_offset, tail)
         if message.num_chunks > 1:
             return await self.chunks.lap(message, tensors, self._owner(message, upstream))
         digest = row_digest(message, tensors)
