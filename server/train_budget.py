@@ -1,6 +1,8 @@
 """What a server's training steps may hold at once, and who holds it (docs/reliability.md, "Limits").
 
-Three bounds, each refused ``busy`` with a message naming it while sessions go on unchanged:
+Three bounds, each refused ``busy`` with a message naming it while sessions go on unchanged (and a fourth store,
+the replies kept for resends, a quarter of ``--max-train-mib`` beside it, which evicts its oldest instead:
+server/train_replay.py):
   - the span inputs kept between a step's forward and its backward (``--max-train-mib``), in all and, for
     one upstream peer that is not a server forwarding steps (server/admission.py ``cap_owner``), at most
     1/PEER_TRAIN_SHARE of them;
@@ -28,6 +30,9 @@ import torch
 from protocol.errors import ErrorCode, ProtocolError
 
 PEER_TRAIN_SHARE = 2  # one upstream peer (a client) holds at most 1/2 of the kept inputs and of the rows in flight
+# the replies kept for resends (server/train_replay.py RepliedRows) hold at most 1/REPLY_SHARE of --max-train-mib,
+# beside the kept inputs; the memory plan counts both (server/memory.py)
+REPLY_SHARE = 4
 MiB = 1 << 20
 
 

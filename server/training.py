@@ -37,7 +37,7 @@ from server.admission import HeldBlocks, cap_owner
 from server.lora import check_adapter
 from server.memory import backward_bytes
 from server.replies import report, send_quietly
-from server.train_budget import KeptInputs, RowsInFlight, check_backward
+from server.train_budget import REPLY_SHARE, KeptInputs, RowsInFlight, check_backward
 from server.train_checks import IGNORE_INDEX, check_gradient, check_tensors, check_train_forward, split_train_tensors
 from server.train_chunks import Backward, ChunkedSteps
 from server.train_drops import serve_drop
@@ -79,7 +79,7 @@ class TrainingHandler:
         self.max_positions_per_step, self.step_timeout = max_positions_per_step, step_timeout
         self.kept = KeptInputs(max_kept_bytes, step_timeout)
         self.chunks = ChunkedSteps(self)  # rows longer than a step, between their laps (server/train_chunks.py)
-        self.replied = RepliedRows(max_kept_bytes // 4, step_timeout)  # resends (server/train_replay.py)
+        self.replied = RepliedRows(max_kept_bytes // REPLY_SHARE, step_timeout)  # resends (server/train_replay.py)
         # frames sized for the model's first block on, so they hold wherever a move takes this server
         deep = limits.deep_prompt_elements(span.num_blocks, span.hidden_shape[-1])
         self.max_frame_bytes = limits.train_frame_bytes(span.hidden_shape, max_positions_per_step, deep)

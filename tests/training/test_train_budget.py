@@ -105,10 +105,18 @@ def test_the_plan_counts_kept_inputs_and_the_largest_backward(tiny_config):
         for tail in (False, True):
             backward = backward_bytes(tiny_config, torch.float32, 512, blocks, tail)
             extra = trained.needed_bytes(blocks, tail=tail) - base.needed_bytes(blocks, tail=tail)
-            assert extra == 16 * MiB + max(0, backward - headroom), (blocks, tail)
+            # the kept inputs, the replies kept for resends (a quarter of them) and the backward past the headroom
+            assert extra == 16 * MiB + 4 * MiB + max(0, backward - headroom), (blocks, tail)
     # 512 positions of float32 logits at the tail (3 x 49,152 x 4 bytes each) do not fit in 250 MiB
     assert base.tail_blocks == 5 and trained.tail_blocks == 0 and trained.most_blocks() == 4
     assert "more for training steps" in trained.describe("cpu")
+    assert "replies kept for resends: 0.00 GiB" in trained.describe("cpu")
+    # the replies' share decides: a plan whose kept inputs and replies fill what a middle block leaves
+    one_block = base.needed_bytes(1) + max(0, backward_bytes(tiny_config, torch.float32, 512, 1, False) - headroom)
+    room = (free - one_block) >> 20  # MiB a middle span of one block leaves for the kept inputs and replies
+    fits = plan_blocks(tiny_config, torch.float32, "cpu", 6, free_bytes=free, training=(room * 4 // 5, 512, 0))
+    past = plan_blocks(tiny_config, torch.float32, "cpu", 6, free_bytes=free, training=(room * 4 // 5 + 2, 512, 0))
+    assert fits.most_blocks() >= 1 and past.most_blocks() == 0, (room, fits.most_blocks(), past.most_blocks())
     # --max-backward-mib: a flat budget instead, which fits
     capped = plan_blocks(tiny_config, torch.float32, "cpu", 6, free_bytes=free, training=(16, 512, 64))
     assert capped.backward_budget(5, True) == 64 * MiB and capped.tail_blocks == 5
