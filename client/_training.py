@@ -6,7 +6,8 @@ the row's ids and its targets; the lap runs forward to the tail, which computes 
 starts the backward, and the head answers with the prompts' gradient. So one round trip per row
 gives both, and ``SwarmLoss`` hands that gradient to autograd when the caller runs ``backward()``.
 
-A row longer than the route's step limit goes in chunks, one lap each (``train_chunked_row``).
+A row longer than the route's step limit, or whose backward is past a hop's announced budget, goes in chunks,
+one lap each (``train_chunked_row``), sized so that every hop of the route takes them (``split_row``).
 
 Failover is whole-step: a retryable failure anywhere blames the route (``SwarmClient.blame``) and
 runs every row again on a new route; the rows in chunks of a failed attempt are dropped on its route at once
@@ -34,7 +35,7 @@ from protocol.errors import ErrorCode
 from protocol.messages import ErrorReply, Hop, TrainBackward, TrainDrop, TrainForward
 from protocol.streams import TRAIN_PROTOCOL, MessageStream
 from protocol.train_drops import hand_drop
-from protocol.train_memory import chunk_positions
+from protocol.train_memory import HopBudget, backward_bytes, chunk_positions, route_chunk_positions
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ async def train_rows(
     a retryable failure runs the whole step again on a new route, at most MAX_FAILOVERS times.
     ``deep`` ``[num_blocks, num_prompts, hidden]``: deep prompts (each row's RowGrad.deep_grad is theirs).
     ``score`` ``[num_labels, hidden]``: classification weights the tail scores each row's last position with.
-    ``config``: the model's, which sizes a long row's chunks (:func:`split_row`)."""
+    ``config``: the model's, which sizes a long row's chunks to the route's backward budgets (:func:`split_row`)."""
     failovers, began = 0, time.perf_counter()
     while True:
         route = await swarm.plan_route()
@@ -90,12 +91,14 @@ async def train_rows(
         results = None
         try:
             limit = swarm.route_step_limit(route)
-            coros = [
-                train_row(swarm, route, prompts, row, timeout, deep, score)
-                if prompts.shape[0] + len(row.token_ids) <= limit
-                else train_chunked_row(swarm, route, prompts, row, timeout, limit, deep, score, config, started)
-                for row in rows
-            ]
+            hops = route_budgets(swarm, route, limit, config) if config is not None else None
+            coros = []
+            for row in rows:  # a classification row's tail reads the score head, not the LM head's logits
+                pieces = split_row(row, prompts.shape[0], limit, config, hops, logits=score is None)
+                if len(pieces) <= 1:
+                    coros.append(train_row(swarm, route, prompts, row, timeout, deep, score))
+                else:
+                    coros.append(train_chunked_row(swarm, route, prompts, row, timeout, pieces, deep, score, started))
             results = await _loop.all_or_none(coros)
             return results, TrainingStats(list(route), failovers, time.perf_counter() - began)
         except ServerError as e:
@@ -200,28 +203,62 @@ async def _exchange(
             stream.close()
 
 
+def route_budgets(swarm: SwarmClient, route: Sequence[Hop], limit: int, config: Any) -> list[HopBudget]:
+    """What each hop of ``route`` checks a lap's backward against, from the records the route was planned from
+    (``ServerInfo.max_backward_bytes``). A record that announces none (an older server) counts as that server's
+    default, a row of ``limit`` positions through the hop (its own step limit is at least the route's: so at least
+    this); a dtype that is not a torch floating type counts as float32."""
+    hops = []
+    for index, hop in enumerate(route):
+        info = swarm.records.get(hop.peer_id)
+        dtype = getattr(torch, info.dtype, None) if info is not None else None
+        dtype = dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
+        blocks, tail = hop.end - hop.start, index == len(route) - 1
+        budget = info.max_backward_bytes if info is not None else 0
+        budget = budget or backward_bytes(config, dtype, limit, blocks, tail)
+        hops.append(HopBudget(budget, blocks, tail, dtype, hop.peer_id))
+    return hops
+
+
 def split_row(
-    row: TrainRow, num_prompts: int, limit: int, config: Any = None
+    row: TrainRow,
+    num_prompts: int,
+    limit: int,
+    config: Any = None,
+    hops: Optional[Sequence[HopBudget]] = None,
+    logits: bool = True,
 ) -> list[tuple[int, list[int], list[int]]]:
     """A row's chunks of at most ``limit`` positions each, as (offset, ids, targets): the first chunk holds the
-    prompts and ``limit - num_prompts`` ids; ``offset`` counts the row's positions before the chunk. With the
-    model's ``config`` each later chunk is as large as its backward allows within what a row of ``limit``
-    positions holds (protocol/train_memory.py ``chunk_positions``: the servers' default backward budget), so
-    chunks shrink as the row's earlier keys/values grow; a row past that, or past limits.MAX_TRAIN_CHUNKS
-    chunks, is a ValueError naming it."""
+    prompts and up to ``limit - num_prompts`` ids; ``offset`` counts the row's positions before the chunk. With the
+    model's ``config`` and the route's ``hops`` (:func:`route_budgets`) every chunk, the first included, is as large
+    as the smallest backward budget on the route allows after its offset (``logits`` False: a classification row,
+    whose tail computes no logits), so no hop refuses a chunk it was sized for and chunks shrink as the row's
+    earlier keys/values grow; with ``config`` alone, as a row of ``limit`` positions holds (protocol/train_memory.py
+    ``chunk_positions``: the servers' default budget). A row past that, or past limits.MAX_TRAIN_CHUNKS chunks, is a
+    ValueError naming it (and the server whose budget decides)."""
     if num_prompts >= limit:
         raise ValueError(f"{num_prompts} prompts leave no room for ids in the route's {limit} positions per step")
     chunks, start = [], 0
     while start < len(row.token_ids):
         offset = 0 if not chunks else num_prompts + start
-        size = limit - num_prompts if not chunks else limit
-        if chunks and config is not None:
+        prompts_here, size, decider = (0 if chunks else num_prompts), limit, None
+        if hops is not None and config is not None:
+            size, decider = route_chunk_positions(config, offset, limit, hops, logits)
+        elif chunks and config is not None:
             size = chunk_positions(config, offset, limit)
-        if size == 0 or len(chunks) == limits.MAX_TRAIN_CHUNKS:
+        size -= prompts_here
+        if size <= 0 or len(chunks) == limits.MAX_TRAIN_CHUNKS:
+            where = "the backward of a step"
+            if decider is not None:
+                where = (
+                    f"the backward budget of server {decider.peer_id} ({decider.budget / (1 << 20):.1f} MiB through "
+                    f"{decider.blocks} blocks, --max-backward-mib)"
+                )
+            what = f"its chunk after {offset} positions" if chunks else f"its first chunk ({num_prompts} prompts)"
             raise ValueError(
                 f"a training row of {num_prompts} prompts + {len(row.token_ids)} ids is too long for the route's "
-                f"{limit} positions per step: its chunk after {offset} positions "
-                + ("has no room in the backward of a step" if size == 0 else f"would be past {len(chunks)} chunks")
+                f"{limit} positions per step: "
+                + (f"{what} has no room in {where}" if size <= 0 else f"{what} would be past {len(chunks)} chunks")
                 + " (docs/fine_tuning.md, Limits); shorten the row"
             )
         chunks.append((offset, row.token_ids[start : start + size], row.targets[start : start + size]))
@@ -235,19 +272,18 @@ async def train_chunked_row(
     prompts: torch.Tensor,
     row: TrainRow,
     timeout: float,
-    limit: int,
+    pieces: list[tuple[int, list[int], list[int]]],
     deep: Optional[torch.Tensor] = None,
     score: Optional[torch.Tensor] = None,
-    config: Any = None,
     started: Optional[list[str]] = None,
 ) -> RowGrad:
-    """A row longer than the route's step limit, in chunks (docs/design.md, "Long rows in chunks"): a forward lap
+    """A row in chunks (``pieces``: :func:`split_row`'s; docs/design.md, "Long rows in chunks"): a forward lap
     per chunk in order (the last one runs its chunk's backward too), then a backward lap per earlier chunk in
     reverse; every hop keeps the row's chunk inputs and keys/values between the laps. The loss is the chunks'
     sum; the prompts' (and deep prompts') gradient comes with chunk 0's backward lap, which the deep prompts
     (sent with chunk 0's forward lap) sit in; a classification row's score weights go with the last chunk, whose
     last position the tail scores, and its reply carries the scored hidden state."""
-    pieces, step_id, head = split_row(row, prompts.shape[0], limit, config), secrets.token_hex(8), route[0].peer_id
+    step_id, head = secrets.token_hex(8), route[0].peer_id
     if started is not None:  # the caller drops the step on the route if it is abandoned
         started.append(step_id)
     num_prompts, hidden = prompts.shape

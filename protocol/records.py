@@ -49,6 +49,7 @@ MAX_RELAY_ADDRS = 4  # circuit addresses of a server behind NAT (protocol.relay)
 MAX_ADDR_CHARS = 512
 MAX_TIME = 1e11  # unix seconds (year ~5138): keeps started_at finite
 MAX_ADAPTERS = 16  # LoRA adapters one server announces (--adapters)
+MAX_BACKWARD_BYTES = 1 << 50  # one training row's backward activations (1 PiB: no device holds that)
 
 _Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)]
 _CacheTokens = Annotated[int, msgspec.Meta(ge=0, le=MAX_CACHE_TOKENS)]
@@ -109,6 +110,11 @@ class ServerInfo(msgspec.Struct, frozen=True, kw_only=True):
     # training rows (and chunks of long rows) this server computed forward since start-up; a resend answered
     # from its earlier reply (single-span replacement, server/train_replay.py) is not one
     train_forwards: _Count = 0
+    # the activation bytes one training row's (or chunk's) backward may need through this server's blocks, what it
+    # refuses past (--max-backward-mib, or by default what a row of max_positions_per_step needs:
+    # server/train_budget.py); clients size a long row's chunks so each fits the smallest on their route
+    # (protocol/train_memory.py). 0: not announced (older records): clients assume that default
+    max_backward_bytes: Annotated[int, msgspec.Meta(ge=0, le=MAX_BACKWARD_BYTES)] = 0
 
     @property
     def session_room(self) -> int:

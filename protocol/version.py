@@ -57,3 +57,5 @@ PROTOCOL_VERSION = 9
 #    Single-span replacement: TrainForward.spares; ServerInfo.train_forwards (trailing fields).
 #    Abandoned steps: TrainDrop (step ids and the route), passed hop by hop; deep prompt and classification
 #    rows in chunks (no new field).
+#    Backward budgets: ServerInfo.max_backward_bytes (a trailing field: what one row's backward may need through the
+#    server's blocks, --max-backward-mib or its default); clients size a row's chunks to the smallest on the route.

@@ -24,6 +24,7 @@ import torch
 
 from protocol.train_memory import backward_bytes
 from server.quantization import Quant, estimate_module_bytes
+from server.train_budget import REPLY_SHARE
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -63,6 +64,7 @@ class MemoryPlan:
     # training steps (server/train_budget.py): the span inputs kept for backwards in flight (--max-train-mib),
     # and the activations of the largest backward recompute, per block of the span and at the tail
     train_kept_bytes: int = 0
+    train_replies_bytes: int = 0  # the replies kept for resends (server/train_replay.py): a share of --max-train-mib
     backward_block_bytes: int = 0
     backward_tail_bytes: int = 0
     backward_bytes: int = 0  # --max-backward-mib: a flat budget instead of the two above (0: theirs)
@@ -82,11 +84,12 @@ class MemoryPlan:
         return num_blocks * self.backward_block_bytes + (self.backward_tail_bytes if tail else 0)
 
     def train_bytes(self, num_blocks: int, tail: bool) -> int:
-        """What training steps add to the headroom: the kept inputs, and the largest backward's activations
-        beyond what the headroom and the batched pass's reserve hold. A batched pass and a backward run on
-        the span's one compute thread, never at once, so they share that memory."""
+        """What training steps add to the headroom: the kept inputs, the replies kept for resends, and the largest
+        backward's activations beyond what the headroom and the batched pass's reserve hold. A batched pass and
+        a backward run on the span's one compute thread, never at once, so they share that memory."""
         shared = int(self.free_bytes * HEADROOM_FRACTION) + self.batch_bytes
-        return self.train_kept_bytes + max(0, self.backward_budget(num_blocks, tail) - shared)
+        kept = self.train_kept_bytes + self.train_replies_bytes
+        return kept + max(0, self.backward_budget(num_blocks, tail) - shared)
 
     def cache_bytes(self, num_blocks: int) -> int:
         """Memory kept for the KV cache of a span of ``num_blocks``."""
@@ -184,7 +187,8 @@ class MemoryPlan:
         if self.train_kept_bytes or self.backward_block_bytes or self.backward_bytes:
             text += (
                 f", {self.train_bytes(n, False) / GiB:.2f} GiB more for training steps (inputs kept for backwards: "
-                f"{self.train_kept_bytes / GiB:.2f} GiB; the largest backward's activations: "
+                f"{self.train_kept_bytes / GiB:.2f} GiB; replies kept for resends: "
+                f"{self.train_replies_bytes / GiB:.2f} GiB; the largest backward's activations: "
                 f"{self.backward_budget(n, False) / GiB:.2f} GiB, shared with the headroom)"
             )
         head, tail = self.head_blocks, self.tail_blocks
@@ -358,8 +362,9 @@ def plan_blocks(
     ``batch_positions`` (--max-batch-positions): the largest batched pass; by default it is what the
     headroom holds (:func:`batch_positions_that_fit`), and a larger one reserves the rest beside it.
     ``adapter_bytes``: what LoRA adapters add to a block at most (server/lora.py), counted in every block.
-    ``training``: (--max-train-mib, --max-positions-per-step, --max-backward-mib): the kept inputs and the
-    largest backward counted (:meth:`MemoryPlan.train_bytes`); none for spans that refuse training."""
+    ``training``: (--max-train-mib, --max-positions-per-step, --max-backward-mib): the kept inputs, the replies
+    kept for resends (1/REPLY_SHARE of --max-train-mib, server/train_replay.py) and the largest backward
+    counted (:meth:`MemoryPlan.train_bytes`); none for spans that refuse training."""
     free = free_device_bytes(device) if free_bytes is None else free_bytes
     sizes = model_sizes(config, dtype, quant)
     sizes = dataclasses.replace(sizes, block_bytes=sizes.block_bytes + adapter_bytes)
@@ -374,6 +379,7 @@ def plan_blocks(
     return dataclasses.replace(
         plan,
         train_kept_bytes=kept_mib << 20,
+        train_replies_bytes=(kept_mib << 20) // REPLY_SHARE,
         backward_block_bytes=backward_bytes(config, dtype, positions, 1, False),
         backward_tail_bytes=tail_only,
         backward_bytes=backward_mib << 20,

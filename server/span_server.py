@@ -103,6 +103,7 @@ class SpanServer(SpanMoves):
             cancelled_runs=self.handler.stats["cancelled_runs"],
             open_sessions=len(self.handler.sessions),
             train_forwards=self.handler.training.stats["train_forwards"],
+            max_backward_bytes=self.handler.training.announced_backward_budget,
         )
 
     def _announce(self, state: ServerState = ServerState.ONLINE, expiration: Optional[float] = None) -> None:

@@ -1,6 +1,8 @@
 """What a server's training steps may hold at once, and who holds it (docs/reliability.md, "Limits").
 
-Three bounds, each refused ``busy`` with a message naming it while sessions go on unchanged:
+Three bounds, each refused ``busy`` with a message naming it while sessions go on unchanged (and a fourth store,
+the replies kept for resends, a quarter of ``--max-train-mib`` beside it, which evicts its oldest instead:
+server/train_replay.py):
   - the span inputs kept between a step's forward and its backward (``--max-train-mib``), in all and, for
     one upstream peer that is not a server forwarding steps (server/admission.py ``cap_owner``), at most
     1/PEER_TRAIN_SHARE of them;
@@ -9,9 +11,11 @@ Three bounds, each refused ``busy`` with a message naming it while sessions go o
   - the activations of one row's backward recompute through this server's blocks
     (protocol/train_memory.py ``backward_bytes``; a long row's chunk counts the earlier positions its
     attention reads), at most the budget the memory plan counted (``--max-backward-mib``; by default what a
-    row of ``--max-positions-per-step`` positions needs, so every row the step limit allows fits, and a client
-    sizes a long row's later chunks to fit it too: ``chunk_positions``). Rows run one at a time on the span's
-    compute thread, so one row's is the peak.
+    row of ``--max-positions-per-step`` positions needs, so every row the step limit allows fits). The records
+    announce it (``ServerInfo.max_backward_bytes``) and a client sizes each row's chunks to the smallest on its
+    route (protocol/train_memory.py ``route_chunk_positions``). A classification row's tail computes no logits,
+    so its estimate leaves them out. Rows run one at a time on the span's compute thread, so one row's is the
+    peak.
 """
 
 from __future__ import annotations
@@ -26,6 +30,9 @@ import torch
 from protocol.errors import ErrorCode, ProtocolError
 
 PEER_TRAIN_SHARE = 2  # one upstream peer (a client) holds at most 1/2 of the kept inputs and of the rows in flight
+# the replies kept for resends (server/train_replay.py RepliedRows) hold at most 1/REPLY_SHARE of --max-train-mib,
+# beside the kept inputs; the memory plan counts both (server/memory.py)
+REPLY_SHARE = 4
 MiB = 1 << 20
 
 
@@ -147,11 +154,15 @@ class RowsInFlight:
                     del self._by_owner[owner]
 
 
-def check_backward(needed: int, budget: int, positions: int, blocks: int, tail: bool, offset: int = 0) -> None:
+def check_backward(
+    needed: int, budget: int, positions: int, blocks: int, logits: bool, offset: int = 0, tail: Optional[bool] = None
+) -> None:
     """A row (or a long row's chunk after ``offset`` earlier positions) whose backward would need more activation
-    memory than the plan counted: ``busy``, naming both."""
+    memory than the plan counted: ``busy``, naming both. ``logits``: the estimate counts the LM head's; ``tail``
+    (default: ``logits``) without them: a classification row's score head at the tail."""
     if needed > budget:
-        where = f"{blocks} blocks" + (" and the LM head" if tail else "")
+        tail = logits if tail is None else tail
+        where = f"{blocks} blocks" + (" and the LM head" if logits else " and the score head" if tail else "")
         after = f" after {offset} earlier positions of its row" if offset else ""
         raise ProtocolError(
             ErrorCode.BUSY,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import logging
 import time
 from typing import Optional, Sequence
 
@@ -21,6 +22,9 @@ import torch
 
 from protocol.errors import RETRYABLE_CODES, ProtocolError
 from protocol.messages import Hop, TrainForward
+from server.train_budget import REPLY_SHARE
+
+logger = logging.getLogger(__name__)
 
 Replied = tuple[list[torch.Tensor], float, int]  # the gradients sent upstream, the loss sum, the target count
 
@@ -53,11 +57,16 @@ def row_digest(message: TrainForward, tensors: Sequence[torch.Tensor]) -> bytes:
 
 class RepliedRows:
     """The replies a hop sent for recent rows, by step id and row digest: at most ``max_bytes`` of gradients
-    (oldest dropped first), each for ``timeout`` seconds (a step's own timeout: no resend comes later)."""
+    (1/REPLY_SHARE of --max-train-mib, which the memory plan counts: server/memory.py), each for ``timeout``
+    seconds (a step's own timeout: no resend comes later). Past the bound the oldest replies go first, and a
+    reply larger than the whole store is not kept: a store that cannot hold a reply costs only a resend's
+    compute (the hop computes the resent row through, as a new one), never a step, so it evicts rather than
+    refuses, and says so (``evicted``, and a log line naming the bound)."""
 
     def __init__(self, max_bytes: int, timeout: float):
         self.max_bytes, self.timeout = max_bytes, timeout
         self._replies: collections.OrderedDict[tuple[str, bytes], tuple[Replied, float]] = collections.OrderedDict()
+        self.evicted = 0  # replies dropped (or never kept) for room before their timeout
 
     @property
     def bytes(self) -> int:
@@ -76,12 +85,26 @@ class RepliedRows:
         found = self._replies.get((step_id, digest))
         return found[0] if found is not None else None
 
-    def put(self, step_id: str, digest: bytes, replied: Replied) -> None:
-        if self._size(replied) > self.max_bytes:
-            return
+    def put(self, step_id: str, digest: bytes, replied: Replied) -> bool:
+        """Keep ``replied`` within the bound (the oldest go first); False when it alone is past the bound."""
+        self._expire()
+        size = self._size(replied)
+        if size > self.max_bytes:
+            self.evicted += 1
+            logger.info(
+                f"Training step {step_id!r}: its reply ({size} bytes) is not kept for resends: the store holds at "
+                f"most {self.max_bytes} bytes (1/{REPLY_SHARE} of --max-train-mib); a resend is computed again"
+            )
+            return False
         self._replies[(step_id, digest)] = (replied, time.monotonic() + self.timeout)
         while self.bytes > self.max_bytes:
-            self._replies.popitem(last=False)
+            (old, _), _ = self._replies.popitem(last=False)
+            self.evicted += 1
+            logger.info(
+                f"Training step {old!r}: its reply for resends is evicted before its timeout, for room: the store "
+                f"holds at most {self.max_bytes} bytes (1/{REPLY_SHARE} of --max-train-mib)"
+            )
+        return True
 
     def drop(self, step_id: str) -> None:
         """Forget every reply of ``step_id`` (its client abandoned it: server/train_drops.py)."""

@@ -37,7 +37,7 @@ from server.admission import HeldBlocks, cap_owner
 from server.lora import check_adapter
 from server.memory import backward_bytes
 from server.replies import report, send_quietly
-from server.train_budget import KeptInputs, RowsInFlight, check_backward
+from server.train_budget import REPLY_SHARE, KeptInputs, RowsInFlight, check_backward
 from server.train_checks import IGNORE_INDEX, check_gradient, check_tensors, check_train_forward, split_train_tensors
 from server.train_chunks import Backward, ChunkedSteps
 from server.train_drops import serve_drop
@@ -79,7 +79,7 @@ class TrainingHandler:
         self.max_positions_per_step, self.step_timeout = max_positions_per_step, step_timeout
         self.kept = KeptInputs(max_kept_bytes, step_timeout)
         self.chunks = ChunkedSteps(self)  # rows longer than a step, between their laps (server/train_chunks.py)
-        self.replied = RepliedRows(max_kept_bytes // 4, step_timeout)  # resends (server/train_replay.py)
+        self.replied = RepliedRows(max_kept_bytes // REPLY_SHARE, step_timeout)  # resends (server/train_replay.py)
         # frames sized for the model's first block on, so they hold wherever a move takes this server
         deep = limits.deep_prompt_elements(span.num_blocks, span.hidden_shape[-1])
         self.max_frame_bytes = limits.train_frame_bytes(span.hidden_shape, max_positions_per_step, deep)
@@ -114,6 +114,12 @@ class TrainingHandler:
         span = self.span
         blocks, positions = span.end - span.start, self.max_positions_per_step
         return self.max_backward_bytes or backward_bytes(span.config, span.dtype, positions, blocks, span.is_tail)
+
+    @property
+    def announced_backward_budget(self) -> int:
+        """What the records announce (``ServerInfo.max_backward_bytes``), so that clients size a long row's chunks
+        to fit it: the budget, or 0 where the span refuses training anyway."""
+        return 0 if self.span.backward_refusal() else self.backward_budget
 
     def use_span(self, span: SpanAdapter) -> None:
         """The span a move loaded (server/moves.py): training steps run through its blocks from now on."""
@@ -216,9 +222,11 @@ class TrainingHandler:
         hop, span = message.route[message.hop_index], self.span
         prompts_here = message.num_prompts if message.chunk_index == 0 else 0  # a long row's prompts: chunk 0 only
         positions, tail = prompts_here + len(message.token_ids), hop.end == span.num_blocks
-        # a long row's chunk recomputes after its earlier positions' keys/values (server/train_chunks.py): counted
-        needed = backward_bytes(span.config, span.dtype, positions, hop.end - hop.start, tail, message.chunk_offset)
-        check_backward(needed, self.backward_budget, positions, hop.end - hop.start, tail, message.chunk_offset)
+        # a long row's chunk recomputes after its earlier positions' keys/values (server/train_chunks.py): counted;
+        # a classification row's tail scores one position with the score head, it computes no logits
+        logits = tail and not message.num_labels
+        needed = backward_bytes(span.config, span.dtype, positions, hop.end - hop.start, logits, message.chunk_offset)
+        check_backward(needed, self.backward_budget, positions, hop.end - hop.start, logits, message.chunk_offset, tail)
         if message.num_chunks > 1:
             return await self.chunks.lap(message, tensors, self._owner(message, upstream))
         digest = row_digest(message, tensors)

@@ -93,6 +93,8 @@ HOSTILE_FIELDS = {
     "counter 2**70": {"accepted_tokens": 2**70},
     "unknown state": {"state": "leader"},
     "empty peer id": {"peer_id": ""},
+    "negative backward budget": {"max_backward_bytes": -1},
+    "backward budget 2**60": {"max_backward_bytes": 2**60},
 }
 
 

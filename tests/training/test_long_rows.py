@@ -21,7 +21,7 @@ from client.errors import GenerationError
 from protocol import limits
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.messages import ErrorReply, Hop, TrainBackward, TrainDrop, TrainForward
-from protocol.train_memory import backward_bytes
+from protocol.train_memory import HopBudget, backward_bytes
 from tests.kit.swarms import start_inprocess
 from tests.kit.waiting import wait_until
 from tests.training.test_classification import local_logits
@@ -86,6 +86,40 @@ def test_later_chunks_shrink_so_each_backward_fits_what_a_step_holds(tiny_llama_
         assert backward_bytes(config, torch.float32, len(ids) + 1, 1, False, offset) > block
     with pytest.raises(ValueError, match="its chunk after 60 positions has no room in the backward of a step"):
         split_row(TrainRow(list(range(80)), list(range(80))), PRE_SEQ_LEN, MAX_POSITIONS, config)
+
+
+def test_chunks_fit_the_smallest_backward_budget_the_route_announces(tiny_llama_path):
+    """With the route's announced budgets (``ServerInfo.max_backward_bytes``) every chunk, the first one included,
+    is as large as the smallest budget allows after its offset: a row a step holds goes in chunks through a tail of
+    a small ``--max-backward-mib``, each within every hop's check (server/training.py) and no smaller than it must
+    be. A classification row's tail computes no logits, so its chunks are sized without them (here: one chunk);
+    a budget too small for the prompts is refused by name, naming the server."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(tiny_llama_path)
+    f32, limit, prompts = torch.float32, 64, 4
+    row = TrainRow(list(range(40)), list(range(40)))
+    middle = HopBudget(backward_bytes(config, f32, limit, 3, False), 3, False, f32, "head")  # the default
+    default_tail = HopBudget(backward_bytes(config, f32, limit, 3, True), 3, True, f32, "tail")
+    assert split_row(row, prompts, limit, config, [middle, default_tail]) == [(0, row.token_ids, row.targets)]
+    small_tail = HopBudget(8 << 20, 3, True, f32, "tail")  # --max-backward-mib 8: the logits of ~13 positions
+    chunks = split_row(row, prompts, limit, config, [middle, small_tail])
+    assert [(offset, len(ids)) for offset, ids, _ in chunks] == [(0, 9), (13, 13), (26, 13), (39, 5)]
+    assert sum((ids for _, ids, _ in chunks), []) == row.token_ids
+    for index, (offset, ids, _) in enumerate(chunks):
+        positions = len(ids) + (prompts if index == 0 else 0)
+        for hop in (middle, small_tail):
+            assert backward_bytes(config, hop.dtype, positions, hop.blocks, hop.tail, offset) <= hop.budget
+        if index < len(chunks) - 1:  # as large as the tail takes
+            assert backward_bytes(config, f32, positions + 1, 3, True, offset) > small_tail.budget
+    # classification: the tail's estimate leaves the LM head's logits out, as the tail's check does
+    assert len(split_row(row, prompts, limit, config, [middle, small_tail], logits=False)) == 1
+    with pytest.raises(
+        ValueError,
+        match=r"its first chunk \(4 prompts\) has no room in the backward budget of server "
+        r"tail \(1.0 MiB through 3 blocks",
+    ):
+        split_row(row, prompts, limit, config, [middle, HopBudget(1 << 20, 3, True, f32, "tail")])
 
 
 def check_against_local(model, reference, servers, input_ids, mask, labels):

@@ -3,7 +3,9 @@
 The backward's activation estimate is checked against what autograd saves on a real span of the tiny Llama;
 the plan is checked to count it (and the kept inputs) and to leave it out where spans refuse training; two
 in-process servers (blocks 0:3, 3:6) refuse a stranger's rows past the backward budget and past its share of
-the kept inputs, naming the bound, while an honest client's training step and generation go on exactly.
+the kept inputs, naming the bound, while an honest client's training step and generation go on exactly; and a tail
+with a small backward budget announces it, so an honest client sends a long row in chunks it takes (and a
+classification row, which computes no logits, whole), exactly as local transformers computes them.
 """
 
 from __future__ import annotations
@@ -11,14 +13,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from protocol.dht_records import fetch_servers
 from protocol.errors import ErrorCode, ProtocolError
+from protocol.messages import ErrorReply, Hop, TrainForward
 from server.memory import HEADROOM_FRACTION, backward_bytes, plan_blocks
 from server.quantization import Quant
 from server.train_budget import KeptInputs, RowsInFlight
 from tests.kit import faults
 from tests.kit.reference import PROMPT, greedy_reference
 from tests.kit.swarms import start_inprocess
-from tests.training.test_fine_tuning import close_grads, local_loss
+from tests.kit.waiting import wait_until
+from tests.training.test_fine_tuning import close_grads, local_loss, raw_exchange
 
 MiB = 1 << 20
 PRE_SEQ_LEN = 4
@@ -100,10 +105,18 @@ def test_the_plan_counts_kept_inputs_and_the_largest_backward(tiny_config):
         for tail in (False, True):
             backward = backward_bytes(tiny_config, torch.float32, 512, blocks, tail)
             extra = trained.needed_bytes(blocks, tail=tail) - base.needed_bytes(blocks, tail=tail)
-            assert extra == 16 * MiB + max(0, backward - headroom), (blocks, tail)
+            # the kept inputs, the replies kept for resends (a quarter of them) and the backward past the headroom
+            assert extra == 16 * MiB + 4 * MiB + max(0, backward - headroom), (blocks, tail)
     # 512 positions of float32 logits at the tail (3 x 49,152 x 4 bytes each) do not fit in 250 MiB
     assert base.tail_blocks == 5 and trained.tail_blocks == 0 and trained.most_blocks() == 4
     assert "more for training steps" in trained.describe("cpu")
+    assert "replies kept for resends: 0.00 GiB" in trained.describe("cpu")
+    # the replies' share decides: a plan whose kept inputs and replies fill what a middle block leaves
+    one_block = base.needed_bytes(1) + max(0, backward_bytes(tiny_config, torch.float32, 512, 1, False) - headroom)
+    room = (free - one_block) >> 20  # MiB a middle span of one block leaves for the kept inputs and replies
+    fits = plan_blocks(tiny_config, torch.float32, "cpu", 6, free_bytes=free, training=(room * 4 // 5, 512, 0))
+    past = plan_blocks(tiny_config, torch.float32, "cpu", 6, free_bytes=free, training=(room * 4 // 5 + 2, 512, 0))
+    assert fits.most_blocks() >= 1 and past.most_blocks() == 0, (room, fits.most_blocks(), past.most_blocks())
     # --max-backward-mib: a flat budget instead, which fits
     capped = plan_blocks(tiny_config, torch.float32, "cpu", 6, free_bytes=free, training=(16, 512, 64))
     assert capped.backward_budget(5, True) == 64 * MiB and capped.tail_blocks == 5
@@ -173,8 +186,15 @@ def test_a_strangers_rows_past_the_budget_are_refused_while_others_train_and_gen
     head.handler.training.kept.max_bytes = 2048
     faults.slow_training(tail.handler.span, 0.5)  # so both rows of a step are in flight at the head at once
     try:
-        with pytest.raises(GenerationError, match=r"a backward of 52 positions through 3 blocks and the LM head needs"):
-            train_step(stranger, long)
+        # a stranger that ignores the budget the tail announces sends the 52-position row whole: refused by name
+        route = [Hop(head.handler.peer_id, 0, 3), Hop(tail.handler.peer_id, 3, 6)]
+        ids = long[0].tolist()
+        row = TrainForward(
+            step_id="long", route=route, hop_index=0, num_prompts=PRE_SEQ_LEN, token_ids=ids, targets=ids
+        )
+        reply = raw_exchange(stranger, head.handler.peer_id, row, [torch.zeros(PRE_SEQ_LEN, tiny_config.hidden_size)])
+        assert isinstance(reply, ErrorReply) and reply.code == ErrorCode.BUSY, reply
+        assert "a backward of 52 positions through 3 blocks and the LM head needs" in reply.message, reply
         assert tail.handler.training.stats["train_refused"] >= 1  # the tail refused it; the head relayed it
         with pytest.raises(
             GenerationError, match=r"already keeps 1024 bytes of training inputs here: .* share of 1024"
@@ -195,6 +215,85 @@ def test_a_strangers_rows_past_the_budget_are_refused_while_others_train_and_gen
         head.handler.training.kept.max_bytes = 256 * MiB
     for server in swarm.servers:
         assert len(server.handler.training.kept) == 0 and server.handler.training.in_flight == 0
+
+
+def announced_budget(model, peer_id: str) -> int:
+    """The backward budget ``peer_id``'s record announces, as ``model``'s client reads it from the DHT."""
+    infos = fetch_servers(model.swarm.dht, model.swarm.model, 6)
+    return next((info.max_backward_bytes for info in infos if info.peer_id == peer_id), -1)
+
+
+def test_a_long_row_goes_in_chunks_that_fit_a_tails_small_backward_budget(
+    budget_swarm, tiny_reference, tiny_config, tiny_llama_path
+):
+    """The tail runs with 8 MiB of backward budget (``--max-backward-mib 8``; its default holds a 64-position row,
+    whose logits alone are 36 MiB): its records announce it, and the client sends a 44-position row (4 prompts +
+    40 ids: one step of 64) in the chunks the tail takes instead of whole, which the tail would refuse. Loss and
+    prompt gradients equal local transformers over the whole row (loss 1e-5 relative, gradients 1e-4 of their
+    largest entry); the tail refused nothing. A classification row of the same ids goes whole: its tail scores one
+    position with the score head and computes no logits, so the tail's check and the client's sizing leave them
+    out (its logits, loss and gradients equal local transformers'; counted with the logits it would be refused)."""
+    swarm, _ = budget_swarm
+    honest, tail = swarm.model, swarm.servers[1]
+    training = tail.handler.training
+    small = 8 << 20
+    default = training.backward_budget  # a row of 64 positions through 3 blocks and the LM head
+    assert default > small
+    wait_until(lambda: announced_budget(honest, tail.handler.peer_id) == default, "the default budget announced", 30)
+    training.max_backward_bytes = small  # what --max-backward-mib 8 sets (server/server_config.py train_limits)
+    try:
+        wait_until(lambda: announced_budget(honest, tail.handler.peer_id) == small, "the small budget announced", 30)
+        torch.manual_seed(5)
+        ids = torch.randint(0, tiny_config.vocab_size, (1, 40))
+        assert backward_bytes(tiny_config, torch.float32, PRE_SEQ_LEN + 40, 3, True) > 3 * small  # whole: refused
+        refused, forwards = training.stats["train_refused"], training.stats["train_forwards"]
+        loss, grad = train_step(honest, ids)
+        assert training.stats["train_forwards"] - forwards == 4  # chunks of 9, 13, 13 and 5 ids
+        assert training.stats["train_refused"] == refused
+        prompts = honest.prompt_embeddings.weight.detach().clone().requires_grad_(True)
+        expected = local_loss(tiny_reference, prompts, ids, torch.ones_like(ids), ids)
+        expected.backward()
+        assert abs(loss.item() - expected.item()) <= 1e-5 * abs(expected.item()), (loss.item(), expected.item())
+        assert float(grad.abs().max()) > 0
+        assert close_grads(grad, prompts.grad), float((grad - prompts.grad).abs().max())
+        classify_through_the_small_tail(swarm, tiny_llama_path, ids, training)
+    finally:
+        training.max_backward_bytes = 0
+    for server in swarm.servers:
+        assert len(server.handler.training.chunks) == 0 and len(server.handler.training.kept) == 0
+
+
+def classify_through_the_small_tail(swarm, path, ids: torch.Tensor, training) -> None:
+    from transformers import AutoModelForSequenceClassification
+
+    from swarm import AutoDistributedModelForSequenceClassification
+    from tests.training.test_classification import local_logits
+
+    model = AutoDistributedModelForSequenceClassification.from_pretrained(
+        str(path), initial_peers=swarm.peers, num_labels=2, tuning_mode="ptune", pre_seq_len=PRE_SEQ_LEN
+    )
+    reference = AutoModelForSequenceClassification.from_pretrained(path, num_labels=2, dtype="float32")
+    try:
+        torch.manual_seed(6)
+        with torch.no_grad():
+            model.prompt_embeddings.weight.normal_(0, 0.5)
+            reference.score.weight.copy_(model.score.weight)
+        config = model.config
+        assert backward_bytes(config, torch.float32, PRE_SEQ_LEN + 40, 3, True) > training.max_backward_bytes
+        forwards, labels = training.stats["train_forwards"], torch.tensor([1])
+        out = model(ids, attention_mask=torch.ones_like(ids), labels=labels)
+        out.loss.backward()
+        assert training.stats["train_forwards"] - forwards == 1  # one lap: the row whole
+        prompts = model.prompt_embeddings.weight.detach().clone().requires_grad_(True)
+        expected_logits = local_logits(reference, prompts, ids, torch.ones_like(ids))
+        expected = torch.nn.functional.cross_entropy(expected_logits, labels)
+        expected.backward()
+        assert torch.allclose(out.logits, expected_logits, rtol=1e-5, atol=1e-6)
+        assert abs(out.loss.item() - expected.item()) <= 1e-5 * abs(expected.item())
+        assert close_grads(model.score.weight.grad, reference.score.weight.grad)
+        assert close_grads(model.prompt_embeddings.weight.grad, prompts.grad)
+    finally:
+        model.shutdown()
 
 
 def plain_generation(model) -> list[list[int]]:

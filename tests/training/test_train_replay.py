@@ -60,10 +60,11 @@ def test_replied_rows_are_bounded_in_bytes_and_time():
     replies.put("a", b"1", (grads, 1.0, 3))
     replies.put("b", b"1", (grads, 2.0, 3))
     assert replies.get("a", b"1")[1] == 1.0 and replies.get("a", b"2") is None
-    replies.put("c", b"1", (grads, 3.0, 3))  # 1200 bytes: the oldest goes
+    assert replies.put("c", b"1", (grads, 3.0, 3))  # 1200 bytes: the oldest goes
     assert replies.get("a", b"1") is None and replies.get("c", b"1") is not None and replies.bytes <= 1000
-    replies.put("big", b"1", ([torch.zeros(1000)], 0.0, 0))  # larger than the whole store: not kept
-    assert replies.get("big", b"1") is None
+    assert replies.evicted == 1
+    assert not replies.put("big", b"1", ([torch.zeros(1000)], 0.0, 0))  # larger than the whole store: not kept
+    assert replies.get("big", b"1") is None and replies.evicted == 2
     short = RepliedRows(max_bytes=1000, timeout=0.05)
     short.put("a", b"1", (grads, 1.0, 3))
     time.sleep(0.1)
