@@ -349,7 +349,7 @@ def run(args: argparse.Namespace) -> int:
     if args.fresh and Path(args.work).exists():
         shutil.rmtree(args.work)
     convert = "from protocol.models import resolve_model; print(resolve_model('smollm2-135m').source)"
-    if not job.stage("convert", ["-c", convert], cap=120):
+    if not job.stage("convert", ["-c", convert], cap=args.convert_seconds):
         return 1
     data_argv = ["-m", "server.drafter_data", "--model", MODEL_NAME, "--out", str(data), "--device", args.device,
                  "--target-tokens", str(args.target_tokens), "--max-seconds", str(args.data_seconds),
@@ -409,6 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("run", help="device call 2: rebuild the model, data, training, held-out eval")
     r.add_argument("--device", default="cuda", choices=("auto", "cpu", "cuda"))
     r.add_argument("--budget", type=float, default=420.0, help="seconds for the whole call (eval takes what is left)")
+    r.add_argument("--convert-seconds", type=float, default=150.0, help="cap of the GGUF -> safetensors conversion")
     r.add_argument("--target-tokens", type=int, default=1_200_000)
     r.add_argument("--data-seconds", type=float, default=150.0, help="start no new shard after this")
     r.add_argument("--data-batch", type=int, default=None, help="prompts per shard (default: the device's)")

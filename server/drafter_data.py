@@ -41,6 +41,7 @@ logger = logging.getLogger("server.drafter_data")
 DEFAULT_DIR = Path.home() / ".cache" / "specswarm" / "drafter-data"
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
+_clock = time.monotonic  # --max-seconds' clock (a test steps it by hand)
 TEMPERATURES = (0.0, 0.7, 0.0, 1.0)  # by shard number: half greedy, half sampled (what verification meets)
 
 
@@ -191,9 +192,9 @@ def generate(
     pending = pending_prompts(bank, manifest)
     logger.info(f"{folder}: {len(manifest.shards)} shards, {manifest.tokens} tokens; {len(pending)} prompts pending")
     bar = tqdm(total=target_tokens, initial=min(manifest.tokens, target_tokens), unit="tok", disable=not progress)
-    written, started = 0, time.monotonic()
+    written, started = 0, _clock()
     while manifest.tokens < target_tokens and pending and (max_shards is None or written < max_shards):
-        if max_seconds is not None and time.monotonic() - started >= max_seconds:
+        if max_seconds is not None and _clock() - started >= max_seconds:
             logger.info(f"stop: --max-seconds {max_seconds:g} spent after {written} new shards")
             break
         number = len(manifest.shards)

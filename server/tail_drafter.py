@@ -121,12 +121,12 @@ def save_drafter(
     from safetensors.torch import save_file
 
     tensors = {
-        name: t.detach().to(dtype).contiguous()
+        name: t.detach().to("cpu", dtype).contiguous()  # a head trained on a GPU is written from the CPU
         for name, t in net.state_dict().items()
         if not name.startswith("rotary_emb.")
     }
     if draft_vocab is not None:
-        tensors["draft_vocab"] = draft_vocab.to(torch.int32).contiguous()
+        tensors["draft_vocab"] = draft_vocab.to("cpu", torch.int32).contiguous()
     metadata = {"format": DRAFTER_FORMAT, "fingerprint": config_fingerprint(config), "model_type": config.model_type}
     metadata.update(extra or {})
     Path(path).parent.mkdir(parents=True, exist_ok=True)
