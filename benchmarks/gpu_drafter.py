@@ -369,6 +369,7 @@ def run(args: argparse.Namespace) -> int:
     job.write_summary()
     train_argv = ["-m", "server.drafter_train", "--model", MODEL_NAME, "--data", str(data), "--out", str(heads),
                   "--device", args.device, "--train-seconds", str(args.train_seconds), "--eval-prompts", "0",
+                  "--chunk", str(args.chunk),
                   "--no-progress"]  # fmt: skip
     if args.train_batch:
         train_argv += ["--batch", str(args.train_batch)]
@@ -417,6 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--max-shards", type=int, default=None)
     r.add_argument("--train-seconds", type=float, default=150.0, help="training, features included")
     r.add_argument("--train-batch", type=int, default=None, help="windows per step (default: the device's)")
+    r.add_argument("--chunk", type=int, default=128, help="positions per training window")
     r.add_argument("--eval-prompts", type=int, default=12, help="held-out prompts per kind (chat, code)")
     r.add_argument("--work", default="/tmp/gpujob", help="where data and the head are made")
     r.add_argument("--fresh", action="store_true", help="delete --work first")

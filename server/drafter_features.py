@@ -46,7 +46,7 @@ def target_windows(model: PreTrainedModel, windows: list[list[int]], batch: int 
     """The target's features and choices over ``windows`` (each a fresh sequence from position 0),
     computed on the model's device and returned on the CPU (they are cached to disk)."""
     feats, labels = [], []
-    ids = torch.tensor(windows, dtype=torch.long).reshape(len(windows), -1)
+    ids = torch.tensor(windows, dtype=torch.long).reshape(len(windows), -1 if windows else 0)
     for i in range(0, len(windows), batch):
         hidden = model.model(input_ids=ids[i : i + batch].to(model.device)).last_hidden_state  # after the final norm
         feats.append(hidden.half().cpu())

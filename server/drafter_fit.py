@@ -137,6 +137,7 @@ class Fit:
                 files = [s["file"] for s in read_manifest(self.data_dir).shards]
                 random.Random(cfg.seed * 1000 + c.epoch).shuffle(files)
                 c.order, c.shard, c.batch = files, 0, 0
+            yielded = c.shard > 0 or c.batch > 0  # a resumed epoch has yielded before
             while c.shard < len(c.order):
                 name = c.order[c.shard]
                 began = time.perf_counter()
@@ -147,8 +148,11 @@ class Fit:
                 while c.batch < len(starts):
                     pick = order[starts[c.batch] : starts[c.batch] + cfg.batch]
                     d = self.device
+                    yielded = True
                     yield windows.feats[pick].to(d).float(), windows.ids[pick].to(d), windows.labels[pick].to(d)
                 c.shard, c.batch = c.shard + 1, 0
+            if not yielded:
+                raise ValueError(f"{self.data_dir}: no row holds {cfg.chunk} positions (a window): lower --chunk")
             c.epoch, c.order = c.epoch + 1, []
 
     def run(self, progress: bool = True, until: Optional[int] = None) -> None:
