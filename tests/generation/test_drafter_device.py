@@ -68,3 +68,21 @@ def test_cache_kwarg_names_what_the_installed_transformers_reads():
     config = LlamaConfig(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1)
     layer = LlamaDecoderLayer(config, layer_idx=0)
     assert cache_kwarg(layer) in inspect.signature(LlamaDecoderLayer.forward).parameters
+
+
+def test_training_on_rows_shorter_than_a_window_says_so(tiny_llama_path, tmp_path):
+    """A shard whose rows are all shorter than --chunk has no window; a data folder of such shards
+    used to crash on an empty reshape (and, past it, would loop for ever looking for a batch)."""
+    from transformers import AutoModelForCausalLM
+
+    from server.drafter_data import Manifest, _atomic_write, make_shard, write_manifest
+    from server.drafter_fit import Fit, FitConfig
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_path).eval().requires_grad_(False)
+    shard = make_shard([0, 1], [[1, 2, 3], [4, 5]], [[6, 7], [8]], 0.0)
+    _atomic_write(tmp_path / "shard-00000.pt", lambda f: torch.save(shard, f))
+    entry = dict(file="shard-00000.pt", indices=[0, 1], prompts=["a", "b"], answer_tokens=3, temperature=0.0)
+    write_manifest(tmp_path, Manifest("tiny", 0, 4, [entry]))
+    fit = Fit(model, tmp_path, tmp_path / "ck.pt", FitConfig(chunk=16, max_steps=2), draft_vocab=torch.arange(8))
+    with pytest.raises(ValueError, match="no row holds 16 positions"):
+        fit.run(progress=False)
