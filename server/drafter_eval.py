@@ -21,8 +21,10 @@ import torch
 from transformers import DynamicCache
 
 from server.drafter_data import _atomic_write, answer_batch, chat_ids
+from server.drafter_device import DEVICES, pick_device
 from server.drafter_prompts import held_out_prompts
 from server.drafter_ttt import Head, ttt_forward
+from server.tail_drafter import cache_kwarg
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -60,7 +62,7 @@ def teacher_forced(
     """Fraction of answer positions whose first k chained drafts all equal the target's choices."""
     hits, count = [0] * depth, 0
     for ids, prompt_len in rows:
-        x = torch.tensor([ids])
+        x = torch.tensor([ids], device=model.device)
         feats = model.model(input_ids=x).last_hidden_state
         labels = model.lm_head(feats).argmax(-1)
         predicted = ttt_forward(net, head, feats[:, :-1], x[:, 1:], depth)
@@ -91,26 +93,31 @@ def free_running(
     from server.adapters.llama import _causal_mask
 
     laps, hits, tokens = 0, [0] * depth, 0
+    dev, kw = model.device, cache_kwarg(model.model)
+
+    def t(rows_of_ids: list[list[int]]) -> torch.Tensor:
+        return torch.tensor(rows_of_ids, device=dev)
+
     for ids, prompt_len in rows:
-        x = torch.tensor([ids[:prompt_len]])
+        x = t([ids[:prompt_len]])
         target_cache, draft_cache = DynamicCache(config=model.config), net.new_cache()
-        feats = model.model(input_ids=x, cache=target_cache, use_cache=True).last_hidden_state
+        feats = model.model(input_ids=x, use_cache=True, **{kw: target_cache}).last_hidden_state
         bonus = int(model.lm_head(feats[:, -1]).argmax(-1))
         length, made = prompt_len, 1
-        next_ids = torch.cat([x[:, 1:], torch.tensor([[bonus]])], dim=1)
-        mask = _causal_mask(0, length, torch.device("cpu"))
-        out = net(feats, head.embed[next_ids], torch.arange(length).unsqueeze(0), draft_cache, mask)
+        next_ids = torch.cat([x[:, 1:], t([[bonus]])], dim=1)
+        mask = _causal_mask(0, length, dev)
+        out = net(feats, head.embed[next_ids], torch.arange(length, device=dev).unsqueeze(0), draft_cache, mask)
         while made < ANSWER_TOKENS and bonus != eos:
             drafts, o, pos = [], out[:, -1:], length
             for k in range(depth):
                 predicted = head.norm(o)
                 drafts.append(int(head.draft_ids(predicted[0, -1])))
                 if k + 1 < depth:
-                    o = net(predicted, head.embed[torch.tensor([[drafts[-1]]])], torch.tensor([[pos]]), draft_cache)
+                    o = net(predicted, head.embed[t([[drafts[-1]]])], t([[pos]]), draft_cache)
                     pos += 1
             _crop(draft_cache, length)
-            run = torch.tensor([[bonus] + drafts])
-            feats = model.model(input_ids=run, cache=target_cache, use_cache=True).last_hidden_state
+            run = t([[bonus] + drafts])
+            feats = model.model(input_ids=run, use_cache=True, **{kw: target_cache}).last_hidden_state
             choice = model.lm_head(feats[0]).argmax(-1).tolist()
             accepted = 0
             while accepted < depth and drafts[accepted] == choice[accepted] and drafts[accepted] != eos:
@@ -120,9 +127,9 @@ def free_running(
                 hits[k] += 1
             _crop(target_cache, length + 1 + accepted)
             committed = drafts[:accepted] + [choice[accepted]]
-            positions = torch.arange(length, length + accepted + 1).unsqueeze(0)
-            mask = _causal_mask(length, accepted + 1, torch.device("cpu"))
-            out = net(feats[:, : accepted + 1], head.embed[torch.tensor([committed])], positions, draft_cache, mask)
+            positions = torch.arange(length, length + accepted + 1, device=dev).unsqueeze(0)
+            mask = _causal_mask(length, accepted + 1, dev)
+            out = net(feats[:, : accepted + 1], head.embed[t([committed])], positions, draft_cache, mask)
             length, made, bonus = length + accepted + 1, made + accepted + 1, committed[-1]
             if eos in committed:
                 break
@@ -161,7 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", default=None, help=f"where held-out answers are kept (default {DEFAULT_DIR}/<model>)")
     p.add_argument("--prompts", type=int, default=24, help="held-out prompts of each kind")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="auto", choices=DEVICES, help="auto: cuda when available (TF32 off)")
     args = p.parse_args(argv)
+    device = pick_device(args.device)
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -170,8 +179,8 @@ def main(argv: list[str] | None = None) -> int:
 
     source = resolve_model(args.model).source
     tokenizer = AutoTokenizer.from_pretrained(source)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval().requires_grad_(False)
-    net, vocab = load_drafter(args.drafter, model.config)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval().requires_grad_(False).to(device)
+    net, vocab = load_drafter(args.drafter, model.config, device=device)
     data = Path(args.data) if args.data else DEFAULT_DIR / Path(args.model).name
     figures = held_out_acceptance(model, tokenizer, net, vocab, data, args.prompts)
     print(json.dumps(dict(drafter=args.drafter, prompts_per_kind=args.prompts, **figures)))

@@ -43,27 +43,28 @@ def windows_of(rows: list[tuple[list[int], int]], chunk: int) -> list[list[int]]
 
 @torch.inference_mode()
 def target_windows(model: PreTrainedModel, windows: list[list[int]], batch: int = 8) -> Windows:
-    """The target's features and choices over ``windows`` (each a fresh sequence from position 0)."""
+    """The target's features and choices over ``windows`` (each a fresh sequence from position 0),
+    computed on the model's device and returned on the CPU (they are cached to disk)."""
     feats, labels = [], []
-    ids = torch.tensor(windows, dtype=torch.long).reshape(len(windows), -1)
+    ids = torch.tensor(windows, dtype=torch.long).reshape(len(windows), -1 if windows else 0)
     for i in range(0, len(windows), batch):
-        hidden = model.model(input_ids=ids[i : i + batch]).last_hidden_state  # after the final norm
-        feats.append(hidden.half())
-        labels.append(model.lm_head(hidden).argmax(-1))
+        hidden = model.model(input_ids=ids[i : i + batch].to(model.device)).last_hidden_state  # after the final norm
+        feats.append(hidden.half().cpu())
+        labels.append(model.lm_head(hidden).argmax(-1).cpu())
     hidden_size = model.config.hidden_size
     if not feats:
         return Windows(torch.zeros(0, ids.shape[1], hidden_size, dtype=torch.half), ids, ids.clone())
     return Windows(torch.cat(feats), ids, torch.cat(labels))
 
 
-def shard_windows(model: PreTrainedModel, data_dir: Path, shard_file: str, chunk: int) -> Windows:
+def shard_windows(model: PreTrainedModel, data_dir: Path, shard_file: str, chunk: int, batch: int = 8) -> Windows:
     """The shard's windows with the target's features and choices, from the cache or computed now."""
     cache = data_dir / f"features-{chunk}" / shard_file
     if cache.exists():
         saved = torch.load(cache, weights_only=True)
         return Windows(saved["feats"], saved["ids"], saved["labels"])
     windows = windows_of(shard_rows(load_shard(data_dir / shard_file)), chunk)
-    out = target_windows(model, windows)
+    out = target_windows(model, windows, batch)
     cache.parent.mkdir(parents=True, exist_ok=True)
     _atomic_write(cache, lambda f: torch.save(dict(feats=out.feats, ids=out.ids, labels=out.labels), f))
     return out

@@ -43,6 +43,7 @@ class FitConfig:
     max_steps: Optional[int] = None  # the schedule's length; None: planned from the first 20 steps' rate
     train_seconds: float = 900.0  # in all, across resumed runs
     checkpoint_seconds: float = 120.0
+    feature_batch: int = 8  # windows per target forward when a shard's features are first computed
 
 
 @dataclass
@@ -86,7 +87,7 @@ class Fit:
     def __init__(self, model: PreTrainedModel, data_dir: Path, checkpoint: Path, config: FitConfig, **init: Any):
         self.model, self.data_dir, self.path, self.config = model, data_dir, checkpoint, config
         if checkpoint.exists():
-            saved = torch.load(checkpoint, weights_only=False)
+            saved = torch.load(checkpoint, weights_only=False, map_location="cpu")
             self.net = EagleModule(model.config)
             self.net.load_state_dict(saved["net"])
             self.draft_vocab = saved["draft_vocab"]
@@ -96,6 +97,10 @@ class Fit:
             self.net = init["net"] if init.get("net") is not None else init_head(model, config.seed)
             self.draft_vocab = init["draft_vocab"]
             self.step, self.seconds, self.cursor, self.planned = 0, 0.0, Cursor(), config.max_steps
+        self.device = model.lm_head.weight.device  # the head trains where the target runs
+        self.net.to(self.device)
+        self.net.rotary_emb.to(self.device)
+        self.draft_vocab = self.draft_vocab.cpu()  # kept (and checkpointed) on the CPU
         self.head = Head.of(model, self.draft_vocab)
         params = [p for p in self.net.parameters() if p.requires_grad]
         self.params = params
@@ -132,17 +137,22 @@ class Fit:
                 files = [s["file"] for s in read_manifest(self.data_dir).shards]
                 random.Random(cfg.seed * 1000 + c.epoch).shuffle(files)
                 c.order, c.shard, c.batch = files, 0, 0
+            yielded = c.shard > 0 or c.batch > 0  # a resumed epoch has yielded before
             while c.shard < len(c.order):
                 name = c.order[c.shard]
                 began = time.perf_counter()
-                windows = shard_windows(self.model, self.data_dir, name, cfg.chunk)
+                windows = shard_windows(self.model, self.data_dir, name, cfg.chunk, cfg.feature_batch)
                 self.feature_seconds += time.perf_counter() - began
                 order = torch.randperm(len(windows.ids), generator=torch.Generator().manual_seed(hash_of(cfg, c, name)))
                 starts = range(0, len(order), cfg.batch)
                 while c.batch < len(starts):
                     pick = order[starts[c.batch] : starts[c.batch] + cfg.batch]
-                    yield windows.feats[pick].float(), windows.ids[pick], windows.labels[pick]
+                    d = self.device
+                    yielded = True
+                    yield windows.feats[pick].to(d).float(), windows.ids[pick].to(d), windows.labels[pick].to(d)
                 c.shard, c.batch = c.shard + 1, 0
+            if not yielded:
+                raise ValueError(f"{self.data_dir}: no row holds {cfg.chunk} positions (a window): lower --chunk")
             c.epoch, c.order = c.epoch + 1, []
 
     def run(self, progress: bool = True, until: Optional[int] = None) -> None:

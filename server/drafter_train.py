@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from server.drafter_device import DEVICES, FEATURE_BATCH, TRAIN_BATCH, default_for, pick_device
 from server.tail_drafter import save_drafter
 
 if TYPE_CHECKING:
@@ -114,12 +115,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=3, help="draft steps of the training-time test")
     p.add_argument("--train-seconds", type=float, default=3600.0, help="seconds of training in all (resumes count)")
     p.add_argument("--max-steps", type=int, default=None, help="optimizer steps (default: planned from the time)")
-    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--batch", type=int, default=None, help="windows per step (default 4 on cpu, 64 on cuda)")
+    p.add_argument("--device", default="auto", choices=DEVICES, help="auto: cuda when available (TF32 off)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--eval-prompts", type=int, default=24, help="held-out chat and code prompts each to measure on")
+    p.add_argument(
+        "--eval-prompts", type=int, default=24, help="held-out chat and code prompts each to measure on (0: none)"
+    )
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
+    device = pick_device(args.device)
     data = Path(args.data) if args.data else DEFAULT_DIR / Path(args.model).name
     checkpoint = Path(args.checkpoint) if args.checkpoint else data / "train" / "checkpoint.pt"
     checkpoint.parent.mkdir(parents=True, exist_ok=True)
@@ -137,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
 
     source = resolve_model(args.model).source
     tokenizer = AutoTokenizer.from_pretrained(source)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval().requires_grad_(False)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval().requires_grad_(False).to(device)
     if args.fresh and checkpoint.exists():
         checkpoint.unlink()
     if read_manifest_or_none(data) is None:
@@ -150,14 +155,17 @@ def main(argv: list[str] | None = None) -> int:
         if draft_vocab is None:
             draft_vocab = answer_vocab(data, args.draft_vocab, model.config.vocab_size)
     config = FitConfig(
-        steps=args.steps, batch=args.batch, chunk=args.chunk, lr=args.lr, seed=args.seed,
-        max_steps=args.max_steps, train_seconds=args.train_seconds,
+        steps=args.steps, batch=args.batch or default_for(TRAIN_BATCH, device), chunk=args.chunk, lr=args.lr,
+        seed=args.seed, max_steps=args.max_steps, train_seconds=args.train_seconds,
+        feature_batch=default_for(FEATURE_BATCH, device),
     )  # fmt: skip
     fit = Fit(model, data, checkpoint, config, net=net, draft_vocab=draft_vocab)
     logger.info(f"{'resumed at step ' + str(fit.step) if fit.resumed else 'start'}: {vars(args)}")
     fit.run(progress=not args.no_progress)
     logger.info(f"trained {fit.step} steps in {fit.seconds:.0f}s")
-    figures = held_out_acceptance(model, tokenizer, fit.net, fit.draft_vocab, data, args.eval_prompts)
+    figures = "not measured"
+    if args.eval_prompts > 0:
+        figures = held_out_acceptance(model, tokenizer, fit.net, fit.draft_vocab, data, args.eval_prompts)
     logger.info(f"held-out acceptance: {figures}")
     out = Path(args.out) / f"{Path(args.model).name}.safetensors"  # --drafter auto matches it by config fingerprint
     save_drafter(

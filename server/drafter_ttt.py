@@ -26,10 +26,10 @@ from server.tail_drafter import EagleModule
 STEP_WEIGHTS = (1.0, 0.8, 0.64, 0.5)  # later steps count less (their targets are rarer to reach)
 
 
-def ttt_mask(positions: int, step: int) -> torch.Tensor:
+def ttt_mask(positions: int, step: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """[1, 1, T, step * T] boolean: step 1's keys causally, steps 2..step's keys at the same t only."""
-    causal = torch.ones(positions, positions, dtype=torch.bool).tril()
-    diagonal = torch.eye(positions, dtype=torch.bool)
+    causal = torch.ones(positions, positions, dtype=torch.bool, device=device).tril()
+    diagonal = torch.eye(positions, dtype=torch.bool, device=device)
     return torch.cat([causal] + [diagonal] * (step - 1), dim=1)[None, None]
 
 
@@ -46,9 +46,10 @@ class Head:
 
     @classmethod
     def of(cls, model, draft_vocab: torch.Tensor) -> Head:
-        vocab = model.config.vocab_size
-        to_draft = torch.full((vocab,), -100, dtype=torch.long)
-        to_draft[draft_vocab] = torch.arange(len(draft_vocab))
+        vocab, device = model.config.vocab_size, model.lm_head.weight.device
+        draft_vocab = draft_vocab.to(device)
+        to_draft = torch.full((vocab,), -100, dtype=torch.long, device=device)
+        to_draft[draft_vocab] = torch.arange(len(draft_vocab), device=device)
         rows = model.lm_head.weight[draft_vocab].detach().clone()
         return cls(model.model.norm, model.model.embed_tokens.weight.detach(), rows, draft_vocab, to_draft)
 
@@ -64,11 +65,11 @@ def ttt_forward(
     t + k. ``feats`` [B, T, H] are the target's at t, ``next_ids`` [B, T] the ids at t + 1."""
     positions = feats.shape[1]
     cache = net.new_cache()
-    base = torch.arange(positions).unsqueeze(0)
+    base = torch.arange(positions, device=feats.device).unsqueeze(0)
     inputs, embeds = feats, head.embed[next_ids]
     out = []
     for step in range(1, steps + 1):
-        hidden = net(inputs, embeds, base + (step - 1), cache, ttt_mask(positions, step))
+        hidden = net(inputs, embeds, base + (step - 1), cache, ttt_mask(positions, step, feats.device))
         predicted = head.norm(hidden)
         out.append(predicted)
         with torch.no_grad():  # the head's own argmax id, as the chain at run time takes it
@@ -92,7 +93,9 @@ def ttt_loss(
     choice. ``feats`` [B, S, H] float, ``ids`` and ``labels`` [B, S] (labels: the target's argmax)."""
     f_in = feats[:, :-1]
     if noise:  # EAGLE: uniform noise on the input features makes the head robust to its own errors
-        f_in = f_in + (torch.rand(f_in.shape, generator=generator) - 0.5) * 2 * noise * feats.std()
+        # drawn on the CPU (the generator's device) so a GPU run draws the same noise as a CPU run
+        uniform = torch.rand(f_in.shape, generator=generator).to(f_in.device)
+        f_in = f_in + (uniform - 0.5) * 2 * noise * feats.std()
     predicted = ttt_forward(net, head, f_in, ids[:, 1:], steps)
     total = feats.new_zeros(())
     top1 = []

@@ -23,6 +23,7 @@ DeepSeek-V4 tails draft with the checkpoint's own multi-token-prediction module 
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,6 +59,13 @@ def _drafter_config(config: PretrainedConfig) -> PretrainedConfig:
     return cfg
 
 
+def cache_kwarg(module: torch.nn.Module) -> str:
+    """The name ``module.forward`` takes its KV cache by: ``cache`` since transformers 5.2x,
+    ``past_key_values`` before (the 5.17 a GPU image may carry). Passing the wrong name is no error
+    there: the cache lands in ``**kwargs`` unused, so a chain would silently lose its context."""
+    return "cache" if "cache" in inspect.signature(type(module).forward).parameters else "past_key_values"
+
+
 class EagleModule(torch.nn.Module):
     """fc over [feature, embedding] -> one decoder layer of the model's own class (pre-norm output)."""
 
@@ -72,6 +80,7 @@ class EagleModule(torch.nn.Module):
         self.layer = layer_cls(self.config, layer_idx=0)
         self.rotary_emb = rope_cls(config=self.config)
         self.additive_masks = self.config._attn_implementation == "eager"  # gpt_oss: eager adds the mask
+        self.cache_kwarg = cache_kwarg(self.layer)
 
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self.config)
@@ -94,9 +103,9 @@ class EagleModule(torch.nn.Module):
             x,
             attention_mask=mask,
             position_ids=position_ids,
-            cache=cache,
             use_cache=cache is not None,
             position_embeddings=position_embeddings,
+            **{self.cache_kwarg: cache},
         )
 
 
@@ -112,12 +121,12 @@ def save_drafter(
     from safetensors.torch import save_file
 
     tensors = {
-        name: t.detach().to(dtype).contiguous()
+        name: t.detach().to("cpu", dtype).contiguous()  # a head trained on a GPU is written from the CPU
         for name, t in net.state_dict().items()
         if not name.startswith("rotary_emb.")
     }
     if draft_vocab is not None:
-        tensors["draft_vocab"] = draft_vocab.to(torch.int32).contiguous()
+        tensors["draft_vocab"] = draft_vocab.to("cpu", torch.int32).contiguous()
     metadata = {"format": DRAFTER_FORMAT, "fingerprint": config_fingerprint(config), "model_type": config.model_type}
     metadata.update(extra or {})
     Path(path).parent.mkdir(parents=True, exist_ok=True)
