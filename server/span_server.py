@@ -329,6 +329,8 @@ async def _claim_blocks(config: ServerConfig, joined: Joined, model: _Model) -> 
         fetch=lambda: loop.run_in_executor(None, fetch_same_model, dht, template, total),
         publish=lambda info: loop.run_in_executor(None, partial(publish, info, wait=True)),
         automatic=config.blocks is None,
+        jitter=config.join_jitter,
+        settle=config.join_settle,
     )
     logger.info(
         f"Serving blocks {claimed.start_block}:{claimed.end_block} of {model.dht_name} as peer {dht.peer_id} "
