@@ -19,6 +19,7 @@ from protocol.limits import (
 )
 from server.batching import DEFAULT_GATHER_WINDOW
 from server.compile_budget import PER_ADDRESS, PER_PEER, TOTAL, CompileBudget, check_limits
+from server.joining import JOIN_JITTER, JOIN_SETTLE
 from server.tail_drafter import DEFAULT_TAIL_DRAFTS
 
 
@@ -45,6 +46,10 @@ class ServerConfig:
     dht_prefix: Optional[str] = None
     drain_seconds: float = 30.0  # on shutdown or a move, open sessions get this long to finish
     balance_period: float = 120.0  # seconds between checks whether another span helps the swarm more
+    # a self-placing server's join (server/joining.py): the most seconds of random wait before it reads the
+    # swarm, and the seconds between announcing JOINING and reading it again
+    join_jitter: float = JOIN_JITTER
+    join_settle: float = JOIN_SETTLE
     assume_free_memory: Optional[int] = None  # bytes that stand in for the device's free memory in the plan
     max_positions_per_step: int = DEFAULT_MAX_POSITIONS_PER_STEP  # a Step's positions; frames sized by it
     max_sessions: int = DEFAULT_MAX_SESSIONS  # open sessions at most

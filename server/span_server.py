@@ -330,11 +330,11 @@ async def _claim_blocks(config: ServerConfig, joined: Joined, model: _Model) -> 
         fetch=lambda: loop.run_in_executor(None, fetch_same_model, dht, template, total),
         publish=lambda info: loop.run_in_executor(None, partial(publish, info, wait=True)),
         automatic=config.blocks is None,
+        jitter=config.join_jitter,
+        settle=config.join_settle,
     )
-    logger.info(
-        f"Serving blocks {claimed.start_block}:{claimed.end_block} of {model.dht_name} as peer {dht.peer_id} "
-        "(announced as joining)"
-    )
+    where = f"{claimed.start_block}:{claimed.end_block} of {model.dht_name}"
+    logger.info(f"Serving blocks {where} as peer {dht.peer_id} (announced as joining)")
     return _Claim(template, claimed, publish, keep_announcing(publish, claimed, config.update_period))
 
 

@@ -22,6 +22,7 @@ from protocol.version import PROTOCOL_VERSION
 from server.compile_budget import PER_ADDRESS as COMPILE_PER_ADDRESS
 from server.compile_budget import PER_PEER as COMPILE_PER_PEER
 from server.compile_budget import TOTAL as COMPILE_TOTAL
+from server.joining import JOIN_JITTER, JOIN_SETTLE
 from swarm.cli_utils import parse_blocks, parse_size, setup_logging, stop_event_on_signals
 
 logger = logging.getLogger("swarm.server")
@@ -117,6 +118,18 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=120.0,
         help="with --num-blocks: seconds between checks whether another span helps the swarm more",
+    )
+    p.add_argument(
+        "--join-jitter",
+        type=float,
+        default=JOIN_JITTER,
+        help="with --num-blocks: the most seconds of random wait before reading the swarm to choose blocks",
+    )
+    p.add_argument(
+        "--join-settle",
+        type=float,
+        default=JOIN_SETTLE,
+        help="with --num-blocks: seconds between announcing the chosen blocks and checking for a rival",
     )
     p.add_argument(
         "--max-positions-per-step",
@@ -259,6 +272,8 @@ def server_config(args: argparse.Namespace):
         dht_prefix=args.dht_prefix,
         drain_seconds=args.drain_seconds,
         balance_period=args.balance_period,
+        join_jitter=args.join_jitter,
+        join_settle=args.join_settle,
         assume_free_memory=args.assume_free_memory,
         max_positions_per_step=args.max_positions_per_step,
         max_sessions=args.max_sessions,

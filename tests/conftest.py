@@ -16,7 +16,7 @@ from swarm import lifeline, warm_start
 from swarm.local import LocalSwarm
 from tests.kit.checkpoints import build_tiny_llama
 from tests.kit.last_use import last_use
-from tests.kit.swarms import LIMITS_MAX_POSITIONS, SERVER_ARGS, TINY_SERVERS, start_inprocess
+from tests.kit.swarms import LIMITS_MAX_POSITIONS, SERVER_ARGS, SMOL_SERVER_ARGS, TINY_SERVERS, start_inprocess
 
 lifeline.install_fork_hook()  # the DHT processes (and p2pd) of pytest's clients die with it, even on SIGKILL
 # The suite's swarms also run quantized and DeepSeek-V4 servers (4-5 s of imports each on 2 cores):
@@ -75,7 +75,9 @@ def tiny_reference(tiny_llama_path):
 
 @pytest.fixture(scope="session")
 def smol_swarm(request, artifacts_dir):
-    with LocalSwarm("smollm2-135m", 3, server_args=SERVER_ARGS, log_dir=str(artifacts_dir / "smol-swarm")) as swarm:
+    with LocalSwarm(
+        "smollm2-135m", 3, server_args=SMOL_SERVER_ARGS, log_dir=str(artifacts_dir / "smol-swarm")
+    ) as swarm:
         with last_use.until_last_use(request, swarm.stop):
             yield swarm
 

@@ -407,7 +407,7 @@ def test_per_key_concurrency_limit_is_429(gateway, client):
 
 
 def test_a_client_that_disconnects_frees_the_session_on_every_server(gateway, client, smol_model):
-    # records refresh every 5 s: see every server idle, then holding the session, then idle again
+    # records refresh every 2 s (SMOL_SERVER_ARGS): see every server idle, then holding the session, then idle again
     wait_until(lambda: max(open_sessions(smol_model).values()) == 0, "no server holds a session", timeout=90)
     # max_tokens: long enough to be still generating when cut (the gateway caps an unset one at 1024)
     stream = client.chat.completions.create(

@@ -14,7 +14,7 @@ from client._calls import compiler_for
 from client.draft_model import ModelDrafter
 from protocol.constraints import constraint_from_options
 from protocol.messages import SamplingParams
-from protocol.sampling import processed_scores, with_output_start
+from protocol.sampling import draw_draft, processed_scores, with_output_start
 from tests.generation.test_constraints import (
     CONSTRAINTS,
     LONG_KEYS,
@@ -167,13 +167,45 @@ def test_model_drafter_drafts_forced_ids_first_then_its_masked_choice(tiny_model
         ModelDrafter(draft_model, sampled, 8, sample=True)
 
 
+class MaskedDrafts:
+    """What ModelDrafter(sample=True, compiler=...) drafts after ``prompt`` (forced ids first with a
+    one-hot q, then draws from M's masked, processed q), from memoized full-context logits of M
+    (test_rejection_sampling's Rows): 2,000 seeds visit a handful of contexts, so M runs a few times,
+    not twice per seed. The test below checks it drafts what ModelDrafter does, seed by seed."""
+
+    def __init__(self, rows, guide, prompt: list[int]):
+        self.rows, self.guide, self.prompt = rows, guide, prompt
+        self.dists: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def draft(self, params: SamplingParams, n: int) -> tuple[list[int], list[float], list[torch.Tensor]]:
+        sequence, drafts, q, dists = list(self.prompt), [], [], []
+        while len(drafts) < n:
+            for token in self.guide.forced(sequence, n - len(drafts), certain=True):
+                one_hot = torch.zeros(self.guide.vocab_size)
+                one_hot[token] = 1.0
+                drafts, sequence, q, dists = drafts + [token], sequence + [token], q + [1.0], dists + [one_hot]
+            if len(drafts) >= n:
+                break
+            key = tuple(sequence)
+            if key not in self.dists:  # processing ignores the seed: one q per context
+                self.dists[key] = torch.softmax(processed_scores(self.rows(sequence), sequence, params, self.guide), -1)
+            dist = self.dists[key]
+            token = draw_draft(dist, params.seed, len(sequence))
+            drafts, sequence, q, dists = drafts + [token], sequence + [token], q + [float(dist[token])], dists + [dist]
+        return drafts, q, dists
+
+
+CHECKED_SEEDS = 100  # seeds whose drafts ModelDrafter itself computes, checked equal to MaskedDrafts'
+
+
 def test_constrained_rejection_exchange_matches_the_masked_target_over_2000_seeds(
     tiny_model, tiny_reference, draft_model
 ):
-    """In process, as client and tail compute it: ModelDrafter samples 2 drafts from its masked q, the
-    tail's verify_rejection (under its own Guide) accepts or corrects, the client draws the correction
-    from p - q. The first token follows the masked target p exactly (chi-square, p > 1e-3), and every
-    token is one the constraint allows."""
+    """In process, as client and tail compute it: the client samples 2 drafts from its masked q
+    (ModelDrafter for the first CHECKED_SEEDS seeds, its memoized equivalent MaskedDrafts, checked
+    equal on those, for the rest), the tail's verify_rejection (under its own Guide) accepts or
+    corrects, the client draws the correction from p - q. The first token follows the masked target p
+    exactly (chi-square, p > 1e-3), and every token is one the constraint allows."""
     from protocol.sampling import check_draft_q, pack_f16, sample_correction, unpack_f16, verify_rejection
     from tests.generation.test_rejection_sampling import FALSE_ALARM, Rows, chi_square_p, counts_of
 
@@ -190,16 +222,21 @@ def test_constrained_rejection_exchange_matches_the_masked_target_over_2000_seed
     support = {int(t): float(expected_p[t]) for t in expected_p.nonzero().flatten()}
     assert len(support) > 1  # a real choice, not a forced token
     check = compiler.guide(constraint, len(prompt))
+    memoized = MaskedDrafts(Rows(draft_model), compiler.guide(constraint, len(prompt)), prompt)
     firsts, corrected = [], 0
     with single_torch_thread():
         for seed in range(2000):
             params = params_for(seed)
-            drafter = ModelDrafter(draft_model, params, 2, sample=True, compiler=compiler)
-            drafter.reset(prompt)
-            drafts = drafter.draft(2)
+            drafts, q, dists = memoized.draft(params, 2)
+            if seed < CHECKED_SEEDS:
+                drafter = ModelDrafter(draft_model, params, 2, sample=True, compiler=compiler)
+                drafter.reset(prompt)
+                assert drafter.draft(2) == drafts, seed
+                assert drafter.last_q == pytest.approx(q, rel=1e-4), seed
+                q, dists = drafter.last_q, drafter.last_dists
             start_pos, history = len(prompt) - 1, prompt + drafts
             rows = [target(history[: i + 1]) for i in range(start_pos, len(history))]
-            wire_q = check_draft_q(pack_f16(drafter.last_q), len(drafts))
+            wire_q = check_draft_q(pack_f16(q), len(drafts))
             tail_guide = compiler.guide(constraint, len(prompt))
             accepted, token, correction, _ = verify_rejection(
                 rows, history, start_pos, len(drafts), params, wire_q, guide=tail_guide
@@ -207,7 +244,7 @@ def test_constrained_rejection_exchange_matches_the_masked_target_over_2000_seed
             if correction is not None:
                 ids, top_p = correction[0], unpack_f16(pack_f16(correction[1]))
                 position = len(prompt) + accepted
-                token = sample_correction(ids, top_p, drafter.last_dists[accepted], params.seed, position)
+                token = sample_correction(ids, top_p, dists[accepted], params.seed, position)
                 corrected += 1
             committed = drafts[:accepted] + [token]
             assert check.valid_prefix(prompt, committed) == len(committed)

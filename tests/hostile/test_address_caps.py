@@ -29,7 +29,7 @@ from server.cache_budget import CacheBudget
 from tests.kit.raw_sessions import RawSession
 from tests.kit.swarms import inprocess_servers
 
-STRANGER_IDS = 50
+STRANGER_IDS = 12  # three times the share: each of its two addresses alone has more ids than the share
 MAX_SESSIONS, SHARE = 16, 0.25  # 4 sessions per address
 
 
@@ -89,15 +89,35 @@ async def _peer(host: str, maddrs: list[str]) -> P2P:
     return await P2P.create(initial_peers=maddrs, host_maddrs=[f"/ip4/{host}/tcp/0"])
 
 
-def test_fifty_peer_ids_on_one_address_hold_one_share(capped_swarm):
+@pytest.fixture(scope="module")
+def peers(capped_swarm):
+    """(strangers, honest): STRANGER_IDS P2P daemons of one operator's /24, half listening and
+    dialling from 127.0.0.1, half from 127.0.0.2, and one from 127.0.1.2 (another /24), joined
+    through the capped swarm's head and tail; shared by the live tests (a daemon takes about a second
+    to start on a loaded machine), each test opening its own streams from them."""
+    _, servers = capped_swarm
+    maddrs = [str(m) for s in (servers[0], servers[-1]) for m in s.dht.get_visible_maddrs()]
+
+    async def start():
+        strangers = [await _peer(f"127.0.0.{1 + i % 2}", maddrs) for i in range(STRANGER_IDS)]
+        return strangers, await _peer("127.0.1.2", maddrs)
+
+    strangers, honest = _loop.run(start(), timeout=300)
+
+    async def stop():
+        for p2p in [*strangers, honest]:
+            await p2p.shutdown()
+
+    yield strangers, honest
+    _loop.run(stop(), timeout=120)
+
+
+def test_many_peer_ids_on_one_address_hold_one_share(capped_swarm, peers):
     _, servers = capped_swarm
     head = servers[0]
-    maddrs = [str(m) for m in head.dht.get_visible_maddrs()]
+    strangers, honest = peers  # one operator's /24: half its peer ids on 127.0.0.1, half on 127.0.0.2
 
     async def scenario():
-        # one operator's /24: half its peer ids on 127.0.0.1, half on 127.0.0.2
-        strangers = [await _peer(f"127.0.0.{1 + i % 2}", maddrs) for i in range(STRANGER_IDS)]
-        honest = await _peer("127.0.1.2", maddrs)
         sessions = []
         try:
             replies = []
@@ -115,11 +135,9 @@ def test_fifty_peer_ids_on_one_address_hold_one_share(capped_swarm):
         finally:
             for session in sessions:
                 session.close()
-            for p2p in [*strangers, honest]:
-                await p2p.shutdown()
 
     replies, honest_reply, seen = _loop.run(scenario(), timeout=600)
-    assert seen == {"127.0.0.0/24": (4, 4 * 64), "127.0.1.0/24": (1, 64)}, seen  # 50 peer ids, 2 addresses, one share
+    assert seen == {"127.0.0.0/24": (4, 4 * 64), "127.0.1.0/24": (1, 64)}, seen  # 12 peer ids, 2 addresses, one share
     opened = [r for r in replies if isinstance(r, SessionOpened)]
     refused = [r for r in replies if isinstance(r, ErrorReply)]
     assert len(opened) == int(SHARE * MAX_SESSIONS), replies
@@ -128,25 +146,20 @@ def test_fifty_peer_ids_on_one_address_hold_one_share(capped_swarm):
     assert isinstance(honest_reply, SessionOpened), honest_reply
 
 
-def test_pending_subscribes_are_capped_per_address(capped_swarm):
+def test_pending_subscribes_are_capped_per_address(capped_swarm, peers):
     """Subscribes for sessions that never open wait at the tail; one address may have 4 waiting
     (its share of 16), whatever its peer ids: the others get busy naming the address at once, while
-    a Subscribe from 127.0.1.2 (another /24) still waits."""
+    a Subscribe from 127.0.1.2 (another /24) still waits. A Subscribe is done with once it is
+    refused (its reply came) or counted as waiting by the tail; the replies are read until every
+    one is (no fixed wait for replies that never come)."""
     _, servers = capped_swarm
     tail = servers[-1]
-    maddrs = [str(m) for m in tail.dht.get_visible_maddrs()]
-
-    async def first_reply(session: RawSession):
-        try:
-            # long enough for a refusal from a tail slowed by a loaded machine to arrive
-            return (await asyncio.wait_for(session.tail.receive(), 15)).message
-        except asyncio.TimeoutError:
-            return None  # still waiting for its session
+    strangers, honest = peers
+    waiting_at_tail = tail.handler.subscriptions.pending_by_address
 
     async def scenario():
-        strangers = [await _peer("127.0.0.1", maddrs) for _ in range(10)]
-        honest = await _peer("127.0.1.2", maddrs)
         sessions = [RawSession(p2p, servers) for p2p in [*strangers, honest]]
+        readers = []
         try:
             for session in sessions:
                 session.tail = await MessageStream.open(
@@ -154,20 +167,25 @@ def test_pending_subscribes_are_capped_per_address(capped_swarm):
                 )
                 await session.tail.send(Subscribe(session_id=session.session_id, secret=session.secret))
                 await asyncio.sleep(0.05)  # in order: the first four wait
-            return await asyncio.gather(*(first_reply(s) for s in sessions))
+            readers = [asyncio.create_task(session.tail.receive()) for session in sessions]
+            # every Subscribe accounted for: refused (its reply read) or waiting at the tail
+            await _until(lambda: sum(r.done() for r in readers) + sum(waiting_at_tail.values()) == len(sessions))
+            seen_waiting = dict(waiting_at_tail)
+            return [r.result().message if r.done() else None for r in readers], seen_waiting
         finally:
+            for reader in readers:
+                reader.cancel()
             for session in sessions:
                 session.close()
-            for p2p in [*strangers, honest]:
-                await p2p.shutdown()
 
-    *stranger_replies, honest_reply = _loop.run(scenario(), timeout=300)
+    (*stranger_replies, honest_reply), seen_waiting = _loop.run(scenario(), timeout=300)
     waiting = [r for r in stranger_replies if r is None]
     refused = [r for r in stranger_replies if isinstance(r, ErrorReply)]
-    assert len(waiting) == int(SHARE * MAX_SESSIONS) and len(refused) == 10 - len(waiting), stranger_replies
+    assert len(waiting) == int(SHARE * MAX_SESSIONS) and len(refused) == STRANGER_IDS - len(waiting), stranger_replies
     expected = "address 127.0.0.0/24 already has 4 Subscribes waiting"
     assert all(r.code == ErrorCode.BUSY and expected in r.message for r in refused), refused
     assert honest_reply is None  # waiting, not refused
+    assert seen_waiting == {"127.0.0.0/24": 4, "127.0.1.0/24": 1}, seen_waiting
 
 
 FORWARD_POSITIONS = 16

@@ -82,10 +82,17 @@ class Fleet:
 
     def _reap(self, process, how: str) -> None:
         """After a SIGKILL, count what of its session outlived it by ORPHAN_WAIT_S; then reap the group
-        (a SIGTERMed server gets its drain time first)."""
+        (a SIGTERMed server gets its drain time first). The count is read early once the session has
+        no member but the killed server (an exited process does not come back), so a clean kill is
+        not waited out."""
         if how == "SIGKILL":
-            time.sleep(ORPHAN_WAIT_S)
-            self.orphans_after_kill += len([p for p in session_members(process.pid) if p.pid != process.pid])
+            deadline = time.monotonic() + ORPHAN_WAIT_S
+            while True:
+                left = [p for p in session_members(process.pid) if p.pid != process.pid]
+                if not left or time.monotonic() >= deadline:
+                    break
+                time.sleep(0.5)
+            self.orphans_after_kill += len(left)
         else:
             try:
                 process.wait(timeout=self.config.drain_seconds + 30)

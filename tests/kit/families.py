@@ -1,10 +1,12 @@
 """What the family tests share (tests/server/test_moe_families.py, test_dense_families.py,
-test_moe_sessions.py): the tiny checkpoints of each family built once per module, their
-transformers references, one torch thread, the servers' quantization recipe applied in one
-process, and a client over CLI servers of a checkpoint.
+test_moe_sessions.py, test_gpt_oss_mxfp4.py): the tiny checkpoints of each family built once per
+session, their transformers references, one torch thread, the servers' quantization recipe applied
+in one process, and a client over CLI servers of a checkpoint.
 
-tests/server/conftest.py makes the fixtures visible to tests/server; they are module-scoped, so
-each module that asks for them gets its own checkpoints, as when each module defined them.
+tests/server/conftest.py makes the fixtures visible to tests/server. The checkpoints are
+session-scoped (a checkpoint is read-only once written, and seeded: every module would build the
+same bytes); the references (float32 models in memory) stay module-scoped, so a module's are freed
+when it ends.
 ``one_torch_thread`` is not autouse: a module takes it with
 ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``.
 """
@@ -31,7 +33,7 @@ def one_torch_thread():
         yield
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def family_paths(tmp_path_factory):
     """model_type -> the folder of its tiny random checkpoint (tests/kit/checkpoints.py
     ``build_tiny_moe``: MOE_FAMILIES or DENSE_FAMILIES), built on first use."""

@@ -16,6 +16,9 @@ from protocol.dht_records import fetch_servers
 from protocol.records import ServerInfo
 
 SERVER_ARGS = ["--torch-threads", "1", "--update-period", "5", "--log-level", "INFO"]
+# the session's SmolLM2 swarm announces every 2 s (records live 6 s), as the in-process swarms do: tests that
+# watch its records change (a session held, then released) see each change within 2 s, not 5
+SMOL_SERVER_ARGS = ["--torch-threads", "1", "--update-period", "2", "--log-level", "INFO"]
 
 # name -> blocks of the tiny 6-block model; routes in the tests are pinned over these
 TINY_SERVERS = {"A": (0, 3), "B": (3, 6), "C": (0, 1), "D": (1, 4), "E": (2, 6)}

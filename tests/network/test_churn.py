@@ -28,8 +28,8 @@ def test_generations_survive_churn_token_identical_and_nothing_is_left_behind(ti
     config = ChurnConfig(
         model=str(tiny_llama_path),
         servers=4,
-        duration_s=30.0,
-        period_s=10.0,
+        duration_s=16.0,  # two churn rounds, the fewest the assertions below ask for
+        period_s=8.0,
         clients=2,
         tokens=12,
         num_blocks=(2, 3),
@@ -42,6 +42,8 @@ def test_generations_survive_churn_token_identical_and_nothing_is_left_behind(ti
         log_dir=str(artifacts_dir / "churn"),
         keep_coverage=True,
         cache_references=False,  # never the last server of a block: every generation must then complete
+        # joins come one per churn round, 8 s apart: no two read the swarm together
+        extra_server_args=("--join-jitter", "0", "--join-settle", "0.5"),
     )
     figures = run(config, rows)
     (artifacts_dir / "churn.json").write_text(json.dumps(figures, indent=1))  # the figures, for a look

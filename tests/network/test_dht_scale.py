@@ -6,7 +6,8 @@ is still answered (the readers' ``KEYS_PER_LOOKUP``).
 
 The peers run on an asyncio loop in a thread of their own process, started here with ``spawn``:
 pytest's own process then keeps no DHT threads or daemons (CPython 3.11's AST check misfires
-when pytest compiles a module late in a process with such threads).
+when pytest compiles a module late in a process with such threads). Both tests run in one such
+child (a module fixture): its imports take seconds, each scenario starts and stops its own peers.
 """
 
 from __future__ import annotations
@@ -20,6 +21,13 @@ import pytest
 pytestmark = pytest.mark.timeout(600)
 
 PEERS, SERVERS, BLOCKS = 10, 20, 61  # benchmarks/dht_scale.py goes to hundreds
+
+
+@pytest.fixture(scope="module")
+def child():
+    """One spawned worker process for the module's scenarios."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        yield pool
 
 
 def scenario(keys_path: str) -> dict:
@@ -59,9 +67,8 @@ def scenario(keys_path: str) -> dict:
         swarm.shutdown()
 
 
-def test_ten_dht_peers_serve_every_record_and_survive_a_fifth_vanishing(tmp_path):
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        facts = pool.submit(scenario, str(tmp_path / "identities.msgpack")).result(timeout=540)
+def test_ten_dht_peers_serve_every_record_and_survive_a_fifth_vanishing(child, tmp_path):
+    facts = child.submit(scenario, str(tmp_path / "identities.msgpack")).result(timeout=540)
     assert len(facts["hostile"]) == 2 and len(facts["honest"]) == 18  # make_swarm(20, 61, seed=3)
     assert facts["before"] == facts["honest"]  # every valid record, none of the hostile ones
     assert facts["victims"] == 2
@@ -107,11 +114,10 @@ def big_answers(keys: int, subkeys: int, value_bytes: int) -> dict:
     return asyncio.run(run())
 
 
-def test_every_key_of_a_large_lookup_is_read():
+def test_every_key_of_a_large_lookup_is_read(child):
     """16 block keys of 20 values of 60 KB (as Sybils could store: each below the validators' 64 KB
     cap). hivemind asks a peer for sqrt(keys) keys a request, 4 here, and an answer of 4.8 MB is
     past p2pd's 4 MiB per message: it never comes, and those keys read as missing. The readers
     look keys up 8 at a time, so a request asks for 2 (2.4 MB an answer)."""
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        facts = pool.submit(big_answers, 16, 20, 60_000).result(timeout=240)
+    facts = child.submit(big_answers, 16, 20, 60_000).result(timeout=240)
     assert facts["complete"] == 16, facts

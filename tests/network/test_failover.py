@@ -21,6 +21,8 @@ from tests.kit.swarms import SERVER_ARGS, servers_by_name
 NEW_TOKENS = 40
 
 FAULT_AT = 10  # tokens into the generation
+REQUEST_TIMEOUT = 8.0  # the client's wait for a lap's answer
+FROZEN_TIMEOUT = 4.0  # the SIGSTOP case's: a frozen middle is found after this (a healthy lap takes well under 1 s)
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +39,7 @@ def failover_swarm(tiny_llama_path, artifacts_dir):
         from swarm import AutoDistributedModelForCausalLM
 
         model = AutoDistributedModelForCausalLM.from_pretrained(
-            str(tiny_llama_path), initial_peers=swarm.initial_peers, request_timeout=8.0
+            str(tiny_llama_path), initial_peers=swarm.initial_peers, request_timeout=REQUEST_TIMEOUT
         )
         yield swarm, model
         model.shutdown()
@@ -148,9 +150,14 @@ def test_generation_survives_a_middle_server_failure(failover_swarm, middles, fa
     kwargs = dict(do_sample=True, temperature=0.8, top_p=0.9, seed=21) if sampling else {}
     expected = model.generate(torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS, speculation=None, **kwargs)
     streamer = FaultAfter(model, middles, fault)
-    output = model.generate(
-        torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS, speculation=None, streamer=streamer, **kwargs
-    )
+    # the client reads its timeout as each session opens: only the faulted generation of the frozen case waits less
+    model.swarm.request_timeout = FROZEN_TIMEOUT if fault is freeze else REQUEST_TIMEOUT
+    try:
+        output = model.generate(
+            torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS, speculation=None, streamer=streamer, **kwargs
+        )
+    finally:
+        model.swarm.request_timeout = REQUEST_TIMEOUT
     stats = model.last_generation_stats
     assert streamer.victim is not None
     assert output.tolist() == expected.tolist()

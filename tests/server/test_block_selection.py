@@ -7,6 +7,10 @@ import time
 from swarm.local import LocalSwarm
 from tests.kit.swarms import SERVER_ARGS
 
+# these tests start their --num-blocks servers one at a time, each once the one before is seen:
+# no two read the swarm together, so no random wait before the read and a short settle after it
+ONE_AT_A_TIME = ["--join-jitter", "0", "--join-settle", "0.5"]
+
 
 def test_num_blocks_servers_cover_the_model_then_add_redundancy(tiny_llama_path, artifacts_dir):
     from protocol.dht import make_dht
@@ -15,7 +19,7 @@ def test_num_blocks_servers_cover_the_model_then_add_redundancy(tiny_llama_path,
     with LocalSwarm(
         str(tiny_llama_path),
         spans=[(0, 2)],
-        server_args=SERVER_ARGS,
+        server_args=SERVER_ARGS + ONE_AT_A_TIME,
         names=["seed"],
         log_dir=str(artifacts_dir / "block-selection"),
     ) as swarm:
@@ -48,7 +52,7 @@ def test_running_server_moves_to_a_gap(tiny_llama_path, artifacts_dir):
 
     # --update-period 2 (after SERVER_ARGS' 5: the last wins): the killed server's record expires 6 s
     # after its last announcement instead of 15, and the mover sees the gap that much sooner
-    args = SERVER_ARGS + ["--balance-period", "3", "--drain-seconds", "1", "--update-period", "2"]
+    args = SERVER_ARGS + ["--balance-period", "3", "--drain-seconds", "1", "--update-period", "2", *ONE_AT_A_TIME]
     with LocalSwarm(
         str(tiny_llama_path),
         spans=[(0, 2), (2, 4), (4, 6)],

@@ -26,7 +26,10 @@ from tests.training.test_fine_tuning import close_grads, local_loss
 
 PRE_SEQ_LEN = 4
 TRAIN_DELAY_MS = 1500  # each middle server waits this long before a backward recompute: the fault lands then
-REQUEST_TIMEOUT = 12.0  # the client's wait for a step's answer: a frozen hop is found after this
+REQUEST_TIMEOUT = 12.0  # the client's wait for a step's answer: SIGKILL's resend must complete within it
+# the SIGSTOP case's wait: a frozen hop is found after this; a whole step on the other middle (its
+# TRAIN_DELAY_MS included) still fits in it
+FROZEN_TIMEOUT = 6.0
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +109,8 @@ def test_a_middle_server_lost_mid_backward_is_replaced_and_the_step_is_exact(
         except BaseException as e:  # handed to the test's thread
             outcome["error"] = e
 
+    # the client reads its timeout as each request goes out: the frozen case waits FROZEN_TIMEOUT
+    model.swarm.request_timeout = FROZEN_TIMEOUT if fault == signal.SIGSTOP else REQUEST_TIMEOUT
     worker = threading.Thread(target=step, daemon=True)
     worker.start()
     deadline, victim = time.monotonic() + 120, None
@@ -115,6 +120,7 @@ def test_a_middle_server_lost_mid_backward_is_replaced_and_the_step_is_exact(
     assert victim is not None, f"no middle server began a backward: {outcome}"
     middles[victim][0].send_signal(fault)  # its backward is waiting TRAIN_DELAY_MS: the step is in flight
     worker.join(timeout=240)
+    model.swarm.request_timeout = REQUEST_TIMEOUT
     assert not worker.is_alive(), "the training step did not complete"
     assert "error" not in outcome, outcome.get("error")
 
