@@ -82,8 +82,7 @@ class SpanServer(SpanMoves):
             leave(partial(claim.publish, wait=True), claim.info)
             joined.dht.shutdown()
             raise
-        claim.refresher.cancel()
-        # 7) announce ONLINE, and keep announcing
+        claim.refresher.cancel()  # 7) announce ONLINE, and keep announcing
         server = cls(config, joined.dht, span, handler, info)
         server.model_config, server.checkpoint, server.plan = model.config, model.checkpoint, model.plan
         server._announce()
