@@ -403,12 +403,13 @@ class VerdictAuditor(BackgroundAudit):
         if rows is None:
             return Settlement(None, "the checkpoint's LM-head rows could not be read")
         shadow_route = self._shadow.route
-        try:
-            h_tail, h_shadow = await asyncio.gather(
-                self._final_hidden(route, ids[:t], stats), self._final_hidden(shadow_route, ids[:t], stats)
-            )
-        except ServerError as e:  # a tail that will not show its hidden state settles nothing (it may be down)
-            return Settlement(None, f"a tail's hidden state could not be read: {e}")
+        both = asyncio.gather(
+            self._final_hidden(route, ids[:t], stats), self._final_hidden(shadow_route, ids[:t], stats)
+        )
+        try:  # bounded: a liar that stalls its evidence must not turn the dispute into a failed audit
+            h_tail, h_shadow = await asyncio.wait_for(both, self.swarm.request_timeout)
+        except (ServerError, asyncio.TimeoutError, OSError) as e:  # settles nothing (a tail may be down)
+            return Settlement(None, f"a tail's hidden state could not be read: {e!r}")
         tol = output_tolerance([route[-1], shadow_route[-1]], self.swarm.records)
         return settle(h_tail, h_shadow, rows[0], rows[1], tol)
 
