@@ -11,9 +11,9 @@ passes already carry, so no new wire field). Then:
 
 - the two h agree within the forward passes' tolerance (client/_output_audits.py
   ``OUTPUT_TOLERANCES``; float32 1e-3 of ``max(1, max|h|)``): the client computes
-  d = h . (W[a] - W[b]) from each. If both are above the margin that the tolerance allows
-  (``margin``: tolerance x scale x the L1 norms of W[a] and W[b], more than any h within the
-  tolerance, or a 16-bit server's rounding of the two logits, can move d), ``a`` beats ``b``
+  d = h . (W[a] - W[b]) from each. If both are above the margin (``margin``: the two states'
+  spread, or an honest server's own noise between two computations of a position if larger, times
+  the L1 norm of W[a] - W[b], plus the rounding of the two logits in the servers' dtype), ``a`` beats ``b``
   whichever tail's h is the true one, so the tail that chose ``b`` is refuted; both below minus the
   margin refutes the tail that chose ``a``; otherwise (a near tie) nothing is settled;
 - the two h differ: each tail may have sent an h made to fit its verdict; nothing is settled here
@@ -62,27 +62,61 @@ class Settlement:
     detail: str
 
 
-def margin(h: torch.Tensor, w_a: torch.Tensor, w_b: torch.Tensor, tol: float) -> float:
-    """A bound on how far d = h . (W[a] - W[b]) can move for any h' with max|h' - h| <= tol x
-    max(1, max|h|) (that needs only the L1 norm of W[a] - W[b]), and on the rounding of the two logits
-    a server of a coarser dtype computes (relative to their own sizes, so the sum of the rows' L1
-    norms, which is at least that of their difference): an honest near tie is never settled."""
-    scale = max(1.0, float(h.abs().max()))
-    return tol * scale * float(w_a.abs().sum() + w_b.abs().sum())
+# How far an honest server's final hidden state may move between two computations of the same
+# position (the live verdict's batch and the evidence's prefill), relative to max(1, max|h|): float32
+# 1e-4, 100x the honest spread benchmarks/forward_spread.py measured (0: bit-identical on the CPU; GPU
+# kernels that differ by batch shape were not measured); 16-bit 0.04, the measured bfloat16 logits
+# spread (0.035) rounded up; quantized or unknown 0.08.
+HIDDEN_NOISE = {"float32": 1e-4, "bfloat16": 0.04, "float16": 0.04}
+HIDDEN_NOISE_OTHER = 0.08
+# The relative rounding of one logit a server computes (h . W[x] in its dtype) against the client's
+# float32 product: float32 1e-5 (~100 ulp), 16-bit 8e-3 (2x bfloat16's 2^-8), others 0.02.
+ROUNDING = {"float32": 1e-5, "bfloat16": 8e-3, "float16": 8e-3}
+ROUNDING_OTHER = 0.02
+
+
+def bounds(records) -> tuple[float, float]:
+    """(hidden noise, rounding) for the loosest of the two tails' records (None: unknown)."""
+
+    def loosest(table, other):
+        return max(
+            table.get(r.dtype, other) if r is not None and (r.quantization or "none") == "none" else other
+            for r in records
+        )
+
+    return loosest(HIDDEN_NOISE, HIDDEN_NOISE_OTHER), loosest(ROUNDING, ROUNDING_OTHER)
+
+
+def margin(
+    h_tail: torch.Tensor, h_shadow: torch.Tensor, w_a: torch.Tensor, w_b: torch.Tensor, noise: float, rounding: float
+) -> float:
+    """How far d = h . (W[a] - W[b]) may be from the one an honest tail's own verdict saw: the two
+    states' measured spread (or an honest server's own noise, whichever is larger) times the L1 norm
+    of W[a] - W[b], plus the rounding of the two logits relative to their sizes."""
+    scale = max(1.0, float(h_tail.abs().max()), float(h_shadow.abs().max()))
+    spread = float((h_tail - h_shadow).abs().max())
+    sizes = max(float(h.abs() @ (w_a.abs() + w_b.abs())) for h in (h_tail, h_shadow))
+    return max(spread, noise * scale) * float((w_a - w_b).abs().sum()) + rounding * sizes
 
 
 def settle(
-    h_tail: torch.Tensor, h_shadow: torch.Tensor, w_a: torch.Tensor, w_b: torch.Tensor, tol: float
+    h_tail: torch.Tensor,
+    h_shadow: torch.Tensor,
+    w_a: torch.Tensor,
+    w_b: torch.Tensor,
+    tol: float,
+    noise: float = HIDDEN_NOISE["float32"],
+    rounding: float = ROUNDING["float32"],
 ) -> Settlement:
     """The rule of the module's docstring. ``h_*``: [hidden] float32 final hidden states at t - 1 from
     the route's tail and the shadow's; ``w_a``, ``w_b``: the LM-head rows of the route's tail's token
-    and the shadow's."""
+    and the shadow's; ``tol``: the agreement bound, ``noise`` and ``rounding``: :func:`bounds`."""
     h_tail, h_shadow = h_tail.float().flatten(), h_shadow.float().flatten()
     scale = max(1.0, float(h_tail.abs().max()))
     spread = float((h_tail - h_shadow).abs().max()) / scale
     if not spread < tol:  # NaN too
         return Settlement(None, f"the tails' final hidden states differ by {spread:.3g} >= {tol:g}")
-    bound = max(margin(h_tail, w_a, w_b, tol), margin(h_shadow, w_a, w_b, tol))
+    bound = margin(h_tail, h_shadow, w_a, w_b, noise, rounding)
     d_tail, d_shadow = float(h_tail @ (w_a - w_b)), float(h_shadow @ (w_a - w_b))
     numbers = f"hidden states agree ({spread:.3g} < {tol:g}); logit gap {d_tail:.4g} / {d_shadow:.4g}"
     numbers += f", margin {bound:.3g}"

@@ -44,7 +44,7 @@ from typing import Optional, Sequence
 
 from client._audit_shape import LiveShape
 from client._avoidance import Avoidance
-from client._evidence import Settlement, plain_greedy, settle
+from client._evidence import Settlement, bounds, plain_greedy, settle
 from client._forward import prefill_outputs
 from client._lm_head import LMHeadRows
 from client._logprob_audits import first_disagreement, logprob_tolerance
@@ -411,7 +411,8 @@ class VerdictAuditor(BackgroundAudit):
         except (ServerError, asyncio.TimeoutError, OSError) as e:  # settles nothing (a tail may be down)
             return Settlement(None, f"a tail's hidden state could not be read: {e!r}")
         tol = output_tolerance([route[-1], shadow_route[-1]], self.swarm.records)
-        return settle(h_tail, h_shadow, rows[0], rows[1], tol)
+        noise, rounding = bounds([self.swarm.records.get(hop[-1].peer_id) for hop in (route, shadow_route)])
+        return settle(h_tail, h_shadow, rows[0], rows[1], tol, noise, rounding)
 
     async def _final_hidden(self, route: list[Hop], prefix: list[int], stats):
         """The final hidden state (after the final norm: what the LM head reads) at prefix's last position."""
