@@ -9,6 +9,7 @@ from typing import Optional, Sequence
 
 from client._audit_shape import LiveShape
 from client._avoidance import Avoidance
+from client._lm_head import LMHeadRows
 from client._spot_checks import SpotChecker
 from client._verdict_audits import VerdictAuditor
 from client._witnesses import Witnesses
@@ -88,10 +89,16 @@ class Audits:
 
 
 def make_audits(
-    swarm, vocab_size: int, spot_check_rate: float, verdict_audit_every: int, trusted: frozenset[str] = frozenset()
+    swarm,
+    vocab_size: int,
+    spot_check_rate: float,
+    verdict_audit_every: int,
+    trusted: frozenset[str] = frozenset(),
+    lm_head: Optional[LMHeadRows] = None,
 ) -> Optional[Audits]:
     """A generation's audits: spot-checks at this rate and verdict audits at this period (None when
-    both are off, so the decoder skips them); ``trusted`` peers settle the disputes strangers cannot."""
+    both are off, so the decoder skips them); ``trusted`` peers settle the disputes strangers cannot,
+    and ``lm_head`` (the checkpoint's rows) lets the client settle greedy token disputes itself."""
     witnesses = Witnesses(trusted)
     avoidance = Avoidance(witnesses)  # one per generation's audits: both record disputes in it
     spot = (
@@ -100,5 +107,9 @@ def make_audits(
         else None
     )
     every = verdict_audit_every
-    verdicts = VerdictAuditor(swarm, vocab_size, every, witnesses=witnesses, avoidance=avoidance) if every else None
+    verdicts = (
+        VerdictAuditor(swarm, vocab_size, every, witnesses=witnesses, avoidance=avoidance, lm_head=lm_head)
+        if every
+        else None
+    )
     return Audits(spot, verdicts) if spot or verdicts else None

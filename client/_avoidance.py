@@ -75,6 +75,24 @@ class Avoidance:
         self.peers.update(new)
         return new
 
+    def refuted(self, peer_id: str, servers: Collection[str] = ()) -> set[str]:
+        """Evidence the client checked itself refuted ``peer_id`` (client/_evidence.py) without
+        convicting it: avoid it and every untrusted server of its machine group; the side it disputed
+        is not avoided. Returns the servers newly avoided."""
+        self.servers.update(servers or self.witnesses.groups)
+        self.servers.add(peer_id)
+        group = self.group(peer_id)
+        self.disputes[group] += 1
+        self.disputants.add(peer_id)
+        mates = {
+            p
+            for p, g in self.witnesses.groups.items()
+            if g == group and p in self.servers and not self.witnesses.is_trusted(p)
+        }
+        new = ({peer_id} | mates) - self.peers
+        self.peers.update(new)
+        return new
+
     def disputed(self, peer_ids: Sequence[str], servers: Collection[str] = ()) -> None:
         """A spot-check's or an upstream check's unsettled disagreement: two servers are a dispute;
         more (a three-way split) are each avoided, with their groups counted, no pair recorded."""

@@ -54,7 +54,7 @@ async def forward_row(
         raise ValueError(f"num_outputs must be in [1, {len(row)}], got {num_outputs}")
     failovers = 0
     while True:
-        remote = await swarm.open_session(len(row), avoid=auditor.avoid if auditor is not None else ())
+        remote = await swarm.open_session(len(row), avoid=auditor.route_avoid() if auditor is not None else ())
         try:
             logits, hidden = await prefill_outputs(
                 remote, row, num_outputs, remote.max_positions_per_step, vocab_size, hidden_size, return_hidden

@@ -16,11 +16,16 @@ is a dispute, settled by the verdicts' evidence rule:
   moved the logits is convicted, never one framed by a hop it shared;
 - without such a route nobody is convicted (a vote among strangers is one operator's vote, k times):
   the same narrowing (the audit route with one hop of the live route's at a time) finds the hops
-  whose two servers disagree, those servers are avoided, the pass is recomputed on a third route
-  with other servers at those hops, and its result is returned flagged as unconfirmed (a warning;
-  ``audit="required"`` raises). The model's later passes route around those servers where the
-  swarm allows (``avoid``, as suspects are: never excluded, never reported), and audits do not use
-  them; k sybils that frame an honest server get it avoided by this model, nothing more.
+  whose two servers disagree; those servers *and every untrusted server of their machine groups*
+  are avoided (client/_avoidance.py: a group-mate of a disputant is no independent third, and a
+  sybil on the liar's machine would otherwise recompute the pass and repeat the lie), the pass is
+  recomputed on a third route with another server at those hops, or, where the avoided groups leave
+  none, on the avoided server to fall back on first (the group of fewer disputes, then of fewer
+  identities: the honest side against one-machine sybils), and its result is returned flagged as
+  unconfirmed (a warning; ``audit="required"`` raises). The model's later passes route around the
+  avoided servers in the same fallback order (``avoid``, as suspects are: never excluded, never
+  reported), and audits do not use them; k sybils that frame an honest server get it avoided by
+  this model, nothing more.
 
 The audit sessions are ordinary prefill sessions as a forward pass sends them.
 """
@@ -35,6 +40,7 @@ from typing import Collection, Mapping, Optional, Sequence
 
 import torch
 
+from client._avoidance import Avoidance
 from client._forward import prefill_outputs
 from client._remote_session import RemoteSession
 from client._spot_checks import alternatives, relative_difference
@@ -107,7 +113,15 @@ class OutputAuditor:
         self.witnesses = Witnesses(trusted)
         self.rng = rng or random.Random()
         self.stats = OutputAuditStats()
-        self.avoid: set[str] = set()  # servers of unsettled disputes: later passes route around them (never excluded)
+        # unsettled disputes by machine group, over the model's life (never reset: a model's passes are
+        # not one generation); ``avoid`` holds the disputants and their untrusted group-mates
+        self.avoidance = Avoidance(self.witnesses)
+        self.avoid: set[str] = self.avoidance.peers  # later passes route around them (never excluded)
+
+    def route_avoid(self) -> list[str]:
+        """The avoided servers in fallback order, for ``open_session(avoid=)``: where the swarm leaves
+        no route without them, the one to fall back on first is allowed first."""
+        return self.avoidance.order(self.avoid)
 
     async def check(
         self, row: list[int], route: list[Hop], logits: torch.Tensor, hidden: Optional[torch.Tensor], shape, audit: str
@@ -173,12 +187,34 @@ class OutputAuditor:
         suspects = await self._localize(live, second, row, shape, tol)
         disputed = {hop.peer_id for i in suspects for hop in (route[i], other[i]) if not trusted(hop.peer_id)}
         self.stats.disputed_peers.extend(p for p in sorted(disputed) if p not in self.stats.disputed_peers)
-        self.avoid |= disputed
+        for i in suspects:  # both sides and their machine groups (client/_avoidance.py)
+            self.avoidance.dispute(route[i].peer_id, other[i].peer_id, servers=self.swarm.records)
+        self.avoid.difference_update({p for p in self.avoid if trusted(p)})
         what += f"; hops {suspects} disputed, no trusted server to settle it"
-        third = await self._substitute(route, len(row), exclude=disputed, independent_of=[], only=set(suspects))
-        if any(hop.peer_id in disputed for hop in third):
-            return live, "unconfirmed", f"{what}, and no third server of their blocks"
-        return await self._pass(third, row, shape), "unconfirmed", f"{what}; recomputed on {_names(third)}"
+        third = await self._substitute(route, len(row), exclude=set(), independent_of=[], only=set(suspects))
+        third = self._fall_back(third, route, other, suspects, len(row))
+        if third == route:
+            return live, "unconfirmed", f"{what}; no third server outside the disputed groups: the live pass stands"
+        result = second if third == other else await self._pass(third, row, shape)
+        return result, "unconfirmed", f"{what}; recomputed on {_names(third)}"
+
+    def _fall_back(
+        self, third: list[Hop], route: list[Hop], other: list[Hop], suspects: Sequence[int], length: int
+    ) -> list[Hop]:
+        """``third`` with each disputed hop that found no server outside the avoided groups given the
+        avoided server to fall back on first (client/_avoidance.py ``order``): a disputant or a
+        group-mate of one, the group of fewer disputes and fewer identities first."""
+        out = list(third)
+        for i in suspects:
+            if out[i].peer_id not in self.avoid:
+                continue
+            pool = [route[i].peer_id, other[i].peer_id]
+            others = alternatives(route, i, self.swarm.records, self.swarm.excluded.current(), length)
+            pool += [s.peer_id for s in others]
+            pool = [p for p in dict.fromkeys(pool) if p in self.avoid]
+            if pool:
+                out[i] = Hop(peer_id=self.avoidance.order(pool)[0], start=route[i].start, end=route[i].end)
+        return out
 
     async def _localize(self, x: Pass, y: Pass, row: list[int], shape: tuple, tol: float) -> list[int]:
         """The hops whose servers disagree, of two routes whose logits do: each hop where they
@@ -228,7 +264,8 @@ class OutputAuditor:
         for i, pool in pools.items():
             pool = [c for c in pool if c.peer_id not in dead and c.peer_id not in used]
             self.rng.shuffle(pool)
-            if independent_of:
+            if independent_of:  # never a disputant, nor a group that disputed one of theirs (client/_avoidance.py)
+                pool = [c for c in pool if self.avoidance.may_witness(c.peer_id, independent_of)]
                 pool = self.witnesses.choose(pool, independent_of)
             else:
                 pool.sort(key=lambda c: not trusted(c.peer_id))

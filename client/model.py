@@ -31,6 +31,7 @@ from client._confirmation import check_audit_policy
 from client._drafter_choice import call_drafter
 from client._forward import RowOutputs, forward_batch, forward_row
 from client._generation import GenerationStats, SessionState, SpeculativeDecoder
+from client._lm_head import LMHeadRows
 from client._masks import causal_lm_loss, checked_ids, checked_mask, kept_columns, kept_width, session_input, unpadded
 from client._options import GenerationOptions
 from client._output_audits import DEFAULT_OUTPUT_AUDIT_RATE, OutputAuditor
@@ -69,6 +70,7 @@ class AutoDistributedModel(torch.nn.Module):
         self.verdict_audit_every = DEFAULT_AUDIT_EVERY  # tokens per verdict audit; 0: none; from_pretrained sets it
         self.trusted_peers: frozenset[str] = frozenset()  # from_pretrained's; generate(trusted_peers=) overrides
         self.output_audits = OutputAuditor(swarm, 0.0)  # forward passes' audits; from_pretrained sets the rate
+        self.lm_head_rows: Optional[LMHeadRows] = None  # the checkpoint's LM-head rows; from_pretrained sets it
         self._session: Optional[SessionState] = None
         self.warm_corpus: list[list[int]] = []  # the model's own answers a new suffix store starts with
         self._suffix_store = SuffixStore()
@@ -119,6 +121,7 @@ class AutoDistributedModel(torch.nn.Module):
         if not initial_peers:
             raise ValueError(no_initial_peers_message("connect to", 'initial_peers=["MADDR", ...]'))
         model = resolve_model(model_name_or_path)
+        source = model.source
         config = load_config(model.source, kwargs)  # unknown keywords: a TypeError naming them
         tokenizer = AutoTokenizer.from_pretrained(model.source, **kwargs)
         swarm = _loop.run(
@@ -138,6 +141,7 @@ class AutoDistributedModel(torch.nn.Module):
         model.verdict_audit_every = check_audit_every(verdict_audit_every)
         model.trusted_peers = trusted_set(trusted_peers)
         model.output_audits = OutputAuditor(swarm, output_audit_rate, model.trusted_peers)
+        model.lm_head_rows = LMHeadRows(source, config)  # disputes settled by evidence (client/_evidence.py)
         attach_prompts(model, tuning_mode, pre_seq_len, config)
         if warm_draft_store:
             model.warm_corpus = load_warm_corpus(config)
@@ -408,7 +412,12 @@ class AutoDistributedModel(torch.nn.Module):
             on_tokens=on_tokens,
             verification=options.verification,
             audits=make_audits(
-                self.swarm, self.config.vocab_size, call.spot_check_rate, self.verdict_audit_every, trusted
+                self.swarm,
+                self.config.vocab_size,
+                call.spot_check_rate,
+                self.verdict_audit_every,
+                trusted,
+                lm_head=self.lm_head_rows,
             ),
             trusted_peers=trusted,
             audit=options.audit,

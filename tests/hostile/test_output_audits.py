@@ -188,6 +188,56 @@ def test_a_logit_liar_is_flagged_and_recomputed_elsewhere_or_convicted_by_truste
         stop(pair_swarm, processes)
 
 
+def test_a_dispute_avoids_the_liars_machine_group_and_falls_back_on_the_honest_tail(
+    pair_swarm, tiny_llama_path, reference_logits, monkeypatch
+):
+    """Two logit liars L4, L5 on one machine group (one public /24, as one operator's sybils), the
+    honest T on its own, U hidden. L4 is live; its audit (G + T: L5 is no independent witness for
+    L4) disputes it at the tail hop and nobody settles it. Avoiding only L4 and T would recompute the
+    pass on L5, which repeats L4's lie; the dispute avoids both machine groups instead, and with no
+    tail left falls back on T's group (one identity against two): the logits returned are T's,
+    exact, flagged unconfirmed, and the next pass routes on T. Nobody is convicted."""
+    from client import _witnesses
+
+    processes = [
+        pair_swarm.start_server(3, 6, name=name, launcher=faulty("--lie-in-outputs", LIAR_SHIFT))
+        for name in ("L4", "L5")
+    ]
+    try:
+        routes = (route("H", "L4"), route("G", "T"), route("H", "L5"))
+        with client(pair_swarm, tiny_llama_path, *routes, hidden=["U"]) as model:
+            one_machine = {model.peers["L4"], model.peers["L5"]}
+            group = _witnesses.machine_group
+            monkeypatch.setattr(
+                _witnesses,
+                "machine_group",
+                lambda addr, peer_id: "net:203.0.113.0/24" if peer_id in one_machine else group(addr, peer_id),
+            )
+            audits = audited(model)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                logits = model(torch.tensor(PROMPT)).logits[0]
+            stats = audits.stats
+            print(f"\none-machine logit liars: {stats.events}")
+            torch.testing.assert_close(logits, reference_logits, rtol=1e-4, atol=1e-4)  # T's, not L5's
+            assert any(issubclass(w.category, UnconfirmedOutputsWarning) for w in caught)
+            assert stats.disputes == 1 and stats.unconfirmed == 1 and stats.convicted == [] and not model.swarm.liars
+            assert set(stats.disputed_peers) == {model.peers["L4"], model.peers["T"]}
+            assert audits.avoid == one_machine | {model.peers["T"]}  # L5 avoided with its group-mate
+            assert audits.route_avoid()[0] == model.peers["T"]  # the group to fall back on first
+            assert any(_names_tail(model, "T") in e for e in stats.events), stats.events  # recomputed on T
+            logits = model(torch.tensor(PROMPT)).logits[0]  # routed on T: exact, no new dispute
+            torch.testing.assert_close(logits, reference_logits, rtol=1e-4, atol=1e-4)
+            assert stats.disputes == 1 and stats.passes == 2 and stats.convicted == []
+    finally:
+        stop(pair_swarm, processes)
+
+
+def _names_tail(model, name: str) -> str:
+    """How ``_names`` writes the tail hop of ``name`` in an event."""
+    return f"{model.peers[name][-6:]}[3:6)"
+
+
 def test_echo_logprobs_with_a_liar_among_the_tails_equal_the_honest_ones(pair_swarm, tiny_llama_path, reference_logits):
     from swarm.api import Gateway, GatewayConfig
     from tests.api.test_api import GatewayThread

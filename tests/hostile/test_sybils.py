@@ -9,9 +9,13 @@ S1, S2 (4:6) run through tests/kit/faulty_server.py:
   compared (``--record-steps``), and the adaptive liar (``--lie-when-live``) lies to audits too.
 - colluding (``--lie-in-verdicts 1 --lie-after 32``): the same lie in every verdict past position
   32. With T trusted the output equals local transformers; with nobody trusted, and the two sybils
-  on one machine as far as the client can tell, the dispute avoids the sybils' whole machine group
-  (client/_avoidance.py), the generation falls back on T: the output equals local transformers, T is
-  not convicted, and its tokens past the dispute are flagged unconfirmed (``audit="required"`` raises).
+  on one machine as far as the client can tell, the dispute is settled by evidence the client checks
+  itself (client/_evidence.py: both tails' final hidden state and the two tokens' LM-head rows): the
+  liar is refuted, never T. Without the LM-head rows the dispute avoids the sybils' whole machine
+  group (client/_avoidance.py), the generation falls back on T: the output equals local
+  transformers, T is not convicted, and its tokens past the dispute are flagged unconfirmed
+  (``audit="required"`` raises). As framers (T live, the sybils its shadows) they are refuted by
+  the same evidence, and convicted when the hops before the tail are trusted.
 - rejection sampling on the honest tails: the shadow replays the live runs' drafts, q and seed, every
   token confirmed, nobody disputed; a tail lying in rejection verdicts is disputed, or convicted when
   T is trusted.
@@ -160,10 +164,12 @@ def test_colluding_liars_are_refuted_by_a_trusted_tail_or_flagged(
                 "machine_group",
                 lambda addr, peer_id: "net:203.0.113.0/24" if peer_id in one_machine else group(addr, peer_id),
             )
-            # nobody trusted: L2 may not witness for L1 (one machine), so T shadows, disputes, and
+            # nobody trusted, and no LM-head rows to settle it by evidence (as for a checkpoint the client
+            # cannot read): L2 may not witness for L1 (one machine), so T shadows, disputes, and
             # nobody settles it; both machine groups are avoided, which leaves no tail: the generation
             # falls back on T's group (one identity, L1's has two) and re-verifies there. Nobody
             # independent that has not disagreed with T is left, so T's tokens are flagged
+            rows, model.lm_head_rows = model.lm_head_rows, None
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 out = generate(model)
@@ -179,6 +185,18 @@ def test_colluding_liars_are_refuted_by_a_trusted_tail_or_flagged(
             )
             with pytest.raises(UnconfirmedTokensError):
                 generate(model, audit="required")
+            # the LM-head rows read from the checkpoint (client/_evidence.py): T's and L1's final hidden
+            # states agree and T's token wins, so L1 is refuted by evidence, T never disputed
+            model.lm_head_rows = rows
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                out = generate(model)
+            stats = model.last_generation_stats
+            print(f"colluding, settled by evidence: {stats.spot_check_events}")
+            assert out == greedy_reference, stats.spot_check_events
+            assert stats.verdict_audits_by_evidence >= 1 and stats.verdict_audits_undecided == 0
+            assert model.peers["L1"] in stats.disputed_peers and set(stats.disputed_peers) <= one_machine
+            assert stats.liars_excluded == [] and stats.route[-1][0] == model.peers["T"]
             # T trusted: T shadows L1, refutes it, and the generation re-verifies on T's route
             out = generate(model, trusted_peers=[model.peers["T"]], audit="required")
             stats = model.last_generation_stats
@@ -187,6 +205,51 @@ def test_colluding_liars_are_refuted_by_a_trusted_tail_or_flagged(
             assert model.peers["L1"] in stats.liars_excluded
             assert set(stats.liars_excluded) <= {model.peers["L1"], model.peers["L2"]}
             assert stats.tokens_confirmed_trusted == len(out)
+    finally:
+        stop(sybil_swarm, processes)
+
+
+def test_two_sybils_framing_the_honest_tail_are_refuted_by_evidence(
+    sybil_swarm, tiny_llama_path, greedy_reference, monkeypatch
+):
+    """The issue's framing scenario, settled by evidence (client/_evidence.py): T is live, and F1, F2
+    (one machine group) shadow it and reject its token from position 32 on, naming the second choice.
+    The client asks both tails for their final hidden state at 31 and reads the two tokens' LM-head
+    rows from the checkpoint: the states agree and T's token wins, so the framer is refuted, never T.
+    With H and M strangers the framer is only avoided (with its group); with H and M trusted it is
+    convicted. Either way T is never disputed, avoided or convicted, and the output is exact."""
+    processes = start(sybil_swarm, "--lie-in-verdicts", "1", "--lie-after", "32", names=("F1", "F2"))
+    try:
+        with client(sybil_swarm, tiny_llama_path, route("T"), route("F1"), route("F2"), hidden=["U"]) as model:
+            framers = {model.peers["F1"], model.peers["F2"]}
+            group = _witnesses.machine_group
+            monkeypatch.setattr(
+                _witnesses,
+                "machine_group",
+                lambda addr, peer_id: "net:203.0.113.0/24" if peer_id in framers else group(addr, peer_id),
+            )
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the tokens after the framer's refutation have no shadow left
+                out = generate(model)
+            stats = model.last_generation_stats
+            print(f"\nframed, strangers before the tail: {stats.spot_check_events}")
+            assert out == greedy_reference, stats.spot_check_events
+            # each framer that shadows T is refuted in turn (a refuted group's mate may still shadow, last)
+            assert stats.verdict_audits_by_evidence >= 1 and stats.verdict_audits_undecided == 0
+            assert stats.disputed_peers and set(stats.disputed_peers) <= framers  # the framers, never T
+            assert any("refuted (not convicted" in e and "position 32" in e for e in stats.spot_check_events)
+            assert stats.liars_excluded == [] and not model.swarm.liars
+            assert model.peers["T"] not in model.swarm.excluded.current()
+            assert stats.route[-1][0] == model.peers["T"]  # never left T
+            # H and M trusted (not T): the evidence now convicts the framer (and its mate, if it shadows next)
+            out = generate(model, trusted_peers=[model.peers["H"], model.peers["M"]])
+            stats = model.last_generation_stats
+            print(f"framed, H and M trusted: {stats.spot_check_events}")
+            assert out == greedy_reference, stats.spot_check_events
+            assert stats.liars_excluded and set(stats.liars_excluded) <= framers
+            assert any("refuted by evidence" in e for e in stats.spot_check_events)
+            assert model.peers["T"] not in model.swarm.liars | set(stats.disputed_peers)
+            assert stats.route[-1][0] == model.peers["T"]
     finally:
         stop(sybil_swarm, processes)
 

@@ -267,6 +267,8 @@ def lie_in_verdicts(
             return result
         if live_only and looks_like_an_audit(session, step):
             return result
+        if not 0 <= row < len(logits):  # a forward pass's prefill: only its last rows are computed
+            return result
         count.due()
         if kind == "second":
             top = logits[row].float().topk(2).indices.tolist()
@@ -338,6 +340,8 @@ def frame() -> Counter:
     def framing_verdict(session, step, logits):
         result = verdict(session, step, logits)
         if step.parents or step.draft_q is not None or not looks_like_an_audit(session, step):
+            return result
+        if not step.n_draft:  # nothing to reject (a forward pass asking for logits looks like an audit)
             return result
         row = len(step.token_ids) - step.n_draft - 1  # the position of the first draft's verdict
         top = logits[row].float().topk(2).indices.tolist()

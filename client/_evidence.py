@@ -1,0 +1,127 @@
+"""Disputes settled by evidence the client checks itself, not by a vote (docs/reliability.md,
+"Disputes settled by evidence"; issue 35).
+
+Two tails disagree on the greedy token at position t: the route's tail committed ``a``, the shadow's
+chose ``b``. A third stranger's vote settles nothing (one operator can run the third too). But the
+greedy choice is a function of two things: the final hidden state h at position t - 1 (what the LM
+head reads, after the final norm) and the LM head. The client reads the two rows W[a] and W[b] from
+the checkpoint itself (client/_lm_head.py) and asks each tail for h, through a fresh forward pass
+over ids[:t] on its own route (the same hops before the tail: ``return_hidden``, which forward
+passes already carry, so no new wire field). Then:
+
+- the two h agree within the forward passes' tolerance (client/_output_audits.py
+  ``OUTPUT_TOLERANCES``; float32 1e-3 of ``max(1, max|h|)``): the client computes
+  d = h . (W[a] - W[b]) from each. If both are above the margin (``margin``: the two states'
+  spread, or an honest server's own noise between two computations of a position if larger, times
+  the L1 norm of W[a] - W[b], plus the rounding of the two logits in the servers' dtype), ``a`` beats ``b``
+  whichever tail's h is the true one, so the tail that chose ``b`` is refuted; both below minus the
+  margin refutes the tail that chose ``a``; otherwise (a near tie) nothing is settled;
+- the two h differ: each tail may have sent an h made to fit its verdict; nothing is settled here
+  (a bisection over the span's blocks would narrow it to one block the client recomputes: not built).
+
+Why no coalition can refute an honest tail this way: an honest tail's h is the true one (up to
+rounding far below the margin), and its token is the argmax of h . W, so d for its own token against
+any other is >= 0 and never below minus the margin; a dishonest side can only make the h differ,
+which settles nothing. The residual: the hidden state comes through the hops before the tail, which
+every evidence session shares with the live one; a hop there that recognises evidence sessions (they
+ask for hidden states) can feed both tails the same false input. So the refuted tail is *convicted*
+(banned, reported) only when every hop before the tail is trusted (or there is none); otherwise it
+is refuted for this generation only: avoided with its machine group, while the other side keeps
+serving it (client/_verdict_audits.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from protocol.messages import SamplingParams
+
+
+def plain_greedy(sampling: SamplingParams) -> bool:
+    """Whether the choice is the bare argmax of h . W (no sampling, penalty, bias or constraint):
+    only then do two LM-head rows decide between two tokens."""
+    return (
+        not sampling.do_sample
+        and sampling.repetition_penalty == 1.0
+        and sampling.presence_penalty == 0.0
+        and sampling.frequency_penalty == 0.0
+        and not sampling.logit_bias
+        and sampling.constraint is None
+    )
+
+
+@dataclass
+class Settlement:
+    """What the evidence says: ``refuted`` is "tail" (the token the route's tail committed loses),
+    "shadow" (the shadow's loses) or None (nothing settled); ``detail`` says why, in numbers."""
+
+    refuted: Optional[str]
+    detail: str
+
+
+# How far an honest server's final hidden state may move between two computations of the same
+# position (the live verdict's batch and the evidence's prefill), relative to max(1, max|h|): float32
+# 1e-4, 100x the honest spread benchmarks/forward_spread.py measured (0: bit-identical on the CPU; GPU
+# kernels that differ by batch shape were not measured); 16-bit 0.04, the measured bfloat16 logits
+# spread (0.035) rounded up; quantized or unknown 0.08.
+HIDDEN_NOISE = {"float32": 1e-4, "bfloat16": 0.04, "float16": 0.04}
+HIDDEN_NOISE_OTHER = 0.08
+# The relative rounding of one logit a server computes (h . W[x] in its dtype) against the client's
+# float32 product: float32 1e-5 (~100 ulp), 16-bit 8e-3 (2x bfloat16's 2^-8), others 0.02.
+ROUNDING = {"float32": 1e-5, "bfloat16": 8e-3, "float16": 8e-3}
+ROUNDING_OTHER = 0.02
+
+
+def bounds(records) -> tuple[float, float]:
+    """(hidden noise, rounding) for the loosest of the two tails' records (None: unknown)."""
+
+    def loosest(table, other):
+        return max(
+            table.get(r.dtype, other) if r is not None and (r.quantization or "none") == "none" else other
+            for r in records
+        )
+
+    return loosest(HIDDEN_NOISE, HIDDEN_NOISE_OTHER), loosest(ROUNDING, ROUNDING_OTHER)
+
+
+def margin(
+    h_tail: torch.Tensor, h_shadow: torch.Tensor, w_a: torch.Tensor, w_b: torch.Tensor, noise: float, rounding: float
+) -> float:
+    """How far d = h . (W[a] - W[b]) may be from the one an honest tail's own verdict saw: the two
+    states' measured spread (or an honest server's own noise, whichever is larger) times the L1 norm
+    of W[a] - W[b], plus the rounding of the two logits relative to their sizes."""
+    scale = max(1.0, float(h_tail.abs().max()), float(h_shadow.abs().max()))
+    spread = float((h_tail - h_shadow).abs().max())
+    sizes = max(float(h.abs() @ (w_a.abs() + w_b.abs())) for h in (h_tail, h_shadow))
+    return max(spread, noise * scale) * float((w_a - w_b).abs().sum()) + rounding * sizes
+
+
+def settle(
+    h_tail: torch.Tensor,
+    h_shadow: torch.Tensor,
+    w_a: torch.Tensor,
+    w_b: torch.Tensor,
+    tol: float,
+    noise: float = HIDDEN_NOISE["float32"],
+    rounding: float = ROUNDING["float32"],
+) -> Settlement:
+    """The rule of the module's docstring. ``h_*``: [hidden] float32 final hidden states at t - 1 from
+    the route's tail and the shadow's; ``w_a``, ``w_b``: the LM-head rows of the route's tail's token
+    and the shadow's; ``tol``: the agreement bound, ``noise`` and ``rounding``: :func:`bounds`."""
+    h_tail, h_shadow = h_tail.float().flatten(), h_shadow.float().flatten()
+    scale = max(1.0, float(h_tail.abs().max()))
+    spread = float((h_tail - h_shadow).abs().max()) / scale
+    if not spread < tol:  # NaN too
+        return Settlement(None, f"the tails' final hidden states differ by {spread:.3g} >= {tol:g}")
+    bound = margin(h_tail, h_shadow, w_a, w_b, noise, rounding)
+    d_tail, d_shadow = float(h_tail @ (w_a - w_b)), float(h_shadow @ (w_a - w_b))
+    numbers = f"hidden states agree ({spread:.3g} < {tol:g}); logit gap {d_tail:.4g} / {d_shadow:.4g}"
+    numbers += f", margin {bound:.3g}"
+    if d_tail > bound and d_shadow > bound:
+        return Settlement("shadow", numbers)
+    if d_tail < -bound and d_shadow < -bound:
+        return Settlement("tail", numbers)
+    return Settlement(None, numbers + " (a near tie)")
