@@ -16,19 +16,19 @@ the tail starts itself consumed as the live client consumes them (``_confirm``).
 A shadow counts only if it could not be the same operator as the route's servers
 (client/_witnesses.py: trusted, or on another machine group); trusted shadows are preferred.
 
-A disagreement at position t is settled only by a server the user trusts (``trusted_peers``): the
-shadow itself, the tail itself, or a third trusted server of the tail's blocks (a fresh session that
-verifies the committed token at t), or by evidence the client checks itself (a greedy token: both
-tails' final hidden state and the checkpoint's LM-head rows, client/_evidence.py). Then the server it
-refutes is convicted (excluded for good, reported in the DHT: ``SwarmClient.convict``); refuted by
-evidence with strangers before the tail, it is only avoided with its machine group for the
-generation. A vote among strangers settles nothing (k sybils agree with each other), so without a
-trusted judge or evidence nobody is convicted: both disputing servers join the
-generation's ``avoid`` set with every server of their machine groups, and the generation re-verifies
-its tokens on a route without them (``SpeculativeDecoder._react_to_liars``; client/_avoidance.py says
-which avoided server it falls back on when none is left). Before the output is returned the last tokens are audited
-too; what the audits confirmed (and by whom) is counted per token (client/_confirmation.py).
-One audit at a time, in the background.
+A disagreement at position t is settled only by a server the user trusts (``trusted_peers``): the shadow
+itself, the tail itself, or a third trusted server of the tail's blocks (a fresh session that verifies
+the committed token at t), or by evidence the client checks itself (a greedy token: both tails' final
+hidden state and the checkpoint's LM-head rows, client/_evidence.py). Then the server it refutes is
+convicted (excluded for good, reported in the DHT: ``SwarmClient.convict``); refuted by evidence with
+strangers before the tail, it is only avoided with its machine group for the generation. A vote among
+strangers settles nothing (k sybils agree with each other), so without a trusted judge or evidence
+nobody is convicted: both disputing servers join the generation's ``avoid`` set with every server of
+their machine groups, and the generation re-verifies its tokens on a route without them
+(``SpeculativeDecoder._react_to_liars``; client/_avoidance.py says which avoided server it falls back on
+when none is left). Before the output is returned the last tokens are audited too; what the audits
+confirmed (and by whom) is counted per token (client/_confirmation.py). One at a time, in the
+background.
 
 Rejection sampling (``verification="rejection"``): its committed tokens are not the seeded choice a
 token-match shadow reproduces, so the shadow replays the live runs' own drafts, q and seed instead
@@ -44,11 +44,9 @@ from typing import Optional, Sequence
 
 from client._audit_shape import LiveShape
 from client._avoidance import Avoidance
-from client._evidence import Settlement, bounds, plain_greedy, settle
-from client._forward import prefill_outputs
+from client._evidence_disputes import EvidenceDisputes
 from client._lm_head import LMHeadRows
 from client._logprob_audits import first_disagreement, logprob_tolerance
-from client._output_audits import output_tolerance
 from client._rejection_audits import RejectionRuns, confirm
 from client._remote_session import RemoteSession
 from client._spot_checks import AuditResult, BackgroundAudit, SpotChecker, alternatives, substituted
@@ -63,7 +61,7 @@ MAX_SHADOW_TRIES = 3  # substitutes tried for the shadow's tail when one cannot 
 DEFAULT_AUDIT_EVERY = 16  # committed tokens per audit (more: fewer audit laps, later catches)
 
 
-class VerdictAuditor(BackgroundAudit):
+class VerdictAuditor(EvidenceDisputes, BackgroundAudit):
     def __init__(
         self,
         swarm,
@@ -360,9 +358,8 @@ class VerdictAuditor(BackgroundAudit):
         if judge == "evidence":
             stats.verdict_audits_by_evidence += 1
             what += "; every hop before the tail trusted"
-            stats.spot_check_events.append(f"verdict audit: {what}; {liar} refuted by evidence")
-        else:
-            stats.spot_check_events.append(f"verdict audit: {what}; {liar} refuted by trusted {judge}")
+        by = "evidence" if judge == "evidence" else f"trusted {judge}"
+        stats.spot_check_events.append(f"verdict audit: {what}; {liar} refuted by {by}")
         stats.liars_excluded.append(liar)
         self.swarm.convict(liar)
         self._given_up = 0
@@ -384,74 +381,6 @@ class VerdictAuditor(BackgroundAudit):
         logger.warning(f"Verdict dispute unsettled ({what}): avoiding both and their groups for this generation")
         self._given_up = 0
         self.audited = ids[:t]
-        await self._drop_shadow()
-
-    def _settleable(self) -> bool:
-        """Whether a token dispute can be settled by the LM-head rows: plain greedy token match and a
-        checkpoint the client can read (client/_evidence.py)."""
-        return (
-            self.lm_head is not None
-            and self.lm_head.folder is not None
-            and self.verification == "match"
-            and plain_greedy(self.sampling)
-        )
-
-    async def _by_evidence(self, route: list[Hop], ids: list[int], t: int, shadow_token: int, stats) -> Settlement:
-        """Each tail's final hidden state at t - 1 (a fresh forward pass over ids[:t] on its own route:
-        the same hops before it) and the LM-head rows of the two tokens, read from the checkpoint."""
-        rows = self.lm_head.rows([ids[t], shadow_token])
-        if rows is None:
-            return Settlement(None, "the checkpoint's LM-head rows could not be read")
-        shadow_route = self._shadow.route
-        both = asyncio.gather(
-            self._final_hidden(route, ids[:t], stats), self._final_hidden(shadow_route, ids[:t], stats)
-        )
-        try:  # bounded: a liar that stalls its evidence must not turn the dispute into a failed audit
-            h_tail, h_shadow = await asyncio.wait_for(both, self.swarm.request_timeout)
-        except (ServerError, asyncio.TimeoutError, OSError) as e:  # settles nothing (a tail may be down)
-            return Settlement(None, f"a tail's hidden state could not be read: {e!r}")
-        tol = output_tolerance([route[-1], shadow_route[-1]], self.swarm.records)
-        noise, rounding = bounds([self.swarm.records.get(hop[-1].peer_id) for hop in (route, shadow_route)])
-        return settle(h_tail, h_shadow, rows[0], rows[1], tol, noise, rounding)
-
-    async def _final_hidden(self, route: list[Hop], prefix: list[int], stats):
-        """The final hidden state (after the final norm: what the LM head reads) at prefix's last position."""
-        swarm = self.swarm
-        session = RemoteSession(
-            swarm.p2p,
-            route,
-            len(prefix),
-            timeout=swarm.request_timeout,
-            prompts=swarm.prompts,
-            adapter=swarm.active_adapter,
-        )
-        try:
-            await session.open()
-            limit = swarm.route_step_limit(route)
-            _, hidden = await prefill_outputs(
-                session, prefix, 1, limit, self.vocab_size, self.lm_head.hidden_size, return_hidden=True
-            )
-            stats.verdict_audit_positions += len(prefix) * len(route)
-            return hidden[0]
-        finally:
-            await session.close()
-
-    async def _refuted(self, route: list[Hop], ids: list[int], t: int, refuted: str, what: str, stats) -> None:
-        """Evidence refuted ``refuted`` but strangers stood before the tail, so it is not convicted:
-        it and its machine group are avoided for this generation (client/_avoidance.py); the other
-        side is not. A refuted route tail: the tokens from t on are re-verified elsewhere."""
-        await self.witnesses.refresh(self.swarm.p2p)
-        self.avoidance.refuted(refuted, servers=self.swarm.records)
-        stats.verdict_audits_by_evidence += 1
-        if refuted not in stats.disputed_peers:
-            stats.disputed_peers.append(refuted)
-        stats.spot_check_events.append(
-            f"verdict audit settled by evidence: {what}; {refuted} refuted (not convicted: the hops before "
-            "the tail are not all trusted); avoiding it and its group"
-        )
-        logger.warning(f"Verdict dispute settled by evidence ({what}): {refuted} refuted, avoided with its group")
-        self._given_up = 0
-        self.audited = ids[:t]  # a refuted route tail: the decoder re-verifies; a refuted shadow: the next one does
         await self._drop_shadow()
 
     def _excluded(self) -> set[str]:

@@ -122,7 +122,7 @@ class AutoDistributedModel(torch.nn.Module):
             raise ValueError(no_initial_peers_message("connect to", 'initial_peers=["MADDR", ...]'))
         model = resolve_model(model_name_or_path)
         source = model.source
-        config = load_config(model.source, kwargs)  # unknown keywords: a TypeError naming them
+        config = load_config(source, kwargs)  # unknown keywords: a TypeError naming them
         tokenizer = AutoTokenizer.from_pretrained(model.source, **kwargs)
         swarm = _loop.run(
             SwarmClient.connect(
@@ -192,34 +192,31 @@ class AutoDistributedModel(torch.nn.Module):
         answer is likely to repeat.
         ``async_speculation=True`` keeps up to ``max_inflight_runs`` runs in flight, each assuming
         the ones before it are accepted whole; refuted runs are cancelled hop by hop.
-        ``draft_tree=True`` sends a token tree per lap instead of a chain: the drafter's chain plus
-        the alternatives it ranks at each position (and the tail's drafts, with "+tail"), as
-        many nodes as a cost model of the measured lap times finds worth it (more when the lap is
-        network-bound); every server computes the tree in one pass and keeps only the accepted path.
-        The output is unchanged. Synchronous speculation only (not with ``async_speculation`` or
-        ``verification="rejection"``); Llama-family models (DeepSeek-V4 servers refuse trees). Stats:
-        ``last_generation_stats.tree_nodes_per_lap``, ``tree_accepted_per_lap``, ``tree_sizes``.
-        ``loop_runs`` (default None: on wherever it applies) shortens each lap by one link: the
-        tail starts the next run at the head itself instead of the client, with the client's
-        retrieval drafts for that verdict (offered to the head while the run before is in flight)
-        or the tail's drafts; the client still receives every verdict and cancels the run it
-        does not need at the end. It applies to one run at a time verified by token match without a
-        ``draft_model``: True with ``async_speculation``, ``draft_tree`` or
-        ``verification="rejection"`` is a ValueError (docs/protocol.md, "Looped runs").
+        ``draft_tree=True`` sends a token tree per lap instead of a chain: the drafter's chain plus the alternatives
+        it ranks at each position (and the tail's drafts, with "+tail"), as many nodes as a cost model of the
+        measured lap times finds worth it (more when the lap is network-bound); every server computes the tree in
+        one pass and keeps only the accepted path. The output is unchanged. Synchronous speculation only (not with
+        ``async_speculation`` or ``verification="rejection"``); Llama-family models (DeepSeek-V4 servers refuse
+        trees). Stats: ``last_generation_stats.tree_nodes_per_lap``, ``tree_accepted_per_lap``, ``tree_sizes``.
+        ``loop_runs`` (default None: on wherever it applies) shortens each lap by one link: the tail starts the next
+        run at the head itself instead of the client, with the client's retrieval drafts for that verdict (offered
+        to the head while the run before is in flight) or the tail's drafts; the client still receives every verdict
+        and cancels the run it does not need at the end. It applies to one run at a time verified by token match
+        without a ``draft_model``: True with ``async_speculation``, ``draft_tree`` or ``verification="rejection"``
+        is a ValueError (docs/protocol.md, "Looped runs").
         ``num_logprobs=K`` (K <= 20) returns the top-K log-probs of each new token in
         ``model.last_logprobs`` (and as ``.logprobs`` when ``return_dict_in_generate=True``); for a
         batch of several rows, one list per row.
 
-        ``draft_model``: a local transformers causal LM with the target's tokenizer (same
-        vocabulary) drafts instead of ``speculation``, ``num_draft_tokens`` per lap, keeping its own
-        KV cache. Greedy, or sampling with ``verification="match"`` (the default, exact for any
-        drafter): it drafts its argmax and the tail keeps drafts equal to its own seeded choices.
-        Sampling with ``verification="rejection"`` (one run at a time): it samples each draft from
-        its q (the same temperature/top-k/top-p processing), sends q(x) up, and the tail accepts with
-        probability min(1, p/q); on a rejection the client draws the token from norm(max(0, p - q))
-        over the top-K of p the tail sends (K = top_k if <= 64, else 64). Exact in distribution when
-        top_k <= 64, an approximation otherwise; with a seed the output is reproducible, but it is
-        not the token sequence that plain sampling with that seed gives (token match's guarantee).
+        ``draft_model``: a local transformers causal LM with the target's tokenizer (same vocabulary) drafts instead
+        of ``speculation``, ``num_draft_tokens`` per lap, keeping its own KV cache. Greedy, or sampling with
+        ``verification="match"`` (the default, exact for any drafter): it drafts its argmax and the tail keeps
+        drafts equal to its own seeded choices. Sampling with ``verification="rejection"`` (one run at a time): it
+        samples each draft from its q (the same temperature/top-k/top-p processing), sends q(x) up, and the tail
+        accepts with probability min(1, p/q); on a rejection the client draws the token from norm(max(0, p - q))
+        over the top-K of p the tail sends (K = top_k if <= 64, else 64). Exact in distribution when top_k <= 64, an
+        approximation otherwise; with a seed the output is reproducible, but it is not the token sequence that plain
+        sampling with that seed gives (token match's guarantee).
 
         A batch runs its rows as concurrent sessions. ``attention_mask`` (left or right padding,
         or zeros anywhere) removes each row's masked positions before it is sent, so every row gets
@@ -400,6 +397,8 @@ class AutoDistributedModel(torch.nn.Module):
         options = call.options
         trusted = trusted_set(options.trusted_peers, self.trusted_peers)
         drafter = call_drafter(call, self._suffix_store, self.tokenizer, self.config.vocab_size)
+        rate, every = call.spot_check_rate, self.verdict_audit_every
+        audits = make_audits(self.swarm, self.config.vocab_size, rate, every, trusted, self.lm_head_rows)
         return SpeculativeDecoder(
             self.swarm,
             state,
@@ -411,14 +410,7 @@ class AutoDistributedModel(torch.nn.Module):
             num_logprobs=options.num_logprobs,
             on_tokens=on_tokens,
             verification=options.verification,
-            audits=make_audits(
-                self.swarm,
-                self.config.vocab_size,
-                call.spot_check_rate,
-                self.verdict_audit_every,
-                trusted,
-                lm_head=self.lm_head_rows,
-            ),
+            audits=audits,
             trusted_peers=trusted,
             audit=options.audit,
             draft_tree=options.draft_tree,

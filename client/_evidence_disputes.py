@@ -1,0 +1,89 @@
+"""The verdict auditor's disputes settled by evidence the client checks itself (client/_evidence.py):
+kept apart from client/_verdict_audits.py so that the auditor's shadow and vote logic reads on its own.
+
+A mixin of :class:`client._verdict_audits.VerdictAuditor`: it reads the auditor's swarm, shadow,
+sampling, avoidance and witnesses."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from client._evidence import Settlement, bounds, plain_greedy, settle
+from client._forward import prefill_outputs
+from client._output_audits import output_tolerance
+from client._remote_session import RemoteSession
+from client.errors import ServerError
+from protocol.messages import Hop
+
+logger = logging.getLogger("client._verdict_audits")
+
+
+class EvidenceDisputes:
+    def _settleable(self) -> bool:
+        """Whether a token dispute can be settled by the LM-head rows: plain greedy token match and a
+        checkpoint the client can read (client/_evidence.py)."""
+        return (
+            self.lm_head is not None
+            and self.lm_head.folder is not None
+            and self.verification == "match"
+            and plain_greedy(self.sampling)
+        )
+
+    async def _by_evidence(self, route: list[Hop], ids: list[int], t: int, shadow_token: int, stats) -> Settlement:
+        """Each tail's final hidden state at t - 1 (a fresh forward pass over ids[:t] on its own route:
+        the same hops before it) and the LM-head rows of the two tokens, read from the checkpoint."""
+        rows = self.lm_head.rows([ids[t], shadow_token])
+        if rows is None:
+            return Settlement(None, "the checkpoint's LM-head rows could not be read")
+        shadow_route = self._shadow.route
+        both = asyncio.gather(
+            self._final_hidden(route, ids[:t], stats), self._final_hidden(shadow_route, ids[:t], stats)
+        )
+        try:  # bounded: a liar that stalls its evidence must not turn the dispute into a failed audit
+            h_tail, h_shadow = await asyncio.wait_for(both, self.swarm.request_timeout)
+        except (ServerError, asyncio.TimeoutError, OSError) as e:  # settles nothing (a tail may be down)
+            return Settlement(None, f"a tail's hidden state could not be read: {e!r}")
+        tol = output_tolerance([route[-1], shadow_route[-1]], self.swarm.records)
+        noise, rounding = bounds([self.swarm.records.get(hop[-1].peer_id) for hop in (route, shadow_route)])
+        return settle(h_tail, h_shadow, rows[0], rows[1], tol, noise, rounding)
+
+    async def _final_hidden(self, route: list[Hop], prefix: list[int], stats):
+        """The final hidden state (after the final norm: what the LM head reads) at prefix's last position."""
+        swarm = self.swarm
+        session = RemoteSession(
+            swarm.p2p,
+            route,
+            len(prefix),
+            timeout=swarm.request_timeout,
+            prompts=swarm.prompts,
+            adapter=swarm.active_adapter,
+        )
+        try:
+            await session.open()
+            limit = swarm.route_step_limit(route)
+            _, hidden = await prefill_outputs(
+                session, prefix, 1, limit, self.vocab_size, self.lm_head.hidden_size, return_hidden=True
+            )
+            stats.verdict_audit_positions += len(prefix) * len(route)
+            return hidden[0]
+        finally:
+            await session.close()
+
+    async def _refuted(self, route: list[Hop], ids: list[int], t: int, refuted: str, what: str, stats) -> None:
+        """Evidence refuted ``refuted`` but strangers stood before the tail, so it is not convicted:
+        it and its machine group are avoided for this generation (client/_avoidance.py); the other
+        side is not. A refuted route tail: the tokens from t on are re-verified elsewhere."""
+        await self.witnesses.refresh(self.swarm.p2p)
+        self.avoidance.refuted(refuted, servers=self.swarm.records)
+        stats.verdict_audits_by_evidence += 1
+        if refuted not in stats.disputed_peers:
+            stats.disputed_peers.append(refuted)
+        stats.spot_check_events.append(
+            f"verdict audit settled by evidence: {what}; {refuted} refuted (not convicted: the hops before "
+            "the tail are not all trusted); avoiding it and its group"
+        )
+        logger.warning(f"Verdict dispute settled by evidence ({what}): {refuted} refuted, avoided with its group")
+        self._given_up = 0
+        self.audited = ids[:t]  # a refuted route tail: the decoder re-verifies; a refuted shadow: the next one does
+        await self._drop_shadow()
