@@ -45,10 +45,17 @@ def step_digest(
         list(parents),
         list(tree_path),
         draft_q,
-        msgspec.structs.astuple(sampling),
+        tuple(_digested(v) for v in msgspec.structs.astuple(sampling)),
     )
     mac = hmac.new(key.encode(), _encoder.encode(fields), hashlib.blake2b).digest()
     return int.from_bytes(mac[:DIGEST_BYTES], "little")
+
+
+def _digested(value: object) -> object:
+    """A sampling field as the digest reads it: a Constraint by its ``digest_fields`` (a field added
+    since, at its default, leaves the digest what a peer of before it computes)."""
+    fields = getattr(value, "digest_fields", None)
+    return fields() if callable(fields) else value
 
 
 def digest_of(step, sampling: msgspec.Struct, key: str) -> int:

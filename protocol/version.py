@@ -57,3 +57,5 @@ PROTOCOL_VERSION = 9
 #    Single-span replacement: TrainForward.spares; ServerInfo.train_forwards (trailing fields).
 #    Abandoned steps: TrainDrop (step ids and the route), passed hop by hop; deep prompt and classification
 #    rows in chunks (no new field).
+#    Constraint.stop_token_ids (a trailing field): ids besides EOS that end a constrained output (the tail's
+#    matcher counts them as stops); empty, a constraint's digest is its two fields as before.
