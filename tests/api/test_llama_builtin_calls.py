@@ -330,17 +330,24 @@ def eom_reference(reference, tokenizer, grammar, prompt, stops, sample):
 
 
 @pytest.mark.parametrize("sample", [None, dict(do_sample=True, temperature=1.5, seed=7)], ids=["greedy", "sampled"])
-def test_a_forced_builtin_call_ends_at_the_eom_token_on_the_swarm(eom_swarm, sample):
+def test_a_forced_builtin_call_ends_at_the_eom_token_on_the_swarm(eom_swarm, sample, monkeypatch):
     """Where <|eom_id|> is one token, the gateway's forced built-in grammar ends with that token (never
     its text in pieces) and makes it a stop id of the call; the client sends it as a stop id of the
     constraint, so the tail's matcher takes it as a stop. The swarm's tokens (grammar drafts on, the
     matcher's forced tokens drafted) equal transformers with xgrammar's processor whose stop ids are EOS
     and <|eom_id|>; the output ends exactly at <|eom_id|> (once, last), the tail's matcher terminated
     there in an accepting state, and the reply parses into the forced call."""
-    from client._calls import compiler_for
-    from protocol.constraints import with_stops
+    from server.constraints import TailConstraints
 
     model, reference = eom_swarm
+    tail_guides = []  # the Guides the tail (an in-process server) made for this generation's session
+    made = TailConstraints.guide
+
+    def recorded(self, constraint, start, requester=None):
+        tail_guides.append(made(self, constraint, start, requester))
+        return tail_guides[-1]
+
+    monkeypatch.setattr(TailConstraints, "guide", recorded)
     tokenizer = model.tokenizer
     eom, eos = tokenizer.convert_tokens_to_ids(EOM_ID), tokenizer.eos_token_id
     parameters = {"type": "object", "properties": {"query": {"enum": ["Oslo", "Paris"]}, "fast": {"type": "boolean"}}}
@@ -354,11 +361,8 @@ def test_a_forced_builtin_call_ends_at_the_eom_token_on_the_swarm(eom_swarm, sam
         torch.tensor([choice.prompt_ids]), max_new_tokens=40, eos_token_id=stops, guided_grammar=grammar, **kwargs
     )[0, len(choice.prompt_ids) :].tolist()
     assert output == expected and output[-1] == eom and output.count(eom) == 1 and eos not in output
-    constraint = with_stops(
-        constraint_from_options(guided_grammar=grammar), compiler_for(tokenizer, len(tokenizer)), stops
-    )
-    assert constraint.stop_token_ids == (eom,)  # what the client sent the tail
-    tail_guide = compiler_for(tokenizer, len(tokenizer)).guide(constraint, len(choice.prompt_ids))
+    (tail_guide,) = tail_guides
+    assert tail_guide.constraint.stop_token_ids == (eom,)  # what the client sent the tail
     context = choice.prompt_ids + output
     assert not tail_guide.ended(context[:-1]) and tail_guide.ended(context)  # it ends at <|eom_id|>, not before
     text = tokenizer.decode(output, skip_special_tokens=False)
