@@ -29,7 +29,8 @@ from typing import Any, Optional, Sequence
 import msgspec
 import torch
 
-from protocol.messages import CONSTRAINT_KINDS, MAX_CONSTRAINT_CHARS, MAX_STOP_TOKEN_IDS, Constraint
+from protocol.limits import MAX_STOP_TOKEN_IDS
+from protocol.messages import CONSTRAINT_KINDS, MAX_CONSTRAINT_CHARS, Constraint
 
 MAX_COMPILED = 32  # compiled grammars a compiler keeps (a tail serves many sessions with few schemas)
 MAX_CHOICES = 256  # a choice list's entries (they become one grammar alternative each)

@@ -18,6 +18,8 @@ from typing import Optional, Sequence
 
 import msgspec
 
+from protocol.messages import Constraint
+
 DIGEST_BYTES = 4
 
 _encoder = msgspec.msgpack.Encoder()
@@ -52,10 +54,11 @@ def step_digest(
 
 
 def _digested(value: object) -> object:
-    """A sampling field as the digest reads it: a Constraint by its ``digest_fields`` (a field added
-    since, at its default, leaves the digest what a peer of before it computes)."""
-    fields = getattr(value, "digest_fields", None)
-    return fields() if callable(fields) else value
+    """A sampling field as the digest reads it: a Constraint without stop ids as its two fields, what a
+    peer from before ``stop_token_ids`` digests (msgspec writes the empty tuple too)."""
+    if isinstance(value, Constraint) and not value.stop_token_ids:
+        return (value.kind, value.spec)
+    return value
 
 
 def digest_of(step, sampling: msgspec.Struct, key: str) -> int:

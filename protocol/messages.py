@@ -20,7 +20,7 @@ from typing import Annotated, Any, Optional, Union
 import msgspec
 
 from protocol.errors import ErrorCode, ProtocolError
-from protocol.limits import MAX_NUM_LABELS, MAX_TRAIN_SPARES, MAX_TRAIN_STEPS_IN_FLIGHT
+from protocol.limits import MAX_NUM_LABELS, MAX_STOP_TOKEN_IDS, MAX_TRAIN_SPARES, MAX_TRAIN_STEPS_IN_FLIGHT
 from protocol.tail_costs import TailCosts
 from protocol.version import PROTOCOL_VERSION
 
@@ -51,27 +51,17 @@ _SAMPLING_KEYS = dict(
 MAX_CONSTRAINT_CHARS = 16384
 CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "grammar")
 MAX_LOGIT_BIAS = 300  # biased ids per request (OpenAI's limit)
-MAX_STOP_TOKEN_IDS = 16  # a constraint's extra stop ids (Constraint.stop_token_ids): a model has a few
 
 
 class Constraint(msgspec.Struct, frozen=True, array_like=True):
-    """What the tail's choices must match (docs/design.md, "Constraints at the tail"): ``kind`` one of
-    CONSTRAINT_KINDS, ``spec`` its text (a JSON schema, a regex, an EBNF grammar in xgrammar's dialect;
-    empty for json_object). It matches the tokens from ``SamplingParams.output_start`` on.
-    Compiled by protocol/constraints.py.
-
-    ``stop_token_ids``: ids that end the output besides the tokenizer's EOS (the client stops at them:
-    Llama 3.1's ``<|eom_id|>`` with built-in tools), so the matcher counts them as stops too and the
-    tail and the client agree where a constrained output ends. A trailing field (v9): empty, the
-    constraint is the two fields it was before (on the wire and in the verdict digest)."""
+    """What the tail's choices must match from ``SamplingParams.output_start`` on (docs/design.md,
+    "Constraints at the tail"; compiled by protocol/constraints.py): ``kind`` one of CONSTRAINT_KINDS,
+    ``spec`` its text (JSON schema, regex, EBNF in xgrammar's dialect; empty for json_object);
+    ``stop_token_ids`` (v9): ids besides EOS that end the output, stops of the matcher as of the client."""
 
     kind: Annotated[str, msgspec.Meta(max_length=16)]
     spec: Annotated[str, msgspec.Meta(max_length=MAX_CONSTRAINT_CHARS)] = ""
     stop_token_ids: Annotated[tuple[int, ...], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)] = ()
-
-    def digest_fields(self) -> tuple:
-        """The fields a verdict digest reads: without stop ids, the two a peer of before them reads."""
-        return (self.kind, self.spec, self.stop_token_ids) if self.stop_token_ids else (self.kind, self.spec)
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, rename=_SAMPLING_KEYS):
