@@ -21,7 +21,12 @@ from client._options import GenerationOptions
 from client._runs import SessionState
 from client._spot_checks import check_rate
 from client.draft_model import check_draft_model
-from protocol.constraints import ConstraintCompiler, constraint_from_options, constraint_from_response_format
+from protocol.constraints import (
+    ConstraintCompiler,
+    constraint_from_options,
+    constraint_from_response_format,
+    with_stops,
+)
 from protocol.limits import MAX_TREE_NODES
 from protocol.messages import MAX_LOGIT_BIAS, Constraint, SamplingParams
 from protocol.sampling import validate_sampling
@@ -60,10 +65,11 @@ def plan_call(
     if options.draft_model is not None:
         check_draft_model(options.draft_model, config.vocab_size)
     constraint = call_constraint(options, tokenizer, config.vocab_size)
-    if constraint is not None:
-        sampling = msgspec.structs.replace(sampling, constraint=constraint)
     options = options.checked()
     eos, corpus = eos_ids(options.eos_token_id, config), corpus_ids(options.draft_corpus, tokenizer)
+    if constraint is not None:  # the matchers (the tail's, the drafts') end where this call ends: at any of eos
+        constraint = with_stops(constraint, compiler_for(tokenizer, config.vocab_size), eos)
+        sampling = msgspec.structs.replace(sampling, constraint=constraint)
     return Call(options, sampling, eos, corpus, rate)
 
 

@@ -26,8 +26,10 @@ import json
 from collections import OrderedDict
 from typing import Any, Optional, Sequence
 
+import msgspec
 import torch
 
+from protocol.limits import MAX_STOP_TOKEN_IDS
 from protocol.messages import CONSTRAINT_KINDS, MAX_CONSTRAINT_CHARS, Constraint
 
 MAX_COMPILED = 32  # compiled grammars a compiler keeps (a tail serves many sessions with few schemas)
@@ -157,7 +159,8 @@ class Guide:
     def __init__(self, compiled: Any, constraint: Constraint, start: int, vocab_size: int):
         xgr = _xgrammar()
         self.constraint, self.start, self.vocab_size = constraint, start, vocab_size
-        self._matcher = xgr.GrammarMatcher(compiled)
+        stops = matcher_stops(compiled, constraint, vocab_size)
+        self._matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stops)
         self._accepted: list[int] = []  # the ids the matcher holds, from position start on
         self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
 
@@ -195,6 +198,11 @@ class Guide:
             return scores
         _xgrammar().apply_token_bitmask_inplace(scores, self._bitmask)
         return scores
+
+    def ended(self, context: Sequence[int]) -> bool:
+        """Whether the constraint ended at the last of ``context`` (or before): a stop id taken where
+        the grammar may end, the matcher then terminated (accepting), nothing after it masked."""
+        return len(context) >= self.start and not self._follow(context[self.start :])
 
     def forced(self, context: Sequence[int], limit: int, certain: bool = False) -> list[int]:
         """Up to ``limit`` drafts after ``context`` from the constraint alone: each id its mask leaves
@@ -236,6 +244,31 @@ class Guide:
             count += 1
         self._follow(context[self.start :])
         return count
+
+
+def matcher_stops(compiled: Any, constraint: Constraint, vocab_size: int) -> Optional[list[int]]:
+    """The stop ids of a matcher of ``constraint``: the tokenizer's EOS and the constraint's own
+    ``stop_token_ids`` (the other ids the client ends the output at), so that the matcher ends
+    exactly where the client does; None (xgrammar's: the tokenizer's) without any. ValueError for
+    an id outside the vocabulary (xgrammar would abort on it)."""
+    if not constraint.stop_token_ids:
+        return None
+    bad = [t for t in constraint.stop_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"the constraint's stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
+    return sorted(set(compiled.tokenizer_info.stop_token_ids) | set(constraint.stop_token_ids))
+
+
+def with_stops(constraint: Constraint, compiler: ConstraintCompiler, stop_ids: Sequence[int]) -> Constraint:
+    """``constraint`` with the ids among ``stop_ids`` (the ids a call ends at) that the tokenizer's EOS
+    does not already cover as its ``stop_token_ids``; the same constraint when there are none (the
+    common case: nothing more on the wire). ValueError past MAX_STOP_TOKEN_IDS."""
+    extra = tuple(sorted(set(stop_ids) - set(compiler.tokenizer_info.stop_token_ids)))
+    if any(not 0 <= t < compiler.vocab_size for t in extra):
+        raise ValueError(f"eos_token_id {list(extra)} has ids outside the vocabulary [0, {compiler.vocab_size})")
+    if len(extra) > MAX_STOP_TOKEN_IDS:
+        raise ValueError(f"a constrained call ends at most at {MAX_STOP_TOKEN_IDS} ids besides EOS, not {len(extra)}")
+    return msgspec.structs.replace(constraint, stop_token_ids=extra) if extra else constraint
 
 
 def _only_allowed(bitmask: torch.Tensor, vocab_size: int) -> Optional[int]:

@@ -18,6 +18,8 @@ from typing import Optional, Sequence
 
 import msgspec
 
+from protocol.messages import Constraint
+
 DIGEST_BYTES = 4
 
 _encoder = msgspec.msgpack.Encoder()
@@ -45,10 +47,18 @@ def step_digest(
         list(parents),
         list(tree_path),
         draft_q,
-        msgspec.structs.astuple(sampling),
+        tuple(_digested(v) for v in msgspec.structs.astuple(sampling)),
     )
     mac = hmac.new(key.encode(), _encoder.encode(fields), hashlib.blake2b).digest()
     return int.from_bytes(mac[:DIGEST_BYTES], "little")
+
+
+def _digested(value: object) -> object:
+    """A sampling field as the digest reads it: a Constraint without stop ids as its two fields, what a
+    peer from before ``stop_token_ids`` digests (msgspec writes the empty tuple too)."""
+    if isinstance(value, Constraint) and not value.stop_token_ids:
+        return (value.kind, value.spec)
+    return value
 
 
 def digest_of(step, sampling: msgspec.Struct, key: str) -> int:

@@ -70,6 +70,7 @@ TRAIN_STEP_TIMEOUT = 120.0
 # (32 MiB of float32; SmolLM2-135M's 30 blocks x 256 prompts x 576 are 4.4 M)
 MAX_DEEP_PROMPT_ELEMENTS = 1 << 23
 MAX_NUM_LABELS = 1024  # sequence classification: the most classes a score head may have
+MAX_STOP_TOKEN_IDS = 16  # Constraint.stop_token_ids: ids besides EOS that end a constrained output (a model has a few)
 # a row longer than a step goes in chunks (docs/design.md, "Long rows in chunks"): at most this many chunks and
 # positions per row (what each hop keeps for it also counts against --max-train-mib)
 MAX_TRAIN_CHUNKS = 256

@@ -20,7 +20,7 @@ from typing import Annotated, Any, Optional, Union
 import msgspec
 
 from protocol.errors import ErrorCode, ProtocolError
-from protocol.limits import MAX_NUM_LABELS, MAX_TRAIN_SPARES, MAX_TRAIN_STEPS_IN_FLIGHT
+from protocol.limits import MAX_NUM_LABELS, MAX_STOP_TOKEN_IDS, MAX_TRAIN_SPARES, MAX_TRAIN_STEPS_IN_FLIGHT
 from protocol.tail_costs import TailCosts
 from protocol.version import PROTOCOL_VERSION
 
@@ -54,13 +54,14 @@ MAX_LOGIT_BIAS = 300  # biased ids per request (OpenAI's limit)
 
 
 class Constraint(msgspec.Struct, frozen=True, array_like=True):
-    """What the tail's choices must match (docs/design.md, "Constraints at the tail"): ``kind`` one of
-    CONSTRAINT_KINDS, ``spec`` its text (a JSON schema, a regex, an EBNF grammar in xgrammar's dialect;
-    empty for json_object). It matches the tokens from ``SamplingParams.output_start`` on.
-    Compiled by protocol/constraints.py."""
+    """What the tail's choices must match from ``SamplingParams.output_start`` on (docs/design.md,
+    "Constraints at the tail"; compiled by protocol/constraints.py): ``kind`` one of CONSTRAINT_KINDS,
+    ``spec`` its text (JSON schema, regex, EBNF in xgrammar's dialect; empty for json_object);
+    ``stop_token_ids`` (v9): ids besides EOS that end the output, stops of the matcher as of the client."""
 
     kind: Annotated[str, msgspec.Meta(max_length=16)]
     spec: Annotated[str, msgspec.Meta(max_length=MAX_CONSTRAINT_CHARS)] = ""
+    stop_token_ids: Annotated[tuple[int, ...], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)] = ()
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, rename=_SAMPLING_KEYS):

@@ -59,3 +59,5 @@ PROTOCOL_VERSION = 9
 #    rows in chunks (no new field).
 #    Backward budgets: ServerInfo.max_backward_bytes (a trailing field: what one row's backward may need through the
 #    server's blocks, --max-backward-mib or its default); clients size a row's chunks to the smallest on the route.
+#    Constraint.stop_token_ids (a trailing field): ids besides EOS that end a constrained output (the tail's
+#    matcher counts them as stops); empty, a constraint's digest is its two fields as before.

@@ -17,7 +17,8 @@ template as a built-in (its ``builtin_tools``, where the template takes them, as
 each of these replies becomes an OpenAI tool call: the built-ins' keyword arguments as the arguments
 object, code_interpreter's code as ``{"code": ...}`` (llama-stack's mapping); several built-in calls
 separated by ``;`` become several tool calls. A forced built-in call is constrained to this shape
-(:func:`builtin_grammar`), and ``<|eom_id|>`` ends the reply as EOS does while built-ins are on.
+(:func:`builtin_grammar`), ending with the ``<|eom_id|>`` token itself, and ``<|eom_id|>`` ends the reply
+as EOS does while built-ins are on (a stop id of the client and of the constraint's matchers alike).
 """
 
 from __future__ import annotations
@@ -108,6 +109,29 @@ def _builtin_calls(body: str, names: tuple[str, ...]) -> Optional[Calls]:
     return calls or None
 
 
+def leading_builtin_calls(text: str, names: tuple[str, ...], in_body: bool = False) -> tuple[Calls, int]:
+    """The built-in calls at the start of ``text`` (after ``<|python_tag|>``; ``in_body``: text that
+    continues a body whose tag came earlier) that are complete whatever follows: each ``name.call(...)``
+    once the ``;`` after it has come (a ``;`` inside a string literal is no separator: the piece up to
+    it does not parse), and the characters they take with their separators. A streamed forced reply
+    sends each as soon as it is complete (swarm/api/responses.py)."""
+    cut = 0
+    if not in_body:
+        head = text.lstrip()
+        if not head.startswith(PYTHON_TAG):
+            return [], 0
+        cut = len(text) - len(head) + len(PYTHON_TAG)
+    calls: Calls = []
+    used, search = 0, cut
+    while (semicolon := text.find(";", search)) >= 0:
+        found = _builtin_calls(text[cut:semicolon], names)
+        search = semicolon + 1
+        if found is not None:
+            calls += found
+            cut = used = semicolon + 1
+    return calls, used
+
+
 def _literal_keywords(expression: ast.Call) -> Optional[dict[str, Any]]:
     """A call's ``k="v", n=3`` as {"k": "v", "n": 3}; None unless every argument is a keyword with a literal value."""
     if expression.args:
@@ -144,15 +168,17 @@ def eom_token_id(tokenizer: Any) -> Optional[int]:
     return token_id
 
 
-def builtin_grammar(builtins: dict[str, dict], several: bool, end: str) -> str:
+def builtin_grammar(builtins: dict[str, dict], several: bool, end: Optional[int]) -> str:
     """EBNF rules (xgrammar's dialect; the start rule is ``builtin_tagged``) for Llama 3.1's own
     built-in call shape: ``<|python_tag|>`` then ``name.call(k=v, ...)`` for a tool in ``builtins``
     (name -> parameters), the keywords those the parameters require (all their properties when none
     is required; ``query`` when they name none, Meta's brave_search/wolfram_alpha signature) with
     literal values of each property's type (one of its ``enum`` values where it lists them); with
     ``several``, one or more calls joined by ``"; "``; code_interpreter's call is free code (alone:
-    code cannot be split into calls). ``end``: text the call ends with (``<|eom_id|>``, or "" where
-    the vocabulary has none: then the stop token ends it)."""
+    code cannot be split into calls). ``end``: the id of the token the call ends with (``<|eom_id|>``'s,
+    as xgrammar's ``Token(id)``: that one token, never its text spelled in pieces, so the output ends
+    exactly where the client stops; the call makes it a stop id of the constraint too), or None where
+    the vocabulary has none: then the stop token ends it."""
     alternatives, rules = [], []
     for name, parameters in builtins.items():
         if name == "code_interpreter":
@@ -168,7 +194,7 @@ def builtin_grammar(builtins: dict[str, dict], several: bool, end: str) -> str:
         bodies.append('builtin_one ("; " builtin_one)*' if several else "builtin_one")
     if "code_interpreter" in builtins:
         bodies.append("builtin_code")
-    tail = f" {json.dumps(end)}" if end else ""
+    tail = f" Token({int(end)})" if end is not None else ""
     tagged_rule = f"builtin_tagged ::= {json.dumps(PYTHON_TAG)} ({' | '.join(bodies)}){tail}"
     return "\n".join([tagged_rule, *rules, _RULES])
 

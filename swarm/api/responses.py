@@ -16,7 +16,8 @@ from typing import Any, Optional, Sequence
 from client import GenerationStats
 from protocol.messages import TokenLogprobs
 from swarm.api.engine import Delta, ServedModel, TextGeneration
-from swarm.api.tools import FORMATS, leading_calls, may_be_call, tool_calls
+from swarm.api.llama_tools import PYTHON_TAG
+from swarm.api.tools import FORMATS, leading_calls, leading_tagged_calls, may_be_call, streams_builtin_calls, tool_calls
 
 STAT_COUNTS = ("laps", "drafted", "accepted", "failovers")
 # how the returned tokens were confirmed (docs/reliability.md, "Disputes and witnesses")
@@ -120,12 +121,11 @@ class ChatFormat(_Format):
         if not params.tool_call or index in self.texts:
             return super().wants_chunk(index, delta)
         held, fmt = self.call_texts.get(index, "") + delta.text, FORMATS[params.tool_format]
-        if params.parallel_tool_calls and fmt.parallel:
-            calls, used = leading_calls(held, params.tool_names, fmt)
-            if calls:
-                first = self.sent_calls.get(index, 0)
-                self.ready_calls[index] = [{"index": first + i, **c} for i, c in enumerate(calls)]
-                self.sent_calls[index], held = first + len(calls), held[used:]
+        calls, used = self._leading(index, held)
+        if calls:
+            first = self.sent_calls.get(index, 0)
+            self.ready_calls[index] = [{"index": first + i, **c} for i, c in enumerate(calls)]
+            self.sent_calls[index], held = first + len(calls), held[used:]
         if params.tool_call == "forced" or may_be_call(held, fmt):
             self.call_texts[index] = held
             return index in self.ready_calls
@@ -133,6 +133,20 @@ class ChatFormat(_Format):
         self.released[index] = held
         self.call_texts.pop(index, None)
         return True
+
+    def _leading(self, index: int, text: str, sent: Optional[int] = None) -> tuple[list[dict], int]:
+        """The complete calls at the start of a choice's ``text`` (its held text: ``sent`` calls of it
+        went out before it), where a reply may hold several, and the characters they take."""
+        params = self.generations[index].params
+        fmt = FORMATS[params.tool_format]
+        sent = self.sent_calls.get(index, 0) if sent is None else sent
+        if params.parallel_tool_calls and streams_builtin_calls(
+            params.tool_call, params.tool_format, params.tool_names
+        ):
+            return leading_tagged_calls(text, params.tool_names, in_body=sent > 0)
+        if params.tool_call and params.parallel_tool_calls and fmt.parallel:
+            return leading_calls(text, params.tool_names, fmt)
+        return [], 0
 
     def chunk(self, index: int, delta: Delta) -> dict[str, Any]:
         calls = self.ready_calls.pop(index, None)
@@ -169,11 +183,13 @@ class ChatFormat(_Format):
         generation = self.generations[index]
         params = generation.params
         fmt = FORMATS[params.tool_format]
-        several = params.tool_call and params.parallel_tool_calls and fmt.parallel
-        calls, used = leading_calls(text, params.tool_names, fmt) if several else ([], 0)
+        calls, used = self._leading(index, text, sent)
         rest = text[used:]
         ended = params.tool_call and generation.finish_reason == "stop" and rest.strip()
-        last = tool_calls(rest, params.tool_names, fmt, params.parallel_tool_calls) if ended else None
+        # the rest of built-in calls whose tag came before it: parsed as the tagged reply it ends
+        body = fmt.name == "llama3" and (used > 0 or sent > 0) and not rest.lstrip().startswith(PYTHON_TAG)
+        last_text = PYTHON_TAG + rest if body else rest
+        last = tool_calls(last_text, params.tool_names, fmt, params.parallel_tool_calls) if ended else None
         calls += last or []
         if calls or sent:
             content = rest if last is None and rest.strip() else None
@@ -211,6 +227,20 @@ class CompletionFormat(_Format):
 
     def opening_chunk(self, index: int) -> None:
         return None
+
+    def _leading(self, index: int, text: str, sent: Optional[int] = None) -> tuple[list[dict], int]:
+        """The complete calls at the start of a choice's ``text`` (its held text: ``sent`` calls of it
+        went out before it), where a reply may hold several, and the characters they take."""
+        params = self.generations[index].params
+        fmt = FORMATS[params.tool_format]
+        sent = self.sent_calls.get(index, 0) if sent is None else sent
+        if params.parallel_tool_calls and streams_builtin_calls(
+            params.tool_call, params.tool_format, params.tool_names
+        ):
+            return leading_tagged_calls(text, params.tool_names, in_body=sent > 0)
+        if params.tool_call and params.parallel_tool_calls and fmt.parallel:
+            return leading_calls(text, params.tool_names, fmt)
+        return [], 0
 
     def chunk(self, index: int, delta: Delta) -> dict[str, Any]:
         choice = {"index": index, "text": delta.text, "logprobs": self._logprobs(index, [delta]), "finish_reason": None}

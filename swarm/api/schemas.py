@@ -20,7 +20,7 @@ from protocol.constraints import constraint_from_options, constraint_from_respon
 from protocol.messages import MAX_TOP_LOGPROBS
 from swarm.api.engine import CHAT_ROLES, GenerationParams, ServedModel, check_prompt_ids
 from swarm.api.errors import APIError, bad_request
-from swarm.api.llama_tools import EOM_ID, eom_token_id, split_builtins
+from swarm.api.llama_tools import eom_token_id, split_builtins
 from swarm.api.sampling_fields import INT64, sampling_of, stops_of
 from swarm.api.tools import (
     JSON_FORMAT,
@@ -184,8 +184,7 @@ def chat_params(req: ChatRequest, served: ServedModel, max_choices: int) -> tupl
             several = req.parallel_tool_calls is True and fmt.parallel
             forced = forced_names(tools, req.tool_choice)
             if any(n in builtins for n in forced):  # Llama 3.1's own shape, <|python_tag|>name.call(...)
-                end = EOM_ID if eom is not None else ""
-                grammar = builtin_call_grammar(tools, forced, builtins, req.parallel_tool_calls is True, end)
+                grammar = builtin_call_grammar(tools, forced, builtins, req.parallel_tool_calls is True, eom)
                 constraint = {"guided_grammar": grammar}
             elif not fmt.open and not several:  # one bare call: the JSON schema itself
                 constraint = {"guided_json": schema}

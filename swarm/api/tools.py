@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from swarm.api.errors import bad_request
-from swarm.api.llama_tools import PYTHON_TAG, builtin_grammar, tagged, tagged_calls
+from swarm.api.llama_tools import PYTHON_TAG, builtin_grammar, leading_builtin_calls, tagged, tagged_calls
 
 
 def checked_tools(tools: list[Any]) -> dict[str, dict]:
@@ -87,7 +87,9 @@ def forced_names(tools: dict[str, dict], tool_choice: Any) -> list[str]:
     raise bad_request('tool_choice must be "none", "required" or {"type": "function", ...}', "tool_choice")
 
 
-def builtin_call_grammar(tools: dict[str, dict], names: list[str], builtins: list[str], several: bool, end: str) -> str:
+def builtin_call_grammar(
+    tools: dict[str, dict], names: list[str], builtins: list[str], several: bool, end: Optional[int]
+) -> str:
     """The forced grammar when Llama 3.1 built-ins are among ``names``: a built-in's own shape after
     ``<|python_tag|>`` (swarm/api/llama_tools.py, ``builtin_grammar``), or, for the custom tools among
     ``names``, the bare ``{"name", "parameters"}`` object of :data:`LLAMA3_FORMAT`."""
@@ -266,6 +268,20 @@ def leading_calls(text: str, names: tuple[str, ...], fmt: ToolFormat) -> tuple[l
         calls.append(call)
         used = found.end()
     return calls, used
+
+
+def streams_builtin_calls(tool_call: str, tool_format: str, names: tuple[str, ...]) -> bool:
+    """Whether a reply's Llama 3.1 built-in calls go out one by one as each completes: a forced reply
+    (its grammar allows only calls, so a complete call stays one whatever follows) without
+    code_interpreter (whose free code may hold ``;`` and is one call). An "auto" reply's calls are held
+    to its end: a malformed later piece makes the whole reply text (swarm/api/llama_tools.py)."""
+    return tool_call == "forced" and tool_format == LLAMA3_FORMAT.name and "code_interpreter" not in names
+
+
+def leading_tagged_calls(text: str, names: tuple[str, ...], in_body: bool = False) -> tuple[list[dict], int]:
+    """:func:`~swarm.api.llama_tools.leading_builtin_calls` as OpenAI tool calls (fresh ids)."""
+    calls, used = leading_builtin_calls(text, names, in_body)
+    return [_openai_call(*call) for call in calls], used
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -204,6 +204,24 @@ def test_constraint_travels_bounded_and_in_the_digest():
         for s in (SamplingParams(constraint=c), other)
     }
     assert len(digests) == 2
+
+    class Before(msgspec.Struct, frozen=True, array_like=True):  # Constraint before stop_token_ids (v9)
+        kind: str
+        spec: str = ""
+
+    def digest(constraint):
+        return step_digest(
+            "k", run_id=0, start_pos=0, token_ids=[1], n_draft=0, sampling=SamplingParams(constraint=constraint)
+        )
+
+    # without stop ids a verdict's digest is what a peer of before them computes; with them, they count
+    assert digest(c) == digest(Before(c.kind, c.spec)) != digest(msgspec.structs.replace(c, stop_token_ids=(5,)))
+    stops = SamplingParams(constraint=msgspec.structs.replace(c, stop_token_ids=(5, 9)))
+    stopping = Step(session_id="s", run_id=0, start_pos=0, token_ids=[1], sampling=stops)
+    assert decode(encode(stopping)).sampling == stopping.sampling
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(stopping.sampling.constraint), type=Before) == Before(
+        c.kind, c.spec
+    )
     huge = Step(
         session_id="s",
         run_id=0,
@@ -272,6 +290,30 @@ def test_smollm2_json_schema_equals_transformers(smol_model, smol_reference):
     assert out == expected
     record = json.loads(smol_model.tokenizer.decode(expected[:-1]))
     assert record.keys() == LONG_KEYS["properties"].keys() and expected[-1] == smol_model.config.eos_token_id
+
+
+def test_the_calls_stop_ids_are_stops_of_every_matcher(tiny_model):
+    """A call's eos ids besides the tokenizer's EOS travel in the constraint (``stop_token_ids``), and
+    the matchers (the tail's, the drafts') take them as stops: after a complete answer either ends it,
+    and the constraint has ended there. Ids outside the vocabulary are a ValueError naming them."""
+    from protocol.constraints import with_stops
+
+    tokenizer, eos, vocab = tiny_model.tokenizer, tiny_model.config.eos_token_id, tiny_model.config.vocab_size
+    compiler = compiler_for(tokenizer, vocab)
+    plain = constraint_from_options(guided_choice=["maybe not"])
+    assert with_stops(plain, compiler, [eos]) is plain  # EOS alone: nothing more on the wire
+    stop = tokenizer.encode("!", add_special_tokens=False)[0]
+    constraint = with_stops(plain, compiler, [eos, stop])
+    assert constraint.stop_token_ids == (stop,)
+    whole = tokenizer.encode("maybe not", add_special_tokens=False)
+    guide = compiler.guide(constraint, 3)
+    assert guide.valid_prefix([1, 2, 3, *whole], [stop]) == guide.valid_prefix([1, 2, 3, *whole], [eos]) == 1
+    assert guide.ended([1, 2, 3, *whole, stop]) and not guide.ended([1, 2, 3, *whole])
+    assert compiler.guide(plain, 3).valid_prefix([1, 2, 3, *whole], [stop]) == 0  # without it, no stop
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        with_stops(plain, compiler, [eos, vocab + 3])
+    with pytest.raises(ValueError, match="outside the vocabulary"):  # a tail asked with a bad id
+        compiler.guide(msgspec.structs.replace(plain, stop_token_ids=(vocab,)), 3)
 
 
 def test_a_dead_end_allows_only_the_stop_token(tiny_model):

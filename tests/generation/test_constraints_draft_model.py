@@ -14,7 +14,7 @@ from client._calls import compiler_for
 from client.draft_model import ModelDrafter
 from protocol.constraints import constraint_from_options
 from protocol.messages import SamplingParams
-from protocol.sampling import draw_draft, processed_scores, with_output_start
+from protocol.sampling import position_generator, processed_scores, with_output_start
 from tests.generation.test_constraints import (
     CONSTRAINTS,
     LONG_KEYS,
@@ -167,87 +167,98 @@ def test_model_drafter_drafts_forced_ids_first_then_its_masked_choice(tiny_model
         ModelDrafter(draft_model, sampled, 8, sample=True)
 
 
-class MaskedDrafts:
-    """What ModelDrafter(sample=True, compiler=...) drafts after ``prompt`` (forced ids first with a
-    one-hot q, then draws from M's masked, processed q), from memoized full-context logits of M
-    (test_rejection_sampling's Rows): 2,000 seeds visit a handful of contexts, so M runs a few times,
-    not twice per seed. The test below checks it drafts what ModelDrafter does, seed by seed."""
-
-    def __init__(self, rows, guide, prompt: list[int]):
-        self.rows, self.guide, self.prompt = rows, guide, prompt
-        self.dists: dict[tuple[int, ...], torch.Tensor] = {}
-
-    def draft(self, params: SamplingParams, n: int) -> tuple[list[int], list[float], list[torch.Tensor]]:
-        sequence, drafts, q, dists = list(self.prompt), [], [], []
-        while len(drafts) < n:
-            for token in self.guide.forced(sequence, n - len(drafts), certain=True):
-                one_hot = torch.zeros(self.guide.vocab_size)
-                one_hot[token] = 1.0
-                drafts, sequence, q, dists = drafts + [token], sequence + [token], q + [1.0], dists + [one_hot]
-            if len(drafts) >= n:
-                break
-            key = tuple(sequence)
-            if key not in self.dists:  # processing ignores the seed: one q per context
-                self.dists[key] = torch.softmax(processed_scores(self.rows(sequence), sequence, params, self.guide), -1)
-            dist = self.dists[key]
-            token = draw_draft(dist, params.seed, len(sequence))
-            drafts, sequence, q, dists = drafts + [token], sequence + [token], q + [float(dist[token])], dists + [dist]
-        return drafts, q, dists
-
-
-CHECKED_SEEDS = 100  # seeds whose drafts ModelDrafter itself computes, checked equal to MaskedDrafts'
-
-
 def test_constrained_rejection_exchange_matches_the_masked_target_over_2000_seeds(
     tiny_model, tiny_reference, draft_model
 ):
-    """In process, as client and tail compute it: the client samples 2 drafts from its masked q
-    (ModelDrafter for the first CHECKED_SEEDS seeds, its memoized equivalent MaskedDrafts, checked
-    equal on those, for the rest), the tail's verify_rejection (under its own Guide) accepts or
-    corrects, the client draws the correction from p - q. The first token follows the masked target p
-    exactly (chi-square, p > 1e-3), and every token is one the constraint allows."""
+    """In process, as client and tail compute it: ModelDrafter (M's rows memoized) samples up to 2
+    drafts a lap from its masked q (as the decoder sizes laps for 3 tokens), the tail's
+    verify_rejection (under its own Guide) accepts or corrects, the client draws the correction from
+    p - q. The first three tokens follow the masked target's joint distribution p(a) p(b | a) p(c | a b)
+    exactly (chi-square over its cells, those expecting < 5 pooled, p > 1e-3), as plain seeded sampling
+    under the mask does; a client that corrects from p instead fails the first token's test (the test
+    has power); every token is one the constraint allows, and both branches ran (some laps accepted
+    every draft, some corrected)."""
     from protocol.sampling import check_draft_q, pack_f16, sample_correction, unpack_f16, verify_rejection
     from tests.generation.test_rejection_sampling import FALSE_ALARM, Rows, chi_square_p, counts_of
 
     compiler = compiler_for(tiny_model.tokenizer, tiny_model.config.vocab_size)
     constraint = constraint_from_options(guided_regex="[a-z]+ [a-z]+")
     prompt = prompt_ids(tiny_model)
-    target = Rows(tiny_reference)
+    target, seeds, length = Rows(tiny_reference), 2000, 3
+    draft_rows = Rows(draft_model)
+
+    class Drafter(ModelDrafter):  # M's rows memoized across seeds (its own KV cache: test_rejection_sampling.py)
+        def _next_logits(self, sequence):
+            return draft_rows(sequence)
 
     def params_for(seed):
         return SamplingParams(do_sample=True, top_k=8, seed=seed, constraint=constraint, output_start=len(prompt))
 
     mask = compiler.guide(constraint, len(prompt))
-    expected_p = torch.softmax(processed_scores(target(prompt), prompt, params_for(0), mask), -1)
-    support = {int(t): float(expected_p[t]) for t in expected_p.nonzero().flatten()}
-    assert len(support) > 1  # a real choice, not a forced token
+
+    masked: dict[tuple, torch.Tensor] = {}
+
+    def masked_probs(context) -> torch.Tensor:  # the masked, processed target distribution (any seed's)
+        if tuple(context) not in masked:
+            scores = processed_scores(target(context), context, params_for(0), mask)
+            masked[tuple(context)] = torch.softmax(scores, -1)
+        return masked[tuple(context)]
+
+    def masked_p(context) -> dict[int, float]:
+        probs = masked_probs(context)
+        return {int(t): float(probs[t]) for t in probs.nonzero().flatten()}
+
+    def plain_sample(seed: int) -> tuple[int, ...]:  # choose_token's draw, with the distributions memoized
+        tokens = list(prompt)
+        for _ in range(length):
+            draw = torch.multinomial(masked_probs(tokens), 1, generator=position_generator(seed, len(tokens)))
+            tokens.append(int(draw))
+        return tuple(tokens[len(prompt) :])
+
+    first = masked_p(prompt)
+    assert len(first) > 1  # a real choice, not a forced token
+    joint = {
+        (a, b, c): pa * pb * pc
+        for a, pa in first.items()
+        for b, pb in masked_p(prompt + [a]).items()
+        for c, pc in masked_p(prompt + [a, b]).items()
+    }
     check = compiler.guide(constraint, len(prompt))
-    memoized = MaskedDrafts(Rows(draft_model), compiler.guide(constraint, len(prompt)), prompt)
-    firsts, corrected = [], 0
+    outputs, plain, naive_firsts, corrected, whole = [], [], [], 0, 0
     with single_torch_thread():
-        for seed in range(2000):
+        for seed in range(seeds):
             params = params_for(seed)
-            drafts, q, dists = memoized.draft(params, 2)
-            if seed < CHECKED_SEEDS:
-                drafter = ModelDrafter(draft_model, params, 2, sample=True, compiler=compiler)
-                drafter.reset(prompt)
-                assert drafter.draft(2) == drafts, seed
-                assert drafter.last_q == pytest.approx(q, rel=1e-4), seed
-                q, dists = drafter.last_q, drafter.last_dists
-            start_pos, history = len(prompt) - 1, prompt + drafts
-            rows = [target(history[: i + 1]) for i in range(start_pos, len(history))]
-            wire_q = check_draft_q(pack_f16(q), len(drafts))
-            tail_guide = compiler.guide(constraint, len(prompt))
-            accepted, token, correction, _ = verify_rejection(
-                rows, history, start_pos, len(drafts), params, wire_q, guide=tail_guide
-            )
-            if correction is not None:
-                ids, top_p = correction[0], unpack_f16(pack_f16(correction[1]))
-                position = len(prompt) + accepted
-                token = sample_correction(ids, top_p, dists[accepted], params.seed, position)
-                corrected += 1
-            committed = drafts[:accepted] + [token]
-            assert check.valid_prefix(prompt, committed) == len(committed)
-            firsts.append(committed[0])
-    assert chi_square_p(counts_of(firsts), support, 2000) > FALSE_ALARM
-    assert 0 < corrected < 2000
+            drafter = Drafter(draft_model, params, 2, sample=True, compiler=compiler)
+            drafter.reset(prompt)
+            tail_guide, new = compiler.guide(constraint, len(prompt)), []
+            while len(new) < length:
+                context = prompt + new
+                drafts = drafter.draft(min(2, length - len(new) - 1))
+                start_pos, history = len(context) - 1, context + drafts
+                rows = [target(history[: i + 1]) for i in range(start_pos, len(history))]
+                wire_q = check_draft_q(pack_f16(drafter.last_q), len(drafts))
+                accepted, token, correction, _ = verify_rejection(
+                    rows, history, start_pos, len(drafts), params, wire_q, guide=tail_guide
+                )
+                if correction is not None:
+                    ids, top_p = correction[0], unpack_f16(pack_f16(correction[1]))
+                    position = len(context) + accepted
+                    token = sample_correction(ids, top_p, drafter.last_dists[accepted], params.seed, position)
+                    if not new and accepted == 0:  # what a client correcting from p would commit first
+                        naive = torch.zeros_like(drafter.last_dists[accepted])
+                        naive_firsts.append(sample_correction(ids, top_p, naive, params.seed, position))
+                    corrected += 1
+                elif drafts:
+                    whole += 1
+                if not new and (correction is None or accepted > 0):
+                    naive_firsts.append(drafts[0] if drafts else token)
+                committed = (drafts[:accepted] + [token])[: length - len(new)]
+                drafter.extend(committed)
+                new += committed
+            assert check.valid_prefix(prompt, new) == length
+            outputs.append(tuple(new))
+            plain.append(plain_sample(seed))
+    assert chi_square_p(counts_of(outputs), joint, seeds) > FALSE_ALARM
+    assert chi_square_p(counts_of(plain), joint, seeds) > FALSE_ALARM
+    assert chi_square_p(counts_of(naive_firsts), first, seeds) < FALSE_ALARM
+    assert corrected > 0 and whole > 0

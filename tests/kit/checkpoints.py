@@ -21,10 +21,17 @@ def _vocab(vocab_size: int | None) -> tuple[object | None, dict]:
     return tokenizer, dict(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, **ids)
 
 
-def build_tiny_llama(path: Path, num_layers: int = 6, seed: int = 0, vocab_size: int | None = None) -> Path:
+def build_tiny_llama(
+    path: Path, num_layers: int = 6, seed: int = 0, vocab_size: int | None = None, tokenizer: object | None = None
+) -> Path:
     """A 6-block Llama with SmolLM2's tokenizer (so chat templates and decoding work); with
-    ``vocab_size``, no tokenizer."""
-    tokenizer, vocab = _vocab(vocab_size)
+    ``vocab_size``, no tokenizer; with ``tokenizer``, that one (SmolLM2's with tokens added: Llama 3.1's
+    special tokens), its length the vocabulary's."""
+    if tokenizer is not None:
+        special = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+        vocab = dict(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, **special)
+    else:
+        tokenizer, vocab = _vocab(vocab_size)
     config = LlamaConfig(
         hidden_size=64,
         intermediate_size=128,

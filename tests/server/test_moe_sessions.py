@@ -1,8 +1,9 @@
 """Mixtures of experts under what the Llama family's tests hold sessions to, beyond
 test_moe_families.py: concurrent sessions really computed in shared batched passes (the servers'
-own counters, BatchScheduler.batch_sizes), ``verification="rejection"`` with a client draft model,
-and a lossy activation codec between servers. Tiny random checkpoints (tests/kit/checkpoints.py
-MOE_FAMILIES); exactness as the Llama tests define it for each mode.
+own counters, BatchScheduler.batch_sizes), ``verification="rejection"`` with a client draft model
+(Mixtral, DeepSeek-V3), and a lossy activation codec between servers (Qwen3-MoE, Mixtral). In-process
+servers are started once per family (and codec) and shared by the module's tests. Tiny random
+checkpoints (tests/kit/checkpoints.py MOE_FAMILIES); exactness as the Llama tests define it for each mode.
 """
 
 from __future__ import annotations
@@ -19,85 +20,119 @@ pytestmark = [pytest.mark.timeout(900), pytest.mark.usefixtures("one_torch_threa
 SPANS = [(0, 2), (2, 4)]
 
 
+@pytest.fixture(scope="module")
+def inprocess_swarms(family_paths):
+    """model_type -> two in-process servers (SPANS) of its tiny checkpoint and a client, started on
+    first use and shared by the module's tests (each server start costs seconds); stopped at its end."""
+    started: dict = {}
+
+    def get(model_type: str, **config):
+        key = (model_type, tuple(sorted(config.items())))
+        if key not in started:
+            started[key] = start_inprocess(family_paths(model_type), spans=SPANS, **config)
+        return started[key]
+
+    yield get
+    for swarm in started.values():
+        swarm.stop()
+
+
 # mixtral packs a pass's members into one row; deepseek_v3 (latent attention) and gpt_oss (eager sinks) run them
 # one after another
 @pytest.mark.parametrize("model_type", ["mixtral", "deepseek_v3", "gpt_oss"])
-def test_eight_sessions_share_batched_passes_and_each_equals_itself_alone(family_paths, references, model_type):
+def test_eight_sessions_share_batched_passes_and_each_equals_itself_alone(inprocess_swarms, references, model_type):
     """Eight sessions in one generate call reach the servers together: every server computes some
     of its passes for several of them at once (its scheduler's own record of each pass), and each
     session's tokens equal that session generated alone over the same servers, and transformers'."""
-    path, reference = family_paths(model_type), references(model_type)
-    swarm = start_inprocess(path, spans=SPANS)
-    try:
-        rows = prompts(8, seed=3)
-        ids, mask = padded(rows)
-        before = [len(server.handler.batches.batch_sizes) for server in swarm.servers]
-        output = swarm.model.generate(ids, attention_mask=mask, max_new_tokens=8, speculation=None)
-        for server, first in zip(swarm.servers, before):
-            passes = server.handler.batches.batch_sizes[first:]
-            runs = [count for count, _ in passes]
-            assert max(runs) >= 4, (model_type, server.span.start, passes)  # half the sessions in one pass at least
-            assert sum(runs) > len(passes), (model_type, server.span.start, passes)
-        together = [output[i, ids.shape[1] :].tolist() for i in range(len(rows))]
-        for row, got in zip(rows, together):
-            alone = swarm.model.generate(torch.tensor([row]), max_new_tokens=8, speculation=None)
-            assert got == alone[0, len(row) :].tolist() == greedy_truth(reference, row, 8), model_type
-    finally:
-        swarm.stop()
+    reference, swarm = references(model_type), inprocess_swarms(model_type)
+    rows = prompts(8, seed=3)
+    ids, mask = padded(rows)
+    before = [len(server.handler.batches.batch_sizes) for server in swarm.servers]
+    output = swarm.model.generate(ids, attention_mask=mask, max_new_tokens=8, speculation=None)
+    for server, first in zip(swarm.servers, before):
+        passes = server.handler.batches.batch_sizes[first:]
+        runs = [count for count, _ in passes]
+        assert max(runs) >= 4, (model_type, server.span.start, passes)  # half the sessions in one pass at least
+        assert sum(runs) > len(passes), (model_type, server.span.start, passes)
+    together = [output[i, ids.shape[1] :].tolist() for i in range(len(rows))]
+    for row, got in zip(rows, together):
+        alone = swarm.model.generate(torch.tensor([row]), max_new_tokens=8, speculation=None)
+        assert got == alone[0, len(row) :].tolist() == greedy_truth(reference, row, 8), model_type
 
 
 # ---- verification="rejection" with a client draft model (as tests/generation/test_rejection_sampling.py) --------
 
 
 @pytest.fixture(scope="module")
-def noisy_drafter(family_paths):
-    """The tiny Mixtral's own weights plus N(0, 0.005) noise: a draft model of the same vocabulary
-    whose drafts are mostly but not always the target's."""
+def noisy_drafters(family_paths):
+    """model_type -> its tiny checkpoint's own weights plus N(0, 0.005) noise: a draft model of the
+    same vocabulary whose drafts are mostly but not always the target's."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(family_paths("mixtral"), dtype=torch.float32).eval()
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.ndim >= 2:
-                param.add_(torch.randn(param.shape, generator=generator) * 0.005)
-    return model
+    made = {}
+
+    def get(model_type: str):
+        if model_type not in made:
+            model = AutoModelForCausalLM.from_pretrained(family_paths(model_type), dtype=torch.float32).eval()
+            generator = torch.Generator().manual_seed(1)
+            with torch.no_grad():
+                for param in model.parameters():
+                    if param.ndim >= 2:
+                        param.add_(torch.randn(param.shape, generator=generator) * 0.005)
+            made[model_type] = model
+        return made[model_type]
+
+    return get
+
+
+def seeded_rejection_runs(model, reference, drafter, seeds) -> int:
+    """Each seed's tokens under ``verification="rejection"`` over ``model``'s swarm equal the in-process
+    exchange (the tail's and client's own functions over transformers' rows); the corrections drawn."""
+    from tests.generation.test_rejection_sampling import TOP_K, Rows, params_for, rejection_generate
+
+    prompt, target, rows = PROMPT[0], Rows(reference), Rows(drafter)
+    eos, corrections = [model.config.eos_token_id], 0
+    for seed in seeds:
+        output = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=10,
+            do_sample=True,
+            top_k=TOP_K,
+            seed=seed,
+            draft_model=drafter,
+            num_draft_tokens=3,
+            verification="rejection",
+        )
+        expected, _ = rejection_generate(target, rows, prompt, 3, 10, params_for(seed), eos)
+        assert output[0, len(prompt) :].tolist() == expected, seed
+        corrections += model.last_generation_stats.corrections
+    return corrections
 
 
 def test_rejection_verification_over_servers_equals_the_in_process_exchange(
-    family_paths, references, noisy_drafter, artifacts_dir
+    family_paths, references, noisy_drafters, artifacts_dir
 ):
     """Mixtral over two CLI servers: each seed's tokens under ``verification="rejection"`` are those
     the in-process exchange (the tail's and client's own functions over transformers' rows)
     computes, with corrections drawn; greedy with the same draft model equals transformers."""
-    from tests.generation.test_rejection_sampling import TOP_K, Rows, params_for, rejection_generate
-
-    reference = references("mixtral")
-    prompt = PROMPT[0]
-    target, drafter = Rows(reference), Rows(noisy_drafter)
+    reference, drafter, prompt = references("mixtral"), noisy_drafters("mixtral"), PROMPT[0]
     greedy = reference.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)
     with cli_swarm_model(family_paths("mixtral"), SPANS, artifacts_dir / "moe-mixtral-rejection") as model:
-        output = model.generate(
-            torch.tensor([prompt]), max_new_tokens=12, draft_model=noisy_drafter, num_draft_tokens=4
-        )
+        output = model.generate(torch.tensor([prompt]), max_new_tokens=12, draft_model=drafter, num_draft_tokens=4)
         assert output.tolist() == greedy.tolist()
         assert model.last_generation_stats.accepted > 0
-        eos, corrections = [model.config.eos_token_id], 0
-        for seed in (11, 12, 13):
-            output = model.generate(
-                torch.tensor([prompt]),
-                max_new_tokens=10,
-                do_sample=True,
-                top_k=TOP_K,
-                seed=seed,
-                draft_model=noisy_drafter,
-                num_draft_tokens=3,
-                verification="rejection",
-            )
-            expected, _ = rejection_generate(target, drafter, prompt, 3, 10, params_for(seed), eos)
-            assert output[0, len(prompt) :].tolist() == expected, seed
-            corrections += model.last_generation_stats.corrections
-        assert corrections > 0
+        assert seeded_rejection_runs(model, reference, drafter, (11, 12, 13)) > 0
+
+
+def test_rejection_verification_on_deepseek_v3_equals_the_in_process_exchange(
+    inprocess_swarms, references, noisy_drafters
+):
+    """The same exchange on a second family, DeepSeek-V3's (latent attention, shared and routed
+    experts), over the in-process servers the batching test started: each seed's tokens equal the
+    in-process exchange's, with corrections drawn."""
+    swarm = inprocess_swarms("deepseek_v3")
+    reference, drafter = references("deepseek_v3"), noisy_drafters("deepseek_v3")
+    assert seeded_rejection_runs(swarm.model, reference, drafter, (11, 12, 13)) > 0
 
 
 # ---- a lossy activation codec between the servers (as tests/network/test_compression.py) ----------------------
@@ -148,3 +183,17 @@ def test_a_lossy_codec_between_moe_servers_equals_the_in_process_run_with_it(fam
         got_logprobs = [entry.logprob for entry in model.last_logprobs]
     assert got == expected
     assert got_logprobs == pytest.approx(expected_logprobs, abs=1e-4)
+
+
+def test_a_lossy_codec_between_mixtral_servers_equals_the_in_process_run_with_it(family_paths, inprocess_swarms):
+    """The codec on a second family, Mixtral, over in-process servers started with ``compression``
+    blockwise4: greedy tokens and log-probs equal the spans run in process with the codec at the
+    boundary, and differ from the exact run's."""
+    path, prompt, new_tokens = family_paths("mixtral"), PROMPT[0], 16
+    expected, expected_logprobs = codec_greedy(path, prompt, new_tokens, CODEC)
+    exact, _ = codec_greedy(path, prompt, new_tokens, None)
+    assert expected != exact, "this codec does not change the tiny model's tokens: the test would prove nothing"
+    model = inprocess_swarms("mixtral", compression=CODEC).model
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, speculation=None, num_logprobs=1)
+    assert out[0, len(prompt) :].tolist() == expected
+    assert [entry.logprob for entry in model.last_logprobs] == pytest.approx(expected_logprobs, abs=1e-4)
