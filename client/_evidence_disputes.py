@@ -10,9 +10,7 @@ import asyncio
 import logging
 
 from client._evidence import Settlement, bounds, plain_greedy, settle
-from client._forward import prefill_outputs
-from client._output_audits import output_tolerance
-from client._remote_session import RemoteSession
+from client._output_audits import fresh_pass, output_tolerance
 from client.errors import ServerError
 from protocol.messages import Hop
 
@@ -50,25 +48,10 @@ class EvidenceDisputes:
 
     async def _final_hidden(self, route: list[Hop], prefix: list[int], stats):
         """The final hidden state (after the final norm: what the LM head reads) at prefix's last position."""
-        swarm = self.swarm
-        session = RemoteSession(
-            swarm.p2p,
-            route,
-            len(prefix),
-            timeout=swarm.request_timeout,
-            prompts=swarm.prompts,
-            adapter=swarm.active_adapter,
-        )
-        try:
-            await session.open()
-            limit = swarm.route_step_limit(route)
-            _, hidden = await prefill_outputs(
-                session, prefix, 1, limit, self.vocab_size, self.lm_head.hidden_size, return_hidden=True
-            )
-            stats.verdict_audit_positions += len(prefix) * len(route)
-            return hidden[0]
-        finally:
-            await session.close()
+        shape = (1, self.vocab_size, self.lm_head.hidden_size, True)
+        _, hidden = await fresh_pass(self.swarm, route, prefix, shape)
+        stats.verdict_audit_positions += len(prefix) * len(route)
+        return hidden[0]
 
     async def _refuted(self, route: list[Hop], ids: list[int], t: int, refuted: str, what: str, stats) -> None:
         """Evidence refuted ``refuted`` but strangers stood before the tail, so it is not convicted:

@@ -292,27 +292,24 @@ class OutputAuditor:
         return out
 
     async def _pass(self, route: list[Hop], row: list[int], shape: tuple) -> Pass:
-        """One fresh prefill session on ``route``, chunked as forward passes are."""
-        num_outputs, vocab_size, hidden_size, return_hidden = shape
-        swarm = self.swarm
-        session = RemoteSession(
-            swarm.p2p,
-            route,
-            len(row),
-            timeout=swarm.request_timeout,
-            prompts=swarm.prompts,
-            adapter=swarm.active_adapter,
-        )
-        try:
-            await session.open()
-            limit = swarm.route_step_limit(route)
-            logits, hidden = await prefill_outputs(
-                session, row, num_outputs, limit, vocab_size, hidden_size, return_hidden
-            )
-            return Pass(route, logits, hidden)
-        finally:
-            await session.close()
+        return Pass(route, *await fresh_pass(self.swarm, route, row, shape))
 
 
 def _names(route: Sequence[Hop]) -> str:
     return "[" + ", ".join(f"{hop.peer_id[-6:]}[{hop.start}:{hop.end})" for hop in route) + "]"
+
+
+async def fresh_pass(swarm, route: list[Hop], row: list[int], shape: tuple):
+    """(logits, hidden) of one fresh prefill session on ``route``, chunked as forward passes are;
+    ``shape`` is (num_outputs, vocab_size, hidden_size, return_hidden). Also the evidence of a verdict
+    dispute (client/_evidence_disputes.py)."""
+    num_outputs, vocab_size, hidden_size, return_hidden = shape
+    session = RemoteSession(
+        swarm.p2p, route, len(row), timeout=swarm.request_timeout, prompts=swarm.prompts, adapter=swarm.active_adapter
+    )
+    try:
+        await session.open()
+        limit = swarm.route_step_limit(route)
+        return await prefill_outputs(session, row, num_outputs, limit, vocab_size, hidden_size, return_hidden)
+    finally:
+        await session.close()

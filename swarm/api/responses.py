@@ -228,20 +228,6 @@ class CompletionFormat(_Format):
     def opening_chunk(self, index: int) -> None:
         return None
 
-    def _leading(self, index: int, text: str, sent: Optional[int] = None) -> tuple[list[dict], int]:
-        """The complete calls at the start of a choice's ``text`` (its held text: ``sent`` calls of it
-        went out before it), where a reply may hold several, and the characters they take."""
-        params = self.generations[index].params
-        fmt = FORMATS[params.tool_format]
-        sent = self.sent_calls.get(index, 0) if sent is None else sent
-        if params.parallel_tool_calls and streams_builtin_calls(
-            params.tool_call, params.tool_format, params.tool_names
-        ):
-            return leading_tagged_calls(text, params.tool_names, in_body=sent > 0)
-        if params.tool_call and params.parallel_tool_calls and fmt.parallel:
-            return leading_calls(text, params.tool_names, fmt)
-        return [], 0
-
     def chunk(self, index: int, delta: Delta) -> dict[str, Any]:
         choice = {"index": index, "text": delta.text, "logprobs": self._logprobs(index, [delta]), "finish_reason": None}
         return self._envelope(self.chunk_object, [choice])
