@@ -123,7 +123,7 @@ class AutoDistributedModel(torch.nn.Module):
         model = resolve_model(model_name_or_path)
         source = model.source
         config = load_config(source, kwargs)  # unknown keywords: a TypeError naming them
-        tokenizer = AutoTokenizer.from_pretrained(model.source, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
         swarm = _loop.run(
             SwarmClient.connect(
                 list(initial_peers),
@@ -132,7 +132,7 @@ class AutoDistributedModel(torch.nn.Module):
                 request_timeout=request_timeout,
                 max_positions_per_step=max_positions_per_step,
                 config_fingerprint=config_fingerprint(config),
-                revision=weights_revision(model.source),
+                revision=weights_revision(source),
                 active_adapter=active_adapter or "",
             )
         )

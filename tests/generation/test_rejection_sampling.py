@@ -301,25 +301,30 @@ def test_rejection_over_a_live_swarm_equals_the_in_process_exchange(
     tiny_model, tiny_reference, draft_model, one_thread
 ):
     """Through two real servers, each seed's tokens are those the in-process exchange computes."""
-    target, drafter = Rows(tiny_reference), Rows(draft_model)
-    eos = [tiny_model.config.eos_token_id]
-    corrections = 0
-    for seed in (11, 12, 13):
-        with pinned(tiny_model, TWO_SERVERS):
-            output = tiny_model.generate(
-                torch.tensor(BATCH),
-                max_new_tokens=10,
-                do_sample=True,
-                top_k=TOP_K,
-                seed=seed,
-                draft_model=draft_model,
-                num_draft_tokens=3,
-                verification="rejection",
-            )
-        expected, _ = rejection_generate(target, drafter, PROMPT, 3, 10, params_for(seed), eos)
-        assert output[0, len(PROMPT) :].tolist() == expected
-        corrections += tiny_model.last_generation_stats.corrections
-    assert corrections > 0
+    with pinned(tiny_model, TWO_SERVERS):
+        assert seeded_rejection_runs(tiny_model, tiny_reference, draft_model, (11, 12, 13)) > 0
+
+
+def seeded_rejection_runs(model, reference, drafter, seeds) -> int:
+    """Each seed's tokens under ``verification="rejection"`` over ``model``'s swarm equal the in-process
+    exchange (the tail's and client's own functions over transformers' rows); the corrections drawn."""
+    prompt, target, rows = BATCH[0], Rows(reference), Rows(drafter)
+    eos, corrections = [model.config.eos_token_id], 0
+    for seed in seeds:
+        output = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=10,
+            do_sample=True,
+            top_k=TOP_K,
+            seed=seed,
+            draft_model=drafter,
+            num_draft_tokens=3,
+            verification="rejection",
+        )
+        expected, _ = rejection_generate(target, rows, prompt, 3, 10, params_for(seed), eos)
+        assert output[0, len(prompt) :].tolist() == expected, seed
+        corrections += model.last_generation_stats.corrections
+    return corrections
 
 
 def test_bad_draft_arguments_are_refused_clearly(tiny_model, draft_model):

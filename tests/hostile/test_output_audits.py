@@ -32,6 +32,7 @@ from swarm.api.prompt_logprobs import score_tokens
 from swarm.local import LocalSwarm
 from tests.hostile.test_sybils import _post, client, stop
 from tests.kit.faulty_server import faulty
+from tests.kit.machine_groups import on_one_machine
 from tests.kit.reference import PROMPT
 from tests.kit.swarms import SERVER_ARGS
 
@@ -197,7 +198,6 @@ def test_a_dispute_avoids_the_liars_machine_group_and_falls_back_on_the_honest_t
     pass on L5, which repeats L4's lie; the dispute avoids both machine groups instead, and with no
     tail left falls back on T's group (one identity against two): the logits returned are T's,
     exact, flagged unconfirmed, and the next pass routes on T. Nobody is convicted."""
-    from client import _witnesses
 
     processes = [
         pair_swarm.start_server(3, 6, name=name, launcher=faulty("--lie-in-outputs", LIAR_SHIFT))
@@ -207,12 +207,7 @@ def test_a_dispute_avoids_the_liars_machine_group_and_falls_back_on_the_honest_t
         routes = (route("H", "L4"), route("G", "T"), route("H", "L5"))
         with client(pair_swarm, tiny_llama_path, *routes, hidden=["U"]) as model:
             one_machine = {model.peers["L4"], model.peers["L5"]}
-            group = _witnesses.machine_group
-            monkeypatch.setattr(
-                _witnesses,
-                "machine_group",
-                lambda addr, peer_id: "net:203.0.113.0/24" if peer_id in one_machine else group(addr, peer_id),
-            )
+            on_one_machine(monkeypatch, one_machine)
             audits = audited(model)
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")

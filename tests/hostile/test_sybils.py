@@ -39,7 +39,7 @@ import warnings
 import pytest
 import torch
 
-from client import _verdict_audits, _witnesses
+from client import _verdict_audits
 from client._audit_shape import LiveShape
 from client._swarm import ExclusionList
 from client.errors import UnconfirmedTokensError, UnconfirmedTokensWarning
@@ -47,6 +47,7 @@ from protocol.messages import Hop, StepResult
 from swarm.local import LocalSwarm, kill_group
 from tests.kit import faults
 from tests.kit.faulty_server import faulty
+from tests.kit.machine_groups import on_one_machine
 from tests.kit.reference import PROMPT
 from tests.kit.routes import PreferredRoutes
 from tests.kit.swarms import SERVER_ARGS, servers_by_name
@@ -158,12 +159,7 @@ def test_colluding_liars_are_refuted_by_a_trusted_tail_or_flagged(
     try:
         with client(sybil_swarm, tiny_llama_path, route("L1"), route("T"), route("L2"), hidden=["U"]) as model:
             one_machine = {model.peers["L1"], model.peers["L2"]}
-            group = _witnesses.machine_group
-            monkeypatch.setattr(
-                _witnesses,
-                "machine_group",
-                lambda addr, peer_id: "net:203.0.113.0/24" if peer_id in one_machine else group(addr, peer_id),
-            )
+            on_one_machine(monkeypatch, one_machine)
             # nobody trusted, and no LM-head rows to settle it by evidence (as for a checkpoint the client
             # cannot read): L2 may not witness for L1 (one machine), so T shadows, disputes, and
             # nobody settles it; both machine groups are avoided, which leaves no tail: the generation
@@ -222,12 +218,7 @@ def test_two_sybils_framing_the_honest_tail_are_refuted_by_evidence(
     try:
         with client(sybil_swarm, tiny_llama_path, route("T"), route("F1"), route("F2"), hidden=["U"]) as model:
             framers = {model.peers["F1"], model.peers["F2"]}
-            group = _witnesses.machine_group
-            monkeypatch.setattr(
-                _witnesses,
-                "machine_group",
-                lambda addr, peer_id: "net:203.0.113.0/24" if peer_id in framers else group(addr, peer_id),
-            )
+            on_one_machine(monkeypatch, framers)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # the tokens after the framer's refutation have no shadow left
                 out = generate(model)

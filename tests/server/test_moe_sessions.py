@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.generation.test_rejection_sampling import seeded_rejection_runs
 from tests.kit.batch_rows import greedy_truth, padded, prompts
 from tests.kit.families import cli_swarm_model
 from tests.kit.reference import PROMPT
@@ -83,30 +84,6 @@ def noisy_drafters(family_paths):
         return made[model_type]
 
     return get
-
-
-def seeded_rejection_runs(model, reference, drafter, seeds) -> int:
-    """Each seed's tokens under ``verification="rejection"`` over ``model``'s swarm equal the in-process
-    exchange (the tail's and client's own functions over transformers' rows); the corrections drawn."""
-    from tests.generation.test_rejection_sampling import TOP_K, Rows, params_for, rejection_generate
-
-    prompt, target, rows = PROMPT[0], Rows(reference), Rows(drafter)
-    eos, corrections = [model.config.eos_token_id], 0
-    for seed in seeds:
-        output = model.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=10,
-            do_sample=True,
-            top_k=TOP_K,
-            seed=seed,
-            draft_model=drafter,
-            num_draft_tokens=3,
-            verification="rejection",
-        )
-        expected, _ = rejection_generate(target, rows, prompt, 3, 10, params_for(seed), eos)
-        assert output[0, len(prompt) :].tolist() == expected, seed
-        corrections += model.last_generation_stats.corrections
-    return corrections
 
 
 def test_rejection_verification_over_servers_equals_the_in_process_exchange(
