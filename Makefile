@@ -2,6 +2,8 @@
 PYTHON ?= python3
 PIP = $(PYTHON) -m pip
 TORCH_VERSION ?= 2.13.0
+# the suite runs as this many pytest processes at once (tests/kit/shards.py); 1 is a plain pytest run
+TEST_SHARDS ?= 2
 
 .PHONY: setup browser systemd-analyze netns-tools demo test bench-wan bench-wan-heldout bench-ceiling bench-drafter bench-failover bench-load bench-chaos bench-codecs bench-bandwidth bench-batch bench-quant train-drafter warm-corpus bench-drafter-cost bench-dssd bench-trees bench-spot-checks bench-lies bench-sybils bench-step-bytes bench-gateway bench-scale bench-dht-scale bench-dashboard-scale bench-churn bench-structured bench-fine-tuning gpu-check gpu-drafter-prep
 
@@ -36,7 +38,7 @@ netns-tools:
 
 test: setup browser systemd-analyze netns-tools
 	$(PYTHON) -m ruff check . && $(PYTHON) -m ruff format --check .
-	$(PYTHON) -m pytest tests
+	$(PYTHON) -m tests.kit.shards --shards $(TEST_SHARDS) tests
 
 bench-drafter: setup
 	$(PYTHON) -m benchmarks.drafter_micro

@@ -7,6 +7,7 @@ or, at the latest, when their scope ends. The helpers they are built from live i
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -16,6 +17,8 @@ from swarm import lifeline, warm_start
 from swarm.local import LocalSwarm
 from tests.kit.checkpoints import build_tiny_llama
 from tests.kit.last_use import last_use
+from tests.kit.shards import ENV as SHARD_ENV
+from tests.kit.shards import keep_own_shard
 from tests.kit.swarms import LIMITS_MAX_POSITIONS, SERVER_ARGS, SMOL_SERVER_ARGS, TINY_SERVERS, start_inprocess
 
 lifeline.install_fork_hook()  # the DHT processes (and p2pd) of pytest's clients die with it, even on SIGKILL
@@ -30,10 +33,17 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: Optional[pytest.Item]):
     last_use.after(item)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    keep_own_shard(config, items)  # `make test` runs the suite as two pytest processes (tests/kit/shards.py)
+
+
 @pytest.fixture(scope="session")
 def artifacts_dir() -> Path:
     path = Path(__file__).resolve().parent.parent / "test-artifacts"
-    path.mkdir(exist_ok=True)
+    shard = os.environ.get(SHARD_ENV)
+    if shard:  # two shards run at once: each writes its swarms' logs under its own folder
+        path = path / f"shard-{shard.replace('/', '-of-')}"
+    path.mkdir(parents=True, exist_ok=True)
     return path
 
 

@@ -1,0 +1,155 @@
+"""The suite in N pytest processes at once (``make test`` runs two): ``python -m tests.kit.shards``.
+
+Why: most of a test's wall time here is spent waiting on other processes (servers starting, the
+DHT settling, a delay proxy's 25 ms per hop, a SIGSTOPped peer's timeout), so one pytest process
+keeps the machine's two cores about half busy. Two processes, each running whole test files, fill
+them. Whole files, not single tests, because a file's module-scoped swarm must start once; files
+are dealt to the shards longest first by the seconds they took (tests/kit/shard_weights.py), so
+the shards end at about the same time. Each process is an ordinary pytest run that deselects the
+other shards' files (``SPECSWARM_TEST_SHARD=i/N``, read by tests/conftest.py), so a shard can be
+rerun alone: ``SPECSWARM_TEST_SHARD=2/2 python -m pytest tests``.
+
+pytest-xdist would deal tests to workers too, but its workers see every collected test, so
+tests/kit/last_use.py could not stop a shared swarm after its worker's last user, and idle swarms
+slow everything beside them (that module says how much).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Iterable, Optional
+
+from tests.kit.shard_weights import DEFAULT_WEIGHT, FILE_SECONDS
+
+ENV = "SPECSWARM_TEST_SHARD"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def parse(value: str) -> tuple[int, int]:
+    """``"i/N"`` (1-based) -> (i, N); anything else is a ValueError naming the variable."""
+    m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", value)
+    if not m or not 1 <= int(m.group(1)) <= int(m.group(2)):
+        raise ValueError(f"{ENV}={value!r}: expected i/N with 1 <= i <= N, e.g. 1/2")
+    return int(m.group(1)), int(m.group(2))
+
+
+def assign(files: Iterable[str], shards: int) -> dict[str, int]:
+    """Each file -> its shard (1-based): longest first, each to the shard with the least so far."""
+    load = [0.0] * shards
+    owner: dict[str, int] = {}
+    for path in sorted(set(files), key=lambda f: (-FILE_SECONDS.get(f, DEFAULT_WEIGHT), f)):
+        shard = min(range(shards), key=lambda s: (load[s], s))
+        owner[path] = shard + 1
+        load[shard] += FILE_SECONDS.get(path, DEFAULT_WEIGHT)
+    return owner
+
+
+def file_of(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+def keep_own_shard(config, items: list) -> None:
+    """pytest_collection_modifyitems: keep only this shard's files when ``SPECSWARM_TEST_SHARD`` is set."""
+    value = os.environ.get(ENV)
+    if not value:
+        return
+    shard, shards = parse(value)
+    owner = assign((file_of(item.nodeid) for item in items), shards)
+    kept = [item for item in items if owner[file_of(item.nodeid)] == shard]
+    dropped = [item for item in items if owner[file_of(item.nodeid)] != shard]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+    items[:] = kept
+
+
+def _pump(stream, prefix: str, lock: threading.Lock) -> None:
+    for line in iter(stream.readline, ""):
+        with lock:
+            sys.stdout.write(prefix + line)
+            sys.stdout.flush()
+
+
+def run(shards: int, pytest_args: list[str]) -> int:
+    """Run the shards at once, each line of their output prefixed with its shard; the worst exit code.
+
+    pytest's exit code 5 (no tests ran) in any shard fails the whole run, as it fails a single one."""
+    if shards == 1:
+        return subprocess.call([sys.executable, "-m", "pytest", *pytest_args], cwd=ROOT)
+    lock = threading.Lock()
+    procs: list[subprocess.Popen] = []
+    pumps: list[threading.Thread] = []
+    for shard in range(1, shards + 1):
+        env = {**os.environ, ENV: f"{shard}/{shards}", "PYTHONUNBUFFERED": "1"}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pytest", *pytest_args],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+        )
+        procs.append(proc)
+        pump = threading.Thread(target=_pump, args=(proc.stdout, f"[{shard}/{shards}] ", lock), daemon=True)
+        pump.start()
+        pumps.append(pump)
+
+    def forward(signum, _frame) -> None:  # CI's cancel or ^C reaches every shard (each reaps its own swarms)
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, forward)
+    codes = [proc.wait() for proc in procs]
+    for pump in pumps:
+        pump.join(timeout=10)
+    for shard, code in enumerate(codes, 1):
+        print(f"shard {shard}/{shards}: pytest exit code {code}")
+    failed = [code for code in codes if code != 0]
+    return failed[0] if failed else 0
+
+
+def weights_from_log(log: Path) -> dict[str, float]:
+    """Per-file seconds from the ``--durations=0`` lines of a pytest log (shard prefixes allowed)."""
+    seconds: dict[str, float] = {}
+    pattern = re.compile(r"([\d.]+)s (?:call|setup|teardown)\s+(tests/\S+?\.py)::")
+    for line in log.read_text(errors="replace").splitlines():
+        m = pattern.search(line)
+        if m:
+            seconds[m.group(2)] = seconds.get(m.group(2), 0.0) + float(m.group(1))
+    return seconds
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tests.kit.shards", description=__doc__.split("\n\n")[0])
+    p.add_argument("--shards", type=int, default=2, help="pytest processes at once (default 2)")
+    p.add_argument("--weights", type=Path, help="print FILE_SECONDS measured in this --durations=0 log and exit")
+    p.add_argument("--plan", action="store_true", help="print which shard runs each file, and exit")
+    args, pytest_args = p.parse_known_args(argv)
+    if args.weights:
+        for path, secs in sorted(weights_from_log(args.weights).items()):
+            print(f'    "{path}": {secs:.1f},')
+        return 0
+    if args.shards < 1:
+        p.error("--shards must be at least 1")
+    if args.plan:
+        files = sorted(str(f.relative_to(ROOT)) for f in (ROOT / "tests").rglob("test_*.py"))
+        owner = assign(files, args.shards)
+        for shard in range(1, args.shards + 1):
+            mine = [f for f in files if owner[f] == shard]
+            total = sum(FILE_SECONDS.get(f, DEFAULT_WEIGHT) for f in mine)
+            print(f"shard {shard}: {len(mine)} files, about {total:.0f} s")
+        return 0
+    return run(args.shards, pytest_args or ["tests"])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
