@@ -67,7 +67,8 @@ def tagged_calls(body: str, names: tuple[str, ...], arguments_keys: tuple[str, .
     calls ``name.call(k=v, ...)`` with literal values, separated by ``;`` (Meta's format allows
     several); or any other text as code_interpreter's code when that tool is listed. A body with a
     malformed piece (a ``;``-separated part that is no such call) is not read as calls at all: the
-    whole reply stays text (or is code_interpreter's code), never the well-formed pieces alone."""
+    whole body is no list of calls (or is code_interpreter's code); the gateway reads the complete calls
+    before such a piece first (:func:`leading_builtin_calls`), and the rest is the reply's text."""
     try:
         call = json.loads(body)
     except ValueError:
