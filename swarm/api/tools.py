@@ -10,7 +10,8 @@ described to the model in a system message (the same format), and earlier calls 
 (``role: "tool"`` messages) are rendered as that JSON and as the tool's text. ``"none"`` answers in
 text; ``"auto"`` (OpenAI's default with tools) leaves the reply free: one that is exactly a call of a
 listed tool becomes ``tool_calls``, any other is text (streamed as it comes, except while it may
-still be a call: from a leading "{" to the end).
+still be a call: from a leading "{" to the end; a Llama 3.1 reply's text before ``<|python_tag|>``
+streams as content, and the built-in calls after it go out each once complete, as forced ones do).
 
 A chat template that renders ``tools`` itself in the Hermes/Qwen way (its text mentions ``<tool_call>``)
 gets them through the template, and its calls are ``<tool_call>\n{...}\n</tool_call>`` (the format its
