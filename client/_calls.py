@@ -75,7 +75,9 @@ def plan_call(
 
 def with_output_rules(sampling: SamplingParams, options: GenerationOptions, vocab_size: int) -> SamplingParams:
     """The sampling parameters with the call's presence/frequency penalties and logit bias, checked."""
-    bias = options.logit_bias or {}
+    if options.logit_bias and options.sequence_bias:
+        raise ValueError("give logit_bias or sequence_bias, not both (they are one rule)")
+    bias = options.logit_bias or one_token_bias(options.sequence_bias)
     if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
         raise ValueError(f"logit_bias must be a dict of at most {MAX_LOGIT_BIAS} token ids to biases")
     try:
@@ -92,6 +94,22 @@ def with_output_rules(sampling: SamplingParams, options: GenerationOptions, voca
     )
     validate_sampling(sampling)
     return sampling
+
+
+def one_token_bias(sequence_bias: Any) -> dict:
+    """transformers' ``sequence_bias`` (``{(id,): bias}`` or ``[[[id], bias], ...]``) as logit_bias: its
+    one-token sequences are exactly the per-token bias the tail applies (generate()'s
+    SequenceBiasLogitsProcessor). A longer sequence biases a token by the ones before it, a rule the
+    tail does not have: a ValueError naming it, never a silent drop."""
+    if not sequence_bias:
+        return {}
+    bias = {}
+    for entry in sequence_bias.items() if isinstance(sequence_bias, dict) else sequence_bias:
+        ids, value = entry if isinstance(entry, (list, tuple)) and len(entry) == 2 else (None, None)
+        if not isinstance(ids, (list, tuple)) or len(ids) != 1:
+            raise ValueError(f"sequence_bias takes one-token sequences only ([[token id], bias]), got {entry!r}")
+        bias[ids[0]] = value
+    return bias
 
 
 def call_constraint(options: GenerationOptions, tokenizer: Any, vocab_size: int) -> Optional[Constraint]:

@@ -60,6 +60,7 @@ class GenerationOptions:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: Optional[dict] = None
+    sequence_bias: Any = None  # transformers' name, one-token sequences only: the same rule as logit_bias
     grammar_drafts: bool = True  # under a constraint, draft the tokens it forces ahead of speculation's drafts
 
     @classmethod

@@ -16,6 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional, Sequence
 
 from client import AutoDistributedModelForCausalLM, GenerationStats
+from client._calls import call_constraint, compiler_for
+from client._options import GenerationOptions
+from protocol.constraints import with_stops
 from protocol.messages import TokenLogprobs
 from swarm.api.errors import RetractedError, bad_request
 from swarm.api.llama_tools import PYTHON_TAG
@@ -23,6 +26,9 @@ from swarm.api.prompt_logprobs import MAX_CONCURRENT_FORWARDS, prompt_logprobs
 from swarm.api.text import IncrementalDetokenizer, StopMatcher
 
 CHAT_ROLES = {"system", "user", "assistant", "tool"}
+# finish_reason of a constrained reply that ended at a dead end: its constraint allowed no token, so the
+# tail chose the stop token where the constraint could not end (the text does not match it)
+DEAD_END = "constraint_dead_end"
 DEFAULT_MAX_TOKENS = 1024  # a request without max_tokens generates at most this many (GatewayConfig)
 
 
@@ -188,6 +194,9 @@ class TextGeneration:
         text = stops.feed(detokenizer.flush())
         text += stops.finish()
         self.finish_reason = "stop" if stops.stopped or self._ended_by_eos(last_token) else "length"
+        if self.finish_reason == "stop" and not stops.stopped and last_token in self._stop_set():
+            if constraint_unfinished(served, params, self._stop_set(), tokens):
+                self.finish_reason = DEAD_END
         if text:
             yield Delta(text, [], [])
 
@@ -200,11 +209,34 @@ class TextGeneration:
             return None
         return sorted(self.served.eos_token_ids | set(self.params.stop_token_ids))
 
+    def _stop_set(self) -> frozenset[int]:
+        """The ids that end this reply as EOS does: the model's and the request's stop tokens."""
+        return self.served.eos_token_ids | frozenset(self.params.stop_token_ids)
+
     def _ended_by_eos(self, last_token: Optional[int]) -> bool:
         if self.params.ignore_eos:
             return False
         ended = last_token in self.served.eos_token_ids or last_token in self.params.stop_token_ids
         return ended or self.completion_tokens < self.params.max_tokens
+
+
+def constraint_unfinished(
+    served: ServedModel, params: GenerationParams, stops: frozenset[int], tokens: list[int]
+) -> bool:
+    """Whether a reply that ended at a stop token did so where its constraint could not end: the
+    tail's mask allowed no id at all there (a dead end), so the stop token was its only choice
+    (protocol/constraints.py, ``Guide.apply``). Read with the gateway's own matcher over the reply,
+    the constraint and stop ids the client sent; False without a constraint."""
+    options, _ = GenerationOptions.split(dict(params.sampling))
+    constraint = call_constraint(options, served.tokenizer, served.vocab_size)
+    if constraint is None:
+        return False
+    compiler = compiler_for(served.tokenizer, served.vocab_size)
+    guide = compiler.guide(with_stops(constraint, compiler, sorted(stops)), len(params.prompt_ids))
+    try:
+        return not guide.ended(list(params.prompt_ids) + list(tokens))
+    except ValueError:  # a token the constraint refuses: the stop token where the grammar cannot end
+        return True
 
 
 def check_prompt_ids(ids: Sequence[Any], served: ServedModel, param: str) -> list[int]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 from typing import Any, Optional
 
 PYTHON_TAG = "<|python_tag|>"
@@ -66,7 +67,8 @@ def tagged_calls(body: str, names: tuple[str, ...], arguments_keys: tuple[str, .
     calls ``name.call(k=v, ...)`` with literal values, separated by ``;`` (Meta's format allows
     several); or any other text as code_interpreter's code when that tool is listed. A body with a
     malformed piece (a ``;``-separated part that is no such call) is not read as calls at all: the
-    whole reply stays text (or is code_interpreter's code), never the well-formed pieces alone."""
+    whole body is no list of calls (or is code_interpreter's code); the gateway reads the complete calls
+    before such a piece first (:func:`leading_builtin_calls`), and the rest is the reply's text."""
     try:
         call = json.loads(body)
     except ValueError:
@@ -112,9 +114,10 @@ def _builtin_calls(body: str, names: tuple[str, ...]) -> Optional[Calls]:
 def leading_builtin_calls(text: str, names: tuple[str, ...], in_body: bool = False) -> tuple[Calls, int]:
     """The built-in calls at the start of ``text`` (after ``<|python_tag|>``; ``in_body``: text that
     continues a body whose tag came earlier) that are complete whatever follows: each ``name.call(...)``
-    once the ``;`` after it has come (a ``;`` inside a string literal is no separator: the piece up to
-    it does not parse), and the characters they take with their separators. A streamed forced reply
-    sends each as soon as it is complete (swarm/api/responses.py)."""
+    once the ``;`` or newline after it has come (Python ends a statement there; a separator inside a
+    string literal is none: the piece up to it does not parse), and the characters they take with their
+    separators. A streamed reply sends each as soon as it is complete (swarm/api/responses.py); the first
+    piece that is no such call ends them (what follows is the reply's text)."""
     cut = 0
     if not in_body:
         head = text.lstrip()
@@ -122,14 +125,27 @@ def leading_builtin_calls(text: str, names: tuple[str, ...], in_body: bool = Fal
             return [], 0
         cut = len(text) - len(head) + len(PYTHON_TAG)
     calls: Calls = []
-    used, search = 0, cut
-    while (semicolon := text.find(";", search)) >= 0:
-        found = _builtin_calls(text[cut:semicolon], names)
-        search = semicolon + 1
-        if found is not None:
+    used = 0
+    for separator in _SEPARATOR.finditer(text, cut):
+        piece = text[cut : separator.start()]
+        found = _builtin_calls(piece, names)
+        if found:
             calls += found
-            cut = used = semicolon + 1
+            cut = used = separator.end()
+        elif piece.strip() and _parses(piece):  # whole statements, not all calls: nothing later is one
+            break
     return calls, used
+
+
+def _parses(text: str) -> bool:
+    try:
+        ast.parse(text.strip(), mode="exec")
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return False
+    return True
+
+
+_SEPARATOR = re.compile(r"[;\n]")  # what ends a statement of Meta's built-in calls
 
 
 def _literal_keywords(expression: ast.Call) -> Optional[dict[str, Any]]:

@@ -17,7 +17,15 @@ from client import GenerationStats
 from protocol.messages import TokenLogprobs
 from swarm.api.engine import Delta, ServedModel, TextGeneration
 from swarm.api.llama_tools import PYTHON_TAG
-from swarm.api.tools import FORMATS, leading_calls, leading_tagged_calls, may_be_call, streams_builtin_calls, tool_calls
+from swarm.api.tools import (
+    FORMATS,
+    LLAMA3_FORMAT,
+    leading_calls,
+    leading_tagged_calls,
+    may_be_call,
+    streams_builtin_calls,
+    tool_calls,
+)
 
 STAT_COUNTS = ("laps", "drafted", "accepted", "failovers")
 # how the returned tokens were confirmed (docs/reliability.md, "Disputes and witnesses")
@@ -107,6 +115,7 @@ class ChatFormat(_Format):
         self.released: dict[int, str] = {}  # an "auto" choice's held text, sent with its next chunk
         self.ready_calls: dict[int, list[dict[str, Any]]] = {}  # complete calls, sent with the next chunk
         self.sent_calls: dict[int, int] = {}  # calls of each choice sent so far (the next call's index)
+        self.pending: dict[int, str] = {}  # a Llama 3.1 text's end that may be the start of <|python_tag|>
 
     def opening_chunk(self, index: int) -> dict[str, Any]:
         opening = {"role": "assistant", "content": ""}
@@ -116,23 +125,54 @@ class ChatFormat(_Format):
     def wants_chunk(self, index: int, delta: Delta) -> bool:
         """A tool call's text is held until the call is complete: then it is sent (where a reply may
         hold several, each as soon as it is complete; else whole in the choice's last chunk). With
-        "auto", text is held while it may still be a call (empty, or from a leading "{")."""
+        "auto", text is held while it may still be a call (empty, or from a leading "{"); a Llama 3.1
+        reply streamed as text still becomes calls at ``<|python_tag|>`` (:meth:`_until_tag`)."""
         params = self.generations[index].params
+        if params.tool_call and index in self.texts and params.tool_format == LLAMA3_FORMAT.name:
+            return self._until_tag(index, delta.text) or (self.shown >= 0 and bool(delta.token_ids))
         if not params.tool_call or index in self.texts:
             return super().wants_chunk(index, delta)
-        held, fmt = self.call_texts.get(index, "") + delta.text, FORMATS[params.tool_format]
+        return self._hold(index, delta.text)
+
+    def _hold(self, index: int, text: str) -> bool:
+        """Add ``text`` to what a tool-call choice holds; whether a chunk goes out now (complete calls,
+        or held text released once it cannot be a call)."""
+        params = self.generations[index].params
+        held, fmt = self.call_texts.get(index, "") + text, FORMATS[params.tool_format]
         calls, used = self._leading(index, held)
         if calls:
             first = self.sent_calls.get(index, 0)
             self.ready_calls[index] = [{"index": first + i, **c} for i, c in enumerate(calls)]
             self.sent_calls[index], held = first + len(calls), held[used:]
-        if params.tool_call == "forced" or may_be_call(held, fmt):
+        # after Llama 3.1 built-in calls, the rest is held to the end: more calls, or the reply's text
+        in_body = fmt is LLAMA3_FORMAT and self.sent_calls.get(index, 0) > 0
+        if params.tool_call == "forced" or in_body or may_be_call(held, fmt):
             self.call_texts[index] = held
             return index in self.ready_calls
         self.texts.add(index)
-        self.released[index] = held
         self.call_texts.pop(index, None)
+        if fmt is LLAMA3_FORMAT:
+            return self._until_tag(index, held) or index in self.ready_calls
+        self.released[index] = held
         return True
+
+    def _until_tag(self, index: int, text: str) -> bool:
+        """An "auto" Llama 3.1 choice streamed as text: the text before ``<|python_tag|>`` is content (a
+        possible start of the tag at its end is kept back until settled); from the tag on it is held as
+        calls are (``_message`` splits a whole reply the same way). Whether there is something to send."""
+        text = self.pending.pop(index, "") + text
+        at = text.find(PYTHON_TAG)
+        if at < 0:
+            keep = next(
+                (n for n in range(min(len(text), len(PYTHON_TAG) - 1), 0, -1) if PYTHON_TAG.startswith(text[-n:])), 0
+            )
+            if keep:
+                self.pending[index], text = text[-keep:], text[:-keep]
+            self.released[index] = self.released.get(index, "") + text
+            return bool(text)
+        self.texts.discard(index)
+        self.released[index] = self.released.get(index, "") + text[:at]
+        return self._hold(index, text[at:]) or bool(text[:at])
 
     def _leading(self, index: int, text: str, sent: Optional[int] = None) -> tuple[list[dict], int]:
         """The complete calls at the start of a choice's ``text`` (its held text: ``sent`` calls of it
@@ -152,8 +192,9 @@ class ChatFormat(_Format):
         calls = self.ready_calls.pop(index, None)
         streamed_text = index in self.texts or not self.generations[index].params.tool_call
         body: dict[str, Any] = {"tool_calls": calls} if calls else {}
-        if streamed_text:
-            body["content"] = self.released.pop(index, delta.text)
+        content = self.released.pop(index, delta.text if streamed_text else "")
+        if streamed_text or content:
+            body["content"] = content
         logprobs = self._logprobs(delta.logprobs) if streamed_text else None
         choice = {"index": index, "delta": body, "logprobs": logprobs, "finish_reason": None}
         return self._envelope(self.chunk_object, [choice])
@@ -162,6 +203,8 @@ class ChatFormat(_Format):
         generation = self.generations[index]
         sent = self.sent_calls.get(index, 0)
         delta, finish = {}, self._finish(index, sent > 0)
+        if index in self.pending:  # the end of a text that looked like the start of <|python_tag|>
+            delta["content"] = self.pending.pop(index)
         if index in self.call_texts:  # what is held: a call, held text that turned out not to be one, or nothing
             message, finish = self._message(index, self.call_texts[index], sent)
             calls = message.get("tool_calls")
@@ -183,6 +226,7 @@ class ChatFormat(_Format):
         generation = self.generations[index]
         params = generation.params
         fmt = FORMATS[params.tool_format]
+        prefix, text = self._before_tag(index, text, sent)
         calls, used = self._leading(index, text, sent)
         rest = text[used:]
         ended = params.tool_call and generation.finish_reason == "stop" and rest.strip()
@@ -192,9 +236,18 @@ class ChatFormat(_Format):
         last = tool_calls(last_text, params.tool_names, fmt, params.parallel_tool_calls) if ended else None
         calls += last or []
         if calls or sent:
-            content = rest if last is None and rest.strip() else None
-            return {"role": "assistant", "content": content, "tool_calls": calls}, self._finish(index, True)
-        return {"role": "assistant", "content": text}, generation.finish_reason
+            content = prefix + (rest if last is None and rest.strip() else "")
+            return {"role": "assistant", "content": content or None, "tool_calls": calls}, self._finish(index, True)
+        return {"role": "assistant", "content": prefix + text}, generation.finish_reason
+
+    def _before_tag(self, index: int, text: str, sent: int) -> tuple[str, str]:
+        """An "auto" Llama 3.1 reply's text before ``<|python_tag|>`` (its content) and the rest, where
+        text that is not blank comes before the tag; else ("", text)."""
+        params = self.generations[index].params
+        at = text.find(PYTHON_TAG)
+        if params.tool_call != "auto" or params.tool_format != LLAMA3_FORMAT.name or sent or at < 0:
+            return "", text
+        return (text[:at], text[at:]) if text[:at].strip() else ("", text)
 
     def response(self, deltas: list[list[Delta]]) -> dict[str, Any]:
         choices = []

@@ -10,7 +10,8 @@ described to the model in a system message (the same format), and earlier calls 
 (``role: "tool"`` messages) are rendered as that JSON and as the tool's text. ``"none"`` answers in
 text; ``"auto"`` (OpenAI's default with tools) leaves the reply free: one that is exactly a call of a
 listed tool becomes ``tool_calls``, any other is text (streamed as it comes, except while it may
-still be a call: from a leading "{" to the end).
+still be a call: from a leading "{" to the end; a Llama 3.1 reply's text before ``<|python_tag|>``
+streams as content, and the built-in calls after it go out each once complete, as forced ones do).
 
 A chat template that renders ``tools`` itself in the Hermes/Qwen way (its text mentions ``<tool_call>``)
 gets them through the template, and its calls are ``<tool_call>\n{...}\n</tool_call>`` (the format its
@@ -271,11 +272,12 @@ def leading_calls(text: str, names: tuple[str, ...], fmt: ToolFormat) -> tuple[l
 
 
 def streams_builtin_calls(tool_call: str, tool_format: str, names: tuple[str, ...]) -> bool:
-    """Whether a reply's Llama 3.1 built-in calls go out one by one as each completes: a forced reply
-    (its grammar allows only calls, so a complete call stays one whatever follows) without
-    code_interpreter (whose free code may hold ``;`` and is one call). An "auto" reply's calls are held
-    to its end: a malformed later piece makes the whole reply text (swarm/api/llama_tools.py)."""
-    return tool_call == "forced" and tool_format == LLAMA3_FORMAT.name and "code_interpreter" not in names
+    """Whether a reply's Llama 3.1 built-in calls go out one by one as each completes (its ``;`` or
+    newline has come: a whole statement, which nothing after it changes), forced or "auto": a complete
+    call stays one whatever follows, and a later piece that is no call ends the calls and is the reply's
+    text, as text after complete calls is in the other formats. Not with code_interpreter among the
+    tools: its free code may hold ``;`` and newlines, and a body that is not all calls is its code."""
+    return bool(tool_call) and tool_format == LLAMA3_FORMAT.name and "code_interpreter" not in names
 
 
 def leading_tagged_calls(text: str, names: tuple[str, ...], in_body: bool = False) -> tuple[list[dict], int]:

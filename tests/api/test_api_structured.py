@@ -57,7 +57,7 @@ def test_streamed_json_object_equals_non_streamed(client):
     assert streamed == whole and whole.lstrip().startswith("{")
 
 
-def test_guided_extras_on_completions(client):
+def test_guided_extras_on_completions_and_chat(client):
     choice = client.completions.create(
         model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, extra_body={"guided_choice": ["red", "blue green"]}
     )
@@ -70,6 +70,13 @@ def test_guided_extras_on_completions(client):
         model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0, extra_body={"guided_json": COLOUR}
     )
     jsonschema.validate(json.loads(schema.choices[0].text), COLOUR)
+    grammar = 'root ::= " " ("red" | "blue") " and " ("green" | "yellow") "."'
+    chat = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0, extra_body={"guided_grammar": grammar}
+    )
+    words = chat.choices[0].message.content.removesuffix(".").split(" and ")
+    assert words[0].strip() in ("red", "blue") and words[1] in ("green", "yellow")
+    assert chat.choices[0].finish_reason == "stop"
 
 
 def test_bad_constraints_are_400s_naming_the_parameter(client):

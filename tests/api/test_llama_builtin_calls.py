@@ -88,19 +88,37 @@ def test_semicolon_separated_builtin_calls_are_several_tool_calls(mode):
 
 
 @pytest.mark.parametrize(
-    "reply, names",
+    "rest",
     [
-        (TWO + '; rm_rf.call(path="/")', BUILTINS),  # a piece that calls no listed tool
-        (TWO + "; brave_search.call(query=input())", BUILTINS),  # a piece whose value is no literal
-        (TWO + "; brave_search.call(", BUILTINS),  # a cut piece
-        ('<|python_tag|>brave_search.call(query="x"); print(1)', BUILTINS),
+        ' rm_rf.call(path="/")',  # a piece that calls no listed tool
+        " brave_search.call(query=input())",  # a piece whose value is no literal
+        " brave_search.call(",  # a cut piece
+        " print(1)",
     ],
 )
-def test_a_malformed_piece_makes_the_whole_reply_text(reply, names):
-    """The well-formed pieces are not returned alone: the reply is text, as the model wrote it."""
-    _, whole = stream("auto", [reply], fmt="llama3", names=names)
-    assert whole["message"]["content"] == reply and whole["finish_reason"] == "stop"
-    assert tool_calls(reply, names, LLAMA3_FORMAT, True) is None
+def test_a_piece_that_is_no_call_ends_the_calls_and_is_text(rest):
+    """Each complete call stands (streamed once its ";" has come, it cannot be taken back), and the
+    first piece that is no call ends the calls: it and all after it are the reply's content, streamed
+    and not alike, finish_reason "tool_calls"; a first piece that is no call leaves the whole reply text."""
+    expected = [("brave_search", {"query": "weather in Oslo"}), ("wolfram_alpha", {"query": "2+2"})]
+    reply = TWO + ";" + rest
+    chunks, whole = stream("auto", [reply[:30], reply[30:70], reply[70:]], fmt="llama3", names=BUILTINS)
+    deltas = chunks[:-1] + [chunks[-1]["delta"]]
+    streamed = [
+        (c["index"], c["function"]["name"], json.loads(c["function"]["arguments"]))
+        for d in deltas
+        for c in d.get("tool_calls", [])
+    ]
+    assert streamed == [(i, *call) for i, call in enumerate(expected)] and "tool_calls" in deltas[0]
+    assert "".join(d.get("content") or "" for d in deltas) == whole["message"]["content"] == rest
+    calls = whole["message"]["tool_calls"]
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == expected
+    assert whole["finish_reason"] == chunks[-1]["finish_reason"] == "tool_calls"
+    assert tool_calls(reply, BUILTINS, LLAMA3_FORMAT, True) is None  # the whole body is no list of calls
+    first_wrong = "<|python_tag|>" + rest.strip() + '; brave_search.call(query="x")'
+    chunks, whole = stream("auto", [first_wrong], fmt="llama3", names=BUILTINS)
+    assert whole["message"] == {"role": "assistant", "content": first_wrong} and whole["finish_reason"] == "stop"
+    assert chunks[-1]["delta"] == {"content": first_wrong}
 
 
 def test_several_calls_with_code_interpreter_listed_are_still_calls_and_other_code_is_code():

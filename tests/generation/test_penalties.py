@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import (
     LogitsProcessorList,
+    MinPLogitsWarper,
     SequenceBiasLogitsProcessor,
     TemperatureLogitsWarper,
     TopPLogitsWarper,
@@ -38,24 +39,33 @@ def test_penalties_and_bias_greedy_equal_transformers(tiny_model, tiny_reference
         with pinned(tiny_model, ROUTES["three servers, uneven"]):
             out = tiny_model.generate(torch.tensor([prompt]), max_new_tokens=24, speculation=speculation, **RULES)
         assert out[0, len(prompt) :].tolist() == expected, speculation
+    # transformers' own name for the bias, as one-token sequences: the same rule
+    as_sequences = {**RULES, "logit_bias": None, "sequence_bias": bias_list(RULES["logit_bias"])}
+    out = tiny_model.generate(torch.tensor([prompt]), max_new_tokens=24, **as_sequences)
+    assert out[0, len(prompt) :].tolist() == expected
 
 
 def test_penalties_and_bias_sampled_equal_reference(tiny_model, tiny_reference):
-    prompt, seed = PROMPT[0], 99
-    procs = LogitsProcessorList(
-        [
-            SequenceBiasLogitsProcessor(bias_list(RULES["logit_bias"])),
-            OutputPenalties(RULES["presence_penalty"], RULES["frequency_penalty"], len(prompt)),
-            TemperatureLogitsWarper(0.8),
-            TopPLogitsWarper(0.9),
-        ]
-    )
-    tokens = list(prompt)
-    for _ in range(20):
-        with torch.no_grad():
-            logits = tiny_reference(torch.tensor([tokens])).logits[:, -1].float()
-        probs = torch.softmax(procs(torch.tensor([tokens]), logits)[0], dim=-1)
-        tokens.append(int(torch.multinomial(probs, 1, generator=position_generator(seed, len(tokens)))))
+    """Seeded sampling with the penalties, the bias and min_p (transformers' MinPLogitsWarper, after
+    top-p as generate() orders them) equals the (seed, position) reference token for token."""
+    prompt, seed, min_p = PROMPT[0], 99, 0.6
+    warpers = [TemperatureLogitsWarper(0.8), TopPLogitsWarper(0.9)]
+    rules = [
+        SequenceBiasLogitsProcessor(bias_list(RULES["logit_bias"])),
+        OutputPenalties(RULES["presence_penalty"], RULES["frequency_penalty"], len(prompt)),
+    ]
+
+    def reference(procs):
+        tokens = list(prompt)
+        for _ in range(20):
+            with torch.no_grad():
+                logits = tiny_reference(torch.tensor([tokens])).logits[:, -1].float()
+            probs = torch.softmax(LogitsProcessorList(procs)(torch.tensor([tokens]), logits)[0], dim=-1)
+            tokens.append(int(torch.multinomial(probs, 1, generator=position_generator(seed, len(tokens)))))
+        return tokens
+
+    tokens = reference(rules + warpers + [MinPLogitsWarper(min_p)])
+    assert tokens != reference(rules + warpers)  # min_p changes this output
     for speculation in (None, "suffix"):
         with pinned(tiny_model, ROUTES["two servers"]):
             out = tiny_model.generate(
@@ -64,6 +74,7 @@ def test_penalties_and_bias_sampled_equal_reference(tiny_model, tiny_reference):
                 do_sample=True,
                 temperature=0.8,
                 top_p=0.9,
+                min_p=min_p,
                 seed=seed,
                 speculation=speculation,
                 eos_token_id=[],
@@ -87,6 +98,8 @@ def test_output_penalties_count_only_the_output():
         (dict(logit_bias={5: 101}), "[-100, 100]"),
         (dict(logit_bias={10**9: 1}), "outside the vocabulary"),
         (dict(logit_bias={"x": 1}), "token ids"),
+        (dict(sequence_bias=[[[5, 6], 1.0]]), "one-token sequences"),
+        (dict(sequence_bias={(5,): 1.0}, logit_bias={5: 1.0}), "not both"),
     ],
 )
 def test_bad_penalties_are_value_errors(tiny_model, kwargs, words):
