@@ -12,7 +12,9 @@ memory and the seconds. nf4/int8 rows compare against transformers' model quanti
 own recipe (tests/kit/families.py ``quantized_reference``), where bitsandbytes imports. ``train``
 rows recompute one row's backward through the span (as server/training.py does) and compare the
 input gradient with transformers' on the same device, and the backward's peak memory with
-server/memory.py ``backward_bytes``.
+server/memory.py ``backward_bytes``. ``batch`` rows run one batched pass of four sessions (decode steps and
+chains over cached contexts; server/adapters/llama_batch.py: experts over all members at once, attention
+packed or member by member) against each session alone, and give the largest activation difference.
 
 Run: ``python -m benchmarks.gpu_check`` (CUDA if available) or ``--device cpu``; ``make gpu-check``.
 Table of a real run: docs/benchmarks.md, "GPU check".
@@ -219,6 +221,41 @@ def train_row(folder: Path, family: str, dtype: torch.dtype, device: str, positi
 FAMILIES = (*GENERIC_FAMILIES, "gpt_oss_mxfp4", "deepseek_v4")
 QUANT_FAMILIES = ("llama", "mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss")
 TRAIN_FAMILIES = ("llama", "mixtral", "qwen3_moe")
+BATCH_FAMILIES = ("mixtral", "deepseek_v3", "gpt_oss")  # attention packed; latent attention; eager sinks
+
+
+@torch.inference_mode()
+def batch_row(folder: Path, family: str, dtype: torch.dtype, device: str, args) -> Row:
+    """Four sessions through one batched pass of the server's span against each alone, on ``device``."""
+    import copy
+
+    from server.adapters.base import BatchMember
+
+    path = build(folder, family)
+    base = _peak_start(device)
+    began = time.perf_counter()
+    span = _span(path, dtype, device, "none")
+    blocks, generator = range(span.start, span.end), torch.Generator().manual_seed(args.seed)
+    alone, members = [], []
+    for context, new in ((args.prompt, 1), (args.prompt // 2, 1), (args.prompt, 4), (3, 5)):
+        cache = span.new_cache()
+        ids = torch.randint(0, VOCAB, (1, context + new), generator=generator)
+        span.forward(span.embed(ids[:, :context]), ids[:, :context], 0, cache, blocks)
+        twin, hidden = copy.deepcopy(cache), span.embed(ids[:, context:])
+        alone.append(span.forward(hidden, ids[:, context:], context, cache, blocks))
+        members.append(BatchMember(hidden, ids[:, context:], context, twin))
+    together = span.forward_batch(members, blocks)
+    diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(alone, together))
+    mode = str(dtype).replace("torch.", "") + " batch"
+    note = "attention packed" if span.packs_attention else "attention member by member"
+    return Row(
+        family,
+        mode,
+        f"{diff:.3g} (activations)",
+        peak=_peak_mib(device, base),
+        seconds=f"{time.perf_counter() - began:.1f}",
+        note=note,
+    )
 
 
 def bitsandbytes_reason(device: str, dtype: torch.dtype) -> str:
@@ -261,6 +298,8 @@ def plan(args) -> list[tuple[str, Callable[[Path], Row]]]:
                             lambda f, fam=family, q=quant: generation_row(f, fam, dtype, args.device, q, args),
                         )
                     )
+    for family in [f for f in BATCH_FAMILIES if f in args.families]:
+        jobs.append((f"{family} batch", lambda f, fam=family: batch_row(f, fam, dtype, args.device, args)))
     # float32 too: there the span's gradient should equal transformers' up to summation order
     for family in [f for f in TRAIN_FAMILIES if f in args.families]:
         for train_dtype in dict.fromkeys([dtype, torch.float32]):

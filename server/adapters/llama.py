@@ -8,8 +8,10 @@ Checkpoint names are mapped to the modules' by transformers' conversion table, p
 fused as transformers fuses them, FP8 and gpt-oss's MXFP4 experts dequantized with transformers'
 own functions (server/adapters/expert_weights.py). DeepSeek-V3's latent
 attention caches its compressed latent and rotary key in the same cache (one head each), so
-rollback and trees work as for the others; its attention has no q/k/v projections to pack, so a
-batch's members run one after another through it (``packs_sessions``). Routed experts are fused
+rollback and trees work as for the others. A batched pass packs its members' positions into one row
+(server/adapters/llama_batch.py): norms and experts run once over all of them; attention without
+q/k/v projections to pack (DeepSeek-V3's latent attention, gpt-oss's eager sinks) runs its module
+one member at a time (``packs_attention`` False). Routed experts are fused
 in ``--dtype``, or split into one int8/NF4 linear per expert and projection under ``--quant``
 (server/adapters/fused_experts.py; gpt-oss's biased experts: gpt_oss_experts.py).
 
@@ -80,9 +82,10 @@ class LlamaFamilyAdapter(SpanAdapter):
         # each layer's sliding window (None: full attention), for its masks
         self.windows = _layer_windows(self.config)[start:end]
         # trees need caches whose entries sit at their positions (new_cache keeps them all)
-        # packed batching (llama_batch.py) runs q/k/v projections itself; other attentions (DeepSeek-V3's
-        # latent attention) compute a batch's members one after another
-        self.packs_sessions = not self.additive_masks and all(
+        # batched passes (llama_batch.py) run norms and experts over all members at once; attention's q/k/v
+        # projections too where it has them, else (DeepSeek-V3's latent attention, gpt-oss's eager sinks)
+        # transformers' attention module runs member by member
+        self.packs_attention = not self.additive_masks and all(
             all(hasattr(layer.self_attn, p) for p in ("q_proj", "k_proj", "v_proj")) for layer in self.layers
         )
         self.supports_trees = all(type(layer) is DynamicLayer for layer in self.new_cache().layers)
@@ -229,9 +232,10 @@ class LlamaFamilyAdapter(SpanAdapter):
     def forward_batch(
         self, members: list[BatchMember], blocks: range, between_blocks: Callable[[], None] = lambda: None
     ) -> list[Optional[torch.Tensor]]:
-        """Every member's positions packed into one pass (server/adapters/llama_batch.py); a batch
-        of one takes :meth:`forward`."""
-        if len(members) < 2 or not self.packs_sessions:
+        """Every member's positions packed into one pass (server/adapters/llama_batch.py): the
+        experts see all members' tokens at once, each routed by its own router logits; attention
+        is packed or per member (``packs_attention``). A batch of one takes :meth:`forward`."""
+        if len(members) < 2:
             return super().forward_batch(members, blocks, between_blocks)
         packed, hidden = packing.pack(
             members,
@@ -248,7 +252,9 @@ class LlamaFamilyAdapter(SpanAdapter):
             number: int, hidden: torch.Tensor, packed: packing.Packed, cos_sin: tuple[torch.Tensor, torch.Tensor]
         ) -> torch.Tensor:
             local = number - self.start
-            hidden = llama_batch.decoder_layer(self.layers[local], hidden, packed, cos_sin, self.windows[local])
+            hidden = llama_batch.decoder_layer(
+                self.layers[local], hidden, packed, cos_sin, self.windows[local], self.packs_attention
+            )
             if number + 1 in wanted:
                 kept[number + 1] = (packed, hidden)
             return hidden

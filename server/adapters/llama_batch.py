@@ -1,15 +1,23 @@
 """Several sessions' positions through Llama-family decoder layers in one pass (continuous
 batching, server/batching.py).
 
-The sessions' new positions are packed into one row of T positions: the norms, the q/k/v/o
-projections and the MLP (most of a block's weights and time) run once over all T, while rotary
-embeddings, the cache update and attention run per session, over that session's own cache with
-its own mask, through the same transformers functions a layer uses alone. Packing, not padding:
-no position is computed that no session asked for, and no cache is copied.
+The sessions' new positions are packed into one row of T positions: the norms and the MLP or
+mixture of experts (most of a block's weights and time) run once over all T, each token routed by
+its own router logits, so a pass's members share the experts' matmuls and each keeps its own
+routing. Attention reads each member's own cache, so it runs per member, in one of two ways:
 
+- packed (``packs_attention``, attentions with ``q_proj/k_proj/v_proj``: Llama, Mistral, Qwen,
+  Mixtral, Qwen-MoE, GLM-4-MoE): the q/k/v/o projections run over the packed row, and rotary
+  embeddings, the cache update and the attention kernel per member, through the same transformers
+  functions the layer uses alone;
+- one member at a time (DeepSeek-V3's latent attention, which has no q/k/v to pack, and gpt-oss's
+  eager attention with sinks): transformers' own attention module over the member's rows, with its
+  own cache, mask and rotary slice, exactly as the layer calls it alone.
+
+Packing, not padding: no position is computed that no session asked for, and no cache is copied.
 Each session's rows are what the layer gives it alone up to the rounding of rows computed
-together (docs/design.md); attention itself is the very same call. Sliding-window layers (Mistral,
-Qwen2's upper layers) batch the same way: their caches keep every position and each member's mask
+together (docs/design.md). Sliding-window layers (Mistral, Qwen2's upper layers, gpt-oss's
+alternate layers) batch the same way: their caches keep every position and each member's mask
 for the layer's window hides what lies outside it (LlamaFamilyAdapter builds the masks).
 """
 
@@ -30,13 +38,43 @@ def decoder_layer(
     packed: Packed,
     cos_sin: tuple[torch.Tensor, torch.Tensor],
     window: Optional[int] = None,
+    packs_attention: bool = True,
 ) -> torch.Tensor:
-    """One LlamaDecoderLayer over the packed row ``hidden`` [1, T, H], as its own forward does it;
+    """One decoder layer over the packed row ``hidden`` [1, T, H], as its own forward does it;
     ``window``: the layer's sliding window (None: full attention), which picks each member's mask
-    (``packed.masks[j]`` maps a window to that member's mask)."""
-    attended = _attention(layer.self_attn, layer.input_layernorm(hidden), packed, cos_sin, window)
+    (``packed.masks[j]`` maps a window to that member's mask); ``packs_attention``: whether the
+    attention's projections run over the packed row (else its module runs member by member)."""
+    attention = _attention if packs_attention else _attention_per_member
+    attended = attention(layer.self_attn, layer.input_layernorm(hidden), packed, cos_sin, window)
     hidden = hidden + attended
-    return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    mixed = layer.mlp(layer.post_attention_layernorm(hidden))  # every member's tokens at once, each routed alone
+    if isinstance(mixed, tuple):  # gpt-oss's MLP also returns its router scores
+        mixed = mixed[0]
+    return hidden + mixed
+
+
+def _attention_per_member(
+    attn: torch.nn.Module,
+    hidden: torch.Tensor,
+    packed: Packed,
+    cos_sin: tuple[torch.Tensor, torch.Tensor],
+    window: Optional[int],
+) -> torch.Tensor:
+    """transformers' attention module (its projections, rotary, cache update, kernel and output
+    projection) over each member's rows in turn, called as the decoder layer calls it alone."""
+    cos, sin = cos_sin
+    outputs = []
+    for member, (a, b), masks in zip(packed.members, packed.bounds, packed.masks):
+        out, _ = attn(
+            hidden_states=hidden[:, a:b],
+            attention_mask=masks[window],
+            position_ids=packed.position_ids[:, a:b],
+            cache=member.cache,
+            use_cache=True,
+            position_embeddings=(cos[:, a:b], sin[:, a:b]),
+        )
+        outputs.append(out)
+    return torch.cat(outputs, dim=1)
 
 
 def _attention(

@@ -202,3 +202,24 @@ def test_an_mxfp4_checkpoint_defaults_to_nf4(paths):
         choice = default_quant(config)
         assert choice.quant == Quant.NF4 and "MXFP4" in choice.reason
     assert default_quant(AutoConfig.from_pretrained(paths[0])).quant == Quant.NONE
+
+
+# the tensor bytes of openai/gpt-oss-20b's and -120b's published safetensors (model.safetensors.index.json's
+# metadata.total_size, as third-party copies of the hub repositories quote it; the hub is not reachable from here)
+PUBLISHED_TENSOR_BYTES = {"gpt-oss-20b": 13_761_264_768, "gpt-oss-120b": 65_248_815_744}
+
+
+@pytest.mark.parametrize("alias", list(PUBLISHED_TENSOR_BYTES))
+def test_the_shipped_gpt_oss_configs_give_the_published_checkpoints_bytes(alias):
+    """The shipped config's shapes, laid out as OpenAI publishes them (routed experts' weights in
+    MXFP4: half a byte a value plus a one-byte scale a block of 32; everything else, expert biases
+    included, in bfloat16), add up to the published checkpoint's bytes exactly: a wrong layer,
+    expert, head or vocabulary count would not."""
+    from protocol.models import shipped_config_dir
+
+    config = AutoConfig.from_pretrained(shipped_config_dir(alias))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    packed = [p.numel() for name, p in model.named_parameters() if name.endswith(("experts.gate_up_proj", "down_proj"))]
+    rest = sum(p.numel() for p in model.parameters()) - sum(packed)
+    assert sum(n // 2 + n // 32 for n in packed) + 2 * rest == PUBLISHED_TENSOR_BYTES[alias]

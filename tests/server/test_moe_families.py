@@ -24,8 +24,9 @@ from server.adapters.gpt_oss_experts import QuantizedGptOssExperts
 from server.memory import model_sizes
 from server.quantization import Quant, resident_bytes
 from server.weights import Checkpoint
-from tests.kit.batch_rows import alone_and_together
+from tests.kit.batch_rows import MEMBERS, alone_and_together
 from tests.kit.checkpoints import MOE_FAMILIES
+from tests.kit.expert_calls import mlp_calls
 from tests.kit.families import cli_swarm_model, quantized_reference
 from tests.kit.reference import PROMPT, reference_sample
 
@@ -83,11 +84,17 @@ def test_spans_equal_transformers_through_decode_and_rollback(family_paths, refe
 
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_a_batched_pass_gives_each_member_what_it_gets_alone(family_paths, model_type):
-    """Each session's own routing: members computed together (packed, or one after another for
-    DeepSeek-V3's latent attention) get their own activations and caches, a tree included."""
+    """Each session's own routing: members computed together (their experts over all members' tokens
+    at once; attention packed, or member by member for DeepSeek-V3's latent attention and gpt-oss's
+    sinks) get their own activations and caches, a tree included."""
     (span,) = _spans(family_paths(model_type), [(0, 4)])
-    assert span.packs_sessions == (model_type not in ("deepseek_v3", "gpt_oss")) and span.supports_trees
-    alone, members, outputs = alone_and_together(span, seed=11)
+    assert span.packs_attention == (model_type not in ("deepseek_v3", "gpt_oss")) and span.supports_trees
+    with mlp_calls(span) as calls:
+        alone, members, outputs = alone_and_together(span, seed=11)
+    # every block's experts: once per cache filled and per member alone, then once for all members' rows together
+    # (one after another, the pass would call them once per member)
+    rows, fills = [member.hidden.shape[1] for member in members], sum(1 for length, _, _ in MEMBERS if length)
+    assert all(len(c) == fills + len(members) + 1 and c[-1] == sum(rows) for c in calls), calls
     for (expected, cache), got, member in zip(alone, outputs, members):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
         assert span.cache_length(member.cache) == span.cache_length(cache)

@@ -8,11 +8,14 @@ checkpoints (tests/kit/checkpoints.py MOE_FAMILIES); exactness as the Llama test
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
 from tests.generation.test_rejection_sampling import seeded_rejection_runs
 from tests.kit.batch_rows import greedy_truth, padded, prompts
+from tests.kit.expert_calls import mlp_calls
 from tests.kit.families import cli_swarm_model
 from tests.kit.reference import PROMPT
 from tests.kit.swarms import start_inprocess
@@ -38,23 +41,28 @@ def inprocess_swarms(family_paths):
         swarm.stop()
 
 
-# mixtral packs a pass's members into one row; deepseek_v3 (latent attention) and gpt_oss (eager sinks) run them
-# one after another
+# every family packs a pass's members' tokens through the experts together; mixtral's attention is packed too,
+# deepseek_v3's (latent attention) and gpt_oss's (eager sinks) runs member by member
 @pytest.mark.parametrize("model_type", ["mixtral", "deepseek_v3", "gpt_oss"])
 def test_eight_sessions_share_batched_passes_and_each_equals_itself_alone(inprocess_swarms, references, model_type):
     """Eight sessions in one generate call reach the servers together: every server computes some
-    of its passes for several of them at once (its scheduler's own record of each pass), and each
-    session's tokens equal that session generated alone over the same servers, and transformers'."""
+    of its passes for several of them at once (its scheduler's own record of each pass), each
+    block's experts once per pass over all of its members' positions (not once per member), and
+    each session's tokens equal that session generated alone over the same servers, and transformers'."""
     reference, swarm = references(model_type), inprocess_swarms(model_type)
     rows = prompts(8, seed=3)
     ids, mask = padded(rows)
     before = [len(server.handler.batches.batch_sizes) for server in swarm.servers]
-    output = swarm.model.generate(ids, attention_mask=mask, max_new_tokens=8, speculation=None)
-    for server, first in zip(swarm.servers, before):
+    with contextlib.ExitStack() as stack:
+        calls = [stack.enter_context(mlp_calls(server.span)) for server in swarm.servers]
+        output = swarm.model.generate(ids, attention_mask=mask, max_new_tokens=8, speculation=None)
+    for server, first, server_calls in zip(swarm.servers, before, calls):
         passes = server.handler.batches.batch_sizes[first:]
         runs = [count for count, _ in passes]
         assert max(runs) >= 4, (model_type, server.span.start, passes)  # half the sessions in one pass at least
         assert sum(runs) > len(passes), (model_type, server.span.start, passes)
+        # one call of each block's experts per pass, over every position of the pass
+        assert all(layer == [positions for _, positions in passes] for layer in server_calls), (passes, server_calls)
     together = [output[i, ids.shape[1] :].tolist() for i in range(len(rows))]
     for row, got in zip(rows, together):
         alone = swarm.model.generate(torch.tensor([row]), max_new_tokens=8, speculation=None)
