@@ -361,8 +361,9 @@ def assert_honest(entries, tokens, tiny_reference) -> None:
 
 def test_verdict_logprobs_are_audited_by_the_shadow(pair_swarm, tiny_llama_path, tiny_reference):
     """A tail whose verdicts' log-probs carry +0.5 (its tokens honest): the shadow, asking for the
-    same top-K, disputes it; nobody trusted: avoided, re-verified elsewhere, the log-probs returned
-    are honest; T and U trusted: convicted. Honest tails never dispute over log-probs."""
+    same top-K, disputes it, and the evidence (both tails' h, the log-probs recomputed over the whole
+    head) refutes it: nobody trusted, avoided, re-verified elsewhere, the log-probs returned honest;
+    H (before the tail) trusted, or T and U: convicted. Honest tails never dispute over log-probs."""
     routes = (route("H", "T"), route("G", "U"))
     with client(pair_swarm, tiny_llama_path, *routes) as model:
         tokens, entries = generate_with_logprobs(model, audit="required")
@@ -377,8 +378,17 @@ def test_verdict_logprobs_are_audited_by_the_shadow(pair_swarm, tiny_llama_path,
                 tokens, entries = generate_with_logprobs(model)
             stats = model.last_generation_stats
             print(f"\nlog-prob liar, nobody trusted: {stats.spot_check_events}")
-            assert model.peers["LP"] in stats.disputed_peers and stats.liars_excluded == []
+            # refuted by evidence (client/_output_evidence.py), the honest shadow never disputed
+            assert stats.disputed_peers == [model.peers["LP"]] and stats.liars_excluded == []
+            assert stats.verdict_audits_by_evidence >= 1 and stats.verdict_audits_undecided == 0
             assert_honest(entries, tokens, tiny_reference)
+            # H, the hop before the tail, trusted: the same evidence convicts LP
+            tokens, entries = generate_with_logprobs(model, trusted_peers=[model.peers["H"]])
+            stats = model.last_generation_stats
+            print(f"log-prob liar, H trusted: {stats.spot_check_events}")
+            assert stats.liars_excluded == [model.peers["LP"]] and stats.verdict_audits_by_evidence >= 1
+            assert_honest(entries, tokens, tiny_reference)
+            model.swarm.excluded = ExclusionList(base_seconds=3600)  # LP back, for the trusted shadows
             tokens, entries = generate_with_logprobs(model, trusted_peers=[model.peers["T"], model.peers["U"]])
             stats = model.last_generation_stats
             print(f"log-prob liar, T U trusted: {stats.spot_check_events}")
