@@ -14,7 +14,12 @@ is a dispute, settled by the verdicts' evidence rule:
   hop convicts that hop's server; one that differs in several is narrowed by one pass per suspect
   hop (the reference with that hop alone substituted back), so only a server whose own computation
   moved the logits is convicted, never one framed by a hop it shared;
-- without such a route nobody is convicted (a vote among strangers is one operator's vote, k times):
+- without one, a disagreement narrowed to the tail hop alone is settled by evidence where the client
+  reads the checkpoint's LM head (client/_output_evidence.py): both tails' logits and final hidden
+  states behind the live route's hops before the tail; the refuted tail is convicted when every one
+  of those hops is trusted, else avoided with its machine group (the other tail is not), and the
+  other tail's pass is returned;
+- otherwise nobody is convicted (a vote among strangers is one operator's vote, k times):
   the same narrowing (the audit route with one hop of the live route's at a time) finds the hops
   whose two servers disagree; those servers *and every untrusted server of their machine groups*
   are avoided (client/_avoidance.py: a group-mate of a disputant is no independent third, and a
