@@ -11,11 +11,12 @@ import asyncio
 import logging
 from typing import Optional
 
-from client._evidence import Settlement, bounds, plain_greedy, settle
+from client._evidence import Settlement, bounds, plain_greedy, plain_sampled, settle
 from client._output_audits import fresh_pass, output_tolerance
 from client._output_evidence import evidence_ready, settle_logprobs
 from client.errors import ServerError
 from protocol.messages import Hop
+from protocol.sampling import draw_noise, draws_as_noise
 
 logger = logging.getLogger("client._verdict_audits")
 
@@ -23,13 +24,15 @@ logger = logging.getLogger("client._verdict_audits")
 class EvidenceDisputes:
     def _settleable(self, shadow_token: Optional[int]) -> bool:
         """Whether a dispute can be settled by the LM head and a checkpoint the client can read: a token
-        under plain greedy token match (two rows, client/_evidence.py), or log-probs (raw, whatever the
+        under plain greedy token match or seeded sampling with a temperature alone (two rows and the
+        draw's noise, client/_evidence.py), or log-probs (raw, whatever the
         sampling: the whole head, client/_output_evidence.py) where the logits are h . W."""
         if self.lm_head is None or self.lm_head.folder is None:
             return False
         if shadow_token is None:
             return evidence_ready(self.lm_head) is None
-        return self.verification == "match" and plain_greedy(self.sampling)
+        sampled = plain_sampled(self.sampling) and draws_as_noise() and evidence_ready(self.lm_head) is None
+        return self.verification == "match" and (plain_greedy(self.sampling) or sampled)
 
     async def _by_evidence(
         self, route: list[Hop], ids: list[int], t: int, shadow_token: Optional[int], stats, claims: tuple = ()
@@ -55,7 +58,11 @@ class EvidenceDisputes:
             return await asyncio.to_thread(
                 settle_logprobs, h_tail, h_shadow, *claims, self.lm_head, tol, noise, rounding
             )
-        return settle(h_tail, h_shadow, rows[0], rows[1], tol, noise, rounding)
+        if not self.sampling.do_sample:
+            return settle(h_tail, h_shadow, rows[0], rows[1], tol, noise, rounding)
+        g = draw_noise(self.sampling.seed, t, self.vocab_size)  # the seeded draw's own noise at t
+        offset = float(g[ids[t]] - g[shadow_token])
+        return settle(h_tail, h_shadow, rows[0], rows[1], tol, noise, rounding, self.sampling.temperature, offset)
 
     async def _final_hidden(self, route: list[Hop], prefix: list[int], stats):
         """The final hidden state (after the final norm: what the LM head reads) at prefix's last position."""

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import torch
 
-from client._evidence import plain_greedy, settle
+from client._evidence import plain_greedy, plain_sampled, settle
 from client._lm_head import HeadSums, LMHeadRows
 from client._output_evidence import settle_logits, settle_logprobs
 from protocol.messages import GREEDY, SamplingParams
-from protocol.sampling import top_logprobs
+from protocol.sampling import choose_token, draw_noise, draws_as_noise, top_logprobs
 
 TOL = 1e-3  # float32's (client/_output_audits.py OUTPUT_TOLERANCES)
 
@@ -163,3 +163,30 @@ def test_log_probs_shaded_by_half_a_nat_are_refuted_over_the_whole_head(tiny_lla
     )
     assert settle_logprobs(h[0], h[0].clone(), honest, missing, head, TOL, 1e-4, 1e-5).refuted == "shadow"
     assert settle_logprobs(h[0], h[0] + 0.5, honest, shaded, head, TOL, 1e-4, 1e-5).refuted is None
+
+
+def test_a_seeded_draw_is_an_argmax_and_settles_like_a_greedy_token():
+    """choose_token's seeded draw is argmax(logits / T + G) with G fixed by (seed, position) alone, so
+    an honest tail's drawn token is never refuted and the other side's second choice is."""
+    assert draws_as_noise()
+    g = torch.Generator().manual_seed(4)
+    params = SamplingParams(do_sample=True, temperature=0.8, seed=11)
+    assert plain_sampled(params) and not plain_sampled(SamplingParams(do_sample=True, top_p=0.9, seed=1))
+    for position in range(40):
+        head = torch.randn(50, 16, generator=g)
+        h = torch.randn(16, generator=g) * 2
+        drawn = choose_token(h @ head.T, [], position, params)
+        noise = draw_noise(params.seed, position, 50)
+        assert drawn == int(((h @ head.T) / params.temperature + noise).argmax())
+        for other in range(50):
+            if other == drawn:
+                continue
+            offset = float(noise[drawn] - noise[other])
+            found = settle(h, h.clone(), head[drawn], head[other], TOL, temperature=0.8, offset=offset)
+            assert found.refuted != "tail"  # never the honest draw
+            back = settle(h, h.clone(), head[other], head[drawn], TOL, temperature=0.8, offset=-offset)
+            assert back.refuted != "shadow"
+        rival = int(((h @ head.T) / params.temperature + noise).topk(2).indices[1])
+        offset = float(noise[drawn] - noise[rival])
+        found = settle(h, h.clone(), head[drawn], head[rival], TOL, temperature=0.8, offset=offset)
+        assert found.refuted in ("shadow", None)  # refuted unless a near tie
