@@ -16,6 +16,9 @@ passes already carry, so no new wire field). Then:
   the L1 norm of W[a] - W[b], plus the rounding of the two logits in the servers' dtype), ``a`` beats ``b``
   whichever tail's h is the true one, so the tail that chose ``b`` is refuted; both below minus the
   margin refutes the tail that chose ``a``; otherwise (a near tie) nothing is settled;
+- seeded sampling with a temperature alone (:func:`plain_sampled`): the draw is argmax(h . W / T + G)
+  with G fixed by (seed, t) (protocol/sampling.py ``draw_noise``), so the same rule holds with
+  d = h . (W[a] - W[b]) / T + G[a] - G[b] and the margin over T;
 - the two h differ: each tail may have sent an h made to fit its verdict; nothing is settled here
   (a bisection over the span's blocks would narrow it to one block the client recomputes: not built).
 
