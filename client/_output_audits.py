@@ -202,7 +202,8 @@ class OutputAuditor:
             what += f"; evidence: {settled.detail}"
             if settled.refuted is not None:
                 kept, refuted = (second, route[-1]) if settled.refuted == "tail" else (live, other[-1])
-                return await self._settled(refuted.peer_id, kept, route, what, covered)
+                settled_by = (refuted.peer_id, kept, route, what, covered)
+                return await self._settled(*settled_by, row, shape)
         disputed = {hop.peer_id for i in suspects for hop in (route[i], other[i]) if not trusted(hop.peer_id)}
         self.stats.disputed_peers.extend(p for p in sorted(disputed) if p not in self.stats.disputed_peers)
         for i in suspects:  # both sides and their machine groups (client/_avoidance.py)
@@ -267,11 +268,13 @@ class OutputAuditor:
         return settle_logits(h_a, h_b, logits_a, logits_b, self.lm_head.rows, tol, noise, rounding)
 
     async def _settled(
-        self, liar: str, kept: Pass, route: list[Hop], what: str, covered: bool
+        self, liar: str, kept: Pass, route: list[Hop], what: str, covered: bool, row: list[int], shape: tuple
     ) -> tuple[Pass, str, str]:
         """Evidence refuted ``liar``'s logits: convicted where every hop before the tail is trusted,
-        else avoided with its machine group for this model's passes (the other tail is not); the other
-        tail's pass is returned, confirmed as far as the audit covered the route."""
+        else avoided with its machine group for this model's passes (the other tail is not). The other
+        tail's pass is returned, confirmed only by a third tail independent of both that agrees with
+        it: the other tail may be the liar's partner, honest in the evidence only (a sybil that gets
+        itself refuted must not confirm its partner's lie)."""
         self.stats.by_evidence += 1
         if all(self.witnesses.is_trusted(hop.peer_id) for hop in route[:-1]):
             self._convict(liar, f"refuted by evidence, every hop before the tail trusted ({what})")
@@ -282,6 +285,15 @@ class OutputAuditor:
                 self.stats.disputed_peers.append(liar)
             self.stats.events.append(f"{what}; {liar} refuted (not convicted: strangers before the tail), avoided")
             logger.warning(f"Forward-pass audit settled by evidence: {liar} refuted, avoided with its group")
+        last, kept_tail = len(route) - 1, kept.route[-1].peer_id
+        third = await self._substitute(kept.route, len(row), {liar}, [kept_tail, liar], only={last})
+        if third[-1].peer_id in (liar, kept_tail):
+            return kept, "unconfirmed", f"{what}; no third tail independent of both to confirm the pass returned"
+        check = await self._pass(third, row, shape)
+        if relative_difference(check.logits, kept.logits) >= output_tolerance(
+            [*kept.route, *third], self.swarm.records
+        ):
+            return kept, "unconfirmed", f"{what}; the third tail {_names(third)} disagrees with the pass returned"
         how = "untrusted" if covered else "unconfirmed"
         return kept, how, "" if covered else f"{what}; a hop without an independent second server was not checked"
 

@@ -95,6 +95,43 @@ def test_passes_are_audited_at_the_stated_rate_and_every_one_under_required(monk
     assert auditor.stats.audited == drawn.count("untrusted") + 20
 
 
+def test_a_tail_refuted_by_evidence_confirms_nothing_for_the_other_side(monkeypatch):
+    """Two colluding tails: one lies in the pass, the other lies in the evidence to get itself refuted.
+    The pass returned is confirmed only by a third tail independent of both that agrees with it."""
+    import asyncio
+    from types import SimpleNamespace as ns
+
+    from client._output_audits import Pass
+
+    auditor = OutputAuditor(ns(records={}, p2p=None, convict=None), 1.0)
+
+    async def refresh(p2p):
+        return None
+
+    monkeypatch.setattr(auditor.witnesses, "refresh", refresh)
+    kept = Pass([Hop("h", 0, 3), Hop("partner", 3, 6)], torch.zeros(2, 4), None)
+    live = [Hop("h", 0, 3), Hop("sacrificed", 3, 6)]
+
+    def settle(third_tail: str, third_logits: torch.Tensor) -> tuple[str, str]:
+        async def substitute(route, length, exclude, independent_of, only=None):
+            assert set(independent_of) == {"partner", "sacrificed"} and exclude == {"sacrificed"}
+            return [route[0], Hop(third_tail, 3, 6)]
+
+        async def one_pass(route, row, shape):
+            return Pass(route, third_logits, None)
+
+        monkeypatch.setattr(auditor, "_substitute", substitute)
+        monkeypatch.setattr(auditor, "_pass", one_pass)
+        _, how, why = asyncio.run(auditor._settled("sacrificed", kept, live, "w", True, [1, 2], (2, 4, 0, False)))
+        return how, why
+
+    how, why = settle("honest", torch.full((2, 4), 5.0))  # the third disagrees: the partner's lie is flagged
+    assert how == "unconfirmed" and "disagrees" in why
+    assert settle("partner", torch.zeros(2, 4))[0] == "unconfirmed"  # no third tail independent of both
+    assert settle("honest", torch.zeros(2, 4)) == ("untrusted", "")  # a third that agrees confirms it
+    assert auditor.avoid == {"sacrificed"} and auditor.stats.by_evidence == 3
+
+
 def test_a_response_reports_its_weakest_prompt_confirmation():
     from types import SimpleNamespace as ns
 
