@@ -16,6 +16,9 @@ passes already carry, so no new wire field). Then:
   the L1 norm of W[a] - W[b], plus the rounding of the two logits in the servers' dtype), ``a`` beats ``b``
   whichever tail's h is the true one, so the tail that chose ``b`` is refuted; both below minus the
   margin refutes the tail that chose ``a``; otherwise (a near tie) nothing is settled;
+- seeded sampling with a temperature alone (:func:`plain_sampled`): the draw is argmax(h . W / T + G)
+  with G fixed by (seed, t) (protocol/sampling.py ``draw_noise``), so the same rule holds with
+  d = h . (W[a] - W[b]) / T + G[a] - G[b] and the margin over T;
 - the two h differ: each tail may have sent an h made to fit its verdict; nothing is settled here
   (a bisection over the span's blocks would narrow it to one block the client recomputes: not built).
 
@@ -35,6 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import msgspec
 import torch
 
 from protocol.messages import SamplingParams
@@ -51,6 +55,15 @@ def plain_greedy(sampling: SamplingParams) -> bool:
         and not sampling.logit_bias
         and sampling.constraint is None
     )
+
+
+def plain_sampled(sampling: SamplingParams) -> bool:
+    """Whether a seeded draw is argmax(h . W / T + G) with G fixed by (seed, position) alone
+    (protocol/sampling.py ``draw_noise``): sampling with a temperature and nothing that masks or moves
+    logits by the context (no top-k, top-p, min-p, penalty, bias or constraint)."""
+    unmasked = sampling.top_k == 0 and sampling.top_p >= 1.0 and sampling.min_p <= 0.0
+    unmoved = plain_greedy(msgspec.structs.replace(sampling, do_sample=False))
+    return sampling.do_sample and sampling.temperature > 0 and unmasked and unmoved
 
 
 @dataclass
@@ -107,17 +120,24 @@ def settle(
     tol: float,
     noise: float = HIDDEN_NOISE["float32"],
     rounding: float = ROUNDING["float32"],
+    temperature: float = 1.0,
+    offset: float = 0.0,
 ) -> Settlement:
     """The rule of the module's docstring. ``h_*``: [hidden] float32 final hidden states at t - 1 from
     the route's tail and the shadow's; ``w_a``, ``w_b``: the LM-head rows of the route's tail's token
-    and the shadow's; ``tol``: the agreement bound, ``noise`` and ``rounding``: :func:`bounds`."""
+    and the shadow's; ``tol``: the agreement bound, ``noise`` and ``rounding``: :func:`bounds`. A seeded
+    draw (:func:`plain_sampled`): d = h . (W[a] - W[b]) / ``temperature`` + ``offset`` (G[a] - G[b],
+    the draw's noise), the margin divided by the temperature, plus 1e-5 of |d| (float32 arithmetic)."""
     h_tail, h_shadow = h_tail.float().flatten(), h_shadow.float().flatten()
     scale = max(1.0, float(h_tail.abs().max()))
     spread = float((h_tail - h_shadow).abs().max()) / scale
     if not spread < tol:  # NaN too
         return Settlement(None, f"the tails' final hidden states differ by {spread:.3g} >= {tol:g}")
-    bound = margin(h_tail, h_shadow, w_a, w_b, noise, rounding)
-    d_tail, d_shadow = float(h_tail @ (w_a - w_b)), float(h_shadow @ (w_a - w_b))
+    bound = margin(h_tail, h_shadow, w_a, w_b, noise, rounding) / temperature
+    d_tail = float(h_tail @ (w_a - w_b)) / temperature + offset
+    d_shadow = float(h_shadow @ (w_a - w_b)) / temperature + offset
+    if temperature != 1.0 or offset:
+        bound += 1e-5 * (1 + max(abs(d_tail), abs(d_shadow)))
     numbers = f"hidden states agree ({spread:.3g} < {tol:g}); logit gap {d_tail:.4g} / {d_shadow:.4g}"
     numbers += f", margin {bound:.3g}"
     if d_tail > bound and d_shadow > bound:

@@ -1,4 +1,5 @@
-"""The verdict auditor's disputes settled by evidence the client checks itself (client/_evidence.py):
+"""The verdict auditor's disputes settled by evidence the client checks itself (client/_evidence.py for
+tokens, client/_output_evidence.py for top-K log-probs):
 kept apart from client/_verdict_audits.py so that the auditor's shadow and vote logic reads on its own.
 
 A mixin of :class:`client._verdict_audits.VerdictAuditor`: it reads the auditor's swarm, shadow,
@@ -8,31 +9,40 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Optional
 
-from client._evidence import Settlement, bounds, plain_greedy, settle
+from client._evidence import Settlement, bounds, plain_greedy, plain_sampled, settle
 from client._output_audits import fresh_pass, output_tolerance
+from client._output_evidence import evidence_ready, settle_logprobs
 from client.errors import ServerError
 from protocol.messages import Hop
+from protocol.sampling import draw_noise, draws_as_noise
 
 logger = logging.getLogger("client._verdict_audits")
 
 
 class EvidenceDisputes:
-    def _settleable(self) -> bool:
-        """Whether a token dispute can be settled by the LM-head rows: plain greedy token match and a
-        checkpoint the client can read (client/_evidence.py)."""
-        return (
-            self.lm_head is not None
-            and self.lm_head.folder is not None
-            and self.verification == "match"
-            and plain_greedy(self.sampling)
-        )
+    def _settleable(self, shadow_token: Optional[int]) -> bool:
+        """Whether a dispute can be settled by the LM head and a checkpoint the client can read: a token
+        under plain greedy token match or seeded sampling with a temperature alone (two rows and the
+        draw's noise, client/_evidence.py), or log-probs (raw, whatever the
+        sampling: the whole head, client/_output_evidence.py) where the logits are h . W."""
+        if self.lm_head is None or self.lm_head.folder is None:
+            return False
+        if shadow_token is None:
+            return evidence_ready(self.lm_head) is None
+        sampled = plain_sampled(self.sampling) and draws_as_noise() and evidence_ready(self.lm_head) is None
+        return self.verification == "match" and (plain_greedy(self.sampling) or sampled)
 
-    async def _by_evidence(self, route: list[Hop], ids: list[int], t: int, shadow_token: int, stats) -> Settlement:
+    async def _by_evidence(
+        self, route: list[Hop], ids: list[int], t: int, shadow_token: Optional[int], stats, claims: tuple = ()
+    ) -> Settlement:
         """Each tail's final hidden state at t - 1 (a fresh forward pass over ids[:t] on its own route:
-        the same hops before it) and the LM-head rows of the two tokens, read from the checkpoint."""
-        rows = self.lm_head.rows([ids[t], shadow_token])
-        if rows is None:
+        the same hops before it) and the LM-head rows of the two tokens, read from the checkpoint; for a
+        log-prob dispute (``shadow_token`` None), the two entries in ``claims`` (the route's tail's, the
+        shadow's) recomputed over the whole head."""
+        rows = self.lm_head.rows([ids[t], shadow_token]) if shadow_token is not None else None
+        if shadow_token is not None and rows is None:
             return Settlement(None, "the checkpoint's LM-head rows could not be read")
         shadow_route = self._shadow.route
         both = asyncio.gather(
@@ -44,7 +54,15 @@ class EvidenceDisputes:
             return Settlement(None, f"a tail's hidden state could not be read: {e!r}")
         tol = output_tolerance([route[-1], shadow_route[-1]], self.swarm.records)
         noise, rounding = bounds([self.swarm.records.get(hop[-1].peer_id) for hop in (route, shadow_route)])
-        return settle(h_tail, h_shadow, rows[0], rows[1], tol, noise, rounding)
+        if shadow_token is None:  # streams the whole head: off the event loop
+            return await asyncio.to_thread(
+                settle_logprobs, h_tail, h_shadow, *claims, self.lm_head, tol, noise, rounding
+            )
+        if not self.sampling.do_sample:
+            return settle(h_tail, h_shadow, rows[0], rows[1], tol, noise, rounding)
+        g = draw_noise(self.sampling.seed, t, self.vocab_size)  # the seeded draw's own noise at t
+        offset = float(g[ids[t]] - g[shadow_token])
+        return settle(h_tail, h_shadow, rows[0], rows[1], tol, noise, rounding, self.sampling.temperature, offset)
 
     async def _final_hidden(self, route: list[Hop], prefix: list[int], stats):
         """The final hidden state (after the final norm: what the LM head reads) at prefix's last position."""

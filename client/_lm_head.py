@@ -3,8 +3,10 @@
 
 The client holds no weights, but a dispute between two tails over the token at one position is
 settled by two rows of the LM head (the two tokens'), which the client reads itself: a few KB out of
-a shard, through safetensors' lazy slices, never the whole matrix. Only a checkpoint the client has
-as a local folder (an alias such as ``smollm2-135m``, or a path) is read; a hub repo id is not
+a shard, through safetensors' lazy slices, never the whole matrix. A log-prob needs the log-sum-exp
+over the whole vocabulary: :meth:`LMHeadRows.stream` reads the head in chunks of ``CHUNK_ROWS`` rows
+(bounded memory: 8k rows of SmolLM2's 576 are 19 MB in float32) and accumulates it. Only a
+checkpoint the client has as a local folder (an alias such as ``smollm2-135m``, or a path) is read; a hub repo id is not
 downloaded for this (a shard is gigabytes), so its disputes are not settled by evidence.
 """
 
@@ -13,12 +15,29 @@ from __future__ import annotations
 import json
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
 
 logger = logging.getLogger(__name__)
+
+CHUNK_ROWS = 8192  # rows of the head read at a time by :meth:`LMHeadRows.stream`
+# config fields that put something between h . W and the logits (a cap, a scale): where one is set,
+# the rows alone do not give the logits, and the client settles nothing by them
+NOT_PLAIN = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+@dataclass
+class HeadSums:
+    """What streaming the whole head over final hidden states ``h`` [n, hidden] gives: ``lse`` [n], the
+    log-sum-exp of h . W over the vocabulary (float64 accumulation); ``l1_max``, the largest L1 norm of
+    a row; ``size_max`` [n], the largest |h| . |W[u]| (the rounding of the largest logit scales with it)."""
+
+    lse: torch.Tensor
+    l1_max: float
+    size_max: torch.Tensor
 
 
 class LMHeadRows:
@@ -30,6 +49,8 @@ class LMHeadRows:
         self.keys = ["lm_head.weight", "model.embed_tokens.weight"] if not tied else ["model.embed_tokens.weight"]
         self.vocab_size = int(getattr(config, "vocab_size", 0))
         self.hidden_size = int(getattr(config, "hidden_size", 0))  # the final hidden state's width
+        # whether the logits are h . W and nothing else (no cap or scale after the head)
+        self.plain = not any(getattr(config, name, None) not in (None, 1, 1.0) for name in NOT_PLAIN)
 
     def rows(self, ids: Sequence[int]) -> Optional[torch.Tensor]:
         """[len(ids), hidden] float32 rows, or None where the checkpoint is not a readable local
@@ -50,6 +71,36 @@ class LMHeadRows:
                     return torch.stack([matrix[i : i + 1][0] for i in ids]).float()
             except Exception as e:  # an unreadable shard settles nothing; it is no verdict on anyone
                 logger.info(f"Could not read {key} from {shard}: {e!r}")
+                return None
+        return None
+
+    def stream(self, h: torch.Tensor, chunk: int = CHUNK_ROWS) -> Optional[HeadSums]:
+        """:class:`HeadSums` of ``h`` [n, hidden], reading the head ``chunk`` rows at a time (never the
+        whole matrix at once); None where the checkpoint is not a readable local folder."""
+        if self.folder is None:
+            return None
+        from safetensors import safe_open
+
+        h = h.float().reshape(-1, self.hidden_size)
+        for key in self.keys:
+            shard = self._shard_of(key)
+            if shard is None:
+                continue
+            try:
+                with safe_open(str(shard), framework="pt") as f:
+                    if key not in f.keys():
+                        continue
+                    matrix = f.get_slice(key)
+                    lse = torch.full((len(h),), float("-inf"), dtype=torch.float64)
+                    size_max, l1_max = torch.zeros(len(h)), 0.0
+                    for start in range(0, self.vocab_size, chunk):
+                        rows = matrix[start : min(start + chunk, self.vocab_size)].float()
+                        lse = torch.logaddexp(lse, torch.logsumexp((h @ rows.T).double(), dim=-1))
+                        size_max = torch.maximum(size_max, (h.abs() @ rows.abs().T).max(dim=-1).values)
+                        l1_max = max(l1_max, float(rows.abs().sum(dim=-1).max()))
+                    return HeadSums(lse, l1_max, size_max)
+            except Exception as e:  # an unreadable shard settles nothing; it is no verdict on anyone
+                logger.info(f"Could not stream {key} from {shard}: {e!r}")
                 return None
         return None
 

@@ -70,14 +70,15 @@ def verdict_difference(a, b, tol: float) -> float:
 
 def first_disagreement(
     live: Sequence[TokenLogprobs], offset: int, shadow: Optional[Sequence[TokenLogprobs]], count: int, tol: float
-) -> Optional[tuple[int, str]]:
+) -> Optional[tuple[int, str, TokenLogprobs, TokenLogprobs]]:
     """The first of ``count`` positions where the shadow's entries (from index 0) and the live ones
-    (from ``offset``) disagree, and what they said; None when they agree or either is missing (a
+    (from ``offset``) disagree, what they said, and the two entries (the live one first: the evidence
+    of client/_output_evidence.py checks them); None when they agree or either is missing (a
     re-verification refills the live ones; nothing asked: nothing to compare)."""
     for i in range(min(count, len(shadow or ()))):
         if not 0 <= offset + i < len(live):
             return None
         a, b = live[offset + i], shadow[i]
         if not entries_agree(a, b, tol):
-            return i, f"log-probs {a.logprob:.4g} (live) and {b.logprob:.4g} (shadow) of token {a.token_id}"
+            return i, f"log-probs {a.logprob:.4g} (live) and {b.logprob:.4g} (shadow) of token {a.token_id}", a, b
     return None

@@ -14,7 +14,12 @@ is a dispute, settled by the verdicts' evidence rule:
   hop convicts that hop's server; one that differs in several is narrowed by one pass per suspect
   hop (the reference with that hop alone substituted back), so only a server whose own computation
   moved the logits is convicted, never one framed by a hop it shared;
-- without such a route nobody is convicted (a vote among strangers is one operator's vote, k times):
+- without one, a disagreement narrowed to the tail hop alone is settled by evidence where the client
+  reads the checkpoint's LM head (client/_output_evidence.py): both tails' logits and final hidden
+  states behind the live route's hops before the tail; the refuted tail is convicted when every one
+  of those hops is trusted, else avoided with its machine group (the other tail is not), and the
+  other tail's pass is returned;
+- otherwise nobody is convicted (a vote among strangers is one operator's vote, k times):
   the same narrowing (the audit route with one hop of the live route's at a time) finds the hops
   whose two servers disagree; those servers *and every untrusted server of their machine groups*
   are avoided (client/_avoidance.py: a group-mate of a disputant is no independent third, and a
@@ -32,6 +37,7 @@ The audit sessions are ordinary prefill sessions as a forward pass sends them.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import warnings
@@ -41,12 +47,14 @@ from typing import Collection, Mapping, Optional, Sequence
 import torch
 
 from client._avoidance import Avoidance
+from client._evidence import Settlement, bounds
 from client._forward import prefill_outputs
+from client._output_evidence import evidence_ready, settle_logits
 from client._remote_session import RemoteSession
-from client._spot_checks import alternatives, relative_difference
+from client._spot_checks import alternatives, relative_difference, substituted
 from client._swarm import SECOND_PING
 from client._witnesses import Witnesses
-from client.errors import UnconfirmedOutputsError, UnconfirmedOutputsWarning
+from client.errors import ServerError, UnconfirmedOutputsError, UnconfirmedOutputsWarning
 from protocol.messages import Hop
 from protocol.records import ServerInfo
 
@@ -91,6 +99,7 @@ class OutputAuditStats:
     confirmed_untrusted: int = 0  # by an independent route of strangers
     unconfirmed: int = 0  # audited, but no independent route, a failed audit or an unsettled dispute
     disputes: int = 0
+    by_evidence: int = 0  # disputes settled by evidence (client/_output_evidence.py)
     convicted: list[str] = field(default_factory=list)
     disputed_peers: list[str] = field(default_factory=list)
     events: list[str] = field(default_factory=list)
@@ -108,8 +117,11 @@ class Pass:
 class OutputAuditor:
     """Draws which forward passes to audit and settles what the audit finds."""
 
-    def __init__(self, swarm, rate: float = DEFAULT_OUTPUT_AUDIT_RATE, trusted: Collection[str] = (), rng=None):
+    def __init__(
+        self, swarm, rate: float = DEFAULT_OUTPUT_AUDIT_RATE, trusted: Collection[str] = (), lm_head=None, rng=None
+    ):
         self.swarm, self.rate = swarm, check_output_audit_rate(rate)
+        self.lm_head = lm_head  # the checkpoint's LM head (client/_lm_head.py): disputes settled by evidence
         self.witnesses = Witnesses(trusted)
         self.rng = rng or random.Random()
         self.stats = OutputAuditStats()
@@ -185,6 +197,13 @@ class OutputAuditor:
                             self._convict(losing.route[i].peer_id)
             return truth, "trusted", ""
         suspects = await self._localize(live, second, row, shape, tol)
+        if suspects == [len(route) - 1] and evidence_ready(self.lm_head) is None:  # the tails disagree
+            settled = await self._by_evidence(route, other[-1].peer_id, row, shape)
+            what += f"; evidence: {settled.detail}"
+            if settled.refuted is not None:
+                kept, refuted = (second, route[-1]) if settled.refuted == "tail" else (live, other[-1])
+                settled_by = (refuted.peer_id, kept, route, what, covered)
+                return await self._settled(*settled_by, row, shape)
         disputed = {hop.peer_id for i in suspects for hop in (route[i], other[i]) if not trusted(hop.peer_id)}
         self.stats.disputed_peers.extend(p for p in sorted(disputed) if p not in self.stats.disputed_peers)
         for i in suspects:  # both sides and their machine groups (client/_avoidance.py)
@@ -231,9 +250,56 @@ class OutputAuditor:
                 found.append(i)
         return found or differing
 
-    def _convict(self, liar: str) -> None:
+    async def _by_evidence(self, route: list[Hop], alt: str, row: list[int], shape: tuple) -> Settlement:
+        """Both tails' logits and final hidden states over ``row``, each behind the live route's hops
+        before the tail (a fresh pass each, ``return_hidden``), checked against the LM head's rows
+        (client/_output_evidence.py). Each tail's logits and h come in one reply: an honest tail's fit
+        its own h whatever its input, so the hops before it cannot frame it."""
+        records, routes = self.swarm.records, [route, substituted(route, len(route) - 1, alt)]
+        num_outputs, vocab_size, hidden_size, _ = shape
+        shape = (num_outputs, vocab_size, hidden_size, True)
+        both = asyncio.gather(*(fresh_pass(self.swarm, r, row, shape) for r in routes))
+        try:  # bounded: a liar that stalls its evidence settles nothing
+            (logits_a, h_a), (logits_b, h_b) = await asyncio.wait_for(both, self.swarm.request_timeout)
+        except (ServerError, asyncio.TimeoutError, OSError) as e:
+            return Settlement(None, f"a tail's hidden states could not be read: {e!r}")
+        tol = output_tolerance([route[-1], routes[1][-1]], records)
+        noise, rounding = bounds([records.get(r[-1].peer_id) for r in routes])
+        return settle_logits(h_a, h_b, logits_a, logits_b, self.lm_head.rows, tol, noise, rounding)
+
+    async def _settled(
+        self, liar: str, kept: Pass, route: list[Hop], what: str, covered: bool, row: list[int], shape: tuple
+    ) -> tuple[Pass, str, str]:
+        """Evidence refuted ``liar``'s logits: convicted where every hop before the tail is trusted,
+        else avoided with its machine group for this model's passes (the other tail is not). The other
+        tail's pass is returned, confirmed only by a third tail independent of both that agrees with
+        it: the other tail may be the liar's partner, honest in the evidence only (a sybil that gets
+        itself refuted must not confirm its partner's lie)."""
+        self.stats.by_evidence += 1
+        if all(self.witnesses.is_trusted(hop.peer_id) for hop in route[:-1]):
+            self._convict(liar, f"refuted by evidence, every hop before the tail trusted ({what})")
+        else:
+            await self.witnesses.refresh(self.swarm.p2p)
+            self.avoidance.refuted(liar, servers=self.swarm.records)
+            if liar not in self.stats.disputed_peers:
+                self.stats.disputed_peers.append(liar)
+            self.stats.events.append(f"{what}; {liar} refuted (not convicted: strangers before the tail), avoided")
+            logger.warning(f"Forward-pass audit settled by evidence: {liar} refuted, avoided with its group")
+        last, kept_tail = len(route) - 1, kept.route[-1].peer_id
+        third = await self._substitute(kept.route, len(row), {liar}, [kept_tail, liar], only={last})
+        if third[-1].peer_id in (liar, kept_tail):
+            return kept, "unconfirmed", f"{what}; no third tail independent of both to confirm the pass returned"
+        check = await self._pass(third, row, shape)
+        if relative_difference(check.logits, kept.logits) >= output_tolerance(
+            [*kept.route, *third], self.swarm.records
+        ):
+            return kept, "unconfirmed", f"{what}; the third tail {_names(third)} disagrees with the pass returned"
+        how = "untrusted" if covered else "unconfirmed"
+        return kept, how, "" if covered else f"{what}; a hop without an independent second server was not checked"
+
+    def _convict(self, liar: str, why: str = "its blocks alone moved the logits of a trusted route") -> None:
         self.stats.convicted.append(liar)
-        self.stats.events.append(f"{liar} convicted: its blocks alone moved the logits of a trusted route")
+        self.stats.events.append(f"{liar} convicted: {why}")
         logger.warning(f"Forward-pass audit: {liar} convicted by a route of trusted servers")
         self.swarm.convict(liar)
 

@@ -213,7 +213,7 @@ class VerdictAuditor(EvidenceDisputes, BackgroundAudit):
             if lied is not None:  # the same tokens, other log-probs
                 await shadow.cancel(run_id + 1)
                 self._next_run = max(run_id, horizon) + 1
-                await self._dispute(route, ids, position + lied[0], None, stats, lied[1])
+                await self._dispute(route, ids, position + lied[0], None, stats, lied[1:])
                 return
             if self.witnesses.is_trusted(shadow.tail_peer):
                 self.trusted_confirmed.update(range(position, position + len(chosen)))
@@ -313,17 +313,17 @@ class VerdictAuditor(EvidenceDisputes, BackgroundAudit):
         return await session.next_result(run_id), run_id + 1
 
     async def _dispute(
-        self, route: list[Hop], ids: list[int], t: int, shadow_token: Optional[int], stats, logprobs: str = ""
+        self, route: list[Hop], ids: list[int], t: int, shadow_token: Optional[int], stats, logprobs: tuple = ()
     ) -> None:
-        """The route's tail committed ids[t]; the shadow's tail chose ``shadow_token`` (None: the
-        same token, but the two tails' log-probs at t disagree, as ``logprobs`` says). Settled only
-        by a trusted server (the shadow, the tail, or, for a token, a trusted third): the one it
-        refutes is convicted. Otherwise nobody is: both are avoided for the rest of the generation,
-        whose tokens from t on are re-verified on a route without them."""
+        """The route's tail committed ids[t]; the shadow's tail chose ``shadow_token`` (None: the same
+        token, but the two tails' log-probs at t disagree: ``logprobs``, what they said and the two
+        entries). Settled by a trusted server (the shadow, the tail, or, for a token, a trusted third) or
+        by evidence (client/_evidence_disputes.py): the one refuted is convicted. Otherwise nobody is:
+        both are avoided for the rest of the generation, re-verified from t on a route without them."""
         tail, alt = route[-1].peer_id, self._shadow.tail_peer
         what = f"position {t}: the route's tail {tail} committed {ids[t]}, {alt} chose {shadow_token}"
         if shadow_token is None:
-            what = f"position {t}: {logprobs} (the route's tail {tail}, the shadow's {alt})"
+            what = f"position {t}: {logprobs[0]} (the route's tail {tail}, the shadow's {alt})"
         trusted = self.witnesses.is_trusted
         liar, judge = None, None
         if trusted(alt) != trusted(tail):
@@ -340,8 +340,8 @@ class VerdictAuditor(EvidenceDisputes, BackgroundAudit):
                 token = await self._third_opinion(substituted(route, len(route) - 1, judge), ids, t, stats)
                 liar = tail if token == shadow_token else alt if token == ids[t] else None
                 what += f"; trusted third {judge} chose {token}"
-        if liar is None and judge is None and shadow_token is not None and self._settleable():
-            settled = await self._by_evidence(route, ids, t, shadow_token, stats)
+        if liar is None and judge is None and self._settleable(shadow_token):
+            settled = await self._by_evidence(route, ids, t, shadow_token, stats, logprobs[1:])
             what += f"; evidence: {settled.detail}"
             if settled.refuted is not None:
                 refuted = tail if settled.refuted == "tail" else alt

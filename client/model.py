@@ -140,8 +140,8 @@ class AutoDistributedModel(torch.nn.Module):
         model.spot_check_rate = float(spot_check_rate)
         model.verdict_audit_every = check_audit_every(verdict_audit_every)
         model.trusted_peers = trusted_set(trusted_peers)
-        model.output_audits = OutputAuditor(swarm, output_audit_rate, model.trusted_peers)
         model.lm_head_rows = LMHeadRows(source, config)  # disputes settled by evidence (client/_evidence.py)
+        model.output_audits = OutputAuditor(swarm, output_audit_rate, model.trusted_peers, model.lm_head_rows)
         attach_prompts(model, tuning_mode, pre_seq_len, config)
         if warm_draft_store:
             model.warm_corpus = load_warm_corpus(config)

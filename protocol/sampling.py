@@ -15,6 +15,7 @@ module accepts more drafts and is exact in distribution instead (``verification=
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from typing import Optional, Sequence
@@ -159,6 +160,27 @@ def choose_token(
         return int(scores.argmax())
     probs = torch.softmax(scores, dim=-1)
     return int(torch.multinomial(probs, 1, generator=position_generator(params.seed, position)))
+
+
+def draw_noise(seed: int, position: int, vocab_size: int) -> torch.Tensor:
+    """[vocab] float32 G with ``choose_token``'s seeded draw equal to argmax(log p + G) (ties aside):
+    torch's multinomial without replacement draws one token as argmax(p / E), E ~ Exp(1) from the
+    generator, whatever p is (checked by :func:`draws_as_noise`). So a sampled token, like a greedy
+    one, is an argmax, and two LM-head rows settle a dispute over it (client/_evidence.py)."""
+    e = torch.empty(vocab_size, dtype=torch.float32).exponential_(1, generator=position_generator(seed, position))
+    return -torch.log(e)
+
+
+@functools.lru_cache(maxsize=1)
+def draws_as_noise() -> bool:
+    """Whether this torch draws as :func:`draw_noise` says (20 random distributions of 1000 ids)."""
+    g = torch.Generator().manual_seed(0)
+    for position in range(20):
+        probs = torch.softmax(torch.randn(1000, generator=g) * 3, dim=-1)
+        drawn = int(torch.multinomial(probs, 1, generator=position_generator(1, position)))
+        if drawn != int((probs.log() + draw_noise(1, position, 1000)).argmax()):
+            return False
+    return True
 
 
 def top_logprobs(logits: torch.Tensor, chosen: int, k: int) -> TokenLogprobs:

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import torch
 
-from client._evidence import plain_greedy, settle
-from client._lm_head import LMHeadRows
+from client._evidence import plain_greedy, plain_sampled, settle
+from client._lm_head import HeadSums, LMHeadRows
+from client._output_evidence import settle_logits, settle_logprobs
 from protocol.messages import GREEDY, SamplingParams
+from protocol.sampling import choose_token, draw_noise, draws_as_noise, top_logprobs
 
 TOL = 1e-3  # float32's (client/_output_audits.py OUTPUT_TOLERANCES)
 
@@ -71,3 +73,120 @@ def test_lm_head_rows_are_read_from_the_checkpoint_without_the_whole_matrix(tiny
     assert got is not None and torch.equal(got, want)
     assert rows.rows([config.vocab_size]) is None  # out of the vocabulary
     assert LMHeadRows("some-org/some-model", config).rows([5]) is None  # a hub repo: not downloaded for this
+
+
+def _head(seed: int, vocab: int = 40, hidden: int = 8):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(vocab, hidden, generator=g), g
+
+
+def test_disputed_logits_refute_the_tail_whose_numbers_are_not_h_times_the_rows():
+    head, g = _head(2)
+    h = torch.randn(3, 8, generator=g) * 3
+    honest = h @ head.T
+    lie = honest.clone()
+    lie[:, 5] += 3.0  # a liar that shifts one logit per row, sending its true h
+
+    def rows(ids):
+        return head[ids]
+
+    assert settle_logits(h, h.clone(), lie, honest, rows, TOL, 1e-4, 1e-5).refuted == "tail"
+    assert settle_logits(h, h.clone(), honest, lie, rows, TOL, 1e-4, 1e-5).refuted == "shadow"
+    made_up = settle_logits(h + 0.5, h, (h + 0.5) @ head.T, honest, rows, TOL, 1e-4, 1e-5)  # a made-up h
+    assert made_up.refuted is None and "differ" in made_up.detail
+    assert settle_logits(h, h, honest, honest.clone(), rows, TOL, 1e-4, 1e-5).refuted is None  # nothing disputed
+
+
+def test_an_honest_tail_is_never_refuted_over_logits_or_log_probs():
+    """Soundness against framing: honest numbers (h . W, in float32 or rounded as a 16-bit server
+    rounds them) are never refuted, whatever the other side sends: lies, shaded h within the
+    tolerance, or an h of its own."""
+    for seed in range(20):
+        head, g = _head(100 + seed)
+        h = torch.randn(2, 8, generator=g) * 3
+        for dtype, noise, rounding, tol in ((torch.float32, 1e-4, 1e-5, TOL), (torch.bfloat16, 0.04, 8e-3, 0.08)):
+            honest = (h.to(dtype) @ head.to(dtype).T).float()
+            scale = float(h.abs().max())
+            shaded = h + (torch.rand(2, 8, generator=g) * 2 - 1) * tol * scale * 0.99
+            for other_h in (shaded, h + torch.randn(2, 8, generator=g)):
+                other = other_h @ head.T + torch.randn(2, 40, generator=g)
+                found = settle_logits(h, other_h, honest, other, lambda ids: head[ids], tol, noise, rounding)
+                assert found.refuted != "tail", found.detail
+                head_reader = _Streamed(head)
+                mine = top_logprobs(honest[0], int(honest[0].argmax()), 3)
+                theirs = top_logprobs(other[0], int(other[0].argmax()), 3)
+                found = settle_logprobs(h[0], other_h[0], mine, theirs, head_reader, tol, noise, rounding)
+                assert found.refuted != "tail", found.detail
+
+
+class _Streamed:
+    """An LMHeadRows stand-in over an in-memory head (the streaming itself is tested on a checkpoint)."""
+
+    def __init__(self, head):
+        self.head = head
+
+    def rows(self, ids):
+        return self.head[ids]
+
+    def stream(self, h):
+        logits = h @ self.head.T
+        return HeadSums(
+            logits.double().logsumexp(-1), float(self.head.abs().sum(-1).max()), (h.abs() @ self.head.abs().T).amax(-1)
+        )
+
+
+def test_log_probs_shaded_by_half_a_nat_are_refuted_over_the_whole_head(tiny_llama_path, tiny_reference):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(tiny_llama_path)
+    head = LMHeadRows(str(tiny_llama_path), config)
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(2, config.hidden_size, generator=g)
+    weight = tiny_reference.lm_head.weight.detach().float()
+    sums = head.stream(h, chunk=8000)  # 7 chunks of the 49,152 rows, the last one short
+    assert sums is not None
+    torch.testing.assert_close(sums.lse, (h @ weight.T).double().logsumexp(-1), rtol=1e-6, atol=1e-6)
+    logits = h[0] @ weight.T
+    honest = top_logprobs(logits, int(logits.argmax()), 3)
+    shaded = top_logprobs(logits, int(logits.argmax()), 3)
+    shaded.logprob += 0.5
+    shaded.top_logprobs = [v + 0.5 for v in shaded.top_logprobs]
+    assert settle_logprobs(h[0], h[0].clone(), shaded, honest, head, TOL, 1e-4, 1e-5).refuted == "tail"
+    assert settle_logprobs(h[0], h[0].clone(), honest, shaded, head, TOL, 1e-4, 1e-5).refuted == "shadow"
+    missing = top_logprobs(logits, int(logits.argmax()), 3)  # a list that leaves out the second choice
+    missing.top_ids, missing.top_logprobs = (
+        [missing.top_ids[0], *missing.top_ids[2:]],
+        [
+            missing.top_logprobs[0],
+            *missing.top_logprobs[2:],
+        ],
+    )
+    assert settle_logprobs(h[0], h[0].clone(), honest, missing, head, TOL, 1e-4, 1e-5).refuted == "shadow"
+    assert settle_logprobs(h[0], h[0] + 0.5, honest, shaded, head, TOL, 1e-4, 1e-5).refuted is None
+
+
+def test_a_seeded_draw_is_an_argmax_and_settles_like_a_greedy_token():
+    """choose_token's seeded draw is argmax(logits / T + G) with G fixed by (seed, position) alone, so
+    an honest tail's drawn token is never refuted and the other side's second choice is."""
+    assert draws_as_noise()
+    g = torch.Generator().manual_seed(4)
+    params = SamplingParams(do_sample=True, temperature=0.8, seed=11)
+    assert plain_sampled(params) and not plain_sampled(SamplingParams(do_sample=True, top_p=0.9, seed=1))
+    for position in range(40):
+        head = torch.randn(50, 16, generator=g)
+        h = torch.randn(16, generator=g) * 2
+        drawn = choose_token(h @ head.T, [], position, params)
+        noise = draw_noise(params.seed, position, 50)
+        assert drawn == int(((h @ head.T) / params.temperature + noise).argmax())
+        for other in range(50):
+            if other == drawn:
+                continue
+            offset = float(noise[drawn] - noise[other])
+            found = settle(h, h.clone(), head[drawn], head[other], TOL, temperature=0.8, offset=offset)
+            assert found.refuted != "tail"  # never the honest draw
+            back = settle(h, h.clone(), head[other], head[drawn], TOL, temperature=0.8, offset=-offset)
+            assert back.refuted != "shadow"
+        rival = int(((h @ head.T) / params.temperature + noise).topk(2).indices[1])
+        offset = float(noise[drawn] - noise[rival])
+        found = settle(h, h.clone(), head[drawn], head[rival], TOL, temperature=0.8, offset=offset)
+        assert found.refuted in ("shadow", None)  # refuted unless a near tie

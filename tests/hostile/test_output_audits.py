@@ -25,6 +25,7 @@ import torch
 
 from client._logprob_audits import entries_agree, logprob_tolerance, verdict_difference
 from client._output_audits import OutputAuditor, check_output_audit_rate, output_tolerance
+from client._swarm import ExclusionList
 from client.errors import UnconfirmedOutputsError, UnconfirmedOutputsWarning
 from protocol.messages import Hop, StepResult, TokenLogprobs
 from protocol.records import ServerInfo
@@ -34,6 +35,7 @@ from tests.hostile.test_sybils import _post, client, stop
 from tests.kit.faulty_server import faulty
 from tests.kit.machine_groups import on_one_machine
 from tests.kit.reference import PROMPT
+from tests.kit.routes import PreferredRoutes
 from tests.kit.swarms import SERVER_ARGS
 
 HONEST = {"H": (0, 3), "G": (0, 3), "T": (3, 6), "U": (3, 6)}
@@ -93,6 +95,43 @@ def test_passes_are_audited_at_the_stated_rate_and_every_one_under_required(monk
     assert auditor.stats.audited == drawn.count("untrusted") + 20
 
 
+def test_a_tail_refuted_by_evidence_confirms_nothing_for_the_other_side(monkeypatch):
+    """Two colluding tails: one lies in the pass, the other lies in the evidence to get itself refuted.
+    The pass returned is confirmed only by a third tail independent of both that agrees with it."""
+    import asyncio
+    from types import SimpleNamespace as ns
+
+    from client._output_audits import Pass
+
+    auditor = OutputAuditor(ns(records={}, p2p=None, convict=None), 1.0)
+
+    async def refresh(p2p):
+        return None
+
+    monkeypatch.setattr(auditor.witnesses, "refresh", refresh)
+    kept = Pass([Hop("h", 0, 3), Hop("partner", 3, 6)], torch.zeros(2, 4), None)
+    live = [Hop("h", 0, 3), Hop("sacrificed", 3, 6)]
+
+    def settle(third_tail: str, third_logits: torch.Tensor) -> tuple[str, str]:
+        async def substitute(route, length, exclude, independent_of, only=None):
+            assert set(independent_of) == {"partner", "sacrificed"} and exclude == {"sacrificed"}
+            return [route[0], Hop(third_tail, 3, 6)]
+
+        async def one_pass(route, row, shape):
+            return Pass(route, third_logits, None)
+
+        monkeypatch.setattr(auditor, "_substitute", substitute)
+        monkeypatch.setattr(auditor, "_pass", one_pass)
+        _, how, why = asyncio.run(auditor._settled("sacrificed", kept, live, "w", True, [1, 2], (2, 4, 0, False)))
+        return how, why
+
+    how, why = settle("honest", torch.full((2, 4), 5.0))  # the third disagrees: the partner's lie is flagged
+    assert how == "unconfirmed" and "disagrees" in why
+    assert settle("partner", torch.zeros(2, 4))[0] == "unconfirmed"  # no third tail independent of both
+    assert settle("honest", torch.zeros(2, 4)) == ("untrusted", "")  # a third that agrees confirms it
+    assert auditor.avoid == {"sacrificed"} and auditor.stats.by_evidence == 3
+
+
 def test_a_response_reports_its_weakest_prompt_confirmation():
     from types import SimpleNamespace as ns
 
@@ -134,9 +173,10 @@ def reference_logits(tiny_reference):
         return tiny_reference(torch.tensor(PROMPT)).logits[0]
 
 
-def audited(model, trusted=()) -> OutputAuditor:
-    """Every forward pass of ``model`` audited, with these servers (by name) trusted."""
-    model.output_audits = OutputAuditor(model.swarm, 1.0, [model.peers[name] for name in trusted])
+def audited(model, trusted=(), lm_head=None) -> OutputAuditor:
+    """Every forward pass of ``model`` audited, with these servers (by name) trusted; with ``lm_head``
+    (the checkpoint's rows) disputes are settled by evidence, without it only by trusted servers."""
+    model.output_audits = OutputAuditor(model.swarm, 1.0, [model.peers[name] for name in trusted], lm_head)
     return model.output_audits
 
 
@@ -228,6 +268,81 @@ def test_a_dispute_avoids_the_liars_machine_group_and_falls_back_on_the_honest_t
         stop(pair_swarm, processes)
 
 
+def test_a_logit_liar_is_refuted_by_evidence_and_a_made_up_hidden_state_settles_nothing(
+    pair_swarm, tiny_llama_path, reference_logits
+):
+    """The client reads the LM head (client/_output_evidence.py). LE lies in its logits (+3 on each
+    row's second choice) but sends its true final hidden state: nobody trusted, its tail dispute is
+    settled by evidence: LE refuted and avoided (not convicted: H, before it, is a stranger), the
+    honest tail neither disputed nor avoided, the audit route's logits returned, exact and confirmed;
+    through the gateway the same for ``echo`` log-probs, and ``"audit": "required"`` is served. LH
+    lies the same and makes its h up: the states differ, nothing is settled, both tails avoided,
+    nobody convicted. With H trusted, LE is convicted by the same evidence."""
+    from swarm.api import Gateway, GatewayConfig
+    from tests.api.test_api import GatewayThread
+
+    processes = start_liar(pair_swarm, "LE")
+    processes += [
+        pair_swarm.start_server(3, 6, name="LH", launcher=faulty("--lie-in-outputs", "3", "--made-up-hidden", "0.5"))
+    ]
+    try:
+        routes = (route("H", "LE"), route("G", "T"), route("H", "U"))
+        with client(pair_swarm, tiny_llama_path, *routes, hidden=["LH"]) as model:  # two liars would agree
+            head = model.lm_head_rows
+            audits = audited(model, lm_head=head)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", UnconfirmedOutputsWarning)  # settled: nothing flagged
+                logits = model(torch.tensor(PROMPT)).logits[0]
+            stats = audits.stats
+            print(f"\nlogit liar, evidence: {stats.events}")
+            torch.testing.assert_close(logits, reference_logits, rtol=1e-4, atol=1e-4)  # the audit route's
+            assert stats.disputes == stats.by_evidence == 1 and stats.confirmed_untrusted == 1 and not stats.unconfirmed
+            assert stats.disputed_peers == [model.peers["LE"]] and audits.avoid == {model.peers["LE"]}
+            assert stats.convicted == [] and not model.swarm.liars and "refuted" in stats.events[-1]
+            # echo log-probs through the gateway, LE on the route again (a fresh auditor): refuted, exact, served
+            audits = audited(model, lm_head=head)
+            honest = score_tokens(reference_logits[:-1], PROMPT[0][1:], 3)
+            with GatewayThread(Gateway({"tiny": model}, GatewayConfig())) as served:
+                body = {"model": "tiny", "prompt": PROMPT[0], "max_tokens": 0, "echo": True, "logprobs": 3}
+                status, reply = _post(f"{served.url}/completions", {**body, "audit": "required"})
+                assert status == 200, reply
+                scored = reply["choices"][0]["logprobs"]["token_logprobs"]
+                assert scored[1:] == pytest.approx([entry.logprob for entry in honest], abs=1e-4)
+                assert reply["specswarm"]["prompt_logprobs"] == "untrusted", reply["specswarm"]
+            assert audits.stats.by_evidence == 1 and audits.stats.disputed_peers == [model.peers["LE"]]
+            # LH makes its h up: nothing settled, both tails avoided, the pass recomputed on the third
+            audits = audited(model, lm_head=head)
+            hide(model, "LE")
+            model.swarm.router = PreferredRoutes(route("H", "LH"), route("G", "T"), route("H", "U"))
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                logits = model(torch.tensor(PROMPT)).logits[0]
+            stats = audits.stats
+            print(f"made-up hidden state: {stats.events}")
+            torch.testing.assert_close(logits, reference_logits, rtol=1e-4, atol=1e-4)
+            assert any(issubclass(w.category, UnconfirmedOutputsWarning) for w in caught)
+            assert stats.by_evidence == 0 and "hidden states differ" in stats.events[-1]
+            assert model.peers["LH"] in stats.disputed_peers and len(stats.disputed_peers) == 2
+            assert stats.convicted == [] and not model.swarm.liars
+            # H trusted: the hop before the tail is trusted, so the evidence convicts LE
+            audits = audited(model, trusted=("H",), lm_head=head)
+            hide(model, "LH")
+            model.swarm.router = PreferredRoutes(route("H", "LE"), route("G", "T"), route("H", "U"))
+            logits = model(torch.tensor(PROMPT), audit="required").logits[0]
+            print(f"logit liar, H trusted: {audits.stats.events}")
+            torch.testing.assert_close(logits, reference_logits, rtol=1e-4, atol=1e-4)
+            assert audits.stats.convicted == [model.peers["LE"]] and model.swarm.liars == {model.peers["LE"]}
+            assert audits.stats.by_evidence == 1 and audits.stats.disputed_peers == []
+    finally:
+        stop(pair_swarm, processes)
+
+
+def hide(model, name: str) -> None:
+    """The client forgets its exclusions and excludes ``name`` alone."""
+    model.swarm.excluded = ExclusionList(base_seconds=3600)
+    model.swarm.excluded.add(model.peers[name])
+
+
 def _names_tail(model, name: str) -> str:
     """How ``_names`` writes the tail hop of ``name`` in an event."""
     return f"{model.peers[name][-6:]}[3:6)"
@@ -283,8 +398,9 @@ def assert_honest(entries, tokens, tiny_reference) -> None:
 
 def test_verdict_logprobs_are_audited_by_the_shadow(pair_swarm, tiny_llama_path, tiny_reference):
     """A tail whose verdicts' log-probs carry +0.5 (its tokens honest): the shadow, asking for the
-    same top-K, disputes it; nobody trusted: avoided, re-verified elsewhere, the log-probs returned
-    are honest; T and U trusted: convicted. Honest tails never dispute over log-probs."""
+    same top-K, disputes it, and the evidence (both tails' h, the log-probs recomputed over the whole
+    head) refutes it: nobody trusted, avoided, re-verified elsewhere, the log-probs returned honest;
+    H (before the tail) trusted, or T and U: convicted. Honest tails never dispute over log-probs."""
     routes = (route("H", "T"), route("G", "U"))
     with client(pair_swarm, tiny_llama_path, *routes) as model:
         tokens, entries = generate_with_logprobs(model, audit="required")
@@ -299,8 +415,17 @@ def test_verdict_logprobs_are_audited_by_the_shadow(pair_swarm, tiny_llama_path,
                 tokens, entries = generate_with_logprobs(model)
             stats = model.last_generation_stats
             print(f"\nlog-prob liar, nobody trusted: {stats.spot_check_events}")
-            assert model.peers["LP"] in stats.disputed_peers and stats.liars_excluded == []
+            # refuted by evidence (client/_output_evidence.py), the honest shadow never disputed
+            assert stats.disputed_peers == [model.peers["LP"]] and stats.liars_excluded == []
+            assert stats.verdict_audits_by_evidence >= 1 and stats.verdict_audits_undecided == 0
             assert_honest(entries, tokens, tiny_reference)
+            # H, the hop before the tail, trusted: the same evidence convicts LP
+            tokens, entries = generate_with_logprobs(model, trusted_peers=[model.peers["H"]])
+            stats = model.last_generation_stats
+            print(f"log-prob liar, H trusted: {stats.spot_check_events}")
+            assert stats.liars_excluded == [model.peers["LP"]] and stats.verdict_audits_by_evidence >= 1
+            assert_honest(entries, tokens, tiny_reference)
+            model.swarm.excluded = ExclusionList(base_seconds=3600)  # LP back, for the trusted shadows
             tokens, entries = generate_with_logprobs(model, trusted_peers=[model.peers["T"], model.peers["U"]])
             stats = model.last_generation_stats
             print(f"log-prob liar, T U trusted: {stats.spot_check_events}")

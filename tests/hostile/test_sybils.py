@@ -11,7 +11,9 @@ S1, S2 (4:6) run through tests/kit/faulty_server.py:
   32. With T trusted the output equals local transformers; with nobody trusted, and the two sybils
   on one machine as far as the client can tell, the dispute is settled by evidence the client checks
   itself (client/_evidence.py: both tails' final hidden state and the two tokens' LM-head rows): the
-  liar is refuted, never T. Without the LM-head rows the dispute avoids the sybils' whole machine
+  liar is refuted, never T; the same in seeded sampling with a temperature alone (the draw is an argmax
+  of logits / T plus noise fixed by the seed: protocol/sampling.py ``draw_noise``). Without the LM-head
+  rows the dispute avoids the sybils' whole machine
   group (client/_avoidance.py), the generation falls back on T: the output equals local
   transformers, T is not convicted, and its tokens past the dispute are flagged unconfirmed
   (``audit="required"`` raises). As framers (T live, the sybils its shadows) they are refuted by
@@ -43,12 +45,12 @@ from client import _verdict_audits
 from client._audit_shape import LiveShape
 from client._swarm import ExclusionList
 from client.errors import UnconfirmedTokensError, UnconfirmedTokensWarning
-from protocol.messages import Hop, StepResult
+from protocol.messages import Hop, SamplingParams, StepResult
 from swarm.local import LocalSwarm, kill_group
 from tests.kit import faults
 from tests.kit.faulty_server import faulty
 from tests.kit.machine_groups import on_one_machine
-from tests.kit.reference import PROMPT
+from tests.kit.reference import PROMPT, reference_sample
 from tests.kit.routes import PreferredRoutes
 from tests.kit.swarms import SERVER_ARGS, servers_by_name
 
@@ -153,7 +155,7 @@ def test_two_framing_sybils_convict_nobody_and_the_output_stays_exact(sybil_swar
 
 
 def test_colluding_liars_are_refuted_by_a_trusted_tail_or_flagged(
-    sybil_swarm, tiny_llama_path, greedy_reference, monkeypatch
+    sybil_swarm, tiny_llama_path, greedy_reference, tiny_reference, monkeypatch
 ):
     processes = start(sybil_swarm, "--lie-in-verdicts", "1", "--lie-after", "32", names=("L1", "L2"))
     try:
@@ -193,6 +195,18 @@ def test_colluding_liars_are_refuted_by_a_trusted_tail_or_flagged(
             assert stats.verdict_audits_by_evidence >= 1 and stats.verdict_audits_undecided == 0
             assert model.peers["L1"] in stats.disputed_peers and set(stats.disputed_peers) <= one_machine
             assert stats.liars_excluded == [] and stats.route[-1][0] == model.peers["T"]
+            # seeded sampling with a temperature alone: the draw is an argmax too (protocol/sampling.py
+            # draw_noise), so L1's lie is refuted by the same evidence; the output is the seeded one
+            params = SamplingParams(do_sample=True, temperature=0.8, seed=5)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                out = generate(model, do_sample=True, temperature=0.8, seed=5)
+            stats = model.last_generation_stats
+            print(f"colluding, seeded, settled by evidence: {stats.spot_check_events}")
+            assert out == reference_sample(tiny_reference, PROMPT[0], NEW_TOKENS, params), stats.spot_check_events
+            assert stats.verdict_audits_by_evidence >= 1 and stats.verdict_audits_undecided == 0
+            assert model.peers["L1"] in stats.disputed_peers and set(stats.disputed_peers) <= one_machine
+            assert stats.liars_excluded == []
             # T trusted: T shadows L1, refutes it, and the generation re-verifies on T's route
             out = generate(model, trusted_peers=[model.peers["T"]], audit="required")
             stats = model.last_generation_stats

@@ -37,6 +37,7 @@ server stays honest, so each test sees exactly the one lie it is about.
   draws it); else the bonus token is the lie.
 - ``lie_in_outputs(shift)``: a tail whose forward-pass outputs (``return_logits``: ``model(ids).logits``,
   the gateway's ``echo`` log-probs) carry ``shift`` added to each row's second choice; its verdicts stay honest.
+  ``hidden_offset``: the final hidden states it returns (the evidence of client/_output_evidence.py) are made up.
 - ``lie_in_logprobs(shift)``: a tail whose verdicts' top-K log-probs carry ``shift`` added to every
   value (the chosen token's too); its tokens stay honest.
 - ``record_verdicts(path)``: honest; appends what this tail can see of every Step it verifies
@@ -356,9 +357,10 @@ def frame() -> Counter:
     return count
 
 
-def lie_in_outputs(shift: float) -> Counter:
+def lie_in_outputs(shift: float, hidden_offset: float = 0.0) -> Counter:
     """From now on this process's tails add ``shift`` to the second choice of every row of logits they
-    return (``server.compute._outputs`` patched; a copy: the verdict reads the honest rows)."""
+    return (``server.compute._outputs`` patched; a copy: the verdict reads the honest rows), and
+    ``hidden_offset`` to every final hidden state they return (a made-up h, to dodge the evidence)."""
     from server import compute as compute_module
 
     count, outputs = Counter(1), compute_module._outputs
@@ -369,7 +371,7 @@ def lie_in_outputs(shift: float) -> Counter:
             logits = tensors[0].clone()
             second = logits.float().topk(2, dim=-1).indices[:, 1]
             logits[torch.arange(len(logits)), second] += shift
-            messages[i] = (message, [logits, *tensors[1:]])
+            messages[i] = (message, [logits, *(t + hidden_offset for t in tensors[1:])])
             count.due()
         logger.warning(f"Fault injection: forward outputs shifted by {shift:g} at the second choice")
         return messages

@@ -41,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lie-when-live", action="store_true", help="lie only on Steps that do not look like audits")
     p.add_argument("--lie-in-rejection", action="store_true", help="lie in rejection-exchange verdicts too")
     p.add_argument("--lie-in-outputs", type=float, default=0.0, metavar="SHIFT", help="shift returned logits")
+    p.add_argument("--made-up-hidden", type=float, default=0.0, metavar="X", help="add X to returned hidden states")
     p.add_argument("--lie-in-logprobs", type=float, default=0.0, metavar="SHIFT", help="shift verdicts' log-probs")
     p.add_argument("--record-steps", default="", metavar="PATH", help="append what the tail sees of each Step")
     p.add_argument("--claim-factor", type=float, default=0.0, metavar="X", help="announce X x the measured throughput")
@@ -89,7 +90,7 @@ def patch(args: argparse.Namespace) -> None:
     if args.record_steps:
         faults.record_verdicts(args.record_steps)
     if args.lie_in_outputs:
-        faults.lie_in_outputs(args.lie_in_outputs)
+        faults.lie_in_outputs(args.lie_in_outputs, args.made_up_hidden)
     if args.lie_in_logprobs:
         faults.lie_in_logprobs(args.lie_in_logprobs)
     if args.frame:
