@@ -16,7 +16,7 @@ import msgspec
 import pytest
 import torch
 
-from client._training import TrainRow, split_row
+from client._train_routes import TrainRow, split_row
 from client.errors import GenerationError
 from protocol import limits
 from protocol.errors import ErrorCode, ProtocolError
