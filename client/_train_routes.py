@@ -118,7 +118,8 @@ async def plan_training_route(
     first: Optional[ChunkBudgetError] = None
     while True:
         try:
-            route = await swarm.plan_route(also_exclude=avoided)
+            # once servers are left out, a missing block is theirs, not a lapsed record: one read, no waiting
+            route = await swarm.plan_route(also_exclude=avoided, attempts=1 if avoided else None)
         except RoutingError as e:
             if first is None:
                 raise
