@@ -183,13 +183,23 @@ class SwarmClient:
         assert last_error is not None
         raise last_error
 
-    async def plan_route(self) -> list[Hop]:
+    async def plan_route(self, also_exclude: Collection[str] = (), attempts: Optional[int] = None) -> list[Hop]:
         """A route over every block for a training step (docs/design.md, "Fine-tuning"): no session opens
-        and no cache is reserved. The caller gives it back with ``router.release``."""
-        try:
-            return await self._plan(0)
-        except NoRouteError as e:
-            raise RoutingError(f"{self.model}: {e}", e.missing_blocks) from None
+        and no cache is reserved. The caller gives it back with ``router.release``. ``also_exclude``: servers
+        this step avoids (client/_train_routes.py). Where the records leave a block uncovered it reads the DHT
+        again after a pause, as ``open_session`` does (a record that lapsed under load comes back with the
+        server's next announcement), ``attempts`` (default ``max_route_attempts``) reads in all."""
+        attempts = self.max_route_attempts if attempts is None else attempts
+        last_error = RoutingError(f"{self.model}: no route planned ({attempts} attempts)")
+        for attempt in range(attempts):
+            if attempt:
+                await asyncio.sleep(self.route_retry_delay * 2 ** (attempt - 1))
+            try:
+                return await self._plan(0, also_exclude)
+            except NoRouteError as e:
+                logger.info(f"No training route yet (attempt {attempt + 1}/{attempts}): {e}")
+                last_error = RoutingError(f"{self.model}: {e}", e.missing_blocks)
+        raise last_error
 
     async def _plan(self, max_length: int, also_exclude: Collection[str] = (), avoid: Collection[str] = ()):
         loop = asyncio.get_running_loop()

@@ -7,7 +7,8 @@ starts the backward, and the head answers with the prompts' gradient. So one rou
 gives both, and ``SwarmLoss`` hands that gradient to autograd when the caller runs ``backward()``.
 
 A row longer than the route's step limit, or whose backward is past a hop's announced budget, goes in chunks,
-one lap each (``train_chunked_row``), sized so that every hop of the route takes them (``split_row``).
+one lap each (``train_chunked_row``), sized so that every hop of the route takes them; the route avoids a server
+whose backward budget cannot take a row at all (client/_train_routes.py).
 
 Failover is whole-step: a retryable failure anywhere blames the route (``SwarmClient.blame``) and
 runs every row again on a new route; the rows in chunks of a failed attempt are dropped on its route at once
@@ -29,13 +30,13 @@ from hivemind.p2p import PeerID
 from client import _loop
 from client._remote_session import _error_from
 from client._swarm import SwarmClient
+from client._train_routes import TrainRow, plan_training_route
 from client.errors import GenerationError, ServerError, ServerTimeout
 from protocol import limits, relay
 from protocol.errors import ErrorCode
 from protocol.messages import ErrorReply, Hop, TrainBackward, TrainDrop, TrainForward
 from protocol.streams import TRAIN_PROTOCOL, MessageStream
 from protocol.train_drops import hand_drop
-from protocol.train_memory import HopBudget, backward_bytes, chunk_positions, route_chunk_positions
 
 logger = logging.getLogger(__name__)
 
@@ -62,14 +63,6 @@ class TrainingStats:
     seconds: float = 0.0
 
 
-@dataclass
-class TrainRow:
-    token_ids: list[int]  # the row without padding
-    targets: list[int]  # per id, the token its logits are scored against; -100: none
-    label: Optional[float] = None  # classification: the row's class (or value, regression); targets all -100
-    multi_labels: Optional[list[float]] = None  # multi-label classification: one target in [0, 1] per label
-
-
 async def train_rows(
     swarm: SwarmClient,
     prompts: torch.Tensor,
@@ -86,15 +79,13 @@ async def train_rows(
     ``config``: the model's, which sizes a long row's chunks to the route's backward budgets (:func:`split_row`)."""
     failovers, began = 0, time.perf_counter()
     while True:
-        route = await swarm.plan_route()
+        # a classification row's tail reads the score head, not the LM head's logits
+        route, chunks = await plan_training_route(swarm, rows, prompts.shape[0], config, logits=score is None)
         started: list[str] = []  # this attempt's rows in chunks: dropped on the route if the attempt fails
         results = None
         try:
-            limit = swarm.route_step_limit(route)
-            hops = route_budgets(swarm, route, limit, config) if config is not None else None
             coros = []
-            for row in rows:  # a classification row's tail reads the score head, not the LM head's logits
-                pieces = split_row(row, prompts.shape[0], limit, config, hops, logits=score is None)
+            for row, pieces in zip(rows, chunks):
                 if len(pieces) <= 1:
                     coros.append(train_row(swarm, route, prompts, row, timeout, deep, score))
                 else:
@@ -201,69 +192,6 @@ async def _exchange(
     finally:
         if stream is not None:
             stream.close()
-
-
-def route_budgets(swarm: SwarmClient, route: Sequence[Hop], limit: int, config: Any) -> list[HopBudget]:
-    """What each hop of ``route`` checks a lap's backward against, from the records the route was planned from
-    (``ServerInfo.max_backward_bytes``). A record that announces none (an older server) counts as that server's
-    default, a row of ``limit`` positions through the hop (its own step limit is at least the route's: so at least
-    this); a dtype that is not a torch floating type counts as float32."""
-    hops = []
-    for index, hop in enumerate(route):
-        info = swarm.records.get(hop.peer_id)
-        dtype = getattr(torch, info.dtype, None) if info is not None else None
-        dtype = dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
-        blocks, tail = hop.end - hop.start, index == len(route) - 1
-        budget = info.max_backward_bytes if info is not None else 0
-        budget = budget or backward_bytes(config, dtype, limit, blocks, tail)
-        hops.append(HopBudget(budget, blocks, tail, dtype, hop.peer_id))
-    return hops
-
-
-def split_row(
-    row: TrainRow,
-    num_prompts: int,
-    limit: int,
-    config: Any = None,
-    hops: Optional[Sequence[HopBudget]] = None,
-    logits: bool = True,
-) -> list[tuple[int, list[int], list[int]]]:
-    """A row's chunks of at most ``limit`` positions each, as (offset, ids, targets): the first chunk holds the
-    prompts and up to ``limit - num_prompts`` ids; ``offset`` counts the row's positions before the chunk. With the
-    model's ``config`` and the route's ``hops`` (:func:`route_budgets`) every chunk, the first included, is as large
-    as the smallest backward budget on the route allows after its offset (``logits`` False: a classification row,
-    whose tail computes no logits), so no hop refuses a chunk it was sized for and chunks shrink as the row's
-    earlier keys/values grow; with ``config`` alone, as a row of ``limit`` positions holds (protocol/train_memory.py
-    ``chunk_positions``: the servers' default budget). A row past that, or past limits.MAX_TRAIN_CHUNKS chunks, is a
-    ValueError naming it (and the server whose budget decides)."""
-    if num_prompts >= limit:
-        raise ValueError(f"{num_prompts} prompts leave no room for ids in the route's {limit} positions per step")
-    chunks, start = [], 0
-    while start < len(row.token_ids):
-        offset = 0 if not chunks else num_prompts + start
-        prompts_here, size, decider = (0 if chunks else num_prompts), limit, None
-        if hops is not None and config is not None:
-            size, decider = route_chunk_positions(config, offset, limit, hops, logits)
-        elif chunks and config is not None:
-            size = chunk_positions(config, offset, limit)
-        size -= prompts_here
-        if size <= 0 or len(chunks) == limits.MAX_TRAIN_CHUNKS:
-            where = "the backward of a step"
-            if decider is not None:
-                where = (
-                    f"the backward budget of server {decider.peer_id} ({decider.budget / (1 << 20):.1f} MiB through "
-                    f"{decider.blocks} blocks, --max-backward-mib)"
-                )
-            what = f"its chunk after {offset} positions" if chunks else f"its first chunk ({num_prompts} prompts)"
-            raise ValueError(
-                f"a training row of {num_prompts} prompts + {len(row.token_ids)} ids is too long for the route's "
-                f"{limit} positions per step: "
-                + (f"{what} has no room in {where}" if size <= 0 else f"{what} would be past {len(chunks)} chunks")
-                + " (docs/fine_tuning.md, Limits); shorten the row"
-            )
-        chunks.append((offset, row.token_ids[start : start + size], row.targets[start : start + size]))
-        start += size
-    return chunks
 
 
 async def train_chunked_row(

@@ -110,19 +110,27 @@ def open_adapter(path: str, num_blocks: int, revision: Optional[str] = None) -> 
 
 
 def _download(repo_id: str, revision: Optional[str]) -> str:
-    """A hub adapter's two files, through huggingface_hub's cache (the one file holds every block's pairs)."""
+    """A hub adapter's two files, through huggingface_hub's cache (the one file holds every block's pairs). Where the
+    hub is unreachable (no network, or HF_HUB_OFFLINE is set) the cache alone is read (HF_HUB_CACHE / HF_HOME), as
+    the model's own files are (server/model_source.py): an adapter downloaded once serves offline."""
     from huggingface_hub import snapshot_download
 
     from server.model_source import hub_reachable
 
     if repo_id.startswith(("/", ".", "~")) or os.path.exists(repo_id):
         raise AdapterError(f"adapter {repo_id!r}: no such folder")
-    if not hub_reachable():
-        raise AdapterError(f"adapter {repo_id!r} is not a local folder, and the Hugging Face hub is unreachable")
+    local_only = not hub_reachable()
     try:
-        return snapshot_download(repo_id, revision=revision, allow_patterns=[CONFIG_FILE, WEIGHTS_FILE])
+        return snapshot_download(
+            repo_id, revision=revision, allow_patterns=[CONFIG_FILE, WEIGHTS_FILE], local_files_only=local_only
+        )
     except Exception as e:  # noqa: BLE001 - offline, no such repo, no access
         why = _first_line(e)
+        if local_only:
+            raise AdapterError(
+                f"adapter {repo_id!r} is not a local folder, the Hugging Face hub is unreachable (no network, or "
+                f"HF_HUB_OFFLINE is set) and the hub cache holds no copy of it: {why}"
+            ) from None
         raise AdapterError(
             f"adapter {repo_id!r} is neither a local folder nor a hub repo this server can read: {why}"
         ) from None

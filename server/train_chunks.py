@@ -78,8 +78,9 @@ class ChunkedRow:
     """What a hop keeps of one row between its laps."""
 
     num_chunks: int
-    owner: Optional[str]
+    owner: Optional[str]  # whom its kept tensors count against (None: a server forwarding it), as chunk 0 found
     kind: tuple = ()  # what every lap of the row must repeat: prompts, deep prompts, labels (:func:`row_kind`)
+    sender: Optional[str] = None  # the peer chunk 0 came from: every later lap must come from it too
     deep: Optional[torch.Tensor] = None  # this span's deep prompts (chunk 0's), for chunk 0's backward lap
     ids: list[list[int]] = field(default_factory=list)  # each forwarded chunk's ids and targets
     targets: list[list[int]] = field(default_factory=list)
@@ -125,11 +126,13 @@ class ChunkedSteps:
         return len(self.rows)
 
     async def lap(
-        self, message: TrainForward, tensors: list[torch.Tensor], owner: Optional[str]
+        self, message: TrainForward, tensors: list[torch.Tensor], owner: Optional[str], sender: Optional[str] = None
     ) -> tuple[list[torch.Tensor], float, int]:
         """One lap of a row in chunks: the tensors to send upstream, and the loss sum and target count the tail
-        found for this lap's chunk (0 on forward-only laps). A failure frees the row here."""
-        row = self._row(message, owner)
+        found for this lap's chunk (0 on forward-only laps). A failure frees the row here. ``owner``: whom a new
+        row counts against; ``sender``: the upstream peer, which a later lap must share with chunk 0 (the owner
+        is not compared: whether the sender reads as a server comes from the DHT records, which may lapse)."""
+        row = self._row(message, owner, sender)
         row.busy = True
         try:
             return await self._lap(message, tensors, row)
@@ -164,16 +167,16 @@ class ChunkedSteps:
         for step_id in [s for s, row in self.rows.items() if not row.busy and s not in kept]:
             self.rows.pop(step_id)
 
-    def _row(self, message: TrainForward, owner: Optional[str]) -> ChunkedRow:
+    def _row(self, message: TrainForward, owner: Optional[str], sender: Optional[str] = None) -> ChunkedRow:
         """The row this lap belongs to, checked to be the lap that comes next."""
         self._expire()
         step_id, index = message.step_id, message.chunk_index
         if step_id in self.dropped:
             raise ProtocolError(ErrorCode.UNKNOWN_SESSION, f"training step {step_id!r} was dropped by its client")
         row = self.rows.get(step_id)
-        if row is None or row.owner != owner:
+        if row is None or row.sender != sender:
             if index == 0 and not message.backward_only and row is None:
-                row = self.rows[step_id] = ChunkedRow(message.num_chunks, owner, row_kind(message))
+                row = self.rows[step_id] = ChunkedRow(message.num_chunks, owner, row_kind(message), sender=sender)
                 return row
             raise ProtocolError(
                 ErrorCode.UNKNOWN_SESSION,

@@ -228,7 +228,8 @@ class TrainingHandler:
         needed = backward_bytes(span.config, span.dtype, positions, hop.end - hop.start, logits, message.chunk_offset)
         check_backward(needed, self.backward_budget, positions, hop.end - hop.start, logits, message.chunk_offset, tail)
         if message.num_chunks > 1:
-            return await self.chunks.lap(message, tensors, self._owner(message, upstream))
+            sender = upstream.peer_id.to_base58() if upstream is not None else None
+            return await self.chunks.lap(message, tensors, self._owner(message, upstream), sender)
         digest = row_digest(message, tensors)
         replied = self.replied.get(message.step_id, digest) if message.hop_index > 0 else None
         if replied is not None:  # the hop before this one was replaced and sent the same row again

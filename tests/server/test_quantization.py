@@ -1,12 +1,18 @@
 """Quantized weights (``--quant int8|nf4``): exact against a single-process model quantized the
 same way with bitsandbytes, sizes that match what is resident, a clear error for a mode the
-machine cannot run, and the defaults a GPU volunteer gets (device, dtype, initial peers)."""
+machine cannot run, and the defaults a GPU volunteer gets (device, dtype, initial peers).
+
+The tiny Llama's quantized servers also serve a LoRA adapter (``--adapters``): with it, greedy output equals local
+PEFT over the same quantization. Beside them a float32 server takes its adapter as a hub repo id, offline, from a
+hub cache the test lays out (docs/fine_tuning.md, "LoRA adapters")."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import time
+from typing import Callable, Optional, Sequence
 
 import pytest
 import torch
@@ -15,6 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DeepseekV4ForCausalLM
 from protocol.config import ENV_INITIAL_PEERS, resolve_initial_peers
 from protocol.dht_records import fetch_servers
 from protocol.messages import SamplingParams
+from protocol.routing import MaxFlowRouter
 from server.adapters import load_span
 from server.adapters.deepseek_v4_quant import quantize_loaded_experts
 from server.memory import model_bytes
@@ -39,9 +46,12 @@ from tests.kit.last_use import last_use
 from tests.kit.reference import PROMPT, reference_sample
 from tests.kit.routes import PinnedRoute
 from tests.kit.swarms import SERVER_ARGS
+from tests.training.test_lora import ADAPTER, make_adapter
 
 QUANTS = [Quant.INT8, Quant.NF4]
 SAMPLED = dict(do_sample=True, temperature=0.8, top_p=0.9, seed=1234)
+HUB_REPO = "owner/tiny-lora"  # the adapter as a hub repo, in a hub cache laid out by the test
+HUB_SHA = "0123456789abcdef0123456789abcdef01234567"  # its snapshot's commit
 
 
 @pytest.fixture(scope="module")
@@ -193,8 +203,38 @@ def test_server_without_peers_names_all_three_ways(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def llama_quant_swarm(request, tiny_llama_path, artifacts_dir):
-    yield from _swarm(request, tiny_llama_path, artifacts_dir / "quant-llama-swarm", [(0, 2), (2, 6)])
+def lora_dir(tiny_llama_path, tmp_path_factory):
+    """The LoRA adapter of tests/training/test_lora.py (random pairs on q/v/o, gate and down), in PEFT's layout."""
+    folder = tmp_path_factory.mktemp("qlora") / ADAPTER
+    make_adapter(tiny_llama_path, folder, seed=7)
+    return folder
+
+
+def lay_out_hub_cache(cache, repo_id: str, folder) -> None:
+    """``repo_id`` as huggingface_hub's cache holds a downloaded repo: its files in a snapshot named by its commit,
+    which refs/main names."""
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    shutil.copytree(folder, repo / "snapshots" / HUB_SHA)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(HUB_SHA)
+
+
+@pytest.fixture(scope="module")
+def llama_quant_swarm(request, tiny_llama_path, artifacts_dir, lora_dir, tmp_path_factory):
+    """The quantized servers serve the LoRA adapter too (``--adapters``; a run asks for it by name or not at all),
+    beside one float32 server of all blocks, hub-lora, whose ``--adapters`` is a hub repo id it resolves offline
+    (``HF_HUB_OFFLINE=1``) from a hub cache laid out in a temporary folder."""
+    cache = tmp_path_factory.mktemp("hub-cache")
+    lay_out_hub_cache(cache, HUB_REPO, lora_dir)
+
+    def hub_server(swarm) -> None:
+        with pytest.MonkeyPatch.context() as env:  # that server's process alone: offline, with this cache
+            env.setenv("HF_HUB_OFFLINE", "1")
+            env.setenv("HF_HUB_CACHE", str(cache))
+            swarm.start_server(0, 6, name="hub-lora", extra=["--adapters", HUB_REPO])
+
+    log_dir, extra = artifacts_dir / "quant-llama-swarm", ["--adapters", str(lora_dir)]
+    yield from _swarm(request, tiny_llama_path, log_dir, [(0, 2), (2, 6)], extra, hub_server)
 
 
 @pytest.fixture(scope="module")
@@ -202,17 +242,20 @@ def v4_quant_swarm(request, v4_path, artifacts_dir):
     yield from _swarm(request, v4_path, artifacts_dir / "quant-v4-swarm", [(0, 3), (3, 6)])
 
 
-def _swarm(request, path, log_dir, spans):
+def _swarm(request, path, log_dir, spans, extra: Sequence[str] = (), more: Optional[Callable] = None):
     """Servers of ``spans`` once per quantization in one DHT, named e.g. ``int8-0``; the tests pin
-    routes by name so an int8 run never crosses an nf4 server."""
+    routes by name so an int8 run never crosses an nf4 server. ``extra``: more arguments for each; ``more``
+    starts one more server (given the swarm)."""
     from swarm import AutoDistributedModelForCausalLM
 
     # spans=[]: the bootstrap alone, then every server at once (one start-up wait, not one per mode)
     with LocalSwarm(str(path), spans=[], server_args=SERVER_ARGS, log_dir=str(log_dir)) as swarm:
         for quant in QUANTS:
             for i, (start, end) in enumerate(spans):
-                swarm.start_server(start, end, name=f"{quant.value}-{i}", extra=["--quant", quant.value])
-        swarm.wait_ready(expected=len(spans) * len(QUANTS))
+                swarm.start_server(start, end, name=f"{quant.value}-{i}", extra=["--quant", quant.value, *extra])
+        if more is not None:
+            more(swarm)
+        swarm.wait_ready(expected=len(spans) * len(QUANTS) + (more is not None))
         model = AutoDistributedModelForCausalLM.from_pretrained(str(path), initial_peers=swarm.initial_peers)
 
         def stop() -> None:
@@ -239,6 +282,48 @@ def test_quantized_llama_over_servers_equals_transformers_bitsandbytes(llama_qua
     assert sampled == reference_sample(reference, PROMPT[0], 16, SamplingParams(**SAMPLED))
     infos = fetch_servers(model.swarm.dht, model.swarm.model, 6)
     assert {i.quantization for i in infos if i.public_name.startswith(quant.value)} == {quant.value}
+
+
+def peft_greedy(base, adapter_dir, new_tokens: int) -> list[list[int]]:
+    from peft import PeftModel
+
+    reference = PeftModel.from_pretrained(base, adapter_dir).eval()
+    return reference.generate(torch.tensor(PROMPT), max_new_tokens=new_tokens, do_sample=False).tolist()
+
+
+@pytest.mark.parametrize("quant", QUANTS, ids=lambda q: q.value)
+def test_quantized_spans_with_a_lora_adapter_equal_local_peft_over_the_same_quantization(
+    llama_quant_swarm, tiny_llama_path, lora_dir, quant
+):
+    """The adapter's pairs wrap the int8/NF4 linears of each span (server/lora.py) as they wrap float ones."""
+    model, spans = llama_quant_swarm
+    _pin(model, quant, spans)
+    infos = fetch_servers(model.swarm.dht, model.swarm.model, 6)
+    assert {tuple(i.adapters) for i in infos if i.public_name.startswith(quant.value)} == {(ADAPTER,)}
+    base = quantized_llama_reference(tiny_llama_path, quant)
+    plain = base.generate(torch.tensor(PROMPT), max_new_tokens=12, do_sample=False).tolist()
+    expected = peft_greedy(base, lora_dir, 12)
+    assert expected != plain  # the adapter changes the output: a server ignoring it would fail
+    output = model.generate(torch.tensor(PROMPT), max_new_tokens=12, speculation=None, active_adapter=ADAPTER)
+    assert output.tolist() == expected
+
+
+def test_an_adapter_from_the_hub_cache_is_named_by_its_repo_id_and_equals_local_peft(
+    llama_quant_swarm, tiny_llama_path, lora_dir, tiny_reference
+):
+    """``--adapters owner/tiny-lora`` with the hub unreachable (HF_HUB_OFFLINE=1) reads huggingface_hub's cache."""
+    from transformers import AutoModelForCausalLM
+
+    model, _ = llama_quant_swarm
+    model.swarm.router = MaxFlowRouter()  # unpinned: only hub-lora announces the adapter
+    hub = next(i for i in fetch_servers(model.swarm.dht, model.swarm.model, 6) if i.public_name == "hub-lora")
+    assert hub.adapters == [HUB_REPO]
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32)
+    expected = peft_greedy(base, lora_dir, 12)
+    assert expected != tiny_reference.generate(torch.tensor(PROMPT), max_new_tokens=12, do_sample=False).tolist()
+    output = model.generate(torch.tensor(PROMPT), max_new_tokens=12, speculation=None, active_adapter=HUB_REPO)
+    assert output.tolist() == expected
+    assert [hop[0] for hop in model.last_generation_stats.route] == [hub.peer_id]
 
 
 @pytest.mark.parametrize("quant", QUANTS, ids=lambda q: q.value)
