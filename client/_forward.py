@@ -110,9 +110,11 @@ async def prefill_outputs(
     vocab_size: int,
     hidden_size: int,
     return_hidden: bool = False,
+    hidden_at: int = -1,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Prefill ``row`` on an open session in runs of at most ``chunk`` positions, all sent at once;
-    the logits (and final hidden states) of its last ``num_outputs`` positions, float32."""
+    the logits (and final hidden states, or with ``hidden_at`` those entering that block) of its last
+    ``num_outputs`` positions, float32."""
     first_output = len(row) - num_outputs
     wanted = []  # outputs asked of each chunk: the chunk's positions >= first_output
     for run_id, start in enumerate(range(0, len(row), chunk)):
@@ -125,6 +127,7 @@ async def prefill_outputs(
             token_ids=list(row[start:end]),
             return_logits=wanted[-1],
             return_hidden=return_hidden and wanted[-1] > 0,
+            hidden_at=hidden_at if return_hidden and wanted[-1] > 0 else -1,
         )
         await remote.send_step(step)
     parts = []

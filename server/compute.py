@@ -89,7 +89,7 @@ def finish_run(
     logits = LazyLogits(span, hidden, not step.parents, planned_rows(session, step), meter)
     if first_rows is not None:
         logits.seed(first_logits_row(step), first_rows)
-    outputs = _outputs(span, session, step, hidden, logits, meter) if step.return_logits else None
+    outputs = _outputs(span, session, step, hidden, logits, meter, run.boundary) if step.return_logits else None
     try:
         result = _verdict(session, step, logits)
     except ValueError as e:  # a committed id the session's constraint forbids (protocol/constraints.py)
@@ -176,9 +176,12 @@ def _outputs(
     hidden: torch.Tensor,
     logits: "LazyLogits",
     meter: CostMeter,
+    boundary: Optional[torch.Tensor] = None,
 ) -> list[tuple[RunOutputs, list[torch.Tensor]]]:
     """The logits (and final hidden states) of the run's last ``return_logits`` positions, cut into
-    messages of at most OUTPUTS_FRAME_BYTES of tensors each; the rows also serve verification."""
+    messages of at most OUTPUTS_FRAME_BYTES of tensors each; the rows also serve verification.
+    ``boundary``: the states at the Step's ``hidden_at`` (server/boundary_state.py), sent instead of
+    the final hidden states."""
     first = hidden.shape[1] - step.return_logits
     row_bytes = 4 * (span.vocab_size + (hidden[0, 0].numel() if step.return_hidden else 0))
     rows_per_message = max(1, OUTPUTS_FRAME_BYTES // row_bytes)
@@ -187,7 +190,10 @@ def _outputs(
         part = hidden[:, first + offset : first + min(offset + rows_per_message, step.return_logits)]
         tensors = [meter.logits(span, part)]
         logits.seed(first + offset, tensors[0])
-        if step.return_hidden:
+        if step.return_hidden and boundary is not None:
+            rows = boundary[:, first + offset : first + min(offset + rows_per_message, step.return_logits)]
+            tensors.append(rows[0].float())
+        elif step.return_hidden:
             try:
                 tensors.append(span.final_hidden(part))
             except NotImplementedError as e:
