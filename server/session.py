@@ -154,7 +154,8 @@ class ServerSession:
                 ErrorCode.BAD_REQUEST,
                 f"return_logits must be in [0, {num_new}] (the run's positions), and > 0 with return_hidden",
             )
-        if step.hidden_at != -1 and not (step.return_hidden and self.hop.start <= step.hidden_at <= self.hop.end):
+        hidden_at = step.hidden_at if self.next_hop is None else -1  # the tail's to answer; other hops pass it on
+        if hidden_at != -1 and not (step.return_hidden and self.hop.start <= hidden_at <= self.hop.end):
             raise ProtocolError(
                 ErrorCode.BAD_REQUEST,
                 f"hidden_at must be -1 or a block boundary in [{self.hop.start}, {self.hop.end}] of this hop, "

@@ -15,11 +15,16 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import warnings
 
+import pytest
 import torch
 
 from client._bisection import Divergence, bisect, first_divergence, judge
 from client._block_replay import BlockReplay
+from tests.hostile.test_sybils import client, generate, greedy_reference, route, start, stop, sybil_swarm
+
+__all__ = ["greedy_reference", "sybil_swarm"]  # the sybil swarm's fixtures, a module's own here
 
 TOL = 1e-3  # float32's (client/_output_audits.py OUTPUT_TOLERANCES)
 
@@ -134,3 +139,34 @@ def test_the_client_replays_a_checkpoints_block_and_final_norm_as_transformers_c
     other = copy.deepcopy(config)
     other.model_type = "mistral"
     assert "rebuilds no" in BlockReplay(str(tiny_llama_path), other).refusal()
+
+
+@pytest.mark.parametrize(
+    "fault, where",
+    [
+        (("--lie-in-verdicts", "1", "--lie-after", "32", "--made-up-final", "0.5"), "the final norm"),
+        (("--corrupt-block", "4"), "block 4"),
+    ],  # each liar its own name: a stopped server's name lingers in the DHT
+    ids=["made-up-h", "wrong-block"],
+)
+def test_a_tail_whose_hidden_state_is_wrong_is_refuted_by_bisection(
+    sybil_swarm, tiny_llama_path, greedy_reference, fault, where
+):
+    """T live, F (4:6: FM or FB) its only shadow, F's final hidden state off (made up to fit its lie, or computed from a
+    wrong block 4): the dispute's evidence states differ, the bisection narrows it to ``where``, the client
+    replays it and F is refuted (avoided: H and M are strangers), never T; the output stays exact."""
+    name = "FM" if "--made-up-final" in fault else "FB"
+    processes = start(sybil_swarm, *fault, names=(name,))
+    try:
+        with client(sybil_swarm, tiny_llama_path, route("T"), route(name), hidden=["U"]) as model:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the tokens after F's refutation have no shadow left
+                out = generate(model)
+            stats = model.last_generation_stats
+            print(f"\n{where}: {stats.spot_check_events}")
+            assert out == greedy_reference, stats.spot_check_events
+            assert stats.verdict_audits_by_evidence >= 1 and stats.disputed_peers == [model.peers[name]]
+            assert any(f"bisection to {where}" in e and "refuted (not convicted" in e for e in stats.spot_check_events)
+            assert model.peers["T"] not in model.swarm.liars and stats.route[-1][0] == model.peers["T"]
+    finally:
+        stop(sybil_swarm, processes)
