@@ -22,7 +22,12 @@ import torch
 
 from client._bisection import Divergence, bisect, first_divergence, judge
 from client._block_replay import BlockReplay
+from client._output_audits import fresh_pass
+from client.errors import ServerError
+from protocol.messages import Hop
+from tests.hostile.test_sybils import _run as run_on_loop
 from tests.hostile.test_sybils import client, generate, greedy_reference, route, start, stop, sybil_swarm
+from tests.kit.reference import PROMPT
 
 __all__ = ["greedy_reference", "sybil_swarm"]  # the sybil swarm's fixtures, a module's own here
 
@@ -170,3 +175,24 @@ def test_a_tail_whose_hidden_state_is_wrong_is_refuted_by_bisection(
             assert model.peers["T"] not in model.swarm.liars and stats.route[-1][0] == model.peers["T"]
     finally:
         stop(sybil_swarm, processes)
+
+
+def test_a_tail_returns_the_state_at_a_block_boundary_and_refuses_one_outside_its_span(
+    sybil_swarm, tiny_llama_path, tiny_reference
+):
+    """``Step.hidden_at`` on the real route H, M, T: the state entering block 5 equals transformers' (every
+    position of the prompt), the span's input (4) too; 3 is outside T's span: refused naming the field, and
+    T keeps serving (the final state after)."""
+    with client(sybil_swarm, tiny_llama_path, route("T"), hidden=["U"]) as model:
+        hops = [Hop(model.peers[name], a, b) for name, a, b in route("T")]
+        prefix = PROMPT[0]
+        shape = (len(prefix), model.config.vocab_size, model.config.hidden_size, True)
+        with torch.no_grad():
+            want = tiny_reference(torch.tensor(PROMPT), output_hidden_states=True).hidden_states
+        for k in (4, 5):
+            _, got = run_on_loop(fresh_pass(model.swarm, hops, prefix, shape, hidden_at=k))
+            torch.testing.assert_close(got, want[k][0], rtol=1e-4, atol=1e-4)
+        with pytest.raises(ServerError, match="hidden_at must be -1 or a block boundary in \\[4, 6\\]"):
+            run_on_loop(fresh_pass(model.swarm, hops, prefix, shape, hidden_at=3))
+        _, final = run_on_loop(fresh_pass(model.swarm, hops, prefix, shape))
+        torch.testing.assert_close(final, want[-1][0], rtol=1e-4, atol=1e-4)
