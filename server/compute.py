@@ -180,20 +180,22 @@ def _outputs(
 ) -> list[tuple[RunOutputs, list[torch.Tensor]]]:
     """The logits (and final hidden states) of the run's last ``return_logits`` positions, cut into
     messages of at most OUTPUTS_FRAME_BYTES of tensors each; the rows also serve verification.
-    ``boundary``: the states at the Step's ``hidden_at`` (server/boundary_state.py), sent instead of
-    the final hidden states."""
+    ``boundary``: the states at the Step's ``hidden_at`` (server/boundary_state.py), sent alone (no
+    logits: a bisection reads states only, and a row of logits is vocab / hidden times a state's bytes)."""
     first = hidden.shape[1] - step.return_logits
     row_bytes = 4 * (span.vocab_size + (hidden[0, 0].numel() if step.return_hidden else 0))
     rows_per_message = max(1, OUTPUTS_FRAME_BYTES // row_bytes)
     messages = []
     for offset in range(0, step.return_logits, rows_per_message):
-        part = hidden[:, first + offset : first + min(offset + rows_per_message, step.return_logits)]
+        end = first + min(offset + rows_per_message, step.return_logits)
+        if boundary is not None:
+            tensors = [boundary[0, first + offset : end].float()]
+            messages.append((RunOutputs(session_id=session.session_id, run_id=step.run_id, offset=offset), tensors))
+            continue
+        part = hidden[:, first + offset : end]
         tensors = [meter.logits(span, part)]
         logits.seed(first + offset, tensors[0])
-        if step.return_hidden and boundary is not None:
-            rows = boundary[:, first + offset : first + min(offset + rows_per_message, step.return_logits)]
-            tensors.append(rows[0].float())
-        elif step.return_hidden:
+        if step.return_hidden:
             try:
                 tensors.append(span.final_hidden(part))
             except NotImplementedError as e:
