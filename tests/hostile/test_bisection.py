@@ -159,7 +159,8 @@ def test_a_tail_whose_hidden_state_is_wrong_is_refuted_by_bisection(
 ):
     """T live, F (4:6: FM or FB) its only shadow, F's final hidden state off (made up to fit its lie, or computed from a
     wrong block 4): the dispute's evidence states differ, the bisection narrows it to ``where``, the client
-    replays it and F is refuted (avoided: H and M are strangers), never T; the output stays exact."""
+    replays it and F is refuted (avoided: H and M are strangers; with them trusted, convicted), never T; the
+    output stays exact."""
     name = "FM" if "--made-up-final" in fault else "FB"
     processes = start(sybil_swarm, *fault, names=(name,))
     try:
@@ -173,6 +174,13 @@ def test_a_tail_whose_hidden_state_is_wrong_is_refuted_by_bisection(
             assert stats.verdict_audits_by_evidence >= 1 and stats.disputed_peers == [model.peers[name]]
             assert any(f"bisection to {where}" in e and "refuted (not convicted" in e for e in stats.spot_check_events)
             assert model.peers["T"] not in model.swarm.liars and stats.route[-1][0] == model.peers["T"]
+            if where == "block 4":  # H and M trusted (not T): the same bisection convicts F
+                out = generate(model, trusted_peers=[model.peers["H"], model.peers["M"]])
+                stats = model.last_generation_stats
+                assert out == greedy_reference, stats.spot_check_events
+                assert stats.liars_excluded == [model.peers[name]] and model.peers[name] in model.swarm.liars
+                assert any("bisection to block 4" in e and "refuted by evidence" in e for e in stats.spot_check_events)
+                assert model.peers["T"] not in model.swarm.liars | set(stats.disputed_peers)
     finally:
         stop(sybil_swarm, processes)
 
