@@ -19,8 +19,8 @@ passes already carry, so no new wire field). Then:
 - seeded sampling with a temperature alone (:func:`plain_sampled`): the draw is argmax(h . W / T + G)
   with G fixed by (seed, t) (protocol/sampling.py ``draw_noise``), so the same rule holds with
   d = h . (W[a] - W[b]) / T + G[a] - G[b] and the margin over T;
-- the two h differ: each tail may have sent an h made to fit its verdict; nothing is settled here
-  (a bisection over the span's blocks would narrow it to one block the client recomputes: not built).
+- the two h differ: each tail may have sent an h made to fit its verdict; nothing is settled here:
+  client/_evidence_disputes.py bisects the span's blocks to one the client replays (client/_bisection.py).
 
 Why no coalition can refute an honest tail this way: an honest tail's h is the true one (up to
 rounding far below the margin), and its token is the argmax of h . W, so d for its own token against

@@ -110,9 +110,11 @@ async def prefill_outputs(
     vocab_size: int,
     hidden_size: int,
     return_hidden: bool = False,
+    hidden_at: int = -1,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Prefill ``row`` on an open session in runs of at most ``chunk`` positions, all sent at once;
-    the logits (and final hidden states) of its last ``num_outputs`` positions, float32."""
+    the logits (and final hidden states) of its last ``num_outputs`` positions, float32; with
+    ``hidden_at`` (and ``return_hidden``), no logits (None) and the states entering that block."""
     first_output = len(row) - num_outputs
     wanted = []  # outputs asked of each chunk: the chunk's positions >= first_output
     for run_id, start in enumerate(range(0, len(row), chunk)):
@@ -125,6 +127,7 @@ async def prefill_outputs(
             token_ids=list(row[start:end]),
             return_logits=wanted[-1],
             return_hidden=return_hidden and wanted[-1] > 0,
+            hidden_at=hidden_at if return_hidden and wanted[-1] > 0 else -1,
         )
         await remote.send_step(step)
     parts = []
@@ -133,24 +136,26 @@ async def prefill_outputs(
         await remote.next_result(run_id, outputs=frames)
         if count:
             frames = [f for f in frames if f[0].run_id == run_id]
-            parts.append(_assemble(frames, count, vocab_size, hidden_size, return_hidden, remote.tail_peer))
-    logits = torch.cat([p[0] for p in parts])
+            state_only = return_hidden and hidden_at != -1
+            parts.append(_assemble(frames, count, vocab_size, hidden_size, return_hidden, remote.tail_peer, state_only))
+    logits = torch.cat([p[0] for p in parts]) if parts[0][0] is not None else None
     hidden = torch.cat([p[1] for p in parts]) if return_hidden else None
     return logits, hidden
 
 
-def _assemble(frames, num_outputs, vocab_size, hidden_size, return_hidden, tail_peer):
+def _assemble(frames, num_outputs, vocab_size, hidden_size, return_hidden, tail_peer, state_only=False):
     """Concatenate the tail's chunks, checking that they are exactly what was asked for (the tail
-    is another peer: a wrong shape is its fault, and failover routes around it)."""
+    is another peer: a wrong shape is its fault, and failover routes around it). ``state_only``: a
+    ``hidden_at`` run's, the states alone (logits None)."""
     logits, hidden, expected_offset = [], [], 0
+    widths = [hidden_size] if state_only else [vocab_size] + [hidden_size] * return_hidden
     for message, tensors in frames:
         count = tensors[0].shape[0] if tensors and tensors[0].ndim == 2 else -1
         shapes_ok = (
-            len(tensors) == 1 + return_hidden
+            len(tensors) == len(widths)
             and message.offset == expected_offset
             and 0 < count <= num_outputs - expected_offset
-            and tuple(tensors[0].shape) == (count, vocab_size)
-            and (not return_hidden or tuple(tensors[1].shape) == (count, hidden_size))
+            and all(tuple(t.shape) == (count, w) for t, w in zip(tensors, widths))
         )
         if not shapes_ok:
             raise ServerError(
@@ -160,11 +165,12 @@ def _assemble(frames, num_outputs, vocab_size, hidden_size, return_hidden, tail_
                 tail_peer,
                 ErrorCode.INTERNAL,
             )
-        logits.append(tensors[0].float())
+        if not state_only:
+            logits.append(tensors[0].float())
         if return_hidden:
-            hidden.append(tensors[1].float())
+            hidden.append(tensors[-1].float())
         expected_offset += count
     if expected_offset != num_outputs:
         message = f"the tail sent {expected_offset} of {num_outputs} rows of outputs"
         raise ServerError(message, tail_peer, ErrorCode.INTERNAL)
-    return torch.cat(logits), (torch.cat(hidden) if return_hidden else None)
+    return (torch.cat(logits) if logits else None), (torch.cat(hidden) if return_hidden else None)

@@ -45,6 +45,7 @@ class LMHeadRows:
 
     def __init__(self, source: str, config: Any):
         self.folder = Path(source) if os.path.isdir(source) else None
+        self.config = config  # a dispute's bisection rebuilds one block from it (client/_block_replay.py)
         tied = bool(getattr(config, "tie_word_embeddings", False))
         self.keys = ["lm_head.weight", "model.embed_tokens.weight"] if not tied else ["model.embed_tokens.weight"]
         self.vocab_size = int(getattr(config, "vocab_size", 0))

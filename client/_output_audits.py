@@ -365,10 +365,10 @@ def _names(route: Sequence[Hop]) -> str:
     return "[" + ", ".join(f"{hop.peer_id[-6:]}[{hop.start}:{hop.end})" for hop in route) + "]"
 
 
-async def fresh_pass(swarm, route: list[Hop], row: list[int], shape: tuple):
+async def fresh_pass(swarm, route: list[Hop], row: list[int], shape: tuple, hidden_at: int = -1):
     """(logits, hidden) of one fresh prefill session on ``route``, chunked as forward passes are;
     ``shape`` is (num_outputs, vocab_size, hidden_size, return_hidden). Also the evidence of a verdict
-    dispute (client/_evidence_disputes.py)."""
+    dispute (client/_evidence_disputes.py; ``hidden_at``: its bisection's block boundary)."""
     num_outputs, vocab_size, hidden_size, return_hidden = shape
     session = RemoteSession(
         swarm.p2p, route, len(row), timeout=swarm.request_timeout, prompts=swarm.prompts, adapter=swarm.active_adapter
@@ -376,6 +376,8 @@ async def fresh_pass(swarm, route: list[Hop], row: list[int], shape: tuple):
     try:
         await session.open()
         limit = swarm.route_step_limit(route)
-        return await prefill_outputs(session, row, num_outputs, limit, vocab_size, hidden_size, return_hidden)
+        return await prefill_outputs(
+            session, row, num_outputs, limit, vocab_size, hidden_size, return_hidden, hidden_at
+        )
     finally:
         await session.close()

@@ -129,9 +129,8 @@ class Step(msgspec.Struct, tag="step", kw_only=True, array_like=True, omit_defau
     tree when ``parents`` is set (protocol/trees.py).
     ``start_pos`` is also the rollback: every server trims its cache to it first.
 
-    On the wire an array that stops at the last field not at its default (:func:`encode`), so the
-    optional fields at the end (trees, looped runs) cost a plain chain lap nothing: new fields go
-    last, the rarest last of all.
+    On the wire an array that stops at the last field not at its default (:func:`encode`), so the optional
+    fields at the end (trees, looped runs) cost a plain chain lap nothing: new fields go last, the rarest last.
     """
 
     session_id: SessionId
@@ -166,6 +165,7 @@ class Step(msgspec.Struct, tag="step", kw_only=True, array_like=True, omit_defau
     # every server gathers those cache entries into a chain, then trims to start_pos. Not needed when
     # the kept nodes are the tree's first ones in run order and already a chain
     tree_path: list[int] = []
+    hidden_at: int = -1  # with return_hidden, the state entering this block of the tail's span (client/_bisection.py)
 
     @property
     def sampling_params(self) -> SamplingParams:

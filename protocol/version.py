@@ -61,3 +61,5 @@ PROTOCOL_VERSION = 9
 #    server's blocks, --max-backward-mib or its default); clients size a row's chunks to the smallest on the route.
 #    Constraint.stop_token_ids (a trailing field): ids besides EOS that end a constrained output (the tail's
 #    matcher counts them as stops); empty, a constraint's digest is its two fields as before.
+#    Step.hidden_at (a trailing field, -1 by default): with return_hidden, the hidden state entering that block of the
+#    tail's span instead of the final one (a dispute's bisection over the span's blocks, client/_bisection.py).

@@ -34,6 +34,7 @@ from protocol.limits import DEFAULT_GATHER_WINDOW
 from server import deep_prompts
 from server.adapters import SpanAdapter, SpanCancelled
 from server.adapters.base import BatchMember
+from server.boundary_state import forward_split, wants_boundary
 from server.compute import begin_run, finish_run, first_logits_row, planned_rows
 from server.memory import DEFAULT_MAX_BATCH_POSITIONS
 from server.session import QueuedRun, ServerSession
@@ -55,6 +56,7 @@ class Job:
     done: int = 0  # positions computed so far (a chunked run)
     outputs: list[torch.Tensor] = field(default_factory=list)  # output activations of the chunks computed
     blocks_s: float = 0.0  # the span's blocks' time on this run so far (its share of each pass)
+    boundary: list = field(default_factory=list)  # states at the Step's ``hidden_at`` of the chunks computed
 
     @property
     def size(self) -> int:
@@ -243,8 +245,21 @@ class BatchScheduler:
         self._count(batch)
         sessions, blocks = [batch[i][0].session for i in moving], batch[0][0].session.blocks
         started = time.perf_counter()
+        split = {j for j, i in enumerate(moving) if wants_boundary(sessions[j], batch[i][0].run.step.hidden_at)}
         with _adapter(self.span, batch[0][0].session.adapter):
-            results = deep_prompts.forward_batch(self.span, members, sessions, blocks) if members else []
+            plain = [j for j in range(len(members)) if j not in split]
+            found = deep_prompts.forward_batch(
+                self.span, [members[j] for j in plain], [sessions[j] for j in plain], blocks
+            )
+            results = [None] * len(members)
+            for j, result in zip(plain, found):
+                results[j] = result
+            for j in split:  # a dispute's evidence run: alone, keeping one boundary's state (server/boundary_state.py)
+                job = batch[moving[j]][0]
+                at = job.run.step.hidden_at
+                results[j], state = forward_split(self.span, members[j], sessions[j], blocks, at)
+                if state is not None:
+                    job.boundary.append(state)
         if any(r is not None and r.is_cuda for r in results):
             torch.cuda.synchronize()  # the pass's time is its work's, not its launch's
         per_position = (time.perf_counter() - started) / max(1, sum(batch[i][1] for i in moving))
@@ -280,6 +295,9 @@ class BatchScheduler:
         planned first rows of each (every verdict reads its first; server/verify_rows.py) in one
         call, then each run's verdict."""
         hiddens = {i: torch.cat(batch[i][0].outputs, dim=1) for i in finishing}
+        for i in finishing:  # a run that asked a boundary's state (server/boundary_state.py) carries it to its outputs
+            if batch[i][0].boundary:
+                batch[i][0].run.boundary = torch.cat(batch[i][0].boundary, dim=1)
         first_rows: dict[int, torch.Tensor] = {}
         meters = {i: CostMeter(batch[i][0].blocks_s) for i in finishing}
         tails = [i for i in finishing if batch[i][0].session.next_hop is None]

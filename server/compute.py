@@ -89,7 +89,7 @@ def finish_run(
     logits = LazyLogits(span, hidden, not step.parents, planned_rows(session, step), meter)
     if first_rows is not None:
         logits.seed(first_logits_row(step), first_rows)
-    outputs = _outputs(span, session, step, hidden, logits, meter) if step.return_logits else None
+    outputs = _outputs(span, session, step, hidden, logits, meter, run.boundary) if step.return_logits else None
     try:
         result = _verdict(session, step, logits)
     except ValueError as e:  # a committed id the session's constraint forbids (protocol/constraints.py)
@@ -176,15 +176,23 @@ def _outputs(
     hidden: torch.Tensor,
     logits: "LazyLogits",
     meter: CostMeter,
+    boundary: Optional[torch.Tensor] = None,
 ) -> list[tuple[RunOutputs, list[torch.Tensor]]]:
     """The logits (and final hidden states) of the run's last ``return_logits`` positions, cut into
-    messages of at most OUTPUTS_FRAME_BYTES of tensors each; the rows also serve verification."""
+    messages of at most OUTPUTS_FRAME_BYTES of tensors each; the rows also serve verification.
+    ``boundary``: the states at the Step's ``hidden_at`` (server/boundary_state.py), sent alone (no
+    logits: a bisection reads states only, and a row of logits is vocab / hidden times a state's bytes)."""
     first = hidden.shape[1] - step.return_logits
     row_bytes = 4 * (span.vocab_size + (hidden[0, 0].numel() if step.return_hidden else 0))
     rows_per_message = max(1, OUTPUTS_FRAME_BYTES // row_bytes)
     messages = []
     for offset in range(0, step.return_logits, rows_per_message):
-        part = hidden[:, first + offset : first + min(offset + rows_per_message, step.return_logits)]
+        end = first + min(offset + rows_per_message, step.return_logits)
+        if boundary is not None:
+            tensors = [boundary[0, first + offset : end].float()]
+            messages.append((RunOutputs(session_id=session.session_id, run_id=step.run_id, offset=offset), tensors))
+            continue
+        part = hidden[:, first + offset : end]
         tensors = [meter.logits(span, part)]
         logits.seed(first + offset, tensors[0])
         if step.return_hidden:

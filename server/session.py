@@ -34,6 +34,7 @@ class QueuedRun:
     step: Step
     hidden: Optional[torch.Tensor]  # activations from upstream; None at the head
     cancelled: bool = False
+    boundary: Optional[torch.Tensor] = None  # the state at the Step's hidden_at (server/boundary_state.py)
 
 
 @dataclass
@@ -152,6 +153,13 @@ class ServerSession:
             raise ProtocolError(
                 ErrorCode.BAD_REQUEST,
                 f"return_logits must be in [0, {num_new}] (the run's positions), and > 0 with return_hidden",
+            )
+        hidden_at = step.hidden_at if self.next_hop is None else -1  # the tail's to answer; other hops pass it on
+        if hidden_at != -1 and not (step.return_hidden and self.hop.start <= hidden_at <= self.hop.end):
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST,
+                f"hidden_at must be -1 or a block boundary in [{self.hop.start}, {self.hop.end}] of this hop, "
+                f"with return_hidden; got {step.hidden_at}",
             )
         try:
             validate_sampling(step.sampling_params)

@@ -12,7 +12,7 @@ import sys
 from typing import Sequence
 
 from protocol.errors import ErrorCode
-from tests.kit import faults
+from tests.kit import block_faults, faults
 
 
 def faulty(*options: str) -> list[str]:
@@ -42,6 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lie-in-rejection", action="store_true", help="lie in rejection-exchange verdicts too")
     p.add_argument("--lie-in-outputs", type=float, default=0.0, metavar="SHIFT", help="shift returned logits")
     p.add_argument("--made-up-hidden", type=float, default=0.0, metavar="X", help="add X to returned hidden states")
+    p.add_argument(
+        "--corrupt-block", type=int, default=-1, metavar="K", help="block K's output is off (--block-offset)"
+    )
+    p.add_argument("--block-offset", type=float, default=5.0, metavar="X", help="what --corrupt-block adds")
+    p.add_argument("--made-up-final", type=float, default=0.0, metavar="X", help="add X to final hidden states only")
     p.add_argument("--lie-in-logprobs", type=float, default=0.0, metavar="SHIFT", help="shift verdicts' log-probs")
     p.add_argument("--record-steps", default="", metavar="PATH", help="append what the tail sees of each Step")
     p.add_argument("--claim-factor", type=float, default=0.0, metavar="X", help="announce X x the measured throughput")
@@ -60,6 +65,8 @@ def patch(args: argparse.Namespace) -> None:
             faults.corrupt_outputs(span, args.corrupt)
         if args.block_delay_ms:
             faults.slow_blocks(span, args.block_delay_ms / 1000)
+        if args.corrupt_block >= 0:
+            block_faults.corrupt_block(span, args.corrupt_block, args.block_offset)
         if args.train_delay_ms or args.train_marker:
             faults.slow_training(span, args.train_delay_ms / 1000, args.train_marker)
         return span
@@ -93,6 +100,8 @@ def patch(args: argparse.Namespace) -> None:
         faults.lie_in_outputs(args.lie_in_outputs, args.made_up_hidden)
     if args.lie_in_logprobs:
         faults.lie_in_logprobs(args.lie_in_logprobs)
+    if args.made_up_final:
+        block_faults.made_up_final_hidden(args.made_up_final)
     if args.frame:
         faults.frame()
     if args.claim_factor:

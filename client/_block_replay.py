@@ -1,0 +1,107 @@
+"""One block of the model recomputed by the client, from the checkpoint's safetensors: the last step of a
+dispute's bisection over a span's blocks (client/_bisection.py; docs/reliability.md, "Bisection over the
+span's blocks").
+
+Why the client and why one block: a dispute whose two tails disagree on the hidden state is narrowed to
+the first block whose outputs differ while its inputs agree; that one block's computation the client can
+check itself. It builds transformers' own decoder layer for the block on the meta device, then reads only
+that block's tensors (``model.layers.{k}.*``) from the checkpoint, in float32: one block's weights,
+read only on a dispute and dropped after it (SmolLM2-135M: 14 MB; a 70B Llama: 3.4 GB). It runs the
+layer over the whole prefix (positions 0..t-1, causal mask, no cache). The boundary after the last
+block is the final norm (``model.norm.weight``), replayed the same way.
+
+Only what the client can rebuild is replayed: the Llama family (``model_type`` "llama"), a checkpoint
+it has as a local folder, servers of float32, bfloat16 or float16 without quantization; anything else
+settles nothing (:meth:`BlockReplay.refusal`).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+FAMILIES = ("llama",)  # model types whose decoder layer the client rebuilds
+DTYPES = ("float32", "bfloat16", "float16")  # servers' dtypes a float32 replay stands for (unquantized)
+
+
+class BlockReplay:
+    def __init__(self, source: str, config: Any):
+        self.folder = Path(source) if isinstance(source, (str, Path)) and os.path.isdir(source) else None
+        self.config = config
+        self.num_blocks = int(getattr(config, "num_hidden_layers", 0))
+
+    def refusal(self, records=()) -> Optional[str]:
+        """Why the client cannot replay this model's blocks for servers with ``records`` (None: it can)."""
+        if self.folder is None:
+            return "the client cannot read the checkpoint (not a local folder)"
+        if getattr(self.config, "model_type", None) not in FAMILIES:
+            return f"the client rebuilds no {getattr(self.config, 'model_type', None)!r} block (only {FAMILIES})"
+        for r in records:
+            if r is None or r.dtype not in DTYPES or (r.quantization or "none") != "none":
+                return "a tail's precision or quantization is not one the client replays"
+        return None
+
+    def tensors(self, prefix: str) -> Optional[dict[str, torch.Tensor]]:
+        """Every checkpoint tensor under ``prefix`` (prefix cut), float32; None where unreadable."""
+        from safetensors import safe_open
+
+        index = self.folder / "model.safetensors.index.json"
+        try:
+            if index.exists():
+                names = json.loads(index.read_text())["weight_map"]
+                shards = sorted({name for key, name in names.items() if key.startswith(prefix)})
+            else:
+                shards = ["model.safetensors"]
+            found = {}
+            for shard in shards:
+                with safe_open(str(self.folder / shard), framework="pt") as f:
+                    for key in f.keys():
+                        if key.startswith(prefix):
+                            found[key[len(prefix) :]] = f.get_tensor(key).float()
+            return found or None
+        except (OSError, ValueError, KeyError) as e:  # an unreadable shard settles nothing
+            logger.info(f"Could not read {prefix}* from {self.folder}: {e!r}")
+            return None
+
+    @torch.inference_mode()
+    def replay(self, block: int, inputs: torch.Tensor) -> Optional[torch.Tensor]:
+        """The output [t, hidden] float32 of block ``block`` (``num_blocks``: the final norm) over
+        ``inputs`` [t, hidden], the state entering it at positions 0..t-1; None where the tensors could
+        not be read or do not fit the layer."""
+        from transformers.models.llama import modeling_llama as llama
+
+        config = copy.deepcopy(self.config)
+        config._attn_implementation = "sdpa"
+        x = inputs.float()[None]
+        if block == self.num_blocks:
+            weights = self.tensors("model.norm.")
+            with torch.device("meta"):
+                module = llama.LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        else:
+            weights = self.tensors(f"model.layers.{block}.")
+            with torch.device("meta"):
+                module = llama.LlamaDecoderLayer(config, layer_idx=block)
+        if weights is None:
+            return None
+        try:
+            module.load_state_dict(weights, strict=True, assign=True)
+        except RuntimeError as e:  # names or shapes the layer does not have: settles nothing
+            logger.info(f"Block {block}'s tensors do not fit the layer: {e!r}")
+            return None
+        module = module.float().eval()
+        if block == self.num_blocks:
+            return module(x)[0]
+        t = x.shape[1]
+        positions = torch.arange(t)[None]
+        rotary = llama.LlamaRotaryEmbedding(config)
+        mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
+        out = module(x, attention_mask=mask, position_ids=positions, position_embeddings=rotary(x, positions))
+        return (out[0] if isinstance(out, tuple) else out)[0]
