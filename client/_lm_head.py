@@ -17,11 +17,12 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, TypeVar
 
 import torch
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 CHUNK_ROWS = 8192  # rows of the head read at a time by :meth:`LMHeadRows.stream`
 # config fields that put something between h . W and the logits (a cap, a scale): where one is set,
@@ -56,33 +57,34 @@ class LMHeadRows:
     def rows(self, ids: Sequence[int]) -> Optional[torch.Tensor]:
         """[len(ids), hidden] float32 rows, or None where the checkpoint is not a readable local
         folder (a hub repo, a missing shard, a key under another name)."""
-        if self.folder is None or not all(0 <= i < self.vocab_size for i in ids):
+        if not all(0 <= i < self.vocab_size for i in ids):
             return None
-        from safetensors import safe_open
-
-        for key in self.keys:
-            shard = self._shard_of(key)
-            if shard is None:
-                continue
-            try:
-                with safe_open(str(shard), framework="pt") as f:
-                    if key not in f.keys():
-                        continue
-                    matrix = f.get_slice(key)
-                    return torch.stack([matrix[i : i + 1][0] for i in ids]).float()
-            except Exception as e:  # an unreadable shard settles nothing; it is no verdict on anyone
-                logger.info(f"Could not read {key} from {shard}: {e!r}")
-                return None
-        return None
+        return self._read_head(lambda matrix: torch.stack([matrix[i : i + 1][0] for i in ids]).float(), "read")
 
     def stream(self, h: torch.Tensor, chunk: int = CHUNK_ROWS) -> Optional[HeadSums]:
         """:class:`HeadSums` of ``h`` [n, hidden], reading the head ``chunk`` rows at a time (never the
         whole matrix at once); None where the checkpoint is not a readable local folder."""
+        h = h.float().reshape(-1, self.hidden_size)
+
+        def sums(matrix) -> HeadSums:
+            lse = torch.full((len(h),), float("-inf"), dtype=torch.float64)
+            size_max, l1_max = torch.zeros(len(h)), 0.0
+            for start in range(0, self.vocab_size, chunk):
+                rows = matrix[start : min(start + chunk, self.vocab_size)].float()
+                lse = torch.logaddexp(lse, torch.logsumexp((h @ rows.T).double(), dim=-1))
+                size_max = torch.maximum(size_max, (h.abs() @ rows.abs().T).max(dim=-1).values)
+                l1_max = max(l1_max, float(rows.abs().sum(dim=-1).max()))
+            return HeadSums(lse, l1_max, size_max)
+
+        return self._read_head(sums, "stream")
+
+    def _read_head(self, read: Callable[[Any], T], what: str) -> Optional[T]:
+        """``read`` over the lazy slice of the head in the first local shard that holds it; None where
+        none does or it cannot be read (an unreadable shard settles nothing; it is no verdict on anyone)."""
         if self.folder is None:
             return None
         from safetensors import safe_open
 
-        h = h.float().reshape(-1, self.hidden_size)
         for key in self.keys:
             shard = self._shard_of(key)
             if shard is None:
@@ -91,17 +93,9 @@ class LMHeadRows:
                 with safe_open(str(shard), framework="pt") as f:
                     if key not in f.keys():
                         continue
-                    matrix = f.get_slice(key)
-                    lse = torch.full((len(h),), float("-inf"), dtype=torch.float64)
-                    size_max, l1_max = torch.zeros(len(h)), 0.0
-                    for start in range(0, self.vocab_size, chunk):
-                        rows = matrix[start : min(start + chunk, self.vocab_size)].float()
-                        lse = torch.logaddexp(lse, torch.logsumexp((h @ rows.T).double(), dim=-1))
-                        size_max = torch.maximum(size_max, (h.abs() @ rows.abs().T).max(dim=-1).values)
-                        l1_max = max(l1_max, float(rows.abs().sum(dim=-1).max()))
-                    return HeadSums(lse, l1_max, size_max)
-            except Exception as e:  # an unreadable shard settles nothing; it is no verdict on anyone
-                logger.info(f"Could not stream {key} from {shard}: {e!r}")
+                    return read(f.get_slice(key))
+            except Exception as e:
+                logger.info(f"Could not {what} {key} from {shard}: {e!r}")
                 return None
         return None
 
