@@ -29,6 +29,7 @@ from typing import Iterable, Optional
 from tests.kit.shard_weights import DEFAULT_WEIGHT, FILE_SECONDS
 
 ENV = "SPECSWARM_TEST_SHARD"
+NO_TESTS = 5  # pytest.ExitCode.NO_TESTS_COLLECTED
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -79,7 +80,8 @@ def _pump(stream, prefix: str, lock: threading.Lock) -> None:
 def run(shards: int, pytest_args: list[str]) -> int:
     """Run the shards at once, each line of their output prefixed with its shard; the worst exit code.
 
-    pytest's exit code 5 (no tests ran) in any shard fails the whole run, as it fails a single one."""
+    A shard dealt no test file (a run of fewer files than shards) exits 5, "no tests ran"; that fails
+    the run only when every shard did, as it fails a single pytest run."""
     if shards == 1:
         return subprocess.call([sys.executable, "-m", "pytest", *pytest_args], cwd=ROOT)
     lock = threading.Lock()
@@ -113,8 +115,15 @@ def run(shards: int, pytest_args: list[str]) -> int:
         pump.join(timeout=10)
     for shard, code in enumerate(codes, 1):
         print(f"shard {shard}/{shards}: pytest exit code {code}")
-    failed = [code for code in codes if code != 0]
-    return failed[0] if failed else 0
+    return combined_exit_code(codes)
+
+
+def combined_exit_code(codes: list[int]) -> int:
+    """The first shard's failure; 5 only when no shard ran a test; else 0."""
+    failed = [code for code in codes if code not in (0, NO_TESTS)]
+    if failed:
+        return failed[0]
+    return NO_TESTS if all(code == NO_TESTS for code in codes) else 0
 
 
 def weights_from_log(log: Path) -> dict[str, float]:

@@ -1,0 +1,36 @@
+"""The two-process suite runner (tests/kit/shards.py): how files are dealt and how exit codes combine."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.kit import shards
+from tests.kit.shard_weights import DEFAULT_WEIGHT, FILE_SECONDS
+
+
+def test_every_file_goes_to_exactly_one_shard_and_the_loads_are_close():
+    files = sorted(FILE_SECONDS) + ["tests/unknown/test_new.py"]
+    owner = shards.assign(files, 2)
+    assert set(owner) == set(files) and set(owner.values()) == {1, 2}
+    loads = [sum(FILE_SECONDS.get(f, DEFAULT_WEIGHT) for f in files if owner[f] == s) for s in (1, 2)]
+    # longest-first dealing ends within the largest single file of each other
+    assert abs(loads[0] - loads[1]) <= max(FILE_SECONDS.values())
+    assert shards.assign(reversed(files), 2) == owner  # the order files are collected in does not matter
+
+
+def test_a_run_with_fewer_files_than_shards_leaves_a_shard_empty():
+    assert shards.assign(["tests/test_layout.py"], 3) == {"tests/test_layout.py": 1}
+
+
+@pytest.mark.parametrize("value", ["", "0/2", "3/2", "1-2", "a/b"])
+def test_a_bad_shard_value_is_an_error_naming_the_variable(value):
+    with pytest.raises(ValueError, match=shards.ENV):
+        shards.parse(value)
+
+
+@pytest.mark.parametrize(
+    "codes, expected",
+    [([0, 0], 0), ([0, 1], 1), ([2, 1], 2), ([0, 5], 0), ([5, 5], 5), ([5, 1], 1)],
+)
+def test_exit_codes_combine_and_no_tests_fails_only_when_no_shard_ran_one(codes, expected):
+    assert shards.combined_exit_code(codes) == expected
