@@ -99,7 +99,7 @@ def client(swarm, path, *routes, hidden=(), **kwargs):
 
     model = AutoDistributedModelForCausalLM.from_pretrained(str(path), initial_peers=swarm.initial_peers, **kwargs)
     try:
-        names = {name for r in routes for name, _, _ in r}
+        names = {name for r in routes for name, _, _ in r} | set(hidden)  # a hidden server is excluded by peer id
         deadline = time.monotonic() + 120
         while not all(getattr(servers_by_name(model, 6).get(n), "state", None) == "online" for n in names):
             assert time.monotonic() < deadline, f"not all of {sorted(names)} came online"
