@@ -1,12 +1,13 @@
 """The suite in N pytest processes at once (``make test`` runs two): ``python -m tests.kit.shards``.
 
-Why: most of a test's wall time here is spent waiting on other processes (servers starting, the
-DHT settling, a delay proxy's 25 ms per hop, a SIGSTOPped peer's timeout), so one pytest process
-keeps the machine's two cores about half busy. Two processes, each running whole test files, fill
-them. Whole files, not single tests, because a file's module-scoped swarm must start once; files
-are dealt to the shards longest first by the seconds they took (tests/kit/shard_weights.py), so
-the shards end at about the same time. Each process is an ordinary pytest run that deselects the
-other shards' files (``SPECSWARM_TEST_SHARD=i/N``, read by tests/conftest.py), so a shard can be
+Why: much of a test's wall time is spent waiting on other processes (servers starting, the DHT
+settling, a delay proxy's 25 ms per hop, a SIGSTOPped peer's timeout), while the other core idles.
+Two processes, each running whole test files, took the suite from 2,034 s (one process, 47cdaaa) to
+1,657 s with 57 more tests (9abf4c4), both cores 90-99% busy (docs/benchmarks.md). Whole files, not
+single tests, because a file's module-scoped swarm must start once; files are dealt to the shards
+longest first by the seconds they took (tests/kit/shard_weights.py). That balances them only roughly:
+a file's seconds depend on what the other shard runs beside it. Each process is an ordinary pytest
+run that deselects the other shards' files (``SPECSWARM_TEST_SHARD=i/N``, read by tests/conftest.py), so a shard can be
 rerun alone: ``SPECSWARM_TEST_SHARD=2/2 python -m pytest tests``.
 
 pytest-xdist would deal tests to workers too, but its workers see every collected test, so
