@@ -18,7 +18,7 @@ from client._output_audits import fresh_pass, output_tolerance
 from client._output_evidence import evidence_ready, settle_logprobs
 from client.errors import ServerError
 from protocol.messages import Hop
-from protocol.sampling import draw_noise, draws_as_noise
+from protocol.seeded_draws import draw_noise
 
 logger = logging.getLogger("client._verdict_audits")
 
@@ -33,7 +33,7 @@ class EvidenceDisputes:
             return False
         if shadow_token is None:
             return evidence_ready(self.lm_head) is None
-        sampled = plain_sampled(self.sampling) and draws_as_noise() and evidence_ready(self.lm_head) is None
+        sampled = plain_sampled(self.sampling) and evidence_ready(self.lm_head) is None
         return self.verification == "match" and (plain_greedy(self.sampling) or sampled)
 
     async def _by_evidence(

@@ -2,7 +2,8 @@
 
 For every absolute position t the target's own choice y_t is a pure function of the logits that
 predict t, the tokens before t, the sampling parameters and t itself: the argmax for greedy, or a
-draw from the processed distribution with a generator keyed by (seed, t) only. A draft is
+draw from the processed distribution with a generator keyed by (seed, t) only (protocol/seeded_draws.py:
+the same draw on every peer, whatever its torch). A draft is
 accepted while it equals y_t; the first mismatch contributes y_t as the next token.
 
 Because y_t never depends on what was drafted, how many runs were in flight or whether a
@@ -15,8 +16,6 @@ module accepts more drafts and is exact in distribution instead (``verification=
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import math
 from typing import Optional, Sequence
 
@@ -35,6 +34,7 @@ from transformers.generation.logits_process import (
 
 from protocol.constraints import Guide
 from protocol.messages import SamplingParams, TokenLogprobs
+from protocol.seeded_draws import seeded_choice, seeded_uniform
 
 MAX_CORRECTION_TOP_K = 64  # the most ids (and 16-bit probabilities) a rejection sends down
 
@@ -122,18 +122,6 @@ class _GuideMask(LogitsProcessor):
         return self.guide.apply(scores, input_ids[0].tolist())
 
 
-def position_seed(seed: int, position: int, stream: str = "") -> int:
-    """A 63-bit generator seed that depends on (seed, position) only; ``stream`` names an
-    independent stream at the same position (the rejection exchange draws several there)."""
-    key = f"{seed}:{position}" if not stream else f"{seed}:{position}:{stream}"
-    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
-
-
-def position_generator(seed: int, position: int, stream: str = "") -> torch.Generator:
-    return torch.Generator().manual_seed(position_seed(seed, position, stream))
-
-
 def processed_scores(
     logits: torch.Tensor, context: Sequence[int], params: SamplingParams, guide: Optional[Guide] = None
 ) -> torch.Tensor:
@@ -158,29 +146,7 @@ def choose_token(
     scores = processed_scores(logits, context, params, guide)
     if not params.do_sample:
         return int(scores.argmax())
-    probs = torch.softmax(scores, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=position_generator(params.seed, position)))
-
-
-def draw_noise(seed: int, position: int, vocab_size: int) -> torch.Tensor:
-    """[vocab] float32 G with ``choose_token``'s seeded draw equal to argmax(log p + G) (ties aside):
-    torch's multinomial without replacement draws one token as argmax(p / E), E ~ Exp(1) from the
-    generator, whatever p is (checked by :func:`draws_as_noise`). So a sampled token, like a greedy
-    one, is an argmax, and two LM-head rows settle a dispute over it (client/_evidence.py)."""
-    e = torch.empty(vocab_size, dtype=torch.float32).exponential_(1, generator=position_generator(seed, position))
-    return -torch.log(e)
-
-
-@functools.lru_cache(maxsize=1)
-def draws_as_noise() -> bool:
-    """Whether this torch draws as :func:`draw_noise` says (20 random distributions of 1000 ids)."""
-    g = torch.Generator().manual_seed(0)
-    for position in range(20):
-        probs = torch.softmax(torch.randn(1000, generator=g) * 3, dim=-1)
-        drawn = int(torch.multinomial(probs, 1, generator=position_generator(1, position)))
-        if drawn != int((probs.log() + draw_noise(1, position, 1000)).argmax()):
-            return False
-    return True
+    return seeded_choice(torch.softmax(scores, dim=-1), params.seed, position)
 
 
 def top_logprobs(logits: torch.Tensor, chosen: int, k: int) -> TokenLogprobs:
@@ -307,7 +273,7 @@ def check_draft_q(draft_q: Optional[bytes], n_draft: int) -> list[float]:
 
 def draw_draft(probs: torch.Tensor, seed: int, position: int) -> int:
     """The client's draft for ``position``: x ~ q, probs: [vocab] (the processed q)."""
-    return int(torch.multinomial(probs, 1, generator=position_generator(seed, position, "draft")))
+    return seeded_choice(probs, seed, position, "draft")
 
 
 def verify_rejection(
@@ -338,17 +304,16 @@ def verify_rejection(
         scores = processed_scores(logits[row], history[:position], params, guide)
         probs = torch.softmax(scores, dim=-1)
         if i == n_draft:  # every draft accepted: the bonus token, by the usual rule
-            generator = position_generator(params.seed, position)
-            chosen_rows.append((row, int(torch.multinomial(probs, 1, generator=generator))))
+            chosen_rows.append((row, seeded_choice(probs, params.seed, position)))
             break
         x = history[position]
-        u = float(torch.rand((), generator=position_generator(params.seed, position, "accept")))
+        u = seeded_uniform(params.seed, position, "accept")
         if u * draft_q[i] < float(probs[x]):  # q >= p: always accepted (u < 1); else with p/q
             chosen_rows.append((row, x))
             continue
         top_p, top_ids = probs.topk(min(correction_top_k(params), probs.numel()))
         correction = (top_ids.tolist(), top_p.tolist())
-        chosen_rows.append((row, int(torch.multinomial(probs, 1, generator=position_generator(params.seed, position)))))
+        chosen_rows.append((row, seeded_choice(probs, params.seed, position)))
         break
     logprobs = [top_logprobs(logits[r], tok, num_logprobs) for r, tok in chosen_rows] if num_logprobs else []
     return len(chosen_rows) - 1, chosen_rows[-1][1], correction, logprobs
@@ -365,5 +330,4 @@ def sample_correction(top_ids: Sequence[int], top_p: Sequence[float], q: torch.T
     residual = (p - q.float()[ids]).clamp(min=0)
     if not float(residual.sum()) > 0:
         residual = p
-    index = torch.multinomial(residual, 1, generator=position_generator(seed, position, "correct"))
-    return int(ids[index])
+    return int(ids[seeded_choice(residual, seed, position, "correct")])

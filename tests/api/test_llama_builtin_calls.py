@@ -327,7 +327,7 @@ def eom_reference(reference, tokenizer, grammar, prompt, stops, sample):
     from transformers.generation.logits_process import LogitsProcessorList, TemperatureLogitsWarper
     from xgrammar.contrib.hf import LogitsProcessor
 
-    from protocol.sampling import position_generator
+    from protocol.seeded_draws import seeded_choice
 
     info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer), stop_token_ids=stops)
     processors = [LogitsProcessor(xgrammar.GrammarCompiler(info).compile_grammar(grammar))]
@@ -338,9 +338,7 @@ def eom_reference(reference, tokenizer, grammar, prompt, stops, sample):
         with torch.no_grad():
             scores = processors(torch.tensor([tokens]), reference(torch.tensor([tokens])).logits[:, -1].float())
         if sample:
-            drawn = torch.multinomial(
-                torch.softmax(scores[0], -1), 1, generator=position_generator(sample["seed"], len(tokens))
-            )
+            drawn = seeded_choice(torch.softmax(scores[0], -1), sample["seed"], len(tokens))
             tokens.append(int(drawn))
         else:
             tokens.append(int(scores[0].argmax()))

@@ -15,7 +15,7 @@ from client._calls import compiler_for
 from client.errors import SwarmError
 from protocol.constraints import constraint_from_options, constraint_from_response_format
 from protocol.messages import MAX_CONSTRAINT_CHARS, Constraint
-from protocol.sampling import position_generator
+from protocol.seeded_draws import seeded_choice
 from tests.kit.drafters import ScriptedDrafter
 from tests.kit.routes import ROUTES, pinned
 
@@ -66,7 +66,7 @@ def reference_sample(reference, model, kwargs, prompt, new_tokens, temperature, 
         with torch.no_grad():
             logits = reference(torch.tensor([tokens])).logits[:, -1].float()
         probs = torch.softmax(procs(torch.tensor([tokens]), logits)[0], dim=-1)
-        tokens.append(int(torch.multinomial(probs, 1, generator=position_generator(seed, len(tokens)))))
+        tokens.append(seeded_choice(probs, seed, len(tokens)))
         if tokens[-1] == model.config.eos_token_id:
             break
     return tokens[len(prompt) :]

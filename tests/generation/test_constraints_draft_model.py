@@ -14,7 +14,8 @@ from client._calls import compiler_for
 from client.draft_model import ModelDrafter
 from protocol.constraints import constraint_from_options
 from protocol.messages import SamplingParams
-from protocol.sampling import position_generator, processed_scores, with_output_start
+from protocol.sampling import processed_scores, with_output_start
+from protocol.seeded_draws import seeded_choice
 from tests.generation.test_constraints import (
     CONSTRAINTS,
     LONG_KEYS,
@@ -211,7 +212,7 @@ def test_constrained_rejection_exchange_matches_the_masked_target_over_2000_seed
     def plain_sample(seed: int) -> tuple[int, ...]:  # choose_token's draw, with the distributions memoized
         tokens = list(prompt)
         for _ in range(length):
-            draw = torch.multinomial(masked_probs(tokens), 1, generator=position_generator(seed, len(tokens)))
+            draw = seeded_choice(masked_probs(tokens), seed, len(tokens))
             tokens.append(int(draw))
         return tuple(tokens[len(prompt) :])
 

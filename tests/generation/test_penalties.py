@@ -13,7 +13,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from protocol.sampling import OutputPenalties, position_generator
+from protocol.sampling import OutputPenalties
+from protocol.seeded_draws import seeded_choice
 from tests.kit.reference import PROMPT
 from tests.kit.routes import ROUTES, pinned
 
@@ -61,7 +62,7 @@ def test_penalties_and_bias_sampled_equal_reference(tiny_model, tiny_reference):
             with torch.no_grad():
                 logits = tiny_reference(torch.tensor([tokens])).logits[:, -1].float()
             probs = torch.softmax(LogitsProcessorList(procs)(torch.tensor([tokens]), logits)[0], dim=-1)
-            tokens.append(int(torch.multinomial(probs, 1, generator=position_generator(seed, len(tokens)))))
+            tokens.append(seeded_choice(probs, seed, len(tokens)))
         return tokens
 
     tokens = reference(rules + warpers + [MinPLogitsWarper(min_p)])
