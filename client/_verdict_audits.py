@@ -3,15 +3,17 @@
 
 The tail's verdict decides each token, and a tail can compute honestly and lie only in its verdict
 (a wrong next token, a draft accepted that its own choice refutes): spot-checks of activations
-(client/_spot_checks.py) cannot see that. So the client keeps a *shadow session* on the
+(client/_spot_checks.py) cannot see that. So every audit runs a *shadow session* on the
 generation's route with the tail's blocks computed by another server of the same precision, and
 advances it with the tokens committed since the last audit, sent as drafts after the last audited
 one: an honest shadow tail accepts exactly the tokens the exact rule chooses (greedy, or seeded
-sampling, whose draws are fixed by (seed, position)). The shadow prefills the context once per
-generation; after that an audit costs one position per generated token on each of the shadow
-route's servers, whatever the context. Its Steps are shaped as the generation's live laps
-(client/_audit_shape.py): live-sized drafts and, where the live laps loop, ``loop_runs``, the runs
-the tail starts itself consumed as the live client consumes them (``_confirm``).
+sampling, whose draws are fixed by (seed, position)). The shadow's tail is drawn anew for every audit
+from a pool of at most three sessions (client/_shadow_turns.py: sybils on several machine groups must
+not shadow each other for a whole generation); each prefills the context once and catches up on its
+turn, so an audit costs about one position per generated token on each of the shadow route's
+servers. Its Steps are shaped as the generation's live laps (client/_audit_shape.py): live-sized
+drafts and, where the live laps loop, ``loop_runs``, the runs the tail starts itself consumed as the
+live client consumes them (``_confirm``).
 
 A shadow counts only if it could not be the same operator as the route's servers
 (client/_witnesses.py: trusted, or on another machine group); trusted shadows are preferred.
@@ -49,19 +51,18 @@ from client._lm_head import LMHeadRows
 from client._logprob_audits import first_disagreement, logprob_tolerance
 from client._rejection_audits import RejectionRuns, confirm
 from client._remote_session import RemoteSession
+from client._shadow_turns import ShadowTurns
 from client._spot_checks import AuditResult, BackgroundAudit, SpotChecker, alternatives, substituted
-from client._swarm import SECOND_PING
 from client._witnesses import Witnesses
 from client.errors import ServerError
 from protocol.messages import GREEDY, DraftOffer, Hop, SamplingParams, Step, StepResult
 
 logger = logging.getLogger(__name__)
 
-MAX_SHADOW_TRIES = 3  # substitutes tried for the shadow's tail when one cannot be reached
 DEFAULT_AUDIT_EVERY = 16  # committed tokens per audit (more: fewer audit laps, later catches)
 
 
-class VerdictAuditor(EvidenceDisputes, BackgroundAudit):
+class VerdictAuditor(ShadowTurns, EvidenceDisputes, BackgroundAudit):
     def __init__(
         self,
         swarm,
@@ -90,7 +91,8 @@ class VerdictAuditor(EvidenceDisputes, BackgroundAudit):
         self.rejection = RejectionRuns()  # the live runs' drafts and q, under rejection sampling
         self.max_length, self.sampling = 0, GREEDY
         self.live = LiveShape()  # what this generation's live laps look like (client/_audit_shape.py)
-        self._shadow: Optional[RemoteSession] = None
+        self._shadow: Optional[RemoteSession] = None  # the shadow whose turn it is (client/_shadow_turns.py)
+        self.parked: dict[str, tuple[RemoteSession, int, int]] = {}  # the others: session, held, next run id
         self._held = 0  # positions the shadow's caches hold (of ``audited``)
         self._next_run = 0
         self._given_up = 0  # history length an audit ended at without a verdict: not retried at the end
@@ -134,7 +136,7 @@ class VerdictAuditor(EvidenceDisputes, BackgroundAudit):
 
     async def cancel(self) -> None:
         await super().cancel()
-        await self._drop_shadow()
+        await self._drop_shadows()
 
     async def _run(self, route: list[Hop], ids: list[int], stats) -> None:
         self._given_up = len(ids)  # unless the audit confirms them (then nothing is left to audit)
@@ -232,53 +234,6 @@ class VerdictAuditor(EvidenceDisputes, BackgroundAudit):
     def _drafts(self, ids: list[int], position: int, limit: int) -> list[int]:
         """A live lap's count of committed tokens from ``position`` on, as the drafts of a run."""
         return ids[position : position + self.live.draft_count(self.rng, min(limit - 1, len(ids) - position))]
-
-    async def _ensure_shadow(self, route: list[Hop], length: int) -> bool:
-        """A shadow session on ``route`` with another server as its tail (kept across audits while
-        the route's tail and the shadow's servers stay the same and unexcluded)."""
-        shadow, excluded = self._shadow, self.swarm.excluded.current() | self.avoidance.disputants
-        if shadow is not None and (
-            shadow.route[:-1] != route[:-1]
-            or shadow.tail_peer == route[-1].peer_id
-            or any(hop.peer_id in excluded for hop in shadow.route)
-            or not self.avoidance.may_witness(shadow.tail_peer, [route[-1].peer_id])
-        ):
-            await self._drop_shadow()
-        if self._shadow is not None:
-            return True
-        found = alternatives(route, len(route) - 1, self.swarm.records, excluded, length)
-        if found:  # records outlive their servers by up to 3 update periods: drop those that do not answer
-            pings = [Hop(peer_id=info.peer_id, start=0, end=0) for info in found]
-            dead = set(await self.swarm.unresponsive(pings, again=SECOND_PING))
-            for peer_id in dead:
-                self.swarm.exclude(peer_id)  # the client's own failed ping: evidence
-            found = [info for info in found if info.peer_id not in dead]
-            await self.witnesses.refresh(self.swarm.p2p)  # the pings opened connections: their addresses
-        self.rng.shuffle(found)
-        found = self.witnesses.choose(found, [hop.peer_id for hop in route])  # independent ones, trusted first
-        # never a group that already disagreed with the tail's; servers of other disputed groups last
-        found = self.avoidance.witness_order(found, [route[-1].peer_id])
-        for attempt, candidate in enumerate(found[:MAX_SHADOW_TRIES]):
-            shadow_route = substituted(route, len(route) - 1, candidate.peer_id)
-            shadow = RemoteSession(
-                self.swarm.p2p,
-                shadow_route,
-                self.max_length,
-                timeout=self.swarm.request_timeout,
-                prompts=self.swarm.prompts,
-                adapter=self.swarm.active_adapter,
-            )
-            try:
-                await shadow.open()
-            except ServerError as e:  # e.g. a stale record of a server that is gone: blame by evidence, try another
-                await shadow.close()
-                await self.swarm.blame(shadow_route, e)
-                if attempt + 1 == min(len(found), MAX_SHADOW_TRIES):
-                    raise
-                continue
-            self._shadow, self._held, self._next_run = shadow, 0, 0
-            return True
-        return False
 
     async def _step(self, start: int, token_ids: list[int], n_draft: int, stats) -> StepResult:
         run_id = self._next_run
@@ -443,8 +398,3 @@ class VerdictAuditor(EvidenceDisputes, BackgroundAudit):
             return ids[t] if result.accepted == 1 else result.next_token
         finally:
             await session.close()
-
-    async def _drop_shadow(self) -> None:
-        shadow, self._shadow, self._held = self._shadow, None, 0
-        if shadow is not None:
-            await shadow.close()

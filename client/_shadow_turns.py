@@ -1,0 +1,123 @@
+"""Verdict audits' witnesses take turns: each audit is shadowed by a tail drawn anew (docs/reliability.md,
+"Witnesses take turns"; issue 35).
+
+Why: a shadow kept for the whole generation is one draw. Where k sybils on k machine groups sit among the
+candidates beside one honest tail, the draw is a sybil with probability k / (k + 1), and the sybils then
+confirm each other's lies for the whole generation: wrong tokens counted as confirmed by an independent
+stranger, with no warning. Drawn anew at every audit, the honest tail shadows at least one of n audits with
+probability 1 - (k / (k + 1))^n (n = 5 in a 48-token generation: 0.87 with k = 3), and one disagreement is
+enough: the dispute goes to a trusted judge or to evidence (client/_evidence_disputes.py), never to a vote.
+
+Cost bound: at most ``SHADOW_POOL`` shadow sessions a generation. A shadow whose turn is over is parked
+with its caches and its run ids; when drawn again it prefills only the tokens committed since its last turn
+(without verifying them: another shadow did) and verifies the new ones. So the shadows' prefill is at most
+``SHADOW_POOL`` times the context, where one kept shadow pays it once. A trusted shadow's word settles every
+dispute, so it keeps its turn (no draw while one serves).
+
+A mixin of :class:`client._verdict_audits.VerdictAuditor` (``_shadow``, ``_held``, ``_next_run`` are the
+shadow whose turn it is).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from client._remote_session import RemoteSession
+from client._spot_checks import alternatives, substituted
+from client._swarm import SECOND_PING
+from client.errors import ServerError
+from protocol.messages import Hop
+
+SHADOW_POOL = 3  # shadow sessions a generation may hold at once (the one whose turn it is and the parked)
+MAX_SHADOW_TRIES = 3  # substitutes tried for the shadow's tail when one cannot be reached
+
+
+class ShadowTurns:
+    async def _ensure_shadow(self, route: list[Hop], length: int) -> bool:
+        """A shadow session on ``route`` with another server as its tail, drawn for this audit."""
+        excluded = self.swarm.excluded.current() | self.avoidance.disputants
+        if self._shadow is not None and not self._fits(self._shadow, route, excluded):
+            await self._drop_shadow()
+        if self._shadow is not None:
+            if self.witnesses.is_trusted(self._shadow.tail_peer):
+                return True  # its word settles every dispute: it keeps its turn
+            # its caches hold one position fewer than it confirmed: a later Step carries the last confirmed id
+            self.parked[self._shadow.tail_peer] = (self._shadow, max(0, self._held - 1), self._next_run)
+            self._shadow, self._held = None, 0
+        for peer_id, (session, _, _) in list(self.parked.items()):
+            if not self._fits(session, route, excluded):
+                del self.parked[peer_id]
+                await session.close()
+        found = alternatives(route, len(route) - 1, self.swarm.records, excluded, length)
+        fresh = [info for info in found if info.peer_id not in self.parked]
+        if fresh:  # records outlive their servers by up to 3 update periods: drop those that do not answer
+            pings = [Hop(peer_id=info.peer_id, start=0, end=0) for info in fresh]
+            dead = set(await self.swarm.unresponsive(pings, again=SECOND_PING))
+            for peer_id in dead:
+                self.swarm.exclude(peer_id)  # the client's own failed ping: evidence
+            found = [info for info in found if info.peer_id not in dead]
+            await self.witnesses.refresh(self.swarm.p2p)  # the pings opened connections: their addresses
+        self.rng.shuffle(found)
+        found = self.witnesses.choose(found, [hop.peer_id for hop in route])  # independent ones, trusted first
+        # never a group that already disagreed with the tail's; servers of other disputed groups last
+        found = self._turn_order(self.avoidance.witness_order(found, [route[-1].peer_id]))
+        for attempt, candidate in enumerate(found[:MAX_SHADOW_TRIES]):
+            parked = self.parked.pop(candidate.peer_id, None)
+            if parked is not None:
+                self._shadow, self._held, self._next_run = parked
+                return True
+            shadow_route = substituted(route, len(route) - 1, candidate.peer_id)
+            shadow = RemoteSession(
+                self.swarm.p2p,
+                shadow_route,
+                self.max_length,
+                timeout=self.swarm.request_timeout,
+                prompts=self.swarm.prompts,
+                adapter=self.swarm.active_adapter,
+            )
+            try:
+                await shadow.open()
+            except ServerError as e:  # e.g. a stale record of a server that is gone: blame by evidence, try another
+                await shadow.close()
+                await self.swarm.blame(shadow_route, e)
+                if attempt + 1 == min(len(found), MAX_SHADOW_TRIES):
+                    raise
+                continue
+            self._shadow, self._held, self._next_run = shadow, 0, 0
+            return True
+        return False
+
+    def _turn_order(self, found: Sequence) -> list:
+        """The candidates in the order to try: a trusted one first as it came; otherwise one drawn at random
+        among the first rank (groups in no dispute) that are parked or, while the pool has room, fresh."""
+        found = list(found)
+        if not found or self.witnesses.is_trusted(found[0].peer_id):
+            return found
+        room = len(self.parked) < SHADOW_POOL  # with the drawn one, at most SHADOW_POOL sessions
+        eligible = [c for c in found if c.peer_id not in self.avoidance.peers and (c.peer_id in self.parked or room)]
+        if not eligible:
+            return found
+        pick = self.rng.choice(eligible)
+        return [pick, *(c for c in found if c is not pick)]
+
+    def _fits(self, shadow: RemoteSession, route: list[Hop], excluded: set[str]) -> bool:
+        """Whether ``shadow`` may still shadow ``route``: the same hops before the tail, another tail, nobody
+        excluded, and a tail whose group never disagreed with the route's tail's."""
+        return (
+            shadow.route[:-1] == route[:-1]
+            and shadow.tail_peer != route[-1].peer_id
+            and not any(hop.peer_id in excluded for hop in shadow.route)
+            and self.avoidance.may_witness(shadow.tail_peer, [route[-1].peer_id])
+        )
+
+    async def _drop_shadow(self) -> None:
+        shadow, self._shadow, self._held = self._shadow, None, 0
+        if shadow is not None:
+            await shadow.close()
+
+    async def _drop_shadows(self) -> None:
+        """The shadow whose turn it is and every parked one (the generation is over)."""
+        await self._drop_shadow()
+        parked, self.parked = self.parked, {}
+        for session, _, _ in parked.values():
+            await session.close()

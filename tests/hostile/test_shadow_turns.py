@@ -1,0 +1,60 @@
+"""Verdict audits' witnesses take turns (client/_shadow_turns.py): the draw each audit makes among the
+candidates, the pool bound, trusted witnesses keeping their turn, disputed groups drawn last. The shadows
+themselves on real servers: tests/hostile/test_sybils.py and test_trust.py (parked shadows revived there)."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from types import SimpleNamespace
+
+from client._avoidance import Avoidance
+from client._shadow_turns import SHADOW_POOL, ShadowTurns
+from client._witnesses import Witnesses
+
+
+class Turns(ShadowTurns):
+    def __init__(self, trusted=(), seed: int = 0):
+        self.witnesses = Witnesses(trusted)
+        self.avoidance = Avoidance(self.witnesses)
+        self.rng = random.Random(seed)
+        self.parked: dict = {}
+
+    def audit(self, found) -> str:
+        """One audit's draw: the first candidate tried serves, then is parked with the others."""
+        pick = self._turn_order(found)[0].peer_id
+        self.parked.pop(pick, None)
+        self.parked[pick] = ("session", 0, 0)
+        return pick
+
+
+def records(*names: str) -> list:
+    return [SimpleNamespace(peer_id=n) for n in names]
+
+
+def test_each_audit_draws_its_witness_anew_and_every_candidate_gets_turns():
+    """Three candidates, 40 audits: each candidate shadows some of them (a kept shadow would be one
+    candidate for all 40), and the pool never holds more than SHADOW_POOL sessions."""
+    turns = Turns()
+    counts = Counter(turns.audit(records("S2", "S3", "T")) for _ in range(40))
+    assert set(counts) == {"S2", "S3", "T"} and min(counts.values()) >= 5, counts
+    assert len(turns.parked) <= SHADOW_POOL
+
+
+def test_the_pool_bounds_the_sessions_a_generation_opens():
+    """Six candidates: once SHADOW_POOL of them hold sessions, later audits draw only among those."""
+    turns = Turns(seed=3)
+    picks = [turns.audit(records(*(f"S{i}" for i in range(6)))) for _ in range(60)]
+    assert len(set(picks)) == SHADOW_POOL
+    assert set(picks[SHADOW_POOL * 4 :]) <= set(turns.parked)
+
+
+def test_a_trusted_witness_is_tried_first_and_disputed_groups_last():
+    turns = Turns(trusted=["T"])
+    assert all(turns.audit(records("T", "S1", "S2")) == "T" for _ in range(10))  # callers sort trusted first
+    turns = Turns()
+    turns.avoidance.peers.update({"S1"})  # avoided after an unsettled dispute: drawn only when nothing else is
+    assert {turns.audit(records("S2", "S3", "S1")) for _ in range(30)} == {"S2", "S3"}
+    turns = Turns()
+    turns.avoidance.peers.update({"S1"})
+    assert turns.audit(records("S1")) == "S1"
