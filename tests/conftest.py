@@ -18,7 +18,7 @@ from swarm.local import LocalSwarm
 from tests.kit.checkpoints import build_tiny_llama
 from tests.kit.last_use import last_use
 from tests.kit.shards import ENV as SHARD_ENV
-from tests.kit.shards import keep_own_shard
+from tests.kit.shards import FileSeconds, keep_own_shard
 from tests.kit.swarms import LIMITS_MAX_POSITIONS, SERVER_ARGS, SMOL_SERVER_ARGS, TINY_SERVERS, start_inprocess
 
 lifeline.install_fork_hook()  # the DHT processes (and p2pd) of pytest's clients die with it, even on SIGKILL
@@ -37,14 +37,29 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     keep_own_shard(config, items)  # `make test` runs the suite as two pytest processes (tests/kit/shards.py)
 
 
-@pytest.fixture(scope="session")
-def artifacts_dir() -> Path:
+file_seconds = FileSeconds()  # each run leaves its per-file seconds: the shards' next weights
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    file_seconds.add(report)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    file_seconds.write(artifacts_path())
+
+
+def artifacts_path() -> Path:
     path = Path(__file__).resolve().parent.parent / "test-artifacts"
     shard = os.environ.get(SHARD_ENV)
     if shard:  # two shards run at once: each writes its swarms' logs under its own folder
         path = path / f"shard-{shard.replace('/', '-of-')}"
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+@pytest.fixture(scope="session")
+def artifacts_dir() -> Path:
+    return artifacts_path()
 
 
 @pytest.fixture(scope="session")

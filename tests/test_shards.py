@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from tests.kit import shards
 from tests.kit.shard_weights import DEFAULT_WEIGHT, FILE_SECONDS
+from tests.kit.shards import SECONDS_FILE, FileSeconds, weights_from_log
 
 
 def test_every_file_goes_to_exactly_one_shard_and_the_loads_are_close():
@@ -34,3 +37,15 @@ def test_a_bad_shard_value_is_an_error_naming_the_variable(value):
 )
 def test_exit_codes_combine_and_no_tests_fails_only_when_no_shard_ran_one(codes, expected):
     assert shards.combined_exit_code(codes) == expected
+
+
+def test_every_run_leaves_its_per_file_seconds_for_the_next_deal(tmp_path):
+    """tests/conftest.py adds every report's duration (setup, call, teardown) to its file and writes them when
+    the session ends; ``--weights`` reads them back as FILE_SECONDS."""
+    seconds = FileSeconds()
+    reports = [("tests/a/test_x.py::t[1]", 1.0), ("tests/a/test_x.py::t[2]", 2.5), ("tests/test_y.py::u", 0.5)]
+    for nodeid, duration in reports:
+        seconds.add(SimpleNamespace(nodeid=nodeid, duration=duration))
+    seconds.write(tmp_path)
+    assert weights_from_log(tmp_path / SECONDS_FILE) == {"tests/a/test_x.py": 3.5, "tests/test_y.py": 0.5}
+    FileSeconds().write(tmp_path / "nothing")  # a run that ran nothing writes nothing (and needs no folder)

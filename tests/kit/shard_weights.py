@@ -2,8 +2,9 @@
 
 Measured in the two-shard run of the whole suite at 0354954 (a fresh clone, ``PYTEST_ADDOPTS=--durations=0
 bash .ci/run``, the machine otherwise idle but for 3.5 minutes of one niced test file). Files missing here
-weigh ``DEFAULT_WEIGHT``. Refresh with ``python -m tests.kit.shards --weights LOG`` on the output of such a
-run: only the balance of the shards depends on these numbers."""
+weigh ``DEFAULT_WEIGHT``. Every run writes its shard's per-file seconds (tests/conftest.py); refresh after a
+``make test`` with ``python -m tests.kit.shards --weights test-artifacts/shard-*-of-2/file-seconds.json``: only
+the balance of the shards depends on these numbers."""
 
 from __future__ import annotations
 

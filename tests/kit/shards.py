@@ -18,6 +18,7 @@ slow everything beside them (that module says how much).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import signal
@@ -127,8 +128,31 @@ def combined_exit_code(codes: list[int]) -> int:
     return NO_TESTS if all(code == NO_TESTS for code in codes) else 0
 
 
+SECONDS_FILE = "file-seconds.json"  # what every run writes in its artifacts folder (tests/conftest.py)
+
+
+class FileSeconds:
+    """Seconds per test file (setup, call and teardown of its tests), written when the session ends: every
+    run, ``make test`` included, leaves the weights a later deal can use (``--weights``)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    def add(self, report) -> None:
+        path = file_of(report.nodeid)
+        self.seconds[path] = self.seconds.get(path, 0.0) + float(report.duration)
+
+    def write(self, folder: Path) -> None:
+        if self.seconds:
+            rounded = {path: round(secs, 1) for path, secs in sorted(self.seconds.items())}
+            (folder / SECONDS_FILE).write_text(json.dumps(rounded, indent=1) + "\n")
+
+
 def weights_from_log(log: Path) -> dict[str, float]:
-    """Per-file seconds from the ``--durations=0`` lines of a pytest log (shard prefixes allowed)."""
+    """Per-file seconds from a run's ``file-seconds.json`` or the ``--durations=0`` lines of a pytest log
+    (shard prefixes allowed)."""
+    if log.suffix == ".json":
+        return {path: float(secs) for path, secs in json.loads(log.read_text()).items()}
     seconds: dict[str, float] = {}
     pattern = re.compile(r"([\d.]+)s (?:call|setup|teardown)\s+(tests/\S+?\.py)::")
     for line in log.read_text(errors="replace").splitlines():
@@ -141,11 +165,20 @@ def weights_from_log(log: Path) -> dict[str, float]:
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tests.kit.shards", description=__doc__.split("\n\n")[0])
     p.add_argument("--shards", type=int, default=2, help="pytest processes at once (default 2)")
-    p.add_argument("--weights", type=Path, help="print FILE_SECONDS measured in this --durations=0 log and exit")
+    p.add_argument(
+        "--weights",
+        type=Path,
+        nargs="+",
+        help="print FILE_SECONDS measured in these runs (each shard's test-artifacts/shard-i-of-N/file-seconds.json, "
+        "or a --durations=0 log) and exit",
+    )
     p.add_argument("--plan", action="store_true", help="print which shard runs each file, and exit")
     args, pytest_args = p.parse_known_args(argv)
     if args.weights:
-        for path, secs in sorted(weights_from_log(args.weights).items()):
+        measured: dict[str, float] = {}
+        for source in args.weights:
+            measured.update(weights_from_log(source))
+        for path, secs in sorted(measured.items()):
             print(f'    "{path}": {secs:.1f},')
         return 0
     if args.shards < 1:
