@@ -145,7 +145,8 @@ async def confirm(auditor, route, ids: list[int], position: int, limit: int, sta
             auditor.trusted_confirmed.update(range(position, position + len(chosen)))
         position += len(chosen)
         first = position - 1  # the next Step carries the last confirmed token (it may overwrite a rejected draft)
-        auditor._held, auditor.audited = position, ids[:position]
+        auditor._held = auditor._verified = position
+        auditor.audited = ids[: max(position, len(auditor.audited))]
 
 
 def _with_q(step, q: bytes):

@@ -20,6 +20,7 @@ shadow whose turn it is).
 
 from __future__ import annotations
 
+import asyncio
 from typing import Sequence
 
 from client._remote_session import RemoteSession
@@ -33,8 +34,28 @@ MAX_SHADOW_TRIES = 3  # substitutes tried for the shadow's tail when one cannot 
 
 
 class ShadowTurns:
-    async def _ensure_shadow(self, route: list[Hop], length: int) -> bool:
-        """A shadow session on ``route`` with another server as its tail, drawn for this audit."""
+    async def _audits(self, route: list[Hop], ids: list[int], stats, final: bool) -> None:
+        """This audit's drawn witness; before the output is returned (``final``), every other witness of the
+        pool as well (filled up to ``SHADOW_POOL`` from the candidates), each verifying the tokens it has not
+        verified itself, unless a trusted witness confirmed them or a dispute sent the generation back."""
+        await asyncio.wait_for(self._audit(route, ids, stats), self.timeout)
+        used: set[str] = set()
+        while final and self._shadow is not None and len(used) < SHADOW_POOL - 1:
+            if self.witnesses.is_trusted(self._shadow.tail_peer) or len(self.audited) < len(ids):
+                return
+            used.add(self._shadow.tail_peer)
+            try:
+                if not await asyncio.wait_for(self._audit(route, ids, stats, frozenset(used)), self.timeout):
+                    return
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # this witness failed; what the others confirmed stands
+                stats.spot_check_events.append(f"verdict audit by a further witness failed: {e!r}")
+                await self._drop_shadow()
+                return
+
+    async def _ensure_shadow(self, route: list[Hop], length: int, skip: frozenset = frozenset()) -> bool:
+        """A shadow session on ``route`` with another server as its tail (none of ``skip``), drawn for this audit."""
         excluded = self.swarm.excluded.current() | self.avoidance.disputants
         if self._shadow is not None and not self._fits(self._shadow, route, excluded):
             await self._drop_shadow()
@@ -42,13 +63,15 @@ class ShadowTurns:
             if self.witnesses.is_trusted(self._shadow.tail_peer):
                 return True  # its word settles every dispute: it keeps its turn
             # its caches hold one position fewer than it confirmed: a later Step carries the last confirmed id
-            self.parked[self._shadow.tail_peer] = (self._shadow, max(0, self._held - 1), self._next_run)
-            self._shadow, self._held = None, 0
-        for peer_id, (session, _, _) in list(self.parked.items()):
+            parked = (self._shadow, max(0, self._held - 1), self._next_run, self._verified)
+            self.parked[self._shadow.tail_peer] = parked
+            self._shadow, self._held, self._verified = None, 0, 0
+        for peer_id, (session, *_) in list(self.parked.items()):
             if not self._fits(session, route, excluded):
                 del self.parked[peer_id]
                 await session.close()
         found = alternatives(route, len(route) - 1, self.swarm.records, excluded, length)
+        found = [info for info in found if info.peer_id not in skip]
         fresh = [info for info in found if info.peer_id not in self.parked]
         if fresh:  # records outlive their servers by up to 3 update periods: drop those that do not answer
             pings = [Hop(peer_id=info.peer_id, start=0, end=0) for info in fresh]
@@ -64,7 +87,7 @@ class ShadowTurns:
         for attempt, candidate in enumerate(found[:MAX_SHADOW_TRIES]):
             parked = self.parked.pop(candidate.peer_id, None)
             if parked is not None:
-                self._shadow, self._held, self._next_run = parked
+                self._shadow, self._held, self._next_run, self._verified = parked
                 return True
             shadow_route = substituted(route, len(route) - 1, candidate.peer_id)
             shadow = RemoteSession(
@@ -83,7 +106,7 @@ class ShadowTurns:
                 if attempt + 1 == min(len(found), MAX_SHADOW_TRIES):
                     raise
                 continue
-            self._shadow, self._held, self._next_run = shadow, 0, 0
+            self._shadow, self._held, self._next_run, self._verified = shadow, 0, 0, 0
             return True
         return False
 
@@ -111,7 +134,7 @@ class ShadowTurns:
         )
 
     async def _drop_shadow(self) -> None:
-        shadow, self._shadow, self._held = self._shadow, None, 0
+        shadow, self._shadow, self._held, self._verified = self._shadow, None, 0, 0
         if shadow is not None:
             await shadow.close()
 
@@ -119,5 +142,5 @@ class ShadowTurns:
         """The shadow whose turn it is and every parked one (the generation is over)."""
         await self._drop_shadow()
         parked, self.parked = self.parked, {}
-        for session, _, _ in parked.values():
+        for session, *_ in parked.values():
             await session.close()

@@ -92,8 +92,9 @@ class VerdictAuditor(ShadowTurns, EvidenceDisputes, BackgroundAudit):
         self.max_length, self.sampling = 0, GREEDY
         self.live = LiveShape()  # what this generation's live laps look like (client/_audit_shape.py)
         self._shadow: Optional[RemoteSession] = None  # the shadow whose turn it is (client/_shadow_turns.py)
-        self.parked: dict[str, tuple[RemoteSession, int, int]] = {}  # the others: session, held, next run id
+        self.parked: dict[str, tuple[RemoteSession, int, int, int]] = {}  # the others: session, held, run, verified
         self._held = 0  # positions the shadow's caches hold (of ``audited``)
+        self._verified = 0  # positions the shadow has verified itself (a parked one catches up from there)
         self._next_run = 0
         self._given_up = 0  # history length an audit ended at without a verdict: not retried at the end
 
@@ -132,16 +133,16 @@ class VerdictAuditor(ShadowTurns, EvidenceDisputes, BackgroundAudit):
         self.trusted_confirmed = {p for p in self.trusted_confirmed if p < common}
         if len(ids) - common < (1 if final else self.every) or common == 0:
             return
-        self.task = asyncio.ensure_future(self._run(list(route), list(ids), stats))
+        self.task = asyncio.ensure_future(self._run(list(route), list(ids), stats, final))
 
     async def cancel(self) -> None:
         await super().cancel()
         await self._drop_shadows()
 
-    async def _run(self, route: list[Hop], ids: list[int], stats) -> None:
+    async def _run(self, route: list[Hop], ids: list[int], stats, final: bool = False) -> None:
         self._given_up = len(ids)  # unless the audit confirms them (then nothing is left to audit)
         try:
-            await asyncio.wait_for(self._audit(route, ids, stats), self.timeout)
+            await self._audits(route, ids, stats, final)  # client/_shadow_turns.py
         except asyncio.CancelledError:
             raise
         except Exception as e:  # a server died, refused or timed out: no verdict on anyone
@@ -152,13 +153,15 @@ class VerdictAuditor(ShadowTurns, EvidenceDisputes, BackgroundAudit):
         finally:
             self._ended()
 
-    async def _audit(self, route: list[Hop], ids: list[int], stats) -> None:
-        if not await self._ensure_shadow(route, len(ids)):
-            stats.verdict_audits_skipped += 1
-            return
+    async def _audit(self, route: list[Hop], ids: list[int], stats, skip: frozenset = frozenset()) -> bool:
+        """One witness drawn (none of ``skip``) verifies the tokens it has not; False: there was none."""
+        if not await self._ensure_shadow(route, len(ids), skip):
+            stats.verdict_audits_skipped += 0 if skip else 1  # another final witness: none left is no skip
+            return False
         stats.verdict_audits += 1
         limit = self.swarm.route_step_limit(self._shadow.route)
-        start = len(self.audited)  # the first position not yet confirmed
+        # the first position this shadow has not verified itself (a fresh one: the first generated)
+        start = min(max(self._verified, self._prompt_len), len(self.audited))
         position = min(self._held, start - 1)
         keep = max(1, limit - 1)  # the context the first lap carries before its drafts, as a live one does
         while start - position > keep:  # the context the shadow lacks (its first audit: the prompt)
@@ -167,6 +170,7 @@ class VerdictAuditor(ShadowTurns, EvidenceDisputes, BackgroundAudit):
             position += count
         self._held = position
         await self._confirm(route, ids, start, limit, stats, position)
+        return True
 
     async def _confirm(self, route: list[Hop], ids: list[int], position: int, limit: int, stats, first: int) -> None:
         """Confirm ids[position:] in Steps shaped as live laps: live-sized drafts, a Step of k drafts
@@ -221,7 +225,8 @@ class VerdictAuditor(ShadowTurns, EvidenceDisputes, BackgroundAudit):
                 self.trusted_confirmed.update(range(position, position + len(chosen)))
             position += len(chosen)
             first = position - 1  # a later Step carries the last confirmed token before its drafts
-            self._held, self.audited = position, ids[:position]
+            self._held = self._verified = position
+            self.audited = ids[: max(position, len(self.audited))]  # a catch-up re-confirms others' tokens
             looped, run_id = bool(result.looped), run_id + 1
             # the run the tail started carries the offer's drafts if the head had it in time
             drafts = (

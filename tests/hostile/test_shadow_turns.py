@@ -24,7 +24,7 @@ class Turns(ShadowTurns):
         """One audit's draw: the first candidate tried serves, then is parked with the others."""
         pick = self._turn_order(found)[0].peer_id
         self.parked.pop(pick, None)
-        self.parked[pick] = ("session", 0, 0)
+        self.parked[pick] = ("session", 0, 0, 0)
         return pick
 
 

@@ -259,6 +259,35 @@ def test_two_sybils_framing_the_honest_tail_are_refuted_by_evidence(
         stop(sybil_swarm, processes)
 
 
+def test_colluding_liars_on_machine_groups_of_their_own_cannot_confirm_each_other(
+    sybil_swarm, tiny_llama_path, greedy_reference, tiny_reference
+):
+    """L1 and L2 tell the same lie past position 32 and, on 127.0.0.1, are each a machine group of its own
+    (k sybils on k groups), so each may witness for the other; L1 is live, nobody is trusted. A shadow
+    kept for the generation was L2 half the time and confirmed L1's lies. Now every witness of the pool
+    verifies the tokens before they are returned (client/_shadow_turns.py), so T disagrees, the evidence
+    refutes the liar, and the output equals local transformers, greedy and seeded alike; T is never
+    disputed, excluded or convicted."""
+    processes = start(sybil_swarm, "--lie-in-verdicts", "1", "--lie-after", "32", names=("G1", "G2"))
+    try:
+        with client(sybil_swarm, tiny_llama_path, route("G1"), route("G2"), route("T"), hidden=["U"]) as model:
+            liars = {model.peers["G1"], model.peers["G2"]}
+            params = SamplingParams(do_sample=True, temperature=0.8, seed=7)
+            expected = [greedy_reference, reference_sample(tiny_reference, PROMPT[0], NEW_TOKENS, params)]
+            for kwargs, wanted in zip([{}, dict(do_sample=True, temperature=0.8, seed=7)], expected):
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # tokens after a refutation may have no witness left
+                    out = generate(model, **kwargs)
+                stats = model.last_generation_stats
+                print(f"\ncolluding on groups of their own {kwargs}: {stats.spot_check_events}")
+                assert out == wanted, stats.spot_check_events
+                assert stats.disputed_peers and set(stats.disputed_peers) <= liars, stats.spot_check_events
+                assert model.peers["T"] not in model.swarm.liars | model.swarm.excluded.current()
+                assert stats.route[-1][0] == model.peers["T"]
+    finally:
+        stop(sybil_swarm, processes)
+
+
 @pytest.fixture(scope="module")
 def drafter(tiny_llama_path):
     """A draft model that disagrees with the target now and then (so the rule rejects drafts)."""
