@@ -17,7 +17,8 @@ RMS norm class), replayed the same way.
 Only what the client can rebuild is replayed: the families the servers' generic adapter serves (Llama,
 Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, GLM-4-MoE, gpt-oss:
 client/_replay_layers.py ``FAMILIES``; DeepSeek-V4 is refused by name), a checkpoint it has as a local
-folder, servers of float32, bfloat16 or float16 without quantization; anything else
+folder, servers of float32, bfloat16 or float16 without quantization (mixtures of experts: float32 only,
+their routing being discontinuous); anything else
 settles nothing (:meth:`BlockReplay.refusal`).
 """
 
@@ -49,13 +50,10 @@ class BlockReplay:
         """Why the client cannot replay this model's blocks for servers with ``records`` (None: it can)."""
         if self.folder is None:
             return "the client cannot read the checkpoint (not a local folder)"
-        why = layers.refusal(getattr(self.config, "model_type", None))
-        if why is not None:
-            return why
         for r in records:
             if r is None or r.dtype not in DTYPES or (r.quantization or "none") != "none":
                 return "a tail's precision or quantization is not one the client replays"
-        return None
+        return layers.refusal(getattr(self.config, "model_type", None), [r.dtype for r in records])
 
     def tensors(self, prefix: str) -> Optional[dict[str, torch.Tensor]]:
         """Every checkpoint tensor under ``prefix`` (prefix cut), float32; None where unreadable."""

@@ -34,6 +34,11 @@ FAMILIES = (
     "glm4_moe",
     "gpt_oss",
 )
+# mixtures of experts: their routers pick the top-k experts, a discontinuous choice that a 16-bit server and the
+# client's float32 replay may make differently at a near tie (then the honest side would not fit and a liar
+# sending the float32 replay would): replayed only for float32 tails, whose rounding differs from the replay's
+# by about 1e-7 (tests/hostile/test_bisection_families.py measures 3.8e-6 at most over a whole block)
+ROUTED = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss")
 REFUSED = {
     "deepseek_v4": "DeepSeek-V4's decoder layer is its own code (hyper-connection streams, hash-routed experts "
     "fed token ids, compressed caches), which the client does not rebuild",
@@ -43,12 +48,14 @@ MIXTRAL_NAMES = {"block_sparse_moe.": "mlp.", ".w1.": ".gate_proj.", ".w3.": ".u
 EXPERT = re.compile(r"^(.*experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
-def refusal(model_type: Optional[str]) -> Optional[str]:
-    """Why the client replays no block of ``model_type`` (None: it does)."""
+def refusal(model_type: Optional[str], dtypes=()) -> Optional[str]:
+    """Why the client replays no block of ``model_type`` for tails of ``dtypes`` (None: it does)."""
     if model_type in REFUSED:
         return REFUSED[model_type]
     if model_type not in FAMILIES:
         return f"the client rebuilds no {model_type!r} block (only {FAMILIES})"
+    if model_type in ROUTED and any(dtype != "float32" for dtype in dtypes):
+        return "a mixture of experts' routing may differ between a 16-bit tail and a float32 replay"
     return None
 
 

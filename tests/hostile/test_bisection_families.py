@@ -4,7 +4,7 @@ docs/reliability.md, "Bisection over the span's blocks").
 Unit: the client's replay of every block and the final norm of each served family's tiny random checkpoint
 (tests/kit/checkpoints.py; Llama's is in tests/hostile/test_bisection.py) equals transformers' hidden states,
 over 13 positions (past the 8-position sliding windows of Mistral, Qwen2 and gpt-oss); DeepSeek-V4 and an
-unserved family are refused by name.
+unserved family are refused by name, a mixture of experts with a 16-bit tail by its routing.
 
 Live, on a tiny Qwen3 (4 blocks, q/k norms): honest H, G (0:2) and T (2:4), and tails whose block 3 adds 5.0
 to its output (tests/kit/block_faults.py): FB (2:4, T's span) and FS (0:4, a span starting elsewhere).
@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -67,7 +68,7 @@ def test_the_client_replays_each_served_familys_blocks_as_transformers_computes_
     assert not torch.allclose(replay.replay(1, other), states[2][0], atol=1e-2)
 
 
-def test_deepseek_v4_and_unserved_families_are_refused_by_name(tiny_llama_path):
+def test_deepseek_v4_unserved_families_and_16_bit_mixtures_of_experts_are_refused(tiny_llama_path):
     from server.adapters import GENERIC_FAMILIES
 
     assert set(FAMILIES) == set(GENERIC_FAMILIES)  # the client's copy of what the generic adapter serves
@@ -75,6 +76,13 @@ def test_deepseek_v4_and_unserved_families_are_refused_by_name(tiny_llama_path):
     for model_type, why in (("deepseek_v4", "DeepSeek-V4's decoder layer is its own code"), ("gemma3", "rebuilds no")):
         config.model_type = model_type
         assert why in BlockReplay(str(tiny_llama_path), config).refusal()
+    tails = [SimpleNamespace(dtype=dtype, quantization="none") for dtype in ("float32", "bfloat16")]
+    for model_type, refused in (("llama", None), ("mixtral", "routing")):  # a 16-bit tail of a mixture of experts
+        config.model_type = model_type
+        replay = BlockReplay(str(tiny_llama_path), config)
+        assert replay.refusal(tails[:1]) is None
+        got = replay.refusal(tails)
+        assert got is None if refused is None else refused in got
 
 
 @pytest.fixture(scope="module")
