@@ -43,6 +43,12 @@ def spread(x: torch.Tensor, y: torch.Tensor) -> float:
     return value if value == value else float("inf")
 
 
+def row_spread(x: torch.Tensor, y: torch.Tensor) -> float:
+    """The largest :func:`spread` of two states [n, hidden] position by position (each against its own
+    scale), as client/_output_evidence.py compares final hidden states."""
+    return max(spread(a[None], b[None]) for a, b in zip(x, y))
+
+
 @dataclass
 class Divergence:
     """The first block ``block`` (``b``: the final norm) whose inputs agree and outputs differ: each

@@ -48,7 +48,7 @@ from typing import Collection, Mapping, Optional, Sequence
 import torch
 
 from client._avoidance import Avoidance
-from client._bisection import spread
+from client._bisection import row_spread
 from client._evidence import Settlement, bounds
 from client._forward import prefill_outputs
 from client._output_evidence import evidence_ready, settle_logits
@@ -269,7 +269,7 @@ class OutputAuditor:
             return Settlement(None, f"a tail's hidden states could not be read: {e!r}")
         tol = output_tolerance([route[-1], routes[1][-1]], records)
         noise, rounding = bounds([records.get(r[-1].peer_id) for r in routes])
-        if not spread(h_a, h_b) < tol:  # one h is made up or a block computed wrongly: find the block
+        if not row_spread(h_a.reshape(len(logits_a), -1), h_b.reshape(len(logits_b), -1)) < tol:  # find the block
             return await bisect_tails(
                 self.swarm, self.lm_head, (routes[0], routes[1]), row, (h_a, h_b), tol, _no_count, fresh_pass
             )

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 from typing import Callable
 
-from client._bisection import bisect, spread
+from client._bisection import bisect, row_spread
 from client._block_replay import BlockReplay
 from client._evidence import Settlement
 from client.errors import ServerError
@@ -45,7 +45,9 @@ async def bisect_tails(
     tail, other = routes[0][-1], routes[1][-1]
     a, b = max(tail.start, other.start), tail.end
     width = lm_head.hidden_size
-    said = f"the tails' final hidden states differ by {spread(*(f.reshape(-1, width) for f in finals)):.3g} >= {tol:g}"
+    said = (
+        f"the tails' final hidden states differ by {row_spread(*(f.reshape(-1, width) for f in finals)):.3g} >= {tol:g}"
+    )
     if tail.end != other.end:
         return Settlement(None, f"{said}; their spans end apart: no bisection")
     replay = BlockReplay(lm_head.folder, lm_head.config)
