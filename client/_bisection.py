@@ -1,8 +1,9 @@
-"""A verdict dispute whose two tails disagree on the final hidden state, narrowed by bisection over the
-span's blocks to one block the client recomputes itself (docs/reliability.md, "Bisection over the span's
-blocks"; issue 35).
+"""A dispute (a verdict's or a forward pass's) whose two tails disagree on the final hidden state, narrowed
+by bisection over the span's blocks to one block the client recomputes itself (docs/reliability.md,
+"Bisection over the span's blocks"; issue 35).
 
-Both tails hold the same blocks [a, b) (the common case; other spans settle nothing). The client asks each,
+The blocks [a, b) are those both tails hold (client/_tail_bisection.py says which and what is compared at
+a where their spans start apart). The client asks each,
 in fresh prefill sessions over the disputed prefix on its own route, for the hidden state entering a block
 ``k`` at every position (``Step.hidden_at``, the one wire field this adds): first at ``a`` (the span's
 input, from the hops before the tail) and at ``b`` (the last block's output, before the final norm), then
@@ -42,6 +43,12 @@ def spread(x: torch.Tensor, y: torch.Tensor) -> float:
     return value if value == value else float("inf")
 
 
+def row_spread(x: torch.Tensor, y: torch.Tensor) -> float:
+    """The largest :func:`spread` of two states [n, hidden] position by position (each against its own
+    scale), as client/_output_evidence.py compares final hidden states."""
+    return max(spread(a[None], b[None]) for a, b in zip(x, y))
+
+
 @dataclass
 class Divergence:
     """The first block ``block`` (``b``: the final norm) whose inputs agree and outputs differ: each
@@ -59,14 +66,16 @@ States = Callable[[int], Awaitable[tuple[torch.Tensor, torch.Tensor]]]
 async def first_divergence(states: States, a: int, b: int, finals, tol: float) -> Divergence | str:
     """Bisect blocks [a, b): ``states(k)`` gives both sides' states entering block k (k = b: the last
     block's output, before the final norm); ``finals`` both sides' final hidden states (after the norm).
-    A :class:`Divergence`, or why there is none to replay."""
+    ``finals`` [n, hidden] (or [hidden]: n = 1) are the prefix's last n positions. A :class:`Divergence`,
+    or why there is none to replay."""
     low = await states(a)
     if not spread(*low) < tol:
         return f"the span's inputs (entering block {a}) differ by {spread(*low):.3g} >= {tol:g}"
     high = await states(b)
     if spread(*high) < tol:  # every block agrees: the final norm made the difference
-        last = tuple(x[-1:] for x in high)  # the norm is per position: the disputed one alone
-        return Divergence(b, last, tuple(f.float().reshape(1, -1) for f in finals), norm=True)
+        outputs = tuple(f.float().reshape(-1, high[0].shape[-1]) for f in finals)
+        last = tuple(x[-len(outputs[0]) :] for x in high)  # the norm is per position: the disputed ones alone
+        return Divergence(b, last, outputs, norm=True)
     lo, hi = a, b
     while hi - lo > 1:
         mid = (lo + hi) // 2

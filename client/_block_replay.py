@@ -4,14 +4,21 @@ span's blocks").
 
 Why the client and why one block: a dispute whose two tails disagree on the hidden state is narrowed to
 the first block whose outputs differ while its inputs agree; that one block's computation the client can
-check itself. It builds transformers' own decoder layer for the block on the meta device, then reads only
-that block's tensors (``model.layers.{k}.*``) from the checkpoint, in float32: one block's weights,
+check itself. It builds transformers' own decoder layer for the block on the meta device (the class the
+family's ``PreTrainedModel`` names in ``_no_split_modules``: client/_replay_layers.py), then reads only
+that block's tensors (``model.layers.{k}.*``; a mixture of experts' per-expert tensors fused as the layer
+holds them) from the checkpoint, in float32: one block's weights,
 read only on a dispute and dropped after it (SmolLM2-135M: 14 MB; a 70B Llama: 3.4 GB). It runs the
-layer over the whole prefix (positions 0..t-1, causal mask, no cache). The boundary after the last
-block is the final norm (``model.norm.weight``), replayed the same way.
+layer over the whole prefix (positions 0..t-1, the family's rotary embedding, a causal mask, and the
+block's sliding window where it has one, as transformers' models read ``layer_types`` / ``sliding_window``;
+no cache). The boundary after the last block is the final norm (``model.norm.weight``, the layer's own
+RMS norm class), replayed the same way.
 
-Only what the client can rebuild is replayed: the Llama family (``model_type`` "llama"), a checkpoint
-it has as a local folder, servers of float32, bfloat16 or float16 without quantization; anything else
+Only what the client can rebuild is replayed: the families the servers' generic adapter serves (Llama,
+Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, GLM-4-MoE, gpt-oss:
+client/_replay_layers.py ``FAMILIES``; DeepSeek-V4 is refused by name), a checkpoint it has as a local
+folder, servers of float32, bfloat16 or float16 without quantization (mixtures of experts: float32 only,
+their routing being discontinuous); anything else
 settles nothing (:meth:`BlockReplay.refusal`).
 """
 
@@ -26,9 +33,10 @@ from typing import Any, Optional
 
 import torch
 
+from client import _replay_layers as layers
+
 logger = logging.getLogger(__name__)
 
-FAMILIES = ("llama",)  # model types whose decoder layer the client rebuilds
 DTYPES = ("float32", "bfloat16", "float16")  # servers' dtypes a float32 replay stands for (unquantized)
 
 
@@ -42,12 +50,10 @@ class BlockReplay:
         """Why the client cannot replay this model's blocks for servers with ``records`` (None: it can)."""
         if self.folder is None:
             return "the client cannot read the checkpoint (not a local folder)"
-        if getattr(self.config, "model_type", None) not in FAMILIES:
-            return f"the client rebuilds no {getattr(self.config, 'model_type', None)!r} block (only {FAMILIES})"
         for r in records:
             if r is None or r.dtype not in DTYPES or (r.quantization or "none") != "none":
                 return "a tail's precision or quantization is not one the client replays"
-        return None
+        return layers.refusal(getattr(self.config, "model_type", None), [r.dtype for r in records])
 
     def tensors(self, prefix: str) -> Optional[dict[str, torch.Tensor]]:
         """Every checkpoint tensor under ``prefix`` (prefix cut), float32; None where unreadable."""
@@ -76,24 +82,22 @@ class BlockReplay:
         """The output [t, hidden] float32 of block ``block`` (``num_blocks``: the final norm) over
         ``inputs`` [t, hidden], the state entering it at positions 0..t-1; None where the tensors could
         not be read or do not fit the layer."""
-        from transformers.models.llama import modeling_llama as llama
-
         config = copy.deepcopy(self.config)
-        config._attn_implementation = "sdpa"
+        # gpt-oss's attention sinks live only in its eager attention (as on the servers)
+        config._attn_implementation = "eager" if config.model_type == "gpt_oss" else "sdpa"
         x = inputs.float()[None]
-        if block == self.num_blocks:
-            weights = self.tensors("model.norm.")
-            with torch.device("meta"):
-                module = llama.LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        else:
-            weights = self.tensors(f"model.layers.{block}.")
-            with torch.device("meta"):
-                module = llama.LlamaDecoderLayer(config, layer_idx=block)
+        last = min(block, self.num_blocks - 1)  # the final norm: the layers' own RMS norm class
+        with torch.device("meta"):
+            module = layers.layer_class(config)(config, layer_idx=last)
+            if block == self.num_blocks:
+                module = type(module.post_attention_layernorm)(config.hidden_size, eps=config.rms_norm_eps)
+        weights = self.tensors("model.norm." if block == self.num_blocks else f"model.layers.{block}.")
         if weights is None:
             return None
         try:
+            weights = layers.fused(config, weights, set(module.state_dict()))
             module.load_state_dict(weights, strict=True, assign=True)
-        except RuntimeError as e:  # names or shapes the layer does not have: settles nothing
+        except (RuntimeError, KeyError) as e:  # names or shapes the layer does not have: settles nothing
             logger.info(f"Block {block}'s tensors do not fit the layer: {e!r}")
             return None
         module = module.float().eval()
@@ -101,7 +105,7 @@ class BlockReplay:
             return module(x)[0]
         t = x.shape[1]
         positions = torch.arange(t)[None]
-        rotary = llama.LlamaRotaryEmbedding(config)
-        mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
-        out = module(x, attention_mask=mask, position_ids=positions, position_embeddings=rotary(x, positions))
+        mask = layers.mask(t, layers.window(config, block))
+        embeddings = layers.rotary(config)(x, positions)
+        out = module(x, attention_mask=mask, position_ids=positions, position_embeddings=embeddings)
         return (out[0] if isinstance(out, tuple) else out)[0]

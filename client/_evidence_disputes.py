@@ -11,11 +11,11 @@ import asyncio
 import logging
 from typing import Optional
 
-from client._bisection import bisect, spread
-from client._block_replay import BlockReplay
+from client._bisection import spread
 from client._evidence import Settlement, bounds, plain_greedy, plain_sampled, settle
 from client._output_audits import fresh_pass, output_tolerance
 from client._output_evidence import evidence_ready, settle_logprobs
+from client._tail_bisection import bisect_tails
 from client.errors import ServerError
 from protocol.messages import Hop
 from protocol.seeded_draws import draw_noise
@@ -69,28 +69,14 @@ class EvidenceDisputes:
         return settle(h_tail, h_shadow, rows[0], rows[1], tol, noise, rounding, self.sampling.temperature, offset)
 
     async def _bisected(self, route: list[Hop], shadow_route: list[Hop], prefix: list[int], finals, tol: float, stats):
-        """The two tails' final hidden states differ: bisect their span's blocks (client/_bisection.py)."""
-        tail, other = route[-1], shadow_route[-1]
-        if (tail.start, tail.end) != (other.start, other.end):
-            return Settlement(None, "the tails' final hidden states differ; their spans differ: no bisection")
-        replay = BlockReplay(self.lm_head.folder, self.lm_head.config)
-        why = replay.refusal([self.swarm.records.get(hop.peer_id) for hop in (tail, other)])
-        if why is None and (self.swarm.prompts is not None or self.swarm.active_adapter):
-            why = "tuned prompts or an adapter change what a block computes"
-        if why is not None:
-            return Settlement(None, f"the tails' final hidden states differ; no bisection: {why}")
-        shape = (len(prefix), self.vocab_size, self.lm_head.hidden_size, True)
+        """The two tails' final hidden states differ: bisect the blocks both hold (client/_tail_bisection.py)."""
 
-        async def states(k: int):
-            passes = (fresh_pass(self.swarm, r, prefix, shape, k) for r in (route, shadow_route))
-            (_, x), (_, y) = await asyncio.wait_for(asyncio.gather(*passes), self.swarm.request_timeout)
-            stats.verdict_audit_positions += len(prefix) * (len(route) + len(shadow_route))
-            return x, y
+        def count(positions: int) -> None:
+            stats.verdict_audit_positions += positions
 
-        try:
-            return await bisect(states, replay.replay, tail.start, tail.end, finals, tol)
-        except (ServerError, asyncio.TimeoutError, OSError) as e:  # settles nothing (a tail may be down)
-            return Settlement(None, f"bisection: a tail's state could not be read: {e!r}")
+        return await bisect_tails(
+            self.swarm, self.lm_head, (route, shadow_route), prefix, finals, tol, count, fresh_pass
+        )
 
     async def _final_hidden(self, route: list[Hop], prefix: list[int], stats):
         """The final hidden state (after the final norm: what the LM head reads) at prefix's last position."""

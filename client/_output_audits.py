@@ -16,7 +16,8 @@ is a dispute, settled by the verdicts' evidence rule:
   moved the logits is convicted, never one framed by a hop it shared;
 - without one, a disagreement narrowed to the tail hop alone is settled by evidence where the client
   reads the checkpoint's LM head (client/_output_evidence.py): both tails' logits and final hidden
-  states behind the live route's hops before the tail; the refuted tail is convicted when every one
+  states behind the live route's hops before the tail (where the two h differ, the tails' blocks are
+  bisected to one the client replays: client/_tail_bisection.py); the refuted tail is convicted when every one
   of those hops is trusted, else avoided with its machine group (the other tail is not), and the
   other tail's pass is returned;
 - otherwise nobody is convicted (a vote among strangers is one operator's vote, k times):
@@ -47,12 +48,14 @@ from typing import Collection, Mapping, Optional, Sequence
 import torch
 
 from client._avoidance import Avoidance
+from client._bisection import row_spread
 from client._evidence import Settlement, bounds
 from client._forward import prefill_outputs
 from client._output_evidence import evidence_ready, settle_logits
 from client._remote_session import RemoteSession
 from client._spot_checks import alternatives, relative_difference, substituted
 from client._swarm import SECOND_PING
+from client._tail_bisection import bisect_tails
 from client._witnesses import Witnesses
 from client.errors import ServerError, UnconfirmedOutputsError, UnconfirmedOutputsWarning
 from protocol.messages import Hop
@@ -254,7 +257,8 @@ class OutputAuditor:
         """Both tails' logits and final hidden states over ``row``, each behind the live route's hops
         before the tail (a fresh pass each, ``return_hidden``), checked against the LM head's rows
         (client/_output_evidence.py). Each tail's logits and h come in one reply: an honest tail's fit
-        its own h whatever its input, so the hops before it cannot frame it."""
+        its own h whatever its input, so the hops before it cannot frame it. Where the two h differ, the
+        tails' blocks are bisected as a verdict dispute's are (client/_tail_bisection.py)."""
         records, routes = self.swarm.records, [route, substituted(route, len(route) - 1, alt)]
         num_outputs, vocab_size, hidden_size, _ = shape
         shape = (num_outputs, vocab_size, hidden_size, True)
@@ -265,6 +269,10 @@ class OutputAuditor:
             return Settlement(None, f"a tail's hidden states could not be read: {e!r}")
         tol = output_tolerance([route[-1], routes[1][-1]], records)
         noise, rounding = bounds([records.get(r[-1].peer_id) for r in routes])
+        if not row_spread(h_a.reshape(len(logits_a), -1), h_b.reshape(len(logits_b), -1)) < tol:  # find the block
+            return await bisect_tails(
+                self.swarm, self.lm_head, (routes[0], routes[1]), row, (h_a, h_b), tol, _no_count, fresh_pass
+            )
         return settle_logits(h_a, h_b, logits_a, logits_b, self.lm_head.rows, tol, noise, rounding)
 
     async def _settled(
@@ -359,6 +367,10 @@ class OutputAuditor:
 
     async def _pass(self, route: list[Hop], row: list[int], shape: tuple) -> Pass:
         return Pass(route, *await fresh_pass(self.swarm, route, row, shape))
+
+
+def _no_count(positions: int) -> None:
+    """The forward audits count no evidence positions (OutputAuditStats counts passes and disputes)."""
 
 
 def _names(route: Sequence[Hop]) -> str:

@@ -19,7 +19,8 @@ number from each h and checks each tail's claims against it:
 Why no coalition can refute an honest tail this way: its numbers are computed from its own h (the one
 it sends, up to the honest noise between two computations of a position) and the true rows, so they
 are within the bound of the recomputation from its own h whatever the other side sends; a
-dishonest side can only make the two h differ, which settles nothing.
+dishonest side can only make the two h differ, which settles nothing here: the caller then bisects the
+tails' blocks (client/_tail_bisection.py), where the same holds of each block.
 """
 
 from __future__ import annotations

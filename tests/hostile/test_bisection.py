@@ -142,7 +142,7 @@ def test_the_client_replays_a_checkpoints_block_and_final_norm_as_transformers_c
         torch.testing.assert_close(replay.replay(config.num_hidden_layers, pre_norm), states[-1][0])
     assert BlockReplay("some-org/some-model", config).refusal() is not None  # a hub repo: not downloaded
     other = copy.deepcopy(config)
-    other.model_type = "mistral"
+    other.model_type = "gemma3"
     assert "rebuilds no" in BlockReplay(str(tiny_llama_path), other).refusal()
 
 
