@@ -5,14 +5,17 @@ Why: a shadow kept for the whole generation is one draw. Where k sybils on k mac
 candidates beside one honest tail, the draw is a sybil with probability k / (k + 1), and the sybils then
 confirm each other's lies for the whole generation: wrong tokens counted as confirmed by an independent
 stranger, with no warning. Drawn anew at every audit, the honest tail shadows at least one of n audits with
-probability 1 - (k / (k + 1))^n (n = 5 in a 48-token generation: 0.87 with k = 3), and one disagreement is
-enough: the dispute goes to a trusted judge or to evidence (client/_evidence_disputes.py), never to a vote.
+probability 1 - (k / (k + 1))^n, and one disagreement is enough: the dispute goes to a trusted judge or to
+evidence (client/_evidence_disputes.py), never to a vote. Lies start anywhere, though, and a 48-token
+generation has three audits; so before the output is returned (:meth:`_audits`, ``final``) every witness of
+the pool, filled up to ``SHADOW_POOL``, verifies the tokens it has not verified itself: where the pool holds
+the honest tail (always, with at most ``SHADOW_POOL`` candidates), no lie is returned unchallenged.
 
 Cost bound: at most ``SHADOW_POOL`` shadow sessions a generation. A shadow whose turn is over is parked
-with its caches and its run ids; when drawn again it prefills only the tokens committed since its last turn
-(without verifying them: another shadow did) and verifies the new ones. So the shadows' prefill is at most
-``SHADOW_POOL`` times the context, where one kept shadow pays it once. A trusted shadow's word settles every
-dispute, so it keeps its turn (no draw while one serves).
+with its caches, its run ids and how far it verified; when drawn again it verifies from there (a fresh one
+from the first generated token). So each witness verifies each generated token at most once: at most
+``SHADOW_POOL`` positions per generated token on the shadow routes, where one kept shadow paid one. A trusted
+shadow's word settles every dispute, so it keeps its turn (no draw while one serves, no others at the end).
 
 A mixin of :class:`client._verdict_audits.VerdictAuditor` (``_shadow``, ``_held``, ``_next_run`` are the
 shadow whose turn it is).
