@@ -1,22 +1,21 @@
-"""Audits of verdicts: every committed token re-verified by another tail (docs/reliability.md,
-"Verdict audits").
+"""Audits of verdicts: every committed token re-verified by another tail (docs/reliability.md, "Verdict
+audits").
 
-The tail's verdict decides each token, and a tail can compute honestly and lie only in its verdict
-(a wrong next token, a draft accepted that its own choice refutes): spot-checks of activations
-(client/_spot_checks.py) cannot see that. So every audit runs a *shadow session* on the
-generation's route with the tail's blocks computed by another server of the same precision, and
-advances it with the tokens committed since the last audit, sent as drafts after the last audited
-one: an honest shadow tail accepts exactly the tokens the exact rule chooses (greedy, or seeded
-sampling, whose draws are fixed by (seed, position)). The shadow's tail is drawn anew for every audit
-from a pool of at most three sessions (client/_shadow_turns.py: sybils on several machine groups must
-not shadow each other for a whole generation); each prefills the context once and catches up on its
-turn, so an audit costs about one position per generated token on each of the shadow route's
-servers. Its Steps are shaped as the generation's live laps (client/_audit_shape.py): live-sized
-drafts and, where the live laps loop, ``loop_runs``, the runs the tail starts itself consumed as the
-live client consumes them (``_confirm``).
+The tail's verdict decides each token, and a tail can compute honestly and lie only in its verdict (a
+wrong next token, a draft accepted that its own choice refutes): spot-checks of activations
+(client/_spot_checks.py) cannot see that. So every audit runs a *shadow session* on the generation's
+route with the tail's blocks computed by another server of the same precision, and advances it with the
+tokens committed since the last audit, sent as drafts after the last audited one: an honest shadow tail
+accepts exactly the tokens the exact rule chooses (greedy, or seeded sampling, whose draws are fixed by
+(seed, position)). Every audit is verified in turn by each witness of a pool of up to three independent
+tails (client/_shadow_turns.py: sybils on several machine groups must not be the only witnesses of each
+other); each prefills the prompt once and verifies each generated token once, one position on each of
+the shadow route's servers. Its Steps are shaped as the generation's live laps (client/_audit_shape.py):
+live-sized drafts and, where the live laps loop, ``loop_runs``, the runs the tail starts itself consumed
+as the live client consumes them (``_confirm``).
 
-A shadow counts only if it could not be the same operator as the route's servers
-(client/_witnesses.py: trusted, or on another machine group); trusted shadows are preferred.
+A shadow counts only if it could not be the same operator as the route's servers (client/_witnesses.py:
+trusted, or on another machine group); trusted shadows are preferred.
 
 A disagreement at position t is settled only by a server the user trusts (``trusted_peers``): the shadow
 itself, the tail itself, or a third trusted server of the tail's blocks (a fresh session that verifies
@@ -133,16 +132,16 @@ class VerdictAuditor(ShadowTurns, EvidenceDisputes, BackgroundAudit):
         self.trusted_confirmed = {p for p in self.trusted_confirmed if p < common}
         if len(ids) - common < (1 if final else self.every) or common == 0:
             return
-        self.task = asyncio.ensure_future(self._run(list(route), list(ids), stats, final))
+        self.task = asyncio.ensure_future(self._run(list(route), list(ids), stats))
 
     async def cancel(self) -> None:
         await super().cancel()
         await self._drop_shadows()
 
-    async def _run(self, route: list[Hop], ids: list[int], stats, final: bool = False) -> None:
+    async def _run(self, route: list[Hop], ids: list[int], stats) -> None:
         self._given_up = len(ids)  # unless the audit confirms them (then nothing is left to audit)
         try:
-            await self._audits(route, ids, stats, final)  # client/_shadow_turns.py
+            await self._audits(route, ids, stats)  # each witness of the pool (client/_shadow_turns.py)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # a server died, refused or timed out: no verdict on anyone
