@@ -55,6 +55,7 @@ class RejectionRuns:
 
     def __init__(self) -> None:
         self.runs: dict[int, RecordedRun] = {}
+        self.shadow_accepted: dict[int, bool] = {}  # a disputed draft's position: whether the shadow accepted it
 
     def record(self, run: Run, accepted: int) -> None:
         if run.draft_q and not run.replay:
@@ -64,6 +65,7 @@ class RejectionRuns:
     def forget(self) -> None:
         """A re-verification re-commits every generated token by token match: no record holds."""
         self.runs.clear()
+        self.shadow_accepted.clear()
 
     def covering(self, position: int) -> Optional[tuple[RecordedRun, int]]:
         """The recorded run whose drafts include ``position``, and the index of that draft there."""
@@ -138,7 +140,10 @@ async def confirm(auditor, route, ids: list[int], position: int, limit: int, sta
         except ValueError as e:
             raise ServerError(f"the shadow's verdict on run {run_id}: {e}", shadow.tail_peer) from None
         for i, token in enumerate(chosen):
-            if token != ids[position + i]:
+            if (
+                token != ids[position + i]
+            ):  # the shadow's decision there, for the evidence (client/_processed_evidence.py)
+                runs.shadow_accepted[position + i] = i < result.accepted
                 await auditor._dispute(route, ids, position + i, token, stats)
                 return
         if auditor.witnesses.is_trusted(shadow.tail_peer):
