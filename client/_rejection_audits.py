@@ -15,8 +15,10 @@ drafts) are plain token match. A Step of the audit is then the live run's own St
 sampling), so a tail cannot tell them apart either.
 
 Log-probs are not compared under rejection (the client rewrites the one at a correction), and a
-dispute is settled only by the shadow or the tail being trusted (a trusted third verifies by token
-match, which the rejection rule is not).
+dispute is settled by the shadow or the tail being trusted (a trusted third verifies by token match,
+which the rejection rule is not) or by evidence: the client records the shadow's decision on a disputed
+draft (``shadow_accepted``) beside the live run's, and client/_processed_evidence.py refutes a decision
+only where no honest p allows it.
 """
 
 from __future__ import annotations

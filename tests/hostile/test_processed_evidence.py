@@ -2,7 +2,7 @@
 (client/_processed_evidence.py) on real SmolLM2-135M final hidden states and its LM head: an honest
 token (or decision) is never refuted, whatever the other side's h within the tolerance, including
 near ties built on purpose; a token no admissible perturbation lets win is refuted. The live
-scenario is in tests/hostile/test_sybils.py (``top-p``)."""
+scenario is in tests/hostile/test_sybils.py (``top_k_penalised``)."""
 
 from __future__ import annotations
 
