@@ -108,7 +108,7 @@ def kept(lo: torch.Tensor, hi: torch.Tensor, params: SamplingParams) -> tuple[to
     transformers processors: top-k keeps s[v] >= the k-th score; top-p keeps v while the mass ranked
     above it is < top_p; min-p keeps exp(s[v] - max s) >= min_p)."""
     possible, sure = torch.isfinite(hi), torch.isfinite(lo)
-    if not params.do_sample:
+    if not params.do_sample or not bool(possible.any()):  # nothing can be drawn at all: nothing is kept
         return sure, possible
     if params.top_k > 0:
         k = params.top_k
@@ -130,7 +130,8 @@ def kept(lo: torch.Tensor, hi: torch.Tensor, params: SamplingParams) -> tuple[to
         possible = possible & (min_mass < params.top_p + MASS_SLACK)
     if params.min_p > 0.0:
         floor = math.log(params.min_p)
-        top_lo, top_hi = float(lo[torch.isfinite(lo)].max()), float(hi[torch.isfinite(hi)].max())
+        top_lo = float(lo[torch.isfinite(lo)].max()) if bool(torch.isfinite(lo).any()) else -math.inf
+        top_hi = float(hi[torch.isfinite(hi)].max())
         sure = sure & (lo - top_hi > floor + ARITHMETIC)
         possible = possible & (hi - top_lo >= floor - ARITHMETIC)
     return sure, possible
