@@ -19,6 +19,9 @@ passes already carry, so no new wire field). Then:
 - seeded sampling with a temperature alone (:func:`plain_sampled`): the draw is argmax(h . W / T + G)
   with G fixed by (seed, t) (protocol/sampling.py ``draw_noise``), so the same rule holds with
   d = h . (W[a] - W[b]) / T + G[a] - G[b] and the margin over T;
+- any other processing (top-k, top-p, min-p, penalties, bias, a constraint) or a rejection-sampling
+  decision: every logit, bounded per row by the same terms, through the processing
+  (client/_processed_evidence.py);
 - the two h differ: each tail may have sent an h made to fit its verdict; nothing is settled here:
   client/_evidence_disputes.py bisects the span's blocks to one the client replays (client/_bisection.py).
 

@@ -1,5 +1,6 @@
 """The verdict auditor's disputes settled by evidence the client checks itself (client/_evidence.py for
-tokens, client/_output_evidence.py for top-K log-probs):
+plain greedy and temperature-only tokens, client/_processed_evidence.py for tokens under any other
+processing and rejection-sampling decisions, client/_output_evidence.py for top-K log-probs):
 kept apart from client/_verdict_audits.py so that the auditor's shadow and vote logic reads on its own.
 
 A mixin of :class:`client._verdict_audits.VerdictAuditor`: it reads the auditor's swarm, shadow,
@@ -11,10 +12,20 @@ import asyncio
 import logging
 from typing import Optional
 
+import torch
+
 from client._bisection import spread
 from client._evidence import Settlement, bounds, plain_greedy, plain_sampled, settle
 from client._output_audits import fresh_pass, output_tolerance
 from client._output_evidence import evidence_ready, settle_logprobs
+from client._processed_evidence import (
+    constraint_guide,
+    draw_noise_for,
+    logit_bounds,
+    processed_bounds,
+    settle_decision,
+    settle_token,
+)
 from client._tail_bisection import bisect_tails
 from client.errors import ServerError
 from protocol.messages import Hop
@@ -26,15 +37,16 @@ logger = logging.getLogger("client._verdict_audits")
 class EvidenceDisputes:
     def _settleable(self, shadow_token: Optional[int]) -> bool:
         """Whether a dispute can be settled by the LM head and a checkpoint the client can read: a token
-        under plain greedy token match or seeded sampling with a temperature alone (two rows and the
-        draw's noise, client/_evidence.py), or log-probs (raw, whatever the
-        sampling: the whole head, client/_output_evidence.py) where the logits are h . W."""
+        under plain greedy token match (two rows, client/_evidence.py), or, where the logits are h . W,
+        any other token or rejection decision (the whole head, client/_processed_evidence.py; a seeded
+        draw only where this torch draws as ``draw_noise`` says) and log-probs (client/_output_evidence.py)."""
         if self.lm_head is None or self.lm_head.folder is None:
             return False
         if shadow_token is None:
             return evidence_ready(self.lm_head) is None
-        sampled = plain_sampled(self.sampling) and evidence_ready(self.lm_head) is None
-        return self.verification == "match" and (plain_greedy(self.sampling) or sampled)
+        if self.verification == "match" and plain_greedy(self.sampling):
+            return True
+        return self.verification in ("match", "rejection") and evidence_ready(self.lm_head) is None
 
     async def _by_evidence(
         self, route: list[Hop], ids: list[int], t: int, shadow_token: Optional[int], stats, claims: tuple = ()
@@ -62,11 +74,38 @@ class EvidenceDisputes:
             return await asyncio.to_thread(
                 settle_logprobs, h_tail, h_shadow, *claims, self.lm_head, tol, noise, rounding
             )
+        if self.verification != "match" or not (plain_greedy(self.sampling) or plain_sampled(self.sampling)):
+            args = (h_tail, h_shadow, ids, t, shadow_token, noise, rounding)
+            return await asyncio.to_thread(self._processed, *args)  # streams the whole head: off the event loop
         if not self.sampling.do_sample:
             return settle(h_tail, h_shadow, rows[0], rows[1], tol, noise, rounding)
         g = draw_noise(self.sampling.seed, t, self.vocab_size)  # the seeded draw's own noise at t
         offset = float(g[ids[t]] - g[shadow_token])
         return settle(h_tail, h_shadow, rows[0], rows[1], tol, noise, rounding, self.sampling.temperature, offset)
+
+    def _processed(self, h_tail, h_shadow, ids: list[int], t: int, shadow_token: int, noise: float, rounding: float):
+        """A token under any processing, or a rejection decision (client/_processed_evidence.py), from
+        both tails' agreeing h: every logit's bounds through the session's processing at t."""
+        products = self.lm_head.products(torch.stack([h_tail, h_shadow]))
+        if products is None:
+            return Settlement(None, "the checkpoint's LM head could not be read")
+        guide = None
+        if self.sampling.constraint is not None:
+            guide = constraint_guide(self.lm_head, self.vocab_size, self.sampling)
+            if guide is None:
+                return Settlement(None, "the constraint's mask could not be rebuilt from the checkpoint's tokenizer")
+        lo, hi = logit_bounds(h_tail, h_shadow, products, noise, rounding)
+        found = processed_bounds(lo, hi, ids[:t], self.sampling, guide)
+        numbers = "hidden states agree; every logit bounded through the session's processing"
+        covering = self.rejection.covering(t) if self.verification == "rejection" else None
+        if covering is None:  # a token match (or the bonus draw after accepted drafts)
+            return settle_token(found, draw_noise_for(self.sampling, t, self.vocab_size), ids[t], shadow_token, numbers)
+        run, i = covering
+        shadow_accepted = self.rejection.shadow_accepted.get(t)
+        if shadow_accepted is None:
+            return Settlement(None, "the shadow's decision on the draft is unknown")
+        args = (found, self.sampling, t, run.q[i], run.accepted > i, shadow_accepted, run.drafts[i])
+        return settle_decision(*args)
 
     async def _bisected(self, route: list[Hop], shadow_route: list[Hop], prefix: list[int], finals, tol: float, stats):
         """The two tails' final hidden states differ: bisect the blocks both hold (client/_tail_bisection.py)."""

@@ -78,6 +78,25 @@ class LMHeadRows:
 
         return self._read_head(sums, "stream")
 
+    def products(
+        self, h: torch.Tensor, chunk: int = CHUNK_ROWS
+    ) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Every logit of ``h`` [n, hidden] (a sampled token's dispute under top-k, top-p, penalties:
+        client/_processed_evidence.py), read ``chunk`` rows at a time: (h . W [n, vocab], each row's L1
+        norm [vocab], max over h of |h| . |W[v]| [vocab]); None where the checkpoint cannot be read."""
+        h = h.float().reshape(-1, self.hidden_size)
+
+        def read(matrix):
+            logits, l1, size = [], [], []
+            for start in range(0, self.vocab_size, chunk):
+                rows = matrix[start : min(start + chunk, self.vocab_size)].float()
+                logits.append(h @ rows.T)
+                l1.append(rows.abs().sum(dim=-1))
+                size.append((h.abs() @ rows.abs().T).amax(dim=0))
+            return torch.cat(logits, dim=-1), torch.cat(l1), torch.cat(size)
+
+        return self._read_head(read, "read every row of")
+
     def _read_head(self, read: Callable[[Any], T], what: str) -> Optional[T]:
         """``read`` over the lazy slice of the head in the first local shard that holds it; None where
         none does or it cannot be read (an unreadable shard settles nothing; it is no verdict on anyone)."""

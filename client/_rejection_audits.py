@@ -15,8 +15,10 @@ drafts) are plain token match. A Step of the audit is then the live run's own St
 sampling), so a tail cannot tell them apart either.
 
 Log-probs are not compared under rejection (the client rewrites the one at a correction), and a
-dispute is settled only by the shadow or the tail being trusted (a trusted third verifies by token
-match, which the rejection rule is not).
+dispute is settled by the shadow or the tail being trusted (a trusted third verifies by token match,
+which the rejection rule is not) or by evidence: the client records the shadow's decision on a disputed
+draft (``shadow_accepted``) beside the live run's, and client/_processed_evidence.py refutes a decision
+only where no honest p allows it.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ class RejectionRuns:
 
     def __init__(self) -> None:
         self.runs: dict[int, RecordedRun] = {}
+        self.shadow_accepted: dict[int, bool] = {}  # a disputed draft's position: whether the shadow accepted it
 
     def record(self, run: Run, accepted: int) -> None:
         if run.draft_q and not run.replay:
@@ -64,6 +67,7 @@ class RejectionRuns:
     def forget(self) -> None:
         """A re-verification re-commits every generated token by token match: no record holds."""
         self.runs.clear()
+        self.shadow_accepted.clear()
 
     def covering(self, position: int) -> Optional[tuple[RecordedRun, int]]:
         """The recorded run whose drafts include ``position``, and the index of that draft there."""
@@ -138,7 +142,10 @@ async def confirm(auditor, route, ids: list[int], position: int, limit: int, sta
         except ValueError as e:
             raise ServerError(f"the shadow's verdict on run {run_id}: {e}", shadow.tail_peer) from None
         for i, token in enumerate(chosen):
-            if token != ids[position + i]:
+            if (
+                token != ids[position + i]
+            ):  # the shadow's decision there, for the evidence (client/_processed_evidence.py)
+                runs.shadow_accepted[position + i] = i < result.accepted
                 await auditor._dispute(route, ids, position + i, token, stats)
                 return
         if auditor.witnesses.is_trusted(shadow.tail_peer):

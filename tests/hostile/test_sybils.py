@@ -495,3 +495,41 @@ def test_the_gateway_refuses_unconfirmed_tokens_under_audit_required(sybil_swarm
             assert "no independent second server" in reply["error"]["message"]
             status, reply = _post(f"{served.url}/completions", {**body, "audit": "sometimes"})
             assert status == 400 and reply["error"]["param"] == "audit", reply
+
+
+TOP_K_PENALTY = SamplingParams(do_sample=True, top_k=20, repetition_penalty=1.3, seed=5)
+
+
+def test_a_sybil_pair_lying_about_a_top_k_penalised_draw_is_refuted_by_evidence(
+    sybil_swarm,
+    tiny_llama_path,
+    tiny_reference,
+    monkeypatch,
+):
+    """Evidence under any processing (client/_processed_evidence.py): T is live; P1 and P2 (one machine
+    group) shadow it and, from position 32 on, name a random id instead of the seeded top-k draw. Such
+    a dispute used to settle nothing (only plain greedy and temperature-only draws were evidence), so the
+    pair could keep T disputed forever. Now the client bounds every logit from both h through the
+    penalty, top-k and the draw's noise: the random id is outside every admissible top-20, so the shadow
+    is refuted (strangers before the tail: avoided, not convicted), T never is, and the output is the
+    seeded one."""
+    processes = start(sybil_swarm, "--lie-in-verdicts", "1", "--lie", "random", "--lie-after", "32", names=("P1", "P2"))
+    try:
+        with client(sybil_swarm, tiny_llama_path, route("T"), route("P1"), route("P2"), hidden=["U"]) as model:
+            pair = {model.peers["P1"], model.peers["P2"]}
+            on_one_machine(monkeypatch, pair)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the tokens after the pair's refutation have no shadow left
+                out = generate(model, do_sample=True, top_k=20, repetition_penalty=1.3, seed=5)
+            stats = model.last_generation_stats
+            print(f"\ntop-k + penalty, framed: {stats.spot_check_events}")
+            assert out == reference_sample(tiny_reference, PROMPT[0], NEW_TOKENS, TOP_K_PENALTY), (
+                stats.spot_check_events
+            )
+            assert stats.verdict_audits_by_evidence >= 1 and stats.verdict_audits_undecided == 0
+            assert stats.disputed_peers and set(stats.disputed_peers) <= pair  # the pair, never T
+            assert any("cannot win" in e and "refuted (not convicted" in e for e in stats.spot_check_events)
+            assert stats.liars_excluded == [] and model.peers["T"] not in model.swarm.excluded.current()
+            assert stats.route[-1][0] == model.peers["T"]
+    finally:
+        stop(sybil_swarm, processes)
