@@ -10,9 +10,11 @@ stream passes nothing but ErrorReply to the inbox (a forged StepResult relayed u
 dropped), and the tail gives the results stream only to a Subscribe carrying the session's secret,
 a random string only this client knows (route servers see its sha256 in OpenSession).
 
-Verdicts are bound to what was verified: each carries a digest of the Step the tail saw, keyed with
-that secret (protocol/digest.py), and a verdict whose digest differs from the Step this client sent
-raises RouteFault (some hop rewrote the Step; failover avoids the route). Errors that arrive as
+Verdicts are bound to what was verified: each carries a digest of every field of the Step the tail
+saw, keyed with that secret (protocol/digest.py), and a verdict whose digest differs from the Step
+this client sent raises RouteFault (some hop rewrote the Step; failover avoids the route), as do a
+verdict for a run never sent or one that skips a run still due, and outputs unasked or missing
+(client/_sent_runs.py): a hop may have caused each, so none is evidence against the tail alone. Errors that arrive as
 ErrorReply are hearsay (client/errors.py): they make failover check, never exclude by themselves.
 One exception: a tail's spent compile budget (``compile_budget``) comes on its results stream, which
 only the tail writes; the same code relayed up the head stream is a hop's forgery (a route fault).
@@ -31,9 +33,9 @@ import msgspec
 import torch
 from hivemind.p2p import P2P, PeerID
 
+from client._sent_runs import SentRuns
 from client.errors import RouteFault, ServerError, ServerRejected, ServerTimeout
 from protocol import limits, relay
-from protocol.digest import digest_of, step_digest
 from protocol.errors import RETRYABLE_CODES, ErrorCode, ProtocolError
 from protocol.messages import (
     GREEDY,
@@ -111,11 +113,9 @@ class RemoteSession:
         self._tail: Optional[MessageStream] = None
         self._inbox: asyncio.Queue[Message | _StreamLost | _Outputs | _Refusal] = asyncio.Queue()
         self._readers: list[asyncio.Task] = []
-        # run id -> (digest, start_pos, committed ids) of each run sent and not yet judged; and the
-        # (start_pos, first id) of runs the tail said it looped to the head (their drafts come in
-        # their verdict): what each verdict's step_digest must match
-        self._sent: dict[int, tuple[int, int, int]] = {}
-        self._looped: dict[int, tuple[int, int]] = {}
+        # the runs sent and those the tail said it looped to the head, not yet judged: what each
+        # verdict's step_digest and each run's outputs must match (client/_sent_runs.py)
+        self._runs = SentRuns(self.secret)
         self.closed = False
         # the most positions one Step may carry on this route: the smallest its servers announce
         # (set by SwarmClient.open_session; the client's own limit where no record says more)
@@ -227,11 +227,7 @@ class RemoteSession:
         wanted = step.sampling_params
         step.sampling = None if wanted == self.sampling_sent else wanted
         self.sampling_sent = wanted
-        self._sent[step.run_id] = (
-            digest_of(step, wanted, self.secret),
-            step.start_pos,
-            len(step.token_ids) - step.n_draft,
-        )
+        self._runs.sent(step, wanted)
         try:
             return await self._head.send(step)
         except (OSError, ConnectionError, RuntimeError) as e:
@@ -280,48 +276,25 @@ class RemoteSession:
                 if item.reply.run_id is not None and item.reply.run_id < min_run_id:
                     continue
                 raise _error_from(item.reply, self.head_peer, self.tail_peer if item.which == "tail" else None)
-            if isinstance(item, _Outputs) and item.message.run_id >= min_run_id and outputs is not None:
-                outputs.append((item.message, item.tensors))
+            if isinstance(item, _Outputs) and item.message.run_id >= min_run_id:
+                self._runs.outputs(item.message.run_id, _rows(item.tensors))  # asked for, or a route fault
+                if outputs is not None:
+                    outputs.append((item.message, item.tensors))
             if isinstance(item, StepResult) and item.run_id >= min_run_id:
-                self._check_verdict(item)
+                self._check_verdict(item, min_run_id)
                 return item
 
-    def _check_verdict(self, result: StepResult) -> None:
+    def _check_verdict(self, result: StepResult, waited_for: int) -> None:
         """The verdict must be about the Step this client sent (or, for a run the tail looped to
-        the head, the one the previous verdict announced, with the drafts this verdict names)."""
+        the head, the one the previous verdict announced, with the drafts this verdict names), for
+        the run due (``waited_for``) or a later one while none is due before it: else RouteFault."""
         if result.tail_costs is not None:  # data from a peer: nonsense is refused by name
             try:
                 check_tail_costs(result.tail_costs, self.max_positions_per_step)
             except ValueError as e:
                 message = f"the verdict on run {result.run_id}: {e}"
                 raise ServerError(message, self.tail_peer, ErrorCode.MALFORMED) from None
-        sent = self._sent.get(result.run_id)
-        if sent is not None:
-            expected, start, committed = sent
-        elif result.run_id in self._looped:
-            start, first = self._looped[result.run_id]
-            drafts, committed = list(result.run_drafts or ()), 1
-            expected = step_digest(
-                self.secret,
-                run_id=result.run_id,
-                start_pos=start,
-                token_ids=[first, *drafts],
-                n_draft=len(drafts),
-                sampling=self.sampling_sent,
-            )
-        else:
-            return  # a run this session never sent nor expected: the decoder refuses it
-        for table in (self._sent, self._looped):
-            for run_id in [r for r in table if r <= result.run_id]:
-                del table[run_id]
-        if result.step_digest != expected:
-            raise RouteFault(
-                f"the verdict on run {result.run_id} is about another Step than the one sent: a hop rewrote it",
-                "",
-                ErrorCode.DOWNSTREAM_FAILED,
-            )
-        if result.looped:
-            self._looped[result.run_id + 1] = (start + committed + result.accepted, result.next_token)
+        self._runs.judge(result, waited_for, self.sampling_sent)
 
     @property
     def bytes_sent(self) -> int:
@@ -341,6 +314,11 @@ class RemoteSession:
         for stream in (self._head, self._tail):
             if stream is not None:
                 stream.close()
+
+
+def _rows(tensors: list) -> int:
+    """The positions a RunOutputs message carries (its first tensor's rows; 0 if it has none)."""
+    return tensors[0].shape[0] if tensors and tensors[0].ndim == 2 else 0
 
 
 def _error_from(reply: Optional[Message], head: str, tail: Optional[str] = None) -> ServerError:

@@ -6,8 +6,9 @@
     │   ├── ServerTimeout       no answer in time
     │   ├── ServerRejected      the server refused the request (bad input, busy, ...)
     │   └── RouteFault          the route misbehaved, no single hop provably (a verdict on a Step
-    │                           the client did not send, a refused secret, a hop's refusal of what
-    │                           the head accepted): failover avoids the whole route
+    │                           or a run the client did not send, outputs unasked or missing, a
+    │                           refused secret, a hop's refusal of what the head accepted): failover
+    │                           avoids the whole route
     ├── GenerationError         failover gave up after its retries; ``__cause__`` is the last failure
     └── UnconfirmedTokensError  ``audit="required"``: some tokens no second tail confirmed
 

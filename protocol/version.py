@@ -1,6 +1,6 @@
 """The wire protocol's version. Peers that speak another version are refused with a clear error."""
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 # 2: Step.sampling is optional (None = greedy): a greedy run sends nil (1 byte) instead of the parameters.
 # 3: new activation codecs blockwise8/blockwise4 on the wire (protocol/compression.py).
 #    Also Step.return_logits/return_hidden and the RunOutputs message (forward passes: logits and
@@ -63,3 +63,11 @@ PROTOCOL_VERSION = 9
 #    matcher counts them as stops); empty, a constraint's digest is its two fields as before.
 #    Step.hidden_at (a trailing field, -1 by default): with return_hidden, the hidden state entering that block of the
 #    tail's span instead of the final one (a dispute's bisection over the span's blocks, client/_bisection.py).
+# 10: the verdict digest (StepResult.step_digest, protocol/digest.py) binds every field of the Step the tail verified:
+#    also session_id, top_logprobs, return_logits, return_hidden, tail_drafts, loop_runs and hidden_at (a v9 tail
+#    digested ids, positions, drafts, tree, draft_q and sampling only, so a hop could rewrite the rest unseen), as
+#    (name, value) pairs of the fields not at their default; no field changes on the wire. A v9 tail's digest
+#    would differ from a v10 client's on every Step, hence a new version.
+#    Also in 10: seeded draws from NumPy's Philox raw words keyed by (seed, position, stream), a token as the
+#    exponential race argmax(p / E) (protocol/seeded_draws.py), instead of torch's generator, whose stream torch does
+#    not keep across versions: every peer draws alike whatever its torch; a v9 peer draws other tokens for a seed.

@@ -22,6 +22,7 @@ from hivemind.p2p import P2P, PeerID
 
 from protocol import limits
 from protocol.errors import ProtocolError
+from protocol.looped_steps import following_step
 from protocol.messages import LoopedRun, Step, StepResult
 from protocol.streams import SESSION_PROTOCOL, MessageStream
 from server.session import ServerSession
@@ -59,28 +60,16 @@ def name_run_drafts(session: ServerSession, step: Step, result: StepResult) -> S
 
 
 def following_run(session: ServerSession, step: Step, result: StepResult) -> Optional[LoopedRun]:
-    """The run after ``result``, for the tail to start at the head; None when this verdict cannot be
+    """The run after ``result``, for the tail to start at the head (built by protocol/looped_steps.py, as
+    the client rebuilds it to check the verdict's digest); None when this verdict cannot be
     continued without the client: trees, the rejection exchange (the client draws the token),
     forward passes, and a run past the session's max_length."""
     if step.parents or step.draft_q is not None or step.return_logits:
         return None
-    start = step.start_pos + len(step.token_ids) - step.n_draft + result.accepted
-    ids = [result.next_token, *result.drafts]
-    if start + len(ids) > session.max_length:
+    following = following_step(step, result.accepted, result.next_token, result.drafts)
+    if following.start_pos + len(following.token_ids) > session.max_length:
         return None
-    return LoopedRun(
-        step=Step(
-            session_id=session.session_id,
-            run_id=step.run_id + 1,
-            start_pos=start,
-            token_ids=ids,
-            n_draft=len(result.drafts),
-            top_logprobs=step.top_logprobs,
-            tail_drafts=step.tail_drafts,
-            loop_runs=step.loop_runs - 1,
-        ),
-        accepted=result.accepted,
-    )
+    return LoopedRun(step=following, accepted=result.accepted)
 
 
 def remember_started(session: ServerSession, run_id: int) -> bool:

@@ -30,7 +30,7 @@ def _verdicts(monkeypatch) -> list[StepResult]:
     seen: list[StepResult] = []
     check = RemoteSession._check_verdict
     monkeypatch.setattr(
-        RemoteSession, "_check_verdict", lambda self, result: seen.append(result) or check(self, result)
+        RemoteSession, "_check_verdict", lambda self, result, *due: seen.append(result) or check(self, result, *due)
     )
     return seen
 

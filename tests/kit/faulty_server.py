@@ -12,7 +12,7 @@ import sys
 from typing import Sequence
 
 from protocol.errors import ErrorCode
-from tests.kit import block_faults, faults
+from tests.kit import block_faults, faults, field_rewrites
 
 
 def faulty(*options: str) -> list[str]:
@@ -27,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train-delay-ms", type=float, default=0.0, help="sleep before each training backward")
     p.add_argument("--train-marker", default="", metavar="PATH", help="touch PATH when a training backward starts")
     p.add_argument("--rewrite-steps", type=int, default=0, metavar="N", help="rewrite one forwarded Step in N")
+    p.add_argument("--rewrite-field-file", default="", metavar="PATH", help="rewrite the Step field PATH names")
     p.add_argument("--accuse", type=int, default=0, metavar="N", help="drop one Step in N, blaming the tail")
     p.add_argument("--accuse-code", default=ErrorCode.DOWNSTREAM_FAILED.value, choices=[c.value for c in ErrorCode])
     p.add_argument("--replace-secret-hash", action="store_true", help="forward OpenSession with another secret_hash")
@@ -76,6 +77,8 @@ def patch(args: argparse.Namespace) -> None:
             super().__init__(*a, **kw)
             if args.rewrite_steps:
                 faults.rewrite_steps(self, args.rewrite_steps)
+            if args.rewrite_field_file:
+                field_rewrites.rewrite_field(self, args.rewrite_field_file)
             if args.accuse:
                 faults.accuse(self, args.accuse, ErrorCode(args.accuse_code))
             if args.replace_secret_hash:
