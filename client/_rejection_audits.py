@@ -142,9 +142,7 @@ async def confirm(auditor, route, ids: list[int], position: int, limit: int, sta
         except ValueError as e:
             raise ServerError(f"the shadow's verdict on run {run_id}: {e}", shadow.tail_peer) from None
         for i, token in enumerate(chosen):
-            if (
-                token != ids[position + i]
-            ):  # the shadow's decision there, for the evidence (client/_processed_evidence.py)
+            if token != ids[position + i]:  # the shadow's decision there, for client/_processed_evidence.py
                 runs.shadow_accepted[position + i] = i < result.accepted
                 await auditor._dispute(route, ids, position + i, token, stats)
                 return
