@@ -30,9 +30,7 @@ on one public /24 by patching ``machine_group``, as two sybils of one operator w
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import time
 import types
 import urllib.error
 import urllib.request
@@ -43,7 +41,6 @@ import torch
 
 from client import _verdict_audits
 from client._audit_shape import LiveShape
-from client._swarm import ExclusionList
 from client.errors import UnconfirmedTokensError, UnconfirmedTokensWarning
 from protocol.messages import Hop, SamplingParams, StepResult
 from swarm.local import LocalSwarm, kill_group
@@ -51,8 +48,8 @@ from tests.kit import faults
 from tests.kit.faulty_server import faulty
 from tests.kit.machine_groups import on_one_machine
 from tests.kit.reference import PROMPT, reference_sample
-from tests.kit.routes import PreferredRoutes
-from tests.kit.swarms import SERVER_ARGS, servers_by_name
+from tests.kit.routes import routed_client
+from tests.kit.swarms import SERVER_ARGS
 
 NEW_TOKENS = 40
 HONEST = {"H": (0, 2), "M": (2, 4), "T": (4, 6), "U": (4, 6)}
@@ -92,26 +89,7 @@ def greedy_reference(tiny_reference):
     return out[0, len(PROMPT[0]) :].tolist()
 
 
-@contextlib.contextmanager
-def client(swarm, path, *routes, hidden=(), **kwargs):
-    """A client routed by ``routes`` (servers by name) that never sees the servers in ``hidden``."""
-    from swarm import AutoDistributedModelForCausalLM
-
-    model = AutoDistributedModelForCausalLM.from_pretrained(str(path), initial_peers=swarm.initial_peers, **kwargs)
-    try:
-        names = {name for r in routes for name, _, _ in r} | set(hidden)  # a hidden server is excluded by peer id
-        deadline = time.monotonic() + 120
-        while not all(getattr(servers_by_name(model, 6).get(n), "state", None) == "online" for n in names):
-            assert time.monotonic() < deadline, f"not all of {sorted(names)} came online"
-            time.sleep(0.5)
-        model.swarm.router = PreferredRoutes(*routes)
-        model.peers = {name: info.peer_id for name, info in servers_by_name(model, 6).items()}
-        model.swarm.excluded = ExclusionList(base_seconds=3600)
-        for name in hidden:
-            model.swarm.excluded.add(model.peers[name])
-        yield model
-    finally:
-        model.shutdown()
+client = routed_client  # a client routed by name, blind to the hidden servers (tests/kit/routes.py)
 
 
 def generate(model, **kwargs) -> list[int]:

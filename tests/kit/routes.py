@@ -4,6 +4,7 @@ which split of the model it exercises (the real router is tested on its own)."""
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Iterator, Sequence
 
 from protocol.messages import Hop
@@ -57,3 +58,29 @@ class PreferredRoutes(RoutePlanner):
             if not any(hop.peer_id in exclude for hop in hops):
                 return hops
         raise NoRouteError("every preferred route holds an excluded server", [])
+
+
+@contextlib.contextmanager
+def routed_client(swarm, path, *routes, hidden=(), **kwargs):
+    """A client of ``swarm`` routed by ``routes`` (servers by name, first preferred) that never sees the
+    servers in ``hidden`` (excluded by peer id); it waits until every named server is online, and names
+    the peer ids in ``model.peers``. Exclusions last an hour: a test decides who comes back."""
+    from client._swarm import ExclusionList
+    from swarm import AutoDistributedModelForCausalLM
+
+    model = AutoDistributedModelForCausalLM.from_pretrained(str(path), initial_peers=swarm.initial_peers, **kwargs)
+    try:
+        blocks = model.config.num_hidden_layers
+        names = {name for r in routes for name, _, _ in r} | set(hidden)
+        deadline = time.monotonic() + 120
+        while not all(getattr(servers_by_name(model, blocks).get(n), "state", None) == "online" for n in names):
+            assert time.monotonic() < deadline, f"not all of {sorted(names)} came online"
+            time.sleep(0.5)
+        model.swarm.router = PreferredRoutes(*routes)
+        model.peers = {name: info.peer_id for name, info in servers_by_name(model, blocks).items()}
+        model.swarm.excluded = ExclusionList(base_seconds=3600)
+        for name in hidden:
+            model.swarm.excluded.add(model.peers[name])
+        yield model
+    finally:
+        model.shutdown()
