@@ -155,7 +155,8 @@ class VerdictAuditor(ShadowTurns, EvidenceDisputes, BackgroundAudit):
     async def _audit(self, route: list[Hop], ids: list[int], stats, skip: frozenset = frozenset()) -> bool:
         """One witness drawn (none of ``skip``) verifies the tokens it has not; False: there was none."""
         if not await self._ensure_shadow(route, len(ids), skip):
-            stats.verdict_audits_skipped += 0 if skip else 1  # another final witness: none left is no skip
+            if not skip:  # a further witness of the pool that is not there is no skipped audit
+                stats.verdict_audits_skipped += 1
             return False
         stats.verdict_audits += 1
         limit = self.swarm.route_step_limit(self._shadow.route)
