@@ -49,3 +49,23 @@ def test_every_run_leaves_its_per_file_seconds_for_the_next_deal(tmp_path):
     seconds.write(tmp_path)
     assert weights_from_log(tmp_path / SECONDS_FILE) == {"tests/a/test_x.py": 3.5, "tests/test_y.py": 0.5}
     FileSeconds().write(tmp_path / "nothing")  # a run that ran nothing writes nothing (and needs no folder)
+
+
+def test_the_recap_keeps_each_shards_failures_and_final_count_only():
+    import io
+    import threading
+
+    out = io.StringIO(
+        "tests/a.py::test_x PASSED\n"
+        "FAILED tests/hostile/test_sybils.py::test_y - AssertionError: 3 != 4\n"
+        "ERROR tests/api/test_api.py::test_z - Failed: Timeout >240.0s\n"
+        "= 1 failed, 1 error, 30 passed, 2 skipped in 812.10s (0:13:32) =\n"
+        "some FAILED word mid-line\n"
+    )
+    recap: list[str] = []
+    shards._pump(out, "[1/2] ", threading.Lock(), recap)
+    assert recap == [
+        "[1/2] FAILED tests/hostile/test_sybils.py::test_y - AssertionError: 3 != 4",
+        "[1/2] ERROR tests/api/test_api.py::test_z - Failed: Timeout >240.0s",
+        "[1/2] = 1 failed, 1 error, 30 passed, 2 skipped in 812.10s (0:13:32) =",
+    ]

@@ -72,11 +72,17 @@ def keep_own_shard(config, items: list) -> None:
     items[:] = kept
 
 
-def _pump(stream, prefix: str, lock: threading.Lock) -> None:
+RECAP = re.compile(r"^(FAILED|ERROR) |^=+ .*\b(passed|failed|error|errors|no tests ran)\b.* in [\d.]+s")
+
+
+def _pump(stream, prefix: str, lock: threading.Lock, recap: list[str]) -> None:
+    """Copy a shard's lines out as they come; keep its failures and final count for the recap."""
     for line in iter(stream.readline, ""):
         with lock:
             sys.stdout.write(prefix + line)
             sys.stdout.flush()
+            if RECAP.search(line):
+                recap.append(prefix + line.rstrip("\n"))
 
 
 def run(shards: int, pytest_args: list[str]) -> int:
@@ -89,6 +95,7 @@ def run(shards: int, pytest_args: list[str]) -> int:
     lock = threading.Lock()
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
+    recap: list[str] = []  # why: a CI log keeps only its tail, and the first shard to end scrolls out of it
     for shard in range(1, shards + 1):
         env = {**os.environ, ENV: f"{shard}/{shards}", "PYTHONUNBUFFERED": "1"}
         proc = subprocess.Popen(
@@ -101,7 +108,7 @@ def run(shards: int, pytest_args: list[str]) -> int:
             bufsize=1,
         )
         procs.append(proc)
-        pump = threading.Thread(target=_pump, args=(proc.stdout, f"[{shard}/{shards}] ", lock), daemon=True)
+        pump = threading.Thread(target=_pump, args=(proc.stdout, f"[{shard}/{shards}] ", lock, recap), daemon=True)
         pump.start()
         pumps.append(pump)
 
@@ -115,6 +122,9 @@ def run(shards: int, pytest_args: list[str]) -> int:
     codes = [proc.wait() for proc in procs]
     for pump in pumps:
         pump.join(timeout=10)
+    print("---- every shard's failures and counts ----")
+    for line in recap:
+        print(line)
     for shard, code in enumerate(codes, 1):
         print(f"shard {shard}/{shards}: pytest exit code {code}")
     return combined_exit_code(codes)
