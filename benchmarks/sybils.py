@@ -153,6 +153,8 @@ def one_run(model, peers, prompt, expected, sampled, seed, generate_kwargs) -> d
         "verdict_audits_skipped": stats.verdict_audits_skipped,
         "verdict_audits_undecided": stats.verdict_audits_undecided,
         "verdict_audits_by_evidence": stats.verdict_audits_by_evidence,  # client/_evidence.py
+        "spot_checks_by_evidence": getattr(stats, "spot_checks_by_evidence", 0),  # a tail spot-check settled
+        "spot_checks_undecided": stats.spot_checks_undecided,
         "route_tail": name_of.get(stats.route[-1][0]) if stats.route else None,
         "excluded_after": sorted(name_of.get(p, p) for p in model.swarm.excluded.current()),
         "failovers": stats.failovers,
@@ -255,8 +257,10 @@ def summarize(row: dict) -> dict:
         "honest_banned_at_end": sorted(set(runs[-1]["banned_so_far"]) & set(honest)) if runs else [],
         "runs_sybil_convicted": count("convicted", sybils),
         "runs_sybil_disputed": count("disputed", sybils),
-        "runs_settled_by_evidence": sum(bool(r.get("verdict_audits_by_evidence")) for r in runs),
-        "runs_undecided": sum(bool(r.get("verdict_audits_undecided")) for r in runs),
+        "runs_settled_by_evidence": sum(
+            bool(r.get("verdict_audits_by_evidence") or r.get("spot_checks_by_evidence")) for r in runs
+        ),
+        "runs_undecided": sum(bool(r.get("verdict_audits_undecided") or r.get("spot_checks_undecided")) for r in runs),
         "runs_route_ended_on_T": sum(r.get("route_tail") == "T" for r in runs),
         "tokens_returned": sum(r["new_tokens"] for r in done),
         "tokens_confirmed_trusted": sum(r["tokens_confirmed_trusted"] for r in done),

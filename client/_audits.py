@@ -112,4 +112,6 @@ def make_audits(
         if every
         else None
     )
+    if spot is not None and verdicts is not None:
+        spot.evidence = verdicts  # a spot-check of the tail hop settles by the verdict audits' evidence
     return Audits(spot, verdicts) if spot or verdicts else None

@@ -18,15 +18,26 @@ independent server is left that has not already disagreed with T. On a swarm whe
 own group this is the old rule: the two disputants avoided, nobody else.
 
 Witnesses (shadows, thirds, spot-check substitutes) are chosen the same way (``witness_order``): a
-disputant never; a server of a group that already disputed the checked server's group never (their
-disagreement is known, and a second one settles nothing, it only costs a re-verification); servers
-of other disputed groups after the undisputed ones.
+server of a group evidence refuted never (client/_evidence.py: it lied in this generation); a server
+of a group that already disputed the checked server's group never (their disagreement is known, and
+a second one settles nothing, it only costs a re-verification); servers of other disputed groups
+after the undisputed ones. A side of an unsettled dispute may still witness for a third group. Why:
+after honest T and a sybil S1 disagreed and nothing settled it, barring T from witnessing left the
+next sybil S2 with sybils alone as witnesses, which confirmed its lies (measured: 74 wrong tokens
+unflagged in 20 generations, three sybils on a /24 each, docs/reliability.md); T disagreeing with S2
+costs a re-verification at most and goes to evidence like any dispute.
+
+Falling back, a group evidence refuted comes after every group that was only disputed, and among
+those, a group's unsettled disputes count less each time evidence upheld one of its servers against
+another (``fallback_key``): a refutation is the client's own finding, a dispute only that one of two
+lied. Why: an honest T that disputed S1 unsettled, then refuted S2 and S3 by evidence, was tied with
+S1 (one dispute each) and the fallback went by peer id.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from typing import Collection, Iterable, Sequence
+from typing import Collection, Iterable, Optional, Sequence
 
 from client._witnesses import Witnesses
 
@@ -39,12 +50,15 @@ class Avoidance:
         self.peers: set[str] = set()  # every avoided server (the decoder's ``avoid`` set, shared)
         self.disputants: set[str] = set()  # the servers that were themselves a side of a dispute
         self.disputes: Counter[str] = Counter()  # machine group -> unsettled disputes it was a side of
+        self.refutations: Counter[str] = Counter()  # machine group -> its servers evidence refuted
+        self.upheld: Counter[str] = Counter()  # machine group -> its servers evidence upheld against another
         self.pairs: set[frozenset[str]] = set()  # the pairs of groups that disagreed
         self.servers: set[str] = set()  # peer ids seen in server records (a group's identities count only those)
 
     def reset(self) -> None:
         """A new generation (the decoder gives it a fresh ``avoid`` set through ``share``)."""
         self.disputants, self.disputes, self.pairs, self.servers = set(), Counter(), set(), set()
+        self.refutations, self.upheld = Counter(), Counter()
 
     def group(self, peer_id: str) -> str:
         """The server's machine group as last seen; a server of unknown address is its own group."""
@@ -75,14 +89,17 @@ class Avoidance:
         self.peers.update(new)
         return new
 
-    def refuted(self, peer_id: str, servers: Collection[str] = ()) -> set[str]:
+    def refuted(self, peer_id: str, servers: Collection[str] = (), upheld: Optional[str] = None) -> set[str]:
         """Evidence the client checked itself refuted ``peer_id`` (client/_evidence.py) without
         convicting it: avoid it and every untrusted server of its machine group; the side it disputed
-        is not avoided. Returns the servers newly avoided."""
+        (``upheld``, where there was one) is not avoided. Returns the servers newly avoided."""
+        if upheld is not None:
+            self.upheld[self.group(upheld)] += 1
         self.servers.update(servers or self.witnesses.groups)
         self.servers.add(peer_id)
         group = self.group(peer_id)
         self.disputes[group] += 1
+        self.refutations[group] += 1
         self.disputants.add(peer_id)
         mates = {
             p
@@ -106,22 +123,23 @@ class Avoidance:
 
     def fallback_key(self, peer_id: str) -> tuple:
         group = self.group(peer_id)
-        return (self.disputes[group], self.members(group), peer_id in self.disputants, peer_id)
+        unsettled = self.disputes[group] - self.refutations[group] - self.upheld[group]
+        return (self.refutations[group], unsettled, self.members(group), peer_id in self.disputants, peer_id)
 
     def order(self, peer_ids: Iterable[str]) -> list[str]:
         """Avoided servers, the one to fall back on first first (the module's docstring says why)."""
         return sorted(peer_ids, key=self.fallback_key)
 
     def may_witness(self, witness: str, checked: Sequence[str]) -> bool:
-        """Whether ``witness`` may check the servers ``checked`` as far as disputes go: not a
-        disputant, and its group never disagreed with one of theirs."""
-        if witness in self.disputants:
-            return False
+        """Whether ``witness`` may check the servers ``checked`` as far as disputes go: its group was
+        never refuted by evidence and never disagreed with one of theirs (the module's docstring)."""
         group = self.group(witness)
+        if self.refutations[group]:
+            return False
         return not any(frozenset((group, self.group(p))) in self.pairs for p in checked if p != witness)
 
     def witness_order(self, candidates: Sequence, checked: Sequence[str]) -> list:
         """The candidates (records with ``peer_id``) that may witness for ``checked``: undisputed groups
         first (stable otherwise, so a caller's trusted-first order survives), then by ``fallback_key``."""
         fit = [c for c in candidates if self.may_witness(c.peer_id, checked)]
-        return sorted(fit, key=lambda c: (1, *self.fallback_key(c.peer_id)[:2]) if c.peer_id in self.peers else (0,))
+        return sorted(fit, key=lambda c: (1, *self.fallback_key(c.peer_id)[:3]) if c.peer_id in self.peers else (0,))

@@ -48,17 +48,32 @@ class EvidenceDisputes:
             return True
         return self.verification in ("match", "rejection") and evidence_ready(self.lm_head) is None
 
+    async def settle_tails(self, route: list[Hop], other: list[Hop], ids: list[int], t: int, claim: int, stats):
+        """A spot-check of the tail hop (client/_spot_checks.py): ``route``'s tail says ids[t] follows
+        ids[:t], ``other``'s (the same hops before it) says ``claim``. The verdict audits' evidence
+        rule settles it; None where that rule cannot (rejection sampling, no readable checkpoint)."""
+        if self.verification != "match" or not self._settleable(claim):
+            return None
+        return await self._by_evidence(route, ids, t, claim, stats, shadow_route=other)
+
     async def _by_evidence(
-        self, route: list[Hop], ids: list[int], t: int, shadow_token: Optional[int], stats, claims: tuple = ()
+        self,
+        route: list[Hop],
+        ids: list[int],
+        t: int,
+        shadow_token: Optional[int],
+        stats,
+        claims: tuple = (),
+        shadow_route: Optional[list[Hop]] = None,
     ) -> Settlement:
         """Each tail's final hidden state at t - 1 (a fresh forward pass over ids[:t] on its own route:
         the same hops before it) and the LM-head rows of the two tokens, read from the checkpoint; for a
         log-prob dispute (``shadow_token`` None), the two entries in ``claims`` (the route's tail's, the
-        shadow's) recomputed over the whole head."""
+        shadow's) recomputed over the whole head. ``shadow_route``: the other tail's route (the shadow's)."""
         rows = self.lm_head.rows([ids[t], shadow_token]) if shadow_token is not None else None
         if shadow_token is not None and rows is None:
             return Settlement(None, "the checkpoint's LM-head rows could not be read")
-        shadow_route = self._shadow.route
+        shadow_route = shadow_route or self._shadow.route
         both = asyncio.gather(
             self._final_hidden(route, ids[:t], stats), self._final_hidden(shadow_route, ids[:t], stats)
         )
@@ -129,7 +144,8 @@ class EvidenceDisputes:
         it and its machine group are avoided for this generation (client/_avoidance.py); the other
         side is not. A refuted route tail: the tokens from t on are re-verified elsewhere."""
         await self.witnesses.refresh(self.swarm.p2p)
-        self.avoidance.refuted(refuted, servers=self.swarm.records)
+        upheld = self._shadow.tail_peer if refuted == route[-1].peer_id else route[-1].peer_id
+        self.avoidance.refuted(refuted, servers=self.swarm.records, upheld=upheld)
         stats.verdict_audits_by_evidence += 1
         if refuted not in stats.disputed_peers:
             stats.disputed_peers.append(refuted)

@@ -60,7 +60,9 @@ class ShadowTurns:
 
     async def _ensure_shadow(self, route: list[Hop], length: int, skip: frozenset = frozenset()) -> bool:
         """A shadow session on ``route`` with another server as its tail (none of ``skip``), drawn for this audit."""
-        excluded = self.swarm.excluded.current() | self.avoidance.disputants
+        # a side of an unsettled dispute may witness for a third group (client/_avoidance.py says why):
+        # ``witness_order`` and ``_fits`` keep out refuted groups and the groups that disputed the tail's
+        excluded = self.swarm.excluded.current()
         if self._shadow is not None and not self._fits(self._shadow, route, excluded):
             await self._drop_shadow()
         if self._shadow is not None:

@@ -14,7 +14,11 @@ a trusted third of the same blocks and precision (R_C, :func:`minority`); the se
 excluded for the rest of the client's life and reported in the DHT. A stranger's vote settles
 nothing (one operator can run both the substitute and the third), so without a trusted judge the
 two servers are only avoided for the rest of the generation (``avoid``), which re-verifies its
-tokens on a route without them. The audit
+tokens on a route without them; except on the tail hop, where two verdicts that name different
+tokens go to the verdict audits' evidence rule first (client/_evidence.py): the side it refutes is
+convicted behind trusted hops, else avoided with its machine group, and the other side is not
+(before, such a dispute stayed unsettled and barred the honest side from witnessing for others:
+issue 35, docs/reliability.md "Sybil tails: figures"). The audit
 sessions are ordinary sessions (OpenSession, Steps shaped as live laps): nothing in a Step tells a
 hop that it is being audited (timing aside).
 
@@ -160,6 +164,22 @@ class AuditResult:
     detail: str = ""
     disputed: tuple[str, ...] = ()  # the two servers of a disagreement nobody trusted settled
     substitute: str = ""  # the substitute compared (an independent one may replace the one drawn)
+    by_evidence: bool = False  # ``liar`` (convicted, or "refuted": avoided with its group) by the client's evidence
+
+
+def first_difference(ids: Sequence[int], drafts: int, a: StepResult, b: StepResult) -> Optional[tuple[int, int, int]]:
+    """Where two verdicts on ``ids`` (its last ``drafts`` ids sent as drafts) first name different
+    tokens: (position t, ``a``'s token there, ``b``'s); None where they name the same tokens (only
+    their log-probs differ) or one accepts more drafts than were sent."""
+    base = len(ids) - drafts
+    if not (0 <= a.accepted <= drafts and 0 <= b.accepted <= drafts):
+        return None
+    claims_a = [*ids[base : base + a.accepted], a.next_token]
+    claims_b = [*ids[base : base + b.accepted], b.next_token]
+    for i, (x, y) in enumerate(zip(claims_a, claims_b)):
+        if x != y:
+            return base + i, x, y
+    return None
 
 
 class BackgroundAudit:
@@ -216,6 +236,7 @@ class SpotChecker(BackgroundAudit):
         self.handled: set[str] = set()  # those of them the generation has already re-verified without
         self.max_length = 0  # the generation's session max_length (its audit sessions copy it); 0: len(ids)
         self.live, self.sampling = LiveShape(), GREEDY  # the generation's laps and sampling (Steps copy them)
+        self.evidence = None  # the verdict auditor (``settle_tails``): tail disputes settled by evidence
 
     def maybe_start(self, route: Sequence[Hop], ids: Sequence[int], stats, lap: int) -> None:
         """After a verdict: with probability ``rate``, audit the next hop that has a substitute."""
@@ -241,14 +262,15 @@ class SpotChecker(BackgroundAudit):
     async def _audit(self, route, index, alt, thirds, ids, stats, lap) -> None:
         result = AuditResult("failed")
         try:
-            result = await asyncio.wait_for(self._compare(route, index, alt, thirds, ids, result), self.timeout)
-        except asyncio.TimeoutError:
-            result.detail = f"timed out after {self.timeout:g} s"
+            compared = self._compare(route, index, alt, thirds, ids, result, stats)
+            result = await asyncio.wait_for(compared, self.timeout)
+        except asyncio.TimeoutError:  # an undecided dispute stays one (its evidence timed out)
+            result.detail = f"{result.detail}; timed out after {self.timeout:g} s".lstrip("; ")
         except asyncio.CancelledError:
             result.verdict, result.detail = "cancelled", "the generation ended first"
             raise
-        except Exception as e:  # a server died or refused: no verdict on anyone
-            result.detail = f"{e}"
+        except Exception as e:  # a server died or refused: no verdict on anyone (an undecided dispute stays one)
+            result.detail = f"{result.detail}; {e}".lstrip("; ")
         finally:
             self._ended()
             self.results.append(result)
@@ -271,9 +293,15 @@ class SpotChecker(BackgroundAudit):
                     f"Spot-check undecided: servers {hop.peer_id} and {alt} disagree on blocks "
                     f"{hop.start}:{hop.end} ({result.detail}); nobody excluded"
                 )
+            elif result.verdict == "refuted":  # by evidence, behind untrusted hops: avoided, not convicted
+                upheld = alt if result.liar == hop.peer_id else hop.peer_id
+                self.avoidance.refuted(result.liar, servers=self.swarm.records, upheld=upheld)
+                stats.disputed_peers.extend(p for p in (result.liar,) if p not in stats.disputed_peers)
+                logger.warning(f"Spot-check settled by evidence: {what}: {result.detail}; avoided with its group")
             elif result.verdict == "convicted":
                 stats.liars_excluded.append(result.liar)
                 self.swarm.convict(result.liar)
+            stats.spot_checks_by_evidence += result.by_evidence
 
     async def _independent(self, checked: str, alt: str, thirds: list[str]) -> tuple[Optional[str], list[str]]:
         """The substitute and thirds that could not be the checked server's operator (client/_witnesses.py):
@@ -289,7 +317,7 @@ class SpotChecker(BackgroundAudit):
             alt = ([p for p in fit if self.witnesses.is_trusted(p)] or fit)[0]
         return alt, [p for p in fit if p != alt]
 
-    async def _compare(self, route, index, alt, thirds, ids, result: AuditResult) -> AuditResult:
+    async def _compare(self, route, index, alt, thirds, ids, result: AuditResult, stats=None) -> AuditResult:
         alt, thirds = await self._independent(route[index].peer_id, alt, thirds)
         result.substitute = alt or ""
         if alt is None:
@@ -314,8 +342,11 @@ class SpotChecker(BackgroundAudit):
             loser = "alt" if trusted(accused[0]) else "orig"
             detail += f"; {accused[0] if loser == 'alt' else accused[1]} is trusted"
         elif not thirds or trusted(accused[0]):
-            result.verdict, result.disputed = "undecided", accused
             result.detail = f"{detail}; no trusted server of the same blocks and precision to settle it"
+            # undecided unless the evidence settles it (also when it times out or a server fails meanwhile)
+            result.verdict, result.disputed = "undecided", accused
+            if index == len(route) - 1 and stats is not None:
+                await self._by_evidence(orig_route, alt_route, ids, drafts, (orig, other), result, stats)
             return result
         else:
             third = self.rng.choice(thirds)
@@ -330,6 +361,27 @@ class SpotChecker(BackgroundAudit):
             result.verdict, result.liar = "convicted", accused[0] if loser == "orig" else accused[1]
             result.detail = f"{detail}; {result.liar} is in the minority"
         return result
+
+    async def _by_evidence(self, route, alt_route, ids, drafts: int, verdicts, result: AuditResult, stats) -> None:
+        """The two tails named different tokens: the verdict audits' evidence rule (client/_evidence.py)
+        settles which one no honest tail names; ``result`` then says who is refuted (convicted only when
+        every hop before the tail is trusted, as in a verdict audit)."""
+        found = first_difference(ids, drafts, *verdicts)
+        if self.evidence is None or found is None:
+            return
+        t, said, claim = found
+        settled = await self.evidence.settle_tails(route, alt_route, [*ids[:t], said], t, claim, stats)
+        if settled is None:
+            return
+        result.detail += f"; evidence at position {t} ({said} against {claim}): {settled.detail}"
+        if settled.refuted is None:
+            return
+        refuted = route[-1].peer_id if settled.refuted == "tail" else alt_route[-1].peer_id
+        trusted_before = all(self.witnesses.is_trusted(hop.peer_id) for hop in route[:-1])
+        result.verdict, result.disputed = "convicted" if trusted_before else "refuted", ()
+        result.liar, result.by_evidence = refuted, True
+        result.detail += f"; {refuted} refuted" + ("" if trusted_before else " (hops before the tail not all trusted)")
+        await self.witnesses.refresh(self.swarm.p2p)  # its group-mates' addresses, for the avoidance
 
     async def _verdict(self, route: list[Hop], ids: list[int], drafts: int, result: AuditResult) -> StepResult:
         """One fresh session on ``route`` verifying ``ids`` as a live lap would: the context in

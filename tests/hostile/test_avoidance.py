@@ -47,7 +47,8 @@ def test_an_honest_swarm_of_one_server_a_group_loses_nothing():
     assert a.dispute("T", "U") == {"T", "U"}
     assert a.peers == {"T", "U"}
     assert a.may_witness("V", ["T"]) and a.may_witness("V", ["U"])
-    assert not a.may_witness("T", ["V"])  # a disputant never witnesses (as before)
+    assert not a.may_witness("T", ["U"])  # a disputant never witnesses for the side it disputed
+    assert a.may_witness("T", ["V"])  # but may for a third group (client/_avoidance.py says why)
     # loopback servers (the user's own, swarm.local) are one group each, by peer id
     local = {p: machine_group("/ip4/127.0.0.1/tcp/1", p) for p in ("T", "U", "V")}
     b = Avoidance(witnesses(local))
@@ -65,7 +66,8 @@ def test_fewer_disputes_first_then_fewer_identities():
     assert not a.may_witness("S2", ["T"]) and a.may_witness("S2", ["U"])
     # as a witness for U, S2 (avoided) comes after any undisputed candidate
     assert [c.peer_id for c in a.witness_order([rec("S2"), rec("V")], ["U"])] == ["V", "S2"]
-    assert [c.peer_id for c in a.witness_order([rec("S2"), rec("T")], ["U"])] == ["S2"]  # T disputed
+    # T disputed S1, not U: it may witness for U, before S2 (the same disputes, fewer identities)
+    assert [c.peer_id for c in a.witness_order([rec("S2"), rec("T")], ["U"])] == ["T", "S2"]
     a.dispute("U", "S2")
     assert a.peers == {"T", "U", "S1", "S2"}
     assert a.order(a.peers)[-2:] == ["S1", "S2"]  # the group in two disputes last
@@ -89,9 +91,27 @@ def test_trusted_group_mates_are_never_avoided_and_unknown_addresses_are_their_o
     assert b.dispute("X", "Y") == {"X", "Y"}
     assert b.group("X") != b.group("Y")
     b.disputed(["P", "Q", "R"])  # a three-way split: each avoided and a disputant, no pair
-    assert {"P", "Q", "R"} <= b.peers and not b.may_witness("P", ["X"])
+    assert {"P", "Q", "R"} <= b.peers and b.may_witness("P", ["X"])
+    b.refuted("Z")
     b.reset()
-    assert not b.disputants and not b.pairs and not b.disputes
+    assert not b.disputants and not b.pairs and not b.disputes and not b.refutations
+
+
+def test_a_refuted_group_never_witnesses_and_is_fallen_back_on_last():
+    """Sybils on a /24 each: T and S1 disputed (unsettled), then evidence refuted S2. T still witnesses
+    for S3 (the next sybil's only other witness would be a sybil); S2 witnesses for nobody; falling
+    back, S2 comes after every server that was only disputed, however few its identities."""
+    groups = {"T": "net:10.0.0.0/24", "S1": "net:10.0.11.0/24", "S2": "net:10.0.12.0/24", "S3": "net:10.0.13.0/24"}
+    a = Avoidance(witnesses(groups))
+    a.dispute("S1", "T")
+    assert a.refuted("S2") == {"S2"}
+    assert a.may_witness("T", ["S3"]) and a.may_witness("S1", ["S3"])
+    assert not a.may_witness("S2", ["S3"]) and not a.may_witness("S2", ["T"])
+    assert [c.peer_id for c in a.witness_order([rec("S2"), rec("S1"), rec("T")], ["S3"])] == ["S1", "T"]
+    assert a.order(["S2", "T", "S1"])[-1] == "S2"
+    # evidence then upholds T against S3: T's one unsettled dispute counts for less than S1's
+    a.refuted("S3", upheld="T")
+    assert a.order(["S3", "S2", "S1", "T"]) == ["T", "S1", "S2", "S3"]
 
 
 class TailOrder:

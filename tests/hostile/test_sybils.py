@@ -511,3 +511,47 @@ def test_a_sybil_pair_lying_about_a_top_k_penalised_draw_is_refuted_by_evidence(
             assert stats.route[-1][0] == model.peers["T"]
     finally:
         stop(sybil_swarm, processes)
+
+
+def test_first_difference_names_the_position_and_both_tokens():
+    """Two verdicts on the same ids, the last three as drafts (positions 3, 4, 5)."""
+    from client._spot_checks import first_difference
+
+    ids = [10, 11, 12, 13, 14, 15]
+
+    def verdict(accepted, next_token):
+        return StepResult(session_id="s", run_id=0, accepted=accepted, next_token=next_token)
+
+    assert first_difference(ids, 3, verdict(1, 7), verdict(3, 8)) == (4, 7, 14)  # one rejects draft 14
+    assert first_difference(ids, 3, verdict(3, 8), verdict(1, 7)) == (4, 14, 7)
+    assert first_difference(ids, 3, verdict(2, 7), verdict(2, 9)) == (5, 7, 9)  # the same count, other tokens
+    assert first_difference(ids, 3, verdict(3, 8), verdict(3, 9)) == (6, 8, 9)  # past the last draft
+    assert first_difference(ids, 3, verdict(2, 7), verdict(2, 7)) is None  # the same tokens: log-probs only
+    assert first_difference(ids, 3, verdict(4, 7), verdict(2, 7)) is None  # more accepted than sent
+
+
+def test_a_spot_check_of_the_tail_is_settled_by_evidence(sybil_swarm, tiny_llama_path, greedy_reference):
+    """L1 (live) lies past position 32 in every verdict; T is its only substitute. With verdict audits only
+    at the end (``verdict_audit_every`` past the generation), a spot-check of the tail hop finds the two
+    tails' verdicts naming different tokens. It used to stop there, undecided: L1 and T both avoided, and T
+    barred from witnessing for anyone else. Now the verdict audits' evidence rule settles it: L1 is
+    refuted (avoided with its group, not convicted: H and M are strangers), T is not disputed, and the
+    generation re-verifies on T, equal to local transformers."""
+    processes = start(sybil_swarm, "--lie-in-verdicts", "1", "--lie-after", "32", names=("K1",))
+    try:
+        with client(sybil_swarm, tiny_llama_path, route("K1"), route("T"), hidden=["U"]) as model:
+            model.verdict_audit_every = 10_000  # only the final audit: the spot-checks meet the lie first
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # tokens after the refutation have no other witness
+                out = model.generate(torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS, spot_check_rate=1.0)
+            out = out[0, len(PROMPT[0]) :].tolist()
+            stats = model.last_generation_stats
+            print(f"\nspot-check of the tail: {stats.spot_check_events}")
+            assert out == greedy_reference, stats.spot_check_events
+            assert stats.spot_checks_by_evidence >= 1, stats.spot_check_events
+            assert any(": refuted (" in e and "evidence at position" in e for e in stats.spot_check_events)
+            assert stats.disputed_peers == [model.peers["K1"]], stats.spot_check_events
+            assert stats.spot_checks_undecided == 0 and stats.liars_excluded == [] and not model.swarm.liars
+            assert stats.route[-1][0] == model.peers["T"]
+    finally:
+        stop(sybil_swarm, processes)
