@@ -324,7 +324,11 @@ def plan(args) -> list[dict]:
             generate_kwargs=lambda peers: {"trusted_peers": [peers["T"]], "audit": "required"},
         )
     )
-    chosen = [c for c in chosen if not args.only or any(k in c["title"] for k in args.only)]
+
+    def picked(title: str, key: str) -> bool:  # "=title": that scenario alone (others contain its title)
+        return title == key[1:] if key.startswith("=") else key in title
+
+    chosen = [c for c in chosen if not args.only or any(picked(c["title"], k) for k in args.only)]
     for index, c in enumerate(chosen):  # names of their own: a stopped sybil's record outlives it in the DHT
         rename = {n: f"{n}{chr(ord('a') + index)}" for n in c["sybils"]}
         c["sybils"] = {rename[n]: host for n, host in c["sybils"].items()}
@@ -340,7 +344,9 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--sybil-counts", type=int, nargs="+", default=[2, 3])
     p.add_argument("--modes", nargs="*", help="scenario 1's modes (default: all)")
-    p.add_argument("--only", nargs="*", help="only the scenarios whose title contains one of these")
+    p.add_argument(
+        "--only", nargs="*", help="only the scenarios whose title contains one of these (or, after '=', is it)"
+    )
     p.add_argument("--greedy-only", action="store_true", help="no seeded-sampling generations")
     p.add_argument("--rejection-runs", type=int, default=20, help="scenario 3's generations (0: skip it)")
     p.add_argument(

@@ -1,0 +1,120 @@
+"""What the witness pool costs (docs/reliability.md, "Witnesses of the pool"; issue 35).
+
+    python -m benchmarks.shadow_pool --runs 4      # make bench-shadow-pool
+
+Every verdict audit is verified in turn by each witness of a pool of up to ``SHADOW_POOL`` (3)
+independent tails (client/_shadow_turns.py), where one shadow was kept a generation before. This
+measures what that costs on an honest swarm, side by side in one run: SmolLM2-135M (30 blocks), a head
+H (0:15) and four honest tails T, U, V, W (15:30), one client (its route H -> T), greedy generations of
+``--tokens`` tokens with the client's defaults (verdict audits every 16 tokens, spot-checks 1/50,
+looped runs, suffix drafting), in three modes taken in turn in every round, so the machine's load falls
+on each alike:
+
+- ``pool of 3``: the default;
+- ``pool of 1``: ``SHADOW_POOL`` patched to 1 in this process (the old one-shadow audit);
+- ``no verdict audits``: ``verdict_audit_every=0``.
+
+Per mode: the median wall time of ``generate()`` (audits in the background, but the last window's
+audits run before it returns), the server positions the audits computed per generated token
+(``verdict_audit_positions``), and that every output is the same. Writes
+``benchmarks/results/shadow-pool.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.lying_tails import wait_online
+
+ARGS = ["--torch-threads", "1", "--log-level", "WARNING", "--update-period", "5"]
+PROMPT = "The history of the printing press begins in"
+TAILS = ("T", "U", "V", "W")
+MODES = ("pool of 3", "pool of 1", "no verdict audits")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--runs", type=int, default=4, help="rounds; each runs every mode once")
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--out", default="benchmarks/results/shadow-pool.json")
+    args = p.parse_args()
+    import subprocess
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from client import _shadow_turns
+    from swarm import AutoDistributedModelForCausalLM
+    from swarm.local import LocalSwarm
+    from tests.kit.routes import PreferredRoutes
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    tokenizer = AutoTokenizer.from_pretrained("smollm2-135m")
+    prompt = tokenizer(PROMPT, return_tensors="pt").input_ids
+    rows: dict[str, list[dict]] = {mode: [] for mode in MODES}
+    log_dir = Path(tempfile.mkdtemp(prefix="shadow-pool-"))
+    with LocalSwarm("smollm2-135m", spans=[], server_args=ARGS, log_dir=str(log_dir)) as swarm:
+        swarm.start_server(0, 15, name="H")
+        for name in TAILS:
+            swarm.start_server(15, 30, name=name)
+        model = AutoDistributedModelForCausalLM.from_pretrained("smollm2-135m", initial_peers=swarm.initial_peers)
+        try:
+            wait_online(model, ["H", *TAILS], time.monotonic() + 600)
+            model.swarm.router = PreferredRoutes([("H", 0, 15), ("T", 15, 30)])
+            model.generate(prompt, max_new_tokens=8)  # warm-up: connections, caches, first routing
+            for run in range(args.runs):
+                for mode in MODES:
+                    _shadow_turns.SHADOW_POOL = 1 if mode == "pool of 1" else 3
+                    model.verdict_audit_every = 0 if mode == "no verdict audits" else 16
+                    start = time.perf_counter()
+                    with torch.no_grad():
+                        out = model.generate(prompt, max_new_tokens=args.tokens)
+                    seconds = time.perf_counter() - start
+                    stats = model.last_generation_stats
+                    new = out[0, prompt.shape[1] :].tolist()
+                    row = {
+                        "seconds": seconds,
+                        "tokens": new,
+                        "audit_positions_per_token": stats.verdict_audit_positions / max(1, len(new)),
+                        "verdict_audits": stats.verdict_audits,
+                        "tokens_confirmed_untrusted": stats.tokens_confirmed_untrusted,
+                        "tokens_unconfirmed": stats.tokens_unconfirmed,
+                        "disputed": list(stats.disputed_peers),
+                    }
+                    rows[mode].append(row)
+                    short = {k: v for k, v in row.items() if k != "tokens"}
+                    print(f"run {run} {mode}: {short}", flush=True)
+        finally:
+            model.shutdown()
+            _shadow_turns.SHADOW_POOL = 3
+    outputs = {json.dumps(r["tokens"]) for mode in MODES for r in rows[mode]}
+
+    def median(mode: str, key: str) -> float:
+        return statistics.median(r[key] for r in rows[mode])
+
+    baseline = median("no verdict audits", "seconds")
+    summary = {
+        mode: {
+            "median_seconds": round(median(mode, "seconds"), 2),
+            "ratio_to_no_audits": round(median(mode, "seconds") / baseline, 3),
+            "audit_positions_per_token": round(median(mode, "audit_positions_per_token"), 2),
+            "tokens_confirmed_untrusted": sum(r["tokens_confirmed_untrusted"] for r in rows[mode]),
+            "tokens_unconfirmed": sum(r["tokens_unconfirmed"] for r in rows[mode]),
+            "runs_with_a_dispute": sum(bool(r["disputed"]) for r in rows[mode]),
+        }
+        for mode in MODES
+    }
+    result = {"commit": commit, "runs": args.runs, "tokens": args.tokens, "same_output": len(outputs) == 1}
+    result |= {"summary": summary, "rows": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
