@@ -69,3 +69,51 @@ def test_the_recap_keeps_each_shards_failures_and_final_count_only():
         "[1/2] ERROR tests/api/test_api.py::test_z - Failed: Timeout >240.0s",
         "[1/2] = 1 failed, 1 error, 30 passed, 2 skipped in 812.10s (0:13:32) =",
     ]
+
+
+def test_failed_ids_come_from_the_recap_once_each_in_order():
+    recap = [
+        "[2/2] FAILED tests/hostile/test_sybils.py::test_y[greedy] - AssertionError: 3 != 4",
+        "[1/2] ERROR tests/api/test_api.py::test_z - Failed: Timeout >240.0s",
+        "[1/2] = 1 failed, 1 error, 30 passed in 812.10s (0:13:32) =",
+        "[2/2] FAILED tests/hostile/test_sybils.py::test_y[greedy]",
+    ]
+    assert shards.failed_ids(recap) == ["tests/hostile/test_sybils.py::test_y[greedy]", "tests/api/test_api.py::test_z"]
+
+
+def test_a_test_that_fails_beside_the_other_shard_and_passes_alone_is_flaky_not_a_failure(tmp_path, monkeypatch):
+    """Two shards over a folder of three tests: one passes, one always fails, one fails only on its first
+    run (it leaves a mark): the run fails while the always-failing test is there, and passes, naming the
+    flaky one, without it."""
+    import subprocess
+    import sys
+
+    mark = tmp_path / "ran-once"
+    folder = tmp_path / "t"
+    folder.mkdir()
+    (folder / "test_a.py").write_text("def test_ok():\n    pass\n")
+    (folder / "test_b.py").write_text(
+        "from pathlib import Path\n"
+        f"MARK = Path({str(mark)!r})\n"
+        "def test_flaky():\n"
+        "    first = not MARK.exists()\n"
+        "    MARK.write_text('x')\n"
+        "    assert not first, 'fails on its first run only'\n"
+    )
+    (folder / "test_c.py").write_text("def test_broken():\n    assert False\n")
+    script = (
+        "import sys; from tests.kit import shards; "
+        f"sys.exit(shards.run(2, ['-p', 'no:cacheprovider', '-q', '--rootdir', {str(folder)!r}, *sys.argv[1:]]))"
+    )
+
+    def run(*paths):
+        done = subprocess.run([sys.executable, "-c", script, *paths], cwd=shards.ROOT, capture_output=True, text=True)
+        return done.returncode, done.stdout
+
+    code, out = run(str(folder))
+    assert code == 1, out  # test_broken fails again on the rerun
+    assert "rerunning the 2 failed test(s)" in out and "FLAKY" not in out
+    mark.unlink()
+    code, out = run(str(folder / "test_a.py"), str(folder / "test_b.py"))
+    assert code == 0, out
+    assert "FLAKY" in out and "test_b.py::test_flaky" in out

@@ -10,6 +10,12 @@ a file's seconds depend on what the other shard runs beside it. Each process is 
 run that deselects the other shards' files (``SPECSWARM_TEST_SHARD=i/N``, read by tests/conftest.py), so a shard can be
 rerun alone: ``SPECSWARM_TEST_SHARD=2/2 python -m pytest tests``.
 
+When the shards end with a few failed tests (at most ``RERUNS``), those tests run once more, alone, in one
+pytest process: one that passes then is printed as ``FLAKY`` by name and the run passes; one that fails again
+fails it. Why: under two shards' load, tests that wait on servers' timeouts failed now and then (a CI run
+failed on one whose name had scrolled out of the log, 2026-12-05), and a rerun alone tells such a flake
+from a bug that reproduces.
+
 pytest-xdist would deal tests to workers too, but its workers see every collected test, so
 tests/kit/last_use.py could not stop a shared swarm after its worker's last user, and idle swarms
 slow everything beside them (that module says how much).
@@ -127,7 +133,31 @@ def run(shards: int, pytest_args: list[str]) -> int:
         print(line)
     for shard, code in enumerate(codes, 1):
         print(f"shard {shard}/{shards}: pytest exit code {code}")
-    return combined_exit_code(codes)
+    code = combined_exit_code(codes)
+    ids = failed_ids(recap)
+    if not (code == TESTS_FAILED and all(c in (0, NO_TESTS, TESTS_FAILED) for c in codes) and 0 < len(ids) <= RERUNS):
+        return code
+    print(f"---- rerunning the {len(ids)} failed test(s) once, alone: {' '.join(ids)} ----", flush=True)
+    again = subprocess.call([sys.executable, "-m", "pytest", *ids], cwd=ROOT)
+    if again == 0:
+        print(f"FLAKY: failed beside the other shard, passed alone on the rerun: {' '.join(ids)}")
+    return 0 if again == 0 else code
+
+
+TESTS_FAILED = 1  # pytest.ExitCode.TESTS_FAILED
+# failed tests rerun once, alone, after the shards end: a test that fails only beside the other shard's
+# load is reported FLAKY by name and passes the run; one that fails again fails it, as do more failures
+RERUNS = 3
+
+
+def failed_ids(recap: list[str]) -> list[str]:
+    """The node ids of the recap's FAILED and ERROR lines, in order, each once."""
+    ids: list[str] = []
+    for line in recap:
+        m = re.match(r"^\[\d+/\d+\] (?:FAILED|ERROR) (\S+)", line)
+        if m and m.group(1) not in ids:
+            ids.append(m.group(1))
+    return ids
 
 
 def combined_exit_code(codes: list[int]) -> int:
