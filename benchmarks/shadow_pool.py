@@ -49,12 +49,13 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from client import _shadow_turns
+    from protocol.models import ensure_smollm2_checkpoint
     from swarm import AutoDistributedModelForCausalLM
     from swarm.local import LocalSwarm
     from tests.kit.routes import PreferredRoutes
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    tokenizer = AutoTokenizer.from_pretrained("smollm2-135m")
+    tokenizer = AutoTokenizer.from_pretrained(ensure_smollm2_checkpoint())
     prompt = tokenizer(PROMPT, return_tensors="pt").input_ids
     rows: dict[str, list[dict]] = {mode: [] for mode in MODES}
     log_dir = Path(tempfile.mkdtemp(prefix="shadow-pool-"))
