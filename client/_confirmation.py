@@ -33,10 +33,13 @@ def count(
     audited: Optional[list[int]],
     trusted_confirmed: Collection[int],
     trusted_tail: Collection[int],
+    disputed_only: Collection[int] = (),
 ) -> None:
     """Fill the stats' three counts for ``history[prompt_len:]``: ``audited`` is the prefix the
     verdict audits confirmed (None: no verdict audits), ``trusted_confirmed`` the positions a trusted
-    shadow confirmed, ``trusted_tail`` the positions a trusted tail committed."""
+    shadow confirmed, ``trusted_tail`` the positions a trusted tail committed, ``disputed_only`` the
+    positions of ``audited`` that only witnesses the generation avoids after an unsettled dispute
+    confirmed: unconfirmed (such a witness may be the other side's sybil; issue 35)."""
     confirmed = 0
     for a, b in zip(audited or [], history):
         if a != b:
@@ -46,7 +49,7 @@ def count(
     for position in range(prompt_len, len(history)):
         if position in trusted_tail or (position < confirmed and position in trusted_confirmed):
             stats.tokens_confirmed_trusted += 1
-        elif position < confirmed:
+        elif position < confirmed and position not in disputed_only:
             stats.tokens_confirmed_untrusted += 1
         else:
             stats.tokens_unconfirmed += 1

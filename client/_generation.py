@@ -186,6 +186,7 @@ class SpeculativeDecoder(Reverification):
             verdicts.audited if verdicts is not None and verdicts.enabled else None,
             verdicts.trusted_confirmed if verdicts is not None else (),
             self.trusted_tail,
+            verdicts.disputed_only() if verdicts is not None else (),
         )
         self.stats.wall_time = time.perf_counter() - began
         return generated

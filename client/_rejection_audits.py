@@ -146,8 +146,7 @@ async def confirm(auditor, route, ids: list[int], position: int, limit: int, sta
                 runs.shadow_accepted[position + i] = i < result.accepted
                 await auditor._dispute(route, ids, position + i, token, stats)
                 return
-        if auditor.witnesses.is_trusted(shadow.tail_peer):
-            auditor.trusted_confirmed.update(range(position, position + len(chosen)))
+        auditor.confirmed_by(shadow.tail_peer, range(position, position + len(chosen)))
         position += len(chosen)
         first = position - 1  # the next Step carries the last confirmed token (it may overwrite a rejected draft)
         auditor._held = auditor._verified = position

@@ -81,6 +81,7 @@ class VerdictAuditor(ShadowTurns, EvidenceDisputes, BackgroundAudit):
         self.task: Optional[asyncio.Task] = None
         self.audited: list[int] = []  # the ids whose verdicts a second tail confirmed (the prompt counts)
         self.trusted_confirmed: set[int] = set()  # positions of ``audited`` that a trusted shadow confirmed
+        self.confirmers: dict[int, set[str]] = {}  # position of ``audited`` -> the witnesses that confirmed it
         self.witnesses = witnesses or Witnesses()
         self.avoidance = avoidance or Avoidance(self.witnesses)  # who disputed whom, by machine group
         self.avoid: set[str] = self.avoidance.peers  # the generation's avoided servers (the decoder shares its set)
@@ -110,7 +111,7 @@ class VerdictAuditor(ShadowTurns, EvidenceDisputes, BackgroundAudit):
         self.audited, self.max_length, self.sampling = list(prompt), max_length, sampling
         self._prompt_len = len(prompt)  # the live log-probs start after it
         self.live = live or LiveShape()
-        self.trusted_confirmed = set()
+        self.trusted_confirmed, self.confirmers = set(), {}
         self._given_up = 0
         self.enabled, self.verification = verification in ("match", "rejection"), verification
         self.rejection.forget()
@@ -130,6 +131,7 @@ class VerdictAuditor(ShadowTurns, EvidenceDisputes, BackgroundAudit):
             common += 1
         self.audited = self.audited[:common]
         self.trusted_confirmed = {p for p in self.trusted_confirmed if p < common}
+        self.confirmers = {p: w for p, w in self.confirmers.items() if p < common}
         if len(ids) - common < (1 if final else self.every) or common == 0:
             return
         self.task = asyncio.ensure_future(self._run(list(route), list(ids), stats))
@@ -221,8 +223,7 @@ class VerdictAuditor(ShadowTurns, EvidenceDisputes, BackgroundAudit):
                 self._next_run = max(run_id, horizon) + 1
                 await self._dispute(route, ids, position + lied[0], None, stats, lied[1:])
                 return
-            if self.witnesses.is_trusted(shadow.tail_peer):
-                self.trusted_confirmed.update(range(position, position + len(chosen)))
+            self.confirmed_by(shadow.tail_peer, range(position, position + len(chosen)))
             position += len(chosen)
             first = position - 1  # a later Step carries the last confirmed token before its drafts
             self._held = self._verified = position
@@ -235,6 +236,20 @@ class VerdictAuditor(ShadowTurns, EvidenceDisputes, BackgroundAudit):
         if looped:  # the tail started a run past the committed tokens: drop it, as a live lap drops a refuted one
             await shadow.cancel(run_id)
         self._next_run = max(run_id - 1, horizon) + 1
+
+    def confirmed_by(self, witness: str, positions: range) -> None:
+        if self.witnesses.is_trusted(witness):
+            self.trusted_confirmed.update(positions)
+        for p in positions:
+            self.confirmers.setdefault(p, set()).add(witness)
+
+    def disputed_only(self) -> set[int]:
+        """Positions every witness of which the generation avoids after an unsettled dispute
+        (client/_avoidance.py): counted unconfirmed. Why: an honest T that disputed three sybils
+        unsettled (a near tie) fell back behind the first, and the other two, avoided, confirmed
+        its lies (measured: 24 wrong tokens unflagged in 1 of 20 generations, docs/reliability.md)."""
+        avoided = self.avoidance.peers
+        return {p for p, w in self.confirmers.items() if w and w <= avoided}
 
     def _drafts(self, ids: list[int], position: int, limit: int) -> list[int]:
         """A live lap's count of committed tokens from ``position`` on, as the drafts of a run."""

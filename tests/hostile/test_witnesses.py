@@ -82,6 +82,32 @@ def test_every_token_is_counted_once_by_how_it_was_confirmed():
     assert (stats.tokens_confirmed_trusted, stats.tokens_confirmed_untrusted, stats.tokens_unconfirmed) == (3, 1, 2)
     count(stats, history, 2, audited=None, trusted_confirmed=(), trusted_tail=())
     assert stats.tokens_unconfirmed == 6 and stats.tokens_confirmed_untrusted == 0
+    # 12 confirmed only by witnesses the generation avoids after an unsettled dispute: unconfirmed
+    count(stats, history, 2, [1, 2, 10, 11, 12, 99], {2, 3}, {7}, disputed_only={4})
+    assert (stats.tokens_confirmed_trusted, stats.tokens_confirmed_untrusted, stats.tokens_unconfirmed) == (3, 0, 3)
+
+
+def test_tokens_confirmed_only_by_avoided_witnesses_are_disputed_only():
+    """Three sybils S1-S3 each on a group of its own disputed honest T unsettled (near ties): all four are
+    avoided. Positions S2 and S3 confirmed are confirmed by avoided witnesses only; one that T or a
+    trusted witness also confirmed is not; a trusted witness is never avoided."""
+    from client._avoidance import Avoidance
+    from client._verdict_audits import VerdictAuditor
+    from client._witnesses import Witnesses
+
+    witnesses = Witnesses(trusted=["K"])
+    witnesses.groups = {p: f"net:10.0.{i}.0/24" for i, p in enumerate(["T", "S1", "S2", "S3", "V", "K"])}
+    avoidance = Avoidance(witnesses)
+    auditor = VerdictAuditor(SimpleNamespace(request_timeout=1.0), 50, witnesses=witnesses, avoidance=avoidance)
+    auditor.confirmed_by("S2", range(10, 14))
+    auditor.confirmed_by("S3", range(12, 16))
+    auditor.confirmed_by("V", range(15, 17))
+    auditor.confirmed_by("K", range(13, 14))
+    assert auditor.disputed_only() == set()
+    for sybil in ("S1", "S2", "S3"):
+        avoidance.dispute(sybil, "T")
+    assert auditor.disputed_only() == {10, 11, 12, 14}  # 13: K (trusted) too; 15, 16: V (not avoided) too
+    assert auditor.trusted_confirmed == {13}
 
 
 def test_unconfirmed_tokens_warn_or_raise():
