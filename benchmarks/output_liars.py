@@ -3,18 +3,25 @@ docs/reliability.md, "Forward passes and log-probs").
 
     python -m benchmarks.output_liars --trials 20      # make bench-output-liars
 
-One pass in ten is audited by default (``output_audit_rate=0.1``), so a liar on the live route returns
-wrong logits until the first audited pass catches it: a number of passes that should be geometric with
-mean 1 / rate. This measures it, with everything else at the client's defaults (the LM-head evidence
-on, nobody trusted). The tiny 6-block Llama of the tests (tests/kit/checkpoints.py), a head H (0:3),
-honest tails T, U (3:6) and a tail L (3:6) whose returned logits carry +3 on each row's second choice
-(``tests/kit/faulty_server.py --lie-in-outputs 3``; its verdicts stay honest: the gateway's ``echo``
-log-probs come from the same logits). Per trial a fresh client routed H -> L first sends forward passes
-(``model(ids).logits``, prompts of 24-72 tokens) until ``--after`` passes past the one that caught L, or
-``--max-passes``. Per pass: its logits against local transformers (max |difference| > 1e-4 is a wrong
-pass) and whether an ``UnconfirmedOutputsWarning`` flagged it. Per trial: passes until L was caught
-(disputed or convicted by the model's audits), wrong passes returned unflagged, honest servers disputed
-or convicted. Writes ``benchmarks/results/output-liars.json``.
+One pass in ten is audited by default (``output_audit_rate=0.1``), and the first pass through a server the
+model has not audited yet is always audited (first use). Two liars, side by side in one run:
+
+- ``from the start``: lies on every pass, so its first pass (first use) should catch it;
+- ``after its first audit``: lies on every pass after an honest first audited one. Simulated in the client
+  (the liar's and the head's peer ids are put in ``model.output_audits.met``, the state an honest first
+  audited pass through H -> L leaves),
+  so the rate alone decides: passes until the catch should be geometric with mean 1 / rate.
+
+Everything else is at the client's defaults (the LM-head evidence on, nobody trusted). The tiny 6-block
+Llama of the tests (tests/kit/checkpoints.py), a head H (0:3), honest tails T, U (3:6) and a tail L (3:6)
+whose returned logits carry +3 on each row's second choice (``tests/kit/faulty_server.py --lie-in-outputs
+3``; its verdicts stay honest: the gateway's ``echo`` log-probs come from the same logits). Per trial a fresh
+client routed H -> L first sends forward passes (``model(ids).logits``, prompts of 24-72 tokens) until
+``--after`` passes past the one that caught L, or ``--max-passes``. Per pass: its logits against local
+transformers (max |difference| > 1e-4 is a wrong pass), whether an ``UnconfirmedOutputsWarning`` flagged it
+and whether it was audited. Per trial: passes until L was caught (disputed or convicted by the model's
+audits), wrong passes returned unflagged, honest servers disputed or convicted. Writes
+``benchmarks/results/output-liars.json``.
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ import subprocess
 import tempfile
 import warnings
 from pathlib import Path
+
+LIARS = ("from the start", "after its first audit")
 
 
 def main() -> None:
@@ -59,19 +68,24 @@ def main() -> None:
     spans = {"H": (0, 3), "T": (3, 6), "U": (3, 6)}
     with LocalSwarm(str(path), spans=list(spans.values()), names=list(spans), server_args=SERVER_ARGS) as swarm:
         swarm.start_server(3, 6, name="L", launcher=faulty("--lie-in-outputs", "3"))
-        for trial in range(args.trials):
+        for trial in range(2 * args.trials):  # the two liars in turn
+            kind = LIARS[trial % 2]
             routes = ([("H", 0, 3), ("L", 3, 6)], [("H", 0, 3), ("T", 3, 6)], [("H", 0, 3), ("U", 3, 6)])
             with routed_client(swarm, path, *routes, output_audit_rate=args.rate) as model:
                 liar, caught_at, passes = model.peers["L"], None, []
+                if kind == LIARS[1]:
+                    model.output_audits.met.update((liar, model.peers["H"]))  # as an honest first audited pass leaves it
                 for i in range(args.max_passes):
                     ids = prompts[i % len(prompts)]
+                    audited_before = model.output_audits.stats.audited
                     with warnings.catch_warnings(record=True) as caught:
                         warnings.simplefilter("always")
                         with torch.no_grad():
                             logits = model(ids).logits[0]
                     wrong = float((logits - wanted[i % len(prompts)]).abs().max()) > 1e-4
                     flagged = any(issubclass(w.category, UnconfirmedOutputsWarning) for w in caught)
-                    passes.append({"wrong": wrong, "flagged": flagged})
+                    audited = model.output_audits.stats.audited > audited_before
+                    passes.append({"wrong": wrong, "flagged": flagged, "audited": audited})
                     stats = model.output_audits.stats
                     if caught_at is None and (liar in stats.disputed_peers or liar in stats.convicted):
                         caught_at = i + 1
@@ -80,7 +94,9 @@ def main() -> None:
                 stats = model.output_audits.stats
                 names = {peer: name for name, peer in model.peers.items()}
                 row = {
+                    "liar": kind,
                     "caught_at_pass": caught_at,
+                    "audited_passes": [i + 1 for i, p in enumerate(passes) if p["audited"]],
                     "passes": len(passes),
                     "wrong": sum(p["wrong"] for p in passes),
                     "wrong_unflagged": sum(p["wrong"] and not p["flagged"] for p in passes),
@@ -93,14 +109,25 @@ def main() -> None:
                 row["honest_disputed_or_convicted"] = sorted(set(row["disputed"] + row["convicted"]) & set(honest))
                 trials.append(row)
                 print(f"trial {trial}: {row}", flush=True)
+    summary = {kind: summarize([t for t in trials if t["liar"] == kind], args.rate) for kind in LIARS}
+    everything = [p for t in trials for p in t["audited_passes"]]
+    summary["passes_audited_by_the_rate"] = audit_rate(trials)
+    summary["audits"] = len(everything)
+    result = {"commit": commit, "rate": args.rate, "summary": summary, "trials": trials}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(json.dumps({"commit": commit, "rate": args.rate, "summary": summary}, indent=1))
+
+
+def summarize(trials: list[dict], rate: float) -> dict:
     caught = [t["caught_at_pass"] for t in trials if t["caught_at_pass"] is not None]
-    summary = {
+    return {
         "trials": len(trials),
         "caught": f"{len(caught)} of {len(trials)}",
         "passes_to_catch_median": statistics.median(caught) if caught else None,
         "passes_to_catch_mean": round(statistics.mean(caught), 2) if caught else None,
-        "expected_mean": round(1 / args.rate, 2),
         "passes_to_catch_range": [min(caught), max(caught)] if caught else None,
+        "expected_mean_at_the_rate": round(1 / rate, 2),
         "wrong_passes_returned": sum(t["wrong"] for t in trials),
         "wrong_passes_unflagged": sum(t["wrong_unflagged"] for t in trials),
         "wrong_after_catch": sum(t["wrong_after_catch"] for t in trials),
@@ -108,10 +135,21 @@ def main() -> None:
             bool(t["honest_disputed_or_convicted"]) for t in trials
         ),
     }
-    result = {"commit": commit, "rate": args.rate, "summary": summary, "trials": trials}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
-    print(json.dumps({"commit": commit, "rate": args.rate, "summary": summary}, indent=1))
+
+
+def audit_rate(trials: list[dict]) -> dict:
+    """Audits among the passes the rate alone decided (every server of the route already met: not the
+    first pass of a trial, nor the first pass after the catch, which meets a new tail): the measured rate."""
+    drawn = audited = 0
+    for t in trials:
+        first_use = {1} if t["liar"] == LIARS[0] else set()
+        if t["caught_at_pass"] is not None:
+            first_use.add(t["caught_at_pass"] + 1)  # the pass after the catch routes through T or U
+        for i in range(1, t["passes"] + 1):
+            if i not in first_use and i != t["caught_at_pass"]:
+                drawn += 1
+                audited += i in t["audited_passes"]
+    return {"passes": drawn, "audited": audited, "rate": round(audited / drawn, 3) if drawn else None}
 
 
 if __name__ == "__main__":

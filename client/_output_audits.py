@@ -3,7 +3,8 @@ re-computed on an independent route (docs/reliability.md, "Forward passes and lo
 
 A forward pass returns numbers the client cannot check by itself: any hop may have computed them
 wrongly, so ``output_audit_rate`` of the passes (``from_pretrained``; every pass under
-``audit="required"``) go a second time through a route whose every untrusted hop is replaced by a
+``audit="required"``; the first pass through each server a model meets, so a liar from the start is
+caught on its first pass) go a second time through a route whose every untrusted hop is replaced by a
 server that could not be its operator (client/_witnesses.py), trusted servers first. The two
 passes' logits agree within :data:`OUTPUT_TOLERANCES` (float32 1e-3, 16-bit 0.08 of
 ``max(1, max|logit|)``; benchmarks/forward_spread.py measures the honest spread under it), or there
@@ -98,6 +99,7 @@ class OutputAuditStats:
 
     passes: int = 0
     audited: int = 0
+    first_use: int = 0  # of those, audited because a server of the route had never been audited
     confirmed_trusted: int = 0  # by a route of trusted servers
     confirmed_untrusted: int = 0  # by an independent route of strangers
     unconfirmed: int = 0  # audited, but no independent route, a failed audit or an unsettled dispute
@@ -132,6 +134,7 @@ class OutputAuditor:
         # not one generation); ``avoid`` holds the disputants and their untrusted group-mates
         self.avoidance = Avoidance(self.witnesses)
         self.avoid: set[str] = self.avoidance.peers  # later passes route around them (never excluded)
+        self.met: set[str] = set()  # servers some audited pass of this model went through
 
     def route_avoid(self) -> list[str]:
         """The avoided servers in fallback order, for ``open_session(avoid=)``: where the swarm leaves
@@ -150,9 +153,12 @@ class OutputAuditor:
         if all(self.witnesses.is_trusted(hop.peer_id) for hop in route):
             self.stats.confirmed_trusted += 1
             return untouched, "trusted"
-        if audit != "required" and (self.rate <= 0 or self.rng.random() >= self.rate):
+        first_use = self.rate > 0 and any(not self._known(hop.peer_id) for hop in route)
+        if audit != "required" and not first_use and (self.rate <= 0 or self.rng.random() >= self.rate):
             return untouched, "unaudited"
         self.stats.audited += 1
+        self.stats.first_use += first_use
+        self.met.update(hop.peer_id for hop in route)  # met once, whatever the audit finds: later passes draw
         try:
             result, how, why = await self._audit(row, shape, live)
         except Exception as e:  # a server died or refused: no verdict on anyone
@@ -169,6 +175,13 @@ class OutputAuditor:
                 raise UnconfirmedOutputsError(message + ' (audit="required" refuses to return them)', self.stats)
             warnings.warn(message, UnconfirmedOutputsWarning, stacklevel=2)
         return (result.route, result.logits, result.hidden), how
+
+    def _known(self, peer_id: str) -> bool:
+        """Whether a pass through ``peer_id`` may go unaudited (drawn at the rate): a trusted server, or one
+        an audited pass of this model already went through. A server's first pass is always audited, so a
+        liar that lies from the start is caught on its first pass, not after 1 / rate passes on average
+        (measured: ``make bench-output-liars``); one that lies only later is caught at the rate."""
+        return self.witnesses.is_trusted(peer_id) or peer_id in self.met
 
     async def _audit(self, row: list[int], shape: tuple, live: Pass) -> tuple[Pass, str, str]:
         route, trusted = live.route, self.witnesses.is_trusted

@@ -70,8 +70,9 @@ def test_rates_and_bounds():
 
 
 def test_passes_are_audited_at_the_stated_rate_and_every_one_under_required(monkeypatch):
-    """The default rate (0.1) draws about one pass in ten; audit="required" audits every pass; a
-    route of trusted servers only is confirmed as it is, unaudited."""
+    """The first pass through a server the model has not audited is audited; after that the default
+    rate (0.1) draws about one pass in ten; audit="required" audits every pass; a route of trusted
+    servers only is confirmed as it is, unaudited."""
     import asyncio
     import random
     from types import SimpleNamespace as ns
@@ -88,11 +89,16 @@ def test_passes_are_audited_at_the_stated_rate_and_every_one_under_required(monk
     def check(audit: str, hops=route) -> str:
         return asyncio.run(auditor.check([1], hops, logits, None, (1, 4, 0, False), audit))[1]
 
-    drawn = [check("warn") for _ in range(2000)]
+    first, drawn = check("warn"), [check("warn") for _ in range(2000)]
+    assert first == "untrusted" and auditor.stats.first_use == 1  # "a" met for the first time
     assert 150 <= drawn.count("untrusted") <= 250 and drawn.count("unaudited") == 2000 - drawn.count("untrusted")
     assert all(check("required") == "untrusted" for _ in range(20))
     assert check("required", [Hop("t", 0, 6)]) == "trusted"
-    assert auditor.stats.audited == drawn.count("untrusted") + 20
+    assert check("warn", [Hop("t", 0, 3), Hop("b", 3, 6)]) == "untrusted"  # "b" is new, "t" trusted
+    assert auditor.stats.first_use == 2
+    assert auditor.stats.audited == 1 + drawn.count("untrusted") + 20 + 1
+    off = OutputAuditor(ns(), 0.0)  # rate 0: audits off, first passes too
+    assert asyncio.run(off.check([1], route, logits, None, (1, 4, 0, False), "warn"))[1] == "unaudited"
 
 
 def test_a_tail_refuted_by_evidence_confirms_nothing_for_the_other_side(monkeypatch):
@@ -440,8 +446,9 @@ def test_lm_eval_multiple_choice_through_the_gateway_is_unchanged_by_a_logit_lia
     pair_swarm, tiny_llama_path, monkeypatch
 ):
     """lm-evaluation-harness's ``multiple_choice`` task (each choice scored by an echo + logprobs
-    request) through the gateway, with a logit liar on the preferred route and every pass audited:
-    the same log-likelihoods (within 1e-4) and accuracy as the ``hf`` backend on the local model."""
+    request) through the gateway, with a logit liar on the preferred route and the client's defaults
+    (``output_audit_rate=0.1``, LM-head evidence): the liar's first pass is audited (first use), refuted
+    and routed around, and the log-likelihoods (within 1e-4) and accuracy equal the ``hf`` backend's."""
     lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is a dev dependency: pip install -e '.[dev]'")
     from swarm.api import Gateway, GatewayConfig
     from tests.api.test_api import GatewayThread
@@ -462,13 +469,16 @@ def test_lm_eval_multiple_choice_through_the_gateway_is_unchanged_by_a_logit_lia
     processes = start_liar(pair_swarm, "L3")
     try:
         with client(pair_swarm, tiny_llama_path, route("H", "L3"), route("G", "T"), route("H", "U")) as model:
-            audits = audited(model)
+            audits = model.output_audits  # as from_pretrained made it: the default rate, the checkpoint's LM head
+            assert audits.rate == 0.1 and audits.lm_head is not None
             with GatewayThread(Gateway({path: model}, GatewayConfig())) as served:  # served under the path's name
                 args = {"model": path, "base_url": f"{served.url}/completions", "tokenizer_backend": "huggingface"}
                 args.update(tokenizer=path, num_concurrent=1, max_retries=1)
                 remote = evaluate("local-completions", args)
-            print(f"\nlm-eval with a logit liar: {audits.stats.passes} passes, {audits.stats.events[:2]}")
-            assert audits.stats.disputes >= 1 and model.peers["L3"] in audits.stats.disputed_peers
+            stats = audits.stats
+            print(f"\nlm-eval with a logit liar: {stats.passes} passes, {stats.audited} audited, {stats.events[:2]}")
+            assert stats.disputes >= 1 and model.peers["L3"] in stats.disputed_peers and stats.by_evidence >= 1
+            assert stats.first_use >= 1 and stats.audited < stats.passes  # not every pass: the default rate
     finally:
         stop(pair_swarm, processes)
     got, want = responses(remote, "swarm_choice"), responses(local, "swarm_choice")
