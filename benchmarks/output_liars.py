@@ -74,7 +74,7 @@ def main() -> None:
             with routed_client(swarm, path, *routes, output_audit_rate=args.rate) as model:
                 liar, caught_at, passes = model.peers["L"], None, []
                 if kind == LIARS[1]:
-                    model.output_audits.met.update((liar, model.peers["H"]))  # as an honest first audited pass leaves it
+                    model.output_audits.met.update((liar, model.peers["H"]))  # as an honest audited first pass left it
                 for i in range(args.max_passes):
                     ids = prompts[i % len(prompts)]
                     audited_before = model.output_audits.stats.audited
