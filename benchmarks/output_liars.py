@@ -138,15 +138,16 @@ def summarize(trials: list[dict], rate: float) -> dict:
 
 
 def audit_rate(trials: list[dict]) -> dict:
-    """Audits among the passes the rate alone decided (every server of the route already met: not the
-    first pass of a trial, nor the first pass after the catch, which meets a new tail): the measured rate."""
+    """Audits among the passes the rate alone decided: every pass but the first uses (a trial's first pass
+    for the liar from the start, and the pass after the catch, which meets a new tail). The catch itself
+    counts for the liar after its first audit: the passes up to it are the rate's geometric draws."""
     drawn = audited = 0
     for t in trials:
         first_use = {1} if t["liar"] == LIARS[0] else set()
         if t["caught_at_pass"] is not None:
             first_use.add(t["caught_at_pass"] + 1)  # the pass after the catch routes through T or U
         for i in range(1, t["passes"] + 1):
-            if i not in first_use and i != t["caught_at_pass"]:
+            if i not in first_use:
                 drawn += 1
                 audited += i in t["audited_passes"]
     return {"passes": drawn, "audited": audited, "rate": round(audited / drawn, 3) if drawn else None}
