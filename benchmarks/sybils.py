@@ -18,7 +18,8 @@ the client's own connections, is written to the results.
 1. Two and three sybils on one address: framing in audits (``--frame``), lying in live laps
    (``--lie-in-verdicts 1 --lie-after P --lie-when-live``), both, and confirming each other (the same
    lie in every verdict past P). Runs alternate the preferred live tail: T on even runs (the sybils
-   audit it), S1 on odd runs (T and the other sybils audit it).
+   audit it), S1 on odd runs (T and the other sybils audit it). Lying in live laps is run a second time
+   with the head H in ``trusted_peers``: a tail refuted by evidence behind trusted hops is convicted.
 2. The same lying sybils (confirming each other) on one /24 each: each generation exact, or its
    wrong tokens among the flagged (unconfirmed) ones, and ``audit="required"`` raising; then with T
    named in ``trusted_peers``.
@@ -295,6 +296,16 @@ def plan(args) -> list[dict]:
                     routes_for=routes(alternate),
                 )
             )
+            if mode == "lying in live laps":  # the adaptive liar behind a trusted head: convicted, not refuted
+                chosen.append(
+                    dict(
+                        title=f"1. {count} sybils on one address, {mode}, trusted_peers=[H]",
+                        sybils={n: "127.0.1.1" for n in names},
+                        flags=table[mode],
+                        routes_for=routes(alternate),
+                        generate_kwargs=lambda peers: {"trusted_peers": [peers["H"]]},
+                    )
+                )
     names = [f"S{i + 1}" for i in range(max(args.sybil_counts))]
     own = {n: f"127.0.{11 + i}.1" for i, n in enumerate(names)}
     lie = table["confirming each other"]
