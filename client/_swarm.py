@@ -327,9 +327,11 @@ class SwarmClient:
         return self.excluded.banned
 
     def convict(self, peer_id: str) -> None:
-        """A spot-check's majority found ``peer_id`` lying: exclude it for good and report it in
-        the DHT (``protocol.dht_records.publish_report``; the dashboard counts reporting clients)."""
-        logger.warning(f"Excluding server {peer_id} for good: its outputs disagreed with two other servers'")
+        """An audit convicted ``peer_id`` (a trusted server's word, or evidence the client checked itself
+        behind trusted hops; never a vote among strangers: docs/reliability.md, "Disputes and witnesses"):
+        exclude it for good and report it in the DHT (``protocol.dht_records.publish_report``; the dashboard
+        counts reporting clients)."""
+        logger.warning(f"Excluding server {peer_id} for good: convicted by a trusted server or the client's evidence")
         self.excluded.ban(peer_id)
         self.reports[peer_id] += 1
         self._publish_reports()
