@@ -31,11 +31,15 @@ Falling back, a group evidence refuted comes after every group that was only dis
 those, a group's unsettled disputes count less each time evidence upheld one of its servers against
 another (``fallback_key``): a refutation is the client's own finding, a dispute only that one of two
 lied. Why: an honest T that disputed S1 unsettled, then refuted S2 and S3 by evidence, was tied with
-S1 (one dispute each) and the fallback went by peer id.
+S1 (one dispute each) and the fallback went by peer id. What is still tied at the end is broken by a
+keyed hash of the peer id that only this client can compute, never by the peer id itself, which a sybil
+can grind to sort first.
 """
 
 from __future__ import annotations
 
+import hashlib
+import secrets
 from collections import Counter
 from typing import Collection, Iterable, Optional, Sequence
 
@@ -54,6 +58,7 @@ class Avoidance:
         self.upheld: Counter[str] = Counter()  # machine group -> its servers evidence upheld against another
         self.pairs: set[frozenset[str]] = set()  # the pairs of groups that disagreed
         self.servers: set[str] = set()  # peer ids seen in server records (a group's identities count only those)
+        self._salt = secrets.token_bytes(16)  # ties in the fallback order are broken by it (``_draw``)
 
     def reset(self) -> None:
         """A new generation (the decoder gives it a fresh ``avoid`` set through ``share``)."""
@@ -124,7 +129,13 @@ class Avoidance:
     def fallback_key(self, peer_id: str) -> tuple:
         group = self.group(peer_id)
         unsettled = self.disputes[group] - self.refutations[group] - self.upheld[group]
-        return (self.refutations[group], unsettled, self.members(group), peer_id in self.disputants, peer_id)
+        tie = self._draw(peer_id)
+        return (self.refutations[group], unsettled, self.members(group), peer_id in self.disputants, tie)
+
+    def _draw(self, peer_id: str) -> bytes:
+        """The last tie-break: a keyed hash of the peer id, the key this client's own secret. Not the peer id
+        itself: peer ids are free, so a sybil could grind one that sorts first and win every tie."""
+        return hashlib.blake2b(peer_id.encode(), key=self._salt, digest_size=8).digest()
 
     def order(self, peer_ids: Iterable[str]) -> list[str]:
         """Avoided servers, the one to fall back on first first (the module's docstring says why)."""
