@@ -288,24 +288,16 @@ def plan(args) -> list[dict]:
             return ["T", *names] if run % 2 == 0 else [*names, "T"]
 
         for mode in args.modes or list(table):
-            chosen.append(
-                dict(
-                    title=f"1. {count} sybils on one address, {mode}",
-                    sybils={n: "127.0.1.1" for n in names},
-                    flags=table[mode],
-                    routes_for=routes(alternate),
-                )
+            one_address = dict(
+                title=f"1. {count} sybils on one address, {mode}",
+                sybils={n: "127.0.1.1" for n in names},
+                flags=table[mode],
+                routes_for=routes(alternate),
             )
+            chosen.append(one_address)
             if mode == "lying in live laps":  # the adaptive liar behind a trusted head: convicted, not refuted
-                chosen.append(
-                    dict(
-                        title=f"1. {count} sybils on one address, {mode}, trusted_peers=[H]",
-                        sybils={n: "127.0.1.1" for n in names},
-                        flags=table[mode],
-                        routes_for=routes(alternate),
-                        generate_kwargs=lambda peers: {"trusted_peers": [peers["H"]]},
-                    )
-                )
+                trusted_head = {"generate_kwargs": lambda peers: {"trusted_peers": [peers["H"]]}}
+                chosen.append({**one_address, "title": f"{one_address['title']}, trusted_peers=[H]", **trusted_head})
     names = [f"S{i + 1}" for i in range(max(args.sybil_counts))]
     own = {n: f"127.0.{11 + i}.1" for i, n in enumerate(names)}
     lie = table["confirming each other"]
