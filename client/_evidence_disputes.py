@@ -56,6 +56,15 @@ class EvidenceDisputes:
             return None
         return await self._by_evidence(route, ids, t, claim, stats, shadow_route=other)
 
+    async def settle_tail_logprobs(self, route: list[Hop], other: list[Hop], prefix: list[int], t: int, claims, stats):
+        """A spot-check of the tail hop: the two tails name the same tokens but ``claims`` (``route``'s
+        entry, ``other``'s) for the token at ``t`` (after ``prefix``, ids[:t]) disagree. Log-probs are
+        raw (before any processing), so the rule holds under every verification; None where the
+        checkpoint's head cannot settle logits (client/_output_evidence.py ``evidence_ready``)."""
+        if not self._settleable(None):
+            return None
+        return await self._by_evidence(route, prefix, t, None, stats, claims, shadow_route=other)
+
     async def _by_evidence(
         self,
         route: list[Hop],

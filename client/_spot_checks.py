@@ -15,8 +15,8 @@ excluded for the rest of the client's life and reported in the DHT. A stranger's
 nothing (one operator can run both the substitute and the third), so without a trusted judge the
 two servers are only avoided for the rest of the generation (``avoid``), which re-verifies its
 tokens on a route without them; except on the tail hop, where two verdicts that name different
-tokens go to the verdict audits' evidence rule first (client/_evidence.py): the side it refutes is
-convicted behind trusted hops, else avoided with its machine group, and the other side is not
+tokens or other log-probs go to the verdict audits' evidence rule first (client/_tail_disputes.py):
+the side it refutes is convicted behind trusted hops, else avoided with its machine group, and the other side is not
 (before, such a dispute stayed unsettled and barred the honest side from witnessing for others:
 issue 35, docs/reliability.md "Sybil tails: figures"). The audit
 sessions are ordinary sessions (OpenSession, Steps shaped as live laps): nothing in a Step tells a
@@ -44,6 +44,7 @@ from client._audit_shape import LiveShape
 from client._avoidance import Avoidance
 from client._logprob_audits import logprob_tolerance, verdict_difference
 from client._remote_session import RemoteSession
+from client._tail_disputes import settle_by_evidence
 from client._witnesses import Witnesses
 from protocol.messages import GREEDY, Hop, Step, StepResult
 from protocol.records import ServerInfo, ServerState
@@ -165,21 +166,6 @@ class AuditResult:
     disputed: tuple[str, ...] = ()  # the two servers of a disagreement nobody trusted settled
     substitute: str = ""  # the substitute compared (an independent one may replace the one drawn)
     by_evidence: bool = False  # ``liar`` (convicted, or "refuted": avoided with its group) by the client's evidence
-
-
-def first_difference(ids: Sequence[int], drafts: int, a: StepResult, b: StepResult) -> Optional[tuple[int, int, int]]:
-    """Where two verdicts on ``ids`` (its last ``drafts`` ids sent as drafts) first name different
-    tokens: (position t, ``a``'s token there, ``b``'s); None where they name the same tokens (only
-    their log-probs differ) or one accepts more drafts than were sent."""
-    base = len(ids) - drafts
-    if not (0 <= a.accepted <= drafts and 0 <= b.accepted <= drafts):
-        return None
-    claims_a = [*ids[base : base + a.accepted], a.next_token]
-    claims_b = [*ids[base : base + b.accepted], b.next_token]
-    for i, (x, y) in enumerate(zip(claims_a, claims_b)):
-        if x != y:
-            return base + i, x, y
-    return None
 
 
 class BackgroundAudit:
@@ -346,7 +332,7 @@ class SpotChecker(BackgroundAudit):
             # undecided unless the evidence settles it (also when it times out or a server fails meanwhile)
             result.verdict, result.disputed = "undecided", accused
             if index == len(route) - 1 and stats is not None:
-                await self._by_evidence(orig_route, alt_route, ids, drafts, (orig, other), result, stats)
+                await settle_by_evidence(self, orig_route, alt_route, ids, drafts, (orig, other), tol, result, stats)
             return result
         else:
             third = self.rng.choice(thirds)
@@ -361,27 +347,6 @@ class SpotChecker(BackgroundAudit):
             result.verdict, result.liar = "convicted", accused[0] if loser == "orig" else accused[1]
             result.detail = f"{detail}; {result.liar} is in the minority"
         return result
-
-    async def _by_evidence(self, route, alt_route, ids, drafts: int, verdicts, result: AuditResult, stats) -> None:
-        """The two tails named different tokens: the verdict audits' evidence rule (client/_evidence.py)
-        settles which one no honest tail names; ``result`` then says who is refuted (convicted only when
-        every hop before the tail is trusted, as in a verdict audit)."""
-        found = first_difference(ids, drafts, *verdicts)
-        if self.evidence is None or found is None:
-            return
-        t, said, claim = found
-        settled = await self.evidence.settle_tails(route, alt_route, [*ids[:t], said], t, claim, stats)
-        if settled is None:
-            return
-        result.detail += f"; evidence at position {t} ({said} against {claim}): {settled.detail}"
-        if settled.refuted is None:
-            return
-        refuted = route[-1].peer_id if settled.refuted == "tail" else alt_route[-1].peer_id
-        trusted_before = all(self.witnesses.is_trusted(hop.peer_id) for hop in route[:-1])
-        result.verdict, result.disputed = "convicted" if trusted_before else "refuted", ()
-        result.liar, result.by_evidence = refuted, True
-        result.detail += f"; {refuted} refuted" + ("" if trusted_before else " (hops before the tail not all trusted)")
-        await self.witnesses.refresh(self.swarm.p2p)  # its group-mates' addresses, for the avoidance
 
     async def _verdict(self, route: list[Hop], ids: list[int], drafts: int, result: AuditResult) -> StepResult:
         """One fresh session on ``route`` verifying ``ids`` as a live lap would: the context in

@@ -515,7 +515,7 @@ def test_a_sybil_pair_lying_about_a_top_k_penalised_draw_is_refuted_by_evidence(
 
 def test_first_difference_names_the_position_and_both_tokens():
     """Two verdicts on the same ids, the last three as drafts (positions 3, 4, 5)."""
-    from client._spot_checks import first_difference
+    from client._tail_disputes import first_difference
 
     ids = [10, 11, 12, 13, 14, 15]
 
@@ -528,6 +528,29 @@ def test_first_difference_names_the_position_and_both_tokens():
     assert first_difference(ids, 3, verdict(3, 8), verdict(3, 9)) == (6, 8, 9)  # past the last draft
     assert first_difference(ids, 3, verdict(2, 7), verdict(2, 7)) is None  # the same tokens: log-probs only
     assert first_difference(ids, 3, verdict(4, 7), verdict(2, 7)) is None  # more accepted than sent
+
+
+def test_first_disagreeing_entry_pairs_the_log_probs_of_the_same_tokens():
+    """Verdicts that name the same tokens: the first position whose entries disagree beyond the bound."""
+    from client._tail_disputes import first_disagreeing_entry
+    from protocol.messages import TokenLogprobs
+
+    ids = [10, 11, 12, 13, 14, 15]
+
+    def entry(token, logprob):
+        return TokenLogprobs(token_id=token, logprob=logprob, top_ids=[token], top_logprobs=[logprob])
+
+    def verdict(accepted, next_token, *logprobs):
+        tokens = [*ids[3 : 3 + accepted], next_token]
+        entries = [entry(t, lp) for t, lp in zip(tokens, logprobs)]
+        return StepResult(session_id="s", run_id=0, accepted=accepted, next_token=next_token, logprobs=entries)
+
+    honest, shifted = verdict(2, 7, -1.0, -2.0, -0.5), verdict(2, 7, -1.0, -1.5, -0.5)
+    t, said, claim = first_disagreeing_entry(ids, 3, honest, shifted, 1e-3)
+    assert (t, said.token_id, said.logprob, claim.logprob) == (4, 14, -2.0, -1.5)
+    assert first_disagreeing_entry(ids, 3, honest, verdict(2, 7, -1.0, -2.0004, -0.5), 1e-3) is None  # within
+    assert first_disagreeing_entry(ids, 3, honest, verdict(2, 9, -1.0, -2.0, -0.5), 1e-3) is None  # other tokens
+    assert first_disagreeing_entry(ids, 3, honest, verdict(2, 7, -1.0, -2.0), 1e-3) is None  # unpaired entries
 
 
 def test_a_spot_check_of_the_tail_is_settled_by_evidence(sybil_swarm, tiny_llama_path, greedy_reference):
@@ -553,5 +576,39 @@ def test_a_spot_check_of_the_tail_is_settled_by_evidence(sybil_swarm, tiny_llama
             assert stats.disputed_peers == [model.peers["K1"]], stats.spot_check_events
             assert stats.spot_checks_undecided == 0 and stats.liars_excluded == [] and not model.swarm.liars
             assert stats.route[-1][0] == model.peers["T"]
+    finally:
+        stop(sybil_swarm, processes)
+
+
+def test_a_spot_check_of_the_tail_settles_log_probs_by_evidence(
+    sybil_swarm, tiny_llama_path, tiny_reference, greedy_reference
+):
+    """K2 (live) names the right tokens but adds 0.5 to every log-prob it returns; T is its only
+    substitute. A spot-check of the tail hop finds the two verdicts naming the same tokens with other
+    log-probs. It used to stop there, undecided: K2 and T both avoided. Now the two entries at the first
+    position that disagrees are recomputed from each tail's final hidden state over the whole head
+    (client/_tail_disputes.py): K2 is refuted (avoided, not convicted: H and M are strangers), T is not
+    disputed, and the log-probs returned are local transformers' (within 1e-4)."""
+    from tests.hostile.test_output_audits import honest_logprobs
+
+    processes = start(sybil_swarm, "--lie-in-logprobs", "0.5", names=("K2",))
+    try:
+        with client(sybil_swarm, tiny_llama_path, route("K2"), route("T"), hidden=["U"]) as model:
+            model.verdict_audit_every = 10_000  # only the final audit: the spot-checks meet the lie first
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # tokens after the refutation have no other witness
+                out = model.generate(torch.tensor(PROMPT), max_new_tokens=24, spot_check_rate=1.0, num_logprobs=3)
+            tokens, entries = out[0, len(PROMPT[0]) :].tolist(), model.last_logprobs
+            stats = model.last_generation_stats
+            print(f"\nlog-prob spot-check of the tail: {stats.spot_check_events}")
+            assert stats.spot_checks_by_evidence >= 1, stats.spot_check_events
+            assert any("log-probs of token" in e and ": refuted (" in e for e in stats.spot_check_events)
+            assert stats.disputed_peers == [model.peers["K2"]], stats.spot_check_events
+            assert stats.spot_checks_undecided == 0 and stats.liars_excluded == [] and not model.swarm.liars
+            assert stats.route[-1][0] == model.peers["T"]
+            expected = honest_logprobs(tiny_reference, tokens, 3)
+            assert tokens == greedy_reference[:24] and [e.token_id for e in entries] == tokens
+            for entry, (token, logprob, top) in zip(entries, expected):
+                assert entry.top_ids == top and entry.logprob == pytest.approx(logprob, abs=1e-4)
     finally:
         stop(sybil_swarm, processes)
