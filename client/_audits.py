@@ -9,6 +9,7 @@ from typing import Optional, Sequence
 
 from client._audit_shape import LiveShape
 from client._avoidance import Avoidance
+from client._evidence_disputes import TailEvidence
 from client._lm_head import LMHeadRows
 from client._spot_checks import SpotChecker
 from client._verdict_audits import VerdictAuditor
@@ -43,6 +44,8 @@ class Audits:
         if self.spot is not None:  # its sessions are as long as the generation's, its Steps shaped as its laps
             self.spot.max_length, self.spot.sampling = max_length, sampling
             self.spot.live = live or self.spot.live
+            if isinstance(self.spot.evidence, TailEvidence):  # verdict audits off: its own evidence rule
+                self.spot.evidence.begin(sampling, verification)
         if self.verdicts is not None:
             self.verdicts.begin(prompt, max_length, sampling, verification, live)
 
@@ -98,7 +101,8 @@ def make_audits(
 ) -> Optional[Audits]:
     """A generation's audits: spot-checks at this rate and verdict audits at this period (None when
     both are off, so the decoder skips them); ``trusted`` peers settle the disputes strangers cannot,
-    and ``lm_head`` (the checkpoint's rows) lets the client settle greedy token disputes itself."""
+    and ``lm_head`` (the checkpoint's rows) lets the client settle tail disputes itself, with verdict
+    audits or without (the spot-checks then get their own ``TailEvidence``)."""
     witnesses = Witnesses(trusted)
     avoidance = Avoidance(witnesses)  # one per generation's audits: both record disputes in it
     spot = (
@@ -114,4 +118,6 @@ def make_audits(
     )
     if spot is not None and verdicts is not None:
         spot.evidence = verdicts  # a spot-check of the tail hop settles by the verdict audits' evidence
+    elif spot is not None and lm_head is not None:
+        spot.evidence = TailEvidence(swarm, vocab_size, lm_head)  # the same rule, without verdict audits
     return Audits(spot, verdicts) if spot or verdicts else None

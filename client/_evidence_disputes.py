@@ -4,7 +4,8 @@ processing and rejection-sampling decisions, client/_output_evidence.py for top-
 kept apart from client/_verdict_audits.py so that the auditor's shadow and vote logic reads on its own.
 
 A mixin of :class:`client._verdict_audits.VerdictAuditor`: it reads the auditor's swarm, shadow,
-sampling, avoidance and witnesses."""
+sampling, avoidance and witnesses. :class:`TailEvidence` is the same rule on its own, for the
+spot-checks of a generation whose verdict audits are off (``verdict_audit_every=0``)."""
 
 from __future__ import annotations
 
@@ -26,9 +27,10 @@ from client._processed_evidence import (
     settle_decision,
     settle_token,
 )
+from client._rejection_audits import RejectionRuns
 from client._tail_bisection import bisect_tails
 from client.errors import ServerError
-from protocol.messages import Hop
+from protocol.messages import GREEDY, Hop, SamplingParams
 from protocol.seeded_draws import draw_noise
 
 logger = logging.getLogger("client._verdict_audits")
@@ -166,3 +168,18 @@ class EvidenceDisputes:
         self._given_up = 0
         self.audited = ids[:t]  # a refuted route tail: the decoder re-verifies; a refuted shadow: the next one does
         await self._drop_shadow()
+
+
+class TailEvidence(EvidenceDisputes):
+    """The evidence rule without a verdict auditor: what a spot-check of the tail hop needs
+    (``settle_tails``, ``settle_tail_logprobs``) when verdict audits are off, so that a tail dispute is
+    still settled by evidence rather than left undecided (which avoids the honest side too)."""
+
+    def __init__(self, swarm, vocab_size: int, lm_head) -> None:
+        self.swarm, self.vocab_size, self.lm_head = swarm, vocab_size, lm_head
+        self.verification, self.sampling = "match", GREEDY
+        self.rejection = RejectionRuns()  # empty: rejection decisions are not settled here (settle_tails says why)
+        self._shadow = None  # every call names both routes
+
+    def begin(self, sampling: SamplingParams, verification: str) -> None:
+        self.sampling, self.verification = sampling, verification

@@ -553,17 +553,20 @@ def test_first_disagreeing_entry_pairs_the_log_probs_of_the_same_tokens():
     assert first_disagreeing_entry(ids, 3, honest, verdict(2, 7, -1.0, -2.0), 1e-3) is None  # unpaired entries
 
 
-def test_a_spot_check_of_the_tail_is_settled_by_evidence(sybil_swarm, tiny_llama_path, greedy_reference):
+@pytest.mark.parametrize("every", [10_000, 0], ids=["final-verdict-audit", "no-verdict-audits"])
+def test_a_spot_check_of_the_tail_is_settled_by_evidence(sybil_swarm, tiny_llama_path, greedy_reference, every):
     """L1 (live) lies past position 32 in every verdict; T is its only substitute. With verdict audits only
     at the end (``verdict_audit_every`` past the generation), a spot-check of the tail hop finds the two
     tails' verdicts naming different tokens. It used to stop there, undecided: L1 and T both avoided, and T
     barred from witnessing for anyone else. Now the verdict audits' evidence rule settles it: L1 is
     refuted (avoided with its group, not convicted: H and M are strangers), T is not disputed, and the
-    generation re-verifies on T, equal to local transformers."""
-    processes = start(sybil_swarm, "--lie-in-verdicts", "1", "--lie-after", "32", names=("K1",))
+    generation re-verifies on T, equal to local transformers. The same with verdict audits off
+    (``verdict_audit_every=0``): the spot-checks bring their own evidence rule (``TailEvidence``)."""
+    liar = "K1" if every else "K1n"  # a name per case: a stopped server's record outlives it
+    processes = start(sybil_swarm, "--lie-in-verdicts", "1", "--lie-after", "32", names=(liar,))
     try:
-        with client(sybil_swarm, tiny_llama_path, route("K1"), route("T"), hidden=["U"]) as model:
-            model.verdict_audit_every = 10_000  # only the final audit: the spot-checks meet the lie first
+        with client(sybil_swarm, tiny_llama_path, route(liar), route("T"), hidden=["U"]) as model:
+            model.verdict_audit_every = every  # the final audit or none: the spot-checks meet the lie first
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # tokens after the refutation have no other witness
                 out = model.generate(torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS, spot_check_rate=1.0)
@@ -573,15 +576,16 @@ def test_a_spot_check_of_the_tail_is_settled_by_evidence(sybil_swarm, tiny_llama
             assert out == greedy_reference, stats.spot_check_events
             assert stats.spot_checks_by_evidence >= 1, stats.spot_check_events
             assert any(": refuted (" in e and "evidence at position" in e for e in stats.spot_check_events)
-            assert stats.disputed_peers == [model.peers["K1"]], stats.spot_check_events
+            assert stats.disputed_peers == [model.peers[liar]], stats.spot_check_events
             assert stats.spot_checks_undecided == 0 and stats.liars_excluded == [] and not model.swarm.liars
             assert stats.route[-1][0] == model.peers["T"]
     finally:
         stop(sybil_swarm, processes)
 
 
+@pytest.mark.parametrize("every", [10_000, 0], ids=["final-verdict-audit", "no-verdict-audits"])
 def test_a_spot_check_of_the_tail_settles_log_probs_by_evidence(
-    sybil_swarm, tiny_llama_path, tiny_reference, greedy_reference
+    sybil_swarm, tiny_llama_path, tiny_reference, greedy_reference, every
 ):
     """K2 (live) names the right tokens but adds 0.5 to every log-prob it returns; T is its only
     substitute. A spot-check of the tail hop finds the two verdicts naming the same tokens with other
@@ -591,10 +595,11 @@ def test_a_spot_check_of_the_tail_settles_log_probs_by_evidence(
     disputed, and the log-probs returned are local transformers' (within 1e-4)."""
     from tests.hostile.test_output_audits import honest_logprobs
 
-    processes = start(sybil_swarm, "--lie-in-logprobs", "0.5", names=("K2",))
+    liar = "K2" if every else "K2n"  # a name per case: a stopped server's record outlives it
+    processes = start(sybil_swarm, "--lie-in-logprobs", "0.5", names=(liar,))
     try:
-        with client(sybil_swarm, tiny_llama_path, route("K2"), route("T"), hidden=["U"]) as model:
-            model.verdict_audit_every = 10_000  # only the final audit: the spot-checks meet the lie first
+        with client(sybil_swarm, tiny_llama_path, route(liar), route("T"), hidden=["U"]) as model:
+            model.verdict_audit_every = every  # the final audit or none: the spot-checks meet the lie first
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # tokens after the refutation have no other witness
                 out = model.generate(torch.tensor(PROMPT), max_new_tokens=24, spot_check_rate=1.0, num_logprobs=3)
@@ -603,7 +608,7 @@ def test_a_spot_check_of_the_tail_settles_log_probs_by_evidence(
             print(f"\nlog-prob spot-check of the tail: {stats.spot_check_events}")
             assert stats.spot_checks_by_evidence >= 1, stats.spot_check_events
             assert any("log-probs of token" in e and ": refuted (" in e for e in stats.spot_check_events)
-            assert stats.disputed_peers == [model.peers["K2"]], stats.spot_check_events
+            assert stats.disputed_peers == [model.peers[liar]], stats.spot_check_events
             assert stats.spot_checks_undecided == 0 and stats.liars_excluded == [] and not model.swarm.liars
             assert stats.route[-1][0] == model.peers["T"]
             expected = honest_logprobs(tiny_reference, tokens, 3)
