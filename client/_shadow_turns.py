@@ -9,13 +9,22 @@ each). So every audit is verified by each witness of a pool, in turn: up to ``SH
 tails, drawn at random from the candidates (trusted first: a trusted witness's word settles, and no other
 is asked). With at most ``SHADOW_POOL`` candidates the honest tail is always among them, and one
 disagreement is enough: the dispute goes to a trusted judge or to evidence (client/_evidence_disputes.py),
-never to a vote; with more, it is in the pool with probability ``SHADOW_POOL`` / candidates.
+never to a vote.
+
+With more candidates than the pool holds, the pool rotates: while some candidate has not had a turn this
+generation, each audit's first witness is one of those (drawn at random), and the witness parked longest
+makes room for it. A fresh witness verifies every generated token so far, so after audit k, min(n, k + 2)
+candidates have each verified the generation up to their first turn: with n candidates, all have by audit
+n - 2 (the honest one too); later tokens are verified by those in the pool when they come. Before, a pool
+drawn once held the honest tail with probability ``SHADOW_POOL`` / n, and a generation whose pool held only
+sybils had their lies confirmed throughout.
 
 Cost bound: at most ``SHADOW_POOL`` shadow sessions a generation, each kept with its caches, its run ids and
 how far it verified (parked while another witness verifies), and each verifying each generated token once
 (a fresh one from the first generated token): at most ``SHADOW_POOL`` positions per generated token on the
 shadow routes, where one shadow paid one, in the background but for the last window before ``generate()``
-returns, which each witness verifies in turn.
+returns, which each witness verifies in turn; a rotation adds one fresh witness to an audit (the prompt and
+every generated token so far), at most n - ``SHADOW_POOL`` times a generation.
 
 A mixin of :class:`client._verdict_audits.VerdictAuditor` (``_shadow``, ``_held``, ``_next_run`` are the
 shadow whose turn it is).
@@ -89,11 +98,12 @@ class ShadowTurns:
         self.rng.shuffle(found)
         found = self.witnesses.choose(found, [hop.peer_id for hop in route])  # independent ones, trusted first
         # never a group that already disagreed with the tail's; servers of other disputed groups last
-        found = self._turn_order(self.avoidance.witness_order(found, [route[-1].peer_id]))
+        found = self._turn_order(self.avoidance.witness_order(found, [route[-1].peer_id]), rotate=not skip)
         for attempt, candidate in enumerate(found[:MAX_SHADOW_TRIES]):
             parked = self.parked.pop(candidate.peer_id, None)
             if parked is not None:
                 self._shadow, self._held, self._next_run, self._verified = parked
+                self.had_turn.add(candidate.peer_id)
                 return True
             shadow_route = substituted(route, len(route) - 1, candidate.peer_id)
             shadow = RemoteSession(
@@ -113,17 +123,27 @@ class ShadowTurns:
                     raise
                 continue
             self._shadow, self._held, self._next_run, self._verified = shadow, 0, 0, 0
+            self.had_turn.add(candidate.peer_id)
+            while len(self.parked) >= SHADOW_POOL:  # a rotation: the witness parked longest makes room
+                session, *_ = self.parked.pop(next(iter(self.parked)))  # parked in turn order: oldest first
+                await session.close()
             return True
         return False
 
-    def _turn_order(self, found: Sequence) -> list:
+    def _turn_order(self, found: Sequence, rotate: bool = False) -> list:
         """The candidates in the order to try: a trusted one first as it came; otherwise one drawn at random
-        among the first rank (groups in no dispute) that are parked or, while the pool has room, fresh."""
+        among the first rank (groups in no dispute) that are parked or, while the pool has room, fresh; with
+        ``rotate`` (an audit's first witness) and a full pool, among those that have not had a turn yet."""
         found = list(found)
         if not found or self.witnesses.is_trusted(found[0].peer_id):
             return found
         room = len(self.parked) < SHADOW_POOL  # with the drawn one, at most SHADOW_POOL sessions
-        eligible = [c for c in found if c.peer_id not in self.avoidance.peers and (c.peer_id in self.parked or room)]
+        first_rank = [c for c in found if c.peer_id not in self.avoidance.peers]
+        unseen = [c for c in first_rank if c.peer_id not in self.had_turn and c.peer_id not in self.parked]
+        if rotate and not room and unseen:
+            pick = self.rng.choice(unseen)
+            return [pick, *(c for c in found if c is not pick)]
+        eligible = [c for c in first_rank if c.peer_id in self.parked or room]
         if not eligible:
             return found
         pick = self.rng.choice(eligible)

@@ -93,6 +93,7 @@ class VerdictAuditor(ShadowTurns, EvidenceDisputes, BackgroundAudit):
         self.live = LiveShape()  # what this generation's live laps look like (client/_audit_shape.py)
         self._shadow: Optional[RemoteSession] = None  # the shadow whose turn it is (client/_shadow_turns.py)
         self.parked: dict[str, tuple[RemoteSession, int, int, int]] = {}  # the others: session, held, run, verified
+        self.had_turn: set[str] = set()  # witnesses that verified for this generation (the pool rotates through)
         self._held = 0  # positions the shadow's caches hold (of ``audited``)
         self._verified = 0  # positions the shadow has verified itself (a parked one catches up from there)
         self._next_run = 0
@@ -111,7 +112,7 @@ class VerdictAuditor(ShadowTurns, EvidenceDisputes, BackgroundAudit):
         self.audited, self.max_length, self.sampling = list(prompt), max_length, sampling
         self._prompt_len = len(prompt)  # the live log-probs start after it
         self.live = live or LiveShape()
-        self.trusted_confirmed, self.confirmers = set(), {}
+        self.trusted_confirmed, self.confirmers, self.had_turn = set(), {}, set()
         self._given_up = 0
         self.enabled, self.verification = verification in ("match", "rejection"), verification
         self.rejection.forget()

@@ -19,11 +19,18 @@ class Turns(ShadowTurns):
         self.avoidance = Avoidance(self.witnesses)
         self.rng = random.Random(seed)
         self.parked: dict = {}
+        self.had_turn: set = set()
+        self.evicted: list = []
 
-    def audit(self, found) -> str:
-        """One audit's draw: the first candidate tried serves, then is parked with the others."""
-        pick = self._turn_order(found)[0].peer_id
-        self.parked.pop(pick, None)
+    def audit(self, found, rotate: bool = False) -> str:
+        """One draw, as ``_ensure_shadow`` makes it: the first candidate tried serves (a fresh one makes room
+        in a full pool: the witness parked longest is closed), then is parked with the others. ``rotate``:
+        an audit's first witness."""
+        pick = self._turn_order(found, rotate=rotate)[0].peer_id
+        fresh = self.parked.pop(pick, None) is None
+        self.had_turn.add(pick)
+        while fresh and len(self.parked) >= SHADOW_POOL:
+            self.evicted.append(self.parked.pop(next(iter(self.parked))))
         self.parked[pick] = ("session", 0, 0, 0)
         return pick
 
@@ -42,11 +49,31 @@ def test_each_audit_draws_its_witness_anew_and_every_candidate_gets_turns():
 
 
 def test_the_pool_bounds_the_sessions_a_generation_opens():
-    """Six candidates: once SHADOW_POOL of them hold sessions, later audits draw only among those."""
+    """Six candidates, draws that may not rotate (an audit's further witnesses): once SHADOW_POOL of them
+    hold sessions, later draws are only among those."""
     turns = Turns(seed=3)
     picks = [turns.audit(records(*(f"S{i}" for i in range(6)))) for _ in range(60)]
     assert len(set(picks)) == SHADOW_POOL
     assert set(picks[SHADOW_POOL * 4 :]) <= set(turns.parked)
+
+
+def test_with_more_candidates_than_the_pool_it_rotates_until_each_had_a_turn():
+    """Six candidates, audits of SHADOW_POOL witnesses each (the first may rotate): every candidate has had
+    a turn by audit 6 - 2 (one fresh witness an audit once the pool is full), never more than SHADOW_POOL
+    sessions at once, and once all had a turn no more sessions are opened. Before, the three drawn first
+    were the pool for the whole generation: the honest one of six was in it with probability 1/2."""
+    names = [f"S{i}" for i in range(6)]
+    for seed in range(20):
+        turns, seen_after = Turns(seed=seed), []
+        for _ in range(12):  # audits: as ``_audits`` draws them, its further witnesses skip the ones used
+            used = {turns.audit(records(*names), rotate=True)}
+            for _ in range(SHADOW_POOL - 1):
+                used.add(turns.audit(records(*(n for n in names if n not in used))))
+            assert len(used) == SHADOW_POOL
+            assert len(turns.parked) <= SHADOW_POOL
+            seen_after.append(len(turns.had_turn))
+        assert seen_after[:4] == [3, 4, 5, 6], seen_after
+        assert len(turns.evicted) == 6 - SHADOW_POOL  # one rotation an audit, and none after the last candidate
 
 
 def test_a_trusted_witness_is_tried_first_and_disputed_groups_last():
