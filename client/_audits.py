@@ -54,11 +54,11 @@ class Audits:
         if self.verdicts is not None:
             self.verdicts.live.saw_lap(drafts)
 
-    def saw_run(self, run, accepted: int) -> None:
-        """A live run's verdict arrived (``accepted`` drafts): under rejection sampling its audit
-        replays the run's drafts and q."""
+    def saw_run(self, run, result) -> None:
+        """A live run's verdict arrived (``result``, after the client's correction): under rejection
+        sampling its audit replays the run's drafts and q."""
         if self.verdicts is not None:
-            self.verdicts.rejection.record(run, accepted)
+            self.verdicts.rejection.record(run, result)
 
     def forget_runs(self) -> None:
         if self.verdicts is not None:

@@ -24,6 +24,7 @@ from client._processed_evidence import (
     draw_noise_for,
     logit_bounds,
     processed_bounds,
+    settle_corrections,
     settle_decision,
     settle_token,
 )
@@ -31,6 +32,7 @@ from client._rejection_audits import RejectionRuns
 from client._tail_bisection import bisect_tails
 from client.errors import ServerError
 from protocol.messages import GREEDY, Hop, SamplingParams
+from protocol.sampling import correction_top_k
 from protocol.seeded_draws import draw_noise
 
 logger = logging.getLogger("client._verdict_audits")
@@ -130,6 +132,10 @@ class EvidenceDisputes:
         shadow_accepted = self.rejection.shadow_accepted.get(t)
         if shadow_accepted is None:
             return Settlement(None, "the shadow's decision on the draft is unknown")
+        if not shadow_accepted and run.accepted == i:  # both rejected it: their top-K of p decide the corrections
+            k = min(correction_top_k(self.sampling), self.vocab_size)
+            claims = (run.correction, self.rejection.shadow_corrections.get(t))
+            return settle_corrections(found, *claims, k, numbers)
         args = (found, self.sampling, t, run.q[i], run.accepted > i, shadow_accepted, run.drafts[i])
         return settle_decision(*args)
 

@@ -262,7 +262,7 @@ class SpeculativeDecoder(Reverification):
             result = self.mode.corrected(front, result)
             self.stats.corrections += 1
         if self.audits is not None:
-            self.audits.saw_run(front, result.accepted)  # a rejection run's drafts and q: its audit replays them
+            self.audits.saw_run(front, result)  # a rejection run's drafts and q: its audit replays them
         # 4) commit, cancel whatever the verdict refutes, and track a run the tail started
         new = self._commit(front, result, tokens_left)
         self.stats.bytes_up += remote.bytes_sent - sent_before

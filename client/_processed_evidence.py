@@ -26,8 +26,11 @@ could have seen: ``[min(h_tail . W[v], h_shadow . W[v]) - e[v], max(...) + e[v]]
   (seed, t, "accept") stream and q(x) the float16 the client sent. p(x) is bounded like the scores
   (x at its lowest against every possibly kept rival at its highest, and the other way round); when
   u q(x) lies inside the bounds nothing is settled, else the side whose decision contradicts it is
-  refuted. Two rejections with different corrections settle nothing (the correction is drawn from
-  each tail's float16 top-K; not bounded here).
+  refuted. Two rejections with different corrections: the correction is drawn by the client from the
+  top-K of p each tail sent (float16), so each claim is checked against p's bounds
+  (:func:`settle_corrections`): a claim *fits* when it has K distinct ids, each p(v) within its bounds
+  (plus float16 rounding), and no id it leaves out is surely likelier than its K-th; the side whose
+  claim does not fit while the other's does is refuted.
 
 Why an honest tail is never refuted: its verdict's logits are h' . W from its live h', within the
 hidden noise of the h it sends as evidence, rounded in its dtype: each within e[v] of the client's
@@ -169,6 +172,52 @@ def probability_bounds(b: Bounds, x: int) -> tuple[float, float]:
     high = float(e_hi[x] / (e_hi[x] + e_lo.sum() - e_lo[x]))
     low = float(e_lo[x] / (e_lo[x] + e_hi.sum() - e_hi[x])) if bool(b.sure[x]) else 0.0
     return (0.0 if low != low else low), (1.0 if high != high else high)
+
+
+F16 = 2.0**-11  # float16's relative rounding (10-bit mantissa), and its smallest step below
+F16_TINY = 2.0**-25
+
+
+def _lowest_all(b: Bounds) -> torch.Tensor:
+    """[vocab] the lowest p(v) of every token over the admissible perturbations (0 where not surely kept)."""
+    top = float(b.hi[b.possible].max())
+    e_hi = torch.where(b.possible, (b.hi - top).exp(), torch.zeros_like(b.hi)).double()
+    e_lo = torch.where(b.sure, (b.lo - top).exp(), torch.zeros_like(b.lo)).double()
+    return (e_lo / (e_lo + e_hi.sum() - e_hi)).nan_to_num(0.0)
+
+
+def correction_fits(b: Bounds, claim, k: int) -> tuple[bool, str]:
+    """Whether a tail's top-K of p at a rejection (``claim``: ids, float16 probabilities) is one an honest
+    tail could send: ``k`` distinct ids, each p(v) within its bounds, none left out surely likelier."""
+    if claim is None:
+        return False, "no top-K recorded"
+    ids, probs = list(claim[0]), list(claim[1])
+    if len(ids) != k or len(set(ids)) != k or len(probs) != k or not all(0 <= v < len(b.lo) for v in ids):
+        return False, f"{len(ids)} ids, {len(probs)} probabilities where {k} distinct ones are due"
+    for v, p in zip(ids, probs):
+        low, high = probability_bounds(b, v)
+        slack = F16 * p + F16_TINY
+        if p < low * (1 - ARITHMETIC) - slack or p > high * (1 + ARITHMETIC) + slack:
+            return False, f"p({v}) = {p:.4g} outside [{low:.4g}, {high:.4g}]"
+    lowest = _lowest_all(b)
+    lowest[torch.tensor(ids, dtype=torch.long)] = 0.0
+    floor = min(probs)
+    left_out = int(lowest.argmax())
+    if float(lowest[left_out]) * (1 - ARITHMETIC) > floor + F16 * floor + F16_TINY:
+        return False, f"{left_out} left out, p >= {float(lowest[left_out]):.4g} > its K-th {floor:.4g}"
+    return True, "fits"
+
+
+def settle_corrections(b: Bounds, tail_claim, shadow_claim, k: int, numbers: str) -> Settlement:
+    """Both tails rejected the draft and their corrections differ: each one's top-K of p against the bounds."""
+    tail_fits, tail_why = correction_fits(b, tail_claim, k)
+    shadow_fits, shadow_why = correction_fits(b, shadow_claim, k)
+    numbers += f"; corrections' top-{k}: the route's tail's {tail_why}, the shadow's {shadow_why}"
+    if tail_fits and not shadow_fits and shadow_claim is not None:
+        return Settlement("shadow", numbers)
+    if shadow_fits and not tail_fits and tail_claim is not None:
+        return Settlement("tail", numbers)
+    return Settlement(None, numbers + (" (both fit)" if tail_fits else ""))
 
 
 def settle_decision(

@@ -17,8 +17,9 @@ sampling), so a tail cannot tell them apart either.
 Log-probs are not compared under rejection (the client rewrites the one at a correction), and a
 dispute is settled by the shadow or the tail being trusted (a trusted third verifies by token match,
 which the rejection rule is not) or by evidence: the client records the shadow's decision on a disputed
-draft (``shadow_accepted``) beside the live run's, and client/_processed_evidence.py refutes a decision
-only where no honest p allows it.
+draft (``shadow_accepted``) beside the live run's, and, where both rejected it, both tails' top-K of p
+(``RecordedRun.correction``, ``shadow_corrections``); client/_processed_evidence.py refutes a decision
+or a top-K only where no honest p allows it.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class RecordedRun:
     q: list[float]
     dists: list[torch.Tensor]
     accepted: int
+    correction: Optional[tuple[list[int], list[float]]] = None  # the tail's top-K of p at a rejection
 
     @property
     def end(self) -> int:
@@ -58,16 +60,22 @@ class RejectionRuns:
     def __init__(self) -> None:
         self.runs: dict[int, RecordedRun] = {}
         self.shadow_accepted: dict[int, bool] = {}  # a disputed draft's position: whether the shadow accepted it
+        self.shadow_corrections: dict[int, tuple[list[int], list[float]]] = {}  # there: the shadow's top-K of p
 
-    def record(self, run: Run, accepted: int) -> None:
+    def record(self, run: Run, result: StepResult) -> None:
+        """A live run's verdict (after the client's correction): its accepted count and, at a rejection,
+        the top-K of p the tail sent (evidence settles two tails' different corrections by it)."""
         if run.draft_q and not run.replay:
-            first = run.first_draft_pos
-            self.runs[first] = RecordedRun(first, list(run.drafts), list(run.draft_q), list(run.q_dists), accepted)
+            first, accepted = run.first_draft_pos, result.accepted
+            correction = _claim(result)
+            recorded = RecordedRun(first, list(run.drafts), list(run.draft_q), list(run.q_dists), accepted, correction)
+            self.runs[first] = recorded
 
     def forget(self) -> None:
         """A re-verification re-commits every generated token by token match: no record holds."""
         self.runs.clear()
         self.shadow_accepted.clear()
+        self.shadow_corrections.clear()
 
     def covering(self, position: int) -> Optional[tuple[RecordedRun, int]]:
         """The recorded run whose drafts include ``position``, and the index of that draft there."""
@@ -144,6 +152,8 @@ async def confirm(auditor, route, ids: list[int], position: int, limit: int, sta
         for i, token in enumerate(chosen):
             if token != ids[position + i]:  # the shadow's decision there, for client/_processed_evidence.py
                 runs.shadow_accepted[position + i] = i < result.accepted
+                if i == result.accepted and _claim(result) is not None:
+                    runs.shadow_corrections[position + i] = _claim(result)
                 await auditor._dispute(route, ids, position + i, token, stats)
                 return
         auditor.confirmed_by(shadow.tail_peer, range(position, position + len(chosen)))
@@ -151,6 +161,13 @@ async def confirm(auditor, route, ids: list[int], position: int, limit: int, sta
         first = position - 1  # the next Step carries the last confirmed token (it may overwrite a rejected draft)
         auditor._held = auditor._verified = position
         auditor.audited = ids[: max(position, len(auditor.audited))]
+
+
+def _claim(result: StepResult) -> Optional[tuple[list[int], list[float]]]:
+    """A verdict's top-K of p at its rejection (ids, float16 probabilities as read); None without one."""
+    if result.correction_ids is None:
+        return None
+    return list(result.correction_ids), unpack_f16(result.correction_p)
 
 
 def _with_q(step, q: bytes):

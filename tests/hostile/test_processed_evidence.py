@@ -12,14 +12,16 @@ import torch
 
 from client._evidence import HIDDEN_NOISE, ROUNDING
 from client._processed_evidence import (
+    correction_fits,
     logit_bounds,
     possible_winners,
     processed_bounds,
+    settle_corrections,
     settle_decision,
     settle_token,
 )
 from protocol.messages import Constraint, SamplingParams
-from protocol.sampling import choose_token, processed_scores
+from protocol.sampling import choose_token, correction_top_k, pack_f16, processed_scores, unpack_f16
 from protocol.seeded_draws import draw_noise, seeded_uniform
 
 TOL = 1e-3  # float32's agreement tolerance (client/_output_audits.py)
@@ -190,6 +192,48 @@ def test_rejection_decisions_are_refuted_only_when_impossible_under_honest_p(smo
                 x = int(p.argmax())
                 assert settle_decision(b, params, t, edge, True, False, x).refuted is None
     assert refuted > 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_rejection_corrections_are_refuted_only_when_no_honest_p_gives_them(smol, dtype):
+    """Both tails rejected the draft and their corrections differ: the client drew each from the top-K
+    of p that tail sent (float16). An honest top-K (p from logits rounded in the tail's dtype) always
+    fits, against bounds from its h and another h within the tolerance too. A top-K naming only the
+    lie with p 1 (tests/kit/faults.py), one with the two likeliest ids' probabilities swapped, or one
+    that leaves the likeliest id out is never taken for the honest one, and where both tails sent the
+    same h (float32 on CPU) it is refuted: the side that sent it, never the honest one."""
+    ids, h, w, _ = smol
+    g = torch.Generator().manual_seed(1)
+    cast = getattr(torch, dtype)
+    refuted = 0
+    for params in (
+        SamplingParams(do_sample=True, top_k=20, repetition_penalty=1.2, seed=1),
+        SamplingParams(do_sample=True, temperature=0.8, top_p=0.9, seed=2),
+    ):
+        k = correction_top_k(params)
+        for t in range(len(ids) - 3, len(ids)):
+            other = shaded(h[t - 1], g, TOL if dtype == "float32" else 0.08)
+            wide = bounds_at(h[t - 1], other, w, ids, t, params, dtype)
+            same = bounds_at(h[t - 1], h[t - 1].clone(), w, ids, t, params, dtype)
+            logits = (h[t - 1].to(cast) @ w.to(cast).T).float()  # what the honest tail computes
+            p = torch.softmax(processed_scores(logits, ids[:t], params), -1)
+            top_p, top_ids = p.topk(k)
+            honest = (top_ids.tolist(), unpack_f16(pack_f16(top_p.tolist())))
+            for b in (wide, same):
+                assert correction_fits(b, honest, k)[0], correction_fits(b, honest, k)[1]
+            swapped = (honest[0], [honest[1][1], honest[1][0], *honest[1][2:]])
+            rest = p.topk(k + 1)
+            left_out = (rest.indices.tolist()[1:], unpack_f16(pack_f16(rest.values.tolist()[1:])))
+            for lie in (([honest[0][1]], [1.0]), swapped, left_out):
+                for b in (wide, same):
+                    assert settle_corrections(b, honest, lie, k, "").refuted in ("shadow", None)
+                    assert settle_corrections(b, lie, honest, k, "").refuted in ("tail", None)
+                if dtype == "float32" and (lie is not swapped or honest[1][0] - honest[1][1] > 0.05):
+                    assert settle_corrections(same, honest, lie, k, "").refuted == "shadow"
+                    assert settle_corrections(same, lie, honest, k, "").refuted == "tail"
+                    refuted += 2
+            assert settle_corrections(wide, honest, honest, k, "").refuted is None
+    assert refuted >= (12 if dtype == "float32" else 0)
 
 
 def test_the_checkpoints_head_gives_every_logit(smol):

@@ -20,11 +20,16 @@ def live_run(first: int, drafts: list[int], q: list[float], replay: bool = False
     return Run(0, first - 1, [7, *drafts], drafts, None, draft_q=q, q_dists=dists, replay=replay)
 
 
+def verdict(accepted: int) -> StepResult:
+    """A live verdict accepting ``accepted`` drafts (no rejection's top-K: none is needed here)."""
+    return StepResult(session_id="s", run_id=0, accepted=accepted, next_token=0)
+
+
 def test_the_shadow_is_sent_the_live_runs_drafts_and_q_and_token_match_elsewhere():
     runs = RejectionRuns()
-    runs.record(live_run(20, [1, 2, 3, 4], [0.5, 0.25, 0.5, 0.125]), accepted=1)  # 2 rejected at 21
-    runs.record(live_run(23, [5, 6], [0.5, 0.5]), accepted=2)  # both accepted, bonus at 25
-    runs.record(live_run(30, [8], [0.5], replay=True), accepted=1)  # a replay: token match, not recorded
+    runs.record(live_run(20, [1, 2, 3, 4], [0.5, 0.25, 0.5, 0.125]), verdict(1))  # 2 rejected at 21
+    runs.record(live_run(23, [5, 6], [0.5, 0.5]), verdict(2))  # both accepted, bonus at 25
+    runs.record(live_run(30, [8], [0.5], replay=True), verdict(1))  # a replay: token match, not recorded
     ids = list(range(100, 140))
     drafts, q, cut = runs.replay(ids, 20, 8)
     assert drafts == [1, 2, 3, 4] and unpack_f16(q) == [0.5, 0.25, 0.5, 0.125] and not cut
@@ -43,7 +48,7 @@ def test_the_shadow_is_sent_the_live_runs_drafts_and_q_and_token_match_elsewhere
 
 def test_the_correction_is_the_clients_own_draw_from_the_shadows_top_k():
     runs = RejectionRuns()
-    runs.record(live_run(20, [1, 2, 3], [0.5, 0.5, 0.5]), accepted=1)
+    runs.record(live_run(20, [1, 2, 3], [0.5, 0.5, 0.5]), verdict(1))
     top_ids, top_p = [4, 2, 9], [0.5, 0.3, 0.2]
     result = StepResult(
         session_id="s", run_id=0, accepted=1, next_token=9, correction_ids=top_ids, correction_p=pack_f16(top_p)
