@@ -11,7 +11,7 @@ looped runs, suffix drafting), in three modes taken in turn in every round, so t
 on each alike:
 
 - ``pool of 3``: the default;
-- ``pool of 1``: ``SHADOW_POOL`` patched to 1 in this process (the old one-shadow audit);
+- ``pool of 1``: ``audit_witnesses=1`` (the old one-shadow audit);
 - ``no verdict audits``: ``verdict_audit_every=0``.
 
 Per mode: the median wall time of ``generate()`` (audits in the background, but the last window's
@@ -35,6 +35,7 @@ ARGS = ["--torch-threads", "1", "--log-level", "WARNING", "--update-period", "5"
 PROMPT = "The history of the printing press begins in"
 TAILS = ("T", "U", "V", "W")
 MODES = ("pool of 3", "pool of 1", "no verdict audits")
+WITNESSES = {"pool of 3": 3, "pool of 1": 1, "no verdict audits": 3}
 
 
 def main() -> None:
@@ -48,7 +49,6 @@ def main() -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from client import _shadow_turns
     from protocol.models import ensure_smollm2_checkpoint
     from swarm import AutoDistributedModelForCausalLM
     from swarm.local import LocalSwarm
@@ -70,11 +70,10 @@ def main() -> None:
             model.generate(prompt, max_new_tokens=8)  # warm-up: connections, caches, first routing
             for run in range(args.runs):
                 for mode in MODES:
-                    _shadow_turns.SHADOW_POOL = 1 if mode == "pool of 1" else 3
                     model.verdict_audit_every = 0 if mode == "no verdict audits" else 16
                     start = time.perf_counter()
                     with torch.no_grad():
-                        out = model.generate(prompt, max_new_tokens=args.tokens)
+                        out = model.generate(prompt, max_new_tokens=args.tokens, audit_witnesses=WITNESSES[mode])
                     seconds = time.perf_counter() - start
                     stats = model.last_generation_stats
                     new = out[0, prompt.shape[1] :].tolist()
@@ -92,7 +91,6 @@ def main() -> None:
                     print(f"run {run} {mode}: {short}", flush=True)
         finally:
             model.shutdown()
-            _shadow_turns.SHADOW_POOL = 3
     outputs = {json.dumps(r["tokens"]) for mode in MODES for r in rows[mode]}
 
     def median(mode: str, key: str) -> float:

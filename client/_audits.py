@@ -98,11 +98,13 @@ def make_audits(
     verdict_audit_every: int,
     trusted: frozenset[str] = frozenset(),
     lm_head: Optional[LMHeadRows] = None,
+    options=None,
 ) -> Optional[Audits]:
     """A generation's audits: spot-checks at this rate and verdict audits at this period (None when
     both are off, so the decoder skips them); ``trusted`` peers settle the disputes strangers cannot,
     and ``lm_head`` (the checkpoint's rows) lets the client settle tail disputes itself, with verdict
-    audits or without (the spot-checks then get their own ``TailEvidence``)."""
+    audits or without (the spot-checks then get their own ``TailEvidence``). ``options``: the call's
+    GenerationOptions (``audit_witnesses``: the verdict audits' pool size)."""
     witnesses = Witnesses(trusted)
     avoidance = Avoidance(witnesses)  # one per generation's audits: both record disputes in it
     spot = (
@@ -116,6 +118,8 @@ def make_audits(
         if every
         else None
     )
+    if verdicts is not None and options is not None:
+        verdicts.pool = options.audit_witnesses
     if spot is not None and verdicts is not None:
         spot.evidence = verdicts  # a spot-check of the tail hop settles by the verdict audits' evidence
     elif spot is not None and lm_head is not None:

@@ -26,6 +26,13 @@ def check_audit_policy(audit: str) -> str:
     return audit
 
 
+def check_audit_witnesses(witnesses: int) -> int:
+    """``audit_witnesses``: how many independent tails verify each verdict audit (at least 1)."""
+    if isinstance(witnesses, bool) or not isinstance(witnesses, int) or witnesses < 1:
+        raise ValueError(f"audit_witnesses must be an int >= 1 (tails that verify each audit), got {witnesses!r}")
+    return witnesses
+
+
 def count(
     stats: GenerationStats,
     history: list[int],

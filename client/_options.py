@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
-from client._confirmation import check_audit_policy
+from client._confirmation import check_audit_policy, check_audit_witnesses
 from client._witnesses import trusted_set
 from client.drafting import DRAFTER_KINDS
 from client.drafting.cost_model import check_lap_costs
@@ -50,6 +50,7 @@ class GenerationOptions:
     loop_runs: Optional[bool] = None  # None: on wherever it applies
     trusted_peers: Optional[Sequence[str]] = None  # None: from_pretrained's (docs/reliability.md, "Witnesses")
     audit: str = "warn"  # unconfirmed tokens: "warn" flags them, "required" raises (client/_confirmation.py)
+    audit_witnesses: int = 3  # tails of the verdict audits' pool (client/_shadow_turns.py): more close sybil gaps
     # structured outputs (docs/api.md, "Structured outputs"): at most one of these, vLLM's names
     guided_json: Any = None  # a JSON schema (dict or JSON text)
     guided_regex: Optional[str] = None
@@ -88,6 +89,7 @@ class GenerationOptions:
         if self.speculation is not None and self.speculation not in DRAFTER_KINDS:
             raise ValueError(f"speculation must be one of {DRAFTER_KINDS} or None, got {self.speculation!r}")
         check_audit_policy(self.audit)
+        check_audit_witnesses(self.audit_witnesses)
         if self.draft_lap_costs is not None:
             check_lap_costs(self.draft_lap_costs)
         trusted_set(self.trusted_peers)

@@ -41,7 +41,7 @@ from client._swarm import SECOND_PING
 from client.errors import ServerError
 from protocol.messages import Hop
 
-SHADOW_POOL = 3  # shadow sessions a generation may hold at once (the one whose turn it is and the parked)
+SHADOW_POOL = 3  # the default pool (``audit_witnesses``): sessions at once, the one whose turn it is and the parked
 MAX_SHADOW_TRIES = 3  # substitutes tried for the shadow's tail when one cannot be reached
 
 
@@ -53,7 +53,7 @@ class ShadowTurns:
         witness is the auditor's one current shadow while it verifies."""
         await asyncio.wait_for(self._audit(route, ids, stats), self.timeout)
         used: set[str] = set()
-        while self._shadow is not None and len(used) < SHADOW_POOL - 1:
+        while self._shadow is not None and len(used) < self.pool - 1:
             if self.witnesses.is_trusted(self._shadow.tail_peer) or len(self.audited) < len(ids):
                 return
             used.add(self._shadow.tail_peer)
@@ -124,7 +124,7 @@ class ShadowTurns:
                 continue
             self._shadow, self._held, self._next_run, self._verified = shadow, 0, 0, 0
             self.had_turn.add(candidate.peer_id)
-            while len(self.parked) >= SHADOW_POOL:  # a rotation: the witness parked longest makes room
+            while len(self.parked) >= self.pool:  # a rotation: the witness parked longest makes room
                 session, *_ = self.parked.pop(next(iter(self.parked)))  # parked in turn order: oldest first
                 await session.close()
             return True
@@ -137,7 +137,7 @@ class ShadowTurns:
         found = list(found)
         if not found or self.witnesses.is_trusted(found[0].peer_id):
             return found
-        room = len(self.parked) < SHADOW_POOL  # with the drawn one, at most SHADOW_POOL sessions
+        room = len(self.parked) < self.pool  # with the drawn one, at most ``pool`` sessions
         first_rank = [c for c in found if c.peer_id not in self.avoidance.peers]
         unseen = [c for c in first_rank if c.peer_id not in self.had_turn and c.peer_id not in self.parked]
         if rotate and not room and unseen:

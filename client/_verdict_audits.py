@@ -50,7 +50,7 @@ from client._lm_head import LMHeadRows
 from client._logprob_audits import first_disagreement, logprob_tolerance
 from client._rejection_audits import RejectionRuns, confirm
 from client._remote_session import RemoteSession
-from client._shadow_turns import ShadowTurns
+from client._shadow_turns import SHADOW_POOL, ShadowTurns
 from client._spot_checks import AuditResult, BackgroundAudit, SpotChecker, alternatives, substituted
 from client._witnesses import Witnesses
 from client.errors import ServerError
@@ -94,6 +94,7 @@ class VerdictAuditor(ShadowTurns, EvidenceDisputes, BackgroundAudit):
         self._shadow: Optional[RemoteSession] = None  # the shadow whose turn it is (client/_shadow_turns.py)
         self.parked: dict[str, tuple[RemoteSession, int, int, int]] = {}  # the others: session, held, run, verified
         self.had_turn: set[str] = set()  # witnesses that verified for this generation (the pool rotates through)
+        self.pool = SHADOW_POOL  # shadow sessions at once, each verifying every audit (``audit_witnesses``)
         self._held = 0  # positions the shadow's caches hold (of ``audited``)
         self._verified = 0  # positions the shadow has verified itself (a parked one catches up from there)
         self._next_run = 0

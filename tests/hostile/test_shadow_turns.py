@@ -19,6 +19,7 @@ class Turns(ShadowTurns):
         self.avoidance = Avoidance(self.witnesses)
         self.rng = random.Random(seed)
         self.parked: dict = {}
+        self.pool = SHADOW_POOL
         self.had_turn: set = set()
         self.evicted: list = []
 
@@ -29,7 +30,7 @@ class Turns(ShadowTurns):
         pick = self._turn_order(found, rotate=rotate)[0].peer_id
         fresh = self.parked.pop(pick, None) is None
         self.had_turn.add(pick)
-        while fresh and len(self.parked) >= SHADOW_POOL:
+        while fresh and len(self.parked) >= self.pool:
             self.evicted.append(self.parked.pop(next(iter(self.parked))))
         self.parked[pick] = ("session", 0, 0, 0)
         return pick
@@ -85,3 +86,29 @@ def test_a_trusted_witness_is_tried_first_and_disputed_groups_last():
     turns = Turns()
     turns.avoidance.peers.update({"S1"})
     assert turns.audit(records("S1")) == "S1"
+
+
+def test_a_pool_as_large_as_the_candidates_has_each_verify_every_audit():
+    """``audit_witnesses=4`` with four candidates: every audit is verified by all four, none is ever
+    evicted, so the last window (which a pool of three leaves to three of them) is verified by each."""
+    names = ["S1", "S2", "S3", "T"]
+    for seed in range(10):
+        turns = Turns(seed=seed)
+        turns.pool = 4
+        for _ in range(6):
+            used = {turns.audit(records(*names), rotate=True)}
+            for _ in range(turns.pool - 1):
+                used.add(turns.audit(records(*(n for n in names if n not in used))))
+            assert used == set(names)
+        assert turns.evicted == []
+
+
+def test_audit_witnesses_sizes_the_generations_pool():
+    """generate(audit_witnesses=N) reaches the verdict auditor of the generation (client/_audits.py)."""
+    from client._audits import make_audits
+    from client._options import GenerationOptions
+
+    swarm = SimpleNamespace(request_timeout=1.0)
+    audits = make_audits(swarm, 32, 0.0, 16, options=GenerationOptions(audit_witnesses=5).checked())
+    assert audits.verdicts.pool == 5
+    assert make_audits(swarm, 32, 0.0, 16).verdicts.pool == SHADOW_POOL == 3

@@ -72,6 +72,10 @@ def test_trusted_peers_are_checked():
     with pytest.raises(ValueError, match="audit must be one of"):
         GenerationOptions(audit="strict").checked()
     assert check_audit_policy("required") == "required"
+    for bad in (0, -1, 2.0, True, "3"):
+        with pytest.raises(ValueError, match="audit_witnesses must be an int >= 1"):
+            GenerationOptions(audit_witnesses=bad).checked()
+    assert GenerationOptions(audit_witnesses=5).checked().audit_witnesses == 5
 
 
 def test_every_token_is_counted_once_by_how_it_was_confirmed():
