@@ -190,6 +190,8 @@ def scenario(swarm, title, sybils, flags, prompt, references, args, *, routes_fo
                     forget(model, excluded)
                 try:
                     kwargs = dict(generate_kwargs(peers) if generate_kwargs else {})
+                    if args.audit_witnesses:
+                        kwargs["audit_witnesses"] = args.audit_witnesses
                     result = one_run(model, peers, prompt, references(seed if sampled else None), sampled, seed, kwargs)
                     result["groups"] = groups(model, peers)
                     excluded |= model.swarm.excluded.banned
@@ -351,6 +353,7 @@ def main() -> None:
         "--only", nargs="*", help="only the scenarios whose title contains one of these (or, after '=', is it)"
     )
     p.add_argument("--greedy-only", action="store_true", help="no seeded-sampling generations")
+    p.add_argument("--audit-witnesses", type=int, default=0, help="generate(audit_witnesses=N) (0: the default)")
     p.add_argument("--rejection-runs", type=int, default=20, help="scenario 3's generations (0: skip it)")
     p.add_argument(
         "--reuse-client",
