@@ -162,28 +162,29 @@ def settle_token(bounds: Bounds, noise: Optional[torch.Tensor], a: int, b: int, 
     return Settlement(None, numbers + (" (a near tie)" if pa else " (neither can win)"))
 
 
+def probability_bounds_all(b: Bounds) -> tuple[torch.Tensor, torch.Tensor]:
+    """[vocab] each token's (lowest, highest) p of the warped distribution over the admissible
+    perturbations: 0 where it is not surely (lowest) or possibly (highest) kept."""
+    zero = torch.zeros_like(b.hi)
+    if not bool(b.possible.any()):
+        return zero, zero
+    top = float(b.hi[b.possible].max())
+    e_hi = torch.where(b.possible, (b.hi - top).exp(), zero)
+    e_lo = torch.where(b.sure, (b.lo - top).exp(), zero)
+    high = e_hi / (e_hi + e_lo.sum() - e_lo)
+    low = e_lo / (e_lo + e_hi.sum() - e_hi)
+    high, low = torch.where(high.isnan(), 1.0, high), torch.where(low.isnan(), 0.0, low)
+    return torch.where(b.sure, low, zero), torch.where(b.possible, high, zero)
+
+
 def probability_bounds(b: Bounds, x: int) -> tuple[float, float]:
     """(lowest, highest) p(x) of the warped distribution over the admissible perturbations."""
-    if not bool(b.possible[x]):
-        return 0.0, 0.0
-    top = float(b.hi[b.possible].max())
-    e_hi = torch.where(b.possible, (b.hi - top).exp(), torch.zeros_like(b.hi))
-    e_lo = torch.where(b.sure, (b.lo - top).exp(), torch.zeros_like(b.lo))
-    high = float(e_hi[x] / (e_hi[x] + e_lo.sum() - e_lo[x]))
-    low = float(e_lo[x] / (e_lo[x] + e_hi.sum() - e_hi[x])) if bool(b.sure[x]) else 0.0
-    return (0.0 if low != low else low), (1.0 if high != high else high)
+    low, high = probability_bounds_all(b)
+    return float(low[x]), float(high[x])
 
 
 F16 = 2.0**-11  # float16's relative rounding (10-bit mantissa), and its smallest step below
 F16_TINY = 2.0**-25
-
-
-def _lowest_all(b: Bounds) -> torch.Tensor:
-    """[vocab] the lowest p(v) of every token over the admissible perturbations (0 where not surely kept)."""
-    top = float(b.hi[b.possible].max())
-    e_hi = torch.where(b.possible, (b.hi - top).exp(), torch.zeros_like(b.hi)).double()
-    e_lo = torch.where(b.sure, (b.lo - top).exp(), torch.zeros_like(b.lo)).double()
-    return (e_lo / (e_lo + e_hi.sum() - e_hi)).nan_to_num(0.0)
 
 
 def correction_fits(b: Bounds, claim, k: int) -> tuple[bool, str]:
@@ -194,12 +195,13 @@ def correction_fits(b: Bounds, claim, k: int) -> tuple[bool, str]:
     ids, probs = list(claim[0]), list(claim[1])
     if len(ids) != k or len(set(ids)) != k or len(probs) != k or not all(0 <= v < len(b.lo) for v in ids):
         return False, f"{len(ids)} ids, {len(probs)} probabilities where {k} distinct ones are due"
+    lowest, highest = probability_bounds_all(b)
     for v, p in zip(ids, probs):
-        low, high = probability_bounds(b, v)
+        low, high = float(lowest[v]), float(highest[v])
         slack = F16 * p + F16_TINY
         if p < low * (1 - ARITHMETIC) - slack or p > high * (1 + ARITHMETIC) + slack:
             return False, f"p({v}) = {p:.4g} outside [{low:.4g}, {high:.4g}]"
-    lowest = _lowest_all(b)
+    lowest = lowest.clone()
     lowest[torch.tensor(ids, dtype=torch.long)] = 0.0
     floor = min(probs)
     left_out = int(lowest.argmax())
