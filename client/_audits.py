@@ -11,6 +11,7 @@ from client._audit_shape import LiveShape
 from client._avoidance import Avoidance
 from client._evidence_disputes import TailEvidence
 from client._lm_head import LMHeadRows
+from client._shadow_turns import SHADOW_POOL
 from client._spot_checks import SpotChecker
 from client._verdict_audits import VerdictAuditor
 from client._witnesses import Witnesses
@@ -98,13 +99,13 @@ def make_audits(
     verdict_audit_every: int,
     trusted: frozenset[str] = frozenset(),
     lm_head: Optional[LMHeadRows] = None,
-    options=None,
+    pool: int = SHADOW_POOL,
 ) -> Optional[Audits]:
     """A generation's audits: spot-checks at this rate and verdict audits at this period (None when
     both are off, so the decoder skips them); ``trusted`` peers settle the disputes strangers cannot,
     and ``lm_head`` (the checkpoint's rows) lets the client settle tail disputes itself, with verdict
-    audits or without (the spot-checks then get their own ``TailEvidence``). ``options``: the call's
-    GenerationOptions (``audit_witnesses``: the verdict audits' pool size)."""
+    audits or without (the spot-checks then get their own ``TailEvidence``). ``pool``: the verdict
+    audits' witnesses (``generate(audit_witnesses=...)``)."""
     witnesses = Witnesses(trusted)
     avoidance = Avoidance(witnesses)  # one per generation's audits: both record disputes in it
     spot = (
@@ -114,12 +115,10 @@ def make_audits(
     )
     every = verdict_audit_every
     verdicts = (
-        VerdictAuditor(swarm, vocab_size, every, witnesses=witnesses, avoidance=avoidance, lm_head=lm_head)
+        VerdictAuditor(swarm, vocab_size, every, witnesses=witnesses, avoidance=avoidance, lm_head=lm_head, pool=pool)
         if every
         else None
     )
-    if verdicts is not None and options is not None:
-        verdicts.pool = options.audit_witnesses
     if spot is not None and verdicts is not None:
         spot.evidence = verdicts  # a spot-check of the tail hop settles by the verdict audits' evidence
     elif spot is not None and lm_head is not None:

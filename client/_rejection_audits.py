@@ -152,8 +152,9 @@ async def confirm(auditor, route, ids: list[int], position: int, limit: int, sta
         for i, token in enumerate(chosen):
             if token != ids[position + i]:  # the shadow's decision there, for client/_processed_evidence.py
                 runs.shadow_accepted[position + i] = i < result.accepted
-                if i == result.accepted and _claim(result) is not None:
-                    runs.shadow_corrections[position + i] = _claim(result)
+                claim = _claim(result)
+                if i == result.accepted and claim is not None:
+                    runs.shadow_corrections[position + i] = claim
                 await auditor._dispute(route, ids, position + i, token, stats)
                 return
         auditor.confirmed_by(shadow.tail_peer, range(position, position + len(chosen)))

@@ -72,6 +72,7 @@ class VerdictAuditor(ShadowTurns, EvidenceDisputes, BackgroundAudit):
         witnesses: Optional[Witnesses] = None,
         avoidance: Optional[Avoidance] = None,
         lm_head: Optional[LMHeadRows] = None,
+        pool: int = SHADOW_POOL,
     ):
         if every < 1:
             raise ValueError(f"every must be >= 1, got {every}")
@@ -94,7 +95,7 @@ class VerdictAuditor(ShadowTurns, EvidenceDisputes, BackgroundAudit):
         self._shadow: Optional[RemoteSession] = None  # the shadow whose turn it is (client/_shadow_turns.py)
         self.parked: dict[str, tuple[RemoteSession, int, int, int]] = {}  # the others: session, held, run, verified
         self.had_turn: set[str] = set()  # witnesses that verified for this generation (the pool rotates through)
-        self.pool = SHADOW_POOL  # shadow sessions at once, each verifying every audit (``audit_witnesses``)
+        self.pool = pool  # shadow sessions at once, each verifying every audit (``audit_witnesses``)
         self._held = 0  # positions the shadow's caches hold (of ``audited``)
         self._verified = 0  # positions the shadow has verified itself (a parked one catches up from there)
         self._next_run = 0

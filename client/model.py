@@ -397,8 +397,8 @@ class AutoDistributedModel(torch.nn.Module):
         options = call.options
         trusted = trusted_set(options.trusted_peers, self.trusted_peers)
         drafter = call_drafter(call, self._suffix_store, self.tokenizer, self.config.vocab_size)
-        rate, every = call.spot_check_rate, self.verdict_audit_every
-        audits = make_audits(self.swarm, self.config.vocab_size, rate, every, trusted, self.lm_head_rows, options)
+        rate, every, pool = call.spot_check_rate, self.verdict_audit_every, options.audit_witnesses
+        audits = make_audits(self.swarm, self.config.vocab_size, rate, every, trusted, self.lm_head_rows, pool)
         return SpeculativeDecoder(
             self.swarm,
             state,

@@ -109,6 +109,6 @@ def test_audit_witnesses_sizes_the_generations_pool():
     from client._options import GenerationOptions
 
     swarm = SimpleNamespace(request_timeout=1.0)
-    audits = make_audits(swarm, 32, 0.0, 16, options=GenerationOptions(audit_witnesses=5).checked())
-    assert audits.verdicts.pool == 5
+    options = GenerationOptions(audit_witnesses=5).checked()
+    assert make_audits(swarm, 32, 0.0, 16, pool=options.audit_witnesses).verdicts.pool == 5
     assert make_audits(swarm, 32, 0.0, 16).verdicts.pool == SHADOW_POOL == 3

@@ -617,3 +617,24 @@ def test_a_spot_check_of_the_tail_settles_log_probs_by_evidence(
                 assert entry.top_ids == top and entry.logprob == pytest.approx(logprob, abs=1e-4)
     finally:
         stop(sybil_swarm, processes)
+
+
+def test_audit_witnesses_reaches_the_generations_auditor(sybil_swarm, tiny_llama_path, greedy_reference, monkeypatch):
+    """generate(audit_witnesses=N) sizes the verdict audits' pool of that generation (client/model.py ->
+    client/_audits.py), and the output stays exact; a value that is no int >= 1 is refused before any session."""
+    from client import model as model_module
+
+    pools, make = [], model_module.make_audits
+
+    def recording(*args):
+        audits = make(*args)
+        pools.append(audits.verdicts.pool)
+        return audits
+
+    monkeypatch.setattr(model_module, "make_audits", recording)
+    with client(sybil_swarm, tiny_llama_path, route("T"), route("U")) as model:
+        assert generate(model, audit_witnesses=1) == greedy_reference
+        assert generate(model) == greedy_reference
+        with pytest.raises(ValueError, match="audit_witnesses must be an int >= 1"):
+            generate(model, audit_witnesses=0)
+    assert pools == [1, 3]
