@@ -1,4 +1,5 @@
-"""Faults injected into a real server by the tests (never by a production flag).
+"""Faults injected into a real server by the tests (never by a production flag); the faults of a hop
+before the tail (rewriting, accusing, dropping or stalling Steps) are in tests/kit/hop_faults.py.
 
 Each function patches one running server's objects, in the server's own process: a test that runs
 servers in-process calls them on its ``SpanServer``; a test that runs server processes starts them
@@ -14,12 +15,6 @@ server stays honest, so each test sees exactly the one lie it is about.
 - ``slow_training(span, seconds, marker)``: each training recompute (the backward's, grad enabled)
   first touches ``marker`` (so a test sees the backward started) and sleeps ``seconds``: a fault sent
   then lands mid-backward.
-- ``rewrite_steps(handler, every)``: a middle hop that rewrites one Step in ``every`` before
-  computing and forwarding it (alternately its last draft and its committed id).
-- ``accuse(handler, every, code)``: one Step in ``every`` is dropped and an ErrorReply naming the
-  route's tail sent upstream instead.
-- ``replace_secret_hash(handler)``: the OpenSession forwarded downstream carries another secret_hash.
-- ``black_hole(handler)``: sessions open and pings are answered, but every Step is dropped.
 - ``lie_in_verdicts(rate, kind, after, short)``: a tail that computes honestly but, on ``rate`` of
   its verdicts, replaces the next token with the model's second choice (``second``) or a random id
   (``random``); optionally only from position ``after`` on, or only on Steps of at most ``short``
@@ -48,12 +43,9 @@ from __future__ import annotations
 
 import functools
 import logging
-import secrets
 from dataclasses import dataclass
 
 import torch
-
-from protocol.errors import ErrorCode, ProtocolError
 
 logger = logging.getLogger(__name__)
 
@@ -174,63 +166,6 @@ class Counter:
             return False
         self.faults += 1
         return True
-
-
-def rewrite_steps(handler, every: int = 20) -> Counter:
-    """One Step in ``every`` that this (middle) server forwards is rewritten before it computes
-    it: its last draft (a verdict on it would be taken for the client's draft), or else its first
-    (committed) id."""
-    count, enqueue = Counter(every), handler._enqueue
-
-    def rewriting_enqueue(session, step, tensors):
-        if session.next_hop is not None and count.due():
-            at = len(step.token_ids) - 1 if step.n_draft and count.faults % 2 else 0
-            step.token_ids = list(step.token_ids)
-            step.token_ids[at] = (step.token_ids[at] + 1) % handler.span.vocab_size
-            logger.warning(f"Fault injection: rewrote id {at} of run {step.run_id}")
-        return enqueue(session, step, tensors)
-
-    handler._enqueue = rewriting_enqueue
-    return count
-
-
-def accuse(handler, every: int = 5, code: ErrorCode = ErrorCode.DOWNSTREAM_FAILED) -> Counter:
-    """One Step in ``every`` is dropped, and an ErrorReply with ``code`` naming the route's tail
-    goes upstream in its place (a false accusation)."""
-    count, enqueue = Counter(every), handler._enqueue
-
-    def accusing_enqueue(session, step, tensors):
-        if session.next_hop is not None and count.due():
-            tail = session.route[-1].peer_id
-            logger.warning(f"Fault injection: accusing {tail} on run {step.run_id}")
-            raise ProtocolError(code, f"next server {tail} failed", peer_id=tail)
-        return enqueue(session, step, tensors)
-
-    handler._enqueue = accusing_enqueue
-    return count
-
-
-def replace_secret_hash(handler) -> None:
-    """Forward every OpenSession with a secret_hash of this server's choosing."""
-    open_downstream = handler._open_downstream
-
-    async def replacing(session):
-        session.secret_hash = secrets.token_hex(32)
-        return await open_downstream(session)
-
-    handler._open_downstream = replacing
-
-
-def black_hole(handler) -> Counter:
-    """Open sessions and answer pings, but drop every Step."""
-    count = Counter(1)
-
-    def dropping_enqueue(session, step, tensors):
-        count.due()
-        session.touch()
-
-    handler._enqueue = dropping_enqueue
-    return count
 
 
 VERDICT_LIES = ("second", "random")

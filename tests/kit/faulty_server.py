@@ -1,5 +1,5 @@
 """``python -m tests.kit.faulty_server <fault options> -- <swarm.server args>``: a volunteer server with
-one test fault (tests/kit/faults.py) patched into its own process, then the ordinary CLI.
+one test fault (tests/kit/faults.py, tests/kit/hop_faults.py) patched into its own process, then the ordinary CLI.
 
 The production CLI has no fault flags; tests that need a lying, slow or hostile server start it
 through this launcher (``LocalSwarm.start_server(..., launcher=faulty(...))``).
@@ -12,7 +12,7 @@ import sys
 from typing import Sequence
 
 from protocol.errors import ErrorCode
-from tests.kit import block_faults, faults, field_rewrites
+from tests.kit import block_faults, faults, field_rewrites, hop_faults
 
 
 def faulty(*options: str) -> list[str]:
@@ -32,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--accuse-code", default=ErrorCode.DOWNSTREAM_FAILED.value, choices=[c.value for c in ErrorCode])
     p.add_argument("--replace-secret-hash", action="store_true", help="forward OpenSession with another secret_hash")
     p.add_argument("--black-hole", action="store_true", help="open sessions, answer pings, drop every Step")
+    p.add_argument("--shield", action="store_true", help="drop the Steps of sessions that repeat an open one's ids")
     p.add_argument("--lie-in-verdicts", type=float, default=0.0, metavar="RATE", help="lie in this share of verdicts")
     p.add_argument("--lie", default="second", choices=faults.VERDICT_LIES, help="the lie: second choice or random id")
     p.add_argument("--lie-after", type=int, default=0, metavar="POS", help="lie only from this position on")
@@ -76,15 +77,17 @@ def patch(args: argparse.Namespace) -> None:
         def __init__(self, *a, **kw):
             super().__init__(*a, **kw)
             if args.rewrite_steps:
-                faults.rewrite_steps(self, args.rewrite_steps)
+                hop_faults.rewrite_steps(self, args.rewrite_steps)
             if args.rewrite_field_file:
                 field_rewrites.rewrite_field(self, args.rewrite_field_file)
             if args.accuse:
-                faults.accuse(self, args.accuse, ErrorCode(args.accuse_code))
+                hop_faults.accuse(self, args.accuse, ErrorCode(args.accuse_code))
             if args.replace_secret_hash:
-                faults.replace_secret_hash(self)
+                hop_faults.replace_secret_hash(self)
             if args.black_hole:
-                faults.black_hole(self)
+                hop_faults.black_hole(self)
+            if args.shield:
+                hop_faults.shield(self)
 
     span_server.load_span, span_server.SessionHandler = faulty_load_span, FaultyHandler
     moves.load_span = faulty_load_span  # a span loaded by a move is as faulty as the first

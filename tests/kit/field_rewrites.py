@@ -43,6 +43,10 @@ def _other_boundary(step: Step, session) -> None:
     step.hidden_at = session.route[-1].start if step.hidden_at == -1 else -1  # the tail's first block instead
 
 
+def _renumber(step: Step, session) -> None:
+    step.run_id += 1  # run N forwarded as N + 1 (every run: the tail's verdicts name runs the client never sent)
+
+
 # field -> how the hop rewrites it (each keeps the Step valid for an honest tail with return_logits
 # where the field needs it: return_hidden and hidden_at are rewritten on forward passes)
 REWRITES: dict[str, Callable[[Step, object], None]] = {
@@ -52,6 +56,7 @@ REWRITES: dict[str, Callable[[Step, object], None]] = {
     "return_logits": _outputs_unasked,
     "return_hidden": _flip_hidden,
     "hidden_at": _other_boundary,
+    "run_id": _renumber,
 }
 
 
