@@ -36,6 +36,7 @@ import asyncio
 from typing import Sequence
 
 from client._remote_session import RemoteSession
+from client._shadow_detour import detour, same_blocks
 from client._spot_checks import alternatives, substituted
 from client._swarm import SECOND_PING
 from client.errors import ServerError
@@ -65,6 +66,7 @@ class ShadowTurns:
             except Exception as e:  # this witness failed; what the others confirmed stands
                 stats.spot_check_events.append(f"verdict audit by a further witness failed: {e!r}")
                 await self._drop_shadow()
+                await self._take_detour(stats)
                 return
 
     async def _ensure_shadow(self, route: list[Hop], length: int, skip: frozenset = frozenset()) -> bool:
@@ -99,13 +101,17 @@ class ShadowTurns:
         found = self.witnesses.choose(found, [hop.peer_id for hop in route])  # independent ones, trusted first
         # never a group that already disagreed with the tail's; servers of other disputed groups last
         found = self._turn_order(self.avoidance.witness_order(found, [route[-1].peer_id]), rotate=not skip)
+        base = route  # the hops before the shadow's tail: the live route's, or a detour (client/_shadow_detour.py)
+        if self.detour and any(candidate.peer_id not in self.parked for candidate in found[:MAX_SHADOW_TRIES]):
+            base = await detour(self.swarm, self.witnesses, self.rng, route, length, excluded | self.avoid)
+            found = [candidate for candidate in found if candidate.peer_id not in {hop.peer_id for hop in base}]
         for attempt, candidate in enumerate(found[:MAX_SHADOW_TRIES]):
             parked = self.parked.pop(candidate.peer_id, None)
             if parked is not None:
                 self._shadow, self._held, self._next_run, self._verified = parked
                 self.had_turn.add(candidate.peer_id)
                 return True
-            shadow_route = substituted(route, len(route) - 1, candidate.peer_id)
+            shadow_route = substituted(base, len(route) - 1, candidate.peer_id)
             shadow = RemoteSession(
                 self.swarm.p2p,
                 shadow_route,
@@ -150,14 +156,27 @@ class ShadowTurns:
         return [pick, *(c for c in found if c is not pick)]
 
     def _fits(self, shadow: RemoteSession, route: list[Hop], excluded: set[str]) -> bool:
-        """Whether ``shadow`` may still shadow ``route``: the same hops before the tail, another tail, nobody
-        excluded, and a tail whose group never disagreed with the route's tail's."""
+        """Whether ``shadow`` may still shadow ``route``: the same hops before the tail (or, on a detour, the
+        same blocks), another tail, nobody excluded, and a tail whose group never disagreed with the route's
+        tail's."""
         return (
-            shadow.route[:-1] == route[:-1]
+            (shadow.route[:-1] == route[:-1] or (self.detour and same_blocks(shadow.route[:-1], route[:-1])))
             and shadow.tail_peer != route[-1].peer_id
             and not any(hop.peer_id in excluded for hop in shadow.route)
             and self.avoidance.may_witness(shadow.tail_peer, [route[-1].peer_id])
         )
+
+    async def _take_detour(self, stats) -> bool:
+        """An audit ended with no verdict: the generation's later shadows go around the live route's other
+        hops (client/_shadow_detour.py); the shadows kept so far, which went through them, are closed.
+        Whether this turned the detour on."""
+        if self.detour:
+            return False
+        self.detour = True
+        stats.verdict_audit_detours += 1
+        stats.spot_check_events.append("verdict audits detour around the route's head and middles from now on")
+        await self._drop_shadows()
+        return True
 
     async def _drop_shadow(self) -> None:
         shadow, self._shadow, self._held, self._verified = self._shadow, None, 0, 0

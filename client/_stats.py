@@ -68,6 +68,7 @@ class GenerationStats:
     verdict_audit_positions: int = 0  # server positions they computed (shadow and third sessions, summed over servers)
     verdict_audits_skipped: int = 0  # no other server of the tail's blocks and precision: not audited
     verdict_audits_failed: int = 0  # ended by a failing server or their timeout: no verdict
+    verdict_audit_detours: int = 0  # shadows sent around the route's other hops after a failed audit (_shadow_detour)
     verdict_audits_undecided: int = 0  # a disagreement no trusted server settled: nobody excluded
     verdict_audits_by_evidence: int = 0  # disagreements the client settled itself (client/_evidence.py)
     # servers seen disagreeing with another where nobody trusted settled it: avoided for the rest of

@@ -15,7 +15,9 @@ live-sized drafts and, where the live laps loop, ``loop_runs``, the runs the tai
 as the live client consumes them (``_confirm``).
 
 A shadow counts only if it could not be the same operator as the route's servers (client/_witnesses.py:
-trusted, or on another machine group); trusted shadows are preferred.
+trusted, or on another machine group); trusted shadows are preferred. After an audit ends with no verdict
+(a head or middle may drop the shadow's Steps), the generation's shadows go around the route's other hops
+too (client/_shadow_detour.py).
 
 A disagreement at position t is settled only by a server the user trusts (``trusted_peers``): the shadow
 itself, the tail itself, or a third trusted server of the tail's blocks (a fresh session that verifies
@@ -100,6 +102,7 @@ class VerdictAuditor(ShadowTurns, EvidenceDisputes, BackgroundAudit):
         self._verified = 0  # positions the shadow has verified itself (a parked one catches up from there)
         self._next_run = 0
         self._given_up = 0  # history length an audit ended at without a verdict: not retried at the end
+        self.detour = False  # shadows go around the live route's other hops (client/_shadow_detour.py)
 
     def begin(
         self,
@@ -115,7 +118,7 @@ class VerdictAuditor(ShadowTurns, EvidenceDisputes, BackgroundAudit):
         self._prompt_len = len(prompt)  # the live log-probs start after it
         self.live = live or LiveShape()
         self.trusted_confirmed, self.confirmers, self.had_turn = set(), {}, set()
-        self._given_up = 0
+        self._given_up, self.detour = 0, False
         self.enabled, self.verification = verification in ("match", "rejection"), verification
         self.rejection.forget()
 
@@ -144,7 +147,7 @@ class VerdictAuditor(ShadowTurns, EvidenceDisputes, BackgroundAudit):
         await self._drop_shadows()
 
     async def _run(self, route: list[Hop], ids: list[int], stats) -> None:
-        self._given_up = len(ids)  # unless the audit confirms them (then nothing is left to audit)
+        given_up, self._given_up = self._given_up, len(ids)  # unless the audit confirms them
         try:
             await self._audits(route, ids, stats)  # each witness of the pool (client/_shadow_turns.py)
         except asyncio.CancelledError:
@@ -154,6 +157,8 @@ class VerdictAuditor(ShadowTurns, EvidenceDisputes, BackgroundAudit):
             stats.spot_check_events.append(f"verdict audit failed: {e!r}")
             logger.info(f"Verdict audit failed, no verdict: {e!r}")
             await self._drop_shadow()
+            if await self._take_detour(stats):  # a stalling head or middle: the end is tried again around it
+                self._given_up = given_up
         finally:
             self._ended()
 
@@ -319,11 +324,15 @@ class VerdictAuditor(ShadowTurns, EvidenceDisputes, BackgroundAudit):
                 liar = tail if token == shadow_token else alt if token == ids[t] else None
                 what += f"; trusted third {judge} chose {token}"
         if liar is None and judge is None and self._settleable(shadow_token):
-            settled = await self._by_evidence(route, ids, t, shadow_token, stats, logprobs[1:])
+            # on a detour both tails' evidence passes go through the shadow's hops (the route's may stall them)
+            fed_by = [*self._shadow.route[:-1], route[-1]]
+            settled = await self._by_evidence(fed_by, ids, t, shadow_token, stats, logprobs[1:])
             what += f"; evidence: {settled.detail}"
             if settled.refuted is not None:
                 refuted = tail if settled.refuted == "tail" else alt
-                if not all(trusted(hop.peer_id) for hop in route[:-1]):  # strangers fed both tails' h
+                # the route's hops fed the committed token, the shadow's (a detour's) the evidence
+                fed = [*route[:-1], *self._shadow.route[:-1]]
+                if not all(trusted(hop.peer_id) for hop in fed):  # strangers fed both tails' h
                     await self._refuted(route, ids, t, refuted, what, stats)
                     return
                 liar, judge = refuted, "evidence"

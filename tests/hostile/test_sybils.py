@@ -638,3 +638,49 @@ def test_audit_witnesses_reaches_the_generations_auditor(sybil_swarm, tiny_llama
         with pytest.raises(ValueError, match="audit_witnesses must be an int >= 1"):
             generate(model, audit_witnesses=0)
     assert pools == [1, 3]
+
+
+def test_a_head_that_stalls_audits_is_detoured_and_every_token_confirmed(
+    sybil_swarm, tiny_llama_path, greedy_reference
+):
+    """SH, a head of blocks 0:2 that drops the Steps of any session repeating an open one's first ids
+    (``--shield``: to a hop, a second session with the generation's prompt is an audit), carries the live
+    route SH, M, T. The first audit's shadow (SH, M, U) stalls and ends with no verdict after the request
+    timeout; from then on the generation's shadows go around SH through H (client/_shadow_detour.py), and
+    the audit before the output is returned confirms every token. Nobody is blamed for the stall."""
+    processes = [sybil_swarm.start_server(0, 2, name="SH", launcher=faulty("--shield"))]
+    try:
+        live = [("SH", 0, 2), ("M", 2, 4), ("T", 4, 6)]
+        with client(sybil_swarm, tiny_llama_path, live, request_timeout=10.0) as model:
+            out = generate(model)
+            stats = model.last_generation_stats
+            print(f"\nshielding head: {stats.spot_check_events}")
+            assert out == greedy_reference, stats.spot_check_events
+            assert stats.verdict_audits_failed >= 1 and stats.verdict_audit_detours == 1, stats.spot_check_events
+            assert stats.tokens_unconfirmed == 0, stats.spot_check_events
+            assert stats.liars_excluded == [] and stats.disputed_peers == []
+            assert model.peers["SH"] not in model.swarm.excluded.current()
+    finally:
+        stop(sybil_swarm, processes)
+
+
+def test_a_shielded_liar_is_refuted_by_evidence_through_the_detour(sybil_swarm, tiny_llama_path, greedy_reference):
+    """The attack the shield is for: SH before a tail SL that lies in every verdict from position 32.
+    The audits detour around SH, a shadow disputes SL's lie, and both tails' evidence passes go through
+    the detour's head (SH would stall the live route's): SL is refuted (avoided, not convicted: strangers
+    fed both tails), T is not disputed, and the output equals local transformers."""
+    processes = [sybil_swarm.start_server(0, 2, name="SH2", launcher=faulty("--shield"))]
+    processes += start(sybil_swarm, "--lie-in-verdicts", "1", "--lie-after", "32", names=("SL",))
+    try:
+        routes = [[("SH2", 0, 2), ("M", 2, 4), (tail, 4, 6)] for tail in ("SL", "T")]
+        with client(sybil_swarm, tiny_llama_path, *routes, request_timeout=10.0) as model:
+            with warnings.catch_warnings(record=True):
+                warnings.simplefilter("always")
+                out = generate(model)
+            stats = model.last_generation_stats
+            print(f"\nshielded liar: {stats.spot_check_events}")
+            assert out == greedy_reference, stats.spot_check_events
+            assert stats.verdict_audit_detours == 1 and stats.verdict_audits_by_evidence >= 1, stats.spot_check_events
+            assert stats.disputed_peers == [model.peers["SL"]] and stats.liars_excluded == [], stats.spot_check_events
+    finally:
+        stop(sybil_swarm, processes)
