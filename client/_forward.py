@@ -49,7 +49,13 @@ async def forward_row(
 ) -> RowOutputs:
     """Logits (and final hidden states) of the last ``num_outputs`` positions of ``row``; with an
     ``auditor`` (client/_output_audits.py), checked on a second route at its rate (always under
-    ``audit="required"``) after the live session is closed."""
+    ``audit="required"``) after the live session is closed.
+
+    Every pass asks the tail for the final hidden states as well, whether or not the caller wants
+    them (they cost hidden_size / vocab_size more bytes: 1-6% on the families served): the evidence of a
+    dispute must ask for them, so a tail that lied only where they are not asked could tell the
+    evidence from live work and answer it alone honestly; and the live reply's own states are evidence
+    against its own logits (client/_output_audits.py)."""
     if not 1 <= num_outputs <= len(row):
         raise ValueError(f"num_outputs must be in [1, {len(row)}], got {num_outputs}")
     failovers = 0
@@ -57,7 +63,7 @@ async def forward_row(
         remote = await swarm.open_session(len(row), avoid=auditor.route_avoid() if auditor is not None else ())
         try:
             logits, hidden = await prefill_outputs(
-                remote, row, num_outputs, remote.max_positions_per_step, vocab_size, hidden_size, return_hidden
+                remote, row, num_outputs, remote.max_positions_per_step, vocab_size, hidden_size, True
             )
             hops = list(remote.route)
             break
@@ -71,10 +77,10 @@ async def forward_row(
             await swarm.close_session(remote)
     confirmed = "unaudited"
     if auditor is not None:
-        shape = (num_outputs, vocab_size, hidden_size, return_hidden)
+        shape = (num_outputs, vocab_size, hidden_size, True)  # the audit's passes look like this one
         (hops, logits, hidden), confirmed = await auditor.check(row, hops, logits, hidden, shape, audit)
     route = [(hop.peer_id, hop.start, hop.end) for hop in hops]
-    return RowOutputs(logits, hidden, route, failovers, confirmed)
+    return RowOutputs(logits, hidden if return_hidden else None, route, failovers, confirmed)
 
 
 async def forward_batch(

@@ -17,8 +17,9 @@ is a dispute, settled by the verdicts' evidence rule:
   moved the logits is convicted, never one framed by a hop it shared;
 - without one, a disagreement narrowed to the tail hop alone is settled by evidence where the client
   reads the checkpoint's LM head (client/_output_evidence.py): both tails' logits and final hidden
-  states behind the live route's hops before the tail (where the two h differ, the tails' blocks are
-  bisected to one the client replays: client/_tail_bisection.py); the refuted tail is convicted when every one
+  states behind the live route's hops before the tail, the live tail's from its own live reply (every pass
+  asks for the states, so the evidence looks like any pass); where the two h differ, the tails' blocks
+  are bisected to one the client replays (client/_tail_bisection.py); the refuted tail is convicted when every one
   of those hops is trusted, else avoided with its machine group (the other tail is not), and the
   other tail's pass is returned;
 - otherwise nobody is convicted (a vote among strangers is one operator's vote, k times):
@@ -214,7 +215,7 @@ class OutputAuditor:
             return truth, "trusted", ""
         suspects = await self._localize(live, second, row, shape, tol)
         if suspects == [len(route) - 1] and evidence_ready(self.lm_head) is None:  # the tails disagree
-            settled = await self._by_evidence(route, other[-1].peer_id, row, shape)
+            settled = await self._by_evidence(live, other[-1].peer_id, row, shape)
             what += f"; evidence: {settled.detail}"
             if settled.refuted is not None:
                 kept, refuted = (second, route[-1]) if settled.refuted == "tail" else (live, other[-1])
@@ -266,16 +267,25 @@ class OutputAuditor:
                 found.append(i)
         return found or differing
 
-    async def _by_evidence(self, route: list[Hop], alt: str, row: list[int], shape: tuple) -> Settlement:
+    async def _by_evidence(self, live: Pass, alt: str, row: list[int], shape: tuple) -> Settlement:
         """Both tails' logits and final hidden states over ``row``, each behind the live route's hops
-        before the tail (a fresh pass each, ``return_hidden``), checked against the LM head's rows
-        (client/_output_evidence.py). Each tail's logits and h come in one reply: an honest tail's fit
-        its own h whatever its input, so the hops before it cannot frame it. Where the two h differ, the
-        tails' blocks are bisected as a verdict dispute's are (client/_tail_bisection.py)."""
+        before the tail, checked against the LM head's rows (client/_output_evidence.py): the live tail's
+        own reply where it carried its states (every pass asks for them: client/_forward.py), so a tail
+        that answers a repeated pass honestly is judged on what it sent live; the other tail's from a
+        fresh pass. Each tail's logits and h come in one reply: an honest tail's fit its own h whatever
+        its input, so the hops before it cannot frame it. Where the two h differ, the tails' blocks are
+        bisected as a verdict dispute's are (client/_tail_bisection.py)."""
+        route = live.route
         records, routes = self.swarm.records, [route, substituted(route, len(route) - 1, alt)]
         num_outputs, vocab_size, hidden_size, _ = shape
         shape = (num_outputs, vocab_size, hidden_size, True)
-        both = asyncio.gather(*(fresh_pass(self.swarm, r, row, shape) for r in routes))
+
+        async def own():
+            if live.hidden is not None:
+                return live.logits, live.hidden
+            return await fresh_pass(self.swarm, route, row, shape)
+
+        both = asyncio.gather(own(), fresh_pass(self.swarm, routes[1], row, shape))
         try:  # bounded: a liar that stalls its evidence settles nothing
             (logits_a, h_a), (logits_b, h_b) = await asyncio.wait_for(both, self.swarm.request_timeout)
         except (ServerError, asyncio.TimeoutError, OSError) as e:

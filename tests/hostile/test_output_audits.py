@@ -489,3 +489,31 @@ def test_lm_eval_multiple_choice_through_the_gateway_is_unchanged_by_a_logit_lia
             assert abs(g[0] - w[0]) <= 1e-4 and g[1] == w[1], (g, w)
     for metric in ("acc,none", "acc_norm,none"):
         assert remote["results"]["swarm_choice"][metric] == local["results"]["swarm_choice"][metric]
+
+
+def test_a_logit_liar_that_answers_the_evidence_honestly_has_no_pass_to_lie_in(
+    pair_swarm, tiny_llama_path, reference_logits
+):
+    """LA lies in its logits (+3 on each row's second choice) only on passes that ask for no hidden
+    states (``--lie-unless-hidden``): the evidence of a dispute must ask for them, so before every pass
+    asked, LA lied live, answered the evidence honestly, and got itself and the honest tail of the audit
+    avoided, never refuted. Every pass now asks for the states (client/_forward.py), so LA cannot tell a
+    pass from the evidence: the logits equal local transformers, the audit confirms them, nobody is
+    disputed; and what the caller gets is what it asked for (no states unless asked)."""
+    processes = [
+        pair_swarm.start_server(3, 6, name="LA", launcher=faulty("--lie-in-outputs", "3", "--lie-unless-hidden"))
+    ]
+    try:
+        routes = (route("H", "LA"), route("G", "T"), route("H", "U"))
+        with client(pair_swarm, tiny_llama_path, *routes) as model:
+            audits = audited(model, lm_head=model.lm_head_rows)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", UnconfirmedOutputsWarning)
+                out = model(torch.tensor(PROMPT))
+            stats = audits.stats
+            print(f"\nlogit liar unless hidden: {stats.events}")
+            torch.testing.assert_close(out.logits[0], reference_logits, rtol=1e-4, atol=1e-4)
+            assert out.hidden_states is None
+            assert stats.disputes == 0 and stats.confirmed_untrusted == 1 and stats.disputed_peers == []
+    finally:
+        stop(pair_swarm, processes)

@@ -32,7 +32,8 @@ server stays honest, so each test sees exactly the one lie it is about.
   draws it); else the bonus token is the lie.
 - ``lie_in_outputs(shift)``: a tail whose forward-pass outputs (``return_logits``: ``model(ids).logits``,
   the gateway's ``echo`` log-probs) carry ``shift`` added to each row's second choice; its verdicts stay honest.
-  ``hidden_offset``: the final hidden states it returns (the evidence of client/_output_evidence.py) are made up.
+  ``hidden_offset``: the final hidden states it returns (the evidence of client/_output_evidence.py) are made up;
+  ``unless_hidden``: honest on passes that ask for the hidden states (the adaptive liar of the evidence).
 - ``lie_in_logprobs(shift)``: a tail whose verdicts' top-K log-probs carry ``shift`` added to every
   value (the chosen token's too); its tokens stay honest.
 - ``record_verdicts(path)``: honest; appends what this tail can see of every Step it verifies
@@ -292,16 +293,19 @@ def frame() -> Counter:
     return count
 
 
-def lie_in_outputs(shift: float, hidden_offset: float = 0.0) -> Counter:
+def lie_in_outputs(shift: float, hidden_offset: float = 0.0, unless_hidden: bool = False) -> Counter:
     """From now on this process's tails add ``shift`` to the second choice of every row of logits they
     return (``server.compute._outputs`` patched; a copy: the verdict reads the honest rows), and
-    ``hidden_offset`` to every final hidden state they return (a made-up h, to dodge the evidence)."""
+    ``hidden_offset`` to every final hidden state they return (a made-up h, to dodge the evidence).
+    ``unless_hidden``: honest on a pass that asks for the final hidden states (the evidence does)."""
     from server import compute as compute_module
 
     count, outputs = Counter(1), compute_module._outputs
 
-    def lying_outputs(*args, **kwargs):
-        messages = outputs(*args, **kwargs)
+    def lying_outputs(span, session, step, *args, **kwargs):
+        messages = outputs(span, session, step, *args, **kwargs)
+        if unless_hidden and step.return_hidden:
+            return messages
         for i, (message, tensors) in enumerate(messages):
             logits = tensors[0].clone()
             second = logits.float().topk(2, dim=-1).indices[:, 1]

@@ -44,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lie-in-rejection", action="store_true", help="lie in rejection-exchange verdicts too")
     p.add_argument("--lie-in-outputs", type=float, default=0.0, metavar="SHIFT", help="shift returned logits")
     p.add_argument("--made-up-hidden", type=float, default=0.0, metavar="X", help="add X to returned hidden states")
+    p.add_argument("--lie-unless-hidden", action="store_true", help="honest in outputs that carry hidden states")
     p.add_argument(
         "--corrupt-block", type=int, default=-1, metavar="K", help="block K's output is off (--block-offset)"
     )
@@ -103,7 +104,7 @@ def patch(args: argparse.Namespace) -> None:
     if args.record_steps:
         faults.record_verdicts(args.record_steps)
     if args.lie_in_outputs:
-        faults.lie_in_outputs(args.lie_in_outputs, args.made_up_hidden)
+        faults.lie_in_outputs(args.lie_in_outputs, args.made_up_hidden, args.lie_unless_hidden)
     if args.lie_in_logprobs:
         faults.lie_in_logprobs(args.lie_in_logprobs)
     if args.made_up_final:
