@@ -14,6 +14,10 @@ on each alike:
 - ``pool of 1``: ``audit_witnesses=1`` (the old one-shadow audit);
 - ``no verdict audits``: ``verdict_audit_every=0``.
 
+``--tails N --pools 5 3 1`` runs N honest tails (N - 1 candidates beside the live one) and a pool of
+each size given (``pool of 5``: with six tails, every candidate verifies every window, the cost of
+``audit_witnesses`` set to the number of candidates).
+
 Per mode: the median wall time of ``generate()`` (audits in the background, but the last window's
 audits run before it returns), the server positions the audits computed per generated token
 (``verdict_audit_positions``), and that every output is the same. Writes
@@ -33,17 +37,22 @@ from benchmarks.lying_tails import wait_online
 
 ARGS = ["--torch-threads", "1", "--log-level", "WARNING", "--update-period", "5"]
 PROMPT = "The history of the printing press begins in"
-TAILS = ("T", "U", "V", "W")
-MODES = ("pool of 3", "pool of 1", "no verdict audits")
-WITNESSES = {"pool of 3": 3, "pool of 1": 1, "no verdict audits": 3}
+TAIL_NAMES = ("T", "U", "V", "W", "X", "Y", "Z")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=int, default=4, help="rounds; each runs every mode once")
     p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--tails", type=int, default=4, help=f"honest tails, 2 to {len(TAIL_NAMES)} (T is the live one)")
+    p.add_argument("--pools", type=int, nargs="+", default=[3, 1], help="audit_witnesses, one mode each")
     p.add_argument("--out", default="benchmarks/results/shadow-pool.json")
     args = p.parse_args()
+    if not 2 <= args.tails <= len(TAIL_NAMES) or any(k < 1 for k in args.pools):
+        p.error(f"--tails must be in 2..{len(TAIL_NAMES)} and every pool at least 1")
+    tails = TAIL_NAMES[: args.tails]
+    witnesses = {f"pool of {k}": k for k in args.pools} | {"no verdict audits": 3}
+    modes = tuple(witnesses)
     import subprocess
 
     import torch
@@ -57,23 +66,23 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     tokenizer = AutoTokenizer.from_pretrained(ensure_smollm2_checkpoint())
     prompt = tokenizer(PROMPT, return_tensors="pt").input_ids
-    rows: dict[str, list[dict]] = {mode: [] for mode in MODES}
+    rows: dict[str, list[dict]] = {mode: [] for mode in modes}
     log_dir = Path(tempfile.mkdtemp(prefix="shadow-pool-"))
     with LocalSwarm("smollm2-135m", spans=[], server_args=ARGS, log_dir=str(log_dir)) as swarm:
         swarm.start_server(0, 15, name="H")
-        for name in TAILS:
+        for name in tails:
             swarm.start_server(15, 30, name=name)
         model = AutoDistributedModelForCausalLM.from_pretrained("smollm2-135m", initial_peers=swarm.initial_peers)
         try:
-            wait_online(model, ["H", *TAILS], time.monotonic() + 600)
+            wait_online(model, ["H", *tails], time.monotonic() + 600)
             model.swarm.router = PreferredRoutes([("H", 0, 15), ("T", 15, 30)])
             model.generate(prompt, max_new_tokens=8)  # warm-up: connections, caches, first routing
             for run in range(args.runs):
-                for mode in MODES:
+                for mode in modes:
                     model.verdict_audit_every = 0 if mode == "no verdict audits" else 16
                     start = time.perf_counter()
                     with torch.no_grad():
-                        out = model.generate(prompt, max_new_tokens=args.tokens, audit_witnesses=WITNESSES[mode])
+                        out = model.generate(prompt, max_new_tokens=args.tokens, audit_witnesses=witnesses[mode])
                     seconds = time.perf_counter() - start
                     stats = model.last_generation_stats
                     new = out[0, prompt.shape[1] :].tolist()
@@ -91,7 +100,7 @@ def main() -> None:
                     print(f"run {run} {mode}: {short}", flush=True)
         finally:
             model.shutdown()
-    outputs = {json.dumps(r["tokens"]) for mode in MODES for r in rows[mode]}
+    outputs = {json.dumps(r["tokens"]) for mode in modes for r in rows[mode]}
 
     def median(mode: str, key: str) -> float:
         return statistics.median(r[key] for r in rows[mode])
@@ -106,9 +115,10 @@ def main() -> None:
             "tokens_unconfirmed": sum(r["tokens_unconfirmed"] for r in rows[mode]),
             "runs_with_a_dispute": sum(bool(r["disputed"]) for r in rows[mode]),
         }
-        for mode in MODES
+        for mode in modes
     }
-    result = {"commit": commit, "runs": args.runs, "tokens": args.tokens, "same_output": len(outputs) == 1}
+    result = {"commit": commit, "runs": args.runs, "tokens": args.tokens, "tails": args.tails}
+    result["same_output"] = len(outputs) == 1
     result |= {"summary": summary, "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
