@@ -180,7 +180,7 @@ def main() -> None:
         for index, c in enumerate(chosen):
             title = c.pop("title")
 
-            async def no_detour(self, stats) -> bool:
+            async def no_detour(self, stats, route=()) -> bool:
                 return False
 
             _shadow_turns.ShadowTurns._take_detour = no_detour if title.endswith("detour off") else take_detour

@@ -66,7 +66,7 @@ class ShadowTurns:
             except Exception as e:  # this witness failed; what the others confirmed stands
                 stats.spot_check_events.append(f"verdict audit by a further witness failed: {e!r}")
                 await self._drop_shadow()
-                await self._take_detour(stats)
+                await self._take_detour(stats, route)
                 return
 
     async def _ensure_shadow(self, route: list[Hop], length: int, skip: frozenset = frozenset()) -> bool:
@@ -166,10 +166,13 @@ class ShadowTurns:
             and self.avoidance.may_witness(shadow.tail_peer, [route[-1].peer_id])
         )
 
-    async def _take_detour(self, stats) -> bool:
+    async def _take_detour(self, stats, route: Sequence[Hop] = ()) -> bool:
         """An audit ended with no verdict: the generation's later shadows go around the live route's other
-        hops (client/_shadow_detour.py); the shadows kept so far, which went through them, are closed.
-        Whether this turned the detour on."""
+        hops (client/_shadow_detour.py); the shadows kept so far, which went through them, are closed. The
+        client remembers those hops (``stalled_audits``): a later generation through one starts on a
+        detour. Whether this turned the detour on."""
+        for hop in route[:-1]:
+            self.swarm.stalled_audits.add(hop.peer_id)
         if self.detour:
             return False
         self.detour = True
@@ -177,6 +180,14 @@ class ShadowTurns:
         stats.spot_check_events.append("verdict audits detour around the route's head and middles from now on")
         await self._drop_shadows()
         return True
+
+    def _remembered_stall(self, route: Sequence[Hop], stats) -> None:
+        """A hop of ``route`` before the tail stalled an audit of an earlier generation: detour from the start."""
+        stalled = self.swarm.stalled_audits.current()
+        if not self.detour and any(hop.peer_id in stalled for hop in route[:-1]):
+            self.detour = True
+            stats.verdict_audit_detours += 1
+            stats.spot_check_events.append("verdict audits detour around a hop that stalled an earlier audit")
 
     async def _drop_shadow(self) -> None:
         shadow, self._shadow, self._held, self._verified = self._shadow, None, 0, 0

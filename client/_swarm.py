@@ -40,6 +40,7 @@ RTT_TTL = 60.0  # seconds a measured client->server RTT is trusted
 PING_TIMEOUT = 2.0
 SECOND_PING = 6.0  # a hop silent to one ping gets a second this long before it is excluded (a busy machine)
 SUSPECT_SECONDS = 60.0  # a route's servers stay suspects this long after a fault nobody can be blamed for
+STALLED_AUDIT_SECONDS = 600.0  # a hop shared by an audit that stalled is detoured around this long (doubling)
 MAX_SUSPECT_SUBSETS = 64  # routing plans tried to avoid suspects before routing over them all
 
 
@@ -107,6 +108,9 @@ class SwarmClient:
         # than an exclusion, so that the accuser is still avoided when an accused hop that missed a
         # ping comes back (a soft preference: it costs nothing where no other route exists)
         self.suspects = ExclusionList(base_seconds=SUSPECT_SECONDS)
+        # the hops before the tail of a verdict audit that ended with no verdict: a later generation through
+        # one of them starts its shadows on a detour (client/_shadow_detour.py) instead of waiting for a timeout
+        self.stalled_audits = ExclusionList(base_seconds=STALLED_AUDIT_SECONDS)
         self._rtts: dict[str, tuple[float, float]] = {}  # peer id -> (measured at, RTT seconds)
         self.meter = ThroughputMeter()  # what each server delivered to this client
         self._records: dict[str, ServerInfo] = {}  # peer id -> the record the last route was planned from

@@ -157,13 +157,14 @@ class VerdictAuditor(ShadowTurns, EvidenceDisputes, BackgroundAudit):
             stats.spot_check_events.append(f"verdict audit failed: {e!r}")
             logger.info(f"Verdict audit failed, no verdict: {e!r}")
             await self._drop_shadow()
-            if await self._take_detour(stats):  # a stalling head or middle: the end is tried again around it
+            if await self._take_detour(stats, route):  # a stalling head or middle: the end is tried again around it
                 self._given_up = given_up
         finally:
             self._ended()
 
     async def _audit(self, route: list[Hop], ids: list[int], stats, skip: frozenset = frozenset()) -> bool:
         """One witness drawn (none of ``skip``) verifies the tokens it has not; False: there was none."""
+        self._remembered_stall(route, stats)  # a hop of the route stalled an earlier generation's audit
         if not await self._ensure_shadow(route, len(ids), skip):
             if not skip:  # a further witness of the pool that is not there is no skipped audit
                 stats.verdict_audits_skipped += 1

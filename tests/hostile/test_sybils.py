@@ -647,7 +647,8 @@ def test_a_head_that_stalls_audits_is_detoured_and_every_token_confirmed(
     (``--shield``: to a hop, a second session with the generation's prompt is an audit), carries the live
     route SH, M, T. The first audit's shadow (SH, M, U) stalls and ends with no verdict after the request
     timeout; from then on the generation's shadows go around SH through H (client/_shadow_detour.py), and
-    the audit before the output is returned confirms every token. Nobody is blamed for the stall."""
+    the audit before the output is returned confirms every token. Nobody is blamed for the stall. The
+    client's next generation through SH detours from its first audit: no timeout, no failed audit."""
     processes = [sybil_swarm.start_server(0, 2, name="SH", launcher=faulty("--shield"))]
     try:
         live = [("SH", 0, 2), ("M", 2, 4), ("T", 4, 6)]
@@ -660,6 +661,12 @@ def test_a_head_that_stalls_audits_is_detoured_and_every_token_confirmed(
             assert stats.tokens_unconfirmed == 0, stats.spot_check_events
             assert stats.liars_excluded == [] and stats.disputed_peers == []
             assert model.peers["SH"] not in model.swarm.excluded.current()
+            # the client remembers the hops of the stalled audit: the next generation detours from the start
+            out = generate(model)
+            stats = model.last_generation_stats
+            assert out == greedy_reference and stats.tokens_unconfirmed == 0, stats.spot_check_events
+            assert stats.verdict_audits_failed == 0 and stats.verdict_audit_detours == 1, stats.spot_check_events
+            assert "an earlier audit" in stats.spot_check_events[0], stats.spot_check_events
     finally:
         stop(sybil_swarm, processes)
 
