@@ -76,6 +76,7 @@ class Settlement:
 
     refuted: Optional[str]
     detail: str
+    unread: bool = False  # a tail's evidence session failed or timed out (a hop before it may have stalled it)
 
 
 # How far an honest server's final hidden state may move between two computations of the same

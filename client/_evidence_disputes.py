@@ -93,7 +93,7 @@ class EvidenceDisputes:
         try:  # bounded: a liar that stalls its evidence must not turn the dispute into a failed audit
             h_tail, h_shadow = await asyncio.wait_for(both, self.swarm.request_timeout)
         except (ServerError, asyncio.TimeoutError, OSError) as e:  # settles nothing (a tail may be down)
-            return Settlement(None, f"a tail's hidden state could not be read: {e!r}")
+            return Settlement(None, f"a tail's hidden state could not be read: {e!r}", unread=True)
         tol = output_tolerance([route[-1], shadow_route[-1]], self.swarm.records)
         noise, rounding = bounds([self.swarm.records.get(hop[-1].peer_id) for hop in (route, shadow_route)])
         if not spread(h_tail[None], h_shadow[None]) < tol:  # one h is made up: find the block (client/_bisection.py)

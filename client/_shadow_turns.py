@@ -33,7 +33,7 @@ shadow whose turn it is).
 from __future__ import annotations
 
 import asyncio
-from typing import Sequence
+from typing import Optional, Sequence
 
 from client._remote_session import RemoteSession
 from client._shadow_detour import detour, same_blocks
@@ -180,6 +180,26 @@ class ShadowTurns:
         stats.spot_check_events.append("verdict audits detour around the route's head and middles from now on")
         await self._drop_shadows()
         return True
+
+    async def _evidence_detour(self, route: list[Hop], length: int, stats) -> Optional[list[Hop]]:
+        """A dispute's evidence could not be read through the shadow's hops before the tails: other servers for
+        them (client/_shadow_detour.py), None where the swarm has none or they are already a detour. The
+        generation's later shadows detour too (the current one is kept: the dispute is about its verdict)."""
+        if self.detour:
+            return None
+        around = await detour(
+            self.swarm, self.witnesses, self.rng, route, length, self.swarm.excluded.current() | self.avoid
+        )
+        if around[:-1] == route[:-1]:
+            return None
+        for hop in route[:-1]:
+            self.swarm.stalled_audits.add(hop.peer_id)
+        self.detour = True
+        stats.verdict_audit_detours += 1
+        stats.spot_check_events.append(
+            "a dispute's evidence stalled: it and later audits detour around the route's hops"
+        )
+        return around[:-1]
 
     def _remembered_stall(self, route: Sequence[Hop], stats) -> None:
         """A hop of ``route`` before the tail stalled an audit of an earlier generation: detour from the start."""

@@ -326,13 +326,17 @@ class VerdictAuditor(ShadowTurns, EvidenceDisputes, BackgroundAudit):
                 what += f"; trusted third {judge} chose {token}"
         if liar is None and judge is None and self._settleable(shadow_token):
             # on a detour both tails' evidence passes go through the shadow's hops (the route's may stall them)
-            fed_by = [*self._shadow.route[:-1], route[-1]]
-            settled = await self._by_evidence(fed_by, ids, t, shadow_token, stats, logprobs[1:])
+            before = self._shadow.route[:-1]
+            settled = await self._by_evidence([*before, route[-1]], ids, t, shadow_token, stats, logprobs[1:])
+            if settled.unread and (around := await self._evidence_detour(route, t + 1, stats)) is not None:
+                before, shadow = around, [*around, self._shadow.route[-1]]  # once more around the stalling hops
+                args = ([*before, route[-1]], ids, t, shadow_token, stats, logprobs[1:])
+                settled = await self._by_evidence(*args, shadow_route=shadow)
             what += f"; evidence: {settled.detail}"
             if settled.refuted is not None:
                 refuted = tail if settled.refuted == "tail" else alt
-                # the route's hops fed the committed token, the shadow's (a detour's) the evidence
-                fed = [*route[:-1], *self._shadow.route[:-1]]
+                # the route's hops fed the committed token, the shadow's (or a detour's) the evidence
+                fed = [*route[:-1], *before]
                 if not all(trusted(hop.peer_id) for hop in fed):  # strangers fed both tails' h
                     await self._refuted(route, ids, t, refuted, what, stats)
                     return

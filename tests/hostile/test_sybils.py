@@ -691,3 +691,28 @@ def test_a_shielded_liar_is_refuted_by_evidence_through_the_detour(sybil_swarm, 
             assert stats.disputed_peers == [model.peers["SL"]] and stats.liars_excluded == [], stats.spot_check_events
     finally:
         stop(sybil_swarm, processes)
+
+
+def test_a_head_that_stalls_only_the_evidence_is_detoured_and_the_liar_refuted(
+    sybil_swarm, tiny_llama_path, greedy_reference
+):
+    """SE lets the shadows through but drops a repeated session's Steps once they ask for hidden states
+    (``--shield-evidence``: a dispute's evidence), before a tail SL3 lying from position 32. The shadow
+    disputes the lie; the evidence through SE times out and is taken once more around SE, through H
+    (client/_shadow_detour.py): SL3 refuted, T not disputed, the output equal to local transformers."""
+    processes = [sybil_swarm.start_server(0, 2, name="SE", launcher=faulty("--shield-evidence"))]
+    processes += start(sybil_swarm, "--lie-in-verdicts", "1", "--lie-after", "32", names=("SL3",))
+    try:
+        routes = [[("SE", 0, 2), ("M", 2, 4), (tail, 4, 6)] for tail in ("SL3", "T")]
+        with client(sybil_swarm, tiny_llama_path, *routes, request_timeout=10.0) as model:
+            with warnings.catch_warnings(record=True):
+                warnings.simplefilter("always")
+                out = generate(model)
+            stats = model.last_generation_stats
+            print(f"\nevidence shield: {stats.spot_check_events}")
+            assert out == greedy_reference, stats.spot_check_events
+            assert any("evidence stalled" in e for e in stats.spot_check_events), stats.spot_check_events
+            assert stats.verdict_audit_detours == 1 and stats.verdict_audits_by_evidence >= 1, stats.spot_check_events
+            assert stats.disputed_peers == [model.peers["SL3"]] and stats.liars_excluded == [], stats.spot_check_events
+    finally:
+        stop(sybil_swarm, processes)

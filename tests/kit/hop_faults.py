@@ -10,7 +10,8 @@ tests/kit/faulty_server.py.
 - ``black_hole(handler)``: sessions open and pings are answered, but every Step is dropped.
 - ``shield(handler)``: a head or middle hop that shields the tails behind it from audits: it drops the
   Steps of every session whose first ids are those of a session already open here (a shadow, third
-  opinion, spot-check or evidence pass of a generation in flight, as far as a hop can tell).
+  opinion, spot-check or evidence pass of a generation in flight, as far as a hop can tell);
+  ``evidence_only``: only those of such a session that asks for hidden states (a dispute's evidence).
 """
 
 from __future__ import annotations
@@ -84,13 +85,15 @@ def black_hole(handler) -> Counter:
 SHIELD_KEY = 8  # the first ids that name a generation's prompt to a shielding hop
 
 
-def shield(handler) -> Counter:
+def shield(handler, evidence_only: bool = False) -> Counter:
     """Drop every Step of a session that starts with the ids of a session still open here: the live
     session of a generation opens first, and what the client opens beside it with the same prompt
-    is, to a hop, an audit. ``faults``: Steps dropped."""
+    is, to a hop, an audit. ``evidence_only``: only from a Step that asks for hidden states on (a
+    dispute's evidence; shadows pass). ``faults``: Steps dropped."""
     count, enqueue = Counter(1), handler._enqueue
     first_ids: dict[str, tuple] = {}  # session id -> its first Step's first ids
     stalled: set[str] = set()
+    repeats: set[str] = set()
 
     def shielding_enqueue(session, step, tensors):
         if session.next_hop is None:
@@ -98,12 +101,16 @@ def shield(handler) -> Counter:
         for gone in [s for s in first_ids if s not in handler.sessions]:
             del first_ids[gone]
             stalled.discard(gone)
+            repeats.discard(gone)
         if session.session_id not in first_ids and step.start_pos == 0:
             key = tuple(step.token_ids[:SHIELD_KEY])
             if key in first_ids.values():
-                stalled.add(session.session_id)
-                logger.warning(f"Fault injection: shielding the tail from session {session.session_id}")
+                repeats.add(session.session_id)
             first_ids[session.session_id] = key
+        if session.session_id in repeats and (step.return_hidden or not evidence_only):
+            if session.session_id not in stalled:
+                logger.warning(f"Fault injection: shielding the tail from session {session.session_id}")
+            stalled.add(session.session_id)
         if session.session_id in stalled:
             count.due()
             session.touch()
