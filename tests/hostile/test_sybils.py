@@ -671,48 +671,36 @@ def test_a_head_that_stalls_audits_is_detoured_and_every_token_confirmed(
         stop(sybil_swarm, processes)
 
 
-def test_a_shielded_liar_is_refuted_by_evidence_through_the_detour(sybil_swarm, tiny_llama_path, greedy_reference):
-    """The attack the shield is for: SH before a tail SL that lies in every verdict from position 32.
-    The audits detour around SH, a shadow disputes SL's lie, and both tails' evidence passes go through
-    the detour's head (SH would stall the live route's): SL is refuted (avoided, not convicted: strangers
-    fed both tails), T is not disputed, and the output equals local transformers."""
-    processes = [sybil_swarm.start_server(0, 2, name="SH2", launcher=faulty("--shield"))]
-    processes += start(sybil_swarm, "--lie-in-verdicts", "1", "--lie-after", "32", names=("SL",))
-    try:
-        routes = [[("SH2", 0, 2), ("M", 2, 4), (tail, 4, 6)] for tail in ("SL", "T")]
-        with client(sybil_swarm, tiny_llama_path, *routes, request_timeout=10.0) as model:
-            with warnings.catch_warnings(record=True):
-                warnings.simplefilter("always")
-                out = generate(model)
-            stats = model.last_generation_stats
-            print(f"\nshielded liar: {stats.spot_check_events}")
-            assert out == greedy_reference, stats.spot_check_events
-            assert stats.verdict_audit_detours == 1 and stats.verdict_audits_by_evidence >= 1, stats.spot_check_events
-            assert stats.disputed_peers == [model.peers["SL"]] and stats.liars_excluded == [], stats.spot_check_events
-    finally:
-        stop(sybil_swarm, processes)
-
-
-def test_a_head_that_stalls_only_the_evidence_is_detoured_and_the_liar_refuted(
-    sybil_swarm, tiny_llama_path, greedy_reference
+@pytest.mark.parametrize(
+    "shield, head, liar, event",
+    [
+        ("--shield", "SH2", "SL", "detour around the route's head"),
+        ("--shield-evidence", "SE", "SL3", "evidence stalled"),
+    ],
+)
+def test_a_shielded_liar_is_refuted_by_evidence_through_the_detour(
+    sybil_swarm, tiny_llama_path, greedy_reference, shield, head, liar, event
 ):
-    """SE lets the shadows through but drops a repeated session's Steps once they ask for hidden states
-    (``--shield-evidence``: a dispute's evidence), before a tail SL3 lying from position 32. The shadow
-    disputes the lie; the evidence through SE times out and is taken once more around SE, through H
-    (client/_shadow_detour.py): SL3 refuted, T not disputed, the output equal to local transformers."""
-    processes = [sybil_swarm.start_server(0, 2, name="SE", launcher=faulty("--shield-evidence"))]
-    processes += start(sybil_swarm, "--lie-in-verdicts", "1", "--lie-after", "32", names=("SL3",))
+    """The attack the shield is for: a head before a tail that lies in every verdict from position 32.
+    ``--shield`` drops the shadows' Steps: the audits detour around it, a shadow disputes the lie, and
+    both tails' evidence passes go through the detour's head (the shield would stall the live route's).
+    ``--shield-evidence`` lets the shadows through and drops a repeated session's Steps once they ask for
+    hidden states (a dispute's evidence): the evidence through it times out and is asked once more around
+    it, through H (client/_shadow_detour.py). Either way the liar is refuted (avoided, not convicted:
+    strangers fed both tails), T is not disputed, and the output equals local transformers."""
+    processes = [sybil_swarm.start_server(0, 2, name=head, launcher=faulty(shield))]
+    processes += start(sybil_swarm, "--lie-in-verdicts", "1", "--lie-after", "32", names=(liar,))
     try:
-        routes = [[("SE", 0, 2), ("M", 2, 4), (tail, 4, 6)] for tail in ("SL3", "T")]
+        routes = [[(head, 0, 2), ("M", 2, 4), (tail, 4, 6)] for tail in (liar, "T")]
         with client(sybil_swarm, tiny_llama_path, *routes, request_timeout=10.0) as model:
             with warnings.catch_warnings(record=True):
                 warnings.simplefilter("always")
                 out = generate(model)
             stats = model.last_generation_stats
-            print(f"\nevidence shield: {stats.spot_check_events}")
+            print(f"\n{shield}: {stats.spot_check_events}")
             assert out == greedy_reference, stats.spot_check_events
-            assert any("evidence stalled" in e for e in stats.spot_check_events), stats.spot_check_events
+            assert any(event in e for e in stats.spot_check_events), stats.spot_check_events
             assert stats.verdict_audit_detours == 1 and stats.verdict_audits_by_evidence >= 1, stats.spot_check_events
-            assert stats.disputed_peers == [model.peers["SL3"]] and stats.liars_excluded == [], stats.spot_check_events
+            assert stats.disputed_peers == [model.peers[liar]] and stats.liars_excluded == [], stats.spot_check_events
     finally:
         stop(sybil_swarm, processes)
