@@ -55,8 +55,8 @@ from client._evidence import Settlement, bounds
 from client._forward import prefill_outputs
 from client._output_evidence import evidence_ready, settle_logits
 from client._remote_session import RemoteSession
+from client._shadow_detour import independent_hops
 from client._spot_checks import alternatives, relative_difference, substituted
-from client._swarm import SECOND_PING
 from client._tail_bisection import bisect_tails
 from client._witnesses import Witnesses
 from client.errors import ServerError, UnconfirmedOutputsError, UnconfirmedOutputsWarning
@@ -345,31 +345,11 @@ class OutputAuditor:
         """``route`` with every untrusted hop (of ``only``, if given) computed by another server of its
         blocks and precision (not excluded, independent of ``independent_of``; trusted first); a hop
         without one stays."""
-        records, trusted = self.swarm.records, self.witnesses.is_trusted
+        trusted = self.witnesses.is_trusted
         excluded = self.swarm.excluded.current() | exclude | self.avoid
-        pools = {
-            i: alternatives(route, i, records, excluded, length)
-            for i, hop in enumerate(route)
-            if not trusted(hop.peer_id) and (only is None or i in only)
-        }
-        candidates, dead = [info for pool in pools.values() for info in pool], set()
-        if candidates:  # ping them so that this client holds connections, whose addresses it reads
-            pings = [Hop(peer_id=c.peer_id, start=0, end=0) for c in candidates]
-            dead = set(await self.swarm.unresponsive(pings, again=SECOND_PING))
-            await self.witnesses.refresh(self.swarm.p2p)
-        out, used = list(route), {hop.peer_id for hop in route}
-        for i, pool in pools.items():
-            pool = [c for c in pool if c.peer_id not in dead and c.peer_id not in used]
-            self.rng.shuffle(pool)
-            if independent_of:  # never a disputant, nor a group that disputed one of theirs (client/_avoidance.py)
-                pool = [c for c in pool if self.avoidance.may_witness(c.peer_id, independent_of)]
-                pool = self.witnesses.choose(pool, independent_of)
-            else:
-                pool.sort(key=lambda c: not trusted(c.peer_id))
-            if pool:
-                out[i] = Hop(peer_id=pool[0].peer_id, start=route[i].start, end=route[i].end)
-                used.add(pool[0].peer_id)
-        return out
+        indices = [i for i, hop in enumerate(route) if not trusted(hop.peer_id) and (only is None or i in only)]
+        args = (self.swarm, self.witnesses, self.rng, route, indices, excluded, length, independent_of, self.avoidance)
+        return (await independent_hops(*args))[0]
 
     def _trusted_route(self, route: list[Hop], other: list[Hop]) -> Optional[list[Hop]]:
         """A route over the same hops with a trusted server at each (the route's or the audit
