@@ -166,48 +166,47 @@ class ShadowTurns:
             and self.avoidance.may_witness(shadow.tail_peer, [route[-1].peer_id])
         )
 
-    async def _take_detour(self, stats, route: Sequence[Hop] = ()) -> bool:
-        """An audit ended with no verdict: the generation's later shadows go around the live route's other
-        hops (client/_shadow_detour.py); the shadows kept so far, which went through them, are closed. The
-        client remembers those hops (``stalled_audits``): a later generation through one starts on a
-        detour. Whether this turned the detour on."""
-        for hop in route[:-1]:
+    def _detour_on(self, stats, why: str, stalled: Sequence[Hop] = ()) -> bool:
+        """Remember the hops before the tail of ``stalled`` (a route whose audit or evidence stalled) for later
+        generations (``stalled_audits``), and turn the generation's detour on (client/_shadow_detour.py):
+        whether it was off."""
+        for hop in stalled[:-1]:
             self.swarm.stalled_audits.add(hop.peer_id)
         if self.detour:
             return False
         self.detour = True
         stats.verdict_audit_detours += 1
-        stats.spot_check_events.append("verdict audits detour around the route's head and middles from now on")
+        stats.spot_check_events.append(why)
+        return True
+
+    async def _take_detour(self, stats, route: Sequence[Hop] = ()) -> bool:
+        """An audit ended with no verdict: the generation's later shadows go around the live route's other
+        hops; the shadows kept so far, which went through them, are closed. Whether this turned the detour on."""
+        if not self._detour_on(stats, "verdict audits detour around the route's head and middles from now on", route):
+            return False
         await self._drop_shadows()
         return True
 
     async def _evidence_detour(self, route: list[Hop], length: int, stats) -> Optional[list[Hop]]:
         """A dispute's evidence could not be read through the shadow's hops before the tails: other servers for
-        them (client/_shadow_detour.py), None where the swarm has none or they are already a detour. The
-        generation's later shadows detour too (the current one is kept: the dispute is about its verdict)."""
+        them, None where the swarm has none or they are already a detour. The generation's later shadows
+        detour too (the current one is kept: the dispute is about its verdict)."""
         if self.detour:
             return None
-        around = await detour(
-            self.swarm, self.witnesses, self.rng, route, length, self.swarm.excluded.current() | self.avoid
-        )
+        excluded = self.swarm.excluded.current() | self.avoid
+        around = await detour(self.swarm, self.witnesses, self.rng, route, length, excluded)
         if around[:-1] == route[:-1]:
             return None
-        for hop in route[:-1]:
-            self.swarm.stalled_audits.add(hop.peer_id)
-        self.detour = True
-        stats.verdict_audit_detours += 1
-        stats.spot_check_events.append(
-            "a dispute's evidence stalled: it and later audits detour around the route's hops"
+        self._detour_on(
+            stats, "a dispute's evidence stalled: it and later audits detour around the route's hops", route
         )
         return around[:-1]
 
     def _remembered_stall(self, route: Sequence[Hop], stats) -> None:
         """A hop of ``route`` before the tail stalled an audit of an earlier generation: detour from the start."""
         stalled = self.swarm.stalled_audits.current()
-        if not self.detour and any(hop.peer_id in stalled for hop in route[:-1]):
-            self.detour = True
-            stats.verdict_audit_detours += 1
-            stats.spot_check_events.append("verdict audits detour around a hop that stalled an earlier audit")
+        if any(hop.peer_id in stalled for hop in route[:-1]):
+            self._detour_on(stats, "verdict audits detour around a hop that stalled an earlier audit")
 
     async def _drop_shadow(self) -> None:
         shadow, self._shadow, self._held, self._verified = self._shadow, None, 0, 0
