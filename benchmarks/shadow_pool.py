@@ -16,7 +16,10 @@ on each alike:
 
 ``--tails N --pools 5 3 1`` runs N honest tails (N - 1 candidates beside the live one) and a pool of
 each size given (``pool of 5``: with six tails, every candidate verifies every window, the cost of
-``audit_witnesses`` set to the number of candidates).
+``audit_witnesses`` set to the number of candidates). ``--pool-alone-last`` adds, for each pool, a mode
+``pool of k, last audit by the pool`` whose last audit is verified by the pool alone (what the client did
+before 2026-12-05: ``LAST_AUDIT_WITNESSES`` set to 1 for that mode), where the default has every candidate
+up to ``LAST_AUDIT_WITNESSES`` verify the last audit's window.
 
 Per mode: the median wall time of ``generate()`` (audits in the background, but the last window's
 audits run before it returns), the server positions the audits computed per generated token
@@ -46,18 +49,25 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--tails", type=int, default=4, help=f"honest tails, 2 to {len(TAIL_NAMES)} (T is the live one)")
     p.add_argument("--pools", type=int, nargs="+", default=[3, 1], help="audit_witnesses, one mode each")
+    p.add_argument("--pool-alone-last", action="store_true", help="each pool also with its last audit by the pool")
     p.add_argument("--out", default="benchmarks/results/shadow-pool.json")
     args = p.parse_args()
     if not 2 <= args.tails <= len(TAIL_NAMES) or any(k < 1 for k in args.pools):
         p.error(f"--tails must be in 2..{len(TAIL_NAMES)} and every pool at least 1")
     tails = TAIL_NAMES[: args.tails]
-    witnesses = {f"pool of {k}": k for k in args.pools} | {"no verdict audits": 3}
+    witnesses = {f"pool of {k}": k for k in args.pools}
+    if args.pool_alone_last:
+        witnesses |= {f"pool of {k}, last audit by the pool": k for k in args.pools}
+    witnesses |= {"no verdict audits": 3}
     modes = tuple(witnesses)
     import subprocess
 
     import torch
     from transformers import AutoTokenizer
 
+    from client import _shadow_turns
+
+    last_default = _shadow_turns.LAST_AUDIT_WITNESSES
     from protocol.models import ensure_smollm2_checkpoint
     from swarm import AutoDistributedModelForCausalLM
     from swarm.local import LocalSwarm
@@ -80,6 +90,7 @@ def main() -> None:
             for run in range(args.runs):
                 for mode in modes:
                     model.verdict_audit_every = 0 if mode == "no verdict audits" else 16
+                    _shadow_turns.LAST_AUDIT_WITNESSES = 1 if mode.endswith("by the pool") else last_default
                     start = time.perf_counter()
                     with torch.no_grad():
                         out = model.generate(prompt, max_new_tokens=args.tokens, audit_witnesses=witnesses[mode])
@@ -118,6 +129,7 @@ def main() -> None:
         for mode in modes
     }
     result = {"commit": commit, "runs": args.runs, "tokens": args.tokens, "tails": args.tails}
+    result["last_audit_witnesses"] = last_default
     result["same_output"] = len(outputs) == 1
     result |= {"summary": summary, "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

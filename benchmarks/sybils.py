@@ -354,6 +354,13 @@ def main() -> None:
     )
     p.add_argument("--greedy-only", action="store_true", help="no seeded-sampling generations")
     p.add_argument("--audit-witnesses", type=int, default=0, help="generate(audit_witnesses=N) (0: the default)")
+    p.add_argument(
+        "--last-audit-witnesses",
+        type=int,
+        default=0,
+        help="candidates that verify the last audit (client/_shadow_turns.py LAST_AUDIT_WITNESSES; 0: the default, "
+        "1: the pool alone, as before 2026-12-05)",
+    )
     p.add_argument("--rejection-runs", type=int, default=20, help="scenario 3's generations (0: skip it)")
     p.add_argument(
         "--reuse-client",
@@ -364,8 +371,11 @@ def main() -> None:
     p.add_argument("--out", default="benchmarks/results/sybils.json")
     args = p.parse_args()
 
-    from client import _witnesses
+    from client import _shadow_turns, _witnesses
     from swarm.local import LocalSwarm
+
+    if args.last_audit_witnesses:
+        _shadow_turns.LAST_AUDIT_WITNESSES = args.last_audit_witnesses
 
     _witnesses.machine_group = loopback_by_prefix(_witnesses.machine_group)
     from benchmarks.smol_reference import smollm2_references
@@ -375,6 +385,7 @@ def main() -> None:
     log_dir = Path(tempfile.mkdtemp(prefix="sybils-"))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     result: dict = {"commit": commit, "runs": args.runs, "tokens": args.tokens, "prompt_tokens": len(prompt)}
+    result["last_audit_witnesses"] = _shadow_turns.LAST_AUDIT_WITNESSES
     result.update(lie_after=LIE_AFTER, reuse_client=args.reuse_client, log_dir=str(log_dir), scenarios=[], summary={})
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -19,12 +19,21 @@ n - 2 (the honest one too); later tokens are verified by those in the pool when 
 drawn once held the honest tail with probability ``SHADOW_POOL`` / n, and a generation whose pool held only
 sybils had their lies confirmed throughout.
 
+The audit before the output is returned goes past the pool: every candidate up to ``LAST_AUDIT_WITNESSES``
+verifies it, those the pool does not hold from that audit's window on (a fresh session prefills the context
+before it, then verifies the window). Why: the last window's tokens have no later audit and no later
+rotation, so with n > pool candidates it was verified by the pool alone, and sybils lying only there missed
+the honest tail with probability 1 - pool / n (measured with four sybils on a /24 each: 2 and 3 of 10
+generations returned wrong tokens unflagged). A witness that fails in that audit does not end it: the
+others still verify the window (each one that stalls costs the request timeout).
+
 Cost bound: at most ``SHADOW_POOL`` shadow sessions a generation, each kept with its caches, its run ids and
 how far it verified (parked while another witness verifies), and each verifying each generated token once
 (a fresh one from the first generated token): at most ``SHADOW_POOL`` positions per generated token on the
 shadow routes, where one shadow paid one, in the background but for the last window before ``generate()``
 returns, which each witness verifies in turn; a rotation adds one fresh witness to an audit (the prompt and
-every generated token so far), at most n - ``SHADOW_POOL`` times a generation.
+every generated token so far), at most n - ``SHADOW_POOL`` times a generation; the last audit adds, for each
+candidate past the pool, one session that prefills the context and verifies the last window.
 
 A mixin of :class:`client._verdict_audits.VerdictAuditor` (``_shadow``, ``_held``, ``_next_run`` are the
 shadow whose turn it is).
@@ -43,31 +52,48 @@ from client.errors import ServerError
 from protocol.messages import Hop
 
 SHADOW_POOL = 3  # the default pool (``audit_witnesses``): sessions at once, the one whose turn it is and the parked
+LAST_AUDIT_WITNESSES = 6  # candidates that verify the audit before the output is returned (at least the pool)
 MAX_SHADOW_TRIES = 3  # substitutes tried for the shadow's tail when one cannot be reached
 
 
 class ShadowTurns:
-    async def _audits(self, route: list[Hop], ids: list[int], stats) -> None:
+    async def _audits(self, route: list[Hop], ids: list[int], stats, final: bool = False) -> None:
         """One audit: the witness drawn first, then every other witness of the pool (filled up to
         ``SHADOW_POOL`` from the candidates), each verifying the tokens it has not verified itself, unless a
         trusted witness confirmed them or a dispute sent the generation back. In turn, not at once: each
-        witness is the auditor's one current shadow while it verifies."""
-        await asyncio.wait_for(self._audit(route, ids, stats), self.timeout)
+        witness is the auditor's one current shadow while it verifies. The ``final`` audit (before the
+        output is returned) goes on past the pool, up to ``LAST_AUDIT_WITNESSES`` candidates: those the
+        pool does not hold verify its window alone (``_fresh_from``)."""
+        window = len(self.audited)  # where this audit's tokens start
+        if not await asyncio.wait_for(self._audit(route, ids, stats), self.timeout):
+            return
+        witnesses = max(self.pool, LAST_AUDIT_WITNESSES) if final else self.pool
         used: set[str] = set()
-        while self._shadow is not None and len(used) < self.pool - 1:
-            if self.witnesses.is_trusted(self._shadow.tail_peer) or len(self.audited) < len(ids):
-                return
-            used.add(self._shadow.tail_peer)
+        failed: Optional[str] = None  # the last witness, where it failed (and was dropped)
+        while len(used) < witnesses - 1:
+            if failed is None:  # a dispute (which may drop the shadow) sends the generation back: no more witnesses
+                trusted = self._shadow is not None and self.witnesses.is_trusted(self._shadow.tail_peer)
+                if self._shadow is None or trusted or len(self.audited) < len(ids):
+                    return
+                used.add(self._shadow.tail_peer)
+            self._fresh_from = window if len(used) >= self.pool else 0  # past the pool: the last window alone
             try:
                 if not await asyncio.wait_for(self._audit(route, ids, stats, frozenset(used)), self.timeout):
                     return
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # this witness failed; what the others confirmed stands
+                failed = self._shadow.tail_peer if self._shadow is not None else None
                 stats.spot_check_events.append(f"verdict audit by a further witness failed: {e!r}")
                 await self._drop_shadow()
                 await self._take_detour(stats, route)
-                return
+                if not final or failed is None:
+                    return
+                used.add(failed)  # the last window still goes to the candidates left: one that stalls cannot end it
+            else:
+                failed = None
+            finally:
+                self._fresh_from = 0
 
     async def _ensure_shadow(self, route: list[Hop], length: int, skip: frozenset = frozenset()) -> bool:
         """A shadow session on ``route`` with another server as its tail (none of ``skip``), drawn for this audit."""
@@ -128,7 +154,7 @@ class ShadowTurns:
                 if attempt + 1 == min(len(found), MAX_SHADOW_TRIES):
                     raise
                 continue
-            self._shadow, self._held, self._next_run, self._verified = shadow, 0, 0, 0
+            self._shadow, self._held, self._next_run, self._verified = shadow, 0, 0, self._fresh_from
             self.had_turn.add(candidate.peer_id)
             while len(self.parked) >= self.pool:  # a rotation: the witness parked longest makes room
                 session, *_ = self.parked.pop(next(iter(self.parked)))  # parked in turn order: oldest first

@@ -153,8 +153,11 @@ def minority(orig_alt: bool, orig_third: bool, alt_third: bool) -> Optional[str]
 
 
 def substituted(route: Sequence[Hop], index: int, peer_id: str) -> list[Hop]:
-    """The route with hop ``index``'s blocks computed by ``peer_id`` instead."""
-    return [msgspec.structs.replace(hop, peer_id=peer_id) if i == index else hop for i, hop in enumerate(route)]
+    """The route with hop ``index``'s blocks computed by ``peer_id`` instead. Without the replaced server's
+    relay addresses: ``RemoteSession.open`` sends every hop with the addresses known for its own peer id."""
+    return [
+        msgspec.structs.replace(hop, peer_id=peer_id, addrs=[]) if i == index else hop for i, hop in enumerate(route)
+    ]
 
 
 @dataclass

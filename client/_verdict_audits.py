@@ -100,6 +100,7 @@ class VerdictAuditor(ShadowTurns, EvidenceDisputes, BackgroundAudit):
         self.pool = pool  # shadow sessions at once, each verifying every audit (``audit_witnesses``)
         self._held = 0  # positions the shadow's caches hold (of ``audited``)
         self._verified = 0  # positions the shadow has verified itself (a parked one catches up from there)
+        self._fresh_from = 0  # where a fresh shadow starts verifying (the last audit's window past the pool)
         self._next_run = 0
         self._given_up = 0  # history length an audit ended at without a verdict: not retried at the end
         self.detour = False  # shadows go around the live route's other hops (client/_shadow_detour.py)
@@ -140,16 +141,16 @@ class VerdictAuditor(ShadowTurns, EvidenceDisputes, BackgroundAudit):
         self.confirmers = {p: w for p, w in self.confirmers.items() if p < common}
         if len(ids) - common < (1 if final else self.every) or common == 0:
             return
-        self.task = asyncio.ensure_future(self._run(list(route), list(ids), stats))
+        self.task = asyncio.ensure_future(self._run(list(route), list(ids), stats, final))
 
     async def cancel(self) -> None:
         await super().cancel()
         await self._drop_shadows()
 
-    async def _run(self, route: list[Hop], ids: list[int], stats) -> None:
+    async def _run(self, route: list[Hop], ids: list[int], stats, final: bool = False) -> None:
         given_up, self._given_up = self._given_up, len(ids)  # unless the audit confirms them
         try:
-            await self._audits(route, ids, stats)  # each witness of the pool (client/_shadow_turns.py)
+            await self._audits(route, ids, stats, final)  # each witness of the pool (client/_shadow_turns.py)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # a server died, refused or timed out: no verdict on anyone

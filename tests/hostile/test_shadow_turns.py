@@ -4,13 +4,15 @@ themselves on real servers: tests/hostile/test_sybils.py and test_trust.py (park
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections import Counter
 from types import SimpleNamespace
 
 from client._avoidance import Avoidance
-from client._shadow_turns import SHADOW_POOL, ShadowTurns
+from client._shadow_turns import LAST_AUDIT_WITNESSES, SHADOW_POOL, ShadowTurns
 from client._witnesses import Witnesses
+from client.errors import ServerError
 
 
 class Turns(ShadowTurns):
@@ -112,3 +114,58 @@ def test_audit_witnesses_sizes_the_generations_pool():
     options = GenerationOptions(audit_witnesses=5).checked()
     assert make_audits(swarm, 32, 0.0, 16, pool=options.audit_witnesses).verdicts.pool == 5
     assert make_audits(swarm, 32, 0.0, 16).verdicts.pool == SHADOW_POOL == 3
+
+
+class Scripted(ShadowTurns):
+    """``_audits`` over scripted witnesses: each ``_audit`` takes the first candidate not skipped, which
+    verifies (recorded with where a fresh session of it starts) or, if in ``failing``, fails as a stalled
+    session does."""
+
+    def __init__(self, candidates, failing=(), disputing=(), pool: int = SHADOW_POOL):
+        self.witnesses, self.pool, self.timeout = Witnesses(()), pool, 5.0
+        self.candidates, self.failing, self.disputing = list(candidates), set(failing), set(disputing)
+        self.audited, self._shadow, self._fresh_from = [0] * 10, None, 0
+        self.verified: list[tuple[str, int]] = []
+        self.detours = 0
+
+    async def _audit(self, route, ids, stats, skip=frozenset()) -> bool:
+        left = [c for c in self.candidates if c not in skip]
+        if not left:
+            return False
+        self._shadow = SimpleNamespace(tail_peer=left[0])
+        if left[0] in self.failing:
+            raise ServerError("no result within 5 s", left[0])
+        self.verified.append((left[0], self._fresh_from))
+        self.audited = list(ids)
+        if left[0] in self.disputing:  # a dispute at position 12: the generation goes back, the shadow is dropped
+            self.audited, self._shadow = list(ids[:12]), None
+        return True
+
+    async def _drop_shadow(self) -> None:
+        self._shadow = None
+
+    async def _take_detour(self, stats, route=()) -> bool:
+        self.detours += 1
+        return True
+
+
+def scripted_audit(turns: Scripted, final: bool) -> list[tuple[str, int]]:
+    stats = SimpleNamespace(spot_check_events=[])
+    asyncio.run(turns._audits([], list(range(16)), stats, final=final))
+    return turns.verified
+
+
+def test_the_last_audit_goes_past_the_pool_and_past_a_witness_that_fails():
+    """The audit before the output is returned is verified by every candidate up to LAST_AUDIT_WITNESSES,
+    those past the pool from the audit's window (10 here) on; one that fails (B) does not end it, a dispute
+    does (the generation re-verifies from it). An earlier audit stops at the pool, and at a witness that
+    fails, as before."""
+    names = [f"S{i}" for i in range(LAST_AUDIT_WITNESSES + 2)]
+    assert scripted_audit(Scripted(names), final=False) == [(n, 0) for n in names[:SHADOW_POOL]]
+    last = scripted_audit(Scripted(names), final=True)
+    assert last == [(n, 0) for n in names[:SHADOW_POOL]] + [(n, 10) for n in names[SHADOW_POOL:LAST_AUDIT_WITNESSES]]
+    assert scripted_audit(Scripted(["A", "B", "C"], failing={"B"}, pool=2), final=False) == [("A", 0)]
+    turns = Scripted(["A", "B", "C"], failing={"B"}, pool=2)
+    assert scripted_audit(turns, final=True) == [("A", 0), ("C", 10)] and turns.detours == 1
+    for final in (False, True):
+        assert scripted_audit(Scripted(["A", "D", "C"], disputing={"D"}), final=final) == [("A", 0), ("D", 0)]

@@ -704,3 +704,38 @@ def test_a_shielded_liar_is_refuted_by_evidence_through_the_detour(
             assert stats.disputed_peers == [model.peers[liar]] and stats.liars_excluded == [], stats.spot_check_events
     finally:
         stop(sybil_swarm, processes)
+
+
+def test_the_last_audit_is_verified_by_every_candidate_past_the_pool(
+    sybil_swarm, tiny_llama_path, greedy_reference, monkeypatch
+):
+    """A pool of one (``audit_witnesses=1``) and two candidate witnesses, U and V, for T's tokens: each
+    audit before the last is verified by the pool's one witness (the second rotates in and verifies from
+    the first generated token; some positions have one witness), but the audit before the output is
+    returned is verified by both, the one past the pool from that audit's window on
+    (``LAST_AUDIT_WITNESSES``). Before, the last window was verified by the pool alone: with more
+    candidate tails than the pool holds, sybils confirming each other's lies there missed the honest
+    tail with probability 1 - pool / candidates (docs/reliability.md, "Four sybils on a /24 each")."""
+    from client import model as model_module
+
+    auditors, make = [], model_module.make_audits
+
+    def recording(*args, **kwargs):
+        audits = make(*args, **kwargs)
+        auditors.append(audits.verdicts)
+        return audits
+
+    monkeypatch.setattr(model_module, "make_audits", recording)
+    processes = [sybil_swarm.start_server(4, 6, name="V")]
+    try:
+        with client(sybil_swarm, tiny_llama_path, route("T"), route("V"), route("U")) as model:  # T is live
+            assert generate(model, audit_witnesses=1) == greedy_reference
+            stats = model.last_generation_stats
+            confirmers = auditors[-1].confirmers
+            witnesses = {model.peers["U"], model.peers["V"]}
+            last = len(PROMPT[0]) + NEW_TOKENS - 1
+            assert confirmers[last] == witnesses, (confirmers, stats.spot_check_events)
+            assert any(len(confirmers[p]) == 1 for p in range(len(PROMPT[0]), last)), confirmers
+            assert stats.tokens_unconfirmed == 0 and stats.disputed_peers == [], stats.spot_check_events
+    finally:
+        stop(sybil_swarm, processes)
