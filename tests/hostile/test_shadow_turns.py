@@ -124,7 +124,7 @@ class Scripted(ShadowTurns):
     def __init__(self, candidates, failing=(), disputing=(), pool: int = SHADOW_POOL):
         self.witnesses, self.pool, self.timeout = Witnesses(()), pool, 5.0
         self.candidates, self.failing, self.disputing = list(candidates), set(failing), set(disputing)
-        self.audited, self._shadow, self._fresh_from = [0] * 10, None, 0
+        self.audited, self._shadow, self._fresh_from, self.parked = [0] * 10, None, 0, {}
         self.verified: list[tuple[str, int]] = []
         self.detours = 0
 

@@ -715,10 +715,20 @@ def test_the_last_audit_is_verified_by_every_candidate_past_the_pool(
     returned is verified by both, the one past the pool from that audit's window on
     (``LAST_AUDIT_WITNESSES``). Before, the last window was verified by the pool alone: with more
     candidate tails than the pool holds, sybils confirming each other's lies there missed the honest
-    tail with probability 1 - pool / candidates (docs/reliability.md, "Four sybils on a /24 each")."""
+    tail with probability 1 - pool / candidates (docs/reliability.md, "Four sybils on a /24 each"). The one
+    past the pool is prefilled while the pool's witness verifies (``_prefill_past_pool``), then verifies
+    the window alone."""
+    from client import _shadow_turns
     from client import model as model_module
 
-    auditors, make = [], model_module.make_audits
+    auditors, make, prefilled = [], model_module.make_audits, []
+    real_prefilled = _shadow_turns.ShadowTurns._prefilled
+
+    async def counting(self, shadow_route, ids, window, stats):
+        await real_prefilled(self, shadow_route, ids, window, stats)
+        prefilled.append(shadow_route[-1].peer_id in self.parked)
+
+    monkeypatch.setattr(_shadow_turns.ShadowTurns, "_prefilled", counting)
 
     def recording(*args, **kwargs):
         audits = make(*args, **kwargs)
@@ -737,5 +747,6 @@ def test_the_last_audit_is_verified_by_every_candidate_past_the_pool(
             assert confirmers[last] == witnesses, (confirmers, stats.spot_check_events)
             assert any(len(confirmers[p]) == 1 for p in range(len(PROMPT[0]), last)), confirmers
             assert stats.tokens_unconfirmed == 0 and stats.disputed_peers == [], stats.spot_check_events
+            assert prefilled == [True], (prefilled, stats.spot_check_events)
     finally:
         stop(sybil_swarm, processes)
