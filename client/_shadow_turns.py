@@ -179,12 +179,13 @@ class ShadowTurns:
         # never a group that already disagreed with the tail's; servers of other disputed groups last
         return self.avoidance.witness_order(found, [route[-1].peer_id])
 
-    def _new_session(self, shadow_route: list[Hop]) -> RemoteSession:
+    def _new_session(self, shadow_route: list[Hop], max_length: Optional[int] = None) -> RemoteSession:
+        """A session as long as the generation's (unless ``max_length``), which the audits open on ``shadow_route``."""
         swarm = self.swarm
         return RemoteSession(
             swarm.p2p,
             shadow_route,
-            self.max_length,
+            max_length or self.max_length,
             timeout=swarm.request_timeout,
             prompts=swarm.prompts,
             adapter=swarm.active_adapter,
@@ -218,12 +219,7 @@ class ShadowTurns:
         session = self._new_session(shadow_route)
         try:
             await session.open()
-            limit, position, run_id = self.swarm.route_step_limit(shadow_route), 0, 0
-            while position < window - 1:
-                count = min(limit, window - 1 - position)
-                _, run_id = await self._live_step(session, run_id, position, ids[position : position + count], 0)
-                stats.verdict_audit_positions += count * len(shadow_route)
-                position += count
+            run_id = await self._prefill(session, ids, window - 1, stats)
         except asyncio.CancelledError:
             await session.close()
             raise
@@ -231,7 +227,7 @@ class ShadowTurns:
             await session.close()
             stats.spot_check_events.append(f"a last-audit witness's prefill failed: {e!r}")
             return
-        self.parked[session.tail_peer] = (session, position, run_id, window)
+        self.parked[session.tail_peer] = (session, window - 1, run_id, window)
 
     def _turn_order(self, found: Sequence, rotate: bool = False) -> list:
         """The candidates in the order to try: a trusted one first as it came; otherwise one drawn at random

@@ -288,6 +288,16 @@ class VerdictAuditor(ShadowTurns, EvidenceDisputes, BackgroundAudit):
             loop_runs=loops,
         )
 
+    async def _prefill(self, session: RemoteSession, ids: list[int], end: int, stats) -> int:
+        """Fill a fresh session's caches with ids[:end] in Steps of the route's limit: its next run id."""
+        limit, position, run_id = self.swarm.route_step_limit(session.route), 0, 0
+        while position < end:
+            count = min(limit, end - position)
+            _, run_id = await self._live_step(session, run_id, position, ids[position : position + count], 0)
+            stats.verdict_audit_positions += count * len(session.route)
+            position += count
+        return run_id
+
     async def _live_step(
         self, session: RemoteSession, run_id: int, start: int, token_ids: list[int], n_draft: int, loops: int = 0
     ) -> tuple[StepResult, int]:
@@ -411,24 +421,11 @@ class VerdictAuditor(ShadowTurns, EvidenceDisputes, BackgroundAudit):
 
     async def _third_opinion(self, route: list[Hop], ids: list[int], t: int, stats) -> int:
         """The token a fresh session on ``route`` chooses at position t after ids[:t]."""
-        swarm = self.swarm
         # the generation's max_length, not t + 1: a session that ends at the disputed position is an audit's tell
-        session = RemoteSession(
-            swarm.p2p,
-            route,
-            self.max_length or t + 1,
-            timeout=swarm.request_timeout,
-            prompts=swarm.prompts,
-            adapter=swarm.active_adapter,
-        )
+        session = self._new_session(route, self.max_length or t + 1)
         try:
             await session.open()
-            limit, position, run_id = self.swarm.route_step_limit(route), 0, 0
-            while position < t - 1:
-                count = min(limit, t - 1 - position)
-                _, run_id = await self._live_step(session, run_id, position, ids[position : position + count], 0)
-                stats.verdict_audit_positions += count * len(route)
-                position += count
+            run_id = await self._prefill(session, ids, t - 1, stats)
             # loop_runs as a live lap there asks (closing the session drops the run the tail starts)
             loops = self.live.loop_runs_at(t)
             result, _ = await self._live_step(session, run_id, t - 1, [ids[t - 1], ids[t]], 1, loops)

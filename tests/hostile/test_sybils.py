@@ -39,7 +39,7 @@ import warnings
 import pytest
 import torch
 
-from client import _verdict_audits
+from client import _shadow_turns, _verdict_audits
 from client._audit_shape import LiveShape
 from client.errors import UnconfirmedTokensError, UnconfirmedTokensWarning
 from protocol.messages import Hop, SamplingParams, StepResult
@@ -380,7 +380,7 @@ def test_a_third_opinion_looks_like_a_live_lap(monkeypatch):
 
     class Recording:
         def __init__(self, p2p, route, max_length, **kwargs):
-            self.max_length, self.session_id = max_length, "s"
+            self.max_length, self.session_id, self.route = max_length, "s", route
 
         async def open(self):
             pass
@@ -397,7 +397,7 @@ def test_a_third_opinion_looks_like_a_live_lap(monkeypatch):
         async def close(self):
             pass
 
-    monkeypatch.setattr(_verdict_audits, "RemoteSession", Recording)
+    monkeypatch.setattr(_shadow_turns, "RemoteSession", Recording)  # the audits' sessions (ShadowTurns._new_session)
     swarm = types.SimpleNamespace(
         p2p=None, request_timeout=1.0, prompts=None, active_adapter="", route_step_limit=lambda route: 16
     )
@@ -718,7 +718,6 @@ def test_the_last_audit_is_verified_by_every_candidate_past_the_pool(
     tail with probability 1 - pool / candidates (docs/reliability.md, "Four sybils on a /24 each"). The one
     past the pool is prefilled while the pool's witness verifies (``_prefill_past_pool``), then verifies
     the window alone."""
-    from client import _shadow_turns
     from client import model as model_module
 
     auditors, make, prefilled = [], model_module.make_audits, []
