@@ -102,6 +102,10 @@ class ShadowTurns:
             except Exception as e:  # this witness failed; what the others confirmed stands
                 failed = self._shadow.tail_peer if self._shadow is not None else None
                 stats.spot_check_events.append(f"verdict audit by a further witness failed: {e!r}")
+                if prefill is not None:  # its sessions go through the hops a detour now avoids
+                    prefill.cancel()
+                    await asyncio.gather(prefill, return_exceptions=True)
+                    prefill = None
                 await self._drop_shadow()
                 await self._take_detour(stats, route)
                 if not final or failed is None:
