@@ -26,7 +26,8 @@ pool's witnesses verify, ``_prefill_past_pool``). Why: the last window's tokens 
 rotation, so with n > pool candidates it was verified by the pool alone, and sybils lying only there missed
 the honest tail with probability 1 - pool / n (measured with four sybils on a /24 each: 2 and 3 of 10
 generations returned wrong tokens unflagged). A witness that fails in that audit does not end it: the
-others still verify the window (each one that stalls costs the request timeout).
+others still verify the window (one whose prefill stalled is not tried again; one that stalls after it
+costs the request timeout).
 
 Cost bound: at most ``SHADOW_POOL`` shadow sessions a generation, each kept with its caches, its run ids and
 how far it verified (parked while another witness verifies), and each verifying each generated token once
@@ -92,7 +93,11 @@ class ShadowTurns:
                     return
                 used.add(self._shadow.tail_peer)
             if prefill is not None and len(used) >= self.pool:
-                await prefill  # the witnesses it opened are parked: none is opened twice
+                # the witnesses it opened are parked: none is opened twice; one whose prefill failed (it stalled,
+                # at once with the others) is not tried again, in turn
+                used.update(await prefill)
+                prefill = None
+                continue
             self._fresh_from = window if len(used) >= self.pool else 0  # past the pool: the last window alone
             try:
                 if not await asyncio.wait_for(self._audit(route, ids, stats, frozenset(used)), self.timeout):
@@ -195,12 +200,13 @@ class ShadowTurns:
             adapter=swarm.active_adapter,
         )
 
-    async def _prefill_past_pool(self, route: list[Hop], ids: list[int], window: int, count: int, stats) -> None:
+    async def _prefill_past_pool(self, route: list[Hop], ids: list[int], window: int, count: int, stats) -> list[str]:
         """Open up to ``count`` witnesses the pool does not hold and prefill their caches up to the last audit's
         window, all at once and while the pool's witnesses verify it; each is then parked, and verifies the
         window alone in its turn. Why: one after the other, each one's prefill of the whole context was wall
-        time before ``generate()`` returns (measured: 1.44x the time with two of them). Never raises: a
-        witness not prefilled here is opened in its turn, as before."""
+        time before ``generate()`` returns (measured: 1.44x the time with two of them). Returns the witnesses
+        whose prefill failed. Never raises: a witness not prefilled here for another reason is opened in its
+        turn, as before."""
         try:
             excluded = self.swarm.excluded.current()
             held = frozenset({*self.parked, *([self._shadow.tail_peer] if self._shadow is not None else [])})
@@ -211,15 +217,18 @@ class ShadowTurns:
                 base = await detour(self.swarm, self.witnesses, self.rng, route, len(ids), excluded | self.avoid)
                 found = [info for info in found if info.peer_id not in {hop.peer_id for hop in base}]
             routes = [substituted(base, len(route) - 1, info.peer_id) for info in found]
-            await asyncio.gather(*(self._prefilled(shadow_route, ids, window, stats) for shadow_route in routes))
+            failed = await asyncio.gather(*(self._prefilled(r, ids, window, stats) for r in routes))
+            return [peer_id for peer_id in failed if peer_id is not None]
         except asyncio.CancelledError:
             raise
         except Exception as e:
             stats.spot_check_events.append(f"the last audit's witnesses past the pool were not prefilled: {e!r}")
+            return []
 
-    async def _prefilled(self, shadow_route: list[Hop], ids: list[int], window: int, stats) -> None:
+    async def _prefilled(self, shadow_route: list[Hop], ids: list[int], window: int, stats) -> Optional[str]:
         """One witness's session, its caches filled with ids[:window - 1], parked as having verified up to
-        ``window`` (its first Step then carries the last id before the window, as a parked one's does)."""
+        ``window`` (its first Step then carries the last id before the window, as a parked one's does); the
+        witness where that failed."""
         session = self._new_session(shadow_route)
         try:
             await session.open()
@@ -227,11 +236,12 @@ class ShadowTurns:
         except asyncio.CancelledError:
             await session.close()
             raise
-        except Exception as e:  # opened in its turn instead
+        except Exception as e:
             await session.close()
             stats.spot_check_events.append(f"a last-audit witness's prefill failed: {e!r}")
-            return
+            return session.tail_peer
         self.parked[session.tail_peer] = (session, window - 1, run_id, window)
+        return None
 
     def _turn_order(self, found: Sequence, rotate: bool = False) -> list:
         """The candidates in the order to try: a trusted one first as it came; otherwise one drawn at random

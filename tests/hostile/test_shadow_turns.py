@@ -175,25 +175,30 @@ class Prefilling(Scripted):
     """A full pool (one parked witness beside the one drawn), and a prefill of the witnesses past it that
     takes ``seconds``; recorded in ``verified`` when it ends, or as cancelled."""
 
-    def __init__(self, candidates, seconds: float, **kwargs):
+    def __init__(self, candidates, seconds: float, prefill_failed=(), **kwargs):
         super().__init__(candidates, **kwargs)
         self.parked, self.seconds, self.prefill_cancelled = {"P": None}, seconds, False
+        self.prefill_failed = list(prefill_failed)
 
-    async def _prefill_past_pool(self, route, ids, window, count, stats) -> None:
+    async def _prefill_past_pool(self, route, ids, window, count, stats) -> list[str]:
         try:
             await asyncio.sleep(self.seconds)
         except asyncio.CancelledError:
             self.prefill_cancelled = True
             raise
         self.verified.append(("prefilled", count))
+        return self.prefill_failed
 
 
 def test_the_witnesses_past_a_full_pool_are_prefilled_while_the_pool_verifies():
     """The last audit starts the prefill of the witnesses past a full pool beside the pool's own witnesses
-    and waits for it before the first of them; a witness that fails (a detour follows) cancels a prefill
-    still running, whose sessions went through the hops the detour avoids."""
+    and waits for it before the first of them; one whose prefill failed (a stalling witness, timed out at
+    once with the others) is not tried again in turn. A witness that fails (a detour follows) cancels a
+    prefill still running, whose sessions went through the hops the detour avoids."""
     turns = Prefilling(["A", "B", "C", "D"], seconds=0.05, pool=2)
     assert scripted_audit(turns, final=True) == [("A", 0), ("B", 0), ("prefilled", 4), ("C", 10), ("D", 10)]
+    turns = Prefilling(["A", "B", "C", "D"], seconds=0.05, prefill_failed=["C"], pool=2)
+    assert scripted_audit(turns, final=True) == [("A", 0), ("B", 0), ("prefilled", 4), ("D", 10)]
     turns = Prefilling(["A", "B", "C", "D"], seconds=30.0, failing={"B"}, pool=2)
     assert scripted_audit(turns, final=True) == [("A", 0), ("C", 10), ("D", 10)]
     assert turns.prefill_cancelled and turns.detours == 1
