@@ -66,12 +66,12 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from client import _shadow_turns
-
-    last_default = _shadow_turns.LAST_AUDIT_WITNESSES
     from protocol.models import ensure_smollm2_checkpoint
     from swarm import AutoDistributedModelForCausalLM
     from swarm.local import LocalSwarm
     from tests.kit.routes import PreferredRoutes
+
+    last_default = _shadow_turns.LAST_AUDIT_WITNESSES
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     tokenizer = AutoTokenizer.from_pretrained(ensure_smollm2_checkpoint())

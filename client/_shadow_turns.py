@@ -66,7 +66,7 @@ class ShadowTurns:
         trusted witness confirmed them or a dispute sent the generation back. In turn, not at once: each
         witness is the auditor's one current shadow while it verifies. The ``final`` audit (before the
         output is returned) goes on past the pool, up to ``LAST_AUDIT_WITNESSES`` candidates: those the
-        pool does not hold verify its window alone (``_fresh_from``)."""
+        pool does not hold verify its window alone (``fresh_from``)."""
         window = len(self.audited)  # where this audit's tokens start
         if not await asyncio.wait_for(self._audit(route, ids, stats), self.timeout):
             return
@@ -98,9 +98,10 @@ class ShadowTurns:
                 used.update(await prefill)
                 prefill = None
                 continue
-            self._fresh_from = window if len(used) >= self.pool else 0  # past the pool: the last window alone
+            fresh_from = window if len(used) >= self.pool else 0  # past the pool: the last window alone
             try:
-                if not await asyncio.wait_for(self._audit(route, ids, stats, frozenset(used)), self.timeout):
+                witness = self._audit(route, ids, stats, frozenset(used), fresh_from)
+                if not await asyncio.wait_for(witness, self.timeout):
                     return
             except asyncio.CancelledError:
                 raise
@@ -118,11 +119,12 @@ class ShadowTurns:
                 used.add(failed)  # the last window still goes to the candidates left: one that stalls cannot end it
             else:
                 failed = None
-            finally:
-                self._fresh_from = 0
 
-    async def _ensure_shadow(self, route: list[Hop], length: int, skip: frozenset = frozenset()) -> bool:
-        """A shadow session on ``route`` with another server as its tail (none of ``skip``), drawn for this audit."""
+    async def _ensure_shadow(
+        self, route: list[Hop], length: int, skip: frozenset = frozenset(), fresh_from: int = 0
+    ) -> bool:
+        """A shadow session on ``route`` with another server as its tail (none of ``skip``), drawn for this audit;
+        a fresh one starts verifying at ``fresh_from`` (0: the first generated token)."""
         # a side of an unsettled dispute may witness for a third group (client/_avoidance.py says why):
         # ``witness_order`` and ``_fits`` keep out refuted groups and the groups that disputed the tail's
         excluded = self.swarm.excluded.current()
@@ -160,7 +162,7 @@ class ShadowTurns:
                 if attempt + 1 == min(len(found), MAX_SHADOW_TRIES):
                     raise
                 continue
-            self._shadow, self._held, self._next_run, self._verified = shadow, 0, 0, self._fresh_from
+            self._shadow, self._held, self._next_run, self._verified = shadow, 0, 0, fresh_from
             self.had_turn.add(candidate.peer_id)
             while len(self.parked) >= self.pool:  # a rotation: the witness parked longest makes room
                 # parked in turn order, oldest first; one that already verified this audit first

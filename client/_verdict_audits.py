@@ -100,7 +100,6 @@ class VerdictAuditor(ShadowTurns, EvidenceDisputes, BackgroundAudit):
         self.pool = pool  # shadow sessions at once, each verifying every audit (``audit_witnesses``)
         self._held = 0  # positions the shadow's caches hold (of ``audited``)
         self._verified = 0  # positions the shadow has verified itself (a parked one catches up from there)
-        self._fresh_from = 0  # where a fresh shadow starts verifying (the last audit's window past the pool)
         self._next_run = 0
         self._given_up = 0  # history length an audit ended at without a verdict: not retried at the end
         self.detour = False  # shadows go around the live route's other hops (client/_shadow_detour.py)
@@ -163,10 +162,12 @@ class VerdictAuditor(ShadowTurns, EvidenceDisputes, BackgroundAudit):
         finally:
             self._ended()
 
-    async def _audit(self, route: list[Hop], ids: list[int], stats, skip: frozenset = frozenset()) -> bool:
+    async def _audit(
+        self, route: list[Hop], ids: list[int], stats, skip: frozenset = frozenset(), fresh_from: int = 0
+    ) -> bool:
         """One witness drawn (none of ``skip``) verifies the tokens it has not; False: there was none."""
         self._remembered_stall(route, stats)  # a hop of the route stalled an earlier generation's audit
-        if not await self._ensure_shadow(route, len(ids), skip):
+        if not await self._ensure_shadow(route, len(ids), skip, fresh_from):
             if not skip:  # a further witness of the pool that is not there is no skipped audit
                 stats.verdict_audits_skipped += 1
             return False

@@ -124,18 +124,18 @@ class Scripted(ShadowTurns):
     def __init__(self, candidates, failing=(), disputing=(), pool: int = SHADOW_POOL):
         self.witnesses, self.pool, self.timeout = Witnesses(()), pool, 5.0
         self.candidates, self.failing, self.disputing = list(candidates), set(failing), set(disputing)
-        self.audited, self._shadow, self._fresh_from, self.parked = [0] * 10, None, 0, {}
+        self.audited, self._shadow, self.parked = [0] * 10, None, {}
         self.verified: list[tuple[str, int]] = []
         self.detours = 0
 
-    async def _audit(self, route, ids, stats, skip=frozenset()) -> bool:
+    async def _audit(self, route, ids, stats, skip=frozenset(), fresh_from: int = 0) -> bool:
         left = [c for c in self.candidates if c not in skip]
         if not left:
             return False
         self._shadow = SimpleNamespace(tail_peer=left[0])
         if left[0] in self.failing:
             raise ServerError("no result within 5 s", left[0])
-        self.verified.append((left[0], self._fresh_from))
+        self.verified.append((left[0], fresh_from))
         self.audited = list(ids)
         if left[0] in self.disputing:  # a dispute at position 12: the generation goes back, the shadow is dropped
             self.audited, self._shadow = list(ids[:12]), None
