@@ -50,9 +50,9 @@ LIE_AFTER = 32  # the lying sybils lie in every verdict from this position on
 HOSTS = {"H": "127.0.2.1", "T": "127.0.0.1"}
 
 
-def modes() -> dict[str, list[str]]:
-    """Each kind of sybil: its tests/kit/faulty_server.py options."""
-    lie = ["--lie-in-verdicts", "1", "--lie-after", str(LIE_AFTER)]
+def modes(before: int = 0) -> dict[str, list[str]]:
+    """Each kind of sybil: its tests/kit/faulty_server.py options (``before``: lies only below that position too)."""
+    lie = ["--lie-in-verdicts", "1", "--lie-after", str(LIE_AFTER), *(["--lie-before", str(before)] if before else [])]
     return {
         "framing in audits": ["--frame"],
         "lying in live laps": [*lie, "--lie-when-live"],
@@ -282,7 +282,7 @@ def plan(args) -> list[dict]:
         return lambda run: [[("H", 0, 15), (t, 15, 30)] for t in tails(run)]
 
     chosen = []
-    table = modes()
+    table = modes(args.lie_before)
     for count in args.sybil_counts:
         names = [f"S{i + 1}" for i in range(count)]
 
@@ -361,6 +361,15 @@ def main() -> None:
         help="candidates that verify the last audit (client/_shadow_turns.py LAST_AUDIT_WITNESSES; 0: the default, "
         "1: the pool alone, as before 2026-12-05)",
     )
+    p.add_argument(
+        "--lie-before", type=int, default=0, help="the lying sybils lie only below this position too (0: to the end)"
+    )
+    p.add_argument(
+        "--last-audit-window-only",
+        action="store_true",
+        help="the witnesses past the pool verify the last audit's window alone, and no last audit where an earlier "
+        "one covered the end (the client before 2026-12-05's second change)",
+    )
     p.add_argument("--rejection-runs", type=int, default=20, help="scenario 3's generations (0: skip it)")
     p.add_argument(
         "--reuse-client",
@@ -376,6 +385,8 @@ def main() -> None:
 
     if args.last_audit_witnesses:
         _shadow_turns.LAST_AUDIT_WITNESSES = args.last_audit_witnesses
+    if args.last_audit_window_only:
+        window_only(_shadow_turns.ShadowTurns)
 
     _witnesses.machine_group = loopback_by_prefix(_witnesses.machine_group)
     from benchmarks.smol_reference import smollm2_references
@@ -386,7 +397,15 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     result: dict = {"commit": commit, "runs": args.runs, "tokens": args.tokens, "prompt_tokens": len(prompt)}
     result["last_audit_witnesses"] = _shadow_turns.LAST_AUDIT_WITNESSES
-    result.update(lie_after=LIE_AFTER, reuse_client=args.reuse_client, log_dir=str(log_dir), scenarios=[], summary={})
+    result["last_audit_window_only"] = args.last_audit_window_only
+    result.update(
+        lie_after=LIE_AFTER,
+        lie_before=args.lie_before,
+        reuse_client=args.reuse_client,
+        log_dir=str(log_dir),
+        scenarios=[],
+        summary={},
+    )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     began = time.perf_counter()
@@ -408,6 +427,18 @@ def main() -> None:
     result["seconds"] = round(time.perf_counter() - began)
     out.write_text(json.dumps(result, indent=1))
     print(json.dumps(result["summary"], indent=1))
+
+
+def window_only(turns) -> None:
+    """The client before the witnesses past the pool verified every generated token: their prefill fills the
+    caches up to the last audit's window and they verify the window alone; an earlier audit that covered the
+    end leaves no last audit."""
+
+    async def prefilled_to_the_window(self, route, session, ids, window, stats):
+        return session, window - 1, await self._prefill(session, ids, window - 1, stats), window
+
+    turns._verified_before = prefilled_to_the_window
+    turns._past_the_pool = lambda self, route, length: False
 
 
 def rejection(swarm, prompt, reference, args) -> dict:

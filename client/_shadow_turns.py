@@ -20,14 +20,18 @@ drawn once held the honest tail with probability ``SHADOW_POOL`` / n, and a gene
 sybils had their lies confirmed throughout.
 
 The audit before the output is returned goes past the pool: every candidate up to ``LAST_AUDIT_WITNESSES``
-verifies it, those the pool does not hold from that audit's window on (a fresh session prefills the context
-before it, then verifies the window; with a full pool those sessions are prefilled all at once while the
-pool's witnesses verify, ``_prefill_past_pool``). Why: the last window's tokens have no later audit and no later
+verifies every generated token. Those the pool does not hold get fresh sessions that, with a full pool, are
+opened at once while the pool's witnesses verify the window (``_prefill_past_pool``): each prefills the prompt
+and verifies the generated tokens before the window in live-shaped laps (``_verified_before``), then verifies
+the window in its turn. Where an audit that was not the last covered the generation's end, the last one runs
+with no token left (``_past_the_pool``). Why: the last window's tokens have no later audit and no later
 rotation, so with n > pool candidates it was verified by the pool alone, and sybils lying only there missed
 the honest tail with probability 1 - pool / n (measured with four sybils on a /24 each: 2 and 3 of 10
-generations returned wrong tokens unflagged). A witness that fails in that audit does not end it: the
-others still verify the window (one whose prefill stalled is not tried again; one that stalls after it
-costs the request timeout).
+generations returned wrong tokens unflagged); and once the witnesses past the pool verified that window
+alone, a window between the honest tail leaving the pool and the last audit still was. A witness that fails
+in that audit does not end it: the others still verify (one whose prefill stalled is not tried again; one
+that stalls after it costs the request timeout; one opened in its turn, where the prefill was cancelled,
+verifies the window alone).
 
 Cost bound: at most ``SHADOW_POOL`` shadow sessions a generation, each kept with its caches, its run ids and
 how far it verified (parked while another witness verifies), and each verifying each generated token once
@@ -35,8 +39,8 @@ how far it verified (parked while another witness verifies), and each verifying 
 shadow routes, where one shadow paid one, in the background but for the last window before ``generate()``
 returns, which each witness verifies in turn; a rotation adds one fresh witness to an audit (the prompt and
 every generated token so far), at most n - ``SHADOW_POOL`` times a generation; the last audit adds, for each
-candidate past the pool, one session that prefills the context and verifies the last window (sessions at
-once: up to ``LAST_AUDIT_WITNESSES`` during that audit).
+candidate past the pool, one session that prefills the prompt and verifies every generated token (sessions
+at once: up to ``LAST_AUDIT_WITNESSES`` during that audit).
 
 A mixin of :class:`client._verdict_audits.VerdictAuditor` (``_shadow``, ``_held``, ``_next_run`` are the
 shadow whose turn it is).
@@ -81,6 +85,16 @@ class ShadowTurns:
             if prefill is not None and not prefill.done():
                 prefill.cancel()
                 await asyncio.gather(prefill, return_exceptions=True)
+
+    def _past_the_pool(self, route: list[Hop], length: int) -> bool:
+        """Whether the audit before the output is returned must still run with no token left unaudited: an
+        audit that was not the last (the pool's witnesses alone) covered the end, the last one has not gone
+        past the pool at this length, and the swarm has candidates past the pool. Why: otherwise how the
+        generation's end fell between audits decided whether its tokens saw more than the pool."""
+        if self._last_audit >= length or max(self.pool, LAST_AUDIT_WITNESSES) <= self.pool:
+            return False
+        found = alternatives(route, len(route) - 1, self.swarm.records, self.swarm.excluded.current(), length)
+        return len(found) > self.pool
 
     async def _further_witnesses(self, route, ids, stats, final: bool, witnesses: int, window: int, prefill) -> None:
         """The audit's witnesses after the first, up to ``witnesses`` in all (``_audits``)."""
@@ -219,7 +233,7 @@ class ShadowTurns:
                 base = await detour(self.swarm, self.witnesses, self.rng, route, len(ids), excluded | self.avoid)
                 found = [info for info in found if info.peer_id not in {hop.peer_id for hop in base}]
             routes = [substituted(base, len(route) - 1, info.peer_id) for info in found]
-            failed = await asyncio.gather(*(self._prefilled(r, ids, window, stats) for r in routes))
+            failed = await asyncio.gather(*(self._prefilled(route, r, ids, window, stats) for r in routes))
             return [peer_id for peer_id in failed if peer_id is not None]
         except asyncio.CancelledError:
             raise
@@ -227,14 +241,18 @@ class ShadowTurns:
             stats.spot_check_events.append(f"the last audit's witnesses past the pool were not prefilled: {e!r}")
             return []
 
-    async def _prefilled(self, shadow_route: list[Hop], ids: list[int], window: int, stats) -> Optional[str]:
-        """One witness's session, its caches filled with ids[:window - 1], parked as having verified up to
-        ``window`` (its first Step then carries the last id before the window, as a parked one's does); the
-        witness where that failed."""
+    async def _prefilled(self, route: list[Hop], shadow_route: list[Hop], ids: list[int], window: int, stats):
+        """One witness past the pool, verifying the generated tokens before the last audit's window at once with
+        the others (``_verified_before``; under rejection sampling its caches are only filled up to there), within
+        an audit's timeout, then parked as having verified up to where it got (its first Step then carries the
+        last id before that, as a parked one's does); the witness where that failed."""
         session = self._new_session(shadow_route)
         try:
             await session.open()
-            run_id = await self._prefill(session, ids, window - 1, stats)
+            if self.verification == "match":
+                parked = await asyncio.wait_for(self._verified_before(route, session, ids, window, stats), self.timeout)
+            else:
+                parked = (session, window - 1, await self._prefill(session, ids, window - 1, stats), window)
         except asyncio.CancelledError:
             await session.close()
             raise
@@ -242,8 +260,41 @@ class ShadowTurns:
             await session.close()
             stats.spot_check_events.append(f"a last-audit witness's prefill failed: {e!r}")
             return session.tail_peer
-        self.parked[session.tail_peer] = (session, window - 1, run_id, window)
+        self.parked[session.tail_peer] = parked
         return None
+
+    async def _verified_before(self, route: list[Hop], session: RemoteSession, ids: list[int], window: int, stats):
+        """Fill ``session``'s caches with the prompt and verify ids[prompt:window] in Steps shaped as live laps, as
+        a fresh witness's turn would (``VerdictAuditor._audit``), but on its own session and run ids, so that
+        witnesses past the pool verify at once. Why: they verified the last window alone, so a window between the
+        honest tail leaving a rotating pool and the last audit was verified by the pool alone (sybils lying there
+        missed the honest tail with probability 1 - pool / candidates). A disagreement is not disputed here: the
+        witness stops at the run before it, and its turn verifies from there, disputing through ``_audit``.
+        Returns the parked entry: the session, the positions its caches hold, its next run id, how far it got."""
+        limit = self.swarm.route_step_limit(session.route)
+        start = min(self._prompt_len, window)
+        first = max(0, start - max(1, limit - 1))  # the context the first lap carries before its drafts, as live
+        run_id = await self._prefill(session, ids, first, stats)
+        reached = [start]
+        args = (route, session, run_id, ids[:window], start, limit, stats, first, reached.append)
+        _, run_id = await self._verify_on(*args)
+        held = reached[-1] - 1 if len(reached) > 1 else first  # a Step confirmed: it fed every id before the last
+        return session, held, run_id, reached[-1]
+
+    async def _third_opinion(self, route: list[Hop], ids: list[int], t: int, stats) -> int:
+        """The token a fresh session on ``route`` chooses at position t after ids[:t]."""
+        # the generation's max_length, not t + 1: a session that ends at the disputed position is an audit's tell
+        session = self._new_session(route, self.max_length or t + 1)
+        try:
+            await session.open()
+            run_id = await self._prefill(session, ids, t - 1, stats)
+            # loop_runs as a live lap there asks (closing the session drops the run the tail starts)
+            loops = self.live.loop_runs_at(t)
+            result, _ = await self._live_step(session, run_id, t - 1, [ids[t - 1], ids[t]], 1, loops)
+            stats.verdict_audit_positions += 2 * len(route)
+            return ids[t] if result.accepted == 1 else result.next_token
+        finally:
+            await session.close()
 
     def _turn_order(self, found: Sequence, rotate: bool = False) -> list:
         """The candidates in the order to try: a trusted one first as it came; otherwise one drawn at random

@@ -102,6 +102,7 @@ class VerdictAuditor(ShadowTurns, EvidenceDisputes, BackgroundAudit):
         self._verified = 0  # positions the shadow has verified itself (a parked one catches up from there)
         self._next_run = 0
         self._given_up = 0  # history length an audit ended at without a verdict: not retried at the end
+        self._last_audit = 0  # history length the last audit (``final``) went past the pool at
         self.detour = False  # shadows go around the live route's other hops (client/_shadow_detour.py)
 
     def begin(
@@ -118,14 +119,18 @@ class VerdictAuditor(ShadowTurns, EvidenceDisputes, BackgroundAudit):
         self._prompt_len = len(prompt)  # the live log-probs start after it
         self.live = live or LiveShape()
         self.trusted_confirmed, self.confirmers, self.had_turn = set(), {}, set()
-        self._given_up, self.detour = 0, False
+        self._given_up, self._last_audit, self.detour = 0, 0, False
         self.enabled, self.verification = verification in ("match", "rejection"), verification
         self.rejection.forget()
 
     def maybe_start(self, route: Sequence[Hop], ids: Sequence[int], stats, final: bool = False) -> None:
         """Audit the tokens committed since the last audit: once ``every`` of them wait, or any
         number when the generation is about to return them (``final``)."""
-        if not self.enabled or self.task is not None or not route or (final and len(ids) <= self._given_up):
+        if not self.enabled or self.task is not None or not route:
+            return
+        # an audit that was not the last covered the end: the last still goes past the pool (client/_shadow_turns.py)
+        covered = final and self.audited == list(ids) and self._past_the_pool(route, len(ids))
+        if final and not covered and len(ids) <= self._given_up:
             return
         if any(hop.peer_id in self.swarm.liars or hop.peer_id in self.avoid - self.handled for hop in route):
             return  # the generation leaves this route and re-verifies before its next lap
@@ -138,7 +143,7 @@ class VerdictAuditor(ShadowTurns, EvidenceDisputes, BackgroundAudit):
         self.audited = self.audited[:common]
         self.trusted_confirmed = {p for p in self.trusted_confirmed if p < common}
         self.confirmers = {p: w for p, w in self.confirmers.items() if p < common}
-        if len(ids) - common < (1 if final else self.every) or common == 0:
+        if (len(ids) - common < (1 if final else self.every) or common == 0) and not covered:
             return
         self.task = asyncio.ensure_future(self._run(list(route), list(ids), stats, final))
 
@@ -148,6 +153,7 @@ class VerdictAuditor(ShadowTurns, EvidenceDisputes, BackgroundAudit):
 
     async def _run(self, route: list[Hop], ids: list[int], stats, final: bool = False) -> None:
         given_up, self._given_up = self._given_up, len(ids)  # unless the audit confirms them
+        self._last_audit = len(ids) if final else self._last_audit
         try:
             await self._audits(route, ids, stats, final)  # each witness of the pool (client/_shadow_turns.py)
         except asyncio.CancelledError:
@@ -194,7 +200,25 @@ class VerdictAuditor(ShadowTurns, EvidenceDisputes, BackgroundAudit):
         ids[first:position] (the context the shadow lacks) before its drafts."""
         if self.verification == "rejection":  # the live runs' own Steps, replayed (client/_rejection_audits.py)
             return await confirm(self, route, ids, position, limit, stats, first)
-        shadow, run_id, looped = self._shadow, self._next_run, False
+
+        def advanced(reached: int) -> None:
+            self._held = self._verified = reached
+            self.audited = ids[: max(reached, len(self.audited))]  # a catch-up re-confirms others' tokens
+
+        args = (route, self._shadow, self._next_run, ids, position, limit, stats, first, advanced)
+        disagreement, self._next_run = await self._verify_on(*args)
+        if disagreement is not None:
+            t, token, logprobs = disagreement
+            await self._dispute(route, ids, t, token, stats, logprobs)
+
+    async def _verify_on(
+        self, route, shadow: RemoteSession, run_id: int, ids, position: int, limit: int, stats, first: int, advanced
+    ) -> tuple[Optional[tuple], int]:
+        """``_confirm``'s laps on ``shadow`` from ``run_id``, which may be no current shadow (a witness past the
+        pool verifies at once with the others, client/_shadow_turns.py): ``advanced(position)`` after each
+        confirmed Step; returns the first disagreement (position, the shadow's token or None, the log-probs'
+        detail), if any, and the session's next run id."""
+        looped = False
         horizon = run_id  # the last run the tail may start itself: later audits send run ids after it
         drafts = self._drafts(ids, position, limit - (position - first) + 1)
         while position < len(ids):
@@ -219,26 +243,20 @@ class VerdictAuditor(ShadowTurns, EvidenceDisputes, BackgroundAudit):
             if not 0 <= result.accepted <= len(carried):
                 raise ServerError(f"the shadow's verdict on run {run_id} accepts {result.accepted}", shadow.tail_peer)
             chosen = [*carried[: result.accepted], result.next_token][: len(ids) - position]
-            for i, token in enumerate(chosen):
-                if token != ids[position + i]:  # the shadow's tail chose another token than the committed one
-                    await shadow.cancel(run_id + 1)
-                    self._next_run = max(run_id, horizon) + 1
-                    await self._dispute(route, ids, position + i, token, stats)
-                    return
-            tol = logprob_tolerance([self.swarm.records.get(h.peer_id) for h in [*route, shadow.route[-1]]])
-            lied = first_disagreement(
-                self.live.logprobs, position - self._prompt_len, result.logprobs, len(chosen), tol
-            )
-            if lied is not None:  # the same tokens, other log-probs
+            disagreement = next(((position + i, t, ()) for i, t in enumerate(chosen) if t != ids[position + i]), None)
+            if disagreement is None:  # the same tokens: their log-probs
+                tol = logprob_tolerance([self.swarm.records.get(h.peer_id) for h in [*route, shadow.route[-1]]])
+                lied = first_disagreement(
+                    self.live.logprobs, position - self._prompt_len, result.logprobs, len(chosen), tol
+                )
+                disagreement = None if lied is None else (position + lied[0], None, lied[1:])
+            if disagreement is not None:  # the shadow's tail chose another token, or said other log-probs
                 await shadow.cancel(run_id + 1)
-                self._next_run = max(run_id, horizon) + 1
-                await self._dispute(route, ids, position + lied[0], None, stats, lied[1:])
-                return
+                return disagreement, max(run_id, horizon) + 1
             self.confirmed_by(shadow.tail_peer, range(position, position + len(chosen)))
             position += len(chosen)
             first = position - 1  # a later Step carries the last confirmed token before its drafts
-            self._held = self._verified = position
-            self.audited = ids[: max(position, len(self.audited))]  # a catch-up re-confirms others' tokens
+            advanced(position)
             looped, run_id = bool(result.looped), run_id + 1
             # the run the tail started carries the offer's drafts if the head had it in time
             drafts = (
@@ -246,7 +264,7 @@ class VerdictAuditor(ShadowTurns, EvidenceDisputes, BackgroundAudit):
             )
         if looped:  # the tail started a run past the committed tokens: drop it, as a live lap drops a refuted one
             await shadow.cancel(run_id)
-        self._next_run = max(run_id - 1, horizon) + 1
+        return None, max(run_id - 1, horizon) + 1
 
     def confirmed_by(self, witness: str, positions: range) -> None:
         if self.witnesses.is_trusted(witness):
@@ -419,18 +437,3 @@ class VerdictAuditor(ShadowTurns, EvidenceDisputes, BackgroundAudit):
             if result.verdict not in ("agree", "skipped"):  # skipped: no independent substitute, as none at all
                 return False
         return True
-
-    async def _third_opinion(self, route: list[Hop], ids: list[int], t: int, stats) -> int:
-        """The token a fresh session on ``route`` chooses at position t after ids[:t]."""
-        # the generation's max_length, not t + 1: a session that ends at the disputed position is an audit's tell
-        session = self._new_session(route, self.max_length or t + 1)
-        try:
-            await session.open()
-            run_id = await self._prefill(session, ids, t - 1, stats)
-            # loop_runs as a live lap there asks (closing the session drops the run the tail starts)
-            loops = self.live.loop_runs_at(t)
-            result, _ = await self._live_step(session, run_id, t - 1, [ids[t - 1], ids[t]], 1, loops)
-            stats.verdict_audit_positions += 2 * len(route)
-            return ids[t] if result.accepted == 1 else result.next_token
-        finally:
-            await session.close()

@@ -9,10 +9,14 @@ import random
 from collections import Counter
 from types import SimpleNamespace
 
+from client._audit_shape import LiveShape
 from client._avoidance import Avoidance
 from client._shadow_turns import LAST_AUDIT_WITNESSES, SHADOW_POOL, ShadowTurns
+from client._verdict_audits import GREEDY, VerdictAuditor
 from client._witnesses import Witnesses
 from client.errors import ServerError
+from protocol.messages import Hop, StepResult
+from tests.kit import faults
 
 
 class Turns(ShadowTurns):
@@ -203,3 +207,104 @@ def test_the_witnesses_past_a_full_pool_are_prefilled_while_the_pool_verifies():
     assert scripted_audit(turns, final=True) == [("A", 0), ("C", 10), ("D", 10)]
     assert turns.prefill_cancelled and turns.detours == 1
     assert scripted_audit(Prefilling(["A", "B"], seconds=30.0, pool=2), final=False) == [("A", 0), ("B", 0)]
+
+
+class Tail:
+    """A witness's session whose tail verifies each Step against ``truth`` (the token it chooses at each
+    position) and never loops; what it was sent is kept."""
+
+    def __init__(self, truth: list[int]):
+        self.truth, self.steps, self.cancelled = truth, {}, []
+        self.session_id, self.max_length, self.tail_peer = "s", 80, "W"
+        self.route = [Hop(peer_id="H", start=0, end=2), Hop(peer_id="W", start=2, end=4)]
+
+    async def send_step(self, step):
+        self.steps[step.run_id] = step
+
+    async def offer(self, offer):
+        pass
+
+    async def next_result(self, run_id):
+        step = self.steps[run_id]
+        first = step.start_pos + len(step.token_ids) - step.n_draft  # the first draft's position
+        drafts = step.token_ids[len(step.token_ids) - step.n_draft :]
+        accepted = next((i for i, t in enumerate(drafts) if t != self.truth[first + i]), len(drafts))
+        return StepResult(session_id="s", run_id=run_id, accepted=accepted, next_token=self.truth[first + accepted])
+
+    async def cancel(self, run_id):
+        self.cancelled.append(run_id)
+
+
+def verified_before(truth: list[int], ids: list[int], window: int):
+    swarm = SimpleNamespace(records={}, route_step_limit=lambda route: 16, request_timeout=1.0)
+    auditor = VerdictAuditor(swarm, vocab_size=100, rng=random.Random(0))
+    auditor.begin(ids[:11], 80, GREEDY, "match", LiveShape(8, loop_end=len(ids)))  # live laps loop
+    session, stats = Tail(truth), SimpleNamespace(verdict_audit_positions=0)
+    parked = asyncio.run(auditor._verified_before(session.route, session, ids, window, stats))
+    return auditor, session, parked
+
+
+def test_a_witness_past_the_pool_verifies_every_token_before_the_window_in_live_laps():
+    """``_verified_before``: the prompt prefilled, then ids[prompt:window] verified in Steps shaped as live laps
+    on the witness's own session, and it is parked as having verified up to the window (caches one short). A
+    disagreement (its tail chooses another token at 38) is not disputed there: it stops at the run before it,
+    parked as having verified up to that run's start, where its turn takes it up and disputes."""
+    ids = list(range(1000, 1060))
+    auditor, session, (kept, held, run_id, verified) = verified_before([*ids, 0], ids, 44)
+    assert (kept, held, verified) == (session, 43, 44) and run_id > max(session.steps)
+    assert all(auditor.confirmers[p] == {"W"} for p in range(11, 44)) and 44 not in auditor.confirmers
+    assert session.steps[0].start_pos == 0  # the prompt, carried before the first drafts as a live lap's context
+    for step in session.steps.values():
+        assert not faults.looks_like_an_audit(session, step), step
+    truth = [*ids, 0]
+    truth[38] = 7
+    auditor, session, (kept, held, run_id, verified) = verified_before(truth, ids, 44)
+    assert kept is session and 11 < verified <= 38 and held == verified - 1 and run_id > max(session.steps)
+    assert max(auditor.confirmers) == verified - 1 and session.cancelled == [max(session.steps) + 1]
+    truth[38], truth[12] = ids[38], 7  # the first run disagrees: nothing verified, nothing held but the prefill
+    auditor, session, (kept, held, run_id, verified) = verified_before(truth, ids, 44)
+    assert (kept, held, verified) == (session, 0, 11) and not auditor.confirmers and len(session.steps) == 1
+
+
+def test_the_last_audit_goes_past_the_pool_where_an_earlier_audit_covered_the_end(monkeypatch):
+    """Where an audit that was not the last (the pool alone) covered the generation's end, the audit before
+    the output is returned still runs, with no token left unaudited, so that the candidates past the pool
+    verify every token (``_past_the_pool``); not where the swarm has no candidate past the pool, nor twice at
+    one length. Before, how the end fell between audits decided whether its tokens saw more than the pool."""
+    from client import _shadow_turns
+
+    candidates = [SimpleNamespace(peer_id=f"S{i}") for i in range(SHADOW_POOL + 1)]
+    monkeypatch.setattr(_shadow_turns, "alternatives", lambda route, index, records, excluded, length: candidates)
+    swarm = SimpleNamespace(records={}, liars=set(), excluded=SimpleNamespace(current=set), request_timeout=1.0)
+    auditor, started = VerdictAuditor(swarm, vocab_size=100), []
+
+    async def run(route, ids, stats, final=False):
+        started.append(final)
+        auditor._last_audit = len(ids) if final else auditor._last_audit
+
+    auditor._run = run
+    ids, route = list(range(40)), [Hop(peer_id="T", start=0, end=2)]
+    auditor.begin(ids[:11], 80, GREEDY, "match")
+
+    def last_audit() -> list:
+        started.clear()
+
+        async def go():
+            auditor.maybe_start(route, ids, SimpleNamespace(), final=True)
+            if auditor.task is not None:
+                await auditor.task
+                auditor.task = None
+
+        asyncio.run(go())
+        return list(started)
+
+    auditor.audited, auditor._given_up = list(ids), len(ids)  # an earlier audit covered the end and confirmed it
+    assert last_audit() == [True]
+    assert last_audit() == []  # once at this length
+    auditor.begin(ids[:11], 80, GREEDY, "match")
+    auditor.audited, auditor._given_up = list(ids), len(ids)
+    del candidates[SHADOW_POOL:]  # nobody past the pool
+    assert last_audit() == []
+    candidates.append(SimpleNamespace(peer_id="S9"))
+    auditor.audited = ids[:30]  # tokens left unaudited after an audit that ended with no verdict: not retried
+    assert last_audit() == []

@@ -15,10 +15,10 @@ server stays honest, so each test sees exactly the one lie it is about.
 - ``slow_training(span, seconds, marker)``: each training recompute (the backward's, grad enabled)
   first touches ``marker`` (so a test sees the backward started) and sleeps ``seconds``: a fault sent
   then lands mid-backward.
-- ``lie_in_verdicts(rate, kind, after, short)``: a tail that computes honestly but, on ``rate`` of
+- ``lie_in_verdicts(rate, kind, after, short, before)``: a tail that computes honestly but, on ``rate`` of
   its verdicts, replaces the next token with the model's second choice (``second``) or a random id
-  (``random``); optionally only from position ``after`` on, or only on Steps of at most ``short``
-  positions.
+  (``random``); optionally only from position ``after`` on (and before ``before``), or only on Steps of
+  at most ``short`` positions.
 - ``inflate_claims(factor)``: the server announces ``factor`` x the throughput it measures.
 - ``frame()``: a sybil tail that is honest on every Step shaped like a live lap and, on a Step that
   looks like an audit's (:func:`looks_like_an_audit`: more than ``LIVE_DRAFTS`` drafts, as shadow
@@ -180,11 +180,13 @@ def lie_in_verdicts(
     short: int = 0,
     live_only: bool = False,
     rejection: bool = False,
+    before: int = 0,
 ) -> Counter:
     """From now on this process's tails lie in ``rate`` of their verdicts (``server.compute._verdict``
     patched): the next token becomes the second choice of the logits at its position, or a random id.
-    ``after``: only when that token's position is at least this; ``short``: only on Steps of at most
-    this many positions (a generation's decode laps, never a long audit Step or a prefill);
+    ``after``: only when that token's position is at least this (``before``: and below this, unless 0);
+    ``short``: only on Steps of at most this many positions (a generation's decode laps, never a long
+    audit Step or a prefill);
     ``live_only``: only on Steps :func:`looks_like_an_audit` takes for live laps (the adaptive liar)."""
     import random
 
@@ -198,7 +200,8 @@ def lie_in_verdicts(
     def lying_verdict(session, step, logits):
         result = verdict(session, step, logits)
         row = len(step.token_ids) - step.n_draft - 1 + result.accepted
-        if step.start_pos + row + 1 < after or (short and len(step.token_ids) > short):
+        position = step.start_pos + row + 1
+        if position < after or (before and position >= before) or (short and len(step.token_ids) > short):
             return result
         if step.parents or (step.draft_q is not None and not rejection) or rng.random() >= rate:
             return result

@@ -37,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lie-in-verdicts", type=float, default=0.0, metavar="RATE", help="lie in this share of verdicts")
     p.add_argument("--lie", default="second", choices=faults.VERDICT_LIES, help="the lie: second choice or random id")
     p.add_argument("--lie-after", type=int, default=0, metavar="POS", help="lie only from this position on")
+    p.add_argument("--lie-before", type=int, default=0, metavar="POS", help="lie only before this position")
     p.add_argument("--lie-short", type=int, default=0, metavar="N", help="lie only on Steps of at most N positions")
     p.add_argument(
         "--frame", action="store_true", help="honest in live laps, name a wrong token in audit-looking Steps"
@@ -99,6 +100,7 @@ def patch(args: argparse.Namespace) -> None:
             args.lie,
             after=args.lie_after,
             short=args.lie_short,
+            before=args.lie_before,
             live_only=args.lie_when_live,
             rejection=args.lie_in_rejection,
         )
