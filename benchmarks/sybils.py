@@ -50,9 +50,9 @@ LIE_AFTER = 32  # the lying sybils lie in every verdict from this position on
 HOSTS = {"H": "127.0.2.1", "T": "127.0.0.1"}
 
 
-def modes(before: int = 0) -> dict[str, list[str]]:
-    """Each kind of sybil: its tests/kit/faulty_server.py options (``before``: lies only below that position too)."""
-    lie = ["--lie-in-verdicts", "1", "--lie-after", str(LIE_AFTER), *(["--lie-before", str(before)] if before else [])]
+def modes(after: int = LIE_AFTER, before: int = 0) -> dict[str, list[str]]:
+    """Each kind of sybil: its tests/kit/faulty_server.py options (lies from ``after`` on; ``before``: and below it)."""
+    lie = ["--lie-in-verdicts", "1", "--lie-after", str(after), *(["--lie-before", str(before)] if before else [])]
     return {
         "framing in audits": ["--frame"],
         "lying in live laps": [*lie, "--lie-when-live"],
@@ -282,7 +282,7 @@ def plan(args) -> list[dict]:
         return lambda run: [[("H", 0, 15), (t, 15, 30)] for t in tails(run)]
 
     chosen = []
-    table = modes(args.lie_before)
+    table = modes(args.lie_after, args.lie_before)
     for count in args.sybil_counts:
         names = [f"S{i + 1}" for i in range(count)]
 
@@ -361,6 +361,7 @@ def main() -> None:
         help="candidates that verify the last audit (client/_shadow_turns.py LAST_AUDIT_WITNESSES; 0: the default, "
         "1: the pool alone, as before 2026-12-05)",
     )
+    p.add_argument("--lie-after", type=int, default=LIE_AFTER, help="the lying sybils lie from this position on")
     p.add_argument(
         "--lie-before", type=int, default=0, help="the lying sybils lie only below this position too (0: to the end)"
     )
@@ -399,7 +400,7 @@ def main() -> None:
     result["last_audit_witnesses"] = _shadow_turns.LAST_AUDIT_WITNESSES
     result["last_audit_window_only"] = args.last_audit_window_only
     result.update(
-        lie_after=LIE_AFTER,
+        lie_after=args.lie_after,
         lie_before=args.lie_before,
         reuse_client=args.reuse_client,
         log_dir=str(log_dir),
