@@ -81,7 +81,7 @@ def main() -> None:
 
     last_default = _shadow_turns.LAST_AUDIT_WITNESSES
     turns = _shadow_turns.ShadowTurns
-    every_token = (turns._verified_before, turns._past_the_pool)
+    every_token = (turns._prefilled, turns._verified_at_once, turns._past_the_pool)
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     tokenizer = AutoTokenizer.from_pretrained(ensure_smollm2_checkpoint())
@@ -101,7 +101,7 @@ def main() -> None:
                 for mode in modes:
                     model.verdict_audit_every = 0 if mode == "no verdict audits" else 16
                     _shadow_turns.LAST_AUDIT_WITNESSES = 1 if mode.endswith("by the pool") else last_default
-                    turns._verified_before, turns._past_the_pool = every_token
+                    turns._prefilled, turns._verified_at_once, turns._past_the_pool = every_token
                     if mode.endswith("window only"):
                         window_only(turns)
                     start = time.perf_counter()

@@ -431,14 +431,18 @@ def main() -> None:
 
 
 def window_only(turns) -> None:
-    """The client before the witnesses past the pool verified every generated token: their prefill fills the
-    caches up to the last audit's window and they verify the window alone; an earlier audit that covered the
-    end leaves no last audit."""
+    """The client before the witnesses past the pool verified every generated token (``936b810`` to ``dda9f00``):
+    their prefill fills the caches up to the last audit's window and they verify the window alone, in turn; an
+    earlier audit that covered the end leaves no last audit."""
+    real_prefilled = turns._prefilled
 
-    async def prefilled_to_the_window(self, route, session, ids, window, stats):
-        return session, window - 1, await self._prefill(session, ids, window - 1, stats), window
+    async def prefill_only(self, route, session, ids, stats):  # ids end at the window (below)
+        return session, len(ids) - 1, await self._prefill(session, ids, len(ids) - 1, stats), len(ids)
 
-    turns._verified_before = prefilled_to_the_window
+    async def to_the_window(self, route, shadow_route, ids, window, stats):
+        return await real_prefilled(self, route, shadow_route, ids[:window], window, stats)
+
+    turns._verified_at_once, turns._prefilled = prefill_only, to_the_window
     turns._past_the_pool = lambda self, route, length: False
 
 

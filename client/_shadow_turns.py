@@ -22,8 +22,8 @@ sybils had their lies confirmed throughout.
 The audit before the output is returned goes past the pool: every candidate up to ``LAST_AUDIT_WITNESSES``
 verifies every generated token. Those the pool does not hold get fresh sessions that, with a full pool, are
 opened at once while the pool's witnesses verify the window (``_prefill_past_pool``): each prefills the prompt
-and verifies the generated tokens before the window in live-shaped laps (``_verified_before``), then verifies
-the window in its turn. Where an audit that was not the last covered the generation's end, the last one runs
+and verifies every generated token in live-shaped laps (``_verified_at_once``), and its turn then has nothing
+left but a disagreement to take up. Where an audit that was not the last covered the generation's end, the last one runs
 with no token left (``_past_the_pool``). Why: the last window's tokens have no later audit and no later
 rotation, so with n > pool candidates it was verified by the pool alone, and sybils lying only there missed
 the honest tail with probability 1 - pool / n (measured with four sybils on a /24 each: 2 and 3 of 10
@@ -217,9 +217,9 @@ class ShadowTurns:
         )
 
     async def _prefill_past_pool(self, route: list[Hop], ids: list[int], window: int, count: int, stats) -> list[str]:
-        """Open up to ``count`` witnesses the pool does not hold and prefill their caches up to the last audit's
-        window, all at once and while the pool's witnesses verify it; each is then parked, and verifies the
-        window alone in its turn. Why: one after the other, each one's prefill of the whole context was wall
+        """Open up to ``count`` witnesses the pool does not hold and have each verify every generated token, all at
+        once and while the pool's witnesses verify the last audit's window (``_prefilled``); each is then parked,
+        and takes its turn where it got. Why: one after the other, each one's prefill of the whole context was wall
         time before ``generate()`` returns (measured: 1.44x the time with two of them). Returns the witnesses
         whose prefill failed. Never raises: a witness not prefilled here for another reason is opened in its
         turn, as before."""
@@ -242,15 +242,16 @@ class ShadowTurns:
             return []
 
     async def _prefilled(self, route: list[Hop], shadow_route: list[Hop], ids: list[int], window: int, stats):
-        """One witness past the pool, verifying the generated tokens before the last audit's window at once with
-        the others (``_verified_before``; under rejection sampling its caches are only filled up to there), within
-        an audit's timeout, then parked as having verified up to where it got (its first Step then carries the
-        last id before that, as a parked one's does); the witness where that failed."""
+        """One witness past the pool, verifying every generated token at once with the others
+        (``_verified_at_once``; under rejection sampling its caches are only filled up to the last audit's
+        ``window``, which it verifies in its turn), within an audit's timeout, then parked as having verified up
+        to where it got (its first Step then carries the last id before that, as a parked one's does); the
+        witness where that failed."""
         session = self._new_session(shadow_route)
         try:
             await session.open()
             if self.verification == "match":
-                parked = await asyncio.wait_for(self._verified_before(route, session, ids, window, stats), self.timeout)
+                parked = await asyncio.wait_for(self._verified_at_once(route, session, ids, stats), self.timeout)
             else:
                 parked = (session, window - 1, await self._prefill(session, ids, window - 1, stats), window)
         except asyncio.CancelledError:
@@ -263,21 +264,21 @@ class ShadowTurns:
         self.parked[session.tail_peer] = parked
         return None
 
-    async def _verified_before(self, route: list[Hop], session: RemoteSession, ids: list[int], window: int, stats):
-        """Fill ``session``'s caches with the prompt and verify ids[prompt:window] in Steps shaped as live laps, as
-        a fresh witness's turn would (``VerdictAuditor._audit``), but on its own session and run ids, so that
-        witnesses past the pool verify at once. Why: they verified the last window alone, so a window between the
-        honest tail leaving a rotating pool and the last audit was verified by the pool alone (sybils lying there
-        missed the honest tail with probability 1 - pool / candidates). A disagreement is not disputed here: the
-        witness stops at the run before it, and its turn verifies from there, disputing through ``_audit``.
-        Returns the parked entry: the session, the positions its caches hold, its next run id, how far it got."""
+    async def _verified_at_once(self, route: list[Hop], session: RemoteSession, ids: list[int], stats):
+        """Fill ``session``'s caches with the prompt and verify every generated token of ``ids`` in Steps shaped as
+        live laps, as a fresh witness's turn would (``VerdictAuditor._audit``), but on its own session and run ids,
+        so that witnesses past the pool verify at once, beside the pool's. Why: they verified the last window
+        alone, and in turn, so a window between the honest tail leaving a rotating pool and the last audit was
+        verified by the pool alone (sybils lying there missed the honest tail with probability 1 - pool /
+        candidates), and each one's window was wall time. A disagreement is not disputed here: the witness stops at
+        the run before it, and its turn verifies from there, disputing through ``_audit``. Returns the parked
+        entry: the session, the positions its caches hold, its next run id, how far it got."""
         limit = self.swarm.route_step_limit(session.route)
-        start = min(self._prompt_len, window)
+        start = min(self._prompt_len, len(ids))
         first = max(0, start - max(1, limit - 1))  # the context the first lap carries before its drafts, as live
         run_id = await self._prefill(session, ids, first, stats)
         reached = [start]
-        args = (route, session, run_id, ids[:window], start, limit, stats, first, reached.append)
-        _, run_id = await self._verify_on(*args)
+        _, run_id = await self._verify_on(route, session, run_id, ids, start, limit, stats, first, reached.append)
         held = reached[-1] - 1 if len(reached) > 1 else first  # a Step confirmed: it fed every id before the last
         return session, held, run_id, reached[-1]
 

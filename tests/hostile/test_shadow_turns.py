@@ -235,22 +235,22 @@ class Tail:
         self.cancelled.append(run_id)
 
 
-def verified_before(truth: list[int], ids: list[int], window: int):
+def verified_at_once(truth: list[int], ids: list[int], window: int):
     swarm = SimpleNamespace(records={}, route_step_limit=lambda route: 16, request_timeout=1.0)
     auditor = VerdictAuditor(swarm, vocab_size=100, rng=random.Random(0))
     auditor.begin(ids[:11], 80, GREEDY, "match", LiveShape(8, loop_end=len(ids)))  # live laps loop
     session, stats = Tail(truth), SimpleNamespace(verdict_audit_positions=0)
-    parked = asyncio.run(auditor._verified_before(session.route, session, ids, window, stats))
+    parked = asyncio.run(auditor._verified_at_once(session.route, session, ids[:window], stats))
     return auditor, session, parked
 
 
-def test_a_witness_past_the_pool_verifies_every_token_before_the_window_in_live_laps():
-    """``_verified_before``: the prompt prefilled, then ids[prompt:window] verified in Steps shaped as live laps
-    on the witness's own session, and it is parked as having verified up to the window (caches one short). A
+def test_a_witness_past_the_pool_verifies_every_token_in_live_laps():
+    """``_verified_at_once``: the prompt prefilled, then every generated token verified in Steps shaped as live
+    laps on the witness's own session, and it is parked as having verified them all (caches one short). A
     disagreement (its tail chooses another token at 38) is not disputed there: it stops at the run before it,
     parked as having verified up to that run's start, where its turn takes it up and disputes."""
     ids = list(range(1000, 1060))
-    auditor, session, (kept, held, run_id, verified) = verified_before([*ids, 0], ids, 44)
+    auditor, session, (kept, held, run_id, verified) = verified_at_once([*ids, 0], ids, 44)
     assert (kept, held, verified) == (session, 43, 44) and run_id > max(session.steps)
     assert all(auditor.confirmers[p] == {"W"} for p in range(11, 44)) and 44 not in auditor.confirmers
     assert session.steps[0].start_pos == 0  # the prompt, carried before the first drafts as a live lap's context
@@ -258,11 +258,11 @@ def test_a_witness_past_the_pool_verifies_every_token_before_the_window_in_live_
         assert not faults.looks_like_an_audit(session, step), step
     truth = [*ids, 0]
     truth[38] = 7
-    auditor, session, (kept, held, run_id, verified) = verified_before(truth, ids, 44)
+    auditor, session, (kept, held, run_id, verified) = verified_at_once(truth, ids, 44)
     assert kept is session and 11 < verified <= 38 and held == verified - 1 and run_id > max(session.steps)
     assert max(auditor.confirmers) == verified - 1 and session.cancelled == [max(session.steps) + 1]
     truth[38], truth[12] = ids[38], 7  # the first run disagrees: nothing verified, nothing held but the prefill
-    auditor, session, (kept, held, run_id, verified) = verified_before(truth, ids, 44)
+    auditor, session, (kept, held, run_id, verified) = verified_at_once(truth, ids, 44)
     assert (kept, held, verified) == (session, 0, 11) and not auditor.confirmers and len(session.steps) == 1
 
 

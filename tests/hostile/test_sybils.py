@@ -713,10 +713,10 @@ def test_the_last_audit_is_verified_by_every_candidate_past_the_pool(
     audit is verified by one of them, the second by the other (it rotates in and verifies from the first
     generated token), so the second window has one witness until the audit before the output is returned,
     which goes past the pool (``LAST_AUDIT_WITNESSES``): the witness the pool lost verifies every generated
-    token before that audit's window at once with the pool's (``_verified_before``), then the window. So
-    every returned token is confirmed by both. Before, the one past the pool verified the last window
-    alone, and a window between the honest tail leaving the pool and the last audit was verified by the
-    pool alone (docs/reliability.md, "Witnesses of the pool")."""
+    token at once with the pool's (``_verified_at_once``). So every returned token is confirmed by both.
+    Before, the one past the pool verified the last window alone, and a window between the honest tail
+    leaving the pool and the last audit was verified by the pool alone (docs/reliability.md, "Witnesses of
+    the pool")."""
     from client import model as model_module
 
     auditors, make, prefilled = [], model_module.make_audits, []
@@ -756,7 +756,7 @@ def test_a_witness_lying_only_between_the_pools_windows_is_caught_by_the_last_au
     window the pool's second witness verifies, not the first), drawn first, and U. F verifies the first
     audit honestly and leaves the pool when U rotates in; the audit before the output is returned (or, where
     an earlier audit covered the end, one with no token left, ``_past_the_pool``) has F verify every generated
-    token again, at once with the pool (``_verified_before``): it disagrees at 38, its turn disputes, the
+    token again, at once with the pool (``_verified_at_once``): it disagrees at 38, its turn disputes, the
     evidence refutes it, never T, and the output is exact. Before, F verified the last window alone and
     never saw 38: a sybil lying only there was never asked about it (here an honest T's tokens, so nothing
     went wrong; with the live tail a sybil and F its mate, its lie stood confirmed)."""
