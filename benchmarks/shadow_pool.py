@@ -19,9 +19,7 @@ each size given (``pool of 5``: with six tails, every candidate verifies every w
 ``audit_witnesses`` set to the number of candidates). ``--pool-alone-last`` adds, for each pool, a mode
 ``pool of k, last audit by the pool`` whose last audit is verified by the pool alone (what the client did
 before 2026-12-05: ``LAST_AUDIT_WITNESSES`` set to 1 for that mode), where the default has every candidate
-up to ``LAST_AUDIT_WITNESSES`` verify the last audit. ``--window-only-last`` adds, for each pool, a mode
-``pool of k, last audit's window only`` in which the witnesses past the pool verify that audit's window alone
-(the client from ``936b810`` to ``dda9f00``), where the default has them verify every generated token.
+up to ``LAST_AUDIT_WITNESSES`` verify the last audit's window.
 
 Per mode: the median wall time of ``generate()`` (audits in the background, but the last window's
 audits run before it returns), the server positions the audits computed per generated token
@@ -52,9 +50,6 @@ def main() -> None:
     p.add_argument("--tails", type=int, default=4, help=f"honest tails, 2 to {len(TAIL_NAMES)} (T is the live one)")
     p.add_argument("--pools", type=int, nargs="+", default=[3, 1], help="audit_witnesses, one mode each")
     p.add_argument("--pool-alone-last", action="store_true", help="each pool also with its last audit by the pool")
-    p.add_argument(
-        "--window-only-last", action="store_true", help="each pool also with its last audit's window alone past it"
-    )
     p.add_argument("--out", default="benchmarks/results/shadow-pool.json")
     args = p.parse_args()
     if not 2 <= args.tails <= len(TAIL_NAMES) or any(k < 1 for k in args.pools):
@@ -63,8 +58,6 @@ def main() -> None:
     witnesses = {f"pool of {k}": k for k in args.pools}
     if args.pool_alone_last:
         witnesses |= {f"pool of {k}, last audit by the pool": k for k in args.pools}
-    if args.window_only_last:
-        witnesses |= {f"pool of {k}, last audit's window only": k for k in args.pools}
     witnesses |= {"no verdict audits": 3}
     modes = tuple(witnesses)
     import subprocess
@@ -72,7 +65,6 @@ def main() -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from benchmarks.sybils import window_only
     from client import _shadow_turns
     from protocol.models import ensure_smollm2_checkpoint
     from swarm import AutoDistributedModelForCausalLM
@@ -80,8 +72,6 @@ def main() -> None:
     from tests.kit.routes import PreferredRoutes
 
     last_default = _shadow_turns.LAST_AUDIT_WITNESSES
-    turns = _shadow_turns.ShadowTurns
-    every_token = (turns._prefilled, turns._verified_at_once, turns._past_the_pool)
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     tokenizer = AutoTokenizer.from_pretrained(ensure_smollm2_checkpoint())
@@ -101,9 +91,6 @@ def main() -> None:
                 for mode in modes:
                     model.verdict_audit_every = 0 if mode == "no verdict audits" else 16
                     _shadow_turns.LAST_AUDIT_WITNESSES = 1 if mode.endswith("by the pool") else last_default
-                    turns._prefilled, turns._verified_at_once, turns._past_the_pool = every_token
-                    if mode.endswith("window only"):
-                        window_only(turns)
                     start = time.perf_counter()
                     with torch.no_grad():
                         out = model.generate(prompt, max_new_tokens=args.tokens, audit_witnesses=witnesses[mode])

@@ -431,18 +431,22 @@ def main() -> None:
 
 
 def window_only(turns) -> None:
-    """The client before the witnesses past the pool verified every generated token (``936b810`` to ``dda9f00``):
-    their prefill fills the caches up to the last audit's window and they verify the window alone, in turn; an
-    earlier audit that covered the end leaves no last audit."""
-    real_prefilled = turns._prefilled
+    """What the client verified before the witnesses past the pool verified every generated token (``936b810`` to
+    ``dda9f00``), as far as which witness sees which token: those past the pool fill their caches up to the last
+    audit's window and verify the window alone (here at once with the others, then in turn), the pool's verify
+    what they have not; an earlier audit that covered the end leaves no last audit. Not its timing."""
+    real_prefilled, real_verified = turns._prefilled, turns._verified_at_once
 
-    async def prefill_only(self, route, session, ids, stats):  # ids end at the window (below)
-        return session, len(ids) - 1, await self._prefill(session, ids, len(ids) - 1, stats), len(ids)
+    async def window_alone(self, route, parked, ids, stats):
+        if parked[3]:  # a witness of the pool: what it has not verified, as in its turn
+            return await real_verified(self, route, parked, ids, stats)
+        session, window = parked[0], len(ids)  # a fresh one past the pool: ids end at the window (below)
+        return session, window - 1, await self._prefill(session, ids, window - 1, stats), window
 
     async def to_the_window(self, route, shadow_route, ids, window, stats):
         return await real_prefilled(self, route, shadow_route, ids[:window], window, stats)
 
-    turns._verified_at_once, turns._prefilled = prefill_only, to_the_window
+    turns._verified_at_once, turns._prefilled = window_alone, to_the_window
     turns._past_the_pool = lambda self, route, length: False
 
 

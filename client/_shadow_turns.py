@@ -20,24 +20,25 @@ drawn once held the honest tail with probability ``SHADOW_POOL`` / n, and a gene
 sybils had their lies confirmed throughout.
 
 The audit before the output is returned goes past the pool: every candidate up to ``LAST_AUDIT_WITNESSES``
-verifies every generated token. Those the pool does not hold get fresh sessions that, with a full pool, are
-opened at once while the pool's witnesses verify the window (``_prefill_past_pool``): each prefills the prompt
-and verifies every generated token in live-shaped laps (``_verified_at_once``), and its turn then has nothing
-left but a disagreement to take up. Where an audit that was not the last covered the generation's end, the last one runs
+verifies every generated token. With a full pool, once its first witness has verified the window, all the
+others verify at once (``_last_audit_at_once``): the pool's parked witnesses the window (``_caught_up``), and
+those past the pool, in fresh sessions, the prompt's prefill and every generated token (``_prefill_past_pool``),
+each in live-shaped laps on its own session (``_verified_at_once``); their turns then have nothing left but a
+disagreement to take up. Where an audit that was not the last covered the generation's end, the last one runs
 with no token left (``_past_the_pool``). Why: the last window's tokens have no later audit and no later
 rotation, so with n > pool candidates it was verified by the pool alone, and sybils lying only there missed
 the honest tail with probability 1 - pool / n (measured with four sybils on a /24 each: 2 and 3 of 10
-generations returned wrong tokens unflagged); and once the witnesses past the pool verified that window
-alone, a window between the honest tail leaving the pool and the last audit still was. A witness that fails
-in that audit does not end it: the others still verify (one whose prefill stalled is not tried again; one
-that stalls after it costs the request timeout; one opened in its turn, where the prefill was cancelled,
-verifies the window alone).
+generations returned wrong tokens unflagged); once the witnesses past the pool verified that window alone, a
+window between the honest tail leaving the pool and the last audit still was; and in turn, each witness's
+laps were wall time before ``generate()`` returns. A witness that fails in that audit does not end it: the
+others still verify (one that failed at once with the others is not tried again; one that stalls in its turn
+costs the request timeout).
 
 Cost bound: at most ``SHADOW_POOL`` shadow sessions a generation, each kept with its caches, its run ids and
 how far it verified (parked while another witness verifies), and each verifying each generated token once
 (a fresh one from the first generated token): at most ``SHADOW_POOL`` positions per generated token on the
-shadow routes, where one shadow paid one, in the background but for the last window before ``generate()``
-returns, which each witness verifies in turn; a rotation adds one fresh witness to an audit (the prompt and
+shadow routes, where one shadow paid one, in the background but for the last audit before ``generate()``
+returns; a rotation adds one fresh witness to an audit (the prompt and
 every generated token so far), at most n - ``SHADOW_POOL`` times a generation; the last audit adds, for each
 candidate past the pool, one session that prefills the prompt and verifies every generated token (sessions
 at once: up to ``LAST_AUDIT_WITNESSES`` during that audit).
@@ -67,20 +68,21 @@ class ShadowTurns:
     async def _audits(self, route: list[Hop], ids: list[int], stats, final: bool = False) -> None:
         """One audit: the witness drawn first, then every other witness of the pool (filled up to
         ``SHADOW_POOL`` from the candidates), each verifying the tokens it has not verified itself, unless a
-        trusted witness confirmed them or a dispute sent the generation back. In turn, not at once: each
-        witness is the auditor's one current shadow while it verifies. The ``final`` audit (before the
-        output is returned) goes on past the pool, up to ``LAST_AUDIT_WITNESSES`` candidates: those the
-        pool does not hold verify its window alone (``fresh_from``)."""
+        trusted witness confirmed them or a dispute sent the generation back. In turn: each witness is the
+        auditor's one current shadow while it verifies (and disputes). The ``final`` audit (before the output
+        is returned) goes on past the pool, up to ``LAST_AUDIT_WITNESSES`` candidates, those the pool does not
+        hold verifying every generated token; with a full pool all but the first verify at once before their
+        turns (``_last_audit_at_once``)."""
         window = len(self.audited)  # where this audit's tokens start
         if not await asyncio.wait_for(self._audit(route, ids, stats), self.timeout):
             return
         witnesses = max(self.pool, LAST_AUDIT_WITNESSES) if final else self.pool
-        prefill: Optional[asyncio.Task] = None  # the witnesses past a full pool, prefilled meanwhile
+        prefill: Optional[asyncio.Task] = None  # the last audit's other witnesses, at once
         trusted = self._shadow is not None and self.witnesses.is_trusted(self._shadow.tail_peer)
         if witnesses > self.pool and self._shadow is not None and not trusted and len(self.parked) + 1 >= self.pool:
-            prefill = asyncio.ensure_future(self._prefill_past_pool(route, ids, window, witnesses - self.pool, stats))
+            prefill = asyncio.ensure_future(self._last_audit_at_once(route, ids, window, witnesses - self.pool, stats))
         try:
-            await self._further_witnesses(route, ids, stats, final, witnesses, window, prefill)
+            await self._further_witnesses(route, ids, stats, final, witnesses, prefill)
         finally:
             if prefill is not None and not prefill.done():
                 prefill.cancel()
@@ -96,7 +98,7 @@ class ShadowTurns:
         found = alternatives(route, len(route) - 1, self.swarm.records, self.swarm.excluded.current(), length)
         return len(found) > self.pool
 
-    async def _further_witnesses(self, route, ids, stats, final: bool, witnesses: int, window: int, prefill) -> None:
+    async def _further_witnesses(self, route, ids, stats, final: bool, witnesses: int, prefill) -> None:
         """The audit's witnesses after the first, up to ``witnesses`` in all (``_audits``)."""
         used: set[str] = set()
         failed: Optional[str] = None  # the last witness, where it failed (and was dropped)
@@ -106,15 +108,14 @@ class ShadowTurns:
                 if self._shadow is None or trusted or len(self.audited) < len(ids):
                     return
                 used.add(self._shadow.tail_peer)
-            if prefill is not None and len(used) >= self.pool:
-                # the witnesses it opened are parked: none is opened twice; one whose prefill failed (it stalled,
-                # at once with the others) is not tried again, in turn
+            if prefill is not None:
+                # every witness it verified with is parked where it got, and its turn has nothing left but a
+                # disagreement; one that failed there (it stalled, at once with the others) is not tried again
                 used.update(await prefill)
                 prefill = None
                 continue
-            fresh_from = window if len(used) >= self.pool else 0  # past the pool: the last window alone
             try:
-                witness = self._audit(route, ids, stats, frozenset(used), fresh_from)
+                witness = self._audit(route, ids, stats, frozenset(used))
                 if not await asyncio.wait_for(witness, self.timeout):
                     return
             except asyncio.CancelledError:
@@ -122,10 +123,6 @@ class ShadowTurns:
             except Exception as e:  # this witness failed; what the others confirmed stands
                 failed = self._shadow.tail_peer if self._shadow is not None else None
                 stats.spot_check_events.append(f"verdict audit by a further witness failed: {e!r}")
-                if prefill is not None:  # its sessions go through the hops a detour now avoids
-                    prefill.cancel()
-                    await asyncio.gather(prefill, return_exceptions=True)
-                    prefill = None
                 await self._drop_shadow()
                 await self._take_detour(stats, route)
                 if not final or failed is None:
@@ -134,11 +131,9 @@ class ShadowTurns:
             else:
                 failed = None
 
-    async def _ensure_shadow(
-        self, route: list[Hop], length: int, skip: frozenset = frozenset(), fresh_from: int = 0
-    ) -> bool:
+    async def _ensure_shadow(self, route: list[Hop], length: int, skip: frozenset = frozenset()) -> bool:
         """A shadow session on ``route`` with another server as its tail (none of ``skip``), drawn for this audit;
-        a fresh one starts verifying at ``fresh_from`` (0: the first generated token)."""
+        a fresh one verifies from the first generated token."""
         # a side of an unsettled dispute may witness for a third group (client/_avoidance.py says why):
         # ``witness_order`` and ``_fits`` keep out refuted groups and the groups that disputed the tail's
         excluded = self.swarm.excluded.current()
@@ -176,7 +171,7 @@ class ShadowTurns:
                 if attempt + 1 == min(len(found), MAX_SHADOW_TRIES):
                     raise
                 continue
-            self._shadow, self._held, self._next_run, self._verified = shadow, 0, 0, fresh_from
+            self._shadow, self._held, self._next_run, self._verified = shadow, 0, 0, 0
             self.had_turn.add(candidate.peer_id)
             while len(self.parked) >= self.pool:  # a rotation: the witness parked longest makes room
                 # parked in turn order, oldest first; one that already verified this audit first
@@ -216,13 +211,37 @@ class ShadowTurns:
             adapter=swarm.active_adapter,
         )
 
+    async def _last_audit_at_once(self, route: list[Hop], ids: list[int], window: int, count: int, stats) -> list[str]:
+        """The last audit's witnesses after the first, all at once: each parked witness of the pool verifies what
+        it has not (``_caught_up``), and up to ``count`` fresh ones past the pool verify every generated token
+        (``_prefill_past_pool``); each is parked where it got, so its turn has nothing left but a disagreement to
+        take up. Why: in turn, each one's laps were wall time before ``generate()`` returns (measured: 1.44x the
+        time with two witnesses past the pool, 1.34x with their prefills at once). Returns the witnesses that
+        failed. Never raises."""
+        parked = list(self.parked.items()) if self.verification == "match" else []  # rejection: in turn
+        caught_up = asyncio.gather(*(self._caught_up(route, peer, entry, ids, stats) for peer, entry in parked))
+        failed, opened = await asyncio.gather(caught_up, self._prefill_past_pool(route, ids, window, count, stats))
+        return [peer_id for peer_id in [*failed, *opened] if peer_id is not None]
+
+    async def _caught_up(self, route: list[Hop], peer_id: str, parked: tuple, ids: list[int], stats) -> Optional[str]:
+        """A parked witness verifies every token it has not (``_verified_at_once``), within an audit's timeout, and
+        is parked again where it got; the witness, closed, where that failed."""
+        try:
+            verified = self._verified_at_once(route, parked, ids, stats)
+            self.parked[peer_id] = await asyncio.wait_for(verified, self.timeout)
+            return None
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self.parked.pop(peer_id, None)
+            await parked[0].close()
+            stats.spot_check_events.append(f"a last-audit witness of the pool failed: {e!r}")
+            return peer_id
+
     async def _prefill_past_pool(self, route: list[Hop], ids: list[int], window: int, count: int, stats) -> list[str]:
-        """Open up to ``count`` witnesses the pool does not hold and have each verify every generated token, all at
-        once and while the pool's witnesses verify the last audit's window (``_prefilled``); each is then parked,
-        and takes its turn where it got. Why: one after the other, each one's prefill of the whole context was wall
-        time before ``generate()`` returns (measured: 1.44x the time with two of them). Returns the witnesses
-        whose prefill failed. Never raises: a witness not prefilled here for another reason is opened in its
-        turn, as before."""
+        """Open up to ``count`` witnesses the pool does not hold, each verifying every generated token at once with
+        the others (``_prefilled``). Returns the witnesses whose prefill failed. Never raises: a witness not
+        prefilled here for another reason is opened in its turn, as before."""
         try:
             excluded = self.swarm.excluded.current()
             held = frozenset({*self.parked, *([self._shadow.tail_peer] if self._shadow is not None else [])})
@@ -251,7 +270,8 @@ class ShadowTurns:
         try:
             await session.open()
             if self.verification == "match":
-                parked = await asyncio.wait_for(self._verified_at_once(route, session, ids, stats), self.timeout)
+                fresh = (session, 0, 0, 0)
+                parked = await asyncio.wait_for(self._verified_at_once(route, fresh, ids, stats), self.timeout)
             else:
                 parked = (session, window - 1, await self._prefill(session, ids, window - 1, stats), window)
         except asyncio.CancelledError:
@@ -264,19 +284,24 @@ class ShadowTurns:
         self.parked[session.tail_peer] = parked
         return None
 
-    async def _verified_at_once(self, route: list[Hop], session: RemoteSession, ids: list[int], stats):
-        """Fill ``session``'s caches with the prompt and verify every generated token of ``ids`` in Steps shaped as
-        live laps, as a fresh witness's turn would (``VerdictAuditor._audit``), but on its own session and run ids,
-        so that witnesses past the pool verify at once, beside the pool's. Why: they verified the last window
-        alone, and in turn, so a window between the honest tail leaving a rotating pool and the last audit was
-        verified by the pool alone (sybils lying there missed the honest tail with probability 1 - pool /
-        candidates), and each one's window was wall time. A disagreement is not disputed here: the witness stops at
-        the run before it, and its turn verifies from there, disputing through ``_audit``. Returns the parked
-        entry: the session, the positions its caches hold, its next run id, how far it got."""
+    async def _verified_at_once(self, route: list[Hop], parked: tuple, ids: list[int], stats) -> tuple:
+        """A witness verifies every generated token of ``ids`` it has not (``parked``: its session, the positions
+        its caches hold, its next run id, how far it verified; a fresh one: (session, 0, 0, 0)) in Steps shaped
+        as live laps, as its turn would (``VerdictAuditor._audit``), but on its own session and run ids, so that
+        the last audit's witnesses verify at once. Why: witnesses past the pool verified the last window alone,
+        so a window between the honest tail leaving a rotating pool and the last audit was verified by the pool
+        alone (sybils lying there missed the honest tail with probability 1 - pool / candidates); and in turn,
+        each witness's laps were wall time. A disagreement is not disputed here: the witness stops at the run
+        before it, and its turn verifies from there, disputing through ``_audit``. Returns the parked entry."""
+        session, held, run_id, verified = parked
         limit = self.swarm.route_step_limit(session.route)
-        start = min(self._prompt_len, len(ids))
-        first = max(0, start - max(1, limit - 1))  # the context the first lap carries before its drafts, as live
-        run_id = await self._prefill(session, ids, first, stats)
+        start = min(max(verified, self._prompt_len), len(ids))  # the first position it has not verified itself
+        first, keep = min(held, start - 1), max(1, limit - 1)  # the context the first lap carries, as a live one
+        while start - first > keep:  # the context it lacks (a fresh one: the prompt)
+            count = min(limit, start - first - keep)
+            _, run_id = await self._live_step(session, run_id, first, ids[first : first + count], 0)
+            stats.verdict_audit_positions += count * len(session.route)
+            first += count
         reached = [start]
         _, run_id = await self._verify_on(route, session, run_id, ids, start, limit, stats, first, reached.append)
         held = reached[-1] - 1 if len(reached) > 1 else first  # a Step confirmed: it fed every id before the last

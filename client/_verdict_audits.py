@@ -168,12 +168,10 @@ class VerdictAuditor(ShadowTurns, EvidenceDisputes, BackgroundAudit):
         finally:
             self._ended()
 
-    async def _audit(
-        self, route: list[Hop], ids: list[int], stats, skip: frozenset = frozenset(), fresh_from: int = 0
-    ) -> bool:
+    async def _audit(self, route: list[Hop], ids: list[int], stats, skip: frozenset = frozenset()) -> bool:
         """One witness drawn (none of ``skip``) verifies the tokens it has not; False: there was none."""
         self._remembered_stall(route, stats)  # a hop of the route stalled an earlier generation's audit
-        if not await self._ensure_shadow(route, len(ids), skip, fresh_from):
+        if not await self._ensure_shadow(route, len(ids), skip):
             if not skip:  # a further witness of the pool that is not there is no skipped audit
                 stats.verdict_audits_skipped += 1
             return False

@@ -129,17 +129,17 @@ class Scripted(ShadowTurns):
         self.witnesses, self.pool, self.timeout = Witnesses(()), pool, 5.0
         self.candidates, self.failing, self.disputing = list(candidates), set(failing), set(disputing)
         self.audited, self._shadow, self.parked = [0] * 10, None, {}
-        self.verified: list[tuple[str, int]] = []
+        self.verified: list = []
         self.detours = 0
 
-    async def _audit(self, route, ids, stats, skip=frozenset(), fresh_from: int = 0) -> bool:
+    async def _audit(self, route, ids, stats, skip=frozenset()) -> bool:
         left = [c for c in self.candidates if c not in skip]
         if not left:
             return False
         self._shadow = SimpleNamespace(tail_peer=left[0])
         if left[0] in self.failing:
             raise ServerError("no result within 5 s", left[0])
-        self.verified.append((left[0], fresh_from))
+        self.verified.append(left[0])
         self.audited = list(ids)
         if left[0] in self.disputing:  # a dispute at position 12: the generation goes back, the shadow is dropped
             self.audited, self._shadow = list(ids[:12]), None
@@ -153,60 +153,63 @@ class Scripted(ShadowTurns):
         return True
 
 
-def scripted_audit(turns: Scripted, final: bool) -> list[tuple[str, int]]:
+def scripted_audit(turns: Scripted, final: bool) -> list:
     stats = SimpleNamespace(spot_check_events=[])
     asyncio.run(turns._audits([], list(range(16)), stats, final=final))
     return turns.verified
 
 
 def test_the_last_audit_goes_past_the_pool_and_past_a_witness_that_fails():
-    """The audit before the output is returned is verified by every candidate up to LAST_AUDIT_WITNESSES,
-    those past the pool from the audit's window (10 here) on; one that fails (B) does not end it, a dispute
-    does (the generation re-verifies from it). An earlier audit stops at the pool, and at a witness that
-    fails, as before."""
+    """The audit before the output is returned is verified by every candidate up to LAST_AUDIT_WITNESSES (a pool
+    not full: in turn, each a fresh session that verifies every generated token); one that fails (B) does not
+    end it, a dispute does (the generation re-verifies from it). An earlier audit stops at the pool, and at a
+    witness that fails, as before."""
     names = [f"S{i}" for i in range(LAST_AUDIT_WITNESSES + 2)]
-    assert scripted_audit(Scripted(names), final=False) == [(n, 0) for n in names[:SHADOW_POOL]]
+    assert scripted_audit(Scripted(names), final=False) == names[:SHADOW_POOL]
     last = scripted_audit(Scripted(names), final=True)
-    assert last == [(n, 0) for n in names[:SHADOW_POOL]] + [(n, 10) for n in names[SHADOW_POOL:LAST_AUDIT_WITNESSES]]
-    assert scripted_audit(Scripted(["A", "B", "C"], failing={"B"}, pool=2), final=False) == [("A", 0)]
+    assert last == names[:SHADOW_POOL] + names[SHADOW_POOL:LAST_AUDIT_WITNESSES]
+    assert scripted_audit(Scripted(["A", "B", "C"], failing={"B"}, pool=2), final=False) == ["A"]
     turns = Scripted(["A", "B", "C"], failing={"B"}, pool=2)
-    assert scripted_audit(turns, final=True) == [("A", 0), ("C", 10)] and turns.detours == 1
+    assert scripted_audit(turns, final=True) == ["A", "C"] and turns.detours == 1
     for final in (False, True):
-        assert scripted_audit(Scripted(["A", "D", "C"], disputing={"D"}), final=final) == [("A", 0), ("D", 0)]
+        assert scripted_audit(Scripted(["A", "D", "C"], disputing={"D"}), final=final) == ["A", "D"]
 
 
 class Prefilling(Scripted):
-    """A full pool (one parked witness beside the one drawn), and a prefill of the witnesses past it that
-    takes ``seconds``; recorded in ``verified`` when it ends, or as cancelled."""
+    """A full pool (one parked witness beside the one drawn), and the last audit's other witnesses verifying at
+    once (``_last_audit_at_once``) for ``seconds``; recorded in ``verified`` when it ends, or as cancelled."""
 
     def __init__(self, candidates, seconds: float, prefill_failed=(), **kwargs):
         super().__init__(candidates, **kwargs)
         self.parked, self.seconds, self.prefill_cancelled = {"P": None}, seconds, False
         self.prefill_failed = list(prefill_failed)
 
-    async def _prefill_past_pool(self, route, ids, window, count, stats) -> list[str]:
+    async def _last_audit_at_once(self, route, ids, window, count, stats) -> list[str]:
         try:
             await asyncio.sleep(self.seconds)
         except asyncio.CancelledError:
             self.prefill_cancelled = True
             raise
-        self.verified.append(("prefilled", count))
+        self.verified.append(("at once", count))
         return self.prefill_failed
 
 
-def test_the_witnesses_past_a_full_pool_are_prefilled_while_the_pool_verifies():
-    """The last audit starts the prefill of the witnesses past a full pool beside the pool's own witnesses
-    and waits for it before the first of them; one whose prefill failed (a stalling witness, timed out at
-    once with the others) is not tried again in turn. A witness that fails (a detour follows) cancels a
-    prefill still running, whose sessions went through the hops the detour avoids."""
+def test_the_last_audits_witnesses_past_the_first_verify_at_once_before_their_turns():
+    """With a full pool, the last audit's other witnesses (the pool's parked ones and those past it) verify at
+    once after the first, and their turns come after that (each has nothing left but a disagreement to take
+    up); one that failed there (a stalling witness, timed out at once with the others) is not tried again in
+    turn; a witness that fails in its turn (a detour follows) does not end the last audit. An earlier audit,
+    or a pool not full, has no such step, nor one whose first witness disputed."""
     turns = Prefilling(["A", "B", "C", "D"], seconds=0.05, pool=2)
-    assert scripted_audit(turns, final=True) == [("A", 0), ("B", 0), ("prefilled", 4), ("C", 10), ("D", 10)]
-    turns = Prefilling(["A", "B", "C", "D"], seconds=0.05, prefill_failed=["C"], pool=2)
-    assert scripted_audit(turns, final=True) == [("A", 0), ("B", 0), ("prefilled", 4), ("D", 10)]
-    turns = Prefilling(["A", "B", "C", "D"], seconds=30.0, failing={"B"}, pool=2)
-    assert scripted_audit(turns, final=True) == [("A", 0), ("C", 10), ("D", 10)]
-    assert turns.prefill_cancelled and turns.detours == 1
-    assert scripted_audit(Prefilling(["A", "B"], seconds=30.0, pool=2), final=False) == [("A", 0), ("B", 0)]
+    assert scripted_audit(turns, final=True) == ["A", ("at once", 4), "B", "C", "D"]
+    turns = Prefilling(["A", "B", "C", "D"], seconds=0.05, prefill_failed=["C"], pool=2)  # B: parked, caught up
+    assert scripted_audit(turns, final=True) == ["A", ("at once", 4), "B", "D"]
+    turns = Prefilling(["A", "B", "C", "D"], seconds=0.05, failing={"B"}, pool=2)
+    assert scripted_audit(turns, final=True) == ["A", ("at once", 4), "C", "D"]
+    assert turns.detours == 1
+    assert scripted_audit(Prefilling(["A", "B"], seconds=30.0, pool=2), final=False) == ["A", "B"]
+    turns = Prefilling(["A", "B", "C"], seconds=30.0, disputing={"A"}, pool=2)
+    assert scripted_audit(turns, final=True) == ["A"] and not turns.prefill_cancelled  # never started
 
 
 class Tail:
@@ -235,12 +238,16 @@ class Tail:
         self.cancelled.append(run_id)
 
 
+def Counts() -> SimpleNamespace:
+    return SimpleNamespace(verdict_audit_positions=0)
+
+
 def verified_at_once(truth: list[int], ids: list[int], window: int):
     swarm = SimpleNamespace(records={}, route_step_limit=lambda route: 16, request_timeout=1.0)
     auditor = VerdictAuditor(swarm, vocab_size=100, rng=random.Random(0))
     auditor.begin(ids[:11], 80, GREEDY, "match", LiveShape(8, loop_end=len(ids)))  # live laps loop
     session, stats = Tail(truth), SimpleNamespace(verdict_audit_positions=0)
-    parked = asyncio.run(auditor._verified_at_once(session.route, session, ids[:window], stats))
+    parked = asyncio.run(auditor._verified_at_once(session.route, (session, 0, 0, 0), ids[:window], stats))
     return auditor, session, parked
 
 
@@ -264,6 +271,11 @@ def test_a_witness_past_the_pool_verifies_every_token_in_live_laps():
     truth[38], truth[12] = ids[38], 7  # the first run disagrees: nothing verified, nothing held but the prefill
     auditor, session, (kept, held, run_id, verified) = verified_at_once(truth, ids, 44)
     assert (kept, held, verified) == (session, 0, 11) and not auditor.confirmers and len(session.steps) == 1
+    # a parked witness of the pool (verified up to 30, caches one short) takes up from there
+    auditor, session, _ = verified_at_once([*ids, 0], ids, 11)
+    parked = asyncio.run(auditor._verified_at_once(session.route, (session, 29, 5, 30), ids[:44], Counts()))
+    assert parked[1:] == (43, parked[2], 44) and parked[2] > 5 and set(auditor.confirmers) == set(range(30, 44))
+    assert min(session.steps) == 5 and session.steps[5].start_pos == 29  # the last id it verified, then drafts
 
 
 def test_the_last_audit_goes_past_the_pool_where_an_earlier_audit_covered_the_end(monkeypatch):
