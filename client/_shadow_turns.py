@@ -246,7 +246,7 @@ class ShadowTurns:
             excluded = self.swarm.excluded.current()
             held = frozenset({*self.parked, *([self._shadow.tail_peer] if self._shadow is not None else [])})
             found = await self._candidates(route, len(ids), excluded, held)
-            found = [info for info in found if info.peer_id not in self.avoidance.peers][:count]
+            found = found[:count]  # groups in no dispute first; an avoided one (no side against this tail) too
             base = route
             if found and self.detour:
                 base = await detour(self.swarm, self.witnesses, self.rng, route, len(ids), excluded | self.avoid)
