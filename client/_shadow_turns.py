@@ -297,12 +297,7 @@ class ShadowTurns:
         session, held, run_id, verified = parked
         limit = self.swarm.route_step_limit(session.route)
         start = min(max(verified, self._prompt_len), len(ids))  # the first position it has not verified itself
-        first, keep = min(held, start - 1), max(1, limit - 1)  # the context the first lap carries, as a live one
-        while start - first > keep:  # the context it lacks (a fresh one: the prompt)
-            count = min(limit, start - first - keep)
-            _, run_id = await self._live_step(session, run_id, first, ids[first : first + count], 0)
-            stats.verdict_audit_positions += count * len(session.route)
-            first += count
+        first, run_id = await self._context(session, run_id, ids, held, start, stats)
         reached = [start]
         _, run_id = await self._verify_on(route, session, run_id, ids, start, limit, stats, first, reached.append)
         held = reached[-1] - 1 if len(reached) > 1 else first  # a Step confirmed: it fed every id before the last

@@ -179,12 +179,7 @@ class VerdictAuditor(ShadowTurns, EvidenceDisputes, BackgroundAudit):
         limit = self.swarm.route_step_limit(self._shadow.route)
         # the first position this shadow has not verified itself (a fresh one: the first generated)
         start = min(max(self._verified, self._prompt_len), len(self.audited))
-        position = min(self._held, start - 1)
-        keep = max(1, limit - 1)  # the context the first lap carries before its drafts, as a live one does
-        while start - position > keep:  # the context the shadow lacks (its first audit: the prompt)
-            count = min(limit, start - position - keep)
-            await self._step(position, ids[position : position + count], 0, stats)
-            position += count
+        position, self._next_run = await self._context(self._shadow, self._next_run, ids, self._held, start, stats)
         self._held = position
         await self._confirm(route, ids, start, limit, stats, position)
         return True
@@ -305,9 +300,22 @@ class VerdictAuditor(ShadowTurns, EvidenceDisputes, BackgroundAudit):
             loop_runs=loops,
         )
 
-    async def _prefill(self, session: RemoteSession, ids: list[int], end: int, stats) -> int:
-        """Fill a fresh session's caches with ids[:end] in Steps of the route's limit: its next run id."""
-        limit, position, run_id = self.swarm.route_step_limit(session.route), 0, 0
+    async def _context(
+        self, session: RemoteSession, run_id: int, ids: list[int], held: int, start: int, stats
+    ) -> tuple[int, int]:
+        """Send a witness the context it lacks before ``start`` (its caches hold ``held`` positions; a fresh
+        one's: the prompt) but the last Step's worth, which its first lap carries before its drafts as a live
+        one does: where that lap's context begins, and the session's next run id."""
+        first = min(held, start - 1)
+        end = max(first, start - max(1, self.swarm.route_step_limit(session.route) - 1))
+        return end, await self._prefill(session, ids, end, stats, first, run_id)
+
+    async def _prefill(
+        self, session: RemoteSession, ids: list[int], end: int, stats, position: int = 0, run_id: int = 0
+    ) -> int:
+        """Fill a session's caches with ids[position:end] (a fresh one's: from 0) in Steps of the route's limit,
+        from run ``run_id``: its next run id."""
+        limit = self.swarm.route_step_limit(session.route)
         while position < end:
             count = min(limit, end - position)
             _, run_id = await self._live_step(session, run_id, position, ids[position : position + count], 0)
