@@ -368,8 +368,8 @@ def main() -> None:
     p.add_argument(
         "--last-audit-window-only",
         action="store_true",
-        help="the witnesses past the pool verify the last audit's window alone, and no last audit where an earlier "
-        "one covered the end (the client before 2026-12-05's second change)",
+        help="which witness sees which token as in the client from 936b810 to dda9f00: the witnesses past the pool "
+        "verify the last audit's window alone, and no last audit where an earlier one covered the end",
     )
     p.add_argument("--rejection-runs", type=int, default=20, help="scenario 3's generations (0: skip it)")
     p.add_argument(

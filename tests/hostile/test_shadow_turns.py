@@ -167,7 +167,7 @@ def test_the_last_audit_goes_past_the_pool_and_past_a_witness_that_fails():
     names = [f"S{i}" for i in range(LAST_AUDIT_WITNESSES + 2)]
     assert scripted_audit(Scripted(names), final=False) == names[:SHADOW_POOL]
     last = scripted_audit(Scripted(names), final=True)
-    assert last == names[:SHADOW_POOL] + names[SHADOW_POOL:LAST_AUDIT_WITNESSES]
+    assert last == names[:LAST_AUDIT_WITNESSES]
     assert scripted_audit(Scripted(["A", "B", "C"], failing={"B"}, pool=2), final=False) == ["A"]
     turns = Scripted(["A", "B", "C"], failing={"B"}, pool=2)
     assert scripted_audit(turns, final=True) == ["A", "C"] and turns.detours == 1
@@ -238,7 +238,7 @@ class Tail:
         self.cancelled.append(run_id)
 
 
-def Counts() -> SimpleNamespace:
+def counts() -> SimpleNamespace:
     return SimpleNamespace(verdict_audit_positions=0)
 
 
@@ -246,8 +246,8 @@ def verified_at_once(truth: list[int], ids: list[int], window: int):
     swarm = SimpleNamespace(records={}, route_step_limit=lambda route: 16, request_timeout=1.0)
     auditor = VerdictAuditor(swarm, vocab_size=100, rng=random.Random(0))
     auditor.begin(ids[:11], 80, GREEDY, "match", LiveShape(8, loop_end=len(ids)))  # live laps loop
-    session, stats = Tail(truth), SimpleNamespace(verdict_audit_positions=0)
-    parked = asyncio.run(auditor._verified_at_once(session.route, (session, 0, 0, 0), ids[:window], stats))
+    session = Tail(truth)
+    parked = asyncio.run(auditor._verified_at_once(session.route, (session, 0, 0, 0), ids[:window], counts()))
     return auditor, session, parked
 
 
@@ -273,7 +273,7 @@ def test_a_witness_past_the_pool_verifies_every_token_in_live_laps():
     assert (kept, held, verified) == (session, 0, 11) and not auditor.confirmers and len(session.steps) == 1
     # a parked witness of the pool (verified up to 30, caches one short) takes up from there
     auditor, session, _ = verified_at_once([*ids, 0], ids, 11)
-    parked = asyncio.run(auditor._verified_at_once(session.route, (session, 29, 5, 30), ids[:44], Counts()))
+    parked = asyncio.run(auditor._verified_at_once(session.route, (session, 29, 5, 30), ids[:44], counts()))
     assert parked[1:] == (43, parked[2], 44) and parked[2] > 5 and set(auditor.confirmers) == set(range(30, 44))
     assert min(session.steps) == 5 and session.steps[5].start_pos == 29  # the last id it verified, then drafts
 
