@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import os
 import runpy
 import signal
@@ -46,7 +47,8 @@ Target = Union[None, int, IO]  # None: this process's own stream; subprocess.PIP
 
 _lock = threading.Lock()  # one start at a time: _Popen swaps a function of multiprocessing while it starts
 _preloading = False
-_server_env: dict[str, str] = {}
+_started_env: dict[str, str] = {}  # this process's environment when it started the forkserver
+_server_env: Optional[dict[str, str]] = None  # a warm child's environment before its own changes: _forkserver_env()
 _running: "set[WarmProcess]" = set()  # strong: multiprocessing holds each child until exit anyway
 
 
@@ -81,9 +83,9 @@ class _Process(mp_context.ForkServerProcess):
 
 
 def _ensure_preload() -> None:
-    global _preloading, _server_env
+    global _preloading, _started_env
     if not _preloading:
-        _server_env = dict(os.environ)  # what the forkserver starts with (it inherits this process's)
+        _started_env = dict(os.environ)  # the forkserver inherits it
         forkserver.set_forkserver_preload(PRELOAD)
         atexit.register(_kill_leftovers)  # runs before multiprocessing's own exit hook joins them
         _preloading = True
@@ -129,9 +131,40 @@ READ_AT_IMPORT = (
 )
 
 
+def _forkserver_env() -> dict[str, str]:
+    """The environment a warm child starts with, asked of a forked child once (under ``_lock``).
+
+    Not this process's environment when the forkserver started: the imports set variables of their own
+    in both processes, at different times. Importing ``torch._dynamo`` (transformers does, building or
+    loading a model) sets ``TORCHINDUCTOR_CACHE_DIR``; taken for a change the caller asked for, it sent
+    every server the suite started after its first model back to a cold ``python -m`` (5-10 s of CPU
+    each)."""
+    global _server_env
+    if _server_env is None:
+        read_end, write_end = os.pipe()
+        try:
+            probe = _Process(target=_send_environment, name="environment probe", args=(_PassedFd(write_end),))
+            probe.start()
+        finally:
+            os.close(write_end)
+        with open(read_end, "rb") as pipe:
+            data = pipe.read()
+        probe.join()
+        _server_env = json.loads(data)
+    return _server_env
+
+
+def _send_environment(fd: int) -> None:
+    with open(fd, "wb") as out:
+        out.write(json.dumps(dict(os.environ)).encode())
+
+
 def _environment_change(env: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
-    """What ``env`` sets and removes relative to the environment the forkserver started with."""
-    return ({k: v for k, v in env.items() if _server_env.get(k) != v}, [k for k in _server_env if k not in env])
+    """What ``env`` sets and removes relative to the environment a warm child starts with. A variable
+    the forkserver's imports set themselves is not removed by an ``env`` that lacks it."""
+    server_env = _forkserver_env()
+    sets = {k: v for k, v in env.items() if server_env.get(k) != v}
+    return sets, [k for k in server_env if k not in env and k in _started_env]
 
 
 def _run_module(

@@ -1,0 +1,73 @@
+"""Which started processes are forked warm and which start a fresh interpreter (swarm/warm_start.py).
+
+A child asked for another value of a variable the libraries read at import must start cold (it would
+not see the value otherwise); any other child must start warm, or every server costs 5-10 s of CPU in
+imports. Both were broken once each by a variable nobody asked for: pytest's PYTEST_CURRENT_TEST, and
+TORCHINDUCTOR_CACHE_DIR, which importing torch._dynamo sets in this process (and in the forkserver).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from swarm import lifeline, warm_start
+
+REPORT = "tests.kit.report_start"
+ROOT = Path(__file__).resolve().parents[2]
+# in a fresh interpreter: the forkserver starts before this process imports torch._dynamo, as in a test
+# session whose first swarm starts before its first model is built
+LATE_IMPORT = f"""
+import json, os
+from swarm import lifeline, warm_start
+first = warm_start.run({REPORT!r}, [], env=lifeline.child_env(), timeout=120)
+assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+import torch._dynamo
+second = warm_start.run({REPORT!r}, ["TORCHINDUCTOR_CACHE_DIR"], env=lifeline.child_env(), timeout=120)
+print(json.dumps([json.loads(first.stdout), json.loads(second.stdout), os.environ["TORCHINDUCTOR_CACHE_DIR"]]))
+"""
+
+
+def started(*names: str, env=None) -> dict:
+    result = warm_start.run(REPORT, list(names), env=lifeline.child_env(env), timeout=120)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_a_variable_this_processs_imports_set_after_the_forkserver_started_leaves_the_child_warm():
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    done = subprocess.run(
+        [sys.executable, "-c", LATE_IMPORT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    first, second, cache_dir = json.loads(done.stdout.strip().splitlines()[-1])
+    assert first["warm"]
+    assert second["warm"], "after torch._dynamo's import set TORCHINDUCTOR_CACHE_DIR, a plain child started cold"
+    assert second["env"]["TORCHINDUCTOR_CACHE_DIR"] == cache_dir
+
+
+def test_the_test_processs_own_environment_leaves_the_child_warm():
+    report = started("PYTEST_CURRENT_TEST")
+    assert report["warm"] and report["env"]["PYTEST_CURRENT_TEST"] == os.environ["PYTEST_CURRENT_TEST"]
+
+
+def test_a_variable_read_at_import_set_to_another_value_starts_a_fresh_interpreter():
+    report = started(
+        "HF_HUB_OFFLINE", env={**os.environ, "HF_HUB_OFFLINE": "0" if os.environ.get("HF_HUB_OFFLINE") == "1" else "1"}
+    )
+    assert not report["warm"]
+    assert report["env"]["HF_HUB_OFFLINE"] != os.environ.get("HF_HUB_OFFLINE")
+
+
+def test_a_variable_read_at_import_removed_starts_a_fresh_interpreter_without_it():
+    env = {k: v for k, v in os.environ.items() if k != "HOME"}
+    report = started("HOME", env=env)
+    assert not report["warm"] and report["env"]["HOME"] is None
+
+
+def test_any_other_variable_reaches_a_warm_child():
+    report = started("SPECSWARM_SOMETHING", env={**os.environ, "SPECSWARM_SOMETHING": "42"})
+    assert report["warm"] and report["env"]["SPECSWARM_SOMETHING"] == "42"
