@@ -129,6 +129,11 @@ READ_AT_IMPORT = (
     "HOME",
     "LD_",
 )
+# ... except these, which a library sets itself when it is imported, after torch: applied to a warm child
+# (which sets them again if it imports that library) they change nothing. sklearn (lm-eval imports it)
+# sets KMP_DUPLICATE_LIB_OK so that a second OpenMP runtime does not abort the process; taken for a
+# change the caller asked for, it sent every server started after a test imported lm-eval back to cold.
+SET_BY_LATE_IMPORTS = ("KMP_DUPLICATE_LIB_OK",)
 
 
 def _forkserver_env() -> dict[str, str]:
@@ -184,7 +189,9 @@ def _run_module(
     if cwd is not None:
         os.chdir(cwd)
     sets, removes = change
-    if any(k.startswith(READ_AT_IMPORT) for k in [*sets, *removes]):
+    cold = [k for k in [*sets, *removes] if k.startswith(READ_AT_IMPORT) and k not in SET_BY_LATE_IMPORTS]
+    if cold:
+        print(f"warm_start: {module} starts a fresh interpreter: {', '.join(sorted(cold))} differ", file=sys.stderr)
         os.execve(sys.executable, [sys.executable, "-m", module, *argv], env)
     for key in removes:
         os.environ.pop(key, None)
