@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+from collections import Counter
 from typing import Collection, Optional, Sequence
 
 logger = logging.getLogger(__name__)
@@ -98,9 +99,18 @@ class Witnesses:
         return all(self.groups.get(peer) != group for peer in of if peer != witness)
 
     def choose(self, candidates: Sequence, of: Sequence[str]) -> list:
-        """The candidates (records with ``peer_id``) that may witness for ``of``, trusted first."""
+        """The candidates (records with ``peer_id``) that may witness for ``of``: trusted first, then one of
+        each machine group before a second of any (the candidates' order otherwise). Why: audits take a
+        bounded number of witnesses (the last audit six), and identities on one group, however many, are
+        one operator as far as the client can tell; they must not crowd the other groups out of the six."""
         found = [c for c in candidates if self.independent(c.peer_id, of)]
-        return sorted(found, key=lambda c: c.peer_id not in self.trusted)
+        earlier: Counter[str] = Counter()  # group -> its candidates ranked so far
+        rank: dict[str, int] = {}
+        for c in found:
+            group = self.groups.get(c.peer_id, c.peer_id)  # a trusted peer of no known address: its own
+            rank[c.peer_id] = earlier[group]
+            earlier[group] += 1
+        return sorted(found, key=lambda c: (c.peer_id not in self.trusted, rank[c.peer_id]))
 
 
 def trusted_set(peers: Optional[Collection[str]], default: Collection[str] = ()) -> frozenset[str]:

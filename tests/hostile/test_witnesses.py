@@ -62,6 +62,30 @@ def test_independent_witnesses_and_trusted_first():
     assert [r.peer_id for r in witnesses.choose(records, ["tail"])] == ["trusted", "other"]
 
 
+def test_one_of_each_machine_group_comes_before_a_second_of_any():
+    """Five identities on one /24 (one operator as far as the client can tell) and one honest tail on
+    another: whatever order they come in, the honest one is among the first two witnesses, so a bounded
+    number of witnesses (the last audit's six) always includes it."""
+    witnesses = Witnesses(trusted=["trusted"])
+    sybils = [f"sybil{i}" for i in range(5)]
+    p2p = FakeP2P(
+        {
+            "tail": ["/ip4/9.9.9.1/tcp/1"],
+            **{s: [f"/ip4/1.2.3.{10 + i}/tcp/1"] for i, s in enumerate(sybils)},
+            "honest": ["/ip4/5.6.7.9/tcp/1"],
+            "local1": ["/ip4/127.0.0.1/tcp/1"],  # loopback: each server its own group
+            "local2": ["/ip4/127.0.0.1/tcp/2"],
+            "trusted": ["/ip4/1.2.3.99/tcp/1"],  # trusted: first, whatever its group
+        }
+    )
+    asyncio.run(witnesses.refresh(p2p))
+    records = [SimpleNamespace(peer_id=p) for p in [*sybils, "honest"]]
+    assert [r.peer_id for r in witnesses.choose(records, ["tail"])] == ["sybil0", "honest", *sybils[1:]]
+    records = [SimpleNamespace(peer_id=p) for p in [*sybils, "local1", "local2", "trusted", "honest"]]
+    chosen = [r.peer_id for r in witnesses.choose(records, ["tail"])]
+    assert chosen == ["trusted", "sybil0", "local1", "local2", "honest", *sybils[1:]]
+
+
 def test_trusted_peers_are_checked():
     assert trusted_set(None, ["a"]) == {"a"} and trusted_set(["b"], ["a"]) == {"b"} and trusted_set([]) == set()
     for bad in ("Qm...", [1], [""]):
