@@ -319,9 +319,10 @@ class ShadowTurns:
             await session.close()
 
     def _turn_order(self, found: Sequence, rotate: bool = False) -> list:
-        """The candidates in the order to try: a trusted one first as it came; otherwise one drawn at random
-        among the first rank (groups in no dispute) that are parked or, while the pool has room, fresh; with
-        ``rotate`` (an audit's first witness) and a full pool, among those that have not had a turn yet."""
+        """The candidates in the order to try: a trusted one first as it came; otherwise one drawn at random (its
+        machine group first: ``Witnesses.draw``) among the first rank (groups in no dispute) that are parked or,
+        while the pool has room, fresh; with ``rotate`` (an audit's first witness) and a full pool, among those
+        that have not had a turn yet."""
         found = list(found)
         if not found or self.witnesses.is_trusted(found[0].peer_id):
             return found
@@ -329,12 +330,12 @@ class ShadowTurns:
         first_rank = [c for c in found if c.peer_id not in self.avoidance.peers]
         unseen = [c for c in first_rank if c.peer_id not in self.had_turn and c.peer_id not in self.parked]
         if rotate and not room and unseen:
-            pick = self.rng.choice(unseen)
+            pick = self.witnesses.draw(self.rng, unseen)
             return [pick, *(c for c in found if c is not pick)]
         eligible = [c for c in first_rank if c.peer_id in self.parked or room]
         if not eligible:
             return found
-        pick = self.rng.choice(eligible)
+        pick = self.witnesses.draw(self.rng, eligible)
         return [pick, *(c for c in found if c is not pick)]
 
     def _fits(self, shadow: RemoteSession, route: list[Hop], excluded: set[str]) -> bool:

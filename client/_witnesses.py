@@ -112,6 +112,16 @@ class Witnesses:
             earlier[group] += 1
         return sorted(found, key=lambda c: (c.peer_id not in self.trusted, rank[c.peer_id]))
 
+    def draw(self, rng, candidates: Sequence):
+        """One of ``candidates`` (non-empty) at random, its machine group drawn first, so that a group's chance
+        does not grow with the identities it holds (with every group of one candidate: one plain draw)."""
+        by_group: dict[str, list] = {}
+        for c in candidates:
+            by_group.setdefault(self.groups.get(c.peer_id, c.peer_id), []).append(c)
+        if len(by_group) == len(candidates):
+            return rng.choice(candidates)
+        return rng.choice(rng.choice(list(by_group.values())))
+
 
 def trusted_set(peers: Optional[Collection[str]], default: Collection[str] = ()) -> frozenset[str]:
     """``trusted_peers=``, checked: peer ids (base58 strings); None: the default."""

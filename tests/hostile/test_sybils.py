@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import types
 import urllib.error
 import urllib.request
@@ -782,5 +783,51 @@ def test_a_witness_lying_only_between_the_pools_windows_is_caught_by_the_last_au
             assert stats.disputed_peers == [model.peers["F"]], stats.spot_check_events
             assert any("position 38" in e and "refuted" in e for e in stats.spot_check_events), stats.spot_check_events
             assert stats.route[-1][0] == model.peers["T"] and model.peers["T"] not in model.swarm.excluded.current()
+    finally:
+        stop(sybil_swarm, processes)
+
+
+def test_identities_on_one_group_cannot_crowd_the_honest_tail_out_of_the_last_audit(
+    sybil_swarm, tiny_llama_path, greedy_reference, monkeypatch
+):
+    """L (live) and C1-C3 tell the same lie past position 32; C1-C3 share one /24 (one operator, three
+    identities), so each may witness for L; T is honest, on a group of its own. One audit, the last, by a pool
+    of one (C1, drawn first) and two witnesses past the pool (``LAST_AUDIT_WITNESSES`` 3 here), the
+    candidates shuffled into the worst order for T (last). Taken in that order, the two were C2 and C3 and L's
+    lies were returned confirmed; taken one of each machine group first (``Witnesses.choose``), they are C2
+    and T: T disagrees, the evidence refutes L, never T, and the output equals local transformers."""
+    processes = start(sybil_swarm, "--lie-in-verdicts", "1", "--lie-after", "32", names=("L", "C1", "C2", "C3"))
+    honest, first = [], []
+    real_shuffle, real_order = random.Random.shuffle, _shadow_turns.ShadowTurns._turn_order
+
+    def honest_last(self, items):
+        real_shuffle(self, items)
+        if honest and isinstance(items, list):
+            items.sort(key=lambda c: getattr(c, "peer_id", None) == honest[0])
+
+    def colluder_first(self, found, rotate=False):
+        order = real_order(self, found, rotate)
+        if not self.had_turn:
+            order.sort(key=lambda candidate: candidate.peer_id not in first)
+        return order
+
+    monkeypatch.setattr(random.Random, "shuffle", honest_last)
+    monkeypatch.setattr(_shadow_turns.ShadowTurns, "_turn_order", colluder_first)
+    monkeypatch.setattr(_shadow_turns, "LAST_AUDIT_WITNESSES", 3)
+    try:
+        routes = [route(name) for name in ("L", "T", "C1", "C2", "C3")]
+        with client(sybil_swarm, tiny_llama_path, *routes, hidden=["U"], verdict_audit_every=NEW_TOKENS + 8) as model:
+            on_one_machine(monkeypatch, {model.peers[name] for name in ("C1", "C2", "C3")})
+            honest.append(model.peers["T"])
+            first.append(model.peers["C1"])
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the tokens after L's refutation may have no witness left
+                out = generate(model, audit_witnesses=1)
+            stats = model.last_generation_stats
+            print(f"\nthree identities on one group: {stats.spot_check_events}")
+            assert out == greedy_reference, stats.spot_check_events
+            assert model.peers["L"] in stats.disputed_peers, stats.spot_check_events
+            assert model.peers["T"] not in stats.disputed_peers
+            assert model.peers["T"] not in model.swarm.liars | model.swarm.excluded.current()
     finally:
         stop(sybil_swarm, processes)

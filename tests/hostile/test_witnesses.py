@@ -4,6 +4,7 @@ client/_confirmation.py; docs/reliability.md, "Witnesses" and "What is confirmed
 from __future__ import annotations
 
 import asyncio
+import random
 import warnings
 from types import SimpleNamespace
 
@@ -84,6 +85,25 @@ def test_one_of_each_machine_group_comes_before_a_second_of_any():
     records = [SimpleNamespace(peer_id=p) for p in [*sybils, "local1", "local2", "trusted", "honest"]]
     chosen = [r.peer_id for r in witnesses.choose(records, ["tail"])]
     assert chosen == ["trusted", "sybil0", "local1", "local2", "honest", *sybils[1:]]
+
+
+def test_a_draw_takes_the_machine_group_first():
+    """The pool's random draws: five identities on one /24 and one honest tail on another are two groups,
+    so the honest one is drawn about half the time (one in six before); where every group holds one
+    candidate (loopback swarms) a draw is the plain draw it was, the same for the same seed."""
+    witnesses = Witnesses()
+    sybils = [f"sybil{i}" for i in range(5)]
+    p2p = FakeP2P(
+        {**{s: [f"/ip4/1.2.3.{10 + i}/tcp/1"] for i, s in enumerate(sybils)}, "honest": ["/ip4/5.6.7.9/tcp/1"]}
+    )
+    asyncio.run(witnesses.refresh(p2p))
+    records = [SimpleNamespace(peer_id=p) for p in [*sybils, "honest"]]
+    rng = random.Random(0)
+    honest = sum(witnesses.draw(rng, records).peer_id == "honest" for _ in range(2000))
+    assert 900 <= honest <= 1100, honest
+    alone = [SimpleNamespace(peer_id=p) for p in ("a", "b", "c")]  # no known address: each its own group
+    first, second = random.Random(5), random.Random(5)
+    assert [witnesses.draw(first, alone) for _ in range(20)] == [second.choice(alone) for _ in range(20)]
 
 
 def test_trusted_peers_are_checked():
