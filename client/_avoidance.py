@@ -67,7 +67,7 @@ class Avoidance:
 
     def group(self, peer_id: str) -> str:
         """The server's machine group as last seen; a server of unknown address is its own group."""
-        return self.witnesses.groups.get(peer_id) or f"peer:{peer_id}"
+        return self.witnesses.group_of(peer_id)
 
     def members(self, group: str) -> int:
         """How many server identities the client has seen on ``group`` (at least 1): peers without a

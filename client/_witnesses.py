@@ -88,6 +88,10 @@ class Witnesses:
             if groups:
                 self.groups[peer_id] = groups[0]
 
+    def group_of(self, peer_id: str) -> str:
+        """The server's machine group as last seen; a server of unknown address is its own group."""
+        return self.groups.get(peer_id) or f"peer:{peer_id}"
+
     def independent(self, witness: str, of: Sequence[str]) -> bool:
         """Whether ``witness`` could not be the same operator as any of ``of``: trusted, or on a
         known machine group none of them shares."""
@@ -107,7 +111,7 @@ class Witnesses:
         earlier: Counter[str] = Counter()  # group -> its candidates ranked so far
         rank: dict[str, int] = {}
         for c in found:
-            group = self.groups.get(c.peer_id, c.peer_id)  # a trusted peer of no known address: its own
+            group = self.group_of(c.peer_id)
             rank[c.peer_id] = earlier[group]
             earlier[group] += 1
         return sorted(found, key=lambda c: (c.peer_id not in self.trusted, rank[c.peer_id]))
@@ -117,7 +121,7 @@ class Witnesses:
         does not grow with the identities it holds (with every group of one candidate: one plain draw)."""
         by_group: dict[str, list] = {}
         for c in candidates:
-            by_group.setdefault(self.groups.get(c.peer_id, c.peer_id), []).append(c)
+            by_group.setdefault(self.group_of(c.peer_id), []).append(c)
         if len(by_group) == len(candidates):
             return rng.choice(candidates)
         return rng.choice(rng.choice(list(by_group.values())))
