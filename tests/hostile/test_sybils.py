@@ -750,6 +750,21 @@ def test_the_last_audit_is_verified_by_every_candidate_past_the_pool(
         stop(sybil_swarm, processes)
 
 
+def first_witness_of_the_first_audit(monkeypatch) -> list[str]:
+    """Patch the auditor so that the peer ids a test puts in the returned list witness first in the
+    generation's first audit (drawn before any other), whatever the draw would have been."""
+    real_order, chosen = _shadow_turns.ShadowTurns._turn_order, []
+
+    def chosen_first(self, found, rotate=False):
+        order = real_order(self, found, rotate)
+        if not self.had_turn:
+            order.sort(key=lambda candidate: candidate.peer_id not in chosen)
+        return order
+
+    monkeypatch.setattr(_shadow_turns.ShadowTurns, "_turn_order", chosen_first)
+    return chosen
+
+
 def test_a_witness_lying_only_between_the_pools_windows_is_caught_by_the_last_audit(
     sybil_swarm, tiny_llama_path, greedy_reference, monkeypatch
 ):
@@ -762,15 +777,7 @@ def test_a_witness_lying_only_between_the_pools_windows_is_caught_by_the_last_au
     never saw 38: a sybil lying only there was never asked about it (here an honest T's tokens, so nothing
     went wrong; with the live tail a sybil and F its mate, its lie stood confirmed)."""
     processes = start(sybil_swarm, "--lie-in-verdicts", "1", "--lie-after", "38", "--lie-before", "40", names=("F",))
-    real_order, framer = _shadow_turns.ShadowTurns._turn_order, []
-
-    def framer_first(self, found, rotate=False):
-        order = real_order(self, found, rotate)
-        if not self.had_turn:  # the generation's first audit: F verifies it
-            order.sort(key=lambda candidate: candidate.peer_id not in framer)
-        return order
-
-    monkeypatch.setattr(_shadow_turns.ShadowTurns, "_turn_order", framer_first)
+    framer = first_witness_of_the_first_audit(monkeypatch)  # F verifies the generation's first audit
     try:
         with client(sybil_swarm, tiny_llama_path, route("T"), route("F"), route("U")) as model:  # T is live
             framer.append(model.peers["F"])
@@ -797,22 +804,15 @@ def test_identities_on_one_group_cannot_crowd_the_honest_tail_out_of_the_last_au
     lies were returned confirmed; taken one of each machine group first (``Witnesses.choose``), they are C2
     and T: T disagrees, the evidence refutes L, never T, and the output equals local transformers."""
     processes = start(sybil_swarm, "--lie-in-verdicts", "1", "--lie-after", "32", names=("L", "C1", "C2", "C3"))
-    honest, first = [], []
-    real_shuffle, real_order = random.Random.shuffle, _shadow_turns.ShadowTurns._turn_order
+    honest, real_shuffle = [], random.Random.shuffle
 
     def honest_last(self, items):
         real_shuffle(self, items)
         if honest and isinstance(items, list):
             items.sort(key=lambda c: getattr(c, "peer_id", None) == honest[0])
 
-    def colluder_first(self, found, rotate=False):
-        order = real_order(self, found, rotate)
-        if not self.had_turn:
-            order.sort(key=lambda candidate: candidate.peer_id not in first)
-        return order
-
     monkeypatch.setattr(random.Random, "shuffle", honest_last)
-    monkeypatch.setattr(_shadow_turns.ShadowTurns, "_turn_order", colluder_first)
+    first = first_witness_of_the_first_audit(monkeypatch)
     monkeypatch.setattr(_shadow_turns, "LAST_AUDIT_WITNESSES", 3)
     try:
         routes = [route(name) for name in ("L", "T", "C1", "C2", "C3")]
