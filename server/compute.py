@@ -13,7 +13,6 @@ from typing import Optional
 
 import torch
 
-from protocol.digest import digest_of
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.messages import OUTPUTS_FRAME_BYTES, RunOutputs, Step, StepResult
 from protocol.sampling import check_draft_q, pack_f16, verify, verify_rejection, verify_tree
@@ -94,7 +93,6 @@ def finish_run(
         result = _verdict(session, step, logits)
     except ValueError as e:  # a committed id the session's constraint forbids (protocol/constraints.py)
         raise ProtocolError(ErrorCode.BAD_REQUEST, str(e)) from None
-    result.step_digest = digest_of(step, step.sampling_params, session.secret)  # what this verdict is about
     if not step.parents:
         session.row_plan.observe(step.n_draft, result.accepted)
     for rows, seconds in meter.whole_calls:

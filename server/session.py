@@ -14,10 +14,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
+import msgspec
 import torch
 
 from protocol import trees
 from protocol.constraints import Guide
+from protocol.digest import digest_of
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.limits import MAX_TREE_NODES
 from protocol.messages import GREEDY, MAX_TOP_LOGPROBS, Hop, RunOutputs, SamplingParams, Step, StepResult
@@ -44,6 +46,24 @@ class TailReply:
 
     outputs: list[tuple[RunOutputs, list[torch.Tensor]]]
     result: StepResult
+
+
+@dataclass
+class Verdict:
+    """A verdict waiting in its session's results queue, with the Step it is about. Its digest
+    (protocol/digest.py) is keyed with the session's secret, which the tail learns from the
+    client's Subscribe on another stream: a Step can be verified here before that Subscribe is
+    read (the client sends it first, but nothing orders two streams), and a digest keyed then
+    would be keyed with no secret, which the client takes for a rewritten Step and blames the
+    whole route for. So the digest is sealed as the verdict goes out (server/subscribe.py), when
+    only the subscriber, who holds the secret, can receive it."""
+
+    result: StepResult
+    step: Step
+
+    def sealed(self, secret: str) -> StepResult:
+        digest = digest_of(self.step, self.step.sampling_params, secret)
+        return msgspec.structs.replace(self.result, step_digest=digest)
 
 
 @dataclass
@@ -82,7 +102,6 @@ class ServerSession:
     worker: Optional["asyncio.Task"] = None
     secret_hash: str = ""  # sha256 hex of the client's secret: the tail's results go to its holder only
     subscribed: bool = False  # the tail has given this session's results stream to its client
-    secret: str = ""  # the client's secret, from its Subscribe: keys the digest of each verdict (protocol/digest.py)
     drafter_state: Optional[object] = None  # the tail's drafter cache (server.tail_drafter.DrafterSession)
     sampling: SamplingParams = GREEDY  # as of the last Step that carried parameters (a Step without: as before)
     guide: Optional[Guide] = None  # the tail: the matcher of sampling.constraint, kept by position

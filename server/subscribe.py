@@ -23,7 +23,7 @@ from server.admission import check_subscriber, subscribe_slot_refusal
 from server.compile_budget import Requester
 from server.open_sessions import OpenSessions
 from server.replies import send_quietly
-from server.session import ServerSession
+from server.session import ServerSession, Verdict
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ class Subscriptions:
         """The session's results, in order, to its client, until either goes away; what it leaves
         unread counts against its ``address`` from now on (server/unread.py)."""
         try:
-            session.subscribed, session.secret = True, subscribe.secret
+            session.subscribed = True
             queue = self.open_sessions.results.get(session.session_id)
             if queue is None:
                 return  # the session closed meanwhile
@@ -149,6 +149,8 @@ class Subscriptions:
                         return  # client gone, or the session closed
                     continue
                 item = getter.result()
+                if isinstance(item, Verdict):
+                    item = item.sealed(subscribe.secret)  # the secret it proved
                 if item is None or not await _send(client, item):
                     return
         finally:

@@ -40,7 +40,7 @@ def size_of(item: Any) -> int:
     """The bytes a queued result holds: a (RunOutputs, tensors) pair's tensors, else the message's encoding."""
     if isinstance(item, tuple):
         return MESSAGE_OVERHEAD_BYTES + sum(t.nelement() * t.element_size() for t in item[1])
-    return len(msgspec.msgpack.encode(item))
+    return len(msgspec.msgpack.encode(getattr(item, "result", item)))  # a Verdict (server/session.py): its message
 
 
 class UnreadLedger:

@@ -24,7 +24,7 @@ from protocol.streams import MessageStream
 from server import looped_runs
 from server.adapters import SpanCancelled
 from server.replies import send_quietly
-from server.session import QueuedRun, QueuedTrim, ServerSession, TailReply
+from server.session import QueuedRun, QueuedTrim, ServerSession, TailReply, Verdict
 
 logger = logging.getLogger("server.handler")
 
@@ -84,7 +84,7 @@ class SessionWorker:
             self.stats["accepted_tokens"] += output.accepted + 1
             if run.step.loop_runs > 0 or run.step.run_id in session.tail_started:
                 output = await self._looped_verdict(session, run.step, output)
-            await self.results.post(session, output)
+            await self.results.post(session, Verdict(output, run.step))  # its digest sealed as it goes out
         else:
             await send_quietly(downstream, run.step, [output], self.compression)
 

@@ -256,3 +256,48 @@ def test_a_rewritten_forward_pass_is_a_route_fault(rewriter, tiny_reference, fie
     torch.testing.assert_close(out.hidden, ref.hidden_states[-1][0, -3:], rtol=1e-4, atol=1e-4)
     assert out.failovers == 1 and [p for p, _, _ in out.route] == [rewriter.peers[n] for n, _, _ in HONEST_ROUTE]
     _nobody_blamed_but_the_route(rewriter)
+
+
+def test_a_step_verified_before_the_subscribe_is_read_is_digested_with_the_secret(limits_swarm, tiny_reference):
+    """The client sends its Subscribe before it opens the session, but on another stream, and nothing
+    orders two streams: under load the tail can verify the first Step before it reads the Subscribe.
+    The verdict's digest is keyed with the secret all the same (server/session.py, ``Verdict``: sealed
+    as it goes out), where a digest keyed at compute time had no secret yet and the client took it for
+    a rewritten Step: a route fault, a failover and every hop suspected (seen once under CI load).
+    Here the Subscribe comes only after the tail has queued the verdict."""
+    import asyncio
+
+    from hivemind.p2p import PeerID
+
+    from protocol.messages import SessionOpened, Subscribe
+    from protocol.streams import RESULTS_PROTOCOL, MessageStream
+    from tests.kit.raw_sessions import RawSession
+
+    model, servers, _ = limits_swarm
+    queues = servers[1].handler.open_sessions.results
+    ids = PROMPT[:8]
+
+    async def verified_before_subscribed():
+        session = RawSession(model.swarm.p2p, servers, subscribe=False)
+        try:
+            assert isinstance(await session.open(), SessionOpened)
+            step = Step(session_id=session.session_id, run_id=0, start_pos=0, token_ids=ids)
+            await session.head.send(step)
+            for _ in range(1500):  # until the tail has queued the verdict for nobody yet
+                if session.session_id in queues and queues[session.session_id].qsize():
+                    break
+                await asyncio.sleep(0.02)
+            else:
+                raise AssertionError("the tail never verified the Step")
+            tail = PeerID.from_base58(session.route[-1].peer_id)
+            session.tail = await MessageStream.open(model.swarm.p2p, tail, RESULTS_PROTOCOL)
+            await session.tail.send(Subscribe(session_id=session.session_id, secret=session.secret))
+            return step, session.secret, (await asyncio.wait_for(session.tail.receive(), 30)).message
+        finally:
+            session.close()
+
+    step, secret, verdict = _loop.run(verified_before_subscribed(), timeout=60)
+    assert isinstance(verdict, StepResult), verdict
+    assert verdict.step_digest == digest_of(step, GREEDY, secret)  # what the client computes for its Step
+    with torch.no_grad():
+        assert verdict.next_token == int(tiny_reference(torch.tensor([ids])).logits[0, -1].argmax())
