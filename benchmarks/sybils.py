@@ -25,6 +25,11 @@ the client's own connections, is written to the results.
    named in ``trusted_peers``.
 3. ``verification="rejection"`` with a local draft model (the reference model itself) on an honest
    swarm with three tails (T, V1, V2): convictions, disputes, reports.
+4. Many identities on one machine group (``--colluders``, 7 by default, on 127.0.12.1, 127.0.12.2 ..., one
+   /24) beside a liar S1 on a /24 of its own, all telling the same lie; S1 is the preferred live tail, so
+   its witnesses are the colluders and T. ``--identity-order`` chooses and draws witnesses by identity, as
+   the client did before 2026-12-06, where the colluders could crowd T out of the pool and the last audit.
+   Run before scenario 3.
 
 Counted per run: output equal to local transformers, who was convicted / banned / reported, disputed
 peers, tokens confirmed by a trusted server / an untrusted one / unconfirmed (= flagged with a
@@ -330,6 +335,18 @@ def plan(args) -> list[dict]:
         )
     )
 
+    if args.colluders:  # many identities on one machine group, beside a liar on another and the honest T
+        liar = names[0]
+        colluders = {f"S{i + 2}": f"127.0.12.{i + 1}" for i in range(args.colluders)}
+        chosen.append(
+            dict(
+                title=f"4. a liar on its own /24 and {args.colluders} colluders on another, confirming each other",
+                sybils={liar: own[liar], **colluders},
+                flags=lie,
+                routes_for=routes(lambda run: [liar, "T", *colluders]),
+            )
+        )
+
     def picked(title: str, key: str) -> bool:  # "=title": that scenario alone (others contain its title)
         return title == key[1:] if key.startswith("=") else key in title
 
@@ -373,6 +390,15 @@ def main() -> None:
     )
     p.add_argument("--rejection-runs", type=int, default=20, help="scenario 3's generations (0: skip it)")
     p.add_argument(
+        "--colluders", type=int, default=7, help="scenario 4's identities on one /24 beside the live liar (0: skip it)"
+    )
+    p.add_argument(
+        "--identity-order",
+        action="store_true",
+        help="witnesses chosen and drawn by identity, as before 2026-12-06 (ce770db, 64b9ebc): the candidates' "
+        "shuffled order after the trusted ones, and the pool's draws one identity each, whatever group it is on",
+    )
+    p.add_argument(
         "--reuse-client",
         action="store_true",
         help="one client per scenario, its exclusions, suspects, reports and meter reset before each run "
@@ -388,6 +414,8 @@ def main() -> None:
         _shadow_turns.LAST_AUDIT_WITNESSES = args.last_audit_witnesses
     if args.last_audit_window_only:
         window_only(_shadow_turns.ShadowTurns)
+    if args.identity_order:
+        by_identity(_witnesses.Witnesses)
 
     _witnesses.machine_group = loopback_by_prefix(_witnesses.machine_group)
     from benchmarks.smol_reference import smollm2_references
@@ -399,6 +427,7 @@ def main() -> None:
     result: dict = {"commit": commit, "runs": args.runs, "tokens": args.tokens, "prompt_tokens": len(prompt)}
     result["last_audit_witnesses"] = _shadow_turns.LAST_AUDIT_WITNESSES
     result["last_audit_window_only"] = args.last_audit_window_only
+    result["identity_order"] = args.identity_order
     result.update(
         lie_after=args.lie_after,
         lie_before=args.lie_before,
@@ -448,6 +477,18 @@ def window_only(turns) -> None:
 
     turns._verified_at_once, turns._prefilled = window_alone, to_the_window
     turns._past_the_pool = lambda self, route, length: False
+
+
+def by_identity(witnesses) -> None:
+    """Witnesses as the client chose and drew them before ``ce770db`` and ``64b9ebc``: trusted first, then
+    the candidates' own (shuffled) order, however many share a machine group; each pool draw one identity."""
+
+    def choose(self, candidates, of):
+        found = [c for c in candidates if self.independent(c.peer_id, of)]
+        return sorted(found, key=lambda c: c.peer_id not in self.trusted)
+
+    witnesses.choose = choose
+    witnesses.draw = lambda self, rng, candidates: rng.choice(candidates)
 
 
 def rejection(swarm, prompt, reference, args) -> dict:
