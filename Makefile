@@ -76,7 +76,7 @@ RUNS ?= 10
 bench-lies: setup
 	$(PYTHON) -m benchmarks.lying_tails --runs $(RUNS)
 
-# sybil tails beside an honest one (docs/reliability.md "Sybil tails: figures"); RUNS greedy and RUNS seeded per scenario
+# sybil tails beside an honest one, and many identities on one /24 beside a liar (docs/reliability.md "Sybil tails: figures"); RUNS greedy and RUNS seeded per scenario
 bench-sybils: setup
 	$(PYTHON) -m benchmarks.sybils --runs $(RUNS)
 
