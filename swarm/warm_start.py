@@ -131,9 +131,17 @@ READ_AT_IMPORT = (
 )
 # ... except these, which a library sets itself when it is imported, after torch: applied to a warm child
 # (which sets them again if it imports that library) they change nothing. sklearn (lm-eval imports it)
-# sets KMP_DUPLICATE_LIB_OK so that a second OpenMP runtime does not abort the process; taken for a
-# change the caller asked for, it sent every server started after a test imported lm-eval back to cold.
-SET_BY_LATE_IMPORTS = ("KMP_DUPLICATE_LIB_OK",)
+# sets KMP_DUPLICATE_LIB_OK so that a second OpenMP runtime does not abort the process, and KMP_INIT_AT_FORK
+# (both read when an Intel OpenMP runtime loads, which in a warm child happened before); lm_eval sets
+# HF_XET_HIGH_PERFORMANCE (and HF_HUB_ENABLE_HF_TRANSFER where hf_transfer is installed), which only
+# choose how fast huggingface_hub downloads: a warm child keeps the forkserver's choice. Taken for
+# changes the caller asked for, they sent every server started after a test imported lm-eval back to cold.
+SET_BY_LATE_IMPORTS = (
+    "KMP_DUPLICATE_LIB_OK",
+    "KMP_INIT_AT_FORK",
+    "HF_XET_HIGH_PERFORMANCE",
+    "HF_HUB_ENABLE_HF_TRANSFER",
+)
 
 
 def _forkserver_env() -> dict[str, str]:

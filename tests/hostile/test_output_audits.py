@@ -455,6 +455,9 @@ def test_lm_eval_multiple_choice_through_the_gateway_is_unchanged_by_a_logit_lia
     from tests.api.test_eval_harness import local_tasks, responses
     from tests.kit.threads import single_torch_thread
 
+    # started before the environment below changes: a server asked for another HF_* value than the
+    # forkserver's starts a fresh interpreter (swarm/warm_start.py), 5-10 s of CPU for nothing here
+    processes = start_liar(pair_swarm, "L3")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("OPENAI_API_KEY", "unused")
     path, tasks = str(tiny_llama_path), [t for t in local_tasks() if t["task"] == "swarm_choice"]
@@ -464,10 +467,9 @@ def test_lm_eval_multiple_choice_through_the_gateway_is_unchanged_by_a_logit_lia
             model=model, model_args=model_args, tasks=tasks, log_samples=True, bootstrap_iters=0, random_seed=0
         )
 
-    with single_torch_thread():
-        local = evaluate("hf", {"pretrained": path, "dtype": "float32", "device": "cpu"})
-    processes = start_liar(pair_swarm, "L3")
     try:
+        with single_torch_thread():
+            local = evaluate("hf", {"pretrained": path, "dtype": "float32", "device": "cpu"})
         with client(pair_swarm, tiny_llama_path, route("H", "L3"), route("G", "T"), route("H", "U")) as model:
             audits = model.output_audits  # as from_pretrained made it: the default rate, the checkpoint's LM head
             assert audits.rate == 0.1 and audits.lm_head is not None
