@@ -33,14 +33,17 @@ from typing import Any, Optional
 
 import msgspec
 
+from server.session import Verdict
+
 MESSAGE_OVERHEAD_BYTES = 256  # what a RunOutputs message adds to its tensors' bytes
 
 
 def size_of(item: Any) -> int:
-    """The bytes a queued result holds: a (RunOutputs, tensors) pair's tensors, else the message's encoding."""
+    """The bytes a queued result holds: a (RunOutputs, tensors) pair's tensors, else the message's encoding
+    (a Verdict's: its StepResult, whose digest is sealed as it goes out)."""
     if isinstance(item, tuple):
         return MESSAGE_OVERHEAD_BYTES + sum(t.nelement() * t.element_size() for t in item[1])
-    return len(msgspec.msgpack.encode(getattr(item, "result", item)))  # a Verdict (server/session.py): its message
+    return len(msgspec.msgpack.encode(item.result if isinstance(item, Verdict) else item))
 
 
 class UnreadLedger:
