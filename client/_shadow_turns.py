@@ -88,6 +88,21 @@ class ShadowTurns:
                 prefill.cancel()
                 await asyncio.gather(prefill, return_exceptions=True)
 
+    async def _forget_replaced(self) -> None:
+        """Close the witnesses whose caches hold, or who verified, tokens a re-verification has replaced since
+        (from ``_replaced_at`` on). Why: a later turn would send the new tokens after a context that is no longer
+        the generation's, and such a witness disagrees with an honest tail for that alone (a dispute evidence
+        cannot settle: the inputs differ). A fresh session replaces it when it is drawn again."""
+        at, self._replaced_at = self._replaced_at, None
+        if at is None:
+            return
+        for peer_id, (session, held, _, verified) in list(self.parked.items()):
+            if max(held, verified) > at:
+                del self.parked[peer_id]
+                await session.close()
+        if self._shadow is not None and max(self._held, self._verified) > at:
+            await self._drop_shadow()
+
     def _past_the_pool(self, route: list[Hop], length: int) -> bool:
         """Whether the audit before the output is returned must still run with no token left unaudited: an
         audit that was not the last (the pool's witnesses alone) covered the end, the last one has not gone

@@ -101,6 +101,7 @@ class VerdictAuditor(ShadowTurns, EvidenceDisputes, BackgroundAudit):
         self._held = 0  # positions the shadow's caches hold (of ``audited``)
         self._verified = 0  # positions the shadow has verified itself (a parked one catches up from there)
         self._next_run = 0
+        self._replaced_at: Optional[int] = None  # the first position a re-verification replaced since the last audit
         self._given_up = 0  # history length an audit ended at without a verdict: not retried at the end
         self._last_audit = 0  # history length the last audit (``final``) went past the pool at
         self.detour = False  # shadows go around the live route's other hops (client/_shadow_detour.py)
@@ -119,7 +120,7 @@ class VerdictAuditor(ShadowTurns, EvidenceDisputes, BackgroundAudit):
         self._prompt_len = len(prompt)  # the live log-probs start after it
         self.live = live or LiveShape()
         self.trusted_confirmed, self.confirmers, self.had_turn = set(), {}, set()
-        self._given_up, self._last_audit, self.detour = 0, 0, False
+        self._given_up, self._last_audit, self.detour, self._replaced_at = 0, 0, False, None
         self.enabled, self.verification = verification in ("match", "rejection"), verification
         self.rejection.forget()
 
@@ -140,6 +141,8 @@ class VerdictAuditor(ShadowTurns, EvidenceDisputes, BackgroundAudit):
             if a != b:
                 break
             common += 1
+        if common < len(self.audited):  # tokens a re-verification replaced: witnesses that hold them go (_shadow_turns)
+            self._replaced_at = min(common, self._replaced_at if self._replaced_at is not None else common)
         self.audited = self.audited[:common]
         self.trusted_confirmed = {p for p in self.trusted_confirmed if p < common}
         self.confirmers = {p: w for p, w in self.confirmers.items() if p < common}
@@ -155,6 +158,7 @@ class VerdictAuditor(ShadowTurns, EvidenceDisputes, BackgroundAudit):
         given_up, self._given_up = self._given_up, len(ids)  # unless the audit confirms them
         self._last_audit = len(ids) if final else self._last_audit
         try:
+            await self._forget_replaced()
             await self._audits(route, ids, stats, final)  # each witness of the pool (client/_shadow_turns.py)
         except asyncio.CancelledError:
             raise

@@ -320,3 +320,48 @@ def test_the_last_audit_goes_past_the_pool_where_an_earlier_audit_covered_the_en
     candidates.append(SimpleNamespace(peer_id="S9"))
     auditor.audited = ids[:30]  # tokens left unaudited after an audit that ended with no verdict: not retried
     assert last_audit() == []
+
+
+def test_witnesses_holding_tokens_a_re_verification_replaced_are_closed_before_the_next_audit():
+    """A re-verification replaced the tokens from position 30 on (a dispute there). A parked witness that
+    verified past 30 (it agreed with the replaced tokens) and the current shadow whose caches reach past it
+    are closed before the next audit: a later turn would send the new tokens after a context that is no
+    longer the generation's, and disagree with an honest tail for that alone. Witnesses that stopped at or
+    before 30 are kept; with nothing replaced, nobody is closed."""
+    closed = []
+
+    class Session:
+        def __init__(self, name):
+            self.name = name
+
+        async def close(self):
+            closed.append(self.name)
+
+    swarm = SimpleNamespace(records={}, liars=set(), excluded=SimpleNamespace(current=set), request_timeout=1.0)
+    auditor, ran = VerdictAuditor(swarm, vocab_size=100, every=4), []
+
+    async def audits(route, ids, stats, final=False):
+        ran.append(sorted(auditor.parked))
+
+    auditor._audits = audits
+    prompt, route = list(range(11)), [Hop(peer_id="T", start=0, end=2)]
+    old, new = list(range(40)), [*range(30), *range(100, 110)]
+
+    def audit(ids) -> None:
+        async def go():
+            auditor.maybe_start(route, ids, SimpleNamespace())
+            if auditor.task is not None:
+                await auditor.task
+                auditor.task = None
+
+        asyncio.run(go())
+
+    auditor.begin(prompt, 80, GREEDY, "match")
+    auditor.audited = list(old)
+    auditor.parked = {"past": (Session("past"), 36, 5, 37), "before": (Session("before"), 29, 4, 30)}
+    auditor._shadow, auditor._held, auditor._verified = Session("current"), 39, 40
+    audit(old + [7] * 4)  # nothing replaced: everyone kept
+    assert closed == [] and ran == [["before", "past"]] and auditor._shadow is not None
+    audit(new + [7] * 4)  # replaced from 30 on
+    assert sorted(closed) == ["current", "past"] and ran[-1] == ["before"] and auditor._shadow is None
+    assert auditor.audited == new[:30] and auditor._replaced_at is None
