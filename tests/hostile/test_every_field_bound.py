@@ -267,11 +267,9 @@ def test_a_step_verified_before_the_subscribe_is_read_is_digested_with_the_secre
     Here the Subscribe comes only after the tail has queued the verdict."""
     import asyncio
 
-    from hivemind.p2p import PeerID
-
-    from protocol.messages import SessionOpened, Subscribe
-    from protocol.streams import RESULTS_PROTOCOL, MessageStream
+    from protocol.messages import SessionOpened
     from tests.kit.raw_sessions import RawSession
+    from tests.kit.waiting import until
 
     model, servers, _ = limits_swarm
     queues = servers[1].handler.open_sessions.results
@@ -283,15 +281,9 @@ def test_a_step_verified_before_the_subscribe_is_read_is_digested_with_the_secre
             assert isinstance(await session.open(), SessionOpened)
             step = Step(session_id=session.session_id, run_id=0, start_pos=0, token_ids=ids)
             await session.head.send(step)
-            for _ in range(1500):  # until the tail has queued the verdict for nobody yet
-                if session.session_id in queues and queues[session.session_id].qsize():
-                    break
-                await asyncio.sleep(0.02)
-            else:
-                raise AssertionError("the tail never verified the Step")
-            tail = PeerID.from_base58(session.route[-1].peer_id)
-            session.tail = await MessageStream.open(model.swarm.p2p, tail, RESULTS_PROTOCOL)
-            await session.tail.send(Subscribe(session_id=session.session_id, secret=session.secret))
+            # until the tail has queued the verdict for nobody yet
+            await until(lambda: session.session_id in queues and queues[session.session_id].qsize(), 30)
+            await session.subscribe_now()
             return step, session.secret, (await asyncio.wait_for(session.tail.receive(), 30)).message
         finally:
             session.close()

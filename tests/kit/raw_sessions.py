@@ -31,8 +31,7 @@ class RawSession:
 
     async def open(self, max_length: int = 64):
         if self.subscribe:
-            self.tail = await MessageStream.open(self.p2p, PeerID.from_base58(self.route[-1].peer_id), RESULTS_PROTOCOL)
-            await self.tail.send(Subscribe(session_id=self.session_id, secret=self.secret))
+            await self.subscribe_now()
         self.head = await MessageStream.open(self.p2p, PeerID.from_base58(self.route[0].peer_id), SESSION_PROTOCOL)
         await self.head.send(
             OpenSession(
@@ -44,6 +43,12 @@ class RawSession:
             )
         )
         return (await asyncio.wait_for(self.head.receive(), 30)).message
+
+    async def subscribe_now(self) -> None:
+        """Open the results stream at the tail and send Subscribe with the secret (``open`` does it first
+        unless told not to; a test may do it later, after the session opened)."""
+        self.tail = await MessageStream.open(self.p2p, PeerID.from_base58(self.route[-1].peer_id), RESULTS_PROTOCOL)
+        await self.tail.send(Subscribe(session_id=self.session_id, secret=self.secret))
 
     async def step(self, run_id: int, start_pos: int, token_ids: list[int]) -> None:
         await self.head.send(Step(session_id=self.session_id, run_id=run_id, start_pos=start_pos, token_ids=token_ids))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Callable, TypeVar
 
@@ -20,3 +21,13 @@ def wait_until(condition: Callable[[], T], what: str, timeout: float = 120.0, ev
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:g} s waiting for: {what}")
         time.sleep(every)
+
+
+async def until(predicate: Callable[[], object], timeout: float = 30.0, every: float = 0.02) -> None:
+    """``wait_until`` for a coroutine on the loop that must make ``predicate`` true (in-process servers
+    share the client's loop, so a blocking wait would stall them): asked every ``every`` seconds."""
+    for _ in range(int(timeout / every)):
+        if predicate():
+            return
+        await asyncio.sleep(every)
+    raise AssertionError("the condition never held")

@@ -25,6 +25,7 @@ from protocol.streams import RESULTS_PROTOCOL, SESSION_PROTOCOL, MessageStream
 from tests.kit.raw_sessions import RawSession
 from tests.kit.reference import PROMPT, greedy_reference
 from tests.kit.swarms import wait_until_no_sessions
+from tests.kit.waiting import until
 
 FORWARD_POSITIONS = 16  # positions (and logits rows) of each forward pass the non-reader asks for
 
@@ -73,14 +74,6 @@ async def forward_passes(session: RawSession, runs: int) -> None:
 def outputs_bytes(tail) -> int:
     """What one forward pass's RunOutputs holds at the tail."""
     return FORWARD_POSITIONS * tail.span.vocab_size * 4
-
-
-async def until(predicate, timeout: float = 30.0) -> None:
-    for _ in range(int(timeout / 0.02)):
-        if predicate():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("the condition never held")
 
 
 def test_a_hog_and_a_non_reader_leave_the_server_within_budget_and_an_honest_client_served(

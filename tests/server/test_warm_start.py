@@ -3,8 +3,8 @@
 A child asked for another value of a variable the libraries read at import must start cold (it would
 not see the value otherwise); any other child must start warm, or every server costs 5-10 s of CPU in
 imports. That was broken by variables nobody asked for: pytest's PYTEST_CURRENT_TEST, TORCHINDUCTOR_CACHE_DIR,
-which importing torch._dynamo sets in this process (and in the forkserver), KMP_DUPLICATE_LIB_OK, which
-importing sklearn sets, and HF_XET_HIGH_PERFORMANCE, which importing lm_eval sets.
+which importing torch._dynamo sets in this process (and in the forkserver), KMP_DUPLICATE_LIB_OK and
+KMP_INIT_AT_FORK, which importing sklearn sets, and HF_XET_HIGH_PERFORMANCE, which importing lm_eval sets.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from swarm import lifeline, warm_start
 
 REPORT = "tests.kit.report_start"
 ROOT = Path(__file__).resolve().parents[2]
-# in a fresh interpreter: the forkserver starts before this process imports torch._dynamo, as in a test
-# session whose first swarm starts before its first model is built
 # what late imports set: torch._dynamo the first, sklearn the KMP ones, lm_eval the last
 LATE = ("TORCHINDUCTOR_CACHE_DIR", "KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK", "HF_XET_HIGH_PERFORMANCE")
+# in a fresh interpreter: the forkserver starts before this process imports torch._dynamo, as in a test
+# session whose first swarm starts before its first model is built
 LATE_IMPORT = f"""
 import json, os
 from swarm import lifeline, warm_start
