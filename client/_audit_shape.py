@@ -31,10 +31,16 @@ class LiveShape:
     num_logprobs: int = 0  # top log-probs each live Step asks for (audit Steps ask for as many)
     logprobs: list = field(default_factory=list)  # the live verdicts' log-probs, one per generated token
     loop_end: int = 0  # live laps loop: a lap from history length h asks for loop_end - h - 1 runs (0: no loops)
+    laps: dict[int, list[int]] = field(default_factory=dict)  # a live lap's first draft position -> its drafts
 
-    def saw_lap(self, drafts: int) -> None:
-        """A live lap's verdict arrived; it carried ``drafts`` drafts."""
-        self.drafts.append(drafts)
+    def saw_lap(self, first: int, drafts: list[int]) -> None:
+        """A live lap's verdict arrived; it carried ``drafts`` from position ``first``. A lap at or before
+        one already seen (a re-verification replays the generation from a disputed position) drops the
+        later ones: their positions no longer hold the committed tokens they were drafted against."""
+        self.drafts.append(len(drafts))
+        if self.laps and first <= next(reversed(self.laps)):
+            self.laps = {p: d for p, d in self.laps.items() if p < first}
+        self.laps[first] = list(drafts)
 
     def draft_count(self, rng: random.Random, cap: int) -> int:
         """Drafts for the next audit Step: a live lap's count (uniform over the laps so far; the
@@ -42,7 +48,33 @@ class LiveShape:
         count = rng.choice(self.drafts) if self.drafts else self.num_draft_tokens
         return max(0, min(count, self.num_draft_tokens, cap))
 
+    def drafts_at(self, ids: list[int], position: int, rng: random.Random, room: int) -> list[int]:
+        """An audit Step's drafts from ``position`` (at most ``room``): the live lap's own drafts there, its
+        rejected ones too, so that an honest tail accepts as many as the live tail did and names the same
+        next token; where no live lap's drafts began there (a window's end cut a lap, a tree lap), a live
+        lap's count of committed tokens, up to the next live lap's first draft (from there the Steps replay
+        the laps again). Why: with committed tokens alone an honest tail accepted every draft of every
+        audit Step, where live laps' drafts are guesses (measured: benchmarks/audit_tells.py), so a tail
+        could tell audits apart by its own verdicts and frame only there (tests/kit/faults.py
+        ``AcceptanceTell``)."""
+        lap = self.laps.get(position)
+        if lap is not None:
+            return lap[: max(0, room)]
+        count = self.draft_count(rng, min(room, len(ids) - position))
+        later = [p for p in self.laps if p > position]
+        if later:
+            count = min(count, min(later) - position - 1)
+        return list(ids[position : position + max(0, count)])
+
     def loop_runs_at(self, history: int) -> int:
         """``loop_runs`` of a live lap sent from history length ``history`` (LoopedMode.step_fields:
         the tokens the generation may still commit, less one), 0 where the live laps do not loop."""
         return max(0, self.loop_end - history - 1) if self.loop_end else 0
+
+
+def committed_prefix(ids: list[int], position: int, drafts: list[int]) -> int:
+    """How many of ``drafts`` (from ``position``) are the committed tokens there: what an honest tail accepts."""
+    for i, draft in enumerate(drafts):
+        if position + i >= len(ids) or draft != ids[position + i]:
+            return i
+    return len(drafts)

@@ -50,10 +50,10 @@ class Audits:
         if self.verdicts is not None:
             self.verdicts.begin(prompt, max_length, sampling, verification, live)
 
-    def saw_lap(self, drafts: int) -> None:
-        """A live lap's verdict arrived; it carried ``drafts`` drafts (audit Steps copy the counts)."""
+    def saw_lap(self, first: int, drafts: list[int]) -> None:
+        """A live lap's verdict arrived; it carried ``drafts`` from position ``first`` (audit Steps replay them)."""
         if self.verdicts is not None:
-            self.verdicts.live.saw_lap(drafts)
+            self.verdicts.live.saw_lap(first, drafts)
 
     def saw_run(self, run, result) -> None:
         """A live run's verdict arrived (``result``, after the client's correction): under rejection

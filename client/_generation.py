@@ -255,7 +255,7 @@ class SpeculativeDecoder(Reverification):
         tail_drafts = result.drafts if result.correction_ids is None else []  # after the tail's own next token
         front = self.mode.check_verdict(front, result)
         if self.audits is not None and not front.tree:
-            self.audits.saw_lap(len(front.drafts))  # audit Steps carry as many (client/_audit_shape.py)
+            self.audits.saw_lap(front.first_draft_pos, front.drafts)  # audit Steps replay them (client/_audit_shape.py)
         self._time_lap(front, result.tail_costs)
         self.stats.add_tail_costs(len(front.token_ids), result.tail_costs)
         if result.correction_ids is not None:

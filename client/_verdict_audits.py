@@ -45,7 +45,7 @@ import logging
 import random
 from typing import Optional, Sequence
 
-from client._audit_shape import LiveShape
+from client._audit_shape import LiveShape, committed_prefix
 from client._avoidance import Avoidance
 from client._evidence_disputes import EvidenceDisputes
 from client._lm_head import LMHeadRows
@@ -227,10 +227,11 @@ class VerdictAuditor(ShadowTurns, EvidenceDisputes, BackgroundAudit):
                     shadow, run_id, position - len(context), [*context, *drafts], len(drafts), loops, stats
                 )
             if self.live.loop_end:  # the drafts for the run the tail may start after this one
-                after = position + len(drafts) + 1
+                expect = committed_prefix(ids, position, drafts)  # what an honest tail accepts of them
+                after = position + expect + 1
                 offered = self._drafts(ids, after, limit)
                 if after <= len(ids) and offered:
-                    option = (len(drafts), ids[after - 1], offered)
+                    option = (expect, ids[after - 1], offered)
                     await shadow.offer(DraftOffer(session_id=shadow.session_id, run_id=run_id, options=[option]))
             result = await shadow.next_result(run_id)
             if result.run_id != run_id:
@@ -278,8 +279,8 @@ class VerdictAuditor(ShadowTurns, EvidenceDisputes, BackgroundAudit):
         return {p for p, w in self.confirmers.items() if w and w <= avoided}
 
     def _drafts(self, ids: list[int], position: int, limit: int) -> list[int]:
-        """A live lap's count of committed tokens from ``position`` on, as the drafts of a run."""
-        return ids[position : position + self.live.draft_count(self.rng, min(limit - 1, len(ids) - position))]
+        """The drafts of a run from ``position``: the live lap's there (client/_audit_shape.py)."""
+        return self.live.drafts_at(ids, position, self.rng, limit - 1)
 
     async def _step(self, start: int, token_ids: list[int], n_draft: int, stats) -> StepResult:
         run_id = self._next_run

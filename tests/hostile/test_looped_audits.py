@@ -37,6 +37,7 @@ class LoopingTail:
         self.looped_runs: list[tuple[int, list[int]]] = []  # (run_id, drafts) of runs the tail started
         self.cancelled: list[int] = []
         self.last_offer: Optional[DraftOffer] = None
+        self.verified: list[tuple[int, list[int], int]] = []  # (first draft position, drafts, accepted) per run
         self.in_flight: Optional[tuple[int, int, list[int], int, bool]] = (
             None  # run, first draft pos, drafts, loops, looped
         )
@@ -71,6 +72,7 @@ class LoopingTail:
         while accepted < len(drafts) and drafts[accepted] == self._choice(first + accepted):
             accepted += 1
         next_token = self._choice(first + accepted)
+        self.verified.append((first, drafts, accepted))
         start = first + accepted + 1  # the next run's first draft position
         loop = loops > 0 and start + 1 <= MAX_LENGTH
         result = StepResult(
@@ -152,3 +154,33 @@ def test_a_lie_in_a_looped_run_is_disputed_at_its_position(drafts):
     assert PROMPT_LEN < len(auditor.audited) <= lie_at and auditor.audited == ids[: len(auditor.audited)]
     assert len(shadow.sent) == 1  # the lie came in a run the tail started itself
     assert shadow.cancelled and shadow.in_flight is None  # the run after the lie is dropped
+
+
+def test_audit_runs_replay_the_live_laps_drafts_rejected_ones_too():
+    """Live laps carried drafts the tail partly rejected; the audit's runs (the client's Step and those
+    the tail starts from its offers) carry each live lap's own drafts, rejected ones too
+    (client/_audit_shape.py ``drafts_at``), so the honest tail accepts as many of each as it did live
+    and names the committed token after them: every token confirmed, no dispute. Why: with committed
+    tokens alone an honest tail accepted every audit draft, a tell live laps lack (tests/kit/faults.py
+    ``AcceptanceTell``)."""
+    ids = TRUTH[: PROMPT_LEN + NEW_TOKENS]
+    shadow = LoopingTail()
+    auditor = _auditor(shadow, 4)
+    rng, live, position = random.Random(1), {}, PROMPT_LEN
+    while position + 5 <= len(ids):  # live laps of 4 drafts, a of them accepted (a wrong guess after them)
+        a = rng.randrange(5)
+        drafts = [*ids[position : position + a], *[(t + 1) % 97 for t in ids[position + a : position + 4]]]
+        auditor.live.saw_lap(position, drafts)
+        live[position] = (drafts, a)
+        position += a + 1
+    disputes: list = []
+    auditor._dispute = lambda *args, **kwargs: disputes.append(args)  # must not be called
+    _confirm(auditor, ids, PROMPT_LEN)
+    assert disputes == [] and auditor.audited == ids
+    replayed = [(first, drafts, a) for first, drafts, a in shadow.verified if first in live]
+    assert len(replayed) == len(live)  # every live lap's position began an audit run
+    assert all((drafts, a) == live[first] for first, drafts, a in replayed)
+    assert any(a < len(drafts) for _, drafts, a in replayed)  # drafts rejected, as live
+    # a re-verification from a position drops the laps recorded after it (their drafts no longer fit)
+    auditor.live.saw_lap(PROMPT_LEN + 3, ids[PROMPT_LEN + 3 : PROMPT_LEN + 5])
+    assert max(auditor.live.laps) == PROMPT_LEN + 3

@@ -333,6 +333,35 @@ def _features(path) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
+def test_a_framer_that_tells_audits_by_their_acceptance_finds_none(
+    sybil_swarm, tiny_llama_path, greedy_reference, drafter, monkeypatch
+):
+    """F1 and F2 (one machine group) frame every session whose drafted Steps they fully accepted so far
+    (``--frame-by-acceptance``: a shadow's drafts used to be the committed tokens, which an honest tail
+    accepts in full, where a live lap's are guesses). T is live, with a local draft model that disagrees
+    now and then, so T rejects some of the live laps' drafts. Audit runs replay the live laps' own
+    drafts, the rejected ones too (client/_audit_shape.py ``drafts_at``): the framers accept as many as T
+    did and never take a shadow's session for an audit. No dispute, nobody avoided or convicted, every
+    token confirmed by an independent witness, the output equal to local transformers. (With committed
+    tokens as drafts they framed at the first audit and were refuted by evidence: the test fails there.)"""
+    processes = start(sybil_swarm, "--frame-by-acceptance", names=("F1", "F2"))
+    try:
+        with client(sybil_swarm, tiny_llama_path, route("T"), route("F1"), route("F2"), hidden=["U"]) as model:
+            on_one_machine(monkeypatch, {model.peers["F1"], model.peers["F2"]})
+            out = generate(model, draft_model=drafter, audit="required")
+            stats = model.last_generation_stats
+            print(f"\nframing by acceptance: {stats.accepted_lengths}, {stats.spot_check_events}")
+            assert out == greedy_reference, stats.spot_check_events
+            assert stats.drafted > sum(a * n for a, n in stats.accepted_lengths.items())  # T rejected drafts
+            assert stats.verdict_audits >= 2 and stats.disputed_peers == [], stats.spot_check_events
+            assert stats.tokens_unconfirmed == 0 and stats.tokens_confirmed_untrusted == NEW_TOKENS
+            excluded = model.swarm.excluded.current()
+            assert stats.liars_excluded == [] and not {model.peers[n] for n in ("T", "F1", "F2")} & excluded
+            assert stats.route[-1][0] == model.peers["T"]
+    finally:
+        stop(sybil_swarm, processes)
+
+
 def test_audits_look_like_live_laps_to_the_tail(sybil_swarm, tiny_llama_path, greedy_reference, tmp_path):
     """R records what it sees of every Step it verifies (tests/kit/faults.py ``record_verdicts``):
     first as the live route's tail (T shadows it), then as T's shadow and spot-check substitute

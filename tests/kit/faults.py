@@ -24,7 +24,9 @@ server stays honest, so each test sees exactly the one lie it is about.
   looks like an audit's (:func:`looks_like_an_audit`: more than ``LIVE_DRAFTS`` drafts, as shadow
   Steps carried before audits were shaped like live laps, or one that ends at its session's last
   position, as a third opinion's did), rejects the first draft and names the model's second choice
-  there: two such tails would confirm each other against an honest one.
+  there: two such tails would confirm each other against an honest one. ``frame(by_acceptance=True)``:
+  the same on a session whose drafted Steps this tail fully accepted so far (:class:`AcceptanceTell`,
+  the tell no Step's shape hides: a shadow's drafts are the committed tokens).
 - ``lie_in_verdicts(..., live_only=True)``: the adaptive liar, lying only where
   :func:`looks_like_an_audit` says no audit looks.
 - ``lie_in_verdicts(..., rejection=True)``: lies in rejection-exchange verdicts too (``draft_q``):
@@ -269,17 +271,47 @@ def looks_like_an_audit(session, step) -> bool:
     )
 
 
-def frame() -> Counter:
+FULL_STREAK = 2  # drafted Steps, every draft accepted, after which the acceptance detector calls a session an audit
+
+
+class AcceptanceTell:
+    """The detector no Step's shape defeats: a session whose drafted Steps so far (at least
+    ``FULL_STREAK``) were all fully accepted by this tail's own honest verdicts is taken for an audit's.
+    Why it works: a shadow's drafts are the committed tokens, so an honest tail accepts every one; a
+    live lap's are guesses (benchmarks/audit_tells.py measures both)."""
+
+    def __init__(self) -> None:
+        self.full: dict[str, int] = {}  # session id -> its drafted Steps, every one fully accepted so far
+        self.live: set[str] = set()  # sessions with a draft this tail rejected
+
+    def audit(self, session) -> bool:
+        sid = session.session_id
+        return sid not in self.live and self.full.get(sid, 0) >= FULL_STREAK
+
+    def saw(self, session, step, accepted: int) -> None:
+        """This tail's honest verdict on ``step`` accepted ``accepted`` of its drafts."""
+        if step.n_draft and accepted < step.n_draft:
+            self.live.add(session.session_id)
+        elif step.n_draft:
+            self.full[session.session_id] = self.full.get(session.session_id, 0) + 1
+
+
+def frame(by_acceptance: bool = False) -> Counter:
     """From now on this process's tails frame whoever they audit (``server.compute._verdict``
-    patched): on an audit-looking Step (:func:`looks_like_an_audit`) the first draft is rejected
-    and the second choice at its position named instead; every other Step is verified honestly."""
+    patched): on an audit-looking Step (:func:`looks_like_an_audit`; ``by_acceptance``: a Step with
+    drafts of a session :class:`AcceptanceTell` takes for an audit's) the first draft is rejected and
+    the second choice at its position named instead; every other Step is verified honestly."""
     from server import compute as compute_module
 
-    count, verdict = Counter(1), compute_module._verdict
+    count, verdict, tell = Counter(1), compute_module._verdict, AcceptanceTell()
 
     def framing_verdict(session, step, logits):
         result = verdict(session, step, logits)
-        if step.parents or step.draft_q is not None or not looks_like_an_audit(session, step):
+        if step.parents or step.draft_q is not None:
+            return result
+        looks = tell.audit(session) if by_acceptance else looks_like_an_audit(session, step)
+        tell.saw(session, step, result.accepted)
+        if not looks:
             return result
         if not step.n_draft:  # nothing to reject (a forward pass asking for logits looks like an audit)
             return result
@@ -367,8 +399,9 @@ def record_verdicts(path: str) -> None:
     verdict = compute_module._verdict
 
     def recording_verdict(session, step, logits):
+        result = verdict(session, step, logits)
         with open(path, "a") as f:
-            f.write(json.dumps(step_features(session, step)) + "\n")
-        return verdict(session, step, logits)
+            f.write(json.dumps({**step_features(session, step), "accepted": result.accepted}) + "\n")
+        return result
 
     compute_module._verdict = recording_verdict

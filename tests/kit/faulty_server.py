@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--frame", action="store_true", help="honest in live laps, name a wrong token in audit-looking Steps"
     )
+    p.add_argument(
+        "--frame-by-acceptance", action="store_true", help="--frame on sessions whose drafts it fully accepted so far"
+    )
     p.add_argument("--lie-when-live", action="store_true", help="lie only on Steps that do not look like audits")
     p.add_argument("--lie-in-rejection", action="store_true", help="lie in rejection-exchange verdicts too")
     p.add_argument("--lie-in-outputs", type=float, default=0.0, metavar="SHIFT", help="shift returned logits")
@@ -112,8 +115,8 @@ def patch(args: argparse.Namespace) -> None:
         faults.lie_in_logprobs(args.lie_in_logprobs)
     if args.made_up_final:
         block_faults.made_up_final_hidden(args.made_up_final)
-    if args.frame:
-        faults.frame()
+    if args.frame or args.frame_by_acceptance:
+        faults.frame(by_acceptance=args.frame_by_acceptance)
     if args.claim_factor:
         faults.inflate_claims(args.claim_factor)
 
