@@ -19,7 +19,10 @@ each size given (``pool of 5``: with six tails, every candidate verifies every w
 ``audit_witnesses`` set to the number of candidates). ``--pool-alone-last`` adds, for each pool, a mode
 ``pool of k, last audit by the pool`` whose last audit is verified by the pool alone (what the client did
 before 2026-12-05: ``LAST_AUDIT_WITNESSES`` set to 1 for that mode), where the default has every candidate
-up to ``LAST_AUDIT_WITNESSES`` verify the last audit's window.
+up to ``LAST_AUDIT_WITNESSES`` verify the last audit's window. ``--committed-drafts`` adds, for each pool,
+a mode ``pool of k, committed drafts`` whose audit Steps carry committed tokens as drafts (the client
+before 2026-12-06: benchmarks/audit_tells.py ``committed_only``), where the default replays the live
+laps' own drafts, rejected ones too.
 
 Per mode: the median wall time of ``generate()`` (audits in the background, but the last window's
 audits run before it returns), the server positions the audits computed per generated token
@@ -50,6 +53,9 @@ def main() -> None:
     p.add_argument("--tails", type=int, default=4, help=f"honest tails, 2 to {len(TAIL_NAMES)} (T is the live one)")
     p.add_argument("--pools", type=int, nargs="+", default=[3, 1], help="audit_witnesses, one mode each")
     p.add_argument("--pool-alone-last", action="store_true", help="each pool also with its last audit by the pool")
+    p.add_argument(
+        "--committed-drafts", action="store_true", help="each pool also with the committed tokens as audit drafts"
+    )
     p.add_argument("--out", default="benchmarks/results/shadow-pool.json")
     args = p.parse_args()
     if not 2 <= args.tails <= len(TAIL_NAMES) or any(k < 1 for k in args.pools):
@@ -58,6 +64,8 @@ def main() -> None:
     witnesses = {f"pool of {k}": k for k in args.pools}
     if args.pool_alone_last:
         witnesses |= {f"pool of {k}, last audit by the pool": k for k in args.pools}
+    if args.committed_drafts:
+        witnesses |= {f"pool of {k}, committed drafts": k for k in args.pools}
     witnesses |= {"no verdict audits": 3}
     modes = tuple(witnesses)
     import subprocess
@@ -65,13 +73,15 @@ def main() -> None:
     import torch
     from transformers import AutoTokenizer
 
+    from benchmarks.audit_tells import committed_only
     from client import _shadow_turns
+    from client._audit_shape import LiveShape
     from protocol.models import ensure_smollm2_checkpoint
     from swarm import AutoDistributedModelForCausalLM
     from swarm.local import LocalSwarm
     from tests.kit.routes import PreferredRoutes
 
-    last_default = _shadow_turns.LAST_AUDIT_WITNESSES
+    last_default, replayed = _shadow_turns.LAST_AUDIT_WITNESSES, LiveShape.drafts_at
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     tokenizer = AutoTokenizer.from_pretrained(ensure_smollm2_checkpoint())
@@ -91,6 +101,7 @@ def main() -> None:
                 for mode in modes:
                     model.verdict_audit_every = 0 if mode == "no verdict audits" else 16
                     _shadow_turns.LAST_AUDIT_WITNESSES = 1 if mode.endswith("by the pool") else last_default
+                    LiveShape.drafts_at = committed_only if mode.endswith("committed drafts") else replayed
                     start = time.perf_counter()
                     with torch.no_grad():
                         out = model.generate(prompt, max_new_tokens=args.tokens, audit_witnesses=witnesses[mode])

@@ -30,6 +30,10 @@ the client's own connections, is written to the results.
    its witnesses are the colluders and T. ``--identity-order`` chooses and draws witnesses by identity, as
    the client did before 2026-12-06, where the colluders could crowd T out of the pool and the last audit.
    Run before scenario 3.
+5. The same lying identities spread over machine groups (``--spread-colluders N``, off by default: the
+   live liar S1 on 127.0.11.1, N colluders on 127.0.21.1, 127.0.22.1 ..., a /24 each), beside T: with more
+   than ``LAST_AUDIT_WITNESSES`` (6) candidate groups the last audit may leave T's out, and nobody is
+   trusted; what gets through is counted as wrong tokens not flagged.
 
 Counted per run: output equal to local transformers, who was convicted / banned / reported, disputed
 peers, tokens confirmed by a trusted server / an untrusted one / unconfirmed (= flagged with a
@@ -347,6 +351,18 @@ def plan(args) -> list[dict]:
             )
         )
 
+    if args.spread_colluders:  # as many identities, each on a /24 of its own: more groups than the last audit's six
+        liar = names[0]
+        spread = {f"S{i + 2}": f"127.0.{21 + i}.1" for i in range(args.spread_colluders)}
+        chosen.append(
+            dict(
+                title=f"5. a liar and {args.spread_colluders} colluders on a /24 each, confirming each other",
+                sybils={liar: own[liar], **spread},
+                flags=lie,
+                routes_for=routes(lambda run: [liar, "T", *spread]),
+            )
+        )
+
     def picked(title: str, key: str) -> bool:  # "=title": that scenario alone (others contain its title)
         return title == key[1:] if key.startswith("=") else key in title
 
@@ -389,6 +405,12 @@ def main() -> None:
         "verify the last audit's window alone, and no last audit where an earlier one covered the end",
     )
     p.add_argument("--rejection-runs", type=int, default=20, help="scenario 3's generations (0: skip it)")
+    p.add_argument(
+        "--spread-colluders",
+        type=int,
+        default=0,
+        help="scenario 5's colluders, each on a /24 of its own beside the live liar (0, the default: skip it)",
+    )
     p.add_argument(
         "--colluders", type=int, default=7, help="scenario 4's identities on one /24 beside the live liar (0: skip it)"
     )
