@@ -339,29 +339,19 @@ def plan(args) -> list[dict]:
         )
     )
 
-    if args.colluders:  # many identities on one machine group, beside a liar on another and the honest T
+    def beside_the_liar(title: str, colluders: dict) -> dict:  # S1 live on its own /24, the colluders its witnesses
         liar = names[0]
-        colluders = {f"S{i + 2}": f"127.0.12.{i + 1}" for i in range(args.colluders)}
-        chosen.append(
-            dict(
-                title=f"4. a liar on its own /24 and {args.colluders} colluders on another, confirming each other",
-                sybils={liar: own[liar], **colluders},
-                flags=lie,
-                routes_for=routes(lambda run: [liar, "T", *colluders]),
-            )
-        )
+        sybils = {liar: own[liar], **colluders}
+        return dict(title=title, sybils=sybils, flags=lie, routes_for=routes(lambda run: [liar, "T", *colluders]))
 
+    if args.colluders:  # many identities on one machine group, beside a liar on another and the honest T
+        colluders = {f"S{i + 2}": f"127.0.12.{i + 1}" for i in range(args.colluders)}
+        title = f"4. a liar on its own /24 and {args.colluders} colluders on another, confirming each other"
+        chosen.append(beside_the_liar(title, colluders))
     if args.spread_colluders:  # as many identities, each on a /24 of its own: more groups than the last audit's six
-        liar = names[0]
         spread = {f"S{i + 2}": f"127.0.{21 + i}.1" for i in range(args.spread_colluders)}
-        chosen.append(
-            dict(
-                title=f"5. a liar and {args.spread_colluders} colluders on a /24 each, confirming each other",
-                sybils={liar: own[liar], **spread},
-                flags=lie,
-                routes_for=routes(lambda run: [liar, "T", *spread]),
-            )
-        )
+        title = f"5. a liar and {args.spread_colluders} colluders on a /24 each, confirming each other"
+        chosen.append(beside_the_liar(title, spread))
 
     def picked(title: str, key: str) -> bool:  # "=title": that scenario alone (others contain its title)
         return title == key[1:] if key.startswith("=") else key in title

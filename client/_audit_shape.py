@@ -3,17 +3,18 @@
 
 A tail that can tell an audit's Step from a live lap's can lie only where no audit looks, or frame
 only where audits look (tests/kit/faults.py ``frame``). So the verdict audits and third opinions
-send Steps with what a tail sees of a live lap: as many drafts as a live lap of the same generation
-carried (drawn from the counts its own laps carried, never more than ``num_draft_tokens``), a next
-token confirmed per Step as a live lap commits one, and the generation's session ``max_length``
-(client/_verdict_audits.py). Live laps ask for at least ``LIVE_TOP_LOGPROBS`` top log-prob per
-committed token (a few bytes each), so that spot-checks verify through an ordinary verdict and
-compare its log-probs, never asking for the returned logits no live lap asks for
-(client/_spot_checks.py). And ``loop_runs``: where the live laps ask the tail to start each next run
-itself, the shadow's Steps ask for as many looped runs as a live lap at the same position would
-(:meth:`LiveShape.loop_runs_at`), and consume the runs the tail starts as the live client does: it
-offers the committed tokens as the next run's drafts (DraftOffer), compares each looped verdict's
-tokens with the committed ones, and cancels the looped run past the last committed token (Cancel).
+send Steps with what a tail sees of a live lap: the verdict audits' runs replay the live laps' own
+drafts, rejected ones too (:meth:`LiveShape.drafts_at`), so an honest tail accepts as many as it did
+live; a third opinion's Step carries one draft (the disputed token); a next token is confirmed per Step
+as a live lap commits one; and the generation's session ``max_length`` (client/_verdict_audits.py).
+Live laps ask for at least ``LIVE_TOP_LOGPROBS`` top log-prob per committed token (a few bytes each),
+so that spot-checks verify through an ordinary verdict and compare its log-probs, never asking for the
+returned logits no live lap asks for (client/_spot_checks.py). And ``loop_runs``: where the live laps
+ask the tail to start each next run itself, the shadow's Steps ask for as many looped runs as a live lap
+at the same position would (:meth:`LiveShape.loop_runs_at`), and consume the runs the tail starts as the
+live client does: it offers the next live lap's drafts as the next run's (DraftOffer), compares each
+looped verdict's tokens with the committed ones, and cancels the looped run past the last committed
+token (Cancel).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ server stays honest, so each test sees exactly the one lie it is about.
   position, as a third opinion's did), rejects the first draft and names the model's second choice
   there: two such tails would confirm each other against an honest one. ``frame(by_acceptance=True)``:
   the same on a session whose drafted Steps this tail fully accepted so far (:class:`AcceptanceTell`,
-  the tell no Step's shape hides: a shadow's drafts are the committed tokens).
+  the tell no Step's shape hid while a shadow's drafts were the committed tokens).
 - ``lie_in_verdicts(..., live_only=True)``: the adaptive liar, lying only where
   :func:`looks_like_an_audit` says no audit looks.
 - ``lie_in_verdicts(..., rejection=True)``: lies in rejection-exchange verdicts too (``draft_q``):
@@ -277,8 +277,9 @@ FULL_STREAK = 2  # drafted Steps, every draft accepted, after which the acceptan
 class AcceptanceTell:
     """The detector no Step's shape defeats: a session whose drafted Steps so far (at least
     ``FULL_STREAK``) were all fully accepted by this tail's own honest verdicts is taken for an audit's.
-    Why it works: a shadow's drafts are the committed tokens, so an honest tail accepts every one; a
-    live lap's are guesses (benchmarks/audit_tells.py measures both)."""
+    Why it worked: a shadow's drafts were the committed tokens, so an honest tail accepted every one,
+    where a live lap's are guesses; audits now replay the live laps' drafts (client/_audit_shape.py
+    ``drafts_at``; benchmarks/audit_tells.py measures both)."""
 
     def __init__(self) -> None:
         self.full: dict[str, int] = {}  # session id -> its drafted Steps, every one fully accepted so far
