@@ -33,7 +33,10 @@ another (``fallback_key``): a refutation is the client's own finding, a dispute 
 lied. Why: an honest T that disputed S1 unsettled, then refuted S2 and S3 by evidence, was tied with
 S1 (one dispute each) and the fallback went by peer id. What is still tied at the end is broken by a
 keyed hash of the peer id that only this client can compute, never by the peer id itself, which a sybil
-can grind to sort first.
+can grind to sort first; but before that, a group a near tie's evidence leaned against (``leaned``:
+client/_evidence.py ``lean``, the side whose token loses at the one hidden state both tails sent) comes
+after the other. Why: a liar naming the runner-up where the top two are within the bounds (sized for
+16-bit GPUs) is a near tie on float32 servers, and the coin then fell on the liar half the time.
 """
 
 from __future__ import annotations
@@ -57,13 +60,14 @@ class Avoidance:
         self.refutations: Counter[str] = Counter()  # machine group -> its servers evidence refuted
         self.upheld: Counter[str] = Counter()  # machine group -> its servers evidence upheld against another
         self.pairs: set[frozenset[str]] = set()  # the pairs of groups that disagreed
+        self.leaned: Counter[str] = Counter()  # machine group -> near ties whose evidence leaned against it
         self.servers: set[str] = set()  # peer ids seen in server records (a group's identities count only those)
         self._salt = secrets.token_bytes(16)  # ties in the fallback order are broken by it (``_draw``)
 
     def reset(self) -> None:
         """A new generation (the decoder gives it a fresh ``avoid`` set through ``share``)."""
         self.disputants, self.disputes, self.pairs, self.servers = set(), Counter(), set(), set()
-        self.refutations, self.upheld = Counter(), Counter()
+        self.refutations, self.upheld, self.leaned = Counter(), Counter(), Counter()
 
     def group(self, peer_id: str) -> str:
         """The server's machine group as last seen; a server of unknown address is its own group."""
@@ -74,12 +78,15 @@ class Avoidance:
         server record (a DHT bootstrap node, another client on the same machine) do not count."""
         return max(1, sum(1 for p, g in self.witnesses.groups.items() if g == group and p in self.servers))
 
-    def dispute(self, a: str, b: str, servers: Collection[str] = ()) -> set[str]:
+    def dispute(self, a: str, b: str, servers: Collection[str] = (), against: Optional[str] = None) -> set[str]:
         """``a`` and ``b`` disagreed and nobody trusted settled it: avoid both and every untrusted
         server of their machine groups (``servers``: the peer ids of the swarm's server records; none
-        given: every peer the client is connected to counts). Returns the servers newly avoided."""
+        given: every peer the client is connected to counts; ``against``: the one of the two a near tie's
+        evidence leans against, client/_evidence.py ``lean``). Returns the servers newly avoided."""
         self.servers.update(servers or self.witnesses.groups)
         self.servers.update((a, b))
+        if against in (a, b):
+            self.leaned[self.group(against)] += 1
         groups = {self.group(a), self.group(b)}
         for g in groups:
             self.disputes[g] += 1
@@ -115,11 +122,11 @@ class Avoidance:
         self.peers.update(new)
         return new
 
-    def disputed(self, peer_ids: Sequence[str], servers: Collection[str] = ()) -> None:
+    def disputed(self, peer_ids: Sequence[str], servers: Collection[str] = (), against: Optional[str] = None) -> None:
         """A spot-check's or an upstream check's unsettled disagreement: two servers are a dispute;
         more (a three-way split) are each avoided, with their groups counted, no pair recorded."""
         if len(peer_ids) == 2:
-            self.dispute(*peer_ids, servers=servers)
+            self.dispute(*peer_ids, servers=servers, against=against)
             return
         for p in peer_ids:
             self.disputes[self.group(p)] += 1
@@ -130,7 +137,8 @@ class Avoidance:
         group = self.group(peer_id)
         unsettled = self.disputes[group] - self.refutations[group] - self.upheld[group]
         tie = self._draw(peer_id)
-        return (self.refutations[group], unsettled, self.members(group), peer_id in self.disputants, tie)
+        disputant = peer_id in self.disputants
+        return (self.refutations[group], unsettled, self.members(group), disputant, self.leaned[group], tie)
 
     def _draw(self, peer_id: str) -> bytes:
         """The last tie-break: a keyed hash of the peer id, the key this client's own secret. Not the peer id

@@ -77,6 +77,32 @@ class Settlement:
     refuted: Optional[str]
     detail: str
     unread: bool = False  # a tail's evidence session failed or timed out (a hop before it may have stalled it)
+    # a near tie between two hidden states that agree to float32 arithmetic: the side whose token loses at
+    # them ("tail" or "shadow"), which the generation falls back on last; never a refutation (:func:`lean`)
+    leans: Optional[str] = None
+
+
+# Two final hidden states closer than this (relative to max(1, max|h|)) are one state to the lean: float32
+# arithmetic, far under the noise the bounds allow (CPU servers send bit-identical states: 0). A tail that
+# moves its h further to tilt the lean gets none, so the fallback order stays a draw the client keys.
+LEAN_SPREAD = 1e-6
+
+
+def lean(h_tail: torch.Tensor, h_shadow: torch.Tensor, d_tail: float, d_shadow: float) -> Optional[str]:
+    """At a near tie (nothing settled), which side's token loses at the hidden state both tails sent, where
+    they sent one (within ``LEAN_SPREAD``) and its gap d is clear of float32 arithmetic: "shadow" when the
+    route's tail's token wins (d > 0), "tail" when it loses. Why: the bounds are sized for 16-bit GPUs, so on
+    a swarm of float32 servers a liar that names the runner-up where the top two are close is a near tie,
+    and the generation fell back on it or on the honest tail by a coin the client keys (one seeded top-p
+    lie in ten, docs/reliability.md); at a state both sent, the honest token is the one that wins there.
+    Only the fallback order reads it: nobody is refuted or convicted by it."""
+    scale = max(1.0, float(h_tail.abs().max()))
+    if not float((h_tail - h_shadow).abs().max()) / scale <= LEAN_SPREAD:
+        return None
+    d = (d_tail + d_shadow) / 2
+    if abs(d) <= 1e-5 * (1 + abs(d)):
+        return None
+    return "shadow" if d > 0 else "tail"
 
 
 # How far an honest server's final hidden state may move between two computations of the same
@@ -148,4 +174,4 @@ def settle(
         return Settlement("shadow", numbers)
     if d_tail < -bound and d_shadow < -bound:
         return Settlement("tail", numbers)
-    return Settlement(None, numbers + " (a near tie)")
+    return Settlement(None, numbers + " (a near tie)", leans=lean(h_tail, h_shadow, d_tail, d_shadow))

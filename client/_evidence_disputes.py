@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from client._bisection import spread
-from client._evidence import Settlement, bounds, plain_greedy, plain_sampled, settle
+from client._evidence import LEAN_SPREAD, Settlement, bounds, plain_greedy, plain_sampled, settle
 from client._output_audits import fresh_pass, output_tolerance
 from client._output_evidence import evidence_ready, settle_logprobs
 from client._processed_evidence import (
@@ -123,7 +123,9 @@ class EvidenceDisputes:
             if guide is None:
                 return Settlement(None, "the constraint's mask could not be rebuilt from the checkpoint's tokenizer")
         lo, hi = logit_bounds(h_tail, h_shadow, products, noise, rounding)
-        found = processed_bounds(lo, hi, ids[:t], self.sampling, guide)
+        one_state = float((h_tail - h_shadow).abs().max()) <= LEAN_SPREAD * max(1.0, float(h_tail.abs().max()))
+        center = products[0].double().mean(dim=0) if one_state else None  # for a near tie's lean
+        found = processed_bounds(lo, hi, ids[:t], self.sampling, guide, center)
         numbers = "hidden states agree; every logit bounded through the session's processing"
         covering = self.rejection.covering(t) if self.verification == "rejection" else None
         if covering is None:  # a token match (or the bonus draw after accepted drafts)
@@ -173,6 +175,23 @@ class EvidenceDisputes:
         logger.warning(f"Verdict dispute settled by evidence ({what}): {refuted} refuted, avoided with its group")
         self._given_up = 0
         self.audited = ids[:t]  # a refuted route tail: the decoder re-verifies; a refuted shadow: the next one does
+        await self._drop_shadow()
+
+    async def _unsettled(self, route: list[Hop], ids: list[int], t: int, what: str, stats, against=None) -> None:
+        """No conviction: avoid both disputing servers and their machine groups for this generation
+        (client/_avoidance.py; ``against``: the side a near tie's evidence leans against, fallen back on
+        last); its tokens from t on are re-verified elsewhere (the decoder reacts to a route server in
+        ``avoid``)."""
+        tail, alt = route[-1].peer_id, self._shadow.tail_peer
+        what += f"; the near tie leans against {against} (fallen back on last)" if against else ""
+        await self.witnesses.refresh(self.swarm.p2p)  # the group-mates' addresses, as the daemon sees them now
+        self.avoidance.dispute(tail, alt, servers=self.swarm.records, against=against)
+        stats.verdict_audits_undecided += 1
+        stats.disputed_peers.extend(p for p in (tail, alt) if p not in stats.disputed_peers)
+        stats.spot_check_events.append(f"verdict audit unsettled: {what}; avoiding both and their groups, re-verifying")
+        logger.warning(f"Verdict dispute unsettled ({what}): avoiding both and their groups for this generation")
+        self._given_up = 0
+        self.audited = ids[:t]
         await self._drop_shadow()
 
 

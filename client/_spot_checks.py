@@ -169,6 +169,7 @@ class AuditResult:
     disputed: tuple[str, ...] = ()  # the two servers of a disagreement nobody trusted settled
     substitute: str = ""  # the substitute compared (an independent one may replace the one drawn)
     by_evidence: bool = False  # ``liar`` (convicted, or "refuted": avoided with its group) by the client's evidence
+    against: Optional[str] = None  # of ``disputed``, the one a near tie's evidence leans against (client/_evidence.py)
 
 
 class BackgroundAudit:
@@ -276,7 +277,7 @@ class SpotChecker(BackgroundAudit):
             elif result.verdict == "undecided":
                 stats.spot_checks_undecided += 1
                 # the two and their machine groups (client/_avoidance.py)
-                self.avoidance.disputed(result.disputed, servers=self.swarm.records)
+                self.avoidance.disputed(result.disputed, servers=self.swarm.records, against=result.against)
                 stats.disputed_peers.extend(p for p in result.disputed if p not in stats.disputed_peers)
                 logger.warning(
                     f"Spot-check undecided: servers {hop.peer_id} and {alt} disagree on blocks "

@@ -350,7 +350,7 @@ class VerdictAuditor(ShadowTurns, EvidenceDisputes, BackgroundAudit):
         if shadow_token is None:
             what = f"position {t}: {logprobs[0]} (the route's tail {tail}, the shadow's {alt})"
         trusted = self.witnesses.is_trusted
-        liar, judge = None, None
+        liar, judge, against = None, None, None  # against: the side a near tie's evidence leans against
         if trusted(alt) != trusted(tail):
             liar, judge = (tail, alt) if trusted(alt) else (alt, tail)
         elif not trusted(alt) and shadow_token is not None and self.verification == "match":
@@ -374,6 +374,7 @@ class VerdictAuditor(ShadowTurns, EvidenceDisputes, BackgroundAudit):
                 args = ([*before, route[-1]], ids, t, shadow_token, stats, logprobs[1:])
                 settled = await self._by_evidence(*args, shadow_route=shadow)
             what += f"; evidence: {settled.detail}"
+            against = {"tail": tail, "shadow": alt}.get(settled.leans)
             if settled.refuted is not None:
                 refuted = tail if settled.refuted == "tail" else alt
                 # the route's hops fed the committed token, the shadow's (or a detour's) the evidence
@@ -386,7 +387,9 @@ class VerdictAuditor(ShadowTurns, EvidenceDisputes, BackgroundAudit):
             what += "; a hop before the tail failed its spot-check or could not be checked"
             liar = None
         if liar is None:
-            await self._unsettled(route, ids, t, what + ("" if judge else "; no trusted server to settle it"), stats)
+            await self._unsettled(
+                route, ids, t, what + ("" if judge else "; no trusted server to settle it"), stats, against
+            )
             return
         if judge == "evidence":
             stats.verdict_audits_by_evidence += 1
@@ -400,21 +403,6 @@ class VerdictAuditor(ShadowTurns, EvidenceDisputes, BackgroundAudit):
             await self._drop_shadow()  # the next audit re-verifies the same tokens with another
         else:
             self.audited = ids[:t]  # the generation re-verifies from the prompt on a new route
-
-    async def _unsettled(self, route: list[Hop], ids: list[int], t: int, what: str, stats) -> None:
-        """No conviction: avoid both disputing servers and their machine groups for this generation
-        (client/_avoidance.py); its tokens from t on are re-verified elsewhere (the decoder reacts
-        to a route server in ``avoid``)."""
-        tail, alt = route[-1].peer_id, self._shadow.tail_peer
-        await self.witnesses.refresh(self.swarm.p2p)  # the group-mates' addresses, as the daemon sees them now
-        self.avoidance.dispute(tail, alt, servers=self.swarm.records)
-        stats.verdict_audits_undecided += 1
-        stats.disputed_peers.extend(p for p in (tail, alt) if p not in stats.disputed_peers)
-        stats.spot_check_events.append(f"verdict audit unsettled: {what}; avoiding both and their groups, re-verifying")
-        logger.warning(f"Verdict dispute unsettled ({what}): avoiding both and their groups for this generation")
-        self._given_up = 0
-        self.audited = ids[:t]
-        await self._drop_shadow()
 
     def _excluded(self) -> set[str]:
         return self.swarm.excluded.current() | self.avoid
@@ -444,7 +432,7 @@ class VerdictAuditor(ShadowTurns, EvidenceDisputes, BackgroundAudit):
             if result.verdict == "convicted":
                 stats.liars_excluded.append(result.liar)
                 self.swarm.convict(result.liar)
-            self.avoidance.disputed(result.disputed, servers=self.swarm.records)
+            self.avoidance.disputed(result.disputed, servers=self.swarm.records, against=result.against)
             if result.verdict not in ("agree", "skipped"):  # skipped: no independent substitute, as none at all
                 return False
         return True

@@ -164,3 +164,42 @@ def test_ties_are_broken_by_the_clients_own_draw_not_by_peer_id():
         assert order == a.order(["T", "S1"])  # stable within one client
         firsts.add(order[0])
     assert firsts == {"T", "S1"}
+
+
+def test_a_near_tie_leaning_against_one_side_puts_it_last_before_the_draw():
+    """The same tie, but the evidence of the dispute leaned against S1 (client/_evidence.py ``lean``: its
+    token loses at the one hidden state both tails sent): T first for every client, whichever side was
+    the live tail; a spot-check's dispute (``disputed``) the same. Nothing else changes: both avoided."""
+    groups = {"T": "net:10.0.0.0/24", "S1": "net:10.0.11.0/24"}
+    for _ in range(16):
+        a = Avoidance(witnesses(groups))
+        assert a.dispute("S1", "T", against="S1") == {"S1", "T"}
+        assert a.order(a.peers) == ["T", "S1"]
+        b = Avoidance(witnesses(groups))
+        b.disputed(("T", "S1"), against="S1")
+        assert b.order(b.peers) == ["T", "S1"] and b.peers == {"T", "S1"}
+    c = Avoidance(witnesses(groups))  # a refutation still counts before a lean
+    c.dispute("S1", "T", against="S1")
+    c.refuted("T", upheld="S1")
+    assert c.order(["T", "S1"]) == ["S1", "T"]
+
+
+def test_a_spot_checks_near_tie_names_the_side_it_leans_against():
+    """client/_tail_disputes.py ``settle_by_evidence``: the tail spot-check's two verdicts name different
+    tokens, the evidence settles nothing but leans against the substitute's token: the result stays
+    undecided (both avoided by the caller) and names the substitute as ``against`` for the fallback order."""
+    from client._evidence import Settlement
+    from client._spot_checks import AuditResult
+    from client._tail_disputes import settle_by_evidence
+    from protocol.messages import StepResult
+
+    async def near_tie(*args, **kwargs):
+        return Settlement(None, "a near tie", leans="shadow")
+
+    checker = types.SimpleNamespace(evidence=types.SimpleNamespace(settle_tails=near_tie))
+    route, alt = [Hop("H", 0, 1), Hop("T", 1, 2)], [Hop("H", 0, 1), Hop("S1", 1, 2)]
+    said, other = (StepResult(session_id="s", run_id=0, accepted=0, next_token=t) for t in (5, 6))
+    result = AuditResult("undecided", disputed=("T", "S1"))
+    asyncio.run(settle_by_evidence(checker, route, alt, list(range(12)), 2, (said, other), 1e-3, result, None))
+    assert (result.verdict, result.disputed, result.against, result.liar) == ("undecided", ("T", "S1"), "S1", None)
+    assert "near tie" in result.detail

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from client._evidence import plain_greedy, plain_sampled, settle
+from client._evidence import LEAN_SPREAD, plain_greedy, plain_sampled, settle
 from client._lm_head import HeadSums, LMHeadRows
 from client._output_evidence import settle_logits, settle_logprobs
 from protocol.messages import GREEDY, SamplingParams
@@ -33,6 +33,27 @@ def test_agreed_hidden_states_refute_the_token_that_is_not_the_argmax():
     # a near tie (the two rows almost equal) settles nothing
     tie = settle(h, h.clone(), head[best], head[best] + 1e-6, TOL)
     assert tie.refuted is None and "near tie" in tie.detail
+
+
+def test_a_near_tie_leans_against_the_token_that_loses_at_the_one_state_both_sent():
+    """Inside the margin nothing is refuted, but where both tails sent one hidden state (within
+    ``LEAN_SPREAD``) the token that loses there is named (``leans``), for the fallback order only; a state
+    moved further (a tail tilting the lean) or a gap within float32 arithmetic names nobody."""
+    g = torch.Generator().manual_seed(2)
+    head = torch.randn(50, 16, generator=g)
+    h = torch.randn(16, generator=g)
+    order = (head @ h).argsort(descending=True).tolist()
+    best = head[order[0]]
+    close = best - 1e-4 * h.sign() / 16  # h . close is 1e-4 (times mean |h|) under h . best: inside the margin
+    found = settle(h, h.clone(), best, close, TOL)
+    assert found.refuted is None and "near tie" in found.detail and found.leans == "shadow"
+    assert settle(h, h.clone(), close, best, TOL).leans == "tail"  # the route's tail named the loser
+    scale = max(1.0, float(h.abs().max()))
+    tilted = h + 10 * LEAN_SPREAD * scale * torch.sign(best - close)  # within the tolerance, past the lean's
+    moved = settle(h, tilted, close, best, TOL)
+    assert moved.refuted is None and moved.leans is None
+    assert settle(h, h.clone(), best, best.clone(), TOL).leans is None  # a gap of 0: no side
+    assert settle(h, h.clone(), best, head[order[-1]], TOL).leans is None  # settled: no lean needed
 
 
 def test_an_honest_argmax_is_never_refuted_whatever_the_other_side_sends_within_the_tolerance():

@@ -365,3 +365,33 @@ def test_witnesses_holding_tokens_a_re_verification_replaced_are_closed_before_t
     audit(new + [7] * 4)  # replaced from 30 on
     assert sorted(closed) == ["current", "past"] and ran[-1] == ["before"] and auditor._shadow is None
     assert auditor.audited == new[:30] and auditor._replaced_at is None
+
+
+def test_a_near_tie_that_leans_puts_its_loser_last_in_the_fallback():
+    """``_dispute``: evidence that settles nothing but leans (client/_evidence.py ``lean``: the live tail
+    S's token loses at the one hidden state both tails sent) avoids both sides and their groups, as any
+    unsettled dispute, and counts the lean against S, so the generation falls back on T first, for every
+    client (the tie was a draw the client keys before); the event says so. Nobody convicted or refuted."""
+    from client._evidence import Settlement
+
+    for seed in range(8):
+        swarm = SimpleNamespace(records={}, liars=set(), excluded=SimpleNamespace(current=set), p2p=None)
+        swarm.request_timeout = 1.0
+        auditor = VerdictAuditor(swarm, vocab_size=100, rng=random.Random(seed))
+        auditor.begin(list(range(11)), 80, GREEDY, "match")
+        auditor.witnesses.groups = {"T": "net:10.0.0.0/24", "S": "net:10.0.11.0/24"}
+        auditor._shadow = SimpleNamespace(tail_peer="T", route=[Hop("H", 0, 1), Hop("T", 1, 2)])
+        auditor._settleable = lambda token: True
+
+        async def near_tie(*args, **kwargs):
+            return Settlement(None, "logit gap 0.001, margin 0.2 (a near tie)", leans="tail")
+
+        async def nothing(*args, **kwargs):
+            pass
+
+        auditor._by_evidence, auditor._drop_shadow, auditor.witnesses.refresh = near_tie, nothing, nothing
+        stats = SimpleNamespace(verdict_audits_undecided=0, disputed_peers=[], spot_check_events=[], liars_excluded=[])
+        asyncio.run(auditor._dispute([Hop("H", 0, 1), Hop("S", 1, 2)], list(range(40)), 20, 5, stats))
+        assert stats.verdict_audits_undecided == 1 and stats.liars_excluded == [] and not swarm.liars
+        assert auditor.avoidance.peers == {"T", "S"} and auditor.avoidance.order(["S", "T"]) == ["T", "S"]
+        assert "leans against S" in stats.spot_check_events[-1], stats.spot_check_events
