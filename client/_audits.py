@@ -51,9 +51,9 @@ class Audits:
             self.verdicts.begin(prompt, max_length, sampling, verification, live)
 
     def saw_lap(self, first: int, drafts: list[int]) -> None:
-        """A live lap's verdict arrived; it carried ``drafts`` from position ``first`` (audit Steps replay them)."""
-        if self.verdicts is not None:
-            self.verdicts.live.saw_lap(first, drafts)
+        """A live lap's verdict arrived; it carried ``drafts`` from position ``first`` (audit Steps replay them).
+        The generation's one LiveShape (``begin``): spot-checks read it when verdict audits are off too."""
+        (self.verdicts or self.spot).live.saw_lap(first, drafts)
 
     def saw_run(self, run, result) -> None:
         """A live run's verdict arrived (``result``, after the client's correction): under rejection

@@ -316,7 +316,7 @@ class SpotChecker(BackgroundAudit):
         records = self.swarm.records
         tol = logprob_tolerance([records.get(p) for p in (*(hop.peer_id for hop in route), alt)])
         orig_route, alt_route = route, substituted(route, index, alt)
-        drafts = self.live.draft_count(self.rng, min(self.swarm.route_step_limit(route) - 1, len(ids) - 1))
+        ids, drafts = self._replayed(ids, self.swarm.route_step_limit(route) - 1)
         orig, other = await _both(
             self._verdict(orig_route, ids, drafts, result), self._verdict(alt_route, ids, drafts, result)
         )
@@ -351,6 +351,18 @@ class SpotChecker(BackgroundAudit):
             result.verdict, result.liar = "convicted", accused[0] if loser == "orig" else accused[1]
             result.detail = f"{detail}; {result.liar} is in the minority"
         return result
+
+    def _replayed(self, ids: list[int], room: int) -> tuple[list[int], int]:
+        """What the spot-check's sessions verify, and how many of its last ids are drafts: the committed ids
+        before the generation's last live lap, then that lap's own drafts, rejected ones too (at most
+        ``room``), so both tails accept as many as the live tail did; with no lap recorded, a live lap's
+        count of committed tokens. Why: committed tokens alone were accepted in full by every honest tail,
+        unlike a live lap's guesses (client/_audit_shape.py ``drafts_at``)."""
+        starts = [p for p in self.live.laps if 0 < p < len(ids)]
+        if not starts:
+            return ids, self.live.draft_count(self.rng, min(room, len(ids) - 1))
+        lap = self.live.laps[max(starts)][: max(0, room)]
+        return [*ids[: max(starts)], *lap], len(lap)
 
     async def _verdict(self, route: list[Hop], ids: list[int], drafts: int, result: AuditResult) -> StepResult:
         """One fresh session on ``route`` verifying ``ids`` as a live lap would: the context in

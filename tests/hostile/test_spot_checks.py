@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from client._spot_checks import (
+    SpotChecker,
     alternatives,
     check_rate,
     minority,
@@ -461,3 +462,22 @@ def test_page_shows_disputed_servers(artifacts_dir):
     assert errors == [], f"the page logged errors: {errors}"
     assert facts["badges"] == {"liar": "disputed by 3", "honest": None, "tail": None}
     assert facts["overflow"] <= 0, "at 1280 px the servers table is cut off"
+
+
+def test_a_spot_check_replays_the_last_live_lap_its_rejected_drafts_too():
+    """``SpotChecker._replayed``: the spot-check's sessions verify the committed ids before the last live lap
+    recorded inside them, then that lap's own drafts (a rejected one too), cut to the Step's room, so both
+    tails accept as many as the live tail did; with no lap recorded, a live lap's count of committed ids."""
+    import random
+
+    from client._audit_shape import LiveShape
+
+    checker = SpotChecker.__new__(SpotChecker)  # only the live shape and the draw are read
+    checker.live, checker.rng = LiveShape(8), random.Random(0)
+    ids = list(range(100, 130))
+    assert checker._replayed(ids, 7) == (ids, 7)  # nothing recorded: num_draft_tokens committed ids, at most the room
+    checker.live.saw_lap(11, [111, 112, 999])  # two accepted, the third a wrong guess; the bonus at 13
+    checker.live.saw_lap(14, [114, 998])
+    assert checker._replayed(ids, 7) == ([*ids[:14], 114, 998], 2)
+    assert checker._replayed(ids, 1) == ([*ids[:14], 114], 1)
+    assert checker._replayed(ids[:14], 7) == ([*ids[:11], 111, 112, 999], 3)  # the last lap inside the ids
