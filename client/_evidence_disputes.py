@@ -32,7 +32,7 @@ from client._rejection_audits import RejectionRuns
 from client._tail_bisection import bisect_tails
 from client.errors import ServerError
 from protocol.messages import GREEDY, Hop, SamplingParams
-from protocol.sampling import correction_top_k
+from protocol.sampling import choose_token, correction_top_k
 from protocol.seeded_draws import draw_noise
 
 logger = logging.getLogger("client._verdict_audits")
@@ -123,13 +123,15 @@ class EvidenceDisputes:
             if guide is None:
                 return Settlement(None, "the constraint's mask could not be rebuilt from the checkpoint's tokenizer")
         lo, hi = logit_bounds(h_tail, h_shadow, products, noise, rounding)
-        one_state = float((h_tail - h_shadow).abs().max()) <= LEAN_SPREAD * max(1.0, float(h_tail.abs().max()))
-        center = products[0].double().mean(dim=0) if one_state else None  # for a near tie's lean
-        found = processed_bounds(lo, hi, ids[:t], self.sampling, guide, center)
+        found = processed_bounds(lo, hi, ids[:t], self.sampling, guide)
         numbers = "hidden states agree; every logit bounded through the session's processing"
         covering = self.rejection.covering(t) if self.verification == "rejection" else None
         if covering is None:  # a token match (or the bonus draw after accepted drafts)
-            return settle_token(found, draw_noise_for(self.sampling, t, self.vocab_size), ids[t], shadow_token, numbers)
+            one_state = float((h_tail - h_shadow).abs().max()) <= LEAN_SPREAD * max(1.0, float(h_tail.abs().max()))
+            # a near tie's lean: the session's own rule on the logits of the one state both tails sent
+            at_state = choose_token(products[0][0].float(), ids[:t], t, self.sampling, guide) if one_state else None
+            noise_t = draw_noise_for(self.sampling, t, self.vocab_size)
+            return settle_token(found, noise_t, ids[t], shadow_token, numbers, at_state)
         run, i = covering
         shadow_accepted = self.rejection.shadow_accepted.get(t)
         if shadow_accepted is None:

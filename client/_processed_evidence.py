@@ -70,8 +70,6 @@ class Bounds:
     hi: torch.Tensor
     sure: torch.Tensor
     possible: torch.Tensor
-    center: Optional[torch.Tensor] = None  # the processed scores at the one state both tails sent (-inf: not kept)
-    center_unsure: Optional[torch.Tensor] = None  # where a token there is kept only possibly (at a warper's edge)
 
 
 def logit_bounds(h_a: torch.Tensor, h_b: torch.Tensor, products, noise: float, rounding: float):
@@ -85,26 +83,17 @@ def logit_bounds(h_a: torch.Tensor, h_b: torch.Tensor, products, noise: float, r
     return logits.amin(dim=0) - e, logits.amax(dim=0) + e
 
 
-def processed_bounds(lo, hi, context: Sequence[int], params: SamplingParams, guide=None, center=None) -> Bounds:
-    """The bounds through the monotone processors and temperature, then the warpers (:func:`kept`).
-    ``center``: [vocab] logits at the one hidden state both tails sent (client/_evidence.py ``LEAN_SPREAD``),
-    processed the same way, for the lean of a near tie (``Bounds.center``); None: no lean."""
+def processed_bounds(lo, hi, context: Sequence[int], params: SamplingParams, guide=None) -> Bounds:
+    """The bounds through the monotone processors and temperature, then the warpers (:func:`kept`)."""
     base = msgspec.structs.replace(params, do_sample=False)  # bias, penalties, constraint: monotone per id
-
-    def scores(logits):
-        s = processed_scores(logits.float(), context, base, guide).double()
-        return s / params.temperature if params.do_sample else s
-
-    s_lo, s_hi = scores(lo), scores(hi)
+    s_lo = processed_scores(lo.float(), context, base, guide).double()
+    s_hi = processed_scores(hi.float(), context, base, guide).double()
+    if params.do_sample:
+        s_lo, s_hi = s_lo / params.temperature, s_hi / params.temperature
     s_lo = s_lo - ARITHMETIC * (1 + s_lo.abs().nan_to_num(posinf=0.0))
     s_hi = s_hi + ARITHMETIC * (1 + s_hi.abs().nan_to_num(posinf=0.0))
     sure, possible = kept(s_lo, s_hi, params)
-    s_center = unsure = None
-    if center is not None:
-        s_center = scores(center)
-        c_sure, c_possible = kept(s_center, s_center, params)
-        s_center, unsure = s_center.masked_fill(~c_possible, -math.inf), c_possible & ~c_sure
-    return Bounds(s_lo, s_hi, sure, possible, s_center, unsure)
+    return Bounds(s_lo, s_hi, sure, possible)
 
 
 def _count_above(sorted_values: torch.Tensor, x: torch.Tensor, strict: bool) -> torch.Tensor:
@@ -160,8 +149,13 @@ def possible_winners(b: Bounds, noise: torch.Tensor) -> torch.Tensor:
     return b.possible & (high + ARITHMETIC * (1 + high.abs().nan_to_num(posinf=0.0)) >= best)
 
 
-def settle_token(bounds: Bounds, noise: Optional[torch.Tensor], a: int, b: int, numbers: str) -> Settlement:
-    """The route's tail committed ``a``, the shadow chose ``b``; ``noise``: the seeded draw's G (None: greedy)."""
+def settle_token(
+    bounds: Bounds, noise: Optional[torch.Tensor], a: int, b: int, numbers: str, at_state: Optional[int] = None
+) -> Settlement:
+    """The route's tail committed ``a``, the shadow chose ``b``; ``noise``: the seeded draw's G (None: greedy).
+    ``at_state``: the token the session's own rule (protocol/sampling.py ``choose_token``) chooses from the
+    one hidden state both tails sent (client/_evidence.py ``LEAN_SPREAD``; None: they sent two): at a near
+    tie the side that named the other token is leaned against (``Settlement.leans``), never refuted."""
     g = noise.double() if noise is not None else torch.zeros_like(bounds.lo)
     winners = possible_winners(bounds, g)
     pa, pb = bool(winners[a]), bool(winners[b])
@@ -170,13 +164,7 @@ def settle_token(bounds: Bounds, noise: Optional[torch.Tensor], a: int, b: int, 
         return Settlement("shadow", numbers + f"; {b} cannot win")
     if pb and not pa:
         return Settlement("tail", numbers + f"; {a} cannot win")
-    leans = None
-    if pa and bounds.center is not None:  # a near tie: which token wins the draw at the state both tails sent
-        drawn = bounds.center + g
-        winner, best = int(drawn.argmax()), float(drawn.max())
-        clear = best - float(drawn.masked_fill(torch.arange(len(drawn)) == winner, -math.inf).max())
-        if winner in (a, b) and not bool(bounds.center_unsure[winner]) and clear > ARITHMETIC * (1 + abs(best)):
-            leans = "shadow" if winner == a else "tail"
+    leans = {a: "shadow", b: "tail"}.get(at_state) if pa else None  # a near tie: the loser at the one state
     return Settlement(None, numbers + (" (a near tie)" if pa else " (neither can win)"), leans=leans)
 
 
