@@ -84,6 +84,7 @@ async def settle_by_evidence(
     result.detail += f"; {what}: {settled.detail}"
     if settled.refuted is None:  # a near tie may lean against one side: the generation falls back on it last
         result.against = {"tail": route[-1].peer_id, "shadow": alt_route[-1].peer_id}.get(settled.leans)
+        result.detail += f"; the near tie leans against {result.against}" if result.against else ""
         return
     refuted = route[-1].peer_id if settled.refuted == "tail" else alt_route[-1].peer_id
     trusted_before = all(checker.witnesses.is_trusted(hop.peer_id) for hop in route[:-1])

@@ -202,4 +202,4 @@ def test_a_spot_checks_near_tie_names_the_side_it_leans_against():
     result = AuditResult("undecided", disputed=("T", "S1"))
     asyncio.run(settle_by_evidence(checker, route, alt, list(range(12)), 2, (said, other), 1e-3, result, None))
     assert (result.verdict, result.disputed, result.against, result.liar) == ("undecided", ("T", "S1"), "S1", None)
-    assert "near tie" in result.detail
+    assert "near tie" in result.detail and result.detail.endswith("leans against S1")
