@@ -88,16 +88,16 @@ class Settlement:
 LEAN_SPREAD = 1e-6
 
 
-def lean(h_tail: torch.Tensor, h_shadow: torch.Tensor, d_tail: float, d_shadow: float) -> Optional[str]:
+def lean(spread: float, d_tail: float, d_shadow: float) -> Optional[str]:
     """At a near tie (nothing settled), which side's token loses at the hidden state both tails sent, where
-    they sent one (within ``LEAN_SPREAD``) and its gap d is clear of float32 arithmetic: "shadow" when the
+    they sent one (``spread``, their largest difference relative to max(1, max|h|), within ``LEAN_SPREAD``)
+    and its gap d is clear of float32 arithmetic: "shadow" when the
     route's tail's token wins (d > 0), "tail" when it loses. Why: the bounds are sized for 16-bit GPUs, so on
     a swarm of float32 servers a liar that names the runner-up where the top two are close is a near tie,
     and the generation fell back on it or on the honest tail by a coin the client keys (one seeded top-p
     lie in ten, docs/reliability.md); at a state both sent, the honest token is the one that wins there.
     Only the fallback order reads it: nobody is refuted or convicted by it."""
-    scale = max(1.0, float(h_tail.abs().max()))
-    if not float((h_tail - h_shadow).abs().max()) / scale <= LEAN_SPREAD:
+    if not spread <= LEAN_SPREAD:
         return None
     d = (d_tail + d_shadow) / 2
     if abs(d) <= 1e-5 * (1 + abs(d)):
@@ -174,4 +174,4 @@ def settle(
         return Settlement("shadow", numbers)
     if d_tail < -bound and d_shadow < -bound:
         return Settlement("tail", numbers)
-    return Settlement(None, numbers + " (a near tie)", leans=lean(h_tail, h_shadow, d_tail, d_shadow))
+    return Settlement(None, numbers + " (a near tie)", leans=lean(spread, d_tail, d_shadow))

@@ -127,7 +127,7 @@ class EvidenceDisputes:
         numbers = "hidden states agree; every logit bounded through the session's processing"
         covering = self.rejection.covering(t) if self.verification == "rejection" else None
         if covering is None:  # a token match (or the bonus draw after accepted drafts)
-            one_state = float((h_tail - h_shadow).abs().max()) <= LEAN_SPREAD * max(1.0, float(h_tail.abs().max()))
+            one_state = spread(h_tail[None], h_shadow[None]) <= LEAN_SPREAD
             # a near tie's lean: the session's own rule on the logits of the one state both tails sent
             at_state = choose_token(products[0][0].float(), ids[:t], t, self.sampling, guide) if one_state else None
             noise_t = draw_noise_for(self.sampling, t, self.vocab_size)

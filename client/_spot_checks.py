@@ -358,11 +358,11 @@ class SpotChecker(BackgroundAudit):
         ``room``), so both tails accept as many as the live tail did; with no lap recorded, a live lap's
         count of committed tokens. Why: committed tokens alone were accepted in full by every honest tail,
         unlike a live lap's guesses (client/_audit_shape.py ``drafts_at``)."""
-        starts = [p for p in self.live.laps if 0 < p < len(ids)]
-        if not starts:
+        last = max((p for p in self.live.laps if 0 < p < len(ids)), default=None)
+        if last is None:
             return ids, self.live.draft_count(self.rng, min(room, len(ids) - 1))
-        lap = self.live.laps[max(starts)][: max(0, room)]
-        return [*ids[: max(starts)], *lap], len(lap)
+        lap = self.live.laps[last][: max(0, room)]
+        return [*ids[:last], *lap], len(lap)
 
     async def _verdict(self, route: list[Hop], ids: list[int], drafts: int, result: AuditResult) -> StepResult:
         """One fresh session on ``route`` verifying ``ids`` as a live lap would: the context in
