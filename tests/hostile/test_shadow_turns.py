@@ -28,6 +28,7 @@ class Turns(ShadowTurns):
         self.pool = SHADOW_POOL
         self.had_turn: set = set()
         self.evicted: list = []
+        self._shadow = None
 
     def audit(self, found, rotate: bool = False) -> str:
         """One draw, as ``_ensure_shadow`` makes it: the first candidate tried serves (a fresh one makes room
@@ -81,6 +82,53 @@ def test_with_more_candidates_than_the_pool_it_rotates_until_each_had_a_turn():
             seen_after.append(len(turns.had_turn))
         assert seen_after[:4] == [3, 4, 5, 6], seen_after
         assert len(turns.evicted) == 6 - SHADOW_POOL  # one rotation an audit, and none after the last candidate
+
+
+def past_the_pool(turns: Turns, names, count: int) -> list:
+    """The last audit's witnesses past the pool, as ``_prefill_past_pool`` takes them: the first ``count`` of the
+    candidates that hold no session, in ``_candidates``' order (shuffled, then ``_unseen_groups_first``)."""
+    found = records(*(n for n in names if n not in turns.parked))
+    turns.rng.shuffle(found)
+    return [c.peer_id for c in turns._unseen_groups_first(found)[:count]]
+
+
+def test_the_last_audits_witnesses_past_the_pool_are_groups_that_never_had_a_turn():
+    """Eight candidate groups (seven colluders and T), a 48-token generation's three audits (the pool filled at
+    the first, one rotation at each later one) and the last audit's three witnesses past the pool: every group
+    verified in each of 200 draws, T with them. Before, those three were the first of a shuffled order, which
+    could take groups rotated out of the pool again (benchmarks/sybils.py scenario 5 at b4f8451: T verified
+    nothing in 1 generation of 10, and 24 lies came back counted as confirmed)."""
+    names = [*(f"S{i}" for i in range(2, 9)), "T"]
+    for seed in range(200):
+        turns, verified = Turns(seed=seed), set()
+        for _ in range(3):
+            used = {turns.audit(records(*names), rotate=True)}
+            for _ in range(SHADOW_POOL - 1):
+                used.add(turns.audit(records(*(n for n in names if n not in used))))
+            verified |= used
+        verified |= set(past_the_pool(turns, names, LAST_AUDIT_WITNESSES - SHADOW_POOL))
+        assert verified == set(names), (seed, sorted(set(names) - verified))
+
+
+def test_witnesses_new_to_the_generation_are_counted_by_machine_group():
+    """Three identities on one /24 (A1..A3) beside B, C, D: once A1 had a turn, neither a rotation nor the
+    witnesses past the pool take A2 or A3 while a group that never had a turn is left; one of each group
+    still comes before a second of any, trusted first, a disputed group last."""
+    turns = Turns(trusted=["D"])
+    for peer in ("A1", "A2", "A3"):
+        turns.witnesses.groups[peer] = "net:203.0.113.0/24"
+    turns.had_turn.add("A1")
+    ordered = [c.peer_id for c in turns._unseen_groups_first(records("A2", "A3", "B", "C", "D"))]
+    assert ordered == ["D", "B", "C", "A2", "A3"]
+    turns.avoidance.peers.add("B")
+    ordered = [c.peer_id for c in turns._unseen_groups_first(records("A2", "C", "A3", "B"))]
+    assert ordered == ["C", "A2", "A3", "B"]
+    turns = Turns(seed=1)
+    for peer in ("A1", "A2", "A3"):
+        turns.witnesses.groups[peer] = "net:203.0.113.0/24"
+    turns.parked = {"A1": None, "B": None, "C": None}
+    turns.had_turn = {"A1", "B", "C"}
+    assert {turns._turn_order(records("A2", "A3", "B", "C", "D"), rotate=True)[0].peer_id for _ in range(5)} == {"D"}
 
 
 def test_a_trusted_witness_is_tried_first_and_disputed_groups_last():
