@@ -19,7 +19,9 @@ each size given (``pool of 5``: with six tails, every candidate verifies every w
 ``audit_witnesses`` set to the number of candidates). ``--pool-alone-last`` adds, for each pool, a mode
 ``pool of k, last audit by the pool`` whose last audit is verified by the pool alone (what the client did
 before 2026-12-05: ``LAST_AUDIT_WITNESSES`` set to 1 for that mode), where the default has every candidate
-up to ``LAST_AUDIT_WITNESSES`` verify the last audit's window. ``--committed-drafts`` adds, for each pool,
+up to ``LAST_AUDIT_WITNESSES`` verify the last audit's window. ``--hop-delay-ms D`` puts every server behind a
+delay proxy (D ms per hop, as benchmarks/wan.py), where the last audit's laps are round trips as the live
+ones. ``--committed-drafts`` adds, for each pool,
 a mode ``pool of k, committed drafts`` whose audit Steps carry committed tokens as drafts (the client
 before 2026-12-06: benchmarks/audit_tells.py ``committed_only``), where the default replays the live
 laps' own drafts, rejected ones too.
@@ -56,6 +58,7 @@ def main() -> None:
     p.add_argument(
         "--committed-drafts", action="store_true", help="each pool also with the committed tokens as audit drafts"
     )
+    p.add_argument("--hop-delay-ms", type=float, default=0.0, help="each server behind a delay proxy (WAN emulation)")
     p.add_argument("--out", default="benchmarks/results/shadow-pool.json")
     args = p.parse_args()
     if not 2 <= args.tails <= len(TAIL_NAMES) or any(k < 1 for k in args.pools):
@@ -88,7 +91,8 @@ def main() -> None:
     prompt = tokenizer(PROMPT, return_tensors="pt").input_ids
     rows: dict[str, list[dict]] = {mode: [] for mode in modes}
     log_dir = Path(tempfile.mkdtemp(prefix="shadow-pool-"))
-    with LocalSwarm("smollm2-135m", spans=[], server_args=ARGS, log_dir=str(log_dir)) as swarm:
+    delay = args.hop_delay_ms
+    with LocalSwarm("smollm2-135m", spans=[], server_args=ARGS, log_dir=str(log_dir), hop_delay_ms=delay) as swarm:
         swarm.start_server(0, 15, name="H")
         for name in tails:
             swarm.start_server(15, 30, name=name)
@@ -139,7 +143,7 @@ def main() -> None:
         }
         for mode in modes
     }
-    result = {"commit": commit, "runs": args.runs, "tokens": args.tokens, "tails": args.tails}
+    result = {"commit": commit, "runs": args.runs, "tokens": args.tokens, "tails": args.tails, "hop_delay_ms": delay}
     result["last_audit_witnesses"] = last_default
     result["same_output"] = len(outputs) == 1
     result |= {"summary": summary, "rows": rows}
