@@ -5,26 +5,25 @@ Why: one shadow kept for the whole generation is one draw. Where k sybils on k m
 candidates beside one honest tail, the draw is a sybil with probability k / (k + 1), and the sybils then
 confirm each other's lies for the whole generation: wrong tokens counted as confirmed by an independent
 stranger, with no warning (measured: 237 wrong tokens unflagged in 20 generations with three sybils on a /24
-each). So every audit is verified by each witness of a pool, in turn: up to ``SHADOW_POOL`` independent
-tails, drawn at random from the candidates (trusted first: a trusted witness's word settles, and no other
-is asked). With at most ``SHADOW_POOL`` candidates the honest tail is always among them, and one
-disagreement is enough: the dispute goes to a trusted judge or to evidence (client/_evidence_disputes.py),
-never to a vote.
+each). So every audit is verified by each witness of a pool: up to ``SHADOW_POOL`` independent tails, the
+first drawn for the audit verifying first, then the others at once (``_others_at_once``), drawn at random from
+the candidates (trusted first: a trusted witness's word settles, and no other is asked). With at most
+``SHADOW_POOL`` candidates the honest tail is always among them, and one disagreement is enough: the dispute
+goes to a trusted judge or to evidence (client/_evidence_disputes.py), never to a vote.
 
 With more candidates than the pool holds, the pool rotates: while some candidate has not had a turn this
 generation, each audit's first witness is one of those (drawn at random), and the witness parked longest
 makes room for it. A fresh witness verifies every generated token so far, so after audit k, min(n, k + 2)
 candidates have each verified the generation up to their first turn: with n candidates, all have by audit
-n - 2 (the honest one too); later tokens are verified by those in the pool when they come. Before, a pool
-drawn once held the honest tail with probability ``SHADOW_POOL`` / n, and a generation whose pool held only
-sybils had their lies confirmed throughout.
+n - 2 (the honest one too); later tokens are verified by those in the pool when they come. (A pool drawn once
+held the honest tail with probability ``SHADOW_POOL`` / n.)
 
 The audit before the output is returned goes past the pool: every candidate up to ``LAST_AUDIT_WITNESSES``
 verifies every generated token (machine groups that never had a turn first; where more of them are left
 than that, one witness past the pool for each, up to ``LAST_AUDIT_WITNESSES`` past it:
-``_last_audit_witnesses``). With a full pool, once its first witness has verified the window, all the others
-verify at once (``_last_audit_at_once``): the pool's parked witnesses the window (``_caught_up``), and
-those past the pool, in fresh sessions, the prompt's prefill and every generated token (``_prefill_past_pool``),
+``_last_audit_witnesses``). As in every audit, once its first witness has verified the window, all the others
+verify at once (``_others_at_once``): the pool's parked witnesses the window (``_caught_up``), and fresh ones
+(those past the pool, or filling it) the prompt's prefill and every generated token (``_fresh_at_once``),
 each in live-shaped laps on its own session (``_verified_at_once``); their turns then have nothing left but a
 disagreement to take up. Where an audit that was not the last covered the generation's end, the last one runs
 with no token left (``_past_the_pool``). Why: the last window's tokens have no later audit and no later
@@ -32,18 +31,18 @@ rotation, so with n > pool candidates it was verified by the pool alone, and syb
 the honest tail with probability 1 - pool / n (measured with four sybils on a /24 each: 2 and 3 of 10
 generations returned wrong tokens unflagged); once the witnesses past the pool verified that window alone, a
 window between the honest tail leaving the pool and the last audit still was; and in turn, each witness's
-laps were wall time before ``generate()`` returns. A witness that fails in that audit does not end it: the
+laps were wall time before ``generate()`` returns (and, over a WAN delay, in every audit: the turns fell
+behind the live laps and left the last audit a backlog). A witness that fails in that audit does not end it: the
 others still verify (one that failed at once with the others is not tried again; one that stalls in its turn
 costs the request timeout).
 
 Cost bound: at most ``SHADOW_POOL`` shadow sessions a generation, each kept with its caches, its run ids and
 how far it verified (parked while another witness verifies), and each verifying each generated token once
 (a fresh one from the first generated token): at most ``SHADOW_POOL`` positions per generated token on the
-shadow routes, where one shadow paid one, in the background but for the last audit before ``generate()``
-returns; a rotation adds one fresh witness to an audit (the prompt and
-every generated token so far), at most n - ``SHADOW_POOL`` times a generation; the last audit adds, for each
-candidate past the pool, one session that prefills the prompt and verifies every generated token (sessions
-at once: up to ``LAST_AUDIT_WITNESSES``, or the pool and as many more where more groups never had a turn).
+shadow routes, in the background but for the last audit before ``generate()`` returns; a rotation adds one
+fresh witness to an audit (the prompt and every generated token so far), at most n - ``SHADOW_POOL`` times a
+generation; the last audit adds, for each candidate past the pool, one session that prefills the prompt and
+verifies every generated token (up to ``LAST_AUDIT_WITNESSES`` sessions at once, or the pool and six more).
 
 A mixin of :class:`client._verdict_audits.VerdictAuditor` (``_shadow``, ``_held``, ``_next_run`` are the
 shadow whose turn it is).
@@ -70,19 +69,20 @@ class ShadowTurns:
     async def _audits(self, route: list[Hop], ids: list[int], stats, final: bool = False) -> None:
         """One audit: the witness drawn first, then every other witness of the pool (filled up to
         ``SHADOW_POOL`` from the candidates), each verifying the tokens it has not verified itself, unless a
-        trusted witness confirmed them or a dispute sent the generation back. In turn: each witness is the
-        auditor's one current shadow while it verifies (and disputes). The ``final`` audit (before the output
-        is returned) goes on past the pool, up to ``LAST_AUDIT_WITNESSES`` candidates, those the pool does not
-        hold verifying every generated token; with a full pool all but the first verify at once before their
-        turns (``_last_audit_at_once``)."""
+        trusted witness confirmed them or a dispute sent the generation back: all but the first at once
+        (``_others_at_once``), then each in turn with nothing left but a disagreement to take up (in its turn a
+        witness is the auditor's one current shadow, which disputes). The ``final`` audit (before the output is
+        returned) goes on past the pool, up to ``LAST_AUDIT_WITNESSES`` candidates (``_last_audit_witnesses``),
+        those the pool does not hold verifying every generated token."""
         window = len(self.audited)  # where this audit's tokens start
         if not await asyncio.wait_for(self._audit(route, ids, stats), self.timeout):
             return
         witnesses = self._last_audit_witnesses(route, len(ids)) if final else self.pool
-        prefill: Optional[asyncio.Task] = None  # the last audit's other witnesses, at once
+        prefill: Optional[asyncio.Task] = None  # the audit's other witnesses, at once
         trusted = self._shadow is not None and self.witnesses.is_trusted(self._shadow.tail_peer)
-        if witnesses > self.pool and self._shadow is not None and not trusted and len(self.parked) + 1 >= self.pool:
-            prefill = asyncio.ensure_future(self._last_audit_at_once(route, ids, window, witnesses - self.pool, stats))
+        if witnesses > 1 and self._shadow is not None and not trusted:
+            fresh = max(0, witnesses - 1 - len(self.parked))  # to fill the pool, and past it in the last audit
+            prefill = asyncio.ensure_future(self._others_at_once(route, ids, window, fresh, stats))
         try:
             await self._further_witnesses(route, ids, stats, final, witnesses, prefill)
         finally:
@@ -144,12 +144,12 @@ class ShadowTurns:
                 if self._shadow is None or trusted or len(self.audited) < len(ids):
                     return
                 used.add(self._shadow.tail_peer)
-            if prefill is not None:
-                # every witness it verified with is parked where it got, and its turn has nothing left but a
-                # disagreement; one that failed there (it stalled, at once with the others) is not tried again
+            if prefill is not None:  # each one it verified with is parked where it got (its turn: a disagreement
+                # only); one that failed there (it stalled, at once with the others) is not tried again
                 used.update(await prefill)
                 prefill = None
-                continue
+                if len(used) >= witnesses:  # before, the loop went on here, and the last witness had no turn
+                    return
             try:
                 witness = self._audit(route, ids, stats, frozenset(used))
                 if not await asyncio.wait_for(witness, self.timeout):
@@ -253,17 +253,19 @@ class ShadowTurns:
             adapter=swarm.active_adapter,
         )
 
-    async def _last_audit_at_once(self, route: list[Hop], ids: list[int], window: int, count: int, stats) -> list[str]:
-        """The last audit's witnesses after the first, all at once: each parked witness of the pool verifies what
-        it has not (``_caught_up``), and up to ``count`` fresh ones past the pool verify every generated token
-        (``_prefill_past_pool``); each is parked where it got, so its turn has nothing left but a disagreement to
-        take up. Why: in turn, each one's laps were wall time before ``generate()`` returns (measured against the
-        last audit by the pool alone, six honest tails: 1.44x with two witnesses past the pool, 1.35x with their
-        prefills at once, 1.26x with every witness at once, each past the pool verifying every token). Returns
-        the witnesses that failed. Never raises."""
+    async def _others_at_once(self, route: list[Hop], ids: list[int], window: int, count: int, stats) -> list[str]:
+        """An audit's witnesses after the first, all at once: each parked witness of the pool verifies what it has
+        not (``_caught_up``), and up to ``count`` fresh ones (filling the pool, or past it in the last audit)
+        verify every generated token (``_fresh_at_once``); each is parked where it got, so its turn has nothing
+        left but a disagreement to take up. Why: in turn, each one's laps were wall time: before ``generate()``
+        returns in the last audit (measured against the last audit by the pool alone, six honest tails: 1.44x
+        with two witnesses past the pool in turn, 1.26x with every witness at once), and over a WAN delay in
+        every audit, whose turns then fell behind the live laps and left the last audit a backlog (measured at
+        25 ms a hop, six tails: generate() 3.5x slower with audits than without). Returns the witnesses that failed.
+        Never raises."""
         parked = list(self.parked.items()) if self.verification == "match" else []  # rejection: in turn
         caught_up = asyncio.gather(*(self._caught_up(route, peer, entry, ids, stats) for peer, entry in parked))
-        failed, opened = await asyncio.gather(caught_up, self._prefill_past_pool(route, ids, window, count, stats))
+        failed, opened = await asyncio.gather(caught_up, self._fresh_at_once(route, ids, window, count, stats))
         return [peer_id for peer_id in [*failed, *opened] if peer_id is not None]
 
     async def _caught_up(self, route: list[Hop], peer_id: str, parked: tuple, ids: list[int], stats) -> Optional[str]:
@@ -278,13 +280,14 @@ class ShadowTurns:
         except Exception as e:
             self.parked.pop(peer_id, None)
             await parked[0].close()
-            stats.spot_check_events.append(f"a last-audit witness of the pool failed: {e!r}")
+            stats.spot_check_events.append(f"a witness of the pool failed at once with the others: {e!r}")
             return peer_id
 
-    async def _prefill_past_pool(self, route: list[Hop], ids: list[int], window: int, count: int, stats) -> list[str]:
-        """Open up to ``count`` witnesses the pool does not hold, each verifying every generated token at once with
-        the others (``_prefilled``). Returns the witnesses whose prefill failed. Never raises: a witness not
-        prefilled here for another reason is opened in its turn, as before."""
+    async def _fresh_at_once(self, route: list[Hop], ids: list[int], window: int, count: int, stats) -> list[str]:
+        """Open up to ``count`` witnesses the pool does not hold (filling it, or past it in the last audit), each
+        verifying every generated token at once with the others (``_prefilled``). Returns the witnesses whose
+        prefill failed. Never raises: a witness not prefilled here for another reason is opened in its turn,
+        as before."""
         try:
             excluded = self.swarm.excluded.current()
             held = frozenset({*self.parked, *([self._shadow.tail_peer] if self._shadow is not None else [])})
@@ -300,13 +303,13 @@ class ShadowTurns:
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            stats.spot_check_events.append(f"the last audit's witnesses past the pool were not prefilled: {e!r}")
+            stats.spot_check_events.append(f"an audit's fresh witnesses were not opened at once: {e!r}")
             return []
 
     async def _prefilled(self, route: list[Hop], shadow_route: list[Hop], ids: list[int], window: int, stats):
-        """One witness past the pool, verifying every generated token at once with the others
-        (``_verified_at_once``; under rejection sampling its caches are only filled up to the last audit's
-        ``window``, which it verifies in its turn), within an audit's timeout, then parked as having verified up
+        """One fresh witness (filling the pool, or past it in the last audit), verifying every generated token at
+        once with the others (``_verified_at_once``; under rejection sampling its caches are only filled up to the
+        audit's ``window``, which it verifies in its turn), within an audit's timeout, then parked as having verified up
         to where it got (its first Step then carries the last id before that, as a parked one's does); the
         witness where that failed."""
         session = self._new_session(shadow_route)
@@ -322,7 +325,7 @@ class ShadowTurns:
             raise
         except Exception as e:
             await session.close()
-            stats.spot_check_events.append(f"a last-audit witness's prefill failed: {e!r}")
+            stats.spot_check_events.append(f"a fresh witness failed at once with the others: {e!r}")
             return session.tail_peer
         self.parked[session.tail_peer] = parked
         return None
@@ -331,7 +334,7 @@ class ShadowTurns:
         """A witness verifies every generated token of ``ids`` it has not (``parked``: its session, the positions
         its caches hold, its next run id, how far it verified; a fresh one: (session, 0, 0, 0)) in Steps shaped
         as live laps, as its turn would (``VerdictAuditor._audit``), but on its own session and run ids, so that
-        the last audit's witnesses verify at once. Why: witnesses past the pool verified the last window alone,
+        an audit's witnesses verify at once. Why: witnesses past the pool verified the last window alone,
         so a window between the honest tail leaving a rotating pool and the last audit was verified by the pool
         alone (sybils lying there missed the honest tail with probability 1 - pool / candidates); and in turn,
         each witness's laps were wall time. A disagreement is not disputed here: the witness stops at the run

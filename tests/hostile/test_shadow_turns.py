@@ -214,6 +214,9 @@ class Scripted(ShadowTurns):
     def _last_audit_witnesses(self, route, length) -> int:
         return max(self.pool, LAST_AUDIT_WITNESSES)  # no more unseen groups than that (see the test above)
 
+    async def _others_at_once(self, route, ids, window, count, stats) -> list[str]:
+        return []  # scripted witnesses verify in their turns
+
     async def _take_detour(self, stats, route=()) -> bool:
         self.detours += 1
         return True
@@ -242,15 +245,15 @@ def test_the_last_audit_goes_past_the_pool_and_past_a_witness_that_fails():
 
 
 class Prefilling(Scripted):
-    """A full pool (one parked witness beside the one drawn), and the last audit's other witnesses verifying at
-    once (``_last_audit_at_once``) for ``seconds``; recorded in ``verified`` when it ends, or as cancelled."""
+    """One parked witness beside the one drawn, and the audit's other witnesses verifying at once
+    (``_others_at_once``) for ``seconds``; recorded in ``verified`` when it ends, or as cancelled."""
 
     def __init__(self, candidates, seconds: float, prefill_failed=(), **kwargs):
         super().__init__(candidates, **kwargs)
         self.parked, self.seconds, self.prefill_cancelled = {"P": None}, seconds, False
         self.prefill_failed = list(prefill_failed)
 
-    async def _last_audit_at_once(self, route, ids, window, count, stats) -> list[str]:
+    async def _others_at_once(self, route, ids, window, count, stats) -> list[str]:
         try:
             await asyncio.sleep(self.seconds)
         except asyncio.CancelledError:
@@ -260,12 +263,13 @@ class Prefilling(Scripted):
         return self.prefill_failed
 
 
-def test_the_last_audits_witnesses_past_the_first_verify_at_once_before_their_turns():
-    """With a full pool, the last audit's other witnesses (the pool's parked ones and those past it) verify at
-    once after the first, and their turns come after that (each has nothing left but a disagreement to take
-    up); one that failed there (a stalling witness, timed out at once with the others) is not tried again in
-    turn; a witness that fails in its turn (a detour follows) does not end the last audit. An earlier audit,
-    or a pool not full, has no such step, nor one whose first witness disputed."""
+def test_an_audits_witnesses_past_the_first_verify_at_once_before_their_turns():
+    """An audit's other witnesses (the pool's parked ones, fresh ones filling it, and in the last audit those
+    past it) verify at once after the first, and their turns come after that (each has nothing left but a
+    disagreement to take up); one that failed there (a stalling witness, timed out at once with the others) is
+    not tried again in turn; a witness that fails in its turn (a detour follows) does not end the last audit.
+    An audit whose first witness disputed has no such step. Before, only the last audit had it: over a WAN
+    delay the earlier audits' turns fell behind the live laps (docs/reliability.md, "Witnesses of the pool")."""
     turns = Prefilling(["A", "B", "C", "D"], seconds=0.05, pool=2)
     assert scripted_audit(turns, final=True) == ["A", ("at once", 4), "B", "C", "D"]
     turns = Prefilling(["A", "B", "C", "D"], seconds=0.05, prefill_failed=["C"], pool=2)  # B: parked, caught up
@@ -273,7 +277,12 @@ def test_the_last_audits_witnesses_past_the_first_verify_at_once_before_their_tu
     turns = Prefilling(["A", "B", "C", "D"], seconds=0.05, failing={"B"}, pool=2)
     assert scripted_audit(turns, final=True) == ["A", ("at once", 4), "C", "D"]
     assert turns.detours == 1
-    assert scripted_audit(Prefilling(["A", "B"], seconds=30.0, pool=2), final=False) == ["A", "B"]
+    assert scripted_audit(Prefilling(["A", "B"], seconds=0.05, pool=2), final=False) == ["A", ("at once", 0), "B"]
+    assert scripted_audit(Prefilling(["A", "B", "C"], seconds=0.05), final=False) == ["A", ("at once", 1), "B", "C"]
+    # as many candidates as the last audit's witnesses: the last one has its turn too (it had none after the
+    # at-once step before: a disagreement only it had seen was never disputed)
+    six = list("ABCDEF")
+    assert scripted_audit(Prefilling(six, seconds=0.05), final=True) == ["A", ("at once", 4), *six[1:]]
     turns = Prefilling(["A", "B", "C"], seconds=30.0, disputing={"A"}, pool=2)
     assert scripted_audit(turns, final=True) == ["A"] and not turns.prefill_cancelled  # never started
 
