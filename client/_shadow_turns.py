@@ -44,8 +44,7 @@ fresh witness to an audit (the prompt and every generated token so far), at most
 generation; the last audit adds, for each candidate past the pool, one session that prefills the prompt and
 verifies every generated token (up to ``LAST_AUDIT_WITNESSES`` sessions at once, or the pool and six more).
 
-A mixin of :class:`client._verdict_audits.VerdictAuditor` (``_shadow``, ``_held``, ``_next_run`` are the
-shadow whose turn it is).
+A mixin of :class:`client._verdict_audits.VerdictAuditor` (``_shadow``, ``_held``, ``_next_run``: the turn's).
 """
 
 from __future__ import annotations
@@ -69,26 +68,28 @@ class ShadowTurns:
     async def _audits(self, route: list[Hop], ids: list[int], stats, final: bool = False) -> None:
         """One audit: the witness drawn first, then every other witness of the pool (filled up to
         ``SHADOW_POOL`` from the candidates), each verifying the tokens it has not verified itself, unless a
-        trusted witness confirmed them or a dispute sent the generation back: all but the first at once
-        (``_others_at_once``), then each in turn with nothing left but a disagreement to take up (in its turn a
-        witness is the auditor's one current shadow, which disputes). The ``final`` audit (before the output is
+        trusted witness confirmed them or a dispute sent the generation back: the others at once while the first
+        verifies (``_others_at_once``), then each in turn with nothing left but a disagreement to take up (in its
+        turn a witness is the auditor's one current shadow, which disputes). The ``final`` audit (before the output is
         returned) goes on past the pool, up to ``LAST_AUDIT_WITNESSES`` candidates (``_last_audit_witnesses``),
         those the pool does not hold verifying every generated token."""
         window = len(self.audited)  # where this audit's tokens start
-        if not await asyncio.wait_for(self._audit(route, ids, stats), self.timeout):
-            return
-        witnesses = self._last_audit_witnesses(route, len(ids)) if final else self.pool
-        prefill: Optional[asyncio.Task] = None  # the audit's other witnesses, at once
-        trusted = self._shadow is not None and self.witnesses.is_trusted(self._shadow.tail_peer)
-        if witnesses > 1 and self._shadow is not None and not trusted:
-            fresh = max(0, witnesses - 1 - len(self.parked))  # to fill the pool, and past it in the last audit
-            prefill = asyncio.ensure_future(self._others_at_once(route, ids, window, fresh, stats))
+        witnesses, prefill = self.pool, []  # the audit's other witnesses, at once
+
+        def drawn() -> None:  # the first witness is drawn: the others verify at once while it does
+            nonlocal witnesses
+            witnesses = self._last_audit_witnesses(route, len(ids)) if final else self.pool
+            if witnesses > 1 and not self.witnesses.is_trusted(self._shadow.tail_peer):
+                fresh = max(0, witnesses - 1 - len(self.parked))  # to fill the pool, and past it in the last audit
+                prefill.append(asyncio.ensure_future(self._others_at_once(route, ids, window, fresh, stats)))
+
         try:
-            await self._further_witnesses(route, ids, stats, final, witnesses, prefill)
+            if await asyncio.wait_for(self._audit(route, ids, stats, drawn=drawn), self.timeout):
+                await self._further_witnesses(route, ids, stats, final, witnesses, prefill[0] if prefill else None)
         finally:
-            if prefill is not None and not prefill.done():
-                prefill.cancel()
-                await asyncio.gather(prefill, return_exceptions=True)
+            if prefill and not prefill[0].done():  # the first disputed or failed: the others' laps are moot
+                prefill[0].cancel()
+                await asyncio.gather(prefill[0], return_exceptions=True)
 
     async def _forget_replaced(self) -> None:
         """Close the witnesses whose caches hold, or who verified, tokens a re-verification has replaced since
@@ -254,15 +255,12 @@ class ShadowTurns:
         )
 
     async def _others_at_once(self, route: list[Hop], ids: list[int], window: int, count: int, stats) -> list[str]:
-        """An audit's witnesses after the first, all at once: each parked witness of the pool verifies what it has
-        not (``_caught_up``), and up to ``count`` fresh ones (filling the pool, or past it in the last audit)
-        verify every generated token (``_fresh_at_once``); each is parked where it got, so its turn has nothing
-        left but a disagreement to take up. Why: in turn, each one's laps were wall time: before ``generate()``
-        returns in the last audit (measured against the last audit by the pool alone, six honest tails: 1.44x
-        with two witnesses past the pool in turn, 1.26x with every witness at once), and over a WAN delay in
-        every audit, whose turns then fell behind the live laps and left the last audit a backlog (measured at
-        25 ms a hop, six tails: generate() 3.5x slower with audits than without). Returns the witnesses that failed.
-        Never raises."""
+        """An audit's witnesses but the first, at once, while it verifies: each parked one verifies what it has not
+        (``_caught_up``), up to ``count`` fresh ones (filling the pool, or past it in the last audit) every
+        generated token (``_fresh_at_once``); each is parked where it got, its turn left with a disagreement to take
+        up at most. Why: in turn, each one's laps were wall time, and over a WAN delay the turns fell behind the
+        live laps and left the last audit a backlog (measured: docs/reliability.md, "Witnesses of the pool").
+        Returns the witnesses that failed. Never raises."""
         parked = list(self.parked.items()) if self.verification == "match" else []  # rejection: in turn
         caught_up = asyncio.gather(*(self._caught_up(route, peer, entry, ids, stats) for peer, entry in parked))
         failed, opened = await asyncio.gather(caught_up, self._fresh_at_once(route, ids, window, count, stats))
@@ -275,7 +273,9 @@ class ShadowTurns:
             verified = self._verified_at_once(route, parked, ids, stats)
             self.parked[peer_id] = await asyncio.wait_for(verified, self.timeout)
             return None
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:  # its caches and run ids are no longer what the entry says
+            self.parked.pop(peer_id, None)
+            await parked[0].close()
             raise
         except Exception as e:
             self.parked.pop(peer_id, None)

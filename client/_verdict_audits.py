@@ -172,13 +172,16 @@ class VerdictAuditor(ShadowTurns, EvidenceDisputes, BackgroundAudit):
         finally:
             self._ended()
 
-    async def _audit(self, route: list[Hop], ids: list[int], stats, skip: frozenset = frozenset()) -> bool:
-        """One witness drawn (none of ``skip``) verifies the tokens it has not; False: there was none."""
+    async def _audit(self, route: list[Hop], ids: list[int], stats, skip: frozenset = frozenset(), drawn=None) -> bool:
+        """One witness drawn (none of ``skip``) verifies the tokens it has not; False: there was none. ``drawn()``
+        is called once it is drawn, before it verifies (an audit's other witnesses start then)."""
         self._remembered_stall(route, stats)  # a hop of the route stalled an earlier generation's audit
         if not await self._ensure_shadow(route, len(ids), skip):
             if not skip:  # a further witness of the pool that is not there is no skipped audit
                 stats.verdict_audits_skipped += 1
             return False
+        if drawn is not None:
+            drawn()
         stats.verdict_audits += 1
         limit = self.swarm.route_step_limit(self._shadow.route)
         # the first position this shadow has not verified itself (a fresh one: the first generated)

@@ -195,11 +195,13 @@ class Scripted(ShadowTurns):
         self.verified: list = []
         self.detours = 0
 
-    async def _audit(self, route, ids, stats, skip=frozenset()) -> bool:
+    async def _audit(self, route, ids, stats, skip=frozenset(), drawn=None) -> bool:
         left = [c for c in self.candidates if c not in skip]
         if not left:
             return False
         self._shadow = SimpleNamespace(tail_peer=left[0])
+        if drawn is not None:
+            drawn()
         if left[0] in self.failing:
             raise ServerError("no result within 5 s", left[0])
         self.verified.append(left[0])
@@ -268,7 +270,7 @@ def test_an_audits_witnesses_past_the_first_verify_at_once_before_their_turns():
     past it) verify at once after the first, and their turns come after that (each has nothing left but a
     disagreement to take up); one that failed there (a stalling witness, timed out at once with the others) is
     not tried again in turn; a witness that fails in its turn (a detour follows) does not end the last audit.
-    An audit whose first witness disputed has no such step. Before, only the last audit had it: over a WAN
+    The step begins once the first witness is drawn, while it verifies, and is cancelled if it disputes. Before, only the last audit had it: over a WAN
     delay the earlier audits' turns fell behind the live laps (docs/reliability.md, "Witnesses of the pool")."""
     turns = Prefilling(["A", "B", "C", "D"], seconds=0.05, pool=2)
     assert scripted_audit(turns, final=True) == ["A", ("at once", 4), "B", "C", "D"]
@@ -284,7 +286,7 @@ def test_an_audits_witnesses_past_the_first_verify_at_once_before_their_turns():
     six = list("ABCDEF")
     assert scripted_audit(Prefilling(six, seconds=0.05), final=True) == ["A", ("at once", 4), *six[1:]]
     turns = Prefilling(["A", "B", "C"], seconds=30.0, disputing={"A"}, pool=2)
-    assert scripted_audit(turns, final=True) == ["A"] and not turns.prefill_cancelled  # never started
+    assert scripted_audit(turns, final=True) == ["A"] and turns.prefill_cancelled  # begun with A, moot once A disputed
 
 
 class Tail:
