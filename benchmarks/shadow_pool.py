@@ -2,7 +2,7 @@
 
     python -m benchmarks.shadow_pool --runs 4      # make bench-shadow-pool
 
-Every verdict audit is verified in turn by each witness of a pool of up to ``SHADOW_POOL`` (3)
+Every verdict audit is verified by each witness of a pool of up to ``SHADOW_POOL`` (6; 3 before 2026-12-06)
 independent tails (client/_shadow_turns.py), where one shadow was kept a generation before. This
 measures what that costs on an honest swarm, side by side in one run: SmolLM2-135M (30 blocks), a head
 H (0:15) and four honest tails T, U, V, W (15:30), one client (its route H -> T), greedy generations of
@@ -10,15 +10,15 @@ H (0:15) and four honest tails T, U, V, W (15:30), one client (its route H -> T)
 looped runs, suffix drafting), in three modes taken in turn in every round, so the machine's load falls
 on each alike:
 
-- ``pool of 3``: the default;
-- ``pool of 1``: ``audit_witnesses=1`` (the old one-shadow audit);
+- ``pool of 6``: the default (``--pools``: one mode per pool size; 6 and 3 unless given);
+- ``pool of 3``: ``audit_witnesses=3``, the default before 2026-12-06 (``pool of 1``: the old one-shadow audit);
 - ``no verdict audits``: ``verdict_audit_every=0``.
 
 ``--tails N --pools 5 3 1`` runs N honest tails (N - 1 candidates beside the live one) and a pool of
 each size given (``pool of 5``: with six tails, every candidate verifies every window, the cost of
 ``audit_witnesses`` set to the number of candidates). ``--pool-alone-last`` adds, for each pool, a mode
 ``pool of k, last audit by the pool`` whose last audit is verified by the pool alone (what the client did
-before 2026-12-05: ``LAST_AUDIT_WITNESSES`` set to 1 for that mode), where the default has every candidate
+before 2026-12-05: ``pool_alone``), where the default has every candidate
 up to ``LAST_AUDIT_WITNESSES`` verify the last audit's window. ``--hop-delay-ms D`` puts every server behind a
 delay proxy (D ms per hop, as benchmarks/wan.py), where the last audit's laps are round trips as the live
 ones. ``--committed-drafts`` adds, for each pool,
@@ -48,12 +48,17 @@ PROMPT = "The history of the printing press begins in"
 TAIL_NAMES = ("T", "U", "V", "W", "X", "Y", "Z")
 
 
+def pool_alone(self, route, length, found=None) -> int:
+    """The last audit by the pool alone (``--pool-alone-last``): what the client did before 2026-12-05."""
+    return self.pool
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=int, default=4, help="rounds; each runs every mode once")
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--tails", type=int, default=4, help=f"honest tails, 2 to {len(TAIL_NAMES)} (T is the live one)")
-    p.add_argument("--pools", type=int, nargs="+", default=[3, 1], help="audit_witnesses, one mode each")
+    p.add_argument("--pools", type=int, nargs="+", default=[6, 3], help="audit_witnesses, one mode each")
     p.add_argument("--pool-alone-last", action="store_true", help="each pool also with its last audit by the pool")
     p.add_argument(
         "--committed-drafts", action="store_true", help="each pool also with the committed tokens as audit drafts"
@@ -85,6 +90,7 @@ def main() -> None:
     from tests.kit.routes import PreferredRoutes
 
     last_default, replayed = _shadow_turns.LAST_AUDIT_WITNESSES, LiveShape.drafts_at
+    last_witnesses = _shadow_turns.ShadowTurns._last_audit_witnesses
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     tokenizer = AutoTokenizer.from_pretrained(ensure_smollm2_checkpoint())
@@ -104,7 +110,8 @@ def main() -> None:
             for run in range(args.runs):
                 for mode in modes:
                     model.verdict_audit_every = 0 if mode == "no verdict audits" else 16
-                    _shadow_turns.LAST_AUDIT_WITNESSES = 1 if mode.endswith("by the pool") else last_default
+                    by_the_pool = mode.endswith("by the pool")
+                    _shadow_turns.ShadowTurns._last_audit_witnesses = pool_alone if by_the_pool else last_witnesses
                     LiveShape.drafts_at = committed_only if mode.endswith("committed drafts") else replayed
                     start = time.perf_counter()
                     with torch.no_grad():

@@ -50,7 +50,7 @@ class GenerationOptions:
     loop_runs: Optional[bool] = None  # None: on wherever it applies
     trusted_peers: Optional[Sequence[str]] = None  # None: from_pretrained's (docs/reliability.md, "Witnesses")
     audit: str = "warn"  # unconfirmed tokens: "warn" flags them, "required" raises (client/_confirmation.py)
-    audit_witnesses: int = 3  # tails of the verdict audits' pool (client/_shadow_turns.py): more close sybil gaps
+    audit_witnesses: int = 6  # the verdict audits' pool (client/_shadow_turns.py SHADOW_POOL): more close sybil gaps
     # structured outputs (docs/api.md, "Structured outputs"): at most one of these, vLLM's names
     guided_json: Any = None  # a JSON schema (dict or JSON text)
     guided_regex: Optional[str] = None

@@ -1,4 +1,4 @@
-"""Verdict audits by every witness of a pool of up to three (docs/reliability.md, "Witnesses of the pool";
+"""Verdict audits by every witness of a pool of up to six (docs/reliability.md, "Witnesses of the pool";
 issue 35).
 
 Why: one shadow kept for the whole generation is one draw. Where k sybils on k machine groups sit among the
@@ -13,9 +13,9 @@ goes to a trusted judge or to evidence (client/_evidence_disputes.py), never to 
 
 With more candidates than the pool holds, the pool rotates: while some candidate has not had a turn this
 generation, each audit's first witness is one of those (drawn at random), and the witness parked longest
-makes room for it. A fresh witness verifies every generated token so far, so after audit k, min(n, k + 2)
-candidates have each verified the generation up to their first turn: with n candidates, all have by audit
-n - 2 (the honest one too); later tokens are verified by those in the pool when they come. (A pool drawn once
+makes room for it. A fresh witness verifies every generated token so far, so after audit k, min(n, k + pool
+- 1) candidates have each verified the generation up to their first turn: with n candidates, all have by audit
+n - pool + 1 (the honest one too); later tokens are verified by those in the pool when they come. (A pool drawn once
 held the honest tail with probability ``SHADOW_POOL`` / n.)
 
 The audit before the output is returned goes past the pool: every candidate up to ``LAST_AUDIT_WITNESSES``
@@ -59,7 +59,7 @@ from client._swarm import SECOND_PING
 from client.errors import ServerError
 from protocol.messages import Hop
 
-SHADOW_POOL = 3  # the default pool (``audit_witnesses``): sessions at once, the one whose turn it is and the parked
+SHADOW_POOL = 6  # the default pool (``audit_witnesses``): sessions at once, the one whose turn it is and the parked
 LAST_AUDIT_WITNESSES = 6  # candidates that verify the audit before the output is returned (at least the pool)
 MAX_SHADOW_TRIES = 3  # substitutes tried for the shadow's tail when one cannot be reached
 
@@ -106,7 +106,7 @@ class ShadowTurns:
         if self._shadow is not None and max(self._held, self._verified) > at:
             await self._drop_shadow()
 
-    def _last_audit_witnesses(self, route: list[Hop], length: int) -> int:
+    def _last_audit_witnesses(self, route: list[Hop], length: int, found: Optional[list] = None) -> int:
         """How many witnesses verify the last audit, its first (drawn) among them: ``LAST_AUDIT_WITNESSES``, or,
         where more candidate machine groups than the witnesses past the pool would be never had a turn this
         generation, the pool and one for each of those, up to ``LAST_AUDIT_WITNESSES`` past the pool. Why: a
@@ -114,26 +114,25 @@ class ShadowTurns:
         with eight candidate groups the last audit left one out whatever the order (computed: the honest one in 1
         of 8 such generations, 1 of 5 before ``Witnesses.unseen_first``), its lies returned counted as confirmed
         (benchmarks/sybils.py scenario 5)."""
-        if LAST_AUDIT_WITNESSES <= self.pool:
-            return self.pool
-        found = alternatives(route, len(route) - 1, self.swarm.records, self.swarm.excluded.current(), length)
+        if found is None:
+            found = alternatives(route, len(route) - 1, self.swarm.records, self.swarm.excluded.current(), length)
         of, seen = [hop.peer_id for hop in route], self._seen_groups()
         unseen = {
             self.witnesses.group_of(c.peer_id)
             for c in found
             if self.witnesses.independent(c.peer_id, of) and self.avoidance.may_witness(c.peer_id, of[-1:])
         } - seen
-        return max(LAST_AUDIT_WITNESSES, self.pool + min(len(unseen), LAST_AUDIT_WITNESSES))
+        return max(self.pool, LAST_AUDIT_WITNESSES, self.pool + min(len(unseen), LAST_AUDIT_WITNESSES))
 
     def _past_the_pool(self, route: list[Hop], length: int) -> bool:
         """Whether the audit before the output is returned must still run with no token left unaudited: an
         audit that was not the last (the pool's witnesses alone) covered the end, the last one has not gone
         past the pool at this length, and the swarm has candidates past the pool. Why: otherwise how the
         generation's end fell between audits decided whether its tokens saw more than the pool."""
-        if self._last_audit >= length or max(self.pool, LAST_AUDIT_WITNESSES) <= self.pool:
+        if self._last_audit >= length:
             return False
         found = alternatives(route, len(route) - 1, self.swarm.records, self.swarm.excluded.current(), length)
-        return len(found) > self.pool
+        return len(found) > self.pool and self._last_audit_witnesses(route, length, found) > self.pool
 
     async def _further_witnesses(self, route, ids, stats, final: bool, witnesses: int, prefill) -> None:
         """The audit's witnesses after the first, up to ``witnesses`` in all (``_audits``)."""

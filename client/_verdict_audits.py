@@ -7,9 +7,9 @@ wrong next token, a draft accepted that its own choice refutes): spot-checks of 
 route with the tail's blocks computed by another server of the same precision, and advances it with the
 tokens committed since the last audit, sent as drafts after the last audited one: an honest shadow tail
 accepts exactly the tokens the exact rule chooses (greedy, or seeded sampling, whose draws are fixed by
-(seed, position)). Every audit is verified in turn by each witness of a pool of up to three independent
-tails (client/_shadow_turns.py: sybils on several machine groups must not be the only witnesses of each
-other); each prefills the prompt once and verifies each generated token once, one position on each of
+(seed, position)). Every audit is verified by each witness of a pool of up to six independent tails, all
+but the first at once (client/_shadow_turns.py: sybils on several machine groups must not be the only
+witnesses of each other); each prefills the prompt once and verifies each generated token once, one position on each of
 the shadow route's servers. Its Steps are shaped as the generation's live laps (client/_audit_shape.py):
 live-sized drafts and, where the live laps loop, ``loop_runs``, the runs the tail starts itself consumed
 as the live client consumes them (``_confirm``).

@@ -19,6 +19,8 @@ from client.errors import ServerError
 from protocol.messages import Hop, StepResult
 from tests.kit import faults
 
+POOL = 3  # the pool the rotation and the last audit past it are tested with (smaller than the candidates)
+
 
 class Turns(ShadowTurns):
     def __init__(self, trusted=(), seed: int = 0):
@@ -26,7 +28,7 @@ class Turns(ShadowTurns):
         self.avoidance = Avoidance(self.witnesses)
         self.rng = random.Random(seed)
         self.parked: dict = {}
-        self.pool = SHADOW_POOL
+        self.pool = POOL
         self.had_turn: set = set()
         self.evicted: list = []
         self._shadow = None
@@ -50,25 +52,25 @@ def records(*names: str) -> list:
 
 def test_each_audit_draws_its_witness_anew_and_every_candidate_gets_turns():
     """Three candidates, 40 audits: each candidate shadows some of them (a kept shadow would be one
-    candidate for all 40), and the pool never holds more than SHADOW_POOL sessions."""
+    candidate for all 40), and the pool never holds more than POOL sessions."""
     turns = Turns()
     counts = Counter(turns.audit(records("S2", "S3", "T")) for _ in range(40))
     assert set(counts) == {"S2", "S3", "T"} and min(counts.values()) >= 5, counts
-    assert len(turns.parked) <= SHADOW_POOL
+    assert len(turns.parked) <= POOL
 
 
 def test_the_pool_bounds_the_sessions_a_generation_opens():
-    """Six candidates, draws that may not rotate (an audit's further witnesses): once SHADOW_POOL of them
+    """Six candidates, draws that may not rotate (an audit's further witnesses): once POOL of them
     hold sessions, later draws are only among those."""
     turns = Turns(seed=3)
     picks = [turns.audit(records(*(f"S{i}" for i in range(6)))) for _ in range(60)]
-    assert len(set(picks)) == SHADOW_POOL
-    assert set(picks[SHADOW_POOL * 4 :]) <= set(turns.parked)
+    assert len(set(picks)) == POOL
+    assert set(picks[POOL * 4 :]) <= set(turns.parked)
 
 
 def test_with_more_candidates_than_the_pool_it_rotates_until_each_had_a_turn():
-    """Six candidates, audits of SHADOW_POOL witnesses each (the first may rotate): every candidate has had
-    a turn by audit 6 - 2 (one fresh witness an audit once the pool is full), never more than SHADOW_POOL
+    """Six candidates, audits of POOL witnesses each (the first may rotate): every candidate has had
+    a turn by audit 6 - 2 (one fresh witness an audit once the pool is full), never more than POOL
     sessions at once, and once all had a turn no more sessions are opened. Before, the three drawn first
     were the pool for the whole generation: the honest one of six was in it with probability 1/2."""
     names = [f"S{i}" for i in range(6)]
@@ -76,13 +78,13 @@ def test_with_more_candidates_than_the_pool_it_rotates_until_each_had_a_turn():
         turns, seen_after = Turns(seed=seed), []
         for _ in range(12):  # audits: as ``_audits`` draws them, its further witnesses skip the ones used
             used = {turns.audit(records(*names), rotate=True)}
-            for _ in range(SHADOW_POOL - 1):
+            for _ in range(POOL - 1):
                 used.add(turns.audit(records(*(n for n in names if n not in used))))
-            assert len(used) == SHADOW_POOL
-            assert len(turns.parked) <= SHADOW_POOL
+            assert len(used) == POOL
+            assert len(turns.parked) <= POOL
             seen_after.append(len(turns.had_turn))
         assert seen_after[:4] == [3, 4, 5, 6], seen_after
-        assert len(turns.evicted) == 6 - SHADOW_POOL  # one rotation an audit, and none after the last candidate
+        assert len(turns.evicted) == 6 - POOL  # one rotation an audit, and none after the last candidate
 
 
 def unseen_first(turns: Turns, found) -> list:
@@ -116,13 +118,31 @@ def test_the_last_audits_witnesses_past_the_pool_are_groups_that_never_had_a_tur
             for _ in range(audits):
                 used = {turns.audit(records(*names), rotate=True)}
                 if _ == audits - 1:
-                    count = turns._last_audit_witnesses([Hop(peer_id="L", start=15, end=30)], 64) - SHADOW_POOL
-                for _ in range(SHADOW_POOL - 1):
+                    count = turns._last_audit_witnesses([Hop(peer_id="L", start=15, end=30)], 64) - POOL
+                for _ in range(POOL - 1):
                     used.add(turns.audit(records(*(n for n in names if n not in used))))
                 verified |= used
-            assert count == (4 if audits == 2 else LAST_AUDIT_WITNESSES - SHADOW_POOL)
+            assert count == (4 if audits == 2 else LAST_AUDIT_WITNESSES - POOL)
             verified |= set(past_the_pool(turns, names, count))
             assert verified == set(names), (audits, seed, sorted(set(names) - verified))
+
+
+def test_the_default_pool_goes_past_itself_in_the_last_audit_only_for_groups_that_never_had_a_turn(monkeypatch):
+    """The default pool (six) with eight candidate groups: after one audit (six witnesses), the last audit takes
+    one witness past the pool for each of the two groups that never had a turn; with six candidates, none."""
+    names = [*(f"S{i}" for i in range(2, 9)), "T"]
+    monkeypatch.setattr(_shadow_turns, "alternatives", lambda *args: records(*names))
+    turns = Turns(seed=0)
+    turns.pool = SHADOW_POOL
+    turns.swarm = SimpleNamespace(records={}, excluded=SimpleNamespace(current=set))
+    turns.witnesses.groups = {name: f"net:198.51.{i}.0/24" for i, name in enumerate([*names, "L"])}
+    route = [Hop(peer_id="L", start=15, end=30)]
+    turns.had_turn = set(names[:SHADOW_POOL])
+    assert turns._last_audit_witnesses(route, 64) == SHADOW_POOL + 2
+    turns._last_audit = 0  # an earlier audit covered the end: the last one still runs, for those two
+    assert turns._past_the_pool(route, 64)
+    names[SHADOW_POOL:] = []
+    assert turns._last_audit_witnesses(route, 64) == SHADOW_POOL
 
 
 def test_witnesses_new_to_the_generation_are_counted_by_machine_group():
@@ -180,7 +200,7 @@ def test_audit_witnesses_sizes_the_generations_pool():
     swarm = SimpleNamespace(request_timeout=1.0)
     options = GenerationOptions(audit_witnesses=5).checked()
     assert make_audits(swarm, 32, 0.0, 16, pool=options.audit_witnesses).verdicts.pool == 5
-    assert make_audits(swarm, 32, 0.0, 16).verdicts.pool == SHADOW_POOL == 3
+    assert make_audits(swarm, 32, 0.0, 16).verdicts.pool == SHADOW_POOL == GenerationOptions().audit_witnesses == 6
 
 
 class Scripted(ShadowTurns):
@@ -188,7 +208,7 @@ class Scripted(ShadowTurns):
     verifies (recorded with where a fresh session of it starts) or, if in ``failing``, fails as a stalled
     session does."""
 
-    def __init__(self, candidates, failing=(), disputing=(), pool: int = SHADOW_POOL):
+    def __init__(self, candidates, failing=(), disputing=(), pool: int = POOL):
         self.witnesses, self.pool, self.timeout = Witnesses(()), pool, 5.0
         self.candidates, self.failing, self.disputing = list(candidates), set(failing), set(disputing)
         self.audited, self._shadow, self.parked = [0] * 10, None, {}
@@ -236,7 +256,7 @@ def test_the_last_audit_goes_past_the_pool_and_past_a_witness_that_fails():
     end it, a dispute does (the generation re-verifies from it). An earlier audit stops at the pool, and at a
     witness that fails, as before."""
     names = [f"S{i}" for i in range(LAST_AUDIT_WITNESSES + 2)]
-    assert scripted_audit(Scripted(names), final=False) == names[:SHADOW_POOL]
+    assert scripted_audit(Scripted(names), final=False) == names[:POOL]
     last = scripted_audit(Scripted(names), final=True)
     assert last == names[:LAST_AUDIT_WITNESSES]
     assert scripted_audit(Scripted(["A", "B", "C"], failing={"B"}, pool=2), final=False) == ["A"]
@@ -267,11 +287,11 @@ class Prefilling(Scripted):
 
 def test_an_audits_witnesses_past_the_first_verify_at_once_before_their_turns():
     """An audit's other witnesses (the pool's parked ones, fresh ones filling it, and in the last audit those
-    past it) verify at once after the first, and their turns come after that (each has nothing left but a
-    disagreement to take up); one that failed there (a stalling witness, timed out at once with the others) is
-    not tried again in turn; a witness that fails in its turn (a detour follows) does not end the last audit.
-    The step begins once the first witness is drawn, while it verifies, and is cancelled if it disputes. Before, only the last audit had it: over a WAN
-    delay the earlier audits' turns fell behind the live laps (docs/reliability.md, "Witnesses of the pool")."""
+    past it) verify at once, from when the first is drawn, while it verifies, and their turns come after that
+    (each has nothing left but a disagreement to take up); one that failed there (a stalling witness, timed out
+    at once with the others) is not tried again in turn; a witness that fails in its turn (a detour follows)
+    does not end the last audit; the step is cancelled if the first disputes. Before, only the last audit had
+    it, after the first: over a WAN delay the audits fell behind the live laps (docs/reliability.md)."""
     turns = Prefilling(["A", "B", "C", "D"], seconds=0.05, pool=2)
     assert scripted_audit(turns, final=True) == ["A", ("at once", 4), "B", "C", "D"]
     turns = Prefilling(["A", "B", "C", "D"], seconds=0.05, prefill_failed=["C"], pool=2)  # B: parked, caught up
@@ -362,10 +382,10 @@ def test_the_last_audit_goes_past_the_pool_where_an_earlier_audit_covered_the_en
     one length. Before, how the end fell between audits decided whether its tokens saw more than the pool."""
     from client import _shadow_turns
 
-    candidates = [SimpleNamespace(peer_id=f"S{i}") for i in range(SHADOW_POOL + 1)]
+    candidates = [SimpleNamespace(peer_id=f"S{i}") for i in range(POOL + 1)]
     monkeypatch.setattr(_shadow_turns, "alternatives", lambda route, index, records, excluded, length: candidates)
     swarm = SimpleNamespace(records={}, liars=set(), excluded=SimpleNamespace(current=set), request_timeout=1.0)
-    auditor, started = VerdictAuditor(swarm, vocab_size=100), []
+    auditor, started = VerdictAuditor(swarm, vocab_size=100, pool=POOL), []
 
     async def run(route, ids, stats, final=False):
         started.append(final)
@@ -392,7 +412,7 @@ def test_the_last_audit_goes_past_the_pool_where_an_earlier_audit_covered_the_en
     assert last_audit() == []  # once at this length
     auditor.begin(ids[:11], 80, GREEDY, "match")
     auditor.audited, auditor._given_up = list(ids), len(ids)
-    del candidates[SHADOW_POOL:]  # nobody past the pool
+    del candidates[POOL:]  # nobody past the pool
     assert last_audit() == []
     candidates.append(SimpleNamespace(peer_id="S9"))
     auditor.audited = ids[:30]  # tokens left unaudited after an audit that ended with no verdict: not retried

@@ -667,7 +667,7 @@ def test_audit_witnesses_reaches_the_generations_auditor(sybil_swarm, tiny_llama
         assert generate(model) == greedy_reference
         with pytest.raises(ValueError, match="audit_witnesses must be an int >= 1"):
             generate(model, audit_witnesses=0)
-    assert pools == [1, 3]
+    assert pools == [1, _shadow_turns.SHADOW_POOL] == [1, 6]
 
 
 def test_a_head_that_stalls_audits_is_detoured_and_every_token_confirmed(
