@@ -6,7 +6,7 @@ candidates beside one honest tail, the draw is a sybil with probability k / (k +
 confirm each other's lies for the whole generation: wrong tokens counted as confirmed by an independent
 stranger, with no warning (measured: 237 wrong tokens unflagged in 20 generations with three sybils on a /24
 each). So every audit is verified by each witness of a pool: up to ``SHADOW_POOL`` independent tails, the
-first drawn for the audit verifying first, then the others at once (``_others_at_once``), drawn at random from
+others verifying at once while the first drawn for the audit does (``_others_at_once``), drawn at random from
 the candidates (trusted first: a trusted witness's word settles, and no other is asked). With at most
 ``SHADOW_POOL`` candidates the honest tail is always among them, and one disagreement is enough: the dispute
 goes to a trusted judge or to evidence (client/_evidence_disputes.py), never to a vote.
@@ -21,8 +21,8 @@ held the honest tail with probability ``SHADOW_POOL`` / n.)
 The audit before the output is returned goes past the pool: every candidate up to ``LAST_AUDIT_WITNESSES``
 verifies every generated token (machine groups that never had a turn first; where more of them are left
 than that, one witness past the pool for each, up to ``LAST_AUDIT_WITNESSES`` past it:
-``_last_audit_witnesses``). As in every audit, once its first witness has verified the window, all the others
-verify at once (``_others_at_once``): the pool's parked witnesses the window (``_caught_up``), and fresh ones
+``_last_audit_witnesses``). As in every audit, once its first witness is drawn, all the others verify at once
+while it does (``_others_at_once``): the pool's parked witnesses the window (``_caught_up``), and fresh ones
 (those past the pool, or filling it) the prompt's prefill and every generated token (``_fresh_at_once``),
 each in live-shaped laps on its own session (``_verified_at_once``); their turns then have nothing left but a
 disagreement to take up. Where an audit that was not the last covered the generation's end, the last one runs
@@ -107,9 +107,10 @@ class ShadowTurns:
             await self._drop_shadow()
 
     def _last_audit_witnesses(self, route: list[Hop], length: int, found: Optional[list] = None) -> int:
-        """How many witnesses verify the last audit, its first (drawn) among them: ``LAST_AUDIT_WITNESSES``, or,
-        where more candidate machine groups than the witnesses past the pool would be never had a turn this
-        generation, the pool and one for each of those, up to ``LAST_AUDIT_WITNESSES`` past the pool. Why: a
+        """How many witnesses verify the last audit, its first (drawn) among them: the pool or
+        ``LAST_AUDIT_WITNESSES``, whichever is more, or, where candidate machine groups that never had a turn this
+        generation are left past that, the pool and one for each of those, up to ``LAST_AUDIT_WITNESSES`` past
+        the pool. Why: a
         generation that ends within its second audit (its audits slower than its laps) has had one rotation, so
         with eight candidate groups the last audit left one out whatever the order (computed: the honest one in 1
         of 8 such generations, 1 of 5 before ``Witnesses.unseen_first``), its lies returned counted as confirmed
