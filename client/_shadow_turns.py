@@ -108,22 +108,22 @@ class ShadowTurns:
 
     def _last_audit_witnesses(self, route: list[Hop], length: int, found: Optional[list] = None) -> int:
         """How many witnesses verify the last audit, its first (drawn) among them: the pool or
-        ``LAST_AUDIT_WITNESSES``, whichever is more, or, where candidate machine groups that never had a turn this
-        generation are left past that, the pool and one for each of those, up to ``LAST_AUDIT_WITNESSES`` past
-        the pool. Why: a
-        generation that ends within its second audit (its audits slower than its laps) has had one rotation, so
-        with eight candidate groups the last audit left one out whatever the order (computed: the honest one in 1
-        of 8 such generations, 1 of 5 before ``Witnesses.unseen_first``), its lies returned counted as confirmed
-        (benchmarks/sybils.py scenario 5)."""
+        ``LAST_AUDIT_WITNESSES``, whichever is more, or, where more candidate machine groups hold no session (never
+        had a turn, or rotated out before the last tokens), the pool and one for each, up to
+        ``LAST_AUDIT_WITNESSES`` past it. Why: a generation that ends within its second audit has had one
+        rotation, so with eight groups the last audit left one out whatever the order (computed: the honest one
+        in 1 of 8 such generations, 1 of 5 before ``Witnesses.unseen_first``); and with a pool of six, one rotated
+        out before the lies began never verified them (measured: benchmarks/sybils.py scenario 5, 2 of 10)."""
         if found is None:
             found = alternatives(route, len(route) - 1, self.swarm.records, self.swarm.excluded.current(), length)
-        of, seen = [hop.peer_id for hop in route], self._seen_groups()
-        unseen = {
+        of = [hop.peer_id for hop in route]
+        held = {*self.parked, *([self._shadow.tail_peer] if self._shadow is not None else [])}
+        unheld = {
             self.witnesses.group_of(c.peer_id)
             for c in found
             if self.witnesses.independent(c.peer_id, of) and self.avoidance.may_witness(c.peer_id, of[-1:])
-        } - seen
-        return max(self.pool, LAST_AUDIT_WITNESSES, self.pool + min(len(unseen), LAST_AUDIT_WITNESSES))
+        } - {self.witnesses.group_of(peer_id) for peer_id in held}
+        return max(self.pool, LAST_AUDIT_WITNESSES, self.pool + min(len(unheld), LAST_AUDIT_WITNESSES))
 
     def _past_the_pool(self, route: list[Hop], length: int) -> bool:
         """Whether the audit before the output is returned must still run with no token left unaudited: an

@@ -100,36 +100,40 @@ def past_the_pool(turns: Turns, names, count: int) -> list:
     return [c.peer_id for c in unseen_first(turns, found)[:count]]
 
 
-def test_the_last_audits_witnesses_past_the_pool_are_groups_that_never_had_a_turn(monkeypatch):
-    """Eight candidate groups (seven colluders and T), a generation of two or three audits (the pool filled at
-    the first, one rotation at each later one, the last one's first witness drawn as a rotation) and the last
-    audit's witnesses past the pool: every group verified in each of 200 draws, T with them. Before, those were
-    three, the first of a shuffled order, which could take a group rotated out of the pool again, and with two
-    audits (a generation faster than its audits) one group was left out whatever the order (benchmarks/
-    sybils.py scenario 5: T verified nothing in 1 generation of 10 at b4f8451, and 24 lies came back counted as
-    confirmed; computed from these draws, T left out in 20% of two-audit generations, 15% of three-audit ones)."""
+def test_the_last_audits_witnesses_are_every_candidate_group(monkeypatch):
+    """Eight candidate groups (seven colluders and T), a generation of two to four audits (the pool filled at
+    the first, one rotation at each later one, the last one's first witness drawn as a rotation), pools of three
+    and six: the last audit's witnesses (the pool it holds and those past it) are every group, in each of 200
+    draws, so each verifies every generated token before the output is returned, T with them. Before, the
+    witnesses past the pool were three, the first of a shuffled order (benchmarks/sybils.py scenario 5: T
+    verified nothing in 1 generation of 10 at b4f8451, 24 lies counted as confirmed; computed from these draws,
+    T left out in 20% of two-audit generations); then, with a pool of six, only groups that never had a turn
+    (one rotated out before the lies began never verified them: 2 of 10 at dd60d0c)."""
     names = [*(f"S{i}" for i in range(2, 9)), "T"]
     monkeypatch.setattr(_shadow_turns, "alternatives", lambda *args: records(*names))
-    for audits in (2, 3):
-        for seed in range(200):
-            turns, verified = Turns(seed=seed), set()
-            turns.swarm = SimpleNamespace(records={}, excluded=SimpleNamespace(current=set))
-            turns.witnesses.groups = {name: f"net:198.51.{i}.0/24" for i, name in enumerate([*names, "L"])}
-            for _ in range(audits):
-                used = {turns.audit(records(*names), rotate=True)}
-                if _ == audits - 1:
-                    count = turns._last_audit_witnesses([Hop(peer_id="L", start=15, end=30)], 64) - POOL
-                for _ in range(POOL - 1):
-                    used.add(turns.audit(records(*(n for n in names if n not in used))))
-                verified |= used
-            assert count == (4 if audits == 2 else LAST_AUDIT_WITNESSES - POOL)
-            verified |= set(past_the_pool(turns, names, count))
-            assert verified == set(names), (audits, seed, sorted(set(names) - verified))
+    for pool in (POOL, SHADOW_POOL):
+        for audits in (2, 3, 4):
+            for seed in range(200):
+                turns = Turns(seed=seed)
+                turns.pool = pool
+                turns.swarm = SimpleNamespace(records={}, excluded=SimpleNamespace(current=set))
+                turns.witnesses.groups = {name: f"net:198.51.{i}.0/24" for i, name in enumerate([*names, "L"])}
+                for audit in range(audits):
+                    used = {turns.audit(records(*names), rotate=True)}
+                    if audit == audits - 1:
+                        count = turns._last_audit_witnesses([Hop(peer_id="L", start=15, end=30)], 64) - pool
+                    for _ in range(pool - 1):
+                        used.add(turns.audit(records(*(n for n in names if n not in used))))
+                assert count == len(names) - pool  # every group the pool does not hold
+                last = set(turns.parked) | set(past_the_pool(turns, names, count))
+                assert last == set(names), (pool, audits, seed, sorted(set(names) - last))
 
 
-def test_the_default_pool_goes_past_itself_in_the_last_audit_only_for_groups_that_never_had_a_turn(monkeypatch):
+def test_the_default_pool_goes_past_itself_in_the_last_audit_for_the_groups_it_does_not_hold(monkeypatch):
     """The default pool (six) with eight candidate groups: after one audit (six witnesses), the last audit takes
-    one witness past the pool for each of the two groups that never had a turn; with six candidates, none."""
+    one witness past the pool for each of the two groups that hold no session, never had a turn or rotated out
+    (before, only those that never had a turn: one rotated out before the lies began never verified them);
+    with six candidates, none."""
     names = [*(f"S{i}" for i in range(2, 9)), "T"]
     monkeypatch.setattr(_shadow_turns, "alternatives", lambda *args: records(*names))
     turns = Turns(seed=0)
@@ -138,10 +142,15 @@ def test_the_default_pool_goes_past_itself_in_the_last_audit_only_for_groups_tha
     turns.witnesses.groups = {name: f"net:198.51.{i}.0/24" for i, name in enumerate([*names, "L"])}
     route = [Hop(peer_id="L", start=15, end=30)]
     turns.had_turn = set(names[:SHADOW_POOL])
+    turns.parked = {name: None for name in names[:SHADOW_POOL]}
+    assert turns._last_audit_witnesses(route, 64) == SHADOW_POOL + 2
+    turns.parked.pop(names[0])  # rotated out (before the lies, say): it verifies every token again
+    turns.parked[names[SHADOW_POOL]] = None
     assert turns._last_audit_witnesses(route, 64) == SHADOW_POOL + 2
     turns._last_audit = 0  # an earlier audit covered the end: the last one still runs, for those two
     assert turns._past_the_pool(route, 64)
     names[SHADOW_POOL:] = []
+    turns.parked = {name: None for name in names}
     assert turns._last_audit_witnesses(route, 64) == SHADOW_POOL
 
 
