@@ -19,7 +19,7 @@ n - pool + 1 (the honest one too); later tokens are verified by those in the poo
 held the honest tail with probability ``SHADOW_POOL`` / n.)
 
 The audit before the output is returned goes past the pool: every candidate up to ``LAST_AUDIT_WITNESSES``
-verifies every generated token (machine groups that never had a turn first; where more of them are left
+verifies every generated token (machine groups that never had a turn first; where more groups hold no session
 than that, one witness past the pool for each, up to ``LAST_AUDIT_WITNESSES`` past it:
 ``_last_audit_witnesses``). As in every audit, once its first witness is drawn, all the others verify at once
 while it does (``_others_at_once``): the pool's parked witnesses the window (``_caught_up``), and fresh ones
