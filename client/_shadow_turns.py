@@ -116,13 +116,11 @@ class ShadowTurns:
         out before the lies began never verified them (measured: benchmarks/sybils.py scenario 5, 2 of 10)."""
         if found is None:
             found = alternatives(route, len(route) - 1, self.swarm.records, self.swarm.excluded.current(), length)
-        of = [hop.peer_id for hop in route]
-        held = {*self.parked, *([self._shadow.tail_peer] if self._shadow is not None else [])}
-        unheld = {
-            self.witnesses.group_of(c.peer_id)
-            for c in found
-            if self.witnesses.independent(c.peer_id, of) and self.avoidance.may_witness(c.peer_id, of[-1:])
-        } - {self.witnesses.group_of(peer_id) for peer_id in held}
+        fit = self.avoidance.witness_order(
+            self.witnesses.choose(found, [hop.peer_id for hop in route]), [route[-1].peer_id]
+        )
+        held = {self.witnesses.group_of(peer_id) for peer_id in self._session_holders()}
+        unheld = {self.witnesses.group_of(c.peer_id) for c in fit} - held
         return max(self.pool, LAST_AUDIT_WITNESSES, self.pool + min(len(unheld), LAST_AUDIT_WITNESSES))
 
     def _past_the_pool(self, route: list[Hop], length: int) -> bool:
@@ -237,10 +235,13 @@ class ShadowTurns:
         found = self.avoidance.witness_order(found, [route[-1].peer_id])
         return self.witnesses.unseen_first(found, self._seen_groups(), self.avoidance.peers)
 
+    def _session_holders(self) -> frozenset[str]:
+        """The witnesses holding a session: the parked ones and the one whose turn it is."""
+        return frozenset({*self.parked, *([self._shadow.tail_peer] if self._shadow is not None else [])})
+
     def _seen_groups(self) -> set[str]:
         """The machine groups of the witnesses that have had a turn this generation or hold a session."""
-        peers = {*self.had_turn, *self.parked, *([self._shadow.tail_peer] if self._shadow is not None else [])}
-        return {self.witnesses.group_of(peer_id) for peer_id in peers}
+        return {self.witnesses.group_of(peer_id) for peer_id in {*self.had_turn, *self._session_holders()}}
 
     def _new_session(self, shadow_route: list[Hop], max_length: Optional[int] = None) -> RemoteSession:
         """A session as long as the generation's (unless ``max_length``), which the audits open on ``shadow_route``."""
@@ -290,8 +291,7 @@ class ShadowTurns:
         as before."""
         try:
             excluded = self.swarm.excluded.current()
-            held = frozenset({*self.parked, *([self._shadow.tail_peer] if self._shadow is not None else [])})
-            found = await self._candidates(route, len(ids), excluded, held)
+            found = await self._candidates(route, len(ids), excluded, self._session_holders())
             found = found[:count]  # groups in no dispute first; an avoided one (no side against this tail) too
             base = route
             if found and self.detour:
