@@ -24,7 +24,11 @@ delay proxy (D ms per hop, as benchmarks/wan.py), where the last audit's laps ar
 ones. ``--committed-drafts`` adds, for each pool,
 a mode ``pool of k, committed drafts`` whose audit Steps carry committed tokens as drafts (the client
 before 2026-12-06: benchmarks/audit_tells.py ``committed_only``), where the default replays the live
-laps' own drafts, rejected ones too.
+laps' own drafts, rejected ones too. ``--every 1 4`` adds, for each pool, a mode ``pool of k, audits every N``
+(``verdict_audit_every=N``; the default is 16). ``--lap-costs F P`` fixes the drafts per lap alike in every
+mode (``draft_lap_costs``): otherwise the cost model fits them on timed laps, and a lap beside an audit is
+not timed, so modes whose audits run all the time draft as many as ``num_draft_tokens`` allows and the
+others fewer, a difference in laps that is not the audits' (``laps``: the median live laps).
 
 Per mode: the median wall time of ``generate()`` (audits in the background, but the last window's
 audits run before it returns), the server positions the audits computed per generated token
@@ -63,6 +67,20 @@ def main() -> None:
     p.add_argument(
         "--committed-drafts", action="store_true", help="each pool also with the committed tokens as audit drafts"
     )
+    p.add_argument(
+        "--every",
+        type=int,
+        nargs="+",
+        default=[],
+        help="each pool also with verdict audits every N tokens (16 is the default)",
+    )
+    p.add_argument(
+        "--lap-costs",
+        type=float,
+        nargs=2,
+        default=None,
+        help="draft_lap_costs (fixed_s, per_position_s) in every mode: drafts per lap set alike, not by timed laps",
+    )
     p.add_argument("--hop-delay-ms", type=float, default=0.0, help="each server behind a delay proxy (WAN emulation)")
     p.add_argument("--out", default="benchmarks/results/shadow-pool.json")
     args = p.parse_args()
@@ -74,6 +92,8 @@ def main() -> None:
         witnesses |= {f"pool of {k}, last audit by the pool": k for k in args.pools}
     if args.committed_drafts:
         witnesses |= {f"pool of {k}, committed drafts": k for k in args.pools}
+    every = {f"pool of {k}, audits every {n}": n for k in args.pools for n in args.every}
+    witnesses |= {mode: int(mode.split()[2].rstrip(",")) for mode in every}
     witnesses |= {"no verdict audits": 3}
     modes = tuple(witnesses)
     import subprocess
@@ -109,13 +129,16 @@ def main() -> None:
             model.generate(prompt, max_new_tokens=8)  # warm-up: connections, caches, first routing
             for run in range(args.runs):
                 for mode in modes:
-                    model.verdict_audit_every = 0 if mode == "no verdict audits" else 16
+                    model.verdict_audit_every = 0 if mode == "no verdict audits" else every.get(mode, 16)
                     by_the_pool = mode.endswith("by the pool")
                     _shadow_turns.ShadowTurns._last_audit_witnesses = pool_alone if by_the_pool else last_witnesses
                     LiveShape.drafts_at = committed_only if mode.endswith("committed drafts") else replayed
                     start = time.perf_counter()
                     with torch.no_grad():
-                        out = model.generate(prompt, max_new_tokens=args.tokens, audit_witnesses=witnesses[mode])
+                        costs = {"draft_lap_costs": tuple(args.lap_costs)} if args.lap_costs else {}
+                        out = model.generate(
+                            prompt, max_new_tokens=args.tokens, audit_witnesses=witnesses[mode], **costs
+                        )
                     seconds = time.perf_counter() - start
                     stats = model.last_generation_stats
                     new = out[0, prompt.shape[1] :].tolist()
@@ -124,6 +147,7 @@ def main() -> None:
                         "tokens": new,
                         "audit_positions_per_token": stats.verdict_audit_positions / max(1, len(new)),
                         "verdict_audits": stats.verdict_audits,
+                        "laps": stats.laps,
                         "tokens_confirmed_untrusted": stats.tokens_confirmed_untrusted,
                         "tokens_unconfirmed": stats.tokens_unconfirmed,
                         "disputed": list(stats.disputed_peers),
@@ -144,6 +168,7 @@ def main() -> None:
             "median_seconds": round(median(mode, "seconds"), 2),
             "ratio_to_no_audits": round(median(mode, "seconds") / baseline, 3),
             "audit_positions_per_token": round(median(mode, "audit_positions_per_token"), 2),
+            "median_laps": median(mode, "laps"),
             "tokens_confirmed_untrusted": sum(r["tokens_confirmed_untrusted"] for r in rows[mode]),
             "tokens_unconfirmed": sum(r["tokens_unconfirmed"] for r in rows[mode]),
             "runs_with_a_dispute": sum(bool(r["disputed"]) for r in rows[mode]),

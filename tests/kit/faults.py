@@ -392,8 +392,10 @@ def step_features(session, step) -> dict:
 
 def record_verdicts(path: str) -> None:
     """From now on this process's tails append :func:`step_features` of every Step they verify to
-    ``path`` (one JSON line each); every verdict stays honest."""
+    ``path`` (one JSON line each, with ``at``: when it was verified, this process's monotonic clock, for
+    the timing a tail sees); every verdict stays honest."""
     import json
+    import time
 
     from server import compute as compute_module
 
@@ -402,7 +404,8 @@ def record_verdicts(path: str) -> None:
     def recording_verdict(session, step, logits):
         result = verdict(session, step, logits)
         with open(path, "a") as f:
-            f.write(json.dumps({**step_features(session, step), "accepted": result.accepted}) + "\n")
+            seen = {**step_features(session, step), "accepted": result.accepted, "at": time.monotonic()}
+            f.write(json.dumps(seen) + "\n")
         return result
 
     compute_module._verdict = recording_verdict
