@@ -48,6 +48,8 @@ MODES = {  # loop_runs=False: the client sends every run (as before looped runs 
     # the suffix store starts with the model's warm corpus (client/warm_corpus.py; opt-in for users)
     "suffix+warm": dict(speculation="suffix", loop_runs=False, warm_store=True),
     "suffix+loop+warm": dict(speculation="suffix", loop_runs=True, warm_store=True),
+    # the cost model before 2026-12-06: the tail's blocks priced per position, no fixed part (TailFit.blocks_fit)
+    "suffix+loop, blocks per position": dict(speculation="suffix", loop_runs=True, blocks_per_position=True),
 }
 DEFAULT_MODES = ["none", "ngram", "suffix", "suffix+async", "suffix+loop"]  # docs/benchmarks.md's WAN table
 
@@ -112,8 +114,17 @@ def workloads(first_answers: list[str], limit: int, names: list[str] = WORKLOADS
     )
 
 
+def blocks_per_position(self) -> tuple[float, float]:
+    """``TailFit.blocks_fit`` before 2026-12-06: the tail's blocks, their whole time per position."""
+    line = self.blocks
+    return (0.0, line.y / line.x) if line.x > 0 else (0.0, 0.0)
+
+
 def run_setting(args, delay_ms: float, modes: dict) -> list[Run]:
+    from client.drafting.cost_model import TailFit
     from swarm import AutoDistributedModelForCausalLM
+
+    fitted = TailFit.blocks_fit
 
     runs: list[Run] = []
     server_args = ["--torch-threads", "1", "--log-level", "WARNING"]
@@ -139,7 +150,12 @@ def run_setting(args, delay_ms: float, modes: dict) -> list[Run]:
                     model.reset_draft_store(
                         warm=kwargs.pop("warm_store", False)
                     )  # no mode learns from another's answer
-                    out = model.generate(ids, max_new_tokens=args.max_new_tokens, **kwargs)
+                    per_position = kwargs.pop("blocks_per_position", False)
+                    TailFit.blocks_fit = blocks_per_position if per_position else fitted
+                    try:
+                        out = model.generate(ids, max_new_tokens=args.max_new_tokens, **kwargs)
+                    finally:
+                        TailFit.blocks_fit = fitted
                     outputs[mode] = out.tolist()
                     s = model.last_generation_stats
                     runs.append(

@@ -237,9 +237,11 @@ class TreeSizer:
         return best_n
 
     def lap_time(self, positions: int) -> float:
-        """The network's part (fitted) plus the tail's (one LM-head call and a price per position)."""
+        """The network's part (fitted) plus the tail's (its blocks and one LM-head call, and a price per
+        position)."""
         tail_call, tail_per_position = self.tail_costs()
-        return max(1e-6, self.fixed + tail_call + (self.per_position + tail_per_position) * positions)
+        blocks = 0.0 if self.priced else self._tail.blocks_fit()[0]
+        return max(1e-6, self.fixed + tail_call + blocks + (self.per_position + tail_per_position) * positions)
 
 
 @dataclass

@@ -32,25 +32,30 @@ class LapCosts:
         memory-bound tail reads the whole matrix whatever the rows); ``tail_per_position_s``: one more
         position at the tail (its blocks, and one more row of the LM head); ``first_call_rows``: the rows
     the tail's first LM-head call computes (server/verify_rows.py plans them), so a verification that
-    accepts that many drafts or more costs a second call (``tail_call_s`` more); 0: not priced."""
+    accepts that many drafts or more costs a second call (``tail_call_s`` more); 0: not priced;
+    ``tail_blocks_s``: the tail's blocks before their positions (a forward pass of one position costs
+    most of what one of ten does)."""
 
     network_s: float
     network_per_position_s: float = 0.0
     tail_call_s: float = 0.0
     tail_per_position_s: float = 0.0
     first_call_rows: int = 0  # rows the tail's first LM-head call computes (0: a second call is not priced)
+    tail_blocks_s: float = 0.0  # the tail's blocks, whatever the positions
 
     def lap_s(self, positions: int) -> float:
         """The expected time of a lap of ``positions`` positions (committed ids and drafts)."""
-        return self.network_s + self.tail_call_s + (self.network_per_position_s + self.tail_per_position_s) * positions
+        fixed = self.network_s + self.tail_call_s + self.tail_blocks_s
+        return fixed + (self.network_per_position_s + self.tail_per_position_s) * positions
 
 
 def split_draft_count(acceptance: Sequence[float], costs: LapCosts, max_drafts: int, committed: int = 1) -> int:
-    """:func:`draft_count` for a lap priced by its parts: the fixed part is the network's and one
-    LM-head call's, each position costs the network's and the tail's per-position prices."""
+    """:func:`draft_count` for a lap priced by its parts: the fixed part is the network's, one
+    LM-head call's and the tail's blocks', each position costs the network's and the tail's per-position
+    prices."""
     return draft_count(
         acceptance,
-        costs.network_s + costs.tail_call_s,
+        costs.network_s + costs.tail_call_s + costs.tail_blocks_s,
         costs.network_per_position_s + costs.tail_per_position_s,
         max_drafts,
         committed,
@@ -147,7 +152,7 @@ class TailFit:
     def __init__(self, decay: float) -> None:
         self.decay = decay
         self.calls = DecayedLine(decay)  # LM-head calls: seconds against rows
-        self._blocks = [0.0, 0.0]  # the tail's blocks: decayed positions, s
+        self.blocks = DecayedLine(decay)  # the tail's blocks: seconds against positions
         self._first_rows = [0.0, 0.0]  # laps with a second LM-head call: decayed weight, the first call's rows
         self.reported = False
 
@@ -155,7 +160,7 @@ class TailFit:
         """Fold one verdict's report into the fits; the seconds it reports for this lap."""
         d = self.decay
         self.reported = True
-        self._blocks = [d * self._blocks[0] + positions, d * self._blocks[1] + tail.blocks_us * 1e-6]
+        self.blocks.add(positions, tail.blocks_us * 1e-6)
         for rows, us in zip(tail.head_rows, tail.head_us):
             self.calls.add(rows, us * 1e-6)
         if len(tail.head_rows) > 1:  # the walk read past the first call: its row count was the tail's plan
@@ -164,15 +169,28 @@ class TailFit:
 
     def costs(self) -> tuple[float, float]:
         """``(tail_call_s, tail_per_position_s)``: an LM-head call before its rows, and one more
-        position (the blocks' time per position, plus a row of a call); ``(0, 0)`` before any report.
-        Until calls of different sizes are timed, a call's whole cost is its fixed part."""
+        position (the blocks' slope, :meth:`blocks_fit`, plus a row of a call); ``(0, 0)`` before any
+        report. Until calls of different sizes are timed, a call's whole cost is its fixed part."""
         calls = self.calls
         per_row = 0.0
         if calls.w > 0 and calls.spread() > 0.25 * calls.w:  # calls of different sizes: the per-row cost is measured
             per_row = max(0.0, calls.covariance() / calls.spread())
         base = max(0.0, calls.mean_y() - per_row * calls.mean_x())
-        blocks = self._blocks[1] / self._blocks[0] if self._blocks[0] > 0 else 0.0
-        return base, blocks + per_row
+        return base, self.blocks_fit()[1] + per_row
+
+    def blocks_fit(self) -> tuple[float, float]:
+        """``(fixed_s, per_position_s)`` of the tail's blocks: intercept and slope once laps of different
+        sizes are reported, their whole time per position before (``(0, 0)`` before any report). Why: a
+        forward pass costs most of its time whatever the positions (on the 2-core machine, 25 ms for one
+        position, 39 for three, 50 for twelve), so the time per position of small laps priced every draft at
+        four times its cost, and the cost model cut drafts that would have paid (docs/benchmarks.md)."""
+        line = self.blocks
+        if line.w <= 0 or line.x <= 0:
+            return 0.0, 0.0
+        if line.spread() <= 0.25 * line.w:  # laps of one size: no slope measurable
+            return 0.0, line.y / line.x
+        slope = max(0.0, line.covariance() / line.spread())
+        return max(0.0, line.mean_y() - slope * line.mean_x()), slope
 
     def first_call_rows(self) -> int:
         """The rows the tail's first LM-head call computes, as the laps that needed a second call
@@ -235,8 +253,9 @@ class ChainCosts:
         if line.spread() > 0.25 * line.w:  # laps of different sizes: the slope is measured
             slope = max(0.0, line.covariance() / line.spread())
             network_s = max(0.0, line.mean_y() - slope * line.mean_x())
-            self.split = LapCosts(network_s, slope, *self.tail_costs(), self._tail.first_call_rows())
-            self.fixed_s = self.split.network_s + self.split.tail_call_s
+            blocks_s = self._tail.blocks_fit()[0]
+            self.split = LapCosts(network_s, slope, *self.tail_costs(), self._tail.first_call_rows(), blocks_s)
+            self.fixed_s = self.split.network_s + self.split.tail_call_s + blocks_s
             self.per_position_s = self.split.network_per_position_s + self.split.tail_per_position_s
             self.fitted = True
 

@@ -259,6 +259,30 @@ def test_the_tails_reports_are_fitted_apart_from_the_network():
     assert fast.cap(8) > slow.cap(8)  # the same link, a slower tail: fewer drafts
 
 
+def test_the_tails_blocks_are_fitted_with_their_fixed_part():
+    """A tail whose forward pass costs most of its time whatever the positions (as measured on the 2-core
+    machine: 22 ms, and 3 ms a position): the fit prices its blocks as 22 ms a lap and 3 ms a position, and
+    chooses more drafts than the time per position of small laps did (14 ms a position at three positions:
+    fewer drafts, laps as small as before, so the ratio never fell)."""
+    from protocol.tail_costs import TailCosts
+
+    costs = ChainCosts()
+    for positions in [1, 3, 4, 3, 2, 5, 3, 1, 4, 3]:
+        blocks_s = 0.022 + 0.003 * positions
+        call_s = 0.010
+        report = TailCosts(round(blocks_s * 1e6), [round(call_s * 1e6)], [1])
+        costs.observe_lap(positions, 0.080 + 0.004 * positions + blocks_s + call_s, report)
+    split = costs.split
+    assert split is not None and split.tail_blocks_s == pytest.approx(0.022, abs=1e-3)
+    assert split.tail_per_position_s == pytest.approx(0.003, abs=2e-4)
+    assert costs.fixed_s == pytest.approx(0.080 + 0.010 + 0.022, abs=2e-3)
+    assert split.lap_s(5) == pytest.approx(0.080 + 0.010 + 0.022 + 5 * 0.007, abs=2e-3)
+    for accepted in [3, 3, 2, 3, 3, 1, 3, 3] * 3:  # drafts 1-3 nearly always accepted, depth 4+ unseen
+        costs.observe(3, accepted)
+    ratio = draft_count(costs.acceptance(), 0.090, 0.004 + (0.022 + 0.003 * 3) / 3, 8)  # the old price
+    assert costs.cap(8) > ratio >= 1
+
+
 def test_async_mode_with_a_cap_of_0_sends_no_guess(limits_swarm, tiny_reference, monkeypatch):
     """A cap of 0 (priced laps where no draft pays, no probes): no Step carries a draft, and no run is
     sent behind one in flight with a guessed token; the tokens are transformers'. Priced so that
