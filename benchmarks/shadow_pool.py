@@ -92,8 +92,11 @@ def main() -> None:
         witnesses |= {f"pool of {k}, last audit by the pool": k for k in args.pools}
     if args.committed_drafts:
         witnesses |= {f"pool of {k}, committed drafts": k for k in args.pools}
-    every = {f"pool of {k}, audits every {n}": n for k in args.pools for n in args.every}
-    witnesses |= {mode: int(mode.split()[2].rstrip(",")) for mode in every}
+    every: dict[str, int] = {}  # mode -> verdict_audit_every, where not the default 16
+    for k in args.pools:
+        for n in args.every:
+            mode = f"pool of {k}, audits every {n}"
+            witnesses[mode], every[mode] = k, n
     witnesses |= {"no verdict audits": 3}
     modes = tuple(witnesses)
     import subprocess
@@ -118,6 +121,7 @@ def main() -> None:
     rows: dict[str, list[dict]] = {mode: [] for mode in modes}
     log_dir = Path(tempfile.mkdtemp(prefix="shadow-pool-"))
     delay = args.hop_delay_ms
+    costs = {"draft_lap_costs": tuple(args.lap_costs)} if args.lap_costs else {}
     with LocalSwarm("smollm2-135m", spans=[], server_args=ARGS, log_dir=str(log_dir), hop_delay_ms=delay) as swarm:
         swarm.start_server(0, 15, name="H")
         for name in tails:
@@ -135,7 +139,6 @@ def main() -> None:
                     LiveShape.drafts_at = committed_only if mode.endswith("committed drafts") else replayed
                     start = time.perf_counter()
                     with torch.no_grad():
-                        costs = {"draft_lap_costs": tuple(args.lap_costs)} if args.lap_costs else {}
                         out = model.generate(
                             prompt, max_new_tokens=args.tokens, audit_witnesses=witnesses[mode], **costs
                         )

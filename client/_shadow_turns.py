@@ -116,9 +116,7 @@ class ShadowTurns:
         out before the lies began never verified them (measured: benchmarks/sybils.py scenario 5, 2 of 10)."""
         if found is None:
             found = alternatives(route, len(route) - 1, self.swarm.records, self.swarm.excluded.current(), length)
-        fit = self.avoidance.witness_order(
-            self.witnesses.choose(found, [hop.peer_id for hop in route]), [route[-1].peer_id]
-        )
+        fit = self._may_witness(found, route)
         held = {self.witnesses.group_of(peer_id) for peer_id in self._session_holders()}
         unheld = {self.witnesses.group_of(c.peer_id) for c in fit} - held
         return max(self.pool, LAST_AUDIT_WITNESSES, self.pool + min(len(unheld), LAST_AUDIT_WITNESSES))
@@ -230,10 +228,12 @@ class ShadowTurns:
             found = [info for info in found if info.peer_id not in dead]
             await self.witnesses.refresh(self.swarm.p2p)  # the pings opened connections: their addresses
         self.rng.shuffle(found)
-        found = self.witnesses.choose(found, [hop.peer_id for hop in route])  # independent ones, trusted first
-        # never a group that already disagreed with the tail's; servers of other disputed groups last
-        found = self.avoidance.witness_order(found, [route[-1].peer_id])
-        return self.witnesses.unseen_first(found, self._seen_groups(), self.avoidance.peers)
+        return self.witnesses.unseen_first(self._may_witness(found, route), self._seen_groups(), self.avoidance.peers)
+
+    def _may_witness(self, found: Sequence, route: list[Hop]) -> list:
+        """``found`` that may witness for ``route``'s tail, in order (``Witnesses.choose``, ``witness_order``)."""
+        found = self.witnesses.choose(found, [hop.peer_id for hop in route])
+        return self.avoidance.witness_order(found, [route[-1].peer_id])
 
     def _session_holders(self) -> frozenset[str]:
         """The witnesses holding a session: the parked ones and the one whose turn it is."""
