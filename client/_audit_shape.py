@@ -31,6 +31,9 @@ class LiveShape:
     drafts: list[int] = field(default_factory=list)  # drafts each live lap carried, in order
     num_logprobs: int = 0  # top log-probs each live Step asks for (audit Steps ask for as many)
     logprobs: list = field(default_factory=list)  # the live verdicts' log-probs, one per generated token
+    # every live verdict's log-probs (LIVE_TOP_LOGPROBS at least), asked for by the caller or not, one per
+    # generated token: spot-checks compare their replays with them (client/_live_agreement.py)
+    committed_logprobs: list = field(default_factory=list)
     loop_end: int = 0  # live laps loop: a lap from history length h asks for loop_end - h - 1 runs (0: no loops)
     laps: dict[int, list[int]] = field(default_factory=dict)  # a live lap's first draft position -> its drafts
 

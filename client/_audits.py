@@ -44,6 +44,7 @@ class Audits:
     ) -> None:
         if self.spot is not None:  # its sessions are as long as the generation's, its Steps shaped as its laps
             self.spot.max_length, self.spot.sampling = max_length, sampling
+            self.spot.verification, self.spot.output_start = verification, len(prompt)
             self.spot.live = live or self.spot.live
             if isinstance(self.spot.evidence, TailEvidence):  # verdict audits off: its own evidence rule
                 self.spot.evidence.begin(sampling, verification)

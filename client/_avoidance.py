@@ -128,6 +128,12 @@ class Avoidance:
         if len(peer_ids) == 2:
             self.dispute(*peer_ids, servers=servers, against=against)
             return
+        self.suspected(peer_ids)
+
+    def suspected(self, peer_ids: Sequence[str]) -> None:
+        """One of these servers answered otherwise and nothing says which (a three-way split, a route that
+        answered a spot-check's replay otherwise than the live lap): each avoided, its group counted, no
+        pair recorded (none of them disagreed with another)."""
         for p in peer_ids:
             self.disputes[self.group(p)] += 1
             self.disputants.add(p)

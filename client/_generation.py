@@ -85,7 +85,8 @@ class SpeculativeDecoder(Reverification):
         self.on_tokens = on_tokens
         self.max_failovers = max_failovers
         self.stats = GenerationStats()
-        self.logprobs: list[TokenLogprobs] = []
+        self.logprobs: list[TokenLogprobs] = []  # the caller's (num_logprobs)
+        self.live_logprobs: list[TokenLogprobs] = []  # every verdict's, asked or not: the audits compare them
         self.inflight: deque[Run] = deque()  # oldest (the front run) first
         self.verdict_at: Optional[float] = None  # when the last verdict arrived (perf_counter)
         self.tokens_left = 0  # tokens this generation may still commit, as of this lap
@@ -142,7 +143,9 @@ class SpeculativeDecoder(Reverification):
         self._prompt_len = len(prompt)
         if self.audits is not None:
             asked = max(self.num_logprobs, LIVE_TOP_LOGPROBS)
-            live = LiveShape(self.num_draft_tokens, num_logprobs=asked, logprobs=self.logprobs)
+            live = LiveShape(
+                self.num_draft_tokens, num_logprobs=asked, logprobs=self.logprobs, committed_logprobs=self.live_logprobs
+            )
             if isinstance(self.mode, LoopedMode):  # the shadow's Steps loop as the live laps do
                 live.loop_end = len(prompt) + max_new_tokens
             self.audits.begin(prompt, self.state.max_length, self.sampling, self.verification, live)
@@ -407,8 +410,10 @@ class SpeculativeDecoder(Reverification):
         self.stats.drafted += len(run.drafts)
         self.stats.accepted += result.accepted
         self.stats.accepted_lengths[result.accepted] += 1
-        if result.logprobs and self.num_logprobs:  # the caller's (live laps always ask for LIVE_TOP_LOGPROBS)
-            self.logprobs += result.logprobs[: len(new)]
+        if result.logprobs:  # live laps always ask for LIVE_TOP_LOGPROBS
+            self.live_logprobs += result.logprobs[: len(new)]
+            if self.num_logprobs:
+                self.logprobs += result.logprobs[: len(new)]
         return new
 
     def _act_on(self, run: Run, result: StepResult, action: VerdictAction) -> None:

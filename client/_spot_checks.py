@@ -20,7 +20,10 @@ the side it refutes is convicted behind trusted hops, else avoided with its mach
 (before, such a dispute stayed unsettled and barred the honest side from witnessing for others:
 issue 35, docs/reliability.md "Sybil tails: figures"). The audit
 sessions are ordinary sessions (OpenSession, Steps shaped as live laps): nothing in a Step tells a
-hop that it is being audited (timing aside).
+hop that it is being audited (timing aside). But a hop can tell them from the live session (they repeat its
+prompt while it is open), and one that lies in the live session alone is honest in both: so the verdict
+they agree on is also compared with the live lap it replays (client/_live_agreement.py), and a route
+that answered the two differently has its untrusted servers avoided.
 
 One audit at a time per generation, as an asyncio task beside the laps (it never delays a lap),
 bounded by a timeout; an audit that fails (a server dies, times out) is no verdict on anyone.
@@ -42,6 +45,7 @@ import torch
 
 from client._audit_shape import LiveShape
 from client._avoidance import Avoidance
+from client._live_agreement import live_contradiction, suspects
 from client._logprob_audits import logprob_tolerance, verdict_difference
 from client._remote_session import RemoteSession
 from client._tail_disputes import settle_by_evidence
@@ -227,6 +231,7 @@ class SpotChecker(BackgroundAudit):
         self.max_length = 0  # the generation's session max_length (its audit sessions copy it); 0: len(ids)
         self.live, self.sampling = LiveShape(), GREEDY  # the generation's laps and sampling (Steps copy them)
         self.evidence = None  # the verdict auditor (``settle_tails``): tail disputes settled by evidence
+        self.verification, self.output_start = "match", 0  # the generation's rule; its prompt's length
 
     def maybe_start(self, route: Sequence[Hop], ids: Sequence[int], stats, lap: int) -> None:
         """After a verdict: with probability ``rate``, audit the next hop that has a substitute."""
@@ -247,12 +252,14 @@ class SpotChecker(BackgroundAudit):
         alt = self.rng.choice([c for c in candidates if self.witnesses.is_trusted(c.peer_id)] or candidates)
         thirds = [c.peer_id for c in candidates if c.peer_id != alt.peer_id]
         stats.spot_checks += 1
-        self.task = asyncio.ensure_future(self._audit(list(route), index, alt.peer_id, thirds, list(ids), stats, lap))
+        live = list(self.live.committed_logprobs)  # the live verdicts' log-probs, as of this lap
+        audit = self._audit(list(route), index, alt.peer_id, thirds, list(ids), stats, lap, live)
+        self.task = asyncio.ensure_future(audit)
 
-    async def _audit(self, route, index, alt, thirds, ids, stats, lap) -> None:
+    async def _audit(self, route, index, alt, thirds, ids, stats, lap, live) -> None:
         result = AuditResult("failed")
         try:
-            compared = self._compare(route, index, alt, thirds, ids, result, stats)
+            compared = self._compare(route, index, alt, thirds, ids, result, stats, live)
             result = await asyncio.wait_for(compared, self.timeout)
         except asyncio.TimeoutError:  # an undecided dispute stays one (its evidence timed out)
             result.detail = f"{result.detail}; timed out after {self.timeout:g} s".lstrip("; ")
@@ -283,6 +290,11 @@ class SpotChecker(BackgroundAudit):
                     f"Spot-check undecided: servers {hop.peer_id} and {alt} disagree on blocks "
                     f"{hop.start}:{hop.end} ({result.detail}); nobody excluded"
                 )
+            elif result.verdict == "diverged":  # the route's untrusted servers, each with its group counted
+                stats.spot_checks_diverged += 1
+                self.avoidance.suspected(result.disputed)
+                stats.disputed_peers.extend(p for p in result.disputed if p not in stats.disputed_peers)
+                logger.warning(f"Spot-check diverged from the live lap: {what}: {result.detail}; route avoided")
             elif result.verdict == "refuted":  # by evidence, behind untrusted hops: avoided, not convicted
                 upheld = alt if result.liar == hop.peer_id else hop.peer_id
                 self.avoidance.refuted(result.liar, servers=self.swarm.records, upheld=upheld)
@@ -307,7 +319,9 @@ class SpotChecker(BackgroundAudit):
             alt = ([p for p in fit if self.witnesses.is_trusted(p)] or fit)[0]
         return alt, [p for p in fit if p != alt]
 
-    async def _compare(self, route, index, alt, thirds, ids, result: AuditResult, stats=None) -> AuditResult:
+    async def _compare(self, route, index, alt, thirds, ids, result: AuditResult, stats=None, live=None) -> AuditResult:
+        """R_orig against R_alt on the committed ``ids``; with ``live`` (the live verdicts' log-probs, one per
+        generated id), the verdict they agree on against the live lap too (client/_live_agreement.py)."""
         alt, thirds = await self._independent(route[index].peer_id, alt, thirds)
         result.substitute = alt or ""
         if alt is None:
@@ -316,13 +330,20 @@ class SpotChecker(BackgroundAudit):
         records = self.swarm.records
         tol = logprob_tolerance([records.get(p) for p in (*(hop.peer_id for hop in route), alt)])
         orig_route, alt_route = route, substituted(route, index, alt)
-        ids, drafts = self._replayed(ids, self.swarm.route_step_limit(route) - 1)
+        committed = ids
+        ids, drafts = self._replayed(committed, self.swarm.route_step_limit(route) - 1)
         orig, other = await _both(
             self._verdict(orig_route, ids, drafts, result), self._verdict(alt_route, ids, drafts, result)
         )
         difference = verdict_difference(orig, other, tol)
         if difference <= tol:
             result.verdict, result.detail = "agree", f"log-prob difference {difference:.2g} <= {tol:g}"
+            found = None
+            if live is not None and self.verification == "match":  # rejection sampling commits other tokens
+                found = live_contradiction(committed, ids, drafts, orig, live, self.output_start, tol)
+            if found is not None:  # a server of the route answered the live lap otherwise: which, nobody can say
+                result.verdict, result.disputed = "diverged", suspects(route, self.witnesses.is_trusted)
+                result.detail = f"both replays agree, not with the live lap at {found}"
             return result
         accused = (route[index].peer_id, alt)
         detail = f"verdicts differ ({_said(orig)} vs {_said(other)}; bound {tol:g})"

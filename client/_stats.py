@@ -60,6 +60,7 @@ class GenerationStats:
     spot_checks_failed: int = 0  # audits ended by a failing server (or their timeout): no verdict
     spot_checks_undecided: int = 0  # disagreements that no third server settled: nobody excluded
     spot_checks_by_evidence: int = 0  # tail-hop disagreements the client settled itself (client/_evidence.py)
+    spot_checks_diverged: int = 0  # both replays agreed, not with the live lap: the route's untrusted servers avoided
     liars_excluded: list[str] = field(default_factory=list)  # peer ids outvoted by a third server
     tokens_retracted: int = 0  # committed (and streamed) tokens that a re-verification replaced
     spot_check_events: list[str] = field(default_factory=list)  # one line per audit: hop, peers, outcome

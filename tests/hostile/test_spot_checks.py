@@ -481,3 +481,85 @@ def test_a_spot_check_replays_the_last_live_lap_its_rejected_drafts_too():
     assert checker._replayed(ids, 7) == ([*ids[:14], 114, 998], 2)
     assert checker._replayed(ids, 1) == ([*ids[:14], 114], 1)
     assert checker._replayed(ids[:14], 7) == ([*ids[:11], 111, 112, 999], 3)  # the last lap inside the ids
+
+
+# ---- live: a hop honest only where it sees an audit ------------------------------------------------
+
+# L lies in its activations in every session but those that repeat an open session's first ids (to a hop,
+# an audit: tests/kit/hop_faults.py ``lie_unless_repeated``); A, B and C are honest
+TWO_FACED = {"L": (0, 3), "A": (0, 3), "B": (3, 6), "C": (3, 6)}
+
+
+@pytest.fixture(scope="module")
+def two_faced_swarm(tiny_llama_path, artifacts_dir):
+    log_dir = str(artifacts_dir / "two-faced")
+    swarm = LocalSwarm(str(tiny_llama_path), spans=[], server_args=SERVER_ARGS, log_dir=log_dir)
+    with swarm:
+        for name, (start, end) in TWO_FACED.items():
+            launcher = faulty("--lie-unless-repeated", "offset") if name == "L" else ["swarm.server"]
+            swarm.start_server(start, end, name=name, launcher=launcher)
+        swarm.wait_ready(len(TWO_FACED))
+        yield swarm
+
+
+@pytest.mark.parametrize("sampling,audit_every", [("greedy", 0), ("seeded", 0), ("greedy", 16)])
+def test_a_hop_honest_only_in_audits_diverges_from_the_live_lap_and_is_avoided(
+    two_faced_swarm, tiny_llama_path, sampling, audit_every
+):
+    """The live route's head L lies in the live session alone, so the spot-check's two sessions (through L,
+    a repeat of the live prompt to it, and through A) agree with each other: compared only with each other,
+    every spot-check agreed and the wrong output was returned. Compared with the live lap they replay, they
+    contradict what it committed (its tokens or log-probs): the route's servers are avoided (nobody convicted:
+    the comparison names no hop), the generation re-verifies on a route without L, and its output equals an
+    honest run's. With verdict audits on too (``audit_every`` 16), a shadow through L and C sees the honest
+    head: nobody is convicted either way."""
+    kwargs = dict(max_new_tokens=NEW_TOKENS, speculation="suffix")
+    if sampling == "seeded":
+        kwargs.update(do_sample=True, temperature=0.8, top_p=0.9, seed=7)
+    with client(two_faced_swarm, tiny_llama_path, [("A", 0, 3), ("B", 3, 6)], verdict_audit_every=0) as honest:
+        expected = honest.generate(torch.tensor([PROMPT]), spot_check_rate=0, **kwargs)[0, len(PROMPT) :].tolist()
+    routes = [("L", 0, 3), ("B", 3, 6)], [("A", 0, 3), ("B", 3, 6)], [("A", 0, 3), ("C", 3, 6)]
+    with client(two_faced_swarm, tiny_llama_path, *routes, verdict_audit_every=audit_every) as model:
+        if not audit_every:  # L's lie changes the tokens (else this test shows nothing)
+            lied = model.generate(torch.tensor([PROMPT]), spot_check_rate=0, **kwargs)[0, len(PROMPT) :].tolist()
+            assert lied != expected
+        out = model.generate(torch.tensor([PROMPT]), spot_check_rate=1.0, **kwargs)[0, len(PROMPT) :].tolist()
+        stats = model.last_generation_stats
+        print(f"\ntwo-faced head: {stats.spot_check_events}")
+        assert out == expected
+        assert stats.spot_checks_diverged >= 1 and any(": diverged (" in e for e in stats.spot_check_events)
+        assert model.peers["L"] in stats.disputed_peers and stats.liars_excluded == []
+        assert stats.route[0][0] == model.peers["A"]
+
+
+def test_a_replay_contradicts_the_live_lap_by_token_or_log_prob_not_at_a_near_tie():
+    """``live_contradiction``: the replayed verdict's claims against the committed ids and the live log-probs."""
+    from client._live_agreement import live_contradiction, suspects
+    from protocol.messages import StepResult, TokenLogprobs
+
+    def entry(token, logprob, top=()):
+        return TokenLogprobs(token, logprob, [token, *(t for t, _ in top)], [logprob, *(v for _, v in top)])
+
+    committed = [1, 2, 3, 10, 11, 12]  # prompt of 3, then 10 11 12 generated
+    live = [entry(10, -1.0), entry(11, -2.0), entry(12, -0.5)]
+    replayed = [1, 2, 3, 10, 11]  # the last lap: drafts 10 11 from position 3
+
+    def verdict(accepted, next_token, entries):
+        return StepResult(session_id="s", run_id=0, accepted=accepted, next_token=next_token, logprobs=entries)
+
+    agree = verdict(2, 12, [entry(10, -1.0), entry(11, -2.0), entry(12, -0.5)])
+    assert live_contradiction(committed, replayed, 2, agree, live, 3, 1e-3) is None
+    other = verdict(1, 13, [entry(10, -1.0), entry(13, -1.5)])
+    assert "committed 11, the replays 13" in live_contradiction(committed, replayed, 2, other, live, 3, 1e-3)
+    tie = verdict(1, 13, [entry(10, -1.0), entry(13, -1.5, [(11, -1.5005)])])  # 11 within the bound of 13
+    assert live_contradiction(committed, replayed, 2, tie, live, 3, 1e-3) is None
+    shifted = verdict(2, 12, [entry(10, -1.0), entry(11, -2.1), entry(12, -0.5)])
+    assert "log-prob -2 of token 11 live, -2.1 in the replays" in live_contradiction(
+        committed, replayed, 2, shifted, live, 3, 1e-3
+    )
+    assert live_contradiction(committed, replayed, 2, shifted, live[:2], 3, 1e-3) is None  # unpaired: not compared
+    assert "accepted 3 of 2" in live_contradiction(committed, replayed, 2, verdict(3, 12, []), live, 3, 1e-3)
+    beyond = verdict(2, 99, [entry(10, -1.0), entry(11, -2.0), entry(99, -0.1)])  # the bonus past what was committed
+    assert live_contradiction(committed[:5], replayed, 2, beyond, live[:2], 3, 1e-3) is None
+    route = [Hop("h", 0, 3), Hop("m", 3, 4), Hop("t", 4, 6)]
+    assert suspects(route, lambda p: p == "m") == ("h", "t")

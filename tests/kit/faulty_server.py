@@ -34,6 +34,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--black-hole", action="store_true", help="open sessions, answer pings, drop every Step")
     p.add_argument("--shield", action="store_true", help="drop the Steps of sessions that repeat an open one's ids")
     p.add_argument("--shield-evidence", action="store_true", help="--shield, only once they ask for hidden states")
+    p.add_argument(
+        "--lie-unless-repeated",
+        choices=faults.CORRUPTIONS,
+        help="corrupt the activations of every session but those that repeat an open one's ids (--shield's)",
+    )
     p.add_argument("--lie-in-verdicts", type=float, default=0.0, metavar="RATE", help="lie in this share of verdicts")
     p.add_argument("--lie", default="second", choices=faults.VERDICT_LIES, help="the lie: second choice or random id")
     p.add_argument("--lie-after", type=int, default=0, metavar="POS", help="lie only from this position on")
@@ -94,6 +99,8 @@ def patch(args: argparse.Namespace) -> None:
                 hop_faults.black_hole(self)
             if args.shield or args.shield_evidence:
                 hop_faults.shield(self, evidence_only=args.shield_evidence)
+            if args.lie_unless_repeated:
+                hop_faults.lie_unless_repeated(self, args.lie_unless_repeated)
 
     span_server.load_span, span_server.SessionHandler = faulty_load_span, FaultyHandler
     moves.load_span = faulty_load_span  # a span loaded by a move is as faulty as the first
