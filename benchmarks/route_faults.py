@@ -19,6 +19,10 @@ benchmarks/sybils.py does). Scenarios:
    nobody can audit it. Then under ``audit="required"``.
 3. A hop that renumbers runs: RH (0:15) forwards every run N as N + 1 (``--rewrite-field-file`` naming
    ``run_id``); the client fails over to H.
+4. A two-faced head TF (0:15, ``--lie-unless-repeated offset``): it adds 0.5 to its activations in every
+   session but those that repeat an open one's first ids, so the live session is lied to and every audit
+   (shadow, spot-check, evidence) sees an honest head. With the defaults; then with verdict audits off
+   (``verdict_audit_every=0``: the spot-checks alone, whose replay is compared with the live lap).
 
 Counted per run: output equal to local transformers, raised, tokens unconfirmed (flagged), wrong tokens
 not flagged, failovers, failed audits and detours, and which honest server (H, T, U) was convicted,
@@ -47,6 +51,7 @@ def plan(control: Path) -> list[dict]:
     liar = {"L": ((15, 30), "127.0.22.1", LIE, [])}
     bf16_liar = {"L": ((15, 30), "127.0.23.1", LIE, ["--dtype", "bfloat16"])}
     renumber = {"RH": ((0, 15), "127.0.24.1", ["--rewrite-field-file", str(control)], [])}
+    two_faced = {"TF": ((0, 15), "127.0.25.1", ["--lie-unless-repeated", "offset"], [])}
     return [
         dict(title="1. a shielding head before T", hostile=shield, routes=[["SH", "T"], ["H", "T"]]),
         dict(
@@ -62,17 +67,24 @@ def plan(control: Path) -> list[dict]:
             generate_kwargs={"audit": "required"},
         ),
         dict(title="3. a hop that renumbers runs", hostile=renumber, routes=[["RH", "T"], ["H", "T"]]),
+        dict(title="4. a two-faced head", hostile=two_faced, routes=[["TF", "T"], ["H", "T"], ["H", "U"]]),
+        dict(
+            title="4. a two-faced head, spot-checks alone",
+            hostile=two_faced,
+            routes=[["TF", "T"], ["H", "T"], ["H", "U"]],
+            client_kwargs={"verdict_audit_every": 0},
+        ),
     ]
 
 
-def connect(swarm, excluded: set, routes, spans: dict, request_timeout: float):
+def connect(swarm, excluded: set, routes, spans: dict, request_timeout: float, client_kwargs=None):
     """A fresh client routed over ``routes`` (server names, first preferred; ``spans``: name -> blocks),
     banning ``excluded``."""
     from swarm import AutoDistributedModelForCausalLM
     from tests.kit.routes import PreferredRoutes
 
     model = AutoDistributedModelForCausalLM.from_pretrained(
-        "smollm2-135m", initial_peers=swarm.initial_peers, request_timeout=request_timeout
+        "smollm2-135m", initial_peers=swarm.initial_peers, request_timeout=request_timeout, **(client_kwargs or {})
     )
     records = wait_online(model, list(spans), time.monotonic() + 600)
     model.swarm.router = PreferredRoutes(*[[(n, *spans[n]) for n in route] for route in routes])
@@ -80,7 +92,9 @@ def connect(swarm, excluded: set, routes, spans: dict, request_timeout: float):
     return model, {n: records[n].peer_id for n in spans}
 
 
-def scenario(swarm, title, hostile, routes, prompt, references, args, suffix, generate_kwargs=None) -> dict:
+def scenario(
+    swarm, title, hostile, routes, prompt, references, args, suffix, generate_kwargs=None, client_kwargs=None
+) -> dict:
     from tests.kit.faulty_server import faulty
 
     processes, renamed = [], {}
@@ -93,12 +107,12 @@ def scenario(swarm, title, hostile, routes, prompt, references, args, suffix, ge
     routes = [[renamed.get(n, n) for n in route] for route in routes]
     excluded: set = set()  # convictions, kept across every run of the scenario
     hosts = {renamed[n]: {"span": h[0], "host": h[1], "faults": h[2], "server_flags": h[3]} for n, h in hostile.items()}
-    row: dict = {"scenario": title, "hostile": hosts, "runs": []}
+    row: dict = {"scenario": title, "hostile": hosts, "client_kwargs": client_kwargs or {}, "runs": []}
     try:
         for run in range(args.runs):
             for sampled in (False, True):
                 seed = 1000 + run
-                model, peers = connect(swarm, excluded, routes, spans, args.request_timeout)
+                model, peers = connect(swarm, excluded, routes, spans, args.request_timeout, client_kwargs)
                 try:
                     kwargs = dict(generate_kwargs or {})
                     result = one_run(model, peers, prompt, references(seed if sampled else None), sampled, seed, kwargs)
@@ -107,6 +121,8 @@ def scenario(swarm, title, hostile, routes, prompt, references, args, suffix, ge
                     result.update(
                         verdict_audits_failed=stats.verdict_audits_failed,
                         verdict_audit_detours=stats.verdict_audit_detours,
+                        spot_checks=stats.spot_checks,
+                        spot_checks_diverged=stats.spot_checks_diverged,
                         failover_events=stats.failover_events[-3:],
                         honest_excluded=sorted(honest[p] for p in model.swarm.excluded.current() if p in honest),
                     )
@@ -139,6 +155,8 @@ def summarize(row: dict) -> dict:
         "runs_with_failover": sum(bool(r["failovers"]) for r in runs),
         "verdict_audits_failed": sum(r["verdict_audits_failed"] for r in runs),
         "runs_detoured": sum(bool(r["verdict_audit_detours"]) for r in runs),
+        "spot_checks": sum(r.get("spot_checks", 0) for r in runs),
+        "runs_spot_check_diverged": sum(bool(r.get("spot_checks_diverged")) for r in runs),
         "median_seconds": sorted(r["seconds"] for r in runs)[len(runs) // 2] if runs else None,
     }
 
