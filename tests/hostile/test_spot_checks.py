@@ -5,7 +5,9 @@ Live: a tiny-model swarm with two lying servers (``tests.kit.faulty_server --cor
 ``--corrupt offset`` on 3:6) beside honest ones, which the client trusts (``trusted_peers``); routes
 pinned through a liar, every verdict audited (``spot_check_rate=1.0``): the liar is caught by a
 trusted server, excluded, reported in the DHT (the dashboard counts it), and the output is
-token-identical to an honest run.
+token-identical to an honest run. A second swarm has a head that lies in the live session alone (honest
+in every session that repeats an open one's prompt, as audits do): the spot-checks' replays agree with
+each other, not with the live lap, and the route is avoided (client/_live_agreement.py).
 """
 
 from __future__ import annotations
