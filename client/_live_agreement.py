@@ -45,17 +45,20 @@ def live_contradiction(
     for i in range(count):
         if claims[i] == committed[base + i]:
             continue
+        if base + i < output_start:  # drafts that reached back into the prompt, which no verdict committed
+            return None
         if i < len(entries) and _near_tie(entries[i], committed[base + i], tol):
             return None
         return f"position {base + i}: the live lap committed {committed[base + i]}, the replays {claims[i]}"
     if len(live_logprobs) != len(committed) - output_start:  # not one entry per committed id: nothing to pair
         return None
-    found = first_disagreement(live_logprobs, base - output_start, entries, count, tol)
+    skip = max(0, output_start - base)  # entries of prompt positions: no live verdict had them
+    found = first_disagreement(live_logprobs, base + skip - output_start, entries[skip:], count - skip, tol)
     if found is None:
         return None
     live, replay = found[2], found[3]
     return (
-        f"position {base + found[0]}: log-prob {live.logprob:.4g} of token {live.token_id} live, "
+        f"position {base + skip + found[0]}: log-prob {live.logprob:.4g} of token {live.token_id} live, "
         f"{replay.logprob:.4g} in the replays"
     )
 

@@ -930,3 +930,34 @@ def test_random_trees_get_a_verdict_or_a_clear_refusal(tree_servers, tiny_refere
         s.close()
 
     _loop.run(scenario(), timeout=120)
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [
+        dict(draft_tree=True),
+        dict(async_speculation=True),
+        dict(do_sample=True, temperature=0.8, top_p=0.9, seed=5),
+        dict(do_sample=True, temperature=0.8, seed=5, draft_tree=True),
+    ],
+    ids=["tree", "async", "seeded", "seeded tree"],
+)
+def test_spot_checks_at_every_verdict_find_no_divergence_on_honest_servers(tiny_model, tiny_reference, mode):
+    """Every verdict spot-checked, and each replay compared with the live lap it replays
+    (client/_live_agreement.py), in the modes whose laps the audits record differently: tree laps are not
+    recorded (the replay's drafts are then the last committed ids, which at the first lap reach back into
+    the prompt: read as a divergence before that was excluded), async runs, seeded sampling. Honest servers:
+    no divergence, no dispute, the tokens of a run without spot-checks (greedy: transformers')."""
+    prompt = torch.tensor([PROMPT[0] * 3])
+    kwargs = dict(max_new_tokens=24, speculation="suffix", draft_lap_costs=(0.05, 0.002), **mode)
+    with pinned(tiny_model, ROUTES["two servers"]):
+        tiny_model.reset_draft_store()
+        expected = tiny_model.generate(prompt, spot_check_rate=0, **kwargs).tolist()
+        if not mode.get("do_sample"):
+            assert expected == tiny_reference.generate(prompt, max_new_tokens=24, do_sample=False).tolist()
+        tiny_model.reset_draft_store()
+        output = tiny_model.generate(prompt, spot_check_rate=1.0, **kwargs).tolist()
+        stats = tiny_model.last_generation_stats
+    assert output == expected
+    assert stats.spot_checks >= 3 and stats.spot_checks_diverged == 0, stats.spot_check_events
+    assert stats.spot_checks_undecided == 0 and stats.disputed_peers == [], stats.spot_check_events

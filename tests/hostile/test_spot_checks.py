@@ -563,5 +563,13 @@ def test_a_replay_contradicts_the_live_lap_by_token_or_log_prob_not_at_a_near_ti
     assert "accepted 3 of 2" in live_contradiction(committed, replayed, 2, verdict(3, 12, []), live, 3, 1e-3)
     beyond = verdict(2, 99, [entry(10, -1.0), entry(11, -2.0), entry(99, -0.1)])  # the bonus past what was committed
     assert live_contradiction(committed[:5], replayed, 2, beyond, live[:2], 3, 1e-3) is None
+    # with no live lap recorded (a tree lap), the last committed ids go as drafts and may reach into the
+    # prompt: the honest replay rejects a prompt id there (the model would not have said it), no contradiction
+    into_prompt = verdict(0, 77, [entry(77, -0.3)])  # drafts 3 10 from position 2: 3 rejected, 77 said there
+    assert live_contradiction(committed[:4], [1, 2, 3, 10], 2, into_prompt, live[:1], 3, 1e-3) is None
+    entries = [entry(3, -0.2), entry(10, -1.5), entry(11, -2.0)]  # the prompt id accepted; 10's log-prob differs
+    assert "position 3: log-prob -1 of token 10 live" in live_contradiction(
+        committed[:4], [1, 2, 3, 10], 2, verdict(2, 11, entries), live[:1], 3, 1e-3
+    )
     route = [Hop("h", 0, 3), Hop("m", 3, 4), Hop("t", 4, 6)]
     assert suspects(route, lambda p: p == "m") == ("h", "t")
