@@ -196,7 +196,7 @@ class TreeSizer:
         slope = (line.covariance() + self.PRIOR_WEIGHT * self._prior_slope) / (spread + self.PRIOR_WEIGHT)
         self.per_position = max(self.MIN_PER_POSITION, slope)
         self.fixed = max(0.0, line.mean_y() - self.per_position * line.mean_x())
-        self.fitted = self.fitted or spread > 0.25 * line.w
+        self.fitted = self.fitted or line.varied()
 
     def tail_costs(self) -> tuple[float, float]:
         """``(tail_call_s, tail_per_position_s)`` from the tail's reports; ``(0, 0)`` without any

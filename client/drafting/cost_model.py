@@ -143,6 +143,15 @@ class DecayedLine:
     def covariance(self) -> float:
         return self.xy - self.w * self.mean_x() * self.mean_y()
 
+    def varied(self) -> bool:
+        """Whether x varied enough to measure a slope (points of one size measure none)."""
+        return self.w > 0 and self.spread() > 0.25 * self.w
+
+    def fit(self) -> tuple[float, float]:
+        """``(intercept, slope)``, neither below 0; meaningful where :meth:`varied`."""
+        slope = max(0.0, self.covariance() / self.spread())
+        return max(0.0, self.mean_y() - slope * self.mean_x()), slope
+
 
 class TailFit:
     """The tail's reported costs (``StepResult.tail_costs``), fitted: its blocks' time per position,
@@ -171,11 +180,8 @@ class TailFit:
         """``(tail_call_s, tail_per_position_s)``: an LM-head call before its rows, and one more
         position (the blocks' slope, :meth:`blocks_fit`, plus a row of a call); ``(0, 0)`` before any
         report. Until calls of different sizes are timed, a call's whole cost is its fixed part."""
-        calls = self.calls
-        per_row = 0.0
-        if calls.w > 0 and calls.spread() > 0.25 * calls.w:  # calls of different sizes: the per-row cost is measured
-            per_row = max(0.0, calls.covariance() / calls.spread())
-        base = max(0.0, calls.mean_y() - per_row * calls.mean_x())
+        calls = self.calls  # calls of different sizes: the per-row cost is measured
+        base, per_row = calls.fit() if calls.varied() else (max(0.0, calls.mean_y()), 0.0)
         return base, self.blocks_fit()[1] + per_row
 
     def blocks_fit(self) -> tuple[float, float]:
@@ -187,10 +193,7 @@ class TailFit:
         line = self.blocks
         if line.w <= 0 or line.x <= 0:
             return 0.0, 0.0
-        if line.spread() <= 0.25 * line.w:  # laps of one size: no slope measurable
-            return 0.0, line.y / line.x
-        slope = max(0.0, line.covariance() / line.spread())
-        return max(0.0, line.mean_y() - slope * line.mean_x()), slope
+        return line.fit() if line.varied() else (0.0, line.y / line.x)  # laps of one size: no slope
 
     def first_call_rows(self) -> int:
         """The rows the tail's first LM-head call computes, as the laps that needed a second call
@@ -250,9 +253,8 @@ class ChainCosts:
             seconds = max(0.0, seconds - self._tail.observe(positions, tail))
         line = self._line
         line.add(positions, seconds)
-        if line.spread() > 0.25 * line.w:  # laps of different sizes: the slope is measured
-            slope = max(0.0, line.covariance() / line.spread())
-            network_s = max(0.0, line.mean_y() - slope * line.mean_x())
+        if line.varied():  # laps of different sizes: the slope is measured
+            network_s, slope = line.fit()
             blocks_s = self._tail.blocks_fit()[0]
             self.split = LapCosts(network_s, slope, *self.tail_costs(), self._tail.first_call_rows(), blocks_s)
             self.fixed_s = self.split.network_s + self.split.tail_call_s + blocks_s
