@@ -85,7 +85,6 @@ class SpeculativeDecoder(Reverification):
         self.on_tokens = on_tokens
         self.max_failovers = max_failovers
         self.stats = GenerationStats()
-        self.logprobs: list[TokenLogprobs] = []  # the caller's (num_logprobs)
         self.live_logprobs: list[TokenLogprobs] = []  # every verdict's, asked or not: the audits compare them
         self.inflight: deque[Run] = deque()  # oldest (the front run) first
         self.verdict_at: Optional[float] = None  # when the last verdict arrived (perf_counter)
@@ -111,6 +110,11 @@ class SpeculativeDecoder(Reverification):
         self._handled_liars: set[str] = set()
         if audits is not None:
             audits.share_avoid(self.avoid, self._handled_liars)
+
+    @property
+    def logprobs(self) -> list[TokenLogprobs]:
+        """The caller's log-probs (``num_logprobs``): every verdict's, or none when it asked for none."""
+        return self.live_logprobs if self.num_logprobs else []
 
     async def generate(self, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
         """Generate after ``prompt`` (the whole context); returns the new tokens only."""
@@ -412,8 +416,6 @@ class SpeculativeDecoder(Reverification):
         self.stats.accepted_lengths[result.accepted] += 1
         if result.logprobs:  # live laps always ask for LIVE_TOP_LOGPROBS
             self.live_logprobs += result.logprobs[: len(new)]
-            if self.num_logprobs:
-                self.logprobs += result.logprobs[: len(new)]
         return new
 
     def _act_on(self, run: Run, result: StepResult, action: VerdictAction) -> None:

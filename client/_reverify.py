@@ -42,8 +42,7 @@ class Reverification:
             state.remote = None
         self._replay = state.history[self._prompt_len :] + self._replay
         state.history, state.cached = state.history[: self._prompt_len], 0
-        self.logprobs.clear()  # the re-verification's verdicts bring them again
-        self.live_logprobs.clear()
+        self.live_logprobs.clear()  # the re-verification's verdicts bring them again
         self.trusted_tail.clear()  # the re-verification's tail commits them again
         if self.audits is not None:
             self.audits.forget_runs()  # replayed by token match: no rejection run's record holds
