@@ -25,6 +25,7 @@ S1, S2 (4:6) run through tests/kit/faulty_server.py:
 Same-host peers: every server here listens on 127.0.0.1, which the client treats as the user's own
 machine, one group per peer id (client/_witnesses.py says why); the colluding test puts S1 and S2
 on one public /24 by patching ``machine_group``, as two sybils of one operator would be.
+tests/network/test_sybils_netns.py runs sybils on one address in network namespaces, nothing patched.
 """
 
 from __future__ import annotations

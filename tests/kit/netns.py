@@ -47,7 +47,7 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Iterator, Optional, Sequence
 
 from swarm import lifeline
 from tests.kit.netns_links import FAMILY, _cmd, _ip, _shape_link, read_counters
@@ -345,6 +345,28 @@ class Testbed:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+@contextlib.contextmanager
+def testbed_or_skip(hosts: Sequence[str], nat_hosts: Sequence[str] = ()) -> Iterator["Testbed"]:
+    """A testbed for one pytest test: the test is skipped where namespaces (or NAT) cannot be made here,
+    and on exit every namespace it made must be gone."""
+    import pytest
+
+    try:
+        check_available()
+        testbed = Testbed(hosts)
+    except TestbedUnavailable as e:
+        pytest.skip(f"no network-namespace testbed here: {e}")
+    try:
+        for name in nat_hosts:
+            testbed.add_nat_host(name)
+    except TestbedUnavailable as e:
+        testbed.close()
+        pytest.skip(f"no NAT in the testbed here: {e}")
+    with testbed:
+        yield testbed
+    assert not [ns for ns in list_namespaces() if ns.startswith(testbed.prefix)]
 
 
 def main(argv: Optional[list[str]] = None) -> int:

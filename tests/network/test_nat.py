@@ -47,19 +47,8 @@ finally:
 
 @pytest.fixture
 def bed():
-    try:
-        netns.check_available()
-        testbed = netns.Testbed(["pub", "cli"])
-    except netns.TestbedUnavailable as e:
-        pytest.skip(f"no network-namespace testbed here: {e}")
-    try:
-        testbed.add_nat_host("home")
-    except netns.TestbedUnavailable as e:
-        testbed.close()
-        pytest.skip(f"no NAT in the testbed here: {e}")
-    with testbed:
+    with netns.testbed_or_skip(["pub", "cli"], nat_hosts=["home"]) as testbed:
         yield testbed
-    assert not [ns for ns in netns.list_namespaces() if ns.startswith(testbed.prefix)]
 
 
 def _bootstrap(bed, *extra: str) -> tuple[subprocess.Popen, str]:
