@@ -5,7 +5,7 @@ TORCH_VERSION ?= 2.13.0
 # the suite runs as this many pytest processes at once (tests/kit/shards.py); 1 is a plain pytest run
 TEST_SHARDS ?= 2
 
-.PHONY: setup browser systemd-analyze netns-tools demo test bench-wan bench-wan-heldout bench-ceiling bench-drafter bench-failover bench-load bench-chaos bench-codecs bench-bandwidth bench-batch bench-quant train-drafter warm-corpus bench-drafter-cost bench-dssd bench-trees bench-spot-checks bench-lies bench-sybils bench-audit-tells bench-route-faults bench-shadow-pool bench-output-liars bench-step-bytes bench-gateway bench-scale bench-dht-scale bench-dashboard-scale bench-churn bench-structured bench-fine-tuning gpu-check gpu-drafter-prep
+.PHONY: setup browser systemd-analyze netns-tools demo test bench-wan bench-wan-heldout bench-ceiling bench-drafter bench-failover bench-load bench-chaos bench-codecs bench-bandwidth bench-batch bench-quant train-drafter warm-corpus bench-drafter-cost bench-dssd bench-trees bench-spot-checks bench-lies bench-sybils bench-address-caps bench-audit-tells bench-route-faults bench-shadow-pool bench-output-liars bench-step-bytes bench-gateway bench-scale bench-dht-scale bench-dashboard-scale bench-churn bench-structured bench-fine-tuning gpu-check gpu-drafter-prep
 
 # Keeps a torch that is already installed (a GPU user's own build); otherwise installs the torch
 # wheel pip's index serves: the CPU build on these machines (local wheels), but on Linux x86-64
@@ -79,6 +79,10 @@ bench-lies: setup
 # sybil tails beside an honest one, and many identities on one /24 beside a liar (docs/reliability.md "Sybil tails: figures"); RUNS greedy and RUNS seeded per scenario
 bench-sybils: setup
 	$(PYTHON) -m benchmarks.sybils --runs $(RUNS)
+
+# one machine with 50 peer ids against one server: sessions, cache, Subscribes, unread results (docs/reliability.md "Caps per machine")
+bench-address-caps: setup
+	$(PYTHON) -m benchmarks.address_caps
 
 # what a tail can tell of an audit from its own verdicts (docs/reliability.md "Audits look like live laps")
 bench-audit-tells: setup
