@@ -225,7 +225,13 @@ def main() -> None:
         finally:
             swarm.stop()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    result = {"commit": commit, "stranger_ids": args.ids, "stranger_address": STRANGER, "honest_address": HONEST, "phases": phases}
+    result = {
+        "commit": commit,
+        "stranger_ids": args.ids,
+        "stranger_address": STRANGER,
+        "honest_address": HONEST,
+        "phases": phases,
+    }
     result["seconds"] = round(time.monotonic() - started, 1)
     print(json.dumps(result, indent=1))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
