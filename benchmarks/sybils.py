@@ -188,7 +188,7 @@ def scenario(swarm, title, sybils, flags, prompt, references, args, *, routes_fo
     row: dict = {"scenario": title, "flags": flags, "hosts": {**HOSTS, **sybils}, "runs": []}
     shared = connect(swarm, excluded, routes_for(0), names) if args.reuse_client else None
     try:
-        for run in range(args.runs):
+        for run in range(args.first_run, args.runs):
             for sampled in (False,) if args.greedy_only else (False, True):
                 seed = 1000 + run
                 if shared is None:
@@ -369,6 +369,7 @@ def plan(args) -> list[dict]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=int, default=10, help="greedy and seeded-sampling generations per scenario, each")
+    p.add_argument("--first-run", type=int, default=0, help="start at this run (seed 1000 + run), to replay one")
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--sybil-counts", type=int, nargs="+", default=[2, 3])
     p.add_argument("--modes", nargs="*", help="scenario 1's modes (default: all)")
@@ -436,7 +437,8 @@ def main() -> None:
 
     log_dir = Path(tempfile.mkdtemp(prefix="sybils-"))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    result: dict = {"commit": commit, "runs": args.runs, "tokens": args.tokens, "prompt_tokens": len(prompt)}
+    result: dict = {"commit": commit, "runs": args.runs, "first_run": args.first_run, "tokens": args.tokens}
+    result["prompt_tokens"] = len(prompt)
     result["last_audit_witnesses"] = _shadow_turns.LAST_AUDIT_WITNESSES
     result["last_audit_window_only"] = args.last_audit_window_only
     result["identity_order"] = args.identity_order

@@ -33,10 +33,18 @@ another (``fallback_key``): a refutation is the client's own finding, a dispute 
 lied. Why: an honest T that disputed S1 unsettled, then refuted S2 and S3 by evidence, was tied with
 S1 (one dispute each) and the fallback went by peer id. What is still tied at the end is broken by a
 keyed hash of the peer id that only this client can compute, never by the peer id itself, which a sybil
-can grind to sort first; but before that, a group a near tie's evidence leaned against (``leaned``:
-client/_evidence.py ``lean``, the side whose token loses at the one hidden state both tails sent) comes
-after the other. Why: a liar naming the runner-up where the top two are within the bounds (sized for
-16-bit GPUs) is a near tie on float32 servers, and the coin then fell on the liar half the time.
+can grind to sort first.
+
+A group a near tie's evidence leaned against (``leaned``: client/_evidence.py ``lean``, the side whose
+token loses at the one hidden state both tails sent) comes after every group that no evidence leaned
+against or refuted, whatever their counts of unsettled disputes, and before the refuted ones. Why: a
+liar naming the runner-up where the top two are within the bounds (sized for 16-bit GPUs) is a near tie
+on float32 servers, and the coin then fell on the liar half the time; and the count of unsettled
+disputes is a vote sybils win: an honest T that disputed three sybils on groups of their own, each at
+such a near tie, had three disputes to their one each and fell back behind all three. A lean cannot
+be made against an honest tail by the tails alone: both must send one state, at which the honest
+tail's own token wins; a head that feeds both a false state can make evidence refute the honest tail
+outright, which already counts first.
 """
 
 from __future__ import annotations
@@ -144,7 +152,7 @@ class Avoidance:
         unsettled = self.disputes[group] - self.refutations[group] - self.upheld[group]
         tie = self._draw(peer_id)
         disputant = peer_id in self.disputants
-        return (self.refutations[group], unsettled, self.members(group), disputant, self.leaned[group], tie)
+        return (self.refutations[group], self.leaned[group], unsettled, self.members(group), disputant, tie)
 
     def _draw(self, peer_id: str) -> bytes:
         """The last tie-break: a keyed hash of the peer id, the key this client's own secret. Not the peer id
@@ -167,4 +175,5 @@ class Avoidance:
         """The candidates (records with ``peer_id``) that may witness for ``checked``: undisputed groups
         first (stable otherwise, so a caller's trusted-first order survives), then by ``fallback_key``."""
         fit = [c for c in candidates if self.may_witness(c.peer_id, checked)]
-        return sorted(fit, key=lambda c: (1, *self.fallback_key(c.peer_id)[:3]) if c.peer_id in self.peers else (0,))
+        # by refutations, leans, unsettled disputes and identities; not by disputant or the draw
+        return sorted(fit, key=lambda c: (1, *self.fallback_key(c.peer_id)[:4]) if c.peer_id in self.peers else (0,))
