@@ -41,7 +41,8 @@ against or refuted, whatever their counts of unsettled disputes, and before the 
 liar naming the runner-up where the top two are within the bounds (sized for 16-bit GPUs) is a near tie
 on float32 servers, and the coin then fell on the liar half the time; and the count of unsettled
 disputes is a vote sybils win: an honest T that disputed three sybils on groups of their own, each at
-such a near tie, had three disputes to their one each and fell back behind all three. A lean cannot
+such a near tie, had three disputes to their one each and fell back behind all three; and an upheld
+dispute is one too (a sybil of another group lies where the live one is honest, and is refuted). A lean cannot
 be made against an honest tail by the tails alone: both must send one state, at which the honest
 tail's own token wins; a head that feeds both a false state can make evidence refute the honest tail
 outright, which already counts first.
