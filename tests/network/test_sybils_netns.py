@@ -115,8 +115,8 @@ def _server(bed, host: str, name: str, model: str, peer: str, blocks: str, log_d
     launcher = ["tests.kit.faulty_server", *fault, "--"] if fault else ["swarm.server"]
     argv = [sys.executable, "-m", *launcher, "--model", model, "--initial-peers", peer, "--blocks", blocks]
     argv += ["--host", bed.ip(host), "--public-name", name, *SERVER_ARGS]
-    log = open(log_dir / f"{name}.log", "w")
-    return bed.run(host, argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    with open(log_dir / f"{name}.log", "w") as log:  # the child keeps its own descriptor
+        return bed.run(host, argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
 
 
 def test_sybils_on_one_host_are_one_machine_group_and_cannot_confirm_each_other(
