@@ -36,10 +36,11 @@ from pathlib import Path
 from hivemind.p2p import P2P, PeerID
 
 from client import _loop
-from protocol.messages import ErrorReply, SessionOpened, Step, Subscribe
+from protocol.messages import ErrorReply, SessionOpened, Subscribe
 from protocol.streams import RESULTS_PROTOCOL, MessageStream
 from server.unread import held_by_address
 from tests.kit.raw_sessions import RawSession
+from tests.kit.waiting import until
 
 STRANGER, HONEST = "127.0.0.2", "127.0.1.2"
 STRANGER_GROUP, HONEST_GROUP = "127.0.0.0/24", "127.0.1.0/24"
@@ -88,7 +89,7 @@ async def sessions_phase(strangers, honest, server, max_length: int, rounds: int
     finally:
         for session in sessions:
             session.close()
-        await _until(lambda: not handler.sessions)
+        await until(lambda: not handler.sessions, timeout=60)
 
 
 async def subscribes_phase(strangers, honest, server, rounds: int) -> dict:
@@ -103,7 +104,7 @@ async def subscribes_phase(strangers, honest, server, rounds: int) -> dict:
             )
             await session.tail.send(Subscribe(session_id=session.session_id, secret=session.secret))
         readers = [asyncio.create_task(session.tail.receive()) for session in sessions]
-        await _until(lambda: sum(r.done() for r in readers) + sum(waiting.values()) == len(sessions))
+        await until(lambda: sum(r.done() for r in readers) + sum(waiting.values()) == len(sessions), timeout=60)
         replies = [r.result().message if r.done() else None for r in readers]
         seen = dict(waiting)
     finally:
@@ -134,10 +135,12 @@ async def unread_phase(strangers, honest, server) -> dict:
         for session in sessions:
             assert isinstance(await session.open(max_length=128), SessionOpened)
         for run in range(2):
-            await _forward_pass(other, run)
+            await other.forward_pass(run, FORWARD_POSITIONS)
         for session in mine:
-            await _forward_pass(session, 0)
-            await _until(lambda s=session: _unread(queues, s) >= message or s.session_id not in handler.sessions)
+            await session.forward_pass(0, FORWARD_POSITIONS)
+            await until(
+                lambda s=session: _unread(queues, s) >= message or s.session_id not in handler.sessions, timeout=60
+            )
             peak = max(peak, held_by_address(queues, STRANGER_GROUP))
         for session in mine:
             if session.session_id not in handler.sessions:
@@ -158,30 +161,9 @@ async def unread_phase(strangers, honest, server) -> dict:
     }
 
 
-async def _forward_pass(session: RawSession, run: int) -> None:
-    ids = [5 + run] * FORWARD_POSITIONS
-    await session.head.send(
-        Step(
-            session_id=session.session_id,
-            run_id=run,
-            start_pos=run * FORWARD_POSITIONS,
-            token_ids=ids,
-            return_logits=FORWARD_POSITIONS,
-        )
-    )
-
-
 def _unread(queues, session: RawSession) -> int:
     queue = queues.get(session.session_id)
     return queue.bytes if queue is not None else -1
-
-
-async def _until(predicate, timeout: float = 60.0) -> None:
-    for _ in range(int(timeout / 0.05)):
-        if predicate():
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError("the condition never held")
 
 
 def main() -> None:

@@ -22,12 +22,13 @@ from hivemind.p2p import P2P, PeerID
 
 from client import _loop
 from protocol.errors import ErrorCode, ProtocolError
-from protocol.messages import ErrorReply, SessionOpened, Step, Subscribe
+from protocol.messages import ErrorReply, SessionOpened, Subscribe
 from protocol.streams import RESULTS_PROTOCOL, MessageStream
 from server.address_caps import AddressCaps, address_group, is_loopback, source_address
 from server.cache_budget import CacheBudget
 from tests.kit.raw_sessions import RawSession
 from tests.kit.swarms import inprocess_servers
+from tests.kit.waiting import until
 
 STRANGER_IDS = 12  # three times the share: each of its two addresses alone has more ids than the share
 MAX_SESSIONS, SHARE = 16, 0.25  # 4 sessions per address
@@ -169,7 +170,9 @@ def test_pending_subscribes_are_capped_per_address(capped_swarm, peers):
                 await asyncio.sleep(0.05)  # in order: the first four wait
             readers = [asyncio.create_task(session.tail.receive()) for session in sessions]
             # every Subscribe accounted for: refused (its reply read) or waiting at the tail
-            await _until(lambda: sum(r.done() for r in readers) + sum(waiting_at_tail.values()) == len(sessions))
+            await until(
+                lambda: sum(r.done() for r in readers) + sum(waiting_at_tail.values()) == len(sessions), timeout=60
+            )
             seen_waiting = dict(waiting_at_tail)
             return [r.result().message if r.done() else None for r in readers], seen_waiting
         finally:
@@ -199,27 +202,6 @@ def one_server(tiny_llama_path):
     )
 
 
-async def _forward_pass(session: RawSession, run: int) -> None:
-    """A Step asking for the logits of FORWARD_POSITIONS positions: FORWARD_POSITIONS x vocab float32 unread."""
-    ids = [5 + run] * FORWARD_POSITIONS
-    step = Step(
-        session_id=session.session_id,
-        run_id=run,
-        start_pos=run * FORWARD_POSITIONS,
-        token_ids=ids,
-        return_logits=FORWARD_POSITIONS,
-    )
-    await session.head.send(step)
-
-
-async def _until(predicate, timeout: float = 60.0) -> None:
-    for _ in range(int(timeout / 0.05)):
-        if predicate():
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError("the condition never held")
-
-
 def test_unread_results_are_capped_per_address_group(one_server):
     """Budget 10 forward passes' outputs, one /24's share 2.5: a stranger's session from 127.0.0.1
     leaves two passes unread, a second session of the same /24 (127.0.0.2, another peer id) sends one
@@ -246,12 +228,12 @@ def test_unread_results_are_capped_per_address_group(one_server):
             for session in sessions:
                 assert isinstance(await session.open(max_length=128), SessionOpened)
             for run in range(2):
-                await _forward_pass(first, run)
-                await _forward_pass(other, run)
-            await _until(lambda: unread(first) >= 2 * message and unread(other) >= 2 * message)
-            await _forward_pass(second, 0)
+                await first.forward_pass(run, FORWARD_POSITIONS)
+                await other.forward_pass(run, FORWARD_POSITIONS)
+            await until(lambda: unread(first) >= 2 * message and unread(other) >= 2 * message, timeout=60)
+            await second.forward_pass(0, FORWARD_POSITIONS)
             reply = (await asyncio.wait_for(first.head.receive(), 30)).message
-            await _until(lambda: unread(second) >= message)
+            await until(lambda: unread(second) >= message, timeout=60)
             return reply, unread(other), first.session_id in handler.sessions
         finally:
             for session in sessions:

@@ -53,6 +53,19 @@ class RawSession:
     async def step(self, run_id: int, start_pos: int, token_ids: list[int]) -> None:
         await self.head.send(Step(session_id=self.session_id, run_id=run_id, start_pos=start_pos, token_ids=token_ids))
 
+    async def forward_pass(self, run: int, positions: int) -> None:
+        """Run ``run`` of a session of forward passes: ``positions`` new ids, asking for the logits of each (a
+        RunOutputs of ``positions`` x vocab float32 at the tail, what the unread-results bounds count)."""
+        ids = [5 + run] * positions
+        step = Step(
+            session_id=self.session_id,
+            run_id=run,
+            start_pos=run * positions,
+            token_ids=ids,
+            return_logits=positions,
+        )
+        await self.head.send(step)
+
     def close(self) -> None:
         for stream in (self.head, self.tail):
             if stream is not None:

@@ -18,7 +18,7 @@ from client import _loop
 from protocol import limits
 from protocol.dht_records import fetch_servers
 from protocol.errors import ErrorCode
-from protocol.messages import ErrorReply, Hop, OpenSession, SessionOpened, Step, Subscribe
+from protocol.messages import ErrorReply, Hop, OpenSession, SessionOpened, Subscribe
 from protocol.route_errors import NoRouteError
 from protocol.routing import MaxFlowRouter
 from protocol.streams import RESULTS_PROTOCOL, SESSION_PROTOCOL, MessageStream
@@ -59,16 +59,7 @@ async def forward_passes(session: RawSession, runs: int) -> None:
     """Steps that each ask for the full logits of FORWARD_POSITIONS positions (a RunOutputs of
     FORWARD_POSITIONS x vocab float32 at the tail)."""
     for run in range(runs):
-        ids = [5 + run] * FORWARD_POSITIONS
-        await session.head.send(
-            Step(
-                session_id=session.session_id,
-                run_id=run,
-                start_pos=run * FORWARD_POSITIONS,
-                token_ids=ids,
-                return_logits=FORWARD_POSITIONS,
-            )
-        )
+        await session.forward_pass(run, FORWARD_POSITIONS)
 
 
 def outputs_bytes(tail) -> int:
