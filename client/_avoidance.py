@@ -148,12 +148,15 @@ class Avoidance:
             self.disputants.add(p)
             self.peers.add(p)
 
-    def fallback_key(self, peer_id: str) -> tuple:
-        group = self.group(peer_id)
+    def group_standing(self, group: str) -> tuple[int, int, int, int]:
+        """What orders machine groups, first first: refutations, leans against, unsettled disputes (upheld ones
+        subtracted), identities (the module's docstring says why, in that order)."""
         unsettled = self.disputes[group] - self.refutations[group] - self.upheld[group]
-        tie = self._draw(peer_id)
-        disputant = peer_id in self.disputants
-        return (self.refutations[group], self.leaned[group], unsettled, self.members(group), disputant, tie)
+        return self.refutations[group], self.leaned[group], unsettled, self.members(group)
+
+    def fallback_key(self, peer_id: str) -> tuple:
+        """The group's standing, then a server that was not itself a disputant first, then the client's draw."""
+        return (*self.group_standing(self.group(peer_id)), peer_id in self.disputants, self._draw(peer_id))
 
     def _draw(self, peer_id: str) -> bytes:
         """The last tie-break: a keyed hash of the peer id, the key this client's own secret. Not the peer id
@@ -174,7 +177,7 @@ class Avoidance:
 
     def witness_order(self, candidates: Sequence, checked: Sequence[str]) -> list:
         """The candidates (records with ``peer_id``) that may witness for ``checked``: undisputed groups
-        first (stable otherwise, so a caller's trusted-first order survives), then by ``fallback_key``."""
+        first (stable otherwise, so a caller's trusted-first order survives), then by their group's standing."""
         fit = [c for c in candidates if self.may_witness(c.peer_id, checked)]
-        # by refutations, leans, unsettled disputes and identities; not by disputant or the draw
-        return sorted(fit, key=lambda c: (1, *self.fallback_key(c.peer_id)[:4]) if c.peer_id in self.peers else (0,))
+        standing = self.group_standing
+        return sorted(fit, key=lambda c: (1, *standing(self.group(c.peer_id))) if c.peer_id in self.peers else (0,))
